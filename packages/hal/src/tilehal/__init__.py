@@ -1,0 +1,24 @@
+"""tilehal: the hardware abstraction every TileStack package stands on.
+
+Devices, the dtype table, tensor checks, the C and CUDA JITs with their disk cache, timing,
+and the exception hierarchy.
+"""
+
+from .__about__ import __version__
+from .bench import BenchResult, bench, calc_diff
+from .cache import cache_dir
+from .devices import CPUDevice, CUDADevice, cpu, cuda_devices, cuda_unavailable_reason, devices
+from .dtypes import DType, get_dtype, to_numpy_dtype, to_torch_dtype
+from .errors import CommTimeoutError, CompileError, DeviceError, LaunchError, ShapeError, TileStackError, expect
+from .jit.c import CLibrary, c_compiler, c_compiler_version, compile_c
+from .jit.cuda import Arg, CudaModule, Kernel, compile_cuda, compiler_versions, cuda_include_dirs, include_dir
+from .tensors import as_numpy, check_tensor, data_ptr, device_of, dtype_of, from_numpy_like, is_contiguous, is_torch
+
+__all__ = [
+    "__version__", "Arg", "BenchResult", "CLibrary", "CPUDevice", "CUDADevice", "CommTimeoutError", "CompileError",
+    "CudaModule", "DType", "DeviceError", "Kernel", "LaunchError", "ShapeError", "TileStackError", "as_numpy",
+    "bench", "c_compiler", "c_compiler_version", "cache_dir", "calc_diff", "check_tensor", "compile_c",
+    "compile_cuda", "compiler_versions", "cpu", "cuda_devices", "cuda_include_dirs", "cuda_unavailable_reason",
+    "data_ptr", "device_of", "devices", "dtype_of", "expect", "from_numpy_like", "get_dtype", "include_dir",
+    "is_contiguous", "is_torch", "to_numpy_dtype", "to_torch_dtype",
+]

@@ -1,0 +1,111 @@
+"""Timing and numerical-agreement helpers used by every package's benchmarks and tests."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .tensors import as_numpy, is_torch
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    median_s: float
+    min_s: float
+    max_s: float
+    p20_s: float
+    p80_s: float
+    iters: int
+    timer: str  # "cuda_events" or "perf_counter"
+
+    @property
+    def median_us(self) -> float:
+        return self.median_s * 1e6
+
+    def __str__(self) -> str:
+        return f"{self.median_us:.1f} us (p20 {self.p20_s * 1e6:.1f}, p80 {self.p80_s * 1e6:.1f}, n={self.iters})"
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def bench(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 3,
+    iters: int = 20,
+    device: str = "auto",
+    flush_l2: bool = False,
+    min_time_s: float = 0.0,
+) -> BenchResult:
+    """Time `fn()`: warm-up, then `iters` timed calls (more until `min_time_s` has passed).
+
+    On CUDA ("auto" picks it when torch sees a GPU) each call is timed with CUDA events on the
+    current stream; `flush_l2` overwrites a 256 MiB buffer between calls so the L2 starts cold.
+    On the CPU, time.perf_counter per call.
+    """
+    use_cuda = False
+    if device in ("auto", "cuda"):
+        try:
+            import torch
+
+            use_cuda = torch.cuda.is_available()
+        except ImportError:
+            use_cuda = False
+        if device == "cuda" and not use_cuda:
+            from .errors import DeviceError
+
+            raise DeviceError("bench(device='cuda'): no CUDA GPU is available")
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    if use_cuda:
+        import torch
+
+        flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") if flush_l2 else None
+        torch.cuda.synchronize()
+        start_t = time.perf_counter()
+        while len(times) < iters or time.perf_counter() - start_t < min_time_s:
+            if flush is not None:
+                flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        timer = "cuda_events"
+    else:
+        start_t = time.perf_counter()
+        while len(times) < iters or time.perf_counter() - start_t < min_time_s:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        timer = "perf_counter"
+    return BenchResult(median_s=statistics.median(times), min_s=min(times), max_s=max(times),
+                       p20_s=_percentile(times, 20), p80_s=_percentile(times, 80), iters=len(times), timer=timer)
+
+
+def _float64(x: Any) -> np.ndarray:
+    if is_torch(x):
+        return x.detach().to("cpu").double().numpy()
+    return as_numpy(x).astype(np.float64)
+
+
+def calc_diff(x: Any, y: Any) -> float:
+    """DeepGEMM's similarity gap: 1 - 2*sum(x*y) / sum(x^2 + y^2), in float64 (0 = identical)."""
+    a, b = _float64(x), _float64(y)
+    if a.shape != b.shape:
+        from .errors import ShapeError
+
+        raise ShapeError(f"calc_diff: expected equal shapes, got {a.shape} and {b.shape}")
+    denom = float((a * a + b * b).sum())
+    if denom == 0.0:
+        return 0.0
+    return float(1.0 - 2.0 * (a * b).sum() / denom)

@@ -1,0 +1,48 @@
+"""One exception hierarchy for the whole stack.
+
+Messages name the argument, what was expected and what was found, so a newcomer can act on
+them without reading our source.
+"""
+
+from __future__ import annotations
+
+
+class TileStackError(Exception):
+    """Base of every error raised by TileStack packages."""
+
+
+class CompileError(TileStackError):
+    """A C or CUDA compile failed; `log` holds the compiler's own output."""
+
+    def __init__(self, message: str, log: str = "", source_name: str = "") -> None:
+        self.log = log
+        self.source_name = source_name
+        full = message if not log else f"{message}\n--- compiler log ---\n{log.rstrip()}"
+        super().__init__(full)
+
+
+class LaunchError(TileStackError):
+    """A kernel launch was refused or failed."""
+
+
+class ShapeError(TileStackError, ValueError):
+    """A tensor argument has the wrong shape, dtype, layout, alignment or device."""
+
+
+class DeviceError(TileStackError):
+    """The requested device is missing or cannot do what was asked."""
+
+
+class CommTimeoutError(TileStackError, TimeoutError):
+    """A communication wait ran past its deadline (dead or stuck peer)."""
+
+    def __init__(self, message: str, rank: int | None = None, stage: str | None = None) -> None:
+        self.rank = rank
+        self.stage = stage
+        super().__init__(message)
+
+
+def expect(condition: bool, arg: str, expected: object, actual: object, kind: type = ShapeError) -> None:
+    """Raise `kind` with the stack's standard message unless `condition` holds."""
+    if not condition:
+        raise kind(f"{arg}: expected {expected}, got {actual}")

@@ -1,0 +1,26 @@
+// Shared basics for every TileStack CUDA kernel. Kernels are compiled with NVRTC, so only
+// headers that NVRTC can see are used (no <cstdint> from the host toolchain).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#define TILEHAL_DEVICE __device__ __forceinline__
+#define TILEHAL_HOST_DEVICE __host__ __device__ __forceinline__
+
+namespace tilehal {
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef long long i64;
+
+template <typename T>
+TILEHAL_HOST_DEVICE constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
+
+constexpr int kWarpSize = 32;
+
+TILEHAL_DEVICE int lane_id() { return threadIdx.x & 31; }
+TILEHAL_DEVICE int warp_id() { return threadIdx.x >> 5; }
+
+}  // namespace tilehal

@@ -1,0 +1,31 @@
+// Conversions between fp32 and the narrow types, by overload so templates stay generic.
+#pragma once
+#include "common.cuh"
+
+namespace tilehal {
+
+TILEHAL_DEVICE float to_float(float x) { return x; }
+TILEHAL_DEVICE float to_float(__half x) { return __half2float(x); }
+TILEHAL_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+TILEHAL_DEVICE float to_float(__nv_fp8_e4m3 x) { return float(x); }
+TILEHAL_DEVICE float to_float(__nv_fp8_e5m2 x) { return float(x); }
+
+template <typename T> TILEHAL_DEVICE T from_float(float x);
+template <> TILEHAL_DEVICE float from_float<float>(float x) { return x; }
+template <> TILEHAL_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> TILEHAL_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+// fp8 conversions saturate to the finite range (e4m3: +-448), as DeepGEMM's casts assume.
+template <> TILEHAL_DEVICE __nv_fp8_e4m3 from_float<__nv_fp8_e4m3>(float x) { return __nv_fp8_e4m3(x); }
+template <> TILEHAL_DEVICE __nv_fp8_e5m2 from_float<__nv_fp8_e5m2>(float x) { return __nv_fp8_e5m2(x); }
+
+// Two bf16 packed in 32 bits <-> float2 (one instruction each way on sm_90).
+TILEHAL_DEVICE float2 bf16x2_to_float2(unsigned bits) {
+  __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&bits);
+  return __bfloat1622float2(v);
+}
+TILEHAL_DEVICE unsigned float2_to_bf16x2(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<unsigned*>(&v);
+}
+
+}  // namespace tilehal

@@ -1,0 +1,6 @@
+// Everything in tilehal's device library.
+#pragma once
+#include "common.cuh"
+#include "convert.cuh"
+#include "reduce.cuh"
+#include "vec.cuh"

@@ -1,0 +1,5 @@
+"""kvpool (in development)."""
+
+from .__about__ import __version__
+
+__all__ = ["__version__"]

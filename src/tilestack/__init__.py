@@ -1,0 +1,5 @@
+"""TileStack umbrella."""
+
+from .__about__ import __version__
+
+__all__ = ["__version__"]
