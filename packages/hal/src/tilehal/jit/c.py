@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import cffi
-
 from ..cache import cached_build, content_key
 from ..errors import CompileError
 from ..tensors import data_ptr, dtype_of
@@ -65,7 +63,7 @@ def cpu_target() -> str:
 class CLibrary:
     """A loaded shared library: call `lib.<function>(...)`; `ptr(x)` passes an array's data."""
 
-    ffi: cffi.FFI
+    ffi: Any  # cffi.FFI
     lib: Any
     path: Path
     cache_hit: bool
@@ -115,6 +113,8 @@ def compile_c(
             raise CompileError(f"compile_c: {cc} failed on {name}.c (exit {proc.returncode})",
                                log=proc.stderr + proc.stdout, source_name=f"{name}.c")
         return out.read_bytes()
+
+    import cffi  # imported here so CUDA-only machines without cffi can still import tilehal
 
     t0 = time.perf_counter()
     path, hit = cached_build("c", key, f"{name}.so", build)
