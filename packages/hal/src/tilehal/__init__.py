@@ -9,10 +9,27 @@ from .bench import BenchResult, bench, calc_diff
 from .cache import cache_dir
 from .devices import CPUDevice, CUDADevice, cpu, cuda_devices, cuda_unavailable_reason, devices
 from .dtypes import DType, get_dtype, to_numpy_dtype, to_torch_dtype
-from .errors import CommTimeoutError, CompileError, DeviceError, LaunchError, ShapeError, TileStackError, expect
+from .errors import (
+    CommTimeoutError,
+    CompileError,
+    DeviceError,
+    LaunchError,
+    ShapeError,
+    TileStackError,
+    expect,
+)
 from .jit.c import CLibrary, c_compiler, c_compiler_version, compile_c
 from .jit.cuda import Arg, CudaModule, Kernel, compile_cuda, compiler_versions, cuda_include_dirs, include_dir
-from .tensors import as_numpy, check_tensor, data_ptr, device_of, dtype_of, from_numpy_like, is_contiguous, is_torch
+from .tensors import (
+    as_numpy,
+    check_tensor,
+    data_ptr,
+    device_of,
+    dtype_of,
+    from_numpy_like,
+    is_contiguous,
+    is_torch,
+)
 
 __all__ = [
     "__version__", "Arg", "BenchResult", "CLibrary", "CPUDevice", "CUDADevice", "CommTimeoutError", "CompileError",

@@ -35,7 +35,7 @@ def c_compiler() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def c_compiler_version(cc: str) -> str:
     try:
         out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)

@@ -6,6 +6,11 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+// NVRTC has no <cmath>: provide the constants kernels expect from it.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 #define TILEHAL_DEVICE __device__ __forceinline__
 #define TILEHAL_HOST_DEVICE __host__ __device__ __forceinline__
 

@@ -1,0 +1,28 @@
+import numpy as np
+import pytest
+from tilehal import ShapeError, bench, calc_diff
+
+
+def test_calc_diff_identical_is_zero_and_scale_sensitive():
+    x = np.random.default_rng(0).standard_normal((64, 64))
+    assert calc_diff(x, x) == pytest.approx(0.0, abs=1e-15)
+    assert calc_diff(x, 1.01 * x) == pytest.approx(1 - 2 * 1.01 / (1 + 1.01**2), rel=1e-9)
+    assert calc_diff(x, -x) == pytest.approx(2.0)
+
+
+def test_calc_diff_shape_mismatch():
+    with pytest.raises(ShapeError, match=r"\(2,\) and \(3,\)"):
+        calc_diff(np.zeros(2), np.zeros(3))
+
+
+def test_bench_times_the_function_on_cpu():
+    calls = []
+
+    def work():
+        calls.append(1)
+        np.linalg.norm(np.ones(10000))
+
+    r = bench(work, warmup=2, iters=5, device="cpu")
+    assert len(calls) == 7 and r.iters == 5
+    assert 0 < r.min_s <= r.median_s <= r.max_s
+    assert r.timer == "perf_counter"

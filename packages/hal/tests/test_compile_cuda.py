@@ -1,0 +1,61 @@
+import pytest
+from tilehal import CompileError, DeviceError, compile_cuda, compiler_versions
+
+pytestmark = pytest.mark.skipif(
+    not any(compiler_versions().values()), reason="no CUDA compiler (NVRTC or nvcc) on this machine"
+)
+
+USES_HEADERS = r"""
+#include <tilehal/tilehal.cuh>
+extern "C" __global__ void row_sum_bf16(const __nv_bfloat16* x, float* out, int n) {
+  __shared__ float scratch[32];
+  float acc = 0.f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) acc += tilehal::to_float(x[blockIdx.x * n + i]);
+  acc = tilehal::block_sum(acc, scratch);
+  if (threadIdx.x == 0) out[blockIdx.x] = acc;
+}
+extern "C" __global__ void copy_v4(const int4* src, int4* dst, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) tilehal::store_v4(dst + i, tilehal::load_nc_v4(src + i));
+}
+extern "C" __global__ void quantize(const float* x, __nv_fp8_e4m3* y, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = tilehal::from_float<__nv_fp8_e4m3>(x[i]);
+}
+"""
+
+
+def test_headers_compile_to_sm90a_cubin(cache):
+    mod = compile_cuda(USES_HEADERS, arch="sm_90a", name="headers")
+    assert mod.cubin[:4] == b"\x7fELF"
+    assert not mod.cache_hit
+    again = compile_cuda(USES_HEADERS, arch="sm_90a", name="headers")
+    assert again.cache_hit and again.cubin == mod.cubin
+
+
+def test_template_instantiations_are_found_by_expression(cache):
+    src = "template <int N> __global__ void fill(float* x) { x[threadIdx.x] = N; }"
+    mod = compile_cuda(src, name="tmpl", name_expressions=["fill<3>", "fill<7>"])
+    assert set(mod.lowered_names) == {"fill<3>", "fill<7>"}
+    assert mod.get_kernel("fill<3>").symbol.startswith("_Z")
+
+
+def test_bad_source_raises_compile_error_with_compiler_message(cache):
+    with pytest.raises(CompileError) as info:
+        compile_cuda('extern "C" __global__ void k(float* x) { x[0] = undefined_name; }', name="bad")
+    assert "undefined_name" in info.value.log
+    assert "undefined_name" in str(info.value)
+
+
+def test_arch_validated():
+    with pytest.raises(ValueError, match="arch"):
+        compile_cuda("", arch="hopper")
+
+
+def test_launch_without_gpu_raises_device_error(cache):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    mod = compile_cuda(USES_HEADERS, name="headers")
+    with pytest.raises(DeviceError):
+        mod.get_kernel("copy_v4").launch(1, 32, [])

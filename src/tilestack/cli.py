@@ -1,0 +1,28 @@
+"""The `tilestack` command: doctor | demo | bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tilestack", description="TileStack command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="devices, compilers, installed packages and live backends")
+    sub.add_parser("demo", help="run each installed package's README example")
+    b = sub.add_parser("bench", help="run the benchmark scripts of a checkout")
+    b.add_argument("root", nargs="?", help="checkout root (default: current directory)")
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        from .doctor import main as run
+        return run()
+    if args.command == "demo":
+        from .demo import main as run
+        return run()
+    from .bench import main as run
+    return run([args.root] if args.root else [])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
