@@ -1,0 +1,160 @@
+"""Sparse-attention block selection for decode over a paged KV cache.
+
+Protocol (see docs/dataengine.md), shared with kvpool without either importing the other:
+
+  inputs   q            [B, q_heads, head_dim]            decode queries
+           kmin, kmax   [num_blocks, kv_heads, head_dim]  per-block, per-channel key min/max
+                                                         (kvpool's `KVPool.key_summary(layer)`)
+           block_table  int32 [B, max_blocks], -1 padded  physical block of each logical block
+           seq_lens     int32 [B]                         tokens per sequence
+  output   int32 [B, kv_heads, n], ascending logical block positions (indices into the
+           block_table row), -1 padded; what kvpool's `paged_decode(..., block_indices=...)` takes.
+
+Quest (Tang et al. 2024) bounds the score of any key in a block by
+sum_i max(q_i * kmax_i, q_i * kmin_i) >= q . k for every k in the block, so the block holding the
+top-scoring key always ranks at least as high as that key's score. GQA: the q heads that share a
+kv head are reduced (max by default) into one score per kv head, because the kv head's blocks
+are fetched once for the whole group.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from tilehal import ShapeError
+
+Reduce = Literal["max", "sum", "mean"]
+
+
+def _check_int_tensor(x: torch.Tensor, name: str, ndim: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ShapeError(f"{name}: expected a torch tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.int32, torch.int64):
+        raise ShapeError(f"{name}: expected dtype int32 or int64, got {x.dtype}")
+    if x.dim() != ndim:
+        raise ShapeError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+
+
+def num_valid_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+    """Logical blocks holding tokens, per sequence: ceil(seq_len / block_size), or the non -1 count."""
+    if block_size is not None:
+        return (seq_lens.long() + block_size - 1) // block_size
+    return (block_table >= 0).sum(-1).long() * (seq_lens > 0).long()
+
+
+def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, block_size: int | None = None, reduce: Reduce = "max") -> torch.Tensor:
+    """Quest upper bound per (sequence, kv head, logical block): float32 [B, kv_heads, max_blocks].
+
+    Blocks past a sequence's end score -inf.
+    """
+    _check_inputs(q, kmin, kmax, block_table, seq_lens)
+    B, Hq, D = q.shape
+    Hkv = kmin.shape[1]
+    group = Hq // Hkv
+    phys = block_table.long().clamp(min=0)
+    # Gather only the blocks each sequence owns: [B, max_blocks, kv_heads, D].
+    kmx = kmax[phys].float()
+    kmn = kmin[phys].float()
+    qg = q.float().reshape(B, Hkv, group, D)
+    # max(q*kmax, q*kmin) per channel = q+ * kmax + q- * kmin.
+    bound = torch.einsum("bhgd,bnhd->bhgn", qg.clamp(min=0), kmx) + torch.einsum("bhgd,bnhd->bhgn", qg.clamp(max=0), kmn)
+    if reduce == "max":
+        score = bound.amax(2)
+    elif reduce == "sum":
+        score = bound.sum(2)
+    elif reduce == "mean":
+        score = bound.mean(2)
+    else:
+        raise ValueError(f"reduce: expected 'max', 'sum' or 'mean', got {reduce!r}")
+    n_valid = num_valid_blocks(block_table, seq_lens, block_size).to(score.device)
+    valid = torch.arange(block_table.shape[1], device=score.device)[None, :] < n_valid[:, None]
+    return score.masked_fill(~valid[:, None, :], float("-inf"))
+
+
+def _check_inputs(q, kmin, kmax, block_table, seq_lens) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ShapeError(f"q: expected [B, q_heads, head_dim], got {getattr(q, 'shape', type(q).__name__)}")
+    B, Hq, D = q.shape
+    for name, t in (("kmin", kmin), ("kmax", kmax)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[2] != D:
+            raise ShapeError(f"{name}: expected [num_blocks, kv_heads, {D}], got {getattr(t, 'shape', type(t).__name__)}")
+    if kmin.shape != kmax.shape:
+        raise ShapeError(f"kmax: expected shape {tuple(kmin.shape)} (same as kmin), got {tuple(kmax.shape)}")
+    Hkv = kmin.shape[1]
+    if Hq % Hkv:
+        raise ShapeError(f"q: expected q_heads divisible by kv_heads ({Hkv}), got {Hq}")
+    _check_int_tensor(block_table, "block_table", 2)
+    _check_int_tensor(seq_lens, "seq_lens", 1)
+    if block_table.shape[0] != B:
+        raise ShapeError(f"block_table: expected {B} rows (batch of q), got {block_table.shape[0]}")
+    if seq_lens.shape[0] != B:
+        raise ShapeError(f"seq_lens: expected shape ({B},), got {tuple(seq_lens.shape)}")
+    if block_table.numel() and int(block_table.max()) >= kmin.shape[0]:
+        raise ShapeError(f"block_table: expected physical ids < num_blocks ({kmin.shape[0]}), got {int(block_table.max())}")
+
+
+def _select(scores: torch.Tensor, n_valid: torch.Tensor, k: int, sink_blocks: int, local_blocks: int) -> torch.Tensor:
+    """Top-k positions along the last dim with forced sink/local blocks; ascending, -1 padded, int32."""
+    nb = scores.shape[-1]
+    pos = torch.arange(nb, device=scores.device)
+    nv = n_valid.reshape([n_valid.shape[0]] + [1] * (scores.dim() - 1))
+    valid = pos < nv
+    forced = valid & ((pos < sink_blocks) | (pos >= nv - local_blocks))
+    key = scores.float().masked_fill(~valid, float("-inf"))
+    key = torch.where(forced, torch.full_like(key, float("inf")), key)
+    width = min(k, nb)
+    if width == 0:
+        return torch.empty((*scores.shape[:-1], 0), dtype=torch.int32, device=scores.device)
+    top = torch.topk(key, width, dim=-1)
+    chosen = top.values > float("-inf")
+    # Ascending positions first, padding last: sort with padded slots keyed past every position.
+    idx = torch.where(chosen, top.indices, nb)
+    idx = torch.sort(idx, dim=-1).values
+    return torch.where(idx < nb, idx, -1).to(torch.int32)
+
+
+def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, top_k: int, sink_blocks: int = 1, local_blocks: int = 1,
+                  block_size: int | None = None, reduce: Reduce = "max") -> torch.Tensor:
+    """Quest selection: int32 logical block positions [B, kv_heads, n], ascending, -1 padded.
+
+    `top_k` is the block budget per (sequence, kv head), including the first `sink_blocks` and
+    last `local_blocks`, which are always kept (the budget grows to sink + local when smaller).
+    n = min(budget, max_blocks); a sequence with fewer valid blocks than the budget gets all of
+    them. `block_size`, when given, counts valid blocks from seq_lens instead of the table.
+    """
+    if top_k <= 0:
+        raise ValueError(f"top_k: expected a positive number of blocks, got {top_k}")
+    if sink_blocks < 0 or local_blocks < 0:
+        raise ValueError(f"sink_blocks/local_blocks: expected >= 0, got {sink_blocks}/{local_blocks}")
+    scores = quest_scores(q, kmin, kmax, block_table, seq_lens, block_size, reduce)
+    n_valid = num_valid_blocks(block_table, seq_lens, block_size).to(scores.device)
+    budget = max(top_k, sink_blocks + local_blocks)
+    return _select(scores, n_valid, budget, sink_blocks, local_blocks)
+
+
+def topk_blocks(scores: torch.Tensor, k: int, num_valid: torch.Tensor | None = None,
+                sink_blocks: int = 0, local_blocks: int = 0) -> torch.Tensor:
+    """NSA-style selection from given block scores [B, ..., num_blocks] (e.g. compressed-attention
+    probabilities summed per block): the k best, ascending, -1 padded, int32 [B, ..., min(k, num_blocks)].
+
+    -inf marks blocks that may not be chosen; `num_valid` [B] limits each batch row to its first
+    blocks; the first `sink_blocks` / last `local_blocks` valid blocks are always kept.
+    """
+    if not isinstance(scores, torch.Tensor) or scores.dim() < 1:
+        raise ShapeError(f"scores: expected a tensor [B, ..., num_blocks], got {getattr(scores, 'shape', scores)}")
+    if k <= 0:
+        raise ValueError(f"k: expected a positive number of blocks, got {k}")
+    if torch.isnan(scores).any():
+        raise ValueError("scores: expected no NaN, got NaN entries")
+    if num_valid is None:
+        n_valid = torch.full((scores.shape[0] if scores.dim() > 1 else 1,), scores.shape[-1], device=scores.device)
+    else:
+        n_valid = num_valid.to(scores.device).long()
+        if n_valid.shape != (scores.shape[0],):
+            raise ShapeError(f"num_valid: expected shape ({scores.shape[0]},), got {tuple(n_valid.shape)}")
+    if scores.dim() == 1:
+        return _select(scores.unsqueeze(0), n_valid, k, sink_blocks, local_blocks)[0]
+    return _select(scores, n_valid, k, sink_blocks, local_blocks)
