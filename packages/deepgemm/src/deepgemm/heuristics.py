@@ -1,0 +1,121 @@
+"""Pick block sizes and pipeline depth for one GEMM shape.
+
+The kernels are persistent: `num_sms` CTAs walk the output tiles in waves. The rule, as in
+DeepGEMM: take the candidate tile (BLOCK_M x BLOCK_N) with the fewest waves; among equal wave
+counts, the one whose last wave keeps the most SMs busy; then the larger tile (less operand
+traffic per FLOP). Stages = as many pipeline buffers as fit in shared memory (at most 8).
+Multicast across 2-CTA clusters is not implemented by the kernels yet, so it is always 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .utils import ceil_div, get_num_sms
+
+SMEM_CAPACITY = 232448  # bytes of dynamic shared memory one sm_90 CTA may opt into (227 KiB)
+SMEM_SLACK = 1024  # manual 1024-byte alignment of the swizzled tiles
+MAX_STAGES = 8
+ROW_BYTES = 128  # BLOCK_K is one 128-byte swizzle row: 128 fp8 or 64 bf16 elements
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    kind: str  # "fp8" or "bf16"
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    multicast: int
+    num_waves: int
+    last_wave_util: int  # CTAs busy in the last wave
+    num_sms: int  # persistent CTAs to launch (before capping by the tile count)
+
+    @property
+    def num_math_warpgroups(self) -> int:
+        return self.block_m // 64
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.num_math_warpgroups + 1)  # + one TMA producer warpgroup
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.kind, self.block_m, self.block_n, self.stages)
+
+
+def block_n_candidates(kind: str) -> tuple[int, ...]:
+    """Tile widths the kernels instantiate.
+
+    fp8 keeps two fp32 accumulator sets (the K block's partial sum and the promoted total), BLOCK_N/2
+    registers each per thread, so it stops at 160; and one tile may span at most two 128-wide scale
+    blocks of B (BLOCK_N <= 128 + gcd(BLOCK_N, 128)). bf16 keeps one set and goes to wgmma's 256.
+    """
+    if kind == "fp8":
+        return tuple(n for n in range(16, 161, 8) if n <= 128 + math.gcd(n, 128))
+    return tuple(range(16, 257, 8))
+
+
+def stage_bytes(kind: str, block_m: int, block_n: int) -> int:
+    sfa = block_m * 4 if kind == "fp8" else 0  # one fp32 activation scale per row and K block
+    return (block_m + block_n) * ROW_BYTES + sfa
+
+
+def smem_bytes(kind: str, block_m: int, block_n: int, stages: int) -> int:
+    barriers = 2 * 8 * stages  # full + empty mbarrier per stage
+    return stages * stage_bytes(kind, block_m, block_n) + barriers + SMEM_SLACK
+
+
+def max_stages(kind: str, block_m: int, block_n: int) -> int:
+    s = MAX_STAGES
+    while s > 2 and smem_bytes(kind, block_m, block_n, s) > SMEM_CAPACITY:
+        s -= 1
+    return s
+
+
+def waves(num_tiles: int, num_sms: int) -> tuple[int, int]:
+    """(waves, CTAs busy in the last wave) for `num_tiles` tiles on `num_sms` persistent CTAs."""
+    w = max(1, ceil_div(num_tiles, num_sms))
+    return w, num_tiles - (w - 1) * num_sms
+
+
+def pick_config(
+    kind: str,
+    m: int,
+    n: int,
+    k: int,
+    num_groups: int = 1,
+    grouping: str = "normal",
+    num_sms: int | None = None,
+) -> GemmConfig:
+    """Choose the kernel configuration for D[M, N] (per group) = A[M, K] @ B[N, K]^T.
+
+    `grouping` is "normal", "contiguous" (m = M_sum over all groups, tiles never straddle
+    experts) or "masked" (m = expected rows per group, num_groups groups).
+    """
+    if kind not in ("fp8", "bf16"):
+        raise ValueError(f"kind: expected 'fp8' or 'bf16', got {kind!r}")
+    if grouping not in ("normal", "contiguous", "masked"):
+        raise ValueError(f"grouping: expected 'normal', 'contiguous' or 'masked', got {grouping!r}")
+    sms = num_sms or get_num_sms()
+    if grouping == "contiguous":
+        block_ms: tuple[int, ...] = (128,)  # the layout's alignment: one expert per M block
+    elif m <= 64:
+        block_ms = (64,)
+    else:
+        block_ms = (64, 128)
+    groups = num_groups if grouping == "masked" else 1
+
+    best = None
+    for bm in block_ms:
+        for bn in block_n_candidates(kind):
+            tiles = ceil_div(m, bm) * ceil_div(n, bn) * groups
+            w, util = waves(tiles, sms)
+            key = (w, -util, -(bm * bn), -bm)
+            if best is None or key < best[0]:
+                best = (key, bm, bn, w, util)
+    _, bm, bn, w, util = best
+    block_k = 128 if kind == "fp8" else 64
+    return GemmConfig(kind=kind, block_m=bm, block_n=bn, block_k=block_k, stages=max_stages(kind, bm, bn),
+                      multicast=1, num_waves=w, last_wave_util=util, num_sms=sms)

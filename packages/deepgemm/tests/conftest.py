@@ -1,0 +1,59 @@
+"""Shared helpers for deepgemm's tests: random operands and the float64 oracle."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import deepgemm
+import pytest
+import torch
+
+
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def fp8_operands(m: int, n: int, k: int, device: str = "cpu", seed: int = 0, groups: int | None = None):
+    """(a_fp8, sfa, b_fp8, sfb, a_ref, b_ref); groups makes b [G, N, K]."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn((m, k), generator=g, dtype=torch.float32).to(torch.bfloat16)
+    bshape = (n, k) if groups is None else (groups, n, k)
+    b = torch.randn(bshape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    a8, sfa = deepgemm.per_token_cast_to_fp8(a)
+    b8, sfb = deepgemm.per_block_cast_to_fp8(b)
+    return tuple(t.to(device) for t in (a8, sfa, b8, sfb))
+
+
+def dequant_a(a8: torch.Tensor, sfa: torch.Tensor) -> torch.Tensor:
+    """float64 A from 1x128 scales (last dim K)."""
+    k = a8.shape[-1]
+    return a8.double() * sfa.double().repeat_interleave(128, dim=-1)[..., :k]
+
+
+def dequant_b(b8: torch.Tensor, sfb: torch.Tensor) -> torch.Tensor:
+    """float64 B from 128x128 scales (last two dims N, K)."""
+    n, k = b8.shape[-2:]
+    s = sfb.double().repeat_interleave(128, dim=-1)[..., :k].repeat_interleave(128, dim=-2)[..., :n, :]
+    return b8.double() * s
+
+
+def oracle_fp8(a8, sfa, b8, sfb, c=None) -> torch.Tensor:
+    """float64 C + A @ B^T of the dequantized operands (independent of deepgemm's code)."""
+    out = dequant_a(a8.cpu(), sfa.cpu()) @ dequant_b(b8.cpu(), sfb.cpu()).T
+    return out if c is None else out + c.cpu().double()
+
+
+@pytest.fixture
+def h():
+    """The helpers above, for test modules (importlib mode forbids importing conftest)."""
+    return SimpleNamespace(fp8_operands=fp8_operands, dequant_a=dequant_a, dequant_b=dequant_b,
+                           oracle_fp8=oracle_fp8)
