@@ -1,0 +1,150 @@
+"""The K/V tensors themselves, their fp8 scales and the per-block key summaries.
+
+Layout, per layer: `[num_blocks, block_size, kv_heads, head_dim]` for K and for V; all layers
+live in one tensor `[num_layers, num_blocks, ...]` so moving a block (copy-on-write, host
+offload) is one copy for all layers. A slot is `block * block_size + offset`.
+
+fp8 (e4m3) storage keeps one fp32 scale per (layer, block, head) for K and one for V:
+value = stored * scale. Scales are powers of two. A write that brings a larger magnitude into a
+block raises the scale and requantizes the block's earlier tokens (exactly, bar values pushed
+into the subnormal range), so a block never saturates.
+
+Key summaries (kmin/kmax per block, head and channel) are reduced into by every write; a freshly
+allocated block is reset lazily (`mark_fresh`, applied before the next device op) so allocation
+stays a pure-Python operation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8 views: index ops are not implemented for fp8 on every device."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def _int_index(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return x.to(device=device, dtype=torch.long, non_blocking=True)
+
+
+class KVStorage:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, pin_memory: bool = False) -> None:
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype: expected one of {[str(d) for d in SUPPORTED_DTYPES]}, got {dtype}")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.is_fp8 = dtype == FP8_DTYPE
+        # Summaries and dequantized reads use the model dtype; fp8 has none, so float32.
+        self.compute_dtype = torch.float32 if self.is_fp8 else dtype
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        kw = dict(device=device, pin_memory=pin_memory) if device.type == "cpu" and pin_memory else dict(device=device)
+        self.k = torch.zeros(shape, dtype=dtype, **kw)
+        self.v = torch.zeros(shape, dtype=dtype, **kw)
+        sshape = (num_layers, num_blocks, num_kv_heads, head_dim)
+        self.kmin = torch.full(sshape, float("inf"), dtype=self.compute_dtype, **kw)
+        self.kmax = torch.full(sshape, float("-inf"), dtype=self.compute_dtype, **kw)
+        if self.is_fp8:
+            self.k_scale = torch.zeros((num_layers, num_blocks, num_kv_heads), dtype=torch.float32, **kw)
+            self.v_scale = torch.zeros((num_layers, num_blocks, num_kv_heads), dtype=torch.float32, **kw)
+        else:
+            self.k_scale = self.v_scale = None
+        self._fresh: list[int] = []
+        # Set by the host tier: makes the compute stream wait for pending offload/prefetch copies.
+        self.before_device_op = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every per-block tensor (dim 1 = block), i.e. what a block copy must move."""
+        ts = [self.k, self.v, self.kmin, self.kmax]
+        if self.is_fp8:
+            ts += [self.k_scale, self.v_scale]
+        return ts
+
+    # ------------------------------------------------------------------ fresh blocks
+    def mark_fresh(self, blocks: list[int]) -> None:
+        self._fresh.extend(blocks)
+        if len(self._fresh) > 4 * self.num_blocks:  # bound the list when nobody writes
+            self.flush_fresh()
+
+    def flush_fresh(self) -> None:
+        """Reset the summaries (and fp8 scales) of blocks allocated since the last device op."""
+        if self.before_device_op is not None:
+            self.before_device_op()
+        if not self._fresh:
+            return
+        idx = torch.tensor(sorted(set(self._fresh)), dtype=torch.long).to(self.device, non_blocking=True)
+        self._fresh.clear()
+        self.kmin.index_fill_(1, idx, float("inf"))
+        self.kmax.index_fill_(1, idx, float("-inf"))
+        if self.is_fp8:
+            self.k_scale.index_fill_(1, idx, 0.0)
+            self.v_scale.index_fill_(1, idx, 0.0)
+
+    # ------------------------------------------------------------------ block copies
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks (all layers, data + scales + summaries) within this storage."""
+        self.flush_fresh()
+        s = torch.tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
+        d = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
+        for t in map(_raw, self.tensors()):
+            t.index_copy_(1, d, t.index_select(1, s))
+
+    # ------------------------------------------------------------------ write
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.flush_fresh()
+        slots = _int_index(slots, self.device)
+        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+        k = k.to(self.device)
+        v = v.to(self.device)
+        if self.is_fp8:
+            self._write_fp8(self.k[layer], self.k_scale[layer], slots, blocks, k)
+            self._write_fp8(self.v[layer], self.v_scale[layer], slots, blocks, v)
+        else:
+            flat = (-1, self.num_kv_heads, self.head_dim)
+            self.k[layer].view(flat).index_copy_(0, slots, k.to(self.dtype))
+            self.v[layer].view(flat).index_copy_(0, slots, v.to(self.dtype))
+        kc = k.to(self.compute_dtype)
+        bidx = blocks.view(-1, 1, 1).expand_as(kc)
+        self.kmin[layer].scatter_reduce_(0, bidx, kc, "amin", include_self=True)
+        self.kmax[layer].scatter_reduce_(0, bidx, kc, "amax", include_self=True)
+
+    def _write_fp8(self, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor,
+                   x: torch.Tensor) -> None:
+        x = x.float()
+        # [T, H]: the scale each new token asks for, rounded up to a power of two so that raising
+        # a block's scale later requantizes its earlier tokens exactly (an exponent shift).
+        amax = x.abs().amax(dim=-1)
+        need = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30) / FP8_MAX))),
+                           torch.zeros_like(amax))
+        new_scale = scale.clone()
+        new_scale.scatter_reduce_(0, blocks.view(-1, 1).expand_as(need), need, "amax", include_self=True)
+        touched = torch.unique(blocks)
+        old_s, new_s = scale[touched], new_scale[touched]
+        # Requantize the earlier tokens of every touched block to the (possibly larger) scale.
+        ratio = torch.where(new_s > 0, old_s / new_s.clamp_min(1e-30), torch.zeros_like(new_s))
+        old = _raw(cache).index_select(0, touched).view(FP8_DTYPE).float()
+        old = torch.where(ratio[:, None, :, None] > 0, old * ratio[:, None, :, None], torch.zeros_like(old))
+        _raw(cache).index_copy_(0, touched, _raw(old.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)))
+        scale.copy_(new_scale)
+        s = new_scale[blocks].clamp_min(1e-30)  # [T, H]
+        q = (x / s[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        _raw(cache).view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, _raw(q))
+
+    # ------------------------------------------------------------------ reads
+    def read_blocks(self, layer: int, blocks: torch.Tensor, which: str) -> torch.Tensor:
+        """Blocks `[n, block_size, H, D]` of K or V in compute dtype (dequantized for fp8)."""
+        self.flush_fresh()
+        cache = self.k if which == "k" else self.v
+        idx = _int_index(blocks, self.device)
+        x = _raw(cache[layer]).index_select(0, idx)
+        if not self.is_fp8:
+            return x
+        x = x.view(FP8_DTYPE)
+        scale = (self.k_scale if which == "k" else self.v_scale)[layer].index_select(0, idx)
+        return x.float() * scale[:, None, :, None]
