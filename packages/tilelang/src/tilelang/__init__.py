@@ -1,5 +1,21 @@
-"""tilelang (in development)."""
+"""tilelang: a tile-level kernel language and compiler (TileLang-style), part of TileStack.
+
+    import tilelang
+    import tilelang.language as T
+
+    @tilelang.jit(out_idx=[-1])
+    def matmul(M, N, K, block_M=64, block_N=64, block_K=32, dtype="float32"):
+        @T.prim_func
+        def main(A: T.Tensor((M, K), dtype), B: T.Tensor((K, N), dtype), C: T.Tensor((M, N), dtype)):
+            ...
+        return main
+
+Targets: "cpu" (C + OpenMP), "interp" (numpy reference); "cuda" is planned.
+"""
 
 from .__about__ import __version__
+from .errors import CompileError, SourceLoc
+from .ir.nodes import PrimFunc
+from .runtime.kernel import JITKernel, compile, jit  # noqa: A004
 
-__all__ = ["__version__"]
+__all__ = ["CompileError", "JITKernel", "PrimFunc", "SourceLoc", "__version__", "compile", "jit"]

@@ -1,0 +1,142 @@
+"""Readable, TVMScript-like text for the tile IR (stable enough to diff in tests)."""
+
+from __future__ import annotations
+
+from .nodes import (
+    Alloc, AtomicAdd, BinOp, Buffer, Call, Cast, Const, Copy, CumSum, Expr, Fill, For, Gemm, If, Kernel, Let, Load,
+    Not, PrimFunc, Reduce, Region, Select, Seq, Stmt, Store, Var,
+)
+
+_PREC = {"or": 1, "and": 2, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 4, "!=": 4, "+": 5, "-": 5, "*": 6, "/": 6,
+         "//": 6, "%": 6}
+
+
+def print_expr(e: Expr, prec: int = 0) -> str:
+    if isinstance(e, Const):
+        v = e.value
+        if isinstance(v, float):
+            if v == float("inf"):
+                return f"T.infinity({e.dtype!r})"
+            if v == float("-inf"):
+                return f"-T.infinity({e.dtype!r})"
+            return repr(v) if e.dtype == "float32" or e.weak else f"T.{e.dtype}({v!r})"
+        if isinstance(v, bool):
+            return repr(v)
+        return str(v) if e.weak or e.dtype == "int32" else f"T.{e.dtype}({v})"
+    if isinstance(e, Var):
+        return e.name
+    if isinstance(e, BinOp):
+        if e.op in ("max", "min"):
+            return f"T.{e.op}({print_expr(e.a)}, {print_expr(e.b)})"
+        p = _PREC[e.op]
+        text = f"{print_expr(e.a, p)} {e.op} {print_expr(e.b, p + 1)}"
+        return f"({text})" if p < prec else text
+    if isinstance(e, Not):
+        return f"not {print_expr(e.a, 3)}"
+    if isinstance(e, Call):
+        return f"T.{e.fn}({', '.join(print_expr(a) for a in e.args)})"
+    if isinstance(e, Cast):
+        return f"T.cast({print_expr(e.value)}, {e.dtype!r})"
+    if isinstance(e, Select):
+        return f"T.if_then_else({print_expr(e.cond)}, {print_expr(e.a)}, {print_expr(e.b)})"
+    if isinstance(e, Load):
+        return f"{e.buffer.name}[{', '.join(print_expr(i) for i in e.indices)}]"
+    return f"<{type(e).__name__}>"
+
+
+def print_region(r: Region) -> str:
+    full = all(isinstance(s, Const) and s.value == 0 for s in r.starts) and r.buffer.static_shape() == tuple(r.extents)
+    if full:
+        return r.buffer.name
+    parts = []
+    for s, n in zip(r.starts, r.extents):
+        st = print_expr(s)
+        parts.append(st if n == 1 else f"{st}:{st} + {n}" if not (isinstance(s, Const) and s.value == 0) else f"0:{n}")
+    return f"{r.buffer.name}[{', '.join(parts)}]"
+
+
+def _shape(b: Buffer) -> str:
+    dims = [print_expr(s) for s in b.shape]
+    return f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
+
+
+def _block(lines: list[str], s: Stmt, ind: int) -> None:
+    before = len(lines)
+    _stmt(lines, s, ind)
+    if len(lines) == before:
+        lines.append("    " * ind + "pass")
+
+
+def _stmt(lines: list[str], s: Stmt, ind: int) -> None:
+    pad = "    " * ind
+    if isinstance(s, Seq):
+        for c in s.body:
+            _stmt(lines, c, ind)
+    elif isinstance(s, Kernel):
+        grid = ", ".join(print_expr(g) for g in s.grid)
+        names = ", ".join(v.name for v in s.block_vars)
+        target = f"({names})" if len(s.block_vars) > 1 else names
+        lines.append(f"{pad}with T.Kernel({grid}, threads={s.threads[0] if len(s.threads) == 1 else s.threads}) "
+                     f"as {target}:")
+        for k, v in s.attrs.items():
+            lines.append(f"{pad}    # attr {k} = {v!r}")
+        _block(lines, s.body, ind + 1)
+    elif isinstance(s, Alloc):
+        b = s.buffer
+        if b.scope == "var":
+            init = f", init={print_expr(s.init)}" if s.init is not None else ""
+            lines.append(f"{pad}{b.name} = T.alloc_var({b.dtype!r}{init})")
+        else:
+            lines.append(f"{pad}{b.name} = T.alloc_{b.scope}({_shape(b)}, {b.dtype!r})")
+    elif isinstance(s, For):
+        kind = {"serial": "serial", "parallel": "Parallel", "pipelined": "Pipelined", "unroll": "unroll",
+                "vectorized": "vectorized"}[s.kind]
+        rng = print_expr(s.extent) if isinstance(s.start, Const) and s.start.value == 0 else \
+            f"{print_expr(s.start)}, {print_expr(s.start)} + {print_expr(s.extent)}"
+        extra = "".join(f", {k}={v!r}" for k, v in s.annotations.items())
+        lines.append(f"{pad}for {s.var.name} in T.{kind}({rng}{extra}):")
+        _block(lines, s.body, ind + 1)
+    elif isinstance(s, Let):
+        lines.append(f"{pad}{s.var.name} = {print_expr(s.value)}")
+    elif isinstance(s, Store):
+        idx = ", ".join(print_expr(i) for i in s.indices)
+        lines.append(f"{pad}{s.buffer.name}[{idx}] = {print_expr(s.value)}")
+    elif isinstance(s, If):
+        lines.append(f"{pad}if {print_expr(s.cond)}:")
+        _block(lines, s.then, ind + 1)
+        if s.orelse is not None:
+            lines.append(f"{pad}else:")
+            _block(lines, s.orelse, ind + 1)
+    elif isinstance(s, Copy):
+        lines.append(f"{pad}T.copy({print_region(s.src)}, {print_region(s.dst)})")
+    elif isinstance(s, Gemm):
+        opts = "".join([", transpose_A=True" if s.transpose_A else "", ", transpose_B=True" if s.transpose_B else "",
+                        ", clear_accum=True" if s.clear_accum else ""])
+        lines.append(f"{pad}T.gemm({print_region(s.A)}, {print_region(s.B)}, {print_region(s.C)}{opts})")
+    elif isinstance(s, Fill):
+        lines.append(f"{pad}T.fill({print_region(s.dst)}, {print_expr(s.value)})")
+    elif isinstance(s, Reduce):
+        lines.append(f"{pad}T.reduce_{s.kind}({s.src.name}, {s.dst.name}, dim={s.dim}, clear={s.clear})")
+    elif isinstance(s, CumSum):
+        lines.append(f"{pad}T.cumsum({s.src.name}, {s.dst.name}, dim={s.dim}, reverse={s.reverse})")
+    elif isinstance(s, AtomicAdd):
+        src = print_region(s.src) if isinstance(s.src, Region) else print_expr(s.src)
+        lines.append(f"{pad}T.atomic_add({print_region(s.dst)}, {src})")
+    else:
+        lines.append(f"{pad}<{type(s).__name__}>")
+
+
+def print_stmt(s: Stmt, indent: int = 0) -> str:
+    lines: list[str] = []
+    _stmt(lines, s, indent)
+    return "\n".join(lines)
+
+
+def print_func(f: PrimFunc) -> str:
+    params = ", ".join(f"{p.name}: T.Tensor({_shape(p)}, {p.dtype!r})" for p in f.params)
+    lines = []
+    for v in f.dynamic_vars:
+        lines.append(f"{v.name} = T.dynamic({v.name!r})")
+    lines += ["@T.prim_func", f"def {f.name}({params}):"]
+    _block(lines, f.body, 1)
+    return "\n".join(lines) + "\n"

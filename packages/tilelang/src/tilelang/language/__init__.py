@@ -1,0 +1,140 @@
+"""The tile language: `import tilelang.language as T`.
+
+Statement-level names (T.copy, T.gemm, T.Kernel, T.Parallel, ...) only mean something inside a
+`@T.prim_func` body, where the front end reads them from the function's source; calling them
+from plain Python raises. Expression-level names (T.exp2, T.max, T.ceildiv, ...) are ordinary
+functions that build IR, and fold Python numbers at meta level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CompileError
+from ..ir import dtypes as _dt
+from ..ir.nodes import Expr, PrimFunc, Var
+from .ops import *  # noqa: F403
+from .ops import DTypeConst, dtype_constants
+
+globals().update(dtype_constants())
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """Parameter annotation `T.Tensor(shape, dtype)`; shape entries are ints or `T.dynamic` vars."""
+
+    shape: tuple[Any, ...]
+    dtype: str
+
+    def __repr__(self) -> str:
+        return f"T.Tensor({self.shape}, {self.dtype!r})"
+
+
+def Tensor(shape: Sequence[Any] | int, dtype: Any = "float32") -> TensorType:  # noqa: N802 - TileLang's name
+    if isinstance(shape, (int, Expr)):
+        shape = (shape,)
+    return TensorType(tuple(shape), _dt.canonical(dtype))
+
+
+Buffer = Tensor  # older TileLang spelling
+
+
+def dynamic(name: str, dtype: str = "int32") -> Var:
+    """A symbolic size bound at call time from the tensors' shapes."""
+    return Var(name, _dt.canonical(dtype))
+
+
+symbolic = dynamic
+
+
+def prim_func(func: Callable | None = None, **_: Any) -> PrimFunc:
+    """Parse a tile program into a PrimFunc (errors cite the function's file:line)."""
+    from ..frontend.parser import parse_prim_func
+
+    if func is None:
+        return prim_func  # type: ignore[return-value]  # used as @T.prim_func()
+    return parse_prim_func(func)
+
+
+class Macro:
+    """`@T.macro`: a helper whose body is inlined where it is called inside a prim_func."""
+
+    def __init__(self, func: Callable) -> None:
+        self.func = func
+        self.__name__ = func.__name__
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        raise CompileError(f"T.macro {self.__name__} can only be called inside a @T.prim_func body")
+
+
+def macro(func: Callable) -> Macro:
+    return Macro(func)
+
+
+class GemmWarpPolicy:
+    """How a GPU gemm splits warps over the tile; recorded in the IR, ignored by CPU backends."""
+
+    Square = "Square"
+    FullRow = "FullRow"
+    FullCol = "FullCol"
+
+
+def _statement(name: str, doc: str) -> Callable:
+    def stmt(*args: Any, **kwargs: Any) -> Any:
+        raise CompileError(f"T.{name} is only valid inside a @T.prim_func body")
+
+    stmt.__name__ = name
+    stmt.__doc__ = doc
+    stmt.__tl_stmt__ = name
+    return stmt
+
+
+def _loop(kind: str, doc: str) -> Callable:
+    f = _statement(kind, doc)
+    f.__tl_loop__ = kind
+    return f
+
+
+def _alloc(scope: str) -> Callable:
+    f = _statement(f"alloc_{scope}", f"Allocate a {scope} buffer for the current thread block.")
+    f.__tl_alloc__ = scope
+    return f
+
+
+Kernel = _statement("Kernel", "with T.Kernel(gx[, gy[, gz]], threads=N) as bx | (bx, by) | (bx, by, bz)")
+Kernel.__tl_kernel__ = True
+Parallel = _loop("Parallel", "for i, j in T.Parallel(M, N): element-parallel loop over a tile")
+Pipelined = _loop("Pipelined", "for k in T.Pipelined(n, num_stages=S): software-pipelined serial loop")
+serial = _loop("serial", "for i in T.serial(n) / T.serial(start, stop[, step])")
+unroll = _loop("unroll", "for i in T.unroll(n): fully unrolled serial loop")
+vectorized = _loop("vectorized", "for i in T.vectorized(n): vectorized loop")
+grid = _loop("grid", "for i, j in T.grid(M, N): nested serial loops")
+alloc_shared = _alloc("shared")
+alloc_fragment = _alloc("fragment")
+alloc_local = _alloc("local")
+alloc_var = _alloc("var")
+copy = _statement("copy", "T.copy(src, dst): tile copy between global/shared/fragment (zero-fill past the end)")
+gemm = _statement("gemm", "T.gemm(A, B, C, transpose_A=False, transpose_B=False, clear_accum=False): C += A @ B")
+clear = _statement("clear", "T.clear(buf): fill with zero")
+fill = _statement("fill", "T.fill(buf, value)")
+reduce_max = _statement("reduce_max", "T.reduce_max(src, dst, dim=-1, clear=True)")
+reduce_min = _statement("reduce_min", "T.reduce_min(src, dst, dim=-1, clear=True)")
+reduce_sum = _statement("reduce_sum", "T.reduce_sum(src, dst, dim=-1, clear=True)")
+reduce_abssum = _statement("reduce_abssum", "T.reduce_abssum(src, dst, dim=-1, clear=True)")
+reduce_absmax = _statement("reduce_absmax", "T.reduce_absmax(src, dst, dim=-1, clear=True)")
+cumsum = _statement("cumsum", "T.cumsum(src, dst=None, dim=0, reverse=False)")
+atomic_add = _statement("atomic_add", "T.atomic_add(dst, value): dst += value atomically")
+use_swizzle = _statement("use_swizzle", "T.use_swizzle(panel_size=10, order='row'): block rasterization hint")
+annotate_layout = _statement("annotate_layout", "T.annotate_layout({buf: layout}): layout hint for GPU backends")
+
+__all__ = [  # noqa: F405
+    "Buffer", "GemmWarpPolicy", "Kernel", "Macro", "Parallel", "Pipelined", "Tensor", "TensorType", "abs",
+    "alloc_fragment", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
+    "ceildiv", "clear", "copy", "cos", "cumsum", "dynamic", "exp", "exp2", "fill", "floor", "floordiv", "floormod",
+    "gemm", "grid", "if_then_else", "infinity", "log", "log2", "macro", "max", "max_value", "min", "min_value",
+    "pow", "prim_func", "reduce_absmax", "reduce_abssum", "reduce_max", "reduce_min", "reduce_sum", "round",
+    "rsqrt", "serial", "sigmoid", "sin", "sqrt", "symbolic", "tanh", "unroll", "use_swizzle", "vectorized",
+    "DTypeConst", *dtype_constants(),
+]

@@ -1,0 +1,40 @@
+"""The pass list for each target, in one readable place.
+
+interp runs tile ops directly (it is the semantic oracle), so it only gets the cleanups; cpu
+lowers every tile op except gemm to loops (gemm becomes a call to the C micro-kernel), fuses
+adjacent T.Parallel loops, and marks vectorizable loops for the C compiler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ..ir.nodes import PrimFunc
+from ..ir.verifier import verify
+from .checks import check_shapes
+from .dce import dce
+from .fuse_parallel import fuse_parallel
+from .lower_tile_ops import lower_tile_ops
+from .simplify import simplify
+from .vectorize import vectorize_hints
+
+log = logging.getLogger("tilelang.passes")
+
+Pass = Callable[[PrimFunc], PrimFunc]
+
+PIPELINES: dict[str, list[Pass]] = {
+    "interp": [check_shapes, simplify, dce, verify],
+    "cpu": [check_shapes, simplify, dce, lower_tile_ops, simplify, fuse_parallel, dce, vectorize_hints, verify],
+    "cuda": [check_shapes, simplify, dce, verify],
+}
+
+
+def run_pipeline(func: PrimFunc, target: str, pass_configs: dict | None = None) -> PrimFunc:
+    disabled = set((pass_configs or {}).get("disable_passes", ()))
+    for p in PIPELINES[target]:
+        if p.__name__ in disabled:
+            log.debug("pass %s disabled by pass_configs", p.__name__)
+            continue
+        func = p(func)
+    return func

@@ -1,0 +1,1 @@
+"""Compile/JIT, kernels, profiler and autotuner."""

@@ -1,0 +1,194 @@
+"""tilelang.compile / tilelang.jit -> JITKernel: argument checks, output allocation, dispatch."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+import tilehal
+
+from ..backends import BACKENDS, resolve_target
+from ..ir.nodes import Const, PrimFunc, Var
+from ..passes.pipeline import run_pipeline
+
+log = logging.getLogger("tilelang.runtime")
+
+
+class JITKernel:
+    """A compiled tile program. Call it with torch tensors or numpy arrays (outputs at out_idx are returned)."""
+
+    def __init__(self, func: PrimFunc, out_idx: Sequence[int] | int | None = None, target: str = "auto",
+                 pass_configs: dict | None = None) -> None:
+        if not isinstance(func, PrimFunc):
+            raise TypeError(f"compile: expected a PrimFunc (from @T.prim_func), got {type(func).__name__}")
+        self.prim_func = func
+        self.target = resolve_target(target)
+        n = len(func.params)
+        if out_idx is None:
+            idx: list[int] = []
+        elif isinstance(out_idx, int):
+            idx = [out_idx]
+        else:
+            idx = list(out_idx)
+        norm = []
+        for i in idx:
+            if not -n <= i < n:
+                raise ValueError(f"out_idx: expected indices in [-{n}, {n}) for {n} parameters, got {i}")
+            norm.append(i % n)
+        self.out_idx = norm
+        self.pass_configs = dict(pass_configs or {})
+        self.lowered = run_pipeline(func, self.target, self.pass_configs)
+        self._impl = BACKENDS[self.target](self.lowered, self.pass_configs)
+        self.compile_seconds = getattr(self._impl, "compile_seconds", 0.0)
+        self.cache_hit = getattr(self._impl, "cache_hit", False)
+
+    @property
+    def params(self) -> list:
+        return self.prim_func.params
+
+    def get_kernel_source(self) -> str:
+        """The generated C (target cpu) or the lowered tile IR (target interp)."""
+        return self._impl.source()
+
+    def get_profiler(self, tensor_supply_type: Any = None, dynamic_shapes: dict[str, int] | None = None) -> Any:
+        from .profiler import Profiler
+
+        return Profiler(self, tensor_supply_type, dynamic_shapes or {})
+
+    # ------------------------------------------------------------ calling
+
+    def _out_shape(self, i: int, dyn: dict[Var, int]) -> tuple[int, ...]:
+        buf = self.params[i]
+        shape = []
+        for s in buf.shape:
+            if isinstance(s, Const):
+                shape.append(int(s.value))
+            elif s in dyn:
+                shape.append(dyn[s])
+            else:
+                raise tilehal.ShapeError(f"{buf.name}: output size {s.name} is not determined by any input")
+        return tuple(shape)
+
+    def __call__(self, *args: Any) -> Any:
+        n_in = len(self.params) - len(self.out_idx)
+        if len(args) == len(self.params) and self.out_idx:
+            args = tuple(a for i, a in enumerate(args) if i not in self.out_idx)  # outputs passed explicitly: ignored
+        if len(args) != n_in:
+            names = [p.name for i, p in enumerate(self.params) if i not in self.out_idx]
+            raise TypeError(f"kernel {self.prim_func.name}: expected {n_in} inputs ({', '.join(names)}), got "
+                            f"{len(args)}")
+        inputs = iter(args)
+        full: list[Any] = [None] * len(self.params)
+        for i in range(len(self.params)):
+            if i not in self.out_idx:
+                full[i] = next(inputs)
+        in_params = [(p, a) for p, a in zip(self.params, full) if a is not None]
+        dyn = _bind(in_params)
+        use_torch = any(tilehal.is_torch(a) for a in args)
+        outs = []
+        for i in self.out_idx:
+            shape = self._out_shape(i, dyn)
+            dtype = self.params[i].dtype
+            if use_torch:
+                import torch
+
+                full[i] = torch.zeros(shape, dtype=tilehal.to_torch_dtype(dtype))
+            else:
+                full[i] = np.zeros(shape, dtype=tilehal.to_numpy_dtype(dtype))
+            outs.append(full[i])
+        self._impl([tilehal.as_numpy(a) for a in full], dyn)
+        if not outs:
+            return None
+        return outs[0] if len(outs) == 1 else outs
+
+    def __repr__(self) -> str:
+        return f"<JITKernel {self.prim_func.name} target={self.target} out_idx={self.out_idx}>"
+
+
+def _bind(pairs: list[tuple[Any, Any]]) -> dict[Var, int]:
+    """Check each (param, tensor) and bind the T.dynamic sizes from the tensors' shapes."""
+    dyn: dict[Var, int] = {}
+    for buf, x in pairs:
+        tilehal.check_tensor(x, buf.name, dtype=buf.dtype, ndim=buf.ndim, contiguous=True, device="cpu")
+        for d, (s, actual) in enumerate(zip(buf.shape, x.shape)):
+            actual = int(actual)
+            if isinstance(s, Const):
+                if int(s.value) != actual:
+                    want = tuple(int(t.value) if isinstance(t, Const) else t.name for t in buf.shape)
+                    raise tilehal.ShapeError(f"{buf.name}: expected shape {want}, got {tuple(x.shape)}")
+            elif s in dyn and dyn[s] != actual:
+                raise tilehal.ShapeError(f"{buf.name}: dim {d} is {s.name}={dyn[s]} from an earlier argument, "
+                                         f"got {actual}")
+            else:
+                dyn[s] = actual
+    return dyn
+
+
+def compile(func: PrimFunc, out_idx: Sequence[int] | int | None = None, target: str = "auto",  # noqa: A001
+            pass_configs: dict | None = None, **_: Any) -> JITKernel:
+    """Lower and build a prim_func for `target` ("auto", "cpu", "interp"; "cuda" comes later)."""
+    return JITKernel(func, out_idx=out_idx, target=target, pass_configs=pass_configs)
+
+
+class JITFactory:
+    """`@tilelang.jit(out_idx=...)` on a function returning a prim_func: calling it returns a cached JITKernel."""
+
+    def __init__(self, fn: Callable[..., PrimFunc], out_idx: Any, target: str, pass_configs: dict | None) -> None:
+        self.fn = fn
+        self.out_idx = out_idx
+        self.target = target
+        self.pass_configs = pass_configs
+        self.signature = inspect.signature(fn)
+        self._cache: dict[Any, JITKernel] = {}
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fn)
+
+    def key(self, args: tuple, kwargs: dict) -> Any:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple((k, _hashable(v)) for k, v in bound.arguments.items())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> JITKernel:
+        k = self.key(args, kwargs)
+        with self._lock:
+            hit = self._cache.get(k)
+        if hit is not None:
+            return hit
+        func = self.fn(*args, **kwargs)
+        if isinstance(func, JITKernel):
+            return func
+        kernel = compile(func, out_idx=self.out_idx, target=self.target, pass_configs=self.pass_configs)
+        with self._lock:
+            self._cache[k] = kernel
+        return kernel
+
+    def get_tir(self, *args: Any, **kwargs: Any) -> PrimFunc:
+        return self.fn(*args, **kwargs)
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return repr(v)
+
+
+def jit(func: Callable | None = None, *, out_idx: Any = None, target: str = "auto", pass_configs: dict | None = None,
+        **_: Any) -> Any:
+    """Decorator: `@tilelang.jit(out_idx=[-1])` on a factory that builds and returns a `@T.prim_func`."""
+
+    def wrap(fn: Callable) -> JITFactory:
+        return JITFactory(fn, out_idx, target, pass_configs)
+
+    return wrap(func) if func is not None else wrap
