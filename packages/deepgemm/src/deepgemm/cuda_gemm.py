@@ -1,0 +1,172 @@
+"""Host side of the sm_90a kernels: pick a config, JIT-compile the instantiation, build TMA descriptors, launch.
+
+Every kernel is specialized on (N, K, block sizes, stages, grouping, number of groups, output
+dtype, whether C is added); M stays a runtime argument so MoE batches of any size share a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import tilehal
+import torch
+from tilehal import ShapeError
+from tilehal.tma import encode_tiled
+
+from . import validate
+from .heuristics import GemmConfig, pick_config
+from .utils import get_mn_major_tma_aligned_tensor, get_tma_aligned_size, is_mn_major_tma_aligned
+
+log = logging.getLogger("deepgemm")
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+KIND_IDS = {"normal": 0, "contiguous": 1, "masked": 2}
+_NULL_DESC = bytes(128)  # stands in for the unused activation-scale descriptor of bf16 kernels
+OPTIONS = ("-std=c++17", "-lineinfo")
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    """Everything a kernel instantiation is specialized on."""
+
+    n: int
+    k: int
+    block_m: int
+    block_n: int
+    stages: int
+    grouping: str
+    num_groups: int
+    fp8: bool
+    out_bf16: bool
+    has_c: bool
+
+    @property
+    def expression(self) -> str:
+        out = "__nv_bfloat16" if self.out_bf16 else "float"
+        return (f"deepgemm::gemm_sm90<{self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
+                f"{KIND_IDS[self.grouping]}, {self.num_groups}, {'true' if self.fp8 else 'false'}, {out}, "
+                f"{'true' if self.has_c else 'false'}>")
+
+
+def kernel_source() -> str:
+    # Inlined (not #included) so that the compile cache key covers the kernel's own text.
+    return (KERNEL_DIR / "gemm_sm90.cuh").read_text()
+
+
+def compile_kernel(key: KernelKey, extra_options: tuple[str, ...] = ()) -> tilehal.CudaModule:
+    """NVRTC-compile one instantiation for sm_90a (no GPU needed; cached on disk by content)."""
+    return tilehal.compile_cuda(kernel_source(), arch="sm_90a", name="deepgemm_gemm_sm90",
+                                options=OPTIONS + extra_options, name_expressions=[key.expression])
+
+
+@functools.lru_cache(maxsize=256)
+def _kernel(key: KernelKey) -> tilehal.Kernel:
+    return compile_kernel(key).get_kernel(key.expression)
+
+
+def kernel_key(cfg: GemmConfig, n: int, k: int, grouping: str, num_groups: int, out_dtype: torch.dtype,
+               has_c: bool) -> KernelKey:
+    return KernelKey(n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages, grouping=grouping,
+                     num_groups=num_groups, fp8=cfg.kind == "fp8", out_bf16=out_dtype == torch.bfloat16,
+                     has_c=has_c)
+
+
+def _sfa_layout(sfa: torch.Tensor) -> torch.Tensor:
+    if is_mn_major_tma_aligned(sfa):
+        return sfa
+    log.debug("sfa %s with strides %s is not MN-major/TMA-aligned; transposing it (pass "
+              "get_mn_major_tma_aligned_tensor(sfa) to skip this copy)", tuple(sfa.shape), sfa.stride())
+    return get_mn_major_tma_aligned_tensor(sfa)
+
+
+def _descriptors(a2d: torch.Tensor, b2d: torch.Tensor, sfa_t: torch.Tensor | None, cfg: GemmConfig,
+                 sfa_rows: int, sfa_cols: int) -> tuple[bytes, bytes, bytes]:
+    """TMA descriptors: A [rows, K] and B [rows, K] in 128-byte swizzled boxes; activation scales
+    as a [sfa_rows, sfa_cols] fp32 matrix (rows = (group x) K blocks, cols = M) read BLOCK_M at a time."""
+    box_k = cfg.block_k
+    da = encode_tiled(a2d, a2d.dtype, tuple(a2d.shape), tuple(a2d.stride()), (cfg.block_m, box_k), swizzle="128B")
+    db = encode_tiled(b2d, b2d.dtype, tuple(b2d.shape), tuple(b2d.stride()), (cfg.block_n, box_k), swizzle="128B")
+    if sfa_t is None:
+        return da, db, _NULL_DESC
+    ld = get_tma_aligned_size(sfa_cols, 4)
+    dsf = encode_tiled(sfa_t.data_ptr(), torch.float32, (sfa_rows, sfa_cols), (ld, 1), (1, cfg.block_m))
+    return da, db, dsf
+
+
+def _check_cuda(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None) -> None:
+    validate.cuda_operand(a, "a")
+    validate.cuda_operand(b, "b")
+    validate.cuda_output(d, "d")
+    if c is not None:
+        validate.cuda_output(c, "c")
+    if b.dim() == 3 and not b.is_contiguous():
+        raise ShapeError(f"b: expected a contiguous [G, N, K] tensor on CUDA, got strides {tuple(b.stride())}")
+    if a.dim() == 3 and not a.is_contiguous():
+        raise ShapeError(f"a: expected a contiguous [G, M_max, K] tensor on CUDA, got strides {tuple(a.stride())}")
+    idx = a.device.index
+    cap = torch.cuda.get_device_capability(idx)
+    if cap[0] != 9:
+        raise tilehal.DeviceError(f"deepgemm CUDA kernels: expected an sm_90 (Hopper) GPU, got sm_{cap[0]}{cap[1]}")
+
+
+def _launch(key: KernelKey, cfg: GemmConfig, grid: int, descs, sfb, d, c, group_info, shape_m: int) -> None:
+    kern = _kernel(key)
+    kern.launch(grid, cfg.num_threads, [descs[0], descs[1], descs[2], sfb, d, c, group_info, shape_m],
+                smem_bytes=cfg.smem_bytes)
+
+
+def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor | None,
+          d: torch.Tensor, c: torch.Tensor | None) -> None:
+    """a [M, K], b [N, K] K-major; sfa/sfb None for bf16."""
+    _check_cuda(a, b, d, c)
+    m, k = a.shape
+    n = b.shape[0]
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        d.copy_(c if c is not None else torch.zeros_like(d))
+        return
+    fp8 = sfa is not None
+    cfg = pick_config("fp8" if fp8 else "bf16", m, n, k)
+    sfa_t = _sfa_layout(sfa) if fp8 else None
+    sfb_c = sfb.contiguous() if fp8 else None
+    descs = _descriptors(a, b, sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
+    key = kernel_key(cfg, n, k, "normal", 1, d.dtype, c is not None)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    _launch(key, cfg, min(cfg.num_sms, tiles), descs, sfb_c, d, c, None, m)
+
+
+def grouped_contiguous(a, sfa, b, sfb, d, m_indices) -> None:
+    _check_cuda(a, b, d, None)
+    m, k = a.shape
+    g, n, _ = b.shape
+    if m == 0 or n == 0:
+        return
+    fp8 = sfa is not None
+    cfg = pick_config("fp8" if fp8 else "bf16", m, n, k, num_groups=g, grouping="contiguous")
+    sfa_t = _sfa_layout(sfa) if fp8 else None
+    descs = _descriptors(a, b.view(g * n, k), sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
+    key = kernel_key(cfg, n, k, "contiguous", g, d.dtype, False)
+    tiles = (m // cfg.block_m) * -(-n // cfg.block_n)
+    _launch(key, cfg, min(cfg.num_sms, tiles), descs, sfb.contiguous() if fp8 else None, d, None,
+            m_indices.contiguous(), m)
+
+
+def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int) -> None:
+    _check_cuda(a, b, d, None)
+    g, m_max, k = a.shape
+    n = b.shape[1]
+    if m_max == 0 or n == 0:
+        return
+    fp8 = sfa is not None
+    cfg = pick_config("fp8" if fp8 else "bf16", min(expected_m, m_max), n, k, num_groups=g, grouping="masked")
+    sfa_t = _sfa_layout(sfa) if fp8 else None
+    sk = sfa.shape[2] if fp8 else 0
+    descs = _descriptors(a.view(g * m_max, k), b.view(g * n, k), sfa_t, cfg, sfa_rows=g * sk, sfa_cols=m_max)
+    key = kernel_key(cfg, n, k, "masked", g, d.dtype, False)
+    upper = g * -(-m_max // cfg.block_m) * -(-n // cfg.block_n)  # tiles if every group were full
+    _launch(key, cfg, min(cfg.num_sms, upper), descs, sfb.contiguous() if fp8 else None, d, None,
+            masked_m.contiguous(), m_max)

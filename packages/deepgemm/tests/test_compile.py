@@ -1,0 +1,101 @@
+"""Compile-only (NVRTC, no GPU): tilehal's Hopper headers, and every kernel configuration the
+heuristic picks for the issue's shape sets. Runs in CI on the CPU machine."""
+
+import pytest
+import tilehal
+import torch
+from deepgemm.cuda_gemm import compile_kernel, kernel_key
+from deepgemm.heuristics import pick_config
+
+pytestmark = pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
+
+DENSE_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
+GROUPED_NK = [(4096, 7168), (7168, 2048)]
+
+
+def issue_configs():
+    keys = set()
+    for kind in ("fp8", "bf16"):
+        for m in (1, 7, 64, 128, 1000, 4096):
+            for n, k in DENSE_NK:
+                cfg = pick_config(kind, m, n, k, num_sms=132)
+                for out in (torch.bfloat16, torch.float32):
+                    keys.add(kernel_key(cfg, n, k, "normal", 1, out, has_c=out == torch.float32))
+        for n, k in GROUPED_NK:
+            for g, rows in ((4, 8192), (8, 4096)):
+                cfg = pick_config(kind, g * rows, n, k, num_groups=g, grouping="contiguous", num_sms=132)
+                keys.add(kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False))
+            for g, rows in ((1, 1024), (2, 512), (4, 256)):
+                cfg = pick_config(kind, rows, n, k, num_groups=g, grouping="masked", num_sms=132)
+                keys.add(kernel_key(cfg, n, k, "masked", g, torch.bfloat16, False))
+    # odd shapes the GPU tests use
+    for kind, m, n, k in (("fp8", 7, 200, 272), ("bf16", 1000, 200, 272), ("fp8", 1000, 129, 1040)):
+        cfg = pick_config(kind, m, n, k, num_sms=132)
+        keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))
+    return sorted(keys, key=lambda k: k.expression)
+
+
+CONFIGS = issue_configs()
+
+
+@pytest.mark.parametrize("key", CONFIGS, ids=[k.expression.split("<")[1][:-1] for k in CONFIGS])
+def test_kernel_config_compiles(key):
+    mod = compile_kernel(key, ("--ptxas-options=-v",))
+    assert len(mod.cubin) > 1000
+    if not mod.cache_hit:  # the ptxas report only exists when this run compiled it
+        assert "0 bytes spill stores" in mod.log, mod.log
+
+
+HEADERS_PROBE = r"""
+#include <tilehal/tilehal.cuh>
+#include <tilehal/mbarrier.cuh>
+#include <tilehal/tma.cuh>
+#include <tilehal/wgmma.cuh>
+using namespace tilehal;
+// Touches every helper so that each inline-asm string is assembled by ptxas.
+extern "C" __global__ void __launch_bounds__(256, 1) probe(const __grid_constant__ TmaDescriptor desc, float* out) {
+  __shared__ __align__(1024) unsigned char tile[64 * 128 + 256 * 128];
+  __shared__ u64 bar;
+  if (threadIdx.x == 0) { mbarrier_init(&bar, 1); fence_barrier_init(); tma_prefetch_descriptor(&desc); }
+  __syncthreads();
+  if (threadIdx.x >= 128) { setmaxnreg_dec<40>(); return; }
+  setmaxnreg_inc<232>();
+  if (threadIdx.x == 0) {
+    mbarrier_arrive_expect_tx(&bar, 64 * 128);
+    tma_load_2d(tile, &desc, &bar, 0, 0);
+    tma_load_3d(tile, &desc, &bar, 0, 0, 0);
+  }
+  mbarrier_wait(&bar, 0);
+  float acc[128];
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+  u64 da = make_smem_desc_k128b(tile), db = make_smem_desc_k128b(tile + 64 * 128);
+  wgmma_fence_operands(acc);
+  wgmma_fence();
+  WgmmaE4M3<256>::mma(acc, da, db, 0);
+  WgmmaE4M3<8>::mma(acc, da, db, 1);
+  WgmmaBF16<256>::mma(acc, da, db, 1);
+  WgmmaBF16<136>::mma(acc, da, db, 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operands(acc);
+  fence_proxy_async_shared();
+  if (threadIdx.x == 0) { tma_store_2d(&desc, tile, 0, 0); tma_store_commit(); tma_store_wait_read<0>(); }
+  float s = 0.f;
+  for (int i = 0; i < 128; ++i) s += acc[i];
+  out[threadIdx.x] = s;
+}
+extern "C" __global__ void __cluster_dims__(2, 1, 1) probe_cluster(const __grid_constant__ TmaDescriptor desc) {
+  __shared__ __align__(1024) unsigned char tile[8 * 128];
+  __shared__ u64 bar;
+  if (threadIdx.x == 0) {
+    mbarrier_init(&bar, 2);
+    tma_load_2d_multicast(tile, &desc, &bar, 0, 0, 0x3);
+    mbarrier_arrive_cluster(&bar, 1);
+  }
+}
+"""
+
+
+def test_tilehal_hopper_headers_compile():
+    mod = tilehal.compile_cuda(HEADERS_PROBE, arch="sm_90a", name="tilehal_hopper_probe")
+    assert len(mod.cubin) > 1000
