@@ -131,7 +131,10 @@ class Parser:
         for arg in fdef.args.args:
             if arg.annotation is None:
                 self.fail(arg, f"parameter {arg.arg!r} needs a T.Tensor(shape, dtype) annotation")
-            ann = self.value(arg.annotation)
+            # annotations are evaluated when the def runs (their names need not be closure variables)
+            ann = getattr(self.func, "__annotations__", {}).get(arg.arg, None)
+            if ann is None or isinstance(ann, str):
+                ann = self.value(arg.annotation)
             if isinstance(ann, (str, T.DTypeConst)):
                 self.fail(arg, f"parameter {arg.arg!r}: scalar parameters are not supported; use a T.Tensor((1,), "
                                f"{str(ann)!r}) or a closure value")

@@ -1,0 +1,1 @@
+"""C + OpenMP backend (target "cpu")."""
