@@ -125,3 +125,14 @@ def test_topk_blocks_nsa_style():
     assert topk_blocks(torch.tensor([float("-inf"), 1.0]), 2).tolist() == [1, -1]
     with pytest.raises(ValueError, match="NaN"):
         topk_blocks(torch.tensor([float("nan")]), 1)
+
+
+def test_unwritten_blocks_score_minus_inf_not_nan():
+    q, keys, kmin, kmax, table, lens = _paged(6)
+    q[:, :, 0] = 0.0  # a zero channel would turn 0 * inf into NaN
+    phys = int(table[0, 3])
+    kmin[phys], kmax[phys] = float("inf"), float("-inf")
+    s = quest_scores(q, kmin, kmax, table, lens)
+    assert not torch.isnan(s).any() and bool(torch.isneginf(s[0, :, 3]).all())
+    sel = select_blocks(q, kmin, kmax, table, lens, top_k=4, sink_blocks=1, local_blocks=1)
+    assert 3 not in sel[0].flatten().tolist()

@@ -57,6 +57,11 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
     # Gather only the blocks each sequence owns: [B, max_blocks, kv_heads, D].
     kmx = kmax[phys].float()
     kmn = kmin[phys].float()
+    # A block with no keys written yet holds kmin=+inf / kmax=-inf (kvpool's convention); score it
+    # -inf instead of letting 0 * inf turn into NaN.
+    empty = ~(torch.isfinite(kmx).all(-1) & torch.isfinite(kmn).all(-1))  # [B, max_blocks, kv_heads]
+    kmx = kmx.masked_fill(empty[..., None], 0.0)
+    kmn = kmn.masked_fill(empty[..., None], 0.0)
     qg = q.float().reshape(B, Hkv, group, D)
     # max(q*kmax, q*kmin) per channel = q+ * kmax + q- * kmin.
     bound = torch.einsum("bhgd,bnhd->bhgn", qg.clamp(min=0), kmx) + torch.einsum("bhgd,bnhd->bhgn", qg.clamp(max=0), kmn)
@@ -70,6 +75,7 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
         raise ValueError(f"reduce: expected 'max', 'sum' or 'mean', got {reduce!r}")
     n_valid = num_valid_blocks(block_table, seq_lens, block_size).to(score.device)
     valid = torch.arange(block_table.shape[1], device=score.device)[None, :] < n_valid[:, None]
+    score = score.masked_fill(empty.permute(0, 2, 1), float("-inf"))
     return score.masked_fill(~valid[:, None, :], float("-inf"))
 
 
