@@ -16,6 +16,9 @@ Targets: "cpu" (C + OpenMP), "interp" (numpy reference); "cuda" is planned.
 from .__about__ import __version__
 from .errors import CompileError, SourceLoc
 from .ir.nodes import PrimFunc
+from .runtime.autotune import AutoTuner, autotune
 from .runtime.kernel import JITKernel, compile, jit  # noqa: A004
+from .runtime.profiler import Profiler, TensorSupplyType
 
-__all__ = ["CompileError", "JITKernel", "PrimFunc", "SourceLoc", "__version__", "compile", "jit"]
+__all__ = ["AutoTuner", "CompileError", "JITKernel", "PrimFunc", "Profiler", "SourceLoc", "TensorSupplyType",
+           "__version__", "autotune", "compile", "jit"]
