@@ -1,0 +1,405 @@
+"""Buffer: the DeepEP-style entry point for expert-parallel dispatch and combine."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tilehal import ShapeError
+
+from .config import Config, default_combine_config, default_dispatch_config
+from .event import EventOverlap
+from .flat import DispatchInput, FlatDispatcher
+from .layout import check_topk_idx, compute_layout
+from .ll import LowLatencyBuffers, ll_combine, ll_dispatch
+from .transport.torch_dist import TorchDistTransport
+
+log = logging.getLogger("deepep")
+
+TRANSPORTS = ("auto", "torch", "hierarchical", "nvlink")
+DEFAULT_TIMEOUT_S = float(os.environ.get("DEEPEP_TIMEOUT_S", "60"))
+
+XTensor = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _check(cond: bool, arg: str, expected: object, actual: object) -> None:
+    if not cond:
+        raise ShapeError(f"{arg}: expected {expected}, got {actual}")
+
+
+def _shape(t: Any) -> object:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+class Buffer:
+    """Expert-parallel communication buffer over a torch.distributed group.
+
+    `transport` is "auto" (NVLink kernels when every rank is a CUDA GPU of one host with peer
+    access, hierarchical when the group spans several nodes, else plain torch.distributed),
+    or one of "torch", "hierarchical", "nvlink" to force it. `num_nvl_bytes` sizes the NVLink
+    receive buffers (0: derived from `num_max_tokens_per_rank` and `hidden`); `num_rdma_bytes`
+    is accepted for DeepEP compatibility (the torch.distributed engine owns its own buffers).
+    `timeout_s` bounds every wait on a peer; past it, CommTimeoutError names the rank and stage.
+    """
+
+    num_sms: int = 48
+
+    def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 1, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 transport: str = "auto", num_ranks_per_node: int | None = None,
+                 num_max_tokens_per_rank: int = 4096, hidden: int = 7168) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("Buffer: torch.distributed is not initialized (call dist.init_process_group or "
+                               "deepep.init_from_mpi first)")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s: expected > 0, got {timeout_s}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.timeout_s = float(timeout_s)
+        self.low_latency_mode = low_latency_mode
+        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.num_rdma_bytes = int(num_rdma_bytes)
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.hidden_hint = hidden
+        self._requested_transport = transport
+        self._num_ranks_per_node_arg = num_ranks_per_node
+        self._setup()
+
+    # ------------------------------------------------------------------ setup / reset
+
+    def _setup(self) -> None:
+        self._transport = TorchDistTransport(self.group, self.timeout_s)
+        self._ll_bufs = LowLatencyBuffers()
+        self._comm_stream = None
+        self.num_ranks_per_node = self._num_ranks_per_node_arg or self._detect_ranks_per_node()
+        if self.group_size % self.num_ranks_per_node:
+            raise ValueError(f"num_ranks_per_node: expected a divisor of the group size {self.group_size}, "
+                             f"got {self.num_ranks_per_node}")
+        self.transport = self._choose_transport()
+        if self.transport == "nvlink":
+            from .nvlink import NvlinkDispatcher
+
+            self._backend: Any = NvlinkDispatcher(self)
+        elif self.transport == "hierarchical":
+            from .hierarchical import HierarchicalDispatcher
+
+            self._backend = HierarchicalDispatcher(self.group, self.num_ranks_per_node, self.timeout_s)
+        else:
+            self._backend = FlatDispatcher(self._transport)
+        log.debug("Buffer rank %d/%d: transport %s", self.rank, self.group_size, self.transport)
+
+    def _detect_ranks_per_node(self) -> int:
+        names: list[Any] = [None] * self.group_size
+        dist.all_gather_object(names, socket.gethostname(), group=self.group)
+        per_node = names.count(names[0])
+        # Hierarchical needs equal, contiguous nodes; anything else is treated as one flat group.
+        contiguous = all(names[i] == names[(i // per_node) * per_node] for i in range(self.group_size))
+        if self.group_size % per_node or not contiguous:
+            log.debug("hosts of the group are not equal contiguous blocks (%s); treating it as one node", names)
+            return self.group_size
+        return per_node
+
+    def _choose_transport(self) -> str:
+        want = self._requested_transport
+        if want in ("torch", "hierarchical"):
+            return want
+        from .nvlink import nvlink_unavailable_reason
+
+        reason = nvlink_unavailable_reason(self)
+        if want == "nvlink":
+            if reason:
+                raise RuntimeError(f"transport='nvlink' is not possible here: {reason}")
+            return "nvlink"
+        if reason is None:
+            return "nvlink"
+        log.debug("NVLink fast path not taken: %s", reason)
+        return "hierarchical" if self.num_ranks_per_node < self.group_size else "torch"
+
+    def reset(self, group: dist.ProcessGroup | None = None) -> None:
+        """Forget all cached state (e.g. after a CommTimeoutError), optionally moving to a new group.
+
+        After a timeout the old group may be unusable (a dead peer, a stuck NCCL communicator):
+        build a group of the survivors and pass it here.
+        """
+        self.destroy()
+        if group is not None:
+            self.group = group
+            self.rank = dist.get_rank(group)
+            self.group_size = dist.get_world_size(group)
+            self._num_ranks_per_node_arg = min(self._num_ranks_per_node_arg or self.group_size, self.group_size)
+        self._setup()
+
+    def destroy(self) -> None:
+        backend = getattr(self, "_backend", None)
+        if backend is not None and hasattr(backend, "destroy"):
+            backend.destroy()
+        self._backend = None
+
+    # ------------------------------------------------------------------ config
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        if new_num_sms < 2 or new_num_sms % 2:
+            raise ValueError(f"new_num_sms: expected an even number >= 2, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return default_dispatch_config(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return default_combine_config(num_ranks, Buffer.num_sms)
+
+    # ------------------------------------------------------------------ streams
+
+    def _device_of(self, t: torch.Tensor) -> torch.device:
+        return t.device
+
+    @contextlib.contextmanager
+    def _comm_scope(self, device: torch.device, previous_event: EventOverlap | None, async_finish: bool,
+                    result: list[EventOverlap]) -> Iterator[None]:
+        """Run the body on a communication stream (CUDA) and produce the EventOverlap."""
+        if device.type != "cuda":
+            yield
+            result.append(EventOverlap(None))
+            return
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(device=device)
+        comm, compute = self._comm_stream, torch.cuda.current_stream(device)
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:
+            comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            yield
+        event = torch.cuda.Event()
+        event.record(comm)
+        ev = EventOverlap(event)
+        if not async_finish:
+            compute.wait_event(event)
+        result.append(ev)
+
+    @staticmethod
+    def _hand_to_compute(tensors: list[Any]) -> None:
+        """Tensors made on the comm stream are used on the compute stream: tell the allocator."""
+        if not torch.cuda.is_available():
+            return
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(torch.cuda.current_stream(t.device))
+
+    # ------------------------------------------------------------------ layout
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: EventOverlap | None = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
+        """-> (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] or None,
+        num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)."""
+        result: list[EventOverlap] = []
+        with self._comm_scope(topk_idx.device, previous_event, async_finish, result):
+            lay = compute_layout(topk_idx, num_experts, self.group_size, self.num_ranks_per_node)
+        outs = [lay.num_tokens_per_rank, lay.num_tokens_per_rdma_rank, lay.num_tokens_per_expert,
+                lay.is_token_in_rank]
+        self._hand_to_compute(outs)
+        return (*outs, result[0])  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ normal dispatch / combine
+
+    def _check_x(self, x: XTensor) -> DispatchInput:
+        if isinstance(x, tuple):
+            _check(len(x) == 2, "x", "a tensor or a (x_fp8, scales) pair", f"a tuple of {len(x)}")
+            xf, sf = x
+            _check(isinstance(xf, torch.Tensor) and xf.dim() == 2, "x[0]", "a 2-D tensor [T, H]", _shape(xf))
+            _check(xf.dtype == torch.float8_e4m3fn, "x[0].dtype", "torch.float8_e4m3fn", xf.dtype)
+            want = (xf.shape[0], (xf.shape[1] + 127) // 128)
+            _check(isinstance(sf, torch.Tensor) and tuple(sf.shape) == want, "x[1] (scales)",
+                   f"shape {want} (one scale per 128 channels)", _shape(sf))
+            _check(sf.dtype == torch.float32, "x[1].dtype", "torch.float32", sf.dtype)
+            _check(sf.device == xf.device, "x[1].device", xf.device, sf.device)
+            return DispatchInput(xf.contiguous(), sf.contiguous(), None, None)
+        _check(isinstance(x, torch.Tensor) and x.dim() == 2, "x", "a 2-D tensor [T, H]", _shape(x))
+        _check(x.dtype in (torch.bfloat16, torch.float16, torch.float32), "x.dtype",
+               "bfloat16, float16 or float32 (fp8 as an (x_fp8, scales) pair)", x.dtype)
+        return DispatchInput(x.contiguous(), None, None, None)
+
+    def dispatch(self, x: XTensor, handle: Any = None, num_tokens_per_rank: torch.Tensor | None = None,
+                 num_tokens_per_rdma_rank: torch.Tensor | None = None,
+                 is_token_in_rank: torch.Tensor | None = None, num_tokens_per_expert: torch.Tensor | None = None,
+                 topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
+                 previous_event: EventOverlap | None = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token once to every rank owning one of its experts.
+
+        Returns (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+        event). recv_x is a tensor, or (x_fp8, scales) when x was; rows are ordered by source rank,
+        then by token. recv_topk_idx holds local expert ids, -1 for experts of other ranks (whose
+        weights read 0). With `handle`, the cached layout of an earlier dispatch is reused.
+        With `num_worst_tokens` > 0 the outputs are padded to that many rows (no size-dependent
+        shapes) and the per-expert list is empty, as in DeepEP.
+        """
+        inp = self._check_x(x)
+        t, dev = inp.num_tokens, inp.x.device
+        _check(expert_alignment >= 1, "expert_alignment", ">= 1", expert_alignment)
+        _check(num_worst_tokens >= 0, "num_worst_tokens", ">= 0", num_worst_tokens)
+        if topk_idx is not None:
+            _check(topk_idx.dim() == 2 and topk_idx.shape[0] == t, "topk_idx", f"shape [{t}, k]", _shape(topk_idx))
+            _check(topk_idx.dtype == torch.int64, "topk_idx.dtype", "torch.int64", topk_idx.dtype)
+            _check(topk_idx.device == dev, "topk_idx.device", dev, topk_idx.device)
+            inp.topk_idx = topk_idx.contiguous()
+        if topk_weights is not None:
+            _check(topk_idx is not None, "topk_weights", "to come with topk_idx", "topk_idx=None")
+            _check(tuple(topk_weights.shape) == tuple(topk_idx.shape), "topk_weights",
+                   f"shape {tuple(topk_idx.shape)}", _shape(topk_weights))
+            _check(topk_weights.dtype == torch.float32, "topk_weights.dtype", "torch.float32", topk_weights.dtype)
+            inp.topk_weights = topk_weights.contiguous()
+        if handle is not None:
+            self._check_handle(handle, "handle")
+            _check(handle.num_tokens == t, "x", f"{handle.num_tokens} tokens (as in the handle)", t)
+            experts_per_rank = handle.experts_per_rank
+        else:
+            _check(num_tokens_per_expert is not None, "num_tokens_per_expert",
+                   "a tensor (from get_dispatch_layout) when no handle is given", None)
+            _check(is_token_in_rank is not None or topk_idx is not None, "is_token_in_rank",
+                   "a tensor (from get_dispatch_layout), or topk_idx to derive it, when no handle is given", None)
+            num_experts = num_tokens_per_expert.numel()
+            _check(num_experts % self.group_size == 0, "num_tokens_per_expert",
+                   f"a multiple of {self.group_size} experts", num_experts)
+            if is_token_in_rank is None:
+                is_token_in_rank = compute_layout(topk_idx, num_experts, self.group_size,
+                                                  self.num_ranks_per_node).is_token_in_rank
+            _check(tuple(is_token_in_rank.shape) == (t, self.group_size), "is_token_in_rank",
+                   f"shape ({t}, {self.group_size})", _shape(is_token_in_rank))
+            _check(is_token_in_rank.dtype == torch.bool, "is_token_in_rank.dtype", "torch.bool",
+                   is_token_in_rank.dtype)
+            if topk_idx is not None:
+                check_topk_idx(topk_idx, num_experts)
+            experts_per_rank = num_experts // self.group_size
+        result: list[EventOverlap] = []
+        with self._comm_scope(dev, previous_event, async_finish, result):
+            out = self._backend.dispatch(inp, handle, is_token_in_rank, num_tokens_per_expert, experts_per_rank,
+                                         expert_alignment, num_worst_tokens)
+        recv_x: XTensor = out.recv_x if out.recv_scales is None else (out.recv_x, out.recv_scales)
+        self._hand_to_compute([out.recv_x, out.recv_scales, out.recv_topk_idx, out.recv_topk_weights])
+        per_expert = [] if num_worst_tokens else list(out.handle.num_recv_tokens_per_expert_list)
+        return recv_x, out.recv_topk_idx, out.recv_topk_weights, per_expert, out.handle, result[0]
+
+    def _check_handle(self, handle: Any, arg: str) -> None:
+        want = self._backend.handle_type
+        _check(isinstance(handle, want), arg, f"a {want.__name__} from this Buffer's dispatch",
+               type(handle).__name__)
+
+    def combine(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None = None,
+                config: Config | None = None, previous_event: EventOverlap | None = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+        """Return each received row to its source rank and sum them per token (dispatch's backward).
+
+        -> (combined_x [T, H] in x's dtype, combined_topk_weights [T, k] or None, event).
+        """
+        self._check_handle(handle, "handle")
+        n = handle.num_recv_tokens
+        _check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] >= n and x.shape[1] == handle.hidden,
+               "x", f"[>= {n}, {handle.hidden}] (the dispatch's received rows)", _shape(x))
+        _check(x.dtype in (torch.bfloat16, torch.float16, torch.float32), "x.dtype", "bfloat16/float16/float32",
+               x.dtype)
+        if topk_weights is not None:
+            _check(topk_weights.dim() == 2 and topk_weights.shape[0] >= n, "topk_weights", f"[>= {n}, k]",
+                   _shape(topk_weights))
+            topk_weights = topk_weights.float()
+        result: list[EventOverlap] = []
+        with self._comm_scope(x.device, previous_event, async_finish, result):
+            combined, combined_w = self._backend.combine(x.contiguous(), handle, topk_weights)
+        self._hand_to_compute([combined, combined_w])
+        return combined, combined_w, result[0]
+
+    # ------------------------------------------------------------------ low latency
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, use_fp8: bool = True, async_finish: bool = False,
+                             return_recv_hook: bool = False
+                             ) -> tuple[XTensor, torch.Tensor, Any, EventOverlap, Callable[[], None] | None]:
+        """Send each (token, expert) pair into the expert's fixed slot on its rank.
+
+        -> (recv_x [local_experts, ranks * max_tokens, H] (a (fp8, scales) pair when use_fp8),
+        recv_count [local_experts] int32, handle, event, hook). The outputs are views of buffers
+        that the next call overwrites. With `return_recv_hook` the receive half is deferred: call
+        `hook()` before reading the outputs.
+        """
+        t = x.shape[0] if isinstance(x, torch.Tensor) else -1
+        _check(isinstance(x, torch.Tensor) and x.dim() == 2, "x", "a 2-D tensor [T, H]", _shape(x))
+        _check(x.dtype == torch.bfloat16 or not use_fp8 and x.dtype in (torch.float16, torch.float32), "x.dtype",
+               "torch.bfloat16 (or float16/float32 with use_fp8=False)", x.dtype)
+        _check(x.shape[1] % 128 == 0, "x.shape[1] (hidden)", "a multiple of 128", x.shape[1])
+        _check(t <= num_max_dispatch_tokens_per_rank, "x.shape[0]",
+               f"<= num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}", t)
+        _check(num_experts % self.group_size == 0, "num_experts", f"a multiple of {self.group_size}", num_experts)
+        _check(tuple(topk_idx.shape[:1]) == (t,) and topk_idx.dim() == 2, "topk_idx", f"[{t}, k]", _shape(topk_idx))
+        check_topk_idx(topk_idx, num_experts)
+        if hasattr(self._backend, "low_latency_dispatch"):
+            return self._backend.low_latency_dispatch(x.contiguous(), topk_idx.contiguous(),
+                                                      num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                                      async_finish, return_recv_hook)
+        finish, handle = ll_dispatch(self._transport, self._ll_bufs, x.contiguous(), topk_idx,
+                                     num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
+        if return_recv_hook:
+            out = self._ll_outputs(x, num_experts, num_max_dispatch_tokens_per_rank, use_fp8)
+            return out[0], out[1], handle, EventOverlap(None), lambda: (finish(), None)[1]
+        recv_x, recv_count = finish()
+        return recv_x, recv_count, handle, EventOverlap.capture(x.device), None
+
+    def _ll_outputs(self, x, num_experts, max_tokens, use_fp8):
+        epr, cap, h = num_experts // self.group_size, self.group_size * max_tokens, x.shape[1]
+        count = self._ll_bufs.get("count", (epr,), torch.int32, x.device)
+        if use_fp8:
+            return (self._ll_bufs.get("x", (epr, cap, h), torch.float8_e4m3fn, x.device),
+                    self._ll_bufs.get("scales", (epr, cap, h // 128), torch.float32, x.device)), count
+        return self._ll_bufs.get("x_bf16", (epr, cap, h), x.dtype, x.device), count
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Any,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+        """Weighted sum over each token's top-k experts of their outputs. -> (combined_x [T, H], event, hook)."""
+        from .ll import LowLatencyHandle
+
+        want_type = getattr(self._backend, "ll_handle_type", LowLatencyHandle)
+        _check(isinstance(handle, want_type), "handle", "the handle of low_latency_dispatch", type(handle).__name__)
+        epr = handle.num_experts // self.group_size
+        shape = (epr, self.group_size * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        _check(isinstance(x, torch.Tensor) and tuple(x.shape) == shape, "x", f"shape {shape}", _shape(x))
+        _check(tuple(topk_weights.shape) == tuple(topk_idx.shape) == (handle.num_tokens, topk_idx.shape[1]),
+               "topk_weights", f"shape {tuple(topk_idx.shape)} with {handle.num_tokens} tokens",
+               _shape(topk_weights))
+        if out is not None:
+            _check(tuple(out.shape) == (handle.num_tokens, handle.hidden), "out",
+                   f"shape {(handle.num_tokens, handle.hidden)}", _shape(out))
+        if hasattr(self._backend, "low_latency_combine"):
+            return self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, async_finish,
+                                                     return_recv_hook, out)
+        finish = ll_combine(self._transport, x, topk_weights, handle, out)
+        if return_recv_hook:
+            box: list[torch.Tensor] = []
+            target = out if out is not None else torch.empty(handle.num_tokens, handle.hidden, dtype=x.dtype,
+                                                             device=x.device)
+
+            def hook() -> None:
+                box.append(finish())
+                if box[0] is not target:
+                    target.copy_(box[0])
+            return target, EventOverlap(None), hook
+        return finish(), EventOverlap.capture(x.device), None
+
+    def clean_low_latency_buffer(self, *args: Any) -> None:
+        """Kept for DeepEP compatibility; our low-latency buffers need no cleaning between calls."""

@@ -1,0 +1,52 @@
+"""EventOverlap: lets communication run on its own stream while the caller computes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class EventOverlap:
+    """A recorded CUDA event (or nothing, when the work already finished on the CPU).
+
+    `current_stream_wait()` makes the caller's current stream wait for the communication; used as
+    a context manager it does so on exit, so the block's compute overlaps with the transfer::
+
+        recv, ..., event = buffer.dispatch(x, ..., async_finish=True)
+        with event:
+            other_compute()      # runs while dispatch is in flight
+        use(recv)                # safe: the current stream waited on exit
+    """
+
+    def __init__(self, event: Any = None, extra_tensors: tuple[Any, ...] | None = None) -> None:
+        self.event = event
+        # Keeps tensors that the in-flight work reads or writes alive until the wait.
+        self.extra_tensors = extra_tensors
+
+    @classmethod
+    def capture(cls, device: Any = None) -> EventOverlap:
+        """An event recorded on the current stream of `device` (a completed one on the CPU)."""
+        import torch
+
+        if device is not None and torch.device(device).type != "cuda":
+            return cls(None)
+        if not torch.cuda.is_available():
+            return cls(None)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+        return cls(ev)
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def query(self) -> bool:
+        """True when the recorded work has finished (always True on the CPU)."""
+        return self.event is None or bool(self.event.query())
+
+    def __enter__(self) -> EventOverlap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.current_stream_wait()

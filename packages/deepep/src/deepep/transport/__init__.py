@@ -1,0 +1,1 @@
+"""Transports: how rows move between ranks (torch.distributed, hierarchical, NVLink kernels)."""

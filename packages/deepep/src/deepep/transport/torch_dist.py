@@ -1,0 +1,112 @@
+"""Row exchange over any torch.distributed process group (Gloo on CPU, NCCL on GPU, multi-node).
+
+Counts go first (a tiny all-to-all), then one `all_to_all_single` of packed byte rows with split
+sizes. Where the backend lacks all-to-all (older Gloo), paired send/recv does the same job.
+Every wait is bounded (see waits.wait_work).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..waits import wait_work
+
+log = logging.getLogger("deepep.transport")
+
+
+class TorchDistTransport:
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.num_ranks = dist.get_world_size(self.group)
+        self.global_rank = dist.get_rank()
+        self.timeout_s = timeout_s
+        self.backend = str(dist.get_backend(self.group)).lower()
+        # NCCL moves only CUDA tensors; Gloo only CPU ones (its CUDA support is partial).
+        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in self.backend else torch.device("cpu")
+        self._use_p2p = False
+
+    # ------------------------------------------------------------------ primitives
+
+    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+             stage: str) -> None:
+        self._a2a_start(out, inp, out_splits, in_splits, stage)()
+
+    def _a2a_start(self, out, inp, out_splits, in_splits, stage) -> Callable[[], None]:
+        """Issue the all-to-all; the returned callable waits for it (bounded)."""
+        if not self._use_p2p:
+            try:
+                work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+            except RuntimeError as e:
+                if "not supported" not in str(e).lower() and "unsupported" not in str(e).lower():
+                    raise
+                log.debug("all_to_all_single unsupported on backend %s (%s); using paired send/recv",
+                          self.backend, e)
+                self._use_p2p = True
+            else:
+                return lambda: wait_work(work, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)
+        return self._p2p_a2a(out, inp, out_splits, in_splits, stage)
+
+    def _p2p_a2a(self, out, inp, out_splits, in_splits, stage) -> Callable[[], None]:
+        n = self.num_ranks
+        rows_in = in_splits if in_splits is not None else [inp.shape[0] // n] * n
+        rows_out = out_splits if out_splits is not None else [out.shape[0] // n] * n
+        sends = torch.split(inp, rows_in)
+        recvs = torch.split(out, rows_out)
+        ops = []
+        for peer in range(n):
+            g = dist.get_global_rank(self.group, peer) if self.group is not dist.group.WORLD else peer
+            if peer == self.rank:
+                recvs[peer].copy_(sends[peer])
+                continue
+            if rows_in[peer]:
+                ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), g, group=self.group))
+            if rows_out[peer]:
+                ops.append(dist.P2POp(dist.irecv, recvs[peer], g, group=self.group))
+        works = dist.batch_isend_irecv(ops) if ops else []
+
+        def finish() -> None:
+            for w in works:
+                wait_work(w, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)
+        return finish
+
+    # ------------------------------------------------------------------ public
+
+    def exchange_counts(self, counts: torch.Tensor, stage: str) -> torch.Tensor:
+        """counts [R, C] int64 (row r = what I send to rank r) -> [R, C] on the CPU (row r = from r)."""
+        send = counts.to(device=self.device, dtype=torch.int64).contiguous()
+        recv = torch.empty_like(send)
+        self._a2a(recv, send, None, None, stage)
+        return recv.cpu()
+
+    def exchange_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                      stage: str) -> torch.Tensor:
+        """rows [N, B] uint8 grouped by destination -> [sum(recv_counts), B] grouped by source."""
+        return self.exchange_rows_start(rows, send_counts, recv_counts, stage)()
+
+    def exchange_rows_start(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                            stage: str) -> Callable[[], torch.Tensor]:
+        """Issue the row exchange now; the returned callable waits (bounded) and yields the rows."""
+        width = rows.shape[1]
+        dev = rows.device
+        send = rows if rows.device == self.device else rows.to(self.device)
+        out = torch.empty(sum(recv_counts), width, dtype=rows.dtype, device=self.device)
+        if send.shape[0] == 0 and out.shape[0] == 0:
+            # Still a collective: every rank must take part even when nothing moves anywhere.
+            send = torch.empty(0, width, dtype=rows.dtype, device=self.device)
+        finish = self._a2a_start(out.view(-1), send.reshape(-1), [c * width for c in recv_counts],
+                                 [c * width for c in send_counts], stage)
+
+        def result() -> torch.Tensor:
+            finish()
+            return out if out.device == dev else out.to(dev)
+        return result
+
+    def barrier(self, stage: str) -> None:
+        t = torch.zeros(1, device=self.device)
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        wait_work(work, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)

@@ -1,0 +1,350 @@
+"""Functions run on every rank of a Gloo group by tests (via deepep.testing.run_on_ranks).
+
+Each rank can rebuild every other rank's inputs from the seed, so the expected result of a
+collective is computed locally, in plain Python/torch, independent of deepep.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from deepep import Buffer, CommTimeoutError, per_token_cast_back, per_token_cast_to_fp8
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_routing(seed: int, num_tokens: int, num_experts: int, k: int, kind: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if num_tokens == 0:
+        return torch.empty(0, k, dtype=torch.int64)
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    idx = scores.topk(k, dim=1).indices
+    if kind == "hot":  # one expert everyone wants
+        idx[:, 0] = 0
+    if kind in ("random", "hot"):
+        drop = torch.rand(num_tokens, k, generator=g) < 0.2
+        idx[drop] = -1
+    if kind == "silent":  # this rank sends nothing
+        idx[:] = -1
+    return idx
+
+
+def rank_inputs(seed: int, rank: int, cfg: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t = cfg["tokens"][rank]
+    kind = cfg.get("kinds", {}).get(rank, cfg.get("kind", "random"))
+    idx = make_routing(seed * 100 + rank, t, cfg["experts"], cfg["k"], kind)
+    g = torch.Generator().manual_seed(seed * 100 + rank + 7)
+    x = torch.randn(t, cfg["hidden"], generator=g).to(cfg.get("dtype", torch.float32))
+    w = torch.rand(t, cfg["k"], generator=g)
+    return x, idx, w
+
+
+def reference_dispatch(seed: int, me: int, world: int, cfg: dict):
+    """Rows this rank must receive, in DeepEP's order (source rank, then token)."""
+    epr = cfg["experts"] // world
+    lo, hi = me * epr, (me + 1) * epr
+    rows, idxs, ws, per_expert = [], [], [], [0] * epr
+    for src in range(world):
+        x, idx, w = rank_inputs(seed, src, cfg)
+        for t in range(x.shape[0]):
+            experts = [int(e) for e in idx[t]]
+            if not any(lo <= e < hi for e in experts):
+                continue
+            rows.append(x[t])
+            idxs.append([e - lo if lo <= e < hi else -1 for e in experts])
+            ws.append([float(w[t, j]) if lo <= experts[j] < hi else 0.0 for j in range(len(experts))])
+            for e in experts:
+                if lo <= e < hi:
+                    per_expert[e - lo] += 1
+    h, k = cfg["hidden"], cfg["k"]
+    x_ref = torch.stack(rows) if rows else torch.empty(0, h, dtype=cfg.get("dtype", torch.float32))
+    return x_ref, torch.tensor(idxs, dtype=torch.int64).view(-1, k), torch.tensor(ws).view(-1, k), per_expert
+
+
+# ----------------------------------------------------------------------------- normal mode
+
+
+def _check_case(buf: Buffer, seed: int, cfg: dict, rank: int, world: int) -> dict:
+    x, idx, w = rank_inputs(seed, rank, cfg)
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, cfg["experts"])
+    align = cfg.get("align", 1)
+    worst = cfg.get("worst", 0)
+    recv_x, recv_idx, recv_w, recv_per_expert, handle, event = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, expert_alignment=align,
+        num_worst_tokens=worst)
+    event.current_stream_wait()
+    x_ref, idx_ref, w_ref, per_expert_ref = reference_dispatch(seed, rank, world, cfg)
+    n = x_ref.shape[0]
+    if worst:
+        assert recv_x.shape[0] == worst and recv_per_expert == []
+        assert (recv_idx[n:] == -1).all()
+    else:
+        assert recv_x.shape[0] == n, (recv_x.shape, n)
+        assert recv_per_expert == [(c + align - 1) // align * align for c in per_expert_ref], \
+            (recv_per_expert, per_expert_ref)
+    assert torch.equal(recv_x[:n], x_ref)
+    assert torch.equal(recv_idx[:n], idx_ref), (recv_idx[:n], idx_ref)
+    assert torch.equal(recv_w[:n], w_ref)
+
+    # combine: every token comes back as x times the number of ranks it went to
+    combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    mult = in_rank.sum(1, keepdim=True).to(torch.float32)
+    assert torch.equal(combined, (x.float() * mult).to(x.dtype))
+    assert torch.equal(combined_w, torch.where(idx >= 0, w, torch.zeros_like(w)))
+
+    # handle reuse: new values, same routing, no counts exchange
+    x2 = x * 2 + 1
+    recv2, _, _, per2, handle2, _ = buf.dispatch(x2, handle=handle)
+    assert torch.equal(recv2[:n], (x_ref * 2 + 1).to(x.dtype))
+    if not worst:
+        assert per2 == recv_per_expert
+    return {"received": n}
+
+
+def dispatch_combine(rank: int, world: int, cases: list[dict], transport: str = "torch",
+                     ranks_per_node: int | None = None) -> list[dict]:
+    buf = Buffer(None, transport=transport, num_ranks_per_node=ranks_per_node, timeout_s=20)
+    return [_check_case(buf, seed, cfg, rank, world) for seed, cfg in enumerate(cases, start=1)]
+
+
+def fp8_dispatch(rank: int, world: int, hidden: int = 256) -> None:
+    cfg = {"tokens": [24 + r * 5 for r in range(world)], "experts": 8 * world, "k": 4, "hidden": hidden,
+           "dtype": torch.bfloat16}
+    buf = Buffer(transport="torch", timeout_s=20)
+    x, idx, w = rank_inputs(3, rank, cfg)
+    xq, sq = per_token_cast_to_fp8(x)
+    _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, cfg["experts"])
+    (rx, rs), ridx, rw, _, handle, _ = buf.dispatch((xq, sq), is_token_in_rank=in_rank,
+                                                    num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    x_ref, idx_ref, _, _ = reference_dispatch(3, rank, world, cfg)
+    assert rx.dtype == torch.float8_e4m3fn and rs.dtype == torch.float32
+    assert rs.shape == (x_ref.shape[0], hidden // 128)
+    # The transport moves bytes, so the fp8 payload is bit-exact; the dequantized value is within
+    # fp8 e4m3's relative step (2^-3 with round-to-nearest: 1/16) of the bf16 source.
+    ref_q, ref_s = per_token_cast_to_fp8(x_ref)
+    assert torch.equal(rx.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(rs, ref_s)
+    deq = per_token_cast_back(rx, rs)
+    err = (deq - x_ref.float()).abs()
+    bound = x_ref.float().abs() / 16 + rs.repeat_interleave(128, dim=1) * 2 ** -9
+    assert (err <= bound + 1e-6).all(), float((err - bound).max())
+    assert torch.equal(ridx, idx_ref)
+
+
+def async_overlap(rank: int, world: int) -> None:
+    cfg = {"tokens": [16] * world, "experts": 4 * world, "k": 2, "hidden": 128}
+    buf = Buffer(transport="torch", timeout_s=20)
+    x, idx, w = rank_inputs(5, rank, cfg)
+    per_rank, _, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, cfg["experts"], async_finish=True)
+    recv_x, _, _, _, handle, ev2 = buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                                topk_idx=idx, previous_event=ev, async_finish=True)
+    with ev2:
+        pass
+    assert ev2.query()
+    out, _, ev3 = buf.combine(recv_x, handle, async_finish=True, previous_event=ev2)
+    ev3.current_stream_wait()
+    assert torch.equal(out, x * in_rank.sum(1, keepdim=True))
+
+
+def bad_inputs(rank: int, world: int) -> list[str]:
+    from tilehal import ShapeError
+
+    buf = Buffer(transport="torch", timeout_s=20)
+    msgs = []
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    for call in (
+        lambda: buf.get_dispatch_layout(idx.int(), 4 * world),
+        lambda: buf.get_dispatch_layout(idx + 99, 4 * world),
+        lambda: buf.dispatch(torch.zeros(4, 8, dtype=torch.int32), topk_idx=idx,
+                             num_tokens_per_expert=torch.zeros(4 * world, dtype=torch.int32)),
+        lambda: buf.dispatch((torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.zeros(4, 3)), topk_idx=idx,
+                             num_tokens_per_expert=torch.zeros(4 * world, dtype=torch.int32)),
+        lambda: buf.dispatch(torch.zeros(4, 8), topk_idx=idx[:3],
+                             num_tokens_per_expert=torch.zeros(4 * world, dtype=torch.int32)),
+        lambda: buf.combine(torch.zeros(4, 8), handle=object()),
+    ):
+        try:
+            call()
+        except ShapeError as e:
+            msgs.append(str(e))
+        else:
+            raise AssertionError("bad input was accepted")
+    return msgs
+
+
+# ----------------------------------------------------------------------------- low latency
+
+
+def low_latency(rank: int, world: int, use_fp8: bool, tokens: list[int], hidden: int = 256, experts: int = 16,
+                k: int = 4, max_tokens: int = 32, transport: str = "torch", rounds: int = 2) -> None:
+    cfg = {"tokens": tokens, "experts": experts, "k": k, "hidden": hidden, "dtype": torch.bfloat16}
+    buf = Buffer(transport=transport, timeout_s=20, low_latency_mode=True)
+    epr = experts // world
+    for seed in range(11, 11 + rounds):
+        x, idx, w = rank_inputs(seed, rank, cfg)
+        recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
+            x, idx, max_tokens, experts, use_fp8=use_fp8, return_recv_hook=(seed % 2 == 0))
+        if hook is not None:
+            hook()
+        # reference: per local expert, rows ordered by source rank then token
+        expect: list[list[torch.Tensor]] = [[] for _ in range(epr)]
+        for src in range(world):
+            xs, ids, _ = rank_inputs(seed, src, cfg)
+            for t in range(xs.shape[0]):
+                for e in ids[t].tolist():
+                    if rank * epr <= e < (rank + 1) * epr:
+                        expect[e - rank * epr].append(xs[t])
+        assert recv_count.tolist() == [len(v) for v in expect]
+        if use_fp8:
+            rx, rs = recv_x
+            assert rx.shape == (epr, world * max_tokens, hidden) and rs.shape == (epr, world * max_tokens, hidden // 128)
+            got = per_token_cast_back(rx, rs)
+        else:
+            got = recv_x.float()
+        for e in range(epr):
+            if expect[e]:
+                ref = torch.stack(expect[e]).float()
+                if use_fp8:
+                    ref = per_token_cast_back(*per_token_cast_to_fp8(ref))
+                assert torch.equal(got[e, : len(expect[e])], ref), e
+        # expert e's output: its input times (global expert id + 1), in bf16
+        scale = torch.arange(rank * epr + 1, (rank + 1) * epr + 1, dtype=torch.float32).view(epr, 1, 1)
+        y = (got * scale).to(torch.bfloat16)
+        out, ev, hook2 = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=(seed % 2 == 1))
+        if hook2 is not None:
+            hook2()
+        xin = x.float()
+        if use_fp8:
+            xin = per_token_cast_back(*per_token_cast_to_fp8(x)) if x.shape[0] else xin
+        ref = torch.zeros(x.shape[0], hidden)
+        for t in range(x.shape[0]):
+            for j, e in enumerate(idx[t].tolist()):
+                if e >= 0:
+                    ref[t] += w[t, j] * (xin[t] * (e + 1)).to(torch.bfloat16).float()
+        assert out.dtype == torch.bfloat16 and out.shape == (x.shape[0], hidden)
+        # bf16 output: relative 2^-8 per element of the sum, plus an absolute floor
+        torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-2)
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def killed_rank(rank: int, world: int, victim: int, comm_timeout_s: float) -> dict:
+    cfg = {"tokens": [8] * world, "experts": 2 * world, "k": 2, "hidden": 64}
+    buf = Buffer(transport="torch", timeout_s=comm_timeout_s)
+    x, idx, _ = rank_inputs(9, rank, cfg)
+    _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, cfg["experts"])
+    buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)  # all alive
+    if rank == victim:
+        import os
+
+        os._exit(1)
+    time.sleep(0.5)  # let the victim die first
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+    except CommTimeoutError as e:
+        elapsed = time.monotonic() - t0
+        err = {"elapsed": elapsed, "rank": e.rank, "stage": e.stage, "msg": str(e)}
+    else:
+        raise AssertionError("dispatch with a dead peer returned")
+    # The survivors form a new group and carry on with the same Buffer.
+    survivors = [r for r in range(world) if r != victim]
+    g = dist.new_group(survivors, use_local_synchronization=True)
+    buf.reset(g)
+    me = survivors.index(rank)
+    n = len(survivors)
+    cfg2 = {"tokens": [5 + r for r in range(n)], "experts": 2 * n, "k": 2, "hidden": 64}
+    x2, idx2, _ = rank_inputs(4, me, cfg2)
+    _, _, pe2, ir2, _ = buf.get_dispatch_layout(idx2, cfg2["experts"])
+    recv, _, _, _, h2, _ = buf.dispatch(x2, is_token_in_rank=ir2, num_tokens_per_expert=pe2, topk_idx=idx2)
+    assert torch.equal(recv, reference_dispatch(4, me, n, cfg2)[0])
+    return err
+
+
+def stalled_rank(rank: int, world: int, comm_timeout_s: float) -> dict | None:
+    buf = Buffer(transport="torch", timeout_s=comm_timeout_s)
+    cfg = {"tokens": [8] * world, "experts": 2 * world, "k": 2, "hidden": 64}
+    x, idx, _ = rank_inputs(9, rank, cfg)
+    _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, cfg["experts"])
+    if rank == world - 1:
+        time.sleep(comm_timeout_s + 3)  # alive, but never joins
+        return None
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+    except CommTimeoutError as e:
+        return {"elapsed": time.monotonic() - t0, "rank": e.rank, "stage": e.stage, "msg": str(e)}
+    raise AssertionError("dispatch with a stalled peer returned")
+
+
+# ----------------------------------------------------------------------------- DDP hooks
+
+
+def ddp_training(rank: int, world: int, steps: int = 150) -> dict:
+    from deepep.comm_hooks import (
+        Int8ErrorFeedbackState,
+        TopKErrorFeedbackState,
+        int8_error_feedback_hook,
+        topk_error_feedback_hook,
+    )
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    g = torch.Generator().manual_seed(0)
+    w_true = torch.randn(32, 8, generator=g)
+    data = torch.randn(world, 256, 32, generator=g)
+    target = torch.tanh(data @ w_true) + 0.01 * torch.randn(world, 256, 8, generator=g)
+
+    def train(hook, state) -> float:
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+        ddp = DDP(model)
+        if hook is not None:
+            ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(data[rank]), target[rank])
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            return float(torch.nn.functional.mse_loss(model(data.view(-1, 32)), target.view(-1, 8)))
+
+    base = train(None, None)
+    s8 = Int8ErrorFeedbackState()
+    int8 = train(int8_error_feedback_hook, s8)
+    sk = TopKErrorFeedbackState(ratio=0.1)
+    topk = train(topk_error_feedback_hook, sk)
+    # state survives a checkpoint round trip
+    for st, cls, kw in ((s8, Int8ErrorFeedbackState, {}), (sk, TopKErrorFeedbackState, {"ratio": 0.5})):
+        sd = st.state_dict()
+        again = cls(**kw)
+        again.load_state_dict(sd)
+        assert again.step == st.step and again.residuals.keys() == st.residuals.keys()
+        assert all(torch.equal(again.residuals[k], st.residuals[k]) for k in st.residuals)
+        assert any(v.abs().sum() > 0 for v in again.residuals.values())
+    assert sk.ratio == 0.1
+    return {"base": base, "int8": int8, "topk": topk}
+
+
+# ----------------------------------------------------------------------------- hierarchical
+
+
+def hierarchical(rank: int, world: int, ranks_per_node: int) -> dict:
+    cfg = {"tokens": [40, 0, 33, 17][:world], "experts": 4 * world, "k": 4, "hidden": 128}
+    h = Buffer(transport="hierarchical", num_ranks_per_node=ranks_per_node, timeout_s=20)
+    assert h.transport == "hierarchical"
+    stats = _check_case(h, 21, cfg, rank, world)
+    x, idx, w = rank_inputs(21, rank, cfg)
+    _, per_rdma, per_expert, in_rank, _ = h.get_dispatch_layout(idx, cfg["experts"])
+    _, _, _, _, handle, _ = h.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+    # each token crosses to a remote node once, however many ranks there want it
+    nodes = in_rank.view(x.shape[0], world // ranks_per_node, ranks_per_node).any(dim=2)
+    my_node = rank // ranks_per_node
+    remote = int(nodes.sum()) - int(nodes[:, my_node].sum())
+    assert handle.inter_node_rows_sent == remote, (handle.inter_node_rows_sent, remote)
+    assert torch.equal(per_rdma, nodes.sum(0, dtype=torch.int32))
+    stats["remote_rows"] = remote
+    return stats
