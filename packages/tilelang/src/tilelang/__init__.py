@@ -15,10 +15,11 @@ Targets: "cpu" (C + OpenMP), "interp" (numpy reference); "cuda" is planned.
 
 from .__about__ import __version__
 from .errors import CompileError, SourceLoc
+from .highlevel import tensor_contract, tile_kernel
 from .ir.nodes import PrimFunc
 from .runtime.autotune import AutoTuner, autotune
 from .runtime.kernel import JITKernel, compile, jit  # noqa: A004
 from .runtime.profiler import Profiler, TensorSupplyType
 
 __all__ = ["AutoTuner", "CompileError", "JITKernel", "PrimFunc", "Profiler", "SourceLoc", "TensorSupplyType",
-           "__version__", "autotune", "compile", "jit"]
+           "__version__", "autotune", "compile", "jit", "tensor_contract", "tile_kernel"]
