@@ -18,19 +18,20 @@ def issue_configs():
     for kind in ("fp8", "bf16"):
         for m in (1, 7, 64, 128, 1000, 4096):
             for n, k in DENSE_NK:
-                cfg = pick_config(kind, m, n, k, num_sms=132)
-                for out in (torch.bfloat16, torch.float32):
+                for out in (torch.bfloat16, torch.float32):  # bf16: TMA-store epilogue; fp32 + C: direct
+                    cfg = pick_config(kind, m, n, k, num_sms=132, tma_store=out == torch.bfloat16)
                     keys.add(kernel_key(cfg, n, k, "normal", 1, out, has_c=out == torch.float32))
         for n, k in GROUPED_NK:
             for g, rows in ((4, 8192), (8, 4096)):
-                cfg = pick_config(kind, g * rows, n, k, num_groups=g, grouping="contiguous", num_sms=132)
+                cfg = pick_config(kind, g * rows, n, k, num_groups=g, grouping="contiguous", num_sms=132,
+                                  tma_store=True)
                 keys.add(kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False))
             for g, rows in ((1, 1024), (2, 512), (4, 256)):
                 cfg = pick_config(kind, rows, n, k, num_groups=g, grouping="masked", num_sms=132)
                 keys.add(kernel_key(cfg, n, k, "masked", g, torch.bfloat16, False))
     # odd shapes the GPU tests use
     for kind, m, n, k in (("fp8", 7, 200, 272), ("bf16", 1000, 200, 272), ("fp8", 1000, 129, 1040)):
-        cfg = pick_config(kind, m, n, k, num_sms=132)
+        cfg = pick_config(kind, m, n, k, num_sms=132, tma_store=n % 8 == 0)
         keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))
     return sorted(keys, key=lambda k: k.expression)
 

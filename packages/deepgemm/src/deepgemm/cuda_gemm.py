@@ -6,8 +6,10 @@ dtype, whether C is added); M stays a runtime argument so MoE batches of any siz
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,13 +44,14 @@ class KernelKey:
     fp8: bool
     out_bf16: bool
     has_c: bool
+    tma_store: bool = False
 
     @property
     def expression(self) -> str:
         out = "__nv_bfloat16" if self.out_bf16 else "float"
         return (f"deepgemm::gemm_sm90<{self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
                 f"{KIND_IDS[self.grouping]}, {self.num_groups}, {'true' if self.fp8 else 'false'}, {out}, "
-                f"{'true' if self.has_c else 'false'}>")
+                f"{'true' if self.has_c else 'false'}, {'true' if self.tma_store else 'false'}>")
 
 
 def kernel_source() -> str:
@@ -71,7 +74,45 @@ def kernel_key(cfg: GemmConfig, n: int, k: int, grouping: str, num_groups: int, 
                has_c: bool) -> KernelKey:
     return KernelKey(n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages, grouping=grouping,
                      num_groups=num_groups, fp8=cfg.kind == "fp8", out_bf16=out_dtype == torch.bfloat16,
-                     has_c=has_c)
+                     has_c=has_c, tma_store=cfg.tma_store)
+
+
+def use_tma_store(d: torch.Tensor, n: int, has_c: bool, grouping: str) -> bool:
+    """The TMA-store epilogue writes whole (clipped) bf16 tiles; say why when it cannot be used."""
+    why = None
+    if os.environ.get("DEEPGEMM_EPILOGUE", "tma") == "direct":
+        why = "DEEPGEMM_EPILOGUE=direct"
+    elif d.dtype != torch.bfloat16:
+        why = f"output dtype {d.dtype} (staging tile sized for bf16)"
+    elif has_c:
+        why = "C is accumulated"
+    elif grouping == "masked":
+        why = "masked groups must not write rows past masked_m"
+    elif n % 8:
+        why = f"N = {n} is not a multiple of 8 (TMA needs 16-byte rows)"
+    if why:
+        log.debug("direct-store epilogue instead of TMA store: %s", why)
+    return why is None
+
+
+_DESC_CACHE: collections.OrderedDict = collections.OrderedDict()
+
+
+def _encode(ptr: int, dtype: torch.dtype, shape: tuple, strides: tuple, box: tuple, swizzle: str) -> bytes:
+    # A descriptor depends only on these values, so repeated calls on the same buffers reuse it.
+    key = (ptr, dtype, shape, strides, box, swizzle)
+    hit = _DESC_CACHE.get(key)
+    if hit is None:
+        hit = encode_tiled(ptr, dtype, shape, strides, box, swizzle=swizzle)
+        _DESC_CACHE[key] = hit
+        if len(_DESC_CACHE) > 4096:
+            _DESC_CACHE.popitem(last=False)
+    return hit
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _sfa_layout(sfa: torch.Tensor) -> torch.Tensor:
@@ -87,13 +128,20 @@ def _descriptors(a2d: torch.Tensor, b2d: torch.Tensor, sfa_t: torch.Tensor | Non
     """TMA descriptors: A [rows, K] and B [rows, K] in 128-byte swizzled boxes; activation scales
     as a [sfa_rows, sfa_cols] fp32 matrix (rows = (group x) K blocks, cols = M) read BLOCK_M at a time."""
     box_k = cfg.block_k
-    da = encode_tiled(a2d, a2d.dtype, tuple(a2d.shape), tuple(a2d.stride()), (cfg.block_m, box_k), swizzle="128B")
-    db = encode_tiled(b2d, b2d.dtype, tuple(b2d.shape), tuple(b2d.stride()), (cfg.block_n, box_k), swizzle="128B")
+    da = _encode(a2d.data_ptr(), a2d.dtype, tuple(a2d.shape), tuple(a2d.stride()), (cfg.block_m, box_k), "128B")
+    db = _encode(b2d.data_ptr(), b2d.dtype, tuple(b2d.shape), tuple(b2d.stride()), (cfg.block_n, box_k), "128B")
     if sfa_t is None:
         return da, db, _NULL_DESC
     ld = get_tma_aligned_size(sfa_cols, 4)
-    dsf = encode_tiled(sfa_t.data_ptr(), torch.float32, (sfa_rows, sfa_cols), (ld, 1), (1, cfg.block_m))
+    dsf = _encode(sfa_t.data_ptr(), torch.float32, (sfa_rows, sfa_cols), (ld, 1), (1, cfg.block_m), "none")
     return da, db, dsf
+
+
+def _d_descriptor(d2d: torch.Tensor, cfg: GemmConfig) -> bytes:
+    if not cfg.tma_store:
+        return _NULL_DESC
+    return _encode(d2d.data_ptr(), d2d.dtype, tuple(d2d.shape), tuple(d2d.stride()), (cfg.block_m, cfg.block_n),
+                   "none")
 
 
 def _check_cuda(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None) -> None:
@@ -106,15 +154,14 @@ def _check_cuda(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tens
         raise ShapeError(f"b: expected a contiguous [G, N, K] tensor on CUDA, got strides {tuple(b.stride())}")
     if a.dim() == 3 and not a.is_contiguous():
         raise ShapeError(f"a: expected a contiguous [G, M_max, K] tensor on CUDA, got strides {tuple(a.stride())}")
-    idx = a.device.index
-    cap = torch.cuda.get_device_capability(idx)
+    cap = _capability(a.device.index)
     if cap[0] != 9:
         raise tilehal.DeviceError(f"deepgemm CUDA kernels: expected an sm_90 (Hopper) GPU, got sm_{cap[0]}{cap[1]}")
 
 
-def _launch(key: KernelKey, cfg: GemmConfig, grid: int, descs, sfb, d, c, group_info, shape_m: int) -> None:
+def _launch(key: KernelKey, cfg: GemmConfig, grid: int, descs, d_desc, sfb, d, c, group_info, shape_m: int) -> None:
     kern = _kernel(key)
-    kern.launch(grid, cfg.num_threads, [descs[0], descs[1], descs[2], sfb, d, c, group_info, shape_m],
+    kern.launch(grid, cfg.num_threads, [descs[0], descs[1], descs[2], d_desc, sfb, d, c, group_info, shape_m],
                 smem_bytes=cfg.smem_bytes)
 
 
@@ -130,13 +177,13 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
         d.copy_(c if c is not None else torch.zeros_like(d))
         return
     fp8 = sfa is not None
-    cfg = pick_config("fp8" if fp8 else "bf16", m, n, k)
+    cfg = pick_config("fp8" if fp8 else "bf16", m, n, k, tma_store=use_tma_store(d, n, c is not None, "normal"))
     sfa_t = _sfa_layout(sfa) if fp8 else None
     sfb_c = sfb.contiguous() if fp8 else None
     descs = _descriptors(a, b, sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
     key = kernel_key(cfg, n, k, "normal", 1, d.dtype, c is not None)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    _launch(key, cfg, min(cfg.num_sms, tiles), descs, sfb_c, d, c, None, m)
+    _launch(key, cfg, min(cfg.num_sms, tiles), descs, _d_descriptor(d, cfg), sfb_c, d, c, None, m)
 
 
 def grouped_contiguous(a, sfa, b, sfb, d, m_indices) -> None:
@@ -146,13 +193,14 @@ def grouped_contiguous(a, sfa, b, sfb, d, m_indices) -> None:
     if m == 0 or n == 0:
         return
     fp8 = sfa is not None
-    cfg = pick_config("fp8" if fp8 else "bf16", m, n, k, num_groups=g, grouping="contiguous")
+    cfg = pick_config("fp8" if fp8 else "bf16", m, n, k, num_groups=g, grouping="contiguous",
+                      tma_store=use_tma_store(d, n, False, "contiguous"))
     sfa_t = _sfa_layout(sfa) if fp8 else None
     descs = _descriptors(a, b.view(g * n, k), sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
     key = kernel_key(cfg, n, k, "contiguous", g, d.dtype, False)
     tiles = (m // cfg.block_m) * -(-n // cfg.block_n)
-    _launch(key, cfg, min(cfg.num_sms, tiles), descs, sfb.contiguous() if fp8 else None, d, None,
-            m_indices.contiguous(), m)
+    _launch(key, cfg, min(cfg.num_sms, tiles), descs, _d_descriptor(d, cfg), sfb.contiguous() if fp8 else None,
+            d, None, m_indices.contiguous(), m)
 
 
 def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int) -> None:
@@ -168,5 +216,6 @@ def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int) -> None:
     descs = _descriptors(a.view(g * m_max, k), b.view(g * n, k), sfa_t, cfg, sfa_rows=g * sk, sfa_cols=m_max)
     key = kernel_key(cfg, n, k, "masked", g, d.dtype, False)
     upper = g * -(-m_max // cfg.block_m) * -(-n // cfg.block_n)  # tiles if every group were full
-    _launch(key, cfg, min(cfg.num_sms, upper), descs, sfb.contiguous() if fp8 else None, d, None,
+    use_tma_store(d, n, False, "masked")  # logs why the direct epilogue is used
+    _launch(key, cfg, min(cfg.num_sms, upper), descs, _NULL_DESC, sfb.contiguous() if fp8 else None, d, None,
             masked_m.contiguous(), m_max)

@@ -5,10 +5,12 @@ DeepGEMM: take the candidate tile (BLOCK_M x BLOCK_N) with the fewest waves; amo
 counts, the one whose last wave keeps the most SMs busy; then the larger tile (less operand
 traffic per FLOP). Stages = as many pipeline buffers as fit in shared memory (at most 8).
 Multicast across 2-CTA clusters is not implemented by the kernels yet, so it is always 1.
+With `tma_store`, a BLOCK_M x BLOCK_N bf16 staging tile for the epilogue is reserved first.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -31,6 +33,7 @@ class GemmConfig:
     num_waves: int
     last_wave_util: int  # CTAs busy in the last wave
     num_sms: int  # persistent CTAs to launch (before capping by the tile count)
+    tma_store: bool = False  # epilogue staged in shared memory and written by TMA
 
     @property
     def num_math_warpgroups(self) -> int:
@@ -42,7 +45,11 @@ class GemmConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.kind, self.block_m, self.block_n, self.stages)
+        return smem_bytes(self.kind, self.block_m, self.block_n, self.stages, self.epilogue_bytes)
+
+    @property
+    def epilogue_bytes(self) -> int:
+        return self.block_m * self.block_n * 2 if self.tma_store else 0
 
 
 def block_n_candidates(kind: str) -> tuple[int, ...]:
@@ -62,14 +69,14 @@ def stage_bytes(kind: str, block_m: int, block_n: int) -> int:
     return (block_m + block_n) * ROW_BYTES + sfa
 
 
-def smem_bytes(kind: str, block_m: int, block_n: int, stages: int) -> int:
+def smem_bytes(kind: str, block_m: int, block_n: int, stages: int, epilogue_bytes: int = 0) -> int:
     barriers = 2 * 8 * stages  # full + empty mbarrier per stage
-    return stages * stage_bytes(kind, block_m, block_n) + barriers + SMEM_SLACK
+    return stages * stage_bytes(kind, block_m, block_n) + epilogue_bytes + barriers + SMEM_SLACK
 
 
-def max_stages(kind: str, block_m: int, block_n: int) -> int:
+def max_stages(kind: str, block_m: int, block_n: int, epilogue_bytes: int = 0) -> int:
     s = MAX_STAGES
-    while s > 2 and smem_bytes(kind, block_m, block_n, s) > SMEM_CAPACITY:
+    while s > 2 and smem_bytes(kind, block_m, block_n, s, epilogue_bytes) > SMEM_CAPACITY:
         s -= 1
     return s
 
@@ -88,6 +95,7 @@ def pick_config(
     num_groups: int = 1,
     grouping: str = "normal",
     num_sms: int | None = None,
+    tma_store: bool = False,
 ) -> GemmConfig:
     """Choose the kernel configuration for D[M, N] (per group) = A[M, K] @ B[N, K]^T.
 
@@ -98,7 +106,11 @@ def pick_config(
         raise ValueError(f"kind: expected 'fp8' or 'bf16', got {kind!r}")
     if grouping not in ("normal", "contiguous", "masked"):
         raise ValueError(f"grouping: expected 'normal', 'contiguous' or 'masked', got {grouping!r}")
-    sms = num_sms or get_num_sms()
+    return _pick(kind, m, n, k, num_groups, grouping, num_sms or get_num_sms(), tma_store)
+
+
+@functools.lru_cache(maxsize=4096)  # called on every launch: keep the host path short
+def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms: int, tma_store: bool) -> GemmConfig:
     if grouping == "contiguous":
         block_ms: tuple[int, ...] = (128,)  # the layout's alignment: one expert per M block
     elif m <= 64:
@@ -117,5 +129,7 @@ def pick_config(
                 best = (key, bm, bn, w, util)
     _, bm, bn, w, util = best
     block_k = 128 if kind == "fp8" else 64
-    return GemmConfig(kind=kind, block_m=bm, block_n=bn, block_k=block_k, stages=max_stages(kind, bm, bn),
-                      multicast=1, num_waves=w, last_wave_util=util, num_sms=sms)
+    epilogue = bm * bn * 2 if tma_store else 0
+    return GemmConfig(kind=kind, block_m=bm, block_n=bn, block_k=block_k,
+                      stages=max_stages(kind, bm, bn, epilogue), multicast=1, num_waves=w,
+                      last_wave_util=util, num_sms=sms, tma_store=tma_store)

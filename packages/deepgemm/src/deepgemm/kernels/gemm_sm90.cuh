@@ -6,8 +6,11 @@
 // ("full": data landed, "empty": consumers are done). Warpgroups 0..NUM_MATH_WG-1 each own 64 rows
 // of the tile and run wgmma on it. For fp8, each 128-wide K block is accumulated on its own and
 // then promoted into the fp32 total with its scales (sfa per row x sfb per 128 columns), which is
-// DeepGEMM's answer to fp8 wgmma's limited accumulation precision. The epilogue stores straight
-// from the accumulator registers, bounds-checked, so any M and N work; K is zero-padded by TMA.
+// DeepGEMM's answer to fp8 wgmma's limited accumulation precision. Epilogue: with TMA_STORE the
+// tile is staged in shared memory and written by one asynchronous TMA store (bounds-checked by the
+// descriptor), so the math warps start the next tile while it drains; otherwise (fp32 output, C,
+// masked groups, N not 8-aligned) threads store straight from the accumulators, bounds-checked.
+// K is zero-padded by TMA either way.
 #pragma once
 #include <tilehal/tilehal.cuh>
 #include <tilehal/mbarrier.cuh>
@@ -102,11 +105,17 @@ TILEHAL_DEVICE void store_pair(OutT* p, float x, float y, bool both, bool aligne
   }
 }
 
+// bar.sync on a named barrier among `count` threads (id 0 is __syncthreads's).
+TILEHAL_DEVICE void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
 template <int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int KIND, int NUM_GROUPS, bool FP8,
-          typename OutT, bool HAS_C>
+          typename OutT, bool HAS_C, bool TMA_STORE>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
-          const __grid_constant__ TmaDescriptor tma_sfa, const float* __restrict__ sfb, OutT* d, const float* c,
+          const __grid_constant__ TmaDescriptor tma_sfa, const __grid_constant__ TmaDescriptor tma_d,
+          const float* __restrict__ sfb, OutT* d, const float* c,
           const int* __restrict__ group_info, int shape_m) {
   constexpr int BLOCK_K = FP8 ? 128 : 64;  // one 128-byte swizzle row either way
   constexpr int K_STEP = FP8 ? 32 : 16;    // K per wgmma instruction (32 bytes)
@@ -131,7 +140,10 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   unsigned char* smem_a = smem;
   unsigned char* smem_b = smem_a + STAGES * A_BYTES;
   float* smem_sfa = reinterpret_cast<float*>(smem_b + STAGES * B_BYTES);
-  u64* full_bar = reinterpret_cast<u64*>(reinterpret_cast<unsigned char*>(smem_sfa) + STAGES * SFA_BYTES);
+  OutT* smem_d = reinterpret_cast<OutT*>(reinterpret_cast<unsigned char*>(smem_sfa) + STAGES * SFA_BYTES);
+  constexpr int D_BYTES = TMA_STORE ? BLOCK_M * BLOCK_N * static_cast<int>(sizeof(OutT)) : 0;
+  static_assert(!TMA_STORE || (KIND != kGroupedMasked && !HAS_C), "TMA store would write rows/values it must not");
+  u64* full_bar = reinterpret_cast<u64*>(reinterpret_cast<unsigned char*>(smem_d) + D_BYTES);
   u64* empty_bar = full_bar + STAGES;
 
   const int tid = threadIdx.x;
@@ -139,6 +151,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
     tma_prefetch_descriptor(&tma_a);
     tma_prefetch_descriptor(&tma_b);
     if constexpr (FP8) tma_prefetch_descriptor(&tma_sfa);
+    if constexpr (TMA_STORE) tma_prefetch_descriptor(&tma_d);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(&full_bar[s], 1);
@@ -239,6 +252,24 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
     }
 
     // ---------------------------------------------------------------- epilogue
+    if constexpr (TMA_STORE) {
+      // The previous tile's store must have finished reading smem_d before it is overwritten.
+      if (tid == 0) tma_store_wait_read<0>();
+      named_barrier_sync(1, NUM_MATH_THREADS);
+#pragma unroll
+      for (int j = 0; j < BLOCK_N / 8; ++j) {
+        const int col = j * 8 + (lane % 4) * 2;
+        store_pair(smem_d + row_in_tile * BLOCK_N + col, acc[4 * j + 0], acc[4 * j + 1], true, true);
+        store_pair(smem_d + (row_in_tile + 8) * BLOCK_N + col, acc[4 * j + 2], acc[4 * j + 3], true, true);
+      }
+      fence_proxy_async_shared();  // make these generic-proxy writes visible to the TMA engine
+      named_barrier_sync(1, NUM_MATH_THREADS);
+      if (tid == 0) {
+        tma_store_2d(&tma_d, smem_d, n0, m_block * BLOCK_M);
+        tma_store_commit();
+      }
+      continue;
+    }
     int row_limit = shape_m;
     u64 row_base = 0;
     if constexpr (KIND == kGroupedMasked) {
@@ -271,6 +302,9 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
         store_pair(d + row_off + col, x, y, both, kEvenN);
       }
     }
+  }
+  if constexpr (TMA_STORE) {
+    if (tid == 0) tma_store_wait<0>();  // shared memory must outlive the last store
   }
 }
 

@@ -60,4 +60,10 @@ TILEHAL_DEVICE void tma_store_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
+// Wait until at most N committed store groups are still in flight (writes done).
+template <int N>
+TILEHAL_DEVICE void tma_store_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
 }  // namespace tilehal
