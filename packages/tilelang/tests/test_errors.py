@@ -3,7 +3,6 @@
 import inspect
 
 import pytest
-
 import tilelang
 import tilelang.language as T
 from tilelang import CompileError
@@ -146,7 +145,7 @@ def test_undefined_name():
         @T.prim_func
         def main(A: T.Tensor((64,), "float32")):
             with T.Kernel(1) as bx:
-                A[0] = not_defined_anywhere
+                A[0] = not_defined_anywhere  # noqa: F821
         return main
 
     with pytest.raises(CompileError) as e:
@@ -197,7 +196,6 @@ def test_runtime_argument_checks():
                 B[i, j] = A[i, j]
 
     import numpy as np
-
     import tilehal
 
     k = tilelang.compile(main, out_idx=[1], target="interp")

@@ -1,9 +1,8 @@
 """Every example against torch, on both CPU targets. Tolerances: fp32 1e-4 abs-ish, fp16 outputs 2e-2."""
 
 import pytest
-import torch
-
 import tilelang
+import torch
 
 
 def _build(factory, args, target):

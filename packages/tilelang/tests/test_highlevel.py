@@ -3,8 +3,6 @@
 import numpy as np
 import pytest
 import torch
-
-import tilelang
 from tilelang import CompileError, tensor_contract, tile_kernel
 
 

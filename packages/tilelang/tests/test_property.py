@@ -13,10 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tilelang
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import tilelang
 
 _DIR = Path(tempfile.mkdtemp(prefix="tilelang_prop_"))
 _counter = itertools.count()

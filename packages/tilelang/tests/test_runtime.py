@@ -4,10 +4,9 @@ import json
 
 import numpy as np
 import pytest
-import torch
-
 import tilelang
 import tilelang.language as T
+import torch
 
 
 def _scale_factory():

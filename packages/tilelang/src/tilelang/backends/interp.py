@@ -13,14 +13,37 @@ import itertools
 from typing import Any
 
 import numpy as np
-
 import tilehal
 
 from ..errors import CompileError
 from ..ir import dtypes as dt
 from ..ir.nodes import (
-    Alloc, AtomicAdd, BinOp, Buffer, Call, Cast, Const, Copy, CumSum, Expr, Fill, For, Gemm, If, Kernel, Let, Load,
-    Not, PrimFunc, Reduce, Region, Select, Seq, Stmt, Store, Var,
+    Alloc,
+    AtomicAdd,
+    BinOp,
+    Buffer,
+    Call,
+    Cast,
+    Const,
+    Copy,
+    CumSum,
+    Expr,
+    Fill,
+    For,
+    Gemm,
+    If,
+    Kernel,
+    Let,
+    Load,
+    Not,
+    PrimFunc,
+    Reduce,
+    Region,
+    Select,
+    Seq,
+    Stmt,
+    Store,
+    Var,
 )
 
 

@@ -21,8 +21,31 @@ from .. import language as T
 from ..errors import CompileError, SourceLoc
 from ..ir import dtypes as dt
 from ..ir.nodes import (
-    Alloc, AtomicAdd, Buffer, Const, Copy, CumSum, Expr, Fill, For, Gemm, If, Kernel, Let, Load, Not, PrimFunc,
-    Reduce, Region, Seq, Stmt, Store, Var, as_expr, binop, const,
+    Alloc,
+    AtomicAdd,
+    Buffer,
+    Const,
+    Copy,
+    CumSum,
+    Expr,
+    Fill,
+    For,
+    Gemm,
+    If,
+    Kernel,
+    Let,
+    Load,
+    Not,
+    PrimFunc,
+    Reduce,
+    Region,
+    Seq,
+    Stmt,
+    Store,
+    Var,
+    as_expr,
+    binop,
+    const,
 )
 from ..ir.verifier import verify
 from .affine import constant_difference

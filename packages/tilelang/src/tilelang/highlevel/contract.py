@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
 import tilehal
 
 from ..runtime.kernel import compile

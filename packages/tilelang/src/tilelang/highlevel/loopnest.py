@@ -34,7 +34,21 @@ from .. import language as T
 from ..errors import CompileError, SourceLoc
 from ..ir import dtypes as dt
 from ..ir.nodes import (
-    Alloc, Buffer, Const, Expr, For, If, Kernel, Load, PrimFunc, Seq, Store, Var, as_expr, binop, const,
+    Alloc,
+    Buffer,
+    Const,
+    Expr,
+    For,
+    If,
+    Kernel,
+    Load,
+    PrimFunc,
+    Seq,
+    Store,
+    Var,
+    as_expr,
+    binop,
+    const,
 )
 from ..ir.verifier import verify
 from ..runtime.kernel import JITKernel, compile

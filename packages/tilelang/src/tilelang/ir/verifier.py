@@ -4,8 +4,28 @@ from __future__ import annotations
 
 from ..errors import CompileError, SourceLoc
 from .nodes import (
-    Alloc, AtomicAdd, BinOp, Buffer, Const, Copy, CumSum, Expr, Fill, For, Gemm, If, Kernel, Let, Load, PrimFunc,
-    Reduce, Region, Seq, Stmt, Store, Var,
+    Alloc,
+    AtomicAdd,
+    BinOp,
+    Buffer,
+    Const,
+    Copy,
+    CumSum,
+    Expr,
+    Fill,
+    For,
+    Gemm,
+    If,
+    Kernel,
+    Let,
+    Load,
+    PrimFunc,
+    Reduce,
+    Region,
+    Seq,
+    Stmt,
+    Store,
+    Var,
 )
 from .visit import stmt_exprs, walk_expr
 

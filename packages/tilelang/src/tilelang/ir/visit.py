@@ -5,8 +5,31 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from .nodes import (
-    Alloc, AtomicAdd, BinOp, Buffer, Call, Cast, Const, Copy, CumSum, Expr, Fill, For, Gemm, If, Kernel, Let, Load,
-    Not, Reduce, Region, Select, Seq, Stmt, Store, Var,
+    Alloc,
+    AtomicAdd,
+    BinOp,
+    Buffer,
+    Call,
+    Cast,
+    Const,
+    Copy,
+    CumSum,
+    Expr,
+    Fill,
+    For,
+    Gemm,
+    If,
+    Kernel,
+    Let,
+    Load,
+    Not,
+    Reduce,
+    Region,
+    Select,
+    Seq,
+    Stmt,
+    Store,
+    Var,
 )
 
 

@@ -121,7 +121,6 @@ def infinity(dtype: Any = "float32") -> Const:
 @_expr_intrinsic
 def max_value(dtype: Any) -> Const:
     import numpy as np
-
     import tilehal
 
     d = tilehal.get_dtype(dt.canonical(dtype))
@@ -132,7 +131,6 @@ def max_value(dtype: Any) -> Const:
 @_expr_intrinsic
 def min_value(dtype: Any) -> Const:
     import numpy as np
-
     import tilehal
 
     d = tilehal.get_dtype(dt.canonical(dtype))

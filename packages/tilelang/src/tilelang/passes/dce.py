@@ -3,7 +3,22 @@
 from __future__ import annotations
 
 from ..ir.nodes import (
-    Alloc, AtomicAdd, Buffer, Copy, CumSum, Fill, For, Gemm, If, Let, PrimFunc, Reduce, Seq, Stmt, Store, Var,
+    Alloc,
+    AtomicAdd,
+    Buffer,
+    Copy,
+    CumSum,
+    Fill,
+    For,
+    Gemm,
+    If,
+    Let,
+    PrimFunc,
+    Reduce,
+    Seq,
+    Stmt,
+    Store,
+    Var,
 )
 from ..ir.visit import all_exprs, buffers_read, map_stmt
 
@@ -38,7 +53,7 @@ def dce(func: PrimFunc) -> PrimFunc:
         dead = {b for b in allocated if b not in read}
         used_vars = {e for e in all_exprs(body) if isinstance(e, Var)}
 
-        def rewrite(s: Stmt) -> Stmt | None:
+        def rewrite(s: Stmt, dead: set[Buffer] = dead, used_vars: set = used_vars) -> Stmt | None:
             if _writes_only(s, dead):
                 return None
             if isinstance(s, Let) and s.var not in used_vars:

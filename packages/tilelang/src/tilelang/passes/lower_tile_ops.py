@@ -13,8 +13,28 @@ import itertools
 
 from ..ir import dtypes as dt
 from ..ir.nodes import (
-    Alloc, AtomicAdd, Buffer, Const, Copy, CumSum, Expr, Fill, For, Gemm, If, Load, PrimFunc, Reduce, Region, Select,
-    Seq, Stmt, Store, Var, binop, const,
+    Alloc,
+    AtomicAdd,
+    Buffer,
+    Const,
+    Copy,
+    CumSum,
+    Expr,
+    Fill,
+    For,
+    Gemm,
+    If,
+    Load,
+    PrimFunc,
+    Reduce,
+    Region,
+    Select,
+    Seq,
+    Stmt,
+    Store,
+    Var,
+    binop,
+    const,
 )
 from ..ir.visit import map_stmt
 from .simplify import simplify_expr

@@ -111,7 +111,7 @@ class AutoTuner:
                     compiled.append((cfg, None, str(e)))
         best: tuple[float, dict, JITKernel] | None = None
         timings: dict[str, float] = {}
-        for cfg, kernel, err in tqdm(compiled, desc=f"autotune {name}: bench", disable=not self.progress,
+        for cfg, kernel, _err in tqdm(compiled, desc=f"autotune {name}: bench", disable=not self.progress,
                                      leave=False):
             if kernel is None:
                 continue

@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-
 import tilehal
 
 from ..backends import BACKENDS, resolve_target

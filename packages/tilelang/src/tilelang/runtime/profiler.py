@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-
 import tilehal
 
 from ..ir import dtypes as dt

@@ -9,7 +9,6 @@ from importlib import resources
 from typing import Any
 
 import numpy as np
-
 import tilehal
 
 from ...ir.nodes import PrimFunc, Var

@@ -17,8 +17,28 @@ import numpy as np
 from ...errors import CompileError
 from ...ir import dtypes as dt
 from ...ir.nodes import (
-    Alloc, AtomicAdd, BinOp, Buffer, Call, Cast, Const, Expr, For, Gemm, If, Kernel, Let, Load, Not, PrimFunc,
-    Region, Select, Seq, Stmt, Store, Var,
+    Alloc,
+    AtomicAdd,
+    BinOp,
+    Buffer,
+    Call,
+    Cast,
+    Const,
+    Expr,
+    For,
+    Gemm,
+    If,
+    Kernel,
+    Let,
+    Load,
+    Not,
+    PrimFunc,
+    Region,
+    Select,
+    Seq,
+    Stmt,
+    Store,
+    Var,
 )
 from ...ir.visit import walk_stmts
 
@@ -162,7 +182,7 @@ class CCodegen:
         return f"({a} {op} {b})"
 
     def store_value(self, buf: Buffer, value: Expr) -> str:
-        v = self.cast_to(value, buf.dtype) if not (buf.dtype in _RAW) else self.expr(value)
+        v = self.cast_to(value, buf.dtype) if buf.dtype not in _RAW else self.expr(value)
         if buf.dtype in _RAW:
             fn = f"tl_f32_to_{_SHORT[buf.dtype]}" if buf.scope == "global" else f"tl_round_{_SHORT[buf.dtype]}"
             return f"{fn}((float)({v}))"
