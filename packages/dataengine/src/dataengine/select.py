@@ -54,17 +54,16 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
     Hkv = kmin.shape[1]
     group = Hq // Hkv
     phys = block_table.long().clamp(min=0)
-    # Gather only the blocks each sequence owns: [B, max_blocks, kv_heads, D].
-    kmx = kmax[phys].float()
-    kmn = kmin[phys].float()
-    # A block with no keys written yet holds kmin=+inf / kmax=-inf (kvpool's convention); score it
-    # -inf instead of letting 0 * inf turn into NaN.
-    empty = ~(torch.isfinite(kmx).all(-1) & torch.isfinite(kmn).all(-1))  # [B, max_blocks, kv_heads]
-    kmx = kmx.masked_fill(empty[..., None], 0.0)
-    kmn = kmn.masked_fill(empty[..., None], 0.0)
+    # Gather only the blocks each sequence owns, laid out [B, kv_heads, D, max_blocks] for a matmul.
+    flat = phys.reshape(-1)
+    kmx = kmax.reshape(kmax.shape[0], -1).index_select(0, flat).reshape(B, -1, Hkv, D).float().permute(0, 2, 3, 1)
+    kmn = kmin.reshape(kmin.shape[0], -1).index_select(0, flat).reshape(B, -1, Hkv, D).float().permute(0, 2, 3, 1)
     qg = q.float().reshape(B, Hkv, group, D)
-    # max(q*kmax, q*kmin) per channel = q+ * kmax + q- * kmin.
-    bound = torch.einsum("bhgd,bnhd->bhgn", qg.clamp(min=0), kmx) + torch.einsum("bhgd,bnhd->bhgn", qg.clamp(max=0), kmn)
+    # max(q*kmax, q*kmin) per channel = q+ * kmax + q- * kmin, summed over channels: two matmuls.
+    bound = torch.matmul(qg.clamp(min=0), kmx) + torch.matmul(qg.clamp(max=0), kmn)  # [B, kv_heads, group, blocks]
+    # A block with no keys written yet holds kmin=+inf / kmax=-inf (kvpool's convention), which
+    # yields -inf or NaN (0 * inf) here; finite summaries always give finite bounds.
+    bound = torch.where(torch.isfinite(bound), bound, float("-inf"))
     if reduce == "max":
         score = bound.amax(2)
     elif reduce == "sum":
@@ -75,7 +74,6 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
         raise ValueError(f"reduce: expected 'max', 'sum' or 'mean', got {reduce!r}")
     n_valid = num_valid_blocks(block_table, seq_lens, block_size).to(score.device)
     valid = torch.arange(block_table.shape[1], device=score.device)[None, :] < n_valid[:, None]
-    score = score.masked_fill(empty.permute(0, 2, 1), float("-inf"))
     return score.masked_fill(~valid[:, None, :], float("-inf"))
 
 

@@ -15,7 +15,9 @@ from .stream import StreamingDataset
 def pad_collate(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: input_ids [b, max_len], lengths, sample_id, domain, position."""
     lengths = torch.tensor([len(s["tokens"]) for s in samples], dtype=torch.long)
-    ids = torch.full((len(samples), int(lengths.max()) if len(samples) else 0), pad_id, dtype=torch.long)
+    shape = (len(samples), int(lengths.max()) if len(samples) else 0)
+    # zeros() gets pre-zeroed pages from the allocator, noticeably faster than full() for big batches.
+    ids = torch.zeros(shape, dtype=torch.long) if pad_id == 0 else torch.full(shape, pad_id, dtype=torch.long)
     for k, s in enumerate(samples):
         ids[k, : len(s["tokens"])] = s["tokens"]
     return {"input_ids": ids, "lengths": lengths, **_meta(samples)}
