@@ -48,3 +48,19 @@ def test_bad_inputs_name_the_argument(ranks):
     assert "scales" in msgs[3] and "(4, 2)" in msgs[3]
     assert "topk_idx" in msgs[4]
     assert "handle" in msgs[5]
+
+
+CASES_8 = [
+    {"tokens": [30, 0, 12, 25, 7, 30, 1, 18], "experts": 32, "k": 8, "hidden": 64, "dtype": torch.bfloat16},
+    {"tokens": [10] * 8, "experts": 64, "k": 4, "hidden": 32, "kind": "hot", "kinds": {2: "silent"}, "align": 4},
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dispatch_combine_8_ranks(ranks):
+    """8 Gloo ranks (the EP8 shape of issue 8), run by hand: `pytest -m slow -k 8_ranks`."""
+    ranks(8, "dispatch_combine", cases=CASES_8, timeout_s=280)
+    ranks(8, "low_latency", use_fp8=True, tokens=[16, 0, 9, 16, 3, 12, 16, 1], experts=32, k=8,
+          max_tokens=16, timeout_s=280)
+    ranks(8, "hierarchical", ranks_per_node=4, timeout_s=280)

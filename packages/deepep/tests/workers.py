@@ -66,8 +66,8 @@ def reference_dispatch(seed: int, me: int, world: int, cfg: dict):
 # ----------------------------------------------------------------------------- normal mode
 
 
-def _check_case(buf: Buffer, seed: int, cfg: dict, rank: int, world: int) -> dict:
-    x, idx, w = rank_inputs(seed, rank, cfg)
+def _check_case(buf: Buffer, seed: int, cfg: dict, rank: int, world: int, device: str = "cpu") -> dict:
+    x, idx, w = (t.to(device) for t in rank_inputs(seed, rank, cfg))
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, cfg["experts"])
     align = cfg.get("align", 1)
     worst = cfg.get("worst", 0)
@@ -77,6 +77,7 @@ def _check_case(buf: Buffer, seed: int, cfg: dict, rank: int, world: int) -> dic
         num_worst_tokens=worst)
     event.current_stream_wait()
     x_ref, idx_ref, w_ref, per_expert_ref = reference_dispatch(seed, rank, world, cfg)
+    x, idx, w, in_rank, recv_x, recv_idx, recv_w = (t.cpu() for t in (x, idx, w, in_rank, recv_x, recv_idx, recv_w))
     n = x_ref.shape[0]
     if worst:
         assert recv_x.shape[0] == worst and recv_per_expert == []
@@ -90,14 +91,16 @@ def _check_case(buf: Buffer, seed: int, cfg: dict, rank: int, world: int) -> dic
     assert torch.equal(recv_w[:n], w_ref)
 
     # combine: every token comes back as x times the number of ranks it went to
-    combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    combined, combined_w, _ = buf.combine(recv_x.to(device), handle, topk_weights=recv_w.to(device))
+    combined, combined_w = combined.cpu(), combined_w.cpu()
     mult = in_rank.sum(1, keepdim=True).to(torch.float32)
     assert torch.equal(combined, (x.float() * mult).to(x.dtype))
     assert torch.equal(combined_w, torch.where(idx >= 0, w, torch.zeros_like(w)))
 
     # handle reuse: new values, same routing, no counts exchange
     x2 = x * 2 + 1
-    recv2, _, _, per2, handle2, _ = buf.dispatch(x2, handle=handle)
+    recv2, _, _, per2, handle2, _ = buf.dispatch(x2.to(device), handle=handle)
+    recv2 = recv2.cpu()
     assert torch.equal(recv2[:n], (x_ref * 2 + 1).to(x.dtype))
     if not worst:
         assert per2 == recv_per_expert
@@ -105,20 +108,29 @@ def _check_case(buf: Buffer, seed: int, cfg: dict, rank: int, world: int) -> dic
 
 
 def dispatch_combine(rank: int, world: int, cases: list[dict], transport: str = "torch",
-                     ranks_per_node: int | None = None) -> list[dict]:
-    buf = Buffer(None, transport=transport, num_ranks_per_node=ranks_per_node, timeout_s=20)
-    return [_check_case(buf, seed, cfg, rank, world) for seed, cfg in enumerate(cases, start=1)]
+                     ranks_per_node: int | None = None, device: str = "cpu") -> list[dict]:
+    buf = Buffer(None, transport=transport, num_ranks_per_node=ranks_per_node, timeout_s=20,
+                 num_max_tokens_per_rank=256)
+    assert buf.transport == transport, (buf.transport, transport)
+    out = [_check_case(buf, seed, cfg, rank, world, device) for seed, cfg in enumerate(cases, start=1)]
+    if device != "cpu":
+        torch.cuda.synchronize()
+        if hasattr(buf._backend, "check"):
+            buf._backend.check()
+    return out
 
 
-def fp8_dispatch(rank: int, world: int, hidden: int = 256) -> None:
+def fp8_dispatch(rank: int, world: int, hidden: int = 256, transport: str = "torch", device: str = "cpu") -> None:
     cfg = {"tokens": [24 + r * 5 for r in range(world)], "experts": 8 * world, "k": 4, "hidden": hidden,
            "dtype": torch.bfloat16}
-    buf = Buffer(transport="torch", timeout_s=20)
+    buf = Buffer(transport=transport, timeout_s=20, num_max_tokens_per_rank=256)
     x, idx, w = rank_inputs(3, rank, cfg)
     xq, sq = per_token_cast_to_fp8(x)
-    _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, cfg["experts"])
-    (rx, rs), ridx, rw, _, handle, _ = buf.dispatch((xq, sq), is_token_in_rank=in_rank,
-                                                    num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx.to(device), cfg["experts"])
+    (rx, rs), ridx, rw, _, handle, _ = buf.dispatch((xq.to(device), sq.to(device)), is_token_in_rank=in_rank,
+                                                    num_tokens_per_expert=per_expert, topk_idx=idx.to(device),
+                                                    topk_weights=w.to(device))
+    rx, rs, ridx = rx.cpu(), rs.cpu(), ridx.cpu()
     x_ref, idx_ref, _, _ = reference_dispatch(3, rank, world, cfg)
     assert rx.dtype == torch.float8_e4m3fn and rs.dtype == torch.float32
     assert rs.shape == (x_ref.shape[0], hidden // 128)
@@ -178,16 +190,21 @@ def bad_inputs(rank: int, world: int) -> list[str]:
 
 
 def low_latency(rank: int, world: int, use_fp8: bool, tokens: list[int], hidden: int = 256, experts: int = 16,
-                k: int = 4, max_tokens: int = 32, transport: str = "torch", rounds: int = 2) -> None:
+                k: int = 4, max_tokens: int = 32, transport: str = "torch", rounds: int = 2, device: str = "cpu",
+                exact: bool = True) -> None:
     cfg = {"tokens": tokens, "experts": experts, "k": k, "hidden": hidden, "dtype": torch.bfloat16}
     buf = Buffer(transport=transport, timeout_s=20, low_latency_mode=True)
+    assert buf.transport == transport
     epr = experts // world
     for seed in range(11, 11 + rounds):
         x, idx, w = rank_inputs(seed, rank, cfg)
         recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
-            x, idx, max_tokens, experts, use_fp8=use_fp8, return_recv_hook=(seed % 2 == 0))
+            x.to(device), idx.to(device), max_tokens, experts, use_fp8=use_fp8, return_recv_hook=(seed % 2 == 0))
         if hook is not None:
             hook()
+        event.current_stream_wait()
+        recv_x = tuple(t.cpu() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.cpu()
+        recv_count = recv_count.cpu()
         # reference: per local expert, rows ordered by source rank then token
         expect: list[list[torch.Tensor]] = [[] for _ in range(epr)]
         for src in range(world):
@@ -208,13 +225,19 @@ def low_latency(rank: int, world: int, use_fp8: bool, tokens: list[int], hidden:
                 ref = torch.stack(expect[e]).float()
                 if use_fp8:
                     ref = per_token_cast_back(*per_token_cast_to_fp8(ref))
-                assert torch.equal(got[e, : len(expect[e])], ref), e
+                if exact:
+                    assert torch.equal(got[e, : len(expect[e])], ref), e
+                else:  # the GPU's own fp8 cast: within one e4m3 step of the CPU's
+                    torch.testing.assert_close(got[e, : len(expect[e])], ref, rtol=2 ** -3, atol=1e-3)
         # expert e's output: its input times (global expert id + 1), in bf16
         scale = torch.arange(rank * epr + 1, (rank + 1) * epr + 1, dtype=torch.float32).view(epr, 1, 1)
         y = (got * scale).to(torch.bfloat16)
-        out, ev, hook2 = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=(seed % 2 == 1))
+        out, ev, hook2 = buf.low_latency_combine(y.to(device), idx.to(device), w.to(device), handle,
+                                                 return_recv_hook=(seed % 2 == 1))
         if hook2 is not None:
             hook2()
+        ev.current_stream_wait()
+        out = out.cpu()
         xin = x.float()
         if use_fp8:
             xin = per_token_cast_back(*per_token_cast_to_fp8(x)) if x.shape[0] else xin
@@ -225,7 +248,8 @@ def low_latency(rank: int, world: int, use_fp8: bool, tokens: list[int], hidden:
                     ref[t] += w[t, j] * (xin[t] * (e + 1)).to(torch.bfloat16).float()
         assert out.dtype == torch.bfloat16 and out.shape == (x.shape[0], hidden)
         # bf16 output: relative 2^-8 per element of the sum, plus an absolute floor
-        torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-2)
+        rtol, atol = (2 ** -7, 1e-2) if exact else (2 ** -3, 5e-2)
+        torch.testing.assert_close(out.float(), ref, rtol=rtol, atol=atol)
 
 
 # ----------------------------------------------------------------------------- faults
@@ -333,7 +357,7 @@ def ddp_training(rank: int, world: int, steps: int = 150) -> dict:
 
 
 def hierarchical(rank: int, world: int, ranks_per_node: int) -> dict:
-    cfg = {"tokens": [40, 0, 33, 17][:world], "experts": 4 * world, "k": 4, "hidden": 128}
+    cfg = {"tokens": ([40, 0, 33, 17] * 2)[:world], "experts": 4 * world, "k": 4, "hidden": 128}
     h = Buffer(transport="hierarchical", num_ranks_per_node=ranks_per_node, timeout_s=20)
     assert h.transport == "hierarchical"
     stats = _check_case(h, 21, cfg, rank, world)
@@ -348,3 +372,24 @@ def hierarchical(rank: int, world: int, ranks_per_node: int) -> dict:
     assert torch.equal(per_rdma, nodes.sum(0, dtype=torch.int32))
     stats["remote_rows"] = remote
     return stats
+
+
+# ----------------------------------------------------------------------------- GPU only
+
+
+def nvlink_stalled_peer(rank: int, world: int, comm_timeout_s: float) -> dict | None:
+    """Rank 1 never joins: rank 0's NVLink kernel gives up at its deadline, the host raises."""
+    buf = Buffer(transport="nvlink", timeout_s=comm_timeout_s, num_max_tokens_per_rank=64)
+    cfg = {"tokens": [8] * world, "experts": 2 * world, "k": 2, "hidden": 64}
+    x, idx, _ = (t.cuda() for t in rank_inputs(9, rank, cfg))
+    _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, cfg["experts"])
+    torch.cuda.synchronize()
+    if rank != 0:
+        time.sleep(comm_timeout_s + 4)
+        return None
+    t0 = time.monotonic()
+    try:
+        buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+    except CommTimeoutError as e:
+        return {"elapsed": time.monotonic() - t0, "rank": e.rank, "stage": e.stage, "msg": str(e)}
+    raise AssertionError("NVLink dispatch with a stalled peer returned")

@@ -31,6 +31,8 @@ class EventOverlap:
             return cls(None)
         if not torch.cuda.is_available():
             return cls(None)
+        if torch.cuda.is_current_stream_capturing():
+            return cls(None)  # inside a CUDA graph the graph's own order is the synchronization
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(device))
         return cls(ev)

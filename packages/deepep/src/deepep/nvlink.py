@@ -1,6 +1,461 @@
-"""NVLink fast path (filled in below)."""
+"""NVLink fast path: our kernels write rows straight into the peers' IPC-shared buffers.
+
+Taken when every rank of an NCCL group is a GPU of one host with peer access. Buffers are
+plain torch allocations exported with CUDA IPC (`cuIpcGetMemHandle`), opened by every peer;
+the kernels (kernels/nvlink.cu, compiled by tilehal.compile_cuda) are described there.
+Waits are bounded on both sides: in-kernel spins end at a deadline and record (stage, peer)
+in host-mapped memory; the host polls with a deadline too. Then CommTimeoutError.
+"""
+
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-def nvlink_unavailable_reason(buf) -> str | None:
-    return "not implemented yet"
+import tilehal
+import torch
+import torch.distributed as dist
+from tilehal import Arg, CommTimeoutError, ShapeError
+
+from .event import EventOverlap
+from .flat import DispatchInput, DispatchOutput, align_counts
+from .waits import comm_error, spin_until
+
+log = logging.getLogger("deepep.nvlink")
+
+MAX_RANKS = 16
+THREADS = 512
+STAGES = {1: "dispatch/counts", 2: "dispatch/data", 3: "combine/start", 4: "combine/data",
+          5: "low_latency_dispatch/data", 6: "low_latency_combine/data"}
+
+P = ctypes.c_uint64  # device pointers travel as 64-bit integers
+
+
+class DispatchArgs(ctypes.Structure):
+    _fields_ = [(n, P) for n in ("x", "scales", "topk_idx", "topk_w", "send_pos", "counts_msg", "peer_data",
+                                  "peer_sig", "recv_x", "recv_scales", "recv_topk", "recv_w", "recv_src",
+                                  "recv_counts", "host_info", "err")] + [
+        ("region_bytes", ctypes.c_int64), ("timeout_ns", ctypes.c_uint64)] + [
+        (n, ctypes.c_int32) for n in ("T", "R", "me", "epr", "k", "x16", "S", "row_bytes", "off_scales", "off_topk",
+                                      "off_w", "off_src", "chunk", "num_senders", "max_chunks", "sig_counts",
+                                      "sig_chunks")] + [("epoch", ctypes.c_uint32)]
+
+
+class CombineArgs(ctypes.Structure):
+    _fields_ = [(n, P) for n in ("x", "w", "recv_counts", "send_pos", "peer_data", "peer_sig", "out", "out_w",
+                                  "err")] + [
+        ("region_bytes", ctypes.c_int64), ("timeout_ns", ctypes.c_uint64)] + [
+        (n, ctypes.c_int32) for n in ("T", "R", "me", "k", "x16", "row_bytes", "off_w", "chunk", "num_senders",
+                                      "max_chunks", "sig_hello", "sig_chunks")] + [("epoch", ctypes.c_uint32)]
+
+
+class LLArgs(ctypes.Structure):
+    _fields_ = [(n, P) for n in ("x", "topk_idx", "topk_w", "y", "pair_slot", "ll_counts", "recv_x", "recv_scales",
+                                  "recv_src", "recv_count", "out", "peer_data", "peer_sig", "state", "err")] + [
+        ("timeout_ns", ctypes.c_uint64)] + [
+        (n, ctypes.c_int32) for n in ("T", "k", "H", "R", "me", "E", "epr", "M", "use_fp8", "row_bytes",
+                                      "num_senders")]
+
+
+KERNEL_SOURCE = Path(__file__).with_name("kernels") / "nvlink.cu"
+
+
+@functools.lru_cache(maxsize=4)
+def compile_kernels(arch: str = "sm_90a") -> tilehal.CudaModule:
+    """Compile (or fetch from tilehal's cache) the NVLink kernels; needs no GPU."""
+    return tilehal.compile_cuda(KERNEL_SOURCE.read_text(), arch=arch, name="deepep_nvlink")
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else int(t.data_ptr())
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _ok(res: Any, what: str) -> Any:
+    err = res[0] if isinstance(res, tuple) else res
+    if int(err) != 0:
+        raise tilehal.DeviceError(f"{what} failed: {err}")
+    if isinstance(res, tuple):
+        return res[1] if len(res) == 2 else res[1:]
+    return None
+
+
+def nvlink_unavailable_reason(buf: Any) -> str | None:
+    """None when the NVLink path can run for this Buffer, else why not (logged at DEBUG)."""
+    if os.environ.get("DEEPEP_DISABLE_NVLINK") == "1":
+        return "DEEPEP_DISABLE_NVLINK=1"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    backend = str(dist.get_backend(buf.group)).lower()
+    if "nccl" not in backend:
+        return f"the group's backend is {backend!r}, not NCCL (one GPU per rank)"
+    if buf.num_ranks_per_node != buf.group_size:
+        return "the group spans several hosts"
+    if buf.group_size > MAX_RANKS:
+        return f"more than {MAX_RANKS} ranks"
+    try:
+        _driver()
+    except ImportError:
+        return "cuda-bindings is not installed"
+    vers = tilehal.compiler_versions()
+    if not (vers.get("nvrtc") or vers.get("nvcc")):
+        return "no CUDA compiler (NVRTC or nvcc) for the kernels"
+    devices: list[Any] = [None] * buf.group_size
+    dist.all_gather_object(devices, torch.cuda.current_device(), group=buf.group)
+    if len(set(devices)) != len(devices):
+        return f"ranks share GPUs {devices}"
+    for a in devices:
+        for b in devices:
+            if a != b and not torch.cuda.can_device_access_peer(a, b):
+                return f"GPU {a} cannot access GPU {b} (no peer access)"
+    return None
+
+
+class HostMapped:
+    """Pinned host memory the GPU writes to (flags, counts, error word) and the CPU polls."""
+
+    def __init__(self, num_ints: int) -> None:
+        drv = _driver()
+        flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
+        self.host = int(_ok(drv.cuMemHostAlloc(num_ints * 4, flags), "cuMemHostAlloc"))
+        self.device = int(_ok(drv.cuMemHostGetDevicePointer(self.host, 0), "cuMemHostGetDevicePointer"))
+        self.view = (ctypes.c_int32 * num_ints).from_address(self.host)
+        ctypes.memset(self.host, 0, num_ints * 4)
+
+    def free(self) -> None:
+        if self.host:
+            _driver().cuMemFreeHost(self.host)
+            self.host = 0
+
+
+class SharedRegion:
+    """One IPC-shared allocation per kind, two parities of [signal words | data bytes]."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, sig_words: int, data_bytes: int) -> None:
+        self.sig_words, self.data_bytes = sig_words, data_bytes
+        self.sig_bytes = _align(sig_words * 8, 4096)
+        self.parity_bytes = _align(self.sig_bytes + data_bytes, 4096)
+        # zeros: flags start at epoch 0; synchronize so no peer can write before we are zero.
+        self.tensor = torch.zeros(2 * self.parity_bytes, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        drv = _driver()
+        ptr = int(self.tensor.data_ptr())
+        base, _size = _ok(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+        handle = _ok(drv.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
+        blob = ctypes.string_at(handle.getPtr(), 64)
+        world = dist.get_world_size(group)
+        shared: list[Any] = [None] * world
+        dist.all_gather_object(shared, (blob, ptr - int(base)), group=group)
+        self._opened: list[Any] = []
+        bases = []
+        for r, (b, off) in enumerate(shared):
+            if r == rank:
+                bases.append(ptr)
+                continue
+            h = drv.CUipcMemHandle()
+            ctypes.memmove(h.getPtr(), b, 64)
+            dptr = _ok(drv.cuIpcOpenMemHandle(h, drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                       "cuIpcOpenMemHandle")
+            self._opened.append(dptr)
+            bases.append(int(dptr) + off)
+        # [parity][rank] pointers to each rank's signal area and data region.
+        sig = [[b + p * self.parity_bytes for b in bases] for p in range(2)]
+        data = [[b + p * self.parity_bytes + self.sig_bytes for b in bases] for p in range(2)]
+        self.peer_sig = torch.tensor(sig, dtype=torch.int64, device="cuda")
+        self.peer_data = torch.tensor(data, dtype=torch.int64, device="cuda")
+        # Everyone has opened everyone's memory before anyone writes into it.
+        dist.barrier(group=group)
+
+    def fits(self, sig_words: int, data_bytes: int) -> bool:
+        return sig_words <= self.sig_words and data_bytes <= self.data_bytes
+
+    def close(self) -> None:
+        drv = _driver()
+        for p in self._opened:
+            drv.cuIpcCloseMemHandle(p)
+        self._opened = []
+
+
+@dataclass
+class NvlinkHandle:
+    num_tokens: int
+    hidden: int
+    is_token_in_rank: torch.Tensor
+    experts_per_rank: int
+    send_pos: torch.Tensor  # [T, R] int32
+    counts_msg: torch.Tensor  # [R, 1 + epr] int32
+    recv_counts: torch.Tensor  # [R] int32 on the GPU
+    num_recv_tokens: int
+    num_recv_tokens_per_expert_list: list[int]
+    recv_src_idx: torch.Tensor
+    num_worst_tokens: int = 0
+
+
+@dataclass
+class NvlinkLowLatencyHandle:
+    num_tokens: int
+    hidden: int
+    num_experts: int
+    num_max_dispatch_tokens_per_rank: int
+    pair_slot: torch.Tensor  # [T, k] int32
+    recv_src_info: torch.Tensor  # [E_l, R * M] int32: source token of each received row
+
+
+class NvlinkDispatcher:
+    handle_type = NvlinkHandle
+    ll_handle_type = NvlinkLowLatencyHandle
+
+    def __init__(self, buf: Any) -> None:
+        self.buf = buf
+        self.group = buf.group
+        self.rank, self.num_ranks = buf.rank, buf.group_size
+        self.global_rank = dist.get_rank()
+        self.cap = buf.num_max_tokens_per_rank
+        self.module = compile_kernels()
+        self.info = HostMapped(2 + 4096)
+        self.err = HostMapped(4)
+        self.regions: dict[str, SharedRegion] = {}
+        self.epochs = {"dispatch": 0, "combine": 0}
+        self.ll_state = torch.zeros(2, 2, dtype=torch.int32, device="cuda")  # [dispatch|combine][epoch, done]
+        self.ll_outputs: dict[tuple, torch.Tensor] = {}
+        self.ll_counts: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.buf.timeout_s * 1e9)
+
+    def _config(self, combine: bool) -> tuple[int, int, int]:
+        cfg = (self.buf.get_combine_config if combine else self.buf.get_dispatch_config)(self.num_ranks)
+        num_sms = max(cfg.num_sms, 2 * self.num_ranks)
+        senders = num_sms // 2
+        return num_sms, senders, cfg.chunk_tokens
+
+    def _region(self, kind: str, sig_words: int, data_bytes: int) -> SharedRegion:
+        reg = self.regions.get(kind)
+        if reg is None or not reg.fits(sig_words, data_bytes):
+            if reg is not None:
+                torch.cuda.synchronize()
+                reg.close()
+            log.debug("rank %d: allocating %s region: %d signal words, %.1f MiB data", self.rank, kind, sig_words,
+                      data_bytes / 2**20)
+            reg = SharedRegion(self.group, self.rank, sig_words, data_bytes)
+            self.regions[kind] = reg
+        return reg
+
+    def check(self) -> None:
+        """Raise the error a kernel recorded (a peer's flag never came) as CommTimeoutError."""
+        stage = int(self.err.view[0])
+        if stage:
+            peer = int(self.err.view[1])
+            name = STAGES.get(stage, f"stage {stage}")
+            raise CommTimeoutError(
+                f"deepep rank {self.global_rank}: stage '{name}' timed out after {self.buf.timeout_s:.1f} s waiting "
+                f"for rank {peer} of the group (NVLink kernel); call Buffer.reset()", rank=self.global_rank,
+                stage=name)
+
+    def destroy(self) -> None:
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # a failed context must not stop us releasing the rest
+            pass
+        for reg in self.regions.values():
+            reg.close()
+        self.regions.clear()
+        self.info.free()
+        self.err.free()
+
+    # ------------------------------------------------------------------ normal mode
+
+    def dispatch(self, inp: DispatchInput, handle: NvlinkHandle | None, is_token_in_rank, num_tokens_per_expert,
+                 experts_per_rank: int, expert_alignment: int, num_worst_tokens: int) -> DispatchOutput:
+        self.check()
+        R, T, epr = self.num_ranks, inp.num_tokens, experts_per_rank
+        if T > self.cap:
+            raise ShapeError(f"x: expected at most num_max_tokens_per_rank={self.cap} tokens (Buffer argument), got {T}")
+        if epr > 4096:
+            raise ShapeError(f"num_tokens_per_expert: expected at most {4096 * R} experts, got {epr * R}")
+        x = inp.x
+        x_bytes = x.shape[1] * x.element_size()
+        if x_bytes % 16:
+            raise ShapeError(f"x.shape[1]: expected hidden * itemsize to be a multiple of 16 bytes, got {x_bytes}")
+        if handle is None:
+            in_rank = is_token_in_rank.to(device=x.device)
+            pos = torch.cumsum(in_rank.to(torch.int32), 0, dtype=torch.int32) - 1
+            send_pos = torch.where(in_rank, pos, torch.full_like(pos, -1)).contiguous()
+            counts_msg = torch.cat([in_rank.sum(0, dtype=torch.int32).view(R, 1),
+                                    num_tokens_per_expert.to(device=x.device, dtype=torch.int32).view(R, epr)],
+                                   dim=1).contiguous()
+        else:
+            in_rank, send_pos, counts_msg = handle.is_token_in_rank, handle.send_pos, handle.counts_msg
+        S = inp.scales.shape[1] if inp.scales is not None else 0
+        k = inp.topk_idx.shape[1] if inp.topk_idx is not None else 0
+        off_scales = x_bytes
+        off_topk = _align(off_scales + 4 * S, 8)
+        off_w = off_topk + 8 * k
+        off_src = off_w + 4 * k
+        row_bytes = _align(off_src + 4, 16)
+        num_sms, senders, chunk = self._config(False)
+        max_chunks = (self.cap + chunk - 1) // chunk
+        counts_words = (R * (1 + epr) + 1) // 2
+        sig_words = R + counts_words + R * max_chunks
+        reg = self._region("dispatch", sig_words, R * self.cap * row_bytes)
+        self.epochs["dispatch"] += 1
+        epoch = self.epochs["dispatch"]
+        par = epoch & 1
+
+        rows_cap = max(R * self.cap, num_worst_tokens)
+        dev = x.device
+        recv_x = torch.empty(rows_cap, x.shape[1], dtype=x.dtype, device=dev)
+        recv_scales = torch.empty(rows_cap, S, dtype=torch.float32, device=dev) if S else None
+        recv_topk = torch.empty(rows_cap, k, dtype=torch.int64, device=dev) if k else None
+        recv_w = torch.empty(rows_cap, k, dtype=torch.float32, device=dev) if inp.topk_weights is not None else None
+        recv_src = torch.empty(rows_cap, dtype=torch.int32, device=dev)
+        recv_counts = torch.empty(R, dtype=torch.int32, device=dev)
+        a = DispatchArgs(
+            x=_ptr(x), scales=_ptr(inp.scales), topk_idx=_ptr(inp.topk_idx), topk_w=_ptr(inp.topk_weights),
+            send_pos=_ptr(send_pos), counts_msg=_ptr(counts_msg), peer_data=_ptr(reg.peer_data[par]),
+            peer_sig=_ptr(reg.peer_sig[par]), recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
+            recv_topk=_ptr(recv_topk), recv_w=_ptr(recv_w), recv_src=_ptr(recv_src), recv_counts=_ptr(recv_counts),
+            host_info=self.info.device, err=self.err.device, region_bytes=self.cap * row_bytes,
+            timeout_ns=self.timeout_ns, T=T, R=R, me=self.rank, epr=epr, k=k, x16=x_bytes // 16, S=S,
+            row_bytes=row_bytes, off_scales=off_scales, off_topk=off_topk, off_w=off_w, off_src=off_src, chunk=chunk,
+            num_senders=senders, max_chunks=max_chunks, sig_counts=R, sig_chunks=R + counts_words, epoch=epoch)
+        self.module.get_kernel("deepep_dispatch").launch(num_sms, THREADS, [Arg(a)])
+        # The receivers publish the counts early; the host sizes the outputs while rows still flow.
+        spin_until(lambda: self.info.view[0] == epoch or self.err.view[0] != 0, rank=self.global_rank,
+                   stage="dispatch/counts", timeout_s=self.buf.timeout_s + 1.0,
+                   detail="waiting for the NVLink kernel's counts")
+        self.check()
+        n = int(self.info.view[1])
+        per_expert = align_counts([int(v) for v in self.info.view[2:2 + epr]], expert_alignment)
+        if num_worst_tokens and n > num_worst_tokens:
+            raise ValueError(f"num_worst_tokens: expected >= the {n} tokens rank {self.rank} receives, "
+                             f"got {num_worst_tokens}")
+        rows = num_worst_tokens or n
+        if num_worst_tokens:
+            if recv_topk is not None:
+                recv_topk[n:rows].fill_(-1)
+            if recv_w is not None:
+                recv_w[n:rows].zero_()
+        new = NvlinkHandle(T, x.shape[1], in_rank, epr, send_pos, counts_msg, recv_counts, n, per_expert,
+                           recv_src[:n], num_worst_tokens)
+        return DispatchOutput(recv_x[:rows], recv_scales[:rows] if S else None,
+                              recv_topk[:rows] if k else None, recv_w[:rows] if recv_w is not None else None, new)
+
+    def combine(self, x: torch.Tensor, handle: NvlinkHandle, topk_weights: torch.Tensor | None):
+        self.check()
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise ShapeError(f"x.dtype: expected bfloat16 or float32 on the NVLink transport, got {x.dtype}")
+        R, T = self.num_ranks, handle.num_tokens
+        x_bytes = x.shape[1] * x.element_size()
+        k = topk_weights.shape[1] if topk_weights is not None else 0
+        row_bytes = _align(x_bytes + 4 * k, 16)
+        num_sms, senders, chunk = self._config(True)
+        max_chunks = (self.cap + chunk - 1) // chunk
+        reg = self._region("combine", R + R * max_chunks, R * self.cap * row_bytes)
+        self.epochs["combine"] += 1
+        epoch = self.epochs["combine"]
+        par = epoch & 1
+        out = torch.empty(T, x.shape[1], dtype=x.dtype, device=x.device)
+        out_w = torch.empty(T, k, dtype=torch.float32, device=x.device) if k else None
+        w = topk_weights.contiguous() if k else None
+        a = CombineArgs(
+            x=_ptr(x), w=_ptr(w), recv_counts=_ptr(handle.recv_counts), send_pos=_ptr(handle.send_pos),
+            peer_data=_ptr(reg.peer_data[par]), peer_sig=_ptr(reg.peer_sig[par]), out=_ptr(out), out_w=_ptr(out_w),
+            err=self.err.device, region_bytes=self.cap * row_bytes, timeout_ns=self.timeout_ns, T=T, R=R,
+            me=self.rank, k=k, x16=x_bytes // 16, row_bytes=row_bytes, off_w=x_bytes, chunk=chunk,
+            num_senders=senders, max_chunks=max_chunks, sig_hello=0, sig_chunks=R, epoch=epoch)
+        name = "deepep_combine_bf16" if x.dtype == torch.bfloat16 else "deepep_combine_f32"
+        self.module.get_kernel(name).launch(num_sms, THREADS, [Arg(a)])
+        return out, out_w
+
+    # ------------------------------------------------------------------ low latency
+
+    def _ll_out(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        k = (key, shape, dtype)
+        t = self.ll_outputs.get(k)
+        if t is None:
+            for old in [o for o in self.ll_outputs if o[0] == key]:
+                del self.ll_outputs[old]
+            t = torch.zeros(shape, dtype=dtype, device="cuda")
+            self.ll_outputs[k] = t
+        return t
+
+    def _ll_args(self, **kw: Any) -> LLArgs:
+        a = LLArgs(err=self.err.device, timeout_ns=self.timeout_ns, R=self.num_ranks, me=self.rank)
+        for key, v in kw.items():
+            setattr(a, key, v)
+        return a
+
+    def low_latency_dispatch(self, x, topk_idx, max_tokens, num_experts, use_fp8, async_finish, return_recv_hook):
+        self.check()
+        R, T, H = self.num_ranks, x.shape[0], x.shape[1]
+        k = topk_idx.shape[1]
+        epr = num_experts // R
+        if x.dtype != torch.bfloat16:
+            raise ShapeError(f"x.dtype: expected torch.bfloat16 on the NVLink low-latency path, got {x.dtype}")
+        payload = H + 4 * (H // 128) if use_fp8 else 2 * H
+        row_bytes = _align(payload + 4, 16)
+        reg = self._region("ll_dispatch", epr * R, epr * R * max_tokens * row_bytes)
+        cap = R * max_tokens
+        if use_fp8:
+            recv_x: Any = (self._ll_out("x", (epr, cap, H), torch.float8_e4m3fn),
+                           self._ll_out("scales", (epr, cap, H // 128), torch.float32))
+            rx, rs = recv_x
+        else:
+            recv_x = rx = self._ll_out("x_bf16", (epr, cap, H), torch.bfloat16)
+            rs = None
+        recv_count = self._ll_out("count", (epr,), torch.int32)
+        recv_src = self._ll_out("src", (epr, cap), torch.int32)
+        self.ll_counts = self._ll_out("ll_counts", (epr, R), torch.int32)
+        pair_slot = torch.full((T, k), -1, dtype=torch.int32, device=x.device)
+        num_sms, senders, _ = self._config(False)
+        a = self._ll_args(x=_ptr(x), topk_idx=_ptr(topk_idx), pair_slot=_ptr(pair_slot),
+                          ll_counts=_ptr(self.ll_counts), recv_x=_ptr(rx), recv_scales=_ptr(rs),
+                          recv_src=_ptr(recv_src), recv_count=_ptr(recv_count), peer_data=_ptr(reg.peer_data),
+                          peer_sig=_ptr(reg.peer_sig), state=_ptr(self.ll_state[0]), T=T, k=k, H=H, E=num_experts,
+                          epr=epr, M=max_tokens, use_fp8=int(use_fp8), row_bytes=row_bytes, num_senders=senders)
+        self.module.get_kernel("deepep_ll_dispatch").launch(num_sms, THREADS, [Arg(a)])
+        handle = NvlinkLowLatencyHandle(T, H, num_experts, max_tokens, pair_slot, recv_src)
+        # One kernel both sends and receives, so the hook has nothing left to do.
+        hook = (lambda: None) if return_recv_hook else None
+        return recv_x, recv_count, handle, EventOverlap.capture(x.device), hook
+
+    def low_latency_combine(self, y, topk_idx, topk_weights, handle, async_finish, return_recv_hook, out):
+        self.check()
+        R, H, M = self.num_ranks, handle.hidden, handle.num_max_dispatch_tokens_per_rank
+        E, T, k = handle.num_experts, handle.num_tokens, topk_idx.shape[1]
+        if y.dtype != torch.bfloat16:
+            raise ShapeError(f"x.dtype: expected torch.bfloat16 for low_latency_combine, got {y.dtype}")
+        row_bytes = 2 * H
+        reg = self._region("ll_combine", E, E * M * row_bytes)
+        if out is None:
+            out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
+        num_sms, senders, _ = self._config(True)
+        a = self._ll_args(topk_idx=_ptr(topk_idx.contiguous()), topk_w=_ptr(topk_weights.float().contiguous()),
+                          y=_ptr(y.contiguous()), pair_slot=_ptr(handle.pair_slot), ll_counts=_ptr(self.ll_counts),
+                          out=_ptr(out), peer_data=_ptr(reg.peer_data), peer_sig=_ptr(reg.peer_sig),
+                          state=_ptr(self.ll_state[1]), T=T, k=k, H=H, E=E, epr=E // R, M=M, row_bytes=row_bytes,
+                          num_senders=senders)
+        self.module.get_kernel("deepep_ll_combine").launch(num_sms, THREADS, [Arg(a)])
+        hook = (lambda: None) if return_recv_hook else None
+        return out, EventOverlap.capture(y.device), hook
+
+
+__all__ = ["NvlinkDispatcher", "compile_kernels", "nvlink_unavailable_reason", "comm_error"]

@@ -27,6 +27,7 @@ _CTX = None
 def _context():
     global _CTX
     if _CTX is None:
+        # Not "fork": the parent may already run OpenMP or CUDA, which do not survive a fork.
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "deepep"])
     return _CTX
@@ -40,14 +41,16 @@ def _load(path: str, name: str):
 
 
 def _child(rank: int, world: int, store_path: str, path: str, name: str, kwargs: dict, results, pg_timeout_s: float,
-           env: dict) -> None:
+           env: dict, backend: str) -> None:
     os.environ.update(env)
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         out = _load(path, name)(rank, world, **kwargs)
         results.put((rank, "ok", out))
@@ -63,17 +66,18 @@ def _child(rank: int, world: int, store_path: str, path: str, name: str, kwargs:
 
 def run_on_ranks(world_size: int, path: str, name: str, *, timeout_s: float = 120.0, pg_timeout_s: float = 30.0,
                  allow_missing: frozenset[int] | set[int] = frozenset(), env: dict[str, str] | None = None,
-                 **kwargs: Any) -> list[Any]:
+                 backend: str = "gloo", **kwargs: Any) -> list[Any]:
     """Run `name` from the file `path` on `world_size` ranks; returns the per-rank results.
 
-    Ranks in `allow_missing` may die without reporting (their result is None).
+    Ranks in `allow_missing` may die without reporting (their result is None). With
+    backend="nccl", rank r uses GPU r. Children inherit this process's environment (plus `env`).
     """
     ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="deepep-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_child, args=(r, world_size, store, os.path.abspath(path), name, kwargs, results,
-                                                  pg_timeout_s, dict(env or {})), daemon=True)
+                                                  pg_timeout_s, dict(env or {}), backend), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()

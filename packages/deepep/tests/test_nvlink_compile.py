@@ -1,0 +1,40 @@
+"""NVLink kernels: compile-only checks that run without a GPU (NVRTC), and the host-side layout."""
+
+import ctypes
+
+import pytest
+from deepep import nvlink
+
+pytest.importorskip("cuda.bindings")
+
+
+def _nvrtc_or_skip():
+    import tilehal
+
+    if not tilehal.compiler_versions().get("nvrtc"):
+        pytest.skip("NVRTC is not available")
+
+
+def test_kernels_compile_for_sm90a():
+    _nvrtc_or_skip()
+    mod = nvlink.compile_kernels()
+    assert mod.arch == "sm_90a" and len(mod.cubin) > 10_000
+    for name in ("deepep_dispatch", "deepep_combine_bf16", "deepep_combine_f32", "deepep_ll_dispatch",
+                 "deepep_ll_combine"):
+        assert name.encode() in mod.cubin
+
+
+@pytest.mark.parametrize("struct, cname", [(nvlink.DispatchArgs, "DispatchArgs"), (nvlink.CombineArgs, "CombineArgs"),
+                                           (nvlink.LLArgs, "LLArgs")])
+def test_ctypes_mirror_matches_the_cuda_struct(struct, cname):
+    """The kernels take their arguments as one struct: every field offset must agree with C++."""
+    _nvrtc_or_skip()
+    import tilehal
+
+    checks = [f"static_assert(sizeof(deepep::{cname}) == {ctypes.sizeof(struct)}, \"size\");"]
+    for field, _ in struct._fields_:
+        off = getattr(struct, field).offset
+        checks.append(f"static_assert(offsetof(deepep::{cname}, {field}) == {off}, \"{field}\");")
+    src = nvlink.KERNEL_SOURCE.read_text() + "\n" + "\n".join(
+        c.replace("offsetof(", "__builtin_offsetof(") for c in checks) + "\n"
+    tilehal.compile_cuda(src, name=f"deepep_layout_{cname}")  # a mismatch is a CompileError naming the field
