@@ -172,6 +172,8 @@ def main() -> None:
                                                          "OPENBLAS_NUM_THREADS")},
         "numpy_blas": _blas_info(),
         "tilelang": tilelang.__version__,
+        # other jobs on a shared machine skew absolute numbers; ours and the peer alternate so ratios hold better
+        "load_average_start": os.getloadavg(),
     }
     steps = ["gemm", "flash non-causal", "flash causal", "compile"]
     with tqdm(total=len(steps), desc="bench_cpu") as bar:
@@ -183,6 +185,7 @@ def main() -> None:
         bar.update()
         res["compile"] = bench_compile()
         bar.update()
+    res["load_average_end"] = os.getloadavg()
     g = res["gemm"]
     print(f"\n{'benchmark':<34}{'ours':>14}{'peer':>14}{'ratio':>8}")
     for c in g["configs"]:

@@ -52,7 +52,10 @@ class CKernel:
                 ctype = "uint8_t"
             ptrs.append(self.lib.ptr(a, ctype))
         sizes = [int(dyn[v]) for v in self.func.dynamic_vars]
-        self.fn(*ptrs, *sizes)
+        status = self.fn(*ptrs, *sizes)
+        if status != 0:
+            raise tilehal.LaunchError(f"kernel {self.func.name}: out of memory allocating its shared/fragment "
+                                      f"buffers (status {status})")
 
 
 def build_c_kernel(func: PrimFunc, options: dict) -> Any:

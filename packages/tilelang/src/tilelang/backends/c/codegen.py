@@ -299,17 +299,19 @@ class CCodegen:
         f = self.func
         params = [f"{storage_ctype(p)} *restrict {p.name}" for p in f.params]
         params += [f"int64_t {v.name}" for v in f.dynamic_vars]
-        sig = f"void {symbol}({', '.join(params) or 'void'})"
+        sig = f"int {symbol}({', '.join(params) or 'void'})"
         cdef_params = [f"{storage_ctype(p)} *{p.name}" for p in f.params] + [f"int64_t {v.name}" for v in
                                                                             f.dynamic_vars]
-        cdef = f"void {symbol}({', '.join(cdef_params) or 'void'});"
+        cdef = f"int {symbol}({', '.join(cdef_params) or 'void'});"
         kernels = [s for s in (f.body.body if isinstance(f.body, Seq) else [f.body])]
         self.lines.append(f"{sig} {{")
+        self.lines.append("  int _tl_status = 0;  /* 1: an on-chip buffer could not be allocated */")
         for s in kernels:
             if isinstance(s, Kernel):
                 self.kernel(s)
             else:
                 self.stmt(s)
+        self.lines.append("  return _tl_status;")
         self.lines.append("}")
         return "\n".join(self.lines) + "\n", cdef
 
@@ -325,7 +327,11 @@ class CCodegen:
         for i, g in enumerate(grid):
             self.emit(f"const int64_t _grid{i} = {g};")
         swz = k.attrs.get("swizzle")
-        self.emit("#pragma omp parallel")
+        total = " * ".join(f"_grid{i}" for i in range(len(grid)))
+        # no more threads than blocks: a 1-block launch runs on the calling thread, no barrier to wait on
+        self.emit(f"const int64_t _blocks = {total};")
+        self.emit("const int _nthreads = (int)(_blocks < omp_get_max_threads() ? _blocks : omp_get_max_threads());")
+        self.emit("#pragma omp parallel num_threads(_nthreads > 0 ? _nthreads : 1) if(_blocks > 1)")
         self.emit("{")
         self.ind += 1
         for b in arrays:
@@ -333,12 +339,19 @@ class CCodegen:
             self.emit(f"{storage_ctype(b)} *restrict {b.name} = ({storage_ctype(b)} *)tl_alloc({n} * "
                       f"sizeof({storage_ctype(b)}));")
         self.emit(f"float *restrict _tl_scratch = (float *)tl_alloc({scratch} * sizeof(float));")
+        ok = " && ".join([b.name for b in arrays] + ["_tl_scratch"])
+        self.emit(f"const int _tl_ok = {ok} ? 1 : 0;")
+        self.emit("if (!_tl_ok) {")
+        self.emit("#pragma omp atomic write")
+        self.emit("  _tl_status = 1;")
+        self.emit("}")
         # grid dims iterate with the last one outermost so consecutive work items share row panels
         dims = list(range(len(grid)))[::-1]
         self.emit(f"#pragma omp for collapse({len(grid)}) schedule(dynamic, 1)")
         for d in dims:
             self.emit(f"for (int64_t _g{d} = 0; _g{d} < _grid{d}; ++_g{d}) {{")
             self.ind += 1
+        self.emit("if (!_tl_ok) continue;")
         for d, v in enumerate(k.block_vars):
             self.emit(f"const int64_t {v.name} = _g{d};")
         if swz is not None and swz[2]:

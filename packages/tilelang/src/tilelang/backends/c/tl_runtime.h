@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <omp.h>
 
 #define TL_MAX(a, b) ((a) > (b) ? (a) : (b))
 #define TL_MIN(a, b) ((a) < (b) ? (a) : (b))
