@@ -102,6 +102,26 @@ def bench_rank(rank: int, world: int, tokens: int, hidden: int, topk: int, exper
             except Exception as e:
                 out[f"{tname}/combine/bf16"] = {"error": f"{type(e).__name__}: {e}"[:400]}
 
+    # How the NVLink kernels scale with the SMs they get (default: Buffer.num_sms).
+    if "nvlink" in buffers:
+        buf, default_sms = buffers["nvlink"], Buffer.num_sms
+        for sms in (32, 96, 128):
+            Buffer.set_num_sms(sms)
+
+            def sweep_dispatch(buf=buf):
+                pr, _, pe, ir, _ = buf.get_dispatch_layout(topk_idx, experts)
+                return buf.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
+                                    topk_idx=topk_idx, topk_weights=topk_w)
+
+            timed(f"nvlink/dispatch/bf16/sms{sms}", sweep_dispatch, n_recv * hidden * 2, n_remote * hidden * 2)
+            try:
+                r, _, _, _, h, _ = sweep_dispatch()
+                timed(f"nvlink/combine/bf16/sms{sms}", lambda r=r, h=h: buf.combine(r, h), n_send * hidden * 2,
+                      (n_send - send_counts[rank]) * hidden * 2)
+            except Exception as e:
+                out[f"nvlink/combine/bf16/sms{sms}"] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        Buffer.set_num_sms(default_sms)
+
     # The peer: NCCL all-to-all of the already-permuted rows.
     for fmt, row in (("bf16", hidden * 2), ("fp8", fp8_row)):
         payload = x.index_select(0, send_idx).view(torch.uint8).view(n_send, -1)

@@ -383,6 +383,8 @@ def nvlink_stalled_peer(rank: int, world: int, comm_timeout_s: float) -> dict | 
     cfg = {"tokens": [8] * world, "experts": 2 * world, "k": 2, "hidden": 64}
     x, idx, _ = (t.cuda() for t in rank_inputs(9, rank, cfg))
     _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, cfg["experts"])
+    # One call with everyone present: sets up the shared buffers (a collective).
+    buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
     torch.cuda.synchronize()
     if rank != 0:
         time.sleep(comm_timeout_s + 4)

@@ -48,7 +48,7 @@ class Buffer:
     `timeout_s` bounds every wait on a peer; past it, CommTimeoutError names the rank and stage.
     """
 
-    num_sms: int = 48
+    num_sms: int = 64
 
     def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 1, *, timeout_s: float = DEFAULT_TIMEOUT_S,

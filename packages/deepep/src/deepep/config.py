@@ -15,7 +15,7 @@ class Config:
     The torch.distributed transport ignores both (the engine picks its own channels).
     """
 
-    num_sms: int = 48
+    num_sms: int = 64
     chunk_tokens: int = 32
 
     def __post_init__(self) -> None:

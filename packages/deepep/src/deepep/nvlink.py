@@ -129,7 +129,9 @@ class HostMapped:
     """Pinned host memory the GPU writes to (flags, counts, error word) and the CPU polls."""
 
     def __init__(self, num_ints: int) -> None:
-        drv = _driver()
+        from tilehal.jit.cuda import _ensure_context
+
+        drv = _ensure_context(torch.cuda.current_device())
         flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
         self.host = int(_ok(drv.cuMemHostAlloc(num_ints * 4, flags), "cuMemHostAlloc"))
         self.device = int(_ok(drv.cuMemHostGetDevicePointer(self.host, 0), "cuMemHostGetDevicePointer"))
@@ -149,17 +151,22 @@ class SharedRegion:
         self.sig_words, self.data_bytes = sig_words, data_bytes
         self.sig_bytes = _align(sig_words * 8, 4096)
         self.parity_bytes = _align(self.sig_bytes + data_bytes, 4096)
-        # zeros: flags start at epoch 0; synchronize so no peer can write before we are zero.
-        self.tensor = torch.zeros(2 * self.parity_bytes, dtype=torch.uint8, device="cuda")
-        torch.cuda.synchronize()
-        drv = _driver()
-        ptr = int(self.tensor.data_ptr())
-        base, _size = _ok(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
-        handle = _ok(drv.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
+        # Our own cuMemAlloc, not torch's allocator: an IPC handle names a whole allocation, and
+        # torch packs several tensors into one segment, which a peer could then not open twice.
+        from tilehal.jit.cuda import _ensure_context
+
+        drv = _ensure_context(torch.cuda.current_device())
+        size = 2 * self.parity_bytes
+        self.ptr = int(_ok(drv.cuMemAlloc(size), "cuMemAlloc"))
+        # Flags start at epoch 0; synchronous, so no peer can write before we are zero.
+        _ok(drv.cuMemsetD8(self.ptr, 0, size), "cuMemsetD8")
+        _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+        ptr = self.ptr
+        handle = _ok(drv.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
         blob = ctypes.string_at(handle.getPtr(), 64)
         world = dist.get_world_size(group)
         shared: list[Any] = [None] * world
-        dist.all_gather_object(shared, (blob, ptr - int(base)), group=group)
+        dist.all_gather_object(shared, (blob, 0), group=group)
         self._opened: list[Any] = []
         bases = []
         for r, (b, off) in enumerate(shared):
@@ -188,6 +195,9 @@ class SharedRegion:
         for p in self._opened:
             drv.cuIpcCloseMemHandle(p)
         self._opened = []
+        if self.ptr:
+            drv.cuMemFree(self.ptr)
+            self.ptr = 0
 
 
 @dataclass

@@ -54,10 +54,29 @@ __device__ __forceinline__ bool wait_flag(const u64* p, u32 epoch, u64 deadline,
   }
 }
 
-// Copy n 16-byte words with the lanes of a warp. Loads bypass L1 (`cg`): the source may have
-// been written by a peer over NVLink since this SM last looked.
+// Copy n 16-byte words with the lanes of a warp, four loads in flight per lane before the
+// stores (the loop otherwise waits out one load latency per word). kPeerWritten loads bypass
+// L1 (`cg`): the source was written by a peer over NVLink since this SM may last have looked.
+template <bool kPeerWritten>
+__device__ __forceinline__ int4 load16(const int4* p) {
+  if constexpr (kPeerWritten) return __ldcg(p);
+  else return *p;
+}
+template <bool kPeerWritten>
+__device__ __forceinline__ void copy_row(int4* dst, const int4* src, int n, int lane) {
+  int i = lane;
+  for (; i + 96 < n; i += 128) {
+    const int4 a = load16<kPeerWritten>(src + i), b = load16<kPeerWritten>(src + i + 32);
+    const int4 c = load16<kPeerWritten>(src + i + 64), d = load16<kPeerWritten>(src + i + 96);
+    dst[i] = a;
+    dst[i + 32] = b;
+    dst[i + 64] = c;
+    dst[i + 96] = d;
+  }
+  for (; i < n; i += 32) dst[i] = load16<kPeerWritten>(src + i);
+}
 __device__ __forceinline__ void warp_copy16(int4* dst, const int4* src, int n, int lane) {
-  for (int i = lane; i < n; i += 32) dst[i] = __ldcg(src + i);
+  copy_row<true>(dst, src, n, lane);
 }
 
 struct DispatchArgs {
@@ -115,9 +134,7 @@ __device__ void dispatch_send(const DispatchArgs& a, u64 deadline) {
         const int pos = a.send_pos[t * a.R + d];
         if (pos < 0) continue;
         char* row = reinterpret_cast<char*>(a.peer_data[d]) + a.me * a.region_bytes + (long long)pos * a.row_bytes;
-        const int4* src = a.x + (long long)t * a.x16;
-        int4* dst = reinterpret_cast<int4*>(row);
-        for (int i = lane; i < a.x16; i += 32) dst[i] = src[i];
+        copy_row<false>(reinterpret_cast<int4*>(row), a.x + (long long)t * a.x16, a.x16, lane);
         if (a.scales)
           for (int i = lane; i < a.S; i += 32)
             reinterpret_cast<float*>(row + a.off_scales)[i] = a.scales[(long long)t * a.S + i];
@@ -259,9 +276,7 @@ __device__ void combine_send(const CombineArgs& a) {
     char* region = reinterpret_cast<char*>(a.peer_data[d]) + a.me * a.region_bytes;
     for (int p = p0 + warp; p < p1; p += num_warps) {
       char* row = region + (long long)p * a.row_bytes;
-      const int4* src = a.x + (long long)(first + p) * a.x16;
-      int4* dst = reinterpret_cast<int4*>(row);
-      for (int i = lane; i < a.x16; i += 32) dst[i] = src[i];
+      copy_row<false>(reinterpret_cast<int4*>(row), a.x + (long long)(first + p) * a.x16, a.x16, lane);
       if (a.w && lane < a.k) reinterpret_cast<float*>(row + a.off_w)[lane] = a.w[(long long)(first + p) * a.k + lane];
     }
     __syncthreads();
@@ -347,16 +362,30 @@ __device__ void combine_recv(const CombineArgs& a, u64 deadline) {
     if (!ok) break;
     constexpr int kv = VecElems<T>::n;
     int4* out = reinterpret_cast<int4*>(a.out) + (long long)t * a.x16;
-    for (int i = lane; i < a.x16; i += 32) {
-      float acc[kv];
+    const int4* rows[DEEPEP_MAX_RANKS];
+    int nr = 0;
+    for (int d = 0; d < a.R; ++d)
+      if (pos[d] >= 0)
+        rows[nr++] = reinterpret_cast<const int4*>(my_data + d * a.region_bytes + (long long)pos[d] * a.row_bytes);
+    // Four words per lane per pass: every peer's loads for them are issued before any add.
+    for (int i0 = lane; i0 < a.x16; i0 += 128) {
+      float acc[4][kv];
 #pragma unroll
-      for (int q = 0; q < kv; ++q) acc[q] = 0.f;
-      for (int d = 0; d < a.R; ++d) {
-        if (pos[d] < 0) continue;
-        const int4* row = reinterpret_cast<const int4*>(my_data + d * a.region_bytes + (long long)pos[d] * a.row_bytes);
-        add_vec<T>(acc, __ldcg(row + i));
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int q = 0; q < kv; ++q) acc[u][q] = 0.f;
+      for (int r = 0; r < nr; ++r) {
+        int4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (i0 + 32 * u < a.x16) v[u] = __ldcg(rows[r] + i0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (i0 + 32 * u < a.x16) add_vec<T>(acc[u], v[u]);
       }
-      out[i] = pack_vec<T>(acc);
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (i0 + 32 * u < a.x16) out[i0 + 32 * u] = pack_vec<T>(acc[u]);
     }
     if (a.out_w && lane < a.k) {
       float s = 0.f;
@@ -473,9 +502,7 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_dispatch(LLArgs a) {
               cast_group(xs + g * 128, reinterpret_cast<__nv_fp8_e4m3*>(row) + g * 128,
                          reinterpret_cast<float*>(row + H) + g);
           } else {
-            const int4* s4 = reinterpret_cast<const int4*>(xs);
-            int4* d4 = reinterpret_cast<int4*>(row);
-            for (int i = lane; i < H / 8; i += 32) d4[i] = s4[i];
+            copy_row<false>(reinterpret_cast<int4*>(row), reinterpret_cast<const int4*>(xs), H / 8, lane);
           }
           if (lane == 0) *reinterpret_cast<int*>(row + payload) = tt;
           ++count;
@@ -547,9 +574,8 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_combine(LLArgs a) {
       const int e = a.me * a.epr + le;
       char* region = reinterpret_cast<char*>(a.peer_data[par * a.R + s]) + (long long)e * a.M * a.row_bytes;
       for (int q = 0; q < n; ++q) {
-        const int4* src = reinterpret_cast<const int4*>(a.y + ((long long)le * a.R * a.M + base + q) * H);
-        int4* dst = reinterpret_cast<int4*>(region + (long long)q * a.row_bytes);
-        for (int i = lane; i < h16; i += 32) dst[i] = src[i];
+        copy_row<false>(reinterpret_cast<int4*>(region + (long long)q * a.row_bytes),
+                        reinterpret_cast<const int4*>(a.y + ((long long)le * a.R * a.M + base + q) * H), h16, lane);
       }
       __syncwarp();
       if (lane == 0) {
