@@ -1,0 +1,115 @@
+"""CUDA paged decode: kernel compilation (tilehal.compile_cuda), split choice and launch."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from pathlib import Path
+
+import tilehal
+import torch
+
+from .pool import KVPool
+
+log = logging.getLogger("kvpool.cuda_decode")
+
+KERNEL_SOURCE = Path(__file__).with_name("kernels") / "paged_decode.cuh"
+THREADS, TILE, STAGES = 128, 64, 2
+HEAD_DIMS = (64, 128, 256)
+MAX_GROUP = 8  # q heads per kv head held in registers
+_CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
+
+
+def smem_bytes(dtype: torch.dtype, head_dim: int, group: int) -> int:
+    """Dynamic shared memory of one CTA (mirrors DecodeSmem in the kernel)."""
+    tile_bytes = TILE * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return 2 * STAGES * tile_bytes + TILE * group * 4 + STAGES * TILE * 4 + 4 * group * 4
+
+
+def unsupported_reason(q: torch.Tensor, pool: KVPool) -> str | None:
+    """Why the CUDA kernel cannot serve this call (None: it can)."""
+    if pool.dtype not in _CTYPES:
+        return f"pool dtype {pool.dtype} (kernel: bf16/fp16)"
+    if q.dtype != pool.dtype:
+        return f"q dtype {q.dtype} differs from the pool's {pool.dtype}"
+    if pool.head_dim not in HEAD_DIMS:
+        return f"head_dim {pool.head_dim} (kernel: {HEAD_DIMS})"
+    group = q.shape[1] // pool.num_kv_heads
+    if group > MAX_GROUP:
+        return f"{group} q heads per kv head (kernel: <= {MAX_GROUP})"
+    return None
+
+
+def kernel_names(dtype: torch.dtype, head_dim: int, group: int) -> tuple[str, str]:
+    t = _CTYPES[dtype]
+    return (f"kvpool::paged_decode_kernel<{t}, {head_dim}, {group}>",
+            f"kvpool::paged_decode_combine<{t}, {head_dim}>")
+
+
+@functools.cache
+def compile_decode(dtype: torch.dtype, head_dim: int, group: int, arch: str = "sm_90a") -> tilehal.CudaModule:
+    """Compile (or load from tilehal's cache) the kernels for one (dtype, head_dim, group)."""
+    source = f'#include "{KERNEL_SOURCE.name}"\n'
+    return tilehal.compile_cuda(source, arch=arch, name=f"paged_decode_{head_dim}_{group}",
+                                include_dirs=[str(KERNEL_SOURCE.parent)],
+                                options=["--use_fast_math"], name_expressions=list(kernel_names(dtype, head_dim, group)))
+
+
+def choose_splits(batch: int, kv_heads: int, tokens_per_seq: int, num_sms: int, ctas_per_sm: int) -> int:
+    """Split each sequence's tokens so the grid fills whole waves; at least ~4 tiles per split."""
+    slots = num_sms * ctas_per_sm
+    base = batch * kv_heads
+    max_splits = max(1, min(64, tokens_per_seq // (4 * TILE)))
+    best, best_score = 1, -1.0
+    for s in range(1, max_splits + 1):
+        ctas = base * s
+        efficiency = ctas / (math.ceil(ctas / slots) * slots)
+        score = efficiency - 0.003 * s  # each split costs a partial write and a merge
+        if score > best_score + 1e-9:
+            best, best_score = s, score
+    return best
+
+
+@functools.lru_cache(maxsize=8)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float | None, block_indices: torch.Tensor | None,
+                      num_splits: int | None = None) -> torch.Tensor:
+    B, hq, d = q.shape
+    H = pool.num_kv_heads
+    group = hq // H
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    module = compile_decode(pool.dtype, d, group)
+    main, combine = (module.get_kernel(n) for n in kernel_names(pool.dtype, d, group))
+    q = q.contiguous()
+    table = block_table.contiguous()
+    kc, vc = pool.layer_cache(layer)
+    if block_indices is not None:
+        idx = block_indices.contiguous()
+        n = idx.shape[-1]
+        idx_h_stride = n if idx.ndim == 3 else 0
+        idx_b_stride = n * (H if idx.ndim == 3 else 1)
+        items = n
+    else:
+        idx, n, idx_b_stride, idx_h_stride = None, 0, 0, 0
+        items = table.shape[1]
+    smem = smem_bytes(pool.dtype, d, group)
+    if num_splits is None:
+        per_sm = max(1, min(228 * 1024 // (smem + 1024), 2048 // THREADS))
+        num_splits = choose_splits(B, H, items * pool.block_size, _device_sms(q.device.index or 0), per_sm)
+    out = torch.empty_like(q)
+    if num_splits > 1:
+        o_part = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        ml_part = torch.empty((B, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        o_part = ml_part = None
+    main.launch((num_splits, H, B), THREADS,
+                [q, kc, vc, table, table.shape[1], seq_lens, idx, idx_b_stride, idx_h_stride, n, out, o_part,
+                 ml_part, float(scale * math.log2(math.e)), pool.block_size], smem_bytes=smem)
+    if num_splits > 1:
+        combine.launch(B * hq, d, [o_part, ml_part, out, num_splits])
+    return out

@@ -1,0 +1,152 @@
+"""CUDA paged decode: compile-only checks here, numerics vs the torch reference on a GPU."""
+
+import math
+
+import kvpool
+import pytest
+import tilehal
+import torch
+from kvpool import cuda_decode
+
+
+def _have_nvrtc() -> bool:
+    return tilehal.compiler_versions()["nvrtc"] is not None or tilehal.compiler_versions()["nvcc"] is not None
+
+
+@pytest.mark.skipif(not _have_nvrtc(), reason="needs NVRTC or nvcc")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (128, 8), (256, 2)])
+def test_kernels_compile(dtype, head_dim, group):
+    module = cuda_decode.compile_decode(dtype, head_dim, group)
+    assert len(module.cubin) > 1000
+    assert set(module.lowered_names) == set(cuda_decode.kernel_names(dtype, head_dim, group))
+
+
+def test_split_choice_fills_waves():
+    # 64 sequences x 8 kv heads = 512 CTAs over 132 SMs x 3: one split leaves a 30 % wave.
+    s = cuda_decode.choose_splits(64, 8, 4096, 132, 3)
+    ctas = 64 * 8 * s
+    assert ctas / (math.ceil(ctas / 396) * 396) > 0.85
+    assert cuda_decode.choose_splits(8, 8, 32768, 132, 3) > 4  # long sequences: split-K
+    assert cuda_decode.choose_splits(1, 1, 100, 132, 3) == 1  # too short to split
+
+
+def test_unsupported_reasons():
+    pool = kvpool.KVPool(1, 2, 96, 4, dtype=torch.float32)
+    assert "dtype" in cuda_decode.unsupported_reason(torch.zeros(1, 2, 96), pool)
+    pool = kvpool.KVPool(1, 2, 96, 4, dtype=torch.bfloat16)
+    assert "head_dim" in cuda_decode.unsupported_reason(torch.zeros(1, 2, 96, dtype=torch.bfloat16), pool)
+
+
+def _gpu_pool(lens, heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16, chunk=48, seed=0):
+    """A GPU pool whose sequences' blocks interleave (appended round-robin in chunks)."""
+    total = sum(-(-L // block_size) for L in lens) + 8
+    pool = kvpool.KVPool(1, heads, head_dim, total, block_size=block_size, dtype=dtype, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for i, L in enumerate(lens):
+        pool.add_sequence(i, [i] * max(L, 1), extra_key=i)
+    done = [0] * len(lens)
+    while any(d < L for d, L in zip(done, lens)):
+        for i, L in enumerate(lens):
+            n = min(chunk, L - done[i])
+            if n <= 0:
+                continue
+            slots = pool.append(i, n).cuda()
+            k = torch.randn(n, heads, head_dim, device="cuda", generator=g)
+            v = torch.randn(n, heads, head_dim, device="cuda", generator=g)
+            pool.write(0, slots, k, v)
+            done[i] += n
+    return pool
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(128, 32, 8), (64, 8, 8), (256, 4, 2), (128, 8, 1)])
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_dense_matches_reference(dtype, head_dim, q_heads, kv_heads, splits):
+    lens = [1, 15, 16, 17, 300, 1000, 0]
+    pool = _gpu_pool(lens, heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    ids = list(range(len(lens)))
+    bt, sl = pool.block_table(ids), pool.seq_lens(ids)
+    q = torch.randn(len(lens), q_heads, head_dim, device="cuda", dtype=dtype)
+    out = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, num_splits=splits)
+    ref = kvpool.paged_decode_reference(q, pool, 0, bt, sl)
+    assert tilehal.calc_diff(out, ref) < 1e-5
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert torch.all(out[-1] == 0)  # empty sequence
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_head", [False, True])
+def test_sparse_matches_reference_and_all_blocks_equal_dense(per_head):
+    lens = [2000, 513, 64]
+    pool = _gpu_pool(lens, seed=1)
+    ids = [0, 1, 2]
+    bt, sl = pool.block_table(ids), pool.seq_lens(ids)
+    q = torch.randn(3, 32, 128, device="cuda", dtype=torch.bfloat16)
+    n = 20
+    shape = (3, 8, n) if per_head else (3, n)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    bi = torch.full(shape, -1, dtype=torch.int32, device="cuda")
+    for i, L in enumerate(lens):
+        nb = -(-L // 16)
+        k = min(nb, n - 3)
+        if per_head:
+            for h in range(8):
+                bi[i, h, :k] = torch.randperm(nb, device="cuda", generator=g)[:k].int()
+        else:
+            bi[i, :k] = torch.randperm(nb, device="cuda", generator=g)[:k].int()
+    out = kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=bi)
+    ref = kvpool.paged_decode_reference(q, pool, 0, bt, sl, block_indices=bi)
+    assert tilehal.calc_diff(out, ref) < 1e-5
+    full = torch.arange(bt.shape[1], device="cuda", dtype=torch.int32).expand(3, -1).contiguous()
+    dense = kvpool.paged_decode(q, pool, 0, bt, sl)
+    torch.testing.assert_close(kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=full), dense, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_fp8_pool_on_gpu_uses_reference_within_tolerance():
+    lens = [100, 37]
+    pool8 = kvpool.KVPool(1, 2, 64, 32, block_size=16, dtype=torch.float8_e4m3fn, device="cuda")
+    pool32 = kvpool.KVPool(1, 2, 64, 32, block_size=16, dtype=torch.float32, device="cuda")
+    for p in (pool8, pool32):
+        for i, L in enumerate(lens):
+            p.add_sequence(i, list(range(L)), extra_key=i)
+    for i, L in enumerate(lens):
+        k, v = torch.randn(L, 2, 64, device="cuda"), torch.randn(L, 2, 64, device="cuda")
+        for p in (pool8, pool32):
+            p.write(0, p.append(i, L).cuda(), k, v)
+    q = torch.randn(2, 4, 64, device="cuda")
+    o8 = kvpool.paged_decode(q, pool8, 0, pool8.block_table([0, 1]), pool8.seq_lens([0, 1]))
+    o32 = kvpool.paged_decode(q, pool32, 0, pool32.block_table([0, 1]), pool32.seq_lens([0, 1]))
+    assert (o8 - o32).norm() / o32.norm() < 0.05
+
+
+@pytest.mark.gpu
+def test_host_tier_on_gpu_round_trip():
+    """Offload on the side stream, bring back by prefix hit + prefetch, data intact."""
+    pool = kvpool.KVPool(2, 2, 64, 8, block_size=16, dtype=torch.bfloat16, device="cuda", host_blocks=8,
+                         watermark=0.0, debug=True)
+    assert pool.storage.k.is_cuda and pool.host.tensors[0].is_pinned()
+    prompt = list(range(65))
+    pool.add_sequence("a", prompt)
+    slots = pool.append("a", 65).cuda()
+    kv = [(torch.randn(65, 2, 64, device="cuda"), torch.randn(65, 2, 64, device="cuda")) for _ in range(2)]
+    for layer, (k, v) in enumerate(kv):
+        pool.write(layer, slots, k, v)
+    pool.free("a")
+    assert pool.evict() == 4 and pool.stats().offloads == 4
+    # Overwrite every device block so only the host copies hold the data.
+    pool.add_sequence("junk", [7] * 128)
+    s = pool.append("junk", 128).cuda()
+    for layer in range(2):
+        pool.write(layer, s, torch.zeros(128, 2, 64, device="cuda"), torch.zeros(128, 2, 64, device="cuda"))
+    pool.free("junk")
+    assert pool.add_sequence("b", prompt) == 64
+    assert pool.stats().host_hit_tokens == 64
+    assert pool.prefetch("b") == 4
+    pool.append("b", 1)
+    for layer, (k, v) in enumerate(kv):
+        gk, gv = pool.gather(layer, "b")
+        torch.testing.assert_close(gk[:64], k[:64].bfloat16(), atol=0, rtol=0)
+        torch.testing.assert_close(gv[:64], v[:64].bfloat16(), atol=0, rtol=0)
