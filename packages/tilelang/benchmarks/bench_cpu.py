@@ -100,6 +100,36 @@ def bench_flash(batch: int, heads: int, seq: int, dim: int, causal: bool, rounds
             "ratio": t["torch_sdpa"] / t["ours"], "max_abs_err": float((out - ref).abs().max())}
 
 
+_ONE_CORE_SNIPPET = """
+import sys, json, time, importlib.util
+import numpy as np
+spec = importlib.util.spec_from_file_location("gemm", sys.argv[1]); m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+n = int(sys.argv[2]); cfg = tuple(json.loads(sys.argv[3]))
+a, b = np.random.rand(n, n).astype(np.float32), np.random.rand(n, n).astype(np.float32)
+k = m.matmul(n, n, n, *cfg)
+def best(f):
+    f(); ts = []
+    for _ in range(5):
+        t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
+    return min(ts)
+to, tn = best(lambda: k(a, b)), best(lambda: a @ b)
+to, tn = min(to, best(lambda: k(a, b))), min(tn, best(lambda: a @ b))
+print(json.dumps({"ours_gflops": 2 * n**3 / to / 1e9, "numpy_gflops": 2 * n**3 / tn / 1e9, "ratio": tn / to}))
+"""
+
+
+def bench_gemm_one_core(n: int, cfg: tuple) -> dict:
+    """The same GEMM on one core each (OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1): per-core efficiency,
+    much less sensitive than the 2-core run to other jobs on a shared machine."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", _ONE_CORE_SNIPPET, str(EXAMPLES / "gemm.py"), str(n), json.dumps(cfg)],
+                       env=env, capture_output=True, text=True, check=True)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out["block"] = list(cfg)
+    return out
+
+
 _COMPILE_SNIPPET = """
 import sys, time, importlib.util, json
 t0 = time.perf_counter()
@@ -182,9 +212,11 @@ def main() -> None:
         # other jobs on a shared machine skew absolute numbers; ours and the peer alternate so ratios hold better
         "load_average_start": os.getloadavg(),
     }
-    steps = ["gemm", "flash non-causal", "flash causal", "compile"]
+    steps = ["gemm", "gemm one core", "flash non-causal", "flash causal", "compile"]
     with tqdm(total=len(steps), desc="bench_cpu") as bar:
         res["gemm"] = bench_gemm(n, configs, args.rounds)
+        bar.update()
+        res["gemm_one_core"] = bench_gemm_one_core(n, tuple(res["gemm"]["best"]["block"]))
         bar.update()
         res["flash_attention"] = [bench_flash(1, 8, seq, 64, False, args.rounds)]
         bar.update()
@@ -198,6 +230,9 @@ def main() -> None:
     for c in g["configs"]:
         print(f"{'gemm ' + str(n) + '^3 ' + str(tuple(c['block'])):<34}{c['ours_gflops']:>10.1f} GF/s"
               f"{c['numpy_gflops']:>10.1f} GF/s{c['ratio']:>8.2f}")
+    o = res["gemm_one_core"]
+    print(f"{'gemm ' + str(n) + '^3 one core ' + str(tuple(o['block'])):<34}{o['ours_gflops']:>10.1f} GF/s"
+          f"{o['numpy_gflops']:>10.1f} GF/s{o['ratio']:>8.2f}")
     for f in res["flash_attention"]:
         name = f"flash fwd {'causal' if f['causal'] else 'full'} S={seq}"
         print(f"{name:<34}{f['ours_s'] * 1e3:>11.2f} ms{f['torch_sdpa_s'] * 1e3:>11.2f} ms{f['ratio']:>8.2f}")

@@ -10,6 +10,7 @@ gemms (int8 -> int32, float64) become loops.
 from __future__ import annotations
 
 import itertools
+import logging
 
 from ..ir import dtypes as dt
 from ..ir.nodes import (
@@ -40,6 +41,7 @@ from ..ir.visit import map_stmt
 from .simplify import simplify_expr
 
 _ids = itertools.count()
+log = logging.getLogger("tilelang.passes.lower_tile_ops")
 
 
 def _var(base: str) -> Var:
@@ -239,6 +241,8 @@ def lower_tile_ops(func: PrimFunc) -> PrimFunc:
         if isinstance(s, AtomicAdd):
             return lower_atomic_add(s)
         if isinstance(s, Gemm) and not gemm_uses_microkernel(s):
+            log.debug("%s: T.gemm with dtypes %s/%s -> %s has no micro-kernel (float32 storage only); lowered to "
+                      "loops", s.loc, s.A.buffer.dtype, s.B.buffer.dtype, s.C.buffer.dtype)
             return lower_gemm_to_loops(s)
         return s
 

@@ -106,16 +106,22 @@ static inline void *tl_alloc(size_t bytes) {
  * (ldb), C rows contiguous (ldc). An MR x (NV*VL) block of C lives in registers across K. */
 #if defined(__AVX512F__)
 #define TL_VL 16
-#define TL_MR 8
-#define TL_NV 2
+#define TL_MR_DEFAULT 8
+#define TL_NV_DEFAULT 2
 #elif defined(__AVX__)
 #define TL_VL 8
-#define TL_MR 6
-#define TL_NV 2
+#define TL_MR_DEFAULT 6
+#define TL_NV_DEFAULT 2
 #else
 #define TL_VL 4
-#define TL_MR 4
-#define TL_NV 2
+#define TL_MR_DEFAULT 4
+#define TL_NV_DEFAULT 2
+#endif
+#ifndef TL_MR /* overridable with -DTL_MR=... through pass_configs={"c_flags": [...]} */
+#define TL_MR TL_MR_DEFAULT
+#endif
+#ifndef TL_NV
+#define TL_NV TL_NV_DEFAULT
 #endif
 #define TL_NR (TL_NV * TL_VL)
 typedef float tl_vf __attribute__((vector_size(TL_VL * 4)));
