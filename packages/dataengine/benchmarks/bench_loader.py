@@ -20,6 +20,7 @@ from dataengine.data import (
     Filter,
     LengthScorer,
     NGramRepetitionScorer,
+    PackCollate,
     ResumableLoader,
     ShardWriter,
     StreamingDataset,
@@ -70,7 +71,7 @@ def naive(root: Path, budget: int, seed: int) -> int:
     return got
 
 
-def streaming(root: Path, budget: int, seed: int, batch_size: int = 0, workers: int = 0) -> int:
+def streaming(root: Path, budget: int, seed: int, batch_size: int = 0, workers: int = 0, pack_len: int = 0) -> int:
     stream = StreamingDataset(TokenDataset(root), seed=seed, domain_weights=WEIGHTS, filters=filters())
     got = 0
     if batch_size == 0:
@@ -79,8 +80,9 @@ def streaming(root: Path, budget: int, seed: int, batch_size: int = 0, workers: 
             if got >= budget:
                 break
         return got
-    for batch in ResumableLoader(stream, batch_size=batch_size, num_workers=workers):
-        got += int(batch["lengths"].sum())
+    collate = PackCollate(pack_len) if pack_len else None
+    for batch in ResumableLoader(stream, batch_size=batch_size, num_workers=workers, collate_fn=collate):
+        got += int(batch["lengths"].sum()) if "lengths" in batch else int((batch["doc_ids"] >= 0).sum())
         if got >= budget:
             break
     return got
@@ -97,8 +99,11 @@ def main() -> None:
         rows = []
         for name, fn in [("naive load-all-then-filter", lambda: naive(root, args.budget, 0)),
                          ("streaming (iterator)", lambda: streaming(root, args.budget, 0)),
-                         ("streaming + DataLoader b=16", lambda: streaming(root, args.budget, 0, 16, 0)),
-                         ("streaming + DataLoader b=16, 2 workers", lambda: streaming(root, args.budget, 0, 16, 2))]:
+                         ("streaming + DataLoader b=16, pad collate", lambda: streaming(root, args.budget, 0, 16, 0)),
+                         ("streaming + DataLoader b=16, pack collate 8192",
+                          lambda: streaming(root, args.budget, 0, 16, 0, 8192)),
+                         ("streaming + DataLoader b=16, pad, 2 workers",
+                          lambda: streaming(root, args.budget, 0, 16, 2))]:
             t0 = time.perf_counter()
             tokens = fn()
             dt = time.perf_counter() - t0
