@@ -347,7 +347,7 @@ class Parser:
             self.fail(node.iter, f"loop step must be a positive Python int, got {args[2]!r}")
         var = Var(self.shared.fresh(names[0]))
         if step is None or step.value == 1:
-            extent = binop("-", stop, start)
+            extent = stop if _is_zero(start) else binop("-", stop, start)
             body = self.block(node.body, {names[0]: binop("+", start, var) if not _is_zero(start) else var})
         else:
             extent = binop("//", binop("+", binop("-", stop, start), step.value - 1), step.value)
