@@ -56,7 +56,8 @@ class COOMatrix:
 
     def to_torch(self) -> torch.Tensor:
         idx = torch.from_numpy(np.stack([self.row, self.col]).astype(np.int64))
-        return torch.sparse_coo_tensor(idx, torch.from_numpy(np.ascontiguousarray(self.data)), self.shape).coalesce()
+        return torch.sparse_coo_tensor(idx, torch.from_numpy(np.ascontiguousarray(self.data)), self.shape,
+                                       check_invariants=True).coalesce()
 
     @classmethod
     def from_torch(cls, t: torch.Tensor) -> COOMatrix:
