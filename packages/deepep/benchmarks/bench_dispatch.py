@@ -157,18 +157,24 @@ def bench_rank(rank: int, world: int, tokens: int, hidden: int, topk: int, exper
         buf = buffers["nvlink"]
         try:
             y = torch.randn(epr, world * ll_tokens, hidden, device=dev).to(torch.bfloat16)
+            # Eager calls first: buffers grow (a collective allocation) outside the capture.
+            buf.low_latency_dispatch(xl, il, ll_tokens, experts, use_fp8=False)
             _, _, handle, _, _ = buf.low_latency_dispatch(xl, il, ll_tokens, experts, use_fp8=True)
+            buf.low_latency_combine(y, il, wl, handle)
             torch.cuda.synchronize()
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
-            gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            gd, gc, gb = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.stream(s):
+                with torch.cuda.graph(gb, stream=s):  # without the fp8 cast, to see what the cast costs
+                    buf._backend.low_latency_dispatch(xl, il, ll_tokens, experts, False, False, False)
                 with torch.cuda.graph(gd, stream=s):
                     _, _, gh, _, _ = buf._backend.low_latency_dispatch(xl, il, ll_tokens, experts, True, False, False)
                 with torch.cuda.graph(gc, stream=s):
                     buf._backend.low_latency_combine(y, il, wl, gh, False, False, None)
             torch.cuda.synchronize()
             dist.barrier()
+            timed("nvlink/ll_dispatch/bf16/graph", gb.replay, pairs * hidden * 2)
             timed("nvlink/ll_dispatch/fp8/graph", gd.replay, pairs * fp8_row)
             timed("nvlink/ll_combine/bf16/graph", gc.replay, pairs * hidden * 2)
         except Exception as e:

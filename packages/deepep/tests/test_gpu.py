@@ -33,7 +33,7 @@ def test_fp8_dispatch_gpu(ranks, transport):
 @pytest.mark.parametrize("transport, use_fp8", [("torch", True), ("nvlink", True), ("nvlink", False)])
 def test_low_latency_gpu(ranks, transport, use_fp8):
     ranks(WORLD, "low_latency", use_fp8=use_fp8, tokens=[32, 7, 0, 20, 32, 1, 5, 9][:WORLD], experts=8 * WORLD,
-          k=4, hidden=512, transport=transport, device="cuda", exact=(transport == "torch"), rounds=3,
+          k=4, hidden=512, transport=transport, device="cuda", exact=False, rounds=3,
           backend="nccl", timeout_s=240)
 
 

@@ -37,4 +37,9 @@ def test_ctypes_mirror_matches_the_cuda_struct(struct, cname):
         checks.append(f"static_assert(offsetof(deepep::{cname}, {field}) == {off}, \"{field}\");")
     src = nvlink.KERNEL_SOURCE.read_text() + "\n" + "\n".join(
         c.replace("offsetof(", "__builtin_offsetof(") for c in checks) + "\n"
-    tilehal.compile_cuda(src, name=f"deepep_layout_{cname}")  # a mismatch is a CompileError naming the field
+    try:
+        tilehal.compile_cuda(src, name=f"deepep_layout_{cname}")  # a mismatch is a CompileError naming the field
+    except tilehal.CompileError as e:
+        if "__builtin_offsetof" in str(e) and "undefined" in str(e):
+            pytest.skip("this NVRTC lacks __builtin_offsetof (NVRTC 13.0); the layout is checked where it has it")
+        raise

@@ -7,6 +7,15 @@ from typing import Any
 
 from tilehal import CommTimeoutError
 
+BUSY_SPIN_S = 0.05
+
+
+def _pause(waited_s: float) -> None:
+    """Busy-spin for the first 50 ms (a sleep costs far more than a fast transfer), then nap
+    100 us per check so a stalled peer does not burn a core until the deadline."""
+    if waited_s > BUSY_SPIN_S:
+        time.sleep(1e-4)
+
 
 def comm_error(rank: int, stage: str, detail: str) -> CommTimeoutError:
     return CommTimeoutError(f"deepep rank {rank}: stage '{stage}' {detail}", rank=rank, stage=stage)
@@ -19,16 +28,14 @@ def wait_work(work: Any, *, rank: int, stage: str, timeout_s: float, peers: obje
     block for the process group's own, much longer, timeout. A transport error from a peer that
     died is reported the same way, as CommTimeoutError naming our rank and the stage.
     """
-    deadline = time.monotonic() + timeout_s
-    spins = 0
+    start = time.monotonic()
+    deadline = start + timeout_s
     while not work.is_completed():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             who = f" waiting on ranks {peers}" if peers is not None else ""
             raise comm_error(rank, stage, f"timed out after {timeout_s:.1f} s{who} (dead or stuck peer?)")
-        spins += 1
-        # Spin briefly for latency, then back off so a stalled wait does not burn a core.
-        if spins > 200:
-            time.sleep(min(1e-3, 1e-5 * (spins - 200)))
+        _pause(now - start)
     try:
         work.wait()
     except Exception as e:  # a peer's closed connection surfaces here (Gloo) as RuntimeError
@@ -37,11 +44,10 @@ def wait_work(work: Any, *, rank: int, stage: str, timeout_s: float, peers: obje
 
 def spin_until(predicate: Any, *, rank: int, stage: str, timeout_s: float, detail: str = "") -> None:
     """Poll a host-side condition (e.g. a flag a kernel writes to pinned memory) with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    spins = 0
+    start = time.monotonic()
+    deadline = start + timeout_s
     while not predicate():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise comm_error(rank, stage, f"timed out after {timeout_s:.1f} s {detail}".rstrip())
-        spins += 1
-        if spins > 1000:
-            time.sleep(min(1e-3, 1e-6 * (spins - 1000)))
+        _pause(now - start)

@@ -45,6 +45,7 @@ __device__ __forceinline__ bool wait_flag(const u64* p, u32 epoch, u64 deadline,
       if (payload) *payload = u32(v);
       return true;
     }
+    __nanosleep(32);  // hundreds of warps may poll at once: leave L2 to the incoming writes
     if (now_ns() > deadline) {
       err[1] = peer;
       err[0] = stage;
@@ -130,7 +131,8 @@ __device__ void dispatch_send(const DispatchArgs& a, u64 deadline) {
   for (int c = blockIdx.x; c < num_chunks; c += a.num_senders) {
     const int t_end = min(a.T, (c + 1) * a.chunk);
     for (int t = c * a.chunk + warp; t < t_end; t += num_warps) {
-      for (int d = 0; d < a.R; ++d) {
+      for (int j = 1; j < a.R; ++j) {  // peers only: our own rows never leave x
+        const int d = (a.me + j) % a.R;
         const int pos = a.send_pos[t * a.R + d];
         if (pos < 0) continue;
         char* row = reinterpret_cast<char*>(a.peer_data[d]) + a.me * a.region_bytes + (long long)pos * a.row_bytes;
@@ -199,9 +201,27 @@ __device__ void dispatch_recv(const DispatchArgs& a, u64 deadline) {
   const int per_src = max(1, num_recv_blocks / a.R);
   if (rb >= per_src * a.R) return;
   const int s = rb % a.R, j = rb / a.R;
+  const int lo = a.me * a.epr;
+  if (s == a.me) {  // our own tokens: straight from x to their place, no buffer, no flags
+    for (int t = j * num_warps + warp; t < a.T; t += per_src * num_warps) {
+      const int p = a.send_pos[t * a.R + a.me];
+      if (p < 0) continue;
+      const int out = base[s] + p;
+      copy_row<false>(a.recv_x + (long long)out * a.x16, a.x + (long long)t * a.x16, a.x16, lane);
+      if (a.recv_scales)
+        for (int q = lane; q < a.S; q += 32) a.recv_scales[(long long)out * a.S + q] = a.scales[(long long)t * a.S + q];
+      if (a.recv_topk && lane < a.k) {
+        const long long e = a.topk_idx[(long long)t * a.k + lane];
+        const bool mine = e >= lo && e < lo + a.epr;
+        a.recv_topk[(long long)out * a.k + lane] = mine ? e - lo : -1;
+        if (a.recv_w) a.recv_w[(long long)out * a.k + lane] = mine ? a.topk_w[(long long)t * a.k + lane] : 0.f;
+      }
+      if (lane == 0) a.recv_src[out] = t;
+    }
+    return;
+  }
   const char* region = reinterpret_cast<const char*>(a.peer_data[a.me]) + s * a.region_bytes;
   const u64* flags = my_sig + a.sig_chunks + (long long)s * a.max_chunks;
-  const int lo = a.me * a.epr;
   int done = 0;
   for (int c = 0; done < rows_from[s]; ++c) {
     if (tid == 0) {
@@ -260,18 +280,17 @@ __device__ void combine_send(const CombineArgs& a) {
     __threadfence_system();
     st_release(reinterpret_cast<u64*>(a.peer_sig[tid]) + a.sig_hello + a.me, tagged(a.epoch, 0));
   }
-  // The work list: every destination's rows, in chunks.
-  int total_chunks = 0;
-  for (int d = 0; d < a.R; ++d) total_chunks += (a.recv_counts[d] + a.chunk - 1) / a.chunk;
-  for (int g = blockIdx.x; g < total_chunks; g += a.num_senders) {
-    int d = 0, c = g, first = 0;
-    while (true) {
-      const int nc = (a.recv_counts[d] + a.chunk - 1) / a.chunk;
-      if (c < nc) break;
-      c -= nc;
-      first += a.recv_counts[d];
-      ++d;
-    }
+  // Work list: chunk c of every peer before chunk c + 1 of any, so all links are busy from the
+  // start. Our own rows are not copied: the receiver reads them from x.
+  if (a.R == 1) return;
+  int max_nc = 0;
+  for (int d = 0; d < a.R; ++d) max_nc = max(max_nc, (a.recv_counts[d] + a.chunk - 1) / a.chunk);
+  const int peers = a.R - 1;
+  for (int g = blockIdx.x; g < max_nc * peers; g += a.num_senders) {
+    const int c = g / peers, d = (a.me + 1 + g % peers) % a.R;
+    if (c * a.chunk >= a.recv_counts[d]) continue;
+    int first = 0;
+    for (int q = 0; q < d; ++q) first += a.recv_counts[q];
     const int p0 = c * a.chunk, p1 = min(a.recv_counts[d], p0 + a.chunk);
     char* region = reinterpret_cast<char*>(a.peer_data[d]) + a.me * a.region_bytes;
     for (int p = p0 + warp; p < p1; p += num_warps) {
@@ -339,6 +358,8 @@ __device__ void combine_recv(const CombineArgs& a, u64 deadline) {
   __syncthreads();
   if (abort_flag) return;
   const char* my_data = reinterpret_cast<const char*>(a.peer_data[a.me]);
+  int first_me = 0;  // our own returned rows sit in x after the rows of lower ranks
+  for (int q = 0; q < a.me; ++q) first_me += a.recv_counts[q];
   int seen[DEEPEP_MAX_RANKS];  // highest chunk of each peer known to be complete (tokens only grow)
   for (int d = 0; d < a.R; ++d) seen[d] = -1;
   for (int t = rb * num_warps + warp; t < a.T; t += num_recv_blocks * num_warps) {
@@ -346,7 +367,7 @@ __device__ void combine_recv(const CombineArgs& a, u64 deadline) {
     bool ok = true;
     for (int d = 0; d < a.R; ++d) {
       pos[d] = a.send_pos[t * a.R + d];
-      if (pos[d] < 0) continue;
+      if (pos[d] < 0 || d == a.me) continue;
       const int c = pos[d] / a.chunk;
       if (c > seen[d]) {
         bool got = true;
@@ -366,7 +387,8 @@ __device__ void combine_recv(const CombineArgs& a, u64 deadline) {
     int nr = 0;
     for (int d = 0; d < a.R; ++d)
       if (pos[d] >= 0)
-        rows[nr++] = reinterpret_cast<const int4*>(my_data + d * a.region_bytes + (long long)pos[d] * a.row_bytes);
+        rows[nr++] = d == a.me ? a.x + (long long)(first_me + pos[d]) * a.x16
+                               : reinterpret_cast<const int4*>(my_data + d * a.region_bytes + (long long)pos[d] * a.row_bytes);
     // Four words per lane per pass: every peer's loads for them are issued before any add.
     for (int i0 = lane; i0 < a.x16; i0 += 128) {
       float acc[4][kv];
@@ -391,6 +413,10 @@ __device__ void combine_recv(const CombineArgs& a, u64 deadline) {
       float s = 0.f;
       for (int d = 0; d < a.R; ++d) {
         if (pos[d] < 0) continue;
+        if (d == a.me) {
+          s += a.w[(long long)(first_me + pos[d]) * a.k + lane];
+          continue;
+        }
         const char* row = my_data + d * a.region_bytes + (long long)pos[d] * a.row_bytes;
         s += __ldcg(reinterpret_cast<const float*>(row + a.off_w) + lane);
       }
@@ -437,33 +463,20 @@ __device__ __forceinline__ void ll_finish(const LLArgs& a, u32 epoch) {
   }
 }
 
-// Cast one 128-channel group of bf16 to fp8 e4m3 with scale amax / 448 (as deepep.fp8 does).
-__device__ __forceinline__ void cast_group(const __nv_bfloat16* src, __nv_fp8_e4m3* dst, float* scale) {
-  float v[128];
-  float amax = 0.f;
-  const int4* s4 = reinterpret_cast<const int4*>(src);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    int4 q = s4[i];
-    const unsigned* u = reinterpret_cast<const unsigned*>(&q);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float2 f = tilehal::bf16x2_to_float2(u[j]);
-      v[i * 8 + 2 * j] = f.x;
-      v[i * 8 + 2 * j + 1] = f.y;
-      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-    }
-  }
-  const float sc = fmaxf(amax, 1e-4f) / 448.f;
-  *scale = sc;
-  int4* d4 = reinterpret_cast<int4*>(dst);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    int4 o;
-    unsigned char* b = reinterpret_cast<unsigned char*>(&o);
-#pragma unroll
-    for (int j = 0; j < 16; ++j) b[j] = __nv_fp8_e4m3(__fdiv_rn(v[i * 16 + j], sc)).__x;
-    d4[i] = o;
+// Cast a bf16 row to fp8 e4m3, one 128-channel group per step of the whole warp (4 channels a
+// lane, coalesced 8-byte loads): scale = max(amax, 1e-4) / 448, as deepep.fp8 does; values are
+// multiplied by the reciprocal (DeepEP's choice; within one rounding of torch's division).
+__device__ __forceinline__ void cast_row_fp8(const __nv_bfloat16* src, __nv_fp8_e4m3* dst, float* scales, int H,
+                                             int lane) {
+  for (int g = 0; g < H / 128; ++g) {
+    const uint2 raw = reinterpret_cast<const uint2*>(src + g * 128)[lane];
+    const float2 a = tilehal::bf16x2_to_float2(raw.x), b = tilehal::bf16x2_to_float2(raw.y);
+    float amax = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y)));
+    amax = tilehal::warp_max(amax);
+    const float sc = fmaxf(amax, 1e-4f) / 448.f, inv = 1.f / sc;
+    __nv_fp8x4_e4m3 q(make_float4(a.x * inv, a.y * inv, b.x * inv, b.y * inv));
+    reinterpret_cast<__nv_fp8x4_e4m3*>(dst + g * 128)[lane] = q;
+    if (lane == 0) scales[g] = sc;
   }
 }
 
@@ -498,9 +511,7 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_dispatch(LLArgs a) {
           char* row = region + (long long)count * a.row_bytes;
           const __nv_bfloat16* xs = a.x + (long long)tt * H;
           if (a.use_fp8) {
-            for (int g = lane; g < G; g += 32)
-              cast_group(xs + g * 128, reinterpret_cast<__nv_fp8_e4m3*>(row) + g * 128,
-                         reinterpret_cast<float*>(row + H) + g);
+            cast_row_fp8(xs, reinterpret_cast<__nv_fp8_e4m3*>(row), reinterpret_cast<float*>(row + H), H, lane);
           } else {
             copy_row<false>(reinterpret_cast<int4*>(row), reinterpret_cast<const int4*>(xs), H / 8, lane);
           }
