@@ -221,11 +221,11 @@ class KVPool:
         """
         seq = self._seq(seq_id)
         pend = seq.pending
-        if isinstance(tokens, (int, np.integer)):
+        if isinstance(tokens, int) or isinstance(tokens, np.integer):
             n = int(tokens)
             if n < 0:
                 raise ValueError(f"tokens: expected a count >= 0, got {n}")
-            known = pend[:n]
+            known = pend[:n] if len(pend) else _EMPTY_IDS
         else:
             known = as_token_array(tokens)
             n = len(known)
@@ -249,16 +249,22 @@ class KVPool:
             new = mgr.allocate(grow)
             self.storage.mark_fresh(new)
             seq.blocks.extend(new)
-        first = old // bs
-        blocks = np.asarray(seq.blocks[first:], dtype=np.int64)
-        pos = np.arange(old - first * bs, new_len - first * bs, dtype=np.int64)
-        slots = blocks[pos // bs] * bs + pos % bs
         if self.prefix_caching and seq.hashable:
             self._extend_hashes(seq, old, known, n)
         seq.num_tokens = new_len
-        seq.pending = pend[n:] if n < len(pend) else _EMPTY_IDS
+        if len(pend):
+            seq.pending = pend[n:] if n < len(pend) else _EMPTY_IDS
         self._after_op()
-        return torch.from_numpy(slots.astype(np.int32))
+        return self._slots(seq.blocks, old, new_len)
+
+    def _slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        if end - start <= 64:  # decode-sized: plain Python beats numpy's per-call overhead
+            return torch.tensor([blocks[p // bs] * bs + p % bs for p in range(start, end)], dtype=torch.int32)
+        first = start // bs
+        b = np.asarray(blocks[first:], dtype=np.int64)
+        pos = np.arange(start - first * bs, end - first * bs, dtype=np.int64)
+        return torch.from_numpy((b[pos // bs] * bs + pos % bs).astype(np.int32))
 
     def _extend_hashes(self, seq: _Sequence, old: int, known: np.ndarray, n: int) -> None:
         """Hash (and register) every block the appended known ids complete."""
