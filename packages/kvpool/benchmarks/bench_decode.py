@@ -18,6 +18,7 @@ import kvpool
 import tilehal
 import torch
 import torch.nn.functional as F
+from kvpool import cuda_decode
 
 try:
     from tqdm import tqdm
@@ -57,6 +58,19 @@ def bench(fn) -> float:
     return tilehal.bench(fn, warmup=5, iters=30, flush_l2=True).median_s
 
 
+def bench_graph(fn) -> float | str:
+    """GPU time without Python launch overhead: the call captured in a CUDA graph, replayed."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return bench(graph.replay)
+    except Exception as e:  # report, do not hide: the JSON says why there is no figure
+        return f"capture failed: {type(e).__name__}: {e}"[:300]
+
+
 def dense_case(batch: int, seq_len: int) -> dict:
     pool = build_pool(batch, seq_len)
     ids = list(range(batch))
@@ -69,7 +83,14 @@ def dense_case(batch: int, seq_len: int) -> dict:
     t_ours = bench(lambda: kvpool.paged_decode(q, pool, 0, bt, sl))
     t_sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
     kv_bytes = 2 * batch * seq_len * H * D * 2
+    sweep = {}
+    for splits in (1, 2, 4, 8, 16, 32):  # how much the split heuristic leaves on the table
+        t = bench(lambda s=splits: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, num_splits=s))
+        sweep[splits] = kv_bytes / t / 1e9
+    g_ours = bench_graph(lambda: kvpool.paged_decode(q, pool, 0, bt, sl))
     return {
+        "cuda_graph_paged_decode_GBps": kv_bytes / g_ours / 1e9 if isinstance(g_ours, float) else g_ours,
+        "split_sweep_GBps": sweep,
         "case": f"dense b{batch} x {seq_len}", "batch": batch, "seq_len": seq_len, "kv_bytes": kv_bytes,
         "paged_decode_us": t_ours * 1e6, "sdpa_contiguous_us": t_sdpa * 1e6,
         "paged_decode_GBps": kv_bytes / t_ours / 1e9, "sdpa_contiguous_GBps": kv_bytes / t_sdpa / 1e9,
@@ -90,11 +111,16 @@ def sparse_case(batch: int, seq_len: int, selected: int) -> dict:
     diff = tilehal.calc_diff(sparse[:1], ref)
     t_dense = bench(lambda: kvpool.paged_decode(q, pool, 0, bt, sl))
     t_sparse = bench(lambda: kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=bi))
+    g_dense = bench_graph(lambda: kvpool.paged_decode(q, pool, 0, bt, sl))
+    g_sparse = bench_graph(lambda: kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=bi))
     sparse_bytes = 2 * batch * H * selected * BS * D * 2
     return {
         "case": f"sparse b{batch} x {seq_len}, {selected}/{nb} blocks", "batch": batch, "seq_len": seq_len,
         "selected_blocks": selected, "total_blocks": nb,
         "dense_paged_us": t_dense * 1e6, "sparse_paged_us": t_sparse * 1e6, "speedup": t_dense / t_sparse,
+        "cuda_graph_dense_us": g_dense * 1e6 if isinstance(g_dense, float) else g_dense,
+        "cuda_graph_sparse_us": g_sparse * 1e6 if isinstance(g_sparse, float) else g_sparse,
+        "cuda_graph_speedup": g_dense / g_sparse if isinstance(g_dense, float) and isinstance(g_sparse, float) else None,
         "dense_GBps": 2 * batch * seq_len * H * D * 2 / t_dense / 1e9, "sparse_GBps": sparse_bytes / t_sparse / 1e9,
         "calc_diff_vs_reference": diff,
     }
@@ -146,7 +172,10 @@ def main() -> None:
         print(f"{r['case']:<24}{r['paged_decode_us']:>12.1f}us{r['sdpa_contiguous_us']:>12.1f}us"
               f"{r['paged_decode_GBps']:>11.0f}{r['sdpa_contiguous_GBps']:>11.0f}{r['bandwidth_ratio']:>7.2f}")
     print(f"{sparse['case']}: dense {sparse['dense_paged_us']:.1f} us, sparse {sparse['sparse_paged_us']:.1f} us, "
-          f"speedup {sparse['speedup']:.1f}x")
+          f"speedup {sparse['speedup']:.1f}x; CUDA graph: {sparse['cuda_graph_dense_us']} / "
+          f"{sparse['cuda_graph_sparse_us']} us")
+    for r in rows:
+        print(r["case"], "graph GB/s", r["cuda_graph_paged_decode_GBps"], "split sweep GB/s", r["split_sweep_GBps"])
     result = {
         "benchmark": "kvpool paged_decode", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node()},
