@@ -129,9 +129,9 @@ class HostMapped:
     """Pinned host memory the GPU writes to (flags, counts, error word) and the CPU polls."""
 
     def __init__(self, num_ints: int) -> None:
-        from tilehal.jit.cuda import _ensure_context
+        from tilehal.jit.cuda import ensure_context
 
-        drv = _ensure_context(torch.cuda.current_device())
+        drv = ensure_context(torch.cuda.current_device())
         flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
         self.host = int(_ok(drv.cuMemHostAlloc(num_ints * 4, flags), "cuMemHostAlloc"))
         self.device = int(_ok(drv.cuMemHostGetDevicePointer(self.host, 0), "cuMemHostGetDevicePointer"))
@@ -153,9 +153,9 @@ class SharedRegion:
         self.parity_bytes = _align(self.sig_bytes + data_bytes, 4096)
         # Our own cuMemAlloc, not torch's allocator: an IPC handle names a whole allocation, and
         # torch packs several tensors into one segment, which a peer could then not open twice.
-        from tilehal.jit.cuda import _ensure_context
+        from tilehal.jit.cuda import ensure_context
 
-        drv = _ensure_context(torch.cuda.current_device())
+        drv = ensure_context(torch.cuda.current_device())
         size = 2 * self.parity_bytes
         self.ptr = int(_ok(drv.cuMemAlloc(size), "cuMemAlloc"))
         # Flags start at epoch 0; synchronous, so no peer can write before we are zero.

@@ -19,7 +19,16 @@ from .errors import (
     expect,
 )
 from .jit.c import CLibrary, c_compiler, c_compiler_version, compile_c
-from .jit.cuda import Arg, CudaModule, Kernel, compile_cuda, compiler_versions, cuda_include_dirs, include_dir
+from .jit.cuda import (
+    Arg,
+    CudaModule,
+    Kernel,
+    compile_cuda,
+    compiler_versions,
+    cuda_include_dirs,
+    ensure_context,
+    include_dir,
+)
 from .tensors import (
     as_numpy,
     check_tensor,
@@ -36,6 +45,6 @@ __all__ = [
     "CudaModule", "DType", "DeviceError", "Kernel", "LaunchError", "ShapeError", "TileStackError", "as_numpy",
     "bench", "c_compiler", "c_compiler_version", "cache_dir", "calc_diff", "check_tensor", "compile_c",
     "compile_cuda", "compiler_versions", "cpu", "cuda_devices", "cuda_include_dirs", "cuda_unavailable_reason",
-    "data_ptr", "device_of", "devices", "dtype_of", "expect", "from_numpy_like", "get_dtype", "include_dir",
+    "data_ptr", "device_of", "devices", "dtype_of", "ensure_context", "expect", "from_numpy_like", "get_dtype", "include_dir",
     "is_contiguous", "is_torch", "to_numpy_dtype", "to_torch_dtype",
 ]

@@ -233,8 +233,9 @@ def _check(driver, res, what: str):
 _init_lock = threading.Lock()
 
 
-def _ensure_context(device_index: int):
-    """Make torch's (primary) context of `device_index` current on this thread."""
+def ensure_context(device_index: int):
+    """Make torch's (primary) context of `device_index` current on this thread; returns the
+    cuda-bindings driver module for callers that need raw driver calls (IPC, allocations)."""
     driver = _driver()
     try:
         import torch
@@ -352,7 +353,7 @@ class Kernel:
     def _function(self, device_index: int):
         fn = self._functions.get(device_index)
         if fn is None:
-            driver = _ensure_context(device_index)
+            driver = ensure_context(device_index)
             mod = self.module._loaded(device_index, driver)
             fn = _check(driver, driver.cuModuleGetFunction(mod, self.symbol.encode()), f"kernel {self.name!r} not found in module {self.module.name}")
             self._functions[device_index] = fn
@@ -363,7 +364,7 @@ class Kernel:
         import torch
 
         dev = torch.cuda.current_device() if device_index is None else device_index
-        driver = _ensure_context(dev)
+        driver = ensure_context(dev)
         a = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attr}")
         return int(_check(driver, driver.cuFuncGetAttribute(a, self._function(dev)), f"attribute {attr}"))
 
