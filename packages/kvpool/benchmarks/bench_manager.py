@@ -2,7 +2,8 @@
 
 1. append + free: sequences grow by `append(seq, n)` (blocks allocated) and are freed; we
    report blocks allocated and freed per second for decode-like (1 block per call) and
-   prefill-like (64 blocks per call) patterns.
+   prefill-like (64 blocks per call) patterns. The same for the BlockManager alone (no slot
+   tensors), with plain and LRU-evicting (prefix-cached) blocks.
 2. add_sequence on a 32K-token prompt whose prefix is cached (2047 of 2048 blocks hit):
    hashing and matching cost per call.
 Writes docs/benchmarks/kvpool_manager.json. No peer library is installed here (vLLM's block
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import kvpool
 import torch
+from kvpool.block_manager import BlockManager
 
 try:
     from tqdm import tqdm
@@ -51,8 +53,30 @@ def append_free(blocks_per_call: int, calls_per_seq: int, rounds: int) -> dict:
         for s in range(seqs):
             pool.free((r, s))
     dt = time.perf_counter() - t0
-    return {"pattern": f"{blocks_per_call} block(s) per append", "blocks": blocks, "seconds": dt,
+    return {"pattern": f"KVPool.append+free, {blocks_per_call} block(s) per append", "blocks": blocks, "seconds": dt,
             "block_allocs_plus_frees_per_s": blocks / dt, "append_calls_per_s": rounds * seqs * calls_per_seq / dt}
+
+
+def manager_only(blocks_per_op: int, cached: bool, rounds: int = 20000) -> dict:
+    """The BlockManager alone (what KVPool.append/free sit on): allocate + release, no tensors.
+
+    cached=True registers a hash on every block before releasing it, so allocations come from
+    the LRU list and evict (unlink + hash drop), the prefix-caching steady state.
+    """
+    mgr = BlockManager(blocks_per_op * 4)
+    n = 0
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        got = mgr.allocate(blocks_per_op)
+        if cached:
+            for i, b in enumerate(got):
+                mgr.register(b, (r * blocks_per_op + i).to_bytes(8, "little"))
+        for b in reversed(got):
+            mgr.decref(b)
+        n += blocks_per_op
+    dt = time.perf_counter() - t0
+    return {"pattern": f"BlockManager, {blocks_per_op} block(s)/op, {'LRU-evicting' if cached else 'plain'}",
+            "blocks": n, "seconds": dt, "block_allocs_plus_frees_per_s": n / dt}
 
 
 def prefix_match(prompt_len: int = 32768, iters: int = 20) -> dict:
@@ -76,10 +100,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT_DIR)
     args = ap.parse_args()
     rows = [append_free(1, 16, 40), append_free(64, 1, 40)]
+    rows += [manager_only(1, False), manager_only(1, True), manager_only(64, False, 2000), manager_only(64, True, 2000)]
     pm = prefix_match()
-    print(f"{'pattern':<28}{'blocks alloc+free /s':>22}{'append calls /s':>18}")
+    print(f"{'pattern':<52}{'blocks alloc+free /s':>22}{'append calls /s':>18}")
     for r in rows:
-        print(f"{r['pattern']:<28}{r['block_allocs_plus_frees_per_s']:>22,.0f}{r['append_calls_per_s']:>18,.0f}")
+        calls = f"{r['append_calls_per_s']:>18,.0f}" if "append_calls_per_s" in r else f"{'-':>18}"
+        print(f"{r['pattern']:<52}{r['block_allocs_plus_frees_per_s']:>22,.0f}{calls}")
     print(f"add_sequence, 32K-token prompt, {pm['hit_tokens']} tokens hit: {pm['median_ms']:.2f} ms median")
     result = {"benchmark": "kvpool block manager", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),

@@ -109,6 +109,7 @@ class KVPool:
         self.manager = BlockManager(num_blocks, on_evict=self._on_evict)
         self._seqs: dict[Hashable, _Sequence] = {}
         self._onload: dict[int, int] = {}  # device block -> held host block, copy not issued yet
+        self._offsets = np.arange(block_size, dtype=np.int32)
         self._stats = PoolStats()
 
     # ------------------------------------------------------------------ properties
@@ -259,12 +260,19 @@ class KVPool:
 
     def _slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.block_size
-        if end - start <= 64:  # decode-sized: plain Python beats numpy's per-call overhead
-            return torch.tensor([blocks[p // bs] * bs + p % bs for p in range(start, end)], dtype=torch.int32)
         first = start // bs
-        b = np.asarray(blocks[first:], dtype=np.int64)
-        pos = np.arange(start - first * bs, end - first * bs, dtype=np.int64)
-        return torch.from_numpy((b[pos // bs] * bs + pos % bs).astype(np.int32))
+        if (end - 1) // bs == first:  # one block (every decode step): a shifted arange
+            off = start - first * bs
+            return torch.from_numpy(self._offsets[off:off + end - start] + np.int32(blocks[first] * bs))
+        last = (end - 1) // bs
+        if last - first < 8:  # a few blocks: one shifted arange per block, concatenated
+            off = self._offsets
+            parts = [off[max(start - i * bs, 0):min(end - i * bs, bs)] + np.int32(blocks[i] * bs)
+                     for i in range(first, last + 1)]
+            return torch.from_numpy(np.concatenate(parts))
+        b = np.asarray(blocks[first:], dtype=np.int32)
+        pos = np.arange(start - first * bs, end - first * bs, dtype=np.int32)
+        return torch.from_numpy(b[pos // bs] * bs + pos % bs)
 
     def _extend_hashes(self, seq: _Sequence, old: int, known: np.ndarray, n: int) -> None:
         """Hash (and register) every block the appended known ids complete."""
