@@ -134,3 +134,16 @@ def test_bad_arguments_name_themselves(fill_pool):
         kvpool.paged_decode(torch.randn(1, 2, 16), pool, 0, bt, sl, block_indices=torch.zeros(1, 3, 2, dtype=torch.int32))
     with pytest.raises(IndexError, match="layer"):
         kvpool.paged_decode(torch.randn(1, 2, 16), pool, 1, bt, sl)
+
+
+def test_prefill_bad_arguments(fill_pool):
+    pool = kvpool.KVPool(1, 2, 16, 16, block_size=4, dtype=torch.float32)
+    fill_pool(pool, [5])
+    bt, sl = pool.block_table([0]), pool.seq_lens([0])
+    q = torch.randn(2, 2, 16)
+    with pytest.raises(ShapeError, match="cu_seqlens_q"):
+        kvpool.paged_prefill(q, pool, 0, bt, sl, torch.tensor([0, 3]))
+    with pytest.raises(ShapeError, match="block_table"):
+        kvpool.paged_prefill(q, pool, 0, bt.long(), sl, torch.tensor([0, 2]))
+    with pytest.raises(ShapeError, match="seq_lens"):
+        kvpool.paged_prefill(q, pool, 0, bt, torch.tensor([1], dtype=torch.int32)[:0], torch.tensor([0, 2]))

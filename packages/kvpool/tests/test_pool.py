@@ -162,3 +162,46 @@ def test_argument_errors():
         pool.write(0, torch.tensor([999], dtype=torch.int32), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
     with pytest.raises(IndexError, match="layer"):
         pool.gather(3, "a")
+
+
+def test_prefix_caching_off_shares_nothing():
+    pool = make(prefix_caching=False)
+    pool.add_sequence("a", list(range(9)))
+    pool.append("a", 9)
+    assert pool.add_sequence("b", list(range(9))) == 0
+    assert pool.stats().blocks_cached == 0
+
+
+def test_copy_on_write_keeps_key_summaries_and_fp8_scales():
+    pool = kvpool.KVPool(1, 1, 4, 8, block_size=4, dtype=torch.float8_e4m3fn, watermark=0.0, debug=True)
+    pool.add_sequence("a", [1, 2])
+    s = pool.append("a", 2)
+    k = torch.tensor([[[1.0, -2.0, 3.0, 0.5]], [[2.0, 0.0, -1.0, 4.0]]])
+    pool.write(0, s, k, k)
+    pool.fork("a", "b")
+    pool.append("b", 1)  # copy-on-write of the partial block
+    src, dst = pool.blocks_of("a")[0], pool.blocks_of("b")[0]
+    assert src != dst
+    kmin, kmax = pool.key_summary(0)
+    assert torch.equal(kmin[dst], kmin[src]) and torch.equal(kmax[dst], kmax[src])
+    torch.testing.assert_close(kmax[dst, 0], k.amax(0)[0])
+    ks, vs = pool.layer_scales(0)
+    assert torch.equal(ks[dst], ks[src]) and ks[src, 0] > 0
+    ka, _ = pool.gather(0, "a")
+    kb, _ = pool.gather(0, "b")
+    assert torch.equal(ka, kb[:2])
+
+
+def test_debug_checks_catch_corruption():
+    pool = make()
+    pool.add_sequence("a", list(range(6)))
+    pool.append("a", 6)
+    pool.check_invariants()
+    b = pool.blocks_of("a")[0]
+    pool.manager.ref[b] += 1  # a leaked reference
+    with pytest.raises(kvpool.InvariantError, match="ref"):
+        pool.check_invariants()
+    pool.manager.ref[b] -= 1
+    pool.manager.plain.append(pool.manager.plain[-1])  # a double free
+    with pytest.raises(kvpool.InvariantError, match="twice"):
+        pool.check_invariants()

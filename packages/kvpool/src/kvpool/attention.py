@@ -135,7 +135,13 @@ def paged_prefill(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.
     H = pool.num_kv_heads
     if d != pool.head_dim or hq % H:
         raise ShapeError(f"q: expected head_dim {pool.head_dim} and q_heads a multiple of {H}, got {tuple(q.shape)}")
+    for name, t, nd in (("block_table", block_table, 2), ("seq_lens", seq_lens, 1)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.ndim != nd:
+            raise ShapeError(f"{name}: expected an int32 tensor with {nd} dims, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} shape {tuple(getattr(t, 'shape', ()))}")
     B = block_table.shape[0]
+    if seq_lens.shape[0] != B:
+        raise ShapeError(f"seq_lens: expected {B} entries (block_table's batch), got {seq_lens.shape[0]}")
     cu = [int(x) for x in cu_seqlens_q.tolist()]
     if len(cu) != B + 1 or cu[0] != 0 or cu[-1] != total or any(a > b for a, b in zip(cu, cu[1:])):
         raise ShapeError(f"cu_seqlens_q: expected {B + 1} non-decreasing offsets from 0 to {total}, got {cu}")
