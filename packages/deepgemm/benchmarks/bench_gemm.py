@@ -11,6 +11,7 @@ L2 flushed between calls. Writes docs/benchmarks/deepgemm_h200.json and .png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -20,6 +21,7 @@ from pathlib import Path
 import deepgemm
 import tilehal
 import torch
+from deepgemm import heuristics
 from tqdm import tqdm
 
 DENSE_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
@@ -76,6 +78,49 @@ def bench_dense_fp8(m, n, k):
     flops = 2 * m * n * k
     nbytes = m * k + n * k + 2 * m * n
     return row("fp8_dense", [m, n, k], flops, nbytes, ours, peers)
+
+
+def variant_configs(kind, m, n, k):
+    """The heuristic's pick plus neighbours it did not pick: other tile widths, multicast on/off."""
+    from deepgemm.heuristics import block_n_candidates, pick_config
+
+    picked = pick_config(kind, m, n, k, tma_store=True)
+    widths = sorted({picked.block_n, *((128, 144, 160, 192) if kind == "fp8" else (192, 224, 256))})
+    out = []
+    for bn in widths:
+        if bn not in block_n_candidates(kind):
+            continue
+        for mc in (1, 2):
+            multicast, on_a = heuristics.pick_multicast("normal", m, n, picked.block_m, bn, picked.num_sms, mc)
+            tiles = deepgemm.ceil_div(m, picked.block_m) * deepgemm.ceil_div(n, bn)
+            w, util = heuristics.waves(tiles, picked.num_sms)
+            cfg = dataclasses.replace(picked, block_n=bn, multicast=multicast, multicast_on_a=on_a, num_waves=w,
+                                      last_wave_util=util,
+                                      stages=heuristics.max_stages(kind, picked.block_m, bn, picked.block_m * bn * 2))
+            if cfg not in out:
+                out.append(cfg)
+    return picked, out
+
+
+def bench_variants(kind, m, n, k):
+    """Time every variant config of one dense shape (ours only), to check the heuristic's choice."""
+    from deepgemm import cuda_gemm
+
+    if kind == "fp8":
+        _, _, a8, sfa, b8, sfb = fp8_inputs(m, n, k)
+    else:
+        a8 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b8 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        sfa = sfb = None
+    d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    picked, cfgs = variant_configs(kind, m, n, k)
+    rows = []
+    for cfg in cfgs:
+        t = timed(lambda cfg=cfg: cuda_gemm.dense(a8, sfa, b8, sfb, d, None, config=cfg))
+        rows.append({"kind": kind, "shape": [m, n, k], "block_n": cfg.block_n, "multicast": cfg.multicast,
+                     "multicast_on_a": cfg.multicast_on_a, "stages": cfg.stages, "waves": cfg.num_waves,
+                     "picked": cfg == picked, "us": t * 1e6, "tflops": 2 * m * n * k / t / 1e12})
+    return rows
 
 
 def bench_dense_bf16(m, n, k):
@@ -136,6 +181,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="M = 4096 dense shapes only")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--variants", action="store_true",
+                    help="also time the tile widths / multicast settings the heuristic did not pick (M = 4096)")
     args = ap.parse_args()
     jobs = []
     for m in ((4096,) if args.quick else (64, 128, 4096)):
@@ -180,13 +227,25 @@ def main() -> None:
         "contiguous_best_tflops": max((r["ours_tflops"] for r in sel("fp8_grouped_contiguous")), default=None),
         "masked_1x1024_tflops": [r["ours_tflops"] for r in sel("fp8_grouped_masked") if r["shape"][:2] == [1, 1024]],
     }
+    variants = []
+    if args.variants:
+        for kind in ("fp8", "bf16"):
+            for n, k in tqdm(DENSE_NK, desc=f"variants {kind}"):
+                variants += bench_variants(kind, 4096, n, k)
+                torch.cuda.empty_cache()
+        print(f"{'kind':5s} {'shape':>20s} {'BN':>4s} {'mc':>3s} {'st':>3s} {'waves':>5s} {'us':>8s} {'TFLOPS':>7s}")
+        for v in variants:
+            mc = f"{v['multicast']}{'A' if v['multicast_on_a'] else 'B'}" if v["multicast"] > 1 else "1"
+            print(f"{v['kind']:5s} {str(v['shape']):>20s} {v['block_n']:4d} {mc:>3s} {v['stages']:3d} {v['waves']:5d} "
+                  f"{v['us']:8.1f} {v['tflops']:7.0f}{'  <- picked' if v['picked'] else ''}")
     print(json.dumps(summary, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": dt.datetime.now().isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "cuda": torch.version.cuda, "host": platform.node(),
             "num_sms": deepgemm.get_num_sms(), "timer": "tilehal.bench, CUDA events, L2 flushed, median of 30"}
-    (out / "deepgemm_h200.json").write_text(json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1))
+    (out / "deepgemm_h200.json").write_text(json.dumps({"meta": meta, "summary": summary, "results": results,
+                                                       "variants": variants}, indent=1))
     try:
         plot(results, out / "deepgemm_h200.png")
     except ImportError:

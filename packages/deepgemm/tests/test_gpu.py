@@ -4,7 +4,10 @@ calc_diff < 1e-3 is the issue's bar; the kernels and the reference differ only i
 order inside a 128-wide K block (and the final bf16 rounding), so the gap is usually ~1e-6.
 """
 
+import dataclasses
+
 import deepgemm
+import deepgemm.heuristics
 import pytest
 import torch
 from deepgemm import reference
@@ -174,3 +177,55 @@ def test_blas_gemm_on_gpu():
     out = deepgemm.gemm(a, b.T.contiguous(), alpha=2.0, beta=0.5, c=c)
     ref = 2.0 * (a.float() @ b.float().T) + 0.5 * c.float()
     assert calc_diff(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_masked_with_multicast(fp8):
+    """expected_m = 1024 makes the heuristic pick 2-CTA multicast on A; rows past masked_m stay untouched."""
+    groups, m_max, n, k = 2, 1024, 4096, 1024
+    cfg = deepgemm.heuristics.pick_config("fp8" if fp8 else "bf16", m_max, n, k, num_groups=groups,
+                                          grouping="masked")
+    masked_m = torch.tensor([1000, 333], dtype=torch.int32, device="cuda")
+    a, b = _operands(groups * m_max, n, k, groups=groups, seed=8)
+    a = a.view(groups, m_max, k)
+    d = torch.full((groups, m_max, n), 3.0, dtype=torch.bfloat16, device="cuda")
+    ref = torch.full_like(d, 3.0)
+    if fp8:
+        a8, sfa = deepgemm.per_token_cast_to_fp8(a)
+        b8, sfb = deepgemm.per_block_cast_to_fp8(b)
+        deepgemm.m_grouped_fp8_gemm_nt_masked((a8, sfa), (b8, sfb), d, masked_m, m_max)
+        reference.grouped_masked(a8, b8, masked_m, ref, sfa, sfb)
+    else:
+        deepgemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, m_max)
+        reference.grouped_masked(a, b, masked_m, ref)
+    assert cfg.multicast == 2 and cfg.multicast_on_a
+    for g, rows in enumerate(masked_m.tolist()):
+        assert calc_diff(d[g, :rows], ref[g, :rows]) < 1e-3
+        assert torch.all(d[g, rows:] == 3.0)
+
+
+@pytest.mark.parametrize("on_a", [True, False])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_multicast_phantom_tiles(on_a, fp8):
+    """A cluster pair whose second tile lies past M (B shared) or N (A shared) computes a phantom tile
+    that must write nothing: force multicast on shapes with an odd number of blocks."""
+    from deepgemm import cuda_gemm, heuristics
+
+    # A shared: 3 n-blocks (the second pair's n-block 3 is a phantom); B shared: 5 m-blocks (likewise).
+    m, n, k = (3 * 128 + 40, 3 * 128, 512) if on_a else (5 * 128 - 24, 2 * 128, 512)
+    a, b = _operands(m, n, k, seed=9)
+    base = heuristics.pick_config("fp8" if fp8 else "bf16", m, n, k, tma_store=True, max_multicast=1)
+    cfg = dataclasses.replace(base, block_m=128, block_n=128, multicast=2, multicast_on_a=on_a,
+                              stages=heuristics.max_stages(base.kind, 128, 128, 128 * 128 * 2))
+    out = torch.full((m, n), 5.0, dtype=torch.bfloat16, device="cuda")
+    if fp8:
+        a8, sfa = deepgemm.per_token_cast_to_fp8(a)
+        b8, sfb = deepgemm.per_block_cast_to_fp8(b)
+        cuda_gemm.dense(a8, deepgemm.get_mn_major_tma_aligned_tensor(sfa), b8, sfb, out, None, config=cfg)
+        ref = reference.fp8_gemm_nt(a8, sfa, b8, sfb, None)
+    else:
+        cuda_gemm.dense(a, None, b, None, out, None, config=cfg)
+        ref = reference.bf16_gemm_nt(a, b, None)
+    torch.cuda.synchronize()
+    assert calc_diff(out, ref) < 1e-3
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())

@@ -1,4 +1,5 @@
-"""The config heuristic: fewest waves, then the fullest last wave, then the larger tile."""
+"""The config heuristic: least waves x tile cost, then the fullest last wave, then the larger tile;
+multicast when the paired block count is even; the epilogue's swizzle width."""
 
 import math
 
@@ -17,9 +18,9 @@ def test_waves():
 
 def test_fp8_candidates_respect_register_and_scale_limits():
     for n in block_n_candidates("fp8"):
-        assert n % 8 == 0 and n <= 160
+        assert n % 8 == 0 and n <= 192
         assert n <= 128 + math.gcd(n, 128)  # at most two 128-wide B scale blocks per tile
-    assert 176 not in block_n_candidates("fp8") and 160 in block_n_candidates("fp8")
+    assert 176 not in block_n_candidates("fp8") and {160, 192} <= set(block_n_candidates("fp8"))
     assert max(block_n_candidates("bf16")) == 256
 
 
@@ -28,16 +29,22 @@ def test_fp8_candidates_respect_register_and_scale_limits():
 @pytest.mark.parametrize("n,k", DENSE_NK)
 def test_pick_is_optimal_under_its_rule(kind, m, n, k):
     cfg = pick_config(kind, m, n, k, num_sms=132)
-    best = min(
-        (waves(math.ceil(m / bm) * math.ceil(n / bn), 132)[0],
-         -waves(math.ceil(m / bm) * math.ceil(n / bn), 132)[1])
-        for bm in ((64,) if m <= 64 else (64, 128)) for bn in block_n_candidates(kind)
-    )
-    assert (cfg.num_waves, -cfg.last_wave_util) == best
+    bm = 64 if m <= 64 else 128
+
+    def cost(bn):
+        w, util = waves(math.ceil(m / bm) * math.ceil(n / bn), 132)
+        return w * (bm + 64) * (bn + 32), -util
+
+    best = min(cost(bn) for bn in block_n_candidates(kind))
+    assert cfg.block_m == bm and cost(cfg.block_n) == best
     assert cfg.smem_bytes <= heuristics.SMEM_CAPACITY
     assert 2 <= cfg.stages <= heuristics.MAX_STAGES
     assert cfg.block_k == (128 if kind == "fp8" else 64)
-    assert cfg.multicast == 1
+    if cfg.multicast == 2:  # only when no CTA would compute a phantom tile
+        paired = math.ceil(n / cfg.block_n) if cfg.multicast_on_a else math.ceil(m / cfg.block_m)
+        assert m >= heuristics.MULTICAST_MIN_M and paired % 2 == 0
+    else:
+        assert m < heuristics.MULTICAST_MIN_M
 
 
 def test_small_m_uses_one_math_warpgroup():
@@ -79,3 +86,29 @@ def test_bad_arguments():
         pick_config("fp16", 1, 1, 1)
     with pytest.raises(ValueError, match="grouping"):
         pick_config("fp8", 1, 1, 1, grouping="ragged")
+
+
+def test_cost_model_prefers_less_padded_work_over_fewer_waves():
+    # 4096 x 4096: 128-wide tiles in 8 waves beat 160-wide ones in 7 (7 x 192 > 8 x 160 column-costs).
+    cfg = pick_config("fp8", 4096, 4096, 7168, num_sms=132)
+    assert (cfg.block_n, cfg.num_waves) == (128, 8)
+    # 7168 wide: 160 in 11 waves beats 192 in 10 (fewest-waves would take 192).
+    assert pick_config("fp8", 4096, 7168, 16384, num_sms=132).block_n == 160
+    assert heuristics.tile_cost(128, 160) < heuristics.tile_cost(128, 192)
+
+
+def test_multicast_choice():
+    pm = heuristics.pick_multicast
+    assert pm("normal", 4096, 7168, 128, 160, 132) == (2, False)  # 32 m-blocks: share B (the wider tile)
+    assert pm("normal", 4096, 2112, 128, 136, 132) == (2, True)  # 136 % 16 != 0: B cannot be halved; share A
+    assert pm("contiguous", 32768, 4096, 128, 192, 132) == (2, True)  # experts differ across m-blocks
+    assert pm("normal", 4096, 7168, 128, 160, 132, max_multicast=1) == (1, False)
+    assert pm("normal", 512, 7168, 128, 160, 132) == (1, False)  # small problem
+    assert pm("normal", 3 * 128, 3 * 160, 128, 160, 132) == (1, False)  # both counts odd
+    assert pm("normal", 4096, 7168, 128, 160, 131) == (1, False)  # odd SM count: no whole clusters
+
+
+def test_epilogue_swizzle_width():
+    assert [heuristics.d_swizzle(n) for n in (256, 192, 160, 144, 136, 16, 8)] == [128, 128, 64, 32, 0, 32, 0]
+    assert pick_config("bf16", 4096, 7168, 2048, num_sms=132, tma_store=True).d_swizzle == 128
+    assert pick_config("bf16", 4096, 7168, 2048, num_sms=132).d_swizzle == 0  # no TMA store, no staging tile

@@ -20,7 +20,7 @@ from tilehal.tma import encode_tiled
 
 from . import validate
 from .heuristics import GemmConfig, pick_config
-from .utils import get_mn_major_tma_aligned_tensor, get_tma_aligned_size, is_mn_major_tma_aligned
+from .utils import ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size, is_mn_major_tma_aligned
 
 log = logging.getLogger("deepgemm")
 
@@ -45,13 +45,20 @@ class KernelKey:
     out_bf16: bool
     has_c: bool
     tma_store: bool = False
+    d_swizzle: int = 0  # bytes per row of the epilogue's swizzled TMA-store boxes (0: plain rows)
+    multicast: int = 1  # CTAs per cluster sharing one operand tile
+    multicast_on_a: bool = False
 
     @property
     def expression(self) -> str:
         out = "__nv_bfloat16" if self.out_bf16 else "float"
+
+        def b(x: bool) -> str:
+            return "true" if x else "false"
+
         return (f"deepgemm::gemm_sm90<{self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
-                f"{KIND_IDS[self.grouping]}, {self.num_groups}, {'true' if self.fp8 else 'false'}, {out}, "
-                f"{'true' if self.has_c else 'false'}, {'true' if self.tma_store else 'false'}>")
+                f"{KIND_IDS[self.grouping]}, {self.num_groups}, {b(self.fp8)}, {out}, {b(self.has_c)}, "
+                f"{b(self.tma_store)}, {self.d_swizzle}, {self.multicast}, {b(self.multicast_on_a)}>")
 
 
 def kernel_source() -> str:
@@ -74,7 +81,8 @@ def kernel_key(cfg: GemmConfig, n: int, k: int, grouping: str, num_groups: int, 
                has_c: bool) -> KernelKey:
     return KernelKey(n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages, grouping=grouping,
                      num_groups=num_groups, fp8=cfg.kind == "fp8", out_bf16=out_dtype == torch.bfloat16,
-                     has_c=has_c, tma_store=cfg.tma_store)
+                     has_c=has_c, tma_store=cfg.tma_store, d_swizzle=cfg.d_swizzle, multicast=cfg.multicast,
+                     multicast_on_a=cfg.multicast_on_a)
 
 
 def use_tma_store(d: torch.Tensor, n: int, has_c: bool, grouping: str) -> bool:
@@ -128,8 +136,11 @@ def _descriptors(a2d: torch.Tensor, b2d: torch.Tensor, sfa_t: torch.Tensor | Non
     """TMA descriptors: A [rows, K] and B [rows, K] in 128-byte swizzled boxes; activation scales
     as a [sfa_rows, sfa_cols] fp32 matrix (rows = (group x) K blocks, cols = M) read BLOCK_M at a time."""
     box_k = cfg.block_k
-    da = _encode(a2d.data_ptr(), a2d.dtype, tuple(a2d.shape), tuple(a2d.stride()), (cfg.block_m, box_k), "128B")
-    db = _encode(b2d.data_ptr(), b2d.dtype, tuple(b2d.shape), tuple(b2d.stride()), (cfg.block_n, box_k), "128B")
+    # With multicast each CTA of a cluster loads half of the shared operand's tile.
+    box_m = cfg.block_m // (2 if cfg.multicast > 1 and cfg.multicast_on_a else 1)
+    box_n = cfg.block_n // (2 if cfg.multicast > 1 and not cfg.multicast_on_a else 1)
+    da = _encode(a2d.data_ptr(), a2d.dtype, tuple(a2d.shape), tuple(a2d.stride()), (box_m, box_k), "128B")
+    db = _encode(b2d.data_ptr(), b2d.dtype, tuple(b2d.shape), tuple(b2d.stride()), (box_n, box_k), "128B")
     if sfa_t is None:
         return da, db, _NULL_DESC
     ld = get_tma_aligned_size(sfa_cols, 4)
@@ -140,8 +151,10 @@ def _descriptors(a2d: torch.Tensor, b2d: torch.Tensor, sfa_t: torch.Tensor | Non
 def _d_descriptor(d2d: torch.Tensor, cfg: GemmConfig) -> bytes:
     if not cfg.tma_store:
         return _NULL_DESC
-    return _encode(d2d.data_ptr(), d2d.dtype, tuple(d2d.shape), tuple(d2d.stride()), (cfg.block_m, cfg.block_n),
-                   "none")
+    sw = cfg.d_swizzle
+    box_n = sw // d2d.element_size() if sw else cfg.block_n
+    return _encode(d2d.data_ptr(), d2d.dtype, tuple(d2d.shape), tuple(d2d.stride()), (cfg.block_m, box_n),
+                   f"{sw}B" if sw else "none")
 
 
 def _check_cuda(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None) -> None:
@@ -159,15 +172,28 @@ def _check_cuda(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tens
         raise tilehal.DeviceError(f"deepgemm CUDA kernels: expected an sm_90 (Hopper) GPU, got sm_{cap[0]}{cap[1]}")
 
 
-def _launch(key: KernelKey, cfg: GemmConfig, grid: int, descs, d_desc, sfb, d, c, group_info, shape_m: int) -> None:
+def grid_size(cfg: GemmConfig, tiles: int) -> int:
+    """Persistent CTAs: at most one per SM and per tile, a whole number of clusters."""
+    mc = cfg.multicast
+    return max(mc, min(cfg.num_sms, ceil_div(tiles, mc) * mc) // mc * mc)
+
+
+def _launch(key: KernelKey, cfg: GemmConfig, tiles: int, descs, d_desc, sfb, d, c, group_info, shape_m: int) -> None:
     kern = _kernel(key)
-    kern.launch(grid, cfg.num_threads, [descs[0], descs[1], descs[2], d_desc, sfb, d, c, group_info, shape_m],
-                smem_bytes=cfg.smem_bytes)
+    kern.launch(grid_size(cfg, tiles), cfg.num_threads,
+                [descs[0], descs[1], descs[2], d_desc, sfb, d, c, group_info, shape_m],
+                smem_bytes=cfg.smem_bytes, cluster=(cfg.multicast, 1, 1) if cfg.multicast > 1 else None)
+
+
+def max_multicast() -> int:
+    """DEEPGEMM_MULTICAST=1 turns 2-CTA multicast off (for A/B timing and debugging)."""
+    return 1 if os.environ.get("DEEPGEMM_MULTICAST", "2") == "1" else 2
 
 
 def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor | None,
-          d: torch.Tensor, c: torch.Tensor | None) -> None:
-    """a [M, K], b [N, K] K-major; sfa/sfb None for bf16."""
+          d: torch.Tensor, c: torch.Tensor | None, config: GemmConfig | None = None) -> None:
+    """a [M, K], b [N, K] K-major; sfa/sfb None for bf16. `config` overrides the heuristic (the
+    benchmark's variant sweep uses it to time the candidates the heuristic did not pick)."""
     _check_cuda(a, b, d, c)
     m, k = a.shape
     n = b.shape[0]
@@ -177,13 +203,14 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
         d.copy_(c if c is not None else torch.zeros_like(d))
         return
     fp8 = sfa is not None
-    cfg = pick_config("fp8" if fp8 else "bf16", m, n, k, tma_store=use_tma_store(d, n, c is not None, "normal"))
+    cfg = config or pick_config("fp8" if fp8 else "bf16", m, n, k,
+                                tma_store=use_tma_store(d, n, c is not None, "normal"), max_multicast=max_multicast())
     sfa_t = _sfa_layout(sfa) if fp8 else None
     sfb_c = sfb.contiguous() if fp8 else None
     descs = _descriptors(a, b, sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
     key = kernel_key(cfg, n, k, "normal", 1, d.dtype, c is not None)
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    _launch(key, cfg, min(cfg.num_sms, tiles), descs, _d_descriptor(d, cfg), sfb_c, d, c, None, m)
+    tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
+    _launch(key, cfg, tiles, descs, _d_descriptor(d, cfg), sfb_c, d, c, None, m)
 
 
 def grouped_contiguous(a, sfa, b, sfb, d, m_indices) -> None:
@@ -194,12 +221,12 @@ def grouped_contiguous(a, sfa, b, sfb, d, m_indices) -> None:
         return
     fp8 = sfa is not None
     cfg = pick_config("fp8" if fp8 else "bf16", m, n, k, num_groups=g, grouping="contiguous",
-                      tma_store=use_tma_store(d, n, False, "contiguous"))
+                      tma_store=use_tma_store(d, n, False, "contiguous"), max_multicast=max_multicast())
     sfa_t = _sfa_layout(sfa) if fp8 else None
     descs = _descriptors(a, b.view(g * n, k), sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
     key = kernel_key(cfg, n, k, "contiguous", g, d.dtype, False)
-    tiles = (m // cfg.block_m) * -(-n // cfg.block_n)
-    _launch(key, cfg, min(cfg.num_sms, tiles), descs, _d_descriptor(d, cfg), sfb.contiguous() if fp8 else None,
+    tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
+    _launch(key, cfg, tiles, descs, _d_descriptor(d, cfg), sfb.contiguous() if fp8 else None,
             d, None, m_indices.contiguous(), m)
 
 
@@ -210,12 +237,13 @@ def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int) -> None:
     if m_max == 0 or n == 0:
         return
     fp8 = sfa is not None
-    cfg = pick_config("fp8" if fp8 else "bf16", min(expected_m, m_max), n, k, num_groups=g, grouping="masked")
+    cfg = pick_config("fp8" if fp8 else "bf16", min(expected_m, m_max), n, k, num_groups=g, grouping="masked",
+                      max_multicast=max_multicast())
     sfa_t = _sfa_layout(sfa) if fp8 else None
     sk = sfa.shape[2] if fp8 else 0
     descs = _descriptors(a.view(g * m_max, k), b.view(g * n, k), sfa_t, cfg, sfa_rows=g * sk, sfa_cols=m_max)
     key = kernel_key(cfg, n, k, "masked", g, d.dtype, False)
-    upper = g * -(-m_max // cfg.block_m) * -(-n // cfg.block_n)  # tiles if every group were full
+    upper = g * ceil_div(m_max, cfg.block_m) * ceil_div(n, cfg.block_n)  # tiles if every group were full
     use_tma_store(d, n, False, "masked")  # logs why the direct epilogue is used
-    _launch(key, cfg, min(cfg.num_sms, upper), descs, _NULL_DESC, sfb.contiguous() if fp8 else None, d, None,
+    _launch(key, cfg, upper, descs, _NULL_DESC, sfb.contiguous() if fp8 else None, d, None,
             masked_m.contiguous(), m_max)

@@ -1,11 +1,20 @@
-"""Pick block sizes and pipeline depth for one GEMM shape.
+"""Pick block sizes, pipeline depth and TMA multicast for one GEMM shape.
 
-The kernels are persistent: `num_sms` CTAs walk the output tiles in waves. The rule, as in
-DeepGEMM: take the candidate tile (BLOCK_M x BLOCK_N) with the fewest waves; among equal wave
-counts, the one whose last wave keeps the most SMs busy; then the larger tile (less operand
-traffic per FLOP). Stages = as many pipeline buffers as fit in shared memory (at most 8).
-Multicast across 2-CTA clusters is not implemented by the kernels yet, so it is always 1.
+The kernels are persistent: `num_sms` CTAs walk the output tiles in waves, and a wave lasts as
+long as one tile, however few SMs its last wave keeps busy. So the estimated time of a candidate
+tile (BLOCK_M x BLOCK_N) is waves x tile cost, where a tile costs as if it were
+(BLOCK_M + TILE_OVERHEAD_M) x (BLOCK_N + TILE_OVERHEAD_N): smaller tiles do more fixed work per
+K block (barriers, scale loads, promotion) and move more operand bytes per FLOP. The cheapest
+candidate wins; ties go to the fuller last wave, then the larger tile. (DeepGEMM's rule, fewest
+waves first, would take a 192-wide tile in 10 waves over a 160-wide one in 11, which is slower.)
+Stages = as many pipeline buffers as fit in shared memory (at most 8).
 With `tma_store`, a BLOCK_M x BLOCK_N bf16 staging tile for the epilogue is reserved first.
+
+Multicast (2-CTA clusters whose CTAs share one operand tile, loaded once from L2 for both) is
+used for large problems (at least `MULTICAST_MIN_M` rows) when the paired dimension has an even
+number of blocks, so that no CTA computes a phantom tile: on B (neighbouring m-blocks; dense
+GEMMs only, grouped neighbours may belong to different experts) or on A (neighbouring n-blocks),
+preferring the operand with the larger tile.
 """
 
 from __future__ import annotations
@@ -19,6 +28,9 @@ from .utils import ceil_div, get_num_sms
 SMEM_CAPACITY = 232448  # bytes of dynamic shared memory one sm_90 CTA may opt into (227 KiB)
 SMEM_SLACK = 1024  # manual 1024-byte alignment of the swizzled tiles
 MAX_STAGES = 8
+TILE_OVERHEAD_M = 64  # see the module docstring: the cost model's per-tile fixed work
+TILE_OVERHEAD_N = 32
+MULTICAST_MIN_M = 1024  # below this the operands are few and L2 traffic is not what limits
 ROW_BYTES = 128  # BLOCK_K is one 128-byte swizzle row: 128 fp8 or 64 bf16 elements
 
 
@@ -34,6 +46,11 @@ class GemmConfig:
     last_wave_util: int  # CTAs busy in the last wave
     num_sms: int  # persistent CTAs to launch (before capping by the tile count)
     tma_store: bool = False  # epilogue staged in shared memory and written by TMA
+    multicast_on_a: bool = False  # with multicast 2: the cluster shares A (else B)
+
+    @property
+    def d_swizzle(self) -> int:
+        return d_swizzle(self.block_n) if self.tma_store else 0
 
     @property
     def num_math_warpgroups(self) -> int:
@@ -56,12 +73,38 @@ def block_n_candidates(kind: str) -> tuple[int, ...]:
     """Tile widths the kernels instantiate.
 
     fp8 keeps two fp32 accumulator sets (the K block's partial sum and the promoted total), BLOCK_N/2
-    registers each per thread, so it stops at 160; and one tile may span at most two 128-wide scale
-    blocks of B (BLOCK_N <= 128 + gcd(BLOCK_N, 128)). bf16 keeps one set and goes to wgmma's 256.
+    registers each per thread, so it stops at 192 (2 x 96 of the 232 registers a math thread gets,
+    no spills); and one tile may span at most two 128-wide scale blocks of B
+    (BLOCK_N <= 128 + gcd(BLOCK_N, 128), which leaves 168..184 out). bf16 keeps one set and goes
+    to wgmma's 256.
     """
     if kind == "fp8":
-        return tuple(n for n in range(16, 161, 8) if n <= 128 + math.gcd(n, 128))
+        return tuple(n for n in range(16, 193, 8) if n <= 128 + math.gcd(n, 128))
     return tuple(range(16, 257, 8))
+
+
+def d_swizzle(block_n: int) -> int:
+    """Bytes per row of the epilogue's TMA-store boxes (32/64/128: swizzled, bank-conflict free) or
+    0 (one plain box of BLOCK_N columns) when BLOCK_N is not a multiple of 16."""
+    for swizzle in (128, 64, 32):
+        if block_n % (swizzle // 2) == 0:
+            return swizzle
+    return 0
+
+
+def pick_multicast(grouping: str, m: int, n: int, block_m: int, block_n: int, num_sms: int,
+                   max_multicast: int = 2) -> tuple[int, bool]:
+    """(multicast, on_a): 2-CTA clusters for large problems when the paired block count is even."""
+    if max_multicast < 2 or num_sms % 2 or m < MULTICAST_MIN_M:
+        return 1, False
+    # Each CTA loads half of the shared tile, which must start on an 8-row swizzle atom.
+    even_m = ceil_div(m, block_m) % 2 == 0 and grouping == "normal" and block_n % 16 == 0
+    even_n = ceil_div(n, block_n) % 2 == 0 and block_m % 16 == 0
+    order = ((True, even_n), (False, even_m)) if block_m > block_n else ((False, even_m), (True, even_n))
+    for on_a, legal in order:
+        if legal:
+            return 2, on_a
+    return 1, False
 
 
 def stage_bytes(kind: str, block_m: int, block_n: int) -> int:
@@ -81,6 +124,11 @@ def max_stages(kind: str, block_m: int, block_n: int, epilogue_bytes: int = 0) -
     return s
 
 
+def tile_cost(block_m: int, block_n: int) -> int:
+    """Relative time of one tile (per unit of K) in the heuristic's cost model."""
+    return (block_m + TILE_OVERHEAD_M) * (block_n + TILE_OVERHEAD_N)
+
+
 def waves(num_tiles: int, num_sms: int) -> tuple[int, int]:
     """(waves, CTAs busy in the last wave) for `num_tiles` tiles on `num_sms` persistent CTAs."""
     w = max(1, ceil_div(num_tiles, num_sms))
@@ -96,6 +144,7 @@ def pick_config(
     grouping: str = "normal",
     num_sms: int | None = None,
     tma_store: bool = False,
+    max_multicast: int = 2,
 ) -> GemmConfig:
     """Choose the kernel configuration for D[M, N] (per group) = A[M, K] @ B[N, K]^T.
 
@@ -106,17 +155,18 @@ def pick_config(
         raise ValueError(f"kind: expected 'fp8' or 'bf16', got {kind!r}")
     if grouping not in ("normal", "contiguous", "masked"):
         raise ValueError(f"grouping: expected 'normal', 'contiguous' or 'masked', got {grouping!r}")
-    return _pick(kind, m, n, k, num_groups, grouping, num_sms or get_num_sms(), tma_store)
+    return _pick(kind, m, n, k, num_groups, grouping, num_sms or get_num_sms(), tma_store, max_multicast)
 
 
 @functools.lru_cache(maxsize=4096)  # called on every launch: keep the host path short
-def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms: int, tma_store: bool) -> GemmConfig:
+def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms: int, tma_store: bool,
+          max_multicast: int) -> GemmConfig:
     if grouping == "contiguous":
         block_ms: tuple[int, ...] = (128,)  # the layout's alignment: one expert per M block
     elif m <= 64:
         block_ms = (64,)
     else:
-        block_ms = (64, 128)
+        block_ms = (128,)  # two math warpgroups: one promotes while the other's wgmma runs
     groups = num_groups if grouping == "masked" else 1
 
     best = None
@@ -124,12 +174,13 @@ def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms
         for bn in block_n_candidates(kind):
             tiles = ceil_div(m, bm) * ceil_div(n, bn) * groups
             w, util = waves(tiles, sms)
-            key = (w, -util, -(bm * bn), -bm)
+            key = (w * tile_cost(bm, bn), -util, -(bm * bn), -bm)
             if best is None or key < best[0]:
                 best = (key, bm, bn, w, util)
     _, bm, bn, w, util = best
     block_k = 128 if kind == "fp8" else 64
     epilogue = bm * bn * 2 if tma_store else 0
+    multicast, on_a = pick_multicast(grouping, m, n, bm, bn, sms, max_multicast)
     return GemmConfig(kind=kind, block_m=bm, block_n=bn, block_k=block_k,
-                      stages=max_stages(kind, bm, bn, epilogue), multicast=1, num_waves=w,
-                      last_wave_util=util, num_sms=sms, tma_store=tma_store)
+                      stages=max_stages(kind, bm, bn, epilogue), multicast=multicast, num_waves=w,
+                      last_wave_util=util, num_sms=sms, tma_store=tma_store, multicast_on_a=on_a)

@@ -6,11 +6,22 @@
 // ("full": data landed, "empty": consumers are done). Warpgroups 0..NUM_MATH_WG-1 each own 64 rows
 // of the tile and run wgmma on it. For fp8, each 128-wide K block is accumulated on its own and
 // then promoted into the fp32 total with its scales (sfa per row x sfb per 128 columns), which is
-// DeepGEMM's answer to fp8 wgmma's limited accumulation precision. Epilogue: with TMA_STORE the
-// tile is staged in shared memory and written by one asynchronous TMA store (bounds-checked by the
-// descriptor), so the math warps start the next tile while it drains; otherwise (fp32 output, C,
-// masked groups, N not 8-aligned) threads store straight from the accumulators, bounds-checked.
-// K is zero-padded by TMA either way.
+// DeepGEMM's answer to fp8 wgmma's limited accumulation precision. bf16 keeps one K block of wgmma
+// in flight (wait_group 1), so a warpgroup never drains its tensor-core queue inside a tile.
+//
+// MCAST = 2 launches 2-CTA clusters whose CTAs take neighbouring tiles that share an operand
+// (MCAST_ON_A: same m-block, n-blocks 2u and 2u+1; else same n-block, m-blocks 2u and 2u+1). Each
+// CTA loads half of the shared tile and multicasts it to both, halving that operand's L2 traffic;
+// consumers release a stage in both CTAs. A pair whose second tile lies past the matrix computes a
+// harmless "phantom" tile (TMA zero-fills its loads, its stores are skipped), so every CTA of a
+// cluster runs the same number of pipeline steps whatever the runtime M.
+//
+// Epilogue: with TMA_STORE the tile is staged in shared memory and written by asynchronous TMA
+// stores, so the math warps start the next tile while it drains. The staging tile uses the TMA
+// swizzle (D_SWIZZLE bytes per row of a box of D_SWIZZLE/2 columns), which makes the register ->
+// shared-memory writes bank-conflict free; D_SWIZZLE = 0 keeps plain BLOCK_N-wide rows. Otherwise
+// (fp32 output, C, masked groups, N not 8-aligned) threads store straight from the accumulators,
+// bounds-checked. K is zero-padded by TMA either way.
 #pragma once
 #include <tilehal/tilehal.cuh>
 #include <tilehal/mbarrier.cuh>
@@ -26,53 +37,75 @@ constexpr int kSwizzleGroupN = 16;  // n-blocks per rasterization band: neighbou
 constexpr int kProducerRegs = 40;
 constexpr int kMathRegs = 232;
 
-// Which output tile a CTA does next. Producer and consumers run identical copies.
-template <int KIND, int SHAPE_N, int BLOCK_M, int BLOCK_N, int NUM_GROUPS>
+// Which output tile a CTA does next. Producer and consumers run identical copies, and so do the
+// CTAs of a cluster: they walk the same sequence of "units" (a tile, or a pair of tiles that share
+// an operand when MCAST = 2) and take the tile of their rank in each.
+template <int KIND, int SHAPE_N, int BLOCK_M, int BLOCK_N, int NUM_GROUPS, int MCAST, bool MCAST_ON_A>
 struct TileScheduler {
   static constexpr int kNumNBlocks = (SHAPE_N + BLOCK_N - 1) / BLOCK_N;
+  static constexpr bool kPairN = MCAST > 1 && MCAST_ON_A;   // cluster shares A: neighbouring n-blocks
+  static constexpr bool kPairM = MCAST > 1 && !MCAST_ON_A;  // cluster shares B: neighbouring m-blocks
+  static constexpr int kNumNUnits = kPairN ? (kNumNBlocks + 1) / 2 : kNumNBlocks;
+  static constexpr int kBand = kPairN ? kSwizzleGroupN / 2 : kSwizzleGroupN;
+  static_assert(MCAST == 1 || MCAST == 2, "1- or 2-CTA clusters");
+  static_assert(!kPairM || KIND == kNormal, "grouped tiles of neighbouring m-blocks may use different B");
   int shape_m;
   const int* group_info;  // m_indices (contiguous) or masked_m (masked)
-  int next_tile;
+  int next_unit;
+  int rank;    // CTA rank in the cluster
+  int stride;  // clusters in the grid
 
-  TILEHAL_DEVICE TileScheduler(int m, const int* info) : shape_m(m), group_info(info), next_tile(blockIdx.x) {}
+  TILEHAL_DEVICE TileScheduler(int m, const int* info)
+      : shape_m(m), group_info(info), next_unit(blockIdx.x / MCAST), rank(blockIdx.x % MCAST),
+        stride(gridDim.x / MCAST) {}
 
-  static TILEHAL_DEVICE void rasterize(int tile, int num_m_blocks, int& m_block, int& n_block) {
-    const int per_band = num_m_blocks * kSwizzleGroupN;
-    const int band = tile / per_band;
-    const int first_n = band * kSwizzleGroupN;
-    const int n_in_band = min(kSwizzleGroupN, kNumNBlocks - first_n);
-    const int in_band = tile - band * per_band;
-    m_block = in_band / n_in_band;
-    n_block = first_n + in_band % n_in_band;
+  static TILEHAL_DEVICE void rasterize(int unit, int num_m_units, int& m_unit, int& n_unit) {
+    const int per_band = num_m_units * kBand;
+    const int band = unit / per_band;
+    const int first_n = band * kBand;
+    const int n_in_band = min(kBand, kNumNUnits - first_n);
+    const int in_band = unit - band * per_band;
+    m_unit = in_band / n_in_band;
+    n_unit = first_n + in_band % n_in_band;
+  }
+
+  TILEHAL_DEVICE void take(int m_unit, int n_unit, int& m_block, int& n_block) const {
+    m_block = kPairM ? m_unit * 2 + rank : m_unit;
+    n_block = kPairN ? n_unit * 2 + rank : n_unit;
   }
 
   TILEHAL_DEVICE bool next(int& m_block, int& n_block, int& group) {
+    int m_unit, n_unit;
     if constexpr (KIND == kGroupedMasked) {
-      int tile = next_tile;
-      next_tile += gridDim.x;
+      int unit = next_unit;
+      next_unit += stride;
       for (int g = 0; g < NUM_GROUPS; ++g) {
         const int rows = min(max(__ldg(group_info + g), 0), shape_m);
         const int m_blocks = (rows + BLOCK_M - 1) / BLOCK_M;
-        const int tiles = m_blocks * kNumNBlocks;
-        if (tile < tiles) {
-          rasterize(tile, m_blocks, m_block, n_block);
+        const int units = m_blocks * kNumNUnits;
+        if (unit < units) {
+          rasterize(unit, m_blocks, m_unit, n_unit);
+          take(m_unit, n_unit, m_block, n_block);
           group = g;
           return true;
         }
-        tile -= tiles;
+        unit -= units;
       }
       return false;
     } else {
       const int num_m_blocks = (shape_m + BLOCK_M - 1) / BLOCK_M;
+      const int num_m_units = kPairM ? (num_m_blocks + 1) / 2 : num_m_blocks;
       while (true) {
-        const int tile = next_tile;
-        next_tile += gridDim.x;
-        if (tile >= num_m_blocks * kNumNBlocks) return false;
-        rasterize(tile, num_m_blocks, m_block, n_block);
+        const int unit = next_unit;
+        next_unit += stride;
+        if (unit >= num_m_units * kNumNUnits) return false;
+        rasterize(unit, num_m_units, m_unit, n_unit);
+        take(m_unit, n_unit, m_block, n_block);
         group = 0;
         if constexpr (KIND == kGroupedContiguous) {
-          // Experts start on BLOCK_M boundaries, so a block's first row names its expert;
-          // a negative (padding) or out-of-range index skips the whole block.
+          // Experts start on BLOCK_M boundaries, so a block's first row names its expert; a
+          // negative (padding) or out-of-range index skips the whole block (in both CTAs of a
+          // cluster: they share the m-block).
           group = __ldg(group_info + m_block * BLOCK_M);
           if (group < 0 || group >= NUM_GROUPS) continue;
         }
@@ -110,8 +143,26 @@ TILEHAL_DEVICE void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
+// Byte offset of the bf16 pair (row r, columns 8j + 2q, +1) in the epilogue staging tile. With
+// D_SWIZZLE the tile is BLOCK_N / (D_SWIZZLE / 2) boxes of [BLOCK_M, D_SWIZZLE / 2] as TMA's
+// SWIZZLE_{32,64,128}B expects them: the 16-byte unit of a row is XORed with the row's phase.
+// A warp writes rows r..r+7 of one 16-byte column unit, and the XOR spreads those rows over all
+// 32 banks (plain rows of BLOCK_N * 2 bytes put them 4 to 8 ways on the same banks).
+template <int BLOCK_M, int BLOCK_N, int D_SWIZZLE>
+TILEHAL_DEVICE int staging_offset(int r, int j, int q) {
+  if constexpr (D_SWIZZLE == 0) {
+    return (r * BLOCK_N + j * 8) * 2 + q * 4;
+  } else {
+    constexpr int kBoxN = D_SWIZZLE / 2;
+    const int box = j * 8 / kBoxN;
+    const int unit = (j * 8 % kBoxN) / 8;
+    const int phase = (r / (128 / D_SWIZZLE)) % (D_SWIZZLE / 16);
+    return box * BLOCK_M * D_SWIZZLE + r * D_SWIZZLE + ((unit ^ phase) * 16) + q * 4;
+  }
+}
+
 template <int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int KIND, int NUM_GROUPS, bool FP8,
-          typename OutT, bool HAS_C, bool TMA_STORE>
+          typename OutT, bool HAS_C, bool TMA_STORE, int D_SWIZZLE, int MCAST, bool MCAST_ON_A>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
           const __grid_constant__ TmaDescriptor tma_sfa, const __grid_constant__ TmaDescriptor tma_d,
@@ -128,22 +179,31 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   constexpr int B_BYTES = BLOCK_N * 128;
   constexpr int SFA_BYTES = FP8 ? BLOCK_M * 4 : 0;
   constexpr int ACC = BLOCK_N / 2;
+  constexpr bool kMcastA = MCAST > 1 && MCAST_ON_A;
+  constexpr bool kMcastB = MCAST > 1 && !MCAST_ON_A;
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups");
   static_assert(BLOCK_N % 8 == 0 && BLOCK_N <= 256, "wgmma N");
   static_assert(!FP8 || BLOCK_N <= 128 + ((BLOCK_N & -BLOCK_N) < 128 ? (BLOCK_N & -BLOCK_N) : 128),
                 "an fp8 tile may span at most two 128-wide scale blocks of B");
+  // A multicast half tile must start on a 1024-byte swizzle atom (8 rows of 128 bytes).
+  static_assert(!kMcastA || (BLOCK_M / 2) % 8 == 0, "A multicast half tile");
+  static_assert(!kMcastB || (BLOCK_N / 2) % 8 == 0, "B multicast half tile");
+  static_assert(D_SWIZZLE == 0 || (TMA_STORE && sizeof(OutT) == 2 && BLOCK_N % (D_SWIZZLE / 2) == 0),
+                "swizzled staging tile: whole boxes of bf16");
   using Mma = typename Select<FP8, WgmmaE4M3<BLOCK_N>, WgmmaBF16<BLOCK_N>>::type;
 
   extern __shared__ unsigned char smem_raw[];
-  // Swizzled tiles need 1024-byte aligned bases (the host reserves the slack).
+  // Swizzled tiles need 1024-byte aligned bases (the host reserves the slack). Every region
+  // below is a multiple of 1024 bytes up to the activation scales.
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  unsigned char* smem_a = smem;
-  unsigned char* smem_b = smem_a + STAGES * A_BYTES;
-  float* smem_sfa = reinterpret_cast<float*>(smem_b + STAGES * B_BYTES);
-  OutT* smem_d = reinterpret_cast<OutT*>(reinterpret_cast<unsigned char*>(smem_sfa) + STAGES * SFA_BYTES);
   constexpr int D_BYTES = TMA_STORE ? BLOCK_M * BLOCK_N * static_cast<int>(sizeof(OutT)) : 0;
   static_assert(!TMA_STORE || (KIND != kGroupedMasked && !HAS_C), "TMA store would write rows/values it must not");
-  u64* full_bar = reinterpret_cast<u64*>(reinterpret_cast<unsigned char*>(smem_d) + D_BYTES);
+  static_assert(!TMA_STORE || sizeof(OutT) == 2, "the staging tile holds bf16");
+  unsigned char* smem_d = smem;
+  unsigned char* smem_a = smem_d + D_BYTES;
+  unsigned char* smem_b = smem_a + STAGES * A_BYTES;
+  float* smem_sfa = reinterpret_cast<float*>(smem_b + STAGES * B_BYTES);
+  u64* full_bar = reinterpret_cast<u64*>(reinterpret_cast<unsigned char*>(smem_sfa) + STAGES * SFA_BYTES);
   u64* empty_bar = full_bar + STAGES;
 
   const int tid = threadIdx.x;
@@ -155,34 +215,56 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(&full_bar[s], 1);
-      mbarrier_init(&empty_bar[s], NUM_MATH_WG * 4);  // lane 0 of every math warp
+      mbarrier_init(&empty_bar[s], MCAST * NUM_MATH_WG * 4);  // lane 0 of every math warp of every CTA
     }
     fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (MCAST > 1) {
+    cluster_sync();  // the peer's multicast and remote arrivals need our barriers initialised
+  } else {
+    __syncthreads();
+  }
 
-  TileScheduler<KIND, SHAPE_N, BLOCK_M, BLOCK_N, NUM_GROUPS> sched(shape_m, group_info);
+  TileScheduler<KIND, SHAPE_N, BLOCK_M, BLOCK_N, NUM_GROUPS, MCAST, MCAST_ON_A> sched(shape_m, group_info);
   int m_block, n_block, group;
 
   if (tid >= NUM_MATH_THREADS) {
     // ---------------------------------------------------------------- producer warpgroup
     setmaxnreg_dec<kProducerRegs>();
     if (tid != NUM_MATH_THREADS) return;
+    const int rank = sched.rank;
     u32 it = 0;
     while (sched.next(m_block, n_block, group)) {
       const int a_row = m_block * BLOCK_M + (KIND == kGroupedMasked ? group * shape_m : 0);
       const int b_row = n_block * BLOCK_N + (KIND == kNormal ? 0 : group * SHAPE_N);
       for (int kb = 0; kb < NUM_K_BLOCKS; ++kb, ++it) {
         const int s = it % STAGES;
+        // With multicast this barrier also counts the peer's consumers: our half tile lands in both CTAs.
         mbarrier_wait(&empty_bar[s], ((it / STAGES) & 1) ^ 1);
         mbarrier_arrive_expect_tx(&full_bar[s], A_BYTES + B_BYTES + SFA_BYTES);
-        tma_load_2d(smem_a + s * A_BYTES, &tma_a, &full_bar[s], kb * BLOCK_K, a_row);
-        tma_load_2d(smem_b + s * B_BYTES, &tma_b, &full_bar[s], kb * BLOCK_K, b_row);
+        if constexpr (kMcastA) {
+          tma_load_2d_multicast(smem_a + s * A_BYTES + rank * (A_BYTES / 2), &tma_a, &full_bar[s], kb * BLOCK_K,
+                                a_row + rank * (BLOCK_M / 2), 0x3);
+        } else {
+          tma_load_2d(smem_a + s * A_BYTES, &tma_a, &full_bar[s], kb * BLOCK_K, a_row);
+        }
+        if constexpr (kMcastB) {
+          tma_load_2d_multicast(smem_b + s * B_BYTES + rank * (B_BYTES / 2), &tma_b, &full_bar[s], kb * BLOCK_K,
+                                b_row + rank * (BLOCK_N / 2), 0x3);
+        } else {
+          tma_load_2d(smem_b + s * B_BYTES, &tma_b, &full_bar[s], kb * BLOCK_K, b_row);
+        }
         if constexpr (FP8) {
           const int sf_row = kb + (KIND == kGroupedMasked ? group * SF_K : 0);
           tma_load_2d(smem_sfa + s * BLOCK_M, &tma_sfa, &full_bar[s], m_block * BLOCK_M, sf_row);
         }
       }
+    }
+    if constexpr (MCAST > 1) {
+      // Stay alive until both CTAs' consumers released every stage: after that no remote arrival
+      // or multicast write can target this CTA's shared memory.
+#pragma unroll 1
+      for (int i = 0; i < STAGES; ++i, ++it) mbarrier_wait(&empty_bar[it % STAGES], ((it / STAGES) & 1) ^ 1);
     }
     return;
   }
@@ -197,26 +279,35 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   float part[FP8 ? ACC : 1];
   u32 it = 0;
 
+  // Hand a stage back to the producer(s): lane i of each warp arrives in CTA i of the cluster.
+  auto release = [&](int s) {
+    if constexpr (MCAST == 1) {
+      if (lane == 0) mbarrier_arrive(&empty_bar[s]);
+    } else {
+      if (lane < MCAST) mbarrier_arrive_cluster(&empty_bar[s], lane);
+    }
+  };
+
   while (sched.next(m_block, n_block, group)) {
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
     const int n0 = n_block * BLOCK_N;
-    const float* sfb_row = sfb + (group * SF_N + n0 / 128) * SF_K;
-    const bool has_second_sf = n0 / 128 + 1 < SF_N;
+    // A phantom tile (n0 past N, multicast pairs only) reads the last scale block instead.
+    const int sf_blk = min(n0 / 128, SF_N - 1);
+    const float* sfb_row = sfb + (group * SF_N + sf_blk) * SF_K;
+    const bool has_second_sf = sf_blk + 1 < SF_N;
     const int n_off = n0 % 128;
 
-    for (int kb = 0; kb < NUM_K_BLOCKS; ++kb, ++it) {
-      const int s = it % STAGES;
-      float sb0 = 0.f, sb1 = 0.f;
-      if constexpr (FP8) {  // issued before the wait so the load latency hides behind it
-        sb0 = __ldg(sfb_row + kb);
-        sb1 = has_second_sf ? __ldg(sfb_row + SF_K + kb) : sb0;
-      }
-      mbarrier_wait(&full_bar[s], (it / STAGES) & 1);
+    if constexpr (FP8) {
+      for (int kb = 0; kb < NUM_K_BLOCKS; ++kb, ++it) {
+        const int s = it % STAGES;
+        // Issued before the wait so the load latency hides behind it.
+        const float sb0 = __ldg(sfb_row + kb);
+        const float sb1 = has_second_sf ? __ldg(sfb_row + SF_K + kb) : sb0;
+        mbarrier_wait(&full_bar[s], (it / STAGES) & 1);
 
-      const u64 desc_a = make_smem_desc_k128b(smem_a + s * A_BYTES + wg * 64 * 128);
-      const u64 desc_b = make_smem_desc_k128b(smem_b + s * B_BYTES);
-      if constexpr (FP8) {
+        const u64 desc_a = make_smem_desc_k128b(smem_a + s * A_BYTES + wg * 64 * 128);
+        const u64 desc_b = make_smem_desc_k128b(smem_b + s * B_BYTES);
         wgmma_fence_operands(part);
         wgmma_fence();
 #pragma unroll
@@ -227,7 +318,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
         const float sa0 = smem_sfa[s * BLOCK_M + row_in_tile];
         const float sa1 = smem_sfa[s * BLOCK_M + row_in_tile + 8];
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(&empty_bar[s]);
+        release(s);
         // Promote this K block: acc += part * sfa[row] * sfb[column block].
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 8; ++j) {
@@ -238,34 +329,59 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
           acc[4 * j + 2] += part[4 * j + 2] * s1;
           acc[4 * j + 3] += part[4 * j + 3] * s1;
         }
-      } else {
+      }
+    } else {
+      // With 4+ stages one K block stays in flight: issue block kb, then wait for block kb-1 and
+      // free its stage. With fewer, holding two stages would starve the producer, so each block
+      // is waited for (the other math warpgroup keeps the tensor cores busy meanwhile).
+      constexpr int kInFlight = STAGES >= 4 ? 1 : 0;
+      for (int kb = 0; kb < NUM_K_BLOCKS; ++kb, ++it) {
+        const int s = it % STAGES;
+        mbarrier_wait(&full_bar[s], (it / STAGES) & 1);
+        const u64 desc_a = make_smem_desc_k128b(smem_a + s * A_BYTES + wg * 64 * 128);
+        const u64 desc_b = make_smem_desc_k128b(smem_b + s * B_BYTES);
         wgmma_fence_operands(acc);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < BLOCK_K / K_STEP; ++k) Mma::mma(acc, desc_a + k * 2, desc_b + k * 2, 1);
         wgmma_commit();
+        wgmma_wait<kInFlight>();
+        wgmma_fence_operands(acc);
+        if (kb >= kInFlight) {
+          __syncwarp();
+          release((it + STAGES - kInFlight) % STAGES);
+        }
+      }
+      if constexpr (kInFlight) {
         wgmma_wait<0>();
         wgmma_fence_operands(acc);
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(&empty_bar[s]);
+        release((it + STAGES - 1) % STAGES);
       }
     }
 
     // ---------------------------------------------------------------- epilogue
     if constexpr (TMA_STORE) {
-      // The previous tile's store must have finished reading smem_d before it is overwritten.
+      // The previous tile's store must have finished reading the staging tile before it is overwritten.
       if (tid == 0) tma_store_wait_read<0>();
       named_barrier_sync(1, NUM_MATH_THREADS);
 #pragma unroll
       for (int j = 0; j < BLOCK_N / 8; ++j) {
-        const int col = j * 8 + (lane % 4) * 2;
-        store_pair(smem_d + row_in_tile * BLOCK_N + col, acc[4 * j + 0], acc[4 * j + 1], true, true);
-        store_pair(smem_d + (row_in_tile + 8) * BLOCK_N + col, acc[4 * j + 2], acc[4 * j + 3], true, true);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int off = staging_offset<BLOCK_M, BLOCK_N, D_SWIZZLE>(row_in_tile + 8 * half, j, lane % 4);
+          *reinterpret_cast<unsigned*>(smem_d + off) = float2_to_bf16x2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        }
       }
       fence_proxy_async_shared();  // make these generic-proxy writes visible to the TMA engine
       named_barrier_sync(1, NUM_MATH_THREADS);
-      if (tid == 0) {
-        tma_store_2d(&tma_d, smem_d, n0, m_block * BLOCK_M);
+      constexpr int kBoxN = D_SWIZZLE ? D_SWIZZLE / 2 : BLOCK_N;
+      const int m0 = m_block * BLOCK_M;
+      if (tid == 0 && m0 < shape_m) {  // phantom tiles (past M or N) store nothing
+#pragma unroll
+        for (int b = 0; b < BLOCK_N / kBoxN; ++b) {
+          if (n0 + b * kBoxN < SHAPE_N) tma_store_2d(&tma_d, smem_d + b * BLOCK_M * kBoxN * 2, n0 + b * kBoxN, m0);
+        }
         tma_store_commit();
       }
       continue;

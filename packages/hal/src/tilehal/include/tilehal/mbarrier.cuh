@@ -46,6 +46,20 @@ TILEHAL_DEVICE bool mbarrier_try_wait(u64* bar, u32 parity) {
   return done != 0;
 }
 
+// --- thread-block clusters (sm_90) ---------------------------------------------------------
+// Rank of this CTA in its cluster (0 when launched without clusters).
+TILEHAL_DEVICE u32 cluster_ctarank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA in the cluster arrives and waits: barrier initialisation becomes
+// visible to peer CTAs (remote arrivals, multicast TMA) before anyone uses it.
+TILEHAL_DEVICE void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 // Block until the phase with `parity` has completed. try_wait already suspends in hardware for a
 // while, so the loop spins only a few times.
 TILEHAL_DEVICE void mbarrier_wait(u64* bar, u32 parity) {
