@@ -1,7 +1,8 @@
 """The pass list for each target, in one readable place.
 
 interp runs tile ops directly (it is the semantic oracle), so it only gets the cleanups; cpu
-lowers every tile op except gemm to loops (gemm becomes a call to the C micro-kernel), fuses
+lets gemm read in-bounds A tiles in place, lowers every tile op except gemm to loops (gemm becomes a
+call to the C micro-kernel), fuses
 adjacent T.Parallel loops, and marks vectorizable loops for the C compiler.
 """
 
@@ -14,6 +15,7 @@ from ..ir.nodes import PrimFunc
 from ..ir.verifier import verify
 from .checks import check_shapes
 from .dce import dce
+from .elide_copies import elide_gemm_copies
 from .fuse_parallel import fuse_parallel
 from .lower_tile_ops import lower_tile_ops
 from .simplify import simplify
@@ -23,9 +25,16 @@ log = logging.getLogger("tilelang.passes")
 
 Pass = Callable[[PrimFunc], PrimFunc]
 
+
+def verify_lowered(func: PrimFunc) -> PrimFunc:
+    """verify, allowing what lowering introduces (gemm operands read in place from global memory)."""
+    return verify(func, allow_global_gemm=True)
+
+
 PIPELINES: dict[str, list[Pass]] = {
     "interp": [check_shapes, simplify, dce, verify],
-    "cpu": [check_shapes, simplify, dce, lower_tile_ops, simplify, fuse_parallel, dce, vectorize_hints, verify],
+    "cpu": [check_shapes, simplify, dce, elide_gemm_copies, lower_tile_ops, simplify, fuse_parallel, dce,
+            vectorize_hints, verify_lowered],
     "cuda": [check_shapes, simplify, dce, verify],
 }
 
