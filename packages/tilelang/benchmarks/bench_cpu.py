@@ -71,11 +71,14 @@ def bench_gemm(n: int, configs: list[tuple[int, int, int]], rounds: int) -> dict
         rec = {"block": cfg, "ours_s": t["ours"], "numpy_s": t["numpy"], "ours_gflops": gf, "numpy_gflops": np_gf,
                "ratio": t["numpy"] / t["ours"]}
         results.append(rec)
-        if best is None or rec["ratio"] > best["ratio"]:
+        if best is None or rec["ours_gflops"] > best["ours_gflops"]:
             best = rec
     c = gemm.matmul(n, n, n, *best["block"])(a, b)
     diff = tilehal.calc_diff(c, a.astype(np.float64) @ b)
-    return {"shape": [n, n, n], "dtype": "float32", "configs": results, "best": best, "calc_diff": diff}
+    numpy_best = max(r["numpy_gflops"] for r in results)
+    # conservative headline: our fastest config against numpy's fastest run of the whole benchmark
+    return {"shape": [n, n, n], "dtype": "float32", "configs": results, "best": best, "calc_diff": diff,
+            "numpy_best_gflops": numpy_best, "headline_ratio": best["ours_gflops"] / numpy_best}
 
 
 def bench_flash(batch: int, heads: int, seq: int, dim: int, causal: bool, rounds: int) -> dict:
@@ -165,8 +168,9 @@ def plot(res: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     g = res["gemm"]["best"]
-    axes[0].bar(["tilelang cpu", "numpy (OpenBLAS)"], [g["ours_gflops"], g["numpy_gflops"]], color=["C0", "C1"])
-    axes[0].set_title(f"fp32 GEMM 2048^3 (GFLOP/s), ratio {g['ratio']:.2f}")
+    axes[0].bar(["tilelang cpu", "numpy (OpenBLAS)"], [g["ours_gflops"], res["gemm"]["numpy_best_gflops"]],
+                color=["C0", "C1"])
+    axes[0].set_title(f"fp32 GEMM 2048^3 (GFLOP/s, best of runs), ratio {res['gemm']['headline_ratio']:.2f}")
     labels, ours, peer = [], [], []
     for f in res["flash_attention"]:
         labels.append("causal" if f["causal"] else "non-causal")
@@ -198,7 +202,7 @@ def main() -> None:
 
     n = 256 if args.quick else args.n
     seq = 256 if args.quick else 1024
-    configs = [(128, 128, 32), (128, 128, 64), (64, 128, 64), (128, 256, 32)]
+    configs = [(128, 128, 32), (128, 128, 64), (256, 128, 32), (128, 256, 32), (256, 256, 32)]
     res = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpu": str(tilehal.cpu()), "cpu_name": tilehal.cpu().name, "platform": platform.platform(), "cores": os.cpu_count(),
@@ -230,6 +234,8 @@ def main() -> None:
     for c in g["configs"]:
         print(f"{'gemm ' + str(n) + '^3 ' + str(tuple(c['block'])):<34}{c['ours_gflops']:>10.1f} GF/s"
               f"{c['numpy_gflops']:>10.1f} GF/s{c['ratio']:>8.2f}")
+    print(f"{'gemm headline: best ours / best numpy':<34}{g['best']['ours_gflops']:>10.1f} GF/s"
+          f"{g['numpy_best_gflops']:>10.1f} GF/s{g['headline_ratio']:>8.2f}")
     o = res["gemm_one_core"]
     print(f"{'gemm ' + str(n) + '^3 one core ' + str(tuple(o['block'])):<34}{o['ours_gflops']:>10.1f} GF/s"
           f"{o['numpy_gflops']:>10.1f} GF/s{o['ratio']:>8.2f}")
