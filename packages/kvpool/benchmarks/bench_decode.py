@@ -88,7 +88,14 @@ def dense_case(batch: int, seq_len: int) -> dict:
         t = bench(lambda s=splits: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, num_splits=s))
         sweep[splits] = kv_bytes / t / 1e9
     g_ours = bench_graph(lambda: kvpool.paged_decode(q, pool, 0, bt, sl))
+    variants = {}
+    for name in ("v2:32:4", "v2:32:3", "v2:64:3"):  # candidates for the default kernel
+        cfg = cuda_decode.KernelConfig.parse(name)
+        diff_v = tilehal.calc_diff(cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, config=cfg), sdpa_out)
+        t = bench(lambda c=cfg: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, config=c))
+        variants[name] = {"GBps": kv_bytes / t / 1e9, "calc_diff_vs_sdpa": diff_v}
     return {
+        "kernel_variants": variants,
         "cuda_graph_paged_decode_GBps": kv_bytes / g_ours / 1e9 if isinstance(g_ours, float) else g_ours,
         "split_sweep_GBps": sweep,
         "case": f"dense b{batch} x {seq_len}", "batch": batch, "seq_len": seq_len, "kv_bytes": kv_bytes,
@@ -176,6 +183,7 @@ def main() -> None:
           f"{sparse['cuda_graph_sparse_us']} us")
     for r in rows:
         print(r["case"], "graph GB/s", r["cuda_graph_paged_decode_GBps"], "split sweep GB/s", r["split_sweep_GBps"])
+        print(r["case"], "variants", r["kernel_variants"])
     result = {
         "benchmark": "kvpool paged_decode", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node()},

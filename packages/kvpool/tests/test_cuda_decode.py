@@ -13,13 +13,25 @@ def _have_nvrtc() -> bool:
     return tilehal.compiler_versions()["nvrtc"] is not None or tilehal.compiler_versions()["nvcc"] is not None
 
 
+CONFIGS = [cuda_decode.KernelConfig(), cuda_decode.KernelConfig("v2", 32, 4), cuda_decode.KernelConfig("v2", 64, 3)]
+CONFIG_IDS = ["v1", "v2_32x4", "v2_64x3"]
+
+
 @pytest.mark.skipif(not _have_nvrtc(), reason="needs NVRTC or nvcc")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (128, 8), (256, 2)])
-def test_kernels_compile(dtype, head_dim, group):
-    module = cuda_decode.compile_decode(dtype, head_dim, group)
+def test_kernels_compile(cfg, dtype, head_dim, group):
+    module = cuda_decode.compile_decode(dtype, head_dim, group, cfg=cfg)
     assert len(module.cubin) > 1000
-    assert set(module.lowered_names) == set(cuda_decode.kernel_names(dtype, head_dim, group))
+    assert set(module.lowered_names) == set(cuda_decode.kernel_names(dtype, head_dim, group, cfg))
+
+
+def test_kernel_config_parsing():
+    assert cuda_decode.KernelConfig.parse(None) == cuda_decode.KernelConfig()
+    assert cuda_decode.KernelConfig.parse("v2:64:3") == cuda_decode.KernelConfig("v2", 64, 3)
+    with pytest.raises(ValueError, match="KVPOOL_DECODE_KERNEL"):
+        cuda_decode.KernelConfig.parse("v3")
 
 
 def test_split_choice_fills_waves():
@@ -60,16 +72,17 @@ def _gpu_pool(lens, heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(128, 32, 8), (64, 8, 8), (256, 4, 2), (128, 8, 1)])
 @pytest.mark.parametrize("splits", [None, 1, 7])
-def test_dense_matches_reference(dtype, head_dim, q_heads, kv_heads, splits):
+def test_dense_matches_reference(cfg, dtype, head_dim, q_heads, kv_heads, splits):
     lens = [1, 15, 16, 17, 300, 1000, 0]
     pool = _gpu_pool(lens, heads=kv_heads, head_dim=head_dim, dtype=dtype)
     ids = list(range(len(lens)))
     bt, sl = pool.block_table(ids), pool.seq_lens(ids)
     q = torch.randn(len(lens), q_heads, head_dim, device="cuda", dtype=dtype)
-    out = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, num_splits=splits)
+    out = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, num_splits=splits, config=cfg)
     ref = kvpool.paged_decode_reference(q, pool, 0, bt, sl)
     assert tilehal.calc_diff(out, ref) < 1e-5
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
@@ -77,8 +90,10 @@ def test_dense_matches_reference(dtype, head_dim, q_heads, kv_heads, splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("per_head", [False, True])
-def test_sparse_matches_reference_and_all_blocks_equal_dense(per_head):
+def test_sparse_matches_reference_and_all_blocks_equal_dense(cfg, per_head, monkeypatch):
+    monkeypatch.setattr(cuda_decode, "default_config", lambda: cfg)
     lens = [2000, 513, 64]
     pool = _gpu_pool(lens, seed=1)
     ids = [0, 1, 2]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import tilehal
@@ -14,17 +16,44 @@ from .pool import KVPool
 
 log = logging.getLogger("kvpool.cuda_decode")
 
-KERNEL_SOURCE = Path(__file__).with_name("kernels") / "paged_decode.cuh"
-THREADS, TILE, STAGES = 128, 64, 2
+KERNEL_DIR = Path(__file__).with_name("kernels")
+KERNEL_SOURCE = KERNEL_DIR / "paged_decode.cuh"
+THREADS, TILE, STAGES = 128, 64, 2  # v1's fixed tile and pipeline depth
+V2_MAX_ITEMS = 512  # kMaxItems in paged_decode_v2.cuh
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which decode kernel: "v1" (GPU-validated default) or "v2" with its tile and stage count."""
+
+    variant: str = "v1"
+    tile: int = TILE
+    stages: int = STAGES
+
+    @classmethod
+    def parse(cls, text: str | None) -> KernelConfig:
+        """"v1", or "v2:TILE:STAGES" (e.g. "v2:32:4"); env KVPOOL_DECODE_KERNEL uses this form."""
+        if not text or text == "v1":
+            return cls()
+        parts = text.split(":")
+        if parts[0] != "v2" or len(parts) not in (1, 3):
+            raise ValueError(f"KVPOOL_DECODE_KERNEL: expected 'v1' or 'v2:TILE:STAGES', got {text!r}")
+        return cls("v2", *(int(x) for x in parts[1:])) if len(parts) == 3 else cls("v2", 32, 4)
+
+
+def default_config() -> KernelConfig:
+    return KernelConfig.parse(os.environ.get("KVPOOL_DECODE_KERNEL"))
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 8  # q heads per kv head held in registers
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
 
-def smem_bytes(dtype: torch.dtype, head_dim: int, group: int) -> int:
-    """Dynamic shared memory of one CTA (mirrors DecodeSmem in the kernel)."""
-    tile_bytes = TILE * head_dim * torch.empty(0, dtype=dtype).element_size()
-    return 2 * STAGES * tile_bytes + TILE * group * 4 + STAGES * TILE * 4 + 4 * group * 4
+def smem_bytes(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfig = KernelConfig()) -> int:
+    """Dynamic shared memory of one CTA (mirrors DecodeSmem / DecodeSmemV2 in the kernels)."""
+    tile_bytes = cfg.tile * head_dim * torch.empty(0, dtype=dtype).element_size()
+    if cfg.variant == "v1":
+        return 2 * STAGES * tile_bytes + TILE * group * 4 + STAGES * TILE * 4 + 4 * group * 4
+    return 2 * cfg.stages * tile_bytes + cfg.tile * group * 4 + 2 * V2_MAX_ITEMS * 4 + 4 * group * 4
 
 
 def unsupported_reason(q: torch.Tensor, pool: KVPool) -> str | None:
@@ -41,19 +70,25 @@ def unsupported_reason(q: torch.Tensor, pool: KVPool) -> str | None:
     return None
 
 
-def kernel_names(dtype: torch.dtype, head_dim: int, group: int) -> tuple[str, str]:
+def kernel_names(dtype: torch.dtype, head_dim: int, group: int,
+                 cfg: KernelConfig = KernelConfig()) -> tuple[str, str]:
     t = _CTYPES[dtype]
-    return (f"kvpool::paged_decode_kernel<{t}, {head_dim}, {group}>",
-            f"kvpool::paged_decode_combine<{t}, {head_dim}>")
+    if cfg.variant == "v1":
+        main = f"kvpool::paged_decode_kernel<{t}, {head_dim}, {group}>"
+    else:
+        main = f"kvpool::paged_decode_v2_kernel<{t}, {head_dim}, {group}, {cfg.tile}, {cfg.stages}>"
+    return main, f"kvpool::paged_decode_combine<{t}, {head_dim}>"
 
 
 @functools.cache
-def compile_decode(dtype: torch.dtype, head_dim: int, group: int, arch: str = "sm_90a") -> tilehal.CudaModule:
-    """Compile (or load from tilehal's cache) the kernels for one (dtype, head_dim, group)."""
-    source = f'#include "{KERNEL_SOURCE.name}"\n'
-    return tilehal.compile_cuda(source, arch=arch, name=f"paged_decode_{head_dim}_{group}",
-                                include_dirs=[str(KERNEL_SOURCE.parent)],
-                                options=["--use_fast_math"], name_expressions=list(kernel_names(dtype, head_dim, group)))
+def compile_decode(dtype: torch.dtype, head_dim: int, group: int, arch: str = "sm_90a",
+                   cfg: KernelConfig = KernelConfig()) -> tilehal.CudaModule:
+    """Compile (or load from tilehal's cache) the kernels for one (dtype, head_dim, group, config)."""
+    header = "paged_decode.cuh" if cfg.variant == "v1" else "paged_decode_v2.cuh"
+    return tilehal.compile_cuda(f'#include "{header}"\n', arch=arch,
+                                name=f"paged_decode_{cfg.variant}_{head_dim}_{group}",
+                                include_dirs=[str(KERNEL_DIR)], options=["--use_fast_math"],
+                                name_expressions=list(kernel_names(dtype, head_dim, group, cfg)))
 
 
 def choose_splits(batch: int, kv_heads: int, tokens_per_seq: int, num_sms: int, ctas_per_sm: int) -> int:
@@ -78,13 +113,14 @@ def _device_sms(index: int) -> int:
 
 def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float | None, block_indices: torch.Tensor | None,
-                      num_splits: int | None = None) -> torch.Tensor:
+                      num_splits: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     B, hq, d = q.shape
     H = pool.num_kv_heads
     group = hq // H
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    module = compile_decode(pool.dtype, d, group)
-    main, combine = (module.get_kernel(n) for n in kernel_names(pool.dtype, d, group))
+    cfg = default_config() if config is None else config
+    module = compile_decode(pool.dtype, d, group, cfg=cfg)
+    main, combine = (module.get_kernel(n) for n in kernel_names(pool.dtype, d, group, cfg))
     q = q.contiguous()
     table = block_table.contiguous()
     kc, vc = pool.layer_cache(layer)
@@ -97,10 +133,12 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     else:
         idx, n, idx_b_stride, idx_h_stride = None, 0, 0, 0
         items = table.shape[1]
-    smem = smem_bytes(pool.dtype, d, group)
+    smem = smem_bytes(pool.dtype, d, group, cfg)
     if num_splits is None:
         per_sm = max(1, min(228 * 1024 // (smem + 1024), 2048 // THREADS))
         num_splits = choose_splits(B, H, items * pool.block_size, _device_sms(q.device.index or 0), per_sm)
+    if cfg.variant == "v2":  # a CTA's share of blocks must fit the kernel's shared table
+        num_splits = max(num_splits, -(-items // V2_MAX_ITEMS))
     out = torch.empty_like(q)
     if num_splits > 1:
         o_part = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
