@@ -6,8 +6,10 @@ expression, optional row reduction / cumsum / gemm stages. Tolerance: float32 1e
 (our vectorized exp2 is within 2 ulp of numpy's), 16-bit outputs one unit in their last place.
 """
 
+import atexit
 import importlib.util
 import itertools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 _DIR = Path(tempfile.mkdtemp(prefix="tilelang_prop_"))
+atexit.register(shutil.rmtree, _DIR, ignore_errors=True)
 _counter = itertools.count()
 
 DTYPES = ["float32", "float16", "bfloat16", "int32"]
