@@ -94,7 +94,14 @@ def bench_rank(rank: int, world: int, tokens: int, hidden: int, topk: int, exper
                                 topk_idx=topk_idx, topk_weights=topk_w)
 
         timed(f"{tname}/dispatch/{fmt}", dispatch, n_recv * row, n_remote * row)
+        try:  # the same routing again through a handle: no layout, no counts exchange on the host
+            h0 = dispatch()[4]
+            timed(f"{tname}/dispatch/{fmt}/handle", lambda buf=buf, xin=xin, h0=h0: buf.dispatch(xin, handle=h0),
+                  n_recv * row, n_remote * row)
+        except Exception as e:
+            out[f"{tname}/dispatch/{fmt}/handle"] = {"error": f"{type(e).__name__}: {e}"[:400]}
         if fmt == "bf16":
+            timed(f"{tname}/layout", lambda buf=buf: buf.get_dispatch_layout(topk_idx, experts), 0)
             try:
                 recv_x, _, _, _, handle, _ = dispatch()
                 timed(f"{tname}/combine/bf16", lambda buf=buf, r=recv_x, h=handle: buf.combine(r, h),
@@ -105,7 +112,7 @@ def bench_rank(rank: int, world: int, tokens: int, hidden: int, topk: int, exper
     # How the NVLink kernels scale with the SMs they get (default: Buffer.num_sms).
     if "nvlink" in buffers:
         buf, default_sms = buffers["nvlink"], Buffer.num_sms
-        for sms in (32, 96, 128):
+        for sms in (32, 96, 132):
             Buffer.set_num_sms(sms)
 
             def sweep_dispatch(buf=buf):

@@ -42,3 +42,7 @@ def test_nvlink_stalled_peer_times_out(ranks):
     err = out[0]
     assert err["elapsed"] < 2.0 + 3.0, err
     assert err["rank"] == 0 and err["stage"].startswith("dispatch/"), err
+
+
+def test_nvlink_layout_kernel(ranks):
+    assert ranks(WORLD, "nvlink_layout", backend="nccl", timeout_s=120) == [4] * WORLD

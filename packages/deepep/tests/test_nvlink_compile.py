@@ -19,13 +19,13 @@ def test_kernels_compile_for_sm90a():
     _nvrtc_or_skip()
     mod = nvlink.compile_kernels()
     assert mod.arch == "sm_90a" and len(mod.cubin) > 10_000
-    for name in ("deepep_dispatch", "deepep_combine_bf16", "deepep_combine_f32", "deepep_ll_dispatch",
+    for name in ("deepep_layout", "deepep_dispatch", "deepep_combine_bf16", "deepep_combine_f32", "deepep_ll_dispatch",
                  "deepep_ll_combine"):
         assert name.encode() in mod.cubin
 
 
 @pytest.mark.parametrize("struct, cname", [(nvlink.DispatchArgs, "DispatchArgs"), (nvlink.CombineArgs, "CombineArgs"),
-                                           (nvlink.LLArgs, "LLArgs")])
+                                           (nvlink.LLArgs, "LLArgs"), (nvlink.LayoutArgs, "LayoutArgs")])
 def test_ctypes_mirror_matches_the_cuda_struct(struct, cname):
     """The kernels take their arguments as one struct: every field offset must agree with C++."""
     _nvrtc_or_skip()

@@ -395,3 +395,38 @@ def nvlink_stalled_peer(rank: int, world: int, comm_timeout_s: float) -> dict | 
     except CommTimeoutError as e:
         return {"elapsed": time.monotonic() - t0, "rank": e.rank, "stage": e.stage, "msg": str(e)}
     raise AssertionError("NVLink dispatch with a stalled peer returned")
+
+
+def nvlink_layout(rank: int, world: int) -> int:
+    """The NVLink layout kernel against compute_layout (torch ops) on several routings, more tokens
+    than one 1024-thread tile; a bad expert id raises ShapeError at the next call, once."""
+    from deepep.layout import compute_layout
+    from tilehal import ShapeError
+
+    buf = Buffer(transport="nvlink", timeout_s=20, num_max_tokens_per_rank=3000)
+    checked = 0
+    for seed, (tokens, experts, k, kind) in enumerate([(2500, 8 * world, 4, "random"), (700, 64 * world, 8, "hot"),
+                                                       (0, 4 * world, 2, "random"), (33, 2 * world, 2, "silent")]):
+        idx = make_routing(seed, tokens, experts, k, kind).cuda()
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        ref = compute_layout(idx.cpu(), experts, world, world)
+        assert torch.equal(per_rank.cpu(), ref.num_tokens_per_rank), seed
+        assert torch.equal(per_expert.cpu(), ref.num_tokens_per_expert), seed
+        assert torch.equal(in_rank.cpu(), ref.is_token_in_rank), seed
+        send_pos = buf._backend._layout_cache[2].cpu()
+        pos_ref = torch.cumsum(ref.is_token_in_rank.int(), 0) - 1
+        assert torch.equal(send_pos, torch.where(ref.is_token_in_rank, pos_ref, -1).int()), seed
+        checked += 1
+    bad = torch.tensor([[0, 5 * world]], dtype=torch.int64, device="cuda")
+    buf.get_dispatch_layout(bad, 4 * world)
+    torch.cuda.synchronize()
+    try:
+        buf.get_dispatch_layout(bad[:, :1], 4 * world)
+    except ShapeError as e:
+        assert "topk_idx" in str(e) and str(5 * world) in str(e), e
+    else:
+        raise AssertionError("a bad expert id was not reported")
+    buf.get_dispatch_layout(bad[:, :1], 4 * world)  # reported once; valid input runs again
+    torch.cuda.synchronize()
+    buf.destroy()
+    return checked

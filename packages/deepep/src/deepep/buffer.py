@@ -208,7 +208,10 @@ class Buffer:
         num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)."""
         result: list[EventOverlap] = []
         with self._comm_scope(topk_idx.device, previous_event, async_finish, result):
-            lay = compute_layout(topk_idx, num_experts, self.group_size, self.num_ranks_per_node)
+            if hasattr(self._backend, "layout") and topk_idx.is_cuda:
+                lay = self._backend.layout(topk_idx, num_experts)
+            else:
+                lay = compute_layout(topk_idx, num_experts, self.group_size, self.num_ranks_per_node)
         outs = [lay.num_tokens_per_rank, lay.num_tokens_per_rdma_rank, lay.num_tokens_per_expert,
                 lay.is_token_in_rank]
         self._hand_to_compute(outs)
@@ -276,15 +279,19 @@ class Buffer:
             num_experts = num_tokens_per_expert.numel()
             _check(num_experts % self.group_size == 0, "num_tokens_per_expert",
                    f"a multiple of {self.group_size} experts", num_experts)
+            on_device = hasattr(self._backend, "layout") and dev.type == "cuda"
             if is_token_in_rank is None:
-                is_token_in_rank = compute_layout(topk_idx, num_experts, self.group_size,
-                                                  self.num_ranks_per_node).is_token_in_rank
+                if on_device:
+                    is_token_in_rank = self._backend.layout(topk_idx, num_experts).is_token_in_rank
+                else:
+                    is_token_in_rank = compute_layout(topk_idx, num_experts, self.group_size,
+                                                      self.num_ranks_per_node).is_token_in_rank
             _check(tuple(is_token_in_rank.shape) == (t, self.group_size), "is_token_in_rank",
                    f"shape ({t}, {self.group_size})", _shape(is_token_in_rank))
             _check(is_token_in_rank.dtype == torch.bool, "is_token_in_rank.dtype", "torch.bool",
                    is_token_in_rank.dtype)
             if topk_idx is not None:
-                check_topk_idx(topk_idx, num_experts)
+                check_topk_idx(topk_idx, num_experts, values=not on_device)
             experts_per_rank = num_experts // self.group_size
         result: list[EventOverlap] = []
         with self._comm_scope(dev, previous_event, async_finish, result):

@@ -8,14 +8,16 @@ import torch
 from tilehal import ShapeError
 
 
-def check_topk_idx(topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx") -> None:
+def check_topk_idx(topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx", values: bool = True) -> None:
+    """Type and shape checks; with `values`, also the id range (a device-to-host sync on a GPU:
+    the NVLink path passes values=False and lets its layout kernel report bad ids instead)."""
     if not isinstance(topk_idx, torch.Tensor):
         raise ShapeError(f"{name}: expected a torch.Tensor, got {type(topk_idx).__name__}")
     if topk_idx.dtype != torch.int64:
         raise ShapeError(f"{name}: expected dtype int64, got {topk_idx.dtype}")
     if topk_idx.dim() != 2:
         raise ShapeError(f"{name}: expected 2 dims [num_tokens, num_topk], got shape {tuple(topk_idx.shape)}")
-    if topk_idx.numel():
+    if values and topk_idx.numel():
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < -1 or hi >= num_experts:
             raise ShapeError(f"{name}: expected values in [-1, {num_experts}), got range [{lo}, {hi}]")

@@ -56,10 +56,21 @@ class CombineArgs(ctypes.Structure):
 
 class LLArgs(ctypes.Structure):
     _fields_ = [(n, P) for n in ("x", "topk_idx", "topk_w", "y", "pair_slot", "ll_counts", "recv_x", "recv_scales",
-                                  "recv_src", "recv_count", "out", "peer_data", "peer_sig", "state", "err")] + [
+                                  "recv_src", "recv_count", "out", "peer_data", "peer_sig", "state", "expert_sent",
+                                  "err")] + [
         ("timeout_ns", ctypes.c_uint64)] + [
         (n, ctypes.c_int32) for n in ("T", "k", "H", "R", "me", "E", "epr", "M", "use_fp8", "row_bytes",
                                       "num_senders")]
+
+
+class LayoutArgs(ctypes.Structure):
+    _fields_ = [(n, P) for n in ("topk_idx", "in_rank", "per_expert_in", "per_rank", "per_expert", "send_pos",
+                                  "counts_msg", "err")] + [
+        (n, ctypes.c_int32) for n in ("T", "k", "R", "E", "epr", "smem_counts")]
+
+
+LAYOUT_THREADS = 1024
+MAX_SMEM_COUNTS = 200 * 1024  # experts counted in shared memory up to this many bytes, else in global
 
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels") / "nvlink.cu"
@@ -243,6 +254,9 @@ class NvlinkDispatcher:
         self.ll_state = torch.zeros(2, 2, dtype=torch.int32, device="cuda")  # [dispatch|combine][epoch, done]
         self.ll_outputs: dict[tuple, torch.Tensor] = {}
         self.ll_counts: torch.Tensor | None = None
+        self.num_device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        # The last get_dispatch_layout's send positions, reused when dispatch gets its is_token_in_rank.
+        self._layout_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -269,7 +283,13 @@ class NvlinkDispatcher:
         return reg
 
     def check(self) -> None:
-        """Raise the error a kernel recorded (a peer's flag never came) as CommTimeoutError."""
+        """Raise the error a kernel recorded: a bad expert id (ShapeError, once), or a peer's flag
+        that never came (CommTimeoutError)."""
+        if self.err.view[2]:
+            bad = int(self.err.view[3])
+            self.err.view[2] = 0
+            raise ShapeError(f"topk_idx: expected expert ids in [-1, num_experts), got {bad} (found by the NVLink "
+                             "layout/low-latency kernel; those entries were skipped)")
         stage = int(self.err.view[0])
         if stage:
             peer = int(self.err.view[1])
@@ -290,6 +310,44 @@ class NvlinkDispatcher:
         self.info.free()
         self.err.free()
 
+    # ------------------------------------------------------------------ layout
+
+    def _layout_kernel(self, T: int, epr: int, *, topk_idx: torch.Tensor | None, in_rank: torch.Tensor,
+                       per_expert_in: torch.Tensor | None, per_rank: torch.Tensor | None,
+                       per_expert: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        R = self.num_ranks
+        E = epr * R
+        dev = in_rank.device
+        send_pos = torch.empty(T, R, dtype=torch.int32, device=dev)
+        counts_msg = torch.empty(R, 1 + epr, dtype=torch.int32, device=dev)
+        smem = 4 * E if topk_idx is not None and 4 * E <= MAX_SMEM_COUNTS else 0
+        a = LayoutArgs(topk_idx=_ptr(topk_idx), in_rank=_ptr(in_rank), per_expert_in=_ptr(per_expert_in),
+                       per_rank=_ptr(per_rank), per_expert=_ptr(per_expert), send_pos=_ptr(send_pos),
+                       counts_msg=_ptr(counts_msg), err=self.err.device, T=T, k=topk_idx.shape[1] if topk_idx is not None
+                       else 0, R=R, E=E, epr=epr, smem_counts=int(smem > 0))
+        self.module.get_kernel("deepep_layout").launch(1, LAYOUT_THREADS, [Arg(a)], smem_bytes=smem)
+        return send_pos, counts_msg
+
+    def layout(self, topk_idx: torch.Tensor, num_experts: int):
+        """get_dispatch_layout in one kernel launch, no host sync (ids are checked on the device and a
+        bad one raises ShapeError at the next dispatch). Also computes the send positions."""
+        from .layout import Layout, check_topk_idx
+
+        self.check()
+        R = self.num_ranks
+        if num_experts % R:
+            raise ValueError(f"num_experts: expected a multiple of num_ranks={R}, got {num_experts}")
+        check_topk_idx(topk_idx, num_experts, values=False)
+        topk_idx = topk_idx.contiguous()
+        T, epr, dev = topk_idx.shape[0], num_experts // R, topk_idx.device
+        in_rank = torch.empty(T, R, dtype=torch.bool, device=dev)
+        per_rank = torch.empty(R, dtype=torch.int32, device=dev)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        send_pos, counts_msg = self._layout_kernel(T, epr, topk_idx=topk_idx, in_rank=in_rank, per_expert_in=None,
+                                                   per_rank=per_rank, per_expert=per_expert)
+        self._layout_cache = (in_rank, per_expert, send_pos, counts_msg)
+        return Layout(per_rank, None, per_expert, in_rank)
+
     # ------------------------------------------------------------------ normal mode
 
     def dispatch(self, inp: DispatchInput, handle: NvlinkHandle | None, is_token_in_rank, num_tokens_per_expert,
@@ -304,13 +362,15 @@ class NvlinkDispatcher:
         x_bytes = x.shape[1] * x.element_size()
         if x_bytes % 16:
             raise ShapeError(f"x.shape[1]: expected hidden * itemsize to be a multiple of 16 bytes, got {x_bytes}")
-        if handle is None:
-            in_rank = is_token_in_rank.to(device=x.device)
-            pos = torch.cumsum(in_rank.to(torch.int32), 0, dtype=torch.int32) - 1
-            send_pos = torch.where(in_rank, pos, torch.full_like(pos, -1)).contiguous()
-            counts_msg = torch.cat([in_rank.sum(0, dtype=torch.int32).view(R, 1),
-                                    num_tokens_per_expert.to(device=x.device, dtype=torch.int32).view(R, epr)],
-                                   dim=1).contiguous()
+        cache = self._layout_cache
+        if handle is None and cache is not None and cache[0] is is_token_in_rank and cache[1] is num_tokens_per_expert:
+            in_rank, _, send_pos, counts_msg = cache  # computed with the layout, no second pass
+        elif handle is None:
+            log.debug("dispatch: is_token_in_rank is not the last get_dispatch_layout's; scanning it again")
+            in_rank = is_token_in_rank.to(device=x.device).contiguous()
+            per_expert_in = num_tokens_per_expert.to(device=x.device, dtype=torch.int32).contiguous()
+            send_pos, counts_msg = self._layout_kernel(T, epr, topk_idx=None, in_rank=in_rank,
+                                                       per_expert_in=per_expert_in, per_rank=None, per_expert=None)
         else:
             in_rank, send_pos, counts_msg = handle.is_token_in_rank, handle.send_pos, handle.counts_msg
         S = inp.scales.shape[1] if inp.scales is not None else 0
@@ -420,6 +480,12 @@ class NvlinkDispatcher:
         epr = num_experts // R
         if x.dtype != torch.bfloat16:
             raise ShapeError(f"x.dtype: expected torch.bfloat16 on the NVLink low-latency path, got {x.dtype}")
+        if k > 32:
+            raise ShapeError(f"topk_idx.shape[1]: expected at most 32 experts per token on the NVLink low-latency "
+                             f"path, got {k}")
+        if 4 * num_experts > MAX_SMEM_COUNTS:
+            raise ShapeError(f"num_experts: expected at most {MAX_SMEM_COUNTS // 4} on the NVLink low-latency path, "
+                             f"got {num_experts}")
         payload = H + 4 * (H // 128) if use_fp8 else 2 * H
         row_bytes = _align(payload + 4, 16)
         reg = self._region("ll_dispatch", epr * R, epr * R * max_tokens * row_bytes)
@@ -434,14 +500,18 @@ class NvlinkDispatcher:
         recv_count = self._ll_out("count", (epr,), torch.int32)
         recv_src = self._ll_out("src", (epr, cap), torch.int32)
         self.ll_counts = self._ll_out("ll_counts", (epr, R), torch.int32)
-        pair_slot = torch.full((T, k), -1, dtype=torch.int32, device=x.device)
-        num_sms, senders, _ = self._config(False)
+        # Zeroed once; the kernel's last block zeroes it again after each call.
+        expert_sent = self._ll_out("expert_sent", (num_experts,), torch.int32)
+        pair_slot = torch.empty(T, k, dtype=torch.int32, device=x.device)  # the kernel writes every entry
         a = self._ll_args(x=_ptr(x), topk_idx=_ptr(topk_idx), pair_slot=_ptr(pair_slot),
                           ll_counts=_ptr(self.ll_counts), recv_x=_ptr(rx), recv_scales=_ptr(rs),
                           recv_src=_ptr(recv_src), recv_count=_ptr(recv_count), peer_data=_ptr(reg.peer_data),
-                          peer_sig=_ptr(reg.peer_sig), state=_ptr(self.ll_state[0]), T=T, k=k, H=H, E=num_experts,
-                          epr=epr, M=max_tokens, use_fp8=int(use_fp8), row_bytes=row_bytes, num_senders=senders)
-        self.module.get_kernel("deepep_ll_dispatch").launch(num_sms, THREADS, [Arg(a)])
+                          peer_sig=_ptr(reg.peer_sig), state=_ptr(self.ll_state[0]), expert_sent=_ptr(expert_sent),
+                          T=T, k=k, H=H, E=num_experts, epr=epr, M=max_tokens, use_fp8=int(use_fp8),
+                          row_bytes=row_bytes, num_senders=0)
+        # All SMs: tokens and local experts are spread one per block (a block sends before it waits).
+        self.module.get_kernel("deepep_ll_dispatch").launch(self.num_device_sms, THREADS, [Arg(a)],
+                                                            smem_bytes=4 * num_experts)
         handle = NvlinkLowLatencyHandle(T, H, num_experts, max_tokens, pair_slot, recv_src)
         # One kernel both sends and receives, so the hook has nothing left to do.
         hook = (lambda: None) if return_recv_hook else None
@@ -457,13 +527,12 @@ class NvlinkDispatcher:
         reg = self._region("ll_combine", E, E * M * row_bytes)
         if out is None:
             out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
-        num_sms, senders, _ = self._config(True)
         a = self._ll_args(topk_idx=_ptr(topk_idx.contiguous()), topk_w=_ptr(topk_weights.float().contiguous()),
                           y=_ptr(y.contiguous()), pair_slot=_ptr(handle.pair_slot), ll_counts=_ptr(self.ll_counts),
                           out=_ptr(out), peer_data=_ptr(reg.peer_data), peer_sig=_ptr(reg.peer_sig),
                           state=_ptr(self.ll_state[1]), T=T, k=k, H=H, E=E, epr=E // R, M=M, row_bytes=row_bytes,
-                          num_senders=senders)
-        self.module.get_kernel("deepep_ll_combine").launch(num_sms, THREADS, [Arg(a)])
+                          num_senders=0)
+        self.module.get_kernel("deepep_ll_combine").launch(self.num_device_sms, THREADS, [Arg(a)])
         hook = (lambda: None) if return_recv_hook else None
         return out, EventOverlap.capture(y.device), hook
 

@@ -425,6 +425,100 @@ __device__ void combine_recv(const CombineArgs& a, u64 deadline) {
   }
 }
 
+// ------------------------------------------------------------------ layout
+
+// Routing layout and send positions in one single-block launch, no host synchronization:
+// per token a bitmask of destination ranks; per destination a running position (ballot +
+// popc inside a warp, a scan over the warps of the block, a carry across tiles of tokens).
+// With topk_idx it also writes is_token_in_rank and the per-rank/per-expert counts; without,
+// it reads is_token_in_rank and copies the given per-expert counts. Bad expert ids are
+// reported through host-mapped memory (err[2] = 1, err[3] = the value), checked by the host
+// at its next read of the dispatch counts.
+struct LayoutArgs {
+  const long long* topk_idx;  // [T, k] or null
+  unsigned char* in_rank;     // [T, R] bool: written with topk_idx, read without
+  const int* per_expert_in;   // [E] when topk_idx is null
+  int* per_rank;              // [R] or null
+  int* per_expert;            // [E] or null (written with topk_idx)
+  int* send_pos;              // [T, R]: row index in the destination's list, -1 if not sent
+  int* counts_msg;            // [R, 1 + epr]: rows and per-expert counts for each destination
+  volatile int* err;          // host-mapped
+  int T, k, R, E, epr, smem_counts;
+};
+
+extern "C" __global__ void __launch_bounds__(1024) deepep_layout(LayoutArgs a) {
+  extern __shared__ int expert_cnt[];  // [E] when smem_counts, else counts go to global memory
+  __shared__ int warp_base[32][DEEPEP_MAX_RANKS];
+  __shared__ int carry[DEEPEP_MAX_RANKS];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, num_warps = blockDim.x >> 5;
+  int* cnt = a.smem_counts ? expert_cnt : a.per_expert;
+  if (a.topk_idx)
+    for (int e = tid; e < a.E; e += blockDim.x) cnt[e] = 0;
+  if (tid < a.R) carry[tid] = 0;
+  __syncthreads();
+  for (int t0 = 0; t0 < a.T; t0 += blockDim.x) {
+    const int t = t0 + tid;
+    unsigned mask = 0;
+    if (t < a.T) {
+      if (a.topk_idx) {
+        for (int j = 0; j < a.k; ++j) {
+          const long long e = a.topk_idx[(long long)t * a.k + j];
+          if (e < 0 || e >= a.E) {
+            if (e != -1) {
+              a.err[3] = int(e);
+              a.err[2] = 1;
+            }
+            continue;
+          }
+          mask |= 1u << int(e / a.epr);
+          atomicAdd(&cnt[e], 1);
+        }
+        for (int r = 0; r < a.R; ++r) a.in_rank[(long long)t * a.R + r] = (mask >> r) & 1u;
+      } else {
+        for (int r = 0; r < a.R; ++r) mask |= (a.in_rank[(long long)t * a.R + r] ? 1u : 0u) << r;
+      }
+    }
+    int below[DEEPEP_MAX_RANKS];
+    const unsigned lt = (1u << lane) - 1u;
+#pragma unroll
+    for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) {
+      if (r >= a.R) break;
+      const unsigned b = __ballot_sync(0xffffffffu, (mask >> r) & 1u);
+      below[r] = __popc(b & lt);
+      if (lane == 0) warp_base[warp][r] = __popc(b);
+    }
+    __syncthreads();
+    if (tid < a.R) {  // exclusive scan over the warps of this tile, plus the carry of earlier tiles
+      int run = carry[tid];
+      for (int w = 0; w < num_warps; ++w) {
+        const int c = warp_base[w][tid];
+        warp_base[w][tid] = run;
+        run += c;
+      }
+      carry[tid] = run;
+    }
+    __syncthreads();
+    if (t < a.T) {
+#pragma unroll
+      for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) {
+        if (r >= a.R) break;
+        a.send_pos[(long long)t * a.R + r] = ((mask >> r) & 1u) ? warp_base[warp][r] + below[r] : -1;
+      }
+    }
+    __syncthreads();
+  }
+  const int msg = 1 + a.epr;
+  if (tid < a.R) {
+    if (a.per_rank) a.per_rank[tid] = carry[tid];
+    a.counts_msg[tid * msg] = carry[tid];
+  }
+  for (int e = tid; e < a.E; e += blockDim.x) {
+    const int c = a.topk_idx ? cnt[e] : a.per_expert_in[e];
+    if (a.topk_idx && a.smem_counts) a.per_expert[e] = c;
+    a.counts_msg[(e / a.epr) * msg + 1 + e % a.epr] = c;
+  }
+}
+
 // ------------------------------------------------------------------ low latency
 
 struct LLArgs {
@@ -442,6 +536,7 @@ struct LLArgs {
   const u64* peer_data;       // [2 * R] both parities
   const u64* peer_sig;        // [2 * R]
   unsigned* state;            // [0] epoch, [1] blocks done
+  int* expert_sent;           // dispatch: [E] tokens written per expert in this call (zeroed at the end)
   volatile int* err;
   u64 timeout_ns;
   int T, k, H, R, me, E, epr, M, use_fp8, row_bytes, num_senders;
@@ -449,186 +544,326 @@ struct LLArgs {
 
 __device__ __forceinline__ u32 ll_epoch(const LLArgs& a) { return *reinterpret_cast<volatile unsigned*>(a.state) + 1; }
 
-// The last block to finish publishes the new epoch (graph replays then keep counting on device).
-__device__ __forceinline__ void ll_finish(const LLArgs& a, u32 epoch) {
+// The last block to finish publishes the new epoch (graph replays then keep counting on device)
+// and zeroes the per-call counters (every other block is past its last use of them).
+__device__ __forceinline__ void ll_finish(const LLArgs& a, u32 epoch, int* reset, int reset_n) {
+  __shared__ int last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    unsigned done = atomicAdd(a.state + 1, 1u);
-    if (done == gridDim.x - 1) {
-      a.state[1] = 0;
-      __threadfence();
-      *reinterpret_cast<volatile unsigned*>(a.state) = epoch;
+    last = atomicAdd(a.state + 1, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  for (int i = threadIdx.x; i < reset_n; i += blockDim.x) reset[i] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    a.state[1] = 0;
+    __threadfence();
+    *reinterpret_cast<volatile unsigned*>(a.state) = epoch;
+  }
+}
+
+// Copy n 16-byte words with the threads of a block, four loads in flight per thread.
+__device__ __forceinline__ void block_copy16(int4* dst, const int4* src, int n) {
+  int i = threadIdx.x;
+  const int s = blockDim.x;
+  for (; i + 3 * s < n; i += 4 * s) {
+    const int4 v0 = __ldcg(src + i), v1 = __ldcg(src + i + s), v2 = __ldcg(src + i + 2 * s), v3 = __ldcg(src + i + 3 * s);
+    dst[i] = v0;
+    dst[i + s] = v1;
+    dst[i + 2 * s] = v2;
+    dst[i + 3 * s] = v3;
+  }
+  for (; i < n; i += s) dst[i] = __ldcg(src + i);
+}
+
+// Copy `rows` rows of x16 16-byte words between strided row arrays (strides in 16-byte words),
+// the whole block over the flattened (row, word) range, four loads in flight per thread.
+__device__ __forceinline__ void block_copy_rows16(int4* dst, long long dst_stride, const int4* src,
+                                                  long long src_stride, int rows, int x16) {
+  const int n = rows * x16, s = blockDim.x;
+  int i = threadIdx.x;
+  for (; i + 3 * s < n; i += 4 * s) {
+    int4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i + u * s, q = idx / x16, w = idx - q * x16;
+      v[u] = __ldcg(src + q * src_stride + w);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i + u * s, q = idx / x16, w = idx - q * x16;
+      dst[q * dst_stride + w] = v[u];
     }
   }
-}
-
-// Cast a bf16 row to fp8 e4m3, one 128-channel group per step of the whole warp (4 channels a
-// lane, coalesced 8-byte loads): scale = max(amax, 1e-4) / 448, as deepep.fp8 does; values are
-// multiplied by the reciprocal (DeepEP's choice; within one rounding of torch's division).
-__device__ __forceinline__ void cast_row_fp8(const __nv_bfloat16* src, __nv_fp8_e4m3* dst, float* scales, int H,
-                                             int lane) {
-  for (int g = 0; g < H / 128; ++g) {
-    const uint2 raw = reinterpret_cast<const uint2*>(src + g * 128)[lane];
-    const float2 a = tilehal::bf16x2_to_float2(raw.x), b = tilehal::bf16x2_to_float2(raw.y);
-    float amax = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y)));
-    amax = tilehal::warp_max(amax);
-    const float sc = fmaxf(amax, 1e-4f) / 448.f, inv = 1.f / sc;
-    __nv_fp8x4_e4m3 q(make_float4(a.x * inv, a.y * inv, b.x * inv, b.y * inv));
-    reinterpret_cast<__nv_fp8x4_e4m3*>(dst + g * 128)[lane] = q;
-    if (lane == 0) scales[g] = sc;
+  for (; i < n; i += s) {
+    const int q = i / x16, w = i - q * x16;
+    dst[q * dst_stride + w] = __ldcg(src + q * src_stride + w);
   }
 }
 
-// LL dispatch: one warp per expert scans the tokens in order (slots are deterministic), writes
-// each selected token into slot (expert, me, slot) of the owner's buffer, then raises the
-// (expert, me) flag carrying the count. Receivers pack the sources' rows in rank order.
+__device__ __forceinline__ unsigned fp8x4(float a, float b, float c, float d) {
+  __nv_fp8x4_e4m3 q(make_float4(a, b, c, d));
+  return *reinterpret_cast<const unsigned*>(&q);
+}
+
+// LL dispatch. Every block first counts this rank's (token, expert) pairs per expert, then
+// takes whole tokens: the slot of (t, e) is the number of earlier tokens routed to e (so slots
+// are deterministic, no atomics on slots), the token is cast to fp8 once with 8 lanes per
+// 128-channel group (a 3-step shuffle amax, one 16-byte load pair and one 16-byte store per
+// lane and destination), and written into slot (e, me, slot) of e's owner. A per-expert
+// counter tells the block that wrote an expert's last row to raise the (expert, me) flag with
+// the count; experts this rank sends nothing raise theirs at once. Then the blocks become
+// receivers, one local expert each: wait for every source's flag, pack the rows by source.
+// Sending never waits, so blocks need not be co-resident.
 extern "C" __global__ void __launch_bounds__(512) deepep_ll_dispatch(LLArgs a) {
-  const u32 epoch = ll_epoch(a);
-  const int par = epoch & 1;
-  const u64 deadline = now_ns() + a.timeout_ns;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, num_warps = blockDim.x >> 5;
-  const int H = a.H, G = H / 128;
-  const int payload = a.use_fp8 ? H + G * 4 : H * 2;  // src token index follows the payload
-  if ((int)blockIdx.x < a.num_senders) {
-    for (int e = blockIdx.x * num_warps + warp; e < a.E; e += a.num_senders * num_warps) {
-      const int d = e / a.epr, le = e % a.epr;
-      char* region = reinterpret_cast<char*>(a.peer_data[par * a.R + d]) +
-                     ((long long)(le * a.R + a.me) * a.M) * a.row_bytes;
-      int count = 0;
-      for (int t0 = 0; t0 < a.T; t0 += 32) {
-        const int t = t0 + lane;
-        int slot_j = -1;
-        if (t < a.T)
-          for (int j = 0; j < a.k; ++j)
-            if (a.topk_idx[(long long)t * a.k + j] == e) slot_j = j;
-        unsigned hits = __ballot_sync(0xffffffffu, slot_j >= 0);
-        if (slot_j >= 0) a.pair_slot[(long long)t * a.k + slot_j] = count + __popc(hits & ((1u << lane) - 1));
-        while (hits) {
-          const int b = __ffs(hits) - 1;
-          hits &= hits - 1;
-          const int tt = t0 + b;
-          char* row = region + (long long)count * a.row_bytes;
-          const __nv_bfloat16* xs = a.x + (long long)tt * H;
-          if (a.use_fp8) {
-            cast_row_fp8(xs, reinterpret_cast<__nv_fp8_e4m3*>(row), reinterpret_cast<float*>(row + H), H, lane);
-          } else {
-            copy_row<false>(reinterpret_cast<int4*>(row), reinterpret_cast<const int4*>(xs), H / 8, lane);
-          }
-          if (lane == 0) *reinterpret_cast<int*>(row + payload) = tt;
-          ++count;
-        }
-      }
-      __syncwarp();
-      if (lane == 0) {
-        __threadfence_system();
-        st_release(reinterpret_cast<u64*>(a.peer_sig[par * a.R + d]) + le * a.R + a.me, tagged(epoch, count));
-      }
-    }
-  } else {
-    const int rb = blockIdx.x - a.num_senders, nrb = gridDim.x - a.num_senders;
-    const u64* sig = reinterpret_cast<const u64*>(a.peer_sig[par * a.R + a.me]);
-    const char* mine = reinterpret_cast<const char*>(a.peer_data[par * a.R + a.me]);
-    for (int le = rb * num_warps + warp; le < a.epr; le += nrb * num_warps) {
-      u32 n = 0;
-      bool ok = true;
-      if (lane < a.R) ok = wait_flag(sig + le * a.R + lane, epoch, deadline, a.err, kLLDispatch, lane, &n);
-      if (__any_sync(0xffffffffu, !ok)) break;
-      // exclusive prefix over sources with shuffles: rows of source s start at base
-      int incl = int(n);
-      for (int off = 1; off < 32; off <<= 1) {
-        int v = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += v;
-      }
-      const int total = __shfl_sync(0xffffffffu, incl, a.R - 1);
-      if (lane < a.R) a.ll_counts[le * a.R + lane] = int(n);
-      if (lane == 0) a.recv_count[le] = total;
-      for (int s = 0; s < a.R; ++s) {
-        const int ns = __shfl_sync(0xffffffffu, int(n), s);
-        const int base = __shfl_sync(0xffffffffu, incl - int(n), s);
-        for (int q = 0; q < ns; ++q) {
-          const char* row = mine + ((long long)(le * a.R + s) * a.M + q) * a.row_bytes;
-          const long long slot = (long long)le * a.R * a.M + base + q;
-          if (a.use_fp8) {
-            warp_copy16(reinterpret_cast<int4*>(reinterpret_cast<char*>(a.recv_x) + slot * H),
-                        reinterpret_cast<const int4*>(row), H / 16, lane);
-            for (int g = lane; g < G; g += 32)
-              a.recv_scales[slot * G + g] = __ldcg(reinterpret_cast<const float*>(row + H) + g);
-          } else {
-            warp_copy16(reinterpret_cast<int4*>(reinterpret_cast<char*>(a.recv_x) + slot * H * 2),
-                        reinterpret_cast<const int4*>(row), H / 8, lane);
-          }
-          if (lane == 0) a.recv_src[slot] = __ldcg(reinterpret_cast<const int*>(row + payload));
-        }
-      }
-    }
-  }
-  ll_finish(a, epoch);
-}
-
-// LL combine: each expert rank returns expert outputs into slot (expert, slot) of the source's
-// buffer; the source takes sum_j w[t, j] * y(expert j, slot j) in fp32.
-extern "C" __global__ void __launch_bounds__(512) deepep_ll_combine(LLArgs a) {
+  extern __shared__ int cnt[];  // [E] pairs of this rank per expert
+  __shared__ long long tok_e[32];
+  __shared__ int tok_slot[32];
+  __shared__ int n_from[DEEPEP_MAX_RANKS], base_from[DEEPEP_MAX_RANKS + 1];
   __shared__ int abort_flag;
   const u32 epoch = ll_epoch(a);
   const int par = epoch & 1;
   const u64 deadline = now_ns() + a.timeout_ns;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, num_warps = blockDim.x >> 5;
-  const int H = a.H, h16 = H / 8;
-  if ((int)blockIdx.x < a.num_senders) {
-    // one warp per (local expert, source) pair
-    for (int p = blockIdx.x * num_warps + warp; p < a.epr * a.R; p += a.num_senders * num_warps) {
-      const int le = p / a.R, s = p % a.R;
-      int base = 0;
-      for (int q = 0; q < s; ++q) base += a.ll_counts[le * a.R + q];
-      const int n = a.ll_counts[le * a.R + s];
-      const int e = a.me * a.epr + le;
-      char* region = reinterpret_cast<char*>(a.peer_data[par * a.R + s]) + (long long)e * a.M * a.row_bytes;
-      for (int q = 0; q < n; ++q) {
-        copy_row<false>(reinterpret_cast<int4*>(region + (long long)q * a.row_bytes),
-                        reinterpret_cast<const int4*>(a.y + ((long long)le * a.R * a.M + base + q) * H), h16, lane);
-      }
-      __syncwarp();
-      if (lane == 0) {
-        __threadfence_system();
-        st_release(reinterpret_cast<u64*>(a.peer_sig[par * a.R + s]) + e, tagged(epoch, n));
-      }
+  const int tid = threadIdx.x;
+  const int H = a.H, G = H / 128;
+  const int payload = a.use_fp8 ? H + G * 4 : H * 2;  // src token index follows the payload
+  for (int e = tid; e < a.E; e += blockDim.x) cnt[e] = 0;
+  if (tid == 0) abort_flag = 0;
+  __syncthreads();
+  for (int i = tid; i < a.T * a.k; i += blockDim.x) {
+    const long long e = a.topk_idx[i];
+    if (e >= 0 && e < a.E) {
+      atomicAdd(&cnt[e], 1);
+    } else if (e != -1 && blockIdx.x == 0) {  // bad id: skipped, reported to the host
+      a.err[3] = int(e);
+      a.err[2] = 1;
     }
-  } else {
-    const u64* sig = reinterpret_cast<const u64*>(a.peer_sig[par * a.R + a.me]);
-    const char* mine = reinterpret_cast<const char*>(a.peer_data[par * a.R + a.me]);
-    if (tid == 0) abort_flag = 0;
+  }
+  __syncthreads();
+  for (int e = blockIdx.x * blockDim.x + tid; e < a.E; e += gridDim.x * blockDim.x) {
+    if (cnt[e] == 0) {
+      const int d = e / a.epr, le = e % a.epr;
+      st_release(reinterpret_cast<u64*>(a.peer_sig[par * a.R + d]) + le * a.R + a.me, tagged(epoch, 0));
+    }
+  }
+  const int grp = tid >> 3, sub = tid & 7, groups_per_pass = blockDim.x >> 3;
+  for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
+    if (tid < a.k) {
+      const long long e = a.topk_idx[(long long)t * a.k + tid];
+      tok_e[tid] = e < a.E ? e : -1;
+      tok_slot[tid] = 0;
+    }
     __syncthreads();
-    for (int e = tid; e < a.E; e += blockDim.x)
-      if (!wait_flag(sig + e, epoch, deadline, a.err, kLLCombine, e / a.epr, nullptr)) abort_flag = 1;
+    for (int i = tid; i < t * a.k; i += blockDim.x) {
+      const long long e = a.topk_idx[i];
+      if (e < 0 || e >= a.E) continue;
+      for (int j = 0; j < a.k; ++j)
+        if (tok_e[j] == e) atomicAdd(&tok_slot[j], 1);
+    }
     __syncthreads();
-    if (!abort_flag) {
-      const int rb = blockIdx.x - a.num_senders, nrb = gridDim.x - a.num_senders;
-      for (int t = rb * num_warps + warp; t < a.T; t += nrb * num_warps) {
-        for (int i = lane; i < h16; i += 32) {
-          float acc[8];
+    const __nv_bfloat16* xs = a.x + (long long)t * H;
+    for (int g0 = 0; g0 < G; g0 += groups_per_pass) {
+      const int g = g0 + grp;
+      const bool act = g < G;  // every lane takes part in the shuffles below
+      int4 raw[2] = {make_int4(0, 0, 0, 0), make_int4(0, 0, 0, 0)};
+      if (act) {
+        const int4* src = reinterpret_cast<const int4*>(xs + g * 128 + sub * 16);
+        raw[0] = src[0];
+        raw[1] = src[1];
+      }
+      if (a.use_fp8) {
+        float f[16];
+        const unsigned* u = reinterpret_cast<const unsigned*>(raw);
 #pragma unroll
-          for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+        for (int q = 0; q < 8; ++q) {
+          const float2 v = tilehal::bf16x2_to_float2(u[q]);
+          f[2 * q] = v.x;
+          f[2 * q + 1] = v.y;
+        }
+        float amax = 0.f;
+#pragma unroll
+        for (int q = 0; q < 16; ++q) amax = fmaxf(amax, fabsf(f[q]));
+        amax = tilehal::warp_max<float, 8>(amax);
+        const float sc = fmaxf(amax, 1e-4f) / 448.f, inv = 1.f / sc;
+        int4 packed;
+        packed.x = int(fp8x4(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv));
+        packed.y = int(fp8x4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv));
+        packed.z = int(fp8x4(f[8] * inv, f[9] * inv, f[10] * inv, f[11] * inv));
+        packed.w = int(fp8x4(f[12] * inv, f[13] * inv, f[14] * inv, f[15] * inv));
+        if (act)
           for (int j = 0; j < a.k; ++j) {
-            const long long e = a.topk_idx[(long long)t * a.k + j];
+            const long long e = tok_e[j];
             if (e < 0) continue;
-            const int slot = a.pair_slot[(long long)t * a.k + j];
-            const float w = a.topk_w[(long long)t * a.k + j];
-            int4 v = __ldcg(reinterpret_cast<const int4*>(mine + (e * a.M + slot) * a.row_bytes) + i);
-            const unsigned* u = reinterpret_cast<const unsigned*>(&v);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              float2 f = tilehal::bf16x2_to_float2(u[q]);
-              acc[2 * q] += w * f.x;
-              acc[2 * q + 1] += w * f.y;
-            }
+            const int d = int(e / a.epr), le = int(e % a.epr);
+            char* row = reinterpret_cast<char*>(a.peer_data[par * a.R + d]) +
+                        ((long long)(le * a.R + a.me) * a.M + tok_slot[j]) * a.row_bytes;
+            *reinterpret_cast<int4*>(row + g * 128 + sub * 16) = packed;
+            if (sub == 0) reinterpret_cast<float*>(row + H)[g] = sc;
           }
-          reinterpret_cast<int4*>(a.out + (long long)t * H)[i] = pack_vec<__nv_bfloat16>(acc);
+      } else if (act) {
+        for (int j = 0; j < a.k; ++j) {
+          const long long e = tok_e[j];
+          if (e < 0) continue;
+          const int d = int(e / a.epr), le = int(e % a.epr);
+          char* row = reinterpret_cast<char*>(a.peer_data[par * a.R + d]) +
+                      ((long long)(le * a.R + a.me) * a.M + tok_slot[j]) * a.row_bytes;
+          int4* dst = reinterpret_cast<int4*>(row + (g * 128 + sub * 16) * 2);
+          dst[0] = raw[0];
+          dst[1] = raw[1];
         }
       }
     }
+    if (tid < a.k) {
+      const long long e = tok_e[tid];
+      a.pair_slot[(long long)t * a.k + tid] = e >= 0 ? tok_slot[tid] : -1;
+      if (e >= 0) {
+        const int d = int(e / a.epr), le = int(e % a.epr);
+        char* row = reinterpret_cast<char*>(a.peer_data[par * a.R + d]) +
+                    ((long long)(le * a.R + a.me) * a.M + tok_slot[tid]) * a.row_bytes;
+        *reinterpret_cast<int*>(row + payload) = t;
+      }
+    }
+    __syncthreads();  // every row of token t is written
+    if (tid < a.k) {
+      const long long e = tok_e[tid];
+      if (e >= 0) {
+        __threadfence_system();
+        const int old = atomicAdd(a.expert_sent + e, 1);
+        if (old + 1 == cnt[e]) {  // the last row of expert e from this rank: raise its flag
+          __threadfence_system();
+          const int d = int(e / a.epr), le = int(e % a.epr);
+          st_release(reinterpret_cast<u64*>(a.peer_sig[par * a.R + d]) + le * a.R + a.me, tagged(epoch, cnt[e]));
+        }
+      }
+    }
+    __syncthreads();
   }
-  ll_finish(a, epoch);
+  // Receive: one local expert per block, rows packed by source rank then slot.
+  const u64* sig = reinterpret_cast<const u64*>(a.peer_sig[par * a.R + a.me]);
+  const char* mine = reinterpret_cast<const char*>(a.peer_data[par * a.R + a.me]);
+  for (int le = blockIdx.x; le < a.epr; le += gridDim.x) {
+    if (tid < a.R) {
+      u32 n = 0;
+      if (!wait_flag(sig + le * a.R + tid, epoch, deadline, a.err, kLLDispatch, tid, &n)) abort_flag = 1;
+      n_from[tid] = int(n);
+    }
+    __syncthreads();
+    if (abort_flag) break;
+    if (tid == 0) {
+      base_from[0] = 0;
+      for (int s = 0; s < a.R; ++s) base_from[s + 1] = base_from[s] + n_from[s];
+      a.recv_count[le] = base_from[a.R];
+    }
+    if (tid < a.R) a.ll_counts[le * a.R + tid] = n_from[tid];
+    __syncthreads();
+    for (int s = 0; s < a.R; ++s) {
+      const int n = n_from[s];
+      if (n == 0) continue;
+      const long long slot0 = (long long)le * a.R * a.M + base_from[s];
+      const char* rows = mine + (long long)(le * a.R + s) * a.M * a.row_bytes;
+      const int x16 = a.use_fp8 ? H / 16 : H / 8;
+      // rows are row_bytes apart in the buffer but H (fp8) or 2H bytes apart in recv_x
+      block_copy_rows16(reinterpret_cast<int4*>(a.recv_x) + slot0 * x16, x16, reinterpret_cast<const int4*>(rows),
+                        a.row_bytes / 16, n, x16);
+      for (int i = tid; i < n * (a.use_fp8 ? G : 0); i += blockDim.x) {
+        const int q = i / G, g = i % G;
+        a.recv_scales[(slot0 + q) * G + g] =
+            __ldcg(reinterpret_cast<const float*>(rows + (long long)q * a.row_bytes + H) + g);
+      }
+      for (int q = tid; q < n; q += blockDim.x)
+        a.recv_src[slot0 + q] = __ldcg(reinterpret_cast<const int*>(rows + (long long)q * a.row_bytes + payload));
+    }
+    __syncthreads();
+  }
+  ll_finish(a, epoch, a.expert_sent, a.E);
+}
+
+// LL combine. Blocks first send, one local expert each: the rows of source s (packed at
+// base_s in y) go back to slot (expert, q) of s's buffer, then the (expert) flag at s carries
+// the count. Then blocks receive, one token each: wait for the flags of the token's experts
+// and take sum_j w[t, j] * y(expert j, slot j) in fp32, all k rows' loads in flight at once.
+extern "C" __global__ void __launch_bounds__(512) deepep_ll_combine(LLArgs a) {
+  __shared__ int n_from[DEEPEP_MAX_RANKS], base_from[DEEPEP_MAX_RANKS + 1];
+  __shared__ long long tok_e[32];
+  __shared__ int tok_slot[32];
+  __shared__ float tok_w[32];
+  __shared__ int abort_flag;
+  const u32 epoch = ll_epoch(a);
+  const int par = epoch & 1;
+  const u64 deadline = now_ns() + a.timeout_ns;
+  const int tid = threadIdx.x;
+  const int H = a.H, h16 = H / 8;
+  if (tid == 0) abort_flag = 0;
+  __syncthreads();
+  for (int le = blockIdx.x; le < a.epr; le += gridDim.x) {
+    if (tid < a.R) n_from[tid] = a.ll_counts[le * a.R + tid];
+    __syncthreads();
+    if (tid == 0) {
+      base_from[0] = 0;
+      for (int s = 0; s < a.R; ++s) base_from[s + 1] = base_from[s] + n_from[s];
+    }
+    __syncthreads();
+    const int e = a.me * a.epr + le;
+    for (int s = 0; s < a.R; ++s) {
+      char* region = reinterpret_cast<char*>(a.peer_data[par * a.R + s]) + (long long)e * a.M * a.row_bytes;
+      const int4* src = reinterpret_cast<const int4*>(a.y + ((long long)le * a.R * a.M + base_from[s]) * H);
+      // y rows are contiguous (2H bytes) and so are the region's (row_bytes == 2H): one flat copy
+      block_copy16(reinterpret_cast<int4*>(region), src, n_from[s] * h16);
+    }
+    __syncthreads();
+    if (tid < a.R) {
+      __threadfence_system();
+      st_release(reinterpret_cast<u64*>(a.peer_sig[par * a.R + tid]) + e, tagged(epoch, n_from[tid]));
+    }
+    __syncthreads();
+  }
+  const u64* sig = reinterpret_cast<const u64*>(a.peer_sig[par * a.R + a.me]);
+  const char* mine = reinterpret_cast<const char*>(a.peer_data[par * a.R + a.me]);
+  for (int t = blockIdx.x; t < a.T; t += gridDim.x) {
+    if (tid < a.k) {
+      const long long e = a.topk_idx[(long long)t * a.k + tid] < a.E ? a.topk_idx[(long long)t * a.k + tid] : -1;
+      tok_e[tid] = e;
+      tok_slot[tid] = a.pair_slot[(long long)t * a.k + tid];
+      tok_w[tid] = a.topk_w[(long long)t * a.k + tid];
+      if (e >= 0 && !wait_flag(sig + e, epoch, deadline, a.err, kLLCombine, int(e / a.epr), nullptr)) abort_flag = 1;
+    }
+    __syncthreads();
+    if (abort_flag) break;
+    for (int i = tid; i < h16; i += blockDim.x) {
+      float acc[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+      for (int j0 = 0; j0 < a.k; j0 += 8) {
+        int4 v[8];
+        float w[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int j = j0 + u;
+          w[u] = 0.f;
+          v[u] = make_int4(0, 0, 0, 0);
+          if (j < a.k && tok_e[j] >= 0) {
+            w[u] = tok_w[j];
+            v[u] = __ldcg(reinterpret_cast<const int4*>(mine + (tok_e[j] * a.M + tok_slot[j]) * a.row_bytes) + i);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const unsigned* p = reinterpret_cast<const unsigned*>(&v[u]);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const float2 f = tilehal::bf16x2_to_float2(p[q]);
+            acc[2 * q] += w[u] * f.x;
+            acc[2 * q + 1] += w[u] * f.y;
+          }
+        }
+      }
+      reinterpret_cast<int4*>(a.out + (long long)t * H)[i] = pack_vec<__nv_bfloat16>(acc);
+    }
+    __syncthreads();
+  }
+  ll_finish(a, epoch, nullptr, 0);
 }
 
 }  // namespace deepep
