@@ -22,6 +22,7 @@ def test_fp8_candidates_respect_register_and_scale_limits():
         assert n <= 128 + math.gcd(n, 128)  # at most two 128-wide B scale blocks per tile
     assert 176 not in block_n_candidates("fp8") and {160, 192} <= set(block_n_candidates("fp8"))
     assert max(block_n_candidates("bf16")) == 256
+    assert max(block_n_candidates("fp8", "contiguous")) == max(block_n_candidates("fp8", "masked")) == 160
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])

@@ -69,17 +69,19 @@ class GemmConfig:
         return self.block_m * self.block_n * 2 if self.tma_store else 0
 
 
-def block_n_candidates(kind: str) -> tuple[int, ...]:
+def block_n_candidates(kind: str, grouping: str = "normal") -> tuple[int, ...]:
     """Tile widths the kernels instantiate.
 
     fp8 keeps two fp32 accumulator sets (the K block's partial sum and the promoted total), BLOCK_N/2
     registers each per thread, so it stops at 192 (2 x 96 of the 232 registers a math thread gets,
     no spills); and one tile may span at most two 128-wide scale blocks of B
     (BLOCK_N <= 128 + gcd(BLOCK_N, 128), which leaves 168..184 out). bf16 keeps one set and goes
-    to wgmma's 256.
+    to wgmma's 256. Grouped kernels keep a few more registers live (the expert index and offsets),
+    which pushes 192 into spills: they stop at 160.
     """
     if kind == "fp8":
-        return tuple(n for n in range(16, 193, 8) if n <= 128 + math.gcd(n, 128))
+        top = 192 if grouping == "normal" else 160
+        return tuple(n for n in range(16, top + 1, 8) if n <= 128 + math.gcd(n, 128))
     return tuple(range(16, 257, 8))
 
 
@@ -171,7 +173,7 @@ def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms
 
     best = None
     for bm in block_ms:
-        for bn in block_n_candidates(kind):
+        for bn in block_n_candidates(kind, grouping):
             tiles = ceil_div(m, bm) * ceil_div(n, bn) * groups
             w, util = waves(tiles, sms)
             key = (w * tile_cost(bm, bn), -util, -(bm * bn), -bm)
