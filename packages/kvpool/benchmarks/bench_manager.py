@@ -57,6 +57,27 @@ def append_free(blocks_per_call: int, calls_per_seq: int, rounds: int) -> dict:
             "block_allocs_plus_frees_per_s": blocks / dt, "append_calls_per_s": rounds * seqs * calls_per_seq / dt}
 
 
+def append_batch_free(steps: int, rounds: int) -> dict:
+    """A decode-style engine loop: every step one `append_batch` over 64 sequences (1 block each)."""
+    seqs = 64
+    pool = tiny_pool(seqs * (steps + 1) + 16)
+    t0 = time.perf_counter()
+    blocks = 0
+    for r in tqdm(range(rounds), desc="append_batch", leave=False):
+        ids = [(r, s) for s in range(seqs)]
+        for sid in ids:
+            pool.add_sequence(sid, [0])
+        pool.append_batch(ids, 1)
+        for _ in range(steps):
+            pool.append_batch(ids, BS)
+        blocks += sum(len(pool.blocks_of(sid)) for sid in ids)
+        for sid in ids:
+            pool.free(sid)
+    dt = time.perf_counter() - t0
+    return {"pattern": "KVPool.append_batch(64 seqs x 1 block)+free", "blocks": blocks, "seconds": dt,
+            "block_allocs_plus_frees_per_s": blocks / dt}
+
+
 def manager_only(blocks_per_op: int, cached: bool, rounds: int = 20000) -> dict:
     """The BlockManager alone (what KVPool.append/free sit on): allocate + release, no tensors.
 
@@ -99,7 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=OUT_DIR)
     args = ap.parse_args()
-    rows = [append_free(1, 16, 40), append_free(64, 1, 40)]
+    rows = [append_free(1, 16, 40), append_batch_free(16, 40), append_free(64, 1, 40)]
     rows += [manager_only(1, False), manager_only(1, True), manager_only(64, False, 2000), manager_only(64, True, 2000)]
     pm = prefix_match()
     print(f"{'pattern':<52}{'blocks alloc+free /s':>22}{'append calls /s':>18}")

@@ -205,3 +205,25 @@ def test_debug_checks_catch_corruption():
     pool.manager.plain.append(pool.manager.plain[-1])  # a double free
     with pytest.raises(kvpool.InvariantError, match="twice"):
         pool.check_invariants()
+
+
+def test_append_batch_matches_single_appends_and_is_all_or_nothing():
+    a, b = make(num_blocks=32), make(num_blocks=32)
+    for p in (a, b):
+        for sid in range(3):
+            p.add_sequence(sid, [sid] * 5)
+            p.append(sid, 3)
+        p.fork(0, 9)  # seq 0's partial block is shared: the batch must copy it on write too
+    batch = a.append_batch([0, 1, 2], [2, 5, 1])
+    single = torch.cat([b.append(0, 2), b.append(1, 5), b.append(2, 1)])
+    assert batch.dtype == torch.int32 and batch.tolist() == single.tolist()
+    assert a.blocks_of(1) == b.blocks_of(1) and a.blocks_of(0) == b.blocks_of(0)
+    assert a.stats().cow_copies == 1
+    a.add_sequence("big", [1] * 90)
+    a.append("big", 88)  # 22 blocks: few left
+    before = (a.manager.snapshot(), a.stats())
+    with pytest.raises(PoolExhaustedError):
+        a.append_batch([0, 1, 2, "big"], 16)
+    assert (a.manager.snapshot(), a.stats()) == before
+    with pytest.raises(ValueError, match="distinct"):
+        a.append_batch([0, 0])

@@ -98,6 +98,26 @@ class PoolMachine(RuleBasedStateMachine):
         m["pending"] = m["pending"][n:]
         self._write_new(sid, slots, start)
 
+    @rule(sids=st.lists(seqs, max_size=3, unique=True), n=st.integers(1, 3))
+    def append_batch(self, sids, n):
+        """A decode step over several sequences at once (all or nothing)."""
+        sids = [s for s in sids if s in self.model]
+        if not sids:
+            return
+        before = self._state()
+        starts = [len(self.model[s]["ids"]) for s in sids]
+        try:
+            slots = self.pool.append_batch(sids, n)
+        except PoolExhaustedError:
+            assert self._state() == before
+            return
+        assert slots.shape == (n * len(sids),)
+        for i, (sid, start) in enumerate(zip(sids, starts)):
+            m = self.model[sid]
+            m["ids"] += (m["pending"] + [0] * n)[:n]
+            m["pending"] = m["pending"][n:]
+            self._write_new(sid, slots[i * n:(i + 1) * n], start)
+
     @rule(sid=seqs, back=st.integers(1, 4))
     def rewrite(self, sid, back):
         """Write the same values again at existing positions (through the block table)."""

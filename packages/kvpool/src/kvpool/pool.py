@@ -221,42 +221,87 @@ class KVPool:
         and allocates nothing when the free blocks do not suffice.
         """
         seq = self._seq(seq_id)
+        n, known = self._new_ids(seq_id, seq, tokens)
+        if n == 0:
+            return torch.zeros(0, dtype=torch.int32)
+        needed = self._blocks_needed(seq, n)
+        if needed > self.manager.num_free:
+            raise PoolExhaustedError(
+                f"append({seq_id!r}, {n} tokens): needs {needed} free blocks, {self.manager.num_free} are",
+                needed=needed, available=self.manager.num_free)
+        old = self._grow(seq, n, known)
+        self._after_op()
+        return self._slots(seq.blocks, old, old + n)
+
+    def append_batch(self, seq_ids: Sequence[Hashable], num_tokens: int | Sequence[int] = 1) -> torch.Tensor:
+        """One decode step for many sequences: `append(s, n)` for each, all or nothing.
+
+        Returns the concatenated int32 slots (sequence order). Raises PoolExhaustedError, with
+        nothing allocated, unless every sequence's growth fits.
+        """
+        counts = [num_tokens] * len(seq_ids) if isinstance(num_tokens, int) else list(num_tokens)
+        if len(counts) != len(seq_ids):
+            raise ValueError(f"num_tokens: expected {len(seq_ids)} counts, got {len(counts)}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("seq_ids: expected distinct sequences")
+        seqs = [self._seq(s) for s in seq_ids]
+        news = [self._new_ids(sid, seq, n) for sid, seq, n in zip(seq_ids, seqs, counts)]
+        needed = sum(self._blocks_needed(seq, n) for seq, (n, _) in zip(seqs, news) if n)
+        if needed > self.manager.num_free:
+            raise PoolExhaustedError(
+                f"append_batch({len(seq_ids)} sequences): needs {needed} free blocks, {self.manager.num_free} are",
+                needed=needed, available=self.manager.num_free)
+        bs = self.block_size
+        out: list[int] = []
+        for seq, (n, known) in zip(seqs, news):
+            if n == 0:
+                continue
+            old = self._grow(seq, n, known)
+            blocks, end = seq.blocks, old + n
+            for i in range(old // bs, (end - 1) // bs + 1):  # one contiguous slot range per block
+                base = blocks[i] * bs - i * bs
+                out.extend(range(base + max(old, i * bs), base + min(end, (i + 1) * bs)))
+        self._after_op()
+        return torch.from_numpy(np.array(out, dtype=np.int32))
+
+    def _new_ids(self, seq_id: Hashable, seq: _Sequence, tokens) -> tuple[int, np.ndarray]:
+        """(count, known ids) of an append; checks explicit ids against the pending prompt."""
         pend = seq.pending
         if isinstance(tokens, int) or isinstance(tokens, np.integer):
             n = int(tokens)
             if n < 0:
                 raise ValueError(f"tokens: expected a count >= 0, got {n}")
-            known = pend[:n] if len(pend) else _EMPTY_IDS
-        else:
-            known = as_token_array(tokens)
-            n = len(known)
-            k = min(n, len(pend))
-            if not np.array_equal(known[:k], pend[:k]):
-                raise ValueError(f"tokens: the first {k} ids differ from the pending prompt of {seq_id!r}")
-        if n == 0:
-            return torch.zeros(0, dtype=torch.int32)
+            return n, (pend[:n] if len(pend) else _EMPTY_IDS)
+        known = as_token_array(tokens)
+        k = min(len(known), len(pend))
+        if not np.array_equal(known[:k], pend[:k]):
+            raise ValueError(f"tokens: the first {k} ids differ from the pending prompt of {seq_id!r}")
+        return len(known), known
+
+    def _blocks_needed(self, seq: _Sequence, n: int) -> int:
+        bs = self.block_size
+        grow = -(-(seq.num_tokens + n) // bs) - len(seq.blocks)
+        cow = seq.num_tokens % bs != 0 and self.manager.ref[seq.blocks[-1]] > 1
+        return grow + int(cow)
+
+    def _grow(self, seq: _Sequence, n: int, known: np.ndarray) -> int:
+        """Allocate (after copy-on-write) and hash; the caller checked the free blocks. Returns the old length."""
         bs, mgr = self.block_size, self.manager
-        old, new_len = seq.num_tokens, seq.num_tokens + n
-        grow = -(-new_len // bs) - len(seq.blocks)
-        cow = old % bs != 0 and mgr.ref[seq.blocks[-1]] > 1
-        needed = grow + int(cow)
-        if needed > mgr.num_free:
-            raise PoolExhaustedError(
-                f"append({seq_id!r}, {n} tokens): needs {needed} free blocks, {mgr.num_free} are",
-                needed=needed, available=mgr.num_free)
-        if cow:
+        old = seq.num_tokens
+        if old % bs != 0 and mgr.ref[seq.blocks[-1]] > 1:
             self._copy_on_write(seq)
+        grow = -(-(old + n) // bs) - len(seq.blocks)
         if grow:
             new = mgr.allocate(grow)
             self.storage.mark_fresh(new)
             seq.blocks.extend(new)
         if self.prefix_caching and seq.hashable:
             self._extend_hashes(seq, old, known, n)
-        seq.num_tokens = new_len
+        seq.num_tokens = old + n
+        pend = seq.pending
         if len(pend):
             seq.pending = pend[n:] if n < len(pend) else _EMPTY_IDS
-        self._after_op()
-        return self._slots(seq.blocks, old, new_len)
+        return old
 
     def _slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.block_size
