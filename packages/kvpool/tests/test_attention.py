@@ -147,3 +147,19 @@ def test_prefill_bad_arguments(fill_pool):
         kvpool.paged_prefill(q, pool, 0, bt.long(), sl, torch.tensor([0, 2]))
     with pytest.raises(ShapeError, match="seq_lens"):
         kvpool.paged_prefill(q, pool, 0, bt, torch.tensor([1], dtype=torch.int32)[:0], torch.tensor([0, 2]))
+
+
+def test_table_shorter_than_seq_len_and_holes_are_masked(fill_pool, sdpa_decode):
+    """Positions the table does not cover (too short, or -1 entries) are not attended to."""
+    pool = kvpool.KVPool(1, 1, 16, 32, block_size=4, dtype=torch.float32)
+    fill_pool(pool, [16])
+    bt, sl = pool.block_table([0]), pool.seq_lens([0])
+    q = torch.randn(1, 2, 16)
+    k, v = pool.gather(0, 0)
+    out = kvpool.paged_decode(q, pool, 0, bt[:, :2].contiguous(), sl)  # covers 8 of 16 tokens
+    torch.testing.assert_close(out[0].double(), sdpa_decode(q[0], k[:8], v[:8]), atol=1e-5, rtol=0)
+    holed = bt.clone()
+    holed[0, 1] = -1
+    out = kvpool.paged_decode(q, pool, 0, holed, sl)
+    keep = torch.cat([torch.arange(0, 4), torch.arange(8, 16)])
+    torch.testing.assert_close(out[0].double(), sdpa_decode(q[0], k[keep], v[keep]), atol=1e-5, rtol=0)

@@ -87,6 +87,11 @@ def test_dense_matches_reference(cfg, dtype, head_dim, q_heads, kv_heads, splits
     assert tilehal.calc_diff(out, ref) < 1e-5
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert torch.all(out[-1] == 0)  # empty sequence
+    # Table narrower than the sequences and holes (-1): masked like the reference, no OOB reads.
+    narrow = bt[:, :3].clone()
+    narrow[:, 1] = -1
+    out = cuda_decode.paged_decode_cuda(q, pool, 0, narrow, sl, None, None, num_splits=splits, config=cfg)
+    assert tilehal.calc_diff(out, kvpool.paged_decode_reference(q, pool, 0, narrow, sl)) < 1e-5
 
 
 @pytest.mark.gpu

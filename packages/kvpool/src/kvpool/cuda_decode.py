@@ -118,6 +118,8 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     H = pool.num_kv_heads
     group = hq // H
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if B == 0:
+        return torch.empty_like(q)
     cfg = default_config() if config is None else config
     module = compile_decode(pool.dtype, d, group, cfg=cfg)
     main, combine = (module.get_kernel(n) for n in kernel_names(pool.dtype, d, group, cfg))

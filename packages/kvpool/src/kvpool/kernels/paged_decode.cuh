@@ -68,7 +68,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int H = gridDim.y, splits = gridDim.x, tid = threadIdx.x;
   const int seq_len = seq_lens[b];
-  const int seq_blocks = (seq_len + block_size - 1) / block_size;
+  // Positions past the table are ignored (as in the reference), never read out of bounds.
+  const int seq_blocks = min((seq_len + block_size - 1) / block_size, table_stride);
   const int* idx = block_idx ? block_idx + (long long)b * idx_b_stride + (long long)h * idx_h_stride : nullptr;
   const int items = idx ? num_idx : seq_blocks;
   const int per_split = (items + splits - 1) / splits;
@@ -87,7 +88,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(
     const int item = item0 + t / block_size, off = t % block_size;
     const int lb = idx ? idx[item] : item;
     if (lb < 0 || lb >= seq_blocks || lb * block_size + off >= seq_len) return -1;
-    return (long long)table[lb] * block_size + off;
+    const int phys = table[lb];
+    return phys < 0 ? -1 : (long long)phys * block_size + off;
   };
 
   auto load_tile = [&](int tile, int stage) {

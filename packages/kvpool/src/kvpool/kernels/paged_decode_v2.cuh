@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v2_kernel(
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int H = gridDim.y, splits = gridDim.x, tid = threadIdx.x;
   const int seq_len = seq_lens[b];
-  const int seq_blocks = (seq_len + block_size - 1) / block_size;
+  const int seq_blocks = min((seq_len + block_size - 1) / block_size, table_stride);
   const int* idx = block_idx ? block_idx + (long long)b * idx_b_stride + (long long)h * idx_h_stride : nullptr;
   const int items = idx ? num_idx : seq_blocks;
   const int per_split = (items + splits - 1) / splits;
@@ -68,9 +68,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v2_kernel(
   if (tid < G) { m_s[tid] = -INFINITY; l_s[tid] = 0.f; }
   for (int i = tid; i < n_items; i += kThreads) {
     const int lb = idx ? idx[item0 + i] : item0 + i;
-    const bool ok = lb >= 0 && lb < seq_blocks;
-    blk_s[i] = ok ? table[lb] : 0;
-    ntok_s[i] = ok ? min(block_size, seq_len - lb * block_size) : 0;
+    const int phys = lb >= 0 && lb < seq_blocks ? table[lb] : -1;
+    blk_s[i] = max(phys, 0);
+    ntok_s[i] = phys >= 0 ? min(block_size, seq_len - lb * block_size) : 0;
   }
   __syncthreads();
 
