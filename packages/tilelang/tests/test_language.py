@@ -149,3 +149,22 @@ def test_cumsum_reverse_and_if_then_else_guard(target):
     x = np.random.default_rng(4).standard_normal((5, 7)).astype(np.float32)
     ref = np.flip(np.cumsum(np.flip(x, 1), 1), 1)
     np.testing.assert_allclose(run(cs, [1], target, x), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_swizzle_and_layout_annotations_are_recorded_and_harmless(target):
+    from tilelang.layout import make_swizzled_layout
+
+    @T.prim_func
+    def copy2(X: T.Tensor((32, 32), "float32"), Y: T.Tensor((32, 32), "float32")):
+        with T.Kernel(2, 2, threads=64) as (bx, by):
+            s = T.alloc_shared((16, 16), "float32")
+            T.annotate_layout({s: make_swizzled_layout(s)})
+            T.use_swizzle(panel_size=4)
+            T.copy(X[by * 16, bx * 16], s)
+            T.copy(s, Y[by * 16, bx * 16])
+
+    kernel_stmt = copy2.body.body[0]
+    assert kernel_stmt.attrs["swizzle"] == (4, "row", True)
+    assert kernel_stmt.threads == (64,)
+    x = np.random.default_rng(5).standard_normal((32, 32)).astype(np.float32)
+    np.testing.assert_array_equal(run(copy2, [1], target, x), x)

@@ -13,6 +13,7 @@
 Targets: "cpu" (C + OpenMP), "interp" (numpy reference); "cuda" is planned.
 """
 
+from . import layout
 from .__about__ import __version__
 from .errors import CompileError, SourceLoc
 from .highlevel import tensor_contract, tile_kernel
@@ -22,4 +23,4 @@ from .runtime.kernel import JITKernel, compile, jit  # noqa: A004
 from .runtime.profiler import Profiler, TensorSupplyType
 
 __all__ = ["AutoTuner", "CompileError", "JITKernel", "PrimFunc", "Profiler", "SourceLoc", "TensorSupplyType",
-           "__version__", "autotune", "compile", "jit", "tensor_contract", "tile_kernel"]
+           "__version__", "autotune", "layout", "compile", "jit", "tensor_contract", "tile_kernel"]

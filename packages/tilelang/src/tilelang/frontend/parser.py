@@ -907,6 +907,11 @@ class Parser:
                 raise
             except Exception as e:  # noqa: BLE001
                 self.fail(node, f"{ast.unparse(node.func)}: {e}")
+        if getattr(fn, "__tl_meta__", False):  # helpers that take buffers as they are (layouts)
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                self.fail(node, f"{ast.unparse(node.func)}: {e}")
         has_ir = any(_is_ir(a) for a in [*args, *kwargs.values()])
         if fn in (builtins.max, builtins.min) and has_ir and len(args) >= 2 and not kwargs:
             out = self.to_expr(args[0], node)
