@@ -173,6 +173,12 @@ class Buffer:
             yield
             result.append(EventOverlap(None))
             return
+        if previous_event is None and not async_finish:
+            # Synchronous call: the current stream is already in order, a side stream would only add
+            # stream switches and events (and record_stream for every output).
+            yield
+            result.append(EventOverlap(None))
+            return
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.Stream(device=device)
         comm, compute = self._comm_stream, torch.cuda.current_stream(device)
@@ -190,10 +196,10 @@ class Buffer:
         result.append(ev)
 
     @staticmethod
-    def _hand_to_compute(tensors: list[Any]) -> None:
+    def _hand_to_compute(tensors: list[Any], event: EventOverlap | None = None) -> None:
         """Tensors made on the comm stream are used on the compute stream: tell the allocator."""
-        if not torch.cuda.is_available():
-            return
+        if not torch.cuda.is_available() or (event is not None and event.event is None):
+            return  # made on the current stream (synchronous call) or on the CPU
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.is_cuda:
                 t.record_stream(torch.cuda.current_stream(t.device))
@@ -214,7 +220,7 @@ class Buffer:
                 lay = compute_layout(topk_idx, num_experts, self.group_size, self.num_ranks_per_node)
         outs = [lay.num_tokens_per_rank, lay.num_tokens_per_rdma_rank, lay.num_tokens_per_expert,
                 lay.is_token_in_rank]
-        self._hand_to_compute(outs)
+        self._hand_to_compute(outs, result[0])
         return (*outs, result[0])  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ normal dispatch / combine
@@ -298,7 +304,7 @@ class Buffer:
             out = self._backend.dispatch(inp, handle, is_token_in_rank, num_tokens_per_expert, experts_per_rank,
                                          expert_alignment, num_worst_tokens)
         recv_x: XTensor = out.recv_x if out.recv_scales is None else (out.recv_x, out.recv_scales)
-        self._hand_to_compute([out.recv_x, out.recv_scales, out.recv_topk_idx, out.recv_topk_weights])
+        self._hand_to_compute([out.recv_x, out.recv_scales, out.recv_topk_idx, out.recv_topk_weights], result[0])
         per_expert = [] if num_worst_tokens else list(out.handle.num_recv_tokens_per_expert_list)
         return recv_x, out.recv_topk_idx, out.recv_topk_weights, per_expert, out.handle, result[0]
 
@@ -328,7 +334,7 @@ class Buffer:
         result: list[EventOverlap] = []
         with self._comm_scope(x.device, previous_event, async_finish, result):
             combined, combined_w = self._backend.combine(x.contiguous(), handle, topk_weights)
-        self._hand_to_compute([combined, combined_w])
+        self._hand_to_compute([combined, combined_w], result[0])
         return combined, combined_w, result[0]
 
     # ------------------------------------------------------------------ low latency
@@ -353,7 +359,8 @@ class Buffer:
                f"<= num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}", t)
         _check(num_experts % self.group_size == 0, "num_experts", f"a multiple of {self.group_size}", num_experts)
         _check(tuple(topk_idx.shape[:1]) == (t,) and topk_idx.dim() == 2, "topk_idx", f"[{t}, k]", _shape(topk_idx))
-        check_topk_idx(topk_idx, num_experts)
+        # The NVLink kernel checks the ids itself (no device-to-host sync, graph-capturable).
+        check_topk_idx(topk_idx, num_experts, values=not hasattr(self._backend, "low_latency_dispatch"))
         if hasattr(self._backend, "low_latency_dispatch"):
             return self._backend.low_latency_dispatch(x.contiguous(), topk_idx.contiguous(),
                                                       num_max_dispatch_tokens_per_rank, num_experts, use_fp8,

@@ -66,7 +66,7 @@ class LLArgs(ctypes.Structure):
 class LayoutArgs(ctypes.Structure):
     _fields_ = [(n, P) for n in ("topk_idx", "in_rank", "per_expert_in", "per_rank", "per_expert", "send_pos",
                                   "counts_msg", "err")] + [
-        (n, ctypes.c_int32) for n in ("T", "k", "R", "E", "epr", "smem_counts")]
+        (n, ctypes.c_int32) for n in ("T", "k", "R", "E", "epr", "smem_counts", "has_topk")]
 
 
 LAYOUT_THREADS = 1024
@@ -324,7 +324,7 @@ class NvlinkDispatcher:
         a = LayoutArgs(topk_idx=_ptr(topk_idx), in_rank=_ptr(in_rank), per_expert_in=_ptr(per_expert_in),
                        per_rank=_ptr(per_rank), per_expert=_ptr(per_expert), send_pos=_ptr(send_pos),
                        counts_msg=_ptr(counts_msg), err=self.err.device, T=T, k=topk_idx.shape[1] if topk_idx is not None
-                       else 0, R=R, E=E, epr=epr, smem_counts=int(smem > 0))
+                       else 0, R=R, E=E, epr=epr, smem_counts=int(smem > 0), has_topk=int(topk_idx is not None))
         self.module.get_kernel("deepep_layout").launch(1, LAYOUT_THREADS, [Arg(a)], smem_bytes=smem)
         return send_pos, counts_msg
 
@@ -381,6 +381,9 @@ class NvlinkDispatcher:
         off_src = off_w + 4 * k
         row_bytes = _align(off_src + 4, 16)
         num_sms, senders, chunk = self._config(False)
+        if chunk >= 4096 or self.cap >= 2**20:
+            raise ValueError(f"config: the NVLink dispatch needs chunk_tokens < 4096 and num_max_tokens_per_rank < 2**20 "
+                             f"(chunk flags pack both), got {chunk} and {self.cap}")
         max_chunks = (self.cap + chunk - 1) // chunk
         counts_words = (R * (1 + epr) + 1) // 2
         sig_words = R + counts_words + R * max_chunks

@@ -110,7 +110,7 @@ struct DispatchArgs {
 // Signal area (u64 words): [0, R) count flags by source; counts messages (int32 [R][1+epr]) at
 // sig_counts; chunk flags [R][max_chunks] at sig_chunks.
 __device__ void dispatch_send(const DispatchArgs& a, u64 deadline) {
-  __shared__ int chunk_rows[DEEPEP_MAX_RANKS];
+  __shared__ int chunk_rows[DEEPEP_MAX_RANKS], chunk_start[DEEPEP_MAX_RANKS];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, num_warps = blockDim.x >> 5;
   const int msg = 1 + a.epr;
   if (blockIdx.x == 0) {  // counts first: receivers size their outputs from them
@@ -122,10 +122,14 @@ __device__ void dispatch_send(const DispatchArgs& a, u64 deadline) {
     __syncthreads();
     if (tid < a.R) {
       __threadfence_system();
-      st_release(reinterpret_cast<u64*>(a.peer_sig[tid]) + a.me, tagged(a.epoch, 0));
+      // the payload is our token count: receivers derive how many chunk flags to expect
+      st_release(reinterpret_cast<u64*>(a.peer_sig[tid]) + a.me, tagged(a.epoch, u32(a.T)));
     }
   }
-  if (tid < a.R) chunk_rows[tid] = 0;
+  if (tid < a.R) {
+    chunk_rows[tid] = 0;
+    chunk_start[tid] = 0x7fffffff;
+  }
   __syncthreads();
   const int num_chunks = (a.T + a.chunk - 1) / a.chunk;
   for (int c = blockIdx.x; c < num_chunks; c += a.num_senders) {
@@ -147,6 +151,7 @@ __device__ void dispatch_send(const DispatchArgs& a, u64 deadline) {
         if (lane == 0) {
           *reinterpret_cast<int*>(row + a.off_src) = t;
           atomicAdd(&chunk_rows[d], 1);
+          atomicMin(&chunk_start[d], pos);
         }
       }
     }
@@ -154,15 +159,19 @@ __device__ void dispatch_send(const DispatchArgs& a, u64 deadline) {
     if (tid < a.R) {
       __threadfence_system();
       u64* flags = reinterpret_cast<u64*>(a.peer_sig[tid]) + a.sig_chunks + (long long)a.me * a.max_chunks;
-      st_release(flags + c, tagged(a.epoch, chunk_rows[tid]));
+      // payload: first row of the chunk (high 20 bits) and its row count (low 12 bits), so a
+      // receiver block can copy any chunk without waiting for the ones before it
+      const int n = chunk_rows[tid], start = n ? chunk_start[tid] : 0;
+      st_release(flags + c, tagged(a.epoch, (u32(start) << 12) | u32(n)));
       chunk_rows[tid] = 0;
+      chunk_start[tid] = 0x7fffffff;
     }
     __syncthreads();
   }
 }
 
 __device__ void dispatch_recv(const DispatchArgs& a, u64 deadline) {
-  __shared__ int rows_from[DEEPEP_MAX_RANKS], base[DEEPEP_MAX_RANKS + 1];
+  __shared__ int rows_from[DEEPEP_MAX_RANKS], tokens_from[DEEPEP_MAX_RANKS], base[DEEPEP_MAX_RANKS + 1];
   __shared__ int abort_flag;
   __shared__ u32 chunk_n;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, num_warps = blockDim.x >> 5;
@@ -173,8 +182,10 @@ __device__ void dispatch_recv(const DispatchArgs& a, u64 deadline) {
   if (tid == 0) abort_flag = 0;
   __syncthreads();
   if (tid < a.R) {
-    if (!wait_flag(my_sig + tid, a.epoch, deadline, a.err, kDispatchCounts, tid, nullptr)) abort_flag = 1;
+    u32 src_tokens = 0;
+    if (!wait_flag(my_sig + tid, a.epoch, deadline, a.err, kDispatchCounts, tid, &src_tokens)) abort_flag = 1;
     else rows_from[tid] = __ldcg(counts + tid * msg);
+    tokens_from[tid] = int(src_tokens);
   }
   __syncthreads();
   if (abort_flag) return;
@@ -222,19 +233,20 @@ __device__ void dispatch_recv(const DispatchArgs& a, u64 deadline) {
   }
   const char* region = reinterpret_cast<const char*>(a.peer_data[a.me]) + s * a.region_bytes;
   const u64* flags = my_sig + a.sig_chunks + (long long)s * a.max_chunks;
-  int done = 0;
-  for (int c = 0; done < rows_from[s]; ++c) {
+  // This block's chunks only: each flag says where its rows start.
+  const int num_chunks = rows_from[s] ? (tokens_from[s] + a.chunk - 1) / a.chunk : 0;
+  for (int c = j; c < num_chunks; c += per_src) {
     if (tid == 0) {
-      u32 n = 0;
-      if (c >= a.max_chunks || !wait_flag(flags + c, a.epoch, deadline, a.err, kDispatchData, s, &n)) abort_flag = 1;
-      chunk_n = n;
+      u32 v = 0;
+      if (c >= a.max_chunks || !wait_flag(flags + c, a.epoch, deadline, a.err, kDispatchData, s, &v)) abort_flag = 1;
+      chunk_n = v;
     }
     __syncthreads();
     if (abort_flag) return;
-    const int n = int(chunk_n);
-    if (c % per_src == j) {
+    const int n = int(chunk_n & 0xfffu), start = int(chunk_n >> 12);
+    {
       for (int i = warp; i < n; i += num_warps) {
-        const int p = done + i, out = base[s] + p;
+        const int p = start + i, out = base[s] + p;
         const char* row = region + (long long)p * a.row_bytes;
         warp_copy16(a.recv_x + (long long)out * a.x16, reinterpret_cast<const int4*>(row), a.x16, lane);
         if (a.recv_scales)
@@ -252,7 +264,6 @@ __device__ void dispatch_recv(const DispatchArgs& a, u64 deadline) {
         if (lane == 0) a.recv_src[out] = __ldcg(reinterpret_cast<const int*>(row + a.off_src));
       }
     }
-    done += n;
     __syncthreads();
   }
 }
@@ -444,6 +455,8 @@ struct LayoutArgs {
   int* counts_msg;            // [R, 1 + epr]: rows and per-expert counts for each destination
   volatile int* err;          // host-mapped
   int T, k, R, E, epr, smem_counts;
+  int has_topk;               // 1: count from topk_idx; 0: read in_rank and per_expert_in (an empty
+                              // tensor may have a null pointer, so the mode is not taken from it)
 };
 
 extern "C" __global__ void __launch_bounds__(1024) deepep_layout(LayoutArgs a) {
@@ -452,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(1024) deepep_layout(LayoutArgs a) {
   __shared__ int carry[DEEPEP_MAX_RANKS];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, num_warps = blockDim.x >> 5;
   int* cnt = a.smem_counts ? expert_cnt : a.per_expert;
-  if (a.topk_idx)
+  if (a.has_topk)
     for (int e = tid; e < a.E; e += blockDim.x) cnt[e] = 0;
   if (tid < a.R) carry[tid] = 0;
   __syncthreads();
@@ -460,7 +473,7 @@ extern "C" __global__ void __launch_bounds__(1024) deepep_layout(LayoutArgs a) {
     const int t = t0 + tid;
     unsigned mask = 0;
     if (t < a.T) {
-      if (a.topk_idx) {
+      if (a.has_topk) {
         for (int j = 0; j < a.k; ++j) {
           const long long e = a.topk_idx[(long long)t * a.k + j];
           if (e < 0 || e >= a.E) {
@@ -513,8 +526,8 @@ extern "C" __global__ void __launch_bounds__(1024) deepep_layout(LayoutArgs a) {
     a.counts_msg[tid * msg] = carry[tid];
   }
   for (int e = tid; e < a.E; e += blockDim.x) {
-    const int c = a.topk_idx ? cnt[e] : a.per_expert_in[e];
-    if (a.topk_idx && a.smem_counts) a.per_expert[e] = c;
+    const int c = a.has_topk ? cnt[e] : a.per_expert_in[e];
+    if (a.has_topk && a.smem_counts) a.per_expert[e] = c;
     a.counts_msg[(e / a.epr) * msg + 1 + e % a.epr] = c;
   }
 }
