@@ -23,7 +23,6 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
-import math
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -322,4 +321,4 @@ def tile_kernel(func: Callable | None = None, *, target: str = "auto", autotune:
     return wrap(func) if func is not None else wrap
 
 
-__all__ = ["TileKernel", "tile_kernel", "math"]
+__all__ = ["TileKernel", "tile_kernel"]

@@ -93,4 +93,4 @@ def fuse_parallel(func: PrimFunc) -> PrimFunc:
     return PrimFunc(func.name, func.params, body, func.dynamic_vars, func.loc, func.source)
 
 
-__all__ = ["fuse_parallel", "If"]
+__all__ = ["fuse_parallel"]
