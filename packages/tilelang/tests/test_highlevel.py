@@ -111,3 +111,25 @@ def test_tensor_contract(target):
     np.testing.assert_allclose(out2, np.tensordot(a2, b2, axes=([0, 2], [1, 0])), rtol=1e-5)
     with pytest.raises(ValueError):
         tensor_contract(a, b, axes=[(0, 0)])
+
+
+def test_tile_kernel_checks_bounds_before_running():
+    import tilehal
+
+    @tile_kernel(target="cpu")
+    def shifted(X, Y):
+        for i in range(X.shape[0]):
+            Y[i] = X[i + 1]
+
+    with pytest.raises(tilehal.ShapeError, match=r"X: dim 0 is indexed by i \+ 1 over \[1, 8\] but has size 8"):
+        shifted(np.zeros(8, np.float32), np.zeros(8, np.float32))
+
+    @tile_kernel(target="cpu")
+    def shifted_ok(X, Y):
+        for i in range(Y.shape[0]):
+            Y[i] = X[i + 1] - X[i]
+
+    x = np.arange(9, dtype=np.float32) ** 2
+    y = np.zeros(8, np.float32)
+    shifted_ok(x, y)
+    np.testing.assert_array_equal(y, np.diff(x))

@@ -188,8 +188,42 @@ class TileKernel:
 
     # ------------------------------------------------------------ scheduling
 
+    def _index_range(self, node: ast.expr, ext: dict[str, int]) -> tuple[int, int]:
+        """Inclusive range of an affine index expression over the loop ranges."""
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value, node.value
+        if isinstance(node, ast.Name) and node.id in ext:
+            return 0, ext[node.id] - 1
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
+            a, b = self._index_range(node.left, ext), self._index_range(node.right, ext)
+            if isinstance(node.op, ast.Add):
+                return a[0] + b[0], a[1] + b[1]
+            if isinstance(node.op, ast.Sub):
+                return a[0] - b[1], a[1] - b[0]
+            prods = [x * y for x in a for y in b]
+            return min(prods), max(prods)
+        self.nest.fail(node, f"unsupported index expression in tile_kernel: {ast.unparse(node)} (use loop variables, "
+                             f"ints, + - *)")
+
+    def _check_bounds(self, tensors: dict[str, Any], ext: dict[str, int]) -> None:
+        """Every tensor access stays inside the tensor for the whole loop nest: checked before compiling."""
+        st = self.nest.stmt
+        for node in ast.walk(st):
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in tensors:
+                t = tensors[node.value.id]
+                elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+                if len(elts) != t.ndim:
+                    self.nest.fail(node, f"{node.value.id} has rank {t.ndim}, indexed with {len(elts)} indices")
+                for d, e in enumerate(elts):
+                    lo, hi = self._index_range(e, ext)
+                    if lo < 0 or hi >= int(t.shape[d]):
+                        raise tilehal.ShapeError(
+                            f"{node.value.id}: dim {d} is indexed by {ast.unparse(e)} over [{lo}, {hi}] but has size "
+                            f"{int(t.shape[d])} (line {self.nest.first + node.lineno - 1})")
+
     def _build(self, tensors: dict[str, Any]) -> Callable[[list[Any]], None]:
         ext = self._extents(tensors)
+        self._check_bounds(tensors, ext)
         c = self.nest.contraction()
         if c is not None:
             return self._build_gemm(tensors, ext, c)
