@@ -78,9 +78,10 @@ def programs(draw):
         lines += [f"            T.cumsum(b, dim={draw(st.sampled_from([0, 1]))}, reverse={draw(st.booleans())})"]
     elif stage == "gemm":
         lines += [f"            g = T.alloc_fragment(({bm}, {bn}), 'float32')",
+                  "            T.fill(g, 0.25)",
                   f"            w = T.alloc_shared(({bn}, {bn}), {dtype!r})",
                   f"            T.copy(B[by * {bm}, bx * {bn}], w[0:{min(bm, bn)}, :])",
-                  "            T.gemm(b, w, g, clear_accum=True)",
+                  f"            T.gemm(b, w, g, transpose_B={draw(st.booleans())}, clear_accum={draw(st.booleans())})",
                   "            T.copy(g, b)"]
     lines += [f"            T.copy(b, C[by * {bm}, bx * {bn}])", "    return main", ""]
     return dtype, (M, N), "\n".join(lines)
