@@ -180,11 +180,12 @@ def test_blas_gemm_on_gpu():
 
 
 @pytest.mark.parametrize("fp8", [True, False])
-def test_masked_with_multicast(fp8):
-    """expected_m = 1024 makes the heuristic pick 2-CTA multicast on A; rows past masked_m stay untouched."""
+def test_masked_with_multicast(fp8, monkeypatch):
+    """With multicast allowed, expected_m = 1024 picks 2-CTA multicast on A; rows past masked_m stay untouched."""
+    monkeypatch.setenv("DEEPGEMM_MULTICAST", "2")
     groups, m_max, n, k = 2, 1024, 4096, 1024
     cfg = deepgemm.heuristics.pick_config("fp8" if fp8 else "bf16", m_max, n, k, num_groups=groups,
-                                          grouping="masked")
+                                          grouping="masked", max_multicast=2)
     masked_m = torch.tensor([1000, 333], dtype=torch.int32, device="cuda")
     a, b = _operands(groups * m_max, n, k, groups=groups, seed=8)
     a = a.view(groups, m_max, k)

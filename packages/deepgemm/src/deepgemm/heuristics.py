@@ -10,8 +10,10 @@ waves first, would take a 192-wide tile in 10 waves over a 160-wide one in 11, w
 Stages = as many pipeline buffers as fit in shared memory (at most 8).
 With `tma_store`, a BLOCK_M x BLOCK_N bf16 staging tile for the epilogue is reserved first.
 
-Multicast (2-CTA clusters whose CTAs share one operand tile, loaded once from L2 for both) is
-used for large problems (at least `MULTICAST_MIN_M` rows) when the paired dimension has an even
+Multicast (2-CTA clusters whose CTAs share one operand tile, loaded once from L2 for both) is OFF
+by default (`max_multicast=1`): on the H200 every multicast variant measured about 1.5-2x slower
+than the same tile without it (see docs/deepgemm.md). With `max_multicast=2` it is used for large
+problems (at least `MULTICAST_MIN_M` rows) when the paired dimension has an even
 number of blocks, so that no CTA computes a phantom tile: on B (neighbouring m-blocks; dense
 GEMMs only, grouped neighbours may belong to different experts) or on A (neighbouring n-blocks),
 preferring the operand with the larger tile.
@@ -30,6 +32,7 @@ SMEM_SLACK = 1024  # manual 1024-byte alignment of the swizzled tiles
 MAX_STAGES = 8
 TILE_OVERHEAD_M = 64  # see the module docstring: the cost model's per-tile fixed work
 TILE_OVERHEAD_N = 32
+ODD_WIDTH_PENALTY = 1.15
 MULTICAST_MIN_M = 1024  # below this the operands are few and L2 traffic is not what limits
 ROW_BYTES = 128  # BLOCK_K is one 128-byte swizzle row: 128 fp8 or 64 bf16 elements
 
@@ -126,9 +129,12 @@ def max_stages(kind: str, block_m: int, block_n: int, epilogue_bytes: int = 0) -
     return s
 
 
-def tile_cost(block_m: int, block_n: int) -> int:
-    """Relative time of one tile (per unit of K) in the heuristic's cost model."""
-    return (block_m + TILE_OVERHEAD_M) * (block_n + TILE_OVERHEAD_N)
+def tile_cost(block_m: int, block_n: int) -> float:
+    """Relative time of one tile (per unit of K) in the heuristic's cost model. Widths other than 128
+    and 256 pay ODD_WIDTH_PENALTY: measured on the H200 (docs/benchmarks/deepgemm_h200.json,
+    "variants"), 128-wide fp8 tiles beat 144/160/192-wide ones even in more waves."""
+    penalty = 1.0 if block_n in (128, 256) else ODD_WIDTH_PENALTY
+    return (block_m + TILE_OVERHEAD_M) * (block_n + TILE_OVERHEAD_N) * penalty
 
 
 def waves(num_tiles: int, num_sms: int) -> tuple[int, int]:
@@ -146,7 +152,7 @@ def pick_config(
     grouping: str = "normal",
     num_sms: int | None = None,
     tma_store: bool = False,
-    max_multicast: int = 2,
+    max_multicast: int = 1,
 ) -> GemmConfig:
     """Choose the kernel configuration for D[M, N] (per group) = A[M, K] @ B[N, K]^T.
 
