@@ -71,31 +71,48 @@ def bench_graph(fn) -> float | str:
         return f"capture failed: {type(e).__name__}: {e}"[:300]
 
 
+VARIANTS = ("v1", "v2:32:4", "v2:64:3", "v3:64:2", "v3:64:3", "v3:64:4")  # candidates for the default
+
+
 def dense_case(batch: int, seq_len: int) -> dict:
     pool = build_pool(batch, seq_len)
     ids = list(range(batch))
     bt, sl = pool.block_table(ids), pool.seq_lens(ids)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     k, v = contiguous_kv(pool, batch)
-    ours = kvpool.paged_decode(q, pool, 0, bt, sl)
+    kv_bytes = 2 * batch * seq_len * H * D * 2
     sdpa_out = F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+    t_sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
+    default = cuda_decode.default_config()
+    ours = kvpool.paged_decode(q, pool, 0, bt, sl)
     diff = tilehal.calc_diff(ours, sdpa_out)
     t_ours = bench(lambda: kvpool.paged_decode(q, pool, 0, bt, sl))
-    t_sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
-    kv_bytes = 2 * batch * seq_len * H * D * 2
-    sweep = {}
-    for splits in (1, 2, 4, 8, 16, 32):  # how much the split heuristic leaves on the table
-        t = bench(lambda s=splits: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, num_splits=s))
-        sweep[splits] = kv_bytes / t / 1e9
     g_ours = bench_graph(lambda: kvpool.paged_decode(q, pool, 0, bt, sl))
     variants = {}
-    for name in ("v2:32:4", "v2:32:3", "v2:64:3"):  # candidates for the default kernel
+    for name in VARIANTS:  # every kernel against the same SDPA figure, same run
         cfg = cuda_decode.KernelConfig.parse(name)
-        diff_v = tilehal.calc_diff(cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, config=cfg), sdpa_out)
+        try:
+            out = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as e:  # report, do not hide: a broken candidate must not end the run
+            variants[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            continue
         t = bench(lambda c=cfg: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, config=c))
-        variants[name] = {"GBps": kv_bytes / t / 1e9, "calc_diff_vs_sdpa": diff_v}
+        g = bench_graph(lambda c=cfg: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, config=c))
+        variants[name] = {"us": t * 1e6, "GBps": kv_bytes / t / 1e9, "ratio_vs_sdpa": t_sdpa / t,
+                          "cuda_graph_GBps": kv_bytes / g / 1e9 if isinstance(g, float) else g,
+                          "calc_diff_vs_sdpa": tilehal.calc_diff(out, sdpa_out)}
+    sweep = {}
+    best = max((n for n in variants if "GBps" in variants[n] and variants[n]["calc_diff_vs_sdpa"] < 1e-4),
+               key=lambda n: variants[n]["GBps"], default="v1")
+    best_cfg = cuda_decode.KernelConfig.parse(best)
+    for splits in (1, 2, 4, 8, 16):  # how much the split heuristic leaves on the table (best variant)
+        t = bench(lambda s=splits: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, num_splits=s,
+                                                                 config=best_cfg))
+        sweep[splits] = kv_bytes / t / 1e9
     return {
-        "kernel_variants": variants,
+        "default_kernel": f"{default.variant}:{default.tile}:{default.stages}",
+        "kernel_variants": variants, "fastest_correct_variant": best, "split_sweep_variant": best,
         "cuda_graph_paged_decode_GBps": kv_bytes / g_ours / 1e9 if isinstance(g_ours, float) else g_ours,
         "split_sweep_GBps": sweep,
         "case": f"dense b{batch} x {seq_len}", "batch": batch, "seq_len": seq_len, "kv_bytes": kv_bytes,
@@ -121,7 +138,20 @@ def sparse_case(batch: int, seq_len: int, selected: int) -> dict:
     g_dense = bench_graph(lambda: kvpool.paged_decode(q, pool, 0, bt, sl))
     g_sparse = bench_graph(lambda: kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=bi))
     sparse_bytes = 2 * batch * H * selected * BS * D * 2
+    variants = {}
+    for name in ("v1", "v3:64:3"):
+        cfg = cuda_decode.KernelConfig.parse(name)
+        try:
+            d_v = tilehal.calc_diff(cuda_decode.paged_decode_cuda(q[:1], pool, 0, bt[:1], sl[:1], None, bi[:1],
+                                                                  config=cfg), ref)
+            t_s = bench(lambda c=cfg: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, bi, config=c))
+            t_d = bench(lambda c=cfg: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, config=c))
+            variants[name] = {"sparse_us": t_s * 1e6, "dense_us": t_d * 1e6, "speedup": t_d / t_s,
+                              "calc_diff_vs_reference": d_v}
+        except Exception as e:
+            variants[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     return {
+        "kernel_variants": variants,
         "case": f"sparse b{batch} x {seq_len}, {selected}/{nb} blocks", "batch": batch, "seq_len": seq_len,
         "selected_blocks": selected, "total_blocks": nb,
         "dense_paged_us": t_dense * 1e6, "sparse_paged_us": t_sparse * 1e6, "speedup": t_dense / t_sparse,
@@ -147,11 +177,16 @@ def plot(result: dict, out: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     names = [r["case"] for r in rows]
     x = range(len(rows))
-    a1.bar([i - 0.2 for i in x], [r["paged_decode_GBps"] for r in rows], 0.4, label="kvpool paged_decode")
-    a1.bar([i + 0.2 for i in x], [r["sdpa_contiguous_GBps"] for r in rows], 0.4, label="SDPA, contiguous K/V")
+    names_v = [n for n in rows[0]["kernel_variants"] if all("GBps" in r["kernel_variants"].get(n, {}) for r in rows)]
+    width = 0.8 / (len(names_v) + 1)
+    for j, n in enumerate(names_v):
+        a1.bar([i - 0.4 + j * width for i in x], [r["kernel_variants"][n]["GBps"] for r in rows], width,
+               label=f"paged_decode {n}")
+    a1.bar([i - 0.4 + len(names_v) * width for i in x], [r["sdpa_contiguous_GBps"] for r in rows], width,
+           label="SDPA, contiguous K/V", color="black")
     a1.set_xticks(list(x), names)
     a1.set_ylabel("K/V read bandwidth (GB/s)")
-    a1.legend()
+    a1.legend(fontsize=7)
     a2.bar(["dense paged", "sparse 64/8192"], [sparse["dense_paged_us"], sparse["sparse_paged_us"]])
     a2.set_yscale("log")
     a2.set_ylabel("time (us, log)")
@@ -182,8 +217,16 @@ def main() -> None:
           f"speedup {sparse['speedup']:.1f}x; CUDA graph: {sparse['cuda_graph_dense_us']} / "
           f"{sparse['cuda_graph_sparse_us']} us")
     for r in rows:
-        print(r["case"], "graph GB/s", r["cuda_graph_paged_decode_GBps"], "split sweep GB/s", r["split_sweep_GBps"])
-        print(r["case"], "variants", r["kernel_variants"])
+        print(f"{r['case']} (default {r['default_kernel']}): graph GB/s {r['cuda_graph_paged_decode_GBps']:.0f}; "
+              f"split sweep of {r['split_sweep_variant']} GB/s", {k: round(v) for k, v in r["split_sweep_GBps"].items()})
+        for name, vr in r["kernel_variants"].items():
+            if "error" in vr:
+                print(f"  {name:<10} ERROR {vr['error']}")
+            else:
+                print(f"  {name:<10} {vr['us']:8.1f} us {vr['GBps']:7.0f} GB/s ({vr['ratio_vs_sdpa']:.2f}x SDPA), "
+                      f"graph {vr['cuda_graph_GBps'] if isinstance(vr['cuda_graph_GBps'], str) else round(vr['cuda_graph_GBps'])}"
+                      f" GB/s, calc_diff {vr['calc_diff_vs_sdpa']:.1e}")
+    print("sparse variants", sparse["kernel_variants"])
     result = {
         "benchmark": "kvpool paged_decode", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node()},
