@@ -42,7 +42,7 @@ def test_kernels_compile(cfg, dtype, head_dim, group):
 
 
 def test_kernel_config_parsing():
-    assert cuda_decode.KernelConfig.parse(None) == cuda_decode.KernelConfig()
+    assert cuda_decode.KernelConfig.parse(None) == cuda_decode.DEFAULT_CONFIG == cuda_decode.KernelConfig("v3", 64, 3)
     assert cuda_decode.KernelConfig.parse("v1") == cuda_decode.KernelConfig("v1", 64, 2)
     assert cuda_decode.KernelConfig.parse("v2:64:3") == cuda_decode.KernelConfig("v2", 64, 3)
     assert cuda_decode.KernelConfig.parse("v3") == cuda_decode.KernelConfig("v3", 64, 3)
@@ -50,6 +50,13 @@ def test_kernel_config_parsing():
     for bad in ("v4", "v3:32:3", "v3:64:1", "v2:32"):
         with pytest.raises(ValueError, match="KVPOOL_DECODE_KERNEL"):
             cuda_decode.KernelConfig.parse(bad)
+
+
+def test_default_config_follows_env(monkeypatch):
+    monkeypatch.setenv("KVPOOL_DECODE_KERNEL", "v1")
+    assert cuda_decode.default_config() == cuda_decode.KernelConfig()
+    monkeypatch.delenv("KVPOOL_DECODE_KERNEL")
+    assert cuda_decode.default_config() == cuda_decode.DEFAULT_CONFIG
 
 
 def test_v3_shared_memory_fits_two_ctas_per_sm():

@@ -39,8 +39,10 @@ class KernelConfig:
     @classmethod
     def parse(cls, text: str | None) -> KernelConfig:
         """"v1", "v2", "v2:TILE:STAGES" (e.g. "v2:32:4"), "v3" or "v3:64:STAGES"; the env
-        variable KVPOOL_DECODE_KERNEL uses this form."""
-        if not text or text == "v1":
+        variable KVPOOL_DECODE_KERNEL uses this form. Empty or None: the default (v3, 3 stages)."""
+        if not text:
+            return DEFAULT_CONFIG
+        if text == "v1":
             return cls()
         parts = text.split(":")
         if parts[0] not in ("v2", "v3") or len(parts) not in (1, 3):
@@ -54,8 +56,19 @@ class KernelConfig:
         return cls(parts[0], tile, stages)
 
 
+# v3 with 3 stages measured fastest on the H200 (docs/benchmarks/kvpool_decode.json) and passes
+# every GPU test; v1 and v2 stay selectable through KVPOOL_DECODE_KERNEL.
+DEFAULT_CONFIG = KernelConfig("v3", V3_WARPS * V3_STEP, 3)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_env(text: str | None) -> KernelConfig:
+    return KernelConfig.parse(text)
+
+
 def default_config() -> KernelConfig:
-    return KernelConfig.parse(os.environ.get("KVPOOL_DECODE_KERNEL"))
+    """The kernel KVPOOL_DECODE_KERNEL names, else DEFAULT_CONFIG."""
+    return _parse_env(os.environ.get("KVPOOL_DECODE_KERNEL"))
 
 
 HEAD_DIMS = (64, 128, 256)
@@ -64,12 +77,12 @@ _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
 
 def smem_bytes(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfig = KernelConfig()) -> int:
-    """Dynamic shared memory of one CTA (mirrors DecodeSmem / DecodeSmemV2 in the kernels)."""
-    tile_bytes = cfg.tile * head_dim * torch.empty(0, dtype=dtype).element_size()
+    """Dynamic shared memory of one CTA (mirrors DecodeSmem / DecodeSmemV2 / DecodeSmemV3)."""
+    tile_bytes = cfg.tile * head_dim * dtype.itemsize
     if cfg.variant == "v1":
         return 2 * STAGES * tile_bytes + TILE * group * 4 + STAGES * TILE * 4 + 4 * group * 4
     if cfg.variant == "v3":  # per warp: STAGES steps of K and of V, 16 tokens each
-        step_bytes = V3_STEP * head_dim * torch.empty(0, dtype=dtype).element_size()
+        step_bytes = V3_STEP * head_dim * dtype.itemsize
         return V3_WARPS * 2 * cfg.stages * step_bytes + 2 * V3_MAX_ITEMS * 4
     return 2 * cfg.stages * tile_bytes + cfg.tile * group * 4 + 2 * V2_MAX_ITEMS * 4 + 4 * group * 4
 
@@ -142,6 +155,25 @@ def _device_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=256)
+def _launch_plan(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfig, block_size: int, batch: int,
+                 kv_heads: int, items: int, device_index: int, num_splits: int | None):
+    """Kernels, shared memory and split count for one call shape, cached: a decode step calls
+    this with the same shape every layer, and the Python around a ~100 us kernel matters."""
+    if cfg.variant == "v3" and block_size & (block_size - 1):
+        log.debug("paged_decode: v3 needs a power-of-two block_size (got %d); running v1", block_size)
+        cfg = KernelConfig()
+    module = compile_decode(dtype, head_dim, group, cfg=cfg)
+    main, combine = (module.get_kernel(n) for n in kernel_names(dtype, head_dim, group, cfg))
+    smem = smem_bytes(dtype, head_dim, group, cfg)
+    if num_splits is None:
+        per_sm = max(1, min(228 * 1024 // (smem + 1024), 2048 // THREADS))
+        num_splits = choose_splits(batch, kv_heads, items * block_size, _device_sms(device_index), per_sm)
+    if cfg.variant in ("v2", "v3"):  # a CTA's share of blocks must fit the kernel's shared table
+        num_splits = max(num_splits, -(-items // (V2_MAX_ITEMS if cfg.variant == "v2" else V3_MAX_ITEMS)))
+    return main, combine, smem, num_splits
+
+
 def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float | None, block_indices: torch.Tensor | None,
                       num_splits: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
@@ -152,11 +184,6 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     if B == 0:
         return torch.empty_like(q)
     cfg = default_config() if config is None else config
-    if cfg.variant == "v3" and pool.block_size & (pool.block_size - 1):
-        log.debug("paged_decode: v3 needs a power-of-two block_size (got %d); running v1", pool.block_size)
-        cfg = KernelConfig()
-    module = compile_decode(pool.dtype, d, group, cfg=cfg)
-    main, combine = (module.get_kernel(n) for n in kernel_names(pool.dtype, d, group, cfg))
     q = q.contiguous()
     table = block_table.contiguous()
     kc, vc = pool.layer_cache(layer)
@@ -169,12 +196,8 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     else:
         idx, n, idx_b_stride, idx_h_stride = None, 0, 0, 0
         items = table.shape[1]
-    smem = smem_bytes(pool.dtype, d, group, cfg)
-    if num_splits is None:
-        per_sm = max(1, min(228 * 1024 // (smem + 1024), 2048 // THREADS))
-        num_splits = choose_splits(B, H, items * pool.block_size, _device_sms(q.device.index or 0), per_sm)
-    if cfg.variant in ("v2", "v3"):  # a CTA's share of blocks must fit the kernel's shared table
-        num_splits = max(num_splits, -(-items // (V2_MAX_ITEMS if cfg.variant == "v2" else V3_MAX_ITEMS)))
+    main, combine, smem, num_splits = _launch_plan(pool.dtype, d, group, cfg, pool.block_size, B, H, items,
+                                                   q.device.index or 0, num_splits)
     out = torch.empty_like(q)
     if num_splits > 1:
         o_part = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
