@@ -67,3 +67,21 @@ def test_dynamic_smem_above_48k(mod):
     mod.get_kernel("big_smem_copy").launch(1, 256, [a, c, n], smem_bytes=n * 4)
     torch.cuda.synchronize()
     torch.testing.assert_close(c, a.flip(0))
+
+
+def test_bench_hides_host_overhead_unless_asked():
+    import time
+
+    from tilehal import bench
+
+    x = torch.zeros(1024, device="cuda")
+
+    def slow_host_fast_gpu():
+        time.sleep(0.002)  # 2 ms of host work before a tiny kernel
+        x.add_(1)
+
+    hidden = bench(slow_host_fast_gpu, warmup=3, iters=5)
+    shown = bench(slow_host_fast_gpu, warmup=3, iters=5, hide_host=False)
+    assert hidden.host_s >= 0.002 and shown.host_s >= 0.002
+    assert hidden.median_s < 0.0005  # GPU time of one small add
+    assert shown.median_s >= 0.002  # the host gap sits between the events

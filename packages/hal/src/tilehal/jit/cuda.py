@@ -25,7 +25,7 @@ import numpy as np
 
 from ..cache import cached_build, content_key
 from ..errors import CompileError, DeviceError, LaunchError
-from ..tensors import data_ptr, is_torch
+from ..tensors import is_torch
 
 log = logging.getLogger("tilehal.jit.cuda")
 
@@ -231,6 +231,21 @@ def _check(driver, res, what: str):
 
 
 _init_lock = threading.Lock()
+_cuda_checked = False
+
+
+def _torch_with_cuda():
+    """torch, once it is known to see a GPU (checked once per process: launches are hot)."""
+    global _cuda_checked
+    try:
+        import torch
+    except ImportError as e:
+        raise DeviceError("CUDA launch: torch is required to launch kernels") from e
+    if not _cuda_checked:
+        if not torch.cuda.is_available():
+            raise DeviceError("CUDA launch: no CUDA GPU is available on this machine")
+        _cuda_checked = True
+    return torch
 
 
 def ensure_context(device_index: int):
@@ -291,7 +306,7 @@ class Arg:
     @classmethod
     def raw(cls, data: bytes) -> Arg:
         """A by-value struct, e.g. a 128-byte CUtensorMap passed as `__grid_constant__`."""
-        return cls((ctypes.c_ubyte * len(data)).from_buffer_copy(data))
+        return cls(_raw_type(len(data)).from_buffer_copy(data))
 
 
 _NP_TO_CTYPE = {
@@ -302,34 +317,58 @@ _NP_TO_CTYPE = {
 }
 
 
+@functools.cache
+def _raw_type(n: int):
+    return ctypes.c_ubyte * n
+
+
+def _tensor_arg(i: int, a: Any, device_index: int) -> Any:
+    if not a.is_cuda:
+        raise LaunchError(f"args[{i}]: expected a CUDA tensor, got device {a.device}")
+    if a.get_device() != device_index:
+        raise LaunchError(f"args[{i}]: expected a tensor on cuda:{device_index}, got {a.device}")
+    return ctypes.c_void_p(a.data_ptr())
+
+
+def _int_arg(i: int, a: int, device_index: int) -> Any:
+    if not -(2**31) <= a < 2**31:
+        raise LaunchError(f"args[{i}]: Python int {a} does not fit int32; pass Arg.i64({a}) for a 64-bit parameter")
+    return ctypes.c_int32(a)
+
+
+# Exact-type dispatch keeps the per-launch cost low (a launch packs every argument each call).
+_BY_TYPE: dict[type, Any] = {
+    int: _int_arg,
+    float: lambda i, a, d: ctypes.c_float(a),
+    bool: lambda i, a, d: ctypes.c_bool(a),
+    bytes: lambda i, a, d: _raw_type(len(a)).from_buffer_copy(a),
+    bytearray: lambda i, a, d: _raw_type(len(a)).from_buffer_copy(a),
+    type(None): lambda i, a, d: ctypes.c_void_p(0),
+    Arg: lambda i, a, d: a.obj,
+}
+
+
 def _to_ctype(i: int, a: Any, device_index: int) -> Any:
-    if isinstance(a, Arg):
-        return a.obj
-    if isinstance(a, ctypes._SimpleCData) or isinstance(a, ctypes.Array) or isinstance(a, ctypes.Structure):
-        return a
-    if a is None:
-        return ctypes.c_void_p(0)
+    conv = _BY_TYPE.get(type(a))
+    if conv is not None:
+        return conv(i, a, device_index)
     if is_torch(a):
-        if a.device.type != "cuda":
-            raise LaunchError(f"args[{i}]: expected a CUDA tensor, got device {a.device}")
-        if a.device.index != device_index:
-            raise LaunchError(f"args[{i}]: expected a tensor on cuda:{device_index}, got {a.device}")
-        return ctypes.c_void_p(data_ptr(a))
-    if isinstance(a, bool):
-        return ctypes.c_bool(a)
+        return _tensor_arg(i, a, device_index)
+    if isinstance(a, (ctypes._SimpleCData, ctypes.Array, ctypes.Structure)):
+        return a
     if isinstance(a, np.generic):
         ct = _NP_TO_CTYPE.get(a.dtype)
         if ct is None:
             raise LaunchError(f"args[{i}]: unsupported numpy scalar type {a.dtype}")
         return ct(a.item())
+    if isinstance(a, Arg):
+        return a.obj
+    if isinstance(a, bool):
+        return ctypes.c_bool(a)
     if isinstance(a, int):
-        if not -(2**31) <= a < 2**31:
-            raise LaunchError(f"args[{i}]: Python int {a} does not fit int32; pass Arg.i64({a}) for a 64-bit parameter")
-        return ctypes.c_int32(a)
+        return _int_arg(i, int(a), device_index)
     if isinstance(a, float):
         return ctypes.c_float(a)
-    if isinstance(a, (bytes, bytearray)):
-        return Arg.raw(bytes(a)).obj
     raise LaunchError(f"args[{i}]: cannot pass {type(a).__name__} to a kernel (tensor, int, float, numpy scalar or Arg)")
 
 
@@ -384,12 +423,7 @@ class Kernel:
         thread-block clusters (sm_90+).
         """
         g, b = _dims(grid, "grid"), _dims(block, "block")
-        try:
-            import torch
-        except ImportError as e:
-            raise DeviceError("CUDA launch: torch is required to launch kernels") from e
-        if not torch.cuda.is_available():
-            raise DeviceError("CUDA launch: no CUDA GPU is available on this machine")
+        torch = _torch_with_cuda()
         if stream is None:
             tstream = torch.cuda.current_stream()
             dev, handle = tstream.device.index, tstream.cuda_stream
