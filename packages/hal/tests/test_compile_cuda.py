@@ -68,3 +68,15 @@ def test_launch_without_gpu_raises_device_error(cache):
     mod = compile_cuda(USES_HEADERS, name="headers")
     with pytest.raises(DeviceError):
         mod.get_kernel("copy_v4").launch(1, 32, [])
+
+
+def test_editing_an_included_header_recompiles(cache, tmp_path):
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "value.cuh").write_text("#define VALUE 1\n")
+    src = '#include "value.cuh"\nextern "C" __global__ void k(int* x) { x[0] = VALUE; }'
+    first = compile_cuda(src, name="hdr", include_dirs=[inc])
+    assert compile_cuda(src, name="hdr", include_dirs=[inc]).cache_hit
+    (inc / "value.cuh").write_text("#define VALUE 2\n")
+    edited = compile_cuda(src, name="hdr", include_dirs=[inc])
+    assert not edited.cache_hit and edited.path != first.path

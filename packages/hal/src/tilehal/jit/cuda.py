@@ -89,11 +89,30 @@ def compiler_versions() -> dict[str, str | None]:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def _headers_digest() -> str:
+def _headers_digest(extra_dirs: Sequence[str] = ()) -> str:
+    """Digest of every header a compile can include (tilehal's and the caller's include dirs), so
+    an edited header never loads a stale cubin."""
     h = hashlib.sha256()
-    for p in sorted(include_dir().rglob("*.cuh")):
-        h.update(p.name.encode())
+    for d in (str(include_dir()), *extra_dirs):
+        h.update(_dir_digest(d, _dir_stamp(d)).encode())
+    return h.hexdigest()
+
+
+def _dir_stamp(d: str) -> tuple:
+    root = Path(d)
+    if not root.is_dir():
+        return ()
+    return tuple(sorted((str(p), p.stat().st_mtime_ns, p.stat().st_size)
+                        for p in root.rglob("*") if p.suffix in (".cuh", ".h", ".hpp", ".cu")))
+
+
+@functools.lru_cache(maxsize=64)
+def _dir_digest(d: str, stamp: tuple) -> str:
+    # `stamp` (paths, mtimes, sizes) keys the memo so an edit is noticed without rehashing every call.
+    h = hashlib.sha256()
+    for path, _, _ in stamp:
+        p = Path(path)
+        h.update(str(p.relative_to(d)).encode())
         h.update(p.read_bytes())
     return h.hexdigest()
 
@@ -176,7 +195,7 @@ def compile_cuda(
     opts = [f"--gpu-architecture={arch}", *DEFAULT_OPTIONS, *options, *[f"-I{d}" for d in incs]]
     version = compiler_versions()[use] or "?"
     key = content_key("cuda", use, version, arch, source, " ".join(opts[:-len(incs)] if incs else opts),
-                      "|".join(name_expressions), _headers_digest())
+                      "|".join(name_expressions), _headers_digest(tuple(map(os.fspath, include_dirs))))
     info: dict[str, Any] = {}
 
     def build(work: Path) -> bytes:
