@@ -4,10 +4,10 @@ example runs as written."""
 from __future__ import annotations
 
 import re
-import runpy
 import sys
-import tempfile
 from pathlib import Path
+
+from tilestack.demo import run_example
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDES = {"hal": "tilehal", "tilelang": "tilelang", "deepgemm": "deepgemm", "deepep": "deepep",
@@ -27,11 +27,9 @@ def main() -> int:
         if not blocks:
             problems.append(f"{readme.relative_to(ROOT)} has no ```python example")
             continue
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-            f.write(blocks[0])
         print(f"running the example of {readme.relative_to(ROOT)}")
         try:
-            runpy.run_path(f.name, run_name="__main__")
+            run_example(blocks[0], folder)
         except Exception as e:  # report every failing example, not just the first
             problems.append(f"{readme.relative_to(ROOT)} example failed: {type(e).__name__}: {e}")
     for p in problems:

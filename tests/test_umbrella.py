@@ -37,3 +37,10 @@ def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "tilestack", "doctor"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Backends:" in out.stdout
+
+
+def test_demo_runs_every_package_example(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    for pkg in PACKAGES:
+        assert f"== {pkg.module}: ok" in out, out

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import runpy
+import tempfile
 import time
 import traceback
 
 from .packages import PACKAGES, installed_version, readme_examples
+
+
+def run_example(code: str, label: str) -> None:
+    """Run one example as a script file (tilelang reads kernel source with inspect, which needs one)."""
+    fd, path = tempfile.mkstemp(prefix=f"{label}_example_", suffix=".py")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(code)
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        os.unlink(path)
 
 
 def main() -> int:
@@ -18,14 +32,14 @@ def main() -> int:
         if not blocks:
             print(f"== {pkg.module}: no example in its README")
             continue
-        print(f"== {pkg.module}: README example ({pkg.role})")
+        print(f"== {pkg.module}: README example ({pkg.role})", flush=True)
         t0 = time.perf_counter()
         try:
-            exec(compile(blocks[0], f"<{pkg.dist} README>", "exec"), {"__name__": "__tilestack_demo__"})
+            run_example(blocks[0], pkg.module)
         except Exception:
             failures += 1
             traceback.print_exc()
             print(f"== {pkg.module}: FAILED")
             continue
-        print(f"== {pkg.module}: ok in {time.perf_counter() - t0:.2f} s")
+        print(f"== {pkg.module}: ok in {time.perf_counter() - t0:.2f} s", flush=True)
     return 1 if failures else 0

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,25 @@ def import_error(pkg: Package) -> str | None:
 _BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 
 
+def _readme_text(pkg: Package) -> str:
+    """The package's README: from its source folder for a local (editable) install, so the text is
+    current, else from the installed metadata."""
+    dist = md.distribution(pkg.dist)
+    direct = dist.read_text("direct_url.json")
+    if direct:
+        url = json.loads(direct).get("url", "")
+        if url.startswith("file://"):
+            readme = Path(url[len("file://"):]) / "README.md"
+            if readme.exists():
+                return readme.read_text()
+    meta = dist.metadata
+    return meta.get_payload() or meta.get("Description", "") or ""
+
+
 def readme_examples(pkg: Package) -> list[str]:
-    """The ```python blocks of the package's README, read from its installed metadata."""
+    """The ```python blocks of the package's README."""
     try:
-        text = md.metadata(pkg.dist).get_payload() or md.metadata(pkg.dist).get("Description", "")
+        text = _readme_text(pkg)
     except md.PackageNotFoundError:
         return []
-    return [b for b in _BLOCK.findall(text or "")]
+    return _BLOCK.findall(text)
