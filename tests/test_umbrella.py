@@ -44,3 +44,16 @@ def test_demo_runs_every_package_example(capsys):
     out = capsys.readouterr().out
     for pkg in PACKAGES:
         assert f"== {pkg.module}: ok" in out, out
+
+
+def test_bench_skips_gpu_scripts_without_a_gpu(tmp_path):
+    from tilestack.bench import find_scripts, missing, requirement
+
+    script = tmp_path / "packages" / "x" / "benchmarks" / "bench_x.py"
+    script.parent.mkdir(parents=True)
+    script.write_text("# requires: cuda\nprint('hi')\n")
+    assert find_scripts(tmp_path) == [script]
+    assert requirement(script) == "cuda"
+    assert missing("cuda", 0) == "needs a CUDA GPU"
+    assert missing("multi_gpu", 1).startswith("needs two or more")
+    assert missing(None, 0) is None and missing("cuda", 1) is None

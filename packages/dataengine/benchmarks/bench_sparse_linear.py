@@ -1,3 +1,4 @@
+# requires: cuda
 """SparseLinear 2:4 (torch semi-structured: cuSPARSELt / CUTLASS) vs dense nn.Linear at LLM shapes.
 
 Needs a CUDA GPU with sparse tensor cores. For each (M tokens, N out, K in) the dense peer is

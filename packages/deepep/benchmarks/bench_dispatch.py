@@ -1,3 +1,4 @@
+# requires: multi_gpu
 """Dispatch/combine benchmark on the GPUs of one host: ours (NVLink kernels, NCCL transport) vs plain NCCL.
 
     source scripts/device_env.sh

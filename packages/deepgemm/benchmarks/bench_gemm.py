@@ -1,3 +1,4 @@
+# requires: cuda
 """deepgemm vs cuBLAS on one H200, same shapes, same run.
 
 Peers: torch.matmul (bf16), torch._scaled_mm with per-row scales (fp8), and torch._scaled_mm with

@@ -1,3 +1,4 @@
+# requires: cuda
 """paged_decode on the GPU: KV bandwidth against SDPA on contiguous K/V, and sparse vs dense.
 
 Shapes from the issue: 32 q heads / 8 kv heads, head_dim 128, bf16, block_size 16;
