@@ -1,0 +1,440 @@
+"""Expert-parallel mixture-of-experts: deepep moves the tokens, deepgemm runs the experts.
+
+The two peers never import each other; they meet here through tensors:
+
+    router (softmax top-k)
+      -> deepep Buffer.get_dispatch_layout + dispatch         (tokens to the ranks owning their experts)
+      -> contiguous grouped layout (rows grouped per local expert, each group padded to
+         deepgemm.get_m_alignment_for_contiguous_layout(), m_indices int32 with -1 on padding)
+      -> deepgemm m_grouped_{bf16,fp8}_gemm_nt_contiguous       (gate/up, SiLU * up, down)
+      -> un-permute, weighted by recv_topk_weights              (one row per received token)
+      -> deepep combine                                         (rows back to their source, summed)
+
+With `group=None` the module runs on one process: `LocalExchange` stands in for the Buffer with
+deepep's one-rank semantics, so the layout and expert code is the same as with many ranks.
+Inference only: the GEMMs write into preallocated outputs and record no autograd graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import deepgemm
+import torch
+import torch.nn.functional as F
+from tilehal import ShapeError
+
+log = logging.getLogger("tilestack.moe")
+
+XTensor = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _check(cond: bool, arg: str, expected: object, actual: object) -> None:
+    if not cond:
+        raise ShapeError(f"{arg}: expected {expected}, got {actual}")
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_idx int64 [T, k], topk_weights float32 [T, k]) from router logits [T, E].
+
+    Softmax over all experts in fp32, then the k largest; `norm_topk_prob` renormalizes the k
+    weights to sum to 1 (Mixtral / DeepSeek-V2 style).
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, idx = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return idx.to(torch.int64), weights.float()
+
+
+# ----------------------------------------------------------------------------- exchange
+
+
+class LocalExchange:
+    """deepep's dispatch/combine for a group of one rank, without torch.distributed.
+
+    Same outputs as `deepep.Buffer` on one rank: every token is received once, in order;
+    `recv_topk_weights` read 0 where `topk_idx` is -1; the per-expert list counts
+    (token, expert) pairs rounded up to `expert_alignment`; combine returns the rows as they are.
+    """
+
+    rank = 0
+    group_size = 1
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        valid = topk_idx[topk_idx >= 0]
+        per_expert = torch.bincount(valid, minlength=num_experts).to(torch.int32)
+        in_rank = (topk_idx >= 0).any(dim=1, keepdim=True)
+        per_rank = in_rank.sum(0).to(torch.int32)
+        return per_rank, None, per_expert, in_rank, None
+
+    def dispatch(self, x: XTensor, *, num_tokens_per_expert: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor, expert_alignment: int = 1, **_: Any):
+        counts = num_tokens_per_expert.to(torch.int64)
+        aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
+        weights = torch.where(topk_idx >= 0, topk_weights, torch.zeros_like(topk_weights))
+        return x, topk_idx, weights, aligned.tolist(), topk_idx.shape[0], None
+
+    def combine(self, x: torch.Tensor, handle: int, topk_weights: torch.Tensor | None = None):
+        return x[:handle], topk_weights, None
+
+
+# ----------------------------------------------------------------------------- contiguous layout
+
+
+@dataclass
+class ContiguousLayout:
+    """Where each received (token, expert) pair sits in deepgemm's contiguous grouped layout.
+
+    m_indices: int32 [M_sum], the local expert of each row, -1 on padding rows.
+    src_rows: int64 [P], the received token of each pair (P = pairs with an expert on this rank).
+    dst_rows: int64 [P], the pair's row in the grouped layout.
+    gather_rows: int64 [N_recv * k], for every (token, slot) of recv_topk_idx its row in the grouped
+      layout, or M_sum (a zero row) where the slot is -1: the un-permute reads through it.
+    """
+
+    m_indices: torch.Tensor
+    src_rows: torch.Tensor
+    dst_rows: torch.Tensor
+    gather_rows: torch.Tensor
+    num_recv_tokens: int
+    top_k: int
+
+    @property
+    def m_sum(self) -> int:
+        return int(self.m_indices.numel())
+
+
+def build_contiguous_layout(recv_topk_idx: torch.Tensor, num_recv_tokens_per_expert_list: list[int],
+                            num_local_experts: int, alignment: int | None = None) -> ContiguousLayout:
+    """Group the received (token, expert) pairs per local expert, each group padded to `alignment`.
+
+    `num_recv_tokens_per_expert_list` is deepep's list from a dispatch with
+    `expert_alignment=alignment`: its entries are the padded group sizes, so M_sum is known on the
+    host without another device synchronization. Pairs keep their received order inside a group.
+    """
+    align = alignment or deepgemm.get_m_alignment_for_contiguous_layout()
+    _check(recv_topk_idx.dim() == 2, "recv_topk_idx", "a 2-D tensor [N_recv, k]", tuple(recv_topk_idx.shape))
+    _check(len(num_recv_tokens_per_expert_list) == num_local_experts, "num_recv_tokens_per_expert_list",
+           f"{num_local_experts} entries (one per local expert)", len(num_recv_tokens_per_expert_list))
+    sizes = [int(s) for s in num_recv_tokens_per_expert_list]
+    _check(all(s >= 0 and s % align == 0 for s in sizes), "num_recv_tokens_per_expert_list",
+           f"multiples of {align} (dispatch with expert_alignment={align})", sizes)
+    dev = recv_topk_idx.device
+    n_recv, k = recv_topk_idx.shape
+    flat = recv_topk_idx.reshape(-1)
+    pair_pos = torch.nonzero(flat >= 0).flatten()                 # flat (token, slot) positions
+    experts = flat[pair_pos]
+    order = torch.sort(experts, stable=True).indices                 # stable: received order per expert
+    pair_pos, experts = pair_pos[order], experts[order]
+    counts = torch.bincount(experts, minlength=num_local_experts)
+    if not recv_topk_idx.is_cuda:
+        # On the host this costs nothing; on CUDA it would add a synchronization per call.
+        padded = ((counts + align - 1) // align * align).tolist()
+        _check(padded == sizes, "num_recv_tokens_per_expert_list",
+               f"{padded} (the aligned pair counts of recv_topk_idx)", sizes)
+    group_start = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=dev).cumsum(0)
+    first_pair = torch.cumsum(counts, 0) - counts                     # first sorted pair of each expert
+    rank_in_group = torch.arange(experts.numel(), device=dev) - first_pair[experts]
+    dst_rows = group_start[experts] + rank_in_group
+    m_sum = sum(sizes)
+    m_indices = torch.full((m_sum,), -1, dtype=torch.int32, device=dev)
+    m_indices[dst_rows] = experts.to(torch.int32)
+    gather_rows = torch.full((n_recv * k,), m_sum, dtype=torch.int64, device=dev)
+    gather_rows[pair_pos] = dst_rows
+    return ContiguousLayout(m_indices, pair_pos // k, dst_rows, gather_rows, n_recv, k)
+
+
+def _scatter_rows(src: torch.Tensor, layout: ContiguousLayout) -> torch.Tensor:
+    """[N_recv, C] received rows -> [M_sum, C] grouped rows (zeros on padding)."""
+    out = torch.zeros((layout.m_sum, src.shape[1]), dtype=src.dtype, device=src.device)
+    if src.dtype == torch.float8_e4m3fn:
+        # index_put has no fp8 kernel; move the bytes instead.
+        out.view(torch.uint8)[layout.dst_rows] = src.view(torch.uint8)[layout.src_rows]
+    else:
+        out[layout.dst_rows] = src[layout.src_rows]
+    return out
+
+
+def unpermute(y: torch.Tensor, layout: ContiguousLayout, recv_topk_weights: torch.Tensor) -> torch.Tensor:
+    """sum_j w[t, j] * y[row of (t, j)] for every received token t, in fp32 -> [N_recv, H].
+
+    A gather over the k slots (a zero row for -1) then a sum, rather than index_add: the order of
+    the sum is fixed, so the result is deterministic on GPUs too.
+    """
+    h = y.shape[1]
+    y_ext = torch.cat([y, torch.zeros((1, h), dtype=y.dtype, device=y.device)])
+    rows = y_ext[layout.gather_rows].view(layout.num_recv_tokens, layout.top_k, h).float()
+    return (rows * recv_topk_weights.float().unsqueeze(-1)).sum(dim=1)
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+class ExpertParallelMoE(torch.nn.Module):
+    """A SwiGLU mixture-of-experts layer whose experts are spread over the ranks of `group`.
+
+    Rank r owns experts [r * E/R, (r + 1) * E/R); the router is replicated. Parameters:
+    `router_weight [E, hidden]` (fp32), `w13 [E_local, 2 * ffn_hidden, hidden]` (gate rows, then
+    up rows) and `w2 [E_local, hidden, ffn_hidden]` in `dtype` (bf16). With `use_fp8` the
+    activations travel and multiply as e4m3 with 1x128 scales and the weights are cast per
+    128x128 block (cached until the weights change).
+
+    `group=None`: one process, no torch.distributed (see `LocalExchange`). With a group, a deepep
+    `Buffer` is created on the first forward (a collective: every rank calls forward), or pass
+    `buffer=` to share one between layers.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, group: Any = None,
+                 dtype: torch.dtype = torch.bfloat16, use_fp8: bool = False, *, norm_topk_prob: bool = False,
+                 buffer: Any = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("num_experts", num_experts),
+                        ("top_k", top_k)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if top_k > num_experts:
+            raise ValueError(f"top_k: expected <= num_experts ({num_experts}), got {top_k}")
+        if dtype != torch.bfloat16:
+            raise ValueError(f"dtype: expected torch.bfloat16 (deepgemm's grouped GEMMs take bf16 or fp8), got {dtype}")
+        self.group, self._buffer = group, buffer
+        if group is None and buffer is None:
+            self.rank, self.world_size = 0, 1
+        else:
+            import torch.distributed as dist
+
+            g = buffer.group if buffer is not None else group
+            self.rank, self.world_size = dist.get_rank(g), dist.get_world_size(g)
+        if num_experts % self.world_size:
+            raise ValueError(f"num_experts: expected a multiple of the group size {self.world_size}, got {num_experts}")
+        self.hidden, self.ffn_hidden, self.num_experts, self.top_k = hidden, ffn_hidden, num_experts, top_k
+        self.num_local_experts = num_experts // self.world_size
+        self.use_fp8, self.norm_topk_prob = use_fp8, norm_topk_prob
+        self.router_weight = torch.nn.Parameter(torch.empty(num_experts, hidden, device=device))
+        self.w13 = torch.nn.Parameter(torch.empty(self.num_local_experts, 2 * ffn_hidden, hidden, dtype=dtype,
+                                                  device=device))
+        self.w2 = torch.nn.Parameter(torch.empty(self.num_local_experts, hidden, ffn_hidden, dtype=dtype,
+                                                 device=device))
+        self._fp8_cache: dict[str, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for p in (self.router_weight, self.w13, self.w2):
+            torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+
+    @property
+    def local_experts(self) -> range:
+        return range(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
+
+    @torch.no_grad()
+    def load_experts(self, router_weight: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
+                     down_weight: torch.Tensor) -> ExpertParallelMoE:
+        """Copy global weights in; this rank keeps its own experts.
+
+        router_weight [E, hidden]; gate_weight, up_weight [E, ffn_hidden, hidden]; down_weight
+        [E, hidden, ffn_hidden] (nn.Linear's [out, in] per expert).
+        """
+        e, h, f = self.num_experts, self.hidden, self.ffn_hidden
+        for name, t, shape in (("router_weight", router_weight, (e, h)), ("gate_weight", gate_weight, (e, f, h)),
+                               ("up_weight", up_weight, (e, f, h)), ("down_weight", down_weight, (e, h, f))):
+            _check(tuple(t.shape) == shape, name, f"shape {shape}", tuple(t.shape))
+        mine = slice(self.local_experts.start, self.local_experts.stop)
+        self.router_weight.copy_(router_weight)
+        self.w13.copy_(torch.cat([gate_weight[mine], up_weight[mine]], dim=1))
+        self.w2.copy_(down_weight[mine])
+        return self
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Module, group: Any = None, use_fp8: bool = False,
+                    buffer: Any = None) -> ExpertParallelMoE:
+        """Build from a compatible MoE block (see `moe_block_parts`), keeping this rank's experts."""
+        parts = moe_block_parts(module)
+        if isinstance(parts, str):
+            raise TypeError(f"module: expected an MoE block ExpertParallelMoE can take, got "
+                            f"{type(module).__name__} ({parts})")
+        router, gates, ups, downs, top_k, norm = parts
+        e, h = router.shape
+        moe = cls(h, gates.shape[1], e, top_k, group=group, use_fp8=use_fp8, norm_topk_prob=norm, buffer=buffer,
+                  device=router.device)
+        return moe.load_experts(router.float(), gates, ups, downs)
+
+    # ------------------------------------------------------------------ forward pieces
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax top-k over fp32 router logits of x [T, hidden]."""
+        logits = x.float() @ self.router_weight.float().T
+        return softmax_topk(logits, self.top_k, self.norm_topk_prob)
+
+    def _exchange(self) -> Any:
+        if self._buffer is None:
+            if self.group is None:
+                self._buffer = LocalExchange()
+            else:
+                import deepep
+
+                self._buffer = deepep.Buffer(self.group, hidden=self.hidden)
+        return self._buffer
+
+    def _fp8_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        w = getattr(self, name)
+        key = (w.data_ptr(), w._version, w.device)
+        hit = self._fp8_cache.get(name)
+        if hit is None or hit[0] != key:
+            hit = (key, deepgemm.per_block_cast_to_fp8(w.detach()))
+            self._fp8_cache[name] = hit
+        return hit[1]
+
+    def experts_forward(self, recv_x: XTensor, layout: ContiguousLayout) -> torch.Tensor:
+        """The local experts on the grouped rows: [M_sum, hidden] bf16 (padding rows unspecified)."""
+        m, f, h = layout.m_sum, self.ffn_hidden, self.hidden
+        dev = self.w13.device
+        gate_up = torch.empty((m, 2 * f), dtype=torch.bfloat16, device=dev)
+        y = torch.empty((m, h), dtype=torch.bfloat16, device=dev)
+        if m == 0:
+            return y
+        if self.use_fp8:
+            x8, sx = recv_x if isinstance(recv_x, tuple) else deepgemm.per_token_cast_to_fp8(recv_x)
+            a = (_scatter_rows(x8, layout), _scatter_rows(sx, layout))
+            deepgemm.m_grouped_fp8_gemm_nt_contiguous(a, self._fp8_weight("w13"), gate_up, layout.m_indices)
+        else:
+            _check(not isinstance(recv_x, tuple), "recv_x", "a bf16 tensor (use_fp8=False)", "an fp8 pair")
+            a = _scatter_rows(recv_x.to(torch.bfloat16), layout)
+            deepgemm.m_grouped_bf16_gemm_nt_contiguous(a, self.w13, gate_up, layout.m_indices)
+        act = (F.silu(gate_up[:, :f].float()) * gate_up[:, f:].float())
+        if self.use_fp8:
+            deepgemm.m_grouped_fp8_gemm_nt_contiguous(deepgemm.per_token_cast_to_fp8(act),
+                                                      self._fp8_weight("w2"), y, layout.m_indices)
+        else:
+            deepgemm.m_grouped_bf16_gemm_nt_contiguous(act.to(torch.bfloat16), self.w2, y, layout.m_indices)
+        return y
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [..., hidden] -> [..., hidden] in x's dtype.
+
+        `routing=(topk_idx int64 [T, k], topk_weights float32 [T, k])` replaces the router (-1 = no
+        expert), e.g. for group-limited routing computed elsewhere.
+        """
+        _check(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == self.hidden, "x",
+               f"a tensor [..., {self.hidden}]", tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__)
+        _check(x.dtype in (torch.bfloat16, torch.float16, torch.float32), "x.dtype",
+               "bfloat16, float16 or float32", x.dtype)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.hidden)
+        if routing is None:
+            topk_idx, topk_w = self.route(x2)
+        else:
+            topk_idx, topk_w = routing
+            _check(topk_idx.dim() == 2 and topk_idx.shape[0] == x2.shape[0], "routing[0] (topk_idx)",
+                   f"shape [{x2.shape[0]}, k]", tuple(topk_idx.shape))
+            _check(tuple(topk_w.shape) == tuple(topk_idx.shape), "routing[1] (topk_weights)",
+                   f"shape {tuple(topk_idx.shape)}", tuple(topk_w.shape))
+            _check(bool(((topk_idx >= -1) & (topk_idx < self.num_experts)).all()), "routing[0] (topk_idx)",
+                   f"expert ids in [-1, {self.num_experts})", "an id outside it")
+            topk_idx, topk_w = topk_idx.to(torch.int64), topk_w.float()
+        buf = self._exchange()
+        align = deepgemm.get_m_alignment_for_contiguous_layout()
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, self.num_experts)
+        x_in: XTensor = deepgemm.per_token_cast_to_fp8(x2) if self.use_fp8 else x2.to(torch.bfloat16)
+        recv_x, recv_idx, recv_w, per_local, handle, _ = buf.dispatch(
+            x_in, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_w, expert_alignment=align)
+        layout = build_contiguous_layout(recv_idx, per_local, self.num_local_experts, align)
+        y = self.experts_forward(recv_x, layout)
+        recv_out = unpermute(y, layout, recv_w).to(torch.bfloat16)
+        out, _, _ = buf.combine(recv_out, handle)
+        return out.to(x.dtype).reshape(*lead, self.hidden)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, num_experts={self.num_experts}, "
+                f"top_k={self.top_k}, local_experts={self.local_experts.start}..{self.local_experts.stop - 1}, "
+                f"world_size={self.world_size}, use_fp8={self.use_fp8}")
+
+
+# ----------------------------------------------------------------------------- compatible blocks + reference
+
+
+_PROJ_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def moe_block_parts(module: torch.nn.Module):
+    """(router [E, H], gate [E, F, H], up [E, F, H], down [E, H, F], top_k, norm_topk_prob), or why not.
+
+    Compatible: a `gate` or `router` nn.Linear(H, E, bias=False); `experts`, an nn.ModuleList of E
+    SwiGLU experts with bias-free `gate_proj/up_proj/down_proj` (or Mixtral's `w1/w3/w2`) Linears;
+    `top_k` or `num_experts_per_tok`; optional `norm_topk_prob`. The block's forward must map
+    [..., H] to a tensor [..., H] with softmax top-k routing (what ExpertParallelMoE computes).
+    """
+    router = getattr(module, "router", None)
+    router = router if isinstance(router, torch.nn.Linear) else getattr(module, "gate", None)
+    if not isinstance(router, torch.nn.Linear) or router.bias is not None:
+        return "no bias-free `gate`/`router` nn.Linear"
+    experts = getattr(module, "experts", None)
+    if not isinstance(experts, torch.nn.ModuleList) or len(experts) != router.out_features:
+        return f"no `experts` nn.ModuleList of {router.out_features} experts (the router's outputs)"
+    top_k = getattr(module, "top_k", getattr(module, "num_experts_per_tok", None))
+    if not isinstance(top_k, int):
+        return "no integer `top_k` / `num_experts_per_tok`"
+    gates, ups, downs = [], [], []
+    for i, ex in enumerate(experts):
+        names = next((n for n in _PROJ_NAMES if all(isinstance(getattr(ex, a, None), torch.nn.Linear) for a in n)),
+                     None)
+        if names is None:
+            return f"expert {i} lacks gate_proj/up_proj/down_proj (or w1/w3/w2) nn.Linear layers"
+        g, u, d = (getattr(ex, a) for a in names)
+        if any(lin.bias is not None for lin in (g, u, d)):
+            return f"expert {i} has biased projections"
+        gates.append(g.weight)
+        ups.append(u.weight)
+        downs.append(d.weight)
+    shapes = {(tuple(g.shape), tuple(u.shape), tuple(d.shape)) for g, u, d in zip(gates, ups, downs)}
+    if len(shapes) != 1:
+        return "experts of different shapes"
+    return (router.weight.detach(), torch.stack(gates).detach(), torch.stack(ups).detach(),
+            torch.stack(downs).detach(), top_k, bool(getattr(module, "norm_topk_prob", False)))
+
+
+class SwiGLUExpert(torch.nn.Module):
+    def __init__(self, hidden: int, ffn_hidden: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, ffn_hidden, bias=False, dtype=dtype)
+        self.up_proj = torch.nn.Linear(hidden, ffn_hidden, bias=False, dtype=dtype)
+        self.down_proj = torch.nn.Linear(ffn_hidden, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ReferenceMoE(torch.nn.Module):
+    """A plain MoE block (the layout `moe_block_parts` accepts): router, then a dense loop over experts.
+
+    Computes in its parameters' dtype (use float64 for a reference). `forward(x, routing=None)`
+    routes with fp32 softmax top-k like ExpertParallelMoE, or takes the given routing.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, num_experts, bias=False, dtype=dtype)
+        self.experts = torch.nn.ModuleList(SwiGLUExpert(hidden, ffn_hidden, dtype) for _ in range(num_experts))
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        lead, h = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, h)
+        if routing is None:
+            # Router in fp32 like ExpertParallelMoE, so both pick the same experts.
+            routing = softmax_topk(x2.float() @ self.gate.weight.float().T, self.top_k, self.norm_topk_prob)
+        idx, w = routing
+        out = torch.zeros_like(x2)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.nonzero(idx == e, as_tuple=True)
+            if tok.numel():
+                out.index_add_(0, tok, expert(x2[tok]) * w[tok, slot].to(x2.dtype).unsqueeze(-1))
+        return out.reshape(*lead, h)

@@ -1,0 +1,270 @@
+"""ExpertParallelMoE (deepep dispatch -> deepgemm grouped GEMMs -> deepep combine) vs a float64 dense MoE.
+
+Tolerances are normwise relative errors ||y - ref|| / ||ref|| against ReferenceMoE in float64 on the
+same (bf16-representable) weights and inputs, set to twice the expected RMS rounding error:
+
+- bf16: unit roundoff u = 2^-8; the path rounds to bf16 four times (gate/up output, SiLU * up,
+  down output, the weighted sum sent to combine), each a relative error of RMS ~u/sqrt(3), so
+  RMS ~ sqrt(4) * u / sqrt(3) = 0.0045 -> tolerance 0.009.
+- fp8 e4m3: 3 mantissa bits, u = 2^-4; four quantizations (tokens, w13 per 128x128 block, the
+  SiLU * up activations, w2), RMS ~ sqrt(4) * 2^-4 / sqrt(3) = 0.072 -> tolerance 0.144 (the bf16
+  roundings on the way are negligible next to these).
+
+The 2-rank test runs each rank in a process started with torch.multiprocessing (spawn) on a Gloo
+group over a free TCP port; every rank owns half the experts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import runpy
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from tilestack.moe import (
+    ExpertParallelMoE,
+    LocalExchange,
+    ReferenceMoE,
+    build_contiguous_layout,
+    moe_block_parts,
+    softmax_topk,
+)
+
+U_BF16, U_E4M3 = 2.0**-8, 2.0**-4
+TOL_BF16 = 2 * math.sqrt(4) * U_BF16 / math.sqrt(3)
+TOL_FP8 = 2 * math.sqrt(4) * U_E4M3 / math.sqrt(3)
+
+H, FFN, E, K = 256, 128, 8, 2
+
+
+def make_reference(seed: int = 0, hidden: int = H, ffn: int = FFN, experts: int = E, top_k: int = K,
+                   norm: bool = False) -> ReferenceMoE:
+    """A float64 MoE whose weights are bf16-representable (so both sides start from the same values)."""
+    torch.manual_seed(seed)
+    ref = ReferenceMoE(hidden, ffn, experts, top_k, norm_topk_prob=norm, dtype=torch.float64)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_((torch.randn(p.shape) * p.shape[-1] ** -0.5).bfloat16().double())
+    return ref
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref.detach()).norm() / ref.detach().norm())
+
+
+def make_inputs(n: int, seed: int = 1, hidden: int = H) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(n, hidden).bfloat16()
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def test_contiguous_layout_groups_pairs_per_expert_with_padding():
+    idx = torch.tensor([[2, 0], [0, -1], [2, 1], [-1, -1], [0, 2]])
+    lay = build_contiguous_layout(idx, [4, 4, 4], 3, alignment=4)
+    want = torch.tensor([0, 0, 0, -1, 1, -1, -1, -1, 2, 2, 2, -1], dtype=torch.int32)
+    assert torch.equal(lay.m_indices, want)
+    # Received order inside a group: expert 0 gets tokens 0, 1, 4; expert 2 gets tokens 0, 2, 4.
+    assert lay.src_rows.tolist() == [0, 1, 4, 2, 0, 2, 4]
+    assert lay.dst_rows.tolist() == [0, 1, 2, 4, 8, 9, 10]
+    # Every (token, slot) reads its row; -1 slots read the zero row M_sum.
+    assert lay.gather_rows.view(5, 2).tolist() == [[8, 0], [1, 12], [9, 4], [12, 12], [2, 10]]
+
+
+def test_contiguous_layout_unused_experts_take_no_rows():
+    idx = torch.tensor([[3, 3], [3, -1]])
+    lay = build_contiguous_layout(idx, [0, 0, 0, 128], 4)
+    assert lay.m_sum == 128 and int((lay.m_indices == 3).sum()) == 3 and int((lay.m_indices == -1).sum()) == 125
+
+
+def test_contiguous_layout_rejects_inconsistent_counts():
+    idx = torch.tensor([[0, 1]])
+    with pytest.raises(ValueError, match="num_recv_tokens_per_expert_list"):
+        build_contiguous_layout(idx, [128, 0], 2)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        build_contiguous_layout(idx, [1, 1], 2)
+    with pytest.raises(ValueError, match="2 entries"):
+        build_contiguous_layout(idx, [128], 2)
+
+
+def test_local_exchange_matches_deepep_one_rank_semantics():
+    ex = LocalExchange()
+    idx = torch.tensor([[1, -1], [0, 1]])
+    w = torch.tensor([[0.7, 0.3], [0.5, 0.5]])
+    per_rank, _, per_expert, in_rank, _ = ex.get_dispatch_layout(idx, 2)
+    assert per_rank.tolist() == [2] and per_expert.tolist() == [1, 2] and in_rank.all()
+    x = torch.randn(2, 8)
+    rx, ridx, rw, per_local, handle, _ = ex.dispatch(x, num_tokens_per_expert=per_expert, topk_idx=idx,
+                                                     topk_weights=w, expert_alignment=128)
+    assert rx is x and per_local == [128, 128] and rw[0, 1] == 0 and rw[1, 1] == 0.5
+    assert torch.equal(ex.combine(x, handle)[0], x)
+
+
+# ----------------------------------------------------------------------------- single process
+
+
+@pytest.mark.parametrize("use_fp8, tol", [(False, TOL_BF16), (True, TOL_FP8)])
+def test_single_process_matches_float64_reference(use_fp8, tol):
+    ref = make_reference()
+    moe = ExpertParallelMoE.from_module(ref, use_fp8=use_fp8)
+    x = make_inputs(200).view(4, 50, H)                 # leading dims are kept
+    y = moe(x)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    assert rel_err(y, ref(x.double())) < tol
+
+
+def test_single_process_renormalized_top3():
+    ref = make_reference(norm=True, top_k=3)
+    moe = ExpertParallelMoE.from_module(ref)
+    assert moe.norm_topk_prob and moe.top_k == 3
+    x = make_inputs(64)
+    assert rel_err(moe(x), ref(x.double())) < TOL_BF16
+
+
+@pytest.mark.parametrize("use_fp8, tol", [(False, TOL_BF16), (True, TOL_FP8)])
+def test_explicit_routing_with_unused_experts_and_empty_slots(use_fp8, tol):
+    ref = make_reference(seed=3)
+    moe = ExpertParallelMoE.from_module(ref, use_fp8=use_fp8)
+    x = make_inputs(40, seed=4)
+    torch.manual_seed(5)
+    idx = torch.stack([torch.randint(0, 2, (40,)) * 5, torch.full((40,), 2)], dim=1)   # experts 0, 2, 5 only
+    idx[::3, 1] = -1                                                                    # some tokens use one expert
+    w = torch.rand(40, 2)
+    y = moe(x, routing=(idx, w))
+    r = ref(x.double(), routing=(idx, w.double()))
+    assert rel_err(y, r) < tol
+
+
+def test_tokens_routed_nowhere_give_zero_and_empty_batch_works():
+    moe = ExpertParallelMoE.from_module(make_reference())
+    x = make_inputs(3)
+    idx = torch.full((3, 2), -1)
+    assert torch.equal(moe(x, routing=(idx, torch.ones(3, 2))), torch.zeros(3, H, dtype=torch.bfloat16))
+    assert moe(torch.zeros(0, H, dtype=torch.bfloat16)).shape == (0, H)
+
+
+def test_router_is_softmax_topk():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    idx, w = softmax_topk(logits, 2)
+    p = torch.softmax(logits, -1)
+    assert idx.tolist() == [[1, 2]] and torch.allclose(w, p[:, [1, 2]])
+    _, wn = softmax_topk(logits, 2, norm_topk_prob=True)
+    assert torch.allclose(wn.sum(-1), torch.ones(1))
+
+
+def test_bad_inputs_are_named():
+    moe = ExpertParallelMoE(H, FFN, E, K)
+    with pytest.raises(ValueError, match="x: expected a tensor"):
+        moe(torch.zeros(2, H + 1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="topk_idx"):
+        moe(torch.zeros(2, H, dtype=torch.bfloat16), routing=(torch.tensor([[0, E]]).repeat(2, 1), torch.ones(2, 2)))
+    with pytest.raises(ValueError, match="top_k"):
+        ExpertParallelMoE(H, FFN, 4, 5)
+    with pytest.raises(ValueError, match="dtype"):
+        ExpertParallelMoE(H, FFN, E, K, dtype=torch.float32)
+    with pytest.raises(ValueError, match="gate_weight"):
+        moe.load_experts(torch.zeros(E, H), torch.zeros(E, FFN + 1, H), torch.zeros(E, FFN, H), torch.zeros(E, H, FFN))
+    assert isinstance(moe_block_parts(torch.nn.Linear(4, 4)), str)
+
+
+# ----------------------------------------------------------------------------- two ranks (Gloo)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _explicit_routing(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token goes to experts 0 and 2 (rank 0's) or nowhere: rank 1 receives nothing."""
+    g = torch.Generator().manual_seed(11)
+    idx = torch.stack([torch.zeros(n, dtype=torch.int64), torch.full((n,), 2)], dim=1)
+    idx[torch.rand(n, generator=g) < 0.3, 1] = -1
+    return idx, torch.rand(n, 2, generator=g)
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str, tokens: int) -> None:
+    """One rank of the 2-rank run (a spawned process; see run_ranks)."""
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        ref = make_reference()
+        x = make_inputs(world * tokens, seed=7)[rank * tokens:(rank + 1) * tokens]
+        idx, w = _explicit_routing(world * tokens)
+        mine = slice(rank * tokens, (rank + 1) * tokens)
+        out = {}
+        for fp8 in (False, True):
+            moe = ExpertParallelMoE.from_module(ref, group=dist.group.WORLD, use_fp8=fp8)
+            assert list(moe.local_experts) == list(range(rank * E // world, (rank + 1) * E // world))
+            out[f"router_fp8={fp8}"] = moe(x)
+            out[f"explicit_fp8={fp8}"] = moe(x, routing=(idx[mine], w[mine]))
+        # A group of one rank through deepep gives exactly what group=None gives.
+        singles = [dist.new_group([r]) for r in range(world)]
+        solo = ExpertParallelMoE.from_module(ref, group=singles[rank])
+        out["solo_equal"] = torch.equal(solo(x), ExpertParallelMoE.from_module(ref)(x))
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+    except BaseException:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def run_ranks(world: int, timeout_s: float = 60.0, **kwargs) -> list[dict]:
+    """Start `world` spawned processes running _rank_main; wait at most timeout_s, kill stragglers."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="tilestack-moe-") as tmp:
+        # Test files are not importable by name in a child (importlib mode), so the child runs this
+        # file by path under its own __name__, which calls _rank_main with these globals.
+        procs = [ctx.Process(target=runpy.run_path, args=(__file__,), daemon=True,
+                             kwargs={"run_name": "__tilestack_moe_rank__",
+                                     "init_globals": {"RANK_ARGS": dict(rank=r, world=world, port=port,
+                                                                        out_dir=tmp, **kwargs)}})
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join(5)
+        errors = [Path(tmp, f"rank{r}.err").read_text() for r in range(world) if Path(tmp, f"rank{r}.err").exists()]
+        if hung or errors:
+            raise AssertionError(f"ranks {hung} did not finish within {timeout_s:.0f} s\n" + "\n".join(errors))
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+
+
+@pytest.mark.timeout(120)
+def test_two_gloo_ranks_equal_single_process_reference():
+    tokens, world = 48, 2
+    results = run_ranks(world, tokens=tokens)
+    ref = make_reference()
+    x = make_inputs(world * tokens, seed=7).double()
+    idx, w = _explicit_routing(world * tokens)
+    want = {"router": ref(x), "explicit": ref(x, routing=(idx, w.double()))}
+    for key, r in want.items():
+        for fp8, tol in ((False, TOL_BF16), (True, TOL_FP8)):
+            got = torch.cat([res[f"{key}_fp8={fp8}"] for res in results])
+            assert rel_err(got, r) < tol, (key, fp8)
+    assert all(res["solo_equal"] for res in results)
+
+
+if __name__ == "__tilestack_moe_rank__":
+    _rank_main(**RANK_ARGS)  # noqa: F821 (injected by run_ranks through runpy)
