@@ -1,0 +1,84 @@
+"""Drop-in torch layers that run on deepgemm.
+
+`GemmLinear` replaces `nn.Linear` (same `weight [out, in]` / `bias [out]` parameters and
+state_dict keys): bf16 operands through `deepgemm.bf16_gemm_nt`, or with `fp8=True` e4m3
+operands through `deepgemm.fp8_gemm_nt` (activations cast per token and 128 channels, the
+weight per 128x128 block, cached until the weight changes). deepgemm runs its sm_90a kernels
+on CUDA tensors and its exact reference on CPU tensors. Accumulation is fp32; the bias is added
+in fp32; the result comes back in the input's dtype. Inference only (no autograd graph).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import deepgemm
+import torch
+from tilehal import ShapeError
+
+log = logging.getLogger("tilestack.layers")
+
+
+class GemmLinear(torch.nn.Module):
+    """y = x @ weight.T + bias with deepgemm's bf16 (default) or fp8 (`fp8=True`) GEMM."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, fp8: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.fp8 = in_features, out_features, fp8
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = (torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None)
+        torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Linear's default
+        self._cache: tuple[Any, Any] | None = None
+        self._logged_cpu = False
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, fp8: bool = False) -> GemmLinear:
+        """Wrap `linear`'s own parameters (shared, not copied), so state_dicts stay interchangeable."""
+        out = cls.__new__(cls)
+        torch.nn.Module.__init__(out)
+        out.in_features, out.out_features, out.fp8 = linear.in_features, linear.out_features, fp8
+        out.weight = linear.weight
+        out.bias = linear.bias
+        out._cache, out._logged_cpu = None, False
+        return out
+
+    def _gemm_weight(self) -> Any:
+        """The weight in the GEMM's operand format, recomputed only when the weight changes."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.device, w.dtype, self.fp8)
+        if self._cache is None or self._cache[0] != key:
+            wd = w.detach()
+            val = deepgemm.per_block_cast_to_fp8(wd) if self.fp8 else wd.to(torch.bfloat16).contiguous()
+            self._cache = (key, val)
+        return self._cache[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ShapeError(f"x: expected a tensor [..., {self.in_features}], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            raise RuntimeError("GemmLinear is inference-only (deepgemm records no autograd graph): run it under "
+                               "torch.no_grad() / torch.inference_mode(), or set requires_grad=False")
+        if not x.is_cuda and not self._logged_cpu:
+            log.debug("GemmLinear %dx%d: input on %s, running deepgemm's CPU reference (the sm_90a kernels need "
+                      "CUDA tensors)", self.out_features, self.in_features, x.device)
+            self._logged_cpu = True
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        # fp32 output when a bias follows or the caller is not bf16: one rounding, at the end.
+        out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 and self.bias is None else torch.float32
+        d = torch.empty((x2.shape[0], self.out_features), dtype=out_dtype, device=x.device)
+        if x2.shape[0]:
+            if self.fp8:
+                deepgemm.fp8_gemm_nt(deepgemm.per_token_cast_to_fp8(x2), self._gemm_weight(), d)
+            else:
+                deepgemm.bf16_gemm_nt(x2.to(torch.bfloat16).contiguous(), self._gemm_weight(), d)
+        if self.bias is not None:
+            d += self.bias.float()
+        return d.to(x.dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fp8={self.fp8}")

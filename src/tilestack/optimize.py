@@ -1,0 +1,171 @@
+"""register_optimizations: swap a model's modules for the stack's, and say what was and was not swapped.
+
+- `nn.Linear` -> `tilestack.layers.GemmLinear` (deepgemm bf16, or fp8 with `fp8=True`), or with
+  `sparse_24=True` -> dataengine `SparseLinear.from_dense(..., "2:4")` (pruned: outputs change).
+- MoE blocks `tilestack.moe.moe_block_parts` accepts -> `ExpertParallelMoE`, only when `include`
+  names them (their forward changes: a tensor out, softmax top-k routing).
+
+A module whose shape does not qualify is kept; the reason is logged at DEBUG (`tilestack.optimize`)
+and listed in the returned report.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .layers import GemmLinear
+from .moe import ExpertParallelMoE, moe_block_parts
+
+log = logging.getLogger("tilestack.optimize")
+
+BACKENDS = ("cuda", "cpu")
+_LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Decision:
+    name: str
+    kind: str              # "linear" or "moe"
+    replacement: str | None  # class name when swapped
+    reason: str            # why skipped, or how the replacement runs
+
+
+@dataclass
+class OptimizationReport:
+    backend: str
+    fp8: bool
+    sparse_24: bool
+    swapped: list[Decision] = field(default_factory=list)
+    skipped: list[Decision] = field(default_factory=list)
+
+    def names(self, which: str = "swapped") -> list[str]:
+        return [d.name for d in getattr(self, which)]
+
+    def __str__(self) -> str:
+        lines = [f"register_optimizations(backend={self.backend!r}, fp8={self.fp8}, sparse_24={self.sparse_24}): "
+                 f"{len(self.swapped)} swapped, {len(self.skipped)} skipped"]
+        lines += [f"  swapped {d.name or '<root>'} ({d.kind}) -> {d.replacement}"
+                  + (f": {d.reason}" if d.reason else "") for d in self.swapped]
+        lines += [f"  skipped {d.name or '<root>'} ({d.kind}): {d.reason}" for d in self.skipped]
+        return "\n".join(lines)
+
+
+def _cuda_unavailable_reason() -> str | None:
+    """Why deepgemm's CUDA kernels cannot run here, or None."""
+    if not torch.cuda.is_available():
+        import tilehal
+
+        return tilehal.cuda_unavailable_reason() or "torch.cuda.is_available() is False"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return f"deepgemm's kernels need an sm_90 (Hopper) GPU, found compute capability {major}.{minor}"
+    return None
+
+
+def linear_skip_reason(linear: torch.nn.Module, backend: str, fp8: bool = False, sparse_24: bool = False
+                       ) -> str | None:
+    """Why `linear` cannot be swapped under these options, or None when it qualifies."""
+    if type(linear) is not torch.nn.Linear:
+        return (f"{type(linear).__name__} subclasses nn.Linear; its owner may read the weight directly and "
+                "bypass forward, so it is kept")
+    w = linear.weight
+    k = linear.in_features
+    if w.dtype not in _LINEAR_DTYPES:
+        return f"weight dtype {w.dtype} is not one of float32/bfloat16/float16"
+    if w.device.type == "meta":
+        return "weight is on the meta device (materialize the model first)"
+    if sparse_24:
+        return None if k % 4 == 0 else f"2:4 sparsity needs in_features % 4 == 0, got {k}"
+    if fp8 and k % 128:
+        return f"fp8 needs in_features % 128 == 0 (1x128 activation / 128x128 weight scale blocks), got {k}"
+    if backend == "cuda" and k % 8:
+        return f"the CUDA bf16 GEMM needs in_features % 8 == 0 (TMA rows of 16 bytes), got {k}"
+    return None
+
+
+def _matches(name: str, include: Sequence[str] | None) -> bool:
+    return include is None or any(fnmatch.fnmatchcase(name, pat) for pat in include)
+
+
+def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: bool = False, sparse_24: bool = False,
+                           include: Sequence[str] | None = None, *, moe_group: Any = None,
+                           sparse_method: str = "magnitude") -> OptimizationReport:
+    """Swap `model`'s qualifying modules in place for TileStack's; returns what was swapped and skipped.
+
+    backend: "cuda" (deepgemm's sm_90a kernels; shape rules of TMA apply; needs a Hopper GPU) or
+      "cpu" (deepgemm's reference; any shape). The swapped layers run wherever their tensors are.
+    fp8: GemmLinear with fp8 e4m3 operands (needs in_features % 128 == 0).
+    sparse_24: prune Linears 2:4 by `sparse_method` into dataengine SparseLinear (exclusive with fp8).
+    include: module names or fnmatch patterns to consider (None: every Linear). MoE blocks are
+      swapped for ExpertParallelMoE (on `moe_group`) only when `include` names them.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if fp8 and sparse_24:
+        raise ValueError("fp8 and sparse_24: expected at most one of them, got both (SparseLinear has no fp8 path)")
+    if isinstance(include, str):
+        raise TypeError(f"include: expected a sequence of names or patterns, got the string {include!r}")
+    if backend == "cuda":
+        why = _cuda_unavailable_reason()
+        if why is not None:
+            from tilehal import DeviceError
+
+            raise DeviceError(f"backend='cuda' is not usable here: {why} (use backend='cpu')")
+    report = OptimizationReport(backend, fp8, sparse_24)
+    replacements: dict[int, torch.nn.Module] = {}
+    done: list[str] = []   # prefixes of replaced subtrees: their children are gone
+
+    def decide(name: str, kind: str, new: torch.nn.Module | None, reason: str, module: torch.nn.Module) -> None:
+        if new is None:
+            log.debug("%s (%s) kept: %s", name or "<root>", kind, reason)
+            report.skipped.append(Decision(name, kind, None, reason))
+            return
+        report.swapped.append(Decision(name, kind, type(new).__name__, reason))
+        replacements[id(module)] = new
+        done.append(name)
+
+    for name, module in model.named_modules():
+        if any(name == p or name.startswith(p + ".") for p in done):
+            continue
+        if not isinstance(module, torch.nn.Linear):
+            parts = moe_block_parts(module)
+            if isinstance(parts, str):
+                continue
+            if include is None or not _matches(name, include):
+                decide(name, "moe", None, "MoE block: name it in include= to swap it for ExpertParallelMoE "
+                       "(its forward then returns a tensor and routes by softmax top-k)", module)
+                continue
+            new = ExpertParallelMoE.from_module(module, group=moe_group, use_fp8=fp8)
+            decide(name, "moe", new, f"{new.num_local_experts} of {new.num_experts} experts on this rank", module)
+            continue
+        if not _matches(name, include):
+            continue
+        why = linear_skip_reason(module, backend, fp8, sparse_24)
+        if why is not None:
+            decide(name, "linear", None, why, module)
+            continue
+        if sparse_24:
+            from dataengine import SparseLinear
+
+            sl = SparseLinear.from_dense(module, "2:4", sparse_method)
+            decide(name, "linear", sl, f"path {sl.path}" + (f" ({sl.reason})" if sl.reason else ""), module)
+        else:
+            decide(name, "linear", GemmLinear.from_linear(module, fp8=fp8), "fp8 e4m3" if fp8 else "bf16", module)
+
+    if id(model) in replacements:
+        # The root cannot be replaced in place; the caller holds the reference.
+        d = report.swapped.pop()
+        del replacements[id(model)]
+        decide("", d.kind, None, "the root module cannot be replaced in place: wrap it in a container", model)
+    # Every parent edge, so a module shared by two parents is replaced in both.
+    for parent in list(model.modules()):
+        for child_name, child in list(parent._modules.items()):
+            if child is not None and id(child) in replacements:
+                setattr(parent, child_name, replacements[id(child)])
+    return report
