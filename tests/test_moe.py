@@ -176,6 +176,22 @@ def test_bad_inputs_are_named():
     assert isinstance(moe_block_parts(torch.nn.Linear(4, 4)), str)
 
 
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="deepgemm's kernels need an sm_90 GPU")
+@pytest.mark.parametrize("use_fp8, tol", [(False, TOL_BF16), (True, TOL_FP8)])
+def test_single_process_on_cuda_matches_reference(use_fp8, tol):
+    """The deepgemm sm_90a grouped kernels inside the MoE (not yet run on a GPU at the time of writing)."""
+    ref = make_reference()
+    moe = ExpertParallelMoE.from_module(ref, use_fp8=use_fp8).cuda()
+    x = make_inputs(300)
+    y = moe(x.cuda()).cpu()
+    assert rel_err(y, ref(x.double())) < tol
+
+
 # ----------------------------------------------------------------------------- two ranks (Gloo)
 
 

@@ -216,3 +216,19 @@ def test_moe_block_is_swapped_only_when_named():
     assert report.names("swapped") == ["moe"] and isinstance(model.moe, ExpertParallelMoE)
     assert type(model.proj) is torch.nn.Linear                      # include limits Linears too
     assert rel_err(got, want) < 0.009                               # the bf16 MoE tolerance of test_moe.py
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="deepgemm's kernels need an sm_90 GPU")
+@pytest.mark.parametrize("fp8, tol", [(False, TOL_BF16), (True, TOL_FP8)])
+def test_cuda_backend_on_a_hopper_gpu(fp8, tol):
+    """deepgemm's sm_90a dense kernels behind GemmLinear (not yet run on a GPU at the time of writing)."""
+    model = mlp().cuda()
+    x = torch.randn(64, 256, device="cuda")
+    with torch.no_grad():
+        want = model(x)
+        report = register_optimizations(model, backend="cuda", fp8=fp8)
+        got = model(x)
+    assert report.names("swapped") == ["0", "2"]
+    assert rel_err(got, want) < tol
