@@ -45,6 +45,13 @@ TOL_FP8 = 2 * math.sqrt(4) * U_E4M3 / math.sqrt(3)
 H, FFN, E, K = 256, 128, 8, 2
 
 
+@pytest.fixture(autouse=True)
+def _inference():
+    """ExpertParallelMoE is inference-only: every test runs without autograd."""
+    with torch.no_grad():
+        yield
+
+
 def make_reference(seed: int = 0, hidden: int = H, ffn: int = FFN, experts: int = E, top_k: int = K,
                    norm: bool = False) -> ReferenceMoE:
     """A float64 MoE whose weights are bf16-representable (so both sides start from the same values)."""
@@ -163,6 +170,8 @@ def test_router_is_softmax_topk():
 
 def test_bad_inputs_are_named():
     moe = ExpertParallelMoE(H, FFN, E, K)
+    with torch.enable_grad(), pytest.raises(RuntimeError, match="inference-only"):
+        moe(torch.zeros(2, H, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="x: expected a tensor"):
         moe(torch.zeros(2, H + 1, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="topk_idx"):
@@ -222,6 +231,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, tokens: int) -> N
         idx, w = _explicit_routing(world * tokens)
         mine = slice(rank * tokens, (rank + 1) * tokens)
         out = {}
+        torch.set_grad_enabled(False)                      # inference-only module
         for fp8 in (False, True):
             moe = ExpertParallelMoE.from_module(ref, group=dist.group.WORLD, use_fp8=fp8)
             assert list(moe.local_experts) == list(range(rank * E // world, (rank + 1) * E // world))

@@ -314,13 +314,19 @@ class ExpertParallelMoE(torch.nn.Module):
             deepgemm.m_grouped_bf16_gemm_nt_contiguous(act.to(torch.bfloat16), self.w2, y, layout.m_indices)
         return y
 
-    @torch.no_grad()
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden] in x's dtype.
 
         `routing=(topk_idx int64 [T, k], topk_weights float32 [T, k])` replaces the router (-1 = no
         expert), e.g. for group-limited routing computed elsewhere.
         """
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            raise RuntimeError("ExpertParallelMoE is inference-only (deepgemm records no autograd graph): run it "
+                               "under torch.no_grad() / torch.inference_mode(), or set requires_grad=False")
+        with torch.no_grad():
+            return self._forward(x, routing)
+
+    def _forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         _check(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == self.hidden, "x",
                f"a tensor [..., {self.hidden}]", tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__)
         _check(x.dtype in (torch.bfloat16, torch.float16, torch.float32), "x.dtype",
