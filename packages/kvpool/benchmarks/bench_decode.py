@@ -72,7 +72,7 @@ def bench_graph(fn) -> float | str:
         return f"capture failed: {type(e).__name__}: {e}"[:300]
 
 
-VARIANTS = ("v1", "v2:32:4", "v2:64:3", "v3:64:2", "v3:64:3", "v3:64:4")  # candidates for the default
+VARIANTS = ("v1", "v3:64:2", "v3:64:3", "v3:64:4")  # candidates for the default
 
 
 def dense_case(batch: int, seq_len: int) -> dict:

@@ -13,18 +13,15 @@ def _have_nvrtc() -> bool:
     return tilehal.compiler_versions()["nvrtc"] is not None or tilehal.compiler_versions()["nvcc"] is not None
 
 
-CONFIGS = [cuda_decode.KernelConfig(), cuda_decode.KernelConfig("v2", 32, 4), cuda_decode.KernelConfig("v2", 64, 3),
-           cuda_decode.KernelConfig("v3", 64, 2), cuda_decode.KernelConfig("v3", 64, 3)]
-CONFIG_IDS = ["v1", "v2_32x4", "v2_64x3", "v3_x2", "v3_x3"]
-# On the GPU (device time is scarce): the default and the candidates for it.
-GPU_CONFIGS = [c for c, i in zip(CONFIGS, CONFIG_IDS) if i != "v2_64x3"]
-GPU_CONFIG_IDS = [i for i in CONFIG_IDS if i != "v2_64x3"]
+CONFIGS = [cuda_decode.KernelConfig(), cuda_decode.KernelConfig("v3", 64, 2), cuda_decode.KernelConfig("v3", 64, 3)]
+CONFIG_IDS = ["v1", "v3_x2", "v3_x3"]
+GPU_CONFIGS, GPU_CONFIG_IDS = CONFIGS, CONFIG_IDS
 
 
 def _same_math_tolerance(cfg) -> float:
     """calc_diff bound between two runs whose only difference is the split/warp partition.
 
-    v1/v2 keep probabilities in fp32, so a different partition changes only fp32 rounding; v3
+    v1 keeps probabilities in fp32, so a different partition changes only fp32 rounding; v3
     rounds them to the MMA input type (bf16/fp16) relative to the running max, which depends on
     the partition, as in FlashAttention.
     """
@@ -44,10 +41,9 @@ def test_kernels_compile(cfg, dtype, head_dim, group):
 def test_kernel_config_parsing():
     assert cuda_decode.KernelConfig.parse(None) == cuda_decode.DEFAULT_CONFIG == cuda_decode.KernelConfig("v3", 64, 3)
     assert cuda_decode.KernelConfig.parse("v1") == cuda_decode.KernelConfig("v1", 64, 2)
-    assert cuda_decode.KernelConfig.parse("v2:64:3") == cuda_decode.KernelConfig("v2", 64, 3)
     assert cuda_decode.KernelConfig.parse("v3") == cuda_decode.KernelConfig("v3", 64, 3)
     assert cuda_decode.KernelConfig.parse("v3:64:4") == cuda_decode.KernelConfig("v3", 64, 4)
-    for bad in ("v4", "v3:32:3", "v3:64:1", "v2:32"):
+    for bad in ("v4", "v3:32:3", "v3:64:1", "v2", "v2:32:4"):
         with pytest.raises(ValueError, match="KVPOOL_DECODE_KERNEL"):
             cuda_decode.KernelConfig.parse(bad)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import math
 import os
@@ -20,17 +19,15 @@ log = logging.getLogger("kvpool.cuda_decode")
 KERNEL_DIR = Path(__file__).with_name("kernels")
 KERNEL_SOURCE = KERNEL_DIR / "paged_decode.cuh"
 THREADS, TILE, STAGES = 128, 64, 2  # v1's fixed tile and pipeline depth
-V2_MAX_ITEMS = 512  # kMaxItems in paged_decode_v2.cuh
 V3_MAX_ITEMS = 512  # kV3MaxItems in paged_decode_v3.cuh
 V3_WARPS, V3_STEP = 4, 16  # warps per CTA and tokens per warp step in paged_decode_v3.cuh
-VARIANTS = ("v1", "v2", "v3")
+VARIANTS = ("v1", "v3")
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Which decode kernel: "v1" (CUDA cores), "v2" (v1 + staged block list, tile/stages as
-    template parameters) or "v3" (tensor cores, per-warp pipelines; its tile is fixed at
-    4 warps x 16 tokens, `stages` is the per-warp cp.async depth)."""
+    """Which decode kernel: "v1" (CUDA cores; any block size) or "v3" (tensor cores, per-warp
+    pipelines; its tile is fixed at 4 warps x 16 tokens, `stages` is the per-warp cp.async depth)."""
 
     variant: str = "v1"
     tile: int = TILE
@@ -38,18 +35,17 @@ class KernelConfig:
 
     @classmethod
     def parse(cls, text: str | None) -> KernelConfig:
-        """"v1", "v2", "v2:TILE:STAGES" (e.g. "v2:32:4"), "v3" or "v3:64:STAGES"; the env
+        """"v1", "v3" or "v3:64:STAGES"; the env
         variable KVPOOL_DECODE_KERNEL uses this form. Empty or None: the default (v3, 3 stages)."""
         if not text:
             return DEFAULT_CONFIG
         if text == "v1":
             return cls()
         parts = text.split(":")
-        if parts[0] not in ("v2", "v3") or len(parts) not in (1, 3):
-            raise ValueError(f"KVPOOL_DECODE_KERNEL: expected 'v1', 'v2:TILE:STAGES' or 'v3:64:STAGES', got {text!r}")
-        defaults = {"v2": (32, 4), "v3": (V3_WARPS * V3_STEP, 3)}
-        tile, stages = (int(x) for x in parts[1:]) if len(parts) == 3 else defaults[parts[0]]
-        if parts[0] == "v3" and tile != V3_WARPS * V3_STEP:
+        if parts[0] != "v3" or len(parts) not in (1, 3):
+            raise ValueError(f"KVPOOL_DECODE_KERNEL: expected 'v1', 'v3' or 'v3:64:STAGES', got {text!r}")
+        tile, stages = (int(x) for x in parts[1:]) if len(parts) == 3 else (V3_WARPS * V3_STEP, 3)
+        if tile != V3_WARPS * V3_STEP:
             raise ValueError(f"KVPOOL_DECODE_KERNEL: v3's tile is fixed at {V3_WARPS * V3_STEP}, got {text!r}")
         if stages < 2:
             raise ValueError(f"KVPOOL_DECODE_KERNEL: at least 2 stages, got {text!r}")
@@ -57,7 +53,8 @@ class KernelConfig:
 
 
 # v3 with 3 stages measured fastest on the H200 (docs/benchmarks/kvpool_decode.json) and passes
-# every GPU test; v1 and v2 stay selectable through KVPOOL_DECODE_KERNEL.
+# every GPU test; v1 stays selectable through KVPOOL_DECODE_KERNEL and serves block sizes v3
+# cannot. (A "v2", v1 plus a staged block list, measured slower than v1 and was removed.)
 DEFAULT_CONFIG = KernelConfig("v3", V3_WARPS * V3_STEP, 3)
 
 
@@ -77,14 +74,13 @@ _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
 
 def smem_bytes(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfig = KernelConfig()) -> int:
-    """Dynamic shared memory of one CTA (mirrors DecodeSmem / DecodeSmemV2 / DecodeSmemV3)."""
+    """Dynamic shared memory of one CTA (mirrors DecodeSmem / DecodeSmemV3)."""
     tile_bytes = cfg.tile * head_dim * dtype.itemsize
     if cfg.variant == "v1":
         return 2 * STAGES * tile_bytes + TILE * group * 4 + STAGES * TILE * 4 + 4 * group * 4
-    if cfg.variant == "v3":  # per warp: STAGES steps of K and of V, 16 tokens each
-        step_bytes = V3_STEP * head_dim * dtype.itemsize
-        return V3_WARPS * 2 * cfg.stages * step_bytes + 2 * V3_MAX_ITEMS * 4
-    return 2 * cfg.stages * tile_bytes + cfg.tile * group * 4 + 2 * V2_MAX_ITEMS * 4 + 4 * group * 4
+    # v3, per warp: STAGES steps of K and of V, 16 tokens each
+    step_bytes = V3_STEP * head_dim * dtype.itemsize
+    return V3_WARPS * 2 * cfg.stages * step_bytes + 2 * V3_MAX_ITEMS * 4
 
 
 def unsupported_reason(q: torch.Tensor, pool: KVPool) -> str | None:
@@ -106,29 +102,18 @@ def kernel_names(dtype: torch.dtype, head_dim: int, group: int,
     t = _CTYPES[dtype]
     if cfg.variant == "v1":
         main = f"kvpool::paged_decode_kernel<{t}, {head_dim}, {group}>"
-    elif cfg.variant == "v3":
-        main = f"kvpool::paged_decode_v3_kernel<{t}, {head_dim}, {group}, {cfg.stages}>"
     else:
-        main = f"kvpool::paged_decode_v2_kernel<{t}, {head_dim}, {group}, {cfg.tile}, {cfg.stages}>"
+        main = f"kvpool::paged_decode_v3_kernel<{t}, {head_dim}, {group}, {cfg.stages}>"
     return main, f"kvpool::paged_decode_combine<{t}, {head_dim}>"
-
-
-@functools.cache
-def _kernel_digest() -> str:
-    h = hashlib.sha256()
-    for p in sorted(KERNEL_DIR.glob("*.cuh")):
-        h.update(p.name.encode() + p.read_bytes())
-    return h.hexdigest()[:16]
 
 
 @functools.cache
 def compile_decode(dtype: torch.dtype, head_dim: int, group: int, arch: str = "sm_90a",
                    cfg: KernelConfig = KernelConfig()) -> tilehal.CudaModule:
     """Compile (or load from tilehal's cache) the kernels for one (dtype, head_dim, group, config)."""
-    header = {"v1": "paged_decode.cuh", "v2": "paged_decode_v2.cuh", "v3": "paged_decode_v3.cuh"}[cfg.variant]
-    # tilehal keys its cache on the source text, not on included files: the digest of our
-    # headers in the source makes an edited kernel recompile instead of loading a stale cubin.
-    source = f'// kvpool kernels {_kernel_digest()}\n#include "{header}"\n'
+    header = {"v1": "paged_decode.cuh", "v3": "paged_decode_v3.cuh"}[cfg.variant]
+    # tilehal's cache key covers the headers in include_dirs, so an edited kernel recompiles.
+    source = f'#include "{header}"\n'
     return tilehal.compile_cuda(source, arch=arch,
                                 name=f"paged_decode_{cfg.variant}_{head_dim}_{group}",
                                 include_dirs=[str(KERNEL_DIR)], options=["--use_fast_math"],
@@ -169,8 +154,8 @@ def _launch_plan(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfi
     if num_splits is None:
         per_sm = max(1, min(228 * 1024 // (smem + 1024), 2048 // THREADS))
         num_splits = choose_splits(batch, kv_heads, items * block_size, _device_sms(device_index), per_sm)
-    if cfg.variant in ("v2", "v3"):  # a CTA's share of blocks must fit the kernel's shared table
-        num_splits = max(num_splits, -(-items // (V2_MAX_ITEMS if cfg.variant == "v2" else V3_MAX_ITEMS)))
+    if cfg.variant == "v3":  # a CTA's share of blocks must fit the kernel's shared table
+        num_splits = max(num_splits, -(-items // V3_MAX_ITEMS))
     return main, combine, smem, num_splits
 
 

@@ -1,6 +1,6 @@
 // Paged decode, variant 3: tensor cores (mma.sync m16n8k16) and per-warp pipelines.
 //
-// Same contract as paged_decode_kernel (paged_decode.cuh). Why a third kernel: v1/v2 spend
+// Same contract as paged_decode_kernel (paged_decode.cuh). Why a second kernel: v1 spends
 // ~4000 warp instructions per 64-token tile on CUDA-core dot products, conversions and three
 // CTA barriers, which at 4 KB of K/V per token-row group is close to the SM's issue rate at
 // 4 TB/s. Here the GQA group's q heads are the M rows of an m16n8k16 MMA (rows >= G are zero
@@ -13,7 +13,7 @@
 // accumulators, so the main loop has no CTA barrier at all, only __syncwarp. Shared tiles
 // are XOR-swizzled in 16-byte chunks (chunk ^ (row & 7)) so ldmatrix reads are conflict free.
 // The warps' partial (m, l, O) merge once through shared memory at the end. The block list of
-// the CTA's share (physical id, valid tokens) is staged in shared memory once, as in v2.
+// the CTA's share (physical id, valid tokens) is staged in shared memory once.
 // Requires a power-of-two block_size (host checks).
 #pragma once
 #include "paged_decode.cuh"
