@@ -62,6 +62,16 @@ def all_keys(max_multicast=2):
                     cfg = pick_config(kind, min(e, m_max), n, k, num_groups=g, grouping="masked", num_sms=SMS,
                                       max_multicast=max_multicast)
                     keys.add(kernel_key(cfg, n, k, "masked", g, torch.bfloat16, False))
+    for n, k in DENSE_NK:  # the benchmark's A/B of the overlapped fp8 promotion
+        cfg = pick_config("fp8", 4096, n, k, num_sms=SMS, tma_store=True)
+        keys.add(kernel_key(dataclasses.replace(cfg, allow_overlap=False), n, k, "normal", 1, torch.bfloat16, False))
+    for m, n, k, block_n in ((256, 384, 1408, None), (200, 320, 2496, 88)):  # overlapped-vs-serial GPU test
+        cfg = pick_config("fp8", m, n, k, num_sms=SMS, tma_store=True)
+        if block_n is not None:
+            cfg = dataclasses.replace(cfg, block_n=block_n,
+                                      stages=max_stages("fp8", cfg.block_m, block_n, cfg.block_m * block_n * 2))
+        for c in (cfg, dataclasses.replace(cfg, allow_overlap=False)):
+            keys.add(kernel_key(c, n, k, "normal", 1, torch.bfloat16, False))
     cfg = pick_config("fp8", 128, 512, 512, num_groups=2, grouping="masked", num_sms=SMS)
     keys.add(kernel_key(cfg, 512, 512, "masked", 2, torch.bfloat16, False))  # CUDA-graph test
     dense(keys, "bf16", 300, 200, 256, False, False)  # gemm() BLAS test: fp32 accumulator output

@@ -1,11 +1,13 @@
 """Compile-only (NVRTC, no GPU): tilehal's Hopper headers, and every kernel configuration the
 heuristic picks for the issue's shape sets. Runs in CI on the CPU machine."""
 
+import dataclasses
+
 import pytest
 import tilehal
 import torch
 from deepgemm.cuda_gemm import OPTIONS, kernel_key, kernel_source
-from deepgemm.heuristics import pick_config
+from deepgemm.heuristics import max_stages, pick_config
 
 pytestmark = pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
 
@@ -34,6 +36,19 @@ def issue_configs():
         for n, k in DENSE_NK:
             cfg = pick_config(kind, 4096, n, k, num_sms=132, tma_store=True, max_multicast=2)
             keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))
+    # the serial-promotion twins of the overlapped fp8 kernels (DEEPGEMM_FP8_OVERLAP=0, the benchmark's A/B)
+    for n, k in DENSE_NK:
+        cfg = pick_config("fp8", 4096, n, k, num_sms=132, tma_store=True, overlap=False)
+        keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))
+    for n, k in GROUPED_NK:
+        cfg = pick_config("fp8", 1024, n, k, num_groups=1, grouping="masked", num_sms=132, overlap=False)
+        keys.add(kernel_key(cfg, n, k, "masked", 1, torch.bfloat16, False))
+    # overlapped fp8 tiles the heuristic does not pick for these shapes: every width class up to 128,
+    # K-block counts that leave group tails of 1..7 (the group is 8 blocks), a tile across two scale blocks
+    for bn, k in ((8, 128), (24, 256), (56, 384), (96, 640), (80, 1408), (128, 2496), (72, 1920), (64, 1792)):
+        base = pick_config("fp8", 256, 1024, k, num_sms=132, tma_store=True)
+        cfg = dataclasses.replace(base, block_n=bn, stages=max_stages("fp8", base.block_m, bn, base.block_m * bn * 2))
+        keys.add(kernel_key(cfg, 1024, k, "normal", 1, torch.bfloat16, False))
     # odd shapes the GPU tests use
     for kind, m, n, k in (("fp8", 7, 200, 272), ("bf16", 1000, 200, 272), ("fp8", 1000, 129, 1040)):
         cfg = pick_config(kind, m, n, k, num_sms=132, tma_store=n % 8 == 0)
@@ -57,10 +72,22 @@ def test_kernel_configs_compile(batch):
     if not mod.cache_hit:  # the ptxas report only exists when this run compiled it
         spills = [line for line in mod.log.splitlines() if "spill" in line]
         assert len(spills) == len(exprs) and all("0 bytes spill stores" in line for line in spills), mod.log
+        # ptxas falls back to synchronous wgmma (C7514/C7517/C7518) when it cannot prove the
+        # accumulators are not touched while in flight: that would undo the overlapped promotion.
+        assert "serialized" not in mod.log and "wait_group is injected" not in mod.log, mod.log
 
 
 def test_issue_configs_are_many_and_distinct():
     assert len(CONFIGS) == len({k.expression for k in CONFIGS}) > 40
+
+
+def test_both_fp8_promotion_paths_are_compiled():
+    fp8 = [k for k in CONFIGS if k.fp8]
+    overlapped = {k.block_n for k in fp8 if k.overlap_promotion}
+    assert {8, 16, 56, 80, 96, 128} <= overlapped and max(overlapped) == 128
+    assert any(not k.overlap_promotion and k.block_n == 128 for k in fp8)  # serial twin of the same tile
+    assert any(not k.overlap_promotion and k.block_n > 128 for k in fp8)  # too wide for two partial-sum sets
+    assert not any(k.overlap_promotion for k in CONFIGS if not k.fp8)
 
 
 HEADERS_PROBE = r"""

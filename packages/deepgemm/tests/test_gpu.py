@@ -230,3 +230,41 @@ def test_multicast_phantom_tiles(on_a, fp8):
     torch.cuda.synchronize()
     assert calc_diff(out, ref) < 1e-3
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+# K blocks 11 (a full group of 8 + 3) and 20 (8 + 8 + 4, the last block partial); BLOCK_N 88 on N = 320
+# puts the middle tile across two 128-wide weight-scale blocks.
+OVERLAP_CASES = [(256, 384, 1408, None), (200, 320, 2496, 88)]
+
+
+@pytest.mark.parametrize("m,n,k,block_n", OVERLAP_CASES)
+def test_fp8_overlapped_promotion_matches_serial(m, n, k, block_n):
+    """The overlapped promotion (two partial-sum sets, wait_group 1) does the same arithmetic in the
+    same order as the serial one: both must match the reference and each other."""
+    from deepgemm import cuda_gemm
+
+    cfg = overlap_case_config(m, n, k, block_n)
+    assert cfg.overlap_promotion
+    a, b = _operands(m, n, k, seed=11)
+    a8, sfa = deepgemm.per_token_cast_to_fp8(a)
+    b8, sfb = deepgemm.per_block_cast_to_fp8(b)
+    sfa_t = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
+    outs = []
+    for c in (cfg, dataclasses.replace(cfg, allow_overlap=False)):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        cuda_gemm.dense(a8, sfa_t, b8, sfb, out, None, config=c)
+        outs.append(out)
+    torch.cuda.synchronize()
+    ref = reference.fp8_gemm_nt(a8, sfa, b8, sfb, None)
+    assert calc_diff(outs[0], ref) < 1e-3 and calc_diff(outs[1], ref) < 1e-3
+    assert calc_diff(outs[0], outs[1]) < 1e-5
+
+
+def overlap_case_config(m, n, k, block_n):
+    from deepgemm import heuristics
+
+    base = heuristics.pick_config("fp8", m, n, k, tma_store=True)
+    if block_n is None:
+        return base
+    return dataclasses.replace(base, block_n=block_n,
+                               stages=heuristics.max_stages("fp8", base.block_m, block_n, base.block_m * block_n * 2))

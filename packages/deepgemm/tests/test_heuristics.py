@@ -1,6 +1,7 @@
 """The config heuristic: least waves x tile cost, then the fullest last wave, then the larger tile;
 multicast when the paired block count is even; the epilogue's swizzle width."""
 
+import dataclasses
 import math
 
 import pytest
@@ -34,7 +35,8 @@ def test_pick_is_optimal_under_its_rule(kind, m, n, k):
 
     def cost(bn):
         w, util = waves(math.ceil(m / bm) * math.ceil(n / bn), 132)
-        return w * (bm + 64) * (bn + 32) * (1.0 if bn in (128, 256) else 1.15), -util
+        overlap = heuristics.OVERLAP_COST if heuristics.overlaps(kind, bn) else 1.0
+        return w * (bm + 64) * (bn + 32) * (1.0 if bn in (128, 256) else 1.15) * overlap, -util
 
     best = min(cost(bn) for bn in block_n_candidates(kind))
     assert cfg.block_m == bm and cost(cfg.block_n) == best
@@ -113,3 +115,27 @@ def test_epilogue_swizzle_width():
     assert [heuristics.d_swizzle(n) for n in (256, 192, 160, 144, 136, 16, 8)] == [128, 128, 64, 32, 0, 32, 0]
     assert pick_config("bf16", 4096, 7168, 2048, num_sms=132, tma_store=True).d_swizzle == 128
     assert pick_config("bf16", 4096, 7168, 2048, num_sms=132).d_swizzle == 0  # no TMA store, no staging tile
+
+
+def test_overlapped_promotion_where_registers_allow():
+    assert heuristics.overlaps("fp8", 128) and heuristics.overlaps("fp8", 16)
+    assert heuristics.overlaps("fp8", 96) and not heuristics.overlaps("fp8", 120)  # 104..120 spill
+    assert not heuristics.overlaps("fp8", 136) and not heuristics.overlaps("fp8", 192)
+    assert not heuristics.overlaps("bf16", 128)  # bf16 has no promotion
+    cfg = pick_config("fp8", 4096, 7168, 16384, num_sms=132)
+    assert cfg.overlap_promotion and cfg.block_n == 128
+    assert not pick_config("fp8", 4096, 7168, 16384, num_sms=132, overlap=False).overlap_promotion
+    assert not pick_config("bf16", 4096, 7168, 16384, num_sms=132).overlap_promotion
+    # derived from the width, so a config with another width stays consistent
+    assert not dataclasses.replace(cfg, block_n=192).overlap_promotion
+    assert not dataclasses.replace(cfg, allow_overlap=False).overlap_promotion
+
+
+def test_overlap_moves_narrow_n_to_the_overlapped_width():
+    # 2112 wide: 136 (serial promotion) in 4 waves before; 128 (overlapped) in 5 waves now. The run-1
+    # sweep had already measured 128 faster (926 vs 889 TFLOPS).
+    assert pick_config("fp8", 4096, 2112, 7168, num_sms=132, overlap=False).block_n == 136
+    cfg = pick_config("fp8", 4096, 2112, 7168, num_sms=132)
+    assert (cfg.block_n, cfg.num_waves, cfg.overlap_promotion) == (128, 5, True)
+    # shapes whose best tile is too wide to overlap keep it (one wave of 192 beats two of 128)
+    assert pick_config("fp8", 128, 24576, 1536, num_sms=132).block_n == 192

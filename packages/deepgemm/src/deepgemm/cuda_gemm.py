@@ -48,6 +48,7 @@ class KernelKey:
     d_swizzle: int = 0  # bytes per row of the epilogue's swizzled TMA-store boxes (0: plain rows)
     multicast: int = 1  # CTAs per cluster sharing one operand tile
     multicast_on_a: bool = False
+    overlap_promotion: bool = False  # fp8: two partial-sum sets, promotion overlaps the next wgmma
 
     @property
     def expression(self) -> str:
@@ -58,7 +59,8 @@ class KernelKey:
 
         return (f"deepgemm::gemm_sm90<{self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
                 f"{KIND_IDS[self.grouping]}, {self.num_groups}, {b(self.fp8)}, {out}, {b(self.has_c)}, "
-                f"{b(self.tma_store)}, {self.d_swizzle}, {self.multicast}, {b(self.multicast_on_a)}>")
+                f"{b(self.tma_store)}, {self.d_swizzle}, {self.multicast}, {b(self.multicast_on_a)}, "
+                f"{b(self.overlap_promotion)}>")
 
 
 def kernel_source() -> str:
@@ -82,7 +84,7 @@ def kernel_key(cfg: GemmConfig, n: int, k: int, grouping: str, num_groups: int, 
     return KernelKey(n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages, grouping=grouping,
                      num_groups=num_groups, fp8=cfg.kind == "fp8", out_bf16=out_dtype == torch.bfloat16,
                      has_c=has_c, tma_store=cfg.tma_store, d_swizzle=cfg.d_swizzle, multicast=cfg.multicast,
-                     multicast_on_a=cfg.multicast_on_a)
+                     multicast_on_a=cfg.multicast_on_a, overlap_promotion=cfg.overlap_promotion)
 
 
 def use_tma_store(d: torch.Tensor, n: int, has_c: bool, grouping: str) -> bool:
@@ -180,6 +182,10 @@ def grid_size(cfg: GemmConfig, tiles: int) -> int:
 
 def _launch(key: KernelKey, cfg: GemmConfig, tiles: int, descs, d_desc, sfb, d, c, group_info, shape_m: int) -> None:
     kern = _kernel(key)
+    if cfg.kind == "fp8" and not cfg.overlap_promotion and log.isEnabledFor(logging.DEBUG):
+        log.debug("fp8 promotion not overlapped with the next wgmma: %s",
+                  "DEEPGEMM_FP8_OVERLAP=0" if not cfg.allow_overlap else
+                  f"BLOCK_N = {cfg.block_n} (a second partial-sum set would not fit in registers)")
     kern.launch(grid_size(cfg, tiles), cfg.num_threads,
                 [descs[0], descs[1], descs[2], d_desc, sfb, d, c, group_info, shape_m],
                 smem_bytes=cfg.smem_bytes, cluster=(cfg.multicast, 1, 1) if cfg.multicast > 1 else None)
@@ -188,6 +194,11 @@ def _launch(key: KernelKey, cfg: GemmConfig, tiles: int, descs, d_desc, sfb, d, 
 def max_multicast() -> int:
     """DEEPGEMM_MULTICAST=2 allows 2-CTA multicast (off by default: it measured slower on the H200)."""
     return 2 if os.environ.get("DEEPGEMM_MULTICAST", "1") == "2" else 1
+
+
+def overlap_allowed() -> bool:
+    """DEEPGEMM_FP8_OVERLAP=0 keeps every fp8 kernel on the serial promotion path (for A/B timing)."""
+    return os.environ.get("DEEPGEMM_FP8_OVERLAP", "1") != "0"
 
 
 def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor | None,
@@ -204,7 +215,8 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
         return
     fp8 = sfa is not None
     cfg = config or pick_config("fp8" if fp8 else "bf16", m, n, k,
-                                tma_store=use_tma_store(d, n, c is not None, "normal"), max_multicast=max_multicast())
+                                tma_store=use_tma_store(d, n, c is not None, "normal"), max_multicast=max_multicast(),
+                                overlap=overlap_allowed())
     sfa_t = _sfa_layout(sfa) if fp8 else None
     sfb_c = sfb.contiguous() if fp8 else None
     descs = _descriptors(a, b, sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
@@ -221,7 +233,8 @@ def grouped_contiguous(a, sfa, b, sfb, d, m_indices) -> None:
         return
     fp8 = sfa is not None
     cfg = pick_config("fp8" if fp8 else "bf16", m, n, k, num_groups=g, grouping="contiguous",
-                      tma_store=use_tma_store(d, n, False, "contiguous"), max_multicast=max_multicast())
+                      tma_store=use_tma_store(d, n, False, "contiguous"), max_multicast=max_multicast(),
+                      overlap=overlap_allowed())
     sfa_t = _sfa_layout(sfa) if fp8 else None
     descs = _descriptors(a, b.view(g * n, k), sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
     key = kernel_key(cfg, n, k, "contiguous", g, d.dtype, False)
@@ -238,7 +251,7 @@ def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int) -> None:
         return
     fp8 = sfa is not None
     cfg = pick_config("fp8" if fp8 else "bf16", min(expected_m, m_max), n, k, num_groups=g, grouping="masked",
-                      max_multicast=max_multicast())
+                      max_multicast=max_multicast(), overlap=overlap_allowed())
     sfa_t = _sfa_layout(sfa) if fp8 else None
     sk = sfa.shape[2] if fp8 else 0
     descs = _descriptors(a.view(g * m_max, k), b.view(g * n, k), sfa_t, cfg, sfa_rows=g * sk, sfa_cols=m_max)

@@ -7,6 +7,8 @@ tile (BLOCK_M x BLOCK_N) is waves x tile cost, where a tile costs as if it were
 K block (barriers, scale loads, promotion) and move more operand bytes per FLOP. The cheapest
 candidate wins; ties go to the fuller last wave, then the larger tile. (DeepGEMM's rule, fewest
 waves first, would take a 192-wide tile in 10 waves over a 160-wide one in 11, which is slower.)
+fp8 tiles whose promotion overlaps the next K block's wgmma (`overlaps`) cost OVERLAP_COST of the
+same tile without it (H200: the overlapped path measured 1.10x faster, same tile, same run).
 Stages = as many pipeline buffers as fit in shared memory (at most 8).
 With `tma_store`, a BLOCK_M x BLOCK_N bf16 staging tile for the epilogue is reserved first.
 
@@ -35,6 +37,19 @@ TILE_OVERHEAD_N = 32
 ODD_WIDTH_PENALTY = 1.15
 MULTICAST_MIN_M = 1024  # below this the operands are few and L2 traffic is not what limits
 ROW_BYTES = 128  # BLOCK_K is one 128-byte swizzle row: 128 fp8 or 64 bf16 elements
+# fp8 tiles that keep a second partial-sum register set (3 x BLOCK_N/2 of the math threads'
+# registers), so each K block's promotion overlaps the next block's wgmma: up to 96 wide, and 128
+# (which never straddles two weight-scale blocks, so it needs no per-column scale selection). 104..120
+# spill a few registers in some K-tail / grouped variants (measured with ptxas -v), and wider tiles
+# cannot hold three sets at all.
+# The contiguous grouped kernel (expert lookup per tile) spills 12 bytes even at 128: it keeps the
+# serial promotion.
+OVERLAP_MAX_STRADDLING_N = 96
+OVERLAP_MAX_BLOCK_N = 128
+# Cost factor of an fp8 tile whose promotion overlaps the next wgmma: the promotion (BLOCK_N/2 FMAs
+# per thread and K block) leaves the warpgroup's critical path. Measured 1.08x .. 1.16x on the H200
+# (docs/benchmarks/deepgemm_h200.json, ours_serial_promotion_*), so 0.9 errs on the cautious side.
+OVERLAP_COST = 0.9
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,13 @@ class GemmConfig:
     num_sms: int  # persistent CTAs to launch (before capping by the tile count)
     tma_store: bool = False  # epilogue staged in shared memory and written by TMA
     multicast_on_a: bool = False  # with multicast 2: the cluster shares A (else B)
+    allow_overlap: bool = True  # fp8: overlap promotion with the next wgmma where registers allow
+    grouping: str = "normal"  # "normal", "contiguous" or "masked"
+
+    @property
+    def overlap_promotion(self) -> bool:
+        """Whether the kernel keeps two fp8 partial-sum sets (derived, so replacing block_n stays valid)."""
+        return self.allow_overlap and overlaps(self.kind, self.block_n, self.grouping)
 
     @property
     def d_swizzle(self) -> int:
@@ -86,6 +108,12 @@ def block_n_candidates(kind: str, grouping: str = "normal") -> tuple[int, ...]:
         top = 192 if grouping == "normal" else 160
         return tuple(n for n in range(16, top + 1, 8) if n <= 128 + math.gcd(n, 128))
     return tuple(range(16, 257, 8))
+
+
+def overlaps(kind: str, block_n: int, grouping: str = "normal") -> bool:
+    """fp8 tiles whose promotion can overlap the next K block's wgmma (two partial-sum sets fit)."""
+    return (kind == "fp8" and grouping != "contiguous"
+            and (block_n <= OVERLAP_MAX_STRADDLING_N or block_n == OVERLAP_MAX_BLOCK_N))
 
 
 def d_swizzle(block_n: int) -> int:
@@ -129,12 +157,13 @@ def max_stages(kind: str, block_m: int, block_n: int, epilogue_bytes: int = 0) -
     return s
 
 
-def tile_cost(block_m: int, block_n: int) -> float:
+def tile_cost(block_m: int, block_n: int, overlap: bool = False) -> float:
     """Relative time of one tile (per unit of K) in the heuristic's cost model. Widths other than 128
     and 256 pay ODD_WIDTH_PENALTY: measured on the H200 (docs/benchmarks/deepgemm_h200.json,
-    "variants"), 128-wide fp8 tiles beat 144/160/192-wide ones even in more waves."""
+    "variants"), 128-wide fp8 tiles beat 144/160/192-wide ones even in more waves. An fp8 tile with
+    overlapped promotion (`overlap`) costs OVERLAP_COST of the same tile without it."""
     penalty = 1.0 if block_n in (128, 256) else ODD_WIDTH_PENALTY
-    return (block_m + TILE_OVERHEAD_M) * (block_n + TILE_OVERHEAD_N) * penalty
+    return (block_m + TILE_OVERHEAD_M) * (block_n + TILE_OVERHEAD_N) * penalty * (OVERLAP_COST if overlap else 1.0)
 
 
 def waves(num_tiles: int, num_sms: int) -> tuple[int, int]:
@@ -153,22 +182,24 @@ def pick_config(
     num_sms: int | None = None,
     tma_store: bool = False,
     max_multicast: int = 1,
+    overlap: bool = True,
 ) -> GemmConfig:
     """Choose the kernel configuration for D[M, N] (per group) = A[M, K] @ B[N, K]^T.
 
     `grouping` is "normal", "contiguous" (m = M_sum over all groups, tiles never straddle
-    experts) or "masked" (m = expected rows per group, num_groups groups).
+    experts) or "masked" (m = expected rows per group, num_groups groups). `overlap=False` keeps
+    every fp8 tile on the serial promotion path (for A/B timing).
     """
     if kind not in ("fp8", "bf16"):
         raise ValueError(f"kind: expected 'fp8' or 'bf16', got {kind!r}")
     if grouping not in ("normal", "contiguous", "masked"):
         raise ValueError(f"grouping: expected 'normal', 'contiguous' or 'masked', got {grouping!r}")
-    return _pick(kind, m, n, k, num_groups, grouping, num_sms or get_num_sms(), tma_store, max_multicast)
+    return _pick(kind, m, n, k, num_groups, grouping, num_sms or get_num_sms(), tma_store, max_multicast, overlap)
 
 
 @functools.lru_cache(maxsize=4096)  # called on every launch: keep the host path short
 def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms: int, tma_store: bool,
-          max_multicast: int) -> GemmConfig:
+          max_multicast: int, overlap: bool) -> GemmConfig:
     if grouping == "contiguous":
         block_ms: tuple[int, ...] = (128,)  # the layout's alignment: one expert per M block
     elif m <= 64:
@@ -182,7 +213,7 @@ def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms
         for bn in block_n_candidates(kind, grouping):
             tiles = ceil_div(m, bm) * ceil_div(n, bn) * groups
             w, util = waves(tiles, sms)
-            key = (w * tile_cost(bm, bn), -util, -(bm * bn), -bm)
+            key = (w * tile_cost(bm, bn, overlap and overlaps(kind, bn, grouping)), -util, -(bm * bn), -bm)
             if best is None or key < best[0]:
                 best = (key, bm, bn, w, util)
     _, bm, bn, w, util = best
@@ -191,4 +222,5 @@ def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms
     multicast, on_a = pick_multicast(grouping, m, n, bm, bn, sms, max_multicast)
     return GemmConfig(kind=kind, block_m=bm, block_n=bn, block_k=block_k,
                       stages=max_stages(kind, bm, bn, epilogue), multicast=multicast, num_waves=w,
-                      last_wave_util=util, num_sms=sms, tma_store=tma_store, multicast_on_a=on_a)
+                      last_wave_util=util, num_sms=sms, tma_store=tma_store, multicast_on_a=on_a,
+                      allow_overlap=overlap, grouping=grouping)

@@ -6,8 +6,11 @@
 // ("full": data landed, "empty": consumers are done). Warpgroups 0..NUM_MATH_WG-1 each own 64 rows
 // of the tile and run wgmma on it. For fp8, each 128-wide K block is accumulated on its own and
 // then promoted into the fp32 total with its scales (sfa per row x sfb per 128 columns), which is
-// DeepGEMM's answer to fp8 wgmma's limited accumulation precision. bf16 keeps one K block of wgmma
-// in flight (wait_group 1), so a warpgroup never drains its tensor-core queue inside a tile.
+// DeepGEMM's answer to fp8 wgmma's limited accumulation precision. With OVERLAP the partial sums
+// alternate between two register sets: block kb+1's wgmma is issued before block kb is promoted, so
+// the promotion no longer stalls the warpgroup's own tensor-core queue (registers allow this up to
+// BLOCK_N = 128). bf16 keeps one K block of wgmma in flight (wait_group 1), so a warpgroup never
+// drains its tensor-core queue inside a tile.
 //
 // MCAST = 2 launches 2-CTA clusters whose CTAs take neighbouring tiles that share an operand
 // (MCAST_ON_A: same m-block, n-blocks 2u and 2u+1; else same n-block, m-blocks 2u and 2u+1). Each
@@ -34,8 +37,14 @@ using namespace tilehal;
 enum GemmKind : int { kNormal = 0, kGroupedContiguous = 1, kGroupedMasked = 2 };
 
 constexpr int kSwizzleGroupN = 16;  // n-blocks per rasterization band: neighbours share A and B in L2
-constexpr int kProducerRegs = 40;
-constexpr int kMathRegs = 232;
+// Register split after setmaxnreg. The CTA keeps the registers it launched with (384 threads x 168
+// for two math warpgroups, 256 x 232 for one), so what the producer gives back is what the math
+// warpgroups may take: (168 - 40) x 128 = 2 x (232 - 168) x 128; with one math warpgroup the
+// producer's spare registers let it reach the 256 maximum. (A 24-register producer would give two
+// math warpgroups 240, but the grouped schedulers spill at 24.)
+template <int NUM_MATH_WG> constexpr int kProducerRegs = 40;
+template <int NUM_MATH_WG> constexpr int kMathRegs = NUM_MATH_WG == 1 ? 256 : 232;
+constexpr int kOverlapGroup = 8;  // fp8 K blocks per drained group of the overlapped promotion
 
 // Which output tile a CTA does next. Producer and consumers run identical copies, and so do the
 // CTAs of a cluster: they walk the same sequence of "units" (a tile, or a pair of tiles that share
@@ -115,6 +124,39 @@ struct TileScheduler {
   }
 };
 
+// K blocks kb0 .. kb0+N-1 of the overlapped fp8 promotion as one unrolled group: block j+1 is
+// issued (into the other partial-sum set) before block j is promoted, and the last block is drained
+// with wait_group 0. ptxas keeps wgmma asynchronous only when every loop iteration drains (a wgmma
+// still in flight across the back edge, with wait_group 1 in the loop, makes it serialize every
+// wgmma of the kernel), so the groups are long: all but one promotion per group overlap a wgmma.
+// (A template function, not a generic lambda: NVRTC 13.0 treats those as host code.)
+template <int N, int PART, typename Issue, typename Retire>
+TILEHAL_DEVICE void overlapped_group(int kb0, float (&part)[PART], float (&part2)[PART], float& sc0, float& sc1,
+                                     float& sd0, float& sd1, Issue& issue, Retire& retire) {
+  issue(part, kb0, sc0, sc1);
+#pragma unroll
+  for (int j = 0; j < N; j += 2) {
+    if (j + 1 < N) {
+      issue(part2, kb0 + j + 1, sd0, sd1);
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
+    wgmma_fence_operands(part);
+    retire(part, kb0 + j, sc0, sc1);
+    if (j + 1 < N) {
+      if (j + 2 < N) {
+        issue(part, kb0 + j + 2, sc0, sc1);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      wgmma_fence_operands(part2);
+      retire(part2, kb0 + j + 1, sd0, sd1);
+    }
+  }
+}
+
 // std::conditional without <type_traits> (NVRTC ships no C++ standard library).
 template <bool C, typename T, typename F> struct Select { using type = T; };
 template <typename T, typename F> struct Select<false, T, F> { using type = F; };
@@ -136,6 +178,13 @@ TILEHAL_DEVICE void store_pair(OutT* p, float x, float y, bool both, bool aligne
       if (both) p[1] = y;
     }
   }
+}
+
+// The descriptor of K step k (32 bytes further along the 128-byte row). The 14-bit address field
+// cannot carry into the upper word (shared memory is below 256 KiB), whose bits are constants, so
+// only the low word is live: one register per descriptor instead of two.
+TILEHAL_DEVICE u64 desc_step(u64 desc, int k) {
+  return (desc & 0xFFFFFFFF00000000ull) | static_cast<u32>(static_cast<u32>(desc) + k * 2);
 }
 
 // bar.sync on a named barrier among `count` threads (id 0 is __syncthreads's).
@@ -162,7 +211,7 @@ TILEHAL_DEVICE int staging_offset(int r, int j, int q) {
 }
 
 template <int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int KIND, int NUM_GROUPS, bool FP8,
-          typename OutT, bool HAS_C, bool TMA_STORE, int D_SWIZZLE, int MCAST, bool MCAST_ON_A>
+          typename OutT, bool HAS_C, bool TMA_STORE, int D_SWIZZLE, int MCAST, bool MCAST_ON_A, bool OVERLAP>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
           const __grid_constant__ TmaDescriptor tma_sfa, const __grid_constant__ TmaDescriptor tma_d,
@@ -182,6 +231,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   constexpr bool kMcastA = MCAST > 1 && MCAST_ON_A;
   constexpr bool kMcastB = MCAST > 1 && !MCAST_ON_A;
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups");
+  static_assert(!OVERLAP || FP8, "only fp8 has a promotion to overlap");
   static_assert(BLOCK_N % 8 == 0 && BLOCK_N <= 256, "wgmma N");
   static_assert(!FP8 || BLOCK_N <= 128 + ((BLOCK_N & -BLOCK_N) < 128 ? (BLOCK_N & -BLOCK_N) : 128),
                 "an fp8 tile may span at most two 128-wide scale blocks of B");
@@ -230,7 +280,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
 
   if (tid >= NUM_MATH_THREADS) {
     // ---------------------------------------------------------------- producer warpgroup
-    setmaxnreg_dec<kProducerRegs>();
+    setmaxnreg_dec<kProducerRegs<NUM_MATH_WG>>();
     if (tid != NUM_MATH_THREADS) return;
     const int rank = sched.rank;
     u32 it = 0;
@@ -270,13 +320,15 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   }
 
   // ------------------------------------------------------------------ math warpgroups
-  setmaxnreg_inc<kMathRegs>();
+  setmaxnreg_inc<kMathRegs<NUM_MATH_WG>>();
   const int wg = tid / 128;
   const int warp = (tid % 128) / 32;
   const int lane = tid % 32;
   const int row_in_tile = wg * 64 + warp * 16 + lane / 4;  // and +8
   float acc[ACC];
-  float part[FP8 ? ACC : 1];
+  constexpr int PART = FP8 ? ACC : 1;
+  float part[PART];
+  float part2[OVERLAP ? PART : 1];  // the second partial-sum set of the overlapped fp8 path
   u32 it = 0;
 
   // Hand a stage back to the producer(s): lane i of each warp arrives in CTA i of the cluster.
@@ -297,8 +349,59 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
     const float* sfb_row = sfb + (group * SF_N + sf_blk) * SF_K;
     const bool has_second_sf = sf_blk + 1 < SF_N;
     const int n_off = n0 % 128;
+    // Promote one K block: acc += part * sfa[row] * sfb[column block].
+    auto promote = [&](const float (&p)[ACC], float sa0, float sa1, float sb0, float sb1) {
+#pragma unroll
+      for (int j = 0; j < BLOCK_N / 8; ++j) {
+        const float sb = (n_off + j * 8 >= 128) ? sb1 : sb0;
+        const float s0 = sa0 * sb, s1 = sa1 * sb;
+        acc[4 * j + 0] += p[4 * j + 0] * s0;
+        acc[4 * j + 1] += p[4 * j + 1] * s0;
+        acc[4 * j + 2] += p[4 * j + 2] * s1;
+        acc[4 * j + 3] += p[4 * j + 3] * s1;
+      }
+    };
 
-    if constexpr (FP8) {
+    if constexpr (FP8 && OVERLAP) {
+      // Two partial-sum sets in turn: block kb+1's wgmma is issued before block kb is promoted,
+      // so the promotion's FMAs run while the tensor cores work (wait_group 1 retires only kb).
+      // Each block's weight scales are loaded when the block is issued, one block ahead.
+      const u32 it0 = it;
+      auto issue = [&](float (&p)[PART], int kb, float& b0, float& b1) {
+        b0 = __ldg(sfb_row + kb);
+        b1 = has_second_sf ? __ldg(sfb_row + SF_K + kb) : b0;
+        const int s = (it0 + kb) % STAGES;
+        mbarrier_wait(&full_bar[s], ((it0 + kb) / STAGES) & 1);
+        const u64 desc_a = make_smem_desc_k128b(smem_a + s * A_BYTES + wg * 64 * 128);
+        const u64 desc_b = make_smem_desc_k128b(smem_b + s * B_BYTES);
+        wgmma_fence_operands(p);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < BLOCK_K / K_STEP; ++k) Mma::mma(p, desc_step(desc_a, k), desc_step(desc_b, k), k > 0);
+        wgmma_commit();
+      };
+      // Block kb is retired (all its wgmmas done): free its stage, promote it.
+      auto retire = [&](const float (&cur)[PART], int kb, float b0, float b1) {
+        const int s = (it0 + kb) % STAGES;
+        const float sa0 = smem_sfa[s * BLOCK_M + row_in_tile];
+        const float sa1 = smem_sfa[s * BLOCK_M + row_in_tile + 8];
+        promote(cur, sa0, sa1, b0, b1);
+        wgmma_fence_operands(acc);
+        __syncwarp();
+        release(s);
+      };
+      float sc0, sc1, sd0, sd1;
+      constexpr int kGroup = NUM_K_BLOCKS < kOverlapGroup ? NUM_K_BLOCKS : kOverlapGroup;
+      constexpr int kFullGroups = NUM_K_BLOCKS / kGroup;
+#pragma unroll 1
+      for (int g = 0; g < kFullGroups; ++g) {
+        overlapped_group<kGroup>(g * kGroup, part, part2, sc0, sc1, sd0, sd1, issue, retire);
+      }
+      if constexpr (NUM_K_BLOCKS % kGroup != 0) {
+        overlapped_group<NUM_K_BLOCKS % kGroup>(kFullGroups * kGroup, part, part2, sc0, sc1, sd0, sd1, issue, retire);
+      }
+      it += NUM_K_BLOCKS;
+    } else if constexpr (FP8) {
       for (int kb = 0; kb < NUM_K_BLOCKS; ++kb, ++it) {
         const int s = it % STAGES;
         // Issued before the wait so the load latency hides behind it.
@@ -319,16 +422,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
         const float sa1 = smem_sfa[s * BLOCK_M + row_in_tile + 8];
         __syncwarp();
         release(s);
-        // Promote this K block: acc += part * sfa[row] * sfb[column block].
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j) {
-          const float sb = (n_off + j * 8 >= 128) ? sb1 : sb0;
-          const float s0 = sa0 * sb, s1 = sa1 * sb;
-          acc[4 * j + 0] += part[4 * j + 0] * s0;
-          acc[4 * j + 1] += part[4 * j + 1] * s0;
-          acc[4 * j + 2] += part[4 * j + 2] * s1;
-          acc[4 * j + 3] += part[4 * j + 3] * s1;
-        }
+        promote(part, sa0, sa1, sb0, sb1);
       }
     } else {
       // With 4+ stages one K block stays in flight: issue block kb, then wait for block kb-1 and
