@@ -140,7 +140,7 @@ class HostMapped:
     """Pinned host memory the GPU writes to (flags, counts, error word) and the CPU polls."""
 
     def __init__(self, num_ints: int) -> None:
-        from tilehal.jit.cuda import ensure_context
+        from tilehal import ensure_context
 
         drv = ensure_context(torch.cuda.current_device())
         flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
@@ -164,7 +164,7 @@ class SharedRegion:
         self.parity_bytes = _align(self.sig_bytes + data_bytes, 4096)
         # Our own cuMemAlloc, not torch's allocator: an IPC handle names a whole allocation, and
         # torch packs several tensors into one segment, which a peer could then not open twice.
-        from tilehal.jit.cuda import ensure_context
+        from tilehal import ensure_context
 
         drv = ensure_context(torch.cuda.current_device())
         size = 2 * self.parity_bytes

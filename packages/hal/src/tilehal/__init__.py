@@ -19,16 +19,8 @@ from .errors import (
     expect,
 )
 from .jit.c import CLibrary, c_compiler, c_compiler_version, compile_c
-from .jit.cuda import (
-    Arg,
-    CudaModule,
-    Kernel,
-    compile_cuda,
-    compiler_versions,
-    cuda_include_dirs,
-    ensure_context,
-    include_dir,
-)
+from .jit.cuda import compile_cuda, compiler_versions, cuda_include_dirs, include_dir
+from .jit.launch import Arg, CudaModule, Kernel, ensure_context
 from .tensors import (
     as_numpy,
     check_tensor,

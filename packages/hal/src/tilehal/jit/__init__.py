@@ -1,1 +1,2 @@
-"""Just-in-time compilers: C (system compiler + cffi) and CUDA (NVRTC or nvcc + driver API)."""
+"""Just-in-time compilers: C (c.py: system compiler + cffi) and CUDA (cuda.py: NVRTC or nvcc;
+launch.py: driver API loading and launching)."""

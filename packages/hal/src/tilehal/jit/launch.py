@@ -1,0 +1,299 @@
+"""Loading and launching cubins through the CUDA driver API (cuda-bindings), on torch's streams.
+
+Launching takes torch CUDA tensors and scalars and runs on the caller's torch stream; without a
+GPU it raises DeviceError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import DeviceError, LaunchError
+from ..tensors import is_torch
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise DeviceError("CUDA launch: cuda-bindings is not installed (pip install 'tilestack-hal[cuda]')") from e
+    return driver
+
+
+def _check(driver, res, what: str):
+    err = res[0] if isinstance(res, tuple) else res
+    if int(err) != 0:
+        _, msg = driver.cuGetErrorString(err)
+        text = msg.decode() if msg else str(err)
+        raise LaunchError(f"{what}: {text} ({int(err)})")
+    if isinstance(res, tuple):
+        return res[1] if len(res) == 2 else res[1:]
+    return None
+
+
+_init_lock = threading.Lock()
+_cuda_checked = False
+
+
+def _torch_with_cuda():
+    """torch, once it is known to see a GPU (checked once per process: launches are hot)."""
+    global _cuda_checked
+    try:
+        import torch
+    except ImportError as e:
+        raise DeviceError("CUDA launch: torch is required to launch kernels") from e
+    if not _cuda_checked:
+        if not torch.cuda.is_available():
+            raise DeviceError("CUDA launch: no CUDA GPU is available on this machine")
+        _cuda_checked = True
+    return torch
+
+
+def ensure_context(device_index: int):
+    """Make torch's (primary) context of `device_index` current on this thread; returns the
+    cuda-bindings driver module for callers that need raw driver calls (IPC, allocations)."""
+    driver = _driver()
+    try:
+        import torch
+    except ImportError as e:
+        raise DeviceError("CUDA launch: torch is required to launch kernels") from e
+    if not torch.cuda.is_available():
+        raise DeviceError("CUDA launch: no CUDA GPU is available on this machine")
+    with _init_lock:
+        torch.cuda.init()
+        err = driver.cuInit(0)
+        if int(err[0] if isinstance(err, tuple) else err) != 0:
+            raise DeviceError(f"CUDA launch: cuInit failed ({err})")
+        dev = _check(driver, driver.cuDeviceGet(device_index), "cuDeviceGet")
+        ctx = _check(driver, driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        _check(driver, driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return driver
+
+
+class Arg:
+    """A kernel argument with an explicit C type: `Arg.i64(n)`, `Arg.f32(x)`, `Arg.raw(bytes)`."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    @classmethod
+    def i32(cls, v: int) -> Arg:
+        return cls(ctypes.c_int32(int(v)))
+
+    @classmethod
+    def u32(cls, v: int) -> Arg:
+        return cls(ctypes.c_uint32(int(v)))
+
+    @classmethod
+    def i64(cls, v: int) -> Arg:
+        return cls(ctypes.c_int64(int(v)))
+
+    @classmethod
+    def u64(cls, v: int) -> Arg:
+        return cls(ctypes.c_uint64(int(v)))
+
+    @classmethod
+    def f32(cls, v: float) -> Arg:
+        return cls(ctypes.c_float(float(v)))
+
+    @classmethod
+    def f64(cls, v: float) -> Arg:
+        return cls(ctypes.c_double(float(v)))
+
+    @classmethod
+    def ptr(cls, addr: int) -> Arg:
+        return cls(ctypes.c_void_p(int(addr)))
+
+    @classmethod
+    def raw(cls, data: bytes) -> Arg:
+        """A by-value struct, e.g. a 128-byte CUtensorMap passed as `__grid_constant__`."""
+        return cls(_raw_type(len(data)).from_buffer_copy(data))
+
+
+_NP_TO_CTYPE = {
+    np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
+    np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64,
+    np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double,
+    np.dtype(np.int16): ctypes.c_int16, np.dtype(np.int8): ctypes.c_int8, np.dtype(np.uint8): ctypes.c_uint8,
+}
+
+
+@functools.cache
+def _raw_type(n: int):
+    return ctypes.c_ubyte * n
+
+
+def _tensor_arg(i: int, a: Any, device_index: int) -> Any:
+    if not a.is_cuda:
+        raise LaunchError(f"args[{i}]: expected a CUDA tensor, got device {a.device}")
+    if a.get_device() != device_index:
+        raise LaunchError(f"args[{i}]: expected a tensor on cuda:{device_index}, got {a.device}")
+    return ctypes.c_void_p(a.data_ptr())
+
+
+def _int_arg(i: int, a: int, device_index: int) -> Any:
+    if not -(2**31) <= a < 2**31:
+        raise LaunchError(f"args[{i}]: Python int {a} does not fit int32; pass Arg.i64({a}) for a 64-bit parameter")
+    return ctypes.c_int32(a)
+
+
+# Exact-type dispatch keeps the per-launch cost low (a launch packs every argument each call).
+_BY_TYPE: dict[type, Any] = {
+    int: _int_arg,
+    float: lambda i, a, d: ctypes.c_float(a),
+    bool: lambda i, a, d: ctypes.c_bool(a),
+    bytes: lambda i, a, d: _raw_type(len(a)).from_buffer_copy(a),
+    bytearray: lambda i, a, d: _raw_type(len(a)).from_buffer_copy(a),
+    type(None): lambda i, a, d: ctypes.c_void_p(0),
+    Arg: lambda i, a, d: a.obj,
+}
+
+
+def _to_ctype(i: int, a: Any, device_index: int) -> Any:
+    conv = _BY_TYPE.get(type(a))
+    if conv is not None:
+        return conv(i, a, device_index)
+    if is_torch(a):
+        return _tensor_arg(i, a, device_index)
+    if isinstance(a, (ctypes._SimpleCData, ctypes.Array, ctypes.Structure)):
+        return a
+    if isinstance(a, np.generic):
+        ct = _NP_TO_CTYPE.get(a.dtype)
+        if ct is None:
+            raise LaunchError(f"args[{i}]: unsupported numpy scalar type {a.dtype}")
+        return ct(a.item())
+    if isinstance(a, Arg):
+        return a.obj
+    if isinstance(a, bool):
+        return ctypes.c_bool(a)
+    if isinstance(a, int):
+        return _int_arg(i, int(a), device_index)
+    if isinstance(a, float):
+        return ctypes.c_float(a)
+    raise LaunchError(f"args[{i}]: cannot pass {type(a).__name__} to a kernel (tensor, int, float, numpy scalar or Arg)")
+
+
+def _dims(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
+    t = (int(v),) if isinstance(v, (int, np.integer)) else tuple(int(x) for x in v)
+    if not 1 <= len(t) <= 3 or any(x < 1 for x in t):
+        raise LaunchError(f"{what}: expected 1 to 3 positive sizes, got {v!r}")
+    return (t + (1, 1))[:3]
+
+
+@dataclass
+class Kernel:
+    """One `__global__` function of a CudaModule."""
+
+    module: CudaModule
+    name: str  # as the user asked for it
+    symbol: str  # mangled/lowered name in the cubin
+    _functions: dict[int, Any] = field(default_factory=dict, repr=False)
+    _smem_set: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def _function(self, device_index: int):
+        fn = self._functions.get(device_index)
+        if fn is None:
+            driver = ensure_context(device_index)
+            mod = self.module._loaded(device_index, driver)
+            fn = _check(driver, driver.cuModuleGetFunction(mod, self.symbol.encode()), f"kernel {self.name!r} not found in module {self.module.name}")
+            self._functions[device_index] = fn
+        return fn
+
+    def attribute(self, attr: str, device_index: int | None = None) -> int:
+        """A CUfunction attribute, e.g. 'NUM_REGS', 'LOCAL_SIZE_BYTES', 'MAX_THREADS_PER_BLOCK'."""
+        import torch
+
+        dev = torch.cuda.current_device() if device_index is None else device_index
+        driver = ensure_context(dev)
+        a = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attr}")
+        return int(_check(driver, driver.cuFuncGetAttribute(a, self._function(dev)), f"attribute {attr}"))
+
+    def launch(
+        self,
+        grid: int | Sequence[int],
+        block: int | Sequence[int],
+        args: Sequence[Any],
+        smem_bytes: int = 0,
+        stream: Any = None,
+        cluster: int | Sequence[int] | None = None,
+    ) -> None:
+        """Launch on `stream` (a torch.cuda.Stream or raw handle; default: torch's current stream).
+
+        Tensors become device pointers, Python ints int32, floats float32; use `Arg` for other
+        C types. `smem_bytes` above 48 KiB is opted into automatically. `cluster` launches
+        thread-block clusters (sm_90+).
+        """
+        g, b = _dims(grid, "grid"), _dims(block, "block")
+        torch = _torch_with_cuda()
+        if stream is None:
+            tstream = torch.cuda.current_stream()
+            dev, handle = tstream.device.index, tstream.cuda_stream
+        elif hasattr(stream, "cuda_stream"):
+            dev, handle = stream.device.index, stream.cuda_stream
+        else:
+            dev, handle = torch.cuda.current_device(), int(stream)
+        params = [_to_ctype(i, a, dev) for i, a in enumerate(args)]
+        fn = self._function(dev)
+        driver = _driver()
+        if smem_bytes > 48 * 1024 and self._smem_set.get(dev, 0) < smem_bytes:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(driver, driver.cuFuncSetAttribute(fn, attr, int(smem_bytes)),
+                   f"kernel {self.name}: smem_bytes={smem_bytes} exceeds this device's opt-in limit")
+            self._smem_set[dev] = smem_bytes
+        ptrs = (ctypes.c_void_p * max(1, len(params)))(*[ctypes.addressof(p) for p in params])
+        stream_h = driver.CUstream(handle)
+        if cluster is None:
+            res = driver.cuLaunchKernel(fn, *g, *b, int(smem_bytes), stream_h, ctypes.addressof(ptrs), 0)
+        else:
+            c = _dims(cluster, "cluster")
+            cfg = driver.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = g
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = b
+            cfg.sharedMemBytes = int(smem_bytes)
+            cfg.hStream = stream_h
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            res = driver.cuLaunchKernelEx(cfg, fn, ctypes.addressof(ptrs), 0)
+        _check(driver, res, f"launch of {self.name} grid={g} block={b} smem={smem_bytes}")
+
+
+@dataclass
+class CudaModule:
+    """A compiled cubin; kernels load lazily on first launch, once per device."""
+
+    name: str
+    arch: str
+    cubin: bytes
+    lowered_names: dict[str, str]
+    path: Path
+    cache_hit: bool
+    compile_seconds: float
+    log: str = ""
+    compiler: str = "nvrtc"
+    _modules: dict[int, Any] = field(default_factory=dict, repr=False)
+    _kernels: dict[str, Kernel] = field(default_factory=dict, repr=False)
+
+    def get_kernel(self, name: str) -> Kernel:
+        k = self._kernels.get(name)
+        if k is None:
+            k = Kernel(module=self, name=name, symbol=self.lowered_names.get(name, name))
+            self._kernels[name] = k
+        return k
+
+    def _loaded(self, device_index: int, driver):
+        mod = self._modules.get(device_index)
+        if mod is None:
+            mod = _check(driver, driver.cuModuleLoadData(self.cubin), f"loading module {self.name} ({self.arch})")
+            self._modules[device_index] = mod
+        return mod
