@@ -1,6 +1,7 @@
 """Host tier on the CPU: offload on eviction, prefix hits on host blocks, prefetch, host LRU."""
 
 import kvpool
+import pytest
 import torch
 
 
@@ -72,9 +73,6 @@ def test_exhaustion_with_host_tier_is_clean():
     pool.evict()
     fill(pool, "z", [5, 6, 7])  # both device blocks in use
     before = (pool.manager.snapshot(), pool.stats(), sorted(pool.host.lru.items()))
-    try:
+    with pytest.raises(kvpool.PoolExhaustedError):
         pool.add_sequence("b", [1, 2, 3])
-        raise AssertionError("expected PoolExhaustedError")
-    except kvpool.PoolExhaustedError:
-        pass
     assert (pool.manager.snapshot(), pool.stats(), sorted(pool.host.lru.items())) == before

@@ -7,6 +7,7 @@ dataset index already holds, so filtering by them reads no tokens at all.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,12 +18,14 @@ import torch
 from tqdm.auto import tqdm
 
 
-class Scorer:
+class Scorer(abc.ABC):
+    """An importance score per sample; subclasses implement __call__ on the sample's tokens."""
+
     name = "scorer"
     index_only = False
 
-    def __call__(self, tokens: np.ndarray) -> float:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def __call__(self, tokens: np.ndarray) -> float: ...
 
     def score_length(self, length: int) -> float:
         raise TypeError(f"{type(self).__name__} needs the tokens, not only the length")

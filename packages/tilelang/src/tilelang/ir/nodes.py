@@ -11,6 +11,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..errors import SourceLoc
 from . import dtypes as dt
 
@@ -125,13 +127,8 @@ def as_expr(x: Any) -> Expr:
         return x
     if isinstance(x, (bool, int, float)):
         return const(x)
-    try:
-        import numpy as np
-
-        if isinstance(x, np.generic):
-            return const(x.item())
-    except ImportError:
-        pass
+    if isinstance(x, np.generic):
+        return const(x.item())
     raise TypeError(f"expected an expression or a Python number, got {type(x).__name__} {x!r}")
 
 
