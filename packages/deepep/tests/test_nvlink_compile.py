@@ -3,7 +3,7 @@
 import ctypes
 
 import pytest
-from deepep import nvlink
+from deepep import nvlink, nvlink_ll
 
 pytest.importorskip("cuda.bindings")
 
@@ -25,7 +25,7 @@ def test_kernels_compile_for_sm90a():
 
 
 @pytest.mark.parametrize("struct, cname", [(nvlink.DispatchArgs, "DispatchArgs"), (nvlink.CombineArgs, "CombineArgs"),
-                                           (nvlink.LLArgs, "LLArgs"), (nvlink.LayoutArgs, "LayoutArgs")])
+                                           (nvlink_ll.LLArgs, "LLArgs"), (nvlink.LayoutArgs, "LayoutArgs")])
 def test_ctypes_mirror_matches_the_cuda_struct(struct, cname):
     """The kernels take their arguments as one struct: every field offset must agree with C++."""
     _nvrtc_or_skip()
@@ -35,10 +35,10 @@ def test_ctypes_mirror_matches_the_cuda_struct(struct, cname):
     for field, _ in struct._fields_:
         off = getattr(struct, field).offset
         checks.append(f"static_assert(offsetof(deepep::{cname}, {field}) == {off}, \"{field}\");")
-    src = nvlink.KERNEL_SOURCE.read_text() + "\n" + "\n".join(
+    src = nvlink.kernel_source() + "\n".join(
         c.replace("offsetof(", "__builtin_offsetof(") for c in checks) + "\n"
     try:
-        tilehal.compile_cuda(src, name=f"deepep_layout_{cname}")  # a mismatch is a CompileError naming the field
+        tilehal.compile_cuda(src, name=f"deepep_layout_{cname}", include_dirs=[nvlink.KERNEL_DIR])  # a mismatch is a CompileError naming the field
     except tilehal.CompileError as e:
         if "__builtin_offsetof" in str(e) and "undefined" in str(e):
             pytest.skip("this NVRTC lacks __builtin_offsetof (NVRTC 13.0); the layout is checked where it has it")

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from tilehal import Arg, CommTimeoutError, ShapeError
 
-from .event import EventOverlap
 from .flat import DispatchInput, DispatchOutput, align_counts
+from .nvlink_ll import NvlinkLowLatency, NvlinkLowLatencyHandle
 from .waits import comm_error, spin_until
 
 log = logging.getLogger("deepep.nvlink")
@@ -31,7 +31,8 @@ log = logging.getLogger("deepep.nvlink")
 MAX_RANKS = 16
 THREADS = 512
 STAGES = {1: "dispatch/counts", 2: "dispatch/data", 3: "combine/start", 4: "combine/data",
-          5: "low_latency_dispatch/data", 6: "low_latency_combine/data"}
+          5: "low_latency_dispatch/data", 6: "low_latency_combine/data", 7: "low_latency_dispatch/counts",
+          8: "low_latency_combine/weights"}
 
 P = ctypes.c_uint64  # device pointers travel as 64-bit integers
 
@@ -54,15 +55,6 @@ class CombineArgs(ctypes.Structure):
                                       "max_chunks", "sig_hello", "sig_chunks")] + [("epoch", ctypes.c_uint32)]
 
 
-class LLArgs(ctypes.Structure):
-    _fields_ = [(n, P) for n in ("x", "topk_idx", "topk_w", "y", "pair_slot", "ll_counts", "recv_x", "recv_scales",
-                                  "recv_src", "recv_count", "out", "peer_data", "peer_sig", "state", "expert_sent",
-                                  "err")] + [
-        ("timeout_ns", ctypes.c_uint64)] + [
-        (n, ctypes.c_int32) for n in ("T", "k", "H", "R", "me", "E", "epr", "M", "use_fp8", "row_bytes",
-                                      "num_senders")]
-
-
 class LayoutArgs(ctypes.Structure):
     _fields_ = [(n, P) for n in ("topk_idx", "in_rank", "per_expert_in", "per_rank", "per_expert", "send_pos",
                                   "counts_msg", "err")] + [
@@ -73,13 +65,19 @@ LAYOUT_THREADS = 1024
 MAX_SMEM_COUNTS = 200 * 1024  # experts counted in shared memory up to this many bytes, else in global
 
 
-KERNEL_SOURCE = Path(__file__).with_name("kernels") / "nvlink.cu"
+KERNEL_DIR = Path(__file__).with_name("kernels")
+KERNEL_FILES = ("intranode.cu", "low_latency.cu")
+
+
+def kernel_source() -> str:
+    """The translation unit of every NVLink kernel (compiled with KERNEL_DIR on the include path)."""
+    return "".join(f'#include "{f}"\n' for f in KERNEL_FILES)
 
 
 @functools.lru_cache(maxsize=4)
 def compile_kernels(arch: str = "sm_90a") -> tilehal.CudaModule:
     """Compile (or fetch from tilehal's cache) the NVLink kernels; needs no GPU."""
-    return tilehal.compile_cuda(KERNEL_SOURCE.read_text(), arch=arch, name="deepep_nvlink")
+    return tilehal.compile_cuda(kernel_source(), arch=arch, name="deepep_nvlink", include_dirs=[KERNEL_DIR])
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -226,16 +224,6 @@ class NvlinkHandle:
     num_worst_tokens: int = 0
 
 
-@dataclass
-class NvlinkLowLatencyHandle:
-    num_tokens: int
-    hidden: int
-    num_experts: int
-    num_max_dispatch_tokens_per_rank: int
-    pair_slot: torch.Tensor  # [T, k] int32
-    recv_src_info: torch.Tensor  # [E_l, R * M] int32: source token of each received row
-
-
 class NvlinkDispatcher:
     handle_type = NvlinkHandle
     ll_handle_type = NvlinkLowLatencyHandle
@@ -251,9 +239,7 @@ class NvlinkDispatcher:
         self.err = HostMapped(4)
         self.regions: dict[str, SharedRegion] = {}
         self.epochs = {"dispatch": 0, "combine": 0}
-        self.ll_state = torch.zeros(2, 2, dtype=torch.int32, device="cuda")  # [dispatch|combine][epoch, done]
-        self.ll_outputs: dict[tuple, torch.Tensor] = {}
-        self.ll_counts: torch.Tensor | None = None
+        self._ll: NvlinkLowLatency | None = None
         self.num_device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         # The last get_dispatch_layout's send positions, reused when dispatch gets its is_token_in_rank.
         self._layout_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -460,84 +446,16 @@ class NvlinkDispatcher:
 
     # ------------------------------------------------------------------ low latency
 
-    def _ll_out(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        k = (key, shape, dtype)
-        t = self.ll_outputs.get(k)
-        if t is None:
-            for old in [o for o in self.ll_outputs if o[0] == key]:
-                del self.ll_outputs[old]
-            t = torch.zeros(shape, dtype=dtype, device="cuda")
-            self.ll_outputs[k] = t
-        return t
-
-    def _ll_args(self, **kw: Any) -> LLArgs:
-        a = LLArgs(err=self.err.device, timeout_ns=self.timeout_ns, R=self.num_ranks, me=self.rank)
-        for key, v in kw.items():
-            setattr(a, key, v)
-        return a
+    def _low_latency(self) -> NvlinkLowLatency:
+        if self._ll is None:
+            self._ll = NvlinkLowLatency(self)
+        return self._ll
 
     def low_latency_dispatch(self, x, topk_idx, max_tokens, num_experts, use_fp8, async_finish, return_recv_hook):
-        self.check()
-        R, T, H = self.num_ranks, x.shape[0], x.shape[1]
-        k = topk_idx.shape[1]
-        epr = num_experts // R
-        if x.dtype != torch.bfloat16:
-            raise ShapeError(f"x.dtype: expected torch.bfloat16 on the NVLink low-latency path, got {x.dtype}")
-        if k > 32:
-            raise ShapeError(f"topk_idx.shape[1]: expected at most 32 experts per token on the NVLink low-latency "
-                             f"path, got {k}")
-        if 4 * num_experts > MAX_SMEM_COUNTS:
-            raise ShapeError(f"num_experts: expected at most {MAX_SMEM_COUNTS // 4} on the NVLink low-latency path, "
-                             f"got {num_experts}")
-        payload = H + 4 * (H // 128) if use_fp8 else 2 * H
-        row_bytes = _align(payload + 4, 16)
-        reg = self._region("ll_dispatch", epr * R, epr * R * max_tokens * row_bytes)
-        cap = R * max_tokens
-        if use_fp8:
-            recv_x: Any = (self._ll_out("x", (epr, cap, H), torch.float8_e4m3fn),
-                           self._ll_out("scales", (epr, cap, H // 128), torch.float32))
-            rx, rs = recv_x
-        else:
-            recv_x = rx = self._ll_out("x_bf16", (epr, cap, H), torch.bfloat16)
-            rs = None
-        recv_count = self._ll_out("count", (epr,), torch.int32)
-        recv_src = self._ll_out("src", (epr, cap), torch.int32)
-        self.ll_counts = self._ll_out("ll_counts", (epr, R), torch.int32)
-        # Zeroed once; the kernel's last block zeroes it again after each call.
-        expert_sent = self._ll_out("expert_sent", (num_experts,), torch.int32)
-        pair_slot = torch.empty(T, k, dtype=torch.int32, device=x.device)  # the kernel writes every entry
-        a = self._ll_args(x=_ptr(x), topk_idx=_ptr(topk_idx), pair_slot=_ptr(pair_slot),
-                          ll_counts=_ptr(self.ll_counts), recv_x=_ptr(rx), recv_scales=_ptr(rs),
-                          recv_src=_ptr(recv_src), recv_count=_ptr(recv_count), peer_data=_ptr(reg.peer_data),
-                          peer_sig=_ptr(reg.peer_sig), state=_ptr(self.ll_state[0]), expert_sent=_ptr(expert_sent),
-                          T=T, k=k, H=H, E=num_experts, epr=epr, M=max_tokens, use_fp8=int(use_fp8),
-                          row_bytes=row_bytes, num_senders=0)
-        # All SMs: tokens and local experts are spread one per block (a block sends before it waits).
-        self.module.get_kernel("deepep_ll_dispatch").launch(self.num_device_sms, THREADS, [Arg(a)],
-                                                            smem_bytes=4 * num_experts)
-        handle = NvlinkLowLatencyHandle(T, H, num_experts, max_tokens, pair_slot, recv_src)
-        # One kernel both sends and receives, so the hook has nothing left to do.
-        hook = (lambda: None) if return_recv_hook else None
-        return recv_x, recv_count, handle, EventOverlap.capture(x.device), hook
+        return self._low_latency().dispatch(x, topk_idx, max_tokens, num_experts, use_fp8, return_recv_hook)
 
     def low_latency_combine(self, y, topk_idx, topk_weights, handle, async_finish, return_recv_hook, out):
-        self.check()
-        R, H, M = self.num_ranks, handle.hidden, handle.num_max_dispatch_tokens_per_rank
-        E, T, k = handle.num_experts, handle.num_tokens, topk_idx.shape[1]
-        if y.dtype != torch.bfloat16:
-            raise ShapeError(f"x.dtype: expected torch.bfloat16 for low_latency_combine, got {y.dtype}")
-        row_bytes = 2 * H
-        reg = self._region("ll_combine", E, E * M * row_bytes)
-        if out is None:
-            out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
-        a = self._ll_args(topk_idx=_ptr(topk_idx.contiguous()), topk_w=_ptr(topk_weights.float().contiguous()),
-                          y=_ptr(y.contiguous()), pair_slot=_ptr(handle.pair_slot), ll_counts=_ptr(self.ll_counts),
-                          out=_ptr(out), peer_data=_ptr(reg.peer_data), peer_sig=_ptr(reg.peer_sig),
-                          state=_ptr(self.ll_state[1]), T=T, k=k, H=H, E=E, epr=E // R, M=M, row_bytes=row_bytes,
-                          num_senders=0)
-        self.module.get_kernel("deepep_ll_combine").launch(self.num_device_sms, THREADS, [Arg(a)])
-        hook = (lambda: None) if return_recv_hook else None
-        return out, EventOverlap.capture(y.device), hook
+        return self._low_latency().combine(y, topk_idx, topk_weights, handle, return_recv_hook, out)
 
 
-__all__ = ["NvlinkDispatcher", "compile_kernels", "nvlink_unavailable_reason", "comm_error"]
+__all__ = ["NvlinkDispatcher", "compile_kernels", "kernel_source", "nvlink_unavailable_reason", "comm_error"]

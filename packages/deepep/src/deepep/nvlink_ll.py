@@ -1,0 +1,154 @@
+"""Low-latency mode on the NVLink transport: host side of kernels/low_latency.cu.
+
+One kernel launch per call, no host synchronization, fixed output buffers: dispatch and combine
+can be captured in a CUDA graph and replayed. The kernels send each token once per destination
+rank (not once per expert), see kernels/low_latency.cu for why and how.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tilehal import Arg, ShapeError
+
+from .event import EventOverlap
+
+if TYPE_CHECKING:
+    from .nvlink import NvlinkDispatcher
+
+THREADS = 512
+MAX_TOPK = 32  # the kernels keep one token's top-k entries in shared arrays of this size
+MAX_SMEM_BYTES = 200 * 1024
+
+P = ctypes.c_uint64  # device pointers travel as 64-bit integers
+
+
+class LLArgs(ctypes.Structure):
+    """Mirror of deepep::LLArgs (kernels/low_latency.cu); tests compare every offset."""
+
+    _fields_ = [(n, P) for n in ("x", "topk_idx", "topk_w", "y", "tok_rows", "src_tokens", "recv_x", "recv_scales",
+                                  "recv_src", "recv_count", "out", "peer_data", "peer_sig", "state", "err")] + [
+        ("timeout_ns", ctypes.c_uint64)] + [
+        (n, ctypes.c_int32) for n in ("T", "k", "H", "R", "me", "E", "epr", "M", "use_fp8", "row_bytes",
+                                      "payload_bytes", "sig_tokens", "sig_msg")] + [
+        ("data_rows", ctypes.c_int64)]
+
+
+@dataclass
+class NvlinkLowLatencyHandle:
+    num_tokens: int
+    hidden: int
+    num_experts: int
+    num_max_dispatch_tokens_per_rank: int
+    tok_rows: torch.Tensor  # [R, M, k] int32: recv_x row of each received (source, token, j), or -1
+    src_tokens: torch.Tensor  # [R] int32: tokens each source had
+    recv_src_info: torch.Tensor  # [E_l, R * M] int32: source token of each received row
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else int(t.data_ptr())
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class NvlinkLowLatency:
+    """Owns the fixed outputs and the device-side epochs; regions come from the dispatcher."""
+
+    def __init__(self, owner: NvlinkDispatcher) -> None:
+        self.owner = owner
+        self.rank, self.num_ranks = owner.rank, owner.num_ranks
+        self.state = torch.zeros(2, 2, dtype=torch.int32, device="cuda")  # [dispatch|combine][epoch, blocks done]
+        self.outputs: dict[tuple, torch.Tensor] = {}
+
+    def _out(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        k = (key, shape, dtype)
+        t = self.outputs.get(k)
+        if t is None:
+            for old in [o for o in self.outputs if o[0] == key]:
+                del self.outputs[old]
+            t = torch.zeros(shape, dtype=dtype, device="cuda")
+            self.outputs[k] = t
+        return t
+
+    def _args(self, **kw: Any) -> LLArgs:
+        a = LLArgs(err=self.owner.err.device, timeout_ns=self.owner.timeout_ns, R=self.num_ranks, me=self.rank)
+        for key, v in kw.items():
+            setattr(a, key, v)
+        return a
+
+    def _launch(self, name: str, a: LLArgs, smem_bytes: int = 0) -> None:
+        # Every SM: tokens and receive items are spread one per block (a block sends before it waits).
+        self.owner.module.get_kernel(name).launch(self.owner.num_device_sms, THREADS, [Arg(a)], smem_bytes=smem_bytes)
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int, use_fp8: bool,
+                 return_recv_hook: bool):
+        self.owner.check()
+        R, T, H = self.num_ranks, x.shape[0], x.shape[1]
+        k = topk_idx.shape[1]
+        epr = num_experts // R
+        if x.dtype != torch.bfloat16:
+            raise ShapeError(f"x.dtype: expected torch.bfloat16 on the NVLink low-latency path, got {x.dtype}")
+        if k > MAX_TOPK:
+            raise ShapeError(f"topk_idx.shape[1]: expected at most {MAX_TOPK} experts per token on the NVLink "
+                             f"low-latency path, got {k}")
+        smem = 4 * max(num_experts, epr * (R + 1))
+        if smem > MAX_SMEM_BYTES:
+            raise ShapeError(f"num_experts: expected at most {MAX_SMEM_BYTES // 4 - epr} on the NVLink low-latency "
+                             f"path, got {num_experts}")
+        payload = H + 4 * (H // 128) if use_fp8 else 2 * H
+        row_bytes = _align(payload + 8 * k, 16)
+        M = max_tokens
+        sig_tokens, sig_msg = R, R + R * M
+        reg = self.owner._region("ll_dispatch", sig_msg + (R * epr + 1) // 2, R * M * row_bytes)
+        cap = R * M
+        if use_fp8:
+            recv_x: Any = (self._out("x", (epr, cap, H), torch.float8_e4m3fn),
+                           self._out("scales", (epr, cap, H // 128), torch.float32))
+            rx, rs = recv_x
+        else:
+            recv_x = rx = self._out("x_bf16", (epr, cap, H), torch.bfloat16)
+            rs = None
+        recv_count = self._out("count", (epr,), torch.int32)
+        recv_src = self._out("src", (epr, cap), torch.int32)
+        # Per call (graph-safe: captured allocations come from the graph's pool); the kernel writes
+        # every entry the combine reads.
+        tok_rows = torch.empty(R, M, k, dtype=torch.int32, device=x.device)
+        src_tokens = torch.empty(R, dtype=torch.int32, device=x.device)
+        a = self._args(x=_ptr(x), topk_idx=_ptr(topk_idx), tok_rows=_ptr(tok_rows), src_tokens=_ptr(src_tokens),
+                       recv_x=_ptr(rx), recv_scales=_ptr(rs), recv_src=_ptr(recv_src), recv_count=_ptr(recv_count),
+                       peer_data=_ptr(reg.peer_data), peer_sig=_ptr(reg.peer_sig), state=_ptr(self.state[0]),
+                       T=T, k=k, H=H, E=num_experts, epr=epr, M=M, use_fp8=int(use_fp8), row_bytes=row_bytes,
+                       payload_bytes=payload, sig_tokens=sig_tokens, sig_msg=sig_msg)
+        self._launch("deepep_ll_dispatch", a, smem_bytes=smem)
+        handle = NvlinkLowLatencyHandle(T, H, num_experts, M, tok_rows, src_tokens, recv_src)
+        # One kernel both sends and receives, so the hook has nothing left to do.
+        hook = (lambda: None) if return_recv_hook else None
+        return recv_x, recv_count, handle, EventOverlap.capture(x.device), hook
+
+    def combine(self, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                handle: NvlinkLowLatencyHandle, return_recv_hook: bool, out: torch.Tensor | None):
+        self.owner.check()
+        R, H, M = self.num_ranks, handle.hidden, handle.num_max_dispatch_tokens_per_rank
+        E, T, k = handle.num_experts, handle.num_tokens, topk_idx.shape[1]
+        if y.dtype != torch.bfloat16:
+            raise ShapeError(f"x.dtype: expected torch.bfloat16 for low_latency_combine, got {y.dtype}")
+        if k != handle.tok_rows.shape[2]:
+            raise ShapeError(f"topk_idx.shape[1]: expected {handle.tok_rows.shape[2]} (as in the dispatch), got {k}")
+        row_bytes = 2 * H
+        data_rows = _align(R * M * k * 4, 16)
+        reg = self.owner._region("ll_combine", R + R * M, data_rows + R * M * row_bytes)
+        if out is None:
+            out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
+        a = self._args(topk_idx=_ptr(topk_idx.to(torch.int64).contiguous()), topk_w=_ptr(topk_weights.float().contiguous()),
+                       y=_ptr(y.contiguous()), tok_rows=_ptr(handle.tok_rows), src_tokens=_ptr(handle.src_tokens),
+                       out=_ptr(out), peer_data=_ptr(reg.peer_data), peer_sig=_ptr(reg.peer_sig),
+                       state=_ptr(self.state[1]), T=T, k=k, H=H, E=E, epr=E // R, M=M, row_bytes=row_bytes,
+                       sig_tokens=R, data_rows=data_rows)
+        self._launch("deepep_ll_combine", a)
+        hook = (lambda: None) if return_recv_hook else None
+        return out, EventOverlap.capture(y.device), hook
