@@ -137,3 +137,39 @@ def test_low_latency_kernels_emulated_ranks(world, tokens, use_fp8):
             # fp8 rows: the GPU's cast may differ from the CPU's by one e4m3 step
             rtol, atol = (2 ** -3, 5e-2) if use_fp8 else (2 ** -7, 1e-2)
             torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("T", [0, 1, 511, 513, 4096])
+@pytest.mark.parametrize("R", [2, 3, 8])
+def test_layout_kernel_tiles(T, R):
+    """The multi-block layout kernel against a plain torch reference (exact integers)."""
+    from deepep.nvlink import HostMapped, compile_kernels, launch_layout
+
+    E, k = 24 * R, 8
+    g = torch.Generator().manual_seed(T * 10 + R)
+    idx = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    idx[torch.rand(T, k, generator=g) < 0.3] = -1
+    idx = idx.cuda()
+    err = HostMapped(4)
+    in_rank = torch.empty(T, R, dtype=torch.bool, device="cuda")
+    per_rank = torch.empty(R, dtype=torch.int32, device="cuda")
+    per_expert = torch.empty(E, dtype=torch.int32, device="cuda")
+    send_pos, msg = launch_layout(compile_kernels(), err.device, R, T, E // R, topk_idx=idx, in_rank=in_rank,
+                                  per_expert_in=None, per_rank=per_rank, per_expert=per_expert)
+    torch.cuda.synchronize()
+    assert list(err.view) == [0, 0, 0, 0]
+    valid = idx >= 0
+    owner = torch.where(valid, idx // (E // R), -1).cpu()
+    ref_in = torch.stack([(owner == r).any(1) for r in range(R)], 1) if T else torch.zeros(0, R, dtype=torch.bool)
+    ref_pos = torch.where(ref_in, ref_in.int().cumsum(0) - 1, -1)
+    ref_expert = torch.bincount(idx[valid].cpu(), minlength=E)
+    assert torch.equal(in_rank.cpu(), ref_in)
+    assert torch.equal(send_pos.cpu(), ref_pos.int())
+    assert per_rank.cpu().tolist() == ref_in.sum(0).tolist()
+    assert per_expert.cpu().tolist() == ref_expert.tolist()
+    assert msg[:, 0].cpu().tolist() == ref_in.sum(0).tolist()
+    assert msg[:, 1:].reshape(-1).cpu().tolist() == ref_expert.tolist()
+    # Again from is_token_in_rank and given per-expert counts (dispatch without the layout's cache).
+    send_pos2, msg2 = launch_layout(compile_kernels(), err.device, R, T, E // R, topk_idx=None, in_rank=in_rank,
+                                    per_expert_in=per_expert, per_rank=None, per_expert=None)
+    assert torch.equal(send_pos2, send_pos) and torch.equal(msg2, msg)

@@ -61,7 +61,7 @@ class LayoutArgs(ctypes.Structure):
         (n, ctypes.c_int32) for n in ("T", "k", "R", "E", "epr", "smem_counts", "has_topk")]
 
 
-LAYOUT_THREADS = 1024
+LAYOUT_THREADS = 512  # tokens per tile block of the layout kernel
 MAX_SMEM_COUNTS = 200 * 1024  # experts counted in shared memory up to this many bytes, else in global
 
 
@@ -132,6 +132,27 @@ def nvlink_unavailable_reason(buf: Any) -> str | None:
             if a != b and not torch.cuda.can_device_access_peer(a, b):
                 return f"GPU {a} cannot access GPU {b} (no peer access)"
     return None
+
+
+def launch_layout(module: tilehal.CudaModule, err_ptr: int, R: int, T: int, epr: int, *,
+                  topk_idx: torch.Tensor | None, in_rank: torch.Tensor, per_expert_in: torch.Tensor | None,
+                  per_rank: torch.Tensor | None, per_expert: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout kernel (kernels/intranode.cu): -> (send_pos [T, R], counts_msg [R, 1 + epr]).
+
+    With topk_idx it fills in_rank, per_rank and per_expert; without, it reads in_rank and
+    per_expert_in. `err_ptr` is the host-mapped error word the kernel reports bad ids to."""
+    E = epr * R
+    dev = in_rank.device
+    send_pos = torch.empty(T, R, dtype=torch.int32, device=dev)
+    counts_msg = torch.empty(R, 1 + epr, dtype=torch.int32, device=dev)
+    smem = 4 * E if topk_idx is not None and 4 * E <= MAX_SMEM_COUNTS else 0
+    a = LayoutArgs(topk_idx=_ptr(topk_idx), in_rank=_ptr(in_rank), per_expert_in=_ptr(per_expert_in),
+                   per_rank=_ptr(per_rank), per_expert=_ptr(per_expert), send_pos=_ptr(send_pos),
+                   counts_msg=_ptr(counts_msg), err=err_ptr, T=T, k=topk_idx.shape[1] if topk_idx is not None else 0,
+                   R=R, E=E, epr=epr, smem_counts=int(smem > 0), has_topk=int(topk_idx is not None))
+    tiles = max(1, -(-T // LAYOUT_THREADS))  # plus one block that counts tokens per expert
+    module.get_kernel("deepep_layout").launch(tiles + 1, LAYOUT_THREADS, [Arg(a)], smem_bytes=smem)
+    return send_pos, counts_msg
 
 
 class HostMapped:
@@ -298,21 +319,8 @@ class NvlinkDispatcher:
 
     # ------------------------------------------------------------------ layout
 
-    def _layout_kernel(self, T: int, epr: int, *, topk_idx: torch.Tensor | None, in_rank: torch.Tensor,
-                       per_expert_in: torch.Tensor | None, per_rank: torch.Tensor | None,
-                       per_expert: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        R = self.num_ranks
-        E = epr * R
-        dev = in_rank.device
-        send_pos = torch.empty(T, R, dtype=torch.int32, device=dev)
-        counts_msg = torch.empty(R, 1 + epr, dtype=torch.int32, device=dev)
-        smem = 4 * E if topk_idx is not None and 4 * E <= MAX_SMEM_COUNTS else 0
-        a = LayoutArgs(topk_idx=_ptr(topk_idx), in_rank=_ptr(in_rank), per_expert_in=_ptr(per_expert_in),
-                       per_rank=_ptr(per_rank), per_expert=_ptr(per_expert), send_pos=_ptr(send_pos),
-                       counts_msg=_ptr(counts_msg), err=self.err.device, T=T, k=topk_idx.shape[1] if topk_idx is not None
-                       else 0, R=R, E=E, epr=epr, smem_counts=int(smem > 0), has_topk=int(topk_idx is not None))
-        self.module.get_kernel("deepep_layout").launch(1, LAYOUT_THREADS, [Arg(a)], smem_bytes=smem)
-        return send_pos, counts_msg
+    def _layout_kernel(self, T: int, epr: int, **tensors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return launch_layout(self.module, self.err.device, self.num_ranks, T, epr, **tensors)
 
     def layout(self, topk_idx: torch.Tensor, num_experts: int):
         """get_dispatch_layout in one kernel launch, no host sync (ids are checked on the device and a

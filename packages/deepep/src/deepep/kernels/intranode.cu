@@ -331,13 +331,14 @@ __device__ void combine_recv(const CombineArgs& a, u64 deadline) {
 
 // ------------------------------------------------------------------ layout
 
-// Routing layout and send positions in one single-block launch, no host synchronization:
-// per token a bitmask of destination ranks; per destination a running position (ballot +
-// popc inside a warp, a scan over the warps of the block, a carry across tiles of tokens).
-// With topk_idx it also writes is_token_in_rank and the per-rank/per-expert counts; without,
-// it reads is_token_in_rank and copies the given per-expert counts. Bad expert ids are
-// reported through host-mapped memory (err[2] = 1, err[3] = the value), checked by the host
-// at its next read of the dispatch counts.
+// Routing layout and send positions in one launch, no host synchronization. Tile blocks take
+// blockDim.x tokens each: per token a bitmask of destination ranks, a per-destination running
+// position (ballot + popc inside a warp, a scan over the block's warps), offset by the tokens
+// of earlier tiles, which each block counts itself (re-reading them is cheaper than a second
+// launch or a grid-wide wait). The last block counts tokens per expert. With topk_idx it also
+// writes is_token_in_rank and the per-rank/per-expert counts; without, it reads
+// is_token_in_rank and copies the given per-expert counts. Bad expert ids are reported through
+// host-mapped memory (err[2] = 1, err[3] = the value), checked by the host at its next call.
 struct LayoutArgs {
   const long long* topk_idx;  // [T, k] or null
   unsigned char* in_rank;     // [T, R] bool: written with topk_idx, read without
@@ -352,76 +353,116 @@ struct LayoutArgs {
                               // tensor may have a null pointer, so the mode is not taken from it)
 };
 
-extern "C" __global__ void __launch_bounds__(1024) deepep_layout(LayoutArgs a) {
-  extern __shared__ int expert_cnt[];  // [E] when smem_counts, else counts go to global memory
-  __shared__ int warp_base[32][DEEPEP_MAX_RANKS];
-  __shared__ int carry[DEEPEP_MAX_RANKS];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, num_warps = blockDim.x >> 5;
-  int* cnt = a.smem_counts ? expert_cnt : a.per_expert;
-  if (a.has_topk)
+__device__ __forceinline__ unsigned rank_mask(const LayoutArgs& a, int t) {
+  unsigned mask = 0;
+  if (a.has_topk) {
+    for (int j = 0; j < a.k; ++j) {
+      const long long e = a.topk_idx[(long long)t * a.k + j];
+      if (e >= 0 && e < a.E) mask |= 1u << int(e / a.epr);
+    }
+  } else {
+    for (int r = 0; r < a.R; ++r) mask |= (a.in_rank[(long long)t * a.R + r] ? 1u : 0u) << r;
+  }
+  return mask;
+}
+
+__device__ void layout_count_experts(const LayoutArgs& a, int* smem) {
+  const int tid = threadIdx.x, msg = 1 + a.epr;
+  if (a.has_topk) {
+    int* cnt = a.smem_counts ? smem : a.per_expert;
     for (int e = tid; e < a.E; e += blockDim.x) cnt[e] = 0;
-  if (tid < a.R) carry[tid] = 0;
-  __syncthreads();
-  for (int t0 = 0; t0 < a.T; t0 += blockDim.x) {
-    const int t = t0 + tid;
-    unsigned mask = 0;
-    if (t < a.T) {
-      if (a.has_topk) {
-        for (int j = 0; j < a.k; ++j) {
-          const long long e = a.topk_idx[(long long)t * a.k + j];
-          if (e < 0 || e >= a.E) {
-            if (e != -1) {
-              a.err[3] = int(e);
-              a.err[2] = 1;
-            }
-            continue;
-          }
-          mask |= 1u << int(e / a.epr);
-          atomicAdd(&cnt[e], 1);
-        }
-        for (int r = 0; r < a.R; ++r) a.in_rank[(long long)t * a.R + r] = (mask >> r) & 1u;
-      } else {
-        for (int r = 0; r < a.R; ++r) mask |= (a.in_rank[(long long)t * a.R + r] ? 1u : 0u) << r;
+    __syncthreads();
+    for (int i = tid; i < a.T * a.k; i += blockDim.x) {
+      const long long e = a.topk_idx[i];
+      if (e >= 0 && e < a.E) {
+        atomicAdd(&cnt[e], 1);
+      } else if (e != -1) {
+        a.err[3] = int(e);
+        a.err[2] = 1;
       }
     }
-    int below[DEEPEP_MAX_RANKS];
-    const unsigned lt = (1u << lane) - 1u;
+    __syncthreads();
+    for (int e = tid; e < a.E; e += blockDim.x) {
+      if (a.smem_counts) a.per_expert[e] = cnt[e];
+      a.counts_msg[(e / a.epr) * msg + 1 + e % a.epr] = cnt[e];
+    }
+  } else {
+    for (int e = tid; e < a.E; e += blockDim.x) a.counts_msg[(e / a.epr) * msg + 1 + e % a.epr] = a.per_expert_in[e];
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(512) deepep_layout(LayoutArgs a) {
+  extern __shared__ int expert_cnt[];  // [E] when smem_counts (last block only)
+  __shared__ int warp_base[16][DEEPEP_MAX_RANKS];
+  __shared__ int before[DEEPEP_MAX_RANKS];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, num_warps = blockDim.x >> 5;
+  const int tiles = gridDim.x - 1;
+  if ((int)blockIdx.x == tiles) {
+    layout_count_experts(a, expert_cnt);
+    return;
+  }
+  const int t0 = blockIdx.x * blockDim.x, t = t0 + tid;
+  if (tid < a.R) before[tid] = 0;
+  __syncthreads();
+  {  // tokens of earlier tiles, per destination
+    int c[DEEPEP_MAX_RANKS];
+#pragma unroll
+    for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) c[r] = 0;
+    for (int u = tid; u < t0; u += blockDim.x) {
+      const unsigned m = rank_mask(a, u);
+#pragma unroll
+      for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) c[r] += (m >> r) & 1u;
+    }
 #pragma unroll
     for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) {
       if (r >= a.R) break;
-      const unsigned b = __ballot_sync(0xffffffffu, (mask >> r) & 1u);
-      below[r] = __popc(b & lt);
-      if (lane == 0) warp_base[warp][r] = __popc(b);
+      const int v = tilehal::warp_sum<int>(c[r]);
+      if (lane == 0 && v) atomicAdd(&before[r], v);
     }
-    __syncthreads();
-    if (tid < a.R) {  // exclusive scan over the warps of this tile, plus the carry of earlier tiles
-      int run = carry[tid];
-      for (int w = 0; w < num_warps; ++w) {
-        const int c = warp_base[w][tid];
-        warp_base[w][tid] = run;
-        run += c;
+  }
+  unsigned mask = 0;
+  if (t < a.T) {
+    mask = rank_mask(a, t);
+    if (a.has_topk) {
+      for (int j = 0; j < a.k; ++j) {
+        const long long e = a.topk_idx[(long long)t * a.k + j];
+        if (e < -1 || e >= a.E) {
+          a.err[3] = int(e);
+          a.err[2] = 1;
+        }
       }
-      carry[tid] = run;
+      for (int r = 0; r < a.R; ++r) a.in_rank[(long long)t * a.R + r] = (mask >> r) & 1u;
     }
-    __syncthreads();
-    if (t < a.T) {
+  }
+  int below[DEEPEP_MAX_RANKS];
+  const unsigned lt = (1u << lane) - 1u;
 #pragma unroll
-      for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) {
-        if (r >= a.R) break;
-        a.send_pos[(long long)t * a.R + r] = ((mask >> r) & 1u) ? warp_base[warp][r] + below[r] : -1;
-      }
+  for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) {
+    if (r >= a.R) break;
+    const unsigned b = __ballot_sync(0xffffffffu, (mask >> r) & 1u);
+    below[r] = __popc(b & lt);
+    if (lane == 0) warp_base[warp][r] = __popc(b);
+  }
+  __syncthreads();
+  if (tid < a.R) {  // exclusive scan over the warps of this tile, after the earlier tiles' tokens
+    int run = before[tid];
+    for (int w = 0; w < num_warps; ++w) {
+      const int c = warp_base[w][tid];
+      warp_base[w][tid] = run;
+      run += c;
     }
-    __syncthreads();
+    if ((int)blockIdx.x == tiles - 1) {  // the last tile knows the totals
+      if (a.per_rank) a.per_rank[tid] = run;
+      a.counts_msg[tid * (1 + a.epr)] = run;
+    }
   }
-  const int msg = 1 + a.epr;
-  if (tid < a.R) {
-    if (a.per_rank) a.per_rank[tid] = carry[tid];
-    a.counts_msg[tid * msg] = carry[tid];
-  }
-  for (int e = tid; e < a.E; e += blockDim.x) {
-    const int c = a.has_topk ? cnt[e] : a.per_expert_in[e];
-    if (a.has_topk && a.smem_counts) a.per_expert[e] = c;
-    a.counts_msg[(e / a.epr) * msg + 1 + e % a.epr] = c;
+  __syncthreads();
+  if (t < a.T) {
+#pragma unroll
+    for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) {
+      if (r >= a.R) break;
+      a.send_pos[(long long)t * a.R + r] = ((mask >> r) & 1u) ? warp_base[warp][r] + below[r] : -1;
+    }
   }
 }
 
