@@ -46,7 +46,8 @@ class _Owner:
     """What NvlinkLowLatency needs from its NvlinkDispatcher, for one emulated rank."""
 
     def __init__(self, world: _World, rank: int, sms: int) -> None:
-        from deepep.nvlink import HostMapped, compile_kernels
+        from deepep.nvlink import compile_kernels
+        from deepep.nvlink_memory import HostMapped
 
         self.world, self.rank, self.num_ranks = world, rank, world.num_ranks
         self.module = compile_kernels()
@@ -143,7 +144,8 @@ def test_low_latency_kernels_emulated_ranks(world, tokens, use_fp8):
 @pytest.mark.parametrize("R", [2, 3, 8])
 def test_layout_kernel_tiles(T, R):
     """The multi-block layout kernel against a plain torch reference (exact integers)."""
-    from deepep.nvlink import HostMapped, compile_kernels, launch_layout
+    from deepep.nvlink import compile_kernels, launch_layout
+    from deepep.nvlink_memory import HostMapped
 
     E, k = 24 * R, 8
     g = torch.Generator().manual_seed(T * 10 + R)

@@ -38,7 +38,8 @@ def test_ctypes_mirror_matches_the_cuda_struct(struct, cname):
     src = nvlink.kernel_source() + "\n".join(
         c.replace("offsetof(", "__builtin_offsetof(") for c in checks) + "\n"
     try:
-        tilehal.compile_cuda(src, name=f"deepep_layout_{cname}", include_dirs=[nvlink.KERNEL_DIR])  # a mismatch is a CompileError naming the field
+        # a mismatch is a CompileError naming the field
+        tilehal.compile_cuda(src, name=f"deepep_layout_{cname}", include_dirs=[nvlink.KERNEL_DIR])
     except tilehal.CompileError as e:
         if "__builtin_offsetof" in str(e) and "undefined" in str(e):
             pytest.skip("this NVRTC lacks __builtin_offsetof (NVRTC 13.0); the layout is checked where it has it")

@@ -24,6 +24,7 @@ from tilehal import Arg, CommTimeoutError, ShapeError
 
 from .flat import DispatchInput, DispatchOutput, align_counts
 from .nvlink_ll import NvlinkLowLatency, NvlinkLowLatencyHandle
+from .nvlink_memory import ROW_ALIGN, HostMapped, SharedRegion, addr, align_up, cuda_driver
 from .waits import comm_error, spin_until
 
 log = logging.getLogger("deepep.nvlink")
@@ -80,29 +81,6 @@ def compile_kernels(arch: str = "sm_90a") -> tilehal.CudaModule:
     return tilehal.compile_cuda(kernel_source(), arch=arch, name="deepep_nvlink", include_dirs=[KERNEL_DIR])
 
 
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else int(t.data_ptr())
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-def _driver():
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _ok(res: Any, what: str) -> Any:
-    err = res[0] if isinstance(res, tuple) else res
-    if int(err) != 0:
-        raise tilehal.DeviceError(f"{what} failed: {err}")
-    if isinstance(res, tuple):
-        return res[1] if len(res) == 2 else res[1:]
-    return None
-
-
 def nvlink_unavailable_reason(buf: Any) -> str | None:
     """None when the NVLink path can run for this Buffer, else why not (logged at DEBUG)."""
     if os.environ.get("DEEPEP_DISABLE_NVLINK") == "1":
@@ -117,7 +95,7 @@ def nvlink_unavailable_reason(buf: Any) -> str | None:
     if buf.group_size > MAX_RANKS:
         return f"more than {MAX_RANKS} ranks"
     try:
-        _driver()
+        cuda_driver()
     except ImportError:
         return "cuda-bindings is not installed"
     vers = tilehal.compiler_versions()
@@ -146,88 +124,13 @@ def launch_layout(module: tilehal.CudaModule, err_ptr: int, R: int, T: int, epr:
     send_pos = torch.empty(T, R, dtype=torch.int32, device=dev)
     counts_msg = torch.empty(R, 1 + epr, dtype=torch.int32, device=dev)
     smem = 4 * E if topk_idx is not None and 4 * E <= MAX_SMEM_COUNTS else 0
-    a = LayoutArgs(topk_idx=_ptr(topk_idx), in_rank=_ptr(in_rank), per_expert_in=_ptr(per_expert_in),
-                   per_rank=_ptr(per_rank), per_expert=_ptr(per_expert), send_pos=_ptr(send_pos),
-                   counts_msg=_ptr(counts_msg), err=err_ptr, T=T, k=topk_idx.shape[1] if topk_idx is not None else 0,
+    a = LayoutArgs(topk_idx=addr(topk_idx), in_rank=addr(in_rank), per_expert_in=addr(per_expert_in),
+                   per_rank=addr(per_rank), per_expert=addr(per_expert), send_pos=addr(send_pos),
+                   counts_msg=addr(counts_msg), err=err_ptr, T=T, k=topk_idx.shape[1] if topk_idx is not None else 0,
                    R=R, E=E, epr=epr, smem_counts=int(smem > 0), has_topk=int(topk_idx is not None))
     tiles = max(1, -(-T // LAYOUT_THREADS))  # plus one block that counts tokens per expert
     module.get_kernel("deepep_layout").launch(tiles + 1, LAYOUT_THREADS, [Arg(a)], smem_bytes=smem)
     return send_pos, counts_msg
-
-
-class HostMapped:
-    """Pinned host memory the GPU writes to (flags, counts, error word) and the CPU polls."""
-
-    def __init__(self, num_ints: int) -> None:
-        from tilehal import ensure_context
-
-        drv = ensure_context(torch.cuda.current_device())
-        flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
-        self.host = int(_ok(drv.cuMemHostAlloc(num_ints * 4, flags), "cuMemHostAlloc"))
-        self.device = int(_ok(drv.cuMemHostGetDevicePointer(self.host, 0), "cuMemHostGetDevicePointer"))
-        self.view = (ctypes.c_int32 * num_ints).from_address(self.host)
-        ctypes.memset(self.host, 0, num_ints * 4)
-
-    def free(self) -> None:
-        if self.host:
-            _driver().cuMemFreeHost(self.host)
-            self.host = 0
-
-
-class SharedRegion:
-    """One IPC-shared allocation per kind, two parities of [signal words | data bytes]."""
-
-    def __init__(self, group: dist.ProcessGroup, rank: int, sig_words: int, data_bytes: int) -> None:
-        self.sig_words, self.data_bytes = sig_words, data_bytes
-        self.sig_bytes = _align(sig_words * 8, 4096)
-        self.parity_bytes = _align(self.sig_bytes + data_bytes, 4096)
-        # Our own cuMemAlloc, not torch's allocator: an IPC handle names a whole allocation, and
-        # torch packs several tensors into one segment, which a peer could then not open twice.
-        from tilehal import ensure_context
-
-        drv = ensure_context(torch.cuda.current_device())
-        size = 2 * self.parity_bytes
-        self.ptr = int(_ok(drv.cuMemAlloc(size), "cuMemAlloc"))
-        # Flags start at epoch 0; synchronous, so no peer can write before we are zero.
-        _ok(drv.cuMemsetD8(self.ptr, 0, size), "cuMemsetD8")
-        _ok(drv.cuCtxSynchronize(), "cuCtxSynchronize")
-        ptr = self.ptr
-        handle = _ok(drv.cuIpcGetMemHandle(ptr), "cuIpcGetMemHandle")
-        blob = ctypes.string_at(handle.getPtr(), 64)
-        world = dist.get_world_size(group)
-        shared: list[Any] = [None] * world
-        dist.all_gather_object(shared, (blob, 0), group=group)
-        self._opened: list[Any] = []
-        bases = []
-        for r, (b, off) in enumerate(shared):
-            if r == rank:
-                bases.append(ptr)
-                continue
-            h = drv.CUipcMemHandle()
-            ctypes.memmove(h.getPtr(), b, 64)
-            dptr = _ok(drv.cuIpcOpenMemHandle(h, drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
-                       "cuIpcOpenMemHandle")
-            self._opened.append(dptr)
-            bases.append(int(dptr) + off)
-        # [parity][rank] pointers to each rank's signal area and data region.
-        sig = [[b + p * self.parity_bytes for b in bases] for p in range(2)]
-        data = [[b + p * self.parity_bytes + self.sig_bytes for b in bases] for p in range(2)]
-        self.peer_sig = torch.tensor(sig, dtype=torch.int64, device="cuda")
-        self.peer_data = torch.tensor(data, dtype=torch.int64, device="cuda")
-        # Everyone has opened everyone's memory before anyone writes into it.
-        dist.barrier(group=group)
-
-    def fits(self, sig_words: int, data_bytes: int) -> bool:
-        return sig_words <= self.sig_words and data_bytes <= self.data_bytes
-
-    def close(self) -> None:
-        drv = _driver()
-        for p in self._opened:
-            drv.cuIpcCloseMemHandle(p)
-        self._opened = []
-        if self.ptr:
-            drv.cuMemFree(self.ptr)
-            self.ptr = 0
 
 
 @dataclass
@@ -370,10 +273,10 @@ class NvlinkDispatcher:
         S = inp.scales.shape[1] if inp.scales is not None else 0
         k = inp.topk_idx.shape[1] if inp.topk_idx is not None else 0
         off_scales = x_bytes
-        off_topk = _align(off_scales + 4 * S, 8)
+        off_topk = align_up(off_scales + 4 * S, 8)
         off_w = off_topk + 8 * k
         off_src = off_w + 4 * k
-        row_bytes = _align(off_src + 4, 16)
+        row_bytes = align_up(off_src + 4, ROW_ALIGN)
         num_sms, senders, chunk = self._config(False)
         if chunk >= 4096 or self.cap >= 2**20:
             raise ValueError(f"config: the NVLink dispatch needs chunk_tokens < 4096 and num_max_tokens_per_rank < 2**20 "
@@ -395,10 +298,10 @@ class NvlinkDispatcher:
         recv_src = torch.empty(rows_cap, dtype=torch.int32, device=dev)
         recv_counts = torch.empty(R, dtype=torch.int32, device=dev)
         a = DispatchArgs(
-            x=_ptr(x), scales=_ptr(inp.scales), topk_idx=_ptr(inp.topk_idx), topk_w=_ptr(inp.topk_weights),
-            send_pos=_ptr(send_pos), counts_msg=_ptr(counts_msg), peer_data=_ptr(reg.peer_data[par]),
-            peer_sig=_ptr(reg.peer_sig[par]), recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
-            recv_topk=_ptr(recv_topk), recv_w=_ptr(recv_w), recv_src=_ptr(recv_src), recv_counts=_ptr(recv_counts),
+            x=addr(x), scales=addr(inp.scales), topk_idx=addr(inp.topk_idx), topk_w=addr(inp.topk_weights),
+            send_pos=addr(send_pos), counts_msg=addr(counts_msg), peer_data=addr(reg.peer_data[par]),
+            peer_sig=addr(reg.peer_sig[par]), recv_x=addr(recv_x), recv_scales=addr(recv_scales),
+            recv_topk=addr(recv_topk), recv_w=addr(recv_w), recv_src=addr(recv_src), recv_counts=addr(recv_counts),
             host_info=self.info.device, err=self.err.device, region_bytes=self.cap * row_bytes,
             timeout_ns=self.timeout_ns, T=T, R=R, me=self.rank, epr=epr, k=k, x16=x_bytes // 16, S=S,
             row_bytes=row_bytes, off_scales=off_scales, off_topk=off_topk, off_w=off_w, off_src=off_src, chunk=chunk,
@@ -432,7 +335,7 @@ class NvlinkDispatcher:
         R, T = self.num_ranks, handle.num_tokens
         x_bytes = x.shape[1] * x.element_size()
         k = topk_weights.shape[1] if topk_weights is not None else 0
-        row_bytes = _align(x_bytes + 4 * k, 16)
+        row_bytes = align_up(x_bytes + 4 * k, ROW_ALIGN)
         num_sms, senders, chunk = self._config(True)
         max_chunks = (self.cap + chunk - 1) // chunk
         reg = self._region("combine", R + R * max_chunks, R * self.cap * row_bytes)
@@ -443,8 +346,8 @@ class NvlinkDispatcher:
         out_w = torch.empty(T, k, dtype=torch.float32, device=x.device) if k else None
         w = topk_weights.contiguous() if k else None
         a = CombineArgs(
-            x=_ptr(x), w=_ptr(w), recv_counts=_ptr(handle.recv_counts), send_pos=_ptr(handle.send_pos),
-            peer_data=_ptr(reg.peer_data[par]), peer_sig=_ptr(reg.peer_sig[par]), out=_ptr(out), out_w=_ptr(out_w),
+            x=addr(x), w=addr(w), recv_counts=addr(handle.recv_counts), send_pos=addr(handle.send_pos),
+            peer_data=addr(reg.peer_data[par]), peer_sig=addr(reg.peer_sig[par]), out=addr(out), out_w=addr(out_w),
             err=self.err.device, region_bytes=self.cap * row_bytes, timeout_ns=self.timeout_ns, T=T, R=R,
             me=self.rank, k=k, x16=x_bytes // 16, row_bytes=row_bytes, off_w=x_bytes, chunk=chunk,
             num_senders=senders, max_chunks=max_chunks, sig_hello=0, sig_chunks=R, epoch=epoch)

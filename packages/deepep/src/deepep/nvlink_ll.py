@@ -15,6 +15,7 @@ import torch
 from tilehal import Arg, ShapeError
 
 from .event import EventOverlap
+from .nvlink_memory import ROW_ALIGN, addr, align_up
 
 if TYPE_CHECKING:
     from .nvlink import NvlinkDispatcher
@@ -46,14 +47,6 @@ class NvlinkLowLatencyHandle:
     tok_rows: torch.Tensor  # [R, M, k] int32: recv_x row of each received (source, token, j), or -1
     src_tokens: torch.Tensor  # [R] int32: tokens each source had
     recv_src_info: torch.Tensor  # [E_l, R * M] int32: source token of each received row
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else int(t.data_ptr())
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 class NvlinkLowLatency:
@@ -101,7 +94,7 @@ class NvlinkLowLatency:
             raise ShapeError(f"num_experts: expected at most {MAX_SMEM_BYTES // 4 - epr} on the NVLink low-latency "
                              f"path, got {num_experts}")
         payload = H + 4 * (H // 128) if use_fp8 else 2 * H
-        row_bytes = _align(payload + 8 * k, 16)
+        row_bytes = align_up(payload + 8 * k, ROW_ALIGN)
         M = max_tokens
         sig_tokens, sig_msg = R, R + R * M
         reg = self.owner._region("ll_dispatch", sig_msg + (R * epr + 1) // 2, R * M * row_bytes)
@@ -119,9 +112,9 @@ class NvlinkLowLatency:
         # every entry the combine reads.
         tok_rows = torch.empty(R, M, k, dtype=torch.int32, device=x.device)
         src_tokens = torch.empty(R, dtype=torch.int32, device=x.device)
-        a = self._args(x=_ptr(x), topk_idx=_ptr(topk_idx), tok_rows=_ptr(tok_rows), src_tokens=_ptr(src_tokens),
-                       recv_x=_ptr(rx), recv_scales=_ptr(rs), recv_src=_ptr(recv_src), recv_count=_ptr(recv_count),
-                       peer_data=_ptr(reg.peer_data), peer_sig=_ptr(reg.peer_sig), state=_ptr(self.state[0]),
+        a = self._args(x=addr(x), topk_idx=addr(topk_idx), tok_rows=addr(tok_rows), src_tokens=addr(src_tokens),
+                       recv_x=addr(rx), recv_scales=addr(rs), recv_src=addr(recv_src), recv_count=addr(recv_count),
+                       peer_data=addr(reg.peer_data), peer_sig=addr(reg.peer_sig), state=addr(self.state[0]),
                        T=T, k=k, H=H, E=num_experts, epr=epr, M=M, use_fp8=int(use_fp8), row_bytes=row_bytes,
                        payload_bytes=payload, sig_tokens=sig_tokens, sig_msg=sig_msg)
         self._launch("deepep_ll_dispatch", a, smem_bytes=smem)
@@ -140,14 +133,15 @@ class NvlinkLowLatency:
         if k != handle.tok_rows.shape[2]:
             raise ShapeError(f"topk_idx.shape[1]: expected {handle.tok_rows.shape[2]} (as in the dispatch), got {k}")
         row_bytes = 2 * H
-        data_rows = _align(R * M * k * 4, 16)
+        data_rows = align_up(R * M * k * 4, 16)
         reg = self.owner._region("ll_combine", R + R * M, data_rows + R * M * row_bytes)
         if out is None:
             out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
-        a = self._args(topk_idx=_ptr(topk_idx.to(torch.int64).contiguous()), topk_w=_ptr(topk_weights.float().contiguous()),
-                       y=_ptr(y.contiguous()), tok_rows=_ptr(handle.tok_rows), src_tokens=_ptr(handle.src_tokens),
-                       out=_ptr(out), peer_data=_ptr(reg.peer_data), peer_sig=_ptr(reg.peer_sig),
-                       state=_ptr(self.state[1]), T=T, k=k, H=H, E=E, epr=E // R, M=M, row_bytes=row_bytes,
+        # Converted copies stay referenced until the launch is queued.
+        idx, w, y = topk_idx.to(torch.int64).contiguous(), topk_weights.float().contiguous(), y.contiguous()
+        a = self._args(topk_idx=addr(idx), topk_w=addr(w), y=addr(y), tok_rows=addr(handle.tok_rows),
+                       src_tokens=addr(handle.src_tokens), out=addr(out), peer_data=addr(reg.peer_data), peer_sig=addr(reg.peer_sig),
+                       state=addr(self.state[1]), T=T, k=k, H=H, E=E, epr=E // R, M=M, row_bytes=row_bytes,
                        sig_tokens=R, data_rows=data_rows)
         self._launch("deepep_ll_combine", a)
         hook = (lambda: None) if return_recv_hook else None
