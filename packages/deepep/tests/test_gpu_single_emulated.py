@@ -1,13 +1,17 @@
-"""The NVLink low-latency kernels on ONE GPU, with R ranks emulated in one process.
+"""The NVLink kernels on ONE GPU, with R ranks emulated in one process.
 
 Each emulated rank gets its own regions in the same GPU's memory, its own stream, and a slice of
-the SMs (so all ranks' kernels are resident at once and their spin-waits meet). Everything but
-the IPC plumbing runs as on R GPUs: the flag protocol, parities, slots, fan-out, partial sums.
+the SMs (so all ranks' kernels are resident at once and their spin-waits meet); normal mode runs
+each rank's host code in its own thread (dispatch waits on the host for its kernel's counts).
+Everything but the IPC plumbing runs as on R GPUs: the flag protocol, parities, slots, fan-out,
+partial sums, the layout kernel.
 Numerics are checked against a float reference built from the same inputs (fp8 within one e4m3
 step, bf16 sums within 2^-7 relative).
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -175,3 +179,116 @@ def test_layout_kernel_tiles(T, R):
     send_pos2, msg2 = launch_layout(compile_kernels(), err.device, R, T, E // R, topk_idx=None, in_rank=in_rank,
                                     per_expert_in=per_expert, per_rank=None, per_expert=None)
     assert torch.equal(send_pos2, send_pos) and torch.equal(msg2, msg)
+
+
+class _Buf:
+    """The Buffer attributes NvlinkDispatcher reads."""
+
+    def __init__(self, rank: int, world: int, cap: int, sms: int) -> None:
+        from deepep.config import Config
+
+        self.group, self.rank, self.group_size, self.num_max_tokens_per_rank = None, rank, world, cap
+        self.timeout_s = 10.0
+        self.get_dispatch_config = self.get_combine_config = lambda _r: Config(num_sms=sms, chunk_tokens=32)
+
+
+def _emulated_dispatchers(world: int, cap: int):
+    import torch.distributed as dist
+    from deepep.nvlink import NvlinkDispatcher
+
+    if not dist.is_initialized():  # the dispatcher asks for its global rank
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
+    shared = _World(world)
+
+    class Emulated(NvlinkDispatcher):
+        def _region(self, kind, sig_words, data_bytes):
+            return shared.region(kind, sig_words, data_bytes)
+
+    return [Emulated(_Buf(r, world, cap, sms=2 * (60 // world))) for r in range(world)]
+
+
+def _on_threads(world: int, fn):
+    """fn(rank) on one thread per emulated rank, each on its own stream; re-raises the first error."""
+    results, errors = [None] * world, []
+    streams = [torch.cuda.Stream() for _ in range(world)]
+
+    def run(r):
+        try:
+            with torch.cuda.stream(streams[r]):
+                results[r] = fn(r)
+            streams[r].synchronize()
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("world, fmt", [(2, "bf16"), (2, "fp8"), (3, "bf16")])
+def test_normal_dispatch_combine_emulated_ranks(world, fmt):
+    """Layout + dispatch + combine through the NvlinkDispatcher; rows ordered by (source, token)."""
+    from deepep.flat import DispatchInput
+    from deepep.fp8 import per_token_cast_to_fp8
+
+    hidden, experts, k, cap = 512, 8 * world, 4, 300
+    epr = experts // world
+    tokens = [257, 0, 33][:world]
+    ds = _emulated_dispatchers(world, cap)
+    for seed in (1, 2):  # both parities
+        ins = [_inputs(seed, r, tokens[r], hidden, experts, k) for r in range(world)]
+
+        def dispatch(r, ins=ins):
+            x, idx, w = (t.cuda() for t in ins[r])
+            lay = ds[r].layout(idx, experts)
+            inp = DispatchInput(*per_token_cast_to_fp8(x), idx, w) if fmt == "fp8" else DispatchInput(x, None, idx, w)
+            return lay, ds[r].dispatch(inp, None, lay.is_token_in_rank, lay.num_tokens_per_expert, epr, 1, 0)
+
+        outs = _on_threads(world, dispatch)
+        for r in range(world):
+            ds[r].check()
+            lay, got = outs[r]
+            rows, ids, ws = [], [], []
+            for s_ in range(world):
+                x, idx, w = ins[s_]
+                sent = [t for t in range(x.shape[0]) if any(r * epr <= e < (r + 1) * epr for e in idx[t].tolist())]
+                rows += [x[t] for t in sent]
+                ids += [[e - r * epr if r * epr <= e < (r + 1) * epr else -1 for e in idx[t].tolist()] for t in sent]
+                ws += [[float(w[t, j]) if r * epr <= idx[t, j] < (r + 1) * epr else 0.0 for j in range(k)] for t in sent]
+            assert got.recv_x.shape[0] == len(rows)
+            if rows:
+                ref = torch.stack(rows)
+                if fmt == "fp8":
+                    rx = got.recv_x.float() * got.recv_scales.repeat_interleave(128, 1)
+                    torch.testing.assert_close(rx.cpu(), ref.float(), rtol=2 ** -3, atol=1e-3)
+                else:
+                    assert torch.equal(got.recv_x.cpu(), ref)
+                assert got.recv_topk_idx.cpu().tolist() == ids
+                torch.testing.assert_close(got.recv_topk_weights.cpu(), torch.tensor(ws))
+            per_expert = torch.bincount(torch.cat([i[i >= 0] for _, i, _ in ins]), minlength=experts)
+            assert got.handle.num_recv_tokens_per_expert_list == per_expert[r * epr:(r + 1) * epr].tolist()
+
+        def combine(r, outs=outs):
+            got = outs[r][1]
+            y = got.recv_x.float() * got.recv_scales.repeat_interleave(128, 1) if fmt == "fp8" else got.recv_x
+            return ds[r].combine(y.to(torch.bfloat16), got.handle, got.recv_topk_weights)
+
+        back = _on_threads(world, combine)
+        for r in range(world):
+            ds[r].check()
+            x, idx, w = ins[r]
+            owners = [{e // epr for e in row if e >= 0} for row in idx.tolist()]
+            times = torch.tensor([float(len(o)) for o in owners]).view(-1, 1)
+            xin = x.float()
+            if fmt == "fp8" and x.shape[0]:
+                xf, sc = per_token_cast_to_fp8(x)
+                xin = xf.float() * sc.repeat_interleave(128, 1)
+            torch.testing.assert_close(back[r][0].float().cpu(), (xin.to(torch.bfloat16).float() * times),
+                                       rtol=2 ** -7, atol=1e-2)
+            # combined weights: each token's weights summed over the ranks it went to (own experts' only)
+            torch.testing.assert_close(back[r][1].cpu(), torch.where(idx >= 0, w, torch.zeros_like(w)))
