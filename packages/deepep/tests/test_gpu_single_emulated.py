@@ -55,6 +55,8 @@ class _Owner:
 
         self.world, self.rank, self.num_ranks = world, rank, world.num_ranks
         self.module = compile_kernels()
+        for name in ("deepep_ll_dispatch", "deepep_ll_combine"):  # see NvlinkDispatcher: no lazy loads
+            self.module.get_kernel(name).preload()
         self.err = HostMapped(4)
         self.timeout_ns = int(10e9)
         self.num_device_sms = sms
@@ -211,10 +213,18 @@ def _on_threads(world: int, fn):
     """fn(rank) on one thread per emulated rank, each on its own stream; re-raises the first error."""
     results, errors = [None] * world, []
     streams = [torch.cuda.Stream() for _ in range(world)]
+    ready = threading.Barrier(world)
 
     def run(r):
         try:
             with torch.cuda.stream(streams[r]):
+                # A device allocation (cudaMalloc) between two launches keeps the later kernel from
+                # running beside the earlier one, so one rank's kernel would wait out the other's
+                # spin: fill this stream's allocator cache first (large and small pools).
+                warm = [torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")]
+                warm += [torch.empty(64 * 2**10, dtype=torch.uint8, device="cuda") for _ in range(256)]
+                del warm
+                ready.wait(30)
                 results[r] = fn(r)
             streams[r].synchronize()
         except BaseException as e:  # reported by the main thread

@@ -68,6 +68,8 @@ MAX_SMEM_COUNTS = 200 * 1024  # experts counted in shared memory up to this many
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 KERNEL_FILES = ("intranode.cu", "low_latency.cu")
+KERNEL_NAMES = ("deepep_layout", "deepep_dispatch", "deepep_combine_bf16", "deepep_combine_f32", "deepep_ll_dispatch",
+                "deepep_ll_combine")
 
 
 def kernel_source() -> str:
@@ -159,6 +161,10 @@ class NvlinkDispatcher:
         self.global_rank = dist.get_rank()
         self.cap = buf.num_max_tokens_per_rank
         self.module = compile_kernels()
+        # Loaded now, not lazily at first launch: a lazy load can wait for the context to go idle,
+        # which a kernel spinning on a peer (or on another stream's kernel) would never let happen.
+        for name in KERNEL_NAMES:
+            self.module.get_kernel(name).preload()
         self.info = HostMapped(2 + 4096)
         self.err = HostMapped(4)
         self.regions: dict[str, SharedRegion] = {}

@@ -85,8 +85,9 @@ def bench(
             if flush is not None:
                 flush.zero_()
             if hide_host and hasattr(torch.cuda, "_sleep"):
-                if host_times:
-                    estimate = statistics.median(host_times[-8:])
+                if host_times:  # only ever lower: a fn that synchronizes waits out the sleep itself,
+                    # and growing the sleep with that time would double it every call
+                    estimate = min(estimate, statistics.median(host_times[-8:]))
                 # ~2 GHz SM clock: twice the host time plus a margin, in cycles.
                 torch.cuda._sleep(int((2 * estimate + 20e-6) * 2e9))
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -207,6 +207,18 @@ class Kernel:
             self._functions[device_index] = fn
         return fn
 
+    def preload(self, device_index: int | None = None) -> None:
+        """Load the kernel onto the device now. CUDA loads kernels lazily at first launch, and a
+        lazy load may wait for the whole context to go idle: a kernel that spins until a kernel
+        of another stream (or a peer) runs must have that kernel loaded beforehand."""
+        import torch
+
+        dev = torch.cuda.current_device() if device_index is None else device_index
+        fn = self._function(dev)
+        driver = _driver()
+        if hasattr(driver, "cuFuncLoad"):  # CUDA 12.4+; older drivers load at cuModuleGetFunction
+            _check(driver, driver.cuFuncLoad(fn), f"loading kernel {self.name}")
+
     def attribute(self, attr: str, device_index: int | None = None) -> int:
         """A CUfunction attribute, e.g. 'NUM_REGS', 'LOCAL_SIZE_BYTES', 'MAX_THREADS_PER_BLOCK'."""
         import torch
@@ -274,7 +286,7 @@ class CudaModule:
 
     name: str
     arch: str
-    cubin: bytes
+    cubin: bytes = field(repr=False)
     lowered_names: dict[str, str]
     path: Path
     cache_hit: bool
