@@ -25,22 +25,29 @@ class _Region:
 
 
 class _World:
-    """Regions of every emulated rank, allocated together at the first request for a kind."""
+    """Regions of every emulated rank, allocated together at the first request for a kind.
+
+    They are carved from one zeroed pool per rank made up front: an allocation or memset on a
+    rank's thread while another rank's kernel spins would serialize the two kernels."""
+
+    POOL_BYTES = 128 * 2**20
 
     def __init__(self, num_ranks: int) -> None:
         self.num_ranks = num_ranks
-        self.buffers: dict[str, list[torch.Tensor]] = {}
+        self.pools = [torch.zeros(self.POOL_BYTES, dtype=torch.uint8, device="cuda") for _ in range(num_ranks)]
+        self.used = 0
         self.views: dict[str, _Region] = {}
+        torch.cuda.synchronize()
 
     def region(self, kind: str, sig_words: int, data_bytes: int) -> _Region:
         if kind not in self.views:
             sig_bytes = (sig_words * 8 + 4095) // 4096 * 4096
             parity = (sig_bytes + data_bytes + 4095) // 4096 * 4096
-            bufs = [torch.zeros(2 * parity, dtype=torch.uint8, device="cuda") for _ in range(self.num_ranks)]
-            base = [b.data_ptr() for b in bufs]
+            assert self.used + 2 * parity <= self.POOL_BYTES, "emulated region pool too small"
+            base = [p.data_ptr() + self.used for p in self.pools]
+            self.used += 2 * parity
             sig = [[b + p * parity for b in base] for p in range(2)]
             data = [[b + p * parity + sig_bytes for b in base] for p in range(2)]
-            self.buffers[kind] = bufs
             self.views[kind] = _Region(torch.tensor(sig, dtype=torch.int64, device="cuda"),
                                        torch.tensor(data, dtype=torch.int64, device="cuda"))
         return self.views[kind]
@@ -253,11 +260,18 @@ def test_normal_dispatch_combine_emulated_ranks(world, fmt):
     for seed in (1, 2):  # both parities
         ins = [_inputs(seed, r, tokens[r], hidden, experts, k) for r in range(world)]
 
-        def dispatch(r, ins=ins):
-            x, idx, w = (t.cuda() for t in ins[r])
-            lay = ds[r].layout(idx, experts)
-            inp = DispatchInput(*per_token_cast_to_fp8(x), idx, w) if fmt == "fp8" else DispatchInput(x, None, idx, w)
-            return lay, ds[r].dispatch(inp, None, lay.is_token_in_rank, lay.num_tokens_per_expert, epr, 1, 0)
+        # Inputs are made here, not on the rank threads: a torch kernel's first (lazy) load there
+        # could wait for the context to go idle while the other rank's kernel spins.
+        gpu_in = []
+        for x, idx, w in ins:
+            x, idx, w = x.cuda(), idx.cuda(), w.cuda()
+            gpu_in.append(DispatchInput(*per_token_cast_to_fp8(x), idx, w) if fmt == "fp8"
+                          else DispatchInput(x, None, idx, w))
+        torch.cuda.synchronize()
+
+        def dispatch(r, gpu_in=gpu_in):
+            lay = ds[r].layout(gpu_in[r].topk_idx, experts)
+            return lay, ds[r].dispatch(gpu_in[r], None, lay.is_token_in_rank, lay.num_tokens_per_expert, epr, 1, 0)
 
         outs = _on_threads(world, dispatch)
         for r in range(world):
@@ -283,10 +297,15 @@ def test_normal_dispatch_combine_emulated_ranks(world, fmt):
             per_expert = torch.bincount(torch.cat([i[i >= 0] for _, i, _ in ins]), minlength=experts)
             assert got.handle.num_recv_tokens_per_expert_list == per_expert[r * epr:(r + 1) * epr].tolist()
 
-        def combine(r, outs=outs):
+        ys = []
+        for r in range(world):
             got = outs[r][1]
             y = got.recv_x.float() * got.recv_scales.repeat_interleave(128, 1) if fmt == "fp8" else got.recv_x
-            return ds[r].combine(y.to(torch.bfloat16), got.handle, got.recv_topk_weights)
+            ys.append(y.to(torch.bfloat16))
+        torch.cuda.synchronize()
+
+        def combine(r, outs=outs, ys=ys):
+            return ds[r].combine(ys[r], outs[r][1].handle, outs[r][1].recv_topk_weights)
 
         back = _on_threads(world, combine)
         for r in range(world):
