@@ -37,9 +37,14 @@ class _World:
         self.pools = [torch.zeros(self.POOL_BYTES, dtype=torch.uint8, device="cuda") for _ in range(num_ranks)]
         self.used = 0
         self.views: dict[str, _Region] = {}
+        self.lock = threading.Lock()  # ranks' threads ask at once: exactly one creates a kind
         torch.cuda.synchronize()
 
     def region(self, kind: str, sig_words: int, data_bytes: int) -> _Region:
+        with self.lock:
+            return self._region(kind, sig_words, data_bytes)
+
+    def _region(self, kind: str, sig_words: int, data_bytes: int) -> _Region:
         if kind not in self.views:
             sig_bytes = (sig_words * 8 + 4095) // 4096 * 4096
             parity = (sig_bytes + data_bytes + 4095) // 4096 * 4096
