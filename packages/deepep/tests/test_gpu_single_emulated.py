@@ -158,11 +158,11 @@ def test_low_latency_kernels_emulated_ranks(world, tokens, use_fp8):
             torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("T", [0, 1, 511, 513, 4096])
+@pytest.mark.parametrize("T", [0, 1, 511, 513, 4096, 20001])
 @pytest.mark.parametrize("R", [2, 3, 8])
 def test_layout_kernel_tiles(T, R):
     """The multi-block layout kernel against a plain torch reference (exact integers)."""
-    from deepep.nvlink import compile_kernels, launch_layout
+    from deepep.nvlink import LayoutScratch, compile_kernels, launch_layout
     from deepep.nvlink_memory import HostMapped
 
     E, k = 24 * R, 8
@@ -171,11 +171,12 @@ def test_layout_kernel_tiles(T, R):
     idx[torch.rand(T, k, generator=g) < 0.3] = -1
     idx = idx.cuda()
     err = HostMapped(4)
+    scratch = LayoutScratch()
     in_rank = torch.empty(T, R, dtype=torch.bool, device="cuda")
     per_rank = torch.empty(R, dtype=torch.int32, device="cuda")
     per_expert = torch.empty(E, dtype=torch.int32, device="cuda")
-    send_pos, msg = launch_layout(compile_kernels(), err.device, R, T, E // R, topk_idx=idx, in_rank=in_rank,
-                                  per_expert_in=None, per_rank=per_rank, per_expert=per_expert)
+    send_pos, msg = launch_layout(compile_kernels(), err.device, scratch, R, T, E // R, topk_idx=idx,
+                                  in_rank=in_rank, per_expert_in=None, per_rank=per_rank, per_expert=per_expert)
     torch.cuda.synchronize()
     assert list(err.view) == [0, 0, 0, 0]
     valid = idx >= 0
@@ -190,8 +191,8 @@ def test_layout_kernel_tiles(T, R):
     assert msg[:, 0].cpu().tolist() == ref_in.sum(0).tolist()
     assert msg[:, 1:].reshape(-1).cpu().tolist() == ref_expert.tolist()
     # Again from is_token_in_rank and given per-expert counts (dispatch without the layout's cache).
-    send_pos2, msg2 = launch_layout(compile_kernels(), err.device, R, T, E // R, topk_idx=None, in_rank=in_rank,
-                                    per_expert_in=per_expert, per_rank=None, per_expert=None)
+    send_pos2, msg2 = launch_layout(compile_kernels(), err.device, scratch, R, T, E // R, topk_idx=None,
+                                    in_rank=in_rank, per_expert_in=per_expert, per_rank=None, per_expert=None)
     assert torch.equal(send_pos2, send_pos) and torch.equal(msg2, msg)
 
 

@@ -33,7 +33,7 @@ MAX_RANKS = 16
 THREADS = 512
 STAGES = {1: "dispatch/counts", 2: "dispatch/data", 3: "combine/start", 4: "combine/data",
           5: "low_latency_dispatch/data", 6: "low_latency_combine/data", 7: "low_latency_dispatch/counts",
-          8: "low_latency_combine/weights"}
+          8: "low_latency_combine/weights", 9: "layout/tiles"}
 
 P = ctypes.c_uint64  # device pointers travel as 64-bit integers
 
@@ -58,8 +58,10 @@ class CombineArgs(ctypes.Structure):
 
 class LayoutArgs(ctypes.Structure):
     _fields_ = [(n, P) for n in ("topk_idx", "in_rank", "per_expert_in", "per_rank", "per_expert", "send_pos",
-                                  "counts_msg", "err")] + [
-        (n, ctypes.c_int32) for n in ("T", "k", "R", "E", "epr", "smem_counts", "has_topk")]
+                                  "counts_msg", "tile_flags", "tile_totals", "tile_experts", "ticket", "err")] + [
+        ("timeout_ns", ctypes.c_uint64)] + [
+        (n, ctypes.c_int32) for n in ("T", "k", "R", "E", "epr", "smem_counts", "has_topk")] + [
+        ("epoch", ctypes.c_uint32)]
 
 
 LAYOUT_THREADS = 512  # tokens per tile block of the layout kernel
@@ -114,9 +116,31 @@ def nvlink_unavailable_reason(buf: Any) -> str | None:
     return None
 
 
-def launch_layout(module: tilehal.CudaModule, err_ptr: int, R: int, T: int, epr: int, *,
+class LayoutScratch:
+    """The layout kernel's per-tile scratch (flags, totals, expert counts, a ticket), grown on
+    demand, and the epoch its flags carry. One per dispatcher: layouts run in stream order."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.tiles = self.ranks = self.experts = 0
+        self.flags = self.totals = self.experts_t = self.ticket = None
+
+    def reserve(self, tiles: int, ranks: int, experts: int) -> None:
+        if tiles <= self.tiles and ranks <= self.ranks and experts <= self.experts:
+            return
+        self.tiles, self.ranks = max(tiles, self.tiles), max(ranks, self.ranks)
+        self.experts = max(experts, self.experts)
+        # Zeroed: flags start below every epoch, the ticket at 0.
+        self.flags = torch.zeros(self.tiles, dtype=torch.int64, device="cuda")
+        self.totals = torch.zeros(self.tiles, self.ranks, dtype=torch.int32, device="cuda")
+        self.experts_t = torch.zeros(self.tiles, self.experts, dtype=torch.int32, device="cuda")
+        self.ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+
+def launch_layout(module: tilehal.CudaModule, err_ptr: int, scratch: LayoutScratch, R: int, T: int, epr: int, *,
                   topk_idx: torch.Tensor | None, in_rank: torch.Tensor, per_expert_in: torch.Tensor | None,
-                  per_rank: torch.Tensor | None, per_expert: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  per_rank: torch.Tensor | None, per_expert: torch.Tensor | None,
+                  timeout_s: float = 10.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The layout kernel (kernels/intranode.cu): -> (send_pos [T, R], counts_msg [R, 1 + epr]).
 
     With topk_idx it fills in_rank, per_rank and per_expert; without, it reads in_rank and
@@ -125,13 +149,17 @@ def launch_layout(module: tilehal.CudaModule, err_ptr: int, R: int, T: int, epr:
     dev = in_rank.device
     send_pos = torch.empty(T, R, dtype=torch.int32, device=dev)
     counts_msg = torch.empty(R, 1 + epr, dtype=torch.int32, device=dev)
+    tiles = max(1, -(-T // LAYOUT_THREADS))
+    scratch.reserve(tiles, R, E)
+    scratch.epoch += 1
     smem = 4 * E if topk_idx is not None and 4 * E <= MAX_SMEM_COUNTS else 0
     a = LayoutArgs(topk_idx=addr(topk_idx), in_rank=addr(in_rank), per_expert_in=addr(per_expert_in),
                    per_rank=addr(per_rank), per_expert=addr(per_expert), send_pos=addr(send_pos),
-                   counts_msg=addr(counts_msg), err=err_ptr, T=T, k=topk_idx.shape[1] if topk_idx is not None else 0,
-                   R=R, E=E, epr=epr, smem_counts=int(smem > 0), has_topk=int(topk_idx is not None))
-    tiles = max(1, -(-T // LAYOUT_THREADS))  # plus one block that counts tokens per expert
-    module.get_kernel("deepep_layout").launch(tiles + 1, LAYOUT_THREADS, [Arg(a)], smem_bytes=smem)
+                   counts_msg=addr(counts_msg), tile_flags=addr(scratch.flags), tile_totals=addr(scratch.totals),
+                   tile_experts=addr(scratch.experts_t), ticket=addr(scratch.ticket), err=err_ptr,
+                   timeout_ns=int(timeout_s * 1e9), T=T, k=topk_idx.shape[1] if topk_idx is not None else 0, R=R,
+                   E=E, epr=epr, smem_counts=int(smem > 0), has_topk=int(topk_idx is not None), epoch=scratch.epoch)
+    module.get_kernel("deepep_layout").launch(tiles, LAYOUT_THREADS, [Arg(a)], smem_bytes=smem)
     return send_pos, counts_msg
 
 
@@ -170,6 +198,7 @@ class NvlinkDispatcher:
         self.regions: dict[str, SharedRegion] = {}
         self.epochs = {"dispatch": 0, "combine": 0}
         self._ll: NvlinkLowLatency | None = None
+        self.layout_scratch = LayoutScratch()
         self.num_device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         # The last get_dispatch_layout's send positions, reused when dispatch gets its is_token_in_rank.
         self._layout_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -229,7 +258,8 @@ class NvlinkDispatcher:
     # ------------------------------------------------------------------ layout
 
     def _layout_kernel(self, T: int, epr: int, **tensors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return launch_layout(self.module, self.err.device, self.num_ranks, T, epr, **tensors)
+        return launch_layout(self.module, self.err.device, self.layout_scratch, self.num_ranks, T, epr,
+                             timeout_s=self.buf.timeout_s, **tensors)
 
     def layout(self, topk_idx: torch.Tensor, num_experts: int):
         """get_dispatch_layout in one kernel launch, no host sync (ids are checked on the device and a

@@ -331,14 +331,16 @@ __device__ void combine_recv(const CombineArgs& a, u64 deadline) {
 
 // ------------------------------------------------------------------ layout
 
-// Routing layout and send positions in one launch, no host synchronization. Tile blocks take
-// blockDim.x tokens each: per token a bitmask of destination ranks, a per-destination running
-// position (ballot + popc inside a warp, a scan over the block's warps), offset by the tokens
-// of earlier tiles, which each block counts itself (re-reading them is cheaper than a second
-// launch or a grid-wide wait). The last block counts tokens per expert. With topk_idx it also
-// writes is_token_in_rank and the per-rank/per-expert counts; without, it reads
-// is_token_in_rank and copies the given per-expert counts. Bad expert ids are reported through
-// host-mapped memory (err[2] = 1, err[3] = the value), checked by the host at its next call.
+// Routing layout and send positions in one launch, no host synchronization. Each block takes
+// a tile of blockDim.x tokens: per token a bitmask of destination ranks and a per-destination
+// position inside the tile (ballot + popc in a warp, a scan over the block's warps). A tile
+// publishes its per-destination totals with an epoch-tagged flag and adds up the totals of the
+// tiles before it (they never wait on later tiles, and blocks start in index order, so the
+// look-back always finishes). Tiles also count tokens per expert; the last block to finish
+// (a ticket) sums the tiles' counts. With topk_idx it also writes is_token_in_rank and the
+// per-rank/per-expert counts; without, it reads is_token_in_rank and copies the given
+// per-expert counts. Bad expert ids are reported through host-mapped memory (err[2] = 1,
+// err[3] = the value), checked by the host at its next call.
 struct LayoutArgs {
   const long long* topk_idx;  // [T, k] or null
   unsigned char* in_rank;     // [T, R] bool: written with topk_idx, read without
@@ -347,91 +349,50 @@ struct LayoutArgs {
   int* per_expert;            // [E] or null (written with topk_idx)
   int* send_pos;              // [T, R]: row index in the destination's list, -1 if not sent
   int* counts_msg;            // [R, 1 + epr]: rows and per-expert counts for each destination
+  u64* tile_flags;            // [tiles] scratch: epoch-tagged "totals published"
+  int* tile_totals;           // [tiles, R] scratch
+  int* tile_experts;          // [tiles, E] scratch (with topk_idx)
+  unsigned* ticket;           // scratch: blocks finished (the last one resets it)
   volatile int* err;          // host-mapped
+  u64 timeout_ns;
   int T, k, R, E, epr, smem_counts;
   int has_topk;               // 1: count from topk_idx; 0: read in_rank and per_expert_in (an empty
                               // tensor may have a null pointer, so the mode is not taken from it)
+  u32 epoch;
 };
 
-__device__ __forceinline__ unsigned rank_mask(const LayoutArgs& a, int t) {
-  unsigned mask = 0;
-  if (a.has_topk) {
-    for (int j = 0; j < a.k; ++j) {
-      const long long e = a.topk_idx[(long long)t * a.k + j];
-      if (e >= 0 && e < a.E) mask |= 1u << int(e / a.epr);
-    }
-  } else {
-    for (int r = 0; r < a.R; ++r) mask |= (a.in_rank[(long long)t * a.R + r] ? 1u : 0u) << r;
-  }
-  return mask;
-}
-
-__device__ void layout_count_experts(const LayoutArgs& a, int* smem) {
-  const int tid = threadIdx.x, msg = 1 + a.epr;
-  if (a.has_topk) {
-    int* cnt = a.smem_counts ? smem : a.per_expert;
-    for (int e = tid; e < a.E; e += blockDim.x) cnt[e] = 0;
-    __syncthreads();
-    for (int i = tid; i < a.T * a.k; i += blockDim.x) {
-      const long long e = a.topk_idx[i];
-      if (e >= 0 && e < a.E) {
-        atomicAdd(&cnt[e], 1);
-      } else if (e != -1) {
-        a.err[3] = int(e);
-        a.err[2] = 1;
-      }
-    }
-    __syncthreads();
-    for (int e = tid; e < a.E; e += blockDim.x) {
-      if (a.smem_counts) a.per_expert[e] = cnt[e];
-      a.counts_msg[(e / a.epr) * msg + 1 + e % a.epr] = cnt[e];
-    }
-  } else {
-    for (int e = tid; e < a.E; e += blockDim.x) a.counts_msg[(e / a.epr) * msg + 1 + e % a.epr] = a.per_expert_in[e];
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(512) deepep_layout(LayoutArgs a) {
-  extern __shared__ int expert_cnt[];  // [E] when smem_counts (last block only)
+  extern __shared__ int expert_cnt[];  // [E] this tile's tokens per expert, when smem_counts
   __shared__ int warp_base[16][DEEPEP_MAX_RANKS];
-  __shared__ int before[DEEPEP_MAX_RANKS];
+  __shared__ int before[DEEPEP_MAX_RANKS], tile_total[DEEPEP_MAX_RANKS];
+  __shared__ int last, abort_flag;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, num_warps = blockDim.x >> 5;
-  const int tiles = gridDim.x - 1;
-  if ((int)blockIdx.x == tiles) {
-    layout_count_experts(a, expert_cnt);
-    return;
-  }
-  const int t0 = blockIdx.x * blockDim.x, t = t0 + tid;
+  const int b = blockIdx.x, tiles = gridDim.x, t = b * blockDim.x + tid;
+  const u64 deadline = now_ns() + a.timeout_ns;
+  int* cnt = a.smem_counts ? expert_cnt : a.tile_experts + (long long)b * a.E;
+  if (a.has_topk)
+    for (int e = tid; e < a.E; e += blockDim.x) cnt[e] = 0;
   if (tid < a.R) before[tid] = 0;
+  if (tid == 0) abort_flag = 0;
   __syncthreads();
-  {  // tokens of earlier tiles, per destination
-    int c[DEEPEP_MAX_RANKS];
-#pragma unroll
-    for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) c[r] = 0;
-    for (int u = tid; u < t0; u += blockDim.x) {
-      const unsigned m = rank_mask(a, u);
-#pragma unroll
-      for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) c[r] += (m >> r) & 1u;
-    }
-#pragma unroll
-    for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) {
-      if (r >= a.R) break;
-      const int v = tilehal::warp_sum<int>(c[r]);
-      if (lane == 0 && v) atomicAdd(&before[r], v);
-    }
-  }
   unsigned mask = 0;
   if (t < a.T) {
-    mask = rank_mask(a, t);
     if (a.has_topk) {
       for (int j = 0; j < a.k; ++j) {
         const long long e = a.topk_idx[(long long)t * a.k + j];
-        if (e < -1 || e >= a.E) {
-          a.err[3] = int(e);
-          a.err[2] = 1;
+        if (e < 0 || e >= a.E) {
+          if (e != -1) {
+            a.err[3] = int(e);
+            a.err[2] = 1;
+          }
+          continue;
         }
+        mask |= 1u << int(e / a.epr);
+        atomicAdd(&cnt[e], 1);
       }
       for (int r = 0; r < a.R; ++r) a.in_rank[(long long)t * a.R + r] = (mask >> r) & 1u;
+    } else {
+      for (int r = 0; r < a.R; ++r) mask |= (a.in_rank[(long long)t * a.R + r] ? 1u : 0u) << r;
     }
   }
   int below[DEEPEP_MAX_RANKS];
@@ -439,31 +400,68 @@ extern "C" __global__ void __launch_bounds__(512) deepep_layout(LayoutArgs a) {
 #pragma unroll
   for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) {
     if (r >= a.R) break;
-    const unsigned b = __ballot_sync(0xffffffffu, (mask >> r) & 1u);
-    below[r] = __popc(b & lt);
-    if (lane == 0) warp_base[warp][r] = __popc(b);
+    const unsigned bal = __ballot_sync(0xffffffffu, (mask >> r) & 1u);
+    below[r] = __popc(bal & lt);
+    if (lane == 0) warp_base[warp][r] = __popc(bal);
   }
   __syncthreads();
-  if (tid < a.R) {  // exclusive scan over the warps of this tile, after the earlier tiles' tokens
-    int run = before[tid];
+  if (tid < a.R) {  // exclusive scan over the warps of this tile
+    int run = 0;
     for (int w = 0; w < num_warps; ++w) {
       const int c = warp_base[w][tid];
       warp_base[w][tid] = run;
       run += c;
     }
-    if ((int)blockIdx.x == tiles - 1) {  // the last tile knows the totals
-      if (a.per_rank) a.per_rank[tid] = run;
-      a.counts_msg[tid * (1 + a.epr)] = run;
-    }
+    tile_total[tid] = run;
+    a.tile_totals[b * a.R + tid] = run;
   }
   __syncthreads();
-  if (t < a.T) {
+  if (tid == 0) {
+    __threadfence();
+    st_release(a.tile_flags + b, tagged(a.epoch, 1));
+  }
+  for (int q = tid; q < b; q += blockDim.x) {  // look back: the totals of every earlier tile
+    if (!wait_flag(a.tile_flags + q, a.epoch, deadline, a.err, kLayoutTiles, q, nullptr)) {
+      abort_flag = 1;
+      break;
+    }
+    for (int r = 0; r < a.R; ++r) atomicAdd(&before[r], __ldcg(a.tile_totals + q * a.R + r));
+  }
+  __syncthreads();
+  if (t < a.T && !abort_flag) {
 #pragma unroll
     for (int r = 0; r < DEEPEP_MAX_RANKS; ++r) {
       if (r >= a.R) break;
-      a.send_pos[(long long)t * a.R + r] = ((mask >> r) & 1u) ? warp_base[warp][r] + below[r] : -1;
+      a.send_pos[(long long)t * a.R + r] = ((mask >> r) & 1u) ? before[r] + warp_base[warp][r] + below[r] : -1;
     }
   }
+  if (a.has_topk && a.smem_counts)
+    for (int e = tid; e < a.E; e += blockDim.x) a.tile_experts[(long long)b * a.E + e] = cnt[e];
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    last = atomicAdd(a.ticket, 1u) == unsigned(tiles - 1);
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int msg = 1 + a.epr;
+  if (tid < a.R) {
+    int total = 0;
+    for (int q = 0; q < tiles; ++q) total += __ldcg(a.tile_totals + q * a.R + tid);
+    if (a.per_rank) a.per_rank[tid] = total;
+    a.counts_msg[tid * msg] = total;
+  }
+  for (int e = tid; e < a.E; e += blockDim.x) {
+    int c = 0;
+    if (a.has_topk)
+      for (int q = 0; q < tiles; ++q) c += __ldcg(a.tile_experts + (long long)q * a.E + e);
+    else
+      c = a.per_expert_in[e];
+    if (a.has_topk) a.per_expert[e] = c;
+    a.counts_msg[(e / a.epr) * msg + 1 + e % a.epr] = c;
+  }
+  if (tid == 0) *a.ticket = 0;
 }
 
 }  // namespace deepep

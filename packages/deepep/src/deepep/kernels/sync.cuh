@@ -15,7 +15,7 @@ namespace deepep {
 
 enum Stage {
   kDispatchCounts = 1, kDispatchData = 2, kCombineHello = 3, kCombineData = 4,
-  kLLDispatch = 5, kLLCombine = 6, kLLDispatchCounts = 7, kLLCombineWeights = 8
+  kLLDispatch = 5, kLLCombine = 6, kLLDispatchCounts = 7, kLLCombineWeights = 8, kLayoutTiles = 9
 };
 
 __device__ __forceinline__ u64 now_ns() {
