@@ -253,8 +253,8 @@ def _on_threads(world: int, fn):
     return results
 
 
-@pytest.mark.parametrize("world, fmt", [(2, "bf16"), (2, "fp8"), (3, "bf16")])
-def test_normal_dispatch_combine_emulated_ranks(world, fmt):
+@pytest.mark.parametrize("world, fmt, worst", [(2, "bf16", 0), (2, "fp8", 0), (3, "bf16", 0), (2, "fp8", 700)])
+def test_normal_dispatch_combine_emulated_ranks(world, fmt, worst):
     """Layout + dispatch + combine through the NvlinkDispatcher; rows ordered by (source, token)."""
     from deepep.flat import DispatchInput
     from deepep.fp8 import per_token_cast_to_fp8
@@ -277,7 +277,7 @@ def test_normal_dispatch_combine_emulated_ranks(world, fmt):
 
         def dispatch(r, gpu_in=gpu_in):
             lay = ds[r].layout(gpu_in[r].topk_idx, experts)
-            return lay, ds[r].dispatch(gpu_in[r], None, lay.is_token_in_rank, lay.num_tokens_per_expert, epr, 1, 0)
+            return lay, ds[r].dispatch(gpu_in[r], None, lay.is_token_in_rank, lay.num_tokens_per_expert, epr, 1, worst)
 
         outs = _on_threads(world, dispatch)
         for r in range(world):
@@ -290,24 +290,28 @@ def test_normal_dispatch_combine_emulated_ranks(world, fmt):
                 rows += [x[t] for t in sent]
                 ids += [[e - r * epr if r * epr <= e < (r + 1) * epr else -1 for e in idx[t].tolist()] for t in sent]
                 ws += [[float(w[t, j]) if r * epr <= idx[t, j] < (r + 1) * epr else 0.0 for j in range(k)] for t in sent]
-            assert got.recv_x.shape[0] == len(rows)
+            n = len(rows)
+            assert got.recv_x.shape[0] == (worst or n)
             if rows:
                 ref = torch.stack(rows)
                 if fmt == "fp8":
-                    rx = got.recv_x.float() * got.recv_scales.repeat_interleave(128, 1)
+                    rx = got.recv_x[:n].float() * got.recv_scales[:n].repeat_interleave(128, 1)
                     torch.testing.assert_close(rx.cpu(), ref.float(), rtol=2 ** -3, atol=1e-3)
                 else:
                     assert torch.equal(got.recv_x.cpu(), ref)
-                assert got.recv_topk_idx.cpu().tolist() == ids
-                torch.testing.assert_close(got.recv_topk_weights.cpu(), torch.tensor(ws))
-            per_expert = torch.bincount(torch.cat([i[i >= 0] for _, i, _ in ins]), minlength=experts)
-            assert got.handle.num_recv_tokens_per_expert_list == per_expert[r * epr:(r + 1) * epr].tolist()
+                assert got.recv_topk_idx[:n].cpu().tolist() == ids
+                torch.testing.assert_close(got.recv_topk_weights[:n].cpu(), torch.tensor(ws))
+            if worst:  # padding rows route nowhere
+                assert (got.recv_topk_idx[n:] == -1).all() and (got.recv_topk_weights[n:] == 0).all()
+            else:
+                per_expert = torch.bincount(torch.cat([i[i >= 0] for _, i, _ in ins]), minlength=experts)
+                assert got.handle.num_recv_tokens_per_expert_list == per_expert[r * epr:(r + 1) * epr].tolist()
 
         ys = []
         for r in range(world):
             got = outs[r][1]
             y = got.recv_x.float() * got.recv_scales.repeat_interleave(128, 1) if fmt == "fp8" else got.recv_x
-            ys.append(y.to(torch.bfloat16))
+            ys.append(y.to(torch.bfloat16)[:got.handle.num_recv_tokens])
         torch.cuda.synchronize()
 
         def combine(r, outs=outs, ys=ys):
@@ -326,3 +330,25 @@ def test_normal_dispatch_combine_emulated_ranks(world, fmt):
                                        rtol=2 ** -7, atol=1e-2)
             # combined weights: each token's weights summed over the ranks it went to (own experts' only)
             torch.testing.assert_close(back[r][1].cpu(), torch.where(idx >= 0, w, torch.zeros_like(w)))
+
+
+def test_num_worst_tokens_overflow_is_reported_at_the_next_call():
+    from deepep.flat import DispatchInput
+
+    world, hidden, experts, k = 2, 256, 16, 4
+    ds = _emulated_dispatchers(world, 64)
+    ins = [_inputs(5, r, 64, hidden, experts, k) for r in range(world)]
+    gpu_in = [DispatchInput(x.cuda(), None, idx.cuda(), w.cuda()) for x, idx, w in ins]
+    torch.cuda.synchronize()
+
+    def dispatch(r):
+        lay = ds[r].layout(gpu_in[r].topk_idx, experts)
+        return ds[r].dispatch(gpu_in[r], None, lay.is_token_in_rank, lay.num_tokens_per_expert, experts // world,
+                              1, 5)
+
+    _on_threads(world, dispatch)  # returns without reading counts; each rank receives far more than 5 rows
+    torch.cuda.synchronize()
+    for d in ds:
+        with pytest.raises(ValueError, match="num_worst_tokens"):
+            d.check()
+        d.check()  # reported once

@@ -44,8 +44,8 @@ class DispatchArgs(ctypes.Structure):
                                   "recv_counts", "host_info", "err")] + [
         ("region_bytes", ctypes.c_int64), ("timeout_ns", ctypes.c_uint64)] + [
         (n, ctypes.c_int32) for n in ("T", "R", "me", "epr", "k", "x16", "S", "row_bytes", "off_scales", "off_topk",
-                                      "off_w", "off_src", "chunk", "num_senders", "max_chunks", "sig_counts",
-                                      "sig_chunks")] + [("epoch", ctypes.c_uint32)]
+                                      "off_w", "off_src", "chunk", "num_senders", "max_chunks", "num_worst",
+                                      "sig_counts", "sig_chunks")] + [("epoch", ctypes.c_uint32)]
 
 
 class CombineArgs(ctypes.Structure):
@@ -194,7 +194,7 @@ class NvlinkDispatcher:
         for name in KERNEL_NAMES:
             self.module.get_kernel(name).preload()
         self.info = HostMapped(2 + 4096)
-        self.err = HostMapped(4)
+        self.err = HostMapped(8)  # [stage, peer, bad id?, the id, overflow?, rows]
         self.regions: dict[str, SharedRegion] = {}
         self.epochs = {"dispatch": 0, "combine": 0}
         self._ll: NvlinkLowLatency | None = None
@@ -230,6 +230,11 @@ class NvlinkDispatcher:
     def check(self) -> None:
         """Raise the error a kernel recorded: a bad expert id (ShapeError, once), or a peer's flag
         that never came (CommTimeoutError)."""
+        if self.err.view[4]:
+            n = int(self.err.view[5])
+            self.err.view[4] = 0
+            raise ValueError(f"num_worst_tokens: expected >= the {n} tokens rank {self.rank} received in the previous "
+                             "dispatch (found by the NVLink kernel; rows past num_worst_tokens were dropped)")
         if self.err.view[2]:
             bad = int(self.err.view[3])
             self.err.view[2] = 0
@@ -341,26 +346,25 @@ class NvlinkDispatcher:
             host_info=self.info.device, err=self.err.device, region_bytes=self.cap * row_bytes,
             timeout_ns=self.timeout_ns, T=T, R=R, me=self.rank, epr=epr, k=k, x16=x_bytes // 16, S=S,
             row_bytes=row_bytes, off_scales=off_scales, off_topk=off_topk, off_w=off_w, off_src=off_src, chunk=chunk,
-            num_senders=senders, max_chunks=max_chunks, sig_counts=R, sig_chunks=R + counts_words, epoch=epoch)
+            num_senders=senders, max_chunks=max_chunks, num_worst=num_worst_tokens, sig_counts=R,
+            sig_chunks=R + counts_words, epoch=epoch)
         self.module.get_kernel("deepep_dispatch").launch(num_sms, THREADS, [Arg(a)])
-        # The receivers publish the counts early; the host sizes the outputs while rows still flow.
-        spin_until(lambda: self.info.view[0] == epoch or self.err.view[0] != 0, rank=self.global_rank,
-                   stage="dispatch/counts", timeout_s=self.buf.timeout_s + 1.0,
-                   detail="waiting for the NVLink kernel's counts")
-        self.check()
-        n = int(self.info.view[1])
-        per_expert = align_counts([int(v) for v in self.info.view[2:2 + epr]], expert_alignment)
-        if num_worst_tokens and n > num_worst_tokens:
-            raise ValueError(f"num_worst_tokens: expected >= the {n} tokens rank {self.rank} receives, "
-                             f"got {num_worst_tokens}")
-        rows = num_worst_tokens or n
         if num_worst_tokens:
-            if recv_topk is not None:
-                recv_topk[n:rows].fill_(-1)
-            if recv_w is not None:
-                recv_w[n:rows].zero_()
-        new = NvlinkHandle(T, x.shape[1], in_rank, epr, send_pos, counts_msg, recv_counts, n, per_expert,
-                           recv_src[:n], num_worst_tokens)
+            # No host read (CUDA-graph capturable, as in DeepEP): the kernel pads the top-k rows past
+            # the received count and reports a count above num_worst_tokens at the next call.
+            rows = num_worst_tokens
+            new = NvlinkHandle(T, x.shape[1], in_rank, epr, send_pos, counts_msg, recv_counts, rows, [],
+                               recv_src[:rows], num_worst_tokens)
+        else:
+            # The receivers publish the counts early; the host sizes the outputs while rows still flow.
+            spin_until(lambda: self.info.view[0] == epoch or self.err.view[0] != 0, rank=self.global_rank,
+                       stage="dispatch/counts", timeout_s=self.buf.timeout_s + 1.0,
+                       detail="waiting for the NVLink kernel's counts")
+            self.check()
+            rows = int(self.info.view[1])
+            per_expert = align_counts([int(v) for v in self.info.view[2:2 + epr]], expert_alignment)
+            new = NvlinkHandle(T, x.shape[1], in_rank, epr, send_pos, counts_msg, recv_counts, rows, per_expert,
+                               recv_src[:rows], 0)
         return DispatchOutput(recv_x[:rows], recv_scales[:rows] if S else None,
                               recv_topk[:rows] if k else None, recv_w[:rows] if recv_w is not None else None, new)
 

@@ -32,6 +32,7 @@ struct DispatchArgs {
   int T, R, me, epr, k, x16, S;
   int row_bytes, off_scales, off_topk, off_w, off_src;
   int chunk, num_senders, max_chunks;
+  int num_worst;              // > 0: outputs padded to this many rows, the host reads no counts
   int sig_counts;             // u64 offset of the counts messages in the signal area
   int sig_chunks;             // u64 offset of the chunk flags
   u32 epoch;
@@ -132,6 +133,17 @@ __device__ void dispatch_recv(const DispatchArgs& a, u64 deadline) {
     }
     if (tid < a.R) a.recv_counts[tid] = rows_from[tid];
     if (tid == 0) a.host_info[1] = base[a.R];
+    if (a.num_worst) {  // the host does not wait for the counts: pad and check here
+      const int n = base[a.R];
+      if (tid == 0 && n > a.num_worst) {
+        a.err[5] = n;
+        a.err[4] = 1;
+      }
+      for (int i = n * a.k + tid; i < a.num_worst * a.k; i += blockDim.x) {
+        if (a.recv_topk) a.recv_topk[i] = -1;
+        if (a.recv_w) a.recv_w[i] = 0.f;
+      }
+    }
     __syncthreads();
     if (tid == 0) {
       __threadfence_system();
