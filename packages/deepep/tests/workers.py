@@ -196,10 +196,13 @@ def low_latency(rank: int, world: int, use_fp8: bool, tokens: list[int], hidden:
     buf = Buffer(transport=transport, timeout_s=20, low_latency_mode=True)
     assert buf.transport == transport
     epr = experts // world
+    stats = torch.zeros(epr, dtype=torch.int32, device=device)
+    expect_stats = torch.zeros(epr, dtype=torch.int32)
     for seed in range(11, 11 + rounds):
         x, idx, w = rank_inputs(seed, rank, cfg)
         recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
-            x.to(device), idx.to(device), max_tokens, experts, use_fp8=use_fp8, return_recv_hook=(seed % 2 == 0))
+            x.to(device), idx.to(device), max_tokens, experts, use_fp8=use_fp8, return_recv_hook=(seed % 2 == 0),
+            cumulative_local_expert_recv_stats=stats)
         if hook is not None:
             hook()
         event.current_stream_wait()
@@ -214,6 +217,8 @@ def low_latency(rank: int, world: int, use_fp8: bool, tokens: list[int], hidden:
                     if rank * epr <= e < (rank + 1) * epr:
                         expect[e - rank * epr].append(xs[t])
         assert recv_count.tolist() == [len(v) for v in expect]
+        expect_stats += recv_count.to(torch.int32)
+        assert torch.equal(stats.cpu(), expect_stats)
         if use_fp8:
             rx, rs = recv_x
             assert rx.shape == (epr, world * max_tokens, hidden) and rs.shape == (epr, world * max_tokens, hidden // 128)

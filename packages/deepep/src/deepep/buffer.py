@@ -160,6 +160,22 @@ class Buffer:
     def get_combine_config(num_ranks: int) -> Config:
         return default_combine_config(num_ranks, Buffer.num_sms)
 
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of device memory low-latency mode shares per rank (DeepEP's sizing helper). Ours
+        sizes its buffers itself at the first call, so passing this as `num_rdma_bytes` is optional."""
+        from .nvlink_ll import size_hint
+
+        _check(num_experts % num_ranks == 0, "num_experts", f"a multiple of num_ranks={num_ranks}", num_experts)
+        _check(hidden % 128 == 0, "hidden", "a multiple of 128", hidden)
+        return size_hint(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream, to pass as `previous_event` (DeepEP's `Buffer.capture`)."""
+        return EventOverlap.capture()
+
     # ------------------------------------------------------------------ streams
 
     def _device_of(self, t: torch.Tensor) -> torch.device:
@@ -341,14 +357,16 @@ class Buffer:
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, use_fp8: bool = True, async_finish: bool = False,
-                             return_recv_hook: bool = False
+                             return_recv_hook: bool = False, *,
+                             cumulative_local_expert_recv_stats: torch.Tensor | None = None
                              ) -> tuple[XTensor, torch.Tensor, Any, EventOverlap, Callable[[], None] | None]:
         """Send each (token, expert) pair into the expert's fixed slot on its rank.
 
         -> (recv_x [local_experts, ranks * max_tokens, H] (a (fp8, scales) pair when use_fp8),
         recv_count [local_experts] int32, handle, event, hook). The outputs are views of buffers
         that the next call overwrites. With `return_recv_hook` the receive half is deferred: call
-        `hook()` before reading the outputs.
+        `hook()` before reading the outputs. `cumulative_local_expert_recv_stats` (int32
+        [local_experts]) gets each call's recv_count added, as DeepEP does for load balancers.
         """
         t = x.shape[0] if isinstance(x, torch.Tensor) else -1
         _check(isinstance(x, torch.Tensor) and x.dim() == 2, "x", "a 2-D tensor [T, H]", _shape(x))
@@ -359,18 +377,34 @@ class Buffer:
                f"<= num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}", t)
         _check(num_experts % self.group_size == 0, "num_experts", f"a multiple of {self.group_size}", num_experts)
         _check(tuple(topk_idx.shape[:1]) == (t,) and topk_idx.dim() == 2, "topk_idx", f"[{t}, k]", _shape(topk_idx))
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            epr = num_experts // self.group_size
+            _check(tuple(stats.shape) == (epr,) and stats.dtype == torch.int32 and stats.device == x.device,
+                   "cumulative_local_expert_recv_stats", f"int32 [{epr}] on {x.device}",
+                   f"{stats.dtype} {_shape(stats)} on {stats.device}")
         # The NVLink kernel checks the ids itself (no device-to-host sync, graph-capturable).
         check_topk_idx(topk_idx, num_experts, values=not hasattr(self._backend, "low_latency_dispatch"))
         if hasattr(self._backend, "low_latency_dispatch"):
-            return self._backend.low_latency_dispatch(x.contiguous(), topk_idx.contiguous(),
-                                                      num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                                                      async_finish, return_recv_hook)
+            result = self._backend.low_latency_dispatch(x.contiguous(), topk_idx.contiguous(),
+                                                        num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                                        async_finish, return_recv_hook)
+            if stats is not None:  # stream-ordered after the kernel: no sync, graph-capturable
+                stats.add_(result[1])
+            return result
         finish, handle = ll_dispatch(self._transport, self._ll_bufs, x.contiguous(), topk_idx,
                                      num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
+
+        def receive() -> tuple[XTensor, torch.Tensor]:
+            recv_x, recv_count = finish()
+            if stats is not None:
+                stats.add_(recv_count)
+            return recv_x, recv_count
+
         if return_recv_hook:
             out = self._ll_outputs(x, num_experts, num_max_dispatch_tokens_per_rank, use_fp8)
-            return out[0], out[1], handle, EventOverlap(None), lambda: (finish(), None)[1]
-        recv_x, recv_count = finish()
+            return out[0], out[1], handle, EventOverlap(None), lambda: (receive(), None)[1]
+        recv_x, recv_count = receive()
         return recv_x, recv_count, handle, EventOverlap.capture(x.device), None
 
     def _ll_outputs(self, x, num_experts, max_tokens, use_fp8):

@@ -15,7 +15,7 @@ import torch
 from tilehal import Arg, ShapeError
 
 from .event import EventOverlap
-from .nvlink_memory import ROW_ALIGN, addr, align_up
+from .nvlink_memory import ROW_ALIGN, SharedRegion, addr, align_up
 
 if TYPE_CHECKING:
     from .nvlink import NvlinkDispatcher
@@ -47,6 +47,29 @@ class NvlinkLowLatencyHandle:
     tok_rows: torch.Tensor  # [R, M, k] int32: recv_x row of each received (source, token, j), or -1
     src_tokens: torch.Tensor  # [R] int32: tokens each source had
     recv_src_info: torch.Tensor  # [E_l, R * M] int32: source token of each received row
+
+
+def payload_bytes(H: int, use_fp8: bool) -> int:
+    """Bytes of one staged token before its top-k ids and slots: fp8 values and fp32 scales, or bf16."""
+    return H + 4 * (H // 128) if use_fp8 else 2 * H
+
+
+def region_sizes(R: int, M: int, H: int, E: int, k: int, use_fp8: bool) -> dict[str, tuple[int, int, int]]:
+    """Per kind: (signal words, data bytes, row bytes) of one parity of the low-latency regions."""
+    row = align_up(payload_bytes(H, use_fp8) + 8 * k, ROW_ALIGN)
+    sig_msg = R + R * M  # count flags, token flags, then the int32 [R][epr] counts messages
+    data_rows = align_up(R * M * k * 4, 16)  # combine: the top-k weights, then partial rows
+    return {"ll_dispatch": (sig_msg + (R * (E // R) + 1) // 2, R * M * row, row),
+            "ll_combine": (R + R * M, data_rows + R * M * 2 * H, 2 * H)}
+
+
+def size_hint(R: int, M: int, H: int, E: int) -> int:
+    """Bytes of IPC memory the low-latency mode allocates per rank (both kinds, both parities),
+    for the largest top-k the kernels take and bf16 rows (the larger format)."""
+    total = 0
+    for sig_words, data_bytes, _ in region_sizes(R, M, H, E, MAX_TOPK, use_fp8=False).values():
+        total += 2 * SharedRegion.parity_size(sig_words, data_bytes)
+    return total
 
 
 class NvlinkLowLatency:
@@ -93,11 +116,11 @@ class NvlinkLowLatency:
         if smem > MAX_SMEM_BYTES:
             raise ShapeError(f"num_experts: expected at most {MAX_SMEM_BYTES // 4 - epr} on the NVLink low-latency "
                              f"path, got {num_experts}")
-        payload = H + 4 * (H // 128) if use_fp8 else 2 * H
-        row_bytes = align_up(payload + 8 * k, ROW_ALIGN)
+        payload = payload_bytes(H, use_fp8)
         M = max_tokens
+        sig_words, data_bytes, row_bytes = region_sizes(R, M, H, num_experts, k, use_fp8)["ll_dispatch"]
         sig_tokens, sig_msg = R, R + R * M
-        reg = self.owner._region("ll_dispatch", sig_msg + (R * epr + 1) // 2, R * M * row_bytes)
+        reg = self.owner._region("ll_dispatch", sig_words, data_bytes)
         cap = R * M
         if use_fp8:
             recv_x: Any = (self._out("x", (epr, cap, H), torch.float8_e4m3fn),
@@ -132,9 +155,9 @@ class NvlinkLowLatency:
             raise ShapeError(f"x.dtype: expected torch.bfloat16 for low_latency_combine, got {y.dtype}")
         if k != handle.tok_rows.shape[2]:
             raise ShapeError(f"topk_idx.shape[1]: expected {handle.tok_rows.shape[2]} (as in the dispatch), got {k}")
-        row_bytes = 2 * H
-        data_rows = align_up(R * M * k * 4, 16)
-        reg = self.owner._region("ll_combine", R + R * M, data_rows + R * M * row_bytes)
+        sig_words, data_bytes, row_bytes = region_sizes(R, M, H, E, k, True)["ll_combine"]
+        data_rows = data_bytes - R * M * row_bytes
+        reg = self.owner._region("ll_combine", sig_words, data_bytes)
         if out is None:
             out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
         # Converted copies stay referenced until the launch is queued.

@@ -60,10 +60,15 @@ class HostMapped:
 class SharedRegion:
     """One IPC-shared allocation per kind, two parities of [signal words | data bytes]."""
 
+    @staticmethod
+    def parity_size(sig_words: int, data_bytes: int) -> int:
+        """Bytes of one parity: the signal area, then the data, each on 4 KiB pages."""
+        return align_up(align_up(sig_words * 8, 4096) + data_bytes, 4096)
+
     def __init__(self, group: dist.ProcessGroup, rank: int, sig_words: int, data_bytes: int) -> None:
         self.sig_words, self.data_bytes = sig_words, data_bytes
         self.sig_bytes = align_up(sig_words * 8, 4096)
-        self.parity_bytes = align_up(self.sig_bytes + data_bytes, 4096)
+        self.parity_bytes = self.parity_size(sig_words, data_bytes)
         # Our own cuMemAlloc, not torch's allocator: an IPC handle names a whole allocation, and
         # torch packs several tensors into one segment, which a peer could then not open twice.
         from tilehal import ensure_context
