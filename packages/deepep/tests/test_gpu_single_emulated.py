@@ -104,11 +104,17 @@ def test_low_latency_kernels_emulated_ranks(world, tokens, use_fp8):
     streams = [torch.cuda.Stream() for _ in range(world)]
     for seed in (1, 2, 3):  # several calls: both parities, epochs counted on the device
         ins = [_inputs(seed, r, tokens[r], hidden, experts, k) for r in range(world)]
+        hooks = seed == 2  # send phases first, then every rank's receive phase from its hook
         outs = []
         for r in range(world):
             x, idx, _ = ins[r]
             with torch.cuda.stream(streams[r]):
-                outs.append(lls[r].dispatch(x.cuda(), idx.cuda(), max_tokens, experts, use_fp8, False))
+                outs.append(lls[r].dispatch(x.cuda(), idx.cuda(), max_tokens, experts, use_fp8, hooks))
+        for r in range(world):
+            assert (outs[r][4] is not None) == hooks
+            if hooks:
+                with torch.cuda.stream(streams[r]):
+                    outs[r][4]()
         torch.cuda.synchronize()
         ys = []
         for r in range(world):
@@ -141,7 +147,11 @@ def test_low_latency_kernels_emulated_ranks(world, tokens, use_fp8):
         for r in range(world):
             _, idx, w = ins[r]
             with torch.cuda.stream(streams[r]):
-                results.append(lls[r].combine(ys[r], idx.cuda(), w.cuda(), outs[r][2], False, None))
+                results.append(lls[r].combine(ys[r], idx.cuda(), w.cuda(), outs[r][2], hooks, None))
+        if hooks:
+            for r in range(world):
+                with torch.cuda.stream(streams[r]):
+                    results[r][2]()
         torch.cuda.synchronize()
         for r in range(world):
             owners[r].check()

@@ -389,9 +389,17 @@ class Buffer:
             result = self._backend.low_latency_dispatch(x.contiguous(), topk_idx.contiguous(),
                                                         num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                                         async_finish, return_recv_hook)
-            if stats is not None:  # stream-ordered after the kernel: no sync, graph-capturable
+            if stats is None:
+                return result
+            recv_hook = result[4]
+            if recv_hook is None:  # stream-ordered after the kernel: no sync, graph-capturable
                 stats.add_(result[1])
-            return result
+                return result
+
+            def hook_and_count() -> None:  # the counts exist once the receive phase has run
+                recv_hook()
+                stats.add_(result[1])
+            return (*result[:4], hook_and_count)
         finish, handle = ll_dispatch(self._transport, self._ll_bufs, x.contiguous(), topk_idx,
                                      num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
 

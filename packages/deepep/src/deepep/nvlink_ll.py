@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 THREADS = 512
 MAX_TOPK = 32  # the kernels keep one token's top-k entries in shared arrays of this size
 MAX_SMEM_BYTES = 200 * 1024
+SEND, RECEIVE = 1, 2  # kernel phases (low_latency.cu)
 
 P = ctypes.c_uint64  # device pointers travel as 64-bit integers
 
@@ -33,7 +34,7 @@ class LLArgs(ctypes.Structure):
     _fields_ = [(n, P) for n in ("x", "topk_idx", "topk_w", "y", "tok_rows", "src_tokens", "recv_x", "recv_scales",
                                   "recv_src", "recv_count", "out", "peer_data", "peer_sig", "state", "err")] + [
         ("timeout_ns", ctypes.c_uint64)] + [
-        (n, ctypes.c_int32) for n in ("T", "k", "H", "R", "me", "E", "epr", "M", "use_fp8", "row_bytes",
+        (n, ctypes.c_int32) for n in ("T", "k", "H", "R", "me", "E", "epr", "M", "use_fp8", "phases", "row_bytes",
                                       "payload_bytes", "sig_tokens", "sig_msg")] + [
         ("data_rows", ctypes.c_int64)]
 
@@ -97,9 +98,29 @@ class NvlinkLowLatency:
             setattr(a, key, v)
         return a
 
-    def _launch(self, name: str, a: LLArgs, smem_bytes: int = 0) -> None:
-        # Every SM: tokens and receive items are spread one per block (a block sends before it waits).
-        self.owner.module.get_kernel(name).launch(self.owner.num_device_sms, THREADS, [Arg(a)], smem_bytes=smem_bytes)
+    def _launch(self, name: str, a: LLArgs, return_recv_hook: bool, keep: tuple, smem_bytes: int = 0):
+        """Both phases in one launch; with `return_recv_hook` only the send phase now, and a hook
+        that launches the receive phase (DeepEP's overlap: no SMs sit waiting in between). `keep`:
+        the tensors `a` points into, held until the receive launch is queued."""
+        kernel = self.owner.module.get_kernel(name)
+
+        def launch(phases: int) -> None:
+            a.phases = phases
+            # Every SM: tokens and items are spread one per block (a block sends before it waits).
+            kernel.launch(self.owner.num_device_sms, THREADS, [Arg(a)], smem_bytes=smem_bytes)
+
+        if not return_recv_hook:
+            launch(SEND | RECEIVE)
+            return None
+        launch(SEND)
+        done = []
+
+        def hook() -> None:
+            if done:
+                raise RuntimeError("the receive hook of a low-latency call was already called")
+            done.append(keep)
+            launch(RECEIVE)
+        return hook
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int, use_fp8: bool,
                  return_recv_hook: bool):
@@ -140,10 +161,8 @@ class NvlinkLowLatency:
                        peer_data=addr(reg.peer_data), peer_sig=addr(reg.peer_sig), state=addr(self.state[0]),
                        T=T, k=k, H=H, E=num_experts, epr=epr, M=M, use_fp8=int(use_fp8), row_bytes=row_bytes,
                        payload_bytes=payload, sig_tokens=sig_tokens, sig_msg=sig_msg)
-        self._launch("deepep_ll_dispatch", a, smem_bytes=smem)
+        hook = self._launch("deepep_ll_dispatch", a, return_recv_hook, (x, topk_idx), smem_bytes=smem)
         handle = NvlinkLowLatencyHandle(T, H, num_experts, M, tok_rows, src_tokens, recv_src)
-        # One kernel both sends and receives, so the hook has nothing left to do.
-        hook = (lambda: None) if return_recv_hook else None
         return recv_x, recv_count, handle, EventOverlap.capture(x.device), hook
 
     def combine(self, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -166,6 +185,5 @@ class NvlinkLowLatency:
                        src_tokens=addr(handle.src_tokens), out=addr(out), peer_data=addr(reg.peer_data), peer_sig=addr(reg.peer_sig),
                        state=addr(self.state[1]), T=T, k=k, H=H, E=E, epr=E // R, M=M, row_bytes=row_bytes,
                        sig_tokens=R, data_rows=data_rows)
-        self._launch("deepep_ll_combine", a)
-        hook = (lambda: None) if return_recv_hook else None
+        hook = self._launch("deepep_ll_combine", a, return_recv_hook, (idx, w, y, out))
         return out, EventOverlap.capture(y.device), hook

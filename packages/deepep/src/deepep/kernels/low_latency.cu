@@ -35,6 +35,7 @@ struct LLArgs {
   volatile int* err;
   u64 timeout_ns;
   int T, k, H, R, me, E, epr, M, use_fp8;
+  int phases;                 // kSend | kReceive: both in one launch, or one each (return_recv_hook)
   int row_bytes;              // dispatch: bytes of one staged row; combine: bytes of one partial row (2H)
   int payload_bytes;          // dispatch: fp8 + scales or bf16 bytes, then ids[k], slots[k] (int32)
   int sig_tokens;             // u64 offset of the per-token flags [R][M]
@@ -42,6 +43,10 @@ struct LLArgs {
   long long data_rows;        // combine: byte offset of the partial rows (after the weights [R][M][k])
 };
 
+enum Phase { kSend = 1, kReceive = 2 };
+
+// A call's epoch is the device counter + 1 in both of its launches: only the receive launch's
+// last block bumps it (ll_finish), so a send-only launch leaves it for its receive launch.
 __device__ __forceinline__ u32 ll_epoch(const LLArgs& a) { return *reinterpret_cast<volatile unsigned*>(a.state) + 1; }
 __device__ __forceinline__ u64* sig_of(const LLArgs& a, int par, int rank) {
   return reinterpret_cast<u64*>(a.peer_sig[par * a.R + rank]);
@@ -215,11 +220,14 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_dispatch(LLArgs a) {
   const int tid = threadIdx.x;
   const int G = a.H / 128;
   if (tid == 0) abort_flag = 0;
-  if (blockIdx.x == 0) ll_send_counts(a, epoch, par, smem);
-  const int senders = gridDim.x > 1 ? gridDim.x - 1 : 1, first = gridDim.x > 1 ? 1 : 0;
-  if ((int)blockIdx.x >= first)
-    for (int t = blockIdx.x - first; t < a.T; t += senders) ll_send_token(a, epoch, par, t, tok_e, tok_slot);
+  if (a.phases & kSend) {
+    if (blockIdx.x == 0) ll_send_counts(a, epoch, par, smem);
+    const int senders = gridDim.x > 1 ? gridDim.x - 1 : 1, first = gridDim.x > 1 ? 1 : 0;
+    if ((int)blockIdx.x >= first)
+      for (int t = blockIdx.x - first; t < a.T; t += senders) ll_send_token(a, epoch, par, t, tok_e, tok_slot);
+  }
   __syncthreads();
+  if (!(a.phases & kReceive)) return;
 
   // Counts of every source, then base[le][s] = rows of expert le from sources before s.
   const u64* sig = sig_of(a, par, a.me);
@@ -348,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_combine(LLArgs a) {
     have_w = 0;
   }
   if (tid < a.R) src_T[tid] = tid == a.me ? 0 : a.src_tokens[tid];
-  if (blockIdx.x == 0 && a.R > 1) {
+  if ((a.phases & kSend) && blockIdx.x == 0 && a.R > 1) {
     for (int d = 0; d < a.R; ++d) {
       if (d == a.me) continue;
       float* dst = reinterpret_cast<float*>(data_of(a, par, d)) + (long long)a.me * a.M * a.k;
@@ -366,7 +374,9 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_combine(LLArgs a) {
   int remote = 0;
   for (int s = 0; s < a.R; ++s) remote += src_T[s];
   const int lo = a.me * a.epr;
-  for (int i = blockIdx.x; i < remote + a.T; i += gridDim.x) {
+  // The send phase is the peers' partial sums, the receive phase our own tokens.
+  const int first_item = (a.phases & kSend) ? 0 : remote, end_item = (a.phases & kReceive) ? remote + a.T : remote;
+  for (int i = first_item + blockIdx.x; i < end_item; i += gridDim.x) {
     if (i < remote) {  // (1) partial sum for a peer's token
       int s = 0, t = 0;
       item_of(i, src_T, a.R, &s, &t);
@@ -429,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_combine(LLArgs a) {
     }
     __syncthreads();  // rows / wts / need are reused by the next item
   }
-  ll_finish(a, epoch);
+  if (a.phases & kReceive) ll_finish(a, epoch);
 }
 
 }  // namespace deepep
