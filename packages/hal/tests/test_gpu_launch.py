@@ -85,3 +85,31 @@ def test_bench_hides_host_overhead_unless_asked():
     assert hidden.host_s >= 0.002 and shown.host_s >= 0.002
     assert hidden.median_s < 0.0005  # GPU time of one small add
     assert shown.median_s >= 0.002  # the host gap sits between the events
+
+
+def test_preload_then_launch(mod):
+    """A preloaded kernel reports its attributes and launches as before."""
+    k = mod.get_kernel("vector_add")
+    k.preload()
+    assert k.attribute("NUM_REGS") > 0
+    a = torch.ones(1000, device="cuda")
+    c = torch.empty_like(a)
+    k.launch(4, 256, [a, a, c, Arg.i64(1000)])
+    torch.testing.assert_close(c, 2 * a)
+
+
+def test_bench_host_gap_sleep_stays_bounded_for_a_synchronizing_fn():
+    """A fn that synchronizes waits out the sleep queued before it; the sleep must not grow."""
+    import time
+
+    from tilehal import bench
+
+    x = torch.randn(1024, device="cuda")
+
+    def syncing():
+        (x * 2).sum().item()
+
+    t0 = time.perf_counter()
+    r = bench(syncing, warmup=3, iters=40)
+    assert time.perf_counter() - t0 < 5.0, "the host-gap sleep grew call after call"
+    assert r.median_s < 0.01
