@@ -15,69 +15,9 @@ import threading
 
 import pytest
 import torch
+from deepep.emulation import EmulatedRegions, LowLatencyRank
 
 pytestmark = pytest.mark.gpu
-
-
-class _Region:
-    def __init__(self, sig: torch.Tensor, data: torch.Tensor) -> None:
-        self.peer_sig, self.peer_data = sig, data
-
-
-class _World:
-    """Regions of every emulated rank, allocated together at the first request for a kind.
-
-    They are carved from one zeroed pool per rank made up front: an allocation or memset on a
-    rank's thread while another rank's kernel spins would serialize the two kernels."""
-
-    POOL_BYTES = 128 * 2**20
-
-    def __init__(self, num_ranks: int) -> None:
-        self.num_ranks = num_ranks
-        self.pools = [torch.zeros(self.POOL_BYTES, dtype=torch.uint8, device="cuda") for _ in range(num_ranks)]
-        self.used = 0
-        self.views: dict[str, _Region] = {}
-        self.lock = threading.Lock()  # ranks' threads ask at once: exactly one creates a kind
-        torch.cuda.synchronize()
-
-    def region(self, kind: str, sig_words: int, data_bytes: int) -> _Region:
-        with self.lock:
-            return self._region(kind, sig_words, data_bytes)
-
-    def _region(self, kind: str, sig_words: int, data_bytes: int) -> _Region:
-        if kind not in self.views:
-            sig_bytes = (sig_words * 8 + 4095) // 4096 * 4096
-            parity = (sig_bytes + data_bytes + 4095) // 4096 * 4096
-            assert self.used + 2 * parity <= self.POOL_BYTES, "emulated region pool too small"
-            base = [p.data_ptr() + self.used for p in self.pools]
-            self.used += 2 * parity
-            sig = [[b + p * parity for b in base] for p in range(2)]
-            data = [[b + p * parity + sig_bytes for b in base] for p in range(2)]
-            self.views[kind] = _Region(torch.tensor(sig, dtype=torch.int64, device="cuda"),
-                                       torch.tensor(data, dtype=torch.int64, device="cuda"))
-        return self.views[kind]
-
-
-class _Owner:
-    """What NvlinkLowLatency needs from its NvlinkDispatcher, for one emulated rank."""
-
-    def __init__(self, world: _World, rank: int, sms: int) -> None:
-        from deepep.nvlink import compile_kernels
-        from deepep.nvlink_memory import HostMapped
-
-        self.world, self.rank, self.num_ranks = world, rank, world.num_ranks
-        self.module = compile_kernels()
-        for name in ("deepep_ll_dispatch", "deepep_ll_combine"):  # see NvlinkDispatcher: no lazy loads
-            self.module.get_kernel(name).preload()
-        self.err = HostMapped(4)
-        self.timeout_ns = int(10e9)
-        self.num_device_sms = sms
-
-    def _region(self, kind: str, sig_words: int, data_bytes: int) -> _Region:
-        return self.world.region(kind, sig_words, data_bytes)
-
-    def check(self) -> None:
-        assert list(self.err.view) == [0, 0, 0, 0], f"rank {self.rank}: kernel error word {list(self.err.view)}"
 
 
 def _inputs(seed: int, rank: int, tokens: int, hidden: int, experts: int, k: int):
@@ -98,8 +38,8 @@ def test_low_latency_kernels_emulated_ranks(world, tokens, use_fp8):
 
     hidden, experts, k, max_tokens = 512, 8 * world, 4, 32
     epr = experts // world
-    w_ = _World(world)
-    owners = [_Owner(w_, r, sms=120 // world) for r in range(world)]
+    w_ = EmulatedRegions(world)
+    owners = [LowLatencyRank(w_, r, sms=120 // world) for r in range(world)]
     lls = [NvlinkLowLatency(o) for o in owners]
     streams = [torch.cuda.Stream() for _ in range(world)]
     for seed in (1, 2, 3):  # several calls: both parities, epochs counted on the device
@@ -223,7 +163,7 @@ def _emulated_dispatchers(world: int, cap: int):
 
     if not dist.is_initialized():  # the dispatcher asks for its global rank
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
-    shared = _World(world)
+    shared = EmulatedRegions(world)
 
     class Emulated(NvlinkDispatcher):
         def _region(self, kind, sig_words, data_bytes):
