@@ -45,17 +45,34 @@ def main() -> None:
             with torch.cuda.stream(streams[r]):
                 handles[r] = lls[r].dispatch(xs[r], idx[r], M, E, True, False)[2]
 
+    hooks = [None] * R
+
+    def dispatch_send():
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                hooks[r] = lls[r].dispatch(xs[r], idx[r], M, E, True, True)[4]
+
+    def dispatch_receive():
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                hooks[r]()
+
     def combine():
         for r in range(R):
             with torch.cuda.stream(streams[r]):
                 lls[r].combine(ys[r], idx[r], ws[r], handles[r], False, None)
 
-    def timed(fn, iters: int = 50) -> float:
+    def timed(fn, iters: int = 50, before=None) -> float:
         for _ in range(5):
+            if before:
+                before()
             fn()
         torch.cuda.synchronize()
         out = []
         for _ in range(iters):
+            if before:  # untimed: e.g. the send phase ahead of a timed receive phase
+                before()
+                torch.cuda.synchronize()
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(R)]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(R)]
             for r in range(R):  # a spin ahead of each stream covers the host's launches of both ranks
@@ -106,6 +123,10 @@ def main() -> None:
     remote_tokens = int((owner != 0).any(dim=1).sum())
     d_row = region_sizes(R, M, H, E, k, True)["ll_dispatch"][2]
     bytes_d, bytes_c = remote_tokens * d_row, remote_tokens * 2 * H
+    send_us = timed(dispatch_send, before=lambda: hooks[0] and dispatch_receive())
+    dispatch_receive()  # the last timed send's receive: every send is followed by its receive
+    receive_us = timed(dispatch_receive, before=dispatch_send)
+    print(f"dispatch phases (return_recv_hook): send {send_us:.1f} us, receive {receive_us:.1f} us")
     rows = [("dispatch fp8", timed(dispatch), torch_timed(torch_dispatch), bytes_d),
             ("combine bf16", timed(combine), torch_timed(torch_combine), bytes_c)]
     print(f"{'case':<14} {'ours (2 emulated ranks) us':>27} {'torch local ops us':>19} {'bytes to the peer':>18}")
