@@ -212,9 +212,8 @@ __device__ void ll_send_token(const LLArgs& a, u32 epoch, int par, int t, long l
 extern "C" __global__ void __launch_bounds__(512) deepep_ll_dispatch(LLArgs a) {
   extern __shared__ int smem[];  // block 0: [E] pair counts; then [epr][R + 1] row bases per source
   __shared__ long long tok_e[32];
-  __shared__ int tok_slot[32], src_T[DEEPEP_MAX_RANKS];
-  __shared__ int dst_rows[16][32];  // per warp: the recv_x row of each top-k entry of its item
-  __shared__ int abort_flag;
+  __shared__ int tok_slot[32], dst_row[32], src_T[DEEPEP_MAX_RANKS];
+  __shared__ int abort_flag, item_sent;
   const u32 epoch = ll_epoch(a);
   const int par = epoch & 1;
   const u64 deadline = now_ns() + a.timeout_ns;
@@ -261,58 +260,50 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_dispatch(LLArgs a) {
   const int lo = a.me * a.epr, x16 = a.use_fp8 ? a.H / 16 : a.H / 8;  // 16-byte words of one row
   int total = 0;
   for (int s = 0; s < a.R; ++s) total += src_T[s];
-  // A warp per item: many items in flight per block, each a short chain (flag, meta, copy).
-  const int lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
-  int* my_rows = dst_rows[warp];
-  for (int i = blockIdx.x * warps + warp; i < total; i += gridDim.x * warps) {
+  for (int i = blockIdx.x; i < total; i += gridDim.x) {
     int s = 0, t = 0;
     item_of(i, src_T, a.R, &s, &t);
-    u32 sent = 0;
-    bool ok = true;
-    if (lane == 0)
-      ok = t < a.M && wait_flag(sig + a.sig_tokens + s * a.M + t, epoch, deadline, a.err, kLLDispatch, s, &sent);
-    if (!__shfl_sync(0xffffffffu, ok, 0)) break;
-    sent = __shfl_sync(0xffffffffu, sent, 0);
+    if (tid == 0) {
+      u32 v = 0;
+      if (t >= a.M || !wait_flag(sig + a.sig_tokens + s * a.M + t, epoch, deadline, a.err, kLLDispatch, s, &v))
+        abort_flag = 1;
+      item_sent = int(v);
+    }
+    __syncthreads();
+    if (abort_flag) break;
     const char* row = staged + ((long long)s * a.M + t) * a.row_bytes;
-    if (lane < a.k) {
+    int* rows_out = a.tok_rows + ((long long)s * a.M + t) * a.k;
+    if (tid < a.k) {
       int r = -1;
-      if (sent) {
+      if (item_sent) {
         const int* meta = reinterpret_cast<const int*>(row + a.payload_bytes);
-        const int e = __ldcg(meta + lane), slot = __ldcg(meta + a.k + lane);
+        const int e = __ldcg(meta + tid), slot = __ldcg(meta + a.k + tid);
         if (e >= lo && e < lo + a.epr) {
           const int le = e - lo;
           r = le * a.R * a.M + base[le * (a.R + 1) + s] + slot;
           a.recv_src[r] = t;
         }
       }
-      a.tok_rows[((long long)s * a.M + t) * a.k + lane] = r;
-      my_rows[lane] = r;
+      rows_out[tid] = r;
+      dst_row[tid] = r;
     }
-    __syncwarp();
-    if (sent) {
+    __syncthreads();
+    if (item_sent) {
       const int4* src = reinterpret_cast<const int4*>(row);
       int4* dst = reinterpret_cast<int4*>(a.recv_x);
-      for (int w0 = lane; w0 < x16; w0 += 128) {  // four 16-byte loads in flight per lane
-        int4 v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (w0 + 32 * u < x16) v[u] = __ldcg(src + w0 + 32 * u);
-        for (int j = 0; j < a.k; ++j) {
-          const int d = my_rows[j];
-          if (d < 0) continue;
-#pragma unroll
-          for (int u = 0; u < 4; ++u)
-            if (w0 + 32 * u < x16) dst[(long long)d * x16 + w0 + 32 * u] = v[u];
-        }
+      for (int w = tid; w < x16; w += blockDim.x) {
+        const int4 v = __ldcg(src + w);
+        for (int j = 0; j < a.k; ++j)
+          if (dst_row[j] >= 0) dst[(long long)dst_row[j] * x16 + w] = v;
       }
       if (a.use_fp8)
-        for (int g = lane; g < G; g += 32) {
+        for (int g = tid; g < G; g += blockDim.x) {
           const float sc = __ldcg(reinterpret_cast<const float*>(row + a.H) + g);
           for (int j = 0; j < a.k; ++j)
-            if (my_rows[j] >= 0) a.recv_scales[(long long)my_rows[j] * G + g] = sc;
+            if (dst_row[j] >= 0) a.recv_scales[(long long)dst_row[j] * G + g] = sc;
         }
     }
-    __syncwarp();  // my_rows is reused by the next item
+    __syncthreads();  // dst_row / item_sent are reused by the next item
   }
   ll_finish(a, epoch);
 }
