@@ -25,7 +25,7 @@ def _install_everything(session: nox.Session) -> None:
     editable = ["-e", "packages/hal[torch,cuda,test]"]
     for folder in list(PACKAGES.values())[1:]:
         editable += ["-e", f"packages/{folder}[test]"]
-    session.install(*CONSTRAINTS, *editable, "-e", ".")
+    session.install(*CONSTRAINTS, *editable, "-e", ".[hf]")
 
 
 @nox.session(python=PYTHON)
