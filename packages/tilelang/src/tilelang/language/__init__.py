@@ -9,33 +9,23 @@ functions that build IR, and fold Python numbers at meta level.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CompileError
+from ..frontend.meta import Macro, TensorType, tensor_type
+from ..frontend.parser import parse_prim_func
 from ..ir import dtypes as _dt
-from ..ir.nodes import Expr, PrimFunc, Var
+from ..ir.nodes import PrimFunc, Var
 from .ops import *  # noqa: F403
 from .ops import DTypeConst, dtype_constants
 
 globals().update(dtype_constants())
-
-
-@dataclass(frozen=True)
-class TensorType:
-    """Parameter annotation `T.Tensor(shape, dtype)`; shape entries are ints or `T.dynamic` vars."""
-
-    shape: tuple[Any, ...]
-    dtype: str
-
-    def __repr__(self) -> str:
-        return f"T.Tensor({self.shape}, {self.dtype!r})"
+__tl_language__ = True  # how the front end recognizes `T` in `T.name`
 
 
 def Tensor(shape: Sequence[Any] | int, dtype: Any = "float32") -> TensorType:  # noqa: N802 - TileLang's name
-    if isinstance(shape, (int, Expr)):
-        shape = (shape,)
-    return TensorType(tuple(shape), _dt.canonical(dtype))
+    """Parameter annotation: a global tensor of `shape` (ints or `T.dynamic` vars) and `dtype`."""
+    return tensor_type(shape, dtype)
 
 
 Buffer = Tensor  # older TileLang spelling
@@ -51,22 +41,9 @@ symbolic = dynamic
 
 def prim_func(func: Callable | None = None, **_: Any) -> PrimFunc:
     """Parse a tile program into a PrimFunc (errors cite the function's file:line)."""
-    from ..frontend.parser import parse_prim_func
-
     if func is None:
         return prim_func  # type: ignore[return-value]  # used as @T.prim_func()
     return parse_prim_func(func)
-
-
-class Macro:
-    """`@T.macro`: a helper whose body is inlined where it is called inside a prim_func."""
-
-    def __init__(self, func: Callable) -> None:
-        self.func = func
-        self.__name__ = func.__name__
-
-    def __call__(self, *a: Any, **k: Any) -> Any:
-        raise CompileError(f"T.macro {self.__name__} can only be called inside a @T.prim_func body")
 
 
 def macro(func: Callable) -> Macro:
