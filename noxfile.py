@@ -19,6 +19,8 @@ CONSTRAINTS = ("-c", "constraints.txt")
 PACKAGES = {"tilehal": "hal", "tilelang": "tilelang", "deepgemm": "deepgemm", "deepep": "deepep",
             "kvpool": "kvpool", "dataengine": "dataengine"}
 CPU_MARKERS = "not gpu and not multi_gpu and not slow"
+# Every nox test run replays the same hypothesis examples (root conftest.py's "ci" profile).
+TEST_ENV = {"HYPOTHESIS_PROFILE": "ci"}
 
 
 def _install_everything(session: nox.Session) -> None:
@@ -33,7 +35,8 @@ def tests(session: nox.Session) -> None:
     """All CPU tests of every package and the cross-package tests, in one environment."""
     _install_everything(session)
     paths = [f"packages/{f}/tests" for f in PACKAGES.values()] + ["tests"]
-    session.run("pytest", "-n", "2", "--dist", "loadfile", "-m", CPU_MARKERS, "-q", *paths, *session.posargs)
+    session.run("pytest", "-n", "2", "--dist", "loadfile", "-m", CPU_MARKERS, "-q", *paths, *session.posargs,
+                env=TEST_ENV)
 
 
 @nox.session(python=PYTHON)
@@ -49,7 +52,7 @@ def isolation(session: nox.Session, package: str) -> None:
         session.install(*CONSTRAINTS, "packages/hal[cuda]", f"packages/{folder}[test]")
     session.run("python", "-c", f"import {package}; print({package}.__name__, {package}.__version__)")
     session.run("pytest", "-n", "2", "--dist", "loadfile", "-m", CPU_MARKERS, "-q", f"packages/{folder}/tests",
-                *session.posargs)
+                *session.posargs, env=TEST_ENV)
 
 
 @nox.session(python=PYTHON)

@@ -4,9 +4,18 @@ from dataengine.select import quest_scores, select_blocks, topk_blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+KEY_CLIP = 3.0  # with a needle, the other keys are clipped to [-KEY_CLIP, KEY_CLIP]
 
-def _paged(seed, B=2, Hq=8, Hkv=2, D=16, bs=4, lens=(37, 21), num_blocks=40, needle=None):
-    """Random paged keys; kmin/kmax computed over each block's filled tokens (what kvpool keeps)."""
+
+def _paged(seed, B=2, Hq=8, Hkv=2, D=16, bs=4, lens=(37, 21), num_blocks=40, needle=None, needle_pos=None):
+    """Random paged keys; kmin/kmax computed over each block's filled tokens (what kvpool keeps).
+
+    With `needle` (a margin > 1), each sequence gets one key per kv head along its group's first
+    q head, strong enough that its true score beats the Quest bound of every block without it:
+    any other block's keys lie in [-KEY_CLIP, KEY_CLIP], so its bound for q head h is at most
+    KEY_CLIP * |q_h|_1; the needle scores c * |q_0|^2 with c = needle * KEY_CLIP * max_h |q_h|_1 / |q_0|^2.
+    Its position per sequence is appended to `needle_pos` when a list is given.
+    """
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hq, D, generator=g)
     max_blocks = max(-(-n // bs) for n in lens)
@@ -19,8 +28,13 @@ def _paged(seed, B=2, Hq=8, Hkv=2, D=16, bs=4, lens=(37, 21), num_blocks=40, nee
     for b, n in enumerate(lens):
         k = torch.randn(n, Hkv, D, generator=g)
         if needle is not None:
+            k = k.clamp(-KEY_CLIP, KEY_CLIP)
             pos = int(torch.randint(0, n, (1,), generator=g))
-            k[pos] = needle * q[b].reshape(Hkv, Hq // Hkv, D)[:, 0]
+            qg = q[b].reshape(Hkv, Hq // Hkv, D)
+            c = needle * KEY_CLIP * qg.abs().sum(-1).amax(-1) / qg[:, 0].square().sum(-1)  # [Hkv]
+            k[pos] = c[:, None] * qg[:, 0]
+            if needle_pos is not None:
+                needle_pos.append(pos)
         keys.append(k)
         for lb in range(-(-n // bs)):
             phys = int(perm[used])
@@ -75,12 +89,17 @@ def test_max_key_block_kept_or_outranked(seed, top_k, sink, local):
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10**6))
 def test_needle_block_always_selected(seed):
-    q, keys, kmin, kmax, table, lens = _paged(seed, needle=4.0)
+    # The needle's true score is at least twice any other block's Quest bound (see _paged), and
+    # its own block's bound is >= its score, so that block outranks every block without it and
+    # takes the one free slot of the budget (3 = sink 1 + local 1 + 1) whenever it is not forced.
+    pos = []
+    q, keys, kmin, kmax, table, lens = _paged(seed, needle=2.0, needle_pos=pos)
     sel = select_blocks(q, kmin, kmax, table, lens, top_k=3, sink_blocks=1, local_blocks=1)
     for b, k in enumerate(keys):
         s = _true_scores(q[b], k, 2)[:, 0]  # the needle was planted for the first q head of each group
         for h in range(2):
-            assert int(s[h].argmax()) // 4 in sel[b, h].tolist()
+            assert int(s[h].argmax()) == pos[b]  # the premise: the needle is the top-scoring key
+            assert pos[b] // 4 in sel[b, h].tolist()
 
 
 def test_all_blocks_when_budget_covers_them():
