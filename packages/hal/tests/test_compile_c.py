@@ -83,7 +83,7 @@ def test_four_processes_compile_one_source(cache):
     assert sum(not hit for _, hit in results) == 1  # exactly one process ran the compiler
     entries = [p for p in (cache / "c").iterdir() if p.is_dir()]
     assert len(entries) == 1
-    assert sorted(p.name for p in entries[0].iterdir() if not p.name.startswith(".")) == ["module.so", "module.so.sha256"]
+    assert sorted(p.name for p in entries[0].iterdir() if not p.name.startswith(".")) == ["module.so", "module.so.hmac"]
 
 
 def test_corrupted_entry_is_detected_and_rebuilt(cache):

@@ -10,6 +10,8 @@ from .cache import cache_dir
 from .devices import CPUDevice, CUDADevice, cpu, cuda_devices, cuda_unavailable_reason, devices
 from .dtypes import DType, get_dtype, to_numpy_dtype, to_torch_dtype
 from .errors import (
+    ArgumentError,
+    CacheError,
     CommTimeoutError,
     CompileError,
     DeviceError,
@@ -33,7 +35,7 @@ from .tensors import (
 )
 
 __all__ = [
-    "__version__", "Arg", "BenchResult", "CLibrary", "CPUDevice", "CUDADevice", "CommTimeoutError", "CompileError",
+    "__version__", "Arg", "ArgumentError", "BenchResult", "CacheError", "CLibrary", "CPUDevice", "CUDADevice", "CommTimeoutError", "CompileError",
     "CudaModule", "DType", "DeviceError", "Kernel", "LaunchError", "ShapeError", "TileStackError", "as_numpy",
     "bench", "c_compiler", "c_compiler_version", "cache_dir", "calc_diff", "check_tensor", "compile_c",
     "compile_cuda", "compiler_versions", "cpu", "cuda_devices", "cuda_include_dirs", "cuda_unavailable_reason",

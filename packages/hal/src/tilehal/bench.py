@@ -36,6 +36,20 @@ def _percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
+def _check_bench_args(fn: Any, warmup: Any, iters: Any, device: Any, min_time_s: Any) -> None:
+    from .errors import ArgumentError
+
+    if not callable(fn):
+        raise ArgumentError(f"fn: expected a callable taking no arguments, got {type(fn).__name__}")
+    for arg, value, lo in (("warmup", warmup, 0), ("iters", iters, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+            raise ArgumentError(f"{arg}: expected an integer >= {lo}, got {value!r}")
+    if device not in ("auto", "cuda", "cpu"):
+        raise ArgumentError(f"device: expected 'auto', 'cuda' or 'cpu', got {device!r}")
+    if isinstance(min_time_s, bool) or not isinstance(min_time_s, (int, float)) or not 0 <= min_time_s < float("inf"):
+        raise ArgumentError(f"min_time_s: expected a finite number of seconds >= 0, got {min_time_s!r}")
+
+
 def bench(
     fn: Callable[[], Any],
     *,
@@ -55,6 +69,7 @@ def bench(
     would take — for ours and the peer alike; `host_s` reports the host time per call
     separately. `hide_host=False` counts host gaps too. On the CPU, time.perf_counter per call.
     """
+    _check_bench_args(fn, warmup, iters, device, min_time_s)
     use_cuda = False
     if device in ("auto", "cuda"):
         try:

@@ -12,6 +12,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .errors import ArgumentError
+
 
 @dataclass(frozen=True)
 class DType:
@@ -89,22 +91,25 @@ def get_dtype(x: Any) -> DType:
     """Our DType for a name, numpy dtype, torch dtype, ml_dtypes type or DType."""
     if isinstance(x, DType):
         return x
+    if x is None or isinstance(x, (bool, int, float)):
+        # np.dtype(None) is float64: a missing dtype must not become one silently.
+        raise ArgumentError(f"dtype: expected a dtype name, numpy/torch dtype or DType, got {x!r}")
     if isinstance(x, str):
         key = x.strip().lower().removeprefix("torch.").removeprefix("numpy.")
         key = ALIASES.get(key, key)
         if key in BY_NAME:
             return BY_NAME[key]
-        raise TypeError(f"dtype: expected one of {sorted(BY_NAME)} (or an alias), got {x!r}")
+        raise ArgumentError(f"dtype: expected one of {sorted(BY_NAME)} (or an alias), got {x!r}")
     mod = type(x).__module__
     if mod.startswith("torch"):
         return get_dtype(str(x))
     try:
         npd = np.dtype(x)
-    except TypeError:
-        raise TypeError(f"dtype: expected a dtype name, numpy/torch dtype or DType, got {x!r}") from None
+    except (TypeError, ValueError):
+        raise ArgumentError(f"dtype: expected a dtype name, numpy/torch dtype or DType, got {x!r}") from None
     if npd in _BY_NUMPY:
         return _BY_NUMPY[npd]
-    raise TypeError(f"dtype: numpy dtype {npd} has no TileStack equivalent; supported: {sorted(BY_NAME)}")
+    raise ArgumentError(f"dtype: numpy dtype {npd} has no TileStack equivalent; supported: {sorted(BY_NAME)}")
 
 
 def to_numpy_dtype(x: Any) -> np.dtype:

@@ -33,6 +33,14 @@ class DeviceError(TileStackError):
     """The requested device is missing or cannot do what was asked."""
 
 
+class ArgumentError(TileStackError, ValueError, TypeError):
+    """A non-tensor argument has the wrong type or is outside its valid range."""
+
+
+class CacheError(TileStackError, OSError):
+    """The compile cache is unsafe to use (foreign owner, symlink, bad key file) or a lock wait ran out."""
+
+
 class CommTimeoutError(TileStackError, TimeoutError):
     """A communication wait ran past its deadline (dead or stuck peer)."""
 

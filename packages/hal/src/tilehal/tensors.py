@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from .dtypes import DType, get_dtype
-from .errors import ShapeError
+from .errors import ArgumentError, ShapeError
 
 
 def is_torch(x: Any) -> bool:
@@ -48,7 +48,7 @@ def as_numpy(x: Any) -> np.ndarray:
     if isinstance(x, np.ndarray):
         return x
     if not is_torch(x):
-        raise TypeError(f"tensor: expected a numpy array or torch tensor, got {type(x).__name__}")
+        raise ArgumentError(f"tensor: expected a numpy array or torch tensor, got {type(x).__name__}")
     if x.device.type != "cpu":
         raise ShapeError(f"tensor: expected a CPU tensor for a numpy view, got device {x.device}")
     dt = dtype_of(x)

@@ -7,7 +7,7 @@ cubin is loaded and launched with lives in launch.py.
 from __future__ import annotations
 
 import functools
-import hashlib
+import json
 import logging
 import os
 import shutil
@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cache import cached_build, content_key
-from ..errors import CompileError
+from ..cache import cached_build, check_name, content_key, flag_list, headers_digest
+from ..errors import ArgumentError, CompileError
 from .launch import CudaModule
 
 log = logging.getLogger("tilehal.jit.cuda")
@@ -87,29 +87,7 @@ def compiler_versions() -> dict[str, str | None]:
 def _headers_digest(extra_dirs: Sequence[str] = ()) -> str:
     """Digest of every header a compile can include (tilehal's and the caller's include dirs), so
     an edited header never loads a stale cubin."""
-    h = hashlib.sha256()
-    for d in (str(include_dir()), *extra_dirs):
-        h.update(_dir_digest(d, _dir_stamp(d)).encode())
-    return h.hexdigest()
-
-
-def _dir_stamp(d: str) -> tuple:
-    root = Path(d)
-    if not root.is_dir():
-        return ()
-    return tuple(sorted((str(p), p.stat().st_mtime_ns, p.stat().st_size)
-                        for p in root.rglob("*") if p.suffix in (".cuh", ".h", ".hpp", ".cu")))
-
-
-@functools.lru_cache(maxsize=64)
-def _dir_digest(d: str, stamp: tuple) -> str:
-    # `stamp` (paths, mtimes, sizes) keys the memo so an edit is noticed without rehashing every call.
-    h = hashlib.sha256()
-    for path, _, _ in stamp:
-        p = Path(path)
-        h.update(str(p.relative_to(d)).encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()
+    return headers_digest((str(include_dir()), *extra_dirs))
 
 
 # ----------------------------------------------------------------------------- compile
@@ -178,8 +156,17 @@ def compile_cuda(
     with `module.get_kernel(expr)`; plain `extern "C"` kernels are found by name.
     `compiler` is "auto" (NVRTC, else nvcc), "nvrtc" or "nvcc".
     """
-    if not (arch.startswith("sm_") or arch.startswith("compute_")):
-        raise ValueError(f"arch: expected like 'sm_90a', got {arch!r}")
+    if not isinstance(arch, str) or not (arch.startswith("sm_") or arch.startswith("compute_")):
+        raise ArgumentError(f"arch: expected like 'sm_90a', got {arch!r}")
+    if not isinstance(source, str):
+        raise ArgumentError(f"source: expected CUDA C++ source as str, got {type(source).__name__}")
+    check_name(name)
+    options = flag_list(options, "options")
+    name_expressions = flag_list(name_expressions, "name_expressions")
+    if isinstance(include_dirs, (str, bytes)):
+        raise ArgumentError(f"include_dirs: expected a sequence of directories, got {include_dirs!r}")
+    if compiler not in ("auto", "nvrtc", "nvcc"):
+        raise ArgumentError(f"compiler: expected 'auto', 'nvrtc' or 'nvcc', got {compiler!r}")
     nvrtc = _nvrtc() if compiler in ("auto", "nvrtc") else None
     if compiler == "nvrtc" and nvrtc is None:
         raise CompileError("compile_cuda: compiler='nvrtc' but NVRTC is unavailable (pip install 'tilestack-hal[cuda]')")
@@ -189,8 +176,8 @@ def compile_cuda(
     incs = [str(include_dir()), *map(os.fspath, include_dirs), *cuda_include_dirs()]
     opts = [f"--gpu-architecture={arch}", *DEFAULT_OPTIONS, *options, *[f"-I{d}" for d in incs]]
     version = compiler_versions()[use] or "?"
-    key = content_key("cuda", use, version, arch, source, " ".join(opts[:-len(incs)] if incs else opts),
-                      "|".join(name_expressions), _headers_digest(tuple(map(os.fspath, include_dirs))))
+    key = content_key("cuda", use, version, arch, source, json.dumps(opts[:-len(incs)] if incs else opts),
+                      json.dumps(list(name_expressions)), _headers_digest(tuple(map(os.fspath, include_dirs))))
     info: dict[str, Any] = {}
 
     def build(work: Path) -> bytes:
@@ -203,8 +190,9 @@ def compile_cuda(
         return _pack(cubin, info.get("lowered", {}))
 
     t0 = time.perf_counter()
-    path, hit = cached_build("cuda", key, f"{name}.cubin.pack", build)
-    cubin, lowered = _unpack(path.read_bytes())
+    art = cached_build("cuda", key, f"{name}.cubin.pack", build)
+    path, hit = art.path, art.hit
+    cubin, lowered = _unpack(art.data)
     return CudaModule(name=name, arch=arch, cubin=cubin, lowered_names=lowered, path=path, cache_hit=hit,
                       compile_seconds=time.perf_counter() - t0, log=info.get("log", ""), compiler=use)
 

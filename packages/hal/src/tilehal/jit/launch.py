@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DeviceError, LaunchError
+from ..errors import ArgumentError, DeviceError, LaunchError
 from ..tensors import is_torch
 
 
@@ -78,6 +78,16 @@ def ensure_context(device_index: int):
     return driver
 
 
+def _ranged(v: Any, lo: int, hi: int, what: str) -> int:
+    """`v` as an int in [lo, hi); a float, a bool or an out-of-range value raises ArgumentError (no wrapping)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ArgumentError(f"{what}: expected an integer, got {v!r} ({type(v).__name__})")
+    v = int(v)
+    if not lo <= v < hi:
+        raise ArgumentError(f"{what}: expected a value in [{lo}, {hi - 1}], got {v}")
+    return v
+
+
 class Arg:
     """A kernel argument with an explicit C type: `Arg.i64(n)`, `Arg.f32(x)`, `Arg.raw(bytes)`."""
 
@@ -86,19 +96,19 @@ class Arg:
 
     @classmethod
     def i32(cls, v: int) -> Arg:
-        return cls(ctypes.c_int32(int(v)))
+        return cls(ctypes.c_int32(_ranged(v, -(2**31), 2**31, "Arg.i32")))
 
     @classmethod
     def u32(cls, v: int) -> Arg:
-        return cls(ctypes.c_uint32(int(v)))
+        return cls(ctypes.c_uint32(_ranged(v, 0, 2**32, "Arg.u32")))
 
     @classmethod
     def i64(cls, v: int) -> Arg:
-        return cls(ctypes.c_int64(int(v)))
+        return cls(ctypes.c_int64(_ranged(v, -(2**63), 2**63, "Arg.i64")))
 
     @classmethod
     def u64(cls, v: int) -> Arg:
-        return cls(ctypes.c_uint64(int(v)))
+        return cls(ctypes.c_uint64(_ranged(v, 0, 2**64, "Arg.u64")))
 
     @classmethod
     def f32(cls, v: float) -> Arg:
