@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,8 @@ TARGET_ALIASES = {"c": "cpu", "llvm": "cpu", "host": "cpu", "numpy": "interp"}
 
 def resolve_target(target: str | None) -> str:
     t = (target or "auto").lower()
+    if t == "auto" and os.environ.get("TILELANG_DEFAULT_TARGET"):  # as in the public TileLang
+        t = os.environ["TILELANG_DEFAULT_TARGET"].lower()
     t = TARGET_ALIASES.get(t, t)
     if t == "auto":
         if tilehal.c_compiler() is not None:

@@ -184,6 +184,19 @@ class MetaEvaluator:
 
     # ------------------------------------------------------------ expressions
 
+    def eval_args(self, nodes: list[ast.expr]) -> list[Any]:
+        """Positional call arguments, with `*seq` unpacked at meta level."""
+        out: list[Any] = []
+        for a in nodes:
+            if isinstance(a, ast.Starred):
+                seq = self.value(a.value)
+                if is_ir(seq) or not isinstance(seq, (list, tuple, range)):
+                    self.fail(a, f"*{ast.unparse(a.value)}: expected a Python tuple or list, got {seq!r}")
+                out.extend(seq)
+            else:
+                out.append(self.value(a))
+        return out
+
     def value(self, node: ast.AST) -> Any:
         method = getattr(self, f"expr_{type(node).__name__}", None)
         if method is None:
@@ -338,7 +351,7 @@ class MetaEvaluator:
             self.fail(node, f"T.{fn.__tl_stmt__} is a statement, not an expression")
         if isinstance(fn, Macro):
             self.fail(node, f"T.macro {fn.__name__} must be called as a statement")
-        args = [self.value(a) for a in node.args]
+        args = self.eval_args(node.args)
         kwargs = {k.arg: self.value(k.value) for k in node.keywords}
         if getattr(fn, "__tl_expr__", False):
             args = [self.to_expr(a, node) if isinstance(a, Buffer) else a for a in args]

@@ -142,7 +142,7 @@ class Parser(TileOpBinder):
             self.fail(node, "unsupported `with`: only `with T.Kernel(...) as ...` is supported")
         if self.shared.kernel is not None:
             self.fail(node, "nested T.Kernel blocks are not supported")
-        grid = [self.to_expr(self.value(a), a) for a in call.args]
+        grid = [self.to_expr(a, call) for a in self.eval_args(call.args)]
         if not 1 <= len(grid) <= 3:
             self.fail(node, f"T.Kernel takes 1 to 3 grid extents, got {len(grid)}")
         kw = {k.arg: self.value(k.value) for k in call.keywords}
@@ -188,7 +188,7 @@ class Parser(TileOpBinder):
             self.fail(it, "unsupported loop: iterate over T.Parallel/T.Pipelined/T.serial/T.unroll/T.grid/range "
                           "or a Python list")
         self._need_kernel(node, "a loop")
-        args = [self.value(a) for a in it.args]
+        args = self.eval_args(it.args)
         kw = {k.arg: self.value(k.value) for k in it.keywords}
         if kind in ("Parallel", "grid"):
             extents = [self.to_expr(a, it) for a in args]
@@ -360,7 +360,7 @@ class Parser(TileOpBinder):
 
     def alloc(self, call: ast.Call, scope: str, name: str) -> Stmt:
         self._need_kernel(call, f"T.alloc_{scope}")
-        args = [self.value(a) for a in call.args]
+        args = self.eval_args(call.args)
         kw = {k.arg: self.value(k.value) for k in call.keywords}
         init = None
         if scope == "var":
@@ -391,7 +391,7 @@ class Parser(TileOpBinder):
     def inline_macro(self, macro: Macro, call: ast.Call) -> list[Stmt]:
         sub = Parser(macro.func, self.shared)
         fdef = next(n for n in sub.tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
-        args = [self.value(a) for a in call.args]
+        args = self.eval_args(call.args)
         kwargs = {k.arg: self.value(k.value) for k in call.keywords}
         try:
             bound = inspect.signature(macro.func).bind(*args, **kwargs)

@@ -23,11 +23,27 @@ globals().update(dtype_constants())
 __tl_language__ = True  # how the front end recognizes `T` in `T.name`
 
 
-def Tensor(shape: Sequence[Any] | int, dtype: Any = "float32") -> TensorType:  # noqa: N802 - TileLang's name
-    """Parameter annotation: a global tensor of `shape` (ints or `T.dynamic` vars) and `dtype`."""
-    return tensor_type(shape, dtype)
+class _TensorAnnotation:
+    """`T.Tensor(shape, dtype)` or `T.Tensor[shape, dtype]`: a global tensor parameter (shape entries are
+    ints, `T.const` or `T.dynamic` sizes)."""
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = name
+
+    def __call__(self, shape: Sequence[Any] | int, dtype: Any = "float32", *_, **__: Any) -> TensorType:
+        return tensor_type(shape, dtype)
+
+    def __getitem__(self, key: Any) -> TensorType:
+        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], (list, tuple, int, Var)):
+            return tensor_type(key[0], key[1])
+        return tensor_type(key, "float32")
+
+    def __repr__(self) -> str:
+        return f"T.{self.__name__}"
 
 
+Tensor = _TensorAnnotation("Tensor")
+StridedTensor = _TensorAnnotation("StridedTensor")  # strides are not modelled: tensors are C-contiguous
 Buffer = Tensor  # older TileLang spelling
 
 
@@ -37,6 +53,21 @@ def dynamic(name: str, dtype: str = "int32") -> Var:
 
 
 symbolic = dynamic
+
+
+def _eager(kind: str, doc: str) -> Callable:
+    def f(*args: Any, **kwargs: Any) -> Any:
+        raise CompileError(f"T.{kind}(...) can only be used in the body of an eager @tilelang.jit function")
+
+    f.__name__ = kind
+    f.__doc__ = doc
+    f.__tl_eager__ = kind
+    return f
+
+
+const = _eager("const", 'M, N = T.const("M, N"): sizes specialized per call (from the tensors) or given to '
+                        '.compile(M=..., N=...)')
+empty = _eager("empty", "C = T.empty(shape, dtype): an output tensor of an eager @tilelang.jit function (return it)")
 
 
 def prim_func(func: Callable | None = None, **_: Any) -> PrimFunc:
@@ -107,7 +138,7 @@ use_swizzle = _statement("use_swizzle", "T.use_swizzle(panel_size=10, order='row
 annotate_layout = _statement("annotate_layout", "T.annotate_layout({buf: layout}): layout hint for GPU backends")
 
 __all__ = [  # noqa: F405
-    "Buffer", "GemmWarpPolicy", "Kernel", "Macro", "Parallel", "Pipelined", "Tensor", "TensorType", "abs",
+    "Buffer", "GemmWarpPolicy", "StridedTensor", "const", "empty", "Kernel", "Macro", "Parallel", "Pipelined", "Tensor", "TensorType", "abs",
     "alloc_fragment", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
     "ceildiv", "clear", "copy", "cos", "cumsum", "dynamic", "exp", "exp2", "fill", "floor", "floordiv", "floormod",
     "gemm", "grid", "if_then_else", "infinity", "log", "log2", "macro", "max", "max_value", "min", "min_value",

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from ..ir import dtypes as dt
-from ..ir.nodes import Call, Cast, Const, Expr, Select, as_expr, binop, const
+from ..ir.nodes import Call, Cast, Const, Expr, Select, as_expr, binop
 
 
 def _expr_intrinsic(fn):
@@ -160,6 +160,6 @@ def dtype_constants() -> dict[str, DTypeConst]:
     return out
 
 
-__all__ = ["DTypeConst", "abs", "cast", "ceil", "ceildiv", "const", "cos", "exp", "exp2", "floor", "floordiv",
+__all__ = ["DTypeConst", "abs", "cast", "ceil", "ceildiv", "cos", "exp", "exp2", "floor", "floordiv",
            "floormod", "if_then_else", "infinity", "log", "log2", "max", "max_value", "min", "min_value", "pow",
            "round", "rsqrt", "sigmoid", "sin", "sqrt", "tanh"]

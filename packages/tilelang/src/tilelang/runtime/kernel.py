@@ -170,6 +170,13 @@ class JITFactory:
     def get_tir(self, *args: Any, **kwargs: Any) -> PrimFunc:
         return self.fn(*args, **kwargs)
 
+    def compile(self, *args: Any, **kwargs: Any) -> JITKernel:
+        """The kernel for these factory arguments (same as calling the factory)."""
+        return self(*args, **kwargs)
+
+    def get_kernel_source(self, *args: Any, **kwargs: Any) -> str:
+        return self(*args, **kwargs).get_kernel_source()
+
 
 def _hashable(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
@@ -187,7 +194,13 @@ def jit(func: Callable | None = None, *, out_idx: Any = None, target: str = "aut
         **_: Any) -> Any:
     """Decorator: `@tilelang.jit(out_idx=[-1])` on a factory that builds and returns a `@T.prim_func`."""
 
-    def wrap(fn: Callable) -> JITFactory:
+    def wrap(fn: Callable) -> Any:
+        from ..frontend.eager import is_eager_style
+
+        if is_eager_style(fn):  # the function's body is the kernel (T.const / T.empty / with T.Kernel)
+            from .eager import EagerJIT
+
+            return EagerJIT(fn, target, pass_configs, out_idx)
         return JITFactory(fn, out_idx, target, pass_configs)
 
     return wrap(func) if func is not None else wrap

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Run examples written for the public TileLang on our CPU targets, and report pass/fail per file.
+
+    python packages/tilelang/scripts/run_public_examples.py /path/to/tilelang/examples --target cpu
+    python packages/tilelang/scripts/run_public_examples.py /path/to/tilelang/examples --target interp -k gemm
+
+Nothing is fetched: point it at the `examples/` folder of a checkout of the public TileLang
+(the list below was made against tile-ai/tilelang at commit a35008a). Each file is copied
+with its folder into a temporary directory and adapted as a GPU-less user would: CUDA
+devices become the CPU, problem sizes shrink (the per-file edits below, each of which must
+match or the file is reported "stale"), and the target is chosen with the public
+TileLang's TILELANG_DEFAULT_TARGET variable. The file then runs as `__main__` in a fresh
+process; it passes when it exits 0 (every example checks itself against its reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# (pattern, replacement) applied to every file: device edits only.
+DEVICE_EDITS = [
+    (r"\.cuda\(\)", ""),
+    (r"""device\s*=\s*["']cuda(:\d+)?["']""", 'device="cpu"'),
+    (r"""torch\.device\(["']cuda(:\d+)?["']\)""", 'torch.device("cpu")'),
+    (r"""\.to\(["']cuda(:\d+)?["']\)""", '.to("cpu")'),
+    (r"""\.to\(device=["']cuda(:\d+)?["']""", '.to(device="cpu"'),
+    (r"torch\.cuda\.synchronize\(\)", "None"),
+    (r"torch\.cuda\.manual_seed(_all)?\(", "torch.manual_seed("),
+]
+
+
+@dataclass
+class Example:
+    path: str  # relative to the examples folder
+    kind: str  # what the issue's list calls it
+    sizes: list[tuple[str, str]] = field(default_factory=list)  # exact text edits (problem sizes)
+    argv: list[str] = field(default_factory=list)
+    timeout: int = 600
+
+
+EXAMPLES: list[Example] = [
+    Example("gemm/example_gemm.py", "gemm",
+            [("M=1024, N=1024, K=1024, block_M=128", "M=256, N=192, K=160, block_M=128"),
+             ("torch.randn(1024, 1024).half()\n    b = torch.randn(1024, 1024)",
+              "torch.randn(256, 160).half()\n    b = torch.randn(160, 192)")]),
+]
+
+
+def adapt(text: str, ex: Example) -> tuple[str, list[str]]:
+    for pat, rep in DEVICE_EDITS:  # first, so the size edits below read as device-free code
+        text = re.sub(pat, rep, text)
+    stale = []
+    for old, new in ex.sizes:
+        if old not in text:
+            stale.append(old)
+        text = text.replace(old, new)
+    return text, stale
+
+
+def run_one(root: Path, ex: Example, target: str, workdir: Path) -> dict:
+    src = root / ex.path
+    if not src.exists():
+        return {"file": ex.path, "kind": ex.kind, "status": "missing"}
+    dst_dir = workdir / Path(ex.path).parent.name
+    if not dst_dir.exists():
+        shutil.copytree(src.parent, dst_dir)
+    text, stale = adapt(src.read_text(), ex)
+    if stale:
+        return {"file": ex.path, "kind": ex.kind, "status": "stale", "detail": f"edits no longer match: {stale}"}
+    dst = dst_dir / f"_adapted_{src.name}"
+    dst.write_text(text)
+    env = dict(os.environ, TILELANG_DEFAULT_TARGET=target, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(dst_dir), env.get("PYTHONPATH", "")])
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, dst.name, *ex.argv], cwd=dst_dir, env=env, capture_output=True, text=True,
+                           timeout=ex.timeout)
+        rc, out = p.returncode, (p.stdout + p.stderr)
+    except subprocess.TimeoutExpired as e:
+        rc, out = -1, f"timeout after {ex.timeout}s\n{(e.stdout or b'')[-2000:]!r}"
+    secs = time.perf_counter() - t0
+    tail = out.strip().splitlines()[-6:]
+    return {"file": ex.path, "kind": ex.kind, "status": "pass" if rc == 0 else "fail", "seconds": round(secs, 1),
+            "detail": "\n".join(tail)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("examples", type=Path, help="the examples/ folder of a public TileLang checkout")
+    ap.add_argument("--target", choices=["cpu", "interp"], default="cpu")
+    ap.add_argument("-k", dest="select", default="", help="only files whose path contains this")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print the output tail of failures")
+    args = ap.parse_args(argv)
+    root = args.examples.resolve()
+    chosen = [e for e in EXAMPLES if args.select in e.path]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="tl_public_") as tmp:
+        for ex in chosen:
+            r = run_one(root, ex, args.target, Path(tmp))
+            results.append(r)
+            print(f"{r['status']:6s} {r.get('seconds', ''):>6} {ex.path}", flush=True)
+            if args.verbose and r["status"] != "pass":
+                print("       " + r.get("detail", "").replace("\n", "\n       "), flush=True)
+    n = sum(r["status"] == "pass" for r in results)
+    print(f"{n}/{len(results)} passed on target {args.target}")
+    if args.json:
+        args.json.write_text(json.dumps({"target": args.target, "results": results}, indent=1))
+    return 0 if n == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
