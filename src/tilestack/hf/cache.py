@@ -1,0 +1,368 @@
+"""KVPoolCache: transformers' `Cache` interface on a kvpool `KVPool`.
+
+One batch row is one pool sequence. A forward's first layer update allocates the step's slots for
+every row at once (`KVPool.append_batch`: all or nothing), every layer's update writes its new K/V
+into those slots, and the paged attention function (tilestack/hf/attention.py) reads the pool
+through the step's block table. `update` hands back its inputs unchanged: nothing is gathered into
+contiguous K/V, which is the point of a paged cache.
+
+A request starts with `new_request(input_ids, attention_mask)` (the `generate` hook calls it):
+the previous batch's sequences are freed (their full blocks stay in the pool's prefix cache),
+each row's prompt is registered with `KVPool.add_sequence`, which shares every cached full block,
+and the number of leading columns the forward can skip is returned. Identical rows (parallel
+sampling: `num_return_sequences`) are registered once and forked after the prefill wrote them,
+so they share the prompt's blocks copy-on-write.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+from kvpool import KVPool, PoolExhaustedError
+from tilehal import ShapeError
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .errors import CacheMismatchError, SequenceTooLongError
+
+log = logging.getLogger("tilestack.hf")
+
+_IDS = count()
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Sparse decode: attend to `top_k` blocks per (sequence, kv head), chosen by Quest bounds.
+
+    The first `sink_blocks` and the last `local_blocks` blocks of each sequence are always among
+    them (dataengine.select_blocks). Prefill stays dense.
+    """
+
+    top_k: int
+    sink_blocks: int = 1
+    local_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        for name, v, lo in (("top_k", self.top_k, 1), ("sink_blocks", self.sink_blocks, 0),
+                            ("local_blocks", self.local_blocks, 0)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+
+
+@dataclass
+class _Step:
+    """What one forward (all layers) writes and attends to; built at the first layer's update."""
+
+    batch: int
+    length: int  # columns of this forward
+    decode: bool  # one new token per row: paged_decode (dense or sparse)
+    slots: torch.Tensor  # int [N] pool slots, row-major over write_mask
+    write_mask: torch.Tensor  # bool [B, T] columns whose K/V go into the pool
+    query_mask: torch.Tensor  # bool [B, T] columns that are tokens (not left padding)
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor  # int32 [B]
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1] over query_mask
+    all_written: bool  # write_mask is all True (skip the boolean gather)
+    keys: dict = field(default_factory=dict)  # layer -> key tensor handed to update (identity check)
+
+
+class _PoolLayer(CacheLayerMixin):
+    """One model layer's view of the cache: transformers asks it for lengths and updates."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, cache: KVPoolCache, layer: int) -> None:
+        super().__init__()
+        self._cache, self._layer = cache, layer
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # the pool is allocated up front
+        return None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._cache._update(self._layer, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self._cache.max_tokens
+
+    def reset(self) -> None:  # the cache resets all layers at once
+        return None
+
+    def offload(self) -> None:  # the pool's host tier does this, per block
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+class KVPoolCache(Cache):
+    """transformers `Cache` on a `KVPool`; made by `tilestack.hf.enable_kvpool`.
+
+    `pool` is the KVPool; `seq_ids` the pool sequence of each batch row; `stats()` the pool's
+    figures plus this cache's (prompt tokens served from the prefix cache, decode steps, blocks
+    attended by sparse steps).
+    """
+
+    def __init__(self, pool: KVPool, *, sparse: SparseConfig | None = None, max_tokens: int | None = None,
+                 window: int | None = None) -> None:
+        self.pool = pool
+        self.sparse = sparse
+        capacity = pool.num_blocks * pool.block_size
+        self.max_tokens = capacity if max_tokens is None else min(max_tokens, capacity)
+        self.window = window
+        super().__init__(layers=[_PoolLayer(self, i) for i in range(pool.num_layers)])
+        self._rows: list[Hashable] | None = None
+        self._plan: dict | None = None  # set by new_request for the request's first forward
+        self._step: _Step | None = None
+        self._figures = {"requests": 0, "prompt_tokens": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0,
+                         "forks": 0, "decode_steps": 0, "sparse_decode_steps": 0, "blocks_attended": 0,
+                         "blocks_valid": 0}
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def seq_ids(self) -> list[Hashable]:
+        """The pool sequence of each batch row (a copy; empty before the first forward)."""
+        return list(self._rows or [])
+
+    def new_request(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """Start a batch: free the previous one, register these prompts; returns the columns already cached.
+
+        `input_ids` `[B, S]` are whole prompts (left padding marked by zeros in `attention_mask`).
+        The forward that follows must get `input_ids[:, h:]` (h the return value): every row's
+        first h columns are padding or tokens whose K/V the pool already holds. Raises
+        PoolExhaustedError / SequenceTooLongError with the pool as it was after the previous
+        batch was freed.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise ShapeError(f"input_ids: expected a [batch, seq_len] tensor with seq_len >= 1, got "
+                             f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
+        B, S = input_ids.shape
+        ids = input_ids.detach().to("cpu", torch.long)
+        if attention_mask is None:
+            mask = torch.ones(B, S, dtype=torch.bool)
+        else:
+            if tuple(attention_mask.shape) != (B, S):
+                raise ShapeError(f"attention_mask: expected shape {(B, S)} (input_ids'), got "
+                                 f"{tuple(attention_mask.shape)}")
+            mask = attention_mask.detach().to("cpu").bool()
+        pads = (~mask).long().cumprod(1).sum(1)  # leading zeros per row
+        if not bool((mask.sum(1) == S - pads).all()):
+            raise ShapeError("attention_mask: expected left padding only (zeros before the tokens of a row)")
+        if bool((pads == S).any()):
+            raise ShapeError(f"attention_mask: row {int((pads == S).nonzero()[0])} has no tokens")
+        prompts = [ids[b, int(pads[b]):] for b in range(B)]
+        for b, p in enumerate(prompts):
+            if len(p) > self.max_tokens:
+                raise SequenceTooLongError(self._too_long(f"row {b}: a {len(p)}-token prompt"))
+        self.release()
+        first: dict[bytes, int] = {}
+        src = []
+        for b, p in enumerate(prompts):
+            src.append(first.setdefault(p.numpy().tobytes(), b))
+        rows: list[Hashable] = [None] * B
+        hits = [0] * B
+        try:
+            for b in range(B):
+                if src[b] == b:
+                    rows[b] = ("hf", next(_IDS))
+                    hits[b] = self.pool.add_sequence(rows[b], prompts[b])
+        except PoolExhaustedError as e:
+            for sid in rows:
+                if sid is not None:
+                    self.pool.free(sid)
+            raise PoolExhaustedError(
+                f"new_request: the pool cannot hold this batch's prompts ({e}); free requests with cache.reset() "
+                f"or give enable_kvpool more num_blocks", needed=e.needed, available=e.available) from e
+        for b in range(B):
+            if src[b] != b:
+                rows[b] = ("hf", next(_IDS))  # forked from rows[src[b]] once the prefill wrote it
+                hits[b] = hits[src[b]]
+        h = min(hits[b] + int(pads[b]) for b in range(B))
+        T = S - h
+        col = torch.arange(h, S)[None, :] - pads[:, None]  # index into each row's tokens, [B, T]
+        query_mask = col >= 0
+        write_mask = col >= torch.tensor(hits)[:, None]
+        write_mask &= torch.tensor([src[b] == b for b in range(B)])[:, None]
+        self._rows = rows
+        self._plan = {"start": h, "length": T, "src": src, "query_mask": query_mask, "write_mask": write_mask,
+                      "counts": [len(prompts[b]) - hits[b] for b in range(B)]}
+        f = self._figures
+        f["requests"] += 1
+        f["prompt_tokens"] += sum(len(p) for p in prompts)
+        f["prompt_tokens_cached"] += sum(hits)
+        f["prompt_tokens_computed"] += int(query_mask.sum())
+        return h
+
+    def release(self) -> None:
+        """Free the current batch's sequences (their full blocks stay matchable in the prefix cache)."""
+        for sid in self._rows or []:
+            if sid in self.pool:
+                self.pool.free(sid)
+        self._rows, self._plan, self._step = None, None, None
+
+    def reset(self) -> None:
+        """transformers' reset: drop the current batch (the pool keeps its prefix cache)."""
+        self.release()
+
+    # ------------------------------------------------------------------ Cache interface
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self._plan is not None:  # between new_request and its prefill: the columns it skips
+            return self._plan["start"]
+        if not self._rows:
+            return 0
+        return max(self.pool.num_tokens(s) for s in self._rows)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_tokens
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._reorder([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reorder([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._reorder([b for b in range(len(self._rows or [])) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError("KVPoolCache.crop: a paged pool does not drop tokens from its sequences")
+
+    def _reorder(self, order: Sequence[int]) -> None:
+        """Row i becomes a copy-on-write fork of old row order[i] (beam search, repeat, select)."""
+        if self._plan is not None:
+            raise CacheMismatchError("cache: rows cannot be reordered between new_request and its prefill")
+        old = self._rows or []
+        if any(not 0 <= i < len(old) for i in order):
+            raise ShapeError(f"indices: expected rows in [0, {len(old)}), got {list(order)}")
+        new = []
+        for i in order:
+            sid = ("hf", next(_IDS))
+            self.pool.fork(old[i], sid)
+            new.append(sid)
+        for sid in old:
+            self.pool.free(sid)
+        self._rows, self._step = new, None
+        self._figures["forks"] += len(order)
+
+    # ------------------------------------------------------------------ the step
+    def _too_long(self, what: str) -> str:
+        cap = self.pool.num_blocks * self.pool.block_size
+        why = (f"the model's attention window is {self.window} tokens and kvpool attends to whole sequences"
+               if self.window is not None and self.max_tokens == self.window else
+               f"the pool holds {cap} tokens ({self.pool.num_blocks} blocks of {self.pool.block_size})")
+        return f"{what} exceeds {self.max_tokens} tokens: {why}"
+
+    def _begin_step(self, B: int, T: int, device: torch.device) -> _Step:
+        pool = self.pool
+        plan = self._plan
+        if self._rows is None:  # a forward loop that never called new_request: rows without token ids
+            self._rows = [("hf", next(_IDS)) for _ in range(B)]
+            for sid in self._rows:
+                pool.add_sequence(sid, [])
+        rows = self._rows
+        if len(rows) != B:
+            raise CacheMismatchError(f"input batch: expected {len(rows)} rows (the cache's sequences), got {B}; "
+                                     f"start a new batch with cache.new_request() or cache.reset()")
+        if plan is not None:
+            if T != plan["length"]:
+                raise CacheMismatchError(f"input length: expected {plan['length']} columns (new_request skipped the "
+                                         f"cached ones), got {T}")
+            src, counts = plan["src"], plan["counts"]
+            query_mask, write_mask = plan["query_mask"], plan["write_mask"]
+        else:
+            src, counts = list(range(B)), [T] * B
+            query_mask = write_mask = torch.ones(B, T, dtype=torch.bool)
+        writers = [b for b in range(B) if src[b] == b]
+        for b in writers:
+            n = pool.num_tokens(rows[b]) + counts[b]
+            if n > self.max_tokens:
+                raise SequenceTooLongError(self._too_long(f"row {b}: {n} tokens"))
+        try:
+            slots = pool.append_batch([rows[b] for b in writers], [counts[b] for b in writers])
+        except PoolExhaustedError as e:
+            raise PoolExhaustedError(
+                f"kvpool cache: the pool is exhausted at this step ({e}); the batch's sequences are kept "
+                f"(cache.reset() frees them) — give enable_kvpool more num_blocks", needed=e.needed,
+                available=e.available) from e
+        for b in range(B):
+            if src[b] != b:
+                pool.fork(rows[src[b]], rows[b])
+                self._figures["forks"] += 1
+        self._plan = None
+        lens = query_mask.sum(1)
+        cu = torch.zeros(B + 1, dtype=torch.int32)
+        cu[1:] = lens.cumsum(0)
+        decode = T == 1 and bool(query_mask.all())
+        step = _Step(batch=B, length=T, decode=decode, slots=slots.to(device), write_mask=write_mask.to(device),
+                     query_mask=query_mask.to(device), block_table=pool.block_table(rows), seq_lens=pool.seq_lens(rows),
+                     cu_seqlens_q=cu.to(device), all_written=bool(write_mask.all()))
+        if decode:
+            f = self._figures
+            f["decode_steps"] += 1
+            nb = [-(-pool.num_tokens(s) // pool.block_size) for s in rows]
+            f["blocks_valid"] += sum(nb) * pool.num_kv_heads
+            if self.sparse is not None:
+                budget = max(self.sparse.top_k, self.sparse.sink_blocks + self.sparse.local_blocks)
+                f["sparse_decode_steps"] += 1
+                f["blocks_attended"] += sum(min(budget, n) for n in nb) * pool.num_kv_heads
+            else:
+                f["blocks_attended"] += sum(nb) * pool.num_kv_heads
+        return step
+
+    def _update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        if key_states.ndim != 4 or key_states.shape[1] != self.pool.num_kv_heads or \
+                key_states.shape[3] != self.pool.head_dim:
+            raise ShapeError(f"key_states: expected [batch, {self.pool.num_kv_heads}, tokens, {self.pool.head_dim}] "
+                             f"(the pool's kv_heads, head_dim), got {tuple(key_states.shape)}")
+        B, _, T, _ = key_states.shape
+        if layer == 0:
+            self._step = self._begin_step(B, T, key_states.device)
+        step = self._step
+        if step is None or step.batch != B or step.length != T:
+            raise CacheMismatchError(f"layer {layer}: update without a step begun at layer 0 for this input "
+                                     f"({B} x {T})")
+        k = key_states.transpose(1, 2)  # [B, T, kv_heads, D]
+        v = value_states.transpose(1, 2)
+        if step.all_written:
+            k, v = k.reshape(B * T, *k.shape[2:]), v.reshape(B * T, *v.shape[2:])
+        else:
+            k, v = k[step.write_mask], v[step.write_mask]
+        self.pool.write(layer, step.slots, k, v)
+        step.keys[layer] = key_states
+        return key_states, value_states
+
+    # ------------------------------------------------------------------ figures
+    def stats(self) -> dict:
+        """The pool's figures (`KVPool.stats().as_dict()`) and this cache's, in one dict.
+
+        prompt_tokens / prompt_tokens_cached / prompt_tokens_computed: prompt tokens of all
+        requests, those served from the prefix cache, those run through the model;
+        prefix_hit_rate: cached / prompt tokens; decode_steps, sparse_decode_steps;
+        blocks_attended / blocks_valid: (sequence, kv head, block) triples read by decode steps
+        against those holding tokens (1.0 when dense).
+        """
+        d = self.pool.stats().as_dict()
+        f = dict(self._figures)
+        f["prefix_hit_rate"] = f["prompt_tokens_cached"] / f["prompt_tokens"] if f["prompt_tokens"] else 0.0
+        f["attended_fraction"] = f["blocks_attended"] / f["blocks_valid"] if f["blocks_valid"] else 0.0
+        d.update(f)
+        return d
+
+    def __repr__(self) -> str:
+        return f"KVPoolCache(pool={self.pool!r}, sparse={self.sparse}, rows={len(self._rows or [])})"
