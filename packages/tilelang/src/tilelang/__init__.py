@@ -13,14 +13,17 @@
 Targets: "cpu" (C + OpenMP), "interp" (numpy reference); "cuda" is planned.
 """
 
-from . import layout
+from . import autotuner, layout, profiler, testing, utils  # noqa: E402 - public submodules
 from .__about__ import __version__
 from .errors import CompileError, SourceLoc
 from .highlevel import tensor_contract, tile_kernel
 from .ir.nodes import PrimFunc
+from .pass_config import PassConfigKey
 from .runtime.autotune import AutoTuner, autotune
 from .runtime.kernel import JITKernel, compile, jit  # noqa: A004
 from .runtime.profiler import Profiler, TensorSupplyType
+from .utils.math import cdiv, next_power_of_2
 
-__all__ = ["AutoTuner", "CompileError", "JITKernel", "PrimFunc", "Profiler", "SourceLoc", "TensorSupplyType",
-           "__version__", "autotune", "layout", "compile", "jit", "tensor_contract", "tile_kernel"]
+__all__ = ["AutoTuner", "CompileError", "JITKernel", "PassConfigKey", "PrimFunc", "Profiler", "SourceLoc",
+           "TensorSupplyType", "__version__", "autotune", "autotuner", "cdiv", "compile", "jit", "layout",
+           "next_power_of_2", "profiler", "tensor_contract", "testing", "tile_kernel", "utils"]

@@ -8,6 +8,7 @@ functions that build IR, and fold Python numbers at meta level.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,8 @@ from ..ir.nodes import PrimFunc, Var
 from .ops import *  # noqa: F403
 from .ops import DTypeConst, dtype_constants
 
-globals().update(dtype_constants())
+globals().update(dtype_constants())  # T.float, T.int, ... (builtins.int inside this module)
+dtype = DTypeConst  # T.dtype("float16"), and the annotation `dtype: T.dtype = T.float16`
 __tl_language__ = True  # how the front end recognizes `T` in `T.name`
 
 
@@ -34,7 +36,7 @@ class _TensorAnnotation:
         return tensor_type(shape, dtype)
 
     def __getitem__(self, key: Any) -> TensorType:
-        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], (list, tuple, int, Var)):
+        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], (list, tuple, builtins.int, Var)):
             return tensor_type(key[0], key[1])
         return tensor_type(key, "float32")
 
@@ -138,7 +140,7 @@ use_swizzle = _statement("use_swizzle", "T.use_swizzle(panel_size=10, order='row
 annotate_layout = _statement("annotate_layout", "T.annotate_layout({buf: layout}): layout hint for GPU backends")
 
 __all__ = [  # noqa: F405
-    "Buffer", "GemmWarpPolicy", "StridedTensor", "const", "empty", "Kernel", "Macro", "Parallel", "Pipelined", "Tensor", "TensorType", "abs",
+    "Buffer", "GemmWarpPolicy", "StridedTensor", "const", "dtype", "empty", "Kernel", "Macro", "Parallel", "Pipelined", "Tensor", "TensorType", "abs",
     "alloc_fragment", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
     "ceildiv", "clear", "copy", "cos", "cumsum", "dynamic", "exp", "exp2", "fill", "floor", "floordiv", "floormod",
     "gemm", "grid", "if_then_else", "infinity", "log", "log2", "macro", "max", "max_value", "min", "min_value",

@@ -139,9 +139,26 @@ def min_value(dtype: Any) -> Const:
 
 
 class DTypeConst(str):
-    """`T.float16` & co: a dtype name that also casts when called (`T.float32(0)`)."""
+    """`T.float16` & co (and `T.dtype(name)`): a dtype name that also casts when called (`T.float32(0)`)."""
 
     __tl_expr__ = True
+
+    def __new__(cls, value: Any = "float32") -> DTypeConst:
+        return super().__new__(cls, dt.canonical(str(value) if isinstance(value, DTypeConst) else value))
+
+    def as_torch(self) -> Any:
+        import tilehal
+
+        return tilehal.to_torch_dtype(str(self))
+
+    def as_numpy(self) -> Any:
+        import tilehal
+
+        return tilehal.to_numpy_dtype(str(self))
+
+    @property
+    def bits(self) -> int:
+        return self.as_numpy().itemsize * 8 if str(self) != "bool" else 8
 
     def __call__(self, value: Any = 0) -> Expr:
         name = dt.canonical(str(self))
@@ -156,7 +173,9 @@ def dtype_constants() -> dict[str, DTypeConst]:
              "int64", "uint8", "bool"]
     out = {n: DTypeConst(n) for n in names}
     out["float8_e4m3fn"] = DTypeConst("float8_e4m3")
-    out["half"] = DTypeConst("float16")
+    for alias, name in (("half", "float16"), ("float", "float32"), ("double", "float64"), ("short", "int16"),
+                        ("int", "int32"), ("long", "int64")):
+        out[alias] = DTypeConst(name)
     return out
 
 

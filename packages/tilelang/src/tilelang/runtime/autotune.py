@@ -49,9 +49,12 @@ class AutoTuner:
     def __init__(self, factory: JITFactory, configs: Sequence[dict] | Callable[..., Sequence[dict]], warmup: int,
                  rep: int, max_workers: int | None, ref_prog: Callable | None, atol: float, rtol: float,
                  use_cache: bool, progress: bool) -> None:
-        if not isinstance(factory, JITFactory):
+        from .eager import EagerJIT
+
+        if not isinstance(factory, (JITFactory, EagerJIT)):
             raise TypeError("autotune: stack it on top of @tilelang.jit(...): @tilelang.autotune(configs=...) then "
                             "@tilelang.jit(out_idx=...)")
+        self.eager = isinstance(factory, EagerJIT)
         self.factory = factory
         self.configs = configs
         self.warmup, self.rep = warmup, rep
@@ -69,19 +72,48 @@ class AutoTuner:
             src = inspect.getsource(fn)
         except OSError:
             src = fn.__qualname__
-        payload = repr((fn.__module__, fn.__qualname__, src, _hashable(args), _hashable(kwargs),
+        payload = repr((fn.__module__, fn.__qualname__, src, _hashable(_shapes(args)), _hashable(_shapes(kwargs)),
                         [_hashable(c) for c in configs], self.factory.target, _machine()))
         return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
     def _compile(self, args: tuple, kwargs: dict, cfg: dict) -> JITKernel:
+        if self.eager:
+            return self.factory.compile(*args, **{**kwargs, **cfg})
         func = self.factory.fn(*args, **{**kwargs, **cfg})
         return compile(func, out_idx=self.factory.out_idx, target=self.factory.target,
                        pass_configs=self.factory.pass_configs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> JITKernel:
+    def _given_tunables(self, args: tuple, kwargs: dict, configs: list[dict]) -> list[str]:
+        """The tunable parameters the caller passed explicitly (positionally or by keyword)."""
+        try:
+            bound = inspect.signature(self.factory.fn).bind_partial(*args, **kwargs)
+        except TypeError:
+            return []
+        names = {k for c in configs for k in c}
+        return sorted(n for n in names if n in bound.arguments)
+
+    def compile(self, *args: Any, **kwargs: Any) -> JITKernel:
+        """The tuned (or, with tunables given, the directly built) kernel, without running it."""
+        return self._tune(args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        kernel = self._tune(args, kwargs)
+        if not self.eager:
+            return kernel
+        from .eager import run
+
+        _, tensors, _ = self.factory.split(args, kwargs)
+        return run(kernel, [tensors[n] for n in self.factory.tensor_names])
+
+    def _tune(self, args: tuple, kwargs: dict) -> JITKernel:
         configs = list(self.configs(*args, **kwargs) if callable(self.configs) else self.configs)
         if not configs:
             raise ValueError("autotune: configs is empty")
+        given = self._given_tunables(args, kwargs, configs)
+        if given:  # as in the public TileLang: explicitly passed tunables mean no tuning
+            log.info("autotune %s: tunable parameter(s) %s passed explicitly; building that config without tuning",
+                     self.factory.fn.__name__, given)
+            return self._compile(args, kwargs, {})
         key = self._key(args, kwargs, configs)
         if key in self._kernels:
             return self._kernels[key]
@@ -122,7 +154,7 @@ class AutoTuner:
                 except AssertionError as e:
                     log.debug("autotune: config %s gave wrong results: %s", cfg, e)
                     continue
-            ms = prof.do_bench(warmup=self.warmup, rep=self.rep)
+            ms = prof.do_bench(warmup=self.warmup, rep=self.rep)  # time budgets in ms
             timings[json.dumps(cfg, sort_keys=True, default=str)] = ms
             if best is None or ms < best[0]:
                 best = (ms, cfg, kernel)
@@ -141,13 +173,27 @@ class AutoTuner:
         return kernel
 
 
-def autotune(configs: Sequence[dict] | Callable[..., Sequence[dict]], warmup: int = 2, rep: int = 5,
+def autotune(configs: Sequence[dict] | Callable[..., Sequence[dict]], warmup: float = 5, rep: float = 20,
              max_workers: int | None = None, ref_prog: Callable | None = None, atol: float = 1e-2,
              rtol: float = 1e-2, cache: bool = True, progress: bool = True, **_: Any) -> Callable[[JITFactory],
                                                                                                   AutoTuner]:
-    """Decorator: pick the fastest of `configs` (dicts of factory keyword arguments) per call signature."""
+    """Decorator: pick the fastest of `configs` (dicts of factory keyword arguments) per call signature.
 
-    def wrap(factory: JITFactory) -> AutoTuner:
+    `warmup` and `rep` are per-candidate time budgets in ms (as in do_bench). When the caller passes
+    any tunable parameter explicitly, that configuration is built directly, without tuning."""
+
+    def wrap(factory: Any) -> AutoTuner:
         return AutoTuner(factory, configs, warmup, rep, max_workers, ref_prog, atol, rtol, cache, progress)
 
     return wrap
+
+
+def _shapes(x: Any) -> Any:
+    """Tensors in a cache key stand for their shape and dtype."""
+    if isinstance(x, dict):
+        return {k: _shapes(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_shapes(v) for v in x)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return ("tensor", tuple(int(s) for s in x.shape), str(x.dtype))
+    return x

@@ -41,7 +41,9 @@ class JITKernel:
                 raise ValueError(f"out_idx: expected indices in [-{n}, {n}) for {n} parameters, got {i}")
             norm.append(i % n)
         self.out_idx = norm
-        self.pass_configs = dict(pass_configs or {})
+        from ..pass_config import check_pass_configs
+
+        self.pass_configs = check_pass_configs(pass_configs, self.target)
         self.lowered = run_pipeline(func, self.target, self.pass_configs)
         self._impl = BACKENDS[self.target](self.lowered, self.pass_configs)
         self.compile_seconds = getattr(self._impl, "compile_seconds", 0.0)

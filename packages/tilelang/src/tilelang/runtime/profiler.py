@@ -14,6 +14,7 @@ from ..ir.nodes import Const
 
 
 class TensorSupplyType(enum.Enum):
+    Auto = "auto"  # by dtype: small integers for integer tensors, standard normal for floats
     Normal = "normal"
     Uniform = "uniform"
     Integer = "integer"
@@ -35,7 +36,7 @@ class Profiler:
     def __init__(self, kernel: Any, supply: TensorSupplyType | None, dynamic_shapes: dict[str, int],
                  seed: int = 0) -> None:
         self.kernel = kernel
-        self.supply = supply or TensorSupplyType.Normal
+        self.supply = supply or TensorSupplyType.Auto
         self.dynamic_shapes = dict(dynamic_shapes)
         self.rng = np.random.default_rng(seed)
         self._inputs: list[Any] | None = None
@@ -99,13 +100,15 @@ class Profiler:
                 raise AssertionError(f"output {i}: {bad.sum()} of {bad.size} elements differ beyond atol={atol}, "
                                      f"rtol={rtol}; worst at {idx}: kernel {a[idx]} vs reference {b[idx]}")
 
-    def do_bench(self, func: Callable[..., Any] | None = None, warmup: int = 3, rep: int = 10,
-                 input_tensors: list[Any] | None = None, **_: Any) -> float:
-        """Median latency in milliseconds of `func` (default: the kernel) on the profiler's inputs."""
+    def do_bench(self, func: Callable[..., Any] | None = None, warmup: float = 25, rep: float = 100,
+                 input_tensors: list[Any] | None = None, **kwargs: Any) -> float:
+        """Latency in milliseconds of `func` (default: the kernel) on the profiler's inputs; `warmup` and
+        `rep` are time budgets in ms (see tilelang.profiler.do_bench)."""
+        from ..profiler import do_bench
+
         ins = input_tensors if input_tensors is not None else self.inputs()
         fn = func or self.kernel
-        res = tilehal.bench(lambda: fn(*ins), warmup=warmup, iters=rep, device="cpu")
-        return res.median_s * 1e3
+        return do_bench(lambda: fn(*ins), warmup=warmup, rep=rep, **kwargs)
 
 
 def _f64(x: Any) -> np.ndarray:
