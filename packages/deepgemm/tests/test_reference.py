@@ -33,13 +33,15 @@ def test_fp8_gemm_accumulates_c_in_place(h):
 
 
 def test_fp8_other_layouts_agree_with_nt(h):
+    # DeepGEMM's convention: a stored-transposed operand comes with its scales stored transposed too.
     a8, sfa, b8, sfb = h.fp8_operands(24, 136, 384, seed=5)
     ref = torch.empty(24, 136)
     deepgemm.fp8_gemm_nt((a8, sfa), (b8, sfb), ref)
-    for name, a_st, b_st in [("nn", a8, b8.T.contiguous()), ("tn", a8.T.contiguous(), b8.T.contiguous()),
-                             ("tt", a8.T.contiguous(), b8)]:
+    for name, a_st, b_st in [("nn", (a8, sfa), (b8.T.contiguous(), sfb.T.contiguous())),
+                             ("tn", (a8.T.contiguous(), sfa.T.contiguous()), (b8.T.contiguous(), sfb.T)),
+                             ("tt", (a8.T.contiguous(), sfa.T), (b8, sfb))]:
         d = torch.empty(24, 136)
-        getattr(deepgemm, f"fp8_gemm_{name}")((a_st, sfa), (b_st, sfb), d)
+        getattr(deepgemm, f"fp8_gemm_{name}")(a_st, b_st, d)
         assert torch.equal(d, ref), name
 
 
@@ -79,7 +81,7 @@ def test_grouped_contiguous(fp8, h):
     g_n, n, k = 3, 136, 256
     counts = [5, 0, 130]  # expert 1 gets no tokens; expert 2 spans two 128-row blocks
     align = deepgemm.get_m_alignment_for_contiguous_layout()
-    m_sum = sum(deepgemm.ceil_div(c, align) * align for c in counts)
+    m_sum = sum(deepgemm.ceil_div(c, align) * align for c in counts) + align  # + one all-padding block
     m_indices = torch.full((m_sum,), -1, dtype=torch.int32)
     start = 0
     for e, cnt in enumerate(counts):
@@ -93,8 +95,11 @@ def test_grouped_contiguous(fp8, h):
     else:
         a, b = a8.bfloat16(), b8.bfloat16()
         deepgemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_indices)
+    # As the sm_90a kernel: a 128-row block takes its expert from its first row; its padding rows are
+    # computed with that expert, a block that starts with padding is not written.
+    block_expert = m_indices.view(-1, 128)[:, 0].repeat_interleave(128)
     for e in range(g_n):
-        rows = (m_indices == e).nonzero().flatten()
+        rows = (block_expert == e).nonzero().flatten()
         if rows.numel() == 0:
             continue
         if fp8:
@@ -102,7 +107,8 @@ def test_grouped_contiguous(fp8, h):
         else:
             ref = a8[rows].double() @ b8[e].double().T
         assert calc_diff(d[rows], ref) < 1e-5
-    assert torch.all(d[m_indices < 0] == sentinel)  # padding rows untouched by the reference
+    assert torch.all(d[block_expert < 0] == sentinel)  # the all-padding block is left as it was
+    assert (block_expert < 0).sum() == 128 and (m_indices < 0).sum() > 128
 
 
 @pytest.mark.parametrize("fp8", [True, False])

@@ -83,4 +83,4 @@ def test_transform_sf_checks_shapes():
     with pytest.raises(ShapeError, match=r"sfa: expected shape \(10, 4\), got \(10, 3\)"):
         deepgemm.transform_sf_into_required_layout(sfa, 10, 400, is_sfa=True)
     with pytest.raises(ValueError, match="recipe"):
-        deepgemm.transform_sf_into_required_layout(sfa, 10, 300, recipe=(128, 128, 128))
+        deepgemm.transform_sf_into_required_layout(sfa, 10, 300, recipe=(1, 128, 32))

@@ -38,9 +38,16 @@ def test_fp8_bad_input(mutate, pattern):
 def test_c_shape_and_recipe():
     a, b, d = good()
     with pytest.raises(ShapeError, match=r"c: expected shape \(64, 128\), got \(64, 1\)"):
-        deepgemm.fp8_gemm_nt(a, b, d, c=torch.zeros(64, 1))
-    with pytest.raises(ValueError, match=r"recipe: expected \(1, 128, 128\)"):
+        deepgemm.fp8_gemm_nt(a, b, d, c=torch.zeros(64, 1, dtype=d.dtype))
+    # As DeepGEMM: C has D's dtype.
+    with pytest.raises(ShapeError, match=r"c: expected dtype bfloat16, got float32"):
+        deepgemm.fp8_gemm_nt(a, b, d, c=torch.zeros(64, 128))
+    with pytest.raises(deepgemm.UnsupportedError, match=r"recipe: expected per-token activation scales"):
         deepgemm.fp8_gemm_nt(a, b, d, recipe=(128, 128, 128))
+    with pytest.raises(ValueError, match=r"recipe: expected either recipe or the recipe_a/recipe_b pair"):
+        deepgemm.fp8_gemm_nt(a, b, d, recipe=(1, 128, 128), recipe_a=(1, 128), recipe_b=(128, 128))
+    with pytest.raises(ValueError, match=r"recipe_a/recipe_b: expected both or neither"):
+        deepgemm.fp8_gemm_nt(a, b, d, recipe_a=(1, 128))
 
 
 def test_bf16_bad_input():
@@ -56,9 +63,9 @@ def test_grouped_contiguous_bad_input():
     b, sfb = fp8(2, 64, 128), torch.ones(2, 1, 1)
     d = torch.empty(256, 64, dtype=torch.bfloat16)
     idx = torch.zeros(256, dtype=torch.int32)
-    with pytest.raises(ShapeError, match=r"m_indices: expected dtype int32, got int64"):
+    with pytest.raises(ShapeError, match=r"grouped_layout: expected dtype int32, got int64"):
         deepgemm.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, idx.long())
-    with pytest.raises(ShapeError, match=r"m_indices: expected shape \(256,\), got \(255,\)"):
+    with pytest.raises(ShapeError, match=r"grouped_layout: expected shape \(256,\), got \(255,\)"):
         deepgemm.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, idx[:255])
     with pytest.raises(ShapeError, match=r"a: expected M_sum to be a multiple of 128 .*, got 200"):
         deepgemm.m_grouped_fp8_gemm_nt_contiguous((a[:200], sfa[:200]), (b, sfb), d[:200], idx[:200])

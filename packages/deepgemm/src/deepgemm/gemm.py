@@ -2,19 +2,22 @@
 
 Naming follows DeepGEMM: the two letters give the storage of A and B. `n` means A is stored [M, K]
 (K-major) / B is stored [K, N]; `t` means A is stored [K, M] / B is stored [N, K]. So `nt` (the
-fast path) is A [M, K], B [N, K], D = C + A @ B^T. Scale tensors always describe the logical
-operands: sfa [M, ceil(K/128)] (1x128 blocks), sfb [ceil(N/128), ceil(K/128)] (128x128 blocks).
+fast path) is A [M, K], B [N, K], D = C + A @ B^T. As in DeepGEMM, scales are passed in the same
+stored orientation as their operand: for `nt` sfa [M, ceil(K/128)] (1x128 blocks) and sfb
+[ceil(N/128), ceil(K/128)] (128x128 blocks); an `n` B takes sfb [ceil(K/128), ceil(N/128)], a `t` A
+takes sfa [ceil(K/128), M].
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from tilehal import ShapeError
 
 from . import reference, validate
-from .utils import get_m_alignment_for_contiguous_layout
+from .utils import CONTIGUOUS_BLOCK_M, get_mk_alignment_for_contiguous_layout
 
 log = logging.getLogger("deepgemm")
 
@@ -40,35 +43,80 @@ def _check_dense(a, b, d, c, k_name_a="a", k_name_b="b"):
     validate.size(k_name_b, "K (its reduction size, matching a)", k, kb)
     validate.shape(d, "d", (m, n))
     if c is not None:
-        validate.tensor(c, "c", (torch.float32,), 2)
+        # As DeepGEMM: C has D's dtype (bf16 accumulation into a bf16 D, fp32 into fp32).
+        validate.tensor(c, "c", (d.dtype,), 2)
         validate.shape(c, "c", (m, n))
     return m, n, k
 
 
-def _fp8_gemm(a_sfa, b_sfb, d, c, recipe, layout: str) -> None:
-    a, sfa = validate.pair(a_sfa, "a")
-    b, sfb = validate.pair(b_sfb, "b")
-    validate.recipe(recipe)
+def _stored_T(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-1, -2)
+
+
+def _c_for_cuda(c: torch.Tensor | None) -> torch.Tensor | None:
+    if c is None or c.dtype == torch.float32:
+        return c
+    # The kernels add C in fp32 from an fp32 buffer: a bf16 C is widened once (one elementwise copy).
+    log.debug("c: bf16 accumulation; widening C to fp32 for the kernel's epilogue")
+    return c.float()
+
+
+def _fp8_pair(x, name: str):
+    t, s = validate.pair(x, name)
+    if isinstance(t, torch.Tensor) and t.dtype in (torch.int8, torch.uint8):
+        raise validate.UnsupportedError(
+            f"{name}: expected float8_e4m3fn data, got {t.dtype} (packed FP4 operands are DeepGEMM's SM100 "
+            f"format; deepgemm's sm_90a kernels and reference take e4m3)")
+    return t, s
+
+
+def _dense_options(compiled_dims, disable_ue8m0_cast) -> None:
+    validate.compiled_dims(compiled_dims)
+    validate.flag(disable_ue8m0_cast, "disable_ue8m0_cast")
+    if compiled_dims != "nk":
+        log.debug("compiled_dims=%r: deepgemm always specializes on N and K (M stays a runtime argument)",
+                  compiled_dims)
+
+
+def _fp8_gemm(a_sfa, b_sfb, d, c, layout: str, recipe=None, recipe_a=None, recipe_b=None,
+              compiled_dims="nk", disable_ue8m0_cast=False) -> None:
+    a, sfa = _fp8_pair(a_sfa, "a")
+    b, sfb = _fp8_pair(b_sfb, "b")
+    _dense_options(compiled_dims, disable_ue8m0_cast)
+    packed = isinstance(sfa, torch.Tensor) and sfa.dtype == torch.int32
+    gran_k, gran_n, _ = validate.recipes(recipe, recipe_a, recipe_b, packed)
     validate.tensor(a, "a", (validate.FP8,), 2)
     validate.tensor(b, "b", (validate.FP8,), 2)
     validate.tensor(d, "d", validate.OUT_DTYPES, 2)
+    # DeepGEMM's convention: a "t"/"n" operand is passed as stored, and its scales are stored the same
+    # way (transposed with it), e.g. fp8_gemm_nn takes b [K, N] with sfb [SK, SN].
     la, lb = _logical(a, b, layout)
+    if isinstance(sfa, torch.Tensor) and layout[0] == "t":
+        sfa = _stored_T(sfa)
+    if isinstance(sfb, torch.Tensor) and layout[1] == "n":
+        sfb = _stored_T(sfb)
     m, n, k = _check_dense(la, lb, d, c)
-    validate.scales(sfa, sfb, m, n, k, None, None)
+    sfa = validate.sf(sfa, "sfa", m, k, 1, gran_k, None)
+    sfb = validate.sf(sfb, "sfb", n, k, gran_n, gran_k, None)
     device = validate.same_device(a=a, sfa=sfa, b=b, sfb=sfb, d=d, c=c)
     if device.type == "cuda":
         from . import cuda_gemm
 
+        if (gran_k, gran_n) != (128, 128):
+            raise validate.UnsupportedError(
+                f"recipe: the sm_90a kernels take the (1, 128, 128) recipe; got gran_n = {gran_n}, gran_k = {gran_k} "
+                f"(the (1, 1, 128) weight-gradient recipe runs on the CPU reference only)")
         la, lb = _k_major_for_cuda(la, "a", layout), _k_major_for_cuda(lb, "b", layout)
-        cuda_gemm.dense(la, sfa, lb, sfb, d, c)
+        cuda_gemm.dense(la, sfa, lb, sfb, d, _c_for_cuda(c))
     else:
-        d.copy_(reference.fp8_gemm_nt(la, sfa, lb, sfb, c).to(d.dtype))
+        d.copy_(reference.fp8_gemm_nt(la, sfa, lb, sfb, c, gran_k, gran_n).to(d.dtype))
 
 
-def _bf16_gemm(a, b, d, c, layout: str) -> None:
+def _bf16_gemm(a, b, d, c, layout: str, compiled_dims="nk") -> None:
     validate.tensor(a, "a", (torch.bfloat16,), 2)
     validate.tensor(b, "b", (torch.bfloat16,), 2)
     validate.tensor(d, "d", validate.OUT_DTYPES, 2)
+    _dense_options(compiled_dims, False)
     la, lb = _logical(a, b, layout)
     _check_dense(la, lb, d, c)
     device = validate.same_device(a=a, b=b, d=d, c=c)
@@ -76,50 +124,64 @@ def _bf16_gemm(a, b, d, c, layout: str) -> None:
         from . import cuda_gemm
 
         la, lb = _k_major_for_cuda(la, "a", layout), _k_major_for_cuda(lb, "b", layout)
-        cuda_gemm.dense(la, None, lb, None, d, c)
+        cuda_gemm.dense(la, None, lb, None, d, _c_for_cuda(c))
     else:
         d.copy_(reference.bf16_gemm_nt(la, lb, c).to(d.dtype))
 
 
-def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=(1, 128, 128)) -> None:
-    """D = C + A @ B^T. a = (a [M, K] e4m3, sfa [M, ceil(K/128)]), b = (b [N, K] e4m3, sfb [ceil(N/128),
-    ceil(K/128)]); d bf16/fp32 [M, N] is written; c (fp32 [M, N], may be d itself) is added."""
-    _fp8_gemm(a, b, d, c, recipe, "nt")
+_FP8_DOC = """D = C + A @ B^T with e4m3 operands and fp32 (or packed UE8M0 int32) scales, DeepGEMM's signature.
+
+    a = (a, sfa), b = (b, sfb), each passed as stored for the layout `{layout}` ({what}), scales stored
+    the same way (for a "t" A: sfa [SK, M]; for an "n" B: sfb [SK, SN]). d bf16/fp32 [M, N] is written;
+    c (D's dtype, may be d itself) is added. recipe (gran_m, gran_n, gran_k) or recipe_a/recipe_b:
+    (1, 128, 128) (default; the CUDA kernels) or (1, 1, 128) (1x128 scales on both operands, the
+    weight-gradient recipe; CPU reference). compiled_dims and disable_ue8m0_cast are accepted as in
+    DeepGEMM (deepgemm always specializes on N, K; fp32 scales are never cast to UE8M0 on sm_90).
+    """
+
+_WHAT = {"nt": "A [M, K], B [N, K]", "nn": "A [M, K], B [K, N]", "tn": "A [K, M], B [K, N]",
+         "tt": "A [K, M], B [N, K]"}
 
 
-def fp8_gemm_nn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=(1, 128, 128)) -> None:
-    """fp8_gemm_nt with b stored [K, N]."""
-    _fp8_gemm(a, b, d, c, recipe, "nn")
+def _make_fp8(layout: str):
+    def fn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, recipe_a=None, recipe_b=None,
+           compiled_dims: str = "nk", disable_ue8m0_cast: bool = False) -> None:
+        _fp8_gemm(a, b, d, c, layout, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast)
+
+    fn.__name__ = fn.__qualname__ = f"fp8_fp4_gemm_{layout}"
+    fn.__doc__ = _FP8_DOC.format(layout=layout, what=_WHAT[layout])
+    return fn
 
 
-def fp8_gemm_tn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=(1, 128, 128)) -> None:
-    """fp8_gemm_nt with a stored [K, M] and b stored [K, N]."""
-    _fp8_gemm(a, b, d, c, recipe, "tn")
+fp8_fp4_gemm_nt = _make_fp8("nt")
+fp8_fp4_gemm_nn = _make_fp8("nn")
+fp8_fp4_gemm_tn = _make_fp8("tn")
+fp8_fp4_gemm_tt = _make_fp8("tt")
+fp8_gemm_nt, fp8_gemm_nn, fp8_gemm_tn, fp8_gemm_tt = fp8_fp4_gemm_nt, fp8_fp4_gemm_nn, fp8_fp4_gemm_tn, fp8_fp4_gemm_tt
 
 
-def fp8_gemm_tt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=(1, 128, 128)) -> None:
-    """fp8_gemm_nt with a stored [K, M]."""
-    _fp8_gemm(a, b, d, c, recipe, "tt")
+def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
+                 compiled_dims: str = "nk") -> None:
+    """D = C + A @ B^T with a [M, K], b [N, K] bf16, d bf16/fp32 [M, N] (c of d's dtype), fp32 accumulation."""
+    _bf16_gemm(a, b, d, c, "nt", compiled_dims)
 
 
-def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
-    """D = C + A @ B^T with a [M, K], b [N, K] bf16, d bf16/fp32 [M, N], fp32 accumulation."""
-    _bf16_gemm(a, b, d, c, "nt")
-
-
-def bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
+def bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
+                 compiled_dims: str = "nk") -> None:
     """bf16_gemm_nt with b stored [K, N]."""
-    _bf16_gemm(a, b, d, c, "nn")
+    _bf16_gemm(a, b, d, c, "nn", compiled_dims)
 
 
-def bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
+def bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
+                 compiled_dims: str = "mn") -> None:
     """bf16_gemm_nt with a stored [K, M] and b stored [K, N]."""
-    _bf16_gemm(a, b, d, c, "tn")
+    _bf16_gemm(a, b, d, c, "tn", compiled_dims)
 
 
-def bf16_gemm_tt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
+def bf16_gemm_tt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
+                 compiled_dims: str = "mn") -> None:
     """bf16_gemm_nt with a stored [K, M]."""
-    _bf16_gemm(a, b, d, c, "tt")
+    _bf16_gemm(a, b, d, c, "tt", compiled_dims)
 
 
 # ----------------------------------------------------------------------------- grouped (MoE)
@@ -135,27 +197,65 @@ def _grouped_operands(a, b, d, fp8: bool, a_ndim: int):
     return g, n, k
 
 
-def _contiguous(a, sfa, b, sfb, d, m_indices, fp8: bool) -> None:
+def psum_to_m_indices(grouped_layout: torch.Tensor, m: int, alignment: int | None = None) -> torch.Tensor:
+    """DeepGEMM's psum layout (int32 [G] cumulative group ends; group g's rows are
+    [align(end[g-1], alignment), end[g])) as per-row group indices (int32 [M], -1 for gap rows).
+    Device-side torch ops only: no host sync, CUDA-graph safe."""
+    align_to = alignment or get_mk_alignment_for_contiguous_layout()
+    ends = grouped_layout.to(torch.int64)
+    g = ends.numel()
+    rows = torch.arange(m, device=ends.device)
+    grp = torch.searchsorted(ends, rows, right=True)
+    prev = torch.cat([ends.new_zeros(1), ends[:-1]])
+    starts = (prev + align_to - 1) // align_to * align_to
+    valid = (grp < g) & (rows >= starts[grp.clamp(max=max(g - 1, 0))])
+    return torch.where(valid, grp, torch.full_like(grp, -1)).to(torch.int32)
+
+
+def _contiguous(a, sfa, b, sfb, d, grouped_layout, fp8: bool, *, use_psum_layout=False, ensure_zero_padding=True,
+                expected_m_for_psum_layout=None, gran=(128, 128)) -> None:
     g, n, k = _grouped_operands(a, b, d, fp8, 2)
     m = a.shape[0]
     validate.shape(d, "d", (m, n))
-    validate.tensor(m_indices, "m_indices", (torch.int32,), 1)
-    validate.shape(m_indices, "m_indices", (m,))
-    align = get_m_alignment_for_contiguous_layout()
-    if m % align:
+    validate.flag(use_psum_layout, "use_psum_layout")
+    validate.flag(ensure_zero_padding, "ensure_zero_padding")
+    validate.tensor(grouped_layout, "grouped_layout", (torch.int32,), 1)
+    if use_psum_layout:
+        validate.shape(grouped_layout, "grouped_layout", (g,))
+    else:
+        validate.shape(grouped_layout, "grouped_layout", (m,))
+        if expected_m_for_psum_layout is not None:
+            raise ValueError("expected_m_for_psum_layout: expected None without use_psum_layout=True, got "
+                             f"{expected_m_for_psum_layout!r}")
+    align = get_mk_alignment_for_contiguous_layout()
+    if m % align and not use_psum_layout:
         raise ShapeError(f"a: expected M_sum to be a multiple of {align} (the contiguous-layout alignment), got {m}")
+    gran_k, gran_n = gran
     if fp8:
-        validate.scales(sfa, sfb, m, n, k, None, g)
-    device = validate.same_device(a=a, sfa=sfa, b=b, sfb=sfb, d=d, m_indices=m_indices)
+        sfa = validate.sf(sfa, "sfa", m, k, 1, gran_k, None)
+        sfb = validate.sf(sfb, "sfb", n, k, gran_n, gran_k, g)
+    device = validate.same_device(a=a, sfa=sfa, b=b, sfb=sfb, d=d, grouped_layout=grouped_layout)
+    m_indices = psum_to_m_indices(grouped_layout, m) if use_psum_layout else grouped_layout
     if device.type == "cuda":
         from . import cuda_gemm
 
+        if align % CONTIGUOUS_BLOCK_M:
+            raise validate.UnsupportedError(
+                f"set_mk_alignment_for_contiguous_layout: the sm_90a kernels need a multiple of {CONTIGUOUS_BLOCK_M}, "
+                f"got {align}")
+        if fp8 and gran != (128, 128):
+            raise validate.UnsupportedError(f"recipe: the sm_90a kernels take (1, 128, 128), got gran_n = {gran_n}, "
+                                            f"gran_k = {gran_k}")
+        if use_psum_layout:
+            log.debug("use_psum_layout: group ends converted to per-row indices on the device")
         cuda_gemm.grouped_contiguous(a, sfa, b, sfb, d, m_indices)
     else:
-        reference.grouped_contiguous(a, b, m_indices, d, sfa, sfb)
+        reference.grouped_contiguous(a, b, m_indices, d, sfa, sfb, gran_k, gran_n)
+    if use_psum_layout and ensure_zero_padding:
+        d.masked_fill_((m_indices < 0).unsqueeze(1), 0)
 
 
-def _masked(a, sfa, b, sfb, d, masked_m, expected_m, fp8: bool) -> None:
+def _masked(a, sfa, b, sfb, d, masked_m, expected_m, fp8: bool, gran=(128, 128)) -> None:
     g, n, k = _grouped_operands(a, b, d, fp8, 3)
     validate.size("a", "G (groups, matching b)", g, a.shape[0])
     m_max = a.shape[1]
@@ -164,36 +264,69 @@ def _masked(a, sfa, b, sfb, d, masked_m, expected_m, fp8: bool) -> None:
     validate.shape(masked_m, "masked_m", (g,))
     if not isinstance(expected_m, int) or expected_m < 1:
         raise ValueError(f"expected_m: expected a positive int (typical rows per group), got {expected_m!r}")
+    gran_k, gran_n = gran
     if fp8:
-        validate.scales(sfa, sfb, m_max, n, k, g, g)
+        sfa = validate.sf(sfa, "sfa", m_max, k, 1, gran_k, g)
+        sfb = validate.sf(sfb, "sfb", n, k, gran_n, gran_k, g)
     device = validate.same_device(a=a, sfa=sfa, b=b, sfb=sfb, d=d, masked_m=masked_m)
     if device.type == "cuda":
         from . import cuda_gemm
 
+        if fp8 and gran != (128, 128):
+            raise validate.UnsupportedError(f"recipe: the sm_90a kernels take (1, 128, 128), got gran_n = {gran_n}, "
+                                            f"gran_k = {gran_k}")
         cuda_gemm.grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m)
     else:
-        reference.grouped_masked(a, b, masked_m, d, sfa, sfb)
+        reference.grouped_masked(a, b, masked_m, d, sfa, sfb, gran_k, gran_n)
 
 
-def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor) -> None:
-    """Per-expert GEMM over rows grouped contiguously: d[r] = A[r] @ B[m_indices[r]]^T.
+def _grouped_fp8_args(a, b, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast):
+    a_, sfa = _fp8_pair(a, "a")
+    b_, sfb = _fp8_pair(b, "b")
+    _dense_options(compiled_dims, disable_ue8m0_cast)
+    packed = isinstance(sfa, torch.Tensor) and sfa.dtype == torch.int32
+    gran_k, gran_n, _ = validate.recipes(recipe, recipe_a, recipe_b, packed)
+    return a_, sfa, b_, sfb, (gran_k, gran_n)
+
+
+def m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, d: torch.Tensor, grouped_layout: torch.Tensor, recipe=None,
+                                         recipe_a=None, recipe_b=None, compiled_dims: str = "nk",
+                                         disable_ue8m0_cast: bool = False, use_psum_layout: bool = False,
+                                         ensure_zero_padding: bool = True,
+                                         expected_m_for_psum_layout: int | None = None) -> None:
+    """Per-expert GEMM over rows grouped contiguously: d[r] = A[r] @ B[group of r]^T.
 
     a = (a [M_sum, K] e4m3, sfa [M_sum, ceil(K/128)]), b = (b [G, N, K] e4m3, sfb [G, ceil(N/128),
-    ceil(K/128)]), d [M_sum, N], m_indices int32 [M_sum] (-1 marks padding rows; their output is
-    unspecified). Each expert's rows start at a multiple of get_m_alignment_for_contiguous_layout().
+    ceil(K/128)]), d [M_sum, N]. grouped_layout is int32 [M_sum] per-row expert indices (-1 marks padding;
+    each expert's rows start at a multiple of get_mk_alignment_for_contiguous_layout()), or with
+    use_psum_layout=True int32 [G] cumulative group ends (group g owns rows [align(end[g-1]), end[g])).
+    Padding rows: in a 128-row block whose first row is valid they are computed with that block's expert
+    (zero A rows give zero rows); blocks that start with padding are not written. With the psum layout and
+    ensure_zero_padding (default), the gap rows of d are written as zeros.
     """
-    a_, sfa = validate.pair(a, "a")
-    b_, sfb = validate.pair(b, "b")
-    _contiguous(a_, sfa, b_, sfb, d, m_indices, True)
+    a_, sfa, b_, sfb, gran = _grouped_fp8_args(a, b, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast)
+    _contiguous(a_, sfa, b_, sfb, d, grouped_layout, True, use_psum_layout=use_psum_layout,
+                ensure_zero_padding=ensure_zero_padding, expected_m_for_psum_layout=expected_m_for_psum_layout,
+                gran=gran)
 
 
-def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
-                                      m_indices: torch.Tensor) -> None:
-    """bf16 twin of m_grouped_fp8_gemm_nt_contiguous: a [M_sum, K], b [G, N, K] bf16."""
-    _contiguous(a, None, b, None, d, m_indices, False)
+def m_grouped_fp8_fp4_gemm_nn_contiguous(a, b, d: torch.Tensor, grouped_layout: torch.Tensor, recipe=None,
+                                         recipe_a=None, recipe_b=None, compiled_dims: str = "nk",
+                                         disable_ue8m0_cast: bool = False, use_psum_layout: bool = False,
+                                         ensure_zero_padding: bool = True) -> None:
+    """m_grouped_fp8_fp4_gemm_nt_contiguous with b stored [G, K, N] and sfb stored [G, SK, SN]."""
+    b_, sfb = _fp8_pair(b, "b")
+    if isinstance(b_, torch.Tensor) and b_.dim() == 3:
+        b_ = b_.transpose(1, 2)
+    if isinstance(sfb, torch.Tensor) and sfb.dim() == 3:
+        sfb = sfb.transpose(1, 2)
+    m_grouped_fp8_fp4_gemm_nt_contiguous(a, (b_, sfb), d, grouped_layout, recipe, recipe_a, recipe_b, compiled_dims,
+                                         disable_ue8m0_cast, use_psum_layout, ensure_zero_padding)
 
 
-def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor, expected_m: int) -> None:
+def m_grouped_fp8_fp4_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor, expected_m: int, recipe=None,
+                                     recipe_a=None, recipe_b=None, compiled_dims: str = "nk",
+                                     disable_ue8m0_cast: bool = False) -> None:
     """Per-group GEMM on padded batches: d[g, :masked_m[g]] = A[g, :masked_m[g]] @ B[g]^T.
 
     a = (a [G, M_max, K] e4m3, sfa [G, M_max, ceil(K/128)]), b = (b [G, N, K], sfb [G, ceil(N/128),
@@ -201,15 +334,261 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor, 
     safe); expected_m is the typical masked_m, used only to pick block sizes. Rows past masked_m[g]
     are not written.
     """
-    a_, sfa = validate.pair(a, "a")
-    b_, sfb = validate.pair(b, "b")
-    _masked(a_, sfa, b_, sfb, d, masked_m, expected_m, True)
+    a_, sfa, b_, sfb, gran = _grouped_fp8_args(a, b, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast)
+    _masked(a_, sfa, b_, sfb, d, masked_m, expected_m, True, gran)
+
+
+m_grouped_fp8_gemm_nt_contiguous = m_grouped_fp8_fp4_gemm_nt_contiguous
+m_grouped_fp8_gemm_nn_contiguous = m_grouped_fp8_fp4_gemm_nn_contiguous
+m_grouped_fp8_gemm_nt_masked = m_grouped_fp8_fp4_gemm_nt_masked
+
+
+def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
+                                      grouped_layout: torch.Tensor, compiled_dims: str = "nk",
+                                      use_psum_layout: bool = False, ensure_zero_padding: bool = True,
+                                      expected_m_for_psum_layout: int | None = None) -> None:
+    """bf16 twin of m_grouped_fp8_gemm_nt_contiguous: a [M_sum, K], b [G, N, K] bf16."""
+    _dense_options(compiled_dims, False)
+    _contiguous(a, None, b, None, d, grouped_layout, False, use_psum_layout=use_psum_layout,
+                ensure_zero_padding=ensure_zero_padding, expected_m_for_psum_layout=expected_m_for_psum_layout)
+
+
+def m_grouped_bf16_gemm_nn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
+                                      grouped_layout: torch.Tensor, compiled_dims: str = "nk",
+                                      use_psum_layout: bool = False, ensure_zero_padding: bool = True) -> None:
+    """m_grouped_bf16_gemm_nt_contiguous with b stored [G, K, N]."""
+    if isinstance(b, torch.Tensor) and b.dim() == 3:
+        b = b.transpose(1, 2)
+        if b.device.type == "cuda" and not b.is_contiguous():
+            log.debug("b: [G, K, N] is copied K-major for the contiguous kernel")
+            b = b.contiguous()
+    m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, compiled_dims, use_psum_layout, ensure_zero_padding)
 
 
 def m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, masked_m: torch.Tensor,
-                                  expected_m: int) -> None:
+                                  expected_m: int, compiled_dims: str = "nk") -> None:
     """bf16 twin of m_grouped_fp8_gemm_nt_masked: a [G, M_max, K], b [G, N, K] bf16."""
+    _dense_options(compiled_dims, False)
     _masked(a, None, b, None, d, masked_m, expected_m, False)
+
+
+fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
+bf16_m_grouped_gemm_nt_masked = m_grouped_bf16_gemm_nt_masked
+
+
+# ----------------------------------------------------------------------------- k-grouped (MoE weight gradients)
+
+
+def _k_grouped_args(d, ks_cpu, grouped_layout, c, use_psum_layout, gran_k: int):
+    validate.tensor(d, "d", (torch.float32,), 3)
+    validate.flag(use_psum_layout, "use_psum_layout")
+    if use_psum_layout:
+        raise validate.UnsupportedError("use_psum_layout: expected False (DeepGEMM's psum k-grouped layout is "
+                                        "SM100-only; deepgemm takes per-group K sizes in ks_cpu), got True")
+    g = d.shape[0]
+    if not isinstance(ks_cpu, (list, tuple)) or len(ks_cpu) != g or not all(isinstance(v, int) for v in ks_cpu):
+        raise ShapeError(f"ks_cpu: expected a list of {g} ints (K of each group), got {ks_cpu!r}")
+    align = get_mk_alignment_for_contiguous_layout()
+    for i, v in enumerate(ks_cpu):
+        if v < 0 or v % align or v % gran_k:
+            raise ShapeError(f"ks_cpu[{i}]: expected a non-negative multiple of {max(align, gran_k)}, got {v}")
+    validate.tensor(grouped_layout, "grouped_layout", (torch.int32,), 1)
+    validate.shape(grouped_layout, "grouped_layout", (g,))
+    if c is None:
+        raise ShapeError("c: expected an fp32 [G, M, N] tensor to accumulate into (may be d), got None")
+    validate.tensor(c, "c", (torch.float32,), 3)
+    validate.shape(c, "c", tuple(d.shape))
+    return g, d.shape[1], d.shape[2]
+
+
+def _k_recipe(recipe) -> int:
+    r = validate._int_tuple(recipe, "recipe", 3)
+    if r[:2] != (1, 1):
+        raise ValueError(f"recipe: expected (1, 1, gran_k) (1D1D scales on both operands), got {r}")
+    if r[2] != 128:
+        raise validate.UnsupportedError(f"recipe: expected gran_k 128 (32 is an SM100 recipe), got {r[2]}")
+    return r[2]
+
+
+def k_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, ks_cpu: list[int], grouped_layout: torch.Tensor,
+                                     c: torch.Tensor | None = None, recipe=(1, 1, 128), compiled_dims: str = "mn",
+                                     use_psum_layout: bool = False) -> None:
+    """MoE weight gradient, groups along K: d[g] = c[g] + A_g @ B_g^T, 1x128 scales on both operands.
+
+    a = (flat e4m3 data holding each group's A_g [M, K_g] K-major one after another, sfa [M, sum K_g/128]),
+    b likewise with B_g [N, K_g] and sfb [N, sum K_g/128]; d, c fp32 [G, M, N] (c may be d);
+    ks_cpu the K_g (multiples of 128; 0 allowed), grouped_layout the same as an int32 tensor.
+    CPU reference only: on CUDA an UnsupportedError names the missing sm_90a kernel.
+    """
+    gran_k = _k_recipe(recipe)
+    validate.compiled_dims(compiled_dims)
+    a_, sfa = _fp8_pair(a, "a")
+    b_, sfb = _fp8_pair(b, "b")
+    g, m, n = _k_grouped_args(d, ks_cpu, grouped_layout, c, use_psum_layout, gran_k)
+    validate.tensor(a_, "a", (validate.FP8,), a_.dim() if isinstance(a_, torch.Tensor) else 1)
+    validate.tensor(b_, "b", (validate.FP8,), b_.dim() if isinstance(b_, torch.Tensor) else 1)
+    sum_k = sum(ks_cpu)
+    validate.size("a", "numel (M x sum(ks_cpu))", m * sum_k, a_.numel())
+    validate.size("b", "numel (N x sum(ks_cpu))", n * sum_k, b_.numel())
+    sfa = validate.sf(sfa, "sfa", m, sum_k, 1, gran_k, None)
+    sfb = validate.sf(sfb, "sfb", n, sum_k, 1, gran_k, None)
+    device = validate.same_device(a=a_, sfa=sfa, b=b_, sfb=sfb, d=d, c=c, grouped_layout=grouped_layout)
+    if device.type == "cuda":
+        raise validate.UnsupportedError("k_grouped_fp8_gemm_nt_contiguous: no sm_90a 1D1D k-grouped kernel in deepgemm "
+                                        "yet (a: CUDA tensor); run it on CPU tensors (the reference)")
+    fa, fb = a_.reshape(-1), b_.reshape(-1)
+    groups, off, soff = [], 0, 0
+    for kg in ks_cpu:
+        sk = kg // gran_k
+        groups.append((fa[off * m:(off + kg) * m].view(m, kg), sfa[:, soff:soff + sk],
+                       fb[off * n:(off + kg) * n].view(n, kg), sfb[:, soff:soff + sk]))
+        off, soff = off + kg, soff + sk
+    reference.k_grouped_1d1d(groups, c, d, gran_k)
+
+
+def k_grouped_fp8_gemm_tn_contiguous(a, b, d: torch.Tensor, ks_cpu: list[int], grouped_layout: torch.Tensor,
+                                     c: torch.Tensor | None = None, recipe=(1, 1, 128), compiled_dims: str = "mn",
+                                     use_psum_layout: bool = False) -> None:
+    """MN-major k-grouped weight gradient: a = (a [sum K_g, M] e4m3, sfa [sum K_g/128, M]), b = (b [sum K_g, N],
+    sfb [sum K_g/128, N]); d[g] = c[g] + a_g^T @ b_g. (DeepGEMM runs it on SM100.) CPU reference only."""
+    gran_k = _k_recipe(recipe)
+    validate.compiled_dims(compiled_dims)
+    a_, sfa = _fp8_pair(a, "a")
+    b_, sfb = _fp8_pair(b, "b")
+    g, m, n = _k_grouped_args(d, ks_cpu, grouped_layout, c, use_psum_layout, gran_k)
+    sum_k = sum(ks_cpu)
+    validate.tensor(a_, "a", (validate.FP8,), 2)
+    validate.tensor(b_, "b", (validate.FP8,), 2)
+    validate.shape(a_, "a", (sum_k, m))
+    validate.shape(b_, "b", (sum_k, n))
+    sfa = validate.sf(_stored_T(sfa), "sfa (stored [sum K_g/128, M])", m, sum_k, 1, gran_k, None)
+    sfb = validate.sf(_stored_T(sfb), "sfb (stored [sum K_g/128, N])", n, sum_k, 1, gran_k, None)
+    device = validate.same_device(a=a_, sfa=sfa, b=b_, sfb=sfb, d=d, c=c, grouped_layout=grouped_layout)
+    if device.type == "cuda":
+        raise validate.UnsupportedError("k_grouped_fp8_gemm_tn_contiguous: no sm_90a kernel (DeepGEMM runs it on "
+                                        "SM100 only; a: CUDA tensor); run it on CPU tensors (the reference)")
+    groups, off, soff = [], 0, 0
+    for kg in ks_cpu:
+        sk = kg // gran_k
+        groups.append((a_[off:off + kg].T, sfa[:, soff:soff + sk], b_[off:off + kg].T, sfb[:, soff:soff + sk]))
+        off, soff = off + kg, soff + sk
+    reference.k_grouped_1d1d(groups, c, d, gran_k)
+
+
+def k_grouped_bf16_gemm_tn_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, ks_cpu: list[int],
+                                      grouped_layout: torch.Tensor, c: torch.Tensor | None = None,
+                                      compiled_dims: str = "mn", use_psum_layout: bool = False) -> None:
+    """bf16 k-grouped weight gradient: a [sum K_g, M], b [sum K_g, N] bf16; d[g] = c[g] + a_g^T @ b_g (fp32).
+    On CUDA each non-empty group runs bf16_gemm_tn (the sm_90a kernel) accumulating into c[g]."""
+    validate.compiled_dims(compiled_dims)
+    g, m, n = _k_grouped_args(d, ks_cpu, grouped_layout, c, use_psum_layout, 1)
+    sum_k = sum(ks_cpu)
+    validate.tensor(a, "a", (torch.bfloat16,), 2)
+    validate.tensor(b, "b", (torch.bfloat16,), 2)
+    validate.shape(a, "a", (sum_k, m))
+    validate.shape(b, "b", (sum_k, n))
+    device = validate.same_device(a=a, b=b, d=d, c=c, grouped_layout=grouped_layout)
+    if device.type == "cuda":
+        log.debug("k_grouped_bf16_gemm_tn_contiguous: one bf16_gemm_tn launch per group (%d groups)", g)
+        off = 0
+        for i, kg in enumerate(ks_cpu):
+            if kg == 0:
+                if d.data_ptr() != c.data_ptr():
+                    d[i].copy_(c[i])
+            else:
+                _bf16_gemm(a[off:off + kg], b[off:off + kg], d[i], c[i], "tn", "mn")
+            off += kg
+        return
+    groups, off = [], 0
+    for kg in ks_cpu:
+        groups.append((a[off:off + kg].T, b[off:off + kg].T))
+        off += kg
+    reference.k_grouped_bf16(groups, c, d)
+
+
+# ----------------------------------------------------------------------------- DeepGEMM v1 names
+
+
+def gemm_fp8_fp8_bf16_nt(lhs, rhs, out: torch.Tensor) -> None:
+    """DeepGEMM v1: out = lhs @ rhs^T (1x128 / 128x128 scales)."""
+    fp8_gemm_nt(lhs, rhs, out)
+
+
+def m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(lhs, rhs, out: torch.Tensor, m_indices: torch.Tensor) -> None:
+    """DeepGEMM v1 name of m_grouped_fp8_gemm_nt_contiguous (per-row m_indices)."""
+    m_grouped_fp8_gemm_nt_contiguous(lhs, rhs, out, m_indices)
+
+
+def m_grouped_gemm_fp8_fp8_bf16_nt_masked(lhs, rhs, out: torch.Tensor, masked_m: torch.Tensor,
+                                          expected_m: int) -> None:
+    """DeepGEMM v1 name of m_grouped_fp8_gemm_nt_masked."""
+    m_grouped_fp8_gemm_nt_masked(lhs, rhs, out, masked_m, expected_m)
+
+
+def _v1_scales(sf: Any, rows: int, k: int) -> Any:
+    # v1 accepted the 1x128 scales as [rows, SK] or as the TMA layout's [SK, rows].
+    sk = (k + 127) // 128
+    if isinstance(sf, torch.Tensor) and sf.dim() == 2 and tuple(sf.shape) == (sk, rows) and sk != rows:
+        return sf.T
+    return sf
+
+
+def wgrad_gemm_fp8_fp8_fp32_nt(lhs, rhs, out: torch.Tensor) -> None:
+    """DeepGEMM v1 weight gradient: out += lhs @ rhs^T with 1x128 scales on both operands (fp32 out)."""
+    a, sfa = validate.pair(lhs, "lhs")
+    b, sfb = validate.pair(rhs, "rhs")
+    m, k = a.shape
+    n = b.shape[0]
+    fp8_gemm_nt((a, _v1_scales(sfa, m, k)), (b, _v1_scales(sfb, n, k)), out, c=out, recipe=(1, 1, 128))
+
+
+def k_grouped_wgrad_gemm_fp8_fp8_fp32_nt(lhs, rhs, out: torch.Tensor, batch_sizes: list[int]) -> None:
+    """DeepGEMM v1 k-grouped weight gradient: flat lhs/rhs data, scales [sum K_g/128, M] / [.., N]; out[g] += ..."""
+    a, sfa = validate.pair(lhs, "lhs")
+    b, sfb = validate.pair(rhs, "rhs")
+    layout = torch.tensor(list(batch_sizes), dtype=torch.int32, device=out.device)
+    k_grouped_fp8_gemm_nt_contiguous((a, sfa.T), (b, sfb.T), out, list(batch_sizes), layout, c=out)
+
+
+# ----------------------------------------------------------------------------- cuBLAS(Lt) baselines
+
+
+def _cublaslt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None, layout: str) -> None:
+    validate.tensor(a, "a", (torch.bfloat16, validate.FP8), 2)
+    validate.tensor(b, "b", (a.dtype,), 2)
+    validate.tensor(d, "d", validate.OUT_DTYPES, 2)
+    la, lb = _logical(a, b, layout)
+    _check_dense(la, lb, d, c)
+    validate.same_device(a=a, b=b, d=d, c=c)
+    if a.dtype == validate.FP8 and a.is_cuda:
+        one = torch.ones((), dtype=torch.float32, device=a.device)
+        acc = torch._scaled_mm(la.contiguous(), lb.contiguous().T, scale_a=one, scale_b=one, out_dtype=d.dtype)
+    elif a.is_cuda:
+        acc = la @ lb.T  # cuBLAS: fp32 accumulation, bf16 result
+    else:
+        acc = la.float() @ lb.float().T
+    d.copy_(acc if c is None else acc.float() + c.float())
+
+
+def cublaslt_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
+    """D = C + A @ B^T through torch (cuBLAS/cuBLASLt on CUDA; unscaled e4m3 via torch._scaled_mm): the
+    baseline DeepGEMM's tests time against. CPU: fp32 matmul."""
+    _cublaslt(a, b, d, c, "nt")
+
+
+def cublaslt_gemm_nn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
+    """cublaslt_gemm_nt with b stored [K, N]."""
+    _cublaslt(a, b, d, c, "nn")
+
+
+def cublaslt_gemm_tn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
+    """cublaslt_gemm_nt with a stored [K, M], b stored [K, N]."""
+    _cublaslt(a, b, d, c, "tn")
+
+
+def cublaslt_gemm_tt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
+    """cublaslt_gemm_nt with a stored [K, M]."""
+    _cublaslt(a, b, d, c, "tt")
 
 
 # ----------------------------------------------------------------------------- BLAS-style

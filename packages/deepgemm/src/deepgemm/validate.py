@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tilehal import ShapeError
+from tilehal import ShapeError, TileStackError
 
 from .utils import BLOCK_K, ceil_div
 
@@ -41,20 +41,100 @@ def pair(x: Any, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return x[0], x[1]
 
 
+class UnsupportedError(TileStackError, NotImplementedError):
+    """A DeepGEMM feature that deepgemm does not provide on this device (the message names the argument)."""
+
+
+DEFAULT_RECIPE = (1, 128, 128)
+
+
+def _int_tuple(r: Any, name: str, length: int) -> tuple[int, ...]:
+    try:
+        t = tuple(int(v) for v in r)
+    except TypeError:
+        raise ValueError(f"{name}: expected a tuple of {length} ints, got {r!r}") from None
+    if len(t) != length or any(v < 1 for v in t):
+        raise ValueError(f"{name}: expected a tuple of {length} positive ints, got {r!r}")
+    return t
+
+
+def recipes(recipe: Any, recipe_a: Any, recipe_b: Any, packed: bool = False) -> tuple[int, int, int]:
+    """DeepGEMM's recipe arguments -> (gran_k, gran_n of B, ...) as (gran_k, gran_n, gran_m_of_a).
+
+    Either `recipe` = (gran_m, gran_n, gran_k) or the pair `recipe_a` = (gran_m, gran_k_a) and
+    `recipe_b` = (gran_n, gran_k_b); neither gives the default (1, 128, 128) ((1, 1, 128) for packed
+    UE8M0 scales). Activations must be per token (gran_m = 1) with gran_k_a == gran_k_b.
+    """
+    if recipe is not None and (recipe_a is not None or recipe_b is not None):
+        raise ValueError(f"recipe: expected either recipe or the recipe_a/recipe_b pair, got recipe={recipe!r} "
+                         f"with recipe_a={recipe_a!r}, recipe_b={recipe_b!r}")
+    if (recipe_a is None) != (recipe_b is None):
+        raise ValueError(f"recipe_a/recipe_b: expected both or neither, got recipe_a={recipe_a!r}, recipe_b={recipe_b!r}")
+    if recipe_a is not None:
+        gm, gka = _int_tuple(recipe_a, "recipe_a", 2)
+        gn, gkb = _int_tuple(recipe_b, "recipe_b", 2)
+    else:
+        r = (1, 1, 128) if packed and recipe is None else _int_tuple(recipe if recipe is not None else DEFAULT_RECIPE,
+                                                                      "recipe", 3)
+        gm, gn, gka = r
+        gkb = gka
+    if gm != 1:
+        raise UnsupportedError(f"recipe: expected per-token activation scales (gran_m = 1), got gran_m = {gm}")
+    if gka != gkb:
+        raise UnsupportedError(f"recipe_b: expected the activations' gran_k = {gka}, got {gkb}")
+    if gka not in (32, 64, 128):
+        raise ValueError(f"recipe: expected gran_k 32, 64 or 128, got {gka}")
+    return gka, gn, gm
+
+
 def recipe(r: Any) -> None:
-    if tuple(r) != (1, 128, 128):
-        raise ValueError(f"recipe: expected (1, 128, 128) (1x128 activation, 128x128 weight scales), got {tuple(r)}")
+    """The dense recipe check of the older API: only (1, 128, 128) and (1, 1, 128)."""
+    t = _int_tuple(r, "recipe", 3)
+    if t not in ((1, 128, 128), (1, 1, 128)):
+        raise ValueError(f"recipe: expected (1, 128, 128) (1x128 activation, 128x128 weight scales) or (1, 1, 128), "
+                         f"got {t}")
+
+
+def sf(x: Any, name: str, rows: int, k: int, gran_rows: int, gran_k: int, groups: int | None) -> torch.Tensor:
+    """A scale tensor [(G,) ceil(rows/gran_rows), ceil(k/gran_k)] float32, or packed UE8M0 int32
+    [(G,) rows, ceil(ceil(k/gran_k)/4)] (gran_rows must be 1); returns the float32 logical tensor."""
+    sk = ceil_div(k, gran_k)
+    lead = () if groups is None else (groups,)
+    if not isinstance(x, torch.Tensor):
+        raise ShapeError(f"{name}: expected a torch tensor, got {type(x).__name__}")
+    if x.dtype == torch.int32:
+        if gran_rows != 1:
+            raise ShapeError(f"{name}: expected float32 scales for {gran_rows}-row blocks (packed UE8M0 scales are "
+                             f"per row), got int32")
+        want = (*lead, rows, ceil_div(sk, 4))
+        shape(x, name, want)
+        from .utils import unpack_ue8m0_from_int
+
+        return unpack_ue8m0_from_int(x)[..., :sk]
+    want = (*lead, ceil_div(rows, gran_rows), sk)
+    tensor(x, name, (torch.float32,), len(want))
+    if tuple(x.shape) != want and tuple(x.shape[-2:]) == want[-2:][::-1]:
+        raise ShapeError(f"{name}: expected shape {want}, got {tuple(x.shape)} (scales are passed in the same "
+                         f"stored orientation as their operand, as in DeepGEMM: transpose them with it)")
+    shape(x, name, want)
+    return x
 
 
 def scales(sfa: Any, sfb: Any, m: int, n: int, k: int, groups_a: int | None, groups_b: int | None) -> None:
     """sfa [(G,) M, ceil(K/128)], sfb [(G,) ceil(N/128), ceil(K/128)], float32."""
-    sk = ceil_div(k, BLOCK_K)
-    ea = (m, sk) if groups_a is None else (groups_a, m, sk)
-    eb = (ceil_div(n, BLOCK_K), sk) if groups_b is None else (groups_b, ceil_div(n, BLOCK_K), sk)
-    tensor(sfa, "sfa", (torch.float32,), len(ea))
-    shape(sfa, "sfa", ea)
-    tensor(sfb, "sfb", (torch.float32,), len(eb))
-    shape(sfb, "sfb", eb)
+    sf(sfa, "sfa", m, k, 1, BLOCK_K, groups_a)
+    sf(sfb, "sfb", n, k, BLOCK_K, BLOCK_K, groups_b)
+
+
+def compiled_dims(x: Any) -> None:
+    if not isinstance(x, str) or any(ch not in "mnk" for ch in x.lower()):
+        raise ValueError(f"compiled_dims: expected a string of the letters m, n, k, got {x!r}")
+
+
+def flag(x: Any, name: str) -> bool:
+    if not isinstance(x, bool):
+        raise ValueError(f"{name}: expected a bool, got {x!r}")
+    return x
 
 
 def same_device(**named: torch.Tensor | None) -> torch.device:
