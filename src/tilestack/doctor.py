@@ -1,32 +1,24 @@
-"""`tilestack doctor`: what this machine offers and which TileStack backends are live here."""
+"""`tilestack doctor`: `python -m tilehal doctor` extended with the whole stack's import and backend checks."""
 
 from __future__ import annotations
 
 import importlib.util
-import platform
-import sys
 
 import tilehal
+from tilehal import doctor as hal_doctor
 
 from .packages import PACKAGES, import_error, installed_version
 
 
 def _check(ok: bool, label: str, why: str = "") -> str:
-    return f"  [{'x' if ok else ' '}] {label}" + ("" if ok or not why else f"  -- {why}")
+    return hal_doctor.check_line(ok, label, why)
 
 
 def backend_status() -> list[tuple[str, bool, str]]:
-    """(backend, usable, why not) for every backend the stack can use."""
-    out = []
-    cc = tilehal.c_compiler()
-    has_cffi = importlib.util.find_spec("cffi") is not None
-    out.append(("cpu (C + OpenMP via compile_c)", bool(cc) and has_cffi,
-                "no C compiler on PATH" if not cc else "" if has_cffi else "cffi is not installed"))
-    versions = tilehal.compiler_versions()
-    out.append(("cuda compile (sm_90a cubins)", any(versions.values()),
-                "neither NVRTC (pip install 'tilestack-hal[cuda]') nor nvcc found"))
+    """(backend, usable, why not) for every backend the stack can use: tilehal's, plus the
+    distributed runtimes deepep and the umbrella's MoE layer use."""
+    out = hal_doctor.backend_status()
     reason = tilehal.cuda_unavailable_reason()
-    out.append(("cuda launch", reason is None, reason or ""))
     has_torch = importlib.util.find_spec("torch") is not None
     dist_ok, why = False, "torch is not installed"
     if has_torch:
@@ -47,31 +39,22 @@ def backend_status() -> list[tuple[str, bool, str]]:
 
 
 def report() -> str:
-    lines = [f"TileStack doctor — Python {sys.version.split()[0]} on {platform.platform()}", "", "Devices:"]
-    for d in tilehal.devices():
-        lines.append(f"  {d.describe()}")
-    if not tilehal.cuda_devices():
-        lines.append(f"  (no CUDA GPU: {tilehal.cuda_unavailable_reason()})")
-    lines += ["", "Compilers:"]
-    cc = tilehal.c_compiler()
-    lines.append(f"  cc     {tilehal.c_compiler_version(cc) if cc else 'not found'}")
-    for name, v in tilehal.compiler_versions().items():
-        lines.append(f"  {name:<6} {v or 'not found'}")
-    incs = tilehal.cuda_include_dirs()
-    lines.append(f"  CUDA headers: {incs[0] if incs else 'not found (cuda_bf16.h)'}")
-    lines.append(f"  compile cache: {tilehal.cache_dir()}")
-    lines += ["", "Packages:"]
+    """tilehal's environment report (`python -m tilehal doctor`), plus an import check of every
+    package and the stack-wide backends."""
+    lines = hal_doctor.sections("TileStack doctor")
+    lines += ["", "Imports:"]
     for p in PACKAGES:
-        v = installed_version(p)
-        err = import_error(p) if v else None
-        state = "not installed" if v is None else (f"{v}" if err is None else f"{v} (import failed: {err})")
-        lines.append(f"  {p.dist:<22} {state}")
+        present = installed_version(p) is not None or hal_doctor.where(p.module) is not None
+        err = import_error(p) if present else None
+        state = "not installed" if not present else ("ok" if err is None else f"import failed: {err}")
+        lines.append(f"  {p.module:<11} {state}")
     lines += ["", "Backends:"]
     for name, ok, why in backend_status():
         lines.append(_check(ok, name, why))
-    return "\n".join(lines)
+    return "\n".join(lines + hal_doctor.clash_lines())
 
 
 def main() -> int:
+    """Print the report; exit status 1 when an import-name clash was found."""
     print(report())
-    return 0
+    return 1 if hal_doctor.clashes() else 0
