@@ -105,7 +105,7 @@ def _install_everything(session: nox.Session) -> None:
     editable = ["-e", "packages/hal[torch,cuda,test]"]
     for folder in list(PACKAGES.values())[1:]:
         editable += ["-e", f"packages/{folder}[test]"]
-    _install(session, *CONSTRAINTS, *editable, "-e", ".")
+    _install(session, *CONSTRAINTS, *editable, "-e", ".[hf]")
 
 
 @nox.session(python=PYTHON)
@@ -197,8 +197,8 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """The CPU benchmark suite; with `-- --record` it writes tables and JSON under docs/benchmarks/."""
-    _install(session, *CONSTRAINTS, "-e", "packages/hal[torch,cuda,test,bench]",
-             *[a for f in list(PACKAGES.values())[1:] for a in ("-e", f"packages/{f}[test,bench]")], "-e", ".")
+    _install(session, *CONSTRAINTS, "-e", "packages/hal[torch,cuda,test]",
+             *[a for f in list(PACKAGES.values())[1:] for a in ("-e", f"packages/{f}[test,bench]")], "-e", ".[hf]")
     session.run("tilestack", "bench", *session.posargs)
 
 

@@ -1,5 +1,7 @@
-"""Docs check (nox -s docs): each package has a guide page, and each README's first Python
-example runs as written."""
+"""Docs check (nox -s docs): each package has a guide page, each README's first Python example
+runs as written, and READMEs hold no link that breaks: a relative link must resolve in the
+checkout, and a package README (also its wheel's description on an index page) has no relative
+link leaving its package folder, nor paths a clone lacks (`.venv/`, `../shared/`)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,31 @@ ROOT = Path(__file__).resolve().parent.parent
 GUIDES = {"hal": "tilehal", "tilelang": "tilelang", "deepgemm": "deepgemm", "deepep": "deepep",
           "kvpool": "kvpool", "dataengine": "dataengine"}
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+NOT_IN_A_CLONE = (".venv/", "../shared/")
+
+
+def link_problems(readme: Path, package: bool) -> list[str]:
+    text, rel = readme.read_text(), readme.relative_to(ROOT)
+    out = [f"{rel} mentions {bad!r}, which a clone does not have" for bad in NOT_IN_A_CLONE if bad in text]
+    for target in LINK.findall(text):
+        if "://" in target or target.startswith(("#", "mailto:")):
+            continue
+        path = (readme.parent / target.split("#")[0]).resolve()
+        if not path.exists():
+            out.append(f"{rel}: link {target!r} does not resolve")
+        elif package and not path.is_relative_to(readme.parent.resolve()):
+            out.append(f"{rel}: link {target!r} leaves the package folder (broken on an index page)")
+    return out
 
 
 def main() -> int:
     problems = []
     if not (ROOT / "docs" / "architecture.md").exists():
         problems.append("docs/architecture.md is missing")
+    problems += link_problems(ROOT / "README.md", package=False)
     for folder, guide in GUIDES.items():
+        problems += link_problems(ROOT / "packages" / folder / "README.md", package=True)
         if not (ROOT / "docs" / f"{guide}.md").exists():
             problems.append(f"docs/{guide}.md is missing")
         readme = ROOT / "packages" / folder / "README.md"

@@ -1,7 +1,7 @@
 """CPU benchmark: tilelang `cpu` target vs numpy (OpenBLAS) GEMM and torch SDPA flash-attention; compile times.
 
 Run (numpy comparison with the machine's own OpenBLAS kernel choice, see docs/tilelang.md):
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python packages/tilelang/benchmarks/bench_cpu.py
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python packages/tilelang/benchmarks/bench_cpu.py
 Writes docs/benchmarks/tilelang_cpu.json and tilelang_cpu.png. Ours and the peer are timed
 alternately in the same run (the machine may be shared), median of the rounds.
 """

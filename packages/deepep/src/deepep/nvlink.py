@@ -2,7 +2,7 @@
 
 Taken when every rank of an NCCL group is a GPU of one host with peer access. Buffers are
 plain torch allocations exported with CUDA IPC (`cuIpcGetMemHandle`), opened by every peer;
-the kernels (kernels/nvlink.cu, compiled by tilehal.compile_cuda) are described there.
+the kernels (kernels/intranode.cu, compiled by tilehal.compile_cuda) are described there.
 Waits are bounded on both sides: in-kernel spins end at a deadline and record (stage, peer)
 in host-mapped memory; the host polls with a deadline too. Then CommTimeoutError.
 """
