@@ -40,7 +40,7 @@ def test_python_dash_m_entry_point():
 
 
 def test_demo_runs_every_package_example(capsys):
-    assert main(["demo"]) == 0
+    assert main(["demo", "--examples"]) == 0
     out = capsys.readouterr().out
     for pkg in PACKAGES:
         assert f"== {pkg.module}: ok" in out, out

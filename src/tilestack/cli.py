@@ -10,16 +10,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tilestack", description="TileStack command line")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="devices, compilers, installed packages and live backends")
-    sub.add_parser("demo", help="run each installed package's README example")
+    sub.add_parser("demo", add_help=False,
+                   help="long-context generation through kvpool + sparse attention (--help for options)")
     b = sub.add_parser("bench", help="run the benchmark scripts of a checkout")
     b.add_argument("root", nargs="?", help="checkout root (default: current directory)")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command != "demo" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "doctor":
         from .doctor import main as run
         return run()
     if args.command == "demo":
         from .demo import main as run
-        return run()
+        return run(rest)
     from .bench import main as run
     return run([args.root] if args.root else [])
 

@@ -24,7 +24,7 @@ log = logging.getLogger("tilestack.hf")
 NAME = "tilestack_kvpool"
 # paged_prefill's torch reference holds [q_heads, new, cached] fp32 scores per sequence; above this
 # many bytes a sequence's queries go in chunks (each a valid prefill of its last positions).
-PREFILL_SCORE_BYTES = 1 << 29
+PREFILL_SCORE_BYTES = 1 << 28
 
 
 def kvpool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -49,6 +49,8 @@ def kvpool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             sp = cache.sparse
             indices = select_blocks(q, kmin, kmax, step.block_table, step.seq_lens, sp.top_k, sp.sink_blocks,
                                     sp.local_blocks, block_size=pool.block_size)
+        if cache.observer is not None:
+            cache.observer(layer, q, step.block_table, step.seq_lens, indices)
         out = paged_decode(q, pool, layer, step.block_table, step.seq_lens, scale=scaling, block_indices=indices)
         return out[:, None], None
     qt = query.transpose(1, 2)  # [B, T, hq, D]

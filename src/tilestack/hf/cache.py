@@ -111,13 +111,17 @@ class KVPoolCache(Cache):
 
     `pool` is the KVPool; `seq_ids` the pool sequence of each batch row; `stats()` the pool's
     figures plus this cache's (prompt tokens served from the prefix cache, decode steps, blocks
-    attended by sparse steps).
+    attended by sparse steps). `sparse` (a SparseConfig or None) may be changed between steps.
+    `observer`, when set, is called at every decode step of every layer, before attention, as
+    `observer(layer, q, block_table, seq_lens, block_indices)` (block_indices None when dense):
+    `tilestack demo` measures the selection's attention-mass recall with it.
     """
 
     def __init__(self, pool: KVPool, *, sparse: SparseConfig | None = None, max_tokens: int | None = None,
                  window: int | None = None) -> None:
         self.pool = pool
         self.sparse = sparse
+        self.observer = None
         capacity = pool.num_blocks * pool.block_size
         self.max_tokens = capacity if max_tokens is None else min(max_tokens, capacity)
         self.window = window
