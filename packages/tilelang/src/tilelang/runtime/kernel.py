@@ -27,6 +27,7 @@ class JITKernel:
         if not isinstance(func, PrimFunc):
             raise TypeError(f"compile: expected a PrimFunc (from @T.prim_func), got {type(func).__name__}")
         self.prim_func = func
+        self.requested_target = (target or "auto").lower()
         self.target = resolve_target(target)
         n = len(func.params)
         if out_idx is None:
@@ -44,17 +45,42 @@ class JITKernel:
         from ..pass_config import check_pass_configs
 
         self.pass_configs = check_pass_configs(pass_configs, self.target)
-        self.lowered = run_pipeline(func, self.target, self.pass_configs)
-        self._impl = BACKENDS[self.target](self.lowered, self.pass_configs)
+        self._impls: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._impl = self._build(self.target)
+        self.lowered = self._lowered[self.target]
         self.compile_seconds = getattr(self._impl, "compile_seconds", 0.0)
         self.cache_hit = getattr(self._impl, "cache_hit", False)
+
+    def _build(self, target: str) -> Any:
+        """Lower and build for `target` once (target 'auto' builds cuda lazily, for CUDA tensors)."""
+        impl = self._impls.get(target)
+        if impl is not None:
+            return impl
+        with self._lock:
+            impl = self._impls.get(target)
+            if impl is None:
+                backend = BACKENDS[target]
+                lowered = run_pipeline(self.prim_func, target, self.pass_configs)
+                impl = backend.build(lowered, self.pass_configs)
+                if not hasattr(self, "_lowered"):
+                    self._lowered = {}
+                self._lowered[target] = lowered
+                self._impls[target] = impl
+        return impl
+
+    def _backend_for(self, args: tuple) -> str:
+        if self.requested_target == "auto" and any(tilehal.is_torch(a) and a.is_cuda for a in args):
+            log.debug("target auto: CUDA tensors given, running the cuda backend")
+            return "cuda"
+        return self.target
 
     @property
     def params(self) -> list:
         return self.prim_func.params
 
     def get_kernel_source(self) -> str:
-        """The generated C (target cpu) or the lowered tile IR (target interp)."""
+        """The generated CUDA C++ (target cuda), C (target cpu) or the lowered tile IR (target interp)."""
         return self._impl.source()
 
     def get_profiler(self, tensor_supply_type: Any = None, dynamic_shapes: dict[str, int] | None = None) -> Any:
@@ -90,20 +116,32 @@ class JITKernel:
             if i not in self.out_idx:
                 full[i] = next(inputs)
         in_params = [(p, a) for p, a in zip(self.params, full) if a is not None]
-        dyn = _bind(in_params)
+        target = self._backend_for(args)
+        backend = BACKENDS[target]
+        dyn = _bind(in_params, backend.device)
+        impl = self._build(target)
         use_torch = any(tilehal.is_torch(a) for a in args)
         outs = []
         for i in self.out_idx:
             shape = self._out_shape(i, dyn)
             dtype = self.params[i].dtype
-            if use_torch:
+            if backend.device == "cuda":
+                import torch
+
+                dev = next(a.device for a in args if tilehal.is_torch(a))
+                alloc = torch.zeros if impl.zero_output(i) else torch.empty
+                full[i] = alloc(shape, dtype=tilehal.to_torch_dtype(dtype), device=dev)
+            elif use_torch:
                 import torch
 
                 full[i] = torch.zeros(shape, dtype=tilehal.to_torch_dtype(dtype))
             else:
                 full[i] = np.zeros(shape, dtype=tilehal.to_numpy_dtype(dtype))
             outs.append(full[i])
-        self._impl([tilehal.as_numpy(a) for a in full], dyn)
+        if backend.device == "cuda":
+            impl(full, dyn)
+        else:
+            impl([tilehal.as_numpy(a) for a in full], dyn)
         if not outs:
             return None
         return outs[0] if len(outs) == 1 else outs
@@ -112,11 +150,11 @@ class JITKernel:
         return f"<JITKernel {self.prim_func.name} target={self.target} out_idx={self.out_idx}>"
 
 
-def _bind(pairs: list[tuple[Any, Any]]) -> dict[Var, int]:
+def _bind(pairs: list[tuple[Any, Any]], device: str = "cpu") -> dict[Var, int]:
     """Check each (param, tensor) and bind the T.dynamic sizes from the tensors' shapes."""
     dyn: dict[Var, int] = {}
     for buf, x in pairs:
-        tilehal.check_tensor(x, buf.name, dtype=buf.dtype, ndim=buf.ndim, contiguous=True, device="cpu")
+        tilehal.check_tensor(x, buf.name, dtype=buf.dtype, ndim=buf.ndim, contiguous=True, device=device)
         for d, (s, actual) in enumerate(zip(buf.shape, x.shape)):
             actual = int(actual)
             if isinstance(s, Const):
@@ -133,7 +171,7 @@ def _bind(pairs: list[tuple[Any, Any]]) -> dict[Var, int]:
 
 def compile(func: PrimFunc, out_idx: Sequence[int] | int | None = None, target: str = "auto",  # noqa: A001
             pass_configs: dict | None = None, **_: Any) -> JITKernel:
-    """Lower and build a prim_func for `target` ("auto", "cpu", "interp"; "cuda" comes later)."""
+    """Lower and build a prim_func for `target` ("auto", "cpu", "interp", "cuda")."""
     return JITKernel(func, out_idx=out_idx, target=target, pass_configs=pass_configs)
 
 

@@ -2,5 +2,6 @@
 #pragma once
 #include "common.cuh"
 #include "convert.cuh"
+#include "mma.cuh"
 #include "reduce.cuh"
 #include "vec.cuh"

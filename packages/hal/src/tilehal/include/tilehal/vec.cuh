@@ -40,6 +40,17 @@ TILEHAL_DEVICE void cp_async_16(void* smem, const void* gmem, bool pred = true) 
   int n = pred ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(n));
 }
+// 4- and 8-byte variants (cached in L1: .ca), for rows too narrow or misaligned for 16 bytes.
+TILEHAL_DEVICE void cp_async_8(void* smem, const void* gmem, bool pred = true) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  int n = pred ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" :: "r"(s), "l"(gmem), "r"(n));
+}
+TILEHAL_DEVICE void cp_async_4(void* smem, const void* gmem, bool pred = true) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  int n = pred ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(s), "l"(gmem), "r"(n));
+}
 TILEHAL_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 TILEHAL_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }

@@ -1,0 +1,84 @@
+"""Build a lowered PrimFunc into a cubin (NVRTC) and launch it on torch's current stream."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any
+
+import tilehal
+
+from ...errors import CompileError
+from ...ir.nodes import AtomicAdd, Const, Expr, PrimFunc, Var
+from ...ir.visit import walk_stmts
+from .codegen import generate_cuda
+
+log = logging.getLogger("tilelang.backends.cuda")
+
+DEFAULT_ARCH = "sm_90a"
+
+
+def _eval(e: Expr, dyn: dict[Var, int]) -> int:
+    from ..interp import Interpreter
+
+    it = Interpreter.__new__(Interpreter)
+    it.env = dict(dyn)
+    it.bufs = {}
+    return int(it.expr(e))
+
+
+class CudaKernel:
+    device = "cuda"
+
+    def __init__(self, func: PrimFunc, options: dict) -> None:
+        self.func = func
+        arch = options.get("arch", DEFAULT_ARCH)
+        probe, _ = generate_cuda(func, "tl_kernel")
+        digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
+        base = f"tl_{func.name}_{digest}"
+        self.cuda_source, self.kernels = generate_cuda(func, base)
+        t0 = time.perf_counter()
+        opts = tuple(options.get("nvrtc_options", ()))
+        self.module = tilehal.compile_cuda(self.cuda_source, arch=arch, name=func.name, options=opts)
+        self.compile_seconds = time.perf_counter() - t0
+        self.cache_hit = self.module.cache_hit
+        self.atomic_outputs = {s.dst.buffer for s in walk_stmts(func.body) if isinstance(s, AtomicAdd)}
+        self._static_grids = []
+        for name, k, smem in self.kernels:
+            grid = [int(g.value) if isinstance(g, Const) else None for g in k.grid]
+            threads = 1
+            for t in k.threads:
+                threads *= int(t)
+            self._static_grids.append((self.module.get_kernel(name), k, grid, threads, smem))
+        log.debug("built %s (%d kernel(s)) in %.3fs (cache hit: %s)", base, len(self.kernels), self.compile_seconds,
+                  self.cache_hit)
+
+    def source(self) -> str:
+        return self.cuda_source
+
+    def zero_output(self, index: int) -> bool:
+        """Outputs that atomics accumulate into start at zero; others are fully written by the kernel."""
+        return self.func.params[index] in self.atomic_outputs
+
+    def __call__(self, args: list[Any], dyn: dict[Var, int]) -> None:
+        for p, a in zip(self.func.params, args):
+            if a.data_ptr() % 16:
+                raise tilehal.ShapeError(f"{p.name}: the CUDA kernel needs a 16-byte aligned data pointer, got "
+                                         f"address {a.data_ptr():#x} (a view with a storage offset?)")
+        sizes = [int(dyn[v]) for v in self.func.dynamic_vars]
+        for kern, k, grid, threads, smem in self._static_grids:
+            g = [x if x is not None else _eval(e, dyn) for x, e in zip(grid, k.grid)]
+            if any(x <= 0 for x in g):
+                continue
+            kern.launch(g, threads, [*args, *sizes], smem_bytes=smem)
+
+
+def build_cuda_kernel(func: PrimFunc, options: dict) -> CudaKernel:
+    try:
+        return CudaKernel(func, options)
+    except tilehal.CompileError as e:
+        if isinstance(e, CompileError):
+            raise
+        raise CompileError(f"{func.name}: the generated CUDA failed to compile: {e}", func.loc,
+                           log=getattr(e, "log", "")) from e

@@ -1,0 +1,415 @@
+"""Layout inference for the CUDA backend: which thread holds which element of every fragment.
+
+Order (to a fixed point), as in the public TileLang: (1) every `T.gemm` plans its warps and, on
+the tensor-core path, fixes its accumulator's layout (and an A operand held in registers);
+(2) fragments read or written outside any tile op or `T.Parallel` loop are replicated in every
+thread; (3) `T.Parallel` loops, reductions and fragment-to-fragment copies propagate known
+layouts to the fragments they touch; (4) when nothing moves, the first unconstrained fragment
+gets the default layout and (3) runs again. A conflict, or a fragment access that can only be
+served by another thread's registers, is a CompileError naming the source line.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ...errors import CompileError
+from ...ir import dtypes as dt
+from ...ir.layout import Fragment, default_fragment, mma_accumulator, replicated
+from ...ir.nodes import (
+    AtomicAdd,
+    Buffer,
+    Const,
+    Copy,
+    CumSum,
+    Expr,
+    Fill,
+    For,
+    Gemm,
+    If,
+    Kernel,
+    Load,
+    Reduce,
+    Region,
+    Seq,
+    Stmt,
+    Store,
+    Var,
+)
+from ...ir.visit import child_stmts, stmt_exprs, walk_expr, walk_stmts
+
+log = logging.getLogger("tilelang.backends.cuda")
+
+_MMA_K = {"float16": 16, "bfloat16": 16, "float8_e4m3": 32, "float8_e5m2": 32, "int8": 32}
+
+
+@dataclass
+class GemmPlan:
+    kind: str  # "mma" or "simt"
+    warps_m: int = 1
+    warps_n: int = 1
+    kstep: int = 16
+    reason: str = ""
+
+
+@dataclass
+class ParallelNest:
+    loop: For
+    vars: list[Var]
+    extents: list[int | None]
+    body: Stmt
+    layout: Fragment | None = None  # None: a flat thread-strided loop (no fragment inside)
+    frag_access: list[tuple[Buffer, list[Expr]]] = field(default_factory=list)
+
+
+def parallel_nest(s: For) -> tuple[list[Var], list[Expr], Stmt]:
+    vars_, exts = [], []
+    while isinstance(s, For) and s.kind == "parallel":
+        vars_.append(s.var)
+        exts.append(s.extent)
+        s = s.body
+        if isinstance(s, Seq) and len(s.body) == 1 and isinstance(s.body[0], For) and s.body[0].kind == "parallel":
+            s = s.body[0]
+    return vars_, exts, s
+
+
+def _static(e: Expr) -> int | None:
+    return int(e.value) if isinstance(e, Const) else None
+
+
+def frag_accesses(body: Stmt) -> list[tuple[Buffer, list[Expr]]]:
+    out = []
+    for st in walk_stmts(body):
+        if isinstance(st, Store) and st.buffer.scope == "fragment":
+            out.append((st.buffer, st.indices))
+        for e in stmt_exprs(st):
+            for x in walk_expr(e):
+                if isinstance(x, Load) and x.buffer.scope == "fragment":
+                    out.append((x.buffer, x.indices))
+    return out
+
+
+def _warp_grid(m: int, n: int, warps: int, policy: str, n_align: int = 16) -> tuple[int, int] | None:
+    """(warps_m, warps_n) splitting an m x n accumulator into 16 x n_align pieces; all warps if possible
+    (a grid of fewer warps leaves the others computing replicas)."""
+    best = None
+    for wm in range(1, warps + 1):
+        for wn in range(1, warps // wm + 1):
+            if warps % (wm * wn) or m % (16 * wm) or n % (n_align * wn):
+                continue
+            if policy == "FullRow":
+                pol = (-wm, 0.0)
+            elif policy == "FullCol":
+                pol = (-wn, 0.0)
+            else:
+                ratio = (m / wm) / (n / wn)
+                pol = (0, abs(ratio - 1.0) if ratio >= 1 else abs(1.0 / ratio - 1.0))
+            score = (-(wm * wn), *pol)
+            if best is None or score < best[0]:
+                best = (score, (wm, wn))
+    return best[1] if best else None
+
+
+def _region_2d_ok(r: Region) -> bool:
+    """A shared operand ldmatrix can read: 16-byte rows, the tile's columns in the buffer's last dim."""
+    rd, cd = r.matrix_dims()
+    nd = r.buffer.ndim
+    if cd != nd - 1 or rd < 0:
+        return False
+    shape = r.buffer.static_shape()
+    if shape is None:
+        return False
+    esize = 1 if "8" in r.buffer.dtype else 2
+    ve = 16 // esize
+    if (shape[-1] * esize) % 16:
+        return False
+    start = r.starts[cd]
+    return isinstance(start, Const) and int(start.value) % ve == 0
+
+
+def plan_gemm(g: Gemm, threads: int) -> GemmPlan:
+    a, b, c = g.A.buffer, g.B.buffer, g.C.buffer
+    if a.dtype != b.dtype and not (dt.is_float(a.dtype) and dt.is_float(b.dtype) and
+                                    "float32" in (a.dtype, b.dtype)):
+        if {a.dtype, b.dtype} <= set(_MMA_K):
+            raise CompileError(f"T.gemm: A is {a.dtype} and B is {b.dtype}; the tensor cores need one input type "
+                               f"(cast one operand)", g.loc)
+    if c.scope != "fragment":
+        raise CompileError(f"T.gemm: the accumulator {c.name} must be a T.alloc_fragment buffer on cuda, got "
+                           f"scope {c.scope}", g.loc)
+    m, n = g.C.as_2d()
+    kdim = g.A.as_2d()[0] if g.transpose_A else g.A.as_2d()[1]
+    warps = threads // 32
+
+    def simt(why: str) -> GemmPlan:
+        log.debug("%s: T.gemm %s x %s -> %s runs on CUDA cores: %s", g.loc, a.dtype, b.dtype, c.dtype, why)
+        # an accumulator-shaped layout when the tile allows: row vectors reduced from two gemms agree
+        grid = _warp_grid(m, n, warps, g.policy, n_align=8)
+        return GemmPlan("simt", grid[0] if grid else 0, grid[1] if grid else 0, reason=why)
+
+    if a.dtype != b.dtype or a.dtype not in _MMA_K:
+        return simt(f"no mma.sync for {a.dtype} x {b.dtype}")
+    want_acc = "int32" if a.dtype == "int8" else "float32"
+    if c.dtype != want_acc:
+        return simt(f"mma.sync accumulates {a.dtype} in {want_acc}, the accumulator is {c.dtype}")
+    kstep = _MMA_K[a.dtype]
+    if kdim % kstep:
+        return simt(f"K={kdim} is not a multiple of {kstep}")
+    if kstep == 32 and (g.transpose_A or not g.transpose_B):
+        return simt("8-bit mma.sync needs A row-major and B K-major (transpose_B=True)")
+    if b.scope != "shared" or not _region_2d_ok(g.B):
+        return simt(f"B ({b.name}, {b.scope}) is not a 16-byte-row shared tile")
+    if a.scope == "shared":
+        if not _region_2d_ok(g.A):
+            return simt(f"A ({a.name}) is not a 16-byte-row shared tile")
+    elif a.scope == "fragment":
+        if g.transpose_A or kstep != 16:
+            return simt("an A operand in registers must be 16-bit and not transposed")
+    else:
+        return simt(f"A is in {a.scope} memory")
+    grid = _warp_grid(m, n, warps, g.policy)
+    if grid is None:
+        return simt(f"a {m}x{n} tile does not split into 16x16 pieces over {warps} warps")
+    return GemmPlan("mma", grid[0], grid[1], kstep)
+
+
+class LayoutInference:
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+        self.threads = 1
+        for t in kernel.threads:
+            self.threads *= int(t)
+        self.layouts: dict[Buffer, Fragment] = {}
+        self.origin: dict[Buffer, str] = {}
+        self.gemms: dict[int, GemmPlan] = {}
+        self.nests: dict[int, ParallelNest] = {}
+        self.uniform: set[Buffer] = set()
+        self.fragments: list[Buffer] = []
+        self.ops: list[Stmt] = []  # reduce / fragment copies, in program order
+
+    # ------------------------------------------------------------ entry
+
+    def run(self) -> LayoutInference:
+        self._collect(self.kernel.body)
+        for g in [s for s in walk_stmts(self.kernel.body) if isinstance(s, Gemm)]:
+            plan = plan_gemm(g, self.threads)
+            self.gemms[id(g)] = plan
+            if plan.kind == "simt" and plan.warps_m:
+                m, n = g.C.as_2d()
+                self._assign(g.C.buffer, mma_accumulator(m, n, plan.warps_m, plan.warps_n, self.threads),
+                             g.loc, "T.gemm accumulator")
+            if plan.kind == "mma":
+                m, n = g.C.as_2d()
+                self._assign(g.C.buffer, mma_accumulator(m, n, plan.warps_m, plan.warps_n, self.threads),
+                             g.loc, "T.gemm accumulator")
+                if g.A.buffer.scope == "fragment":
+                    k = g.A.as_2d()[1]
+                    self._assign(g.A.buffer, mma_accumulator(m, k, plan.warps_m, plan.warps_n, self.threads,
+                                                             n_warp_split=False), g.loc, "T.gemm A operand")
+        for b in self.uniform:
+            if b not in self.layouts:
+                self._assign(b, replicated(b.static_shape(), self.threads), None, "scalar use")
+        while True:
+            self._propagate()
+            pending = [b for b in self.fragments if b not in self.layouts]
+            if not pending:
+                break
+            if not self._default_for_loop():
+                b = pending[0]
+                self._assign(b, default_fragment(b.static_shape(), self.threads, self._vec(b)), None, "default")
+        for nest in self.nests.values():
+            if nest.frag_access and nest.layout is None:
+                self._resolve_nest(nest, final=True)
+        return self
+
+    def _vec(self, b: Buffer) -> int:
+        size = 1 if "8" in b.dtype and b.dtype != "float16" else (2 if b.dtype in ("float16", "bfloat16") else 4)
+        return max(1, 16 // size) if size < 4 else 4
+
+    # ------------------------------------------------------------ collection
+
+    def _collect(self, s: Stmt) -> None:
+        from ...ir.nodes import Alloc
+
+        if isinstance(s, Alloc) and s.buffer.scope == "fragment":
+            if s.buffer.static_shape() is None:
+                raise CompileError(f"fragment {s.buffer.name} needs a static shape on cuda", s.loc)
+            self.fragments.append(s.buffer)
+        if isinstance(s, For) and s.kind == "parallel":
+            vars_, exts, body = parallel_nest(s)
+            nest = ParallelNest(s, vars_, [_static(e) for e in exts], body, frag_access=frag_accesses(body))
+            self.nests[id(s)] = nest
+            for st in walk_stmts(body):
+                if isinstance(st, Alloc) and st.buffer.scope == "fragment":
+                    self.fragments.append(st.buffer)
+                    self.uniform.add(st.buffer)
+            return
+        if isinstance(s, (Reduce, CumSum)) or (isinstance(s, Copy) and s.src.buffer.scope == "fragment" and
+                                               s.dst.buffer.scope == "fragment"):
+            self.ops.append(s)
+        if not isinstance(s, (Copy, Gemm, Fill, Reduce, CumSum, AtomicAdd)):
+            for e in stmt_exprs(s):
+                for x in walk_expr(e):
+                    if isinstance(x, Load) and x.buffer.scope == "fragment":
+                        self.uniform.add(x.buffer)
+            if isinstance(s, Store) and s.buffer.scope == "fragment":
+                self.uniform.add(s.buffer)
+        for c in child_stmts(s):
+            self._collect(c)
+
+    # ------------------------------------------------------------ assignment
+
+    def _assign(self, b: Buffer, f: Fragment, loc, why: str) -> None:
+        old = self.layouts.get(b)
+        if old is None:
+            self.layouts[b] = f
+            self.origin[b] = why
+            return
+        if not old.same_mapping(f):
+            raise CompileError(f"cannot infer a layout for fragment {b.name}: the {self.origin[b]} needs {old}, "
+                               f"this use ({why}) needs {f}", loc)
+
+    # ------------------------------------------------------------ propagation
+
+    def _propagate(self) -> None:
+        changed = True
+        while changed:
+            before = len(self.layouts)
+            for nest in self.nests.values():
+                if nest.frag_access and nest.layout is None:
+                    self._resolve_nest(nest)
+            for op in self.ops:
+                self._op(op)
+            changed = len(self.layouts) != before
+
+    def _access_dims(self, nest: ParallelNest, b: Buffer, idx: list[Expr]) -> list[int | None]:
+        """Loop position of each index (None when the index is not a bare loop variable of the nest)."""
+        pos = []
+        for d, i in enumerate(idx):
+            if isinstance(i, Var) and i in nest.vars:
+                p = nest.vars.index(i)
+                shape = b.static_shape()
+                pos.append(p if nest.extents[p] == shape[d] else None)
+            else:
+                pos.append(None)
+        return pos
+
+    def _resolve_nest(self, nest: ParallelNest, final: bool = False) -> None:
+        if any(e is None for e in nest.extents):
+            loc = nest.loop.loc
+            raise CompileError("T.Parallel over fragments needs static extents on cuda", loc)
+        layout = None
+        # a full-rank access whose layout is known fixes the loop's layout
+        for b, idx in nest.frag_access:
+            pos = self._access_dims(nest, b, idx)
+            if b in self.layouts and None not in pos and len(set(pos)) == len(nest.vars) == len(pos):
+                inv = [pos.index(p) for p in range(len(pos))]
+                layout = self.layouts[b].permute(inv)
+                break
+        if layout is None:
+            for b, idx in nest.frag_access:
+                f = self.layouts.get(b)
+                pos = self._access_dims(nest, b, idx)
+                if f is None or None in pos:
+                    continue
+                if len(f.dims) == 0 or all(f.register_only(d) for d in range(len(f.dims))):
+                    continue
+                par = f.parent
+                if par is not None and len(par.shape) == len(nest.vars):
+                    # the loop runs over the tile this fragment was reduced from
+                    guess = {f.parent_dims[d]: p for d, p in enumerate(pos)}
+                    if len(guess) == len(pos) and all(par.shape[pd] == nest.extents[p] for pd, p in guess.items()):
+                        rest = [p for p in range(len(nest.vars)) if p not in guess.values()]
+                        rest_d = [d for d in range(len(par.shape)) if d not in guess]
+                        guess.update(zip(rest_d, rest))
+                        perm = [0] * len(nest.vars)
+                        for pd, p in guess.items():
+                            perm[p] = pd
+                        layout = par.permute(perm)
+                        break
+        if layout is None:
+            accessed = {b for b, _ in nest.frag_access}
+            if all(b in self.layouts and all(self.layouts[b].register_only(d) for d in range(b.ndim))
+                   for b in accessed):
+                layout = replicated(tuple(nest.extents), self.threads)
+            elif final:
+                layout = default_fragment(tuple(nest.extents), self.threads, min(self._vec(b) for b in accessed))
+            else:
+                return
+        nest.layout = layout
+        for b, idx in nest.frag_access:
+            pos = self._access_dims(nest, b, idx)
+            known = self.layouts.get(b)
+            if None in pos or len(set(pos)) != len(pos):
+                if known is None:
+                    self._assign(b, replicated(b.static_shape(), self.threads), nest.loop.loc, "indexed access")
+                    known = self.layouts[b]
+                for d, p in enumerate(pos):
+                    if p is None and not known.register_only(d):
+                        raise CompileError(f"cannot infer a layout for fragment {b.name}: index {d} of this access "
+                                           f"is not a loop variable, and that dim is spread over threads "
+                                           f"({known})", nest.loop.loc)
+                continue
+            self._assign(b, layout.project(pos) if len(pos) < len(nest.vars) else layout.permute(pos),
+                         nest.loop.loc, "T.Parallel loop")
+
+    def _default_for_loop(self) -> bool:
+        """Give the first unresolved loop a layout: from its first unconstrained full-rank fragment, or
+        a default over the loop itself (its fragments all being row/column vectors)."""
+        for nest in self.nests.values():
+            if not nest.frag_access or nest.layout is not None:
+                continue
+            for b, idx in nest.frag_access:
+                pos = self._access_dims(nest, b, idx)
+                if b not in self.layouts and None not in pos and len(set(pos)) == len(nest.vars) == len(pos):
+                    self._assign(b, default_fragment(b.static_shape(), self.threads, self._vec(b)), nest.loop.loc,
+                                 "default")
+                    return True
+            if all(b not in self.layouts for b, _ in nest.frag_access):
+                vec = min(self._vec(b) for b, _ in nest.frag_access)
+                nest.layout = default_fragment(tuple(nest.extents), self.threads, vec)
+                for b, idx in nest.frag_access:
+                    pos = self._access_dims(nest, b, idx)
+                    if None in pos:
+                        continue
+                    self._assign(b, nest.layout.project(pos), nest.loop.loc, "T.Parallel loop")
+                return True
+        return False
+
+    def _op(self, s: Stmt) -> None:
+        if isinstance(s, Reduce):
+            src, dst = s.src, s.dst
+            if src.scope != "fragment":
+                return
+            fs, fd = self.layouts.get(src), self.layouts.get(dst)
+            keep = [d for d in range(src.ndim) if d != s.dim]
+            if fs is not None:
+                proj = fs.project(keep)
+                if dst.ndim == src.ndim:
+                    proj = proj.with_unit_dim(s.dim)
+                if dst.scope == "fragment":
+                    self._assign(dst, proj, s.loc, f"T.reduce of {src.name}")
+            elif fd is not None and fd.parent is not None and fd.parent.shape == src.static_shape():
+                self._assign(src, fd.parent, s.loc, f"T.reduce into {dst.name}")
+        elif isinstance(s, Copy):
+            a, b = s.src.buffer, s.dst.buffer
+            if tuple(s.src.extents) != a.static_shape() or tuple(s.dst.extents) != b.static_shape():
+                return
+            if a in self.layouts and b not in self.layouts:
+                self._assign(b, self.layouts[a], s.loc, f"T.copy from {a.name}")
+            elif b in self.layouts and a not in self.layouts:
+                self._assign(a, self.layouts[b], s.loc, f"T.copy to {b.name}")
+            elif a in self.layouts and b in self.layouts and not self.layouts[a].same_mapping(self.layouts[b]):
+                log.debug("%s: T.copy %s -> %s between different layouts: goes through shared memory", s.loc,
+                          a.name, b.name)
+
+
+def infer_layouts(kernel: Kernel) -> LayoutInference:
+    return LayoutInference(kernel).run()
+
+
+__all__ = ["GemmPlan", "LayoutInference", "ParallelNest", "frag_accesses", "infer_layouts", "parallel_nest",
+           "plan_gemm"]
+
+_ = If  # If is part of the walked statements (imported for readers of this module)

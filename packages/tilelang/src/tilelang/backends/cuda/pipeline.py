@@ -1,0 +1,42 @@
+"""The CUDA target's ordered pass list (one readable place; the public TileLang's cuda pipeline
+and Triton's `add_stages` are the models). Each entry: the pass and why it runs where it does.
+
+IR-level passes run on the tile IR (shared with the other targets); the lowering steps after
+them run inside `KernelCodegen`, in this order, on each T.Kernel.
+"""
+
+from __future__ import annotations
+
+from ...ir.verifier import verify
+from ...passes.checks import check_shapes
+from ...passes.dce import dce
+from ...passes.simplify import simplify
+
+# (pass, why) — run by passes.pipeline.run_pipeline
+IR_PASSES = [
+    (check_shapes, "reject malformed tile ops first, so later errors are about the GPU, not the program"),
+    (simplify, "fold constants and index arithmetic: alignment and bounds proofs below see simple forms"),
+    (dce, "drop dead buffers before layout inference, so they constrain no layout and take no smem"),
+    (verify, "re-check scopes and bounds on what the lowering will actually see"),
+]
+
+# the lowering steps KernelCodegen runs, in order (documentation of the code path; see codegen.py)
+LOWERING_STEPS = [
+    ("check threads", "threads a multiple of 32 (whole warps) and <= 1024: every later step assumes warps"),
+    ("plan gemms", "each T.gemm picks mma.sync (warp grid from its policy) or CUDA cores; fixes accumulator "
+                   "layouts, which everything else then follows"),
+    ("layout inference", "fragments used as scalars replicate; T.Parallel loops, reductions and fragment copies "
+                         "propagate to a fixed point; defaults for the rest"),
+    ("swizzle planning", "shared operands of mma get an XOR swizzle so ldmatrix rows hit distinct banks"),
+    ("pipeline planning", "T.Pipelined(num_stages>=2): global->shared copies that depend only on the loop index "
+                          "become cp.async prefetches into num_stages buffers"),
+    ("lower tile ops + barriers", "copies/fills/reductions/gemms become per-thread code; __syncthreads() between "
+                                  "statements with a shared (or written global) hazard"),
+    ("shared memory planning", "after lowering, since reductions and staging add scratch: buffers with disjoint "
+                               "live ranges share bytes; over 227 KiB is a CompileError"),
+    ("compile", "NVRTC to an sm_90a cubin, cached on disk by content hash (tilehal.compile_cuda)"),
+]
+
+
+def passes(options: dict) -> list:
+    return [p for p, _ in IR_PASSES]
