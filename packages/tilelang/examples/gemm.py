@@ -30,7 +30,9 @@ def main(M: int = 256, N: int = 256, K: int = 256, target: str = "auto") -> None
     a, b = torch.randn(M, K), torch.randn(K, N)
     c = kernel(a, b)
     torch.testing.assert_close(c, a @ b, rtol=1e-4, atol=1e-3)
-    print(f"gemm {M}x{N}x{K} on {kernel.target}: ok")
+    err = (c - a @ b).abs().max().item()
+    print(f"gemm {M}x{N}x{K} float32 on {kernel.target}: max |C - torch A @ B| = {err:.1e} "
+          "(float32 summation order; tolerance 1e-3 + 1e-4 * |C|)")
 
 
 if __name__ == "__main__":

@@ -28,3 +28,20 @@ def softmax(M, N, block_M=8, dtype="float32", accum_dtype="float"):
 
 def reference(x):
     return x.float().softmax(dim=-1).to(x.dtype)
+
+
+def main(M: int = 64, N: int = 384) -> None:
+    import torch
+
+    kernel = softmax(M, N)
+    x = torch.randn(M, N)
+    y = kernel(x)
+    err = (y - reference(x)).abs().max().item()
+    assert err < 1e-5
+    rows = (y.sum(-1) - 1).abs().max().item()
+    print(f"row softmax {M}x{N} float32 on {kernel.target}: max |y - torch softmax| = {err:.1e}, "
+          f"rows sum to 1 within {rows:.1e}")
+
+
+if __name__ == "__main__":
+    main()
