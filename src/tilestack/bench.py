@@ -1,7 +1,8 @@
 """`tilestack bench`: run the benchmark scripts of a checkout (packages/*/benchmarks/*.py).
 
 A script that needs a GPU says so in a `# requires: cuda` (or `multi_gpu`) line near its top; it
-is skipped, with the reason printed, where the machine lacks that.
+is skipped, with the reason printed, where the machine lacks that. Scripts print their results;
+with `--record` each also writes its JSON (and figure) into docs/benchmarks/.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def missing(req: str | None, gpus: int) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+    record = "--record" in argv
+    argv = [a for a in argv if a != "--record"]
     root = Path(argv[0]) if argv else Path.cwd()
     scripts = find_scripts(root)
     if not scripts:
@@ -54,6 +57,6 @@ def main(argv: list[str]) -> int:
             print(f"[{i}/{len(scripts)}] {script.relative_to(root)}: skipped ({why})", flush=True)
             continue
         print(f"[{i}/{len(scripts)}] {script.relative_to(root)}", flush=True)
-        rc = subprocess.call([sys.executable, str(script)], cwd=root)
+        rc = subprocess.call([sys.executable, str(script)] + (["--record"] if record else []), cwd=root)
         failed += rc != 0
     return 1 if failed else 0

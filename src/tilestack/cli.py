@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="long-context generation through kvpool + sparse attention (--help for options)")
     b = sub.add_parser("bench", help="run the benchmark scripts of a checkout")
     b.add_argument("root", nargs="?", help="checkout root (default: current directory)")
+    b.add_argument("--record", action="store_true", help="let each script write its results into docs/benchmarks/")
     args, rest = parser.parse_known_args(argv)
     if args.command != "demo" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as run
         return run(rest)
     from .bench import main as run
-    return run([args.root] if args.root else [])
+    return run(([args.root] if args.root else []) + (["--record"] if args.record else []))
 
 
 if __name__ == "__main__":

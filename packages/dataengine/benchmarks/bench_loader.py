@@ -92,6 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--corpus-tokens", type=int, default=60_000_000)
     ap.add_argument("--budget", type=int, default=6_000_000)
+    ap.add_argument("--record", action="store_true", help="write docs/benchmarks/dataengine_loader.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "corpus"

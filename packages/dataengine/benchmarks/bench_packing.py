@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from _common import out_dir, table, write_json
+from _common import out_dir, save_figure, table, write_json
 from dataengine.packing import best_fit_decreasing, packing_efficiency, padding_efficiency
 
 
@@ -41,7 +41,9 @@ def main() -> None:
     table(rows, list(rows[0]))
     write_json("packing", {"length_mix": "90% lognormal(5.8, 1.1) + 10% pareto(1.2)*2000+1000, capped 32768",
                            "median_len": int(np.median(lens)), "mean_len": float(lens.mean()), "results": rows})
-    import matplotlib
+    if out_dir() is None:
+        return
+    import matplotlib  # the `bench` extra
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -57,7 +59,7 @@ def main() -> None:
     ax.set_title("dataengine packing efficiency, long-tailed mix")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_dir() / "dataengine_packing.png", dpi=120)
+    save_figure(fig, "dataengine_packing.png")
 
 
 if __name__ == "__main__":

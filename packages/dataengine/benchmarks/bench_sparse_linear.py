@@ -10,7 +10,7 @@ output against the masked-dense reference.
 from __future__ import annotations
 
 import torch
-from _common import table, write_json
+from _common import out_dir, save_figure, table, write_json
 from dataengine.sparsity import SparseLinear
 from tilehal import bench, calc_diff
 
@@ -45,11 +45,12 @@ def main() -> None:
     table(rows, list(rows[0]))
     write_json("sparse_linear", {"note": "dense peer = F.linear (cuBLAS) on the unpruned weight, same run",
                                  "results": rows})
-    import matplotlib
+    if out_dir() is None:
+        return
+    import matplotlib  # the `bench` extra
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from _common import out_dir
 
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{r['dtype']}\n{r['M']}x{r['N']}x{r['K']}" for r in rows]
@@ -59,7 +60,7 @@ def main() -> None:
     ax.set_ylabel("2:4 sparse speedup over dense")
     ax.set_title(f"SparseLinear 2:4 vs dense, {torch.cuda.get_device_name()}")
     fig.tight_layout()
-    fig.savefig(out_dir() / "dataengine_sparse_linear.png", dpi=120)
+    save_figure(fig, "dataengine_sparse_linear.png")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 """Dispatch/combine benchmark on the GPUs of one host: ours (NVLink kernels, NCCL transport) vs plain NCCL.
 
     source scripts/device_env.sh
-    python3 packages/deepep/benchmarks/bench_dispatch.py --gpus 2 --out docs/benchmarks
+    python3 packages/deepep/benchmarks/bench_dispatch.py --gpus 2 --record
 
 DeepEP's default case: 4096 tokens per rank, hidden 7168, top-8 of 256 experts, bf16 and fp8
 (1x128 scales). Our timed calls include the layout (get_dispatch_layout) and every permutation;
@@ -222,7 +222,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--ll-tokens", type=int, default=128)
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--out", default=str(Path(HERE).parents[3] / "docs" / "benchmarks"))
+    ap.add_argument("--record", action="store_true", help="write the results into docs/benchmarks/ (default: print only)")
+    ap.add_argument("--out", default=None, help="write the results into this folder instead")
     args = ap.parse_args()
 
     sys.path.insert(0, str(Path(HERE).parents[1] / "src"))
@@ -255,7 +256,10 @@ def main() -> None:
                 "GB/s = received bytes (local + remote) / median time; remote_GBps counts NVLink bytes only.",
         "results": rows, "speedup_vs_nccl_a2a": ratios, "per_rank_raw": results,
     }
-    out_dir = Path(args.out)
+    if args.out is None and not args.record:
+        print("not recorded (pass --record to write docs/benchmarks/)")
+        return
+    out_dir = Path(args.out) if args.out else Path(HERE).parents[3] / "docs" / "benchmarks"
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"deepep_dispatch_{args.gpus}xGPU"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))

@@ -2,7 +2,7 @@
 """What the GPU-to-GPU link of this host can carry: the ceiling every dispatch/combine figure lives under.
 
     source scripts/device_env.sh
-    python3 packages/deepep/benchmarks/bench_link.py --out docs/benchmarks
+    python3 packages/deepep/benchmarks/bench_link.py --record
 
 One process, GPUs 0 and 1, peer access on. Times (CUDA events, median of 20 after warm-up):
 - copy engine: `dst1.copy_(src0)` (cudaMemcpyPeer), one way and both ways at once;
@@ -39,6 +39,7 @@ extern "C" __global__ void __launch_bounds__(512) copy16(int4* dst, const int4* 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256, help="bytes moved per timed call, MiB")
+    ap.add_argument("--record", action="store_true", help="write the results into docs/benchmarks/ (default: print only)")
     ap.add_argument("--out", type=Path, default=None, help="folder for deepep_link_2xGPU.json")
     args = ap.parse_args()
 
@@ -119,6 +120,8 @@ def main() -> None:
         record(f"sm_load/both_ways/{blocks} blocks",
                timed(lambda b=blocks: (kernel_copy(0, b0, b1, b), kernel_copy(1, a1, a0, b)), [0, 1]))
 
+    if args.record and args.out is None:
+        args.out = Path(__file__).resolve().parents[3] / "docs" / "benchmarks"
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),

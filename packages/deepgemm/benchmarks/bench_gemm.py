@@ -4,9 +4,9 @@
 Peers: torch.matmul (bf16), torch._scaled_mm with per-row scales (fp8), and torch._scaled_mm with
 the same blockwise recipe as ours (1x128 activation / 128x128 weight scales; cuBLAS accepts it only
 for some shapes: the refusal is recorded). Timing: tilehal.bench (CUDA events, warm-up, median),
-L2 flushed between calls. Writes docs/benchmarks/deepgemm_h200.json and .png.
+L2 flushed between calls. With --record, writes docs/benchmarks/deepgemm_h200.json and .png.
 
-    python packages/deepgemm/benchmarks/bench_gemm.py [--quick] [--out DIR]
+    python packages/deepgemm/benchmarks/bench_gemm.py [--quick] [--record | --out DIR]
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ def geomean(xs):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="M = 4096 dense shapes only")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--record", action="store_true", help="write the results into docs/benchmarks/ (default: print only)")
+    ap.add_argument("--out", default=None, help="write the results into this folder instead")
     ap.add_argument("--variants", action="store_true",
                     help="also time the tile widths / multicast settings the heuristic did not pick (M = 4096)")
     args = ap.parse_args()
@@ -253,7 +254,10 @@ def main() -> None:
             print(f"{v['kind']:5s} {str(v['shape']):>20s} {v['block_n']:4d} {mc:>3s} {v['stages']:3d} {v['waves']:5d} "
                   f"{v['us']:8.1f} {v['tflops']:7.0f}{'  <- picked' if v['picked'] else ''}")
     print(json.dumps(summary, indent=1))
-    out = Path(args.out)
+    if args.out is None and not args.record:
+        print("not recorded (pass --record to write docs/benchmarks/deepgemm_h200.json)")
+        return
+    out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": dt.datetime.now().isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "cuda": torch.version.cuda, "host": platform.node(),

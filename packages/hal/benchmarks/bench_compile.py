@@ -1,7 +1,7 @@
 """Cold and cached compile times of tilehal's C and CUDA JITs for a small kernel.
 
 Targets (issue 2): C cold <= 1 s, CUDA cold <= 2 s, cached <= 5 ms.
-Usage: python packages/hal/benchmarks/bench_compile.py [--out docs/benchmarks/hal_compile.json]
+Usage: python packages/hal/benchmarks/bench_compile.py [--record | --out FILE]
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def measure(kind: str, reps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--record", action="store_true", help="write docs/benchmarks/hal_compile.json (default: print only)")
+    ap.add_argument("--out", default=None, help="write the JSON to this file instead")
     args = ap.parse_args()
     os.environ["TILESTACK_CACHE_DIR"] = tempfile.mkdtemp(prefix="tilestack-bench-")
     rows = {"c": measure("c", args.reps)}
@@ -77,6 +78,9 @@ def main() -> None:
         "results": rows,
         "targets": {"c_cold_s": 1.0, "cuda_cold_s": 2.0, "cached_s": 0.005},
     }
+    if args.record and not args.out:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "docs", "benchmarks",
+                                "hal_compile.json")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

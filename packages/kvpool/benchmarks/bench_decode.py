@@ -4,7 +4,7 @@
 Shapes from the issue: 32 q heads / 8 kv heads, head_dim 128, bf16, block_size 16;
 b64 x 4096 and b8 x 32768 tokens (dense), and b8 x 128K tokens with 64 of 8192 blocks per
 (sequence, kv head) selected (sparse). Sequences' blocks are interleaved in the pool (appended
-round-robin), as in a serving engine. Writes docs/benchmarks/kvpool_decode.{json,png}.
+round-robin), as in a serving engine. With --record, writes docs/benchmarks/kvpool_decode.{json,png}.
 """
 
 from __future__ import annotations
@@ -199,9 +199,12 @@ def plot(result: dict, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=OUT_DIR)
+    ap.add_argument("--record", action="store_true", help="write the results into docs/benchmarks/ (default: print only)")
+    ap.add_argument("--out", type=Path, default=None, help="write the results into this folder instead")
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from an existing JSON")
     args = ap.parse_args()
+    if args.out is None and (args.record or args.plot_only):
+        args.out = OUT_DIR
     if args.plot_only:
         plot(json.loads((args.out / "kvpool_decode.json").read_text()), args.out)
         return
@@ -235,6 +238,9 @@ def main() -> None:
                    "timer": "CUDA events, median of 30 after 5 warm-up, L2 flushed"},
         "dense": rows, "sparse": sparse,
     }
+    if args.out is None:
+        print("not recorded (pass --record to write docs/benchmarks/kvpool_decode.json)")
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kvpool_decode.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out)

@@ -6,7 +6,7 @@
    tensors), with plain and LRU-evicting (prefix-cached) blocks.
 2. add_sequence on a 32K-token prompt whose prefix is cached (2047 of 2048 blocks hit):
    hashing and matching cost per call.
-Writes docs/benchmarks/kvpool_manager.json. No peer library is installed here (vLLM's block
+With --record, writes docs/benchmarks/kvpool_manager.json. No peer library is installed here (vLLM's block
 pool lives inside vLLM), so figures stand alone against the issue's 200k/s target.
 """
 
@@ -118,7 +118,8 @@ def prefix_match(prompt_len: int = 32768, iters: int = 20) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=OUT_DIR)
+    ap.add_argument("--record", action="store_true", help="write the results into docs/benchmarks/ (default: print only)")
+    ap.add_argument("--out", type=Path, default=None, help="write the results into this folder instead")
     args = ap.parse_args()
     rows = [append_free(1, 16, 40), append_batch_free(16, 40), append_free(64, 1, 40)]
     rows += [manager_only(1, False), manager_only(1, True), manager_only(64, False, 2000), manager_only(64, True, 2000)]
@@ -132,6 +133,10 @@ def main() -> None:
               "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
                           "host": platform.node()},
               "append_free": rows, "prefix_match_32k": pm}
+    if args.out is None and not args.record:
+        print("not recorded (pass --record to write docs/benchmarks/kvpool_manager.json)")
+        return
+    args.out = args.out or OUT_DIR
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kvpool_manager.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out / 'kvpool_manager.json'}")

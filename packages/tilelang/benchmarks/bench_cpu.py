@@ -2,7 +2,7 @@
 
 Run (numpy comparison with the machine's own OpenBLAS kernel choice, see docs/tilelang.md):
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python packages/tilelang/benchmarks/bench_cpu.py
-Writes docs/benchmarks/tilelang_cpu.json and tilelang_cpu.png. Ours and the peer are timed
+With --record, writes docs/benchmarks/tilelang_cpu.json and tilelang_cpu.png. Ours and the peer are timed
 alternately in the same run (the machine may be shared), median of the rounds.
 """
 
@@ -196,7 +196,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    ap.add_argument("--record", action="store_true", help="write the results into docs/benchmarks/ (default: print only)")
+    ap.add_argument("--out", type=Path, default=None, help="write the results into this folder instead")
     args = ap.parse_args()
     import torch
 
@@ -244,7 +245,11 @@ def main() -> None:
         print(f"{name:<34}{f['ours_s'] * 1e3:>11.2f} ms{f['torch_sdpa_s'] * 1e3:>11.2f} ms{f['ratio']:>8.2f}")
     c = res["compile"]
     print(f"{'compile gemm cold / cached':<34}{c['cold']['compile_s']:>12.3f} s{c['cached']['compile_s']:>12.3f} s")
-    if not args.quick:
+    if args.record and args.out is None:
+        args.out = ROOT / "docs" / "benchmarks"
+    if args.out is None:
+        print("not recorded (pass --record to write docs/benchmarks/tilelang_cpu.json)")
+    elif not args.quick:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tilelang_cpu.json").write_text(json.dumps(res, indent=1, default=str))
         plot(res, args.out / "tilelang_cpu.png")
