@@ -270,3 +270,32 @@ def test_gpu_bf16_kvpool_matches_transformers_within_tolerance():
         assert cache.stats()["prompt_tokens_cached"] > 0
         assert (again - ref_logits).abs().max().item() < 0.05, sparse
         cache.pool.check_invariants()
+
+
+def test_static_decode_steps_equal_ordinary_steps():
+    """The CUDA-graph path's host/device split (prepare_static_step, then a forward), run eagerly."""
+    model = tiny("llama")
+    ids, mask = prompts([40, 40])
+    ref_tok, _ = greedy(model, ids, mask, n=5)
+    cache = th.enable_kvpool(model, num_blocks=32, block_size=8)
+    start = cache.new_request(ids, mask)
+    x = model(ids[:, start:], cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+    toks = [x]
+    cache.begin_static_decode(max_blocks=8)
+    with pytest.raises(th.CacheMismatchError, match="prepare_static_step"):
+        cache.prepare_static_step()
+        model(x, cache=cache)
+        model(x, cache=cache)  # a second forward without its prepare_static_step
+    cache.reset()
+    start = cache.new_request(ids, mask)
+    x = model(ids[:, start:], cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+    cache.begin_static_decode(max_blocks=8)
+    toks = [x]
+    for i in range(4):
+        cache.prepare_static_step()
+        pos = torch.full((2, 1), 40 + i)
+        x = model(x, cache=cache, position_ids=pos).logits[:, -1].argmax(-1, keepdim=True)
+        toks.append(x)
+    assert torch.equal(torch.cat(toks, 1), ref_tok)
+    cache.end_static_decode()
+    cache.pool.check_invariants()

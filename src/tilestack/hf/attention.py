@@ -23,8 +23,9 @@ log = logging.getLogger("tilestack.hf")
 
 NAME = "tilestack_kvpool"
 # paged_prefill's torch reference holds [q_heads, new, cached] fp32 scores per sequence; above this
-# many bytes a sequence's queries go in chunks (each a valid prefill of its last positions).
-PREFILL_SCORE_BYTES = 1 << 28
+# many bytes (per device type) a sequence's queries go in chunks (each a valid prefill of its last
+# positions).
+PREFILL_SCORE_BYTES = {"cpu": 1 << 28, "cuda": 1 << 31}
 
 
 def kvpool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -66,13 +67,14 @@ def _prefill(q: torch.Tensor, pool, layer: int, step, scale) -> torch.Tensor:
     lens = [int(x) for x in step.seq_lens.tolist()]
     hq = q.shape[1]
     worst = max((cu[b + 1] - cu[b]) * lens[b] for b in range(len(lens))) * hq * 4
-    if worst <= PREFILL_SCORE_BYTES:
+    budget = PREFILL_SCORE_BYTES.get(q.device.type, 1 << 28)
+    if worst <= budget:
         return paged_prefill(q, pool, layer, step.block_table, step.seq_lens, step.cu_seqlens_q, scale=scale)
     log.debug("paged_prefill: %d-byte score matrix; queries go in chunks", worst)
     out = torch.empty_like(q)
     for b in range(len(lens)):
         n, L = cu[b + 1] - cu[b], lens[b]
-        chunk = max(1, PREFILL_SCORE_BYTES // (hq * 4 * L))
+        chunk = max(1, budget // (hq * 4 * L))
         table = step.block_table[b:b + 1]
         for a in range(0, n, chunk):
             e = min(n, a + chunk)

@@ -129,6 +129,9 @@ class KVPoolCache(Cache):
         self._rows: list[Hashable] | None = None
         self._plan: dict | None = None  # set by new_request for the request's first forward
         self._step: _Step | None = None
+        self._static: _Step | None = None
+        self._static_ready = False
+        self._static_width = 0
         self._figures = {"requests": 0, "prompt_tokens": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0,
                          "forks": 0, "decode_steps": 0, "sparse_decode_steps": 0, "blocks_attended": 0,
                          "blocks_valid": 0}
@@ -208,12 +211,81 @@ class KVPoolCache(Cache):
         f["prompt_tokens_computed"] += int(query_mask.sum())
         return h
 
+    def attach(self, seq_ids: Sequence[Hashable]) -> None:
+        """Make existing pool sequences this cache's batch rows (e.g. filled outside a model forward).
+
+        The previous batch is released first; the sequences stay owned by the pool (release()
+        and the next new_request free them).
+        """
+        missing = [s for s in seq_ids if s not in self.pool]
+        if missing:
+            raise KeyError(f"seq_ids: {missing!r} are not sequences of this cache's pool")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("seq_ids: expected distinct sequences")
+        self.release()
+        self._rows = list(seq_ids)
+
+    # ------------------------------------------------------------------ static decode (CUDA graphs)
+    def begin_static_decode(self, max_blocks: int) -> None:
+        """Decode through persistent step tensors, so a whole model step can be captured in a CUDA graph.
+
+        Then, before every forward (or graph replay) of one token per row, call
+        `prepare_static_step()`: it allocates the token in the pool on the host and refreshes the
+        step tensors in place; the forward itself does no host work or synchronization (sparse
+        steps need a graph-capturable dataengine.select_blocks). `max_blocks` bounds each row's
+        blocks for the whole run. `end_static_decode()` goes back to ordinary steps.
+        """
+        rows = self._rows
+        if not rows or self._plan is not None:
+            raise CacheMismatchError("begin_static_decode: expected a batch whose prompts were prefilled")
+        B, dev = len(rows), self.pool.device
+        need = max(-(-self.pool.num_tokens(s) // self.pool.block_size) for s in rows) + 1
+        if max_blocks < need:
+            raise ValueError(f"max_blocks: expected >= {need} (the longest row's blocks + 1), got {max_blocks}")
+        self._static = _Step(batch=B, length=1, decode=True, slots=torch.zeros(B, dtype=torch.long, device=dev),
+                             write_mask=torch.ones(B, 1, dtype=torch.bool, device=dev),
+                             query_mask=torch.ones(B, 1, dtype=torch.bool, device=dev),
+                             block_table=torch.full((B, max_blocks), -1, dtype=torch.int32, device=dev),
+                             seq_lens=torch.zeros(B, dtype=torch.int32, device=dev),
+                             cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32, device=dev), all_written=True)
+        self._static_width = max_blocks
+
+    def prepare_static_step(self) -> None:
+        """Host side of one static decode step: append a token per row and refresh the step tensors."""
+        st = getattr(self, "_static", None)
+        if st is None:
+            raise CacheMismatchError("prepare_static_step: call begin_static_decode first")
+        rows, pool = self._rows, self.pool
+        for b, sid in enumerate(rows):
+            if pool.num_tokens(sid) + 1 > self.max_tokens:
+                raise SequenceTooLongError(self._too_long(f"row {b}: {pool.num_tokens(sid) + 1} tokens"))
+            if -(-(pool.num_tokens(sid) + 1) // pool.block_size) > self._static_width:
+                raise SequenceTooLongError(f"row {b}: outgrows begin_static_decode's max_blocks={self._static_width}")
+        try:
+            slots = pool.append_batch(rows, 1)
+        except PoolExhaustedError as e:
+            raise PoolExhaustedError(f"kvpool cache: the pool is exhausted at this step ({e}); the batch's sequences "
+                                     f"are kept", needed=e.needed, available=e.available) from e
+        table = pool.block_table(rows)  # also applies pending resets of the new blocks
+        st.block_table[:, table.shape[1]:].fill_(-1)
+        st.block_table[:, :table.shape[1]].copy_(table, non_blocking=True)
+        st.seq_lens.copy_(pool.seq_lens(rows), non_blocking=True)
+        st.slots.copy_(slots.to(torch.long), non_blocking=True)
+        st.keys.clear()
+        self._step = st
+        self._figures["decode_steps"] += 1
+        self._static_ready = True
+
+    def end_static_decode(self) -> None:
+        self._static = None
+        self._step = None
+
     def release(self) -> None:
         """Free the current batch's sequences (their full blocks stay matchable in the prefix cache)."""
         for sid in self._rows or []:
             if sid in self.pool:
                 self.pool.free(sid)
-        self._rows, self._plan, self._step = None, None, None
+        self._rows, self._plan, self._step, self._static = None, None, None, None
 
     def reset(self) -> None:
         """transformers' reset: drop the current batch (the pool keeps its prefix cache)."""
@@ -336,7 +408,13 @@ class KVPoolCache(Cache):
                              f"(the pool's kv_heads, head_dim), got {tuple(key_states.shape)}")
         B, _, T, _ = key_states.shape
         if layer == 0:
-            self._step = self._begin_step(B, T, key_states.device)
+            if self._static is not None:
+                if not self._static_ready:
+                    raise CacheMismatchError("static decode: call cache.prepare_static_step() before each step")
+                self._static_ready = False
+                self._step = self._static
+            else:
+                self._step = self._begin_step(B, T, key_states.device)
         step = self._step
         if step is None or step.batch != B or step.length != T:
             raise CacheMismatchError(f"layer {layer}: update without a step begun at layer 0 for this input "
