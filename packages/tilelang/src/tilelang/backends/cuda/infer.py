@@ -12,6 +12,8 @@ served by another thread's registers, is a CompileError naming the source line.
 from __future__ import annotations
 
 import logging
+
+import numpy as np
 from dataclasses import dataclass, field
 
 from ...errors import CompileError
@@ -355,17 +357,26 @@ class LayoutInference:
                          nest.loop.loc, "T.Parallel loop")
 
     def _default_for_loop(self) -> bool:
-        """Give the first unresolved loop a layout: from its first unconstrained full-rank fragment, or
-        a default over the loop itself (its fragments all being row/column vectors)."""
+        """Give a default layout to the largest unconstrained fragment some unresolved loop reads or
+        writes in full (smaller ones usually derive from it: row vectors reduced from a tile), else a
+        default over the first unresolved loop itself (its fragments all being row/column vectors)."""
+        best = None
         for nest in self.nests.values():
             if not nest.frag_access or nest.layout is not None:
                 continue
             for b, idx in nest.frag_access:
                 pos = self._access_dims(nest, b, idx)
                 if b not in self.layouts and None not in pos and len(set(pos)) == len(nest.vars) == len(pos):
-                    self._assign(b, default_fragment(b.static_shape(), self.threads, self._vec(b)), nest.loop.loc,
-                                 "default")
-                    return True
+                    key = (b.ndim, int(np.prod(b.static_shape())))
+                    if best is None or key > best[0]:
+                        best = (key, b, nest)
+        if best is not None:
+            _, b, nest = best
+            self._assign(b, default_fragment(b.static_shape(), self.threads, self._vec(b)), nest.loop.loc, "default")
+            return True
+        for nest in self.nests.values():
+            if not nest.frag_access or nest.layout is not None:
+                continue
             if all(b not in self.layouts for b, _ in nest.frag_access):
                 vec = min(self._vec(b) for b, _ in nest.frag_access)
                 nest.layout = default_fragment(tuple(nest.extents), self.threads, vec)

@@ -1,0 +1,257 @@
+"""tilelang's CUDA backend on the GPU vs cuBLAS / SDPA and vs the public TileLang on the same source.
+
+    python bench_cuda.py [--public /tmp/ptl] [--out DIR] [--quick]
+
+Kernels: benchmarks/cuda_kernels.py (public TileLang style). GEMM NT fp16/bf16 at 8192^3 and
+M=4096 with (N, K) in (7168, 2048), (2112, 7168), (24576, 1536); flash attention forward bhsd
+fp16, b4 h32 s4096 d128, causal and not. Timing: 10 calls captured in a CUDA graph, replayed
+(median of 5 replays), so launch overhead is not measured for anyone. Compile: cold (empty
+cache dir) and cached (a second compile of the same kernel; disk cache hit) wall times.
+The public TileLang runs the same file in a child process with only its bundle on PYTHONPATH
+(`--impl public`); its rows are merged into the JSON. Nothing asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+GEMM_SHAPES = [(8192, 8192, 8192), (4096, 7168, 2048), (4096, 2112, 7168), (4096, 24576, 1536)]
+GEMM_CONFIGS = [(128, 256, 32, 3, 256), (128, 128, 32, 4, 128), (128, 256, 64, 3, 256)]
+PUBLIC_GEMM_CONFIG = (128, 256, 64, 3, 256)  # the configuration measured in ../shared/GPU.md
+FA_SHAPE = (4, 32, 4096, 128)
+
+
+def graph_time_ms(fn, reps: int = 10, replays: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def run_impl(impl: str, quick: bool) -> list[dict]:
+    sys.path.insert(0, str(HERE))
+    import cuda_kernels as ck
+    import tilelang
+
+    rows = []
+    dtypes = ["float16", "bfloat16"]
+    shapes = GEMM_SHAPES[:2] if quick else GEMM_SHAPES
+    configs = [PUBLIC_GEMM_CONFIG] if impl == "public" else (GEMM_CONFIGS[:1] if quick else GEMM_CONFIGS)
+    for dtype in dtypes:
+        tdt = getattr(torch, dtype)
+        for M, N, K in shapes:
+            if dtype == "float16" and (M, N, K) != GEMM_SHAPES[0]:
+                continue  # fp16 at 8192^3 only, as the issue asks; bf16 for every shape
+            a = torch.randn(M, K, device="cuda", dtype=tdt)
+            b = torch.randn(N, K, device="cuda", dtype=tdt)
+            ref = (a.float() @ b.float().T)
+            best = None
+            for cfg in configs:
+                try:
+                    t0 = time.perf_counter()
+                    k = tilelang.compile(ck.gemm_nt(M, N, K, *cfg, dtype), out_idx=[-1], target="cuda")
+                    cold = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    tilelang.compile(ck.gemm_nt(M, N, K, *cfg, dtype), out_idx=[-1], target="cuda")
+                    cached = time.perf_counter() - t0
+                    c = k(a, b)
+                    err = ((c.float() - ref).norm() / ref.norm()).item()
+                    ms = graph_time_ms(functools.partial(k, a, b))
+                except Exception as e:  # a config that does not build is reported, not fatal
+                    rows.append({"impl": impl, "kind": "gemm", "dtype": dtype, "shape": [M, N, K], "config": cfg,
+                                 "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                    print(f"[{impl}] gemm {dtype} {M}x{N}x{K} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                tflops = 2 * M * N * K / ms / 1e9
+                row = {"impl": impl, "kind": "gemm", "dtype": dtype, "shape": [M, N, K], "config": list(cfg),
+                       "ms": ms, "tflops": tflops, "rel_err": err, "compile_cold_s": cold, "compile_cached_s": cached}
+                print(f"[{impl}] gemm {dtype} {M}x{N}x{K} {cfg}: {ms:.3f} ms {tflops:.0f} TFLOP/s err {err:.1e} "
+                      f"compile {cold:.2f}s / {cached * 1e3:.1f}ms", flush=True)
+                if best is None or tflops > best["tflops"]:
+                    best = row
+            if best:
+                rows.append({**best, "best": True})
+    b_, h, s, d = FA_SHAPE
+    for causal in (False, True):
+        q, kk, v = (torch.randn(b_, h, s, d, device="cuda", dtype=torch.float16) for _ in range(3))
+        try:
+            t0 = time.perf_counter()
+            k = tilelang.compile(ck.flashattn_bhsd(b_, h, s, d, causal), out_idx=[3], target="cuda")
+            cold = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            tilelang.compile(ck.flashattn_bhsd(b_, h, s, d, causal), out_idx=[3], target="cuda")
+            cached = time.perf_counter() - t0
+            o = k(q, kk, v)
+            ref = torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=causal)
+            err = (o.float() - ref.float()).abs().max().item()
+            ms = graph_time_ms(functools.partial(k, q, kk, v))
+        except Exception as e:
+            rows.append({"impl": impl, "kind": "fa", "causal": causal, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"[{impl}] fa causal={causal}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        flops = 4 * b_ * h * s * s * d * (0.5 if causal else 1.0)
+        row = {"impl": impl, "kind": "fa", "causal": causal, "shape": list(FA_SHAPE), "ms": ms,
+               "tflops": flops / ms / 1e9, "max_abs_err": err, "compile_cold_s": cold, "compile_cached_s": cached,
+               "best": True}
+        print(f"[{impl}] fa causal={causal}: {ms:.3f} ms {row['tflops']:.0f} TFLOP/s err {err:.1e} compile "
+              f"{cold:.2f}s / {cached * 1e3:.1f}ms", flush=True)
+        rows.append(row)
+    return rows
+
+
+def run_peers(quick: bool) -> list[dict]:
+    rows = []
+    shapes = GEMM_SHAPES[:2] if quick else GEMM_SHAPES
+    for dtype in ("float16", "bfloat16"):
+        tdt = getattr(torch, dtype)
+        for M, N, K in shapes:
+            if dtype == "float16" and (M, N, K) != GEMM_SHAPES[0]:
+                continue
+            a = torch.randn(M, K, device="cuda", dtype=tdt)
+            b = torch.randn(N, K, device="cuda", dtype=tdt)
+            ms = graph_time_ms(functools.partial(torch.matmul, a, b.T))
+            rows.append({"impl": "cublas", "kind": "gemm", "dtype": dtype, "shape": [M, N, K], "ms": ms,
+                         "tflops": 2 * M * N * K / ms / 1e9, "best": True})
+            print(f"[cublas] gemm {dtype} {M}x{N}x{K}: {ms:.3f} ms {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
+    b_, h, s, d = FA_SHAPE
+    for causal in (False, True):
+        q, kk, v = (torch.randn(b_, h, s, d, device="cuda", dtype=torch.float16) for _ in range(3))
+        ms = graph_time_ms(functools.partial(torch.nn.functional.scaled_dot_product_attention, q, kk, v, is_causal=causal))
+        flops = 4 * b_ * h * s * s * d * (0.5 if causal else 1.0)
+        rows.append({"impl": "sdpa", "kind": "fa", "causal": causal, "shape": list(FA_SHAPE), "ms": ms,
+                     "tflops": flops / ms / 1e9, "best": True})
+        print(f"[sdpa] fa causal={causal}: {ms:.3f} ms {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    def key(r):
+        return (r["kind"], r.get("dtype"), tuple(r.get("shape", [])), r.get("causal"))
+
+    best = {}
+    for r in rows:
+        if r.get("best") and "tflops" in r:
+            best[(r["impl"], *key(r))] = r
+    lines = ["| kernel | ours TFLOP/s | peer (cuBLAS/SDPA) | ours/peer | public TileLang | ours/public | ours compile "
+             "cold / cached |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (impl, *k), r in sorted(best.items(), key=lambda x: str(x[0])):
+        if impl != "ours":
+            continue
+        peer = best.get(("cublas" if k[0] == "gemm" else "sdpa", *k))
+        pub = best.get(("public", *k))
+        name = (f"gemm {k[1]} {'x'.join(map(str, k[2]))}" if k[0] == "gemm" else
+                f"fa fp16 {'x'.join(map(str, k[2]))} {'causal' if k[3] else 'full'}")
+        pt = f"{peer['tflops']:.0f}" if peer else "-"
+        ratio = f"{r['tflops'] / peer['tflops']:.2f}x" if peer else "-"
+        pubt = f"{pub['tflops']:.0f}" if pub else "-"
+        pratio = f"{r['tflops'] / pub['tflops']:.2f}x" if pub else "-"
+        lines.append(f"| {name} | {r['tflops']:.0f} | {pt} | {ratio} | {pubt} | {pratio} | "
+                     f"{r['compile_cold_s']:.2f} s / {r['compile_cached_s'] * 1e3:.1f} ms |")
+    return lines
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = [r for r in rows if r.get("best") and "tflops" in r]
+    keys = []
+    for r in best:
+        k = (r["kind"], r.get("dtype"), tuple(r.get("shape", [])), r.get("causal"))
+        if k not in keys:
+            keys.append(k)
+    impls = ["ours", "public", "cublas", "sdpa"]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.2
+    for i, impl in enumerate(impls):
+        vals = []
+        for k in keys:
+            m = [r for r in best if r["impl"] == impl and (r["kind"], r.get("dtype"), tuple(r.get("shape", [])),
+                                                            r.get("causal")) == k]
+            vals.append(m[0]["tflops"] if m else 0)
+        if any(vals):
+            ax.bar([j + i * width for j in range(len(keys))], vals, width, label=impl)
+    labels = [(f"{k[1][:4]} {'x'.join(map(str, k[2]))}" if k[0] == "gemm" else f"FA {'causal' if k[3] else 'full'}")
+              for k in keys]
+    ax.set_xticks([j + 1.5 * width for j in range(len(keys))], labels, rotation=20, fontsize=8)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title("tilelang CUDA backend (mma.sync) vs public TileLang 0.1.15, cuBLAS, SDPA — H200")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impl", default="ours", choices=["ours", "public"])
+    ap.add_argument("--public", default=None, help="folder of the unpacked public TileLang bundle (e.g. /tmp/ptl)")
+    ap.add_argument("--out", default=None, help="directory for the JSON and the plot")
+    ap.add_argument("--json", default=None, help="(child) write rows here")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.impl == "public":
+        rows = run_impl("public", args.quick)
+        Path(args.json).write_text(json.dumps(rows))
+        return
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TILESTACK_CACHE_DIR"] = cache  # cold compiles really are cold
+        rows = run_impl("ours", args.quick)
+    rows += run_peers(args.quick)
+    if args.public:
+        out = Path(tempfile.mkdtemp()) / "public.json"
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["PYTHONPATH"] = args.public
+        proc = subprocess.run([sys.executable, __file__, "--impl", "public", "--json", str(out)] +
+                              (["--quick"] if args.quick else []), env=env, timeout=900)
+        if proc.returncode == 0 and out.exists():
+            rows += json.loads(out.read_text())
+        else:
+            print(f"public TileLang run failed (rc {proc.returncode})", flush=True)
+    table = summarize(rows)
+    print("\n".join(table))
+    if args.out:
+        outdir = Path(args.out)
+        outdir.mkdir(parents=True, exist_ok=True)
+        meta = {"date": time.strftime("%Y-%m-%d"), "machine": torch.cuda.get_device_name(),
+                "torch": torch.__version__, "timing": "CUDA graph of 10 calls, median of 5 replays"}
+        (outdir / "tilelang_cuda.json").write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=1))
+        try:
+            plot(rows, outdir / "tilelang_cuda.png")
+        except Exception as e:  # matplotlib may be missing on the GPU machine
+            print(f"no plot: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""The CUDA backend.
+
+CI (no GPU): every example, every public-style kernel (public_kernels.py) and the property-test
+programs compile to sm_90a cubins with NVRTC, and their generated CUDA runs on CPU threads
+(target "cuda_emu": a std::thread per CUDA thread, barriers, warp shuffles, ldmatrix and
+mma.sync emulated) matching torch / the interpreter. Bad GPU programs raise CompileError naming
+file:line. GPU (`gpu` marker): the same kernels on the H200 (target "cuda" and "auto" with CUDA
+tensors) match torch; the property test gives cuda == interp.
+
+Tolerances: fp16/bf16 outputs 2e-2..3e-2 relative to max(1, |ref|max); fp32 1e-4; integers exact.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tilehal
+import tilelang
+import tilelang.language as T
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+def _load_module(name: str, filename: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(filename))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+pk = _load_module("tilelang_public_kernels", "public_kernels.py")
+prop = _load_module("tilelang_property_programs", "test_property.py")
+
+HAVE_NVRTC = tilehal.jit.cuda.compiler_versions()["nvrtc"] is not None or tilehal.jit.cuda.compiler_versions()["nvcc"]
+needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC, reason="no NVRTC/nvcc to build cubins")
+
+SMALL = pk.cases("small")
+GPU = pk.cases("gpu")
+SLOW_EMU = {"fa_mha_bshd_full", "fa_gqa_bshd_full", "fa_mha_bhsd_causal", "fa_gqa_bhsd_full"}
+
+
+def _compile(fac, args, target):
+    return tilelang.compile(fac.get_tir(*args), out_idx=fac.out_idx, target=target)
+
+
+def _run_case(name, spec, target, device):
+    fac, args, make, ref, tol = spec
+    k = _compile(fac, args, target)
+    torch.manual_seed(0)
+    inputs = make(device)
+    keep = [x.clone() for x in inputs]
+    out = k(*inputs)
+    expect = ref(*keep)
+    pk.check(name, out, expect, tol)
+    if name == "linear_attention":  # O is accumulated in place (atomics), final_state returned
+        o_ref, _ = pk._linattn_ref(*keep)
+        pk.check(name + " O", inputs[3], o_ref, tol)
+    return k
+
+
+# ---------------------------------------------------------------- compile (NVRTC, sm_90a)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("name", sorted(GPU))
+def test_public_kernel_compiles(name):
+    fac, args, *_ = GPU[name]
+    k = _compile(fac, args, "cuda")
+    src = k.get_kernel_source()
+    assert "__global__" in src and k._impl.module.cubin[:4] == b"\x7fELF"
+    if name.startswith(("gemm", "fa_", "flash", "linear")) and name != "gemv":
+        assert "mma_m16n8k16" in src and "ldmatrix" in src, f"{name} does not use the tensor cores"
+    if name.startswith(("gemm", "fa_")):
+        assert "cp_async" in src
+
+
+EXAMPLES = [
+    ("gemm", "matmul", (256, 256, 256, 64, 64, 32)),
+    ("gemm", "matmul", (100, 72, 40, 64, 64, 32)),
+    ("gemm_relu", "matmul_relu", (1024, 1024, 1024)),
+    ("elementwise_add", "elementwise_add", (70, 130)),
+    ("softmax", "softmax", (37, 96, 8, "bfloat16")),
+    ("rmsnorm", "rms_norm", (13, 80)),
+    ("flash_attention", "flashattn", (4, 32, 4096, 128, True, 128, 128, 2, 256, "float16")),
+    ("flash_attention", "flashattn", (2, 1, 96, 16, True, 32, 32, 1, 128, "float32")),
+]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("mod,fn,args", EXAMPLES, ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(EXAMPLES)])
+def test_example_compiles(example, mod, fn, args):
+    f = getattr(example(mod), fn)
+    k = tilelang.compile(f.get_tir(*args), out_idx=f.out_idx, target="cuda")
+    assert "__global__" in k.get_kernel_source()
+
+
+# ---------------------------------------------------------------- run on CPU threads (cuda_emu)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EMU else n
+                                  for n in sorted(SMALL)])
+def test_public_kernel_emulated(name):
+    _run_case(name, SMALL[name], "cuda_emu", "cpu")
+
+
+@pytest.mark.parametrize("seq_len,causal", [(128, False), (100, True)])
+def test_flash_attention_example_emulated(example, seq_len, causal):
+    m = example("flash_attention")
+    k = tilelang.compile(m.flashattn.get_tir(1, 2, seq_len, 32, causal), out_idx=[3], target="cuda_emu")
+    q, kk, v = (torch.randn(1, seq_len, 2, 32).half() for _ in range(3))
+    torch.testing.assert_close(k(q, kk, v).float(), m.reference(q, kk, v, causal).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_examples_emulated(example):
+    m = example("softmax")
+    k = tilelang.compile(m.softmax.get_tir(37, 96, 8, "float32"), out_idx=[-1], target="cuda_emu")
+    x = torch.randn(37, 96)
+    torch.testing.assert_close(k(x), m.reference(x), rtol=1e-5, atol=1e-5)
+    m = example("gemm")
+    k = tilelang.compile(m.matmul.get_tir(100, 72, 40, 64, 64, 32), out_idx=[-1], target="cuda_emu")
+    a, b = torch.randn(100, 40), torch.randn(40, 72)
+    torch.testing.assert_close(k(a, b), a @ b, rtol=1e-4, atol=1e-4)
+
+
+def _prop_case(prog, seed, target):
+    dtype, (M, N), source = prog
+    func = prop._load(source)
+    rng = np.random.default_rng(seed)
+    npd = tilehal.to_numpy_dtype(dtype)
+    if dtype == "int32":
+        a, b = (rng.integers(-5, 6, size=(M, N)).astype(npd) for _ in range(2))
+    else:
+        a, b = (rng.standard_normal((M, N)).astype(np.float32).astype(npd) for _ in range(2))
+    want = np.asarray(tilelang.compile(func, out_idx=[2], target="interp")(a, b)).astype(np.float64)
+    k = tilelang.compile(func, out_idx=[2], target=target)
+    if target == "cuda":
+        ta, tb = (torch.from_numpy(np.ascontiguousarray(x).view(np.int16 if x.dtype.itemsize == 2 and dtype != "int32"
+                                                                else x.dtype)) for x in (a, b))
+        if dtype in ("float16", "bfloat16"):
+            ta, tb = (t.view(getattr(torch, dtype)) for t in (ta, tb))
+        got = k(ta.cuda(), tb.cuda()).float().cpu().numpy().astype(np.float64)
+    else:
+        got = np.asarray(k(a, b)).astype(np.float64)
+    tol = prop.TOL[dtype] * (10 if "gemm" in source else 1)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol, equal_nan=True, err_msg=f"program:\n{source}")
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prop.programs(), st.integers(0, 2**31 - 1))
+def test_property_emulated_matches_interp(prog, seed):
+    _prop_case(prog, seed, "cuda_emu")
+
+
+@needs_nvrtc
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prop.programs())
+def test_property_programs_compile(prog):
+    tilelang.compile(prop._load(prog[2]), out_idx=[2], target="cuda")
+
+
+# ---------------------------------------------------------------- bad programs for the GPU
+
+def test_threads_not_multiple_of_32():
+    @T.prim_func
+    def main(A: T.Tensor((64,), "float32"), B: T.Tensor((64,), "float32")):
+        with T.Kernel(1, threads=100):
+            for i in T.Parallel(64):
+                B[i] = A[i]
+
+    with pytest.raises(tilelang.CompileError, match=r"test_cuda\.py:\d+: T\.Kernel threads=100: .*multiple of 32"):
+        tilelang.compile(main, out_idx=[1], target="cuda")
+
+
+def test_shared_memory_over_limit():
+    @T.prim_func
+    def main(A: T.Tensor((256, 256), "float32"), B: T.Tensor((256, 256), "float32")):
+        with T.Kernel(1, threads=128):
+            s = T.alloc_shared((256, 256), "float32")
+            T.copy(A, s)
+            T.copy(s, B)
+
+    with pytest.raises(tilelang.CompileError, match=r"test_cuda\.py:\d+: T\.Kernel needs 262144 bytes of shared "
+                                                    r"memory .*at most 232448"):
+        tilelang.compile(main, out_idx=[1], target="cuda")
+
+
+def test_gemm_mixed_input_types():
+    @T.prim_func
+    def main(A: T.Tensor((64, 64), "float16"), B: T.Tensor((64, 64), "bfloat16"), C: T.Tensor((64, 64), "float32")):
+        with T.Kernel(1, threads=128):
+            a = T.alloc_shared((64, 64), "float16")
+            b = T.alloc_shared((64, 64), "bfloat16")
+            c = T.alloc_fragment((64, 64), "float32")
+            T.copy(A, a)
+            T.copy(B, b)
+            T.gemm(a, b, c, clear_accum=True)
+            T.copy(c, C)
+
+    with pytest.raises(tilelang.CompileError, match=r"test_cuda\.py:\d+: T\.gemm: A is float16 and B is bfloat16"):
+        tilelang.compile(main, out_idx=[2], target="cuda")
+
+
+def test_uninferrable_fragment_layout():
+    @T.prim_func
+    def main(A: T.Tensor((64, 64), "float32"), B: T.Tensor((64, 64), "float32")):
+        with T.Kernel(1, threads=128):
+            x = T.alloc_fragment((64, 64), "float32")
+            T.copy(A, x)
+            for i, j in T.Parallel(64, 64):
+                x[i, j] = x[j, i] + 1.0  # another thread's element
+            T.copy(x, B)
+
+    with pytest.raises(tilelang.CompileError, match=r"test_cuda\.py:\d+: .*fragment x"):
+        tilelang.compile(main, out_idx=[1], target="cuda")
+
+
+def test_cuda_launch_needs_cuda_tensors():
+    f = pk.gemv
+    k = tilelang.compile(f.get_tir(64, 64), out_idx=[-1], target="cuda")
+    with pytest.raises(tilehal.ShapeError, match="A: expected device cuda, got cpu"):
+        k(torch.zeros(64, 64).half(), torch.zeros(64).half())
+
+
+# ---------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU))
+def test_public_kernel_gpu(name):
+    _run_case(name, GPU[name], "cuda", "cuda")
+
+
+@pytest.mark.gpu
+def test_examples_gpu(example):
+    m = example("gemm")
+    k = m.matmul(512, 384, 256, 128, 128, 32)  # target auto: cuda for CUDA tensors
+    a, b = torch.randn(512, 256, device="cuda"), torch.randn(256, 384, device="cuda")
+    torch.testing.assert_close(k(a, b), a @ b, rtol=1e-4, atol=1e-3)
+    m = example("gemm_relu")
+    k = tilelang.compile(m.matmul_relu.get_tir(1000, 520, 264), out_idx=[-1], target="cuda")
+    a, b = torch.randn(1000, 264, device="cuda").half(), torch.randn(264, 520, device="cuda").half()
+    torch.testing.assert_close(k(a, b).float(), m.reference(a, b).float(), rtol=2e-2, atol=2e-2)
+    m = example("elementwise_add")
+    k = tilelang.compile(m.elementwise_add.get_tir(700, 1300), out_idx=[-1], target="cuda")
+    a, b = torch.randn(700, 1300, device="cuda"), torch.randn(700, 1300, device="cuda")
+    torch.testing.assert_close(k(a, b), a + b, rtol=0, atol=0)
+    m = example("softmax")
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 2e-2)):
+        k = tilelang.compile(m.softmax.get_tir(370, 960, 8, dtype), out_idx=[-1], target="cuda")
+        x = torch.randn(370, 960, device="cuda").to(getattr(torch, dtype))
+        torch.testing.assert_close(k(x).float(), m.reference(x).float(), rtol=tol, atol=tol)
+    m = example("rmsnorm")
+    k = tilelang.compile(m.rms_norm.get_tir(130, 800), out_idx=[-1], target="cuda")
+    x, w = torch.randn(130, 800, device="cuda"), torch.randn(800, device="cuda")
+    torch.testing.assert_close(k(x, w), m.reference(x, w), rtol=1e-5, atol=1e-5)
+    m = example("flash_attention")
+    for causal, s in ((False, 1024), (True, 1000)):
+        k = tilelang.compile(m.flashattn.get_tir(2, 8, s, 64, causal, 64, 64, 2, 128), out_idx=[3], target="cuda")
+        q, kk, v = (torch.randn(2, s, 8, 64, device="cuda").half() for _ in range(3))
+        torch.testing.assert_close(k(q, kk, v).float(), m.reference(q, kk, v, causal).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prop.programs(), st.integers(0, 2**31 - 1))
+def test_property_gpu_matches_interp(prog, seed):
+    _prop_case(prog, seed, "cuda")
+
