@@ -299,3 +299,25 @@ def test_static_decode_steps_equal_ordinary_steps():
     assert torch.equal(torch.cat(toks, 1), ref_tok)
     cache.end_static_decode()
     cache.pool.check_invariants()
+
+
+def test_a_chat_turn_reuses_the_previous_answer():
+    """Generated tokens are hashed too: the next request containing them skips their prefill."""
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(3)
+    turn1 = torch.randint(1, VOCAB, (1, 40), generator=g)
+    cache = th.enable_kvpool(model, num_blocks=64, block_size=8)
+    out1 = model.generate(turn1, attention_mask=torch.ones_like(turn1), cache=cache, max_new_tokens=30,
+                          do_sample=False)
+    turn2 = torch.cat([out1, torch.randint(1, VOCAB, (1, 6), generator=g)], 1)
+    th.disable_kvpool(model)
+    cold_tok, cold_logits = greedy(model, turn2, torch.ones_like(turn2), n=4)
+    cache = th.enable_kvpool(model, num_blocks=64, block_size=8)
+    model.generate(turn1, attention_mask=torch.ones_like(turn1), cache=cache, max_new_tokens=30, do_sample=False)
+    before = cache.stats()["prompt_tokens_cached"]
+    tok, logits = greedy(model, turn2, torch.ones_like(turn2), n=4, cache=cache)
+    # The pool holds turn 1's prompt and 29 of its 30 answers (the last was never fed back): 8 full blocks.
+    assert cache.stats()["prompt_tokens_cached"] - before == 64
+    assert torch.equal(tok, cold_tok)
+    assert (logits - cold_logits).abs().max().item() < 1e-4
+    cache.pool.check_invariants()

@@ -230,7 +230,7 @@ def _request(model, cache, prompt, forced, n_free: int, label: str, probe=None, 
     return {"ttft_s": ttft, "cached_tokens": start, "step_s": steps, "tokens": free[:n_free]}
 
 
-def run(device: str | None = None, context: int | None = None, new_tokens: int = 16, top_k: int | None = None,
+def run(device: str | None = None, context: int | None = None, new_tokens: int = 12, top_k: int | None = None,
         seed: int = 0, json_path: str | None = None, out=None) -> dict:
     """The long-context job; returns (and prints) its report."""
     import torch
@@ -240,7 +240,7 @@ def run(device: str | None = None, context: int | None = None, new_tokens: int =
     out = out or sys.stdout
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.startswith("cuda")
-    context = context or (32768 if on_gpu else 4096)
+    context = context or (32768 if on_gpu else 2048)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     block = 16
     top_k = top_k or max(8, context // block // 16)  # 1/16 of the context's blocks
@@ -317,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tilestack demo", description=__doc__.split("\n")[0])
     p.add_argument("--examples", action="store_true", help="run every installed package's README example instead")
     p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--context", type=int, help="context tokens (default 4096 on CPU, 32768 on CUDA)")
-    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per request")
+    p.add_argument("--context", type=int, help="context tokens (default 2048 on CPU, 32768 on CUDA)")
+    p.add_argument("--new-tokens", type=int, default=12, help="greedy tokens per request")
     p.add_argument("--top-k", type=int, help="sparse block budget per kv head (default 1/16 of the blocks)")
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)

@@ -97,9 +97,12 @@ def enable_kvpool(model, *, num_blocks: int, block_size: int = 16, dtype: torch.
         @functools.wraps(original)
         def prepare_inputs_for_generation(input_ids, *args, **kwargs):
             c = kwargs.get("cache", kwargs.get("past_key_values"))
-            if isinstance(c, KVPoolCache) and kwargs.get("is_first_iteration"):
-                start = c.new_request(input_ids, kwargs.get("attention_mask"))
-                kwargs["next_sequence_length"] = input_ids.shape[1] - start
+            if isinstance(c, KVPoolCache):
+                if kwargs.get("is_first_iteration"):
+                    start = c.new_request(input_ids, kwargs.get("attention_mask"))
+                    kwargs["next_sequence_length"] = input_ids.shape[1] - start
+                else:
+                    c.set_next_tokens(input_ids[:, -(kwargs.get("next_sequence_length") or input_ids.shape[1]):])
             return original(input_ids, *args, **kwargs)
 
         model.prepare_inputs_for_generation = prepare_inputs_for_generation

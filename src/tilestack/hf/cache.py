@@ -128,6 +128,7 @@ class KVPoolCache(Cache):
         super().__init__(layers=[_PoolLayer(self, i) for i in range(pool.num_layers)])
         self._rows: list[Hashable] | None = None
         self._plan: dict | None = None  # set by new_request for the request's first forward
+        self._next_ids: torch.Tensor | None = None  # set_next_tokens: ids of the next forward's tokens
         self._step: _Step | None = None
         self._static: _Step | None = None
         self._static_ready = False
@@ -285,7 +286,7 @@ class KVPoolCache(Cache):
         for sid in self._rows or []:
             if sid in self.pool:
                 self.pool.free(sid)
-        self._rows, self._plan, self._step, self._static = None, None, None, None
+        self._rows, self._plan, self._step, self._static, self._next_ids = None, None, None, None, None
 
     def reset(self) -> None:
         """transformers' reset: drop the current batch (the pool keeps its prefix cache)."""
@@ -369,8 +370,12 @@ class KVPoolCache(Cache):
             n = pool.num_tokens(rows[b]) + counts[b]
             if n > self.max_tokens:
                 raise SequenceTooLongError(self._too_long(f"row {b}: {n} tokens"))
+        ids, self._next_ids = self._next_ids, None
         try:
-            slots = pool.append_batch([rows[b] for b in writers], [counts[b] for b in writers])
+            if plan is None and ids is not None and tuple(ids.shape) == (B, T):
+                slots = self._append_known(rows, ids)
+            else:
+                slots = pool.append_batch([rows[b] for b in writers], [counts[b] for b in writers])
         except PoolExhaustedError as e:
             raise PoolExhaustedError(
                 f"kvpool cache: the pool is exhausted at this step ({e}); the batch's sequences are kept "
@@ -400,6 +405,29 @@ class KVPoolCache(Cache):
             else:
                 f["blocks_attended"] += sum(nb) * pool.num_kv_heads
         return step
+
+    def set_next_tokens(self, input_ids: torch.Tensor) -> None:
+        """Ids `[B, T]` of the tokens the next forward appends (the generate hook passes them).
+
+        Optional: with them the generated tokens' full blocks join the prefix cache too, so a
+        follow-up request that contains this one's output (a chat turn) reuses it.
+        """
+        self._next_ids = input_ids.detach().to("cpu", torch.long)
+
+    def _append_known(self, rows: list[Hashable], ids: torch.Tensor) -> torch.Tensor:
+        """append(row, its ids) for every row, all or nothing (the free blocks are counted first)."""
+        pool, bs = self.pool, self.pool.block_size
+        T = ids.shape[1]
+        needed = 0
+        for sid in rows:
+            n, blocks = pool.num_tokens(sid), pool.blocks_of(sid)
+            needed += -(-(n + T) // bs) - len(blocks)
+            needed += int(n % bs != 0 and pool.manager.ref[blocks[-1]] > 1)  # copy-on-write of a shared block
+        free = pool.manager.num_free
+        if needed > free:
+            raise PoolExhaustedError(f"append({len(rows)} sequences, {T} tokens each): needs {needed} free blocks, "
+                                     f"{free} are", needed=needed, available=free)
+        return torch.cat([pool.append(sid, ids[b]) for b, sid in enumerate(rows)])
 
     def _update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
         if key_states.ndim != 4 or key_states.shape[1] != self.pool.num_kv_heads or \
