@@ -176,6 +176,8 @@ def readme_install(session: nox.Session, package: str) -> None:
             session.run("python", "-m", "tilehal", "doctor", env=env)
             readme = ROOT / "packages" / PACKAGES[package] / "README.md"
             session.run("python", str(ROOT / "scripts" / "run_readme_example.py"), str(readme), env=env)
+        if package == "kvpool":  # the top-level README's example installs tilestack-kvpool
+            session.run("python", str(ROOT / "scripts" / "run_readme_example.py"), str(ROOT / "README.md"), env=env)
     shutil.rmtree(work, ignore_errors=True)
 
 
