@@ -288,12 +288,36 @@ class Interpreter:
             x = np.flip(src, s.dim) if s.reverse else src
             r = np.cumsum(x, axis=s.dim, dtype=x.dtype)
             self.bufs[s.dst][...] = (np.flip(r, s.dim) if s.reverse else r).astype(self.bufs[s.dst].dtype)
+        elif isinstance(s, AtomicAdd) and not isinstance(s.src, Region) and self.lanes:
+            self.atomic_add_lanes(s)
         elif isinstance(s, AtomicAdd):
             cur = self.read_region(s.dst)
             add = self.read_region(s.src) if isinstance(s.src, Region) else np.asarray(self.expr(s.src))
             self.write_region(s.dst, (cur + add.reshape(cur.shape) if np.ndim(add) else cur + add))
         else:
             raise CompileError(f"interp: unknown statement {type(s).__name__}", s.loc)
+
+    def atomic_add_lanes(self, s: AtomicAdd) -> None:
+        """`T.atomic_add(dst[i, j], v)` inside T.Parallel: one add per active lane, in lane order when
+        lanes hit the same element (each add rounds to the storage type, as the C backend does)."""
+        arr = self.bufs[s.dst.buffer]
+        parts = [np.asarray(self.expr(st), dtype=np.int64) for st in s.dst.starts] + [np.asarray(self.expr(s.src))]
+        if self.mask is not None:
+            parts.append(self.mask)
+        b = np.broadcast_arrays(*parts)
+        n = len(s.dst.starts)
+        sel = b[n + 1] if self.mask is not None else np.ones(b[0].shape, dtype=bool)
+        ids = [x[sel] for x in b[:n]]
+        vals = b[n][sel].astype(np_dtype(dt.compute_type(s.dst.buffer.dtype)))
+        self._check_bounds(s.dst.buffer, ids, arr.shape, s.loc)
+        flat = np.ravel_multi_index(ids, arr.shape) if ids[0].size else ids[0]
+        if np.unique(flat).size == flat.size:
+            cur = _compute(arr[tuple(ids)], s.dst.buffer.dtype)
+            arr[tuple(ids)] = (cur + vals).astype(arr.dtype)
+            return
+        view = arr.reshape(-1)
+        for f, v in zip(flat.tolist(), vals):
+            view[f] = (_compute(view[f:f + 1], s.dst.buffer.dtype) + v).astype(arr.dtype)[0]
 
     def loop(self, s: For) -> None:
         start, extent = self.expr(s.start), self.expr(s.extent)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..ir.nodes import BinOp, Const, Expr, Var
+from ..ir.nodes import BinOp, Cast, Const, Expr, Load, Var
 
 
 def affine(e: Expr) -> dict[object, int] | None:
@@ -31,6 +31,26 @@ def affine(e: Expr) -> dict[object, int] | None:
             c = b.get(1, 0)
             return {k: v * c for k, v in a.items()}
         return None
+    key = _structural_key(e)
+    return None if key is None else {key: 1}
+
+
+def _structural_key(e: Expr) -> object | None:
+    """A hashable key equal for structurally identical loads / index expressions (the two ends of one
+    slice are evaluated at the same point, so `x[0] + i` and `x[0] + i + 4` differ by 4)."""
+    if isinstance(e, Const):
+        return ("const", e.value, e.dtype)
+    if isinstance(e, Var):
+        return ("var", id(e))
+    if isinstance(e, Load):
+        idx = [_structural_key(i) for i in e.indices]
+        return None if any(k is None for k in idx) else ("load", id(e.buffer), tuple(idx))
+    if isinstance(e, BinOp):
+        a, b = _structural_key(e.a), _structural_key(e.b)
+        return None if a is None or b is None else ("binop", e.op, a, b)
+    if isinstance(e, Cast):
+        v = _structural_key(e.value)
+        return None if v is None else ("cast", e.dtype, v)
     return None
 
 

@@ -180,6 +180,7 @@ class EagerParser(Parser):
                 self.fail(node, f"T.empty: shape entries must be ints, T.const or T.dynamic sizes, got {s!r}")
             if isinstance(s, Var) and s not in self.dyn:
                 self.dyn.append(s)
+                self.shared.used_names.add(s.name)  # loop variables must not shadow a size
             dims.append(const(int(s)) if isinstance(s, int) else s)
         try:
             dtype = dt.canonical(dtype)
@@ -289,6 +290,7 @@ class EagerParser(Parser):
             elif isinstance(s, Var):
                 if s not in self.dyn:
                     self.dyn.append(s)
+                    self.shared.used_names.add(s.name)  # loop variables must not shadow a size
                 dims.append(s)
             else:
                 self.fail(node, f"parameter {name!r}: shape entries must be ints, T.const or T.dynamic sizes, got "

@@ -121,6 +121,7 @@ serial = _loop("serial", "for i in T.serial(n) / T.serial(start, stop[, step])")
 unroll = _loop("unroll", "for i in T.unroll(n): fully unrolled serial loop")
 vectorized = _loop("vectorized", "for i in T.vectorized(n): vectorized loop")
 grid = _loop("grid", "for i, j in T.grid(M, N): nested serial loops")
+Serial, Unroll, Vectorized, parallel = serial, unroll, vectorized, Parallel  # the public spellings
 alloc_shared = _alloc("shared")
 alloc_fragment = _alloc("fragment")
 alloc_local = _alloc("local")
@@ -140,9 +141,9 @@ use_swizzle = _statement("use_swizzle", "T.use_swizzle(panel_size=10, order='row
 annotate_layout = _statement("annotate_layout", "T.annotate_layout({buf: layout}): layout hint for GPU backends")
 
 __all__ = [  # noqa: F405
-    "Buffer", "GemmWarpPolicy", "StridedTensor", "const", "dtype", "empty", "Kernel", "Macro", "Parallel", "Pipelined", "Tensor", "TensorType", "abs",
-    "alloc_fragment", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
-    "ceildiv", "clear", "copy", "cos", "cumsum", "dynamic", "exp", "exp2", "fill", "floor", "floordiv", "floormod",
+    "Buffer", "GemmWarpPolicy", "Serial", "Unroll", "Vectorized", "parallel", "StridedTensor", "const", "dtype", "empty", "Kernel", "Macro", "Parallel", "Pipelined", "Tensor", "TensorType", "abs",
+    "Cast", "alloc_fragment", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
+    "ceildiv", "clamp", "clear", "copy", "cos", "cumsum", "dynamic", "exp", "exp2", "fill", "floor", "floordiv", "floormod",
     "gemm", "grid", "if_then_else", "infinity", "log", "log2", "macro", "max", "max_value", "min", "min_value",
     "pow", "prim_func", "reduce_absmax", "reduce_abssum", "reduce_max", "reduce_min", "reduce_sum", "round",
     "rsqrt", "serial", "sigmoid", "sin", "sqrt", "symbolic", "tanh", "unroll", "use_swizzle", "vectorized",

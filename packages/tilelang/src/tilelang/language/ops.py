@@ -7,7 +7,8 @@ import math
 from typing import Any
 
 from ..ir import dtypes as dt
-from ..ir.nodes import Call, Cast, Const, Expr, Select, as_expr, binop
+from ..ir.nodes import Call, Const, Expr, Select, as_expr, binop
+from ..ir.nodes import Cast as _CastNode
 
 
 def _expr_intrinsic(fn):
@@ -110,7 +111,19 @@ def if_then_else(cond: Any, a: Any, b: Any) -> Any:
 
 @_expr_intrinsic
 def cast(x: Any, dtype: Any) -> Expr:
-    return Cast(as_expr(x), dt.canonical(dtype))
+    return _CastNode(as_expr(x), dt.canonical(dtype))
+
+
+@_expr_intrinsic
+def Cast(dtype: Any, x: Any) -> Expr:  # noqa: N802 - TileLang's name (note: dtype first)
+    """`T.Cast(dtype, x)`: the TIR spelling of `T.cast(x, dtype)`."""
+    return cast(x, dtype)
+
+
+@_expr_intrinsic
+def clamp(x: Any, lo: Any, hi: Any) -> Any:
+    """min(max(x, lo), hi)."""
+    return min(max(x, lo), hi)
 
 
 @_expr_intrinsic
@@ -165,7 +178,7 @@ class DTypeConst(str):
         if _is_num(value) or isinstance(value, bool):
             v = float(value) if dt.is_float(name) else int(value)
             return Const(v, name)
-        return Cast(as_expr(value), name)
+        return _CastNode(as_expr(value), name)
 
 
 def dtype_constants() -> dict[str, DTypeConst]:
@@ -179,6 +192,6 @@ def dtype_constants() -> dict[str, DTypeConst]:
     return out
 
 
-__all__ = ["DTypeConst", "abs", "cast", "ceil", "ceildiv", "cos", "exp", "exp2", "floor", "floordiv",
+__all__ = ["Cast", "DTypeConst", "abs", "cast", "clamp", "ceil", "ceildiv", "cos", "exp", "exp2", "floor", "floordiv",
            "floormod", "if_then_else", "infinity", "log", "log2", "max", "max_value", "min", "min_value", "pow",
            "round", "rsqrt", "sigmoid", "sin", "sqrt", "tanh"]

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import CompileError
 from ..frontend.eager import EagerParser, EagerResult, tensor_params
 from .kernel import JITKernel, _hashable, compile
 
@@ -86,7 +87,7 @@ class EagerJIT:
                 hit = self._kernels.get(key)
             if hit is not None:
                 return hit
-        res = EagerParser(self.fn, meta, tensors, consts, self.tensor_names).parse_eager()
+        res = self._parse(meta, tensors, consts)
         kernel = compile(res.func, out_idx=res.out_idx, target=self.target, pass_configs=self.pass_configs)
         key = (mk, tuple(sorted(res.consts.items())))
         with self._lock:
@@ -94,6 +95,30 @@ class EagerJIT:
             self._kernels[key] = (kernel, res)
         log.debug("eager jit %s: specialized for %s", self.fn.__name__, res.consts)
         return kernel, res
+
+    def _parse(self, meta: dict[str, Any], tensors: dict[str, Any], consts: dict[str, int]) -> EagerResult:
+        """Parse until every T.const size is known from the start: a first pass learns the sizes that come
+        from tensor annotations (the body may use them before those annotations, e.g. `splitK = K //
+        split_k`), the last pass runs with all of them as Python ints. A pass that learns nothing new
+        is the authoritative one, errors included."""
+        given = dict(consts)
+        matcher: dict[str, tuple[str, int]] = {}
+        while True:
+            parser = EagerParser(self.fn, meta, tensors, given, self.tensor_names)
+            try:
+                res = parser.parse_eager()
+            except CompileError:
+                learned = {k: v for k, v in parser.const_values.items() if k not in given}
+                if not learned:
+                    raise
+                log.debug("eager jit %s: re-parsing with sizes %s", self.fn.__name__, learned)
+            else:
+                learned = {k: v for k, v in res.consts.items() if k not in given}
+                if not learned:
+                    res.matcher = {**matcher, **res.matcher}
+                    return res
+            matcher.update(parser.matcher)
+            given.update(learned)
 
     def compile(self, *args: Any, **kwargs: Any) -> JITKernel:
         meta, tensors, consts = self.split(args, kwargs)

@@ -1,0 +1,101 @@
+"""Public-TileLang spellings and language pieces added for compatibility (issue 13); every kernel is
+checked on both targets against numpy."""
+
+import numpy as np
+import pytest
+import tilelang
+import tilelang.language as T
+
+
+def test_cast_clamp_serial_spellings(target):
+    @tilelang.jit(out_idx=[-1], target=target)
+    def f(n, lo, hi):
+        @T.prim_func
+        def main(A: T.Tensor((n,), "float32"), B: T.Tensor((n,), "int32")):
+            with T.Kernel(1) as _:
+                for i in T.Serial(n):
+                    B[i] = T.Cast(T.int32, T.clamp(A[i], lo, hi))
+                for i in T.Unroll(2):
+                    B[i] = B[i] + 100
+
+        return main
+
+    a = np.linspace(-5, 5, 9, dtype=np.float32)
+    want = np.trunc(np.clip(a, -2.5, 3.0)).astype(np.int32)
+    want[:2] += 100
+    np.testing.assert_array_equal(f(9, -2.5, 3.0)(a), want)
+
+
+def test_scalar_atomic_add_inside_parallel(target):
+    """T.atomic_add(C[i, j], v) per lane (split-K's epilogue), including lanes that hit one element."""
+
+    @tilelang.jit(target=target)
+    def f(m, n, split):
+        @T.prim_func
+        def main(A: T.Tensor((split, m, n), "float32"), C: T.Tensor((m, n), "float32"),
+                 R: T.Tensor((m,), "float32")):
+            with T.Kernel(split) as bz:
+                frag = T.alloc_fragment((m, n), "float32")
+                T.copy(A[bz, 0, 0], frag)
+                for i, j in T.Parallel(m, n):
+                    T.atomic_add(C[i, j], frag[i, j])
+                for i, j in T.Parallel(m, n):
+                    T.atomic_add(R[i], frag[i, j])  # n lanes per element
+
+        return main
+
+    a = np.random.default_rng(0).standard_normal((3, 4, 8)).astype(np.float32)
+    k = f(4, 8, 3)
+    c, r = np.zeros((4, 8), np.float32), np.zeros(4, np.float32)
+    k(a, c, r)
+    np.testing.assert_allclose(c, a.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(r, a.sum((0, 2)), rtol=1e-5, atol=1e-5)
+
+
+def test_slice_with_offset_read_from_a_var(target):
+    """X[off + r * b : off + (r + 1) * b] where `off` is a T.alloc_var: the extent is still b."""
+
+    @tilelang.jit(out_idx=[-1], target=target)
+    def f(n, b):
+        @T.prim_func
+        def main(X: T.Tensor((n,), "float32"), S: T.Tensor((2,), "int32"), Y: T.Tensor((b,), "float32")):
+            with T.Kernel(1) as r:
+                tile = T.alloc_fragment((b,), "float32")
+                off = T.alloc_var(T.int32)
+                off = 0
+                for i in T.serial(2):
+                    off += S[i]
+                T.copy(X[off + r * b: off + (r + 1) * b], tile)
+                T.copy(tile, Y)
+
+        return main
+
+    x = np.arange(16, dtype=np.float32)
+    np.testing.assert_array_equal(f(16, 4)(x, np.array([3, 2], np.int32)), x[5:9])
+
+
+def test_loop_variable_does_not_shadow_a_dynamic_size(target):
+    @tilelang.jit(target=target)
+    def rowsum(A, block=4):
+        k = T.dynamic("k")
+        A: T.Tensor((8, k), "float32")
+        Y = T.empty((8,), "float32")
+        with T.Kernel(1) as _:
+            acc = T.alloc_fragment((8,), "float32")
+            T.clear(acc)
+            for k in T.serial(T.ceildiv(A.shape[1], block)):  # noqa: B007 - the name clash is the test
+                for i in T.Parallel(8):
+                    for j in T.serial(block):
+                        if k * block + j < A.shape[1]:
+                            acc[i] += A[i, k * block + j]
+            T.copy(acc, Y)
+        return Y
+
+    a = np.random.default_rng(1).standard_normal((8, 10)).astype(np.float32)
+    np.testing.assert_allclose(rowsum(a), a.sum(1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["Serial", "Unroll", "Vectorized", "Cast", "clamp", "dtype", "const", "empty",
+                                  "StridedTensor", "float", "double"])
+def test_public_names_exist(name):
+    assert name in T.__all__ and hasattr(T, name)
