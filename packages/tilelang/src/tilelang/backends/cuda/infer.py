@@ -12,9 +12,9 @@ served by another thread's registers, is a CompileError naming the source line.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
-from dataclasses import dataclass, field
 
 from ...errors import CompileError
 from ...ir import dtypes as dt
