@@ -135,7 +135,7 @@ def isolation(session: nox.Session, package: str) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    _install(session, "ruff")
+    _install(session, *CONSTRAINTS, "ruff")
     session.run("ruff", "check", ".")
 
 
