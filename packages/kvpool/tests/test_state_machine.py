@@ -23,6 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 from kvpool import PoolExhaustedError
+from kvpool.errors import SlotOwnershipError
 
 BS, H, D = 2, 1, 2
 ALPHABET = st.integers(0, 2)
@@ -127,7 +128,18 @@ class PoolMachine(RuleBasedStateMachine):
         start = max(0, L - back)
         blocks = self.pool.blocks_of(sid)
         slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(start, L)], dtype=torch.int32)
-        self._write_new(sid, slots, start)
+        mgr = self.pool.manager
+        touched = {p // BS for p in range(start, L)}
+        # The write contract: a shared block, or a full prefix-cache block already written, is read-only.
+        refused = any(mgr.ref[blocks[i]] > 1 or (mgr.block_hash[blocks[i]] is not None and (i + 1) * BS <= L)
+                      for i in touched)
+        before = self._state()
+        try:
+            self._write_new(sid, slots, start)
+        except SlotOwnershipError:
+            assert refused and self._state() == before
+            return
+        assert not refused
 
     @precondition(lambda self: len(self.model) < 5)
     @rule(target=seqs, src=seqs)

@@ -110,6 +110,7 @@ def paged_decode(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.T
     `scale` defaults to 1/sqrt(head_dim). A sequence with nothing to attend to gets zeros.
     """
     _check_decode_args(q, pool, layer, block_table, seq_lens, block_indices)
+    pool.check_tables(layer, block_table, seq_lens, block_indices)
     if pool.device.type == "cuda":
         from . import cuda_decode
 
@@ -142,6 +143,7 @@ def paged_prefill(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.
     B = block_table.shape[0]
     if seq_lens.shape[0] != B:
         raise ShapeError(f"seq_lens: expected {B} entries (block_table's batch), got {seq_lens.shape[0]}")
+    pool.check_tables(layer, block_table, seq_lens, contiguous=True)
     cu = [int(x) for x in cu_seqlens_q.tolist()]
     if len(cu) != B + 1 or cu[0] != 0 or cu[-1] != total or any(a > b for a, b in zip(cu, cu[1:])):
         raise ShapeError(f"cu_seqlens_q: expected {B + 1} non-decreasing offsets from 0 to {total}, got {cu}")

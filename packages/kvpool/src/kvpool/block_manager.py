@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tilehal import ArgumentError
+
 from .errors import InvariantError
 from .hashing import BlockHash
 
@@ -25,7 +27,7 @@ EvictCallback = Callable[[int, BlockHash], None]
 class BlockManager:
     def __init__(self, num_blocks: int, on_evict: EvictCallback | None = None) -> None:
         if num_blocks < 1:
-            raise ValueError(f"num_blocks: expected >= 1, got {num_blocks}")
+            raise ArgumentError(f"num_blocks: expected >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.on_evict = on_evict
         self.ref = [0] * num_blocks

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tilehal import TileStackError
+from tilehal import ArgumentError, TileStackError
 
 
 class PoolExhaustedError(TileStackError):
@@ -16,3 +16,19 @@ class PoolExhaustedError(TileStackError):
 
 class InvariantError(TileStackError):
     """A debug-mode consistency check of the block manager failed (a kvpool bug)."""
+
+
+class OutOfRangeError(ArgumentError, IndexError):
+    """An index argument (layer, slot, block id) lies outside the pool."""
+
+
+class UnknownSequenceError(TileStackError, KeyError):
+    """A seq_id that is not registered with the pool."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SlotOwnershipError(ArgumentError):
+    """A write aimed at slots that are not the writer's to change: a free or only-cached block, a block
+    shared with other sequences, a sealed prefix-cache block, or another sequence's block."""

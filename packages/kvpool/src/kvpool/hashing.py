@@ -11,6 +11,7 @@ import hashlib
 from collections.abc import Hashable
 
 import numpy as np
+from tilehal import ArgumentError
 
 BlockHash = bytes
 ROOT_HASH: BlockHash = b""
@@ -32,9 +33,14 @@ def as_token_array(tokens) -> np.ndarray:
     """Token ids as a 1-D int64 numpy array (list, numpy array or CPU/GPU torch tensor)."""
     if hasattr(tokens, "detach"):
         tokens = tokens.detach().to("cpu").numpy()
-    arr = np.asarray(tokens)
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError) as e:  # ragged nesting
+        raise ArgumentError(f"tokens: expected a 1-D sequence of token ids, got {type(tokens).__name__}: {e}") from None
     if arr.ndim != 1:
-        raise ValueError(f"tokens: expected a 1-D sequence of token ids, got shape {arr.shape}")
+        raise ArgumentError(f"tokens: expected a 1-D sequence of token ids, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
+        raise ArgumentError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
+    if arr.size and arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ArgumentError(f"tokens: expected ids below 2**63, got {int(arr.max())}")
     return arr.astype(np.int64, copy=False)

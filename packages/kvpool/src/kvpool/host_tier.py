@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+from tilehal import ArgumentError
 
 from .hashing import BlockHash
 from .storage import KVStorage
@@ -20,7 +21,7 @@ from .storage import KVStorage
 class HostTier:
     def __init__(self, storage: KVStorage, host_blocks: int) -> None:
         if host_blocks < 1:
-            raise ValueError(f"host_blocks: expected >= 1, got {host_blocks}")
+            raise ArgumentError(f"host_blocks: expected >= 1, got {host_blocks}")
         self.storage = storage
         self.num_blocks = host_blocks
         self.on_gpu = storage.device.type == "cuda"

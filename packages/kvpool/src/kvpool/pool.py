@@ -9,9 +9,16 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
+from tilehal import ArgumentError, ShapeError
 
 from .block_manager import BlockManager
-from .errors import InvariantError, PoolExhaustedError
+from .errors import (
+    InvariantError,
+    OutOfRangeError,
+    PoolExhaustedError,
+    SlotOwnershipError,
+    UnknownSequenceError,
+)
 from .hashing import ROOT_HASH, BlockHash, as_token_array, extra_key_bytes, hash_block
 from .host_tier import HostTier
 from .storage import KVStorage
@@ -88,11 +95,11 @@ class KVPool:
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("num_blocks", num_blocks), ("block_size", block_size)):
             if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+                raise ArgumentError(f"{name}: expected a positive int, got {v!r}")
         if host_blocks < 0:
-            raise ValueError(f"host_blocks: expected >= 0, got {host_blocks}")
+            raise ArgumentError(f"host_blocks: expected >= 0, got {host_blocks}")
         if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark: expected a fraction in [0, 1), got {watermark}")
+            raise ArgumentError(f"watermark: expected a fraction in [0, 1), got {watermark}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = torch.device(device)
@@ -111,6 +118,11 @@ class KVPool:
         self._onload: dict[int, int] = {}  # device block -> held host block, copy not issued yet
         self._offsets = np.arange(block_size, dtype=np.int32)
         self._stats = PoolStats()
+        # Per (layer, block): 1 + the highest offset written since the block was allocated (CPU mirror;
+        # a full prefix-cache block is sealed once written, and decode checks seq_lens against it).
+        self._filled = np.zeros((num_layers, num_blocks), dtype=np.int32)
+        self._epoch = 0  # bumped by every operation that changes block ownership
+        self._slot_memo: tuple | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -162,7 +174,7 @@ class KVPool:
         watermark.
         """
         if seq_id in self._seqs:
-            raise ValueError(f"seq_id: {seq_id!r} is already registered")
+            raise ArgumentError(f"seq_id: {seq_id!r} is already registered")
         ids = as_token_array(tokens)
         n, bs = len(ids), self.block_size
         extra = extra_key_bytes(extra_key)
@@ -201,6 +213,7 @@ class KVPool:
                     fresh.append(b)
                     blocks[i] = b
             self.storage.mark_fresh(fresh)
+            self._filled[:, fresh] = self.block_size  # full blocks coming back from the host tier
         chain = [h for h, _ in hits]
         hit = matched * bs
         self._seqs[seq_id] = _Sequence(blocks=blocks, num_tokens=hit, extra=extra, pending=ids[hit:], chain=chain)
@@ -241,9 +254,9 @@ class KVPool:
         """
         counts = [num_tokens] * len(seq_ids) if isinstance(num_tokens, int) else list(num_tokens)
         if len(counts) != len(seq_ids):
-            raise ValueError(f"num_tokens: expected {len(seq_ids)} counts, got {len(counts)}")
+            raise ArgumentError(f"num_tokens: expected {len(seq_ids)} counts, got {len(counts)}")
         if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("seq_ids: expected distinct sequences")
+            raise ArgumentError("seq_ids: expected distinct sequences")
         seqs = [self._seq(s) for s in seq_ids]
         news = [self._new_ids(sid, seq, n) for sid, seq, n in zip(seq_ids, seqs, counts)]
         needed = sum(self._blocks_needed(seq, n) for seq, (n, _) in zip(seqs, news) if n)
@@ -270,12 +283,12 @@ class KVPool:
         if isinstance(tokens, int) or isinstance(tokens, np.integer):
             n = int(tokens)
             if n < 0:
-                raise ValueError(f"tokens: expected a count >= 0, got {n}")
+                raise ArgumentError(f"tokens: expected a count >= 0, got {n}")
             return n, (pend[:n] if len(pend) else _EMPTY_IDS)
         known = as_token_array(tokens)
         k = min(len(known), len(pend))
         if not np.array_equal(known[:k], pend[:k]):
-            raise ValueError(f"tokens: the first {k} ids differ from the pending prompt of {seq_id!r}")
+            raise ArgumentError(f"tokens: the first {k} ids differ from the pending prompt of {seq_id!r}")
         return len(known), known
 
     def _blocks_needed(self, seq: _Sequence, n: int) -> int:
@@ -294,6 +307,7 @@ class KVPool:
         if grow:
             new = mgr.allocate(grow)
             self.storage.mark_fresh(new)
+            self._filled[:, new] = 0
             seq.blocks.extend(new)
         if self.prefix_caching and seq.hashable:
             self._extend_hashes(seq, old, known, n)
@@ -341,6 +355,7 @@ class KVPool:
         (new,) = self.manager.allocate(1)
         self.storage.mark_fresh([new])
         self.storage.copy_blocks([old_block], [new])
+        self._filled[:, new] = self._filled[:, old_block]
         self.manager.decref(old_block)
         seq.blocks[-1] = new
         self._stats.cow_copies += 1
@@ -349,7 +364,7 @@ class KVPool:
         """`dst_id` becomes a copy of `src_id` sharing all its blocks (copy-on-write on append)."""
         src = self._seq(src_id)
         if dst_id in self._seqs:
-            raise ValueError(f"dst_id: {dst_id!r} is already registered")
+            raise ArgumentError(f"dst_id: {dst_id!r} is already registered")
         for b in src.blocks:
             self.manager.incref(b)
         self._seqs[dst_id] = _Sequence(blocks=list(src.blocks), num_tokens=src.num_tokens, extra=src.extra,
@@ -383,24 +398,106 @@ class KVPool:
         return n
 
     # ------------------------------------------------------------------ data
-    def write(self, layer: int, slots, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V `[T, kv_heads, head_dim]` at `slots` (int `[T]`) of `layer`; updates key summaries."""
+    def write(self, layer: int, slots, k: torch.Tensor, v: torch.Tensor, *, seq_id: Hashable | None = None) -> None:
+        """Store K/V `[T, kv_heads, head_dim]` at `slots` (int `[T]`) of `layer`; updates key summaries.
+
+        Only slots the pool handed out may be written (checked on every call, not only in debug
+        mode; docs/security.md): each must be in range, distinct within the call, and lie in a
+        live block that no other sequence shares. A block that is free (even if its prefix-cache
+        entry is still matchable), shared by a fork or a prefix hit, or a full prefix-cache block
+        already written for this layer is refused with `SlotOwnershipError`. With `seq_id` the
+        slots must also be that sequence's, at positions it has appended. The checks run on the
+        CPU: pass the CPU slots `append` returns (CUDA slots cost one sync per new slots tensor;
+        the verdict is reused for every layer of one step).
+        """
         self._check_layer(layer)
-        slots = torch.as_tensor(slots)
-        if slots.ndim != 1 or slots.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"slots: expected a 1-D int32/int64 tensor, got {slots.dtype} shape {tuple(slots.shape)}")
+        slots = self._as_slots(slots)
         want = (slots.shape[0], self.num_kv_heads, self.head_dim)
         for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise ShapeError(f"{name}: expected a torch tensor {want} (slots, kv_heads, head_dim), got "
+                                 f"{type(x).__name__}")
             if tuple(x.shape) != want:
-                raise ValueError(f"{name}: expected shape {want} (slots, kv_heads, head_dim), got {tuple(x.shape)}")
+                raise ShapeError(f"{name}: expected shape {want} (slots, kv_heads, head_dim), got {tuple(x.shape)}")
             if not x.is_floating_point():
-                raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
-        if self.debug and slots.numel():
-            lo, hi = int(slots.min()), int(slots.max())
-            if lo < 0 or hi >= self.num_blocks * self.block_size:
-                raise ValueError(f"slots: expected values in [0, {self.num_blocks * self.block_size}), got [{lo}, {hi}]")
-        if slots.numel():
-            self.storage.write(layer, slots, k, v)
+                raise ShapeError(f"{name}: expected a floating dtype, got {x.dtype}")
+        if not slots.numel():
+            return
+        blocks, offsets = self._check_slots(slots, seq_id)
+        self._check_unsealed(layer, blocks, offsets)
+        self.storage.write(layer, slots, k, v)
+        np.maximum.at(self._filled[layer], blocks, offsets + 1)
+
+    def _as_slots(self, slots) -> torch.Tensor:
+        if not isinstance(slots, torch.Tensor):
+            arr = np.asarray(slots)
+            if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+                raise ShapeError(f"slots: expected a 1-D int32/int64 tensor, got {type(slots).__name__} of {arr.dtype}")
+            slots = torch.from_numpy(arr.astype(np.int64))
+        if slots.ndim != 1 or slots.dtype not in (torch.int32, torch.int64):
+            raise ShapeError(f"slots: expected a 1-D int32/int64 tensor, got {slots.dtype} shape {tuple(slots.shape)}")
+        return slots
+
+    def _check_slots(self, slots: torch.Tensor, seq_id: Hashable | None) -> tuple[np.ndarray, np.ndarray]:
+        """(block, offset) of every slot, after the range, duplicate and ownership checks (memoized per
+        slots tensor until the pool changes, so the layers of one step pay once)."""
+        memo = self._slot_memo
+        if (memo is not None and memo[0] is slots and memo[1] == slots._version and memo[2] == self._epoch
+                and memo[3] == seq_id):
+            return memo[4], memo[5]
+        s = slots.detach().to("cpu").numpy().astype(np.int64, copy=False)
+        total = self.num_blocks * self.block_size
+        bad = np.flatnonzero((s < 0) | (s >= total))
+        if bad.size:
+            i = int(bad[0])
+            raise OutOfRangeError(f"slots: expected values in [0, {total}) (num_blocks * block_size), got "
+                                  f"{int(s[i])} at index {i} (range [{int(s.min())}, {int(s.max())}])")
+        order = np.sort(s)
+        dup = np.flatnonzero(order[1:] == order[:-1])
+        if dup.size:
+            raise ArgumentError(f"slots: expected distinct slots within one write, got slot {int(order[dup[0]])} "
+                                f"more than once ({dup.size} repeats)")
+        bs = self.block_size
+        blocks, offsets = s // bs, s % bs
+        ref = self.manager.ref
+        for b in np.unique(blocks).tolist():
+            r = ref[b]
+            if r == 0:
+                cached = self.manager.block_hash[b] is not None
+                raise SlotOwnershipError(
+                    f"slots: expected slots of live sequences, got slot {int(s[np.argmax(blocks == b)])} in block {b}, "
+                    f"which is free{' (its cached prefix stays matchable)' if cached else ''}; write only slots "
+                    "that append returned")
+            if r > 1:
+                raise SlotOwnershipError(
+                    f"slots: expected slots of unshared blocks, got slot {int(s[np.argmax(blocks == b)])} in block {b}, "
+                    f"shared by {r} sequences (a fork or a prefix hit); writing it would change their K/V")
+        if seq_id is not None:
+            seq = self._seq(seq_id)
+            logical = {b: i for i, b in enumerate(seq.blocks)}
+            for j, b in enumerate(blocks.tolist()):
+                i = logical.get(b)
+                if i is None or i * bs + int(offsets[j]) >= seq.num_tokens:
+                    raise SlotOwnershipError(
+                        f"slots: expected slots of {seq_id!r} below its {seq.num_tokens} tokens, got slot {int(s[j])} "
+                        f"(index {j}), " + ("in a block it does not hold" if i is None else
+                                            f"position {i * bs + int(offsets[j])}"))
+        self._slot_memo = (slots, slots._version, self._epoch, seq_id, blocks, offsets)
+        return blocks, offsets
+
+    def _check_unsealed(self, layer: int, blocks: np.ndarray, offsets: np.ndarray) -> None:
+        """A full prefix-cache block whose every position this layer already holds is read-only: other
+        sequences may match it at any time."""
+        if not self.prefix_caching:
+            return
+        full = self._filled[layer][blocks] >= self.block_size
+        if full.any():
+            for j in np.flatnonzero(full).tolist():
+                b = int(blocks[j])
+                if self.manager.block_hash[b] is not None:
+                    raise SlotOwnershipError(
+                        f"slots: expected writable slots, got slot {b * self.block_size + int(offsets[j])} (index {j}) "
+                        f"in block {b}, a full prefix-cache block already written for layer {layer}; it is read-only")
 
     def gather(self, layer: int, seq_id: Hashable, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a sequence as contiguous `[num_tokens, kv_heads, head_dim]` (fp8: dequantized)."""
@@ -430,6 +527,69 @@ class KVPool:
         """int32 `[B]` token counts (positions with slots) per sequence."""
         lens = np.array([self._seq(s).num_tokens for s in seq_ids], dtype=np.int32)
         return torch.from_numpy(lens).to(device or self.device)
+
+    def check_tables(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     block_indices: torch.Tensor | None = None, *, contiguous: bool = False) -> None:
+        """Check the values of attention arguments against the pool (paged_decode/prefill call this).
+
+        block_table ids must lie in [-1, num_blocks); seq_lens[b] must be >= 0 and cover only
+        positions written for `layer` (an unwritten slot holds stale K/V of an earlier owner);
+        positions past the table or under a -1 entry are masked (with `contiguous`, for prefill,
+        seq_lens[b] may not reach past the row's first -1);
+        block_indices must lie in [-1, table width) without repeats in a row. Types and shapes
+        are the caller's to check first. The values are read on the host, so with CUDA tensors
+        the check runs in debug mode only (it would cost a sync per call) and never while a CUDA
+        graph is being captured.
+        """
+        self._check_layer(layer)
+        tensors = [t for t in (block_table, seq_lens, block_indices) if t is not None]
+        on_cpu = all(t.device.type == "cpu" for t in tensors)
+        if not on_cpu:
+            if not self.debug or torch.cuda.is_current_stream_capturing():
+                log.debug("check_tables: value checks skipped for CUDA tensors (set KVPOOL_DEBUG=1 to run them)")
+                return
+        table = block_table.detach().to("cpu").numpy().astype(np.int64, copy=False)
+        lens = seq_lens.detach().to("cpu").numpy().astype(np.int64, copy=False)
+        bad = np.argwhere((table < -1) | (table >= self.num_blocks))
+        if bad.size:
+            b, i = (int(x) for x in bad[0])
+            raise OutOfRangeError(f"block_table: expected block ids in [-1, {self.num_blocks}) (num_blocks), got "
+                                  f"{int(table[b, i])} at [{b}, {i}]")
+        bs, width = self.block_size, table.shape[1]
+        valid = table >= 0
+        # Leading valid entries per row: seq_lens may not reach past the first -1.
+        lead = np.where(valid.all(axis=1), width, np.argmin(valid, axis=1)) if width else np.zeros(len(table), int)
+        for b in range(len(lens)):
+            L = int(lens[b])
+            if L < 0 or (contiguous and L > int(lead[b]) * bs):
+                hi = f"{int(lead[b]) * bs}] (its {int(lead[b])} leading blocks x block_size {bs})" if contiguous else "inf)"
+                raise OutOfRangeError(f"seq_lens[{b}]: expected a length in [0, {hi}, got {L}")
+            nb = min(-(-L // bs), width)
+            if nb:
+                ids = table[b, :nb]
+                have = np.where(ids >= 0, self._filled[layer][np.maximum(ids, 0)], bs)  # -1: masked, not read
+                need = np.minimum(bs, L - np.arange(nb) * bs)
+                short = np.flatnonzero(have < need)
+                if short.size:
+                    i = int(short[0])
+                    raise OutOfRangeError(
+                        f"seq_lens[{b}]: expected at most the tokens written for layer {layer}, got {L}: block "
+                        f"{int(table[b, i])} (table[{b}, {i}]) holds {int(have[i])} written positions, position "
+                        f"{i * bs + int(have[i])} would read stale K/V")
+        if block_indices is not None:
+            bi = block_indices.detach().to("cpu").numpy().astype(np.int64, copy=False)
+            bad = np.argwhere((bi < -1) | (bi >= width))
+            if bad.size:
+                where = ", ".join(str(int(x)) for x in bad[0])
+                raise OutOfRangeError(f"block_indices: expected logical block positions in [-1, {width}) (the block "
+                                      f"table's width), got {int(bi[tuple(bad[0])])} at [{where}]")
+            rows = bi.reshape(-1, bi.shape[-1]) if bi.size else bi.reshape(0, 0)
+            srt = np.sort(rows, axis=-1)
+            dup = np.argwhere((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0))
+            if dup.size:
+                r, j = (int(x) for x in dup[0])
+                raise ArgumentError(f"block_indices: expected no repeated block in a row, got {int(srt[r, j])} twice "
+                                    f"in row {r} (of the flattened [batch{', kv_heads' if bi.ndim == 3 else ''}] rows)")
 
     def key_summary(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kmin, kmax), each `[num_blocks, kv_heads, head_dim]`: per-block per-channel key bounds.
@@ -503,6 +663,7 @@ class KVPool:
                 raise InvariantError("host tier: " + "; ".join(problems))
 
     def _after_op(self) -> None:
+        self._epoch += 1
         if self.debug:
             self.check_invariants()
 
@@ -511,11 +672,15 @@ class KVPool:
         try:
             return self._seqs[seq_id]
         except KeyError:
-            raise KeyError(f"seq_id: {seq_id!r} is not a registered sequence") from None
+            raise UnknownSequenceError(f"seq_id: {seq_id!r} is not a registered sequence") from None
+        except TypeError:
+            raise ArgumentError(f"seq_id: expected a hashable id, got {type(seq_id).__name__}") from None
 
     def _check_layer(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise ArgumentError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
         if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer: expected 0 <= layer < {self.num_layers}, got {layer}")
+            raise OutOfRangeError(f"layer: expected 0 <= layer < {self.num_layers}, got {layer}")
 
     def __repr__(self) -> str:
         return (f"KVPool(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

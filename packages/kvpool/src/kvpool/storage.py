@@ -7,7 +7,9 @@ offload) is one copy for all layers. A slot is `block * block_size + offset`.
 fp8 (e4m3) storage keeps one fp32 scale per (layer, block, head) for K and one for V:
 value = stored * scale. Scales are powers of two. A write that brings a larger magnitude into a
 block raises the scale and requantizes the block's earlier tokens (exactly, bar values pushed
-into the subnormal range), so a block never saturates.
+into the subnormal range), so a block never saturates. Non-finite inputs do not take part in
+the scale: an Inf is stored as the largest fp8 magnitude (448 * scale) with its sign, a NaN as
+NaN, each only at its own position.
 
 Key summaries (kmin/kmax per block, head and channel) are reduced into by every write; a freshly
 allocated block is reset lazily (`mark_fresh`, applied before the next device op) so allocation
@@ -17,6 +19,7 @@ stays a pure-Python operation.
 from __future__ import annotations
 
 import torch
+from tilehal import ArgumentError
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -36,7 +39,7 @@ class KVStorage:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, pin_memory: bool = False) -> None:
         if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype: expected one of {[str(d) for d in SUPPORTED_DTYPES]}, got {dtype}")
+            raise ArgumentError(f"dtype: expected one of {[str(d) for d in SUPPORTED_DTYPES]}, got {dtype}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
@@ -118,18 +121,27 @@ class KVStorage:
                    x: torch.Tensor) -> None:
         x = x.float()
         # [T, H]: the scale each new token asks for, rounded up to a power of two so that raising
-        # a block's scale later requantizes its earlier tokens exactly (an exponent shift).
-        amax = x.abs().amax(dim=-1)
+        # a block's scale later requantizes its earlier tokens exactly (an exponent shift). Only
+        # finite values set it: an Inf saturates to the largest fp8 value of its own (token, head)
+        # and a NaN stays a NaN there, instead of an infinite scale turning every other token of
+        # the block (and of every sequence sharing it) into NaN.
+        finite = torch.isfinite(x)
+        amax = torch.where(finite, x.abs(), torch.zeros_like(x)).amax(dim=-1)
         need = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30) / FP8_MAX))),
                            torch.zeros_like(amax))
+        # A (token, head) with an Inf needs some scale to keep the Inf's sign: the smallest that matters.
+        has_inf = torch.isinf(x).any(dim=-1)
+        need = torch.where(has_inf, need.clamp_min(2.0 ** -20), need)
         new_scale = scale.clone()
         new_scale.scatter_reduce_(0, blocks.view(-1, 1).expand_as(need), need, "amax", include_self=True)
         touched = torch.unique(blocks)
         old_s, new_s = scale[touched], new_scale[touched]
         # Requantize the earlier tokens of every touched block to the (possibly larger) scale.
-        ratio = torch.where(new_s > 0, old_s / new_s.clamp_min(1e-30), torch.zeros_like(new_s))
+        # A block with no scale yet holds nothing but a NaN written there (or stale bytes of an earlier
+        # owner): keep the NaNs, clear the rest.
+        ratio = torch.where(new_s > 0, old_s / new_s.clamp_min(1e-30), torch.zeros_like(new_s))[:, None, :, None]
         old = _raw(cache).index_select(0, touched).view(FP8_DTYPE).float()
-        old = torch.where(ratio[:, None, :, None] > 0, old * ratio[:, None, :, None], torch.zeros_like(old))
+        old = torch.where(ratio > 0, old * ratio, torch.where(torch.isnan(old), old, torch.zeros_like(old)))
         _raw(cache).index_copy_(0, touched, _raw(old.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)))
         scale.copy_(new_scale)
         s = new_scale[blocks].clamp_min(1e-30)  # [T, H]
