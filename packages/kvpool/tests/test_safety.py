@@ -59,10 +59,23 @@ def test_shared_prefix_blocks_are_read_only():
     with pytest.raises(SlotOwnershipError, match="shared by 2 sequences"):
         pool.write(0, s[:4], *kv(4, 5.0))
     pool.free("b")
-    with pytest.raises(SlotOwnershipError, match="full prefix-cache block already written"):
+    with pytest.raises(SlotOwnershipError, match="a prefix-cache block any later prompt may match"):
         pool.write(0, s[:4], *kv(4, 5.0))  # unshared again, but matchable by the next prompt
     pool.write(0, s[4:], *kv(1, 5.0))  # the partial last block stays the owner's
     assert torch.all(pool.gather(0, "a")[0][:4] == 1.0)
+
+
+def test_append_fork_then_write_reaches_every_fork():
+    """The order a generation step uses (tilestack.hf's parallel sampling): unwritten positions of a
+    block shared right after append may be written once, and every fork sees them."""
+    pool = pool_of()
+    pool.add_sequence("a", [1, 2, 3])
+    s = pool.append("a", 3)
+    pool.fork("a", "b")
+    pool.write(0, s, *kv(3, 4.0))
+    assert torch.all(pool.gather(0, "b")[0] == 4.0)
+    with pytest.raises(SlotOwnershipError, match="shared by 2"):
+        pool.write(0, s, *kv(3, 5.0))
 
 
 @pytest.mark.parametrize("bad", [-1, 64, 10**9, -(2**40)])

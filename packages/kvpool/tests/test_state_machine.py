@@ -130,9 +130,8 @@ class PoolMachine(RuleBasedStateMachine):
         slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(start, L)], dtype=torch.int32)
         mgr = self.pool.manager
         touched = {p // BS for p in range(start, L)}
-        # The write contract: a shared block, or a full prefix-cache block already written, is read-only.
-        refused = any(mgr.ref[blocks[i]] > 1 or (mgr.block_hash[blocks[i]] is not None and (i + 1) * BS <= L)
-                      for i in touched)
+        # The write contract: written positions of a shared or prefix-cached block are read-only.
+        refused = any(mgr.ref[blocks[i]] > 1 or mgr.block_hash[blocks[i]] is not None for i in touched)
         before = self._state()
         try:
             self._write_new(sid, slots, start)

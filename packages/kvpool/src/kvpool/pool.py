@@ -122,6 +122,7 @@ class KVPool:
         # a full prefix-cache block is sealed once written, and decode checks seq_lens against it).
         self._filled = np.zeros((num_layers, num_blocks), dtype=np.int32)
         self._epoch = 0  # bumped by every operation that changes block ownership
+        self._untracked_writes = False  # a write went unchecked (CUDA graph capture): _filled is a lower bound
         self._slot_memo: tuple | None = None
 
     # ------------------------------------------------------------------ properties
@@ -423,6 +424,14 @@ class KVPool:
                 raise ShapeError(f"{name}: expected a floating dtype, got {x.dtype}")
         if not slots.numel():
             return
+        if slots.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Reading the slots would need a sync, which capture forbids (and a replay runs no Python):
+            # the write is unchecked, and from now on seq_lens cannot be checked against written tokens.
+            if not self._untracked_writes:
+                log.debug("write: slot checks skipped during CUDA graph capture; written-token tracking off")
+            self._untracked_writes = True
+            self.storage.write(layer, slots, k, v)
+            return
         blocks, offsets = self._check_slots(slots, seq_id)
         self._check_unsealed(layer, blocks, offsets)
         self.storage.write(layer, slots, k, v)
@@ -468,10 +477,6 @@ class KVPool:
                     f"slots: expected slots of live sequences, got slot {int(s[np.argmax(blocks == b)])} in block {b}, "
                     f"which is free{' (its cached prefix stays matchable)' if cached else ''}; write only slots "
                     "that append returned")
-            if r > 1:
-                raise SlotOwnershipError(
-                    f"slots: expected slots of unshared blocks, got slot {int(s[np.argmax(blocks == b)])} in block {b}, "
-                    f"shared by {r} sequences (a fork or a prefix hit); writing it would change their K/V")
         if seq_id is not None:
             seq = self._seq(seq_id)
             logical = {b: i for i, b in enumerate(seq.blocks)}
@@ -486,18 +491,23 @@ class KVPool:
         return blocks, offsets
 
     def _check_unsealed(self, layer: int, blocks: np.ndarray, offsets: np.ndarray) -> None:
-        """A full prefix-cache block whose every position this layer already holds is read-only: other
-        sequences may match it at any time."""
-        if not self.prefix_caching:
+        """Positions other sequences can read are immutable: in a block shared by a fork or a prefix hit,
+        or registered in the prefix cache (matchable by any later prompt), a position already written
+        for this layer may not be written again. Unwritten positions of such a block may (append, fork,
+        then write the step's K/V is the normal order)."""
+        written = offsets < self._filled[layer][blocks]
+        if not written.any():
             return
-        full = self._filled[layer][blocks] >= self.block_size
-        if full.any():
-            for j in np.flatnonzero(full).tolist():
-                b = int(blocks[j])
-                if self.manager.block_hash[b] is not None:
-                    raise SlotOwnershipError(
-                        f"slots: expected writable slots, got slot {b * self.block_size + int(offsets[j])} (index {j}) "
-                        f"in block {b}, a full prefix-cache block already written for layer {layer}; it is read-only")
+        ref, hashes = self.manager.ref, self.manager.block_hash
+        for j in np.flatnonzero(written).tolist():
+            b = int(blocks[j])
+            if ref[b] > 1 or hashes[b] is not None:
+                why = (f"shared by {ref[b]} sequences (a fork or a prefix hit)" if ref[b] > 1
+                       else "a prefix-cache block any later prompt may match")
+                raise SlotOwnershipError(
+                    f"slots: expected unwritten or private slots, got slot {b * self.block_size + int(offsets[j])} "
+                    f"(index {j}), already written for layer {layer} in block {b}, {why}; rewriting it would change "
+                    "K/V that other sequences read")
 
     def gather(self, layer: int, seq_id: Hashable, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a sequence as contiguous `[num_tokens, kv_heads, head_dim]` (fp8: dequantized)."""
@@ -565,7 +575,7 @@ class KVPool:
                 hi = f"{int(lead[b]) * bs}] (its {int(lead[b])} leading blocks x block_size {bs})" if contiguous else "inf)"
                 raise OutOfRangeError(f"seq_lens[{b}]: expected a length in [0, {hi}, got {L}")
             nb = min(-(-L // bs), width)
-            if nb:
+            if nb and not self._untracked_writes:
                 ids = table[b, :nb]
                 have = np.where(ids >= 0, self._filled[layer][np.maximum(ids, 0)], bs)  # -1: masked, not read
                 need = np.minimum(bs, L - np.arange(nb) * bs)
