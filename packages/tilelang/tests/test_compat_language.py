@@ -99,3 +99,46 @@ def test_loop_variable_does_not_shadow_a_dynamic_size(target):
                                   "StridedTensor", "float", "double"])
 def test_public_names_exist(name):
     assert name in T.__all__ and hasattr(T, name)
+
+
+def test_two_kernels_through_an_alloc_global(target):
+    """Split + combine: the first T.Kernel writes partial row sums into a T.alloc_global tensor, the second
+    reduces them (each kernel its own C block, the workspace allocated per call and not returned)."""
+
+    @tilelang.jit(out_idx=[-1], target=target)
+    def rowsum(m, n, split):
+        chunk = n // split
+
+        @T.prim_func
+        def main(A: T.Tensor((m, n), "float32"), Y: T.Tensor((m,), "float32")):
+            part = T.alloc_global((split, m), "float32")
+            with T.Kernel(split) as s:
+                tile = T.alloc_fragment((m, chunk), "float32")
+                acc = T.alloc_fragment((m,), "float32")
+                T.copy(A[0, s * chunk], tile)
+                T.reduce_sum(tile, acc, dim=1)
+                T.copy(acc, part[s, 0])
+            with T.Kernel(1) as _:
+                parts = T.alloc_fragment((split, m), "float32")
+                acc = T.alloc_fragment((m,), "float32")
+                T.copy(part, parts)
+                T.reduce_sum(parts, acc, dim=0)
+                T.copy(acc, Y)
+
+        return main
+
+    k = rowsum(6, 32, 4)
+    assert len(k.prim_func.params) == 3 and k.prim_func.workspace[0].name == "part"
+    a = np.random.default_rng(2).standard_normal((6, 32)).astype(np.float32)
+    for _ in range(2):  # the workspace starts at zero on every call
+        np.testing.assert_allclose(k(a), a.sum(1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k(a, np.zeros(6, np.float32)), a.sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_alloc_global_inside_a_kernel_is_an_error():
+    with pytest.raises(tilelang.CompileError, match="outside `with T.Kernel`"):
+        @T.prim_func
+        def main(A: T.Tensor((4,), "float32")):
+            with T.Kernel(1) as _:
+                g = T.alloc_global((4,), "float32")
+                g[0] = A[0]

@@ -334,7 +334,8 @@ class EagerParser(Parser):
             self.fail(fdef, f"T.empty tensor(s) {[b.name for b in extra]} are not returned")
         params = [self.params[n] for n in self.tensor_names] + self.outputs
         out_idx = [params.index(b) for b in returned]
-        func = PrimFunc(fdef.name, params, _seq(stmts), self.dyn, self.loc(fdef), self.source)
+        ws = list(self.shared.workspace)
+        func = PrimFunc(fdef.name, params + ws, _seq(stmts), self.dyn, self.loc(fdef), self.source, ws)
         verify(func)
         return EagerResult(func, out_idx, dict(self.const_values), dict(self.matcher))
 

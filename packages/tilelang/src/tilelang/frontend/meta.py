@@ -101,6 +101,7 @@ class Shared:
         self.names = itertools.count()
         self.kernel: Kernel | None = None
         self.used_names: set[str] = set()
+        self.workspace: list[Buffer] = []  # T.alloc_global buffers
 
     def fresh(self, base: str) -> str:
         name = base

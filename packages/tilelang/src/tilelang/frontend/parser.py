@@ -83,7 +83,8 @@ class Parser(TileOpBinder):
         body = self.block(fdef.body)
         if not any(isinstance(s, Kernel) for s in (body.body if isinstance(body, Seq) else [body])):
             self.fail(fdef, "a prim_func body needs a `with T.Kernel(...)` block")
-        func = PrimFunc(fdef.name, params, body, dyn, self.loc(fdef), self.source)
+        ws = list(self.shared.workspace)
+        func = PrimFunc(fdef.name, params + ws, body, dyn, self.loc(fdef), self.source, ws)
         verify(func)
         return func
 
@@ -358,7 +359,35 @@ class Parser(TileOpBinder):
                            f"with {len(idx)} index(es)")
         return idx
 
+    def alloc_global(self, call: ast.Call, name: str) -> None:
+        """`T.alloc_global(shape, dtype)` outside the kernels: a zero-filled global tensor that lives for one call
+        (e.g. split results passed from one T.Kernel to the next); the runtime allocates it."""
+        if self.shared.kernel is not None:
+            self.fail(call, "T.alloc_global creates a global tensor: call it outside `with T.Kernel`")
+        args = self.eval_args(call.args)
+        kw = {k.arg: self.value(k.value) for k in call.keywords}
+        shape = kw.pop("shape", args[0] if args else None)
+        dtype = kw.pop("dtype", args[1] if len(args) > 1 else "float32")
+        kw.pop("scope", None)
+        if kw:
+            self.fail(call, f"T.alloc_global: unknown keyword(s) {sorted(kw)}")
+        if isinstance(shape, int):
+            shape = (shape,)
+        if not isinstance(shape, (list, tuple)) or not shape or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
+            self.fail(call, f"T.alloc_global: shape must be a tuple of positive Python ints, got {shape!r}")
+        try:
+            dtype = dt.canonical(dtype)
+        except TypeError as e:
+            self.fail(call, f"T.alloc_global: {e}")
+        buf = Buffer(self.shared.fresh(name), tuple(const(int(s)) for s in shape), dtype, "global")
+        self.shared.workspace.append(buf)
+        self.bind(name, buf)
+        return None
+
     def alloc(self, call: ast.Call, scope: str, name: str) -> Stmt:
+        if scope == "global":
+            return self.alloc_global(call, name)
         self._need_kernel(call, f"T.alloc_{scope}")
         args = self.eval_args(call.args)
         kw = {k.arg: self.value(k.value) for k in call.keywords}

@@ -360,6 +360,7 @@ class PrimFunc:
     dynamic_vars: list[Var]
     loc: SourceLoc | None = None
     source: str = ""
+    workspace: list[Buffer] = field(default_factory=list)  # T.alloc_global: trailing params the runtime allocates
 
     def script(self) -> str:
         from .printer import print_func

@@ -126,6 +126,9 @@ alloc_shared = _alloc("shared")
 alloc_fragment = _alloc("fragment")
 alloc_local = _alloc("local")
 alloc_var = _alloc("var")
+alloc_global = _statement("alloc_global", "buf = T.alloc_global(shape, dtype): a zero-filled global tensor for one "
+                                          "call, shared by the program's T.Kernel blocks (outside them)")
+alloc_global.__tl_alloc__ = "global"
 copy = _statement("copy", "T.copy(src, dst): tile copy between global/shared/fragment (zero-fill past the end)")
 gemm = _statement("gemm", "T.gemm(A, B, C, transpose_A=False, transpose_B=False, clear_accum=False): C += A @ B")
 clear = _statement("clear", "T.clear(buf): fill with zero")
@@ -142,7 +145,7 @@ annotate_layout = _statement("annotate_layout", "T.annotate_layout({buf: layout}
 
 __all__ = [  # noqa: F405
     "Buffer", "GemmWarpPolicy", "Serial", "Unroll", "Vectorized", "parallel", "StridedTensor", "const", "dtype", "empty", "Kernel", "Macro", "Parallel", "Pipelined", "Tensor", "TensorType", "abs",
-    "Cast", "alloc_fragment", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
+    "Cast", "alloc_fragment", "alloc_global", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
     "ceildiv", "clamp", "clear", "copy", "cos", "cumsum", "dynamic", "exp", "exp2", "fill", "floor", "floordiv", "floormod",
     "gemm", "grid", "if_then_else", "infinity", "log", "log2", "macro", "max", "max_value", "min", "min_value",
     "pow", "prim_func", "reduce_absmax", "reduce_abssum", "reduce_max", "reduce_min", "reduce_sum", "round",

@@ -29,7 +29,8 @@ class JITKernel:
         self.prim_func = func
         self.requested_target = (target or "auto").lower()
         self.target = resolve_target(target)
-        n = len(func.params)
+        workspace = [func.params.index(b) for b in getattr(func, "workspace", [])]
+        n = len(func.params) - len(workspace)  # out_idx counts the user's parameters only
         if out_idx is None:
             idx: list[int] = []
         elif isinstance(out_idx, int):
@@ -41,7 +42,8 @@ class JITKernel:
             if not -n <= i < n:
                 raise ValueError(f"out_idx: expected indices in [-{n}, {n}) for {n} parameters, got {i}")
             norm.append(i % n)
-        self.out_idx = norm
+        self.workspace_idx = workspace  # T.alloc_global buffers: allocated per call like outputs, not returned
+        self.out_idx = norm + workspace
         from ..pass_config import check_pass_configs
 
         self.pass_configs = check_pass_configs(pass_configs, self.target)
@@ -104,7 +106,7 @@ class JITKernel:
 
     def __call__(self, *args: Any) -> Any:
         n_in = len(self.params) - len(self.out_idx)
-        if len(args) == len(self.params) and self.out_idx:
+        if len(args) == len(self.params) - len(self.workspace_idx) and self.out_idx:
             args = tuple(a for i, a in enumerate(args) if i not in self.out_idx)  # outputs passed explicitly: ignored
         if len(args) != n_in:
             names = [p.name for i, p in enumerate(self.params) if i not in self.out_idx]
@@ -137,7 +139,8 @@ class JITKernel:
                 full[i] = torch.zeros(shape, dtype=tilehal.to_torch_dtype(dtype))
             else:
                 full[i] = np.zeros(shape, dtype=tilehal.to_numpy_dtype(dtype))
-            outs.append(full[i])
+            if i not in self.workspace_idx:
+                outs.append(full[i])
         if backend.device == "cuda":
             impl(full, dyn)
         else:

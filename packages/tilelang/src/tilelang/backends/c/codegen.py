@@ -307,8 +307,12 @@ class CCodegen:
         self.lines.append(f"{sig} {{")
         self.lines.append("  int _tl_status = 0;  /* 1: an on-chip buffer could not be allocated */")
         for s in kernels:
-            if isinstance(s, Kernel):
+            if isinstance(s, Kernel):  # one C block per T.Kernel: programs may launch several in sequence
+                self.emit("{")
+                self.ind += 1
                 self.kernel(s)
+                self.ind -= 1
+                self.emit("}")
             else:
                 self.stmt(s)
         self.lines.append("  return _tl_status;")
