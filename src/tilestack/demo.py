@@ -231,16 +231,33 @@ def _request(model, cache, prompt, forced, n_free: int, label: str, probe=None, 
 
 
 def run(device: str | None = None, context: int | None = None, new_tokens: int = 12, top_k: int | None = None,
-        seed: int = 0, json_path: str | None = None, out=None) -> dict:
+        seed: int = 0, json_path: str | None = None, out=None, threads: int | None = None) -> dict:
     """The long-context job; returns (and prints) its report."""
     import torch
-
-    import tilestack.hf as th
 
     out = out or sys.stdout
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.startswith("cuda")
-    context = context or (32768 if on_gpu else 2048)
+    threads_note = ""
+    if threads is None and not on_gpu and hasattr(os, "getloadavg") and os.getloadavg()[0] >= (os.cpu_count() or 1):
+        threads = 1  # an oversubscribed machine: intra-op threads only wait for each other (5x slower steps here)
+        threads_note = f" (load average {os.getloadavg()[0]:.0f} >= {os.cpu_count()} cores)"
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+        threads_note = f", {threads} torch thread{'s' if threads > 1 else ''}" + threads_note
+    try:
+        return _run(device, on_gpu, context, new_tokens, top_k, seed, json_path, out, threads_note)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(device, on_gpu, context, new_tokens, top_k, seed, json_path, out, threads_note) -> dict:
+    import torch
+
+    import tilestack.hf as th
+
+    context = context or (32768 if on_gpu else 4096)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     block = 16
     top_k = top_k or max(8, context // block // 16)  # 1/16 of the context's blocks
@@ -254,7 +271,7 @@ def run(device: str | None = None, context: int | None = None, new_tokens: int =
     question_b = torch.randint(0, vocab - NEEDLE_IDS, (12,), generator=g).tolist()
 
     print(f"TileStack demo: {context}-token context, Llama-architecture model (4 layers, GQA 8/2, d32, random "
-          f"weights), {device}, {str(dtype).replace('torch.', '')}", file=out)
+          f"weights), {device}, {str(dtype).replace('torch.', '')}{threads_note}", file=out)
     print(f"  kvpool blocks of {block} tokens, prefix caching on; sparse decode: top {top_k} blocks of "
           f"{-(-context // block)} per kv head (sink 1, local 1); needle of {needle_len} tokens at depth {depth}",
           file=out, flush=True)
@@ -317,10 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tilestack demo", description=__doc__.split("\n")[0])
     p.add_argument("--examples", action="store_true", help="run every installed package's README example instead")
     p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--context", type=int, help="context tokens (default 2048 on CPU, 32768 on CUDA)")
+    p.add_argument("--context", type=int, help="context tokens (default 4096 on CPU, 32768 on CUDA)")
     p.add_argument("--new-tokens", type=int, default=12, help="greedy tokens per request")
     p.add_argument("--top-k", type=int, help="sparse block budget per kv head (default 1/16 of the blocks)")
     p.add_argument("--json", help="write the report here")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; 1 when the load average "
+                                               "exceeds the cores)")
     args = p.parse_args(argv)
     if args.examples:
         return run_examples()
@@ -329,5 +348,5 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"tilestack demo: {e}", file=sys.stderr)
         return 1
-    run(args.device, args.context, args.new_tokens, args.top_k, json_path=args.json)
+    run(args.device, args.context, args.new_tokens, args.top_k, json_path=args.json, threads=args.threads)
     return 0
