@@ -15,14 +15,27 @@ sum_i max(q_i * kmax_i, q_i * kmin_i) >= q . k for every k in the block, so the 
 top-scoring key always ranks at least as high as that key's score. GQA: the q heads that share a
 kv head are reduced (max by default) into one score per kv head, because the kv head's blocks
 are fetched once for the whole group.
+
+Tie rule (GPU kernel and reference alike): forced blocks (sink/local) first, then higher score,
+then lower position; -0 equals +0. Only forced blocks and blocks scoring above -inf are returned.
+
+On CUDA tensors of bf16/fp16/fp32 with head_dim 64/128/256, `select_blocks`, `quest_scores` and
+`topk_blocks` run the kernels of cuda_select.py (kernels/select.cuh): two launches, no host
+synchronization, CUDA-graph capturable. Checks that would need the tensors' values on the host
+(block ids < num_blocks, NaN scores) are skipped there unless `validate=True`: the kernels never
+read out of bounds (an id >= num_blocks scores -inf) and never choose a NaN score. The torch
+functions (`*_reference`) serve CPU tensors and are the oracle of the kernels' tests.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import torch
 from tilehal import ShapeError
+
+log = logging.getLogger("dataengine.select")
 
 Reduce = Literal["max", "sum", "mean"]
 
@@ -43,12 +56,50 @@ def num_valid_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_si
     return (block_table >= 0).sum(-1).long() * (seq_lens > 0).long()
 
 
+def _cuda_reason(q, kmin) -> str | None:
+    if q.device.type != "cuda":
+        return "not on CUDA"
+    from . import cuda_select
+
+    return cuda_select.unsupported_reason(q, kmin)
+
+
+def _check_reduce(reduce) -> None:
+    if reduce not in ("max", "sum", "mean"):
+        raise ValueError(f"reduce: expected 'max', 'sum' or 'mean', got {reduce!r}")
+
+
+def _valid_mask(block_table, seq_lens, block_size, nb, device) -> torch.Tensor:
+    n_valid = num_valid_blocks(block_table, seq_lens, block_size).to(device)
+    return torch.arange(nb, device=device)[None, :] < n_valid[:, None]
+
+
 def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, block_size: int | None = None, reduce: Reduce = "max") -> torch.Tensor:
+                 seq_lens: torch.Tensor, block_size: int | None = None, reduce: Reduce = "max",
+                 validate: bool | None = None) -> torch.Tensor:
     """Quest upper bound per (sequence, kv head, logical block): float32 [B, kv_heads, max_blocks].
 
-    Blocks past a sequence's end score -inf.
+    Blocks past a sequence's end score -inf. `validate` (default: on CPU only) checks block ids
+    against num_blocks on the host.
     """
+    _check_reduce(reduce)
+    reason = _cuda_reason(q, kmin)
+    if reason is not None:
+        if q.device.type == "cuda":
+            log.debug("quest_scores: CUDA kernel not used (%s); running the torch reference", reason)
+        return quest_scores_reference(q, kmin, kmax, block_table, seq_lens, block_size, reduce)
+    from . import cuda_select
+
+    _check_inputs(q, kmin, kmax, block_table, seq_lens, check_ids=bool(validate))
+    raw = cuda_select.quest_raw_scores(q, kmin, kmax, block_table, reduce)
+    valid = _valid_mask(block_table, seq_lens, block_size, raw.shape[-1], raw.device)
+    return raw.masked_fill(~valid[:, None, :], float("-inf"))
+
+
+def quest_scores_reference(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, block_size: int | None = None,
+                           reduce: Reduce = "max") -> torch.Tensor:
+    """Torch reference of `quest_scores` (any device; validates block ids on the host)."""
     _check_inputs(q, kmin, kmax, block_table, seq_lens)
     B, Hq, D = q.shape
     Hkv = kmin.shape[1]
@@ -72,12 +123,11 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
         score = bound.mean(2)
     else:
         raise ValueError(f"reduce: expected 'max', 'sum' or 'mean', got {reduce!r}")
-    n_valid = num_valid_blocks(block_table, seq_lens, block_size).to(score.device)
-    valid = torch.arange(block_table.shape[1], device=score.device)[None, :] < n_valid[:, None]
+    valid = _valid_mask(block_table, seq_lens, block_size, block_table.shape[1], score.device)
     return score.masked_fill(~valid[:, None, :], float("-inf"))
 
 
-def _check_inputs(q, kmin, kmax, block_table, seq_lens) -> None:
+def _check_inputs(q, kmin, kmax, block_table, seq_lens, check_ids: bool = True) -> None:
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ShapeError(f"q: expected [B, q_heads, head_dim], got {getattr(q, 'shape', type(q).__name__)}")
     B, Hq, D = q.shape
@@ -95,70 +145,141 @@ def _check_inputs(q, kmin, kmax, block_table, seq_lens) -> None:
         raise ShapeError(f"block_table: expected {B} rows (batch of q), got {block_table.shape[0]}")
     if seq_lens.shape[0] != B:
         raise ShapeError(f"seq_lens: expected shape ({B},), got {tuple(seq_lens.shape)}")
-    if block_table.numel() and int(block_table.max()) >= kmin.shape[0]:
+    for name, t in (("kmin", kmin), ("kmax", kmax), ("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ShapeError(f"{name}: expected device {q.device} (q's), got {t.device}")
+    if check_ids and block_table.numel() and int(block_table.max()) >= kmin.shape[0]:
         raise ShapeError(f"block_table: expected physical ids < num_blocks ({kmin.shape[0]}), got {int(block_table.max())}")
 
 
 def _select(scores: torch.Tensor, n_valid: torch.Tensor, k: int, sink_blocks: int, local_blocks: int) -> torch.Tensor:
-    """Top-k positions along the last dim with forced sink/local blocks; ascending, -1 padded, int32."""
+    """Top-k positions along the last dim with forced sink/local blocks; ascending, -1 padded, int32.
+
+    Order: forced first, then higher score, then lower position (two stable sorts).
+    """
     nb = scores.shape[-1]
     pos = torch.arange(nb, device=scores.device)
     nv = n_valid.reshape([n_valid.shape[0]] + [1] * (scores.dim() - 1))
     valid = pos < nv
     forced = valid & ((pos < sink_blocks) | (pos >= nv - local_blocks))
-    key = scores.float().masked_fill(~valid, float("-inf"))
-    key = torch.where(forced, torch.full_like(key, float("inf")), key)
+    forced = forced.expand(scores.shape)
+    # + 0.0 turns -0 into +0 so the two zeros tie (position decides), as in the kernel.
+    key = scores.float().masked_fill(~valid, float("-inf")) + 0.0
     width = min(k, nb)
     if width == 0:
         return torch.empty((*scores.shape[:-1], 0), dtype=torch.int32, device=scores.device)
-    top = torch.topk(key, width, dim=-1)
-    chosen = top.values > float("-inf")
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    first = torch.sort(forced.gather(-1, order).to(torch.uint8), dim=-1, descending=True, stable=True).indices
+    top = order.gather(-1, first)[..., :width]
+    chosen = forced.gather(-1, top) | (key.gather(-1, top) > float("-inf"))
     # Ascending positions first, padding last: sort with padded slots keyed past every position.
-    idx = torch.where(chosen, top.indices, nb)
+    idx = torch.where(chosen, top, nb)
     idx = torch.sort(idx, dim=-1).values
     return torch.where(idx < nb, idx, -1).to(torch.int32)
 
 
+def _check_select_args(top_k: int, sink_blocks: int, local_blocks: int) -> None:
+    if top_k <= 0:
+        raise ValueError(f"top_k: expected a positive number of blocks, got {top_k}")
+    if sink_blocks < 0 or local_blocks < 0:
+        raise ValueError(f"sink_blocks/local_blocks: expected >= 0, got {sink_blocks}/{local_blocks}")
+
+
 def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, top_k: int, sink_blocks: int = 1, local_blocks: int = 1,
-                  block_size: int | None = None, reduce: Reduce = "max") -> torch.Tensor:
+                  block_size: int | None = None, reduce: Reduce = "max", validate: bool | None = None) -> torch.Tensor:
     """Quest selection: int32 logical block positions [B, kv_heads, n], ascending, -1 padded.
 
     `top_k` is the block budget per (sequence, kv head), including the first `sink_blocks` and
     last `local_blocks`, which are always kept (the budget grows to sink + local when smaller).
     n = min(budget, max_blocks); a sequence with fewer valid blocks than the budget gets all of
     them. `block_size`, when given, counts valid blocks from seq_lens instead of the table.
+    On CUDA: two kernel launches, no host sync (`validate=True` adds the host check of block ids).
     """
-    if top_k <= 0:
-        raise ValueError(f"top_k: expected a positive number of blocks, got {top_k}")
-    if sink_blocks < 0 or local_blocks < 0:
-        raise ValueError(f"sink_blocks/local_blocks: expected >= 0, got {sink_blocks}/{local_blocks}")
-    scores = quest_scores(q, kmin, kmax, block_table, seq_lens, block_size, reduce)
+    _check_select_args(top_k, sink_blocks, local_blocks)
+    _check_reduce(reduce)
+    budget = max(top_k, sink_blocks + local_blocks)
+    reason = _cuda_reason(q, kmin)
+    if reason is not None:
+        if q.device.type == "cuda":
+            log.debug("select_blocks: CUDA kernels not used (%s); running the torch reference", reason)
+        return select_blocks_reference(q, kmin, kmax, block_table, seq_lens, top_k, sink_blocks, local_blocks,
+                                       block_size, reduce)
+    from . import cuda_select
+
+    _check_inputs(q, kmin, kmax, block_table, seq_lens, check_ids=bool(validate))
+    raw = cuda_select.quest_raw_scores(q, kmin, kmax, block_table, reduce)
+    width = min(budget, raw.shape[-1])
+    sink, local = min(sink_blocks, raw.shape[-1] + 1), min(local_blocks, raw.shape[-1] + 1)
+    if block_size is not None:
+        return cuda_select.topk_rows(raw, width, raw.shape[1], sink, local, seq_lens=seq_lens, block_size=block_size)
+    return cuda_select.topk_rows(raw, width, raw.shape[1], sink, local, seq_lens=seq_lens, block_table=block_table)
+
+
+def select_blocks_reference(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor,
+                            seq_lens: torch.Tensor, top_k: int, sink_blocks: int = 1, local_blocks: int = 1,
+                            block_size: int | None = None, reduce: Reduce = "max") -> torch.Tensor:
+    """Torch reference of `select_blocks` (any device): the oracle of the GPU kernels."""
+    _check_select_args(top_k, sink_blocks, local_blocks)
+    scores = quest_scores_reference(q, kmin, kmax, block_table, seq_lens, block_size, reduce)
     n_valid = num_valid_blocks(block_table, seq_lens, block_size).to(scores.device)
     budget = max(top_k, sink_blocks + local_blocks)
     return _select(scores, n_valid, budget, sink_blocks, local_blocks)
 
 
-def topk_blocks(scores: torch.Tensor, k: int, num_valid: torch.Tensor | None = None,
-                sink_blocks: int = 0, local_blocks: int = 0) -> torch.Tensor:
-    """NSA-style selection from given block scores [B, ..., num_blocks] (e.g. compressed-attention
-    probabilities summed per block): the k best, ascending, -1 padded, int32 [B, ..., min(k, num_blocks)].
-
-    -inf marks blocks that may not be chosen; `num_valid` [B] limits each batch row to its first
-    blocks; the first `sink_blocks` / last `local_blocks` valid blocks are always kept.
-    """
+def _check_topk_args(scores, k, num_valid, sink_blocks, local_blocks) -> torch.Tensor:
     if not isinstance(scores, torch.Tensor) or scores.dim() < 1:
         raise ShapeError(f"scores: expected a tensor [B, ..., num_blocks], got {getattr(scores, 'shape', scores)}")
     if k <= 0:
         raise ValueError(f"k: expected a positive number of blocks, got {k}")
+    if sink_blocks < 0 or local_blocks < 0:
+        raise ValueError(f"sink_blocks/local_blocks: expected >= 0, got {sink_blocks}/{local_blocks}")
+    rows = scores.shape[0] if scores.dim() > 1 else 1
+    if num_valid is None:
+        return torch.full((rows,), scores.shape[-1], device=scores.device)
+    if not isinstance(num_valid, torch.Tensor):
+        raise ShapeError(f"num_valid: expected an int tensor [{rows}], got {type(num_valid).__name__}")
+    n_valid = num_valid.to(scores.device).long()
+    if n_valid.shape != (rows,):
+        raise ShapeError(f"num_valid: expected shape ({rows},), got {tuple(n_valid.shape)}")
+    return n_valid
+
+
+def topk_blocks(scores: torch.Tensor, k: int, num_valid: torch.Tensor | None = None,
+                sink_blocks: int = 0, local_blocks: int = 0, validate: bool | None = None) -> torch.Tensor:
+    """NSA-style selection from given block scores [B, ..., num_blocks] (e.g. compressed-attention
+    probabilities summed per block): the k best, ascending, -1 padded, int32 [B, ..., min(k, num_blocks)].
+
+    -inf marks blocks that may not be chosen; `num_valid` [B] limits each batch row to its first
+    blocks; the first `sink_blocks` / last `local_blocks` valid blocks are always kept. NaN scores
+    are an error (checked on the host; on CUDA only with `validate=True` and never chosen).
+    On CUDA: one kernel launch, no host sync.
+    """
+    n_valid = _check_topk_args(scores, k, num_valid, sink_blocks, local_blocks)
+    on_gpu = scores.device.type == "cuda" and scores.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if not on_gpu or validate:
+        if torch.isnan(scores).any():
+            raise ValueError("scores: expected no NaN, got NaN entries")
+    if not on_gpu:
+        if scores.device.type == "cuda":
+            log.debug("topk_blocks: CUDA kernel not used (dtype %s); running the torch reference", scores.dtype)
+        return topk_blocks_reference(scores, k, num_valid, sink_blocks, local_blocks)
+    from . import cuda_select
+
+    s2 = scores.unsqueeze(0) if scores.dim() == 1 else scores
+    N = s2.shape[-1]
+    rows_per_b = s2[0].numel() // N if N else 1
+    out = cuda_select.topk_rows(s2, min(k, N), max(rows_per_b, 1), min(sink_blocks, N + 1),
+                                min(local_blocks, N + 1), num_valid=n_valid)
+    return out[0] if scores.dim() == 1 else out
+
+
+def topk_blocks_reference(scores: torch.Tensor, k: int, num_valid: torch.Tensor | None = None,
+                          sink_blocks: int = 0, local_blocks: int = 0) -> torch.Tensor:
+    """Torch reference of `topk_blocks` (any device)."""
+    n_valid = _check_topk_args(scores, k, num_valid, sink_blocks, local_blocks)
     if torch.isnan(scores).any():
         raise ValueError("scores: expected no NaN, got NaN entries")
-    if num_valid is None:
-        n_valid = torch.full((scores.shape[0] if scores.dim() > 1 else 1,), scores.shape[-1], device=scores.device)
-    else:
-        n_valid = num_valid.to(scores.device).long()
-        if n_valid.shape != (scores.shape[0],):
-            raise ShapeError(f"num_valid: expected shape ({scores.shape[0]},), got {tuple(n_valid.shape)}")
     if scores.dim() == 1:
         return _select(scores.unsqueeze(0), n_valid, k, sink_blocks, local_blocks)[0]
     return _select(scores, n_valid, k, sink_blocks, local_blocks)

@@ -1,0 +1,117 @@
+"""GPU block selection: compilation (tilehal.compile_cuda) and launch of kernels/select.cuh.
+
+Two launches per call (Quest scores, then the per-row top-k), no host synchronization, so a
+decode step that selects and attends can be captured in a CUDA graph. select.py decides when
+these run; the torch reference in select.py is the oracle they are tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import tilehal
+import torch
+
+log = logging.getLogger("dataengine.cuda_select")
+
+KERNEL_DIR = Path(__file__).with_name("kernels")
+HEAD_DIMS = (64, 128, 256)
+MAX_GROUP = 16  # q heads per kv head held in registers by the score kernel
+SCORE_THREADS, TOPK_THREADS = 256, 512
+_CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half", torch.float32: "float"}
+_REDUCE = {"max": 0, "sum": 1, "mean": 2}
+TOPK_KERNEL = "dataengine::topk_select_kernel"
+
+
+def score_kernel_name(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, group: int, reduce: str) -> str:
+    return (f"dataengine::quest_score_kernel<{_CTYPES[q_dtype]}, {_CTYPES[s_dtype]}, {head_dim}, {group}, "
+            f"{_REDUCE[reduce]}>")
+
+
+@functools.cache
+def compile_score(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, group: int, reduce: str,
+                  arch: str = "sm_90a") -> tilehal.CudaModule:
+    """The Quest score kernel for one (q dtype, summary dtype, head_dim, group, reduce)."""
+    # No --use_fast_math: bounds must follow IEEE (no flush of subnormals) to match the reference.
+    return tilehal.compile_cuda('#include "select.cuh"\n', arch=arch, name=f"quest_score_{head_dim}_{group}",
+                                include_dirs=[str(KERNEL_DIR)],
+                                name_expressions=[score_kernel_name(q_dtype, s_dtype, head_dim, group, reduce)])
+
+
+@functools.cache
+def compile_topk(arch: str = "sm_90a") -> tilehal.CudaModule:
+    return tilehal.compile_cuda('#include "select.cuh"\n', arch=arch, name="topk_select",
+                                include_dirs=[str(KERNEL_DIR)], name_expressions=[TOPK_KERNEL])
+
+
+def unsupported_reason(q: torch.Tensor, kmin: torch.Tensor) -> str | None:
+    """Why the CUDA score kernel cannot serve this call (None: it can)."""
+    if q.device.type != "cuda":
+        return f"q on {q.device}"
+    if q.dtype not in _CTYPES or kmin.dtype not in _CTYPES:
+        return f"dtypes q={q.dtype} summaries={kmin.dtype} (kernel: bf16/fp16/fp32)"
+    D = q.shape[-1]
+    if D not in HEAD_DIMS:
+        return f"head_dim {D} (kernel: {HEAD_DIMS})"
+    group = q.shape[1] // kmin.shape[1]
+    if group > MAX_GROUP:
+        return f"{group} q heads per kv head (kernel: <= {MAX_GROUP})"
+    return None
+
+
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    return (t if t.dtype == torch.int32 else t.to(torch.int32)).contiguous()
+
+
+def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor,
+                     reduce: str) -> torch.Tensor:
+    """float32 [B, kv_heads, max_blocks]: the reduced Quest bound of every table position (holes
+    read block 0 as in the reference; ids >= num_blocks give -inf). No sequence-length masking."""
+    B, Hq, D = q.shape
+    H = kmin.shape[1]
+    group = Hq // H
+    table = _i32(block_table)
+    nb = table.shape[1]
+    raw = torch.empty((B, H, nb), dtype=torch.float32, device=q.device)
+    if B == 0 or nb == 0:
+        return raw
+    kern = compile_score(q.dtype, kmin.dtype, D, group, reduce).get_kernel(
+        score_kernel_name(q.dtype, kmin.dtype, D, group, reduce))
+    chunks = max(1, min(-(-nb // 256), 1024))
+    kern.launch((chunks, H, B), SCORE_THREADS,
+                [q.contiguous(), kmin.contiguous(), kmax.contiguous(), table, nb, kmin.shape[0], raw])
+    return raw
+
+
+def topk_rows(scores: torch.Tensor, width: int, rows_per_b: int, sink: int, local: int, *,
+              num_valid: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+              block_size: int | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [*scores.shape[:-1], width]: the reference's `_select` on the GPU.
+
+    n_valid per batch entry: `num_valid`, else ceil(seq_lens / block_size) when block_size is
+    given, else the non -1 entries of `block_table` (0 for empty sequences), else all positions.
+    """
+    N = scores.shape[-1]
+    lead = scores.shape[:-1]
+    rows = 1
+    for s in lead:
+        rows *= s
+    out = torch.empty((*lead, width), dtype=torch.int32, device=scores.device)
+    if rows == 0 or width == 0:
+        return out
+    s = scores.float().contiguous()
+    nv = sl = tb = None
+    if num_valid is not None:
+        mode, nv = 1, _i32(num_valid.clamp(min=-1, max=N + local + 1))
+    elif seq_lens is not None and block_size is not None:
+        mode, sl = 2, _i32(seq_lens)
+    elif seq_lens is not None and block_table is not None:
+        mode, sl, tb = 3, _i32(seq_lens), _i32(block_table)
+    else:
+        mode = 0
+    compile_topk().get_kernel(TOPK_KERNEL).launch(
+        rows, TOPK_THREADS, [s, N, rows_per_b, mode, nv, sl, tb, int(block_size or 1), int(sink), int(local),
+                             int(width), out])
+    return out

@@ -1,0 +1,203 @@
+"""GPU block selection (cuda_select.py): compile-only checks in CI, exact agreement with the
+torch reference (select.py's *_reference, run on the CPU) on a GPU.
+
+Exactness: on inputs whose products and sums are exact in float32 (small integers in bf16), the
+kernel's and the reference's bounds are bit-identical whatever the summation order, so the
+chosen blocks must be identical too, ties included (forced first, higher score, lower position).
+Integer inputs are also the adversarial case: they tie constantly. On Gaussian inputs the bounds
+agree to float32 rounding and the chosen sets may differ only where the reference's scores tie
+to that rounding.
+"""
+
+import pytest
+import tilehal
+import torch
+from dataengine import cuda_select, select
+
+
+def _have_compiler() -> bool:
+    v = tilehal.compiler_versions()
+    return v["nvrtc"] is not None or v["nvcc"] is not None
+
+
+@pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
+@pytest.mark.parametrize("q_dtype,s_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                             (torch.bfloat16, torch.float32), (torch.float32, torch.float32)])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (128, 8), (256, 2)])
+@pytest.mark.parametrize("reduce", ["max", "mean"])
+def test_score_kernels_compile(q_dtype, s_dtype, head_dim, group, reduce):
+    m = cuda_select.compile_score(q_dtype, s_dtype, head_dim, group, reduce)
+    assert len(m.cubin) > 1000
+    assert cuda_select.score_kernel_name(q_dtype, s_dtype, head_dim, group, reduce) in m.lowered_names
+
+
+@pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
+def test_topk_kernel_compiles():
+    m = cuda_select.compile_topk()
+    assert cuda_select.TOPK_KERNEL in m.lowered_names and len(m.cubin) > 1000
+
+
+def test_reference_tie_rule():
+    # equal scores: lower position first; forced blocks outrank +inf; -0 ties with +0
+    s = torch.tensor([[1.0, 3.0, 3.0, 1.0, 3.0, float("inf"), -0.0, 0.0]])
+    assert select.topk_blocks_reference(s, 3).tolist() == [[1, 2, 5]]
+    assert select.topk_blocks_reference(s, 2, sink_blocks=1).tolist() == [[0, 5]]
+    s0 = torch.tensor([[0.0, -0.0, -0.0, 0.0]])
+    assert select.topk_blocks_reference(s0, 2).tolist() == [[0, 1]]
+
+
+def test_cpu_dispatch_is_the_reference():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randint(-3, 3, (3, 2, 40), generator=g).float()
+    assert torch.equal(select.topk_blocks(s, 5, sink_blocks=1, local_blocks=2),
+                       select.topk_blocks_reference(s, 5, sink_blocks=1, local_blocks=2))
+
+
+# ----------------------------------------------------------------------------- GPU
+def _problem(seed, B=6, Hq=32, Hkv=8, D=128, max_blocks=300, num_blocks=2000, dtype=torch.bfloat16,
+             sdtype=None, integer=True, holes=False, unwritten=0.0):
+    """q, kmin, kmax, block_table, seq_lens on the GPU (block size 16); integer values tie often."""
+    sdtype = sdtype or dtype
+    g = torch.Generator().manual_seed(seed)
+    if integer:
+        q = torch.randint(-3, 4, (B, Hq, D), generator=g).float()
+        kmin = torch.randint(-4, 4, (num_blocks, Hkv, D), generator=g).float()
+        kmax = kmin + torch.randint(0, 3, (num_blocks, Hkv, D), generator=g).float()
+    else:
+        q = torch.randn(B, Hq, D, generator=g)
+        kmin = torch.randn(num_blocks, Hkv, D, generator=g) - 1
+        kmax = kmin + 2 * torch.rand(num_blocks, Hkv, D, generator=g)
+    if unwritten:
+        dead = torch.rand(num_blocks, generator=g) < unwritten
+        kmin[dead], kmax[dead] = float("inf"), float("-inf")
+    lens = torch.randint(0, max_blocks * 16 + 1, (B,), generator=g)
+    lens[0], lens[-1] = 0, max_blocks * 16  # an empty and a full sequence
+    lens[1] = 5  # shorter than any budget
+    table = torch.full((B, max_blocks), -1, dtype=torch.int32)
+    perm = torch.randperm(num_blocks, generator=g)
+    used = 0
+    for b in range(B):
+        n = -(-int(lens[b]) // 16)
+        take = min(n, num_blocks - used)
+        table[b, :take] = perm[used:used + take].to(torch.int32)
+        used = (used + take) % (num_blocks - max_blocks)
+    if holes:
+        hole = torch.rand(B, max_blocks, generator=g) < 0.05
+        table[hole & (table >= 0)] = -1
+    dev = "cuda"
+    return (q.to(dev, dtype), kmin.to(dev, sdtype), kmax.to(dev, sdtype), table.to(dev),
+            lens.to(dev, torch.int32))
+
+
+def _cpu(*ts):
+    return [t.cpu() for t in ts]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,sdtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                          (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (64, 8, 8), (256, 4, 2), (128, 16, 2)])
+@pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
+@pytest.mark.parametrize("use_bs", [True, False])
+def test_select_exact_on_integer_inputs(dtype, sdtype, D, Hq, Hkv, reduce, use_bs):
+    for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (500, 1, 1), (1, 4, 4)]):
+        args = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, sdtype=sdtype, holes=not use_bs, unwritten=0.05)
+        bs = 16 if use_bs else None
+        got = select.select_blocks(*args, top_k, sink, local, block_size=bs, reduce=reduce)
+        want = select.select_blocks_reference(*_cpu(*args), top_k, sink, local, block_size=bs, reduce=reduce)
+        assert got.dtype == torch.int32 and got.shape == want.shape
+        assert torch.equal(got.cpu(), want), (seed, top_k, sink, local)
+        sc = select.quest_scores(*args, block_size=bs, reduce=reduce)
+        assert torch.equal(sc.cpu(), select.quest_scores_reference(*_cpu(*args), block_size=bs, reduce=reduce))
+
+
+@pytest.mark.gpu
+def test_select_all_ties_and_all_unwritten():
+    q, kmin, kmax, table, lens = _problem(1)
+    kmin.fill_(1.0)
+    kmax.fill_(1.0)  # every block scores the same: positions decide
+    for top_k in (1, 5, 64):
+        got = select.select_blocks(q, kmin, kmax, table, lens, top_k, 1, 1)
+        want = select.select_blocks_reference(*_cpu(q, kmin, kmax, table, lens), top_k, 1, 1)
+        assert torch.equal(got.cpu(), want)
+    kmin.fill_(float("inf"))
+    kmax.fill_(float("-inf"))  # nothing written: only the forced blocks come back
+    got = select.select_blocks(q, kmin, kmax, table, lens, 16, 1, 2)
+    want = select.select_blocks_reference(*_cpu(q, kmin, kmax, table, lens), 16, 1, 2)
+    assert torch.equal(got.cpu(), want)
+    assert int((got >= 0).sum(-1).max()) <= 3
+
+
+@pytest.mark.gpu
+def test_select_gaussian_differs_only_at_rounding_ties():
+    for seed in range(4):
+        args = _problem(seed, integer=False, max_blocks=2048, num_blocks=8192)
+        got = select.select_blocks(*args, 64, 1, 1).cpu()
+        want = select.select_blocks_reference(*_cpu(*args), 64, 1, 1)
+        ref_scores = select.quest_scores_reference(*_cpu(*args))
+        gpu_scores = select.quest_scores(*args).cpu()
+        finite = torch.isfinite(ref_scores)
+        assert torch.equal(finite, torch.isfinite(gpu_scores))
+        torch.testing.assert_close(gpu_scores[finite], ref_scores[finite], rtol=1e-5, atol=1e-3)
+        _, _, _, table, lens = _cpu(*args)
+        for b in range(got.shape[0]):
+            nv = int((table[b] >= 0).sum()) if int(lens[b]) > 0 else 0
+            for h in range(got.shape[1]):
+                a = set(got[b, h].tolist()) - {-1}
+                r = set(want[b, h].tolist()) - {-1}
+                if a != r:
+                    s = ref_scores[b, h]
+                    free = [p for p in r if p not in (0, nv - 1)]
+                    edge = float(s[free].min())
+                    assert all(abs(float(s[p]) - edge) < 1e-3 * (1 + abs(edge)) for p in a ^ r), (b, h)
+        # the kernel ranks the GPU's own scores exactly like the reference ranks them
+        assert torch.equal(select.topk_blocks(gpu_scores.cuda(), 64).cpu(), select.topk_blocks_reference(gpu_scores, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(5, 3000), (4, 2, 777), (2, 3, 2, 129), (1, 1), (3, 8192)])
+@pytest.mark.parametrize("k", [1, 16, 64, 200])
+def test_topk_blocks_exact(shape, k):
+    g = torch.Generator().manual_seed(k + shape[-1])
+    s = torch.randint(-5, 5, shape, generator=g).float()
+    s[torch.rand(shape, generator=g) < 0.1] = float("-inf")
+    s[torch.rand(shape, generator=g) < 0.01] = float("inf")
+    s[torch.rand(shape, generator=g) < 0.1] = -0.0
+    nv = torch.randint(-2, shape[-1] + 3, (shape[0],), generator=g)
+    for kw in ({}, {"num_valid": nv}, {"num_valid": nv, "sink_blocks": 2, "local_blocks": 3},
+               {"sink_blocks": 1, "local_blocks": 1}):
+        got = select.topk_blocks(s.cuda(), k, **{n: (v.cuda() if isinstance(v, torch.Tensor) else v)
+                                                for n, v in kw.items()})
+        want = select.topk_blocks_reference(s, k, **kw)
+        assert torch.equal(got.cpu(), want), kw
+    for dt in (torch.bfloat16, torch.float16):
+        assert torch.equal(select.topk_blocks(s.to(dt).cuda(), k).cpu(), select.topk_blocks_reference(s.to(dt), k))
+    one = s.reshape(-1)[:100]
+    assert torch.equal(select.topk_blocks(one.cuda(), k).cpu(), select.topk_blocks_reference(one, k))
+
+
+@pytest.mark.gpu
+def test_select_captures_in_a_cuda_graph():
+    q, kmin, kmax, table, lens = _problem(3, integer=True)
+    static_q = q.clone()
+    select.select_blocks(static_q, kmin, kmax, table, lens, 32, 1, 1)  # compile + load outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = select.select_blocks(static_q, kmin, kmax, table, lens, 32, 1, 1)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(100 + seed)
+        static_q.copy_(torch.randint(-3, 4, q.shape, generator=g).to(q.dtype))
+        graph.replay()
+        want = select.select_blocks_reference(*_cpu(static_q, kmin, kmax, table, lens), 32, 1, 1)
+        assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_out_of_range_ids_score_minus_inf_without_validation():
+    q, kmin, kmax, table, lens = _problem(4)
+    bad = table.clone()
+    bad[2, 0] = kmin.shape[0] + 5
+    sc = select.quest_scores(q, kmin, kmax, bad, lens)
+    assert bool(torch.isneginf(sc[2, :, 0]).all())
+    with pytest.raises(ValueError, match="block_table: expected physical ids < num_blocks"):
+        select.select_blocks(q, kmin, kmax, bad, lens, 4, validate=True)
