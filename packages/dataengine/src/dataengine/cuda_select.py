@@ -58,7 +58,14 @@ def unsupported_reason(q: torch.Tensor, kmin: torch.Tensor) -> str | None:
     group = q.shape[1] // kmin.shape[1]
     if group > MAX_GROUP:
         return f"{group} q heads per kv head (kernel: <= {MAX_GROUP})"
+    if kmin.device != q.device:
+        return f"summaries on {kmin.device}, q on {q.device}"
     return None
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    """16-byte loads need 16-byte aligned rows (true for kvpool's summaries; a sliced view may not be)."""
+    return all(t.data_ptr() % 16 == 0 for t in ts)
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:
@@ -80,8 +87,11 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     kern = compile_score(q.dtype, kmin.dtype, D, group, reduce).get_kernel(
         score_kernel_name(q.dtype, kmin.dtype, D, group, reduce))
     chunks = max(1, min(-(-nb // 256), 1024))
-    kern.launch((chunks, H, B), SCORE_THREADS,
-                [q.contiguous(), kmin.contiguous(), kmax.contiguous(), table, nb, kmin.shape[0], raw])
+    kmin, kmax = kmin.contiguous(), kmax.contiguous()
+    if not _aligned(kmin, kmax):  # a copy, said out loud, rather than a misaligned load
+        log.debug("quest scores: summaries not 16-byte aligned; copying them")
+        kmin, kmax = kmin.clone(), kmax.clone()
+    kern.launch((chunks, H, B), SCORE_THREADS, [q.contiguous(), kmin, kmax, table, nb, kmin.shape[0], raw])
     return raw
 
 

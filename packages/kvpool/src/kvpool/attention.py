@@ -1,7 +1,8 @@
 """Attention over the paged pool: decode (dense or restricted to given blocks) and prefill.
 
-`paged_decode` runs the CUDA kernel (kvpool/cuda_decode.py) for CUDA pools of bf16/fp16 and
-the torch reference otherwise; the reference is also the oracle the kernel is tested against.
+`paged_decode` runs the CUDA kernels (kvpool/cuda_decode.py) for CUDA pools of bf16/fp16 and of
+fp8 (e4m3, with per-block scales), `paged_prefill` the tensor-core kernel of cuda_prefill.py,
+and the torch references otherwise; the references are the oracles the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -114,9 +115,14 @@ def paged_decode(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.T
     if pool.device.type == "cuda":
         from . import cuda_decode
 
-        reason = cuda_decode.unsupported_reason(q, pool)
-        if reason is None:
-            return cuda_decode.paged_decode_cuda(q, pool, layer, block_table, seq_lens, scale, block_indices)
+        if pool.is_fp8:
+            reason = cuda_decode.fp8_unsupported_reason(q, pool)
+            if reason is None:
+                return cuda_decode.paged_decode_fp8_cuda(q, pool, layer, block_table, seq_lens, scale, block_indices)
+        else:
+            reason = cuda_decode.unsupported_reason(q, pool)
+            if reason is None:
+                return cuda_decode.paged_decode_cuda(q, pool, layer, block_table, seq_lens, scale, block_indices)
         log.debug("paged_decode: CUDA kernel not used (%s); running the torch reference", reason)
     return paged_decode_reference(q, pool, layer, block_table, seq_lens, scale, block_indices)
 
@@ -127,9 +133,31 @@ def paged_prefill(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.
 
     q: `[total_new_tokens, q_heads, head_dim]`, packed by sequence; `cu_seqlens_q` int `[B + 1]`
     offsets into q. Sequence b's new tokens are its last `cu_seqlens_q[b+1] - cu_seqlens_q[b]`
-    positions (their K/V already written into the pool), so `seq_lens` counts them. Torch
-    reference (float32 math), any device.
+    positions (their K/V already written into the pool), so `seq_lens` counts them. CUDA pools of
+    bf16/fp16 with head_dim 64/128 run the tensor-core kernel (kvpool/cuda_prefill.py); other
+    pools the torch reference (`paged_prefill_reference`, float32 math).
     """
+    cu, lens = _check_prefill_args(q, pool, layer, block_table, seq_lens, cu_seqlens_q)
+    if pool.device.type == "cuda":
+        from . import cuda_prefill
+
+        reason = cuda_prefill.unsupported_reason(q, pool)
+        if reason is None:
+            return cuda_prefill.paged_prefill_cuda(q, pool, layer, block_table, seq_lens, cu_seqlens_q, cu, lens,
+                                                   scale)
+        log.debug("paged_prefill: CUDA kernel not used (%s); running the torch reference", reason)
+    return _prefill_reference(q, pool, layer, block_table, cu, lens, scale)
+
+
+def paged_prefill_reference(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.Tensor,
+                            seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            scale: float | None = None) -> torch.Tensor:
+    """Torch reference of `paged_prefill` (float32 math, any device): the kernel's oracle."""
+    cu, lens = _check_prefill_args(q, pool, layer, block_table, seq_lens, cu_seqlens_q)
+    return _prefill_reference(q, pool, layer, block_table, cu, lens, scale)
+
+
+def _check_prefill_args(q, pool: KVPool, layer: int, block_table, seq_lens, cu_seqlens_q) -> tuple[list, list]:
     if not isinstance(q, torch.Tensor) or q.ndim != 3:
         raise ShapeError(f"q: expected a tensor [total_tokens, q_heads, head_dim], got {getattr(q, 'shape', q)}")
     total, hq, d = q.shape
@@ -148,6 +176,21 @@ def paged_prefill(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.
     if len(cu) != B + 1 or cu[0] != 0 or cu[-1] != total or any(a > b for a, b in zip(cu, cu[1:])):
         raise ShapeError(f"cu_seqlens_q: expected {B + 1} non-decreasing offsets from 0 to {total}, got {cu}")
     lens = [int(x) for x in seq_lens.tolist()]
+    for b in range(B):
+        if cu[b + 1] - cu[b] > lens[b]:
+            raise ShapeError(f"seq_lens[{b}]: expected >= its {cu[b + 1] - cu[b]} new tokens, got {lens[b]}")
+    if not 0 <= layer < pool.num_layers:
+        raise IndexError(f"layer: expected 0 <= layer < {pool.num_layers}, got {layer}")
+    for name, t in (("q", q), ("block_table", block_table), ("seq_lens", seq_lens)):
+        if pool.device.type == "cuda" and t.device != pool.device:
+            raise ShapeError(f"{name}: expected device {pool.device} (the pool's), got {t.device}")
+    return cu, lens
+
+
+def _prefill_reference(q, pool: KVPool, layer: int, block_table, cu: list, lens: list, scale) -> torch.Tensor:
+    total, hq, d = q.shape
+    H = pool.num_kv_heads
+    B = len(lens)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     kc, vc = pool.layer_cache(layer)
     ks, vs = pool.layer_scales(layer) or (None, None)
@@ -156,8 +199,6 @@ def paged_prefill(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.
         n_new, L = cu[b + 1] - cu[b], lens[b]
         if n_new == 0:
             continue
-        if n_new > L:
-            raise ShapeError(f"seq_lens[{b}]: expected >= its {n_new} new tokens, got {L}")
         table = block_table[b:b + 1, : -(-L // pool.block_size)]
         k = _gather_tokens(kc, ks, table)[0, :L]  # [L, H, D]
         v = _gather_tokens(vc, vs, table)[0, :L]

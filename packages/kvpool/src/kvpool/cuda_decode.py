@@ -195,3 +195,78 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     if num_splits > 1:
         combine.launch(B * hq, d, [o_part, ml_part, out, num_splits])
     return out
+
+
+# ----------------------------------------------------------------------------- fp8 (e4m3) pools
+FP8_MAX_ITEMS = 512  # kF8MaxItems in paged_decode_fp8.cuh
+FP8_CTAS_PER_SM = 4  # ~127 registers x 128 threads and 16 KB of shared memory (D=128, G=4)
+_FP8_Q_CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half", torch.float32: "float"}
+
+
+def fp8_unsupported_reason(q: torch.Tensor, pool: KVPool) -> str | None:
+    """Why the fp8 decode kernel cannot serve this call (None: it can)."""
+    if not pool.is_fp8:
+        return "not an fp8 pool"
+    if q.dtype not in _FP8_Q_CTYPES:
+        return f"q dtype {q.dtype} (kernel: bf16/fp16/fp32)"
+    if pool.head_dim not in HEAD_DIMS:
+        return f"head_dim {pool.head_dim} (kernel: {HEAD_DIMS})"
+    group = q.shape[1] // pool.num_kv_heads
+    if group > MAX_GROUP:
+        return f"{group} q heads per kv head (kernel: <= {MAX_GROUP})"
+    return None
+
+
+def fp8_kernel_names(q_dtype: torch.dtype, head_dim: int, group: int) -> tuple[str, str]:
+    t = _FP8_Q_CTYPES[q_dtype]
+    return (f"kvpool::paged_decode_fp8_kernel<{t}, {head_dim}, {group}>",
+            f"kvpool::paged_decode_combine<{t}, {head_dim}>")
+
+
+@functools.cache
+def compile_decode_fp8(q_dtype: torch.dtype, head_dim: int, group: int, arch: str = "sm_90a") -> tilehal.CudaModule:
+    return tilehal.compile_cuda('#include "paged_decode_fp8.cuh"\n', arch=arch,
+                                name=f"paged_decode_fp8_{head_dim}_{group}", include_dirs=[str(KERNEL_DIR)],
+                                options=["--use_fast_math"], name_expressions=list(fp8_kernel_names(q_dtype, head_dim, group)))
+
+
+def paged_decode_fp8_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.Tensor,
+                          seq_lens: torch.Tensor, scale: float | None, block_indices: torch.Tensor | None,
+                          num_splits: int | None = None) -> torch.Tensor:
+    """Decode over an fp8 pool: e4m3 K/V dequantized in registers with their per-(block, head) scales."""
+    B, hq, d = q.shape
+    H = pool.num_kv_heads
+    group = hq // H
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if B == 0:
+        return torch.empty_like(q)
+    q = q.contiguous()
+    table = block_table.contiguous()
+    kc, vc = pool.layer_cache(layer)
+    ks, vs = pool.layer_scales(layer)
+    if block_indices is not None:
+        idx = block_indices.contiguous()
+        n = idx.shape[-1]
+        idx_h_stride = n if idx.ndim == 3 else 0
+        idx_b_stride = n * (H if idx.ndim == 3 else 1)
+        items = n
+    else:
+        idx, n, idx_b_stride, idx_h_stride = None, 0, 0, 0
+        items = table.shape[1]
+    main, combine = (compile_decode_fp8(q.dtype, d, group).get_kernel(x) for x in fp8_kernel_names(q.dtype, d, group))
+    if num_splits is None:
+        num_splits = choose_splits(B, H, items * pool.block_size, _device_sms(q.device.index or 0), FP8_CTAS_PER_SM)
+    num_splits = max(num_splits, -(-items // FP8_MAX_ITEMS), 1)
+    out = torch.empty_like(q)
+    if num_splits > 1:
+        o_part = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        ml_part = torch.empty((B, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        o_part = ml_part = None
+    main.launch((num_splits, H, B), THREADS,
+                [q, kc.view(torch.uint8), vc.view(torch.uint8), ks.contiguous(), vs.contiguous(), table, table.shape[1],
+                 seq_lens, idx, idx_b_stride, idx_h_stride, n, out, o_part, ml_part,
+                 float(scale * math.log2(math.e)), pool.block_size])
+    if num_splits > 1:
+        combine.launch(B * hq, d, [o_part, ml_part, out, num_splits])
+    return out

@@ -18,8 +18,12 @@ stays a pure-Python operation.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from tilehal import ArgumentError
+
+log = logging.getLogger("kvpool.storage")
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -102,6 +106,14 @@ class KVStorage:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.flush_fresh()
         slots = _int_index(slots, self.device)
+        if self.device.type == "cuda":
+            from . import cuda_write  # one kernel for data + summaries (kvpool/cuda_write.py)
+
+            reason = cuda_write.unsupported_reason(self, k)
+            if reason is None:
+                cuda_write.write_kv(self, layer, slots, k, v)
+                return
+            log.debug("write: CUDA kernel not used (%s); running torch ops", reason)
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         k = k.to(self.device)
         v = v.to(self.device)

@@ -1,0 +1,275 @@
+// Paged prefill attention (FlashAttention-2 style, mma.sync m16n8k16 tensor cores).
+//
+// New tokens of each sequence attend causally to the sequence's cached prefix and to each
+// other; their K/V are already in the pool. q is packed by sequence ([total, Hq, D], offsets
+// cu_seqlens_q); sequence b's new tokens are its last n_b positions of seq_lens[b].
+//
+// Grid (Hq, num_tiles), 32 * W threads. A CTA owns kBM = 16 * W query rows of one
+// (sequence, q head); the host lists the tiles (b, first row) longest-first so the causal
+// triangle balances. Each warp owns 16 query rows (Q in registers as MMA A fragments) and
+// streams the kv head's K/V in kBN-token tiles through a two-stage cp.async pipeline in shared
+// memory (XOR-swizzled 16-byte chunks: chunk ^ (row & 7), conflict-free ldmatrix). Per tile:
+// S = Q K^T (ldmatrix K), online softmax in registers (exp2, scale folded in), P kept in
+// registers as the A operand of O += P V (ldmatrix.trans V). Only tiles that cross the diagonal
+// apply the causal mask. Requires head_dim 64 or 128 (host checks).
+#pragma once
+#include <tilehal/tilehal.cuh>
+
+namespace kvpool {
+
+constexpr int kPrefillBN = 64;  // kv tokens per pipeline stage
+
+template <typename T, int D, int W>
+struct PrefillSmem {
+  static constexpr int kRowBytes = D * int(sizeof(T));
+  static constexpr int kQBytes = 16 * W * kRowBytes;  // W warps x 16 query rows
+  static constexpr int kKVBytes = kPrefillBN * kRowBytes;  // one stage of K (or V)
+  static constexpr int kBytes = kQBytes + 4 * kKVBytes;    // Q, K x 2 stages, V x 2 stages
+};
+
+template <typename T> struct MmaF32;
+template <> struct MmaF32<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+};
+template <> struct MmaF32<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+  }
+};
+
+__device__ __forceinline__ void prefill_ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void prefill_ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+
+template <typename T, int D, int W>
+__global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
+    const T* __restrict__ q,              // [total, Hq, D]
+    const T* __restrict__ k_cache,        // [num_blocks, block_size, H, D] (one layer)
+    const T* __restrict__ v_cache,
+    const int* __restrict__ block_table,  // [B, table_stride]
+    int table_stride,
+    const int* __restrict__ seq_lens,     // [B]
+    const int* __restrict__ cu_seqlens_q, // [B + 1]
+    const int* __restrict__ tiles,        // [num_tiles, 2]: (b, first new-token row)
+    T* __restrict__ out,                  // [total, Hq, D]
+    int kv_heads, float scale_log2, int block_size) {
+  using S = PrefillSmem<T, D, W>;
+  using Mma = MmaF32<T>;
+  constexpr int kThreads = 32 * W;
+  constexpr int kPrefillBM = 16 * W;
+  constexpr int kChunks = D / 8;              // 16-byte chunks per row
+  constexpr int kKSteps = D / 16;             // QK k-steps
+  constexpr int kSTiles = kPrefillBN / 8;     // S n-tiles (8 tokens each)
+  constexpr int kOTiles = D / 8;              // O n-tiles (8 channels each)
+  constexpr int kKVLoads = kPrefillBN * kChunks / kThreads;
+  constexpr int kQLoads = kPrefillBM * kChunks / kThreads;
+  static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+  static_assert(kKVLoads * kThreads == kPrefillBN * kChunks, "tile must split evenly over threads");
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* q_s = smem;
+  unsigned char* k_s = smem + S::kQBytes;                       // 2 stages
+  unsigned char* v_s = smem + S::kQBytes + 2 * S::kKVBytes;     // 2 stages
+  const unsigned q_sa = static_cast<unsigned>(__cvta_generic_to_shared(q_s));
+  const unsigned k_sa = static_cast<unsigned>(__cvta_generic_to_shared(k_s));
+  const unsigned v_sa = static_cast<unsigned>(__cvta_generic_to_shared(v_s));
+
+  const int hq = blockIdx.x, Hq = gridDim.x, tile = blockIdx.y;
+  const int G = Hq / kv_heads, hkv = hq / G;
+  const int b = tiles[2 * tile], i0 = tiles[2 * tile + 1];
+  const int q0 = cu_seqlens_q[b], n_new = cu_seqlens_q[b + 1] - q0;
+  const int L = seq_lens[b], P = L - n_new;  // cached prefix length
+  const int rows = min(kPrefillBM, n_new - i0);
+  if (rows <= 0) return;
+  const int kv_end = P + i0 + rows;  // keys [0, kv_end) are visible to some row of this tile
+  const int num_kv_tiles = (kv_end + kPrefillBN - 1) / kPrefillBN;
+  const int first_masked = (P + i0) / kPrefillBN;  // tiles from here on cross the diagonal
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const long long q_row_stride = (long long)Hq * D;
+  const long long kv_row_stride = (long long)kv_heads * D;
+  const int* table = block_table + (long long)b * table_stride;
+
+  // ---- Q tile -> shared (zero rows past the end)
+#pragma unroll
+  for (int i = 0; i < kQLoads; ++i) {
+    const int c = tid + i * kThreads, r = c / kChunks, col = c % kChunks;
+    const bool ok = r < rows;
+    const T* src = q + (ok ? (long long)(q0 + i0 + r) * q_row_stride : 0ll) + (long long)hq * D + col * 8;
+    tilehal::cp_async_16(q_s + r * S::kRowBytes + ((col ^ (r & 7)) << 4), src, ok);
+  }
+  tilehal::cp_async_commit();
+
+  auto load_kv = [&](int t, int stage) {
+    unsigned char* ks = k_s + stage * S::kKVBytes;
+    unsigned char* vs = v_s + stage * S::kKVBytes;
+#pragma unroll
+    for (int i = 0; i < kKVLoads; ++i) {
+      const int c = tid + i * kThreads, r = c / kChunks, col = c % kChunks;
+      const int j = t * kPrefillBN + r;
+      int phys = -1;
+      if (j < kv_end) {
+        const int lb = j / block_size;
+        phys = lb < table_stride ? table[lb] : -1;
+      }
+      const bool ok = phys >= 0;
+      const long long off = ok ? ((long long)phys * block_size + (j % block_size)) * kv_row_stride
+                                     + (long long)hkv * D + col * 8 : 0ll;
+      const int soff = r * S::kRowBytes + ((col ^ (r & 7)) << 4);
+      tilehal::cp_async_16(ks + soff, k_cache + off, ok);
+      tilehal::cp_async_16(vs + soff, v_cache + off, ok);
+    }
+  };
+  load_kv(0, 0);
+  tilehal::cp_async_commit();
+  tilehal::cp_async_wait<1>();  // Q landed (tile 0 may still be in flight)
+  __syncthreads();
+
+  // ---- Q fragments of this warp's 16 rows
+  unsigned qa[kKSteps][4];
+  {
+    const int r = warp * 16 + (lane & 15), half = lane >> 4;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk)
+      prefill_ldmatrix_x4(qa[kk], q_sa + r * S::kRowBytes + (((2 * kk + half) ^ (r & 7)) << 4));
+  }
+
+  float o[kOTiles][4];
+#pragma unroll
+  for (int n = 0; n < kOTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows g and g + 8
+  const int g = lane >> 2, t2 = (lane & 3) * 2;
+  const int qpos0 = P + i0 + warp * 16 + g;  // absolute position of row g (row g + 8: + 8)
+  const int k_tok = (lane >> 4) * 8 + (lane & 7), k_half = (lane >> 3) & 1;
+  const int v_tok = ((lane >> 3) & 1) * 8 + (lane & 7), v_half = lane >> 4;
+
+  for (int t = 0; t < num_kv_tiles; ++t) {
+    const int stage = t & 1;
+    if (t + 1 < num_kv_tiles) {
+      load_kv(t + 1, stage ^ 1);
+      tilehal::cp_async_commit();
+      tilehal::cp_async_wait<1>();
+    } else {
+      tilehal::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const unsigned ks = k_sa + stage * S::kKVBytes;
+    const unsigned vs = v_sa + stage * S::kKVBytes;
+
+    // ---- S = Q K^T
+    float s[kSTiles][4];
+#pragma unroll
+    for (int n = 0; n < kSTiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kSTiles / 2; ++np) {
+        const int r = np * 16 + k_tok;
+        unsigned bk[4];
+        prefill_ldmatrix_x4(bk, ks + r * S::kRowBytes + (((2 * kk + k_half) ^ (r & 7)) << 4));
+        Mma::run(s[2 * np], qa[kk], bk[0], bk[1]);
+        Mma::run(s[2 * np + 1], qa[kk], bk[2], bk[3]);
+      }
+    }
+
+    // ---- online softmax (rows g and g + 8 of this warp; 4 lanes share a row)
+    const bool masked = t >= first_masked;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < kSTiles; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[n][e] * scale_log2;
+        if (masked) {
+          const int j = t * kPrefillBN + n * 8 + t2 + (e & 1);
+          if (j > qpos0 + (e >> 1) * 8) x = -INFINITY;
+        }
+        s[n][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    }
+    float alpha[2], base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      const float m_new = fmaxf(m_run[r], mx[r]);
+      base[r] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = exp2f(m_run[r] - base[r]);
+      m_run[r] = m_new;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < kSTiles; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = exp2f(s[n][e] - base[e >> 1]);
+        s[n][e] = p;
+        rs[e >> 1] += p;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rs[r];
+#pragma unroll
+    for (int n = 0; n < kOTiles; ++n) {
+      o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+    }
+
+    // ---- O += P V (P from the S accumulators: C layout == A layout)
+#pragma unroll
+    for (int kk = 0; kk < kPrefillBN / 16; ++kk) {
+      const unsigned pa[4] = {Mma::pack(s[2 * kk][0], s[2 * kk][1]), Mma::pack(s[2 * kk][2], s[2 * kk][3]),
+                              Mma::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              Mma::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const int r = kk * 16 + v_tok;
+#pragma unroll
+      for (int n = 0; n < kOTiles; n += 2) {
+        unsigned bv[4];
+        prefill_ldmatrix_x4_trans(bv, vs + r * S::kRowBytes + (((n + v_half) ^ (r & 7)) << 4));
+        Mma::run(o[n], pa, bv[0], bv[1]);
+        Mma::run(o[n + 1], pa, bv[2], bv[3]);
+      }
+    }
+    __syncthreads();  // this stage is refilled by the next iteration's prefetch
+  }
+
+  // ---- normalize and store rows < rows
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * 16 + g + r * 8;
+    if (row >= rows) continue;
+    const float inv = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;
+    T* dst = out + (long long)(q0 + i0 + row) * q_row_stride + (long long)hq * D + t2;
+#pragma unroll
+    for (int n = 0; n < kOTiles; ++n)
+      *reinterpret_cast<unsigned*>(dst + n * 8) = Mma::pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+  }
+}
+
+}  // namespace kvpool
