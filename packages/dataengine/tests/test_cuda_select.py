@@ -44,6 +44,10 @@ def test_reference_tie_rule():
     assert select.topk_blocks_reference(s, 2, sink_blocks=1).tolist() == [[0, 5]]
     s0 = torch.tensor([[0.0, -0.0, -0.0, 0.0]])
     assert select.topk_blocks_reference(s0, 2).tolist() == [[0, 1]]
+    # more forced blocks than fit: the first ones by position, whatever their scores
+    s1 = torch.tensor([[1.0, 5.0, 3.0, 9.0]])
+    assert select.topk_blocks_reference(s1, 1, sink_blocks=2).tolist() == [[0]]
+    assert select.topk_blocks_reference(s1, 2, sink_blocks=1, local_blocks=2).tolist() == [[0, 2]]
 
 
 def test_cpu_dispatch_is_the_reference():

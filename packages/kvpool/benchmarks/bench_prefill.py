@@ -61,16 +61,18 @@ def prefill_case(lens: list[int], news: list[int], with_sdpa: bool) -> dict:
     row = {"case": f"{len(lens)} x (prefix {lens[0] - news[0]} + new {news[0]})", "flops": flops}
     cul, sll = cu.tolist(), sl.tolist()
     outs = {}
-    for w in cuda_prefill.WARP_CHOICES:
-        def fn(w=w, pool=pool):
-            return cuda_prefill.paged_prefill_cuda(q, pool, 0, bt, sl, cu, cul, sll, None, warps=w)
+    for cfg in cuda_prefill.CONFIGS:
+        name = cuda_prefill.config_name(cfg)
 
-        outs[w] = fn()
+        def fn(cfg=cfg, pool=pool):
+            return cuda_prefill.paged_prefill_cuda(q, pool, 0, bt, sl, cu, cul, sll, None, config=cfg)
+
+        outs[name] = fn()
         t = bench(fn)
-        row[f"ours_w{w}_ms"] = t * 1e3
-        row[f"ours_w{w}_TFLOPs"] = flops / t / 1e12
-    best_w = max(cuda_prefill.WARP_CHOICES, key=lambda w: row[f"ours_w{w}_TFLOPs"])
-    row["best_warps"] = best_w
+        row[f"ours_{name}_ms"] = t * 1e3
+        row[f"ours_{name}_TFLOPs"] = flops / t / 1e12
+    best_w = max(outs, key=lambda n: row[f"ours_{n}_TFLOPs"])
+    row["best_config"] = best_w
     # one sequence's rows against the float32 reference (bounded cost)
     b0 = len(lens) - 1
     sub = slice(cul[b0], cul[b0 + 1])
@@ -111,9 +113,9 @@ def prefill_case(lens: list[int], news: list[int], with_sdpa: bool) -> dict:
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
         flash = [row[f"{n}_ms"] for n in ("sdpa_flash_gqa", "sdpa_flash_expanded_kv") if f"{n}_ms" in row]
         if flash:
-            row["ratio_vs_sdpa_flash"] = min(flash) / row[f"ours_w{best_w}_ms"]
+            row["ratio_vs_sdpa_flash"] = min(flash) / row[f"ours_{best_w}_ms"]
         if "sdpa_default_backend_ms" in row:
-            row["ratio_vs_sdpa_default"] = row["sdpa_default_backend_ms"] / row[f"ours_w{best_w}_ms"]
+            row["ratio_vs_sdpa_default"] = row["sdpa_default_backend_ms"] / row[f"ours_{best_w}_ms"]
     pool = None
     torch.cuda.empty_cache()
     print(json.dumps(row), flush=True)
@@ -181,9 +183,9 @@ def plot(result: dict, out: Path) -> None:
 
     r = result["prefill"][0]
     names, vals = [], []
-    for w in cuda_prefill.WARP_CHOICES:
-        names.append(f"paged_prefill w{w}")
-        vals.append(r[f"ours_w{w}_TFLOPs"])
+    for cfg in cuda_prefill.CONFIGS:
+        names.append(f"paged_prefill {cuda_prefill.config_name(cfg)}")
+        vals.append(r[f"ours_{cuda_prefill.config_name(cfg)}_TFLOPs"])
     for n in ("sdpa_flash_gqa", "sdpa_flash_expanded_kv", "sdpa_default_backend"):
         if f"{n}_TFLOPs" in r:
             names.append(n.replace("_", " "))

@@ -22,26 +22,28 @@ def _have_compiler() -> bool:
 @pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_prefill_kernels_compile(dtype, head_dim, warps):
-    m = cuda_prefill.compile_prefill(dtype, head_dim, warps)
-    assert cuda_prefill.kernel_name(dtype, head_dim, warps) in m.lowered_names and len(m.cubin) > 1000
+@pytest.mark.parametrize("cfg", cuda_prefill.CONFIGS, ids=cuda_prefill.config_name)
+def test_prefill_kernels_compile(dtype, head_dim, cfg):
+    m = cuda_prefill.compile_prefill(dtype, head_dim, cfg)
+    assert cuda_prefill.kernel_name(dtype, head_dim, cfg) in m.lowered_names and len(m.cubin) > 1000
 
 
 def test_shared_memory_and_tiles():
     # Q (128 rows) + two stages of K and V (64 tokens) at d128 bf16: two CTAs fit an H200 SM.
-    assert cuda_prefill.smem_bytes(torch.bfloat16, 128, 8) == 128 * 256 + 4 * 64 * 256
-    assert 2 * (cuda_prefill.smem_bytes(torch.bfloat16, 128, 8) + 1024) <= 228 * 1024
+    assert cuda_prefill.smem_bytes(torch.bfloat16, 128, (8, 1)) == 128 * 256 + 4 * 64 * 256
+    assert 2 * (cuda_prefill.smem_bytes(torch.bfloat16, 128, (4, 2)) + 1024) <= 228 * 1024
     tiles = cuda_prefill.tile_list([0, 3, 3, 300], [10, 5, 1000], 128)
     assert tiles[0] == (2, 256) and sorted(tiles) == [(0, 0), (2, 0), (2, 128), (2, 256)]
 
 
-def test_warps_env(monkeypatch):
-    monkeypatch.setenv("KVPOOL_PREFILL_WARPS", "4")
-    assert cuda_prefill.default_warps() == 4
-    monkeypatch.setenv("KVPOOL_PREFILL_WARPS", "3")
-    with pytest.raises(ValueError, match="KVPOOL_PREFILL_WARPS"):
-        cuda_prefill.default_warps()
+def test_config_env(monkeypatch):
+    monkeypatch.setenv("KVPOOL_PREFILL_KERNEL", "w4x2")
+    assert cuda_prefill.default_config() == (4, 2)
+    monkeypatch.setenv("KVPOOL_PREFILL_KERNEL", "w3x1")
+    with pytest.raises(ValueError, match="KVPOOL_PREFILL_KERNEL"):
+        cuda_prefill.default_config()
+    monkeypatch.delenv("KVPOOL_PREFILL_KERNEL")
+    assert cuda_prefill.default_config() == cuda_prefill.DEFAULT_CONFIG
 
 
 def test_unsupported_reasons():
@@ -75,13 +77,13 @@ def _prefill_pool(lens, news, heads, head_dim, dtype, block_size=16, seed=0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(128, 32, 8), (64, 8, 8), (128, 8, 1), (64, 4, 2)])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_prefill_matches_reference(dtype, head_dim, q_heads, kv_heads, warps):
+@pytest.mark.parametrize("cfg", cuda_prefill.CONFIGS, ids=cuda_prefill.config_name)
+def test_prefill_matches_reference(dtype, head_dim, q_heads, kv_heads, cfg):
     lens = [1, 17, 300, 1000, 129, 2100, 40]
     news = [1, 17, 45, 1000, 1, 200, 0]  # cached prefixes of 0..1900 tokens; one sequence adds nothing
     pool, bt, sl, cu = _prefill_pool(lens, news, kv_heads, head_dim, dtype)
     q = torch.randn(int(cu[-1]), q_heads, head_dim, device="cuda", dtype=dtype)
-    out = cuda_prefill.paged_prefill_cuda(q, pool, 0, bt, sl, cu, cu.tolist(), sl.tolist(), None, warps=warps)
+    out = cuda_prefill.paged_prefill_cuda(q, pool, 0, bt, sl, cu, cu.tolist(), sl.tolist(), None, config=cfg)
     ref = kvpool.paged_prefill_reference(q, pool, 0, bt, sl, cu)
     assert tilehal.calc_diff(out, ref) < 2e-5
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

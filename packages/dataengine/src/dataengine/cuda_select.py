@@ -20,6 +20,7 @@ KERNEL_DIR = Path(__file__).with_name("kernels")
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # q heads per kv head held in registers by the score kernel
 SCORE_THREADS, TOPK_THREADS = 256, 512
+TOPK_STAGE_BYTES = 160 * 1024  # rows up to 40960 blocks keep their order keys in shared memory
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half", torch.float32: "float"}
 _REDUCE = {"max": 0, "sum": 1, "mean": 2}
 TOPK_KERNEL = "dataengine::topk_select_kernel"
@@ -121,7 +122,8 @@ def topk_rows(scores: torch.Tensor, width: int, rows_per_b: int, sink: int, loca
         mode, sl, tb = 3, _i32(seq_lens), _i32(block_table)
     else:
         mode = 0
+    stage = N * 4 <= TOPK_STAGE_BYTES
     compile_topk().get_kernel(TOPK_KERNEL).launch(
         rows, TOPK_THREADS, [s, N, rows_per_b, mode, nv, sl, tb, int(block_size or 1), int(sink), int(local),
-                             int(width), out])
+                             int(width), int(stage), out], smem_bytes=N * 4 if stage else 0)
     return out

@@ -16,8 +16,8 @@ top-scoring key always ranks at least as high as that key's score. GQA: the q he
 kv head are reduced (max by default) into one score per kv head, because the kv head's blocks
 are fetched once for the whole group.
 
-Tie rule (GPU kernel and reference alike): forced blocks (sink/local) first, then higher score,
-then lower position; -0 equals +0. Only forced blocks and blocks scoring above -inf are returned.
+Tie rule (GPU kernel and reference alike): forced blocks (sink/local) first, by position among
+themselves, then higher score, then lower position; -0 equals +0. Only forced blocks and blocks scoring above -inf are returned.
 
 On CUDA tensors of bf16/fp16/fp32 with head_dim 64/128/256, `select_blocks`, `quest_scores` and
 `topk_blocks` run the kernels of cuda_select.py (kernels/select.cuh): two launches, no host
@@ -155,7 +155,8 @@ def _check_inputs(q, kmin, kmax, block_table, seq_lens, check_ids: bool = True) 
 def _select(scores: torch.Tensor, n_valid: torch.Tensor, k: int, sink_blocks: int, local_blocks: int) -> torch.Tensor:
     """Top-k positions along the last dim with forced sink/local blocks; ascending, -1 padded, int32.
 
-    Order: forced first, then higher score, then lower position (two stable sorts).
+    Order: forced first (among themselves by position: when more are forced than fit, the
+    first ones), then higher score, then lower position (two stable sorts).
     """
     nb = scores.shape[-1]
     pos = torch.arange(nb, device=scores.device)
@@ -168,7 +169,8 @@ def _select(scores: torch.Tensor, n_valid: torch.Tensor, k: int, sink_blocks: in
     width = min(k, nb)
     if width == 0:
         return torch.empty((*scores.shape[:-1], 0), dtype=torch.int32, device=scores.device)
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    ranked = torch.where(forced, float("inf"), key)  # forced blocks tie: position decides among them
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     first = torch.sort(forced.gather(-1, order).to(torch.uint8), dim=-1, descending=True, stable=True).indices
     top = order.gather(-1, first)[..., :width]
     chosen = forced.gather(-1, top) | (key.gather(-1, top) > float("-inf"))

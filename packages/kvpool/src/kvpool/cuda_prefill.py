@@ -18,38 +18,48 @@ log = logging.getLogger("kvpool.cuda_prefill")
 KERNEL_DIR = Path(__file__).with_name("kernels")
 HEAD_DIMS = (64, 128)
 BN = 64  # kPrefillBN
-WARP_CHOICES = (4, 8)
-DEFAULT_WARPS = 8
+# (warps per CTA, 16-row blocks per warp): a CTA owns 16 * warps * row_blocks query rows.
+CONFIGS = ((8, 1), (4, 1), (4, 2), (8, 2))
+DEFAULT_CONFIG = (8, 1)
 MAX_GRID_Y = 65535
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
 
-def default_warps() -> int:
-    """Warps per CTA (16 query rows each): KVPOOL_PREFILL_WARPS, else DEFAULT_WARPS."""
-    text = os.environ.get("KVPOOL_PREFILL_WARPS")
+def config_name(cfg: tuple[int, int]) -> str:
+    return f"w{cfg[0]}x{cfg[1]}"
+
+
+def default_config() -> tuple[int, int]:
+    """KVPOOL_PREFILL_KERNEL ("w8x1", "w4x2", ...), else DEFAULT_CONFIG."""
+    text = os.environ.get("KVPOOL_PREFILL_KERNEL")
     if not text:
-        return DEFAULT_WARPS
-    if text not in {str(w) for w in WARP_CHOICES}:
-        raise ValueError(f"KVPOOL_PREFILL_WARPS: expected one of {WARP_CHOICES}, got {text!r}")
-    return int(text)
+        return DEFAULT_CONFIG
+    for cfg in CONFIGS:
+        if text == config_name(cfg):
+            return cfg
+    raise ValueError(f"KVPOOL_PREFILL_KERNEL: expected one of {[config_name(c) for c in CONFIGS]}, got {text!r}")
 
 
-def kernel_name(dtype: torch.dtype, head_dim: int, warps: int) -> str:
-    return f"kvpool::paged_prefill_kernel<{_CTYPES[dtype]}, {head_dim}, {warps}>"
+def kernel_name(dtype: torch.dtype, head_dim: int, cfg: tuple[int, int]) -> str:
+    return f"kvpool::paged_prefill_kernel<{_CTYPES[dtype]}, {head_dim}, {cfg[0]}, {cfg[1]}>"
 
 
-def smem_bytes(dtype: torch.dtype, head_dim: int, warps: int) -> int:
+def rows_per_cta(cfg: tuple[int, int]) -> int:
+    return 16 * cfg[0] * cfg[1]
+
+
+def smem_bytes(dtype: torch.dtype, head_dim: int, cfg: tuple[int, int]) -> int:
     """Dynamic shared memory of one CTA (mirrors PrefillSmem): Q tile + 2 stages of K and of V."""
     row = head_dim * dtype.itemsize
-    return 16 * warps * row + 4 * BN * row
+    return rows_per_cta(cfg) * row + 4 * BN * row
 
 
 @functools.cache
-def compile_prefill(dtype: torch.dtype, head_dim: int, warps: int = DEFAULT_WARPS,
+def compile_prefill(dtype: torch.dtype, head_dim: int, cfg: tuple[int, int] = DEFAULT_CONFIG,
                     arch: str = "sm_90a") -> tilehal.CudaModule:
     return tilehal.compile_cuda('#include "paged_prefill.cuh"\n', arch=arch,
-                                name=f"paged_prefill_{head_dim}_{warps}", include_dirs=[str(KERNEL_DIR)],
-                                options=["--use_fast_math"], name_expressions=[kernel_name(dtype, head_dim, warps)])
+                                name=f"paged_prefill_{head_dim}_{config_name(cfg)}", include_dirs=[str(KERNEL_DIR)],
+                                options=["--use_fast_math"], name_expressions=[kernel_name(dtype, head_dim, cfg)])
 
 
 def unsupported_reason(q: torch.Tensor, pool: KVPool) -> str | None:
@@ -79,26 +89,26 @@ def tile_list(cu: list[int], lens: list[int], rows_per_tile: int) -> list[tuple[
 
 def paged_prefill_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.Tensor,
                        seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, cu: list[int], lens: list[int],
-                       scale: float | None, warps: int | None = None) -> torch.Tensor:
+                       scale: float | None, config: tuple[int, int] | None = None) -> torch.Tensor:
     """The kernel's launch; `cu` / `lens` are the host copies paged_prefill validated."""
     total, hq, d = q.shape
-    warps = default_warps() if warps is None else warps
+    cfg = default_config() if config is None else config
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = torch.empty_like(q)
-    tiles = tile_list(cu, lens, 16 * warps)
+    tiles = tile_list(cu, lens, rows_per_cta(cfg))
     if not tiles:
         return out
-    kern = compile_prefill(pool.dtype, d, warps).get_kernel(kernel_name(pool.dtype, d, warps))
+    kern = compile_prefill(pool.dtype, d, cfg).get_kernel(kernel_name(pool.dtype, d, cfg))
     kc, vc = pool.layer_cache(layer)
     tt = torch.tensor(tiles, dtype=torch.int32).to(q.device, non_blocking=True)
     table = block_table.contiguous()
     sl = seq_lens.to(torch.int32).contiguous()
     cuq = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
     qc = q.contiguous()
-    smem = smem_bytes(pool.dtype, d, warps)
+    smem = smem_bytes(pool.dtype, d, cfg)
     for start in range(0, len(tiles), MAX_GRID_Y):
         chunk = tt[start:start + MAX_GRID_Y]
-        kern.launch((hq, chunk.shape[0]), 32 * warps,
+        kern.launch((hq, chunk.shape[0]), 32 * cfg[0],
                     [qc, kc, vc, table, table.shape[1], sl, cuq, chunk, out, pool.num_kv_heads,
                      float(scale * math.log2(math.e)), pool.block_size], smem_bytes=smem)
     return out

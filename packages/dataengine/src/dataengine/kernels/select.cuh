@@ -181,16 +181,19 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int& 
 // scores [rows, N] float32 (row-major, row stride N). n_valid per batch entry b = row / rows_per_b:
 //   mode 0: N; mode 1: nv[b]; mode 2: ceil(seq_lens[b] / block_size);
 //   mode 3: count(table[b, :] >= 0) if seq_lens[b] > 0 else 0 (table stride N).
-// out [rows, width] int32.
+// out [rows, width] int32. With `stage_keys`, the row's order keys are computed once into dynamic
+// shared memory (4 * N bytes) and every pass reads them there; otherwise each pass recomputes
+// them from the scores (L2).
 __global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
     const float* __restrict__ scores, int N, int rows_per_b, int mode, const int* __restrict__ nv,
     const int* __restrict__ seq_lens, const int* __restrict__ table, int block_size,
-    int sink, int local, int width, int* __restrict__ out) {
+    int sink, int local, int width, int stage_keys, int* __restrict__ out) {
+  extern __shared__ unsigned keys_s[];
   __shared__ int hist[256];
   __shared__ int warp_sums[kTopkThreads / 32];
   __shared__ int s_digit, s_need;
   __shared__ long long s_nvalid;
-  const int row = blockIdx.x, b = row / rows_per_b, tid = threadIdx.x;
+  const int row = blockIdx.x, b = row / rows_per_b, tid = threadIdx.x, lane = tid % 32;
   const float* srow = scores + (long long)row * N;
   int* orow = out + (long long)row * width;
 
@@ -208,11 +211,17 @@ __global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
   }
   __syncthreads();
   const long long n_valid = s_nvalid;
-  auto key_at = [&](int p) -> unsigned {
+  auto key_of = [&](int p) -> unsigned {
     if (p >= n_valid) return 0u;
     if (p < sink || p >= n_valid - local) return kKeyForced;
     return float_key(srow[p]);
   };
+  if (stage_keys) {
+#pragma unroll 4
+    for (int p = tid; p < N; p += kTopkThreads) keys_s[p] = key_of(p);
+    __syncthreads();
+  }
+  auto key_at = [&](int p) -> unsigned { return stage_keys ? keys_s[p] : key_of(p); };
 
   // ---- radix select: T = the width-th largest key, need = how many keys == T to take
   unsigned prefix = 0u, mask = 0u;
@@ -220,23 +229,28 @@ __global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = tid; i < 256; i += kTopkThreads) hist[i] = 0;
     __syncthreads();
-    for (int p = tid; p < N; p += kTopkThreads) {
-      const unsigned k = key_at(p);
-      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1);
+    for (int base = 0; base < N; base += kTopkThreads) {  // warp-uniform trip count (match_any below)
+      const int p = base + tid;
+      const unsigned k = p < N ? key_at(p) : 0u;
+      const bool m = p < N && (k & mask) == prefix;
+      const unsigned d = (k >> shift) & 255u;
+      // lanes with the same digit add once (shared atomics on one address serialize)
+      const unsigned peers = __match_any_sync(0xffffffffu, m ? d : 256u);
+      if (m && lane == __ffs(peers) - 1) atomicAdd(&hist[d], __popc(peers));
     }
     __syncthreads();
     if (tid < 32) {
       // lane l owns bins 255 - 8l ... 248 - 8l (descending key order)
-      int c[8], s = 0;
+      int c[8], sum = 0;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) { c[j] = hist[255 - 8 * tid - j]; s += c[j]; }
-      int incl = s;
+      for (int j = 0; j < 8; ++j) { c[j] = hist[255 - 8 * tid - j]; sum += c[j]; }
+      int incl = sum;
 #pragma unroll
       for (int off = 1; off < 32; off <<= 1) {
         const int y = __shfl_up_sync(0xffffffffu, incl, off);
         if (tid >= off) incl += y;
       }
-      const int excl = incl - s;
+      const int excl = incl - sum;
       if (excl < need && need <= incl) {
         int cum = excl;
 #pragma unroll

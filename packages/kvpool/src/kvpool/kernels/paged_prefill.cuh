@@ -4,9 +4,12 @@
 // other; their K/V are already in the pool. q is packed by sequence ([total, Hq, D], offsets
 // cu_seqlens_q); sequence b's new tokens are its last n_b positions of seq_lens[b].
 //
-// Grid (Hq, num_tiles), 32 * W threads. A CTA owns kBM = 16 * W query rows of one
+// Grid (Hq, num_tiles), 32 * W threads. A CTA owns kBM = 16 * MR * W query rows of one
 // (sequence, q head); the host lists the tiles (b, first row) longest-first so the causal
-// triangle balances. Each warp owns 16 query rows (Q in registers as MMA A fragments) and
+// triangle balances. Each warp owns MR blocks of 16 query rows (MR = 1: Q fragments held in
+// registers; MR = 2: re-read from shared memory per k-step, and every K/V fragment loaded
+// from shared memory feeds two MMAs, halving ldmatrix traffic per MMA, as FlashAttention-2
+// does with 4 warps x 32 rows) and
 // streams the kv head's K/V in kBN-token tiles through a two-stage cp.async pipeline in shared
 // memory (XOR-swizzled 16-byte chunks: chunk ^ (row & 7), conflict-free ldmatrix). Per tile:
 // S = Q K^T (ldmatrix K), online softmax in registers (exp2, scale folded in), P kept in
@@ -22,7 +25,7 @@ constexpr int kPrefillBN = 64;  // kv tokens per pipeline stage
 template <typename T, int D, int W>
 struct PrefillSmem {
   static constexpr int kRowBytes = D * int(sizeof(T));
-  static constexpr int kQBytes = 16 * W * kRowBytes;  // W warps x 16 query rows
+  static constexpr int kQBytes = 16 * W * kRowBytes;  // W blocks of 16 query rows
   static constexpr int kKVBytes = kPrefillBN * kRowBytes;  // one stage of K (or V)
   static constexpr int kBytes = kQBytes + 4 * kKVBytes;    // Q, K x 2 stages, V x 2 stages
 };
@@ -62,7 +65,7 @@ __device__ __forceinline__ void prefill_ldmatrix_x4_trans(unsigned (&r)[4], unsi
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
 }
 
-template <typename T, int D, int W>
+template <typename T, int D, int W, int MR>
 __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
     const T* __restrict__ q,              // [total, Hq, D]
     const T* __restrict__ k_cache,        // [num_blocks, block_size, H, D] (one layer)
@@ -74,10 +77,12 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
     const int* __restrict__ tiles,        // [num_tiles, 2]: (b, first new-token row)
     T* __restrict__ out,                  // [total, Hq, D]
     int kv_heads, float scale_log2, int block_size) {
-  using S = PrefillSmem<T, D, W>;
+  using S = PrefillSmem<T, D, W * MR>;
   using Mma = MmaF32<T>;
   constexpr int kThreads = 32 * W;
-  constexpr int kPrefillBM = 16 * W;
+  constexpr int kRowsPerWarp = 16 * MR;
+  constexpr int kPrefillBM = kRowsPerWarp * W;
+  constexpr bool kQInRegs = MR == 1;          // one row block: Q fragments stay in registers
   constexpr int kChunks = D / 8;              // 16-byte chunks per row
   constexpr int kKSteps = D / 16;             // QK k-steps
   constexpr int kSTiles = kPrefillBN / 8;     // S n-tiles (8 tokens each)
@@ -85,6 +90,7 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
   constexpr int kKVLoads = kPrefillBN * kChunks / kThreads;
   constexpr int kQLoads = kPrefillBM * kChunks / kThreads;
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+  static_assert(MR == 1 || MR == 2, "one or two 16-row blocks per warp");
   static_assert(kKVLoads * kThreads == kPrefillBN * kChunks, "tile must split evenly over threads");
 
   extern __shared__ __align__(128) unsigned char smem[];
@@ -145,21 +151,31 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
   tilehal::cp_async_wait<1>();  // Q landed (tile 0 may still be in flight)
   __syncthreads();
 
-  // ---- Q fragments of this warp's 16 rows
-  unsigned qa[kKSteps][4];
-  {
-    const int r = warp * 16 + (lane & 15), half = lane >> 4;
+  // ---- Q fragments (A operand) of row block mr of this warp, k-step kk
+  const int q_r = lane & 15, q_half = lane >> 4;
+  auto load_q = [&](unsigned (&a)[4], int mr, int kk) {
+    const int r = warp * kRowsPerWarp + mr * 16 + q_r;
+    prefill_ldmatrix_x4(a, q_sa + r * S::kRowBytes + (((2 * kk + q_half) ^ (r & 7)) << 4));
+  };
+  unsigned qa[kQInRegs ? kKSteps : 1][4];
+  if constexpr (kQInRegs) {
 #pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk)
-      prefill_ldmatrix_x4(qa[kk], q_sa + r * S::kRowBytes + (((2 * kk + half) ^ (r & 7)) << 4));
+    for (int kk = 0; kk < kKSteps; ++kk) load_q(qa[kk], 0, kk);
   }
 
-  float o[kOTiles][4];
+  float o[MR][kOTiles][4];
 #pragma unroll
-  for (int n = 0; n < kOTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // rows g and g + 8
+  for (int mr = 0; mr < MR; ++mr)
+#pragma unroll
+    for (int n = 0; n < kOTiles; ++n) o[mr][n][0] = o[mr][n][1] = o[mr][n][2] = o[mr][n][3] = 0.f;
+  float m_run[MR][2], l_run[MR][2];  // rows g and g + 8 of each row block
+#pragma unroll
+  for (int mr = 0; mr < MR; ++mr) {
+    m_run[mr][0] = m_run[mr][1] = -INFINITY;
+    l_run[mr][0] = l_run[mr][1] = 0.f;
+  }
   const int g = lane >> 2, t2 = (lane & 3) * 2;
-  const int qpos0 = P + i0 + warp * 16 + g;  // absolute position of row g (row g + 8: + 8)
+  const int qpos0 = P + i0 + warp * kRowsPerWarp + g;  // position of row g of row block 0
   const int k_tok = (lane >> 4) * 8 + (lane & 7), k_half = (lane >> 3) & 1;
   const int v_tok = ((lane >> 3) & 1) * 8 + (lane & 7), v_half = lane >> 4;
 
@@ -176,79 +192,104 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
     const unsigned ks = k_sa + stage * S::kKVBytes;
     const unsigned vs = v_sa + stage * S::kKVBytes;
 
-    // ---- S = Q K^T
-    float s[kSTiles][4];
+    // ---- S = Q K^T (each K fragment serves every row block)
+    float s[MR][kSTiles][4];
 #pragma unroll
-    for (int n = 0; n < kSTiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    for (int mr = 0; mr < MR; ++mr)
+#pragma unroll
+      for (int n = 0; n < kSTiles; ++n) s[mr][n][0] = s[mr][n][1] = s[mr][n][2] = s[mr][n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
+      unsigned qf[MR][4];
+      if constexpr (kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qf[0][e] = qa[kk][e];
+      } else {
+#pragma unroll
+        for (int mr = 0; mr < MR; ++mr) load_q(qf[mr], mr, kk);
+      }
 #pragma unroll
       for (int np = 0; np < kSTiles / 2; ++np) {
         const int r = np * 16 + k_tok;
         unsigned bk[4];
         prefill_ldmatrix_x4(bk, ks + r * S::kRowBytes + (((2 * kk + k_half) ^ (r & 7)) << 4));
-        Mma::run(s[2 * np], qa[kk], bk[0], bk[1]);
-        Mma::run(s[2 * np + 1], qa[kk], bk[2], bk[3]);
-      }
-    }
-
-    // ---- online softmax (rows g and g + 8 of this warp; 4 lanes share a row)
-    const bool masked = t >= first_masked;
-    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int n = 0; n < kSTiles; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[n][e] * scale_log2;
-        if (masked) {
-          const int j = t * kPrefillBN + n * 8 + t2 + (e & 1);
-          if (j > qpos0 + (e >> 1) * 8) x = -INFINITY;
+        for (int mr = 0; mr < MR; ++mr) {
+          Mma::run(s[mr][2 * np], qf[mr], bk[0], bk[1]);
+          Mma::run(s[mr][2 * np + 1], qf[mr], bk[2], bk[3]);
         }
-        s[n][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
-    }
-    float alpha[2], base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m_run[r], mx[r]);
-      base[r] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = exp2f(m_run[r] - base[r]);
-      m_run[r] = m_new;
-    }
-    float rs[2] = {0.f, 0.f};
-#pragma unroll
-    for (int n = 0; n < kSTiles; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = exp2f(s[n][e] - base[e >> 1]);
-        s[n][e] = p;
-        rs[e >> 1] += p;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rs[r];
-#pragma unroll
-    for (int n = 0; n < kOTiles; ++n) {
-      o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
     }
 
-    // ---- O += P V (P from the S accumulators: C layout == A layout)
+    // ---- online softmax (rows g and g + 8 of each row block; 4 lanes share a row); P is
+    // packed to the MMA type at once (C layout == A layout), so S dies before P @ V
+    const bool masked = t >= first_masked;
+    unsigned pa[MR][kPrefillBN / 16][4];
+#pragma unroll
+    for (int mr = 0; mr < MR; ++mr) {
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < kSTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[mr][n][e] * scale_log2;
+          if (masked) {
+            const int j = t * kPrefillBN + n * 8 + t2 + (e & 1);
+            if (j > qpos0 + mr * 16 + (e >> 1) * 8) x = -INFINITY;
+          }
+          s[mr][n][e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+      }
+      float alpha[2], base[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float m_new = fmaxf(m_run[mr][r], mx[r]);
+        base[r] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[r] = exp2f(m_run[mr][r] - base[r]);
+        m_run[mr][r] = m_new;
+      }
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int n = 0; n < kSTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = exp2f(s[mr][n][e] - base[e >> 1]);
+          s[mr][n][e] = p;
+          rs[e >> 1] += p;
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < kPrefillBN / 16; ++kk) {
+        pa[mr][kk][0] = Mma::pack(s[mr][2 * kk][0], s[mr][2 * kk][1]);
+        pa[mr][kk][1] = Mma::pack(s[mr][2 * kk][2], s[mr][2 * kk][3]);
+        pa[mr][kk][2] = Mma::pack(s[mr][2 * kk + 1][0], s[mr][2 * kk + 1][1]);
+        pa[mr][kk][3] = Mma::pack(s[mr][2 * kk + 1][2], s[mr][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l_run[mr][r] = l_run[mr][r] * alpha[r] + rs[r];
+#pragma unroll
+      for (int n = 0; n < kOTiles; ++n) {
+        o[mr][n][0] *= alpha[0]; o[mr][n][1] *= alpha[0];
+        o[mr][n][2] *= alpha[1]; o[mr][n][3] *= alpha[1];
+      }
+    }
+
+    // ---- O += P V (each V fragment serves every row block)
 #pragma unroll
     for (int kk = 0; kk < kPrefillBN / 16; ++kk) {
-      const unsigned pa[4] = {Mma::pack(s[2 * kk][0], s[2 * kk][1]), Mma::pack(s[2 * kk][2], s[2 * kk][3]),
-                              Mma::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              Mma::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
       const int r = kk * 16 + v_tok;
 #pragma unroll
       for (int n = 0; n < kOTiles; n += 2) {
         unsigned bv[4];
         prefill_ldmatrix_x4_trans(bv, vs + r * S::kRowBytes + (((n + v_half) ^ (r & 7)) << 4));
-        Mma::run(o[n], pa, bv[0], bv[1]);
-        Mma::run(o[n + 1], pa, bv[2], bv[3]);
+#pragma unroll
+        for (int mr = 0; mr < MR; ++mr) {
+          Mma::run(o[mr][n], pa[mr][kk], bv[0], bv[1]);
+          Mma::run(o[mr][n + 1], pa[mr][kk], bv[2], bv[3]);
+        }
       }
     }
     __syncthreads();  // this stage is refilled by the next iteration's prefetch
@@ -256,19 +297,20 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
 
   // ---- normalize and store rows < rows
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-  }
+  for (int mr = 0; mr < MR; ++mr) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = warp * 16 + g + r * 8;
-    if (row >= rows) continue;
-    const float inv = l_run[r] > 0.f ? 1.f / l_run[r] : 0.f;
-    T* dst = out + (long long)(q0 + i0 + row) * q_row_stride + (long long)hq * D + t2;
+    for (int r = 0; r < 2; ++r) {
+      float l = l_run[mr][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int row = warp * kRowsPerWarp + mr * 16 + g + r * 8;
+      if (row >= rows) continue;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      T* dst = out + (long long)(q0 + i0 + row) * q_row_stride + (long long)hq * D + t2;
 #pragma unroll
-    for (int n = 0; n < kOTiles; ++n)
-      *reinterpret_cast<unsigned*>(dst + n * 8) = Mma::pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+      for (int n = 0; n < kOTiles; ++n)
+        *reinterpret_cast<unsigned*>(dst + n * 8) = Mma::pack(o[mr][n][2 * r] * inv, o[mr][n][2 * r + 1] * inv);
+    }
   }
 }
 
