@@ -16,13 +16,14 @@ Writes docs/benchmarks/dataengine_select_cuda_kernels.{json,png}.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import kvpool
 import tilehal
 import torch
 from _common import out_dir, write_json
-from dataengine import select
+from dataengine import cuda_select, select
 
 HQ, H, D, BS, B, TOP = 32, 8, 128, 16, 8, 64
 CTX_MAX = 128 * 1024
@@ -109,6 +110,16 @@ def main() -> None:
                "dense_kv_bytes": kv_bytes, "floor_speedup_at_dense_bandwidth": round(kv_bytes / summary_bytes, 1),
                "gpu_equals_reference": same, "mismatching_rows": mismatch_rows,
                "sparse_calc_diff_vs_reference": tilehal.calc_diff(out_sparse[:1], out_ref)}
+        cuda_select.compile_topk()  # the opt-in top-k variant, same shapes
+        try:
+            os.environ["DATAENGINE_TOPK_KERNEL"] = "staged"
+            staged_ok = bool(torch.equal(sel(), ref))
+            row["select_staged_topk_us"] = us(bench(sel))
+            row["select_staged_topk_equals_reference"] = staged_ok
+        except Exception as e:  # reported, not hidden
+            row["select_staged_topk_error"] = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            os.environ.pop("DATAENGINE_TOPK_KERNEL", None)
         if ctx == CTX_MAX:
             t_ref = tilehal.bench(lambda bt=bt, sl=sl: select.select_blocks_reference(q, kmin, kmax, bt, sl, TOP, 1, 1,
                                                                                       block_size=BS),

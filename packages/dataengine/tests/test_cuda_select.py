@@ -32,9 +32,19 @@ def test_score_kernels_compile(q_dtype, s_dtype, head_dim, group, reduce):
 
 
 @pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
-def test_topk_kernel_compiles():
+def test_topk_kernels_compile():
     m = cuda_select.compile_topk()
-    assert cuda_select.TOPK_KERNEL in m.lowered_names and len(m.cubin) > 1000
+    assert set(cuda_select.TOPK_KERNELS.values()) <= set(m.lowered_names) and len(m.cubin) > 1000
+
+
+def test_topk_variant_env(monkeypatch):
+    monkeypatch.setenv("DATAENGINE_TOPK_KERNEL", "staged")
+    assert cuda_select.topk_variant() == "staged"
+    monkeypatch.setenv("DATAENGINE_TOPK_KERNEL", "fast")
+    with pytest.raises(ValueError, match="DATAENGINE_TOPK_KERNEL"):
+        cuda_select.topk_variant()
+    monkeypatch.delenv("DATAENGINE_TOPK_KERNEL")
+    assert cuda_select.topk_variant() == "plain"
 
 
 def test_reference_tie_rule():
@@ -116,7 +126,9 @@ def test_select_exact_on_integer_inputs(dtype, sdtype, D, Hq, Hkv, reduce, use_b
 
 
 @pytest.mark.gpu
-def test_select_all_ties_and_all_unwritten():
+@pytest.mark.parametrize("variant", sorted(cuda_select.TOPK_KERNELS))
+def test_select_all_ties_and_all_unwritten(variant, monkeypatch):
+    monkeypatch.setenv("DATAENGINE_TOPK_KERNEL", variant)
     q, kmin, kmax, table, lens = _problem(1)
     kmin.fill_(1.0)
     kmax.fill_(1.0)  # every block scores the same: positions decide
@@ -161,7 +173,9 @@ def test_select_gaussian_differs_only_at_rounding_ties():
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(5, 3000), (4, 2, 777), (2, 3, 2, 129), (1, 1), (3, 8192)])
 @pytest.mark.parametrize("k", [1, 16, 64, 200])
-def test_topk_blocks_exact(shape, k):
+@pytest.mark.parametrize("variant", sorted(cuda_select.TOPK_KERNELS))
+def test_topk_blocks_exact(shape, k, variant, monkeypatch):
+    monkeypatch.setenv("DATAENGINE_TOPK_KERNEL", variant)
     g = torch.Generator().manual_seed(k + shape[-1])
     s = torch.randint(-5, 5, shape, generator=g).float()
     s[torch.rand(shape, generator=g) < 0.1] = float("-inf")

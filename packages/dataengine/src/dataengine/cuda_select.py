@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import tilehal
@@ -20,10 +21,11 @@ KERNEL_DIR = Path(__file__).with_name("kernels")
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # q heads per kv head held in registers by the score kernel
 SCORE_THREADS, TOPK_THREADS = 256, 512
-TOPK_STAGE_BYTES = 160 * 1024  # rows up to 40960 blocks keep their order keys in shared memory
+TOPK_STAGE_BYTES = 160 * 1024  # the staged top-k keeps rows of up to 40960 keys in shared memory
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half", torch.float32: "float"}
 _REDUCE = {"max": 0, "sum": 1, "mean": 2}
-TOPK_KERNEL = "dataengine::topk_select_kernel"
+TOPK_KERNELS = {"plain": "dataengine::topk_select_kernel<false>", "staged": "dataengine::topk_select_kernel<true>"}
+TOPK_KERNEL = TOPK_KERNELS["plain"]
 
 
 def score_kernel_name(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, group: int, reduce: str) -> str:
@@ -44,7 +46,16 @@ def compile_score(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, gro
 @functools.cache
 def compile_topk(arch: str = "sm_90a") -> tilehal.CudaModule:
     return tilehal.compile_cuda('#include "select.cuh"\n', arch=arch, name="topk_select",
-                                include_dirs=[str(KERNEL_DIR)], name_expressions=[TOPK_KERNEL])
+                                include_dirs=[str(KERNEL_DIR)], name_expressions=list(TOPK_KERNELS.values()))
+
+
+def topk_variant() -> str:
+    """DATAENGINE_TOPK_KERNEL: "plain" (default, measured on the H200) or "staged" (keys in shared
+    memory, warp-aggregated histogram; compile-tested, not yet measured on a GPU)."""
+    v = os.environ.get("DATAENGINE_TOPK_KERNEL") or "plain"
+    if v not in TOPK_KERNELS:
+        raise ValueError(f"DATAENGINE_TOPK_KERNEL: expected one of {sorted(TOPK_KERNELS)}, got {v!r}")
+    return v
 
 
 def unsupported_reason(q: torch.Tensor, kmin: torch.Tensor) -> str | None:
@@ -98,7 +109,8 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
 
 def topk_rows(scores: torch.Tensor, width: int, rows_per_b: int, sink: int, local: int, *,
               num_valid: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-              block_size: int | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
+              block_size: int | None = None, block_table: torch.Tensor | None = None,
+              variant: str | None = None) -> torch.Tensor:
     """int32 [*scores.shape[:-1], width]: the reference's `_select` on the GPU.
 
     n_valid per batch entry: `num_valid`, else ceil(seq_lens / block_size) when block_size is
@@ -122,8 +134,11 @@ def topk_rows(scores: torch.Tensor, width: int, rows_per_b: int, sink: int, loca
         mode, sl, tb = 3, _i32(seq_lens), _i32(block_table)
     else:
         mode = 0
-    stage = N * 4 <= TOPK_STAGE_BYTES
-    compile_topk().get_kernel(TOPK_KERNEL).launch(
+    variant = topk_variant() if variant is None else variant
+    if variant == "staged" and N * 4 > TOPK_STAGE_BYTES:
+        log.debug("topk: %d keys exceed the staged kernel's shared memory; running the plain kernel", N)
+        variant = "plain"
+    compile_topk().get_kernel(TOPK_KERNELS[variant]).launch(
         rows, TOPK_THREADS, [s, N, rows_per_b, mode, nv, sl, tb, int(block_size or 1), int(sink), int(local),
-                             int(width), int(stage), out], smem_bytes=N * 4 if stage else 0)
+                             int(width), out], smem_bytes=N * 4 if variant == "staged" else 0)
     return out
