@@ -179,8 +179,6 @@ def _check_prefill_args(q, pool: KVPool, layer: int, block_table, seq_lens, cu_s
     for b in range(B):
         if cu[b + 1] - cu[b] > lens[b]:
             raise ShapeError(f"seq_lens[{b}]: expected >= its {cu[b + 1] - cu[b]} new tokens, got {lens[b]}")
-    if not 0 <= layer < pool.num_layers:
-        raise IndexError(f"layer: expected 0 <= layer < {pool.num_layers}, got {layer}")
     for name, t in (("q", q), ("block_table", block_table), ("seq_lens", seq_lens)):
         if pool.device.type == "cuda" and t.device != pool.device:
             raise ShapeError(f"{name}: expected device {pool.device} (the pool's), got {t.device}")
