@@ -245,8 +245,8 @@ def test_gpu_bf16_kvpool_matches_transformers_within_tolerance():
     """
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    model = tiny("llama", dtype=torch.bfloat16, device="cuda", hidden_size=256, intermediate_size=512,
-                 num_attention_heads=8, num_key_value_heads=2)
+    model = tiny("llama", dtype=torch.bfloat16, device="cuda", hidden_size=512, intermediate_size=1024,
+                 num_attention_heads=8, num_key_value_heads=2)  # head_dim 64, 4 q heads per kv head: the kernel's
     ids, mask = prompts([300, 181])
     ids, mask = ids.cuda(), mask.cuda()
     ref_tok, ref_logits = greedy(model, ids, mask, n=8)
@@ -320,4 +320,29 @@ def test_a_chat_turn_reuses_the_previous_answer():
     assert cache.stats()["prompt_tokens_cached"] - before == 64
     assert torch.equal(tok, cold_tok)
     assert (logits - cold_logits).abs().max().item() < 1e-4
+    cache.pool.check_invariants()
+
+
+def test_a_forward_failing_midway_is_reported_at_the_next_step():
+    model = tiny("llama")
+    ids, mask = prompts([20, 20])
+    cache = th.enable_kvpool(model, num_blocks=16, block_size=8)
+    start = cache.new_request(ids, mask)
+    model(ids[:, start:], cache=cache)
+    layer1 = model.model.layers[1].self_attn
+
+    def boom(*a, **k):
+        raise RuntimeError("out of memory (simulated)")
+
+    layer1.forward = boom
+    x = torch.ones(2, 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="simulated"):
+        model(x, cache=cache)
+    del layer1.forward
+    cache.pool.check_invariants()
+    assert [cache.pool.num_tokens(s) for s in cache.seq_ids] == [21, 21]  # kept, not freed
+    with pytest.raises(th.CacheMismatchError, match="layers 0..0 of 2"):
+        model(x, cache=cache)
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=2, do_sample=False)
+    assert out.shape == (2, 22)  # a new request starts clean
     cache.pool.check_invariants()

@@ -106,12 +106,13 @@ class Progress:
 NEEDLE_IDS = 64  # the last 64 token ids: never in the filler, so a needle made of them is unique
 
 
-def build_model(device: str, dtype, seed: int = 0, vocab: int = 1024, layers: int = 4, max_len: int = 1 << 17):
+def build_model(device: str, dtype, seed: int = 0, vocab: int = 1024, layers: int = 4, max_len: int = 1 << 17,
+                head_dim: int = 32):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_len,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=max_len,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e12}, pad_token_id=None,
                       bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
@@ -270,12 +271,13 @@ def _run(device, on_gpu, context, new_tokens, top_k, seed, json_path, out, threa
     question_a = torch.randint(0, vocab - NEEDLE_IDS, (12,), generator=g).tolist()
     question_b = torch.randint(0, vocab - NEEDLE_IDS, (12,), generator=g).tolist()
 
-    print(f"TileStack demo: {context}-token context, Llama-architecture model (4 layers, GQA 8/2, d32, random "
+    head_dim = 64 if on_gpu else 32  # kvpool's CUDA decode kernel takes head_dim 64/128/256
+    print(f"TileStack demo: {context}-token context, Llama-architecture model (4 layers, GQA 8/2, d{head_dim}, random "
           f"weights), {device}, {str(dtype).replace('torch.', '')}{threads_note}", file=out)
     print(f"  kvpool blocks of {block} tokens, prefix caching on; sparse decode: top {top_k} blocks of "
           f"{-(-context // block)} per kv head (sink 1, local 1); needle of {needle_len} tokens at depth {depth}",
           file=out, flush=True)
-    model = build_model(device, dtype, seed)
+    model = build_model(device, dtype, seed, head_dim=head_dim)
     blocks_needed = 2 * -(-(context + 64 + needle_len + new_tokens) // block) + 8
     cache = th.enable_kvpool(model, num_blocks=blocks_needed, block_size=block)
 

@@ -129,6 +129,7 @@ class KVPoolCache(Cache):
         self._rows: list[Hashable] | None = None
         self._plan: dict | None = None  # set by new_request for the request's first forward
         self._next_ids: torch.Tensor | None = None  # set_next_tokens: ids of the next forward's tokens
+        self._inflight: int | None = None  # layers written by an eager step not finished yet
         self._step: _Step | None = None
         self._static: _Step | None = None
         self._static_ready = False
@@ -287,6 +288,7 @@ class KVPoolCache(Cache):
             if sid in self.pool:
                 self.pool.free(sid)
         self._rows, self._plan, self._step, self._static, self._next_ids = None, None, None, None, None
+        self._inflight = None
 
     def reset(self) -> None:
         """transformers' reset: drop the current batch (the pool keeps its prefix cache)."""
@@ -348,6 +350,11 @@ class KVPoolCache(Cache):
     def _begin_step(self, B: int, T: int, device: torch.device) -> _Step:
         pool = self.pool
         plan = self._plan
+        if self._inflight is not None:
+            raise CacheMismatchError(
+                f"cache: the previous forward failed after its tokens were allocated (K/V written for layers "
+                f"0..{self._inflight - 1} of {pool.num_layers}); its rows are incomplete: cache.reset() or start a new "
+                f"request (the pool itself is consistent)")
         if self._rows is None:  # a forward loop that never called new_request: rows without token ids
             self._rows = [("hf", next(_IDS)) for _ in range(B)]
             for sid in self._rows:
@@ -386,6 +393,7 @@ class KVPoolCache(Cache):
                 pool.fork(rows[src[b]], rows[b])
                 self._figures["forks"] += 1
         self._plan = None
+        self._inflight = 0
         lens = query_mask.sum(1)
         cu = torch.zeros(B + 1, dtype=torch.int32)
         cu[1:] = lens.cumsum(0)
@@ -455,6 +463,8 @@ class KVPoolCache(Cache):
             k, v = k[step.write_mask], v[step.write_mask]
         self.pool.write(layer, step.slots, k, v)
         step.keys[layer] = key_states
+        if self._inflight is not None:  # eager steps: count the layers written; done after the last
+            self._inflight = None if layer == self.pool.num_layers - 1 else layer + 1
         return key_states, value_states
 
     # ------------------------------------------------------------------ figures
