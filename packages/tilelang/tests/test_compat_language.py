@@ -142,3 +142,38 @@ def test_alloc_global_inside_a_kernel_is_an_error():
             with T.Kernel(1) as _:
                 g = T.alloc_global((4,), "float32")
                 g[0] = A[0]
+
+
+def _topk_like(target, pass_configs=None):
+    @tilelang.jit(target=target, pass_configs=pass_configs)
+    def rowmax(X, blk_m):
+        M, N = T.const("M, N")
+        X: T.Tensor((M, N), "float32")
+        Y = T.empty((M,), "float32")
+        with T.Kernel(T.ceildiv(M, blk_m)) as bx:
+            tile = T.alloc_fragment((blk_m, N), "float32")
+            mx = T.alloc_fragment((blk_m,), "float32")
+            T.copy(X[bx * blk_m, 0], tile)
+            T.reduce_max(tile, mx, dim=1)
+            for i in T.Parallel(blk_m):
+                Y[bx * blk_m + i] = mx[i]  # the last block runs past M: those stores must be dropped
+        return Y
+
+    return rowmax
+
+
+def test_out_of_bounds_global_stores_are_dropped(target):
+    rowmax = _topk_like(target)
+    x = np.random.default_rng(3).standard_normal((100, 16)).astype(np.float32)
+    for _ in range(3):
+        np.testing.assert_array_equal(rowmax(x, 64), x.max(1))
+    if target == "cpu":
+        src = rowmax.get_kernel_source(blk_m=64, M=100, N=16)
+        assert "< 100" in src or "< 100LL" in src  # the bound test on Y's index
+
+
+def test_safe_memory_pass_config_removes_the_guard():
+    guarded = _topk_like("cpu").get_kernel_source(blk_m=64, M=128, N=16)
+    bare = _topk_like("cpu", {tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}).get_kernel_source(
+        blk_m=64, M=128, N=16)
+    assert guarded.count("if (") > bare.count("if (")

@@ -87,6 +87,8 @@ def check_pass_configs(configs: dict | None, target: str) -> dict[str, Any]:
                 log.debug("pass_configs %s=%r on %s: %s", key, v, target, HONORED_ON_CPU[key] if v else "no change")
             else:
                 log.info("pass_configs %s=%r has no effect on target %s", key, v, target)
+        if out.get(PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS.value):
+            out["disable_passes"] = [*out.get("disable_passes", ()), "guard_global_stores"]
         if out.get("tirx.disable_vectorize") or out.get("tir.disable_vectorize"):
             out["disable_passes"] = [*out.get("disable_passes", ()), "vectorize_hints"]
     return out

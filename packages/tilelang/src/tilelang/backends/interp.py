@@ -4,7 +4,8 @@ Thread blocks run one after another. A `T.Parallel` loop runs as numpy vector co
 variable becomes an index array ("lanes") and the body is evaluated once for all iterations,
 with `if` on lane-dependent conditions turned into masks. Arithmetic on 16/8-bit floats is done
 in float32 and rounded when stored, as the compiled backends do. Loads past the end of a buffer
-read zero (so `T.if_then_else` guards are safe); stores past the end of a local buffer raise.
+read zero (so `T.if_then_else` guards are safe); element stores past the end of a global tensor are
+dropped (as on cpu), past the end of an on-chip buffer they raise.
 """
 
 from __future__ import annotations
@@ -184,6 +185,8 @@ class Interpreter:
         val = np.asarray(value)
         if self.mask is None and val.ndim == 0 and all(np.ndim(i) == 0 for i in idx):
             t = tuple(int(i) for i in idx)
+            if buf.scope == "global" and not all(0 <= i < n for i, n in zip(t, arr.shape)):
+                return  # dropped, as on cpu (guard_global_stores)
             self._check_bounds(buf, [np.asarray(i) for i in t], arr.shape, loc)
             arr[t] = val.astype(arr.dtype)
             return
@@ -195,6 +198,12 @@ class Interpreter:
         sel = b[n + 1] if self.mask is not None else None
         ids = [x[sel] if sel is not None else x.ravel() for x in b[:n]]
         vals = b[n][sel] if sel is not None else b[n].ravel()
+        if buf.scope == "global":  # out-of-bounds element stores to global tensors are dropped (as on cpu)
+            ok = np.ones(vals.shape, dtype=bool)
+            for i, n_ in zip(ids, arr.shape):
+                ok &= (i >= 0) & (i < n_)
+            if not ok.all():
+                ids, vals = [i[ok] for i in ids], vals[ok]
         self._check_bounds(buf, ids, arr.shape, loc)
         arr[tuple(ids)] = vals.astype(arr.dtype)
 

@@ -10,6 +10,7 @@ from ...passes.fuse_parallel import fuse_parallel
 from ...passes.lower_tile_ops import lower_tile_ops
 from ...passes.simplify import simplify
 from ...passes.vectorize import vectorize_hints
+from .guard_stores import guard_global_stores
 
 
 def verify_lowered(func):
@@ -21,6 +22,8 @@ PASSES = [
     (check_shapes, "reject malformed tile ops before anything is rewritten"),
     (simplify, "fold constants so bounds tests below are static where they can be"),
     (dce, "drop dead buffers and their writes"),
+    (guard_global_stores, "element stores to global tensors stay in bounds (public TileLang default); before "
+                          "lowering, whose copies guard their own edge tiles"),
     (elide_gemm_copies, "before lowering: gemm may read in-bounds A tiles in place (caches do the staging)"),
     (lower_tile_ops, "tile ops except float gemm become loop nests (gemm stays a micro-kernel call)"),
     (simplify, "clean up the index arithmetic lowering introduced"),
