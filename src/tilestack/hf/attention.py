@@ -24,7 +24,7 @@ log = logging.getLogger("tilestack.hf")
 NAME = "tilestack_kvpool"
 # paged_prefill's torch reference holds [q_heads, new, cached] fp32 scores per sequence; above this
 # many bytes (per device type) a sequence's queries go in chunks (each a valid prefill of its last
-# positions).
+# positions). kvpool's CUDA kernel (bf16/fp16, head_dim 64/128) takes whole sequences.
 PREFILL_SCORE_BYTES = {"cpu": 1 << 28, "cuda": 1 << 31}
 
 
@@ -68,7 +68,7 @@ def _prefill(q: torch.Tensor, pool, layer: int, step, scale) -> torch.Tensor:
     hq = q.shape[1]
     worst = max((cu[b + 1] - cu[b]) * lens[b] for b in range(len(lens))) * hq * 4
     budget = PREFILL_SCORE_BYTES.get(q.device.type, 1 << 28)
-    if worst <= budget:
+    if worst <= budget or _prefill_kernel_serves(q, pool):
         return paged_prefill(q, pool, layer, step.block_table, step.seq_lens, step.cu_seqlens_q, scale=scale)
     log.debug("paged_prefill: %d-byte score matrix; queries go in chunks", worst)
     out = torch.empty_like(q)
@@ -82,6 +82,17 @@ def _prefill(q: torch.Tensor, pool, layer: int, step, scale) -> torch.Tensor:
             cuq = torch.tensor([0, e - a], dtype=torch.int32, device=step.seq_lens.device)
             out[cu[b] + a:cu[b] + e] = paged_prefill(q[cu[b] + a:cu[b] + e], pool, layer, table, end, cuq, scale=scale)
     return out
+
+
+def _prefill_kernel_serves(q: torch.Tensor, pool) -> bool:
+    """Whether paged_prefill runs kvpool's CUDA kernel here (it needs no chunks: no score matrix)."""
+    if pool.device.type != "cuda":
+        return False
+    try:
+        from kvpool.cuda_prefill import unsupported_reason
+    except ImportError:  # a kvpool without the prefill kernel
+        return False
+    return unsupported_reason(q, pool) is None
 
 
 def register() -> None:
