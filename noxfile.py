@@ -165,7 +165,7 @@ def readme_install(session: nox.Session, package: str) -> None:
     """
     if not list((ROOT / "dist").glob("tilestack*.whl")):
         session.error("dist/ holds no wheels: run `nox -s wheels` first")
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *DISTS.values(), silent=True)
+    session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", *DISTS.values(), silent=True)
     session.install(*CONSTRAINTS, "--find-links", "dist", DISTS[package], silent=False)
     env = {"PYTHONPATH": None, **TEST_ENV}
     work = Path(tempfile.mkdtemp(prefix=f"readme_{package}_"))
