@@ -98,7 +98,9 @@ def _install(session: nox.Session, *args: str) -> None:
         return
     stamp.unlink(missing_ok=True)
     session.install(*args, silent=False)
-    stamp.write_text(key)
+    # With `nox -R` (--no-install) nox skipped the install above: do not mark it done.
+    if not getattr(getattr(session, "_runner", None) and session._runner.global_config, "no_install", False):
+        stamp.write_text(key)
 
 
 def _install_everything(session: nox.Session) -> None:
