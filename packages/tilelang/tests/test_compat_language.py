@@ -177,3 +177,73 @@ def test_safe_memory_pass_config_removes_the_guard():
     bare = _topk_like("cpu", {tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}).get_kernel_source(
         blk_m=64, M=128, N=16)
     assert guarded.count("if (") > bare.count("if (")
+
+
+def test_views_on_tensor_storage(target):
+    """T.Tensor(shape, dtype, buf.data) and T.reshape: read and write a tensor through another shape."""
+
+    @tilelang.jit(target=target)
+    def flat_scale(X, s):
+        A, B = T.const("A, B")
+        X: T.Tensor((A, B), "float32")
+        Y = T.empty((A, B), "float32")
+        with T.Kernel(1) as _:
+            x_flat = T.Tensor((A * B,), "float32", X.data)
+            y_flat = T.reshape(Y, (A * B,))
+            tile = T.alloc_fragment((A * B,), "float32")
+            T.copy(x_flat, tile)
+            for i in T.Parallel(A * B):
+                y_flat[i] = tile[i] * s
+        return Y
+
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.testing.assert_array_equal(flat_scale(x, 2.0), x * 2)
+    k = flat_scale.compile(s=2.0, A=3, B=4)
+    assert len(k.prim_func.views) == 2
+    np.testing.assert_array_equal(k.get_profiler().inputs()[0].shape, (3, 4))  # views are not inputs
+
+
+def test_view_errors():
+    with pytest.raises(tilelang.CompileError, match="element counts differ"):
+        @T.prim_func
+        def bad(X: T.Tensor((3, 4), "float32")):
+            with T.Kernel(1) as _:
+                v = T.Tensor((13,), "float32", X.data)
+                v[0] = 1.0
+
+
+def test_im2col_matches_a_direct_convolution(target):
+    n, h, w, c, f, ks, s, d, p = 2, 7, 6, 3, 4, 3, 2, 1, 1
+    oh, ow = (h + 2 * p - d * (ks - 1) - 1) // s + 1, (w + 2 * p - d * (ks - 1) - 1) // s + 1
+    bm, bk = 8, 16
+    rows, kdim = n * oh * ow, ks * ks * c
+
+    @tilelang.jit(out_idx=[-1], target=target)
+    def conv():
+        @T.prim_func
+        def main(X: T.Tensor((n, h, w, c), "float32"), Wt: T.Tensor((kdim, f), "float32"),
+                 Y: T.Tensor((rows, f), "float32")):
+            with T.Kernel(T.ceildiv(rows, bm)) as by:
+                cols = T.alloc_shared((bm, bk), "float32")
+                wt = T.alloc_shared((bk, f), "float32")
+                acc = T.alloc_fragment((bm, f), "float32")
+                T.clear(acc)
+                for ki in T.serial(T.ceildiv(kdim, bk)):
+                    T.im2col(X, cols, by, ki, ks, s, d, p)
+                    T.copy(Wt[ki * bk, 0], wt)
+                    T.gemm(cols, wt, acc)
+                T.copy(acc, Y[by * bm, 0])
+
+        return main
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    wt = rng.standard_normal((ks, ks, c, f)).astype(np.float32)
+    xp = np.pad(x, ((0, 0), (p, p), (p, p), (0, 0)))
+    ref = np.zeros((n, oh, ow, f), np.float64)
+    for kh in range(ks):
+        for kw in range(ks):
+            patch = xp[:, kh * d: kh * d + s * (oh - 1) + 1: s, kw * d: kw * d + s * (ow - 1) + 1: s, :]
+            ref += patch @ wt[kh, kw]
+    y = conv()(x, wt.reshape(kdim, f))
+    np.testing.assert_allclose(y, ref.reshape(rows, f), rtol=1e-4, atol=1e-4)

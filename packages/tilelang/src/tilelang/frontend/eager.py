@@ -335,7 +335,9 @@ class EagerParser(Parser):
         params = [self.params[n] for n in self.tensor_names] + self.outputs
         out_idx = [params.index(b) for b in returned]
         ws = list(self.shared.workspace)
-        func = PrimFunc(fdef.name, params + ws, _seq(stmts), self.dyn, self.loc(fdef), self.source, ws)
+        views = [v for v, _ in self.shared.views]
+        func = PrimFunc(fdef.name, params + ws + views, _seq(stmts), self.dyn, self.loc(fdef), self.source, ws,
+                        list(self.shared.views))
         verify(func)
         return EagerResult(func, out_idx, dict(self.const_values), dict(self.matcher))
 

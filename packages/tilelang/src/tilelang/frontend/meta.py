@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import numpy as np
+
 from ..errors import CompileError, SourceLoc
 from ..ir import dtypes as dt
 from ..ir.nodes import (
@@ -34,6 +36,7 @@ from ..ir.nodes import (
     Load,
     Not,
     Select,
+    Var,
     as_expr,
     binop,
     const,
@@ -55,20 +58,33 @@ def is_ir(v: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class BufferData:
+    """`buf.data`: the storage of a global tensor, to build a view on (`T.Tensor(shape, dtype, buf.data)`)."""
+
+    buffer: Buffer
+
+
+@dataclass(frozen=True)
 class TensorType:
-    """Parameter annotation `T.Tensor(shape, dtype)`; shape entries are ints or `T.dynamic` vars."""
+    """Parameter annotation `T.Tensor(shape, dtype)`; shape entries are ints or `T.dynamic` vars. With `data`
+    (inside a body), a view of that storage with this shape."""
 
     shape: tuple[Any, ...]
     dtype: str
+    data: BufferData | None = None
 
     def __repr__(self) -> str:
         return f"T.Tensor({self.shape}, {self.dtype!r})"
 
 
-def tensor_type(shape: Sequence[Any] | int, dtype: Any = "float32") -> TensorType:
+def tensor_type(shape: Sequence[Any] | int, dtype: Any = "float32", data: Any = None) -> TensorType:
     if isinstance(shape, (int, Expr)):
         shape = (shape,)
-    return TensorType(tuple(shape), dt.canonical(dtype))
+    if isinstance(data, Buffer):
+        data = BufferData(data)
+    if data is not None and not isinstance(data, BufferData):
+        raise TypeError(f"T.Tensor: data must be a tensor's .data, got {data!r}")
+    return TensorType(tuple(shape), dt.canonical(dtype), data)
 
 
 class Macro:
@@ -102,6 +118,7 @@ class Shared:
         self.kernel: Kernel | None = None
         self.used_names: set[str] = set()
         self.workspace: list[Buffer] = []  # T.alloc_global buffers
+        self.views: list[tuple[Buffer, Buffer]] = []  # (view, the global tensor whose storage it reshapes)
 
     def fresh(self, base: str) -> str:
         name = base
@@ -248,6 +265,8 @@ class MetaEvaluator:
                 return base.ndim
             if attr == "name":
                 return base.name
+            if attr == "data":
+                return BufferData(base)
             self.fail(node, f"buffer {base.name} has no attribute {attr!r} (supported: shape, dtype, ndim)")
         if isinstance(base, Expr):
             if attr == "dtype":
@@ -347,6 +366,34 @@ class MetaEvaluator:
                               self.to_expr(self.value(node.orelse), node))
 
     def expr_Call(self, node: ast.Call) -> Any:
+        v = self.call_value(node)
+        if isinstance(v, TensorType) and v.data is not None:
+            return self.make_view(v, node)
+        return v
+
+    def make_view(self, tt: TensorType, node: ast.AST) -> Buffer:
+        """A global buffer of another shape on a global tensor's storage (the runtime passes the reshaped
+        tensor); views of views resolve to the underlying tensor."""
+        base = tt.data.buffer
+        root = next((b for v, b in self.shared.views if v is base), base)
+        if root.scope != "global":
+            self.fail(node, f"views are supported on global tensors only; {root.name} is a {root.scope} buffer")
+        if tt.dtype != root.dtype:
+            self.fail(node, f"a view of {root.name} must keep its dtype {root.dtype}, got {tt.dtype}")
+        dims: list[Expr] = []
+        for s in tt.shape:
+            if isinstance(s, bool) or not isinstance(s, (int, Var)):
+                self.fail(node, f"view shape entries must be ints or T.dynamic sizes, got {s!r}")
+            dims.append(const(s) if isinstance(s, int) else s)
+        view = Buffer(self.shared.fresh(f"{root.name}_view"), tuple(dims), tt.dtype, "global")
+        a, b = view.static_shape(), root.static_shape()
+        if a is not None and b is not None and int(np.prod(a)) != int(np.prod(b)):
+            self.fail(node, f"view of {root.name}{b} with shape {a}: the element counts differ")
+        self.shared.views.append((view, root))
+        view.aliased = root.aliased = True  # backends must not assume these two parameters are disjoint
+        return view
+
+    def call_value(self, node: ast.Call) -> Any:
         fn = self.value(node.func)
         if getattr(fn, "__tl_stmt__", None):
             self.fail(node, f"T.{fn.__tl_stmt__} is a statement, not an expression")

@@ -84,7 +84,9 @@ class Parser(TileOpBinder):
         if not any(isinstance(s, Kernel) for s in (body.body if isinstance(body, Seq) else [body])):
             self.fail(fdef, "a prim_func body needs a `with T.Kernel(...)` block")
         ws = list(self.shared.workspace)
-        func = PrimFunc(fdef.name, params + ws, body, dyn, self.loc(fdef), self.source, ws)
+        views = [v for v, _ in self.shared.views]
+        func = PrimFunc(fdef.name, params + ws + views, body, dyn, self.loc(fdef), self.source, ws,
+                        list(self.shared.views))
         verify(func)
         return func
 

@@ -17,11 +17,16 @@ from ..ir.nodes import (
     CumSum,
     Expr,
     Fill,
+    For,
     Gemm,
     Load,
     Reduce,
     Region,
+    Select,
     Stmt,
+    Store,
+    Var,
+    binop,
     const,
 )
 from .affine import constant_difference
@@ -252,3 +257,53 @@ class TileOpBinder(MetaEvaluator):
         for b, layout in m.items():
             b.layout = layout
         return None
+
+    def op_im2col(self, call: ast.Call) -> Stmt:
+        """`T.im2col(img, col, nhw_step, c_step, kernel, stride, dilation, pad)`: the (block_M, block_K) tile
+        of the im2col matrix of an NHWC image: row r = (n, oh, ow), column k = (kh, kw, c), zero where the
+        window falls in the padding or past the end. Lowered here into a T.Parallel loop over the tile."""
+        self._need_kernel(call, "T.im2col")
+        a = self._args(call, ["img", "col", "nhw_step", "c_step", "kernel", "stride", "dilation", "pad",
+                              "eviction_policy", "annotations"],
+                       {"eviction_policy": None, "annotations": None}, "im2col")
+        img, col = self.value(a["img"]), self.value(a["col"])
+        if not isinstance(img, Buffer) or img.scope != "global" or img.ndim != 4:
+            self.fail(call, "T.im2col: img must be a global NHWC tensor of rank 4")
+        if not isinstance(col, Buffer) or col.scope == "global" or col.static_shape() is None or col.ndim != 2:
+            self.fail(call, "T.im2col: col must be a 2-D shared/fragment buffer")
+        meta = {}
+        for k in ("kernel", "stride", "dilation", "pad"):
+            v = self._meta_arg(a[k])
+            if isinstance(v, bool) or not isinstance(v, int):
+                self.fail(call, f"T.im2col: {k} must be a Python int, got {v!r}")
+            meta[k] = v
+        ks, s, d, pad = meta["kernel"], meta["stride"], meta["dilation"], meta["pad"]
+        nhw = self.to_expr(self._meta_arg(a["nhw_step"]), call)
+        cst = self.to_expr(self._meta_arg(a["c_step"]), call)
+        n_, h_, w_, c_ = img.shape
+        bm, bk = col.static_shape()
+        oh_n = binop("+", binop("//", binop("-", binop("+", h_, 2 * pad), d * (ks - 1) + 1), s), 1)
+        ow_n = binop("+", binop("//", binop("-", binop("+", w_, 2 * pad), d * (ks - 1) + 1), s), 1)
+        i, j = Var(self.shared.fresh("i")), Var(self.shared.fresh("j"))
+        row = binop("+", binop("*", nhw, bm), i)
+        kk = binop("+", binop("*", cst, bk), j)
+        ow = binop("%", row, ow_n)
+        oh = binop("%", binop("//", row, ow_n), oh_n)
+        n = binop("//", row, binop("*", oh_n, ow_n))
+        c = binop("%", kk, c_)
+        kw = binop("%", binop("//", kk, c_), ks)
+        kh = binop("//", kk, binop("*", c_, ks))
+        h = binop("-", binop("+", binop("*", oh, s), binop("*", kh, d)), pad)
+        w = binop("-", binop("+", binop("*", ow, s), binop("*", kw, d)), pad)
+        conds = [binop("<", row, binop("*", n_, binop("*", oh_n, ow_n))), binop("<", kk, binop("*", ks * ks, c_)),
+                 binop(">=", h, 0), binop("<", h, h_), binop(">=", w, 0), binop("<", w, w_)]
+        cond = conds[0]
+        for x in conds[1:]:
+            cond = binop("and", cond, x)
+        val = Load(img, [n, h, w, c])
+        zero = const(0.0, val.dtype) if val.dtype.startswith(("float", "bfloat")) else const(0, val.dtype)
+        body: Stmt = Store(col, [i, j], Select(cond, val, zero, val.dtype), loc=self.loc(call))
+        body = For(j, const(0), const(bk), "parallel", body, {}, loc=self.loc(call))
+        return For(i, const(0), const(bm), "parallel", body, {}, loc=self.loc(call))
+
+    op_c2d_im2col = op_im2col

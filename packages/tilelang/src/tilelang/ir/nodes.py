@@ -361,6 +361,7 @@ class PrimFunc:
     loc: SourceLoc | None = None
     source: str = ""
     workspace: list[Buffer] = field(default_factory=list)  # T.alloc_global: trailing params the runtime allocates
+    views: list[tuple[Buffer, Buffer]] = field(default_factory=list)  # (view param, the param it reshapes)
 
     def script(self) -> str:
         from .printer import print_func

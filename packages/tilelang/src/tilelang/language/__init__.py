@@ -32,8 +32,9 @@ class _TensorAnnotation:
     def __init__(self, name: str) -> None:
         self.__name__ = name
 
-    def __call__(self, shape: Sequence[Any] | int, dtype: Any = "float32", *_, **__: Any) -> TensorType:
-        return tensor_type(shape, dtype)
+    def __call__(self, shape: Sequence[Any] | int, dtype: Any = "float32", data: Any = None, *_, **__: Any
+                 ) -> TensorType:
+        return tensor_type(shape, dtype, data)
 
     def __getitem__(self, key: Any) -> TensorType:
         if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], (list, tuple, builtins.int, Var)):
@@ -65,6 +66,19 @@ def _eager(kind: str, doc: str) -> Callable:
     f.__doc__ = doc
     f.__tl_eager__ = kind
     return f
+
+
+def reshape(src: Any, shape: Sequence[Any]) -> TensorType:
+    """`T.reshape(tensor, shape)`: a view of a global tensor with another shape (same element count)."""
+    return tensor_type(shape, src.dtype, src)
+
+
+def view(src: Any, shape: Sequence[Any] | None = None, dtype: Any = None) -> TensorType:
+    """`T.view(tensor, shape=, dtype=)`: like T.reshape (the dtype must stay the same)."""
+    return tensor_type(shape if shape is not None else src.shape, dtype or src.dtype, src)
+
+
+reshape.__tl_meta__ = view.__tl_meta__ = True  # they take buffers as they are
 
 
 const = _eager("const", 'M, N = T.const("M, N"): sizes specialized per call (from the tensors) or given to '
@@ -140,12 +154,15 @@ reduce_abssum = _statement("reduce_abssum", "T.reduce_abssum(src, dst, dim=-1, c
 reduce_absmax = _statement("reduce_absmax", "T.reduce_absmax(src, dst, dim=-1, clear=True)")
 cumsum = _statement("cumsum", "T.cumsum(src, dst=None, dim=0, reverse=False)")
 atomic_add = _statement("atomic_add", "T.atomic_add(dst, value): dst += value atomically")
+im2col = _statement("im2col", "T.im2col(img, col, nhw_step, c_step, kernel, stride, dilation, pad): the im2col tile of "
+                              "an NHWC image into a (block_M, block_K) buffer")
+c2d_im2col = _statement("c2d_im2col", "older spelling of T.im2col")
 use_swizzle = _statement("use_swizzle", "T.use_swizzle(panel_size=10, order='row'): block rasterization hint")
 annotate_layout = _statement("annotate_layout", "T.annotate_layout({buf: layout}): layout hint for GPU backends")
 
 __all__ = [  # noqa: F405
     "Buffer", "GemmWarpPolicy", "Serial", "Unroll", "Vectorized", "parallel", "StridedTensor", "const", "dtype", "empty", "Kernel", "Macro", "Parallel", "Pipelined", "Tensor", "TensorType", "abs",
-    "Cast", "alloc_fragment", "alloc_global", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
+    "Cast", "reshape", "view", "c2d_im2col", "im2col", "alloc_fragment", "alloc_global", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
     "ceildiv", "clamp", "clear", "copy", "cos", "cumsum", "dynamic", "exp", "exp2", "fill", "floor", "floordiv", "floormod",
     "gemm", "grid", "if_then_else", "infinity", "log", "log2", "macro", "max", "max_value", "min", "min_value",
     "pow", "prim_func", "reduce_absmax", "reduce_abssum", "reduce_max", "reduce_min", "reduce_sum", "round",

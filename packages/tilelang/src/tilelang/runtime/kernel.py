@@ -30,7 +30,8 @@ class JITKernel:
         self.requested_target = (target or "auto").lower()
         self.target = resolve_target(target)
         workspace = [func.params.index(b) for b in getattr(func, "workspace", [])]
-        n = len(func.params) - len(workspace)  # out_idx counts the user's parameters only
+        self.view_idx = [(func.params.index(v), func.params.index(b)) for v, b in getattr(func, "views", [])]
+        n = len(func.params) - len(workspace) - len(self.view_idx)  # out_idx counts the user's parameters only
         if out_idx is None:
             idx: list[int] = []
         elif isinstance(out_idx, int):
@@ -105,8 +106,9 @@ class JITKernel:
         return tuple(shape)
 
     def __call__(self, *args: Any) -> Any:
-        n_in = len(self.params) - len(self.out_idx)
-        if len(args) == len(self.params) - len(self.workspace_idx) and self.out_idx:
+        views = {v for v, _ in self.view_idx}
+        n_in = len(self.params) - len(self.out_idx) - len(views)
+        if len(args) == len(self.params) - len(self.workspace_idx) - len(views) and self.out_idx:
             args = tuple(a for i, a in enumerate(args) if i not in self.out_idx)  # outputs passed explicitly: ignored
         if len(args) != n_in:
             names = [p.name for i, p in enumerate(self.params) if i not in self.out_idx]
@@ -115,7 +117,7 @@ class JITKernel:
         inputs = iter(args)
         full: list[Any] = [None] * len(self.params)
         for i in range(len(self.params)):
-            if i not in self.out_idx:
+            if i not in self.out_idx and i not in views:
                 full[i] = next(inputs)
         in_params = [(p, a) for p, a in zip(self.params, full) if a is not None]
         target = self._backend_for(args)
@@ -141,6 +143,9 @@ class JITKernel:
                 full[i] = np.zeros(shape, dtype=tilehal.to_numpy_dtype(dtype))
             if i not in self.workspace_idx:
                 outs.append(full[i])
+        for v, b in self.view_idx:  # views: the underlying tensor, reshaped (no copy)
+            shape = tuple(int(s.value) if isinstance(s, Const) else dyn[s] for s in self.params[v].shape)
+            full[v] = full[b].view(shape) if tilehal.is_torch(full[b]) else full[b].reshape(shape)
         if backend.device == "cuda":
             impl(full, dyn)
         else:

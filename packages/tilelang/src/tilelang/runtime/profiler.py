@@ -75,7 +75,9 @@ class Profiler:
 
     def inputs(self) -> list[Any]:
         if self._inputs is None:
-            self._inputs = [self._make(p) for i, p in enumerate(self.kernel.params) if i not in self.kernel.out_idx]
+            views = {v for v, _ in getattr(self.kernel, "view_idx", [])}
+            self._inputs = [self._make(p) for i, p in enumerate(self.kernel.params)
+                            if i not in self.kernel.out_idx and i not in views]
         return self._inputs
 
     def assert_allclose(self, reference_program: Callable[..., Any], atol: float = 1e-2, rtol: float = 1e-2,

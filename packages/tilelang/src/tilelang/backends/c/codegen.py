@@ -297,7 +297,8 @@ class CCodegen:
 
     def generate(self, symbol: str) -> tuple[str, str]:
         f = self.func
-        params = [f"{storage_ctype(p)} *restrict {p.name}" for p in f.params]
+        params = [f"{storage_ctype(p)} *{'' if getattr(p, 'aliased', False) else 'restrict '}{p.name}"
+                  for p in f.params]  # views (T.Tensor(..., buf.data)) alias their tensor: no restrict
         params += [f"int64_t {v.name}" for v in f.dynamic_vars]
         sig = f"int {symbol}({', '.join(params) or 'void'})"
         cdef_params = [f"{storage_ctype(p)} *{p.name}" for p in f.params] + [f"int64_t {v.name}" for v in

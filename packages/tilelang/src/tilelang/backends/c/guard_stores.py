@@ -49,4 +49,4 @@ def guard_global_stores(func: PrimFunc) -> PrimFunc:
     body = g.stmt(func.body)
     log.debug("guard_global_stores %s: %d store(s) guarded", func.name, g.count)
     return PrimFunc(func.name, func.params, body, func.dynamic_vars, func.loc, func.source,
-                    getattr(func, "workspace", []))
+                    getattr(func, "workspace", []), getattr(func, "views", []))
