@@ -366,7 +366,7 @@ def main(argv=None) -> int:
         return 1
     contexts = [int(c) for c in args.contexts.split(",") if c]
     if args.quick:
-        contexts, args.iters, args.ttft_context = [256, 1024], min(args.iters, 3), min(args.ttft_context, 512)
+        contexts, args.iters, args.ttft_context = [64, 160], min(args.iters, 2), min(args.ttft_context, 128)
     timer = Timer(device)
     t0 = time.perf_counter()
     model, cfg, dtype = build_model(args, device, max(contexts + [args.ttft_context]) + 4096)

@@ -1,0 +1,27 @@
+"""bench_hf_decode.py runs end to end on tiny shapes (the H200 run is the lead's; nothing asserts a time)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tilestack.hf import bench_hf_decode  # noqa: E402
+
+
+def test_bench_quick_on_cpu_fills_every_column(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert bench_hf_decode.main(["--device", "cpu", "--quick", "--batch", "2", "--iters", "1",
+                                 "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    for L in ("64", "160"):
+        res = report["decode_step"][L]
+        for col in ("hf_dynamic_eager", "kv_dense_eager", "kv_sparse_eager"):
+            assert res[col]["ms"] > 0, (L, col, res[col])
+        for col in ("hf_static_graph", "kv_dense_graph", "kv_sparse_graph"):
+            assert res[col] == {"skipped": "CUDA graphs need a CUDA device"}
+        # The caches hold the same random K/V: kvpool's first decode step gives transformers' logits.
+        assert res["kv_dense_vs_hf_max_abs_logit_diff"] < 1e-4
+    ttft = report["ttft"]
+    assert ttft["cached_tokens"] == 128 and ttft["kv_cold_ms"] > 0 and ttft["hf_cold_ms"] > 0
+    assert "decode step, ms" in capsys.readouterr().out
