@@ -60,11 +60,11 @@ class _Step:
     length: int  # columns of this forward
     decode: bool  # one new token per row: paged_decode (dense or sparse)
     slots: torch.Tensor  # int [N] pool slots, row-major over write_mask
-    write_mask: torch.Tensor  # bool [B, T] columns whose K/V go into the pool
-    query_mask: torch.Tensor  # bool [B, T] columns that are tokens (not left padding)
+    write_mask: torch.Tensor | None  # bool [B, T] columns whose K/V go into the pool (None: decode, all)
+    query_mask: torch.Tensor | None  # bool [B, T] columns that are tokens, not left padding (None: decode)
     block_table: torch.Tensor  # int32 [B, max_blocks]
     seq_lens: torch.Tensor  # int32 [B]
-    cu_seqlens_q: torch.Tensor  # int32 [B + 1] over query_mask
+    cu_seqlens_q: torch.Tensor | None  # int32 [B + 1] over query_mask (None: decode)
     all_written: bool  # write_mask is all True (skip the boolean gather)
     keys: dict = field(default_factory=dict)  # layer -> key tensor handed to update (identity check)
 
@@ -398,9 +398,14 @@ class KVPoolCache(Cache):
         cu = torch.zeros(B + 1, dtype=torch.int32)
         cu[1:] = lens.cumsum(0)
         decode = T == 1 and bool(query_mask.all())
-        step = _Step(batch=B, length=T, decode=decode, slots=slots.to(device), write_mask=write_mask.to(device),
-                     query_mask=query_mask.to(device), block_table=pool.block_table(rows), seq_lens=pool.seq_lens(rows),
-                     cu_seqlens_q=cu.to(device), all_written=bool(write_mask.all()))
+        all_written = bool(write_mask.all())
+        if decode and all_written:  # the decode path reads neither mask nor cu_seqlens: no copies to the device
+            write_mask = query_mask = cu = None
+        else:
+            write_mask, query_mask, cu = write_mask.to(device), query_mask.to(device), cu.to(device)
+        step = _Step(batch=B, length=T, decode=decode, slots=slots.to(device), write_mask=write_mask,
+                     query_mask=query_mask, block_table=pool.block_table(rows), seq_lens=pool.seq_lens(rows),
+                     cu_seqlens_q=cu, all_written=all_written)
         if decode:
             f = self._figures
             f["decode_steps"] += 1
