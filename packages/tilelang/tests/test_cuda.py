@@ -162,6 +162,100 @@ def test_property_programs_compile(prog):
     tilelang.compile(prop._load(prog[2]), out_idx=[2], target="cuda")
 
 
+# ---------------------------------------------------------------- gemm variants (mma.sync paths)
+
+
+def _gemm_program(M, N, K, bm, bn, bk, dtype, acc, ta, tb, stages, threads, policy, a_frag=False, dyn_m=False):
+    Mdim = T.dynamic("M") if dyn_m else M
+    a_shape = (K, Mdim) if ta else (Mdim, K)
+    b_shape = (N, K) if tb else (K, N)
+    a_tile = (bk, bm) if ta else (bm, bk)
+    b_tile = (bn, bk) if tb else (bk, bn)
+
+    @T.prim_func
+    def main(A: T.Tensor(a_shape, dtype), B: T.Tensor(b_shape, dtype), C: T.Tensor((Mdim, N), acc)):
+        with T.Kernel(T.ceildiv(N, bn), T.ceildiv(Mdim, bm), threads=threads) as (bx, by):
+            As = T.alloc_shared(a_tile, dtype)
+            Bs = T.alloc_shared(b_tile, dtype)
+            Af = T.alloc_fragment((bm, bk), dtype)
+            Cf = T.alloc_fragment((bm, bn), acc)
+            T.clear(Cf)
+            for k in T.Pipelined(T.ceildiv(K, bk), num_stages=stages):
+                if ta:
+                    T.copy(A[k * bk, by * bm], As)
+                else:
+                    T.copy(A[by * bm, k * bk], As)
+                if tb:
+                    T.copy(B[bx * bn, k * bk], Bs)
+                else:
+                    T.copy(B[k * bk, bx * bn], Bs)
+                if a_frag:
+                    T.copy(As, Af)
+                    T.gemm(Af, Bs, Cf, transpose_B=tb, policy=policy)
+                else:
+                    T.gemm(As, Bs, Cf, transpose_A=ta, transpose_B=tb, policy=policy)
+            T.copy(Cf, C[by * bm, bx * bn])
+
+    return main
+
+
+GEMM_VARIANTS = {  # M, N, K, tile, dtype, accumulator, transpose_A, transpose_B, stages, threads, policy, A in regs
+    "nn_f16_square_edges": (96, 80, 96, 64, 64, 32, "float16", "float32", False, False, 2, 128, "Square"),
+    "tn_f16": (64, 64, 64, 64, 64, 32, "float16", "float32", True, False, 1, 128, "Square"),
+    "tt_bf16_3stage": (128, 64, 160, 64, 64, 32, "bfloat16", "float32", True, True, 3, 128, "Square"),
+    "nt_bf16_fullcol": (64, 128, 64, 64, 128, 32, "bfloat16", "float32", False, True, 2, 128, "FullCol"),
+    "nt_e4m3": (64, 64, 128, 64, 64, 64, "float8_e4m3", "float32", False, True, 2, 128, "Square"),
+    "nt_e5m2": (64, 64, 128, 64, 64, 64, "float8_e5m2", "float32", False, True, 2, 128, "Square"),
+    "nt_int8": (64, 64, 128, 64, 64, 64, "int8", "int32", False, True, 2, 128, "Square"),
+    "a_in_registers_square": (64, 64, 64, 64, 64, 32, "float16", "float32", False, False, 2, 128, "Square", True),
+    "a_in_registers_fullrow": (128, 64, 64, 128, 64, 32, "float16", "float32", False, True, 2, 256, "FullRow", True),
+    "f32_cuda_cores": (40, 24, 20, 32, 16, 16, "float32", "float32", False, False, 2, 64, "Square"),
+    "dynamic_m": (100, 64, 64, 64, 64, 32, "float16", "float32", False, True, 2, 128, "Square", False, True),
+}
+FAST_GEMM = {"nn_f16_square_edges", "tt_bf16_3stage", "nt_e4m3", "nt_int8", "a_in_registers_fullrow", "dynamic_m"}
+_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8,
+          "float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def _gemm_variant(name, target, device):
+    c = GEMM_VARIANTS[name]
+    M, N, K, _, _, _, dtype, _, ta, tb = c[:10]
+    k = tilelang.compile(_gemm_program(*c), out_idx=[2], target=target)
+    src = k.get_kernel_source()
+    assert ("mma_m16n8k" in src) == (dtype != "float32"), name
+    g = torch.Generator().manual_seed(0)
+    a_shape, b_shape = ((K, M) if ta else (M, K)), ((N, K) if tb else (K, N))
+    if dtype == "int8":
+        a = torch.randint(-8, 8, a_shape, dtype=torch.int8, generator=g)
+        b = torch.randint(-8, 8, b_shape, dtype=torch.int8, generator=g)
+    else:
+        a = torch.randn(a_shape, generator=g).to(_TORCH[dtype])
+        b = torch.randn(b_shape, generator=g).to(_TORCH[dtype])
+    out = k(a.to(device), b.to(device)).cpu()
+    ref = (a.double().T if ta else a.double()) @ (b.double().T if tb else b.double())
+    tol = 0 if dtype == "int8" else 1e-3 * max(1.0, ref.abs().max().item())
+    assert (out.double() - ref).abs().max().item() <= tol, name
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("name", sorted(GEMM_VARIANTS))
+def test_gemm_variant_compiles(name):
+    src = tilelang.compile(_gemm_program(*GEMM_VARIANTS[name]), out_idx=[2], target="cuda").get_kernel_source()
+    assert "__global__" in src
+
+
+@pytest.mark.parametrize("name", [n if n in FAST_GEMM else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(GEMM_VARIANTS)])
+def test_gemm_variant_emulated(name):
+    _gemm_variant(name, "cuda_emu", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GEMM_VARIANTS))
+def test_gemm_variant_gpu(name):
+    _gemm_variant(name, "cuda", "cuda")
+
+
 # ---------------------------------------------------------------- bad programs for the GPU
 
 def test_threads_not_multiple_of_32():
