@@ -34,10 +34,12 @@ class CudaKernel:
     def __init__(self, func: PrimFunc, options: dict) -> None:
         self.func = func
         arch = options.get("arch", DEFAULT_ARCH)
-        probe, _ = generate_cuda(func, "tl_kernel")
+        # generated once under a placeholder name, then named by its content hash
+        probe, kernels = generate_cuda(func, "tl_kernel")
         digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
         base = f"tl_{func.name}_{digest}"
-        self.cuda_source, self.kernels = generate_cuda(func, base)
+        self.cuda_source = probe.replace("tl_kernel_k", f"{base}_k")
+        self.kernels = [(name.replace("tl_kernel", base, 1), k, smem) for name, k, smem in kernels]
         t0 = time.perf_counter()
         opts = tuple(options.get("nvrtc_options", ()))
         self.module = tilehal.compile_cuda(self.cuda_source, arch=arch, name=func.name, options=opts)

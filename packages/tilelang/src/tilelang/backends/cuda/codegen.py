@@ -648,11 +648,21 @@ class KernelCodegen:
             conds.append(f"((_tx / {ts}) % {e}) == 0")
         return " && ".join(conds) if conds else None
 
-    def layout_loop(self, f: Fragment, names: list[str], body, bounds: list[int] | None = None) -> None:
+    def layout_loop(self, f: Fragment, names: list[str], body, bounds: list[int] | None = None,
+                    vec: tuple[int, Axis] | None = None) -> None:
         """Run `body()` for every element of layout `f` this thread holds, with C ints `names` bound to
-        the element's index (elements past `bounds`, the padding of the layout, are skipped)."""
+        the element's index (elements past `bounds`, the padding of the layout, are skipped). With `vec`
+        (the innermost register axis), that axis is not looped: body() handles its elements as a vector."""
         self.open("")
-        regvars = self.reg_loops(f, "r")
+        regvars = {}
+        for d, a in f.reg_order:
+            if vec is not None and (d, a) == vec:
+                regvars[(d, a)] = "0"
+                continue
+            nm = self.fresh("r")
+            regvars[(d, a)] = nm
+            self.emit("#pragma unroll")
+            self.open(f"for (int {nm} = 0; {nm} < {a.extent}; ++{nm})")
         for nm, ex in zip(names, self.dim_exprs(f, regvars)):
             self.emit(f"const int {nm} = {ex};")
         bounds = list(f.shape) if bounds is None else bounds
@@ -662,9 +672,29 @@ class KernelCodegen:
         body(regvars)
         if conds:
             self.close()
-        for _ in f.reg_order:
+        for _ in range(len(f.reg_order) - (vec is not None)):
             self.close()
         self.close()
+
+    def _frag_vector(self, f: Fragment, fr: Region, other: Region) -> tuple[int, Axis] | None:
+        """The fragment's innermost register axis, when its elements are contiguous in `other` and every
+        vector is aligned (16, 8 or 4 bytes): a copy then moves them with one vector access."""
+        if not f.reg_order or other.buffer.scope not in ("global", "shared"):
+            return None
+        d, a = f.reg_order[-1]
+        nd = len(f.shape)
+        if d != nd - 1 or a.coeff != 1 or a.extent < 2 or f.shape[-1] % a.extent:
+            return None
+        v = a.extent
+        es = esize(other.buffer.dtype)
+        if v * es not in (4, 8, 16):
+            return None
+        rd, cd = other.matrix_dims()
+        size = other.buffer.shape[-1]
+        if cd != other.buffer.ndim - 1 or not isinstance(size, Const) or int(size.value) % v or \
+                not _divisible(other.starts[-1], v) or f.shape[-1] != other.extents[-1]:
+            return None
+        return (d, a)
 
     def parallel(self, nest: ParallelNest) -> None:
         names = [v.name for v in nest.vars]
@@ -945,6 +975,7 @@ class KernelCodegen:
         names = [self.fresh("i") for _ in f.shape]
         nonunit = [nm for nm, n in zip(names, f.shape) if n != 1]
         lead = self.lead_cond(f) if fr is src and other.buffer.scope in ("global", "shared") else None
+        vec = self._frag_vector(f, fr, other)
 
         def body(regvars):
             reg = self._reg_by_axes(f, f, regvars)
@@ -952,6 +983,32 @@ class KernelCodegen:
             pred = self.in_bounds(other, oi)
             oref = self.mem_ref(other.buffer, oi)
             fref = f"{fr.buffer.name}[{reg}]"
+            if vec is not None:
+                v = vec[1].extent
+                t = cuda_type(other.buffer.dtype)
+                vt = f"tilehal::Vec<{t}, {v}>"
+                tmp = self.fresh("v")
+                fd, od = fr.buffer.dtype, other.buffer.dtype
+                if fr is src:
+                    self.emit(f"{vt} {tmp};")
+                    self.emit("#pragma unroll")
+                    self.emit(f"for (int _u = 0; _u < {v}; ++_u) {tmp}[_u] = "
+                              f"{self.conv(f'{fr.buffer.name}[{reg} + _u]', fd, od)};")
+                    conds = [c for c in (pred, lead) if c]
+                    line = f"tilehal::store_vec<{t}, {v}>(&{oref}, {tmp});"
+                    self.emit(f"if ({' && '.join(conds)}) {line}" if conds else line)
+                else:
+                    self.emit(f"{vt} {tmp};")
+                    load = f"{tmp} = tilehal::load_vec<{t}, {v}>(&{oref});"
+                    if pred:
+                        self.emit(f"if ({pred}) {load} else for (int _u = 0; _u < {v}; ++_u) {tmp}[_u] = "
+                                  f"{self.zero(od)};")
+                    else:
+                        self.emit(load)
+                    self.emit("#pragma unroll")
+                    self.emit(f"for (int _u = 0; _u < {v}; ++_u) {fr.buffer.name}[{reg} + _u] = "
+                              f"{self.conv(f'{tmp}[_u]', od, fd)};")
+                return
             if fr is src:
                 conds = [c for c in (pred, lead) if c]
                 line = f"{oref} = {self.conv(fref, fr.buffer.dtype, other.buffer.dtype)};"
@@ -963,7 +1020,7 @@ class KernelCodegen:
                     val = f"(({pred}) ? {val} : {zero})"
                 self.emit(f"{fref} = {val};")
 
-        self.layout_loop(f, names, body)
+        self.layout_loop(f, names, body, vec=vec)
 
     def stage_fragment(self, buf: Buffer, to_scratch: bool, base: str) -> None:
         """fragment <-> scratch (row-major, compute type): the way between two layouts."""
