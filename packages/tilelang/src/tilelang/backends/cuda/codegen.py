@@ -177,6 +177,7 @@ class KernelCodegen:
         self.dyn_names = {v.name for v in func.dynamic_vars}
         self._plan_swizzle()
         self._plan_pipelines()
+        self._plan_zero_init()
 
     # ================================================================ planning
 
@@ -196,6 +197,45 @@ class KernelCodegen:
                         self.swizzled[b] = (1, 3, lv)
                     elif row_bytes == 32:
                         self.swizzled[b] = (2, 1, lv)
+
+    def _plan_zero_init(self) -> None:
+        """Shared buffers whose first access is not a full, unconditional write start at zero (the
+        interpreter's allocation semantics); the others are left as they are (no wasted pass)."""
+        self.zero_init: set[Buffer] = set()
+        first: dict[Buffer, bool] = {}
+
+        def visit(s: Stmt, cond: bool) -> None:
+            if isinstance(s, (Seq, Kernel)):
+                for c in (s.body if isinstance(s, Seq) else [s.body]):
+                    visit(c, cond)
+                return
+            if isinstance(s, If):
+                for x in walk_expr(s.cond):
+                    if isinstance(x, Load) and x.buffer.scope == "shared":
+                        first.setdefault(x.buffer, False)
+                visit(s.then, True)
+                if s.orelse is not None:
+                    visit(s.orelse, True)
+                return
+            if isinstance(s, For):
+                visit(s.body, cond or s.kind == "parallel")
+                return
+            if isinstance(s, Alloc):
+                return
+            reads, writes = buffers_read(s), buffers_written(s)
+            for b in reads | writes:
+                if b.scope != "shared" or b in first:
+                    continue
+                full = False
+                if b in writes and b not in reads and not cond and isinstance(s, (Copy, Fill)):
+                    r = s.dst
+                    full = tuple(r.extents) == b.static_shape() and all(isinstance(x, Const) and x.value == 0
+                                                                         for x in r.starts)
+                first[b] = full
+        visit(self.kernel.body, False)
+        self.zero_init = {b for b, full in first.items() if not full}
+        for b in self.zero_init:
+            log.debug("shared buffer %s is read before it is fully written: zero-initialized", b.name)
 
     def _plan_pipelines(self) -> None:
         self.pipes: dict[int, list[Copy]] = {}
@@ -474,7 +514,13 @@ class KernelCodegen:
         def keep(b: Buffer) -> bool:
             return b.scope == "shared" or (b.scope == "global" and b in self.written_globals)
 
-        return {b for b in buffers_read(s) if keep(b)}, {b for b in buffers_written(s) if keep(b)}
+        def expand(bs: set[Buffer]) -> set[Buffer]:  # buffers sharing bytes are one resource
+            out = set()
+            for b in bs:
+                out |= self.alias.get(b, {b})
+            return out
+
+        return (expand({b for b in buffers_read(s) if keep(b)}), expand({b for b in buffers_written(s) if keep(b)}))
 
     def hazard(self, s: Stmt) -> None:
         r, w = self.tracked(s)
@@ -538,6 +584,15 @@ class KernelCodegen:
     def alloc(self, s: Alloc) -> None:
         b = s.buffer
         if b.scope == "shared":
+            if b in self.zero_init:  # read before fully written: zero, as the interpreter allocates
+                w = self.alias.get(b, {b})
+                if (w & self.pending_w) or (w & self.pending_r):
+                    self.sync()
+                self.pending_w |= w
+                n = int(np.prod(b.static_shape()))
+                e = self.fresh("z")
+                # every element (the swizzle only permutes them)
+                self.emit(f"for (int {e} = _tx; {e} < {n}; {e} += {self.threads}) {b.name}[{e}] = {self.zero(b.dtype)};")
             return  # placed in the shared-memory arena
         t = cuda_type(b.dtype)
         if b.scope == "var":
@@ -1492,7 +1547,8 @@ class KernelCodegen:
 
     # ================================================================ the kernel
 
-    def plan_smem(self) -> tuple[int, list[str]]:
+    def place_smem(self) -> None:
+        """Offsets for the shared buffers (before lowering: barriers must know which buffers alias)."""
         allocs = [st for st in walk_stmts(self.kernel.body) if isinstance(st, Alloc) and st.buffer.scope == "shared"]
         # live ranges over a pre-order numbering of statements; a use inside a loop spans the loop
         order: dict[int, int] = {}
@@ -1514,7 +1570,10 @@ class KernelCodegen:
             from ...ir.visit import child_stmts
 
             if not isinstance(s, (Seq, For, If, Kernel)):
-                for b in buffers_read(s) | buffers_written(s):
+                touched = buffers_read(s) | buffers_written(s)
+                if isinstance(s, Alloc) and s.buffer in self.zero_init:
+                    touched.add(s.buffer)
+                for b in touched:
                     if b.scope == "shared":
                         lo, hi = spans[id(s)]
                         if loops:
@@ -1554,8 +1613,23 @@ class KernelCodegen:
             placed.append((off, off + nbytes, lo, hi))
             shape = b.static_shape()
             self.smem[b] = SmemInfo(off, self.stages.get(b, 1), int(np.prod(shape)), self.swizzled.get(b))
-        end = max([e for _, e, _, _ in placed], default=0)
-        scratch_off = -(-end // SMEM_ALIGN) * SMEM_ALIGN
+        self.smem_end = max([e for _, e, _, _ in placed], default=0)
+        self.smem_sizes = sizes
+        self.alias: dict[Buffer, set[Buffer]] = {}
+        for b, info in self.smem.items():
+            lo = info.offset
+            hi = lo + int(np.prod(b.static_shape())) * esize(b.dtype) * info.stages
+            group = set()
+            for c, ci in self.smem.items():
+                clo = ci.offset
+                chi = clo + int(np.prod(c.static_shape())) * esize(c.dtype) * ci.stages
+                if clo < hi and lo < chi:
+                    group.add(c)
+            self.alias[b] = group
+
+    def plan_smem(self) -> tuple[int, list[str]]:
+        sizes = self.smem_sizes
+        scratch_off = -(-self.smem_end // SMEM_ALIGN) * SMEM_ALIGN
         total = scratch_off + self.scratch_bytes
         if total > SMEM_LIMIT:
             detail = ", ".join(f"{b.name}: {nb} B" for nb, b in sizes)
@@ -1573,6 +1647,7 @@ class KernelCodegen:
     def generate(self) -> tuple[str, int]:
         self.written_globals = {b for b in buffers_written(self.kernel.body) if b.scope == "global"}
         k = self.kernel
+        self.place_smem()
         self.stmt(k.body)
         body = self.lines
         smem_bytes, decls = self.plan_smem()
