@@ -54,7 +54,7 @@ def test_pack_block_mask_is_document_causal():
 
 def test_overlong_error_names_sample():
     with pytest.raises(ValueError, match=r"samples\[1\]: expected at most row_len=8"):
-        pack([np.ones(3), np.ones(9)], 8)
+        pack([np.ones(3, np.int64), np.ones(9, np.int64)], 8)
 
 
 def test_efficiency_beats_padding_on_long_tail():

@@ -13,11 +13,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tilehal import ShapeError
+from tilehal import ArgumentError, ShapeError, check_int
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _int_arg(v: object, name: str, lo: int = 1) -> int:
+    return check_int(v, name, lo=lo)
+
+
+def _tensor_arg(x: object, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ShapeError(f"{name}: expected a torch tensor, got {type(x).__name__}")
+    return x
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,12 @@ class BlockMask:
     kv_len: int
 
     def __post_init__(self) -> None:
+        for name in ("q_block_size", "kv_block_size"):
+            _int_arg(getattr(self, name), name)
+        for name in ("q_len", "kv_len"):
+            _int_arg(getattr(self, name), name, lo=0)
+        _tensor_arg(self.kv_num_blocks, "kv_num_blocks")
+        _tensor_arg(self.kv_indices, "kv_indices")
         if self.kv_num_blocks.dim() != 3:
             raise ShapeError(f"kv_num_blocks: expected [B, H, Q_blocks], got shape {tuple(self.kv_num_blocks.shape)}")
         want = (*self.kv_num_blocks.shape, _ceil_div(self.kv_len, self.kv_block_size))
@@ -46,10 +62,15 @@ class BlockMask:
                    kv_block_size: int | None = None) -> BlockMask:
         """From a boolean block matrix [B, H, Q_blocks, KV_blocks] (or [B, Q_blocks, KV_blocks])."""
         kv_block_size = q_block_size if kv_block_size is None else kv_block_size
+        _int_arg(q_block_size, "q_block_size")
+        _int_arg(kv_block_size, "kv_block_size")
+        _tensor_arg(blocks, "blocks")
         if blocks.dim() == 3:
             blocks = blocks.unsqueeze(1)
         if blocks.dim() != 4:
             raise ShapeError(f"blocks: expected [B, H, Q_blocks, KV_blocks], got shape {tuple(blocks.shape)}")
+        if blocks.is_floating_point() or blocks.is_complex():
+            raise ShapeError(f"blocks: expected a boolean (or integer 0/1) block matrix, got {blocks.dtype}")
         blocks = blocks.bool()
         nkv = blocks.shape[-1]
         num = blocks.sum(-1).to(torch.int32)
@@ -103,8 +124,16 @@ class BlockMask:
     def from_element_mask(cls, allowed: torch.Tensor, q_block_size: int, kv_block_size: int | None = None) -> BlockMask:
         """Blocks holding any allowed pair of a boolean [B, H, q_len, kv_len] (or [B, q_len, kv_len]) mask."""
         kv_block_size = q_block_size if kv_block_size is None else kv_block_size
+        q_block_size = _int_arg(q_block_size, "q_block_size")
+        kv_block_size = _int_arg(kv_block_size, "kv_block_size")
+        _tensor_arg(allowed, "allowed")
         if allowed.dim() == 3:
             allowed = allowed.unsqueeze(1)
+        if allowed.dim() != 4:
+            raise ShapeError(f"allowed: expected [B, H, q_len, kv_len] or [B, q_len, kv_len], got shape "
+                             f"{tuple(allowed.shape)}")
+        if allowed.is_floating_point() or allowed.is_complex():
+            raise ShapeError(f"allowed: expected a boolean mask, got {allowed.dtype}")
         B, H, Lq, Lk = allowed.shape
         qb, kb = _ceil_div(Lq, q_block_size), _ceil_div(Lk, kv_block_size)
         padded = torch.zeros(B, H, qb * q_block_size, kb * kv_block_size, dtype=torch.bool, device=allowed.device)
@@ -127,11 +156,14 @@ class BlockMask:
         Query i (absolute position i + kv_len - q_len) sees key j when 0 <= pos_i - j < window.
         Built per block from interval arithmetic, never materializing the element mask.
         """
-        kv_len = q_len if kv_len is None else kv_len
+        q_len = _int_arg(q_len, "q_len", lo=0)
+        kv_len = q_len if kv_len is None else _int_arg(kv_len, "kv_len", lo=0)
+        block_size = _int_arg(block_size, "block_size")
+        batch, heads = _int_arg(batch, "batch"), _int_arg(heads, "heads")
+        if window is not None:
+            window = _int_arg(window, "window")
         if kv_len < q_len:
             raise ShapeError(f"kv_len: expected >= q_len ({q_len}), got {kv_len}")
-        if window is not None and window <= 0:
-            raise ValueError(f"window: expected a positive number of keys or None, got {window}")
         qb, kb = _ceil_div(q_len, block_size), _ceil_div(kv_len, block_size)
         off = kv_len - q_len
         q_lo = torch.arange(qb, device=device) * block_size + off
@@ -156,9 +188,17 @@ class BlockMask:
         row). Tokens past the last boundary (row padding) attend nothing. `causal=True` also
         applies the causal mask inside each document.
         """
+        block_size = _int_arg(block_size, "block_size")
         rows = [cu_seqlens] if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
         if not rows:
-            raise ValueError("cu_seqlens: expected at least one row, got an empty list")
+            raise ArgumentError("cu_seqlens: expected at least one row, got an empty list")
+        for i, r in enumerate(rows):
+            if not isinstance(r, torch.Tensor) or r.dim() != 1 or r.numel() < 1 or r.is_floating_point() or \
+                    r.dtype == torch.bool:
+                raise ShapeError(f"cu_seqlens[{i}]: expected a 1-D integer tensor of boundaries, got "
+                                 f"{getattr(r, 'dtype', type(r).__name__)} shape {tuple(getattr(r, 'shape', ()))}")
+        if seq_len is not None:
+            seq_len = _int_arg(seq_len, "seq_len", lo=0)
         lengths = [int(r[-1]) for r in rows]
         L = max(lengths) if seq_len is None else seq_len
         if max(lengths) > L:
@@ -168,7 +208,7 @@ class BlockMask:
         for i, cu in enumerate(rows):
             cu = cu.to(dev).long()
             if cu[0] != 0 or bool((cu[1:] < cu[:-1]).any()):
-                raise ValueError(f"cu_seqlens[{i}]: expected non-decreasing boundaries starting at 0, got {cu.tolist()}")
+                raise ArgumentError(f"cu_seqlens[{i}]: expected non-decreasing boundaries starting at 0, got {cu.tolist()}")
             counts = cu[1:] - cu[:-1]
             doc[i, : int(cu[-1])] = torch.repeat_interleave(torch.arange(len(counts), device=dev), counts)
         return cls.from_doc_ids(doc, block_size, causal)
@@ -181,6 +221,24 @@ class BlockMask:
         document. Ids are non-decreasing along a row (packing order), so each block covers one
         contiguous id range and the test is interval overlap, O(blocks^2) not O(L^2).
         """
+        block_size = _int_arg(block_size, "block_size")
+        _tensor_arg(doc_ids, "doc_ids")
+        if doc_ids.dim() != 2:
+            raise ShapeError(f"doc_ids: expected [batch, seq_len] (one row per packed sequence), got shape "
+                             f"{tuple(doc_ids.shape)}")
+        if doc_ids.is_floating_point() or doc_ids.is_complex() or doc_ids.dtype == torch.bool:
+            raise ShapeError(f"doc_ids: expected integer document ids (-1 = padding), got {doc_ids.dtype}")
+        doc_ids = doc_ids.long()
+        if doc_ids.numel():
+            if int(doc_ids.min()) < -1:
+                raise ArgumentError(f"doc_ids: expected ids >= -1 (-1 = padding), got {int(doc_ids.min())}")
+            # The interval test below needs ids non-decreasing along a row (packing order).
+            run = torch.cummax(torch.where(doc_ids >= 0, doc_ids, -1), dim=1).values
+            bad = (doc_ids >= 0) & (doc_ids < run)
+            if bool(bad.any()):
+                r, c = (int(x) for x in bad.nonzero()[0])
+                raise ArgumentError(f"doc_ids: expected non-decreasing ids along each row (packing order), got "
+                                    f"{int(doc_ids[r, c])} after {int(run[r, c])} at [{r}, {c}]")
         B, L = doc_ids.shape
         nb = _ceil_div(L, block_size)
         pad = nb * block_size - L
@@ -202,10 +260,13 @@ class BlockMask:
 
         -inf scores mark blocks that may not be chosen (e.g. future blocks under causality).
         """
+        _tensor_arg(block_scores, "block_scores")
         if block_scores.dim() != 4:
             raise ShapeError(f"block_scores: expected [B, H, Q_blocks, KV_blocks], got shape {tuple(block_scores.shape)}")
-        if k <= 0:
-            raise ValueError(f"k: expected a positive number of blocks, got {k}")
+        k = _int_arg(k, "k")
+        if block_scores.is_floating_point() and bool(torch.isnan(block_scores).any()):
+            raise ArgumentError("block_scores: expected no NaN (use -inf for a block that may not be chosen), got "
+                                f"{int(torch.isnan(block_scores).sum())} NaN scores")
         k = min(k, block_scores.shape[-1])
         top = torch.topk(block_scores.float(), k, dim=-1)
         chosen = torch.zeros(block_scores.shape, dtype=torch.bool, device=block_scores.device)

@@ -13,20 +13,41 @@ from typing import Literal
 
 import numpy as np
 import torch
+from tilehal import ArgumentError, ShapeError, check_int
 
 from .masks import BlockMask
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def token_array(x, name: str) -> np.ndarray:
+    """`x` (list, numpy array or tensor) as a 1-D int64 array of token ids; float ids (which would be
+    truncated, NaN becoming 0 or -2**63), bools, ragged lists and ids past int64 raise, naming `name`."""
+    try:
+        arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise ArgumentError(f"{name}: expected a 1-D sequence of integer token ids, got {type(x).__name__}: {e}") from None
+    if arr.ndim != 1:
+        raise ShapeError(f"{name}: expected a 1-D token sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ArgumentError(f"{name}: expected integer token ids, got dtype {arr.dtype}"
+                            + (" (float ids would be truncated; NaN has no id)" if arr.dtype.kind == "f" else ""))
+    if arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
+        raise ArgumentError(f"{name}: expected ids below 2**63, got {int(arr.max())}")
+    return arr.astype(np.int64, copy=False)
 
 Overlong = Literal["error", "truncate", "split"]
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Indices of `lengths` grouped into bins whose sums never exceed `capacity`."""
-    if capacity <= 0:
-        raise ValueError(f"capacity: expected a positive row length, got {capacity}")
-    lens = np.asarray(lengths, dtype=np.int64)
+    capacity = check_int(capacity, "capacity", lo=1)
+    lens = token_array(lengths, "lengths")
     if lens.size and (lens.min() < 0 or lens.max() > capacity):
         bad = int(np.flatnonzero((lens < 0) | (lens > capacity))[0])
-        raise ValueError(f"lengths[{bad}]: expected 0..{capacity} (row length), got {int(lens[bad])}")
+        raise ArgumentError(f"lengths[{bad}]: expected 0..{capacity} (row length), got {int(lens[bad])}")
     order = np.argsort(-lens, kind="stable")
     free: list[int] = []  # free space of open bins, ascending
     owner: list[int] = []  # bin id at the same position as `free`
@@ -84,9 +105,7 @@ class PackedBatch:
 def _pieces(samples: Sequence, row_len: int, overlong: Overlong) -> list[tuple[int, int, np.ndarray]]:
     out = []
     for i, s in enumerate(samples):
-        arr = s.detach().cpu().numpy() if isinstance(s, torch.Tensor) else np.asarray(s)
-        if arr.ndim != 1:
-            raise ValueError(f"samples[{i}]: expected a 1-D token sequence, got shape {arr.shape}")
+        arr = token_array(s, f"samples[{i}]")
         if len(arr) <= row_len:
             out.append((i, 0, arr))
         elif overlong == "truncate":
@@ -94,7 +113,7 @@ def _pieces(samples: Sequence, row_len: int, overlong: Overlong) -> list[tuple[i
         elif overlong == "split":
             out.extend((i, off, arr[off:off + row_len]) for off in range(0, len(arr), row_len))
         else:
-            raise ValueError(f"samples[{i}]: expected at most row_len={row_len} tokens, got {len(arr)} "
+            raise ArgumentError(f"samples[{i}]: expected at most row_len={row_len} tokens, got {len(arr)} "
                              "(pass overlong='truncate' or 'split')")
     return out
 
@@ -102,7 +121,11 @@ def _pieces(samples: Sequence, row_len: int, overlong: Overlong) -> list[tuple[i
 def pack(samples: Sequence, row_len: int, pad_id: int = 0, overlong: Overlong = "error") -> PackedBatch:
     """Pack token sequences into rows of `row_len` by best-fit-decreasing; no token is lost."""
     if overlong not in ("error", "truncate", "split"):
-        raise ValueError(f"overlong: expected 'error', 'truncate' or 'split', got {overlong!r}")
+        raise ArgumentError(f"overlong: expected 'error', 'truncate' or 'split', got {overlong!r}")
+    row_len = check_int(row_len, "row_len", lo=1)
+    pad_id = check_int(pad_id, "pad_id", lo=-(2**63), hi=_INT64_MAX)
+    if isinstance(samples, (str, bytes)) or not hasattr(samples, "__iter__"):
+        raise ArgumentError(f"samples: expected a sequence of token sequences, got {type(samples).__name__}")
     pieces = _pieces(samples, row_len, overlong)
     bins = best_fit_decreasing([len(p[2]) for p in pieces], row_len)
     R = len(bins)
@@ -141,20 +164,30 @@ def pack(samples: Sequence, row_len: int, pad_id: int = 0, overlong: Overlong = 
 
 def packing_efficiency(lengths: Sequence[int], row_len: int) -> float:
     """Fraction of slots holding real tokens when packing `lengths` (truncated to row_len) by BFD."""
-    lens = np.minimum(np.asarray(lengths, dtype=np.int64), row_len)
+    row_len = check_int(row_len, "row_len", lo=1)
+    lens = token_array(lengths, "lengths")
+    if lens.size and lens.min() < 0:
+        raise ArgumentError(f"lengths: expected lengths >= 0, got {int(lens.min())}")
+    lens = np.minimum(lens, row_len)
     bins = best_fit_decreasing(lens, row_len)
     return float(lens.sum()) / (len(bins) * row_len) if bins else 1.0
 
 
 def padding_efficiency(lengths: Sequence[int], row_len: int | None = None, batch_size: int | None = None) -> float:
     """Baseline: one sample per row, padded to `row_len` or (with batch_size) to each batch's longest."""
-    lens = np.asarray(lengths, dtype=np.int64)
+    lens = token_array(lengths, "lengths")
+    if lens.size and lens.min() < 0:
+        raise ArgumentError(f"lengths: expected lengths >= 0, got {int(lens.min())}")
+    if row_len is not None:
+        row_len = check_int(row_len, "row_len", lo=1)
+    if batch_size is not None:
+        batch_size = check_int(batch_size, "batch_size", lo=1)
     if lens.size == 0:
         return 1.0
     if batch_size is None:
         if row_len is None:
-            raise ValueError("row_len: expected a row length when batch_size is None, got None")
+            raise ArgumentError("row_len: expected a row length when batch_size is None, got None")
         lens = np.minimum(lens, row_len)
         return float(lens.sum()) / (lens.size * row_len)
     slots = sum(int(lens[i:i + batch_size].max()) * len(lens[i:i + batch_size]) for i in range(0, lens.size, batch_size))
-    return float(lens.sum()) / slots
+    return float(lens.sum()) / slots if slots else 1.0

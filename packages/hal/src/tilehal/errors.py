@@ -54,3 +54,22 @@ def expect(condition: bool, arg: str, expected: object, actual: object, kind: ty
     """Raise `kind` with the stack's standard message unless `condition` holds."""
     if not condition:
         raise kind(f"{arg}: expected {expected}, got {actual}")
+
+
+def check_int(value: object, arg: str, lo: int | None = None, hi: int | None = None) -> int:
+    """`value` as an int in [lo, hi] (either bound optional); a float, a bool, a non-number or a value
+    outside the bounds raises ArgumentError naming `arg`. Integers of any kind (numpy, 0-d tensors) pass."""
+    import operator
+
+    want = "an integer" + (f" >= {lo}" if lo is not None and hi is None else "") + (
+        f" in [{lo}, {hi}]" if lo is not None and hi is not None else "") + (
+        f" <= {hi}" if hi is not None and lo is None else "")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        v = operator.index(value)
+    except TypeError:
+        raise ArgumentError(f"{arg}: expected {want}, got {value!r}") from None
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ArgumentError(f"{arg}: expected {want}, got {v}")
+    return v

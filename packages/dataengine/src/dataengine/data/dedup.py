@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
+from tilehal import ArgumentError
 from tqdm.auto import tqdm
 
 _MASK32 = np.uint64(0xFFFFFFFF)
@@ -22,9 +23,9 @@ class MinHashLSH:
     def __init__(self, num_perm: int = 128, bands: int = 16, ngram: int = 5, threshold: float = 0.8,
                  seed: int = 0) -> None:
         if num_perm % bands:
-            raise ValueError(f"bands: expected a divisor of num_perm ({num_perm}), got {bands}")
+            raise ArgumentError(f"bands: expected a divisor of num_perm ({num_perm}), got {bands}")
         if ngram < 1:
-            raise ValueError(f"ngram: expected >= 1, got {ngram}")
+            raise ArgumentError(f"ngram: expected >= 1, got {ngram}")
         self.num_perm, self.bands, self.rows = num_perm, bands, num_perm // bands
         self.ngram, self.threshold = ngram, threshold
         rng = np.random.default_rng(seed)

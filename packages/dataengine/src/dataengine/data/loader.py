@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tilehal import ArgumentError
 
 from ..packing import pack
 from .stream import StreamingDataset
@@ -91,7 +92,7 @@ def _resolve(cursors: dict[str, int], num_consumers: int, base_frontier: int, ba
 def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Combine every rank's `ResumableLoader.state_dict()` into one state loadable under any split."""
     if not states:
-        raise ValueError("states: expected one state per rank, got none")
+        raise ArgumentError("states: expected one state per rank, got none")
     cursors: dict[str, int] = {}
     base_ahead: set[int] = set()
     for s in states:
@@ -99,7 +100,7 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         base_ahead.update(s["base_ahead"])
     first = states[0]
     if len(cursors) != first["num_consumers"]:
-        raise ValueError(f"states: expected cursors for all {first['num_consumers']} consumers, "
+        raise ArgumentError(f"states: expected cursors for all {first['num_consumers']} consumers, "
                          f"got {len(cursors)} (is a rank missing?)")
     frontier, ahead = _resolve(cursors, first["num_consumers"], first["base_frontier"], sorted(base_ahead))
     merged = dict(first)
@@ -163,7 +164,7 @@ class ResumableLoader:
         """
         if from_position is None:
             if self.stream.world_size > 1:
-                raise ValueError("from_position: expected an explicit position agreed by all ranks when world_size > 1")
+                raise ArgumentError("from_position: expected an explicit position agreed by all ranks when world_size > 1")
             from_position = self.tracker.max_position() + 1
         self.stream.set_domain_weights(weights, from_position)
         self._restart = True

@@ -11,25 +11,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from tilehal import ArgumentError, ShapeError, check_int
 
 
 class ExponentiatedGradientWeights:
     def __init__(self, num_domains: int, lr: float = 1.0, smoothing: float = 1e-3,
                  initial: Sequence[float] | None = None, reference_losses: Sequence[float] | None = None,
                  ema: float = 0.9) -> None:
-        if num_domains < 1:
-            raise ValueError(f"num_domains: expected >= 1, got {num_domains}")
-        if not 0 <= smoothing <= 1:
-            raise ValueError(f"smoothing: expected 0..1, got {smoothing}")
+        num_domains = check_int(num_domains, "num_domains", lo=1)
+        for name, v, lo, hi in (("smoothing", smoothing, 0, 1), ("ema", ema, 0, 1), ("lr", lr, 0, np.inf)):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) or not lo <= v <= hi \
+                    or not np.isfinite(v):
+                raise ArgumentError(f"{name}: expected a finite number in [{lo}, {hi}], got {v!r}")
         self.num_domains = num_domains
         self.lr = lr
         self.smoothing = smoothing
         self.ema = ema
         w = np.full(num_domains, 1.0 / num_domains) if initial is None else np.asarray(initial, dtype=np.float64)
-        if w.shape != (num_domains,) or (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"initial: expected {num_domains} non-negative weights with a positive sum, got {initial}")
+        if w.shape != (num_domains,) or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+            raise ArgumentError(f"initial: expected {num_domains} finite non-negative weights with a positive sum, "
+                                f"got {initial}")
         self.weights = w / w.sum()
         self.reference = None if reference_losses is None else np.asarray(reference_losses, dtype=np.float64)
+        if self.reference is not None and (self.reference.shape != (num_domains,) or not np.isfinite(self.reference).all()):
+            raise ArgumentError(f"reference_losses: expected {num_domains} finite losses, got {reference_losses}")
         self.loss_ema = np.full(num_domains, np.nan)
         self.steps = 0
 
@@ -38,11 +43,13 @@ class ExponentiatedGradientWeights:
         if isinstance(domain_losses, dict):
             losses = np.full(self.num_domains, np.nan)
             for d, v in domain_losses.items():
-                losses[int(d)] = v
+                losses[check_int(d, "domain_losses key", lo=0, hi=self.num_domains - 1)] = v
         else:
             losses = np.asarray(domain_losses, dtype=np.float64)
         if losses.shape != (self.num_domains,):
-            raise ValueError(f"domain_losses: expected {self.num_domains} values, got shape {losses.shape}")
+            raise ShapeError(f"domain_losses: expected {self.num_domains} values, got shape {losses.shape}")
+        if np.isinf(losses).any():
+            raise ArgumentError(f"domain_losses: expected finite losses (NaN = not seen), got {losses.tolist()}")
         seen = ~np.isnan(losses)
         fresh = seen & np.isnan(self.loss_ema)
         self.loss_ema[fresh] = losses[fresh]

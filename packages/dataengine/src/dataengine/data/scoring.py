@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tilehal import ArgumentError
 from tqdm.auto import tqdm
 
 
@@ -52,7 +53,7 @@ class NGramRepetitionScorer(Scorer):
 
     def __init__(self, n: int = 3) -> None:
         if n < 1:
-            raise ValueError(f"n: expected >= 1, got {n}")
+            raise ArgumentError(f"n: expected >= 1, got {n}")
         self.n = n
         self.name = f"repetition_{n}gram"
 
@@ -92,7 +93,7 @@ class ModelLossScorer(Scorer):
         out = self.model(t.unsqueeze(0))
         logits = getattr(out, "logits", out)
         if logits.dim() != 3 or logits.shape[:2] != (1, t.numel()):
-            raise ValueError(f"model output: expected logits [1, {t.numel()}, vocab], got {tuple(logits.shape)}")
+            raise ArgumentError(f"model output: expected logits [1, {t.numel()}, vocab], got {tuple(logits.shape)}")
         loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), t[1:]).item()
         return math.exp(loss) if self.perplexity else loss
 

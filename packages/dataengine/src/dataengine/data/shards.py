@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,9 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tilehal import TileStackError
+from tilehal import ArgumentError, TileStackError, check_int
 
 INDEX_NAME = "index.json"
+# A shard name is one plain file-name stem: an index naming "../x" must not reach outside the root.
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")
+
+
+class SampleIndexError(ArgumentError, IndexError):
+    """A sample id outside the dataset (an IndexError, so `for x in dataset` stops as usual)."""
 
 
 class ShardError(TileStackError, OSError):
@@ -59,14 +66,23 @@ class ShardWriter:
     def __init__(self, root: str | os.PathLike, dtype: Any = np.uint16, domains: Sequence[str] = ("default",),
                  shard_tokens: int = 1 << 26, format: str = "npy") -> None:
         if format not in ("npy", "parquet"):
-            raise ValueError(f"format: expected 'npy' or 'parquet', got {format!r}")
+            raise ArgumentError(f"format: expected 'npy' or 'parquet', got {format!r}")
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise ArgumentError(f"dtype: expected an integer numpy dtype for token ids, got {dtype!r}") from None
+        if self.dtype.kind not in "ui":
+            raise ArgumentError(f"dtype: expected an integer numpy dtype for token ids, got {self.dtype}")
+        if isinstance(domains, str) or not domains or not all(isinstance(d, str) for d in domains):
+            raise ArgumentError(f"domains: expected a non-empty sequence of domain names, got {domains!r}")
+        if len(set(domains)) != len(domains):
+            raise ArgumentError(f"domains: expected distinct names, got {list(domains)}")
+        self.shard_tokens = check_int(shard_tokens, "shard_tokens", lo=1)
         if format == "parquet":
             _pyarrow()
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.dtype = np.dtype(dtype)
         self.domains = list(domains)
-        self.shard_tokens = shard_tokens
         self.format = format
         self._shards: list[dict] = []
         self._reset()
@@ -77,15 +93,15 @@ class ShardWriter:
         self._ntok = 0
 
     def add(self, tokens: Any, domain: int | str = 0) -> None:
-        arr = np.asarray(tokens)
-        if arr.ndim != 1:
-            raise ValueError(f"tokens: expected a 1-D sequence, got shape {arr.shape}")
+        from ..packing import token_array
+
+        arr = token_array(tokens, "tokens")  # float ids (truncated, NaN -> 0 or -2**63) are refused
         if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(self.dtype).max):
-            raise ValueError(f"tokens: expected ids in 0..{np.iinfo(self.dtype).max} for {self.dtype}, "
-                             f"got {arr.min()}..{arr.max()}")
-        d = self.domains.index(domain) if domain in self.domains else domain
-        if isinstance(d, str) or not 0 <= d < len(self.domains):
-            raise ValueError(f"domain: expected one of {self.domains} or 0..{len(self.domains) - 1}, got {domain!r}")
+            raise ArgumentError(f"tokens: expected ids in 0..{np.iinfo(self.dtype).max} for {self.dtype}, "
+                                f"got {arr.min()}..{arr.max()}")
+        d = self.domains.index(domain) if isinstance(domain, str) and domain in self.domains else domain
+        if isinstance(d, (str, bool)) or not isinstance(d, (int, np.integer)) or not 0 <= d < len(self.domains):
+            raise ArgumentError(f"domain: expected one of {self.domains} or 0..{len(self.domains) - 1}, got {domain!r}")
         self._samples.append(arr.astype(self.dtype, copy=False))
         self._doms.append(d)
         self._ntok += arr.size
@@ -167,13 +183,16 @@ class TokenDataset:
             index = json.loads(index_path.read_text())
         except json.JSONDecodeError as exc:
             raise ShardError(INDEX_NAME, f"index is not valid JSON: {exc}") from exc
-        self.dtype = np.dtype(index["dtype"])
+        self.verify = bool(verify)
+        metas = self._check_index(index)
         self.domain_names: list[str] = list(index["domains"])
         self._shards: list[_Shard] = []
         lengths, domains = [], []
-        for meta in index["shards"]:
+        for meta in metas:
             shard = _Shard(meta["name"], meta["format"], int(meta["num_samples"]), int(meta["num_tokens"]))
             lens, doms = self._open(shard, meta.get("crc32", {}), verify)
+            if doms.size and (doms.min() < 0 or doms.max() >= len(self.domain_names)):
+                raise ShardError(shard.name, f"domain ids outside 0..{len(self.domain_names) - 1} (corrupt)")
             self._shards.append(shard)
             lengths.append(lens)
             domains.append(doms)
@@ -181,15 +200,60 @@ class TokenDataset:
         self.domains = np.concatenate(domains).astype(np.int64) if domains else np.zeros(0, np.int64)
         self._starts = np.concatenate([[0], np.cumsum([s.num_samples for s in self._shards])]).astype(np.int64)
 
+    def _check_index(self, index: Any) -> list[dict]:
+        """The index's shard entries, after checking every field a reader relies on."""
+        def bad(what: str) -> ShardError:
+            return ShardError(INDEX_NAME, f"{self.root / INDEX_NAME}: {what}")
+
+        if not isinstance(index, dict):
+            raise bad(f"expected a JSON object, got {type(index).__name__}")
+        for key in ("dtype", "domains", "shards"):
+            if key not in index:
+                raise bad(f"missing key {key!r}")
+        try:
+            self.dtype = np.dtype(index["dtype"])
+        except TypeError:
+            raise bad(f"'dtype': expected a numpy integer dtype name, got {index['dtype']!r}") from None
+        if self.dtype.kind not in "ui":
+            raise bad(f"'dtype': expected an integer dtype, got {self.dtype}")
+        if not isinstance(index["domains"], list) or not all(isinstance(d, str) for d in index["domains"]):
+            raise bad(f"'domains': expected a list of names, got {index['domains']!r}")
+        if not isinstance(index["shards"], list):
+            raise bad(f"'shards': expected a list, got {type(index['shards']).__name__}")
+        seen = set()
+        for k, meta in enumerate(index["shards"]):
+            if not isinstance(meta, dict):
+                raise bad(f"'shards'[{k}]: expected an object, got {type(meta).__name__}")
+            for key in ("name", "format", "num_samples", "num_tokens"):
+                if key not in meta:
+                    raise bad(f"'shards'[{k}]: missing key {key!r}")
+            name = meta["name"]
+            if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name) or ".." in name:
+                raise bad(f"'shards'[{k}]['name']: expected a plain file name inside the dataset, got {name!r}")
+            if name in seen:
+                raise bad(f"'shards'[{k}]['name']: {name!r} appears twice")
+            seen.add(name)
+            if meta["format"] not in ("npy", "parquet"):
+                raise bad(f"'shards'[{k}]['format']: expected 'npy' or 'parquet', got {meta['format']!r}")
+            for key in ("num_samples", "num_tokens"):
+                v = meta[key]
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise bad(f"'shards'[{k}][{key!r}]: expected an integer >= 0, got {v!r}")
+            if not isinstance(meta.get("crc32", {}), dict):
+                raise bad(f"'shards'[{k}]['crc32']: expected an object, got {meta['crc32']!r}")
+        return index["shards"]
+
     def __getstate__(self) -> dict:
-        # Workers reopen the memmaps instead of pickling mapped arrays.
-        return {"root": str(self.root)}
+        # Workers reopen the memmaps instead of pickling mapped arrays; `verify` travels with them.
+        return {"root": str(self.root), "verify": self.verify}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["root"])
+        self.__init__(state["root"], verify=state.get("verify", False))
 
     def _file(self, shard: _Shard, ext: str) -> Path:
         path = self.root / f"{shard.name}.{ext}"
+        if path.is_symlink() and not os.path.realpath(path).startswith(os.path.realpath(self.root) + os.sep):
+            raise ShardError(shard.name, f"{path} is a symlink leading outside the dataset root")
         if not path.is_file():
             raise ShardError(shard.name, f"missing file {path}")
         return path
@@ -237,17 +301,23 @@ class TokenDataset:
     def shard_names(self) -> list[str]:
         return [s.name for s in self._shards]
 
+    def _check_id(self, i: Any) -> int:
+        if isinstance(i, np.ndarray) and i.ndim == 0:
+            i = i.item()
+        i = check_int(i, "sample id")
+        if not 0 <= i < len(self):
+            raise SampleIndexError(f"sample id: expected 0..{len(self) - 1}, got {i}")
+        return i
+
     def locate(self, i: int) -> tuple[str, int]:
         """(shard name, index inside the shard) of global sample i."""
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample id: expected 0..{len(self) - 1}, got {i}")
+        i = self._check_id(i)
         s = int(np.searchsorted(self._starts, i, side="right")) - 1
         return self._shards[s].name, i - int(self._starts[s])
 
     def tokens(self, i: int) -> np.ndarray:
         """Token ids of sample i (a copy, int64)."""
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample id: expected 0..{len(self) - 1}, got {i}")
+        i = self._check_id(i)
         s = int(np.searchsorted(self._starts, i, side="right")) - 1
         shard, j = self._shards[s], i - int(self._starts[s])
         if shard.format == "parquet":
@@ -256,8 +326,13 @@ class TokenDataset:
         return np.asarray(shard.tokens[lo:hi], dtype=np.int64)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        return self.tokens(int(i))
+        return self.tokens(i)
 
     def domain_ids(self, domain: int | str) -> np.ndarray:
-        d = self.domain_names.index(domain) if isinstance(domain, str) else int(domain)
+        if isinstance(domain, str):
+            if domain not in self.domain_names:
+                raise ArgumentError(f"domain: expected one of {self.domain_names}, got {domain!r}")
+            d = self.domain_names.index(domain)
+        else:
+            d = check_int(domain, "domain", lo=0, hi=max(len(self.domain_names) - 1, 0))
         return np.flatnonzero(self.domains == d)

@@ -17,14 +17,19 @@ resuming under any other split re-examines the rest, and filters give the same a
 
 from __future__ import annotations
 
+import logging
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from tilehal import ArgumentError, ShapeError, check_int
 
 from .scoring import Filter
 from .shards import TokenDataset
+
+log = logging.getLogger("dataengine.stream")
 
 
 class StreamingDataset(torch.utils.data.IterableDataset):
@@ -32,16 +37,28 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                  num_positions: int | None = None, filters: Sequence[Filter] = (),
                  keep_mask: np.ndarray | None = None, rank: int = 0, world_size: int = 1, chunk: int = 8192) -> None:
         super().__init__()
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank/world_size: expected 0 <= rank < world_size, got {rank}/{world_size}")
+        if not isinstance(dataset, TokenDataset):
+            raise ArgumentError(f"dataset: expected a TokenDataset, got {type(dataset).__name__}")
+        world_size = check_int(world_size, "world_size", lo=1)
+        rank = check_int(rank, "rank", lo=0)
+        if rank >= world_size:
+            raise ArgumentError(f"rank/world_size: expected 0 <= rank < world_size, got {rank}/{world_size}")
+        chunk = check_int(chunk, "chunk", lo=1)
+        if num_positions is not None:
+            num_positions = check_int(num_positions, "num_positions", lo=0)
         self.dataset = dataset
-        self.seed = int(seed)
+        self.seed = check_int(seed, "seed", lo=0)
         self.filters = list(filters)
         self.rank, self.world_size = rank, world_size
         self.chunk = chunk
         n = len(dataset)
-        if keep_mask is not None and np.asarray(keep_mask).shape != (n,):
-            raise ValueError(f"keep_mask: expected a boolean array of shape ({n},), got {np.asarray(keep_mask).shape}")
+        if keep_mask is not None:
+            km = np.asarray(keep_mask)
+            if km.shape != (n,):
+                raise ShapeError(f"keep_mask: expected a boolean array of shape ({n},), got {km.shape}")
+            if km.dtype != np.bool_ and not (np.issubdtype(km.dtype, np.integer) and np.isin(km, (0, 1)).all()):
+                # a float mask with NaN would keep those samples: refuse anything but booleans (or 0/1)
+                raise ShapeError(f"keep_mask: expected booleans (or integers 0/1), got dtype {km.dtype}")
         self.keep_mask = None if keep_mask is None else np.asarray(keep_mask, dtype=bool)
         self._domain_members = [np.flatnonzero(dataset.domains == d) for d in range(len(dataset.domain_names))]
         self.schedule: list[tuple[int, np.ndarray]] = []
@@ -53,26 +70,32 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         self.start = 0
         self.ahead: frozenset[int] = frozenset()
         self._perm_cache: dict[tuple[int, int], np.ndarray] = {}
+        self._fingerprint: str | None = None
 
     # -- the global candidate sequence ---------------------------------------------------------
 
     def _check_weights(self, w: Sequence[float]) -> np.ndarray:
-        w = np.asarray(w, dtype=np.float64)
         D = len(self._domain_members)
-        if w.shape != (D,) or (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"domain_weights: expected {D} non-negative weights with a positive sum, got {w.tolist()}")
+        try:
+            w = np.asarray(w, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ArgumentError(f"domain_weights: expected {D} non-negative numbers, got {w!r}") from None
+        if w.shape != (D,) or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+            raise ArgumentError(f"domain_weights: expected {D} finite non-negative weights with a positive sum, "
+                                f"got {w.tolist()}")
         empty = [d for d in range(D) if w[d] > 0 and len(self._domain_members[d]) == 0]
         if empty:
-            raise ValueError(f"domain_weights: domains {empty} have weight but no samples")
+            raise ArgumentError(f"domain_weights: domains {empty} have weight but no samples")
         return w / w.sum()
 
     def set_domain_weights(self, weights: Sequence[float], from_position: int) -> None:
         """Use `weights` for positions >= from_position (must not precede an earlier change)."""
         w = self._check_weights(weights)
         if not self.schedule:
-            raise ValueError("set_domain_weights: this stream was built without domain_weights (plain shuffle)")
+            raise ArgumentError("set_domain_weights: this stream was built without domain_weights (plain shuffle)")
+        from_position = check_int(from_position, "from_position", lo=0)
         if from_position < self.schedule[-1][0]:
-            raise ValueError(f"from_position: expected >= {self.schedule[-1][0]} (the last change), got {from_position}")
+            raise ArgumentError(f"from_position: expected >= {self.schedule[-1][0]} (the last change), got {from_position}")
         self.schedule = [s for s in self.schedule if s[0] < from_position] + [(int(from_position), w)]
 
     def _perm(self, domain: int, epoch: int) -> np.ndarray:
@@ -195,18 +218,46 @@ class StreamingDataset(torch.utils.data.IterableDataset):
 
     # -- resumption ----------------------------------------------------------------------------
 
+    def fingerprint(self) -> str:
+        """Identifies the dataset and the stream's configuration a resume state belongs to: sample and
+        token counts, a CRC of every sample's length and domain, the domain names and the chunk size."""
+        if self._fingerprint is None:
+            ds = self.dataset
+            crc = zlib.crc32(np.ascontiguousarray(ds.lengths, dtype=np.int64).tobytes())
+            crc = zlib.crc32(np.ascontiguousarray(ds.domains, dtype=np.int64).tobytes(), crc)
+            crc = zlib.crc32("\x1f".join(ds.domain_names).encode(), crc)
+            self._fingerprint = f"n={len(ds)};tokens={ds.num_tokens};crc={crc:08x};chunk={self.chunk}"
+        return self._fingerprint
+
     def state_dict(self) -> dict[str, Any]:
         """The stream's configuration-dependent part of a resume state (start, ahead, schedule)."""
         return {"seed": self.seed, "frontier": self.start, "ahead": sorted(self.ahead),
-                "schedule": [(p, w.tolist()) for p, w in self.schedule], "complete": True}
+                "schedule": [(p, w.tolist()) for p, w in self.schedule], "complete": True,
+                "dataset": self.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise ArgumentError(f"state: expected a dict from state_dict(), got {type(state).__name__}")
         if not state.get("complete", True):
-            raise ValueError("state: expected a complete (merged) state, got one rank's partial state; "
-                             "combine every rank's state with dataengine.data.merge_states first")
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"state['seed']: expected {self.seed} (this stream's seed), got {state['seed']}")
-        self.start = int(state["frontier"])
-        self.ahead = frozenset(int(p) for p in state["ahead"])
-        if state.get("schedule"):
-            self.schedule = [(int(p), self._check_weights(w)) for p, w in state["schedule"]]
+            raise ArgumentError("state: expected a complete (merged) state, got one rank's partial state; "
+                                "combine every rank's state with dataengine.data.merge_states first")
+        for key in ("seed", "frontier", "ahead"):
+            if key not in state:
+                raise ArgumentError(f"state: expected key {key!r} (a state from state_dict()), got keys {sorted(state)}")
+        if "dataset" in state and state["dataset"] != self.fingerprint():
+            raise ArgumentError(f"state['dataset']: expected {self.fingerprint()!r} (this stream's dataset), got "
+                                f"{state['dataset']!r}: the state belongs to another dataset or chunk size")
+        if "dataset" not in state:
+            log.warning("load_state_dict: the state carries no dataset fingerprint (written by an older version); "
+                        "it cannot be checked against this dataset")
+        if check_int(state["seed"], "state['seed']") != self.seed:
+            raise ArgumentError(f"state['seed']: expected {self.seed} (this stream's seed), got {state['seed']}")
+        frontier = check_int(state["frontier"], "state['frontier']", lo=0)
+        ahead = frozenset(check_int(p, "state['ahead']", lo=frontier) for p in state["ahead"])
+        schedule = [(check_int(p, "state['schedule']", lo=0), self._check_weights(w))
+                    for p, w in state.get("schedule") or []]
+        if bool(schedule) != bool(self.schedule) and schedule:
+            raise ArgumentError("state['schedule']: expected none (this stream is a plain shuffle), got domain weights")
+        self.start, self.ahead = frontier, ahead
+        if schedule:
+            self.schedule = schedule
