@@ -53,6 +53,35 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = False
     return idx.to(torch.int64), weights.float()
 
 
+def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, score_bias: torch.Tensor | None = None,
+                         n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: (topk_idx int64 [T, k], topk_weights float32 [T, k]) from logits [T, E].
+
+    Scores are sigmoid(logits); the choice adds `score_bias` (the load-balancing correction) and,
+    with `n_group > 1`, keeps only the `topk_group` groups of E/n_group experts whose two best
+    biased scores sum highest. The weights are the unbiased scores of the chosen experts,
+    renormalized (denominator + 1e-20) with `norm_topk_prob`.
+    """
+    t, e = logits.shape
+    scores = logits.float().sigmoid()
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if n_group > 1:
+        _check(e % n_group == 0 and e // n_group >= 2, "n_group", f"a divisor of {e} leaving >= 2 experts a group",
+               n_group)
+        per_group = choice.view(t, n_group, e // n_group)
+        group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, torch.topk(group_scores, topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e),
+                                    float("-inf"))
+    idx = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, idx)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return idx.to(torch.int64), weights
+
+
 # ----------------------------------------------------------------------------- exchange
 
 
@@ -193,8 +222,23 @@ class ExpertParallelMoE(torch.nn.Module):
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, group: Any = None,
                  dtype: torch.dtype = torch.bfloat16, use_fp8: bool = False, *, norm_topk_prob: bool = False,
-                 buffer: Any = None, device: torch.device | str | None = None) -> None:
+                 buffer: Any = None, device: torch.device | str | None = None, scoring: str = "softmax",
+                 n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
+                 router_in_input_dtype: bool = False, weights_in_input_dtype: bool = False,
+                 shared_expert: torch.nn.Module | None = None,
+                 shared_expert_gate: torch.nn.Module | None = None) -> None:
         super().__init__()
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring: expected 'softmax' or 'sigmoid', got {scoring!r}")
+        if not (isinstance(n_group, int) and n_group >= 1 and num_experts % n_group == 0):
+            raise ValueError(f"n_group: expected a positive divisor of num_experts ({num_experts}), got {n_group!r}")
+        if not (isinstance(topk_group, int) and 1 <= topk_group <= n_group):
+            raise ValueError(f"topk_group: expected an int in [1, n_group={n_group}], got {topk_group!r}")
+        self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.router_in_input_dtype, self.weights_in_input_dtype = router_in_input_dtype, weights_in_input_dtype
+        # Kept as they are (their Linears may be swapped on their own): added to the routed output.
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
         for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("num_experts", num_experts),
                         ("top_k", top_k)):
             if not isinstance(v, int) or v < 1:
@@ -221,6 +265,8 @@ class ExpertParallelMoE(torch.nn.Module):
                                                   device=device))
         self.w2 = torch.nn.Parameter(torch.empty(self.num_local_experts, hidden, ffn_hidden, dtype=dtype,
                                                  device=device))
+        if scoring == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device))
         self._fp8_cache: dict[str, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.reset_parameters()
 
@@ -253,23 +299,48 @@ class ExpertParallelMoE(torch.nn.Module):
     @classmethod
     def from_module(cls, module: torch.nn.Module, group: Any = None, use_fp8: bool = False,
                     buffer: Any = None) -> ExpertParallelMoE:
-        """Build from a compatible MoE block (see `moe_block_parts`), keeping this rank's experts."""
+        """Build from a compatible MoE block (see `moe_block_parts`), keeping this rank's experts.
+
+        The block's routing (softmax or DeepSeek-V3 grouped sigmoid top-k, renormalization, scaling
+        factor, score-correction bias) and its shared expert(s) come along; the shared expert modules
+        are the block's own (not copied).
+        """
         parts = moe_block_parts(module)
         if isinstance(parts, str):
             raise TypeError(f"module: expected an MoE block ExpertParallelMoE can take, got "
                             f"{type(module).__name__} ({parts})")
-        router, gates, ups, downs, top_k, norm = parts
-        e, h = router.shape
-        moe = cls(h, gates.shape[1], e, top_k, group=group, use_fp8=use_fp8, norm_topk_prob=norm, buffer=buffer,
-                  device=router.device)
-        return moe.load_experts(router.float(), gates, ups, downs)
+        e, h = parts.router.shape
+        moe = cls(h, parts.gate.shape[1], e, parts.top_k, group=group, use_fp8=use_fp8,
+                  norm_topk_prob=parts.norm_topk_prob, buffer=buffer, device=parts.router.device,
+                  shared_expert=parts.shared_expert, shared_expert_gate=parts.shared_expert_gate, **parts.routing)
+        if parts.score_bias is not None:
+            with torch.no_grad():
+                moe.e_score_correction_bias.copy_(parts.score_bias.float())
+        return moe.load_experts(parts.router.float(), parts.gate, parts.up, parts.down)
 
     # ------------------------------------------------------------------ forward pieces
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax top-k over fp32 router logits of x [T, hidden]."""
-        logits = x.float() @ self.router_weight.float().T
-        return softmax_topk(logits, self.top_k, self.norm_topk_prob)
+        """(topk_idx, topk_weights) of x [T, hidden]: softmax top-k, or grouped sigmoid top-k (`scoring`).
+
+        Logits in fp32, or in x's dtype with `router_in_input_dtype` (then scored in fp32, as
+        Mixtral / Qwen-MoE do); weights times `routed_scaling_factor`, rounded to x's dtype with
+        `weights_in_input_dtype` (Qwen-MoE).
+        """
+        if self.router_in_input_dtype:
+            logits = F.linear(x, self.router_weight.to(x.dtype)).float()
+        else:
+            logits = x.float() @ self.router_weight.float().T
+        if self.scoring == "softmax":
+            idx, w = softmax_topk(logits, self.top_k, self.norm_topk_prob)
+        else:
+            idx, w = grouped_sigmoid_topk(logits, self.top_k, self.e_score_correction_bias, self.n_group,
+                                          self.topk_group, self.norm_topk_prob)
+        if self.routed_scaling_factor != 1.0:
+            w = w * self.routed_scaling_factor
+        if self.weights_in_input_dtype:
+            w = w.to(x.dtype).float()
+        return idx, w
 
     def _exchange(self) -> Any:
         if self._buffer is None:
@@ -355,12 +426,20 @@ class ExpertParallelMoE(torch.nn.Module):
         y = self.experts_forward(recv_x, layout)
         recv_out = unpermute(y, layout, recv_w).to(torch.bfloat16)
         out, _, _ = buf.combine(recv_out, handle)
-        return out.to(x.dtype).reshape(*lead, self.hidden)
+        out = out.to(x.dtype)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x2)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x2)) * shared
+            out = out + shared
+        return out.reshape(*lead, self.hidden)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, local_experts={self.local_experts.start}..{self.local_experts.stop - 1}, "
-                f"world_size={self.world_size}, use_fp8={self.use_fp8}")
+                f"world_size={self.world_size}, use_fp8={self.use_fp8}, scoring={self.scoring}"
+                + (f", n_group={self.n_group}, topk_group={self.topk_group}" if self.n_group > 1 else "")
+                + (f", routed_scaling_factor={self.routed_scaling_factor}" if self.routed_scaling_factor != 1.0 else ""))
 
 
 # ----------------------------------------------------------------------------- compatible blocks + reference
@@ -369,19 +448,127 @@ class ExpertParallelMoE(torch.nn.Module):
 _PROJ_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
-def moe_block_parts(module: torch.nn.Module):
-    """(router [E, H], gate [E, F, H], up [E, F, H], down [E, H, F], top_k, norm_topk_prob), or why not.
+@dataclass
+class MoEBlockParts:
+    """What ExpertParallelMoE takes from an MoE block (global weights, before the rank split).
 
-    Compatible: a `gate` or `router` nn.Linear(H, E, bias=False); `experts`, an nn.ModuleList of E
-    SwiGLU experts with bias-free `gate_proj/up_proj/down_proj` (or Mixtral's `w1/w3/w2`) Linears;
-    `top_k` or `num_experts_per_tok`; optional `norm_topk_prob`. The block's forward must map
-    [..., H] to a tensor [..., H] with softmax top-k routing (what ExpertParallelMoE computes).
+    router [E, H]; gate, up [E, F, H]; down [E, H, F]; routing: ExpertParallelMoE keyword arguments
+    (scoring, n_group, topk_group, routed_scaling_factor, router_in_input_dtype, weights_in_input_dtype);
+    score_bias: DeepSeek-V3's e_score_correction_bias [E] or None; shared_expert (+ its sigmoid gate):
+    modules kept as they are; consumed: the block's children the replacement absorbs; exact: the
+    replacement computes what the block's own forward computes (transformers blocks), so it may be
+    swapped without being named in `include`.
+    """
+
+    router: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    top_k: int
+    norm_topk_prob: bool
+    routing: dict[str, Any]
+    score_bias: torch.Tensor | None
+    shared_expert: torch.nn.Module | None
+    shared_expert_gate: torch.nn.Module | None
+    consumed: tuple[str, ...]
+    exact: bool
+    kind: str
+
+
+def _is_silu(act: Any) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+# transformers 5 blocks whose forward ExpertParallelMoE reproduces. router class -> how it routes;
+# block class -> its shared-expert attributes (expert, sigmoid gate) and how they are combined.
+_HF_ROUTERS = {
+    "MixtralTopKRouter": "softmax_norm",
+    "Qwen2MoeTopKRouter": "softmax_qwen",
+    "Qwen3MoeTopKRouter": "softmax_qwen",
+    "DeepseekV3TopkRouter": "grouped_sigmoid",
+}
+_HF_BLOCKS = {
+    "MixtralSparseMoeBlock": (None, None),
+    "Qwen3MoeSparseMoeBlock": (None, None),
+    "Qwen2MoeSparseMoeBlock": ("shared_expert", "shared_expert_gate"),
+    "DeepseekV3MoE": ("shared_experts", None),
+}
+
+
+def _hf_block_parts(module: torch.nn.Module, router: torch.nn.Module, experts: torch.nn.Module
+                    ) -> MoEBlockParts | str:
+    """A transformers 5 block: router module + experts with fused gate_up_proj / down_proj tensors."""
+    block, rname = type(module).__name__, type(router).__name__
+    if block not in _HF_BLOCKS:
+        return (f"{block} has fused expert tensors but is not a block whose forward is known "
+                f"(known: {', '.join(sorted(_HF_BLOCKS))})")
+    style = _HF_ROUTERS.get(rname)
+    if style is None:
+        return f"router {rname} routes in a way not reproduced (known: {', '.join(sorted(_HF_ROUTERS))})"
+    gu, dn = experts.gate_up_proj, experts.down_proj
+    for flag, want in (("has_bias", False), ("is_transposed", False), ("has_gate", True), ("is_concatenated", True),
+                       ("has_post_expert_norm", False)):
+        if getattr(experts, flag, want) != want:
+            return f"experts.{flag} is {getattr(experts, flag)} (ExpertParallelMoE takes {flag}={want})"
+    if not _is_silu(getattr(experts, "act_fn", None)):
+        return f"experts.act_fn is {type(getattr(experts, 'act_fn', None)).__name__}, ExpertParallelMoE computes SiLU"
+    w = router.weight
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return "router has no 2-D weight [E, H]"
+    e, h = w.shape
+    if gu.dim() != 3 or gu.shape[0] != e or gu.shape[2] != h or gu.shape[1] % 2:
+        return f"experts.gate_up_proj has shape {tuple(gu.shape)}, expected [{e}, 2 * F, {h}]"
+    f = gu.shape[1] // 2
+    if tuple(dn.shape) != (e, h, f):
+        return f"experts.down_proj has shape {tuple(dn.shape)}, expected {(e, h, f)}"
+    top_k = getattr(router, "top_k", None)
+    if not isinstance(top_k, int):
+        return "router has no integer top_k"
+    score_bias = None
+    if style == "softmax_norm":
+        norm, routing = True, {"router_in_input_dtype": True}
+    elif style == "softmax_qwen":
+        norm = bool(router.norm_topk_prob)
+        routing = {"router_in_input_dtype": True, "weights_in_input_dtype": True}
+    else:
+        norm = bool(router.norm_topk_prob)
+        n_group, topk_group = int(router.num_group), int(router.topk_group)
+        if n_group > 1 and (e % n_group or e // n_group < 2):
+            return f"n_group={n_group} does not split {e} experts into groups of >= 2"
+        routing = {"scoring": "sigmoid", "n_group": n_group, "topk_group": topk_group,
+                   "routed_scaling_factor": float(router.routed_scaling_factor)}
+        score_bias = router.e_score_correction_bias.detach()
+    shared_name, gate_name = _HF_BLOCKS[block]
+    shared = getattr(module, shared_name) if shared_name else None
+    shared_gate = getattr(module, gate_name) if gate_name else None
+    names = [n for n, c in module.named_children() if c is router or c is experts or c is shared_gate]
+    return MoEBlockParts(w.detach(), gu[:, :f].detach(), gu[:, f:].detach(), dn.detach(), top_k, norm, routing,
+                         score_bias, shared, shared_gate, tuple(names), True, f"{block} ({rname})")
+
+
+def moe_block_parts(module: torch.nn.Module) -> MoEBlockParts | str:
+    """What ExpertParallelMoE takes from `module`, or why it cannot take it.
+
+    Compatible:
+    - transformers 5 blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3): a router module with
+      `weight [E, H]` and `top_k`, experts with fused `gate_up_proj [E, 2F, H]` / `down_proj [E, H, F]`
+      tensors and SiLU, plus the block's shared expert(s). Same outputs as the block (`exact`).
+    - a `gate` or `router` nn.Linear(H, E, bias=False) and `experts`, an nn.ModuleList of E SwiGLU
+      experts with bias-free `gate_proj/up_proj/down_proj` (or Mixtral's `w1/w3/w2`) Linears;
+      `top_k` or `num_experts_per_tok`; optional `norm_topk_prob`. The block's forward must map
+      [..., H] to a tensor [..., H] with softmax top-k routing (what ExpertParallelMoE computes);
+      that cannot be checked, so these are swapped only when named (`exact` False).
     """
     router = getattr(module, "router", None)
-    router = router if isinstance(router, torch.nn.Linear) else getattr(module, "gate", None)
-    if not isinstance(router, torch.nn.Linear) or router.bias is not None:
-        return "no bias-free `gate`/`router` nn.Linear"
+    router = router if isinstance(router, torch.nn.Module) else getattr(module, "gate", None)
     experts = getattr(module, "experts", None)
+    if not isinstance(router, torch.nn.Module) or not isinstance(experts, torch.nn.Module):
+        return f"{type(module).__name__} is not an nn.Linear and not an MoE block (no `gate`/`router` and `experts`)"
+    if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and \
+            isinstance(getattr(experts, "down_proj", None), torch.Tensor):
+        return _hf_block_parts(module, router, experts)
+    if not isinstance(router, torch.nn.Linear) or router.bias is not None:
+        return f"router {type(router).__name__} is not a bias-free nn.Linear"
     if not isinstance(experts, torch.nn.ModuleList) or len(experts) != router.out_features:
         return f"no `experts` nn.ModuleList of {router.out_features} experts (the router's outputs)"
     top_k = getattr(module, "top_k", getattr(module, "num_experts_per_tok", None))
@@ -402,8 +589,10 @@ def moe_block_parts(module: torch.nn.Module):
     shapes = {(tuple(g.shape), tuple(u.shape), tuple(d.shape)) for g, u, d in zip(gates, ups, downs)}
     if len(shapes) != 1:
         return "experts of different shapes"
-    return (router.weight.detach(), torch.stack(gates).detach(), torch.stack(ups).detach(),
-            torch.stack(downs).detach(), top_k, bool(getattr(module, "norm_topk_prob", False)))
+    names = tuple(n for n, c in module.named_children() if c is router or c is experts)
+    return MoEBlockParts(router.weight.detach(), torch.stack(gates).detach(), torch.stack(ups).detach(),
+                         torch.stack(downs).detach(), top_k, bool(getattr(module, "norm_topk_prob", False)), {},
+                         None, None, None, names, False, "gate Linear + ModuleList of SwiGLU experts")
 
 
 class SwiGLUExpert(torch.nn.Module):

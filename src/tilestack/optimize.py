@@ -2,11 +2,13 @@
 
 - `nn.Linear` -> `tilestack.layers.GemmLinear` (deepgemm bf16, or fp8 with `fp8=True`), or with
   `sparse_24=True` -> dataengine `SparseLinear.from_dense(..., "2:4")` (pruned: outputs change).
-- MoE blocks `tilestack.moe.moe_block_parts` accepts -> `ExpertParallelMoE`, only when `include`
-  names them (their forward changes: a tensor out, softmax top-k routing).
+- MoE blocks `tilestack.moe.moe_block_parts` accepts -> `ExpertParallelMoE`: transformers 5 blocks
+  (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; same routing, shared experts kept) always; other
+  blocks (gate Linear + ModuleList of experts) only when `include` names them (their forward may
+  differ: a tensor out, softmax top-k routing).
 
 A module whose shape does not qualify is kept; the reason is logged at DEBUG (`tilestack.optimize`)
-and listed in the returned report.
+and listed in the returned report, as is every module `include` names that is not swapped.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ _LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @dataclass
 class Decision:
     name: str
-    kind: str              # "linear" or "moe"
+    kind: str              # "linear", "moe" or "module" (named by include, neither)
     replacement: str | None  # class name when swapped
     reason: str            # why skipped, or how the replacement runs
 
@@ -89,6 +91,19 @@ def linear_skip_reason(linear: torch.nn.Module, backend: str, fp8: bool = False,
     return None
 
 
+def moe_skip_reason(parts: Any, backend: str, fp8: bool) -> str | None:
+    """Why ExpertParallelMoE cannot run this block under these options, or None."""
+    e, h = parts.router.shape
+    f = parts.gate.shape[1]
+    if parts.gate.device.type == "meta":
+        return "expert weights are on the meta device (materialize the model first)"
+    if fp8 and (h % 128 or f % 128):
+        return f"fp8 grouped GEMMs need hidden and ffn_hidden % 128 == 0, got {h} and {f}"
+    if backend == "cuda" and (h % 8 or f % 8):
+        return f"the CUDA grouped GEMMs need hidden and ffn_hidden % 8 == 0 (TMA rows of 16 bytes), got {h} and {f}"
+    return None
+
+
 def _matches(name: str, include: Sequence[str] | None) -> bool:
     return include is None or any(fnmatch.fnmatchcase(name, pat) for pat in include)
 
@@ -121,28 +136,43 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
     replacements: dict[int, torch.nn.Module] = {}
     done: list[str] = []   # prefixes of replaced subtrees: their children are gone
 
-    def decide(name: str, kind: str, new: torch.nn.Module | None, reason: str, module: torch.nn.Module) -> None:
+    def decide(name: str, kind: str, new: torch.nn.Module | None, reason: str, module: torch.nn.Module,
+               consumed: Sequence[str] | None = None) -> None:
         if new is None:
             log.debug("%s (%s) kept: %s", name or "<root>", kind, reason)
             report.skipped.append(Decision(name, kind, None, reason))
             return
         report.swapped.append(Decision(name, kind, type(new).__name__, reason))
         replacements[id(module)] = new
-        done.append(name)
+        # A replaced subtree's children are gone, except those the replacement keeps (shared experts).
+        done.extend([name] if consumed is None else [f"{name}.{c}" if name else c for c in consumed])
 
     for name, module in model.named_modules():
         if any(name == p or name.startswith(p + ".") for p in done):
             continue
         if not isinstance(module, torch.nn.Linear):
             parts = moe_block_parts(module)
+            named = include is not None and _matches(name, include)
             if isinstance(parts, str):
+                if named:
+                    has_linears = any(isinstance(m, torch.nn.Linear) for m in module.modules())
+                    decide(name, "module", None, parts + ("; its Linears are considered one by one" if has_linears
+                                                          else ""), module)
                 continue
-            if include is None or not _matches(name, include):
+            if not parts.exact and not named:
                 decide(name, "moe", None, "MoE block: name it in include= to swap it for ExpertParallelMoE "
                        "(its forward then returns a tensor and routes by softmax top-k)", module)
                 continue
+            if include is not None and not named:
+                continue
+            why = moe_skip_reason(parts, backend, fp8)
+            if why is not None:
+                decide(name, "moe", None, why, module)
+                continue
             new = ExpertParallelMoE.from_module(module, group=moe_group, use_fp8=fp8)
-            decide(name, "moe", new, f"{new.num_local_experts} of {new.num_experts} experts on this rank", module)
+            decide(name, "moe", new, f"{parts.kind}: {new.num_local_experts} of {new.num_experts} experts on this "
+                   f"rank" + (", shared expert kept" if parts.shared_expert is not None else ""), module,
+                   consumed=parts.consumed)
             continue
         if not _matches(name, include):
             continue
