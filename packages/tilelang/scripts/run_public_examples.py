@@ -36,6 +36,7 @@ DEVICE_EDITS = [
     (r"""\.to\(device=["']cuda(:\d+)?["']""", '.to(device="cpu"'),
     (r"torch\.cuda\.synchronize\(\)", "None"),
     (r"torch\.cuda\.manual_seed(_all)?\(", "torch.manual_seed("),
+    (r"torch\.cuda\.Stream\(\)|torch\.cuda\.default_stream\(\)|torch\.cuda\.current_stream\(\)", "None"),
 ]
 
 
@@ -82,6 +83,12 @@ EXAMPLES: list[Example] = [
     Example("convolution/example_convolution.py", "convolution",
             argv=["--n", "2", "--c", "32", "--h", "12", "--w", "12", "--f", "64", "--k", "3", "--s", "1", "--d", "1",
                   "--p", "1"]),
+    Example("fusedmoe/example_fusedmoe_tilelang.py", "fused MoE",
+            [("def main(d_hidden=7168, d_expert=2048, n_routed_experts=8, n_shared_experts=1, n_experts_per_token=4, "
+              "batch_size=1, seq_len=8192)",
+              "def main(d_hidden=256, d_expert=128, n_routed_experts=4, n_shared_experts=1, n_experts_per_token=2, "
+              "batch_size=1, seq_len=64)")]),
+    Example("gemm/example_gemm_persistent.py", "persistent gemm", argv=["--M", "320", "--N", "512", "--K", "128"]),
 ]
 
 
@@ -103,6 +110,8 @@ def run_one(root: Path, ex: Example, target: str, workdir: Path) -> dict:
     dst_dir = workdir / Path(ex.path).parent.name
     if not dst_dir.exists():
         shutil.copytree(src.parent, dst_dir)
+        for sib in dst_dir.glob("*.py"):  # helpers next to the example (references, inputs) get the device edits too
+            sib.write_text(adapt(sib.read_text(), Example(sib.name, ""))[0])
     text, stale = adapt(src.read_text(), ex)
     if stale:
         return {"file": ex.path, "kind": ex.kind, "status": "stale", "detail": f"edits no longer match: {stale}"}

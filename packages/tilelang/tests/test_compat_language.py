@@ -247,3 +247,27 @@ def test_im2col_matches_a_direct_convolution(target):
             ref += patch @ wt[kh, kw]
     y = conv()(x, wt.reshape(kdim, f))
     np.testing.assert_allclose(y, ref.reshape(rows, f), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mb, nb, wave, group", [(5, 3, 4, 2), (2, 7, 3, 8), (4, 4, 16, 8)])
+def test_persistent_visits_every_tile_once(target, mb, nb, wave, group):
+    @tilelang.jit(target=target)
+    def visit():
+        @T.prim_func
+        def main(Count: T.Tensor((mb, nb), "int32")):
+            with T.Kernel(wave) as block_id:
+                for bx, by in T.Persistent([mb, nb], wave, block_id, group):
+                    T.atomic_add(Count[bx, by], 1)
+
+        return main
+
+    count = np.zeros((mb, nb), np.int32)
+    visit()(count)
+    np.testing.assert_array_equal(count, np.ones((mb, nb), np.int32))
+
+
+def test_carver_driver_num_sms():
+    from tilelang.carver.arch import driver
+
+    n = driver.get_num_sms()
+    assert isinstance(n, int) and n >= 1

@@ -199,6 +199,8 @@ class Parser(TileOpBinder):
                 if k not in ("coalesced_width", "loop_layout"):
                     self.fail(it, f"T.{kind}: unknown keyword {k!r}")
             return self._nest(node, extents, "parallel" if kind == "Parallel" else "serial", {})
+        if kind == "Persistent":
+            return self._persistent(node, args, kw)
         if kind == "Pipelined":
             ann = {}
             if "num_stages" in kw:
@@ -212,6 +214,49 @@ class Parser(TileOpBinder):
             self.fail(it, f"T.{kind}/range: unexpected keywords {sorted(kw)}")
         loop_kind = {"range": "serial", "serial": "serial", "unroll": "unroll", "vectorized": "vectorized"}[kind]
         return self._range_loop(node, args, loop_kind, {})
+
+    def _persistent(self, node: ast.For, args: list[Any], kw: dict[str, Any]) -> Stmt:
+        """`for bx, by in T.Persistent([m_blocks, n_blocks], wave_size, index, group_size=8)`: a persistent block
+        `index` of `wave_size` walks the tiles index, index + wave_size, ... in grouped order (group_size rows of
+        tiles at a time, for cache reuse); a serial loop over waves with a bounds test, built here."""
+        names = ["domain", "wave_size", "index", "group_size"]
+        if len(args) > 4 or any(k not in names for k in kw):
+            self.fail(node.iter, f"T.Persistent(domain, wave_size, index, group_size=8): bad arguments {args} {kw}")
+        a = dict(zip(names, args)) | kw
+        if "domain" not in a or "wave_size" not in a or "index" not in a:
+            self.fail(node.iter, "T.Persistent needs domain, wave_size and index")
+        domain = a["domain"]
+        if not isinstance(domain, (list, tuple)) or not 1 <= len(domain) <= 2:
+            self.fail(node.iter, f"T.Persistent: domain must be a list of 1 or 2 extents, got {domain!r}")
+        g = a.get("group_size", 8)
+        ext = [self.to_expr(d, node.iter) for d in domain]
+        wave, index = self.to_expr(a["wave_size"], node.iter), self.to_expr(a["index"], node.iter)
+        names_ = self._target_names(node, len(ext))
+        total = ext[0] if len(ext) == 1 else binop("*", ext[0], ext[1])
+        w = Var(self.shared.fresh("wave"))
+        tile = Var(self.shared.fresh("tile"))
+        lets: list[Stmt] = [Let(tile, binop("+", binop("*", w, wave), index), loc=self.loc(node))]
+        if len(ext) == 1:
+            coords = [tile]
+        else:
+            m_blocks, n_blocks = ext
+            per_group = binop("*", self.to_expr(g, node.iter), n_blocks)
+            first_m = binop("*", binop("//", tile, per_group), g)
+            rows = binop("min", binop("-", m_blocks, first_m), g)
+            coords = [binop("+", first_m, binop("%", binop("%", tile, per_group), rows)),
+                      binop("//", binop("%", tile, per_group), rows)]
+        bind: dict[str, Any] = {}
+        for n, c in zip(names_, coords):
+            v = Var(self.shared.fresh(n))
+            if c is tile:
+                bind[n] = tile
+                continue
+            lets.append(Let(v, c, loc=self.loc(node)))
+            bind[n] = v
+        inner = self.block(node.body, bind)
+        guarded = If(binop("<", tile, total), Seq([*lets[1:], *inner.body]), None, loc=self.loc(node))
+        waves = binop("//", binop("-", binop("+", total, wave), 1), wave)
+        return For(w, const(0), waves, "serial", Seq([lets[0], guarded]), {}, loc=self.loc(node))
 
     def _target_names(self, node: ast.For, count: int) -> list[str]:
         t = node.target

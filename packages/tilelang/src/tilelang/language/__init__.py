@@ -134,6 +134,8 @@ Pipelined = _loop("Pipelined", "for k in T.Pipelined(n, num_stages=S): software-
 serial = _loop("serial", "for i in T.serial(n) / T.serial(start, stop[, step])")
 unroll = _loop("unroll", "for i in T.unroll(n): fully unrolled serial loop")
 vectorized = _loop("vectorized", "for i in T.vectorized(n): vectorized loop")
+Persistent = _loop("Persistent", "for bx, by in T.Persistent([m_blocks, n_blocks], wave_size, index, group_size=8): "
+                                "the tiles a persistent block visits, in grouped order")
 grid = _loop("grid", "for i, j in T.grid(M, N): nested serial loops")
 Serial, Unroll, Vectorized, parallel = serial, unroll, vectorized, Parallel  # the public spellings
 alloc_shared = _alloc("shared")
@@ -162,7 +164,7 @@ annotate_layout = _statement("annotate_layout", "T.annotate_layout({buf: layout}
 
 __all__ = [  # noqa: F405
     "Buffer", "GemmWarpPolicy", "Serial", "Unroll", "Vectorized", "parallel", "StridedTensor", "const", "dtype", "empty", "Kernel", "Macro", "Parallel", "Pipelined", "Tensor", "TensorType", "abs",
-    "Cast", "reshape", "view", "c2d_im2col", "im2col", "alloc_fragment", "alloc_global", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
+    "Cast", "Persistent", "reshape", "view", "c2d_im2col", "im2col", "alloc_fragment", "alloc_global", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
     "ceildiv", "clamp", "clear", "copy", "cos", "cumsum", "dynamic", "exp", "exp2", "fill", "floor", "floordiv", "floormod",
     "gemm", "grid", "if_then_else", "infinity", "log", "log2", "macro", "max", "max_value", "min", "min_value",
     "pow", "prim_func", "reduce_absmax", "reduce_abssum", "reduce_max", "reduce_min", "reduce_sum", "round",
