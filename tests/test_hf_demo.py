@@ -20,8 +20,11 @@ def test_demo_report_on_a_short_context(tmp_path):
         assert line in text, text
     assert json.loads(path.read_text()) == report
     assert report["cached_tokens_b"] == 512  # request B reuses the whole context from the pool
-    # Requests B and C hit the context (A is cold): 2 x 512 of the 3 x 524 prompt tokens.
-    assert report["prefix_hit_rate"] == pytest.approx(2 * 512 / (3 * 524))
+    # Requests B, C and D hit the context (A is cold): 3 x 512 of the 4 x 524 prompt tokens.
+    assert report["prefix_hit_rate"] == pytest.approx(3 * 512 / (4 * 524))
+    # The control: the sparse path with a budget covering every block gives the dense tokens.
+    assert report["wide_sparse_dense_token_agreement"] == 1.0
+    assert report["wide_recall_all_heads"] == pytest.approx(1.0)
     assert report["needle_block_selected"] == 1.0  # Quest keeps the planted needle's block at every step
     assert report["recall_needle_head"] > 0.5
     assert 0.0 <= report["sparse_dense_token_agreement"] <= 1.0 and len(report["sparse_tokens"]) == 3

@@ -2,11 +2,12 @@
 
 A small Llama-architecture transformers model (random weights, fixed seed) reads a long context
 with a planted needle, through tilestack.hf: kvpool's paged cache with prefix caching, and
-dataengine's Quest block selection for sparse decode. Three requests share the context:
+dataengine's Quest block selection for sparse decode. Four requests share the context:
 
   A  dense, cold          context + question A      (prefills everything)
   B  dense, prefix hit    context + needle question (the context's blocks come from the pool)
   C  sparse, prefix hit   the same prompt as B, decode attends to top_k blocks per kv head
+  D  sparse, every block  the control: the same sparse path with a budget covering every block
 
 Each request prefills, then decodes the needle's tokens (teacher-forced: the query that must find
 the needle) and then generates greedily. The report: prefix hit rate, time to first token cold vs
@@ -289,6 +290,12 @@ def _run(device, on_gpu, context, new_tokens, top_k, seed, json_path, out, threa
     cache.observer = probe
     c = _request(model, cache, ctx + question_b, needle, new_tokens, "C sparse, prefix cached", probe=probe,
                  follow=b["tokens"])
+    wide = -(-(context + 64) // block)  # every block: the control (sparse machinery, nothing dropped)
+    cache.sparse = th.SparseConfig(top_k=wide, sink_blocks=1, local_blocks=1)
+    probe_d = RecallProbe(cache, needle_heads=1)
+    cache.observer = probe_d
+    d = _request(model, cache, ctx + question_b, needle, new_tokens, "D sparse, every block", probe=probe_d,
+                 follow=b["tokens"])
     cache.observer = None
     stats = cache.stats()
     th.disable_kvpool(model)
@@ -298,6 +305,7 @@ def _run(device, on_gpu, context, new_tokens, top_k, seed, json_path, out, threa
         return xs[len(xs) // 2]
 
     agree = sum(x == y for x, y in zip(b["tokens"], c["tokens"])) / max(len(b["tokens"]), 1)
+    agree_wide = sum(x == y for x, y in zip(b["tokens"], d["tokens"])) / max(len(b["tokens"]), 1)
     report = {
         "device": device, "dtype": str(dtype).replace("torch.", ""), "context_tokens": context, "top_k_blocks": top_k,
         "context_blocks": -(-context // block), "prefix_hit_rate": stats["prefix_hit_rate"],
@@ -307,7 +315,9 @@ def _run(device, on_gpu, context, new_tokens, top_k, seed, json_path, out, threa
         "needle_block_selected": sum(probe.hit) / max(len(probe.hit), 1),
         "recall_all_heads": sum(probe.all) / max(len(probe.all), 1),
         "attended_fraction_sparse": top_k / -(-context // block),
-        "sparse_dense_token_agreement": agree,
+        "sparse_dense_token_agreement": agree, "wide_top_k_blocks": wide,
+        "wide_sparse_dense_token_agreement": agree_wide,
+        "wide_recall_all_heads": sum(probe_d.all) / max(len(probe_d.all), 1),
         "dense_tokens": b["tokens"], "sparse_tokens": c["tokens"],
     }
     print("Report", file=out)
@@ -322,7 +332,8 @@ def _run(device, on_gpu, context, new_tokens, top_k, seed, json_path, out, threa
           f"the {top_k} chosen blocks (needle block chosen {report['needle_block_selected']:.0%} of steps); "
           f"all heads {report['recall_all_heads']:.1%}", file=out)
     print(f"  sparse vs dense tokens {agree:.0%} of {len(b['tokens'])} greedy steps pick the dense token "
-          f"(fed the same tokens)", file=out)
+          f"(fed the same tokens); control D with every block: {agree_wide:.0%}, recall "
+          f"{report['wide_recall_all_heads']:.1%}", file=out)
     pool = stats
     print(f"  pool                   {pool['blocks_used']} of {pool['blocks_total']} blocks in use, "
           f"{pool['blocks_cached']} prefix-cached", file=out, flush=True)
