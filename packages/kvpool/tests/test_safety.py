@@ -189,3 +189,26 @@ def test_unclear_errors_are_now_clear():
         pool.add_sequence("c", np.array([2**63], dtype=np.uint64))
     for err in (ArgumentError, OutOfRangeError, SlotOwnershipError, UnknownSequenceError):
         assert issubclass(err, TileStackError)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(num_blocks=2.5), "num_blocks"), (dict(block_size=True), "block_size"), (dict(host_blocks=-1), "host_blocks"),
+    (dict(watermark=float("nan")), "watermark"), (dict(watermark="0.1"), "watermark"), (dict(dtype="bf16"), "dtype"),
+    (dict(device="gpu:x"), "device"), (dict(dtype=torch.int8), "dtype"),
+])
+def test_constructor_arguments_name_themselves(kwargs, name):
+    args = dict(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=8)
+    args.update(kwargs)
+    with pytest.raises(ArgumentError, match=name):
+        kvpool.KVPool(**args)
+
+
+def test_batch_and_evict_counts_are_checked():
+    pool = pool_of()
+    pool.add_sequence("a", [1])
+    with pytest.raises(ArgumentError, match="num_tokens"):
+        pool.append_batch(["a"], [1.5])
+    with pytest.raises(ArgumentError, match="num_tokens"):
+        pool.append_batch(["a"], -1)
+    with pytest.raises(ArgumentError, match="num_blocks"):
+        pool.evict(-2)

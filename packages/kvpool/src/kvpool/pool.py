@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-from tilehal import ArgumentError, ShapeError
+from tilehal import ArgumentError, ShapeError, check_int
 
 from .block_manager import BlockManager
 from .errors import (
@@ -92,17 +92,21 @@ class KVPool:
         watermark: float = 0.01,
         debug: bool | None = None,
     ) -> None:
-        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                        ("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ArgumentError(f"{name}: expected a positive int, got {v!r}")
-        if host_blocks < 0:
-            raise ArgumentError(f"host_blocks: expected >= 0, got {host_blocks}")
-        if not 0.0 <= watermark < 1.0:
-            raise ArgumentError(f"watermark: expected a fraction in [0, 1), got {watermark}")
+        num_layers, num_kv_heads, head_dim, num_blocks, block_size = (
+            check_int(v, name, lo=1) for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                                                     ("head_dim", head_dim), ("num_blocks", num_blocks),
+                                                     ("block_size", block_size)))
+        host_blocks = check_int(host_blocks, "host_blocks", lo=0)
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0.0 <= watermark < 1.0:
+            raise ArgumentError(f"watermark: expected a fraction in [0, 1), got {watermark!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise ArgumentError(f"dtype: expected a torch dtype (torch.bfloat16, torch.float8_e4m3fn, ...), got {dtype!r}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ArgumentError(f"device: expected a torch device like 'cpu' or 'cuda:0', got {device!r} ({e})") from None
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype
@@ -253,7 +257,10 @@ class KVPool:
         Returns the concatenated int32 slots (sequence order). Raises PoolExhaustedError, with
         nothing allocated, unless every sequence's growth fits.
         """
-        counts = [num_tokens] * len(seq_ids) if isinstance(num_tokens, int) else list(num_tokens)
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
+            raise ArgumentError(f"seq_ids: expected a sequence of sequence ids, got {type(seq_ids).__name__}")
+        counts = ([num_tokens] * len(seq_ids) if isinstance(num_tokens, (int, np.integer)) else list(num_tokens))
+        counts = [check_int(c, "num_tokens", lo=0) for c in counts]
         if len(counts) != len(seq_ids):
             raise ArgumentError(f"num_tokens: expected {len(seq_ids)} counts, got {len(counts)}")
         if len(set(seq_ids)) != len(seq_ids):
@@ -388,7 +395,7 @@ class KVPool:
 
         With a host tier they are offloaded there and stay matchable. Returns how many went.
         """
-        n = self.manager.evict(self.manager.num_lru if num_blocks is None else num_blocks)
+        n = self.manager.evict(self.manager.num_lru if num_blocks is None else check_int(num_blocks, "num_blocks", lo=0))
         self._after_op()
         return n
 
