@@ -435,3 +435,64 @@ def nvlink_layout(rank: int, world: int) -> int:
     torch.cuda.synchronize()
     buf.destroy()
     return checked
+
+
+# ----------------------------------------------------------------------------- cross-rank consistency
+
+
+def disagreeing_dispatch(rank: int, world: int, vary: str) -> str:
+    """Every rank dispatches, rank 1 with one thing different: every rank must raise ShapeError naming it."""
+    from tilehal import ShapeError
+
+    experts = 8 * world if not (vary == "experts" and rank == 1) else 4 * world
+    hidden = 64 if not (vary == "hidden" and rank == 1) else 96
+    k = 2 if not (vary == "topk" and rank == 1) else 3
+    dtype = torch.bfloat16 if (vary == "dtype" and rank == 1) else torch.float32
+    buf = Buffer(None, transport="torch", timeout_s=20)
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.rand(10, experts, generator=g).topk(k, dim=1).indices
+    x = torch.randn(10, hidden, generator=g).to(dtype)
+    w = torch.rand(10, k, generator=g)
+    _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    try:
+        buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    except ShapeError as e:
+        return str(e)
+    return "no error"
+
+
+def handle_reuse_checks(rank: int, world: int) -> list[str]:
+    """A handle reused with a new hidden size or a new topk_idx is refused locally, before any byte moves."""
+    from tilehal import ShapeError
+
+    buf = Buffer(None, transport="torch", timeout_s=20)
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.rand(12, 16, generator=g).topk(2, dim=1).indices
+    x = torch.randn(12, 64, generator=g)
+    _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 16)
+    *_, handle, _ = buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+    errors = []
+    for bad in ({"x": torch.randn(12, 32)}, {"x": x, "topk_idx": idx.roll(1, 0)}):
+        try:
+            buf.dispatch(bad["x"], handle=handle, topk_idx=bad.get("topk_idx"))
+            errors.append("no error")
+        except ShapeError as e:
+            errors.append(str(e))
+    wrong = per_expert.clone()
+    wrong[0] += 1
+    try:
+        buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=wrong, topk_idx=idx)
+        errors.append("no error")
+    except ShapeError as e:
+        errors.append(str(e))
+    bad_in = in_rank.clone()
+    bad_in[0] = ~bad_in[0]
+    try:
+        buf.dispatch(x, is_token_in_rank=bad_in, num_tokens_per_expert=per_expert, topk_idx=idx)
+        errors.append("no error")
+    except ShapeError as e:
+        errors.append(str(e))
+    # The buffer still works for everyone afterwards: nothing half-sent.
+    *_, again, _ = buf.dispatch(x, handle=handle)
+    errors.append(f"ok {again.num_recv_tokens == handle.num_recv_tokens}")
+    return errors

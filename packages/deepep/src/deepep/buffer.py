@@ -293,6 +293,15 @@ class Buffer:
             self._check_handle(handle, "handle")
             _check(handle.num_tokens == t, "x", f"{handle.num_tokens} tokens (as in the handle)", t)
             experts_per_rank = handle.experts_per_rank
+            cached_in = getattr(handle, "is_token_in_rank", None)
+            if topk_idx is not None and isinstance(cached_in, torch.Tensor) and dev.type == "cpu":
+                # The cached layout moves rows by the handle's routing: a different topk_idx would be sent
+                # to the wrong ranks (or not at all) without a word.
+                now = compute_layout(topk_idx, experts_per_rank * self.group_size, self.group_size,
+                                     self.num_ranks_per_node).is_token_in_rank
+                _check(torch.equal(now, cached_in.to(now.device)), "topk_idx",
+                       "the routing the handle was dispatched with (dispatch without the handle to change it)",
+                       f"tokens {now.ne(cached_in).any(1).nonzero().flatten()[:8].tolist()} routed differently")
         else:
             _check(num_tokens_per_expert is not None, "num_tokens_per_expert",
                    "a tensor (from get_dispatch_layout) when no handle is given", None)
@@ -314,6 +323,8 @@ class Buffer:
                    is_token_in_rank.dtype)
             if topk_idx is not None:
                 check_topk_idx(topk_idx, num_experts, values=not on_device)
+                if not on_device:
+                    self._check_layout_agrees(topk_idx, num_experts, is_token_in_rank, num_tokens_per_expert)
             experts_per_rank = num_experts // self.group_size
         result: list[EventOverlap] = []
         with self._comm_scope(dev, previous_event, async_finish, result):
@@ -323,6 +334,21 @@ class Buffer:
         self._hand_to_compute([out.recv_x, out.recv_scales, out.recv_topk_idx, out.recv_topk_weights], result[0])
         per_expert = [] if num_worst_tokens else list(out.handle.num_recv_tokens_per_expert_list)
         return recv_x, out.recv_topk_idx, out.recv_topk_weights, per_expert, out.handle, result[0]
+
+    def _check_layout_agrees(self, topk_idx: torch.Tensor, num_experts: int, is_token_in_rank: torch.Tensor,
+                             num_tokens_per_expert: torch.Tensor) -> None:
+        """On the CPU, is_token_in_rank and num_tokens_per_expert must be what topk_idx implies: wrong
+        per-expert counts would reach the grouped GEMM of every receiving rank."""
+        want = compute_layout(topk_idx, num_experts, self.group_size, self.num_ranks_per_node)
+        got_in = is_token_in_rank.to("cpu")
+        if not torch.equal(got_in, want.is_token_in_rank):
+            bad = got_in.ne(want.is_token_in_rank).any(1).nonzero().flatten()[:8].tolist()
+            _check(False, "is_token_in_rank", "the ranks topk_idx routes each token to", f"tokens {bad} differ")
+        got_n = num_tokens_per_expert.to("cpu", torch.int64).view(-1)
+        if not torch.equal(got_n, want.num_tokens_per_expert.to(torch.int64)):
+            bad = got_n.ne(want.num_tokens_per_expert.to(torch.int64)).nonzero().flatten()[:8].tolist()
+            _check(False, "num_tokens_per_expert", "the per-expert token counts of topk_idx",
+                   f"experts {bad} differ ({got_n[bad].tolist()} vs {want.num_tokens_per_expert[bad].tolist()})")
 
     def _check_handle(self, handle: Any, arg: str) -> None:
         want = self._backend.handle_type

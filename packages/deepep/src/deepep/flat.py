@@ -9,9 +9,48 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from tilehal import ShapeError
 
 from .packing import RowFormat
 from .transport.torch_dist import TorchDistTransport
+
+# What every rank must agree on before any row moves, exchanged in a fixed-size header so that a
+# disagreement can never reach the transport as mismatched byte counts (Gloo aborts the process).
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4, torch.float8_e5m2: 5,
+                torch.int64: 6, torch.int32: 7}
+_DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
+META_FIELDS = ("magic", "row_bytes", "hidden", "x_dtype", "scales_cols", "topk", "topk_weights", "experts_per_rank")
+_MAGIC = 0x44455045  # "DEPE"
+
+
+def layout_meta(fmt: RowFormat, inp: DispatchInput, experts_per_rank: int) -> list[int]:
+    """This rank's values of META_FIELDS for one dispatch (-1: absent)."""
+    return [_MAGIC, fmt.row_bytes, inp.x.shape[1], _DTYPE_CODES.get(inp.x.dtype, 0),
+            -1 if inp.scales is None else inp.scales.shape[1], -1 if inp.topk_idx is None else inp.topk_idx.shape[1],
+            -1 if inp.topk_weights is None else inp.topk_weights.shape[1], experts_per_rank]
+
+
+def check_meta(mine: list[int], recv: torch.Tensor, rank: int, stage: str) -> None:
+    """Raise ShapeError, on this rank, if any peer's header (row r of `recv`) differs from `mine`."""
+    want = torch.tensor(mine, dtype=torch.int64)
+    bad = (recv[:, : len(mine)] != want).any(dim=1).nonzero().flatten().tolist()
+    if not bad:
+        return
+    peer = bad[0]
+    diffs = describe_meta_diff(mine, recv[peer, : len(mine)].tolist(), "here", f"on rank {peer}")
+    raise ShapeError(f"{stage}: expected every rank to dispatch the same layout, got {diffs} (rank {rank}; "
+                     f"ranks {bad} differ). Every rank must pass x of one hidden size and dtype, the same "
+                     "scales/topk_idx/topk_weights presence and widths, and the same number of experts")
+
+
+def describe_meta_diff(a: list[int], b: list[int], a_name: str, b_name: str) -> str:
+    def show(name, v):
+        if name == "x_dtype":
+            return _DTYPE_NAMES.get(v, f"code {v}")
+        return "none" if v == -1 and name in ("scales_cols", "topk", "topk_weights") else v
+
+    return ", ".join(f"{n} {show(n, x)} {a_name} vs {show(n, y)} {b_name}"
+                     for n, x, y in zip(META_FIELDS, a, b) if x != y)
 
 
 @dataclass
@@ -28,6 +67,7 @@ class FlatHandle:
     recv_src_idx: torch.Tensor  # [num_recv] int64: the token's index on its source rank
     num_worst_tokens: int = 0
     experts_per_rank: int = 1
+    meta: tuple[int, ...] = ()  # layout_meta of the dispatch that made it (all ranks agreed on it)
 
     @property
     def num_recv_tokens(self) -> int:
@@ -121,18 +161,31 @@ class FlatDispatcher:
                  num_tokens_per_expert: torch.Tensor | None, experts_per_rank: int, expert_alignment: int,
                  num_worst_tokens: int) -> DispatchOutput:
         r = self.num_ranks
+        fmt = dispatch_format(inp)
+        meta = layout_meta(fmt, inp, experts_per_rank)
         if handle is None:
             send_idx, send_counts = send_order(is_token_in_rank)
-            # Counts all-to-all: column 0 = rows, then the receiver's local experts' token counts.
+            # Header all-to-all, fixed width: the layout every rank must agree on, then the row counts.
+            head = torch.zeros(r, len(meta) + 1, dtype=torch.int64)
+            head[:, : len(meta)] = torch.tensor(meta, dtype=torch.int64)
+            head[:, len(meta)] = torch.tensor(send_counts, dtype=torch.int64)
+            recv_head = self.t.exchange_counts(head, "dispatch/counts")
+            check_meta(meta, recv_head, self.rank, "dispatch")
+            recv_counts = recv_head[:, len(meta)].tolist()
+            # Then the receiver's local experts' token counts (now known to be the same width everywhere).
             epr = experts_per_rank
-            counts = torch.zeros(r, 1 + epr, dtype=torch.int64)
-            counts[:, 0] = torch.tensor(send_counts, dtype=torch.int64)
-            counts[:, 1:] = num_tokens_per_expert.detach().to("cpu", torch.int64).view(r, epr)
-            recv = self.t.exchange_counts(counts, "dispatch/counts")
-            recv_counts = recv[:, 0].tolist()
-            per_expert = align_counts(recv[:, 1:].sum(0).tolist(), expert_alignment)
+            counts = num_tokens_per_expert.detach().to("cpu", torch.int64).view(r, epr).contiguous()
+            recv = self.t.exchange_counts(counts, "dispatch/expert_counts")
+            per_expert = align_counts(recv.sum(0).tolist(), expert_alignment)
             is_in = is_token_in_rank
         else:
+            same_x = [META_FIELDS.index(n) for n in ("hidden", "x_dtype", "scales_cols")]
+            if handle.meta and any(meta[i] != handle.meta[i] for i in same_x):
+                # Peers replay the handle's row counts with their own x: a new hidden size, dtype or scale
+                # width here would reach the transport as mismatched byte counts.
+                raise ShapeError(f"x: expected the layout the handle was dispatched with, got "
+                                 f"{describe_meta_diff([meta[i] if i in same_x else handle.meta[i] for i in range(len(meta))], list(handle.meta), 'now', 'in the handle')}; "
+                                 "dispatch without the handle to change it")
             send_idx, send_counts, recv_counts = handle.send_token_idx, handle.send_counts, handle.recv_counts
             per_expert = handle.num_recv_tokens_per_expert_list
             is_in = handle.is_token_in_rank
@@ -140,11 +193,12 @@ class FlatDispatcher:
         if num_worst_tokens and num_recv > num_worst_tokens:
             raise ValueError(f"num_worst_tokens: expected >= the {num_recv} tokens rank {self.rank} receives, "
                              f"got {num_worst_tokens}")
-        fmt = dispatch_format(inp)
         rows = pack_dispatch(fmt, inp, send_idx)
         got = self.t.exchange_rows(rows, send_counts, recv_counts, "dispatch/data")
-        return self._unpack(fmt, got, inp, send_idx, send_counts, recv_counts, per_expert, is_in, num_worst_tokens,
-                            experts_per_rank)
+        out = self._unpack(fmt, got, inp, send_idx, send_counts, recv_counts, per_expert, is_in, num_worst_tokens,
+                           experts_per_rank)
+        out.handle.meta = tuple(meta)
+        return out
 
     def _unpack(self, fmt, got, inp, send_idx, send_counts, recv_counts, per_expert, is_in, num_worst_tokens,
                 experts_per_rank):

@@ -1,0 +1,25 @@
+"""Ranks that disagree (issue 16, item 4): every rank raises a ShapeError naming what differs, before any
+row moves, instead of one process dying of SIGABRT in Gloo and another returning uninitialised rows."""
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("vary, field", [("hidden", "hidden 64"), ("dtype", "x_dtype"), ("experts", "experts_per_rank"),
+                                         ("topk", "topk 2")])
+def test_every_rank_names_the_disagreement(ranks, vary, field):
+    out = ranks(2, "disagreeing_dispatch", vary=vary, timeout_s=90)
+    for rank, msg in enumerate(out):
+        assert msg.startswith("dispatch: expected every rank to dispatch the same layout"), (rank, msg)
+        assert field in msg or field.split()[0] in msg, (rank, msg)
+
+
+def test_handle_and_layout_contradictions_are_refused(ranks):
+    out = ranks(2, "handle_reuse_checks", timeout_s=90)
+    for errs in out:
+        assert errs[0].startswith("x: expected the layout the handle was dispatched with") and "hidden 32 now" in errs[0]
+        assert errs[1].startswith("topk_idx: expected the routing the handle was dispatched with")
+        assert errs[2].startswith("num_tokens_per_expert: expected the per-expert token counts of topk_idx")
+        assert errs[3].startswith("is_token_in_rank: expected the ranks topk_idx routes each token to")
+        assert errs[4] == "ok True"
