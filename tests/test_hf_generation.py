@@ -423,3 +423,34 @@ def test_gpu_cuda_graph_decode_matches_eager():
             assert (got[i] - eager[i]).abs().max().item() < 0.05, (sparse, i)
         cache.pool.check_invariants()
         th.disable_kvpool(model)
+
+
+def test_the_step_block_tables_are_the_pools_through_forks_and_growth():
+    """The cache's incrementally updated tables equal KVPool.block_table at every decode step."""
+    model = tiny("llama")
+    ids, mask = prompts([21])
+    cache = th.enable_kvpool(model, num_blocks=64, block_size=4)
+    seen = []
+
+    def check(layer, q, block_table, seq_lens, block_indices):
+        if layer == 0:
+            want = cache.pool.block_table(cache.seq_ids)
+            w = want.shape[1]
+            assert torch.equal(block_table[:, :w], want) and bool((block_table[:, w:] == -1).all())
+            assert torch.equal(seq_lens, cache.pool.seq_lens(cache.seq_ids))
+            seen.append(w)
+
+    cache.observer = check
+    torch.manual_seed(0)  # parallel sampling: forks, then copy-on-write of the shared partial block
+    model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=9, do_sample=True, num_return_sequences=3)
+    model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, num_beams=2, do_sample=False)  # reorders
+    sid = cache.seq_ids[0]
+    slots = cache.pool.append(sid, 3)  # the pool used directly: the next step rebuilds its table
+    for layer in range(2):
+        cache.pool.write(layer, slots, torch.zeros(3, 2, 16), torch.zeros(3, 2, 16))
+    n = cache.pool.num_tokens(sid)
+    model(torch.ones(len(cache.seq_ids), 1, dtype=torch.long), cache=cache,
+          position_ids=torch.tensor([[cache.pool.num_tokens(s)] for s in cache.seq_ids]))
+    assert cache.pool.num_tokens(sid) == n + 1
+    assert len(seen) >= 8 + 5 + 1 and max(seen) >= 8
+    cache.pool.check_invariants()

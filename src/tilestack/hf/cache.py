@@ -21,6 +21,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
+import numpy as np
 import torch
 from kvpool import KVPool, PoolExhaustedError
 from tilehal import ShapeError
@@ -67,6 +68,64 @@ class _Step:
     cu_seqlens_q: torch.Tensor | None  # int32 [B + 1] over query_mask (None: decode)
     all_written: bool  # write_mask is all True (skip the boolean gather)
     keys: dict = field(default_factory=dict)  # layer -> key tensor handed to update (identity check)
+
+
+class _TableMirror:
+    """The rows' block tables on the device, updated by the blocks each step adds.
+
+    `KVPool.block_table` rebuilds a `[B, max_blocks]` table from Python lists at every call
+    (milliseconds at 128K tokens, every decode step); this mirror writes only the entries a step
+    changed. It is rebuilt from the pool when the rows change, when a row's length is not the one
+    it recorded (the pool was used directly), when an append will copy a shared last block
+    (copy-on-write after a fork) and when a row outgrows its width. Columns past a row's blocks
+    hold -1; the width keeps `SLACK` spare columns so it changes every SLACK blocks, not every block.
+    """
+
+    SLACK = 64
+
+    def __init__(self) -> None:
+        self.rows: list | None = None
+
+    def invalidate(self) -> None:
+        self.rows = None
+
+    def stale(self, pool: KVPool, rows: list) -> bool:
+        """Before an append: must the table be rebuilt from the pool afterwards?"""
+        if self.rows != rows:
+            return True
+        ref, bs = pool.manager.ref, pool.block_size
+        for b, sid in enumerate(rows):
+            n = pool.num_tokens(sid)
+            if n != self.tokens[b]:
+                return True
+            if n % bs and ref[int(self.host[b, self.nblocks[b] - 1])] > 1:  # the append will copy-on-write it
+                return True
+        return False
+
+    def update(self, pool: KVPool, rows: list, rebuild: bool) -> torch.Tensor:
+        """After an append: the device table `[B, width]` (int32, -1 padded)."""
+        bs = pool.block_size
+        lens = [pool.num_tokens(s) for s in rows]
+        nbs = [-(-n // bs) for n in lens]
+        if not rebuild and self.rows is not None and max(nbs, default=0) <= self.host.shape[1]:
+            lo, hi = None, 0
+            for b, sid in enumerate(rows):
+                if nbs[b] != self.nblocks[b]:
+                    k0 = self.nblocks[b]
+                    self.host[b, k0:nbs[b]] = pool.blocks_of(sid)[k0:nbs[b]]
+                    lo, hi = (k0 if lo is None else min(lo, k0)), max(hi, nbs[b])
+            if lo is not None:
+                self.device[:, lo:hi].copy_(torch.from_numpy(self.host[:, lo:hi]))
+        else:
+            blocks = [pool.blocks_of(s) for s in rows]
+            width = max(nbs, default=0) + self.SLACK
+            self.host = np.full((len(rows), width), -1, dtype=np.int32)
+            for b, bl in enumerate(blocks):
+                self.host[b, :len(bl)] = bl
+            self.device = torch.from_numpy(self.host).to(pool.device)
+            self.rows = list(rows)
+        self.tokens, self.nblocks = lens, nbs
+        return self.device
 
 
 class _PoolLayer(CacheLayerMixin):
@@ -130,6 +189,7 @@ class KVPoolCache(Cache):
         self._plan: dict | None = None  # set by new_request for the request's first forward
         self._next_ids: torch.Tensor | None = None  # set_next_tokens: ids of the next forward's tokens
         self._inflight: int | None = None  # layers written by an eager step not finished yet
+        self._tables = _TableMirror()
         self._step: _Step | None = None
         self._static: _Step | None = None
         self._static_ready = False
@@ -263,14 +323,17 @@ class KVPoolCache(Cache):
                 raise SequenceTooLongError(self._too_long(f"row {b}: {pool.num_tokens(sid) + 1} tokens"))
             if -(-(pool.num_tokens(sid) + 1) // pool.block_size) > self._static_width:
                 raise SequenceTooLongError(f"row {b}: outgrows begin_static_decode's max_blocks={self._static_width}")
+        rebuild = self._tables.stale(pool, rows)
         try:
             slots = pool.append_batch(rows, 1)
         except PoolExhaustedError as e:
             raise PoolExhaustedError(f"kvpool cache: the pool is exhausted at this step ({e}); the batch's sequences "
                                      f"are kept", needed=e.needed, available=e.available) from e
-        table = pool.block_table(rows)  # also applies pending resets of the new blocks
-        st.block_table[:, table.shape[1]:].fill_(-1)
-        st.block_table[:, :table.shape[1]].copy_(table, non_blocking=True)
+        table = self._table(rows, rebuild)
+        w = min(table.shape[1], st.block_table.shape[1])
+        st.block_table[:, :w].copy_(table[:, :w])
+        if w < st.block_table.shape[1]:
+            st.block_table[:, w:].fill_(-1)
         st.seq_lens.copy_(pool.seq_lens(rows), non_blocking=True)
         st.slots.copy_(slots.to(torch.long), non_blocking=True)
         st.keys.clear()
@@ -378,6 +441,7 @@ class KVPoolCache(Cache):
             if n > self.max_tokens:
                 raise SequenceTooLongError(self._too_long(f"row {b}: {n} tokens"))
         ids, self._next_ids = self._next_ids, None
+        rebuild = self._tables.stale(pool, rows)
         try:
             if plan is None and ids is not None and tuple(ids.shape) == (B, T):
                 slots = self._append_known(rows, ids)
@@ -404,7 +468,7 @@ class KVPoolCache(Cache):
         else:
             write_mask, query_mask, cu = write_mask.to(device), query_mask.to(device), cu.to(device)
         step = _Step(batch=B, length=T, decode=decode, slots=slots.to(device), write_mask=write_mask,
-                     query_mask=query_mask, block_table=pool.block_table(rows), seq_lens=pool.seq_lens(rows),
+                     query_mask=query_mask, block_table=self._table(rows, rebuild), seq_lens=pool.seq_lens(rows),
                      cu_seqlens_q=cu, all_written=all_written)
         if decode:
             f = self._figures
@@ -418,6 +482,11 @@ class KVPoolCache(Cache):
             else:
                 f["blocks_attended"] += sum(nb) * pool.num_kv_heads
         return step
+
+    def _table(self, rows: list, rebuild: bool) -> torch.Tensor:
+        table = self._tables.update(self.pool, rows, rebuild)
+        self.pool.key_summary(0)  # applies the new blocks' pending summary resets (and host-tier copies) now
+        return table
 
     def set_next_tokens(self, input_ids: torch.Tensor) -> None:
         """Ids `[B, T]` of the tokens the next forward appends (the generate hook passes them).
