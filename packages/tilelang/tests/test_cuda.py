@@ -256,6 +256,36 @@ def test_gemm_variant_gpu(name):
     _gemm_variant(name, "cuda", "cuda")
 
 
+def test_high_level_schedules_onto_cuda():
+    """@tile_kernel loop nests and tensor_contract build with the cuda backend (run on CPU threads here)."""
+    from tilelang import tensor_contract, tile_kernel
+
+    @tile_kernel(target="cuda_emu")
+    def matmul(A, B, C):
+        for i in range(A.shape[0]):
+            for j in range(B.shape[1]):
+                for k in range(A.shape[1]):
+                    C[i, j] += A[i, k] * B[k, j]
+
+    @tile_kernel(target="cuda_emu")
+    def row_max(X, R):
+        for i in range(X.shape[0]):
+            for j in range(X.shape[1]):
+                R[i] = max(R[i], X[i, j])
+
+    a, b = torch.randn(70, 50), torch.randn(50, 40)
+    c = torch.ones(70, 40)
+    matmul(a, b, c)
+    torch.testing.assert_close(c, 1 + a @ b, rtol=1e-4, atol=1e-4)
+    x = torch.randn(33, 17)
+    r = torch.full((33,), -1e30)
+    row_max(x, r)
+    torch.testing.assert_close(r, x.max(1).values, rtol=0, atol=0)
+    ah, bh = torch.randn(70, 64).half(), torch.randn(64, 30).half()
+    torch.testing.assert_close(tensor_contract(ah, bh, target="cuda_emu").float(), ah.float() @ bh.float(),
+                               rtol=2e-2, atol=2e-2)
+
+
 # ---------------------------------------------------------------- bad programs for the GPU
 
 def test_threads_not_multiple_of_32():

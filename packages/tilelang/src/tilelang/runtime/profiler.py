@@ -70,7 +70,9 @@ class Profiler:
         if _have_torch():
             import torch
 
-            return tilehal.from_numpy_like(np.ascontiguousarray(arr), torch.empty(0)).clone()
+            t = tilehal.from_numpy_like(np.ascontiguousarray(arr), torch.empty(0)).clone()
+            # a cuda kernel gets its inputs on the GPU (JITKernel.target is "cuda" there)
+            return t.cuda() if getattr(self.kernel, "target", "") == "cuda" else t
         return arr
 
     def inputs(self) -> list[Any]:
