@@ -198,7 +198,8 @@ class Parser(TileOpBinder):
             for k in kw:
                 if k not in ("coalesced_width", "loop_layout"):
                     self.fail(it, f"T.{kind}: unknown keyword {k!r}")
-            return self._nest(node, extents, "parallel" if kind == "Parallel" else "serial", {})
+            keep = {k: v for k, v in kw.items() if v is not None}  # kept in the IR; backends say what they ignore
+            return self._nest(node, extents, "parallel" if kind == "Parallel" else "serial", keep)
         if kind == "Persistent":
             return self._persistent(node, args, kw)
         if kind == "Pipelined":
@@ -206,6 +207,8 @@ class Parser(TileOpBinder):
             if "num_stages" in kw:
                 ann["num_stages"] = int(kw.pop("num_stages"))
             for k in ("order", "stage", "group", "sync"):
+                if kw.get(k) is not None:
+                    ann[k] = kw[k]
                 kw.pop(k, None)
             for k in kw:
                 self.fail(it, f"T.Pipelined: unknown keyword {k!r}")

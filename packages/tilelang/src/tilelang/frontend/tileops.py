@@ -122,7 +122,9 @@ class TileOpBinder(MetaEvaluator):
         if src.squeezed() != dst.squeezed():
             self.fail(call, f"T.copy: shape mismatch: source {sb.name} tile {tuple(se)} vs destination {db.name} "
                             f"tile {tuple(de)}")
-        return Copy(src, dst, loc=self.loc(call))
+        opts = {k: self._meta_arg(a[k]) for k in ("coalesced_width", "disable_tma", "eviction_policy")}
+        opts = {k: v for k, v in opts.items() if v not in (None, False)}  # keep what the user set
+        return Copy(src, dst, opts, loc=self.loc(call))
 
     def _infer_extents(self, call: ast.Call, buf: Buffer, ext: list[int | None], other: list[int], side: str) -> list[int]:
         r = len(ext)
@@ -155,7 +157,9 @@ class TileOpBinder(MetaEvaluator):
             self.fail(call, f"T.gemm: shape mismatch: A {A.buffer.name}{tuple(sa)}{' (transposed)' if ta else ''} is "
                             f"{M}x{K}, B {B.buffer.name}{tuple(sb)}{' (transposed)' if tb else ''} is {K2}x{N}, "
                             f"C {C.buffer.name} is {tuple(sc)}; expected C to be {M}x{N} and both K equal")
-        return Gemm(A, B, C, ta, tb, clear, policy, loc=self.loc(call))
+        opts = {k: self._meta_arg(a[k]) for k in ("k_pack", "wg_wait", "use_wgmma")}
+        opts = {k: v for k, v in opts.items() if v not in (None, {"k_pack": 1, "wg_wait": 0}.get(k))}
+        return Gemm(A, B, C, ta, tb, clear, policy, opts, loc=self.loc(call))
 
     def op_clear(self, call: ast.Call) -> Stmt:
         self._need_kernel(call, "T.clear")

@@ -305,6 +305,7 @@ class If(Stmt):
 class Copy(Stmt):
     src: Region
     dst: Region
+    options: dict = field(default_factory=dict)  # keywords a backend may use: coalesced_width, disable_tma, ...
 
 
 @dataclass(eq=False)
@@ -316,6 +317,7 @@ class Gemm(Stmt):
     transpose_B: bool = False
     clear_accum: bool = False
     policy: str = "Square"
+    options: dict = field(default_factory=dict)  # k_pack, wg_wait, use_wgmma (kept; backends say what they ignore)
 
 
 @dataclass(eq=False)

@@ -132,10 +132,13 @@ def _stmt(lines: list[str], s: Stmt, ind: int) -> None:
             lines.append(f"{pad}else:")
             _block(lines, s.orelse, ind + 1)
     elif isinstance(s, Copy):
-        lines.append(f"{pad}T.copy({print_region(s.src)}, {print_region(s.dst)})")
+        extra = "".join(f", {k}={v!r}" for k, v in s.options.items())
+        lines.append(f"{pad}T.copy({print_region(s.src)}, {print_region(s.dst)}{extra})")
     elif isinstance(s, Gemm):
         opts = "".join([", transpose_A=True" if s.transpose_A else "", ", transpose_B=True" if s.transpose_B else "",
-                        ", clear_accum=True" if s.clear_accum else ""])
+                        ", clear_accum=True" if s.clear_accum else "",
+                        f", policy={s.policy!r}" if s.policy != "Square" else "",
+                        *(f", {k}={v!r}" for k, v in s.options.items())])
         lines.append(f"{pad}T.gemm({print_region(s.A)}, {print_region(s.B)}, {print_region(s.C)}{opts})")
     elif isinstance(s, Fill):
         lines.append(f"{pad}T.fill({print_region(s.dst)}, {print_expr(s.value)})")

@@ -194,10 +194,10 @@ class Transformer:
             orelse = self.stmt(s.orelse) if s.orelse is not None else None
             return If(self.expr(s.cond), self.stmt(s.then) or Seq([]), orelse, loc=loc)
         if isinstance(s, Copy):
-            return Copy(self.region(s.src), self.region(s.dst), loc=loc)
+            return Copy(self.region(s.src), self.region(s.dst), dict(s.options), loc=loc)
         if isinstance(s, Gemm):
             return Gemm(self.region(s.A), self.region(s.B), self.region(s.C), s.transpose_A, s.transpose_B,
-                        s.clear_accum, s.policy, loc=loc)
+                        s.clear_accum, s.policy, dict(s.options), loc=loc)
         if isinstance(s, Fill):
             return Fill(self.region(s.dst), self.expr(s.value), loc=loc)
         if isinstance(s, (Reduce, CumSum)):

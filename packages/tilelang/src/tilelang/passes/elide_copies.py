@@ -71,7 +71,7 @@ def _elide_in_kernel(kernel: Kernel) -> Kernel:
             if not _full(g.A) or g.B.buffer is shared or g.C.buffer is shared:
                 continue
             direct = Gemm(Region(c.src.buffer, list(c.src.starts), list(c.src.extents), c.src.loc), g.B, g.C,
-                          g.transpose_A, g.transpose_B, g.clear_accum, g.policy, loc=g.loc)
+                          g.transpose_A, g.transpose_B, g.clear_accum, g.policy, dict(g.options), loc=g.loc)
             staged = Seq([c, g])
             body[j] = If(_in_bounds(c.src), direct, staged, loc=g.loc)
             body[i] = Seq([])

@@ -18,7 +18,32 @@ def passes_for(target: str, pass_configs: dict | None = None) -> list[Pass]:
     return BACKENDS[target].passes(dict(pass_configs or {}))
 
 
+# the op and loop keywords each target acts on; the others are kept in the IR and reported at DEBUG
+USED_OPTIONS = {
+    "interp": set(),
+    "cpu": {"num_stages"},
+    "cuda": {"num_stages"},
+    "cuda_emu": {"num_stages"},
+}
+
+
+def report_ignored_options(func: PrimFunc, target: str) -> None:
+    from ..ir.nodes import Copy, For, Gemm
+    from ..ir.visit import walk_stmts
+
+    used = USED_OPTIONS.get(target, set())
+    for s in walk_stmts(func.body):
+        opts = dict(s.options) if isinstance(s, (Copy, Gemm)) else (
+            {k: v for k, v in s.annotations.items() if k not in ("vectorize", "reduction")} if isinstance(s, For) else {})
+        ignored = {k: v for k, v in opts.items() if k not in used}
+        if ignored:
+            what = type(s).__name__ if not isinstance(s, For) else f"T.{s.kind} loop"
+            log.debug("%s: %s options %s have no effect on target %s", s.loc, what, ignored, target)
+
+
 def run_pipeline(func: PrimFunc, target: str, pass_configs: dict | None = None) -> PrimFunc:
+    if log.isEnabledFor(logging.DEBUG):
+        report_ignored_options(func, target)
     disabled = set((pass_configs or {}).get("disable_passes", ()))
     for p in passes_for(target, pass_configs):
         if p.__name__ in disabled:
