@@ -496,3 +496,84 @@ def handle_reuse_checks(rank: int, world: int) -> list[str]:
     *_, again, _ = buf.dispatch(x, handle=handle)
     errors.append(f"ok {again.num_recv_tokens == handle.num_recv_tokens}")
     return errors
+
+
+# ----------------------------------------------------------------------------- fuzzing (one rank)
+
+
+def fuzz_dispatch_args(rank: int, world: int, max_examples: int = 120) -> dict:
+    """Hypothesis over dispatch/combine arguments on a 1-rank group: every call either matches the
+    reference (world 1: each token with a valid expert comes back to itself, combine sums its copy)
+    or raises a TileStackError naming an argument. Runs inside the rank so the group is set up once."""
+    import math
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from tilehal import TileStackError
+
+    buf = Buffer(None, transport="torch", timeout_s=20)
+    outcome = {"ok": 0, "refused": 0}
+    names = ("x", "topk_idx", "topk_weights", "num_tokens_per_expert", "is_token_in_rank", "expert_alignment",
+             "num_worst_tokens", "handle", "dispatch")
+
+    @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(t=st.integers(0, 5), hidden=st.sampled_from([1, 16, 33]),
+           dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.float64]),
+           k=st.integers(1, 3), experts=st.sampled_from([1, 4, 6]), strided=st.booleans(),
+           special=st.sampled_from([0.0, math.nan, math.inf, -math.inf]),
+           idx_mode=st.sampled_from(["ok", "ok", "neg", "big", "int32", "1d"]),
+           counts_mode=st.sampled_from(["ok", "ok", "wrong", "float", "none"]),
+           align=st.sampled_from([1, 4, 0]), worst=st.sampled_from([0, 0, 64, 1]))
+    def run(t, hidden, dtype, k, experts, strided, special, idx_mode, counts_mode, align, worst):
+        g = torch.Generator().manual_seed(t * 31 + hidden)
+        x = torch.randn(t, hidden * (2 if strided else 1), generator=g)
+        if t:
+            x[0, 0] = special
+        x = (x[:, ::2] if strided else x).to(dtype)
+        kk = min(k, experts)
+        idx = torch.rand(t, experts, generator=g).topk(kk, dim=1).indices if t else torch.empty(0, kk, dtype=torch.long)
+        if idx_mode == "neg" and t:
+            idx[0, 0] = -1
+        elif idx_mode == "big" and t:
+            idx[0, 0] = experts + 3
+        elif idx_mode == "int32":
+            idx = idx.to(torch.int32)
+        elif idx_mode == "1d":
+            idx = idx[:, 0]
+        w = torch.rand(t, kk, generator=g)
+        per_expert = torch.zeros(experts, dtype=torch.int32)
+        in_rank = torch.zeros(t, 1, dtype=torch.bool)
+        if idx_mode in ("ok", "neg"):
+            _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        if counts_mode == "wrong":
+            per_expert = per_expert.clone()
+            per_expert[0] += 1
+        elif counts_mode == "float":
+            per_expert = per_expert.float()
+        try:
+            recv_x, recv_idx, recv_w, per_list, handle, _ = buf.dispatch(
+                x, is_token_in_rank=in_rank, num_tokens_per_expert=None if counts_mode == "none" else per_expert,
+                topk_idx=idx, topk_weights=w if idx.dim() == 2 else None, expert_alignment=align,
+                num_worst_tokens=worst)
+            combined, _, _ = buf.combine(recv_x, handle)
+        except TileStackError as e:
+            head = str(e).split(":")[0]
+            assert any(n in head for n in names), str(e)
+            outcome["refused"] += 1
+            return
+        except Exception as e:  # the failure this test exists to catch
+            raise AssertionError(f"raw {type(e).__name__} from dispatch/combine: {e}") from e
+        sent = [i for i in range(t) if any(int(e) >= 0 for e in idx[i])]
+        n = len(sent)
+        assert torch.equal(recv_x[:n].float(), x[sent].float()) or torch.allclose(
+            recv_x[:n].float(), x[sent].float(), equal_nan=True), "received rows differ"
+        if worst:
+            assert recv_x.shape[0] == worst and per_list == []
+        want = torch.zeros_like(x, dtype=torch.float32)
+        want[sent] = x[sent].float()
+        assert torch.allclose(combined.float(), want.to(combined.dtype).float(), equal_nan=True), "combine differs"
+        outcome["ok"] += 1
+
+    run()
+    return outcome

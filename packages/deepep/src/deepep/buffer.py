@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tilehal import ShapeError
+from tilehal import ArgumentError, ShapeError
 
 from .config import Config, default_combine_config, default_dispatch_config
 from .event import EventOverlap
@@ -58,9 +58,9 @@ class Buffer:
             raise RuntimeError("Buffer: torch.distributed is not initialized (call dist.init_process_group or "
                                "deepep.init_from_mpi first)")
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
+            raise ArgumentError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
         if timeout_s <= 0:
-            raise ValueError(f"timeout_s: expected > 0, got {timeout_s}")
+            raise ArgumentError(f"timeout_s: expected > 0, got {timeout_s}")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
@@ -82,7 +82,7 @@ class Buffer:
         self._comm_stream = None
         self.num_ranks_per_node = self._num_ranks_per_node_arg or self._detect_ranks_per_node()
         if self.group_size % self.num_ranks_per_node:
-            raise ValueError(f"num_ranks_per_node: expected a divisor of the group size {self.group_size}, "
+            raise ArgumentError(f"num_ranks_per_node: expected a divisor of the group size {self.group_size}, "
                              f"got {self.num_ranks_per_node}")
         self.transport = self._choose_transport()
         if self.transport == "nvlink":
@@ -149,7 +149,7 @@ class Buffer:
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         if new_num_sms < 2 or new_num_sms % 2:
-            raise ValueError(f"new_num_sms: expected an even number >= 2, got {new_num_sms}")
+            raise ArgumentError(f"new_num_sms: expected an even number >= 2, got {new_num_sms}")
         Buffer.num_sms = new_num_sms
 
     @staticmethod

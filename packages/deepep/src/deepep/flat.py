@@ -191,7 +191,7 @@ class FlatDispatcher:
             is_in = handle.is_token_in_rank
         num_recv = sum(recv_counts)
         if num_worst_tokens and num_recv > num_worst_tokens:
-            raise ValueError(f"num_worst_tokens: expected >= the {num_recv} tokens rank {self.rank} receives, "
+            raise ShapeError(f"num_worst_tokens: expected >= the {num_recv} tokens rank {self.rank} receives, "
                              f"got {num_worst_tokens}")
         rows = pack_dispatch(fmt, inp, send_idx)
         got = self.t.exchange_rows(rows, send_counts, recv_counts, "dispatch/data")
