@@ -89,6 +89,7 @@ EXAMPLES: list[Example] = [
               "def main(d_hidden=256, d_expert=128, n_routed_experts=4, n_shared_experts=1, n_experts_per_token=2, "
               "batch_size=1, seq_len=64)")]),
     Example("gemm/example_gemm_persistent.py", "persistent gemm", argv=["--M", "320", "--N", "512", "--K", "128"]),
+    Example("gemm_streamk/example_tilelang_gemm_streamk.py", "stream-K gemm", [("total_sm = 108", "total_sm = 12")]),
 ]
 
 

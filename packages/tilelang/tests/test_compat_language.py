@@ -271,3 +271,97 @@ def test_carver_driver_num_sms():
 
     n = driver.get_num_sms()
     assert isinstance(n, int) and n >= 1
+
+
+def test_bitwise_operators_on_ir_values(target):
+    """Unpacking int4 pairs from uint8 (the dequantize examples' idiom), shifts, xor, ~, and & on conditions."""
+
+    @tilelang.jit(out_idx=[-1], target=target)
+    def unpack(n):
+        @T.prim_func
+        def main(P: T.Tensor((n,), "uint8"), M: T.Tensor((2 * n,), "int32"), Y: T.Tensor((2 * n,), "int32")):
+            with T.Kernel(1) as _:
+                for i in T.Parallel(2 * n):
+                    b = T.Cast(T.int32, P[i // 2])
+                    nib = (b >> ((i % 2) * 4)) & 0xF
+                    signed = nib - ((nib & 0x8) << 1)  # int4 -> int32 sign extension
+                    keep = (M[i] != 0) & (i < 2 * n - 1)
+                    Y[i] = T.if_then_else(keep, signed ^ 0, ~signed) | 0
+
+        return main
+
+    rng = np.random.default_rng(5)
+    p = rng.integers(0, 256, 16).astype(np.uint8)
+    m = rng.integers(0, 2, 32).astype(np.int32)
+    lo, hi = (p & 0xF).astype(np.int32), (p >> 4).astype(np.int32)
+    nib = np.stack([lo, hi], 1).reshape(-1)
+    signed = nib - ((nib & 8) << 1)
+    keep = (m != 0) & (np.arange(32) < 31)
+    np.testing.assert_array_equal(unpack(16)(p, m), np.where(keep, signed, ~signed))
+
+
+def test_bitwise_on_floats_is_an_error():
+    with pytest.raises(tilelang.CompileError, match="integer operands"):
+        @T.prim_func
+        def bad(A: T.Tensor((4,), "float32")):
+            with T.Kernel(1) as _:
+                A[0] = A[1] & A[2]
+
+
+def test_while_loop_on_an_ir_condition(target):
+    """Collatz step counts: a while loop whose trip count depends on the data."""
+
+    @tilelang.jit(out_idx=[-1], target=target)
+    def collatz(n):
+        @T.prim_func
+        def main(X: T.Tensor((n,), "int32"), S: T.Tensor((n,), "int32")):
+            with T.Kernel(n) as i:
+                x = T.alloc_var(T.int32)
+                steps = T.alloc_var(T.int32)
+                x = X[i]
+                steps = 0
+                while x != 1:
+                    if (x & 1) == 0:
+                        x = x >> 1
+                    else:
+                        x = 3 * x + 1
+                    steps += 1
+                S[i] = steps
+
+        return main
+
+    def ref(v):
+        s = 0
+        while v != 1:
+            v = v // 2 if v % 2 == 0 else 3 * v + 1
+            s += 1
+        return s
+
+    xs = np.array([1, 2, 3, 6, 7, 27, 97], np.int32)
+    np.testing.assert_array_equal(collatz(7)(xs), [ref(int(v)) for v in xs])
+
+
+def test_meta_level_while_and_assert():
+    @tilelang.jit(out_idx=[-1], target="interp")
+    def powers(n, limit):
+        assert n >= 1, "n must be positive"
+
+        @T.prim_func
+        def main(Y: T.Tensor((n,), "int32")):
+            with T.Kernel(1) as _:
+                p = 1
+                k = 0
+                while p < limit:  # Python values: unrolled while parsing
+                    Y[k] = p
+                    p *= 2
+                    k += 1
+
+        return main
+
+    np.testing.assert_array_equal(powers(4, 9)(), [1, 2, 4, 8])
+    with pytest.raises(tilelang.CompileError, match="assertion failed"):
+        @T.prim_func
+        def bad(Y: T.Tensor((4,), "int32")):
+            assert Y.shape[0] == 5
+            with T.Kernel(1) as _:
+                Y[0] = 1

@@ -99,16 +99,18 @@ def test_unknown_T_name():
 
 
 @pytest.mark.parametrize("construct,needle", [
-    ("while", "while True:"),
+    ("while", "while A[0] > 0.0:"),
     ("try", "try:"),
 ])
 def test_unsupported_construct(construct, needle):
-    def prog_while():
+    def prog_while():  # `while` is supported; `while ... else` is not
         @T.prim_func
         def main(A: T.Tensor((64,), "float32")):
             with T.Kernel(1) as bx:
-                while True:
-                    A[0] = 1.0
+                while A[0] > 0.0:
+                    A[0] = A[0] - 1.0
+                else:
+                    A[1] = 1.0
         return main
 
     def prog_try():

@@ -45,6 +45,7 @@ from ..ir.nodes import (
     Stmt,
     Store,
     Var,
+    While,
 )
 
 
@@ -138,6 +139,11 @@ class Interpreter:
             r = np.maximum(a, b)
         elif op == "min":
             r = np.minimum(a, b)
+        elif op in ("&", "|", "^", "<<", ">>"):
+            ty = np_dtype(e.dtype)  # bit operations act on the declared width (int8 >> 4 sign-extends from bit 7)
+            a, b = np.asarray(a).astype(ty), np.asarray(b).astype(ty)
+            r = {"&": np.bitwise_and, "|": np.bitwise_or, "^": np.bitwise_xor, "<<": np.left_shift,
+                 ">>": np.right_shift}[op](a, b)
         else:
             raise CompileError(f"interp: unknown operator {op}")
         r = np.asarray(r).astype(ty, copy=False)
@@ -267,6 +273,15 @@ class Interpreter:
             self.env[s.var] = self.expr(s.value)
         elif isinstance(s, Store):
             self.store(s.buffer, [self.expr(i) for i in s.indices], self.expr(s.value), s.loc)
+        elif isinstance(s, While):
+            while True:
+                c = self.expr(s.cond)
+                if np.ndim(c):
+                    raise CompileError("interp: a while condition that differs between T.Parallel lanes is not "
+                                       "supported", s.loc)
+                if not c:
+                    break
+                self.stmt(s.body)
         elif isinstance(s, If):
             c = self.expr(s.cond)
             if np.ndim(c) == 0:

@@ -42,7 +42,8 @@ from ..ir.nodes import (
     const,
 )
 
-_BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%"}
+_BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%",
+           ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^", ast.LShift: "<<", ast.RShift: ">>"}
 _PYOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
           ast.BitAnd: operator.and_, ast.BitOr: operator.or_, ast.BitXor: operator.xor,
@@ -110,13 +111,22 @@ def ir_select(c: Expr, a: Expr, b: Expr) -> Expr:
     return Select(c, a, b, binop("+", a, b).dtype)  # promotion rules of arithmetic
 
 
+# Names a generated C / CUDA C++ program cannot use for a variable: user names that collide get a suffix.
+_RESERVED = frozenset("""auto break case char const continue default do double else enum extern float for goto if
+inline int long register restrict return short signed sizeof static struct switch typedef union unsigned void volatile
+while bool true false class new delete this template typename namespace operator private public protected virtual
+friend explicit mutable using try catch throw asm alignas alignof decltype noexcept nullptr static_assert
+thread_local int8_t int16_t int32_t int64_t uint8_t uint16_t uint32_t uint64_t size_t half float2 float4 dim3
+threadIdx blockIdx blockDim gridDim warpSize NAN INFINITY main""".split())
+
+
 class Shared:
     """State shared by a prim_func's parser and the parsers of the macros it inlines."""
 
     def __init__(self) -> None:
         self.names = itertools.count()
         self.kernel: Kernel | None = None
-        self.used_names: set[str] = set()
+        self.used_names: set[str] = set(_RESERVED)
         self.workspace: list[Buffer] = []  # T.alloc_global buffers
         self.views: list[tuple[Buffer, Buffer]] = []  # (view, the global tensor whose storage it reshapes)
 
@@ -305,7 +315,10 @@ class MetaEvaluator:
         op = _BINOPS.get(type(node.op))
         if op is None:
             self.fail(node, f"unsupported operator {type(node.op).__name__} on IR values")
-        return binop(op, self.to_expr(a, node.left), self.to_expr(b, node.right))
+        try:
+            return binop(op, self.to_expr(a, node.left), self.to_expr(b, node.right))
+        except TypeError as e:
+            self.fail(node, str(e))
 
     def expr_UnaryOp(self, node: ast.UnaryOp) -> Any:
         v = self.value(node.operand)
@@ -321,7 +334,13 @@ class MetaEvaluator:
             return e
         if isinstance(node.op, ast.Not):
             return Not(e)
-        self.fail(node, "unsupported operator ~ on IR values")
+        if isinstance(node.op, ast.Invert):
+            if e.dtype == "bool":
+                return Not(e)
+            if dt.is_float(e.dtype):
+                self.fail(node, f"~ needs an integer operand, got {e.dtype}")
+            return binop("^", e, Const(-1, e.dtype))
+        self.fail(node, "unsupported operator on IR values")
 
     def expr_BoolOp(self, node: ast.BoolOp) -> Any:
         op = "and" if isinstance(node.op, ast.And) else "or"

@@ -30,15 +30,16 @@ from ..ir.nodes import (
     Stmt,
     Store,
     Var,
+    While,
     binop,
     const,
 )
 from ..ir.verifier import verify
-from .meta import _PYOPS, Macro, TensorType, fmt_shape, is_ir
+from .meta import _BINOPS, _PYOPS, Macro, TensorType, fmt_shape, is_ir
 from .tileops import TileOpBinder
 
-_BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%"}
 _UNSET = object()
+_MAX_META_ITERATIONS = 100_000
 
 
 class Parser(TileOpBinder):
@@ -306,6 +307,33 @@ class Parser(TileOpBinder):
             s = self.block(node.body, bindings)
             out.extend(s.body)
         return out
+
+    def stmt_Assert(self, node: ast.Assert) -> None:
+        """`assert` on meta-level values is checked while parsing (the public examples guard their options so)."""
+        cond = self.value(node.test)
+        if is_ir(cond):
+            self.fail(node, "assert on an IR value is not supported (only meta-level conditions)")
+        if not cond:
+            msg = self.value(node.msg) if node.msg is not None else ast.unparse(node.test)
+            self.fail(node, f"assertion failed: {msg}")
+        return None
+
+    def stmt_While(self, node: ast.While) -> Stmt | list[Stmt] | None:
+        if node.orelse:
+            self.fail(node, "unsupported Python construct: `while ... else`")
+        cond = self.value(node.test)
+        if not is_ir(cond):  # a meta-level loop: unrolled while its Python condition holds
+            out: list[Stmt] = []
+            for _ in range(_MAX_META_ITERATIONS):
+                if not cond:
+                    return out
+                for st in node.body:  # in the enclosing scope, as Python runs it (`p *= 2` updates p)
+                    r = self.stmt(st)
+                    out.extend(r if isinstance(r, list) else [r] if r is not None else [])
+                cond = self.value(node.test)
+            self.fail(node, f"meta-level while loop ran {_MAX_META_ITERATIONS} times; is its condition ever false?")
+        self._need_kernel(node, "a while loop")
+        return While(self.to_expr(cond, node.test), self.block(node.body), loc=self.loc(node))
 
     def stmt_If(self, node: ast.If) -> Stmt | list[Stmt] | None:
         cond = self.value(node.test)

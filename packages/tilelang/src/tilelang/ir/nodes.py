@@ -105,6 +105,7 @@ class Load(Expr):
 
 COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")
 LOGIC_OPS = ("and", "or")
+BITWISE_OPS = ("&", "|", "^", "<<", ">>")  # on integers (on bools, & | ^ are and / or / !=)
 FLOAT_FNS = ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sin", "cos", "sigmoid", "floor", "ceil",
              "round", "pow")
 ANY_FNS = ("abs",)
@@ -145,6 +146,11 @@ def _result_type(a: Expr, b: Expr) -> str:
 def binop(op: str, a: Any, b: Any) -> Expr:
     """Build a typed binary op (no folding here; see passes.simplify)."""
     a, b = as_expr(a), as_expr(b)
+    if op in BITWISE_OPS:
+        if a.dtype == "bool" and b.dtype == "bool" and op in ("&", "|", "^"):
+            op = {"&": "and", "|": "or", "^": "!="}[op]
+        elif dt.is_float(a.dtype) or dt.is_float(b.dtype):
+            raise TypeError(f"bitwise {op} needs integer operands, got {a.dtype} and {b.dtype}")
     if op in COMPARE_OPS or op in LOGIC_OPS:
         return BinOp(op, a, b, "bool")
     ty = _result_type(a, b)
@@ -159,7 +165,8 @@ def binop(op: str, a: Any, b: Any) -> Expr:
 def _fold_weak(op: str, x: Any, y: Any) -> Any:
     import operator as o
 
-    table = {"+": o.add, "-": o.sub, "*": o.mul, "/": o.truediv, "//": o.floordiv, "%": o.mod, "max": max, "min": min}
+    table = {"+": o.add, "-": o.sub, "*": o.mul, "/": o.truediv, "//": o.floordiv, "%": o.mod, "max": max, "min": min,
+             "&": o.and_, "|": o.or_, "^": o.xor, "<<": o.lshift, ">>": o.rshift}
     return table[op](x, y)
 
 
@@ -299,6 +306,14 @@ class If(Stmt):
     cond: Expr
     then: Stmt
     orelse: Stmt | None = None
+
+
+@dataclass(eq=False)
+class While(Stmt):
+    """`while cond: body` on an IR condition (a serial loop of unknown trip count)."""
+
+    cond: Expr
+    body: Stmt
 
 
 @dataclass(eq=False)

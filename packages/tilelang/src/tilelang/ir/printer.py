@@ -29,10 +29,11 @@ from .nodes import (
     Stmt,
     Store,
     Var,
+    While,
 )
 
 _PREC = {"or": 1, "and": 2, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 4, "!=": 4, "+": 5, "-": 5, "*": 6, "/": 6,
-         "//": 6, "%": 6}
+         "//": 6, "%": 6, "|": 3, "^": 3, "&": 3, "<<": 4, ">>": 4}
 
 
 def print_expr(e: Expr, prec: int = 0) -> str:
@@ -131,6 +132,9 @@ def _stmt(lines: list[str], s: Stmt, ind: int) -> None:
         if s.orelse is not None:
             lines.append(f"{pad}else:")
             _block(lines, s.orelse, ind + 1)
+    elif isinstance(s, While):
+        lines.append(f"{pad}while {print_expr(s.cond)}:")
+        _block(lines, s.body, ind + 1)
     elif isinstance(s, Copy):
         extra = "".join(f", {k}={v!r}" for k, v in s.options.items())
         lines.append(f"{pad}T.copy({print_region(s.src)}, {print_region(s.dst)}{extra})")

@@ -26,6 +26,7 @@ from .nodes import (
     Stmt,
     Store,
     Var,
+    While,
 )
 from .visit import stmt_exprs, walk_expr
 
@@ -136,6 +137,8 @@ class _Verifier:
             self.defined.add(s.var)
         elif isinstance(s, Store):
             self.check_access(s.buffer, s.indices, s.loc, "store to")
+        elif isinstance(s, While):
+            self.stmt(s.body, True)
         elif isinstance(s, If):
             self.stmt(s.then, True)
             if s.orelse is not None:

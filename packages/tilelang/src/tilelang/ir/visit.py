@@ -30,13 +30,14 @@ from .nodes import (
     Stmt,
     Store,
     Var,
+    While,
 )
 
 
 def child_stmts(s: Stmt) -> list[Stmt]:
     if isinstance(s, Seq):
         return list(s.body)
-    if isinstance(s, (Kernel, For)):
+    if isinstance(s, (Kernel, For, While)):
         return [s.body]
     if isinstance(s, If):
         return [s.then] + ([s.orelse] if s.orelse is not None else [])
@@ -87,7 +88,7 @@ def stmt_exprs(s: Stmt) -> list[Expr]:
         return [s.value]
     if isinstance(s, Store):
         return [*s.indices, s.value]
-    if isinstance(s, If):
+    if isinstance(s, (If, While)):
         return [s.cond]
     if isinstance(s, Copy):
         return region_exprs(s.src) + region_exprs(s.dst)
@@ -193,6 +194,8 @@ class Transformer:
         if isinstance(s, If):
             orelse = self.stmt(s.orelse) if s.orelse is not None else None
             return If(self.expr(s.cond), self.stmt(s.then) or Seq([]), orelse, loc=loc)
+        if isinstance(s, While):
+            return While(self.expr(s.cond), self.stmt(s.body) or Seq([]), loc=loc)
         if isinstance(s, Copy):
             return Copy(self.region(s.src), self.region(s.dst), dict(s.options), loc=loc)
         if isinstance(s, Gemm):

@@ -164,7 +164,8 @@ annotate_layout = _statement("annotate_layout", "T.annotate_layout({buf: layout}
 
 __all__ = [  # noqa: F405
     "Buffer", "GemmWarpPolicy", "Serial", "Unroll", "Vectorized", "parallel", "StridedTensor", "const", "dtype", "empty", "Kernel", "Macro", "Parallel", "Pipelined", "Tensor", "TensorType", "abs",
-    "Cast", "Persistent", "reshape", "view", "c2d_im2col", "im2col", "alloc_fragment", "alloc_global", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
+    "Cast", "Persistent", "bitwise_and", "bitwise_not", "bitwise_or", "bitwise_xor", "shift_left",
+    "shift_right", "reshape", "view", "c2d_im2col", "im2col", "alloc_fragment", "alloc_global", "alloc_local", "alloc_shared", "alloc_var", "annotate_layout", "atomic_add", "cast", "ceil",
     "ceildiv", "clamp", "clear", "copy", "cos", "cumsum", "dynamic", "exp", "exp2", "fill", "floor", "floordiv", "floormod",
     "gemm", "grid", "if_then_else", "infinity", "log", "log2", "macro", "max", "max_value", "min", "min_value",
     "pow", "prim_func", "reduce_absmax", "reduce_abssum", "reduce_max", "reduce_min", "reduce_sum", "round",

@@ -126,6 +126,30 @@ def clamp(x: Any, lo: Any, hi: Any) -> Any:
     return min(max(x, lo), hi)
 
 
+def _bitwise(name: str, op: str):
+    @_expr_intrinsic
+    def f(a: Any, b: Any) -> Any:
+        if isinstance(a, int) and isinstance(b, int):
+            return {"&": a & b, "|": a | b, "^": a ^ b, "<<": a << b, ">>": a >> b}[op]
+        return binop(op, a, b)
+
+    f.__name__ = name
+    f.__doc__ = f"a {op} b on integers (and, or, != on bools)"
+    return f
+
+
+bitwise_and, bitwise_or, bitwise_xor = _bitwise("bitwise_and", "&"), _bitwise("bitwise_or", "|"), _bitwise("bitwise_xor", "^")
+shift_left, shift_right = _bitwise("shift_left", "<<"), _bitwise("shift_right", ">>")
+
+
+@_expr_intrinsic
+def bitwise_not(x: Any) -> Any:
+    if isinstance(x, int):
+        return ~x
+    e = as_expr(x)
+    return binop("^", e, Const(-1, e.dtype)) if e.dtype != "bool" else binop("==", e, Const(False, "bool"))
+
+
 @_expr_intrinsic
 def infinity(dtype: Any = "float32") -> Const:
     return Const(float("inf"), dt.canonical(dtype))
@@ -192,6 +216,7 @@ def dtype_constants() -> dict[str, DTypeConst]:
     return out
 
 
-__all__ = ["Cast", "DTypeConst", "abs", "cast", "clamp", "ceil", "ceildiv", "cos", "exp", "exp2", "floor", "floordiv",
+__all__ = ["Cast", "DTypeConst", "abs", "bitwise_and", "bitwise_not", "bitwise_or", "bitwise_xor", "shift_left",
+           "shift_right", "cast", "clamp", "ceil", "ceildiv", "cos", "exp", "exp2", "floor", "floordiv",
            "floormod", "if_then_else", "infinity", "log", "log2", "max", "max_value", "min", "min_value", "pow",
            "round", "rsqrt", "sigmoid", "sin", "sqrt", "tanh"]

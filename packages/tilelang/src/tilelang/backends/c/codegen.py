@@ -39,6 +39,7 @@ from ...ir.nodes import (
     Stmt,
     Store,
     Var,
+    While,
 )
 from ...ir.visit import walk_stmts
 
@@ -232,6 +233,12 @@ class CCodegen:
             self.emit(f"const {ctype(s.var.dtype)} {s.var.name} = {self.expr(s.value)};")
         elif isinstance(s, Store):
             self.emit(f"{self.index(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};")
+        elif isinstance(s, While):
+            self.emit(f"while ({self.expr(s.cond)}) {{")
+            self.ind += 1
+            self.stmt(s.body)
+            self.ind -= 1
+            self.emit("}")
         elif isinstance(s, If):
             self.emit(f"if ({self.expr(s.cond)}) {{")
             self.ind += 1
