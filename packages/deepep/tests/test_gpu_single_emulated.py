@@ -154,7 +154,7 @@ class _Buf:
 
         self.group, self.rank, self.group_size, self.num_max_tokens_per_rank = None, rank, world, cap
         self.timeout_s = 10.0
-        self.get_dispatch_config = self.get_combine_config = lambda _r: Config(num_sms=sms, chunk_tokens=32)
+        self.get_dispatch_config = self.get_combine_config = lambda _r: Config(num_sms=sms, num_max_nvl_chunked_send_tokens=32)
 
 
 def _emulated_dispatchers(world: int, cap: int):

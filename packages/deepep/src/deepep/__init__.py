@@ -5,8 +5,10 @@ hierarchical two-level exchange for multi-node groups, and an NVLink fast path o
 for the GPUs of one host. Every wait on a peer is bounded (CommTimeoutError names rank and stage).
 """
 
+import torch
 from tilehal import CommTimeoutError
 
+from . import utils  # noqa: E402  (DeepEP's deep_ep.utils.{math,testing,envs})
 from .__about__ import __version__
 from .buffer import Buffer
 from .config import Config
@@ -14,7 +16,9 @@ from .event import EventOverlap
 from .fp8 import per_token_cast_back, per_token_cast_to_fp8
 from .mpi import init_from_mpi
 
+topk_idx_t = torch.int64  # DeepEP's expert-index dtype
+
 __all__ = [
     "__version__", "Buffer", "CommTimeoutError", "Config", "EventOverlap", "init_from_mpi",
-    "per_token_cast_back", "per_token_cast_to_fp8",
+    "per_token_cast_back", "per_token_cast_to_fp8", "topk_idx_t", "utils",
 ]

@@ -51,12 +51,22 @@ class Buffer:
     num_sms: int = 64
 
     def __init__(self, group: dist.ProcessGroup | None = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False, num_qps_per_rank: int = 1, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 transport: str = "auto", num_ranks_per_node: int | None = None,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Any = None, *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, transport: str = "auto", num_ranks_per_node: int | None = None,
                  num_max_tokens_per_rank: int = 4096, hidden: int = 7168) -> None:
+        if group is None and comm is not None and not dist.is_initialized():
+            # DeepEP's `comm`: an mpi4py communicator instead of a group; it bootstraps torch.distributed.
+            from .mpi import init_from_mpi
+
+            init_from_mpi()
         if not dist.is_initialized():
             raise RuntimeError("Buffer: torch.distributed is not initialized (call dist.init_process_group or "
-                               "deepep.init_from_mpi first)")
+                               "deepep.init_from_mpi first, or pass an mpi4py `comm`)")
+        if group is None and comm is not None and comm.Get_size() != dist.get_world_size():
+            raise ValueError(f"comm: expected a communicator of all {dist.get_world_size()} ranks (the default "
+                             f"group), got one of {comm.Get_size()}")
         if transport not in TRANSPORTS:
             raise ArgumentError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
         if timeout_s <= 0:
@@ -68,15 +78,26 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
+        self.num_qps_per_rank = int(num_qps_per_rank)
+        self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
+        self.allow_mnnvl = bool(allow_mnnvl)
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.enable_shrink = bool(enable_shrink)
+        if allow_mnnvl:
+            log.debug("allow_mnnvl: no multi-node NVLink engine here; nodes talk through torch.distributed")
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.hidden_hint = hidden
         self._requested_transport = transport
         self._num_ranks_per_node_arg = num_ranks_per_node
+        self._masked: set[int] = set()
+        self._call_config: Config | None = None
+        self._zero_copy_bufs: dict[tuple, torch.Tensor] = {}
         self._setup()
 
     # ------------------------------------------------------------------ setup / reset
 
     def _setup(self) -> None:
+        self._destroyed = False
         self._transport = TorchDistTransport(self.group, self.timeout_s)
         self._ll_bufs = LowLatencyBuffers()
         self._comm_stream = None
@@ -139,10 +160,51 @@ class Buffer:
         self._setup()
 
     def destroy(self) -> None:
+        """Release the engine's resources now (DeepEP: required with explicitly_destroy=True; here always
+        allowed). Any later call on this Buffer raises RuntimeError until reset()."""
         backend = getattr(self, "_backend", None)
         if backend is not None and hasattr(backend, "destroy"):
             backend.destroy()
         self._backend = None
+        self._destroyed = True
+
+    def _alive(self) -> None:
+        if getattr(self, "_destroyed", False):
+            raise RuntimeError("Buffer: destroy() was called; call reset() to use it again")
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """DeepEP's build query; our kernels JIT-compile for sm_90 (and fp8 casts run anywhere): True."""
+        return True
+
+    # ------------------------------------------------------------------ rank masking (DeepEP's shrink mode)
+
+    def _need_shrink(self, api: str) -> None:
+        if not self.enable_shrink:
+            raise RuntimeError(f"{api}: expected a Buffer made with enable_shrink=True")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (mask=True) or unmask a rank: low-latency dispatch/combine then neither send to nor wait for
+        it; tokens routed to its experts are dropped (they combine as zeros), and the others go on."""
+        self._need_shrink("low_latency_update_mask_buffer")
+        _check(0 <= rank_to_mask < self.group_size and rank_to_mask != self.rank, "rank_to_mask",
+               f"another rank of the group (0..{self.group_size - 1}, not {self.rank})", rank_to_mask)
+        (self._masked.add if mask else self._masked.discard)(rank_to_mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the mask of every rank (1 = masked) into mask_status (int32 [num_ranks])."""
+        self._need_shrink("low_latency_query_mask_buffer")
+        _check(isinstance(mask_status, torch.Tensor) and tuple(mask_status.shape) == (self.group_size,)
+               and mask_status.dtype == torch.int32, "mask_status", f"an int32 tensor [{self.group_size}]",
+               _shape(mask_status))
+        m = torch.zeros(self.group_size, dtype=torch.int32)
+        m[sorted(self._masked)] = 1
+        mask_status.copy_(m)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._need_shrink("low_latency_clean_mask_buffer")
+        self._masked.clear()
 
     # ------------------------------------------------------------------ config
 
@@ -274,6 +336,7 @@ class Buffer:
         With `num_worst_tokens` > 0 the outputs are padded to that many rows (no size-dependent
         shapes) and the per-expert list is empty, as in DeepEP.
         """
+        self._alive()
         inp = self._check_x(x)
         t, dev = inp.num_tokens, inp.x.device
         _check(expert_alignment >= 1, "expert_alignment", ">= 1", expert_alignment)
@@ -326,12 +389,19 @@ class Buffer:
                 if not on_device:
                     self._check_layout_agrees(topk_idx, num_experts, is_token_in_rank, num_tokens_per_expert)
             experts_per_rank = num_experts // self.group_size
+        self._use_config(config)
         result: list[EventOverlap] = []
-        with self._comm_scope(dev, previous_event, async_finish, result):
-            out = self._backend.dispatch(inp, handle, is_token_in_rank, num_tokens_per_expert, experts_per_rank,
-                                         expert_alignment, num_worst_tokens)
+        try:
+            with self._comm_scope(dev, previous_event, async_finish, result):
+                out = self._backend.dispatch(inp, handle, is_token_in_rank, num_tokens_per_expert, experts_per_rank,
+                                             expert_alignment, num_worst_tokens)
+        finally:
+            self._call_config = None
         recv_x: XTensor = out.recv_x if out.recv_scales is None else (out.recv_x, out.recv_scales)
         self._hand_to_compute([out.recv_x, out.recv_scales, out.recv_topk_idx, out.recv_topk_weights], result[0])
+        if handle is not None:
+            # DeepEP's cached dispatch returns only the data (and the event).
+            return recv_x, None, None, None, None, result[0]
         per_expert = [] if num_worst_tokens else list(out.handle.num_recv_tokens_per_expert_list)
         return recv_x, out.recv_topk_idx, out.recv_topk_weights, per_expert, out.handle, result[0]
 
@@ -356,13 +426,15 @@ class Buffer:
                type(handle).__name__)
 
     def combine(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None = None,
-                config: Config | None = None, previous_event: EventOverlap | None = None,
-                async_finish: bool = False, allocate_on_comm_stream: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+                bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None, config: Config | None = None,
+                previous_event: EventOverlap | None = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """Return each received row to its source rank and sum them per token (dispatch's backward).
 
+        `bias`: one or two [T, H] tensors added to the result (DeepEP's combine bias).
         -> (combined_x [T, H] in x's dtype, combined_topk_weights [T, k] or None, event).
         """
+        self._alive()
         self._check_handle(handle, "handle")
         n = handle.num_recv_tokens
         _check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] >= n and x.shape[1] == handle.hidden,
@@ -373,27 +445,76 @@ class Buffer:
             _check(topk_weights.dim() == 2 and topk_weights.shape[0] >= n, "topk_weights", f"[>= {n}, k]",
                    _shape(topk_weights))
             topk_weights = topk_weights.float()
+        biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
+        _check(len(biases) <= 2, "bias", "a tensor or a pair of tensors", f"{len(biases)} tensors")
+        for i, b in enumerate(biases):
+            _check(isinstance(b, torch.Tensor) and tuple(b.shape) == (handle.num_tokens, handle.hidden)
+                   and b.device == x.device, f"bias[{i}]", f"[{handle.num_tokens}, {handle.hidden}] on {x.device}",
+                   _shape(b))
+        self._use_config(config)
         result: list[EventOverlap] = []
-        with self._comm_scope(x.device, previous_event, async_finish, result):
-            combined, combined_w = self._backend.combine(x.contiguous(), handle, topk_weights)
+        try:
+            with self._comm_scope(x.device, previous_event, async_finish, result):
+                combined, combined_w = self._backend.combine(x.contiguous(), handle, topk_weights)
+                if biases:
+                    acc = combined.float()
+                    for b in biases:
+                        acc += b.float()
+                    combined = acc.to(combined.dtype)
+        finally:
+            self._call_config = None
         self._hand_to_compute([combined, combined_w], result[0])
         return combined, combined_w, result[0]
 
+    def _use_config(self, config: Config | None) -> None:
+        if config is None:
+            return
+        _check(isinstance(config, Config), "config", "a deepep.Config", type(config).__name__)
+        if self.transport == "nvlink":
+            self._call_config = config  # read by the NVLink engine for this call's grid and chunk size
+        else:
+            log.debug("config %s: the %s engine has no SMs or chunks to pick; ignored", config, self.transport)
+
     # ------------------------------------------------------------------ low latency
 
+    def _ll_engine(self, round_scale: bool, use_ue8m0: bool, wait_stats: bool) -> str:
+        """'nvlink' (the NVLink kernels) or 'torch' (ll.py over the group): say why the kernels are not used."""
+        if not hasattr(self._backend, "low_latency_dispatch"):
+            return "torch"
+        why = None
+        if not self.allow_nvlink_for_low_latency_mode:
+            why = "allow_nvlink_for_low_latency_mode=False"
+        elif self._masked:
+            why = f"ranks {sorted(self._masked)} are masked (the kernels wait for every rank)"
+        elif round_scale or use_ue8m0:
+            why = "round_scale/use_ue8m0 (the kernels quantize with exact amax / 448 scales)"
+        elif wait_stats:
+            why = "wait-cost statistics (timed per peer by the torch engine)"
+        if why:
+            log.debug("low-latency mode on the torch.distributed engine instead of the NVLink kernels: %s", why)
+            return "torch"
+        return "nvlink"
+
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, use_fp8: bool = True, async_finish: bool = False,
-                             return_recv_hook: bool = False, *,
-                             cumulative_local_expert_recv_stats: torch.Tensor | None = None
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False
                              ) -> tuple[XTensor, torch.Tensor, Any, EventOverlap, Callable[[], None] | None]:
-        """Send each (token, expert) pair into the expert's fixed slot on its rank.
+        """Send each (token, expert) pair into the expert's fixed slot on its rank (DeepEP's argument order).
 
         -> (recv_x [local_experts, ranks * max_tokens, H] (a (fp8, scales) pair when use_fp8),
-        recv_count [local_experts] int32, handle, event, hook). The outputs are views of buffers
-        that the next call overwrites. With `return_recv_hook` the receive half is deferred: call
-        `hook()` before reading the outputs. `cumulative_local_expert_recv_stats` (int32
-        [local_experts]) gets each call's recv_count added, as DeepEP does for load balancers.
+        recv_count [local_experts] int32, handle, event, hook). The outputs are views of two buffer sets
+        used in turn, so two results are live at once (a third call reuses the first's storage).
+        fp8 scales are [local_experts, ranks * max_tokens, H / 128] fp32 stored column-major (TMA-aligned:
+        what deepgemm's masked GEMM reads), rounded up to powers of two with `round_scale`, and packed
+        four UE8M0 bytes per int32 ([.., H / 512]) with `use_ue8m0` (needs round_scale). With
+        `return_recv_hook` the receive half is deferred: call `hook()` before reading the outputs.
+        `cumulative_local_expert_recv_stats` (int32 [local_experts]) gets each call's recv_count added;
+        `dispatch_wait_recv_cost_stats` (int64 [num_ranks]) the nanoseconds waited for each source rank.
+        The handle indexes like DeepEP's: (src_info, layout_range, max_tokens, hidden, num_experts).
         """
+        self._alive()
         t = x.shape[0] if isinstance(x, torch.Tensor) else -1
         _check(isinstance(x, torch.Tensor) and x.dim() == 2, "x", "a 2-D tensor [T, H]", _shape(x))
         _check(x.dtype == torch.bfloat16 or not use_fp8 and x.dtype in (torch.float16, torch.float32), "x.dtype",
@@ -403,15 +524,24 @@ class Buffer:
                f"<= num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}", t)
         _check(num_experts % self.group_size == 0, "num_experts", f"a multiple of {self.group_size}", num_experts)
         _check(tuple(topk_idx.shape[:1]) == (t,) and topk_idx.dim() == 2, "topk_idx", f"[{t}, k]", _shape(topk_idx))
+        _check(not use_ue8m0 or (round_scale and use_fp8), "use_ue8m0", "round_scale=True and use_fp8=True with it",
+               f"round_scale={round_scale}, use_fp8={use_fp8}")
+        _check(not use_ue8m0 or x.shape[1] % 512 == 0, "x.shape[1] (hidden)",
+               "a multiple of 512 with use_ue8m0 (four scales per int32)", x.shape[1])
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             epr = num_experts // self.group_size
             _check(tuple(stats.shape) == (epr,) and stats.dtype == torch.int32 and stats.device == x.device,
                    "cumulative_local_expert_recv_stats", f"int32 [{epr}] on {x.device}",
                    f"{stats.dtype} {_shape(stats)} on {stats.device}")
+        wait = dispatch_wait_recv_cost_stats
+        if wait is not None:
+            _check(tuple(wait.shape) == (self.group_size,) and wait.dtype == torch.int64,
+                   "dispatch_wait_recv_cost_stats", f"int64 [{self.group_size}]", f"{wait.dtype} {_shape(wait)}")
+        engine = self._ll_engine(round_scale, use_ue8m0, wait is not None)
         # The NVLink kernel checks the ids itself (no device-to-host sync, graph-capturable).
-        check_topk_idx(topk_idx, num_experts, values=not hasattr(self._backend, "low_latency_dispatch"))
-        if hasattr(self._backend, "low_latency_dispatch"):
+        check_topk_idx(topk_idx, num_experts, values=engine == "torch")
+        if engine == "nvlink":
             result = self._backend.low_latency_dispatch(x.contiguous(), topk_idx.contiguous(),
                                                         num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                                         async_finish, return_recv_hook)
@@ -426,38 +556,76 @@ class Buffer:
                 recv_hook()
                 stats.add_(result[1])
             return (*result[:4], hook_and_count)
+        masked = frozenset(self._masked)
+        wait_cpu = torch.zeros(self.group_size, dtype=torch.int64) if wait is not None else None
         finish, handle = ll_dispatch(self._transport, self._ll_bufs, x.contiguous(), topk_idx,
-                                     num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
+                                     num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+                                     masked, wait_cpu)
+        box: list[tuple] = []
 
         def receive() -> tuple[XTensor, torch.Tensor]:
-            recv_x, recv_count = finish()
-            if stats is not None:
-                stats.add_(recv_count)
-            return recv_x, recv_count
+            if not box:
+                box.append(finish())
+                if stats is not None:
+                    stats.add_(box[0][1])
+                if wait is not None:
+                    wait.add_(wait_cpu.to(wait.device))
+            return box[0]
 
         if return_recv_hook:
-            out = self._ll_outputs(x, num_experts, num_max_dispatch_tokens_per_rank, use_fp8)
+            out = self._ll_outputs(x, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, use_ue8m0,
+                                   self._ll_bufs.parity ^ 1)
             return out[0], out[1], handle, EventOverlap(None), lambda: (receive(), None)[1]
         recv_x, recv_count = receive()
         return recv_x, recv_count, handle, EventOverlap.capture(x.device), None
 
-    def _ll_outputs(self, x, num_experts, max_tokens, use_fp8):
+    def _ll_outputs(self, x, num_experts, max_tokens, use_fp8, use_ue8m0=False, parity=0):
+        """The buffer set `parity` (the same storage ll.py fills), for results handed out before the receive."""
         epr, cap, h = num_experts // self.group_size, self.group_size * max_tokens, x.shape[1]
-        count = self._ll_bufs.get("count", (epr,), torch.int32, x.device)
+        sfx = f"/{parity}"
+        count = self._ll_bufs.get("count" + sfx, (epr,), torch.int32, x.device)
         if use_fp8:
-            return (self._ll_bufs.get("x", (epr, cap, h), torch.float8_e4m3fn, x.device),
-                    self._ll_bufs.get("scales", (epr, cap, h // 128), torch.float32, x.device)), count
-        return self._ll_bufs.get("x_bf16", (epr, cap, h), x.dtype, x.device), count
+            if use_ue8m0:
+                scales = self._ll_bufs.get("scales_ue8m0" + sfx, (epr, cap, h // 512), torch.int32, x.device, True)
+            else:
+                scales = self._ll_bufs.get("scales" + sfx, (epr, cap, h // 128), torch.float32, x.device, True)
+            return (self._ll_bufs.get("x" + sfx, (epr, cap, h), torch.float8_e4m3fn, x.device), scales), count
+        return self._ll_bufs.get("x_bf16" + sfx, (epr, cap, h), x.dtype, x.device), count
+
+    def get_next_low_latency_combine_buffer(self, handle: Any) -> torch.Tensor:
+        """The bf16 [local_experts, ranks * max_tokens, hidden] buffer that low_latency_combine(...,
+        zero_copy=True) sends from: write the experts' outputs here and skip passing them (DeepEP's API)."""
+        num_experts, max_tokens, hidden = handle.num_experts, handle.num_max_dispatch_tokens_per_rank, handle.hidden
+        shape = (num_experts // self.group_size, self.group_size * max_tokens, hidden)
+        dev = handle.recv_src_info.device if hasattr(handle, "recv_src_info") else handle.pair_token.device
+        buf = self._zero_copy_bufs.get(shape)
+        if buf is None or buf.device != dev:
+            buf = torch.zeros(shape, dtype=torch.bfloat16, device=dev)
+            self._zero_copy_bufs = {shape: buf}
+        return buf
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Any,
-                            async_finish: bool = False, return_recv_hook: bool = False,
-                            out: torch.Tensor | None = None
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
-        """Weighted sum over each token's top-k experts of their outputs. -> (combined_x [T, H], event, hook)."""
+        """Weighted sum over each token's top-k experts of their outputs (DeepEP's argument order).
+        -> (combined_x [T, H], event, hook).
+
+        `zero_copy`: send what was written into get_next_low_latency_combine_buffer(handle) instead of x.
+        `use_logfmt`: rows travel as bf16 (no LogFMT encoder here: more bytes, no precision lost; logged).
+        `combine_wait_recv_cost_stats` (int64 [num_ranks]): nanoseconds waited for each rank's rows.
+        """
         from .ll import LowLatencyHandle
 
-        want_type = getattr(self._backend, "ll_handle_type", LowLatencyHandle)
-        _check(isinstance(handle, want_type), "handle", "the handle of low_latency_dispatch", type(handle).__name__)
+        self._alive()
+        nvl_type = getattr(self._backend, "ll_handle_type", None)
+        _check(isinstance(handle, (LowLatencyHandle,) + ((nvl_type,) if nvl_type else ())), "handle",
+               "the handle of low_latency_dispatch", type(handle).__name__)
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
+        if use_logfmt:
+            log.debug("use_logfmt: combine rows travel as bf16 (no LogFMT encoder in deepep)")
         epr = handle.num_experts // self.group_size
         shape = (epr, self.group_size * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
         _check(isinstance(x, torch.Tensor) and tuple(x.shape) == shape, "x", f"shape {shape}", _shape(x))
@@ -467,21 +635,36 @@ class Buffer:
         if out is not None:
             _check(tuple(out.shape) == (handle.num_tokens, handle.hidden), "out",
                    f"shape {(handle.num_tokens, handle.hidden)}", _shape(out))
-        if hasattr(self._backend, "low_latency_combine"):
+        wait = combine_wait_recv_cost_stats
+        if wait is not None:
+            _check(tuple(wait.shape) == (self.group_size,) and wait.dtype == torch.int64,
+                   "combine_wait_recv_cost_stats", f"int64 [{self.group_size}]", f"{wait.dtype} {_shape(wait)}")
+        if not isinstance(handle, LowLatencyHandle):
+            _check(wait is None, "combine_wait_recv_cost_stats", "None for a dispatch that ran on the NVLink kernels",
+                   "a tensor")
             return self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, async_finish,
                                                      return_recv_hook, out)
-        finish = ll_combine(self._transport, x, topk_weights, handle, out)
+        wait_cpu = torch.zeros(self.group_size, dtype=torch.int64) if wait is not None else None
+        finish = ll_combine(self._transport, x, topk_weights, handle, out, wait_cpu, frozenset(self._masked))
+
+        def done() -> torch.Tensor:
+            res = finish()
+            if wait is not None:
+                wait.add_(wait_cpu.to(wait.device))
+            return res
+
         if return_recv_hook:
             box: list[torch.Tensor] = []
             target = out if out is not None else torch.empty(handle.num_tokens, handle.hidden, dtype=x.dtype,
                                                              device=x.device)
 
             def hook() -> None:
-                box.append(finish())
+                box.append(done())
                 if box[0] is not target:
                     target.copy_(box[0])
             return target, EventOverlap(None), hook
-        return finish(), EventOverlap.capture(x.device), None
+        return done(), EventOverlap.capture(x.device), None
 
-    def clean_low_latency_buffer(self, *args: Any) -> None:
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int = 0, hidden: int = 0,
+                                 num_experts: int = 0) -> None:
         """Kept for DeepEP compatibility; our low-latency buffers need no cleaning between calls."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -21,6 +22,8 @@ class EventOverlap:
         self.event = event
         # Keeps tensors that the in-flight work reads or writes alive until the wait.
         self.extra_tensors = extra_tensors
+        self._release_handle_by_call = False
+        self.hook_after_wait: Callable[[], Any] | None = None
 
     @classmethod
     def capture(cls, device: Any = None) -> EventOverlap:
@@ -37,18 +40,39 @@ class EventOverlap:
         ev.record(torch.cuda.current_stream(device))
         return cls(ev)
 
-    def current_stream_wait(self) -> None:
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """Make the current stream wait for the work (nothing to wait for on the CPU), run the hook
+        registered with register_hook_after_wait, and with `release_handle` drop the event and the kept
+        tensors (DeepEP's signature)."""
         if self.event is not None:
             import torch
 
             torch.cuda.current_stream().wait_event(self.event)
+        if self.hook_after_wait is not None:
+            hook, self.hook_after_wait = self.hook_after_wait, None
+            hook()
+        if release_handle:
+            self.event = None
+            self.extra_tensors = None
+
+    def register_hook_after_wait(self, hook_after_wait: Callable[[], Any]) -> None:
+        """Run `hook_after_wait` (once) right after the next current_stream_wait()."""
+        if self.hook_after_wait is not None:
+            raise RuntimeError("register_hook_after_wait: a hook is already registered on this EventOverlap")
+        self.hook_after_wait = hook_after_wait
 
     def query(self) -> bool:
         """True when the recorded work has finished (always True on the CPU)."""
         return self.event is None or bool(self.event.query())
 
+    def __call__(self, release_handle: bool = False) -> EventOverlap:
+        """`with event(release_handle=True): ...` waits on exit and then releases the handle."""
+        self._release_handle_by_call = release_handle
+        return self
+
     def __enter__(self) -> EventOverlap:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.current_stream_wait()
+        self.current_stream_wait(release_handle=self._release_handle_by_call)
+        self._release_handle_by_call = False

@@ -68,10 +68,37 @@ class FlatHandle:
     num_worst_tokens: int = 0
     experts_per_rank: int = 1
     meta: tuple[int, ...] = ()  # layout_meta of the dispatch that made it (all ranks agreed on it)
+    rank: int = 0
+    count_matrix: torch.Tensor | None = None  # [R (source), R (destination)] rows, every rank's sends
 
     @property
     def num_recv_tokens(self) -> int:
         return sum(self.recv_counts)
+
+    def as_tuple(self) -> tuple:
+        """DeepEP's intranode handle: (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+        recv_src_idx, is_token_in_rank, send_head). rank_prefix_matrix [R, R] int32: [i][j] = rows ranks
+        0..i send to rank j; one "channel" per rank pair here, so channel_prefix_matrix [R, 1] = rows sent
+        to each rank and recv_channel_prefix_matrix [R, 1] = rows received from each; send_head [T, R] int32
+        = a token's row among those sent to a rank (-1: not sent)."""
+        dev = self.is_token_in_rank.device
+        r = self.is_token_in_rank.shape[1]
+        mat = self.count_matrix if self.count_matrix is not None else torch.zeros(r, r, dtype=torch.int64)
+        rank_prefix = torch.cumsum(mat, 0).to(torch.int32).to(dev)
+        chan = torch.tensor(self.send_counts, dtype=torch.int32, device=dev).view(r, 1)
+        recv_chan = torch.tensor(self.recv_counts, dtype=torch.int32, device=dev).view(r, 1)
+        head = torch.cumsum(self.is_token_in_rank.to(torch.int32), 0) - 1
+        head = torch.where(self.is_token_in_rank, head, torch.full_like(head, -1)).to(torch.int32)
+        return rank_prefix, chan, recv_chan, self.recv_src_idx, self.is_token_in_rank, head
+
+    def __getitem__(self, i: int) -> object:
+        return self.as_tuple()[i]
+
+    def __iter__(self):
+        return iter(self.as_tuple())
+
+    def __len__(self) -> int:
+        return 6
 
 
 def send_order(is_token_in_rank: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -174,9 +201,14 @@ class FlatDispatcher:
             recv_counts = recv_head[:, len(meta)].tolist()
             # Then the receiver's local experts' token counts (now known to be the same width everywhere).
             epr = experts_per_rank
-            counts = num_tokens_per_expert.detach().to("cpu", torch.int64).view(r, epr).contiguous()
-            recv = self.t.exchange_counts(counts, "dispatch/expert_counts")
-            per_expert = align_counts(recv.sum(0).tolist(), expert_alignment)
+            counts = torch.zeros(r, 1 + epr, dtype=torch.int64)
+            counts[:, 0] = torch.tensor(send_counts, dtype=torch.int64)
+            counts[:, 1:] = num_tokens_per_expert.detach().to("cpu", torch.int64).view(r, epr)
+            # An all-gather (not an all-to-all) of the same few integers: every rank also learns every rank's
+            # sends, the handle's rank_prefix_matrix (DeepEP's handle[0]).
+            gathered = self.t.gather_counts(counts, "dispatch/expert_counts")
+            count_matrix = gathered[:, :, 0]
+            per_expert = align_counts(gathered[:, self.rank, 1:].sum(0).tolist(), expert_alignment)
             is_in = is_token_in_rank
         else:
             same_x = [META_FIELDS.index(n) for n in ("hidden", "x_dtype", "scales_cols")]
@@ -189,6 +221,7 @@ class FlatDispatcher:
             send_idx, send_counts, recv_counts = handle.send_token_idx, handle.send_counts, handle.recv_counts
             per_expert = handle.num_recv_tokens_per_expert_list
             is_in = handle.is_token_in_rank
+            count_matrix = handle.count_matrix
         num_recv = sum(recv_counts)
         if num_worst_tokens and num_recv > num_worst_tokens:
             raise ShapeError(f"num_worst_tokens: expected >= the {num_recv} tokens rank {self.rank} receives, "
@@ -196,12 +229,12 @@ class FlatDispatcher:
         rows = pack_dispatch(fmt, inp, send_idx)
         got = self.t.exchange_rows(rows, send_counts, recv_counts, "dispatch/data")
         out = self._unpack(fmt, got, inp, send_idx, send_counts, recv_counts, per_expert, is_in, num_worst_tokens,
-                           experts_per_rank)
+                           experts_per_rank, count_matrix)
         out.handle.meta = tuple(meta)
         return out
 
     def _unpack(self, fmt, got, inp, send_idx, send_counts, recv_counts, per_expert, is_in, num_worst_tokens,
-                experts_per_rank):
+                experts_per_rank, count_matrix=None):
         rows_out = num_worst_tokens or got.shape[0]
         recv_x = pad_rows(fmt.unpack(got, "x"), rows_out)
         recv_scales = pad_rows(fmt.unpack(got, "scales"), rows_out) if inp.scales is not None else None
@@ -218,7 +251,8 @@ class FlatDispatcher:
             num_tokens=inp.num_tokens, hidden=inp.x.shape[1], is_token_in_rank=is_in, send_token_idx=send_idx,
             send_counts=list(send_counts), recv_counts=list(recv_counts),
             num_recv_tokens_per_expert_list=list(per_expert), recv_src_idx=fmt.unpack(got, "src").view(-1),
-            num_worst_tokens=num_worst_tokens, experts_per_rank=experts_per_rank)
+            num_worst_tokens=num_worst_tokens, experts_per_rank=experts_per_rank, rank=self.rank,
+            count_matrix=count_matrix)
         return DispatchOutput(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)
 
     def combine(self, x: torch.Tensor, handle: FlatHandle, topk_weights: torch.Tensor | None

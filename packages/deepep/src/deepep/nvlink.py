@@ -176,6 +176,28 @@ class NvlinkHandle:
     num_recv_tokens_per_expert_list: list[int]
     recv_src_idx: torch.Tensor
     num_worst_tokens: int = 0
+    rank: int = 0
+
+    def as_tuple(self) -> tuple:
+        """DeepEP's intranode handle members. The kernels exchange only what each receiver needs, so
+        rank_prefix_matrix [R, R] has this rank's column (prefix sums of the rows it receives) and zeros
+        elsewhere; channel_prefix_matrix / recv_channel_prefix_matrix [R, 1] are rows sent to / received
+        from each rank; send_head is the [T, R] send positions (-1: not sent)."""
+        r = self.is_token_in_rank.shape[1]
+        prefix = torch.zeros(r, r, dtype=torch.int32, device=self.recv_counts.device)
+        prefix[:, self.rank] = torch.cumsum(self.recv_counts.to(torch.int32), 0).to(torch.int32)
+        sent = self.is_token_in_rank.sum(0).to(torch.int32).view(r, 1)
+        return (prefix, sent, self.recv_counts.to(torch.int32).view(r, 1), self.recv_src_idx, self.is_token_in_rank,
+                self.send_pos)
+
+    def __getitem__(self, i: int) -> object:
+        return self.as_tuple()[i]
+
+    def __iter__(self):
+        return iter(self.as_tuple())
+
+    def __len__(self) -> int:
+        return 6
 
 
 class NvlinkDispatcher:
@@ -210,7 +232,10 @@ class NvlinkDispatcher:
         return int(self.buf.timeout_s * 1e9)
 
     def _config(self, combine: bool) -> tuple[int, int, int]:
-        cfg = (self.buf.get_combine_config if combine else self.buf.get_dispatch_config)(self.num_ranks)
+        # The config passed to this dispatch/combine call (Buffer sets it for the call), else the default.
+        cfg = getattr(self.buf, "_call_config", None)
+        if cfg is None:
+            cfg = (self.buf.get_combine_config if combine else self.buf.get_dispatch_config)(self.num_ranks)
         num_sms = max(cfg.num_sms, 2 * self.num_ranks)
         senders = num_sms // 2
         return num_sms, senders, cfg.chunk_tokens
@@ -354,7 +379,7 @@ class NvlinkDispatcher:
             # the received count and reports a count above num_worst_tokens at the next call.
             rows = num_worst_tokens
             new = NvlinkHandle(T, x.shape[1], in_rank, epr, send_pos, counts_msg, recv_counts, rows, [],
-                               recv_src[:rows], num_worst_tokens)
+                               recv_src[:rows], num_worst_tokens, self.rank)
         else:
             # The receivers publish the counts early; the host sizes the outputs while rows still flow.
             spin_until(lambda: self.info.view[0] == epoch or self.err.view[0] != 0, rank=self.global_rank,
@@ -364,7 +389,7 @@ class NvlinkDispatcher:
             rows = int(self.info.view[1])
             per_expert = align_counts([int(v) for v in self.info.view[2:2 + epr]], expert_alignment)
             new = NvlinkHandle(T, x.shape[1], in_rank, epr, send_pos, counts_msg, recv_counts, rows, per_expert,
-                               recv_src[:rows], 0)
+                               recv_src[:rows], 0, self.rank)
         return DispatchOutput(recv_x[:rows], recv_scales[:rows] if S else None,
                               recv_topk[:rows] if k else None, recv_w[:rows] if recv_w is not None else None, new)
 

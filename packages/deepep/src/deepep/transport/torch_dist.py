@@ -8,6 +8,7 @@ Every wait is bounded (see waits.wait_work).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -36,8 +37,15 @@ class TorchDistTransport:
              stage: str) -> None:
         self._a2a_start(out, inp, out_splits, in_splits, stage)()
 
-    def _a2a_start(self, out, inp, out_splits, in_splits, stage) -> Callable[[], None]:
-        """Issue the all-to-all; the returned callable waits for it (bounded)."""
+    def _a2a_start(self, out, inp, out_splits, in_splits, stage, masked: frozenset[int] = frozenset(),
+                   wait_ns: torch.Tensor | None = None) -> Callable[[], None]:
+        """Issue the all-to-all; the returned callable waits for it (bounded).
+
+        `masked` peers take no part (nothing is sent to or received from them: their slices of `out`
+        are left as they are), so the others go on without a failed rank. `wait_ns` (int64 [R]) gets
+        the nanoseconds spent waiting for each peer's data added. Both use paired send/recv."""
+        if masked or wait_ns is not None:
+            return self._p2p_a2a(out, inp, out_splits, in_splits, stage, masked, wait_ns)
         if not self._use_p2p:
             try:
                 work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
@@ -51,37 +59,56 @@ class TorchDistTransport:
                 return lambda: wait_work(work, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)
         return self._p2p_a2a(out, inp, out_splits, in_splits, stage)
 
-    def _p2p_a2a(self, out, inp, out_splits, in_splits, stage) -> Callable[[], None]:
+    def _p2p_a2a(self, out, inp, out_splits, in_splits, stage, masked: frozenset[int] = frozenset(),
+                 wait_ns: torch.Tensor | None = None) -> Callable[[], None]:
         n = self.num_ranks
         rows_in = in_splits if in_splits is not None else [inp.shape[0] // n] * n
         rows_out = out_splits if out_splits is not None else [out.shape[0] // n] * n
         sends = torch.split(inp, rows_in)
         recvs = torch.split(out, rows_out)
-        ops = []
+        ops, owner = [], []
         for peer in range(n):
             g = dist.get_global_rank(self.group, peer) if self.group is not dist.group.WORLD else peer
             if peer == self.rank:
                 recvs[peer].copy_(sends[peer])
                 continue
+            if peer in masked:
+                continue
             if rows_in[peer]:
                 ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), g, group=self.group))
+                owner.append(-1)
             if rows_out[peer]:
                 ops.append(dist.P2POp(dist.irecv, recvs[peer], g, group=self.group))
+                owner.append(peer)
         works = dist.batch_isend_irecv(ops) if ops else []
 
         def finish() -> None:
-            for w in works:
+            per_op = len(works) == len(owner)  # NCCL may coalesce the batch into one work
+            for i, w in enumerate(works):
+                peer = owner[i] if per_op else -1
+                t0 = time.perf_counter_ns()
                 wait_work(w, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)
+                if wait_ns is not None and peer >= 0:
+                    wait_ns[peer] += time.perf_counter_ns() - t0
         return finish
 
     # ------------------------------------------------------------------ public
 
-    def exchange_counts(self, counts: torch.Tensor, stage: str) -> torch.Tensor:
-        """counts [R, C] int64 (row r = what I send to rank r) -> [R, C] on the CPU (row r = from r)."""
+    def exchange_counts(self, counts: torch.Tensor, stage: str, masked: frozenset[int] = frozenset()) -> torch.Tensor:
+        """counts [R, C] int64 (row r = what I send to rank r) -> [R, C] on the CPU (row r = from r; zeros
+        for masked peers)."""
         send = counts.to(device=self.device, dtype=torch.int64).contiguous()
-        recv = torch.empty_like(send)
-        self._a2a(recv, send, None, None, stage)
+        recv = torch.zeros_like(send)
+        self._a2a_start(recv, send, None, None, stage, masked)()
         return recv.cpu()
+
+    def gather_counts(self, counts: torch.Tensor, stage: str) -> torch.Tensor:
+        """counts [R, C] int64 of every rank -> [R (source), R (destination), C] on the CPU (one all-gather)."""
+        send = counts.to(device=self.device, dtype=torch.int64).contiguous()
+        out = [torch.empty_like(send) for _ in range(self.num_ranks)]
+        work = dist.all_gather(out, send, group=self.group, async_op=True)
+        wait_work(work, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)
+        return torch.stack(out).cpu()
 
     def exchange_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
                       stage: str) -> torch.Tensor:
@@ -89,17 +116,19 @@ class TorchDistTransport:
         return self.exchange_rows_start(rows, send_counts, recv_counts, stage)()
 
     def exchange_rows_start(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
-                            stage: str) -> Callable[[], torch.Tensor]:
+                            stage: str, masked: frozenset[int] = frozenset(),
+                            wait_ns: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
         """Issue the row exchange now; the returned callable waits (bounded) and yields the rows."""
         width = rows.shape[1]
         dev = rows.device
         send = rows if rows.device == self.device else rows.to(self.device)
-        out = torch.empty(sum(recv_counts), width, dtype=rows.dtype, device=self.device)
+        alloc = torch.zeros if masked else torch.empty  # rows of masked peers never arrive: zeros
+        out = alloc(sum(recv_counts), width, dtype=rows.dtype, device=self.device)
         if send.shape[0] == 0 and out.shape[0] == 0:
             # Still a collective: every rank must take part even when nothing moves anywhere.
             send = torch.empty(0, width, dtype=rows.dtype, device=self.device)
         finish = self._a2a_start(out.view(-1), send.reshape(-1), [c * width for c in recv_counts],
-                                 [c * width for c in send_counts], stage)
+                                 [c * width for c in send_counts], stage, masked, wait_ns)
 
         def result() -> torch.Tensor:
             finish()
