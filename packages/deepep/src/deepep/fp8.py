@@ -41,7 +41,8 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
 
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """int32 [..., G / 4] of UE8M0 exponent bytes -> fp32 [..., G]."""
-    return (packed.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+    dense = packed.clone(memory_format=torch.contiguous_format)  # fresh strides, even for size-1 dims
+    return (dense.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
 
 
 def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -121,7 +121,8 @@ def unpack_ue8m0_from_int(packed: torch.Tensor) -> torch.Tensor:
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
         raise ShapeError(f"packed: expected an int32 tensor, got "
                          f"{packed.dtype if isinstance(packed, torch.Tensor) else type(packed).__name__}")
-    return (packed.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+    dense = packed.clone(memory_format=torch.contiguous_format)  # fresh strides, even for size-1 dims
+    return (dense.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
 
 
 def _scale(amax: torch.Tensor, use_ue8m0: bool, top: float = FP8_MAX) -> torch.Tensor:

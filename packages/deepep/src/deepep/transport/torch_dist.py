@@ -7,6 +7,7 @@ Every wait is bounded (see waits.wait_work).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..waits import wait_work
+from ..waits import comm_error, wait_work
 
 log = logging.getLogger("deepep.transport")
 
@@ -87,10 +88,21 @@ class TorchDistTransport:
             for i, w in enumerate(works):
                 peer = owner[i] if per_op else -1
                 t0 = time.perf_counter_ns()
-                wait_work(w, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)
+                self._wait_p2p(w, stage)
                 if wait_ns is not None and peer >= 0:
                     wait_ns[peer] += time.perf_counter_ns() - t0
         return finish
+
+    def _wait_p2p(self, work: object, stage: str) -> None:
+        if "gloo" not in self.backend:
+            wait_work(work, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)
+            return
+        # Gloo's send/recv works report completion only from wait(), which takes a deadline itself.
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            raise comm_error(self.global_rank, stage, f"timed out or failed after {self.timeout_s:.1f} s "
+                             f"(dead or stuck peer?): {e}") from e
 
     # ------------------------------------------------------------------ public
 
