@@ -217,3 +217,23 @@ def test_checks_name_the_argument():
         bench(lambda: None, warmup=-1, device="cpu")
     with pytest.raises(ArgumentError, match="fn"):
         bench(None, device="cpu")
+
+
+def test_an_unusable_default_key_location_falls_back_to_a_private_temp_dir(cache, tmp_path, monkeypatch):
+    from tilehal.cache import _load_key
+
+    monkeypatch.delenv("TILESTACK_CACHE_KEY_FILE")
+    ro = tmp_path / "ro-config"
+    ro.mkdir()
+    (ro / "tilestack").write_text("a file where the key directory should be")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(ro))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path / "tmp"))
+    _load_key.cache_clear()
+    assert compile_c(GOOD, CDEF).lib.answer() == 42
+    key = tmp_path / "tmp" / f"tilestack-{os.getuid()}" / "cache.key"
+    assert key.stat().st_mode & 0o777 == 0o600 and (key.parent.stat().st_mode & 0o777) == 0o700
+    monkeypatch.setenv("TILESTACK_CACHE_KEY_FILE", str(ro / "tilestack" / "cache.key"))  # explicit: no fallback
+    _load_key.cache_clear()
+    with pytest.raises(CacheError, match="TILESTACK_CACHE_KEY_FILE"):
+        compile_c(GOOD, CDEF)

@@ -230,8 +230,22 @@ def _load_key(path: str, root: str) -> bytes:
         os.close(dfd)
 
 
+def _secret() -> bytes:
+    root = str(_root_path())
+    try:
+        return _load_key(str(key_file()), root)
+    except CacheError as e:
+        if os.environ.get("TILESTACK_CACHE_KEY_FILE"):
+            raise
+        # No usable ~/.config (a read-only home, say): a private per-user directory under the temp dir.
+        fallback = Path(tempfile.gettempdir()) / f"tilestack-{_uid()}" / "cache.key"
+        log.warning("compile cache: %s; using the key at %s instead (set TILESTACK_CACHE_KEY_FILE to choose)",
+                    e, fallback)
+        return _load_key(str(fallback), root)
+
+
 def _mac(kind: str, key: str, artifact_name: str, data: bytes) -> str:
-    secret = _load_key(str(key_file()), str(_root_path()))
+    secret = _secret()
     h = hmac.new(secret, digestmod=hashlib.sha256)
     for part in (b"tilestack-cache-v2", kind.encode(), key.encode(), artifact_name.encode(), data):
         h.update(len(part).to_bytes(8, "little"))
