@@ -17,6 +17,8 @@ import deepgemm
 import torch
 from tilehal import ShapeError
 
+from . import ops
+
 log = logging.getLogger("tilestack.layers")
 
 
@@ -32,6 +34,7 @@ class GemmLinear(torch.nn.Module):
         torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Linear's default
         self._cache: tuple[Any, Any] | None = None
         self._logged_cpu = False
+        ops.handle_of(self)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, fp8: bool = False) -> GemmLinear:
@@ -42,6 +45,7 @@ class GemmLinear(torch.nn.Module):
         out.weight = linear.weight
         out.bias = linear.bias
         out._cache, out._logged_cpu = None, False
+        ops.handle_of(out)
         return out
 
     def _gemm_weight(self) -> Any:
@@ -61,15 +65,28 @@ class GemmLinear(torch.nn.Module):
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             raise RuntimeError("GemmLinear is inference-only (deepgemm records no autograd graph): run it under "
                                "torch.no_grad() / torch.inference_mode(), or set requires_grad=False")
-        if not x.is_cuda and not self._logged_cpu:
-            log.debug("GemmLinear %dx%d: input on %s, running deepgemm's CPU reference (the sm_90a kernels need "
-                      "CUDA tensors)", self.out_features, self.in_features, x.device)
-            self._logged_cpu = True
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            # One opaque node for torch.compile (tilestack.ops); its eager body is _forward_2d.
+            y = torch.ops.tilestack.gemm_linear(x2, self.weight, self.bias, self._tilestack_handle)
+        else:
+            y = self._forward_2d(x2)
+        return y.reshape(*lead, self.out_features)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        ops.handle_of(self)      # a copy gets its own handle
+
+    def _forward_2d(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, in] -> [M, out] in x2's dtype (eager: the cached weight operand, deepgemm's kernel)."""
+        if not x2.is_cuda and not self._logged_cpu:
+            log.debug("GemmLinear %dx%d: input on %s, running deepgemm's CPU reference (the sm_90a kernels need "
+                      "CUDA tensors)", self.out_features, self.in_features, x2.device)
+            self._logged_cpu = True
         # fp32 output when a bias follows or the caller is not bf16: one rounding, at the end.
-        out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 and self.bias is None else torch.float32
-        d = torch.empty((x2.shape[0], self.out_features), dtype=out_dtype, device=x.device)
+        out_dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 and self.bias is None else torch.float32
+        d = torch.empty((x2.shape[0], self.out_features), dtype=out_dtype, device=x2.device)
         if x2.shape[0]:
             if self.fp8:
                 deepgemm.fp8_gemm_nt(deepgemm.per_token_cast_to_fp8(x2), self._gemm_weight(), d)
@@ -77,7 +94,7 @@ class GemmLinear(torch.nn.Module):
                 deepgemm.bf16_gemm_nt(x2.to(torch.bfloat16).contiguous(), self._gemm_weight(), d)
         if self.bias is not None:
             d += self.bias.float()
-        return d.to(x.dtype).reshape(*lead, self.out_features)
+        return d.to(x2.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from tilehal import ShapeError
 
+from . import ops
+
 log = logging.getLogger("tilestack.moe")
 
 XTensor = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -269,6 +271,11 @@ class ExpertParallelMoE(torch.nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device))
         self._fp8_cache: dict[str, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.reset_parameters()
+        ops.handle_of(self)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        ops.handle_of(self)      # a copy gets its own handle
 
     def reset_parameters(self) -> None:
         for p in (self.router_weight, self.w13, self.w2):
@@ -415,6 +422,21 @@ class ExpertParallelMoE(torch.nn.Module):
             _check(bool(((topk_idx >= -1) & (topk_idx < self.num_experts)).all()), "routing[0] (topk_idx)",
                    f"expert ids in [-1, {self.num_experts})", "an id outside it")
             topk_idx, topk_w = topk_idx.to(torch.int64), topk_w.float()
+        if torch.compiler.is_compiling():
+            # One opaque node for torch.compile (tilestack.ops): deepep's data-dependent shapes stay inside.
+            out = torch.ops.tilestack.moe_experts(x2, topk_idx, topk_w, self.w13, self.w2, self._tilestack_handle)
+        else:
+            out = self._routed(x2, topk_idx, topk_w)
+        out = out.to(x.dtype)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x2)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x2)) * shared
+            out = out + shared
+        return out.reshape(*lead, self.hidden)
+
+    def _routed(self, x2: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """Dispatch, the local experts, combine: x2 [T, hidden] -> bf16 [T, hidden] (routed experts only)."""
         buf = self._exchange()
         align = deepgemm.get_m_alignment_for_contiguous_layout()
         per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, self.num_experts)
@@ -426,13 +448,7 @@ class ExpertParallelMoE(torch.nn.Module):
         y = self.experts_forward(recv_x, layout)
         recv_out = unpermute(y, layout, recv_w).to(torch.bfloat16)
         out, _, _ = buf.combine(recv_out, handle)
-        out = out.to(x.dtype)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x2)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x2)) * shared
-            out = out + shared
-        return out.reshape(*lead, self.hidden)
+        return out
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, num_experts={self.num_experts}, "
