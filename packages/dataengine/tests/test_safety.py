@@ -130,3 +130,21 @@ def test_dataset_lookups_name_the_argument(tmp_path):
     with pytest.raises(ArgumentError, match="domain"):
         ds.domain_ids("nope")
     assert issubclass(ShardError, TileStackError)
+
+
+def test_loader_helpers_name_their_arguments(tmp_path):
+    from dataengine.data import PackCollate, ResumableLoader, domain_losses
+
+    ds = write_dataset(tmp_path / "d", [[1, 2], [3]])
+    with pytest.raises(ArgumentError, match="batch_size"):
+        ResumableLoader(StreamingDataset(ds), batch_size=0)
+    with pytest.raises(ArgumentError, match="stream"):
+        ResumableLoader(ds)
+    with pytest.raises(ArgumentError, match="row_len"):
+        PackCollate(0)
+    with pytest.raises(ArgumentError, match="domains: expected ids in"):
+        domain_losses(torch.ones(2), torch.tensor([0, 5]), 2)
+    with pytest.raises(ShapeError, match="domains: expected integer"):
+        domain_losses(torch.ones(2), torch.tensor([0.0, 1.0]), 2)
+    out = domain_losses(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 2]), 3)
+    assert out[0] == 2.0 and math.isnan(out[1]) and out[2] == 5.0

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tilehal import ArgumentError
+from tilehal import ArgumentError, ShapeError, check_int
 
 from ..packing import pack
 from .stream import StreamingDataset
@@ -32,7 +32,7 @@ class PackCollate:
     """Collate by packing into rows of `row_len` (best-fit-decreasing; overlong samples split)."""
 
     def __init__(self, row_len: int, pad_id: int = 0) -> None:
-        self.row_len, self.pad_id = row_len, pad_id
+        self.row_len, self.pad_id = check_int(row_len, "row_len", lo=1), check_int(pad_id, "pad_id")
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         pb = pack([s["tokens"] for s in samples], self.row_len, self.pad_id, overlong="split")
@@ -118,8 +118,11 @@ class ResumableLoader:
 
     def __init__(self, stream: StreamingDataset, batch_size: int = 8, num_workers: int = 0,
                  collate_fn: Callable | None = None, **loader_kwargs: Any) -> None:
+        if not isinstance(stream, StreamingDataset):
+            raise ArgumentError(f"stream: expected a StreamingDataset, got {type(stream).__name__}")
         self.stream = stream
-        self.batch_size, self.num_workers = batch_size, num_workers
+        self.batch_size = check_int(batch_size, "batch_size", lo=1)
+        self.num_workers = check_int(num_workers, "num_workers", lo=0)
         self.collate_fn = collate_fn or pad_collate
         self.loader_kwargs = loader_kwargs
         self._restart = False
@@ -185,8 +188,19 @@ class ResumableLoader:
 
 def domain_losses(per_sample_loss: torch.Tensor, domains: torch.Tensor, num_domains: int) -> np.ndarray:
     """Mean loss per domain in a batch (NaN where the batch has none), for ExponentiatedGradientWeights."""
+    num_domains = check_int(num_domains, "num_domains", lo=1)
+    for name, t in (("per_sample_loss", per_sample_loss), ("domains", domains)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1:
+            raise ShapeError(f"{name}: expected a 1-D tensor [batch], got {getattr(t, 'shape', type(t).__name__)}")
+    if per_sample_loss.shape != domains.shape:
+        raise ShapeError(f"domains: expected shape {tuple(per_sample_loss.shape)} (per_sample_loss's), got "
+                         f"{tuple(domains.shape)}")
+    if domains.is_floating_point():
+        raise ShapeError(f"domains: expected integer domain ids, got {domains.dtype}")
     loss = per_sample_loss.detach().double().cpu()
     d = domains.cpu().long()
+    if d.numel() and (int(d.min()) < 0 or int(d.max()) >= num_domains):
+        raise ArgumentError(f"domains: expected ids in [0, {num_domains}), got [{int(d.min())}, {int(d.max())}]")
     total = torch.zeros(num_domains, dtype=torch.float64).index_add_(0, d, loss)
     count = torch.zeros(num_domains, dtype=torch.float64).index_add_(0, d, torch.ones_like(loss))
     out = (total / count).numpy()
