@@ -461,7 +461,8 @@ def disagreeing_dispatch(rank: int, world: int, vary: str) -> str:
 
 
 def handle_reuse_checks(rank: int, world: int) -> list[str]:
-    """A handle reused with a new hidden size or a new topk_idx is refused locally, before any byte moves."""
+    """A handle reused with a new hidden size by every rank works (DeepEP replays handles with new x); one
+    rank alone changing it, or a new topk_idx, is refused on every rank before any row moves."""
     from tilehal import ShapeError
 
     buf = Buffer(None, transport="torch", timeout_s=20)
@@ -471,7 +472,8 @@ def handle_reuse_checks(rank: int, world: int) -> list[str]:
     _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 16)
     *_, handle, _ = buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
     errors = []
-    for bad in ({"x": torch.randn(12, 32)}, {"x": x, "topk_idx": idx.roll(1, 0)}):
+    for bad in ({"x": torch.randn(12, 32)}, {"x": x, "topk_idx": idx.roll(1, 0)},
+                {"x": torch.randn(12, 32 if rank == 1 else 64)}):
         try:
             buf.dispatch(bad["x"], handle=handle, topk_idx=bad.get("topk_idx"))
             errors.append("no error")

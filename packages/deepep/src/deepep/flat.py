@@ -211,13 +211,12 @@ class FlatDispatcher:
             per_expert = align_counts(gathered[:, self.rank, 1:].sum(0).tolist(), expert_alignment)
             is_in = is_token_in_rank
         else:
-            same_x = [META_FIELDS.index(n) for n in ("hidden", "x_dtype", "scales_cols")]
-            if handle.meta and any(meta[i] != handle.meta[i] for i in same_x):
-                # Peers replay the handle's row counts with their own x: a new hidden size, dtype or scale
-                # width here would reach the transport as mismatched byte counts.
-                raise ShapeError(f"x: expected the layout the handle was dispatched with, got "
-                                 f"{describe_meta_diff([meta[i] if i in same_x else handle.meta[i] for i in range(len(meta))], list(handle.meta), 'now', 'in the handle')}; "
-                                 "dispatch without the handle to change it")
+            # A cached dispatch may carry a new x layout (DeepEP's tuning replays one handle with fp8 and
+            # bf16 x) as long as every rank does the same. The fixed-width header exchange of a fresh
+            # dispatch (one tiny all-to-all) checks that on every rank before any row moves.
+            head = torch.tensor([meta], dtype=torch.int64).repeat(r, 1)
+            check_meta(meta, self.t.exchange_counts(head, "dispatch/cached_layout"), self.rank,
+                       "dispatch (cached)")
             send_idx, send_counts, recv_counts = handle.send_token_idx, handle.send_counts, handle.recv_counts
             per_expert = handle.num_recv_tokens_per_expert_list
             is_in = handle.is_token_in_rank
