@@ -6,6 +6,7 @@ import functools
 import inspect
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -179,8 +180,25 @@ def _bind(pairs: list[tuple[Any, Any]], device: str = "cpu") -> dict[Var, int]:
 
 def compile(func: PrimFunc, out_idx: Sequence[int] | int | None = None, target: str = "auto",  # noqa: A001
             pass_configs: dict | None = None, **_: Any) -> JITKernel:
-    """Lower and build a prim_func for `target` ("auto", "cpu", "interp", "cuda")."""
-    return JITKernel(func, out_idx=out_idx, target=target, pass_configs=pass_configs)
+    """Lower and build a prim_func for `target` ("auto", "cpu", "interp", "cuda").
+
+    Compiling the same PrimFunc object again with the same arguments returns the kernel built the
+    first time (an in-process memo; a new process finds the binary in the disk cache)."""
+    if not isinstance(func, PrimFunc):
+        return JITKernel(func, out_idx=out_idx, target=target, pass_configs=pass_configs)
+    key = (_hashable(out_idx), str(target).lower(), _hashable(pass_configs or {}))
+    with _memo_lock:
+        hit = _memo.get(func, {}).get(key)
+    if hit is not None:
+        return hit
+    kernel = JITKernel(func, out_idx=out_idx, target=target, pass_configs=pass_configs)
+    with _memo_lock:
+        _memo.setdefault(func, {})[key] = kernel
+    return kernel
+
+
+_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_memo_lock = threading.Lock()
 
 
 class JITFactory:
