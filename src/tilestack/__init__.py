@@ -13,6 +13,8 @@ _LAZY = {
     "GemmLinear": ".layers",
     "ExpertParallelMoE": ".moe",
     "ReferenceMoE": ".moe",
+    "profile": ".profiling",
+    "ProfileReport": ".profiling",
 }
 
 
