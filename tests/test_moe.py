@@ -248,7 +248,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, tokens: int) -> N
         raise
 
 
-def run_ranks(world: int, timeout_s: float = 60.0, **kwargs) -> list[dict]:
+def run_ranks(world: int, timeout_s: float = 600.0, **kwargs) -> list[dict]:
     """Start `world` spawned processes running _rank_main; wait at most timeout_s, kill stragglers."""
     import torch.multiprocessing as mp
 
@@ -277,7 +277,9 @@ def run_ranks(world: int, timeout_s: float = 60.0, **kwargs) -> list[dict]:
         return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
 
 
-@pytest.mark.timeout(120)
+# A liveness bound, not a speed test: 2 spawned ranks importing torch took > 60 s on the 2-core CI
+# machine under load (load average ~40), so allow 10 minutes.
+@pytest.mark.timeout(660)
 def test_two_gloo_ranks_equal_single_process_reference():
     tokens, world = 48, 2
     results = run_ranks(world, tokens=tokens)

@@ -32,7 +32,7 @@ from ..errors import CompileError
 from ..ir import dtypes as dt
 from ..ir.nodes import Buffer, Expr, Kernel, PrimFunc, Seq, Stmt, Var, const
 from ..ir.verifier import verify
-from .meta import TensorType
+from .meta import TensorType, parse_python
 from .parser import Parser
 
 
@@ -70,7 +70,7 @@ def is_eager_style(fn: Callable) -> bool:
     """True when `fn`'s own body holds the kernel (a top-level `with T.Kernel`, `T.const` or `T.empty`)
     rather than defining and returning a `@T.prim_func`."""
     try:
-        tree = ast.parse(_dedented_source(fn))
+        tree = parse_python(_dedented_source(fn))
     except (OSError, TypeError, SyntaxError):
         return False
     fdef = _function_def(tree)
@@ -89,7 +89,7 @@ def _dedented_source(fn: Callable) -> str:
 def tensor_params(fn: Callable) -> list[str]:
     """Names of `fn`'s parameters annotated as tensors (in the body, `A: T.Tensor(...)`, or in the
     signature), in signature order."""
-    fdef = _function_def(ast.parse(_dedented_source(fn)))
+    fdef = _function_def(parse_python(_dedented_source(fn)))
     names = [a.arg for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs]
     annotated = {a.arg for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs
                  if a.annotation is not None and _looks_like_tensor(a.annotation)}

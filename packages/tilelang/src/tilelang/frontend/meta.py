@@ -17,6 +17,7 @@ import inspect
 import itertools
 import operator
 import textwrap
+import threading
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -120,6 +121,17 @@ thread_local int8_t int16_t int32_t int64_t uint8_t uint16_t uint32_t uint64_t s
 threadIdx blockIdx blockDim gridDim warpSize NAN INFINITY main""".split())
 
 
+_AST_LOCK = threading.Lock()
+
+
+def parse_python(source: str) -> ast.Module:
+    """`ast.parse` under a process-wide lock. CPython 3.11 keeps the AST constructor's recursion depth in
+    interpreter-wide state, so parses running at once in the autotuner's compile threads can fail with
+    "SystemError: AST constructor recursion depth mismatch" (cpython gh-106905; seen in CI)."""
+    with _AST_LOCK:
+        return ast.parse(source)
+
+
 class Shared:
     """State shared by a prim_func's parser and the parsers of the macros it inlines."""
 
@@ -152,7 +164,7 @@ class MetaEvaluator:
         self.lines = self.source.splitlines()
         self.first_line = first
         self.filename = inspect.getsourcefile(func) or func.__code__.co_filename
-        self.tree = ast.parse(self.source)
+        self.tree = parse_python(self.source)
         self.globals = func.__globals__
         self.closure: dict[str, Any] = {}
         for name, cell in zip(func.__code__.co_freevars, func.__closure__ or ()):

@@ -31,6 +31,7 @@ import tilehal
 
 from .. import language as T
 from ..errors import CompileError, SourceLoc
+from ..frontend.meta import parse_python
 from ..ir import dtypes as dt
 from ..ir.nodes import (
     Alloc,
@@ -65,7 +66,7 @@ class _Nest:
         lines, self.first = inspect.getsourcelines(func)
         self.src_lines = textwrap.dedent("".join(lines)).splitlines()
         self.filename = inspect.getsourcefile(func) or "<unknown>"
-        tree = ast.parse(textwrap.dedent("".join(lines)))
+        tree = parse_python(textwrap.dedent("".join(lines)))
         fdef = tree.body[0]
         assert isinstance(fdef, ast.FunctionDef)
         self.params = [a.arg for a in fdef.args.args]
