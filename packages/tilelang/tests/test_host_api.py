@@ -128,6 +128,13 @@ def test_autotune_explicit_tunables_mean_no_tuning():
     assert scale.last_result is None  # nothing was tuned
     k = scale.compile(x, block=4)
     assert isinstance(k, tilelang.JITKernel) and "block" not in getattr(k, "config", {})
+    k2 = scale.compile(n=12, block=4)  # T.const sizes by keyword are not tunables
+    assert scale.last_result is None
+    torch.testing.assert_close(k2(x), x * 3)
+    from tilelang.utils.tensor import get_tensor_supply
+
+    t = get_tensor_supply(tilelang.TensorSupplyType.Integer)(k2.params[0])
+    assert tuple(t.shape) == (12,) and torch.equal(t, t.round())
 
 
 def test_autotune_eager_tunes_and_runs():

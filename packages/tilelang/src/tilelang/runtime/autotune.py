@@ -85,8 +85,9 @@ class AutoTuner:
 
     def _given_tunables(self, args: tuple, kwargs: dict, configs: list[dict]) -> list[str]:
         """The tunable parameters the caller passed explicitly (positionally or by keyword)."""
-        try:
-            bound = inspect.signature(self.factory.fn).bind_partial(*args, **kwargs)
+        sig = inspect.signature(self.factory.fn)
+        try:  # keywords outside the signature (an eager function's T.const sizes) are not tunables
+            bound = sig.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
         except TypeError:
             return []
         names = {k for c in configs for k in c}

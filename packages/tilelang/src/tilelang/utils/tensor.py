@@ -7,6 +7,7 @@ from typing import Any
 import tilehal
 
 from ..ir import dtypes as dt
+from ..runtime.profiler import Profiler, TensorSupplyType
 
 
 def map_torch_type(name: Any) -> Any:
@@ -36,3 +37,16 @@ def torch_assert_close(actual: Any, expected: Any, rtol: float = 1e-2, atol: flo
         raise AssertionError(f"Tensor-likes are not close: {n_bad} of {total} elements ({n_bad / total:.2%}) exceed "
                              f"atol={atol}, rtol={rtol} (allowed {max_mismatched_ratio:.2%}); worst: {base_name} "
                              f"{a.flatten()[i].item()} vs {ref_name} {b.flatten()[i].item()} at flat index {i}")
+
+
+def get_tensor_supply(supply_type: TensorSupplyType = TensorSupplyType.Integer, seed: int = 0) -> Any:
+    """A function parameter -> random tensor (a kernel's `params` entries), as the profiler fills inputs."""
+    gen = Profiler(None, supply_type, {}, seed=seed)
+
+    def supply(param: Any) -> Any:
+        return gen._make(param)
+
+    return supply
+
+
+__all__ = ["TensorSupplyType", "get_tensor_supply", "map_torch_type", "torch_assert_close"]
