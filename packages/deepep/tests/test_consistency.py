@@ -25,3 +25,11 @@ def test_handle_and_layout_contradictions_are_refused(ranks):
         assert errs[3].startswith("num_tokens_per_expert: expected the per-expert token counts of topk_idx")
         assert errs[4].startswith("is_token_in_rank: expected the ranks topk_idx routes each token to")
         assert errs[5] == "ok True"
+
+
+@pytest.mark.parametrize("odd_rank", [1, 2])  # a node peer of rank 0, then a rail peer
+def test_hierarchical_ranks_name_the_disagreement(ranks, odd_rank):
+    out = ranks(4, "disagreeing_dispatch", vary="hidden", odd_rank=odd_rank, transport="hierarchical",
+                ranks_per_node=2, timeout_s=90)
+    for rank, msg in enumerate(out):
+        assert msg.startswith("dispatch: expected every rank to dispatch the same layout"), (rank, msg)

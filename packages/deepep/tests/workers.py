@@ -439,15 +439,18 @@ def nvlink_layout(rank: int, world: int) -> int:
 # ----------------------------------------------------------------------------- cross-rank consistency
 
 
-def disagreeing_dispatch(rank: int, world: int, vary: str) -> str:
-    """Every rank dispatches, rank 1 with one thing different: every rank must raise ShapeError naming it."""
+def disagreeing_dispatch(rank: int, world: int, vary: str, odd_rank: int = 1, transport: str = "torch",
+                         ranks_per_node: int | None = None) -> str:
+    """Every rank dispatches, `odd_rank` with one thing different: every rank must raise ShapeError naming it."""
     from tilehal import ShapeError
 
-    experts = 8 * world if not (vary == "experts" and rank == 1) else 4 * world
-    hidden = 64 if not (vary == "hidden" and rank == 1) else 96
-    k = 2 if not (vary == "topk" and rank == 1) else 3
-    dtype = torch.bfloat16 if (vary == "dtype" and rank == 1) else torch.float32
-    buf = Buffer(None, transport="torch", timeout_s=20)
+    rank_is_odd = rank == odd_rank
+
+    experts = 8 * world if not (vary == "experts" and rank_is_odd) else 4 * world
+    hidden = 64 if not (vary == "hidden" and rank_is_odd) else 96
+    k = 2 if not (vary == "topk" and rank_is_odd) else 3
+    dtype = torch.bfloat16 if (vary == "dtype" and rank_is_odd) else torch.float32
+    buf = Buffer(None, transport=transport, num_ranks_per_node=ranks_per_node, timeout_s=20)
     g = torch.Generator().manual_seed(rank)
     idx = torch.rand(10, experts, generator=g).topk(k, dim=1).indices
     x = torch.randn(10, hidden, generator=g).to(dtype)

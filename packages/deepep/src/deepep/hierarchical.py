@@ -13,12 +13,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tilehal import ShapeError
 
 from .flat import (
     DispatchInput,
     DispatchOutput,
     align_counts,
+    check_meta,
     dispatch_format,
+    layout_meta,
     pack_dispatch,
     pad_rows,
     send_order,
@@ -48,6 +51,7 @@ class HierarchicalHandle:
     recv_src_idx: torch.Tensor
     inter_node_rows_sent: int  # rows that left this node (the test of "once per node")
     num_worst_tokens: int = 0
+    meta: tuple[int, ...] = ()  # flat.layout_meta of the dispatch that made it
 
     @property
     def num_recv_tokens(self) -> int:
@@ -101,7 +105,12 @@ class HierarchicalDispatcher:
         fmt1 = dispatch_format(inp)
         fmt1 = RowFormat([(f.name, f.dtype, f.width) for f in fmt1.fields.values()] + [("route", torch.int64, 2)])
         rows = pack_dispatch_with_route(fmt1, inp, s1_idx, bits[s1_idx, s1_node], self.rank)
+        meta = layout_meta(dispatch_format(inp), inp, experts_per_rank)
         if handle is None:
+            # The layout header (flat.layout_meta) goes to every rank of the group first, so that every
+            # rank sees any disagreement and raises, before a row of either stage moves.
+            head = torch.tensor([meta] * self.num_ranks, dtype=torch.int64)
+            check_meta(meta, self.flat.exchange_counts(head, "dispatch/counts"), self.rank, "dispatch")
             s1_recv = self.rail.exchange_counts(torch.tensor(s1_counts).view(-1, 1), "dispatch/inter-node counts")
             s1_recv_counts = s1_recv[:, 0].tolist()
         else:
@@ -127,7 +136,7 @@ class HierarchicalDispatcher:
 
         rows_out = num_worst_tokens or got.shape[0]
         if num_worst_tokens and got.shape[0] > num_worst_tokens:
-            raise ValueError(f"num_worst_tokens: expected >= the {got.shape[0]} tokens rank {self.rank} receives, "
+            raise ShapeError(f"num_worst_tokens: expected >= the {got.shape[0]} tokens rank {self.rank} receives, "
                              f"got {num_worst_tokens}")
         recv_x = pad_rows(fmt1.unpack(got, "x"), rows_out)
         recv_scales = pad_rows(fmt1.unpack(got, "scales"), rows_out) if inp.scales is not None else None
@@ -136,7 +145,7 @@ class HierarchicalDispatcher:
             recv_topk_idx = to_local_experts(fmt1.unpack(got, "topk_idx"), self.rank, experts_per_rank)
         if handle is None:
             if recv_topk_idx is None:
-                raise ValueError("topk_idx: the hierarchical transport needs topk_idx on a dispatch without handle")
+                raise ShapeError("topk_idx: the hierarchical transport needs topk_idx on a dispatch without handle")
             valid = recv_topk_idx[recv_topk_idx >= 0]
             per_expert = align_counts(torch.bincount(valid, minlength=experts_per_rank).tolist(), expert_alignment)
         else:
@@ -156,6 +165,7 @@ class HierarchicalDispatcher:
             num_recv_tokens_per_expert_list=per_expert, recv_src_idx=fmt1.unpack(got, "src").view(-1),
             inter_node_rows_sent=sum(c for n, c in enumerate(s1_counts) if n != my_node),
             num_worst_tokens=num_worst_tokens)
+        new.meta = tuple(meta)
         return DispatchOutput(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, new)
 
     def combine(self, x: torch.Tensor, handle: HierarchicalHandle, topk_weights: torch.Tensor | None):
