@@ -1,0 +1,352 @@
+"""register_optimizations on whole transformers models: the issue-17 target table in one run.
+
+    # on the H200: one device call (~4 minutes), from /work/main with carry [".whl"] (transformers + regex):
+    source scripts/device_env.sh && set -o pipefail && timeout 290 python benchmarks/bench_models.py \
+        --json $OUT/bench_models.json 2>&1 | tee $OUT/bench_models.log
+    # CPU smoke test of every code path (tiny shapes, seconds):
+    python benchmarks/bench_models.py --quick
+
+Rows (models built from configs, random weights, bf16 on CUDA; each variant against its peer in the
+same run; times are medians of `tilehal.bench`, eager rows with host time included
+(`hide_host=False`), CUDA-graph rows the replay; calc_diff of the output against the peer's):
+
+  prefill        Llama-3-8B-shaped, 2 layers, 8 x 512 tokens, eager: plain vs bf16 / fp8 swaps
+  decode_eager   same model, batch 64, one token on a 4K StaticCache (random K/V), eager
+  decode_graph   the same decode step captured in a CUDA graph (plain captured likewise)
+  compile        prefill under torch.compile (inductor), plain compiled vs optimized compiled
+  moe            Mixtral-8x7B-shaped MoE blocks (2 layers, hidden 4096, 8 experts top-2, ffn 14336),
+                 4096 tokens: transformers' block (its default experts implementation) vs
+                 ExpertParallelMoE bf16 / fp8
+  host           host time of one small GEMM (bf16 128 x 7168 x 2048, eager): deepgemm.bf16_gemm_nt,
+                 GemmLinear and the tilestack::bf16_gemm_nt op vs cuBLAS (torch.nn.functional.linear)
+
+A row that cannot run (no kernel, capture failure, memory, the time budget) is recorded with its
+reason; nothing asserts a time. `--budget-s` bounds the whole run (sections after it are skipped).
+"""
+
+# requires: cuda   (tilestack bench; the CPU smoke test is --quick)
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+_ROOT = Path(__file__).resolve().parents[1]
+for _p in ("src", *(f"packages/{n}/src" for n in ("hal", "deepgemm", "deepep", "kvpool", "dataengine"))):
+    if str(_ROOT / _p) not in sys.path:
+        sys.path.insert(0, str(_ROOT / _p))
+
+import tilehal  # noqa: E402
+import transformers  # noqa: E402
+
+from tilestack import register_optimizations  # noqa: E402
+
+ROWS: list[dict] = []
+T0 = time.perf_counter()
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (smoke test)")
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--budget-s", type=float, default=220.0, help="skip sections once this much time has passed")
+    p.add_argument("--only", help="comma-separated sections: prefill,decode,compile,moe,host")
+    p.add_argument("--iters", type=int, default=10)
+    return p.parse_args(argv)
+
+
+def _shapes(quick: bool) -> dict:
+    if quick:
+        return dict(llama=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=512),
+                    prefill=(2, 16), decode=(2, 32),
+                    moe=dict(hidden_size=256, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2),
+                    moe_tokens=64, gemm=(16, 256, 256))
+    return dict(llama=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                           num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                           max_position_embeddings=8192),
+                prefill=(8, 512), decode=(64, 4096),
+                moe=dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2),
+                moe_tokens=4096, gemm=(128, 7168, 2048))
+
+
+class Env:
+    def __init__(self, args):
+        self.quick = args.quick
+        self.device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+        self.cuda = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.backend = "cuda" if self.cuda else "cpu"
+        self.iters = 2 if args.quick else args.iters
+        self.budget = args.budget_s
+        self.s = _shapes(args.quick)
+
+    def bench(self, fn, hide_host=False) -> tilehal.BenchResult:
+        return tilehal.bench(fn, warmup=2 if self.quick else 3, iters=self.iters,
+                             device="cuda" if self.cuda else "cpu", hide_host=hide_host)
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - T0)
+
+
+def row(workload: str, variant: str, ms: float | None, peer_ms: float | None = None, diff: float | None = None,
+        note: str = "", **extra) -> None:
+    r = dict(workload=workload, variant=variant, ms=ms, peer_ms=peer_ms,
+             speedup=(peer_ms / ms) if ms and peer_ms else None, calc_diff=diff, note=note, **extra)
+    ROWS.append(r)
+    sp = f"{r['speedup']:.3f}x" if r["speedup"] else "-"
+    print(f"{workload:14s} {variant:22s} {ms if ms is not None else float('nan'):10.4f} ms  "
+          f"peer {peer_ms if peer_ms is not None else float('nan'):10.4f} ms  {sp:>8s}  "
+          f"calc_diff {diff if diff is not None else float('nan'):.2e}  {note}", flush=True)
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _llama(env: Env) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**env.s["llama"])
+    with torch.device(env.device):
+        model = transformers.LlamaForCausalLM(cfg).to(env.dtype)
+    return model.eval()
+
+
+def _variants(env: Env, base: torch.nn.Module):
+    """(name, model) for plain, bf16 swaps, fp8 swaps (each a deep copy of base, so weights are equal)."""
+    yield "plain", base
+    for name, fp8 in (("tilestack_bf16", False), ("tilestack_fp8", True)):
+        m = copy.deepcopy(base)
+        rep = register_optimizations(m, backend=env.backend, fp8=fp8)
+        yield name + f" ({len(rep.swapped)} swapped)", m
+        del m
+        _free()
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def sec_prefill(env: Env) -> None:
+    b, s = env.s["prefill"]
+    base = _llama(env)
+    ids = torch.randint(0, base.config.vocab_size, (b, s), device=env.device)
+    with torch.no_grad():
+        ref = base(ids).logits
+        peer = None
+        for name, m in _variants(env, base):
+            out = m(ids).logits
+            t = env.bench(lambda m=m: m(ids)).median_s * 1e3
+            if peer is None:
+                peer = t
+            row("prefill", name, t, peer, tilehal.calc_diff(out, ref), f"{b}x{s} eager")
+    del base, ref
+    _free()
+
+
+def _static_decode(env: Env, model: torch.nn.Module, b: int, ctx: int):
+    """A decode step at position ctx on a StaticCache whose first ctx positions hold random K/V."""
+    cache = transformers.StaticCache(config=model.config, max_cache_len=ctx + 8)
+    ids = torch.randint(0, model.config.vocab_size, (b, 1), device=env.device,
+                        generator=torch.Generator(env.device).manual_seed(3))
+    pos = torch.full((1,), ctx, dtype=torch.long, device=env.device)
+    pos_ids = pos.view(1, 1).expand(b, 1)
+
+    def step():
+        return model(ids, past_key_values=cache, cache_position=pos, position_ids=pos_ids, use_cache=True).logits
+
+    step()                                              # initializes the cache layers
+    g = torch.Generator(env.device).manual_seed(4)
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            t.copy_(torch.randn(t.shape, generator=g, device=env.device, dtype=torch.float32).to(t.dtype))
+    return step
+
+
+def sec_decode(env: Env) -> None:
+    b, ctx = env.s["decode"]
+    base = _llama(env)
+    with torch.no_grad():
+        peer_e = peer_g = ref = None
+        for name, m in _variants(env, base):
+            step = _static_decode(env, m, b, ctx)
+            out = step().float()
+            ref = out if ref is None else ref
+            t = env.bench(step).median_s * 1e3
+            peer_e = t if peer_e is None else peer_e
+            row("decode_eager", name, t, peer_e, tilehal.calc_diff(out, ref), f"b{b}, {ctx} cached, StaticCache")
+            if not env.cuda:
+                row("decode_graph", name, None, note="skipped: CUDA graphs need a GPU")
+                continue
+            try:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(2):
+                        step()
+                torch.cuda.current_stream().wait_stream(s)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    gout = step()
+                graph.replay()
+                torch.cuda.synchronize()
+                tg = env.bench(graph.replay, hide_host=True).median_s * 1e3
+                peer_g = tg if peer_g is None else peer_g
+                row("decode_graph", name, tg, peer_g, tilehal.calc_diff(gout.float(), ref), "CUDA graph replay")
+            except Exception as e:   # a capture failure is a result, recorded with its reason
+                row("decode_graph", name, None, note=f"capture failed: {type(e).__name__}: {str(e)[:200]}")
+            del step
+            _free()
+    del base
+    _free()
+
+
+def sec_compile(env: Env) -> None:
+    b, s = env.s["prefill"]
+    base = _llama(env)
+    ids = torch.randint(0, base.config.vocab_size, (b, s), device=env.device)
+    backend = "aot_eager" if env.quick else "inductor"
+    with torch.no_grad():
+        ref = base(ids).logits
+        peer = None
+        for name, m in _variants(env, base):
+            if env.left() < 45:
+                row("compile", name, None, note="skipped: time budget")
+                continue
+            torch._dynamo.reset()
+            t0 = time.perf_counter()
+            try:
+                cm = torch.compile(m, fullgraph=True, backend=backend)
+                out = cm(ids).logits
+            except Exception as e:
+                row("compile", name, None, note=f"compile failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            ct = time.perf_counter() - t0
+            t = env.bench(lambda cm=cm: cm(ids)).median_s * 1e3
+            peer = t if peer is None else peer
+            row("compile", name, t, peer, tilehal.calc_diff(out, ref), f"{backend}, fullgraph, compiled in {ct:.0f} s")
+    del base
+    _free()
+
+
+class _MoEStack(torch.nn.Module):
+    """Decoder-style MoE layers without attention: h = h + block(rmsnorm(h)), as in Mixtral's layers."""
+
+    def __init__(self, blocks, hidden: int):
+        super().__init__()
+        self.norms = torch.nn.ModuleList(torch.nn.RMSNorm(hidden, eps=1e-5) for _ in blocks)
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, h):
+        for norm, block in zip(self.norms, self.blocks):
+            h = h + block(norm(h))
+        return h
+
+
+def sec_moe(env: Env) -> None:
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    cfg = transformers.MixtralConfig(**env.s["moe"])
+    torch.manual_seed(0)
+    with torch.device(env.device):
+        stack = _MoEStack([MixtralSparseMoeBlock(cfg) for _ in range(2)], cfg.hidden_size).to(env.dtype)
+    with torch.no_grad():
+        for name, p in stack.named_parameters():
+            if "norms" not in name:
+                p.normal_(0, 0.02)
+    impl = getattr(cfg, "_experts_implementation", None) or "default"
+    x = torch.randn(1, env.s["moe_tokens"], cfg.hidden_size, device=env.device, dtype=env.dtype)
+    with torch.no_grad():
+        ref = stack(x)
+        peer = env.bench(lambda st=stack: st(x)).median_s * 1e3
+        row("moe", "transformers", peer, peer, 0.0, f"{env.s['moe_tokens']} tokens, 2 layers, experts impl {impl}")
+        for name, fp8 in (("ExpertParallelMoE bf16", False), ("ExpertParallelMoE fp8", True)):
+            try:
+                ours = copy.deepcopy(stack)
+                rep = register_optimizations(ours, backend=env.backend, fp8=fp8)
+                out = ours(x)
+                t = env.bench(lambda ours=ours: ours(x)).median_s * 1e3
+                row("moe", name, t, peer, tilehal.calc_diff(out - x, ref - x),
+                    f"{len(rep.swapped)} blocks swapped; calc_diff of the MoE part (out - x)")
+                del ours
+            except Exception as e:
+                row("moe", name, None, note=f"failed: {type(e).__name__}: {str(e)[:200]}")
+            _free()
+    del stack
+    _free()
+
+
+def sec_host(env: Env) -> None:
+    import deepgemm
+
+    from tilestack.layers import GemmLinear
+
+    m, n, k = env.s["gemm"]
+    a = torch.randn(m, k, device=env.device).to(torch.bfloat16)
+    w = torch.randn(n, k, device=env.device).to(torch.bfloat16)
+    d = torch.empty(m, n, device=env.device, dtype=torch.bfloat16)
+    lin = torch.nn.Linear(k, n, bias=False, device=env.device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        gl = GemmLinear.from_linear(lin)
+        cases = (("cuBLAS F.linear", lambda: torch.nn.functional.linear(a, w)),
+                 ("deepgemm.bf16_gemm_nt", lambda: deepgemm.bf16_gemm_nt(a, w, d)),
+                 ("GemmLinear", lambda: gl(a)),
+                 ("op tilestack::bf16_gemm_nt", lambda: torch.ops.tilestack.bf16_gemm_nt(a, w, torch.bfloat16)))
+        peer_host = peer_gpu = None
+        for name, fn in cases:
+            r = env.bench(fn, hide_host=True)
+            host_us = r.host_s * 1e6 if r.host_s else None
+            peer_host = host_us if peer_host is None else peer_host
+            peer_gpu = r.median_s * 1e3 if peer_gpu is None else peer_gpu
+            row("host", name, r.median_s * 1e3, peer_gpu, None,
+                f"{m}x{n}x{k}; host {host_us:.1f} us/call vs cuBLAS {peer_host:.1f} us" if host_us and peer_host
+                else f"{m}x{n}x{k}; host time not measured by this timer ({r.timer})",
+                host_us=host_us, peer_host_us=peer_host)
+
+
+SECTIONS = {"host": sec_host, "prefill": sec_prefill, "decode": sec_decode, "moe": sec_moe, "compile": sec_compile}
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    env = Env(args)
+    only = args.only.split(",") if args.only else list(SECTIONS)
+    print(f"bench_models: device {env.device}, dtype {env.dtype}, budget {env.budget:.0f} s, sections {only}",
+          flush=True)
+    for name in only:
+        if env.left() < 10:
+            row(name, "-", None, note="skipped: time budget")
+            continue
+        t0 = time.perf_counter()
+        try:
+            SECTIONS[name](env)
+        except Exception as e:
+            traceback.print_exc()
+            row(name, "-", None, note=f"section failed: {type(e).__name__}: {str(e)[:300]}")
+        print(f"# {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        _free()
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                machine=(torch.cuda.get_device_name() if env.cuda else platform.processor() or platform.machine()),
+                torch=torch.__version__, transformers=transformers.__version__, quick=env.quick,
+                wall_s=round(time.perf_counter() - T0, 1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(meta=meta, rows=ROWS), indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
