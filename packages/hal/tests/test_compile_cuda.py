@@ -26,6 +26,38 @@ extern "C" __global__ void quantize(const float* x, __nv_fp8_e4m3* y, int n) {
 """
 
 
+SHARED_FORMS = r"""
+#include <tilehal/tilehal.cuh>
+// The forms kvpool / dataengine / deepgemm kernels share: typed 2 x 16-bit packing, the MMA tag of
+// an element type, ldmatrix from a shared-space address, a named barrier.
+template <typename T>
+__global__ void flash_step(const T* x, float* out) {
+  __shared__ __align__(16) T tile[16 * 16];
+  const int lane = threadIdx.x;
+  for (int i = lane; i < 16 * 16; i += 32) tile[i] = x[i];
+  tilehal::named_barrier_sync(1, 32);
+  const tilehal::u32 base = static_cast<tilehal::u32>(__cvta_generic_to_shared(tile));
+  tilehal::u32 a[4], b[4];
+  tilehal::ldmatrix_x4(a, base + (lane % 16) * 32 + (lane / 16) * 16);
+  tilehal::ldmatrix_x4_trans(b, base + (lane % 16) * 32 + (lane / 16) * 16);
+  using Tag = typename tilehal::MmaTag<T>::type;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  tilehal::mma_m16n8k16(Tag(), c, a, {b[0], b[1]});
+  const float2 f = tilehal::to_float2<T>(tilehal::from_float2<T>(c[0], c[1]));
+  const float2 g = tilehal::to_float2<T>(tilehal::pack2(Tag(), c[2], c[3]));
+  out[lane] = f.x + f.y + g.x + g.y + tilehal::half2_to_float2(tilehal::float2_to_half2(c[0], 1.f)).y;
+}
+"""
+
+
+@pytest.mark.skipif(compiler_versions()["nvrtc"] is None, reason="name expressions need NVRTC")
+def test_shared_device_forms_compile_for_both_16_bit_types(cache):
+    names = ["flash_step<__half>", "flash_step<__nv_bfloat16>"]
+    mod = compile_cuda(SHARED_FORMS, arch="sm_90a", name="shared_forms", name_expressions=names)
+    assert mod.cubin[:4] == b"\x7fELF"
+    assert set(mod.lowered_names) == set(names)
+
+
 def test_headers_compile_to_sm90a_cubin(cache):
     mod = compile_cuda(USES_HEADERS, arch="sm_90a", name="headers")
     assert mod.cubin[:4] == b"\x7fELF"

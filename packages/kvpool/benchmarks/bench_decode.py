@@ -72,7 +72,8 @@ def bench_graph(fn) -> float | str:
         return f"capture failed: {type(e).__name__}: {e}"[:300]
 
 
-VARIANTS = ("v1", "v3:64:2", "v3:64:3", "v3:64:4")  # candidates for the default
+# Candidates for the default. JSON recorded before 2026-12-01 names them by history: v1 = simt, v3 = mma.
+VARIANTS = ("simt", "mma:64:2", "mma:64:3", "mma:64:4")
 
 
 def dense_case(batch: int, seq_len: int) -> dict:
@@ -105,7 +106,7 @@ def dense_case(batch: int, seq_len: int) -> dict:
                           "calc_diff_vs_sdpa": tilehal.calc_diff(out, sdpa_out)}
     sweep = {}
     best = max((n for n in variants if "GBps" in variants[n] and variants[n]["calc_diff_vs_sdpa"] < 1e-4),
-               key=lambda n: variants[n]["GBps"], default="v1")
+               key=lambda n: variants[n]["GBps"], default="simt")
     best_cfg = cuda_decode.KernelConfig.parse(best)
     for splits in (1, 2, 4, 8, 16):  # how much the split heuristic leaves on the table (best variant)
         t = bench(lambda s=splits: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, num_splits=s,
@@ -140,7 +141,7 @@ def sparse_case(batch: int, seq_len: int, selected: int) -> dict:
     g_sparse = bench_graph(lambda: kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=bi))
     sparse_bytes = 2 * batch * H * selected * BS * D * 2
     variants = {}
-    for name in ("v1", "v3:64:3"):
+    for name in ("simt", "mma:64:3"):
         cfg = cuda_decode.KernelConfig.parse(name)
         try:
             d_v = tilehal.calc_diff(cuda_decode.paged_decode_cuda(q[:1], pool, 0, bt[:1], sl[:1], None, bi[:1],

@@ -13,19 +13,19 @@ def _have_nvrtc() -> bool:
     return tilehal.compiler_versions()["nvrtc"] is not None or tilehal.compiler_versions()["nvcc"] is not None
 
 
-CONFIGS = [cuda_decode.KernelConfig(), cuda_decode.KernelConfig("v3", 64, 2), cuda_decode.KernelConfig("v3", 64, 3)]
-CONFIG_IDS = ["v1", "v3_x2", "v3_x3"]
+CONFIGS = [cuda_decode.KernelConfig(), cuda_decode.KernelConfig("mma", 64, 2), cuda_decode.KernelConfig("mma", 64, 3)]
+CONFIG_IDS = ["simt", "mma_x2", "mma_x3"]
 GPU_CONFIGS, GPU_CONFIG_IDS = CONFIGS, CONFIG_IDS
 
 
 def _same_math_tolerance(cfg) -> float:
     """calc_diff bound between two runs whose only difference is the split/warp partition.
 
-    v1 keeps probabilities in fp32, so a different partition changes only fp32 rounding; v3
+    simt keeps probabilities in fp32, so a different partition changes only fp32 rounding; mma
     rounds them to the MMA input type (bf16/fp16) relative to the running max, which depends on
     the partition, as in FlashAttention.
     """
-    return 1e-5 if cfg.variant == "v3" else 1e-6
+    return 1e-5 if cfg.variant == "mma" else 1e-6
 
 
 @pytest.mark.skipif(not _have_nvrtc(), reason="needs NVRTC or nvcc")
@@ -38,26 +38,42 @@ def test_kernels_compile(cfg, dtype, head_dim, group):
     assert set(module.lowered_names) == set(cuda_decode.kernel_names(dtype, head_dim, group, cfg))
 
 
+@pytest.mark.skipif(not _have_nvrtc(), reason="needs NVRTC or nvcc")
+@pytest.mark.parametrize("name,value", [("MMA_MAX_ITEMS", 256), ("MMA_STEP", 32), ("TILE", 32)])
+def test_mirrored_constants_are_checked_by_the_compiler(monkeypatch, name, value):
+    # The host's copies of the kernels' constants are static_asserted in every compiled source:
+    # a copy that drifts fails to build instead of launching a wrong grid or shared-memory size.
+    cfg = cuda_decode.KernelConfig() if name == "TILE" else cuda_decode.KernelConfig("mma", 64, 2)
+    monkeypatch.setattr(cuda_decode, name, value)
+    checks = cuda_decode.kernel_checks(torch.bfloat16, 64, 1, cfg)
+    assert f"== {value}" in checks
+    with pytest.raises(tilehal.CompileError, match="static assert"):
+        cuda_decode.compile_decode.__wrapped__(torch.bfloat16, 64, 1, cfg=cfg)
+
+
 def test_kernel_config_parsing():
-    assert cuda_decode.KernelConfig.parse(None) == cuda_decode.DEFAULT_CONFIG == cuda_decode.KernelConfig("v3", 64, 3)
-    assert cuda_decode.KernelConfig.parse("v1") == cuda_decode.KernelConfig("v1", 64, 2)
-    assert cuda_decode.KernelConfig.parse("v3") == cuda_decode.KernelConfig("v3", 64, 3)
-    assert cuda_decode.KernelConfig.parse("v3:64:4") == cuda_decode.KernelConfig("v3", 64, 4)
-    for bad in ("v4", "v3:32:3", "v3:64:1", "v2", "v2:32:4"):
+    assert cuda_decode.KernelConfig.parse(None) == cuda_decode.DEFAULT_CONFIG == cuda_decode.KernelConfig("mma", 64, 3)
+    assert cuda_decode.KernelConfig.parse("simt") == cuda_decode.KernelConfig("simt", 64, 2)
+    assert cuda_decode.KernelConfig.parse("mma") == cuda_decode.KernelConfig("mma", 64, 3)
+    assert cuda_decode.KernelConfig.parse("mma:64:4") == cuda_decode.KernelConfig("mma", 64, 4)
+    for bad in ("v4", "mma:32:3", "mma:64:1", "simt:64:2", "v2:32:4"):
         with pytest.raises(ValueError, match="KVPOOL_DECODE_KERNEL"):
             cuda_decode.KernelConfig.parse(bad)
+    for old in ("v1", "v3", "v3:64:3"):  # the former history names: refused, with the new name
+        with pytest.raises(ValueError, match="v1 is now 'simt', v3 is 'mma'"):
+            cuda_decode.KernelConfig.parse(old)
 
 
 def test_default_config_follows_env(monkeypatch):
-    monkeypatch.setenv("KVPOOL_DECODE_KERNEL", "v1")
+    monkeypatch.setenv("KVPOOL_DECODE_KERNEL", "simt")
     assert cuda_decode.default_config() == cuda_decode.KernelConfig()
     monkeypatch.delenv("KVPOOL_DECODE_KERNEL")
     assert cuda_decode.default_config() == cuda_decode.DEFAULT_CONFIG
 
 
-def test_v3_shared_memory_fits_two_ctas_per_sm():
+def test_mma_shared_memory_fits_two_ctas_per_sm():
     # 4 warps x 3 stages x (K + V) x 16 tokens x 256 B + the block list: two CTAs per H200 SM.
-    smem = cuda_decode.smem_bytes(torch.bfloat16, 128, 4, cuda_decode.KernelConfig("v3", 64, 3))
+    smem = cuda_decode.smem_bytes(torch.bfloat16, 128, 4, cuda_decode.KernelConfig("mma", 64, 3))
     assert smem == 4 * 3 * 2 * 16 * 256 + 2 * 512 * 4
     assert 2 * (smem + 1024) <= 228 * 1024
 
@@ -156,12 +172,12 @@ def test_sparse_matches_reference_and_all_blocks_equal_dense(cfg, per_head, monk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_size", [8, 32, 12])  # 12: not a power of two, v3 hands over to v1
-def test_v3_other_block_sizes(block_size):
+@pytest.mark.parametrize("block_size", [8, 32, 12])  # 12: not a power of two, mma hands over to simt
+def test_mma_other_block_sizes(block_size):
     pool = _gpu_pool([300, 37, 1], heads=2, head_dim=64, block_size=block_size)
     bt, sl = pool.block_table([0, 1, 2]), pool.seq_lens([0, 1, 2])
     q = torch.randn(3, 8, 64, device="cuda", dtype=torch.bfloat16)
-    out = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, config=cuda_decode.KernelConfig("v3", 64, 3))
+    out = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, config=cuda_decode.KernelConfig("mma", 64, 3))
     assert tilehal.calc_diff(out, kvpool.paged_decode_reference(q, pool, 0, bt, sl)) < 1e-5
 
 

@@ -20,7 +20,10 @@ log = logging.getLogger("dataengine.cuda_select")
 KERNEL_DIR = Path(__file__).with_name("kernels")
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # q heads per kv head held in registers by the score kernel
-SCORE_THREADS, TOPK_THREADS = 256, 512
+SCORE_THREADS, TOPK_THREADS = 256, 512  # kScoreThreads, kTopkThreads (static_asserted at every compile)
+# The host's copies of the kernels' launch constants, held to the kernels' at compile time.
+_CHECKS = (f'static_assert(dataengine::kScoreThreads == {SCORE_THREADS}, "dataengine.cuda_select.SCORE_THREADS");\n'
+           f'static_assert(dataengine::kTopkThreads == {TOPK_THREADS}, "dataengine.cuda_select.TOPK_THREADS");\n')
 TOPK_STAGE_BYTES = 160 * 1024  # the staged top-k keeps rows of up to 40960 keys in shared memory
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half", torch.float32: "float"}
 _REDUCE = {"max": 0, "sum": 1, "mean": 2}
@@ -38,14 +41,14 @@ def compile_score(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, gro
                   arch: str = "sm_90a") -> tilehal.CudaModule:
     """The Quest score kernel for one (q dtype, summary dtype, head_dim, group, reduce)."""
     # No --use_fast_math: bounds must follow IEEE (no flush of subnormals) to match the reference.
-    return tilehal.compile_cuda('#include "select.cuh"\n', arch=arch, name=f"quest_score_{head_dim}_{group}",
+    return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS, arch=arch, name=f"quest_score_{head_dim}_{group}",
                                 include_dirs=[str(KERNEL_DIR)],
                                 name_expressions=[score_kernel_name(q_dtype, s_dtype, head_dim, group, reduce)])
 
 
 @functools.cache
 def compile_topk(arch: str = "sm_90a") -> tilehal.CudaModule:
-    return tilehal.compile_cuda('#include "select.cuh"\n', arch=arch, name="topk_select",
+    return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS, arch=arch, name="topk_select",
                                 include_dirs=[str(KERNEL_DIR)], name_expressions=list(TOPK_KERNELS.values()))
 
 

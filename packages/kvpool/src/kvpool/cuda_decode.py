@@ -17,45 +17,51 @@ from .pool import KVPool
 log = logging.getLogger("kvpool.cuda_decode")
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
-KERNEL_SOURCE = KERNEL_DIR / "paged_decode.cuh"
-THREADS, TILE, STAGES = 128, 64, 2  # v1's fixed tile and pipeline depth
-V3_MAX_ITEMS = 512  # kV3MaxItems in paged_decode_v3.cuh
-V3_WARPS, V3_STEP = 4, 16  # warps per CTA and tokens per warp step in paged_decode_v3.cuh
-VARIANTS = ("v1", "v3")
+# Launch constants shared with the kernels; every compile static_asserts that they still agree
+# (kernel_checks), so a drifted copy fails to build instead of launching a wrong grid.
+THREADS = 128  # kThreads, every decode kernel's CTA
+TILE, STAGES = 64, 2  # the SIMT kernel's fixed tile and pipeline depth (kSimtTile, kSimtStages)
+MMA_MAX_ITEMS = 512  # kMmaMaxItems: blocks one CTA of the MMA kernel may own
+MMA_WARPS, MMA_STEP = 4, 16  # kMmaWarps, kMmaStepTokens: warps per CTA, tokens per warp step
+VARIANTS = ("simt", "mma")
+HEADERS = {"simt": "paged_decode_simt.cuh", "mma": "paged_decode_mma.cuh"}
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Which decode kernel: "v1" (CUDA cores; any block size) or "v3" (tensor cores, per-warp
+    """Which decode kernel: "simt" (CUDA cores; any block size) or "mma" (tensor cores, per-warp
     pipelines; its tile is fixed at 4 warps x 16 tokens, `stages` is the per-warp cp.async depth)."""
 
-    variant: str = "v1"
+    variant: str = "simt"
     tile: int = TILE
     stages: int = STAGES
 
     @classmethod
     def parse(cls, text: str | None) -> KernelConfig:
-        """"v1", "v3" or "v3:64:STAGES"; the env
-        variable KVPOOL_DECODE_KERNEL uses this form. Empty or None: the default (v3, 3 stages)."""
+        """"simt", "mma" or "mma:64:STAGES"; the env variable KVPOOL_DECODE_KERNEL uses this
+        form. Empty or None: the default (mma, 3 stages). The kernels' former names ("v1" is now
+        "simt", "v3" is "mma") are refused with that hint."""
         if not text:
             return DEFAULT_CONFIG
-        if text == "v1":
+        if text == "simt":
             return cls()
         parts = text.split(":")
-        if parts[0] != "v3" or len(parts) not in (1, 3):
-            raise ValueError(f"KVPOOL_DECODE_KERNEL: expected 'v1', 'v3' or 'v3:64:STAGES', got {text!r}")
-        tile, stages = (int(x) for x in parts[1:]) if len(parts) == 3 else (V3_WARPS * V3_STEP, 3)
-        if tile != V3_WARPS * V3_STEP:
-            raise ValueError(f"KVPOOL_DECODE_KERNEL: v3's tile is fixed at {V3_WARPS * V3_STEP}, got {text!r}")
+        if parts[0] != "mma" or len(parts) not in (1, 3):
+            renamed = " (v1 is now 'simt', v3 is 'mma')" if parts[0] in ("v1", "v3") else ""
+            raise ValueError(f"KVPOOL_DECODE_KERNEL: expected 'simt', 'mma' or 'mma:64:STAGES', got {text!r}{renamed}")
+        tile, stages = (int(x) for x in parts[1:]) if len(parts) == 3 else (MMA_WARPS * MMA_STEP, 3)
+        if tile != MMA_WARPS * MMA_STEP:
+            raise ValueError(f"KVPOOL_DECODE_KERNEL: mma's tile is fixed at {MMA_WARPS * MMA_STEP}, got {text!r}")
         if stages < 2:
             raise ValueError(f"KVPOOL_DECODE_KERNEL: at least 2 stages, got {text!r}")
         return cls(parts[0], tile, stages)
 
 
-# v3 with 3 stages measured fastest on the H200 (docs/benchmarks/kvpool_decode.json) and passes
-# every GPU test; v1 stays selectable through KVPOOL_DECODE_KERNEL and serves block sizes v3
-# cannot. (A "v2", v1 plus a staged block list, measured slower than v1 and was removed.)
-DEFAULT_CONFIG = KernelConfig("v3", V3_WARPS * V3_STEP, 3)
+# mma with 3 stages measured fastest on the H200 (docs/benchmarks/kvpool_decode.json, where it
+# is labelled by its old name v3:64:3) and passes every GPU test; simt stays selectable through
+# KVPOOL_DECODE_KERNEL and serves block sizes mma cannot. (A SIMT kernel with a staged block
+# list measured slower than simt and was removed.)
+DEFAULT_CONFIG = KernelConfig("mma", MMA_WARPS * MMA_STEP, 3)
 
 
 @functools.lru_cache(maxsize=16)
@@ -74,23 +80,33 @@ _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
 
 def smem_bytes(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfig = KernelConfig()) -> int:
-    """Dynamic shared memory of one CTA (mirrors DecodeSmem / DecodeSmemV3)."""
+    """Dynamic shared memory of one CTA (DecodeSmemSimt / DecodeSmemMma::kBytes; kernel_checks
+    asserts they agree)."""
     tile_bytes = cfg.tile * head_dim * dtype.itemsize
-    if cfg.variant == "v1":
+    if cfg.variant == "simt":
         return 2 * STAGES * tile_bytes + TILE * group * 4 + STAGES * TILE * 4 + 4 * group * 4
-    # v3, per warp: STAGES steps of K and of V, 16 tokens each
-    step_bytes = V3_STEP * head_dim * dtype.itemsize
-    return V3_WARPS * 2 * cfg.stages * step_bytes + 2 * V3_MAX_ITEMS * 4
+    # mma, per warp: STAGES steps of K and of V, 16 tokens each
+    step_bytes = MMA_STEP * head_dim * dtype.itemsize
+    return MMA_WARPS * 2 * cfg.stages * step_bytes + 2 * MMA_MAX_ITEMS * 4
 
 
-def unsupported_reason(q: torch.Tensor, pool: KVPool) -> str | None:
-    """Why the CUDA kernel cannot serve this call (None: it can)."""
+def dtype_reason(q: torch.Tensor, pool: KVPool, head_dims: tuple[int, ...]) -> str | None:
+    """Why a bf16/fp16 kernel taking `head_dims` cannot serve q over this pool (None: it can);
+    shared by the decode and prefill kernels."""
     if pool.dtype not in _CTYPES:
         return f"pool dtype {pool.dtype} (kernel: bf16/fp16)"
     if q.dtype != pool.dtype:
         return f"q dtype {q.dtype} differs from the pool's {pool.dtype}"
-    if pool.head_dim not in HEAD_DIMS:
-        return f"head_dim {pool.head_dim} (kernel: {HEAD_DIMS})"
+    if pool.head_dim not in head_dims:
+        return f"head_dim {pool.head_dim} (kernel: {head_dims})"
+    return None
+
+
+def unsupported_reason(q: torch.Tensor, pool: KVPool) -> str | None:
+    """Why the CUDA kernel cannot serve this call (None: it can)."""
+    reason = dtype_reason(q, pool, HEAD_DIMS)
+    if reason is not None:
+        return reason
     group = q.shape[1] // pool.num_kv_heads
     if group > MAX_GROUP:
         return f"{group} q heads per kv head (kernel: <= {MAX_GROUP})"
@@ -100,20 +116,40 @@ def unsupported_reason(q: torch.Tensor, pool: KVPool) -> str | None:
 def kernel_names(dtype: torch.dtype, head_dim: int, group: int,
                  cfg: KernelConfig = KernelConfig()) -> tuple[str, str]:
     t = _CTYPES[dtype]
-    if cfg.variant == "v1":
-        main = f"kvpool::paged_decode_kernel<{t}, {head_dim}, {group}>"
+    if cfg.variant == "simt":
+        main = f"kvpool::paged_decode_simt_kernel<{t}, {head_dim}, {group}>"
     else:
-        main = f"kvpool::paged_decode_v3_kernel<{t}, {head_dim}, {group}, {cfg.stages}>"
+        main = f"kvpool::paged_decode_mma_kernel<{t}, {head_dim}, {group}, {cfg.stages}>"
     return main, f"kvpool::paged_decode_combine<{t}, {head_dim}>"
+
+
+def _asserts(pairs: list[tuple[str, int]]) -> str:
+    return "".join(f'static_assert({expr} == {value}, "kvpool.cuda_decode: {expr} != {value}");\n'
+                   for expr, value in pairs)
+
+
+def kernel_checks(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfig = KernelConfig()) -> str:
+    """static_asserts, appended to the compiled source, holding the kernel's constants to this
+    module's copies (threads, tile, stages, block-list capacity, shared-memory bytes)."""
+    t = _CTYPES[dtype]
+    pairs = [("kvpool::kThreads", THREADS)]
+    if cfg.variant == "simt":
+        pairs += [("kvpool::kSimtTile", TILE), ("kvpool::kSimtStages", STAGES),
+                  (f"kvpool::DecodeSmemSimt<{t}, {head_dim}, {group}>::kBytes", smem_bytes(dtype, head_dim, group, cfg))]
+    else:
+        pairs += [("kvpool::kMmaWarps", MMA_WARPS), ("kvpool::kMmaStepTokens", MMA_STEP),
+                  ("kvpool::kMmaMaxItems", MMA_MAX_ITEMS),
+                  (f"kvpool::DecodeSmemMma<{t}, {head_dim}, {cfg.stages}>::kBytes",
+                   smem_bytes(dtype, head_dim, group, cfg))]
+    return _asserts(pairs)
 
 
 @functools.cache
 def compile_decode(dtype: torch.dtype, head_dim: int, group: int, arch: str = "sm_90a",
                    cfg: KernelConfig = KernelConfig()) -> tilehal.CudaModule:
     """Compile (or load from tilehal's cache) the kernels for one (dtype, head_dim, group, config)."""
-    header = {"v1": "paged_decode.cuh", "v3": "paged_decode_v3.cuh"}[cfg.variant]
     # tilehal's cache key covers the headers in include_dirs, so an edited kernel recompiles.
-    source = f'#include "{header}"\n'
+    source = f'#include "{HEADERS[cfg.variant]}"\n' + kernel_checks(dtype, head_dim, group, cfg)
     return tilehal.compile_cuda(source, arch=arch,
                                 name=f"paged_decode_{cfg.variant}_{head_dim}_{group}",
                                 include_dirs=[str(KERNEL_DIR)], options=["--use_fast_math"],
@@ -145,8 +181,8 @@ def _launch_plan(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfi
                  kv_heads: int, items: int, device_index: int, num_splits: int | None):
     """Kernels, shared memory and split count for one call shape, cached: a decode step calls
     this with the same shape every layer, and the Python around a ~100 us kernel matters."""
-    if cfg.variant == "v3" and block_size & (block_size - 1):
-        log.debug("paged_decode: v3 needs a power-of-two block_size (got %d); running v1", block_size)
+    if cfg.variant == "mma" and block_size & (block_size - 1):
+        log.debug("paged_decode: the mma kernel needs a power-of-two block_size (got %d); running simt", block_size)
         cfg = KernelConfig()
     module = compile_decode(dtype, head_dim, group, cfg=cfg)
     main, combine = (module.get_kernel(n) for n in kernel_names(dtype, head_dim, group, cfg))
@@ -154,9 +190,29 @@ def _launch_plan(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfi
     if num_splits is None:
         per_sm = max(1, min(228 * 1024 // (smem + 1024), 2048 // THREADS))
         num_splits = choose_splits(batch, kv_heads, items * block_size, _device_sms(device_index), per_sm)
-    if cfg.variant == "v3":  # a CTA's share of blocks must fit the kernel's shared table
-        num_splits = max(num_splits, -(-items // V3_MAX_ITEMS))
+    if cfg.variant == "mma":  # a CTA's share of blocks must fit the kernel's shared table
+        num_splits = max(num_splits, -(-items // MMA_MAX_ITEMS))
     return main, combine, smem, num_splits
+
+
+def _index_args(block_indices: torch.Tensor | None, table: torch.Tensor, kv_heads: int):
+    """The kernels' (block_idx, num_idx, idx_b_stride, idx_h_stride) and the item count per
+    sequence: the selected blocks (sparse, [B, n] or [B, kv_heads, n]) or the table's width."""
+    if block_indices is None:
+        return None, 0, 0, 0, table.shape[1]
+    idx = block_indices.contiguous()
+    n = idx.shape[-1]
+    per_head = idx.ndim == 3
+    return idx, n, n * (kv_heads if per_head else 1), n if per_head else 0, n
+
+
+def _partials(q: torch.Tensor, num_splits: int):
+    """Split-K partials (o [B, Hq, splits, D], (m, l) [B, Hq, splits, 2]), or (None, None) for one split."""
+    if num_splits <= 1:
+        return None, None
+    B, hq, d = q.shape
+    return (torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device),
+            torch.empty((B, hq, num_splits, 2), dtype=torch.float32, device=q.device))
 
 
 def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.Tensor,
@@ -172,23 +228,11 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     q = q.contiguous()
     table = block_table.contiguous()
     kc, vc = pool.layer_cache(layer)
-    if block_indices is not None:
-        idx = block_indices.contiguous()
-        n = idx.shape[-1]
-        idx_h_stride = n if idx.ndim == 3 else 0
-        idx_b_stride = n * (H if idx.ndim == 3 else 1)
-        items = n
-    else:
-        idx, n, idx_b_stride, idx_h_stride = None, 0, 0, 0
-        items = table.shape[1]
+    idx, n, idx_b_stride, idx_h_stride, items = _index_args(block_indices, table, H)
     main, combine, smem, num_splits = _launch_plan(pool.dtype, d, group, cfg, pool.block_size, B, H, items,
                                                    q.device.index or 0, num_splits)
     out = torch.empty_like(q)
-    if num_splits > 1:
-        o_part = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
-        ml_part = torch.empty((B, hq, num_splits, 2), dtype=torch.float32, device=q.device)
-    else:
-        o_part = ml_part = None
+    o_part, ml_part = _partials(q, num_splits)
     main.launch((num_splits, H, B), THREADS,
                 [q, kc, vc, table, table.shape[1], seq_lens, idx, idx_b_stride, idx_h_stride, n, out, o_part,
                  ml_part, float(scale * math.log2(math.e)), pool.block_size], smem_bytes=smem)
@@ -198,7 +242,7 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
 
 
 # ----------------------------------------------------------------------------- fp8 (e4m3) pools
-FP8_MAX_ITEMS = 512  # kF8MaxItems in paged_decode_fp8.cuh
+FP8_MAX_ITEMS = 512  # kF8MaxItems: blocks one CTA of the fp8 kernel may own (asserted at compile time)
 FP8_CTAS_PER_SM = 4  # ~127 registers x 128 threads and 16 KB of shared memory (D=128, G=4)
 _FP8_Q_CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half", torch.float32: "float"}
 
@@ -225,7 +269,8 @@ def fp8_kernel_names(q_dtype: torch.dtype, head_dim: int, group: int) -> tuple[s
 
 @functools.cache
 def compile_decode_fp8(q_dtype: torch.dtype, head_dim: int, group: int, arch: str = "sm_90a") -> tilehal.CudaModule:
-    return tilehal.compile_cuda('#include "paged_decode_fp8.cuh"\n', arch=arch,
+    checks = _asserts([("kvpool::kThreads", THREADS), ("kvpool::kF8MaxItems", FP8_MAX_ITEMS)])
+    return tilehal.compile_cuda('#include "paged_decode_fp8.cuh"\n' + checks, arch=arch,
                                 name=f"paged_decode_fp8_{head_dim}_{group}", include_dirs=[str(KERNEL_DIR)],
                                 options=["--use_fast_math"], name_expressions=list(fp8_kernel_names(q_dtype, head_dim, group)))
 
@@ -244,25 +289,13 @@ def paged_decode_fp8_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table
     table = block_table.contiguous()
     kc, vc = pool.layer_cache(layer)
     ks, vs = pool.layer_scales(layer)
-    if block_indices is not None:
-        idx = block_indices.contiguous()
-        n = idx.shape[-1]
-        idx_h_stride = n if idx.ndim == 3 else 0
-        idx_b_stride = n * (H if idx.ndim == 3 else 1)
-        items = n
-    else:
-        idx, n, idx_b_stride, idx_h_stride = None, 0, 0, 0
-        items = table.shape[1]
+    idx, n, idx_b_stride, idx_h_stride, items = _index_args(block_indices, table, H)
     main, combine = (compile_decode_fp8(q.dtype, d, group).get_kernel(x) for x in fp8_kernel_names(q.dtype, d, group))
     if num_splits is None:
         num_splits = choose_splits(B, H, items * pool.block_size, _device_sms(q.device.index or 0), FP8_CTAS_PER_SM)
     num_splits = max(num_splits, -(-items // FP8_MAX_ITEMS), 1)
     out = torch.empty_like(q)
-    if num_splits > 1:
-        o_part = torch.empty((B, hq, num_splits, d), dtype=torch.float32, device=q.device)
-        ml_part = torch.empty((B, hq, num_splits, 2), dtype=torch.float32, device=q.device)
-    else:
-        o_part = ml_part = None
+    o_part, ml_part = _partials(q, num_splits)
     main.launch((num_splits, H, B), THREADS,
                 [q, kc.view(torch.uint8), vc.view(torch.uint8), ks.contiguous(), vs.contiguous(), table, table.shape[1],
                  seq_lens, idx, idx_b_stride, idx_h_stride, n, out, o_part, ml_part,

@@ -11,13 +11,14 @@ from pathlib import Path
 import tilehal
 import torch
 
+from .cuda_decode import dtype_reason
 from .pool import KVPool
 
 log = logging.getLogger("kvpool.cuda_prefill")
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 HEAD_DIMS = (64, 128)
-BN = 64  # kPrefillBN
+BN = 64  # kPrefillBN: kv tokens per pipeline stage (static_asserted at every compile)
 # (warps per CTA, 16-row blocks per warp): a CTA owns 16 * warps * row_blocks query rows.
 CONFIGS = ((8, 1), (4, 1), (4, 2), (8, 2))
 DEFAULT_CONFIG = (8, 1)
@@ -49,7 +50,8 @@ def rows_per_cta(cfg: tuple[int, int]) -> int:
 
 
 def smem_bytes(dtype: torch.dtype, head_dim: int, cfg: tuple[int, int]) -> int:
-    """Dynamic shared memory of one CTA (mirrors PrefillSmem): Q tile + 2 stages of K and of V."""
+    """Dynamic shared memory of one CTA (PrefillSmem::kBytes, asserted at compile time): Q tile +
+    2 stages of K and of V."""
     row = head_dim * dtype.itemsize
     return rows_per_cta(cfg) * row + 4 * BN * row
 
@@ -57,7 +59,12 @@ def smem_bytes(dtype: torch.dtype, head_dim: int, cfg: tuple[int, int]) -> int:
 @functools.cache
 def compile_prefill(dtype: torch.dtype, head_dim: int, cfg: tuple[int, int] = DEFAULT_CONFIG,
                     arch: str = "sm_90a") -> tilehal.CudaModule:
-    return tilehal.compile_cuda('#include "paged_prefill.cuh"\n', arch=arch,
+    t, smem = _CTYPES[dtype], smem_bytes(dtype, head_dim, cfg)
+    # The host's copies of the kernel's constants, held to the kernel's at compile time.
+    checks = (f'static_assert(kvpool::kPrefillBN == {BN}, "kvpool.cuda_prefill.BN");\n'
+              f'static_assert(kvpool::PrefillSmem<{t}, {head_dim}, {cfg[0] * cfg[1]}>::kBytes == {smem}, '
+              f'"kvpool.cuda_prefill.smem_bytes");\n')
+    return tilehal.compile_cuda('#include "paged_prefill.cuh"\n' + checks, arch=arch,
                                 name=f"paged_prefill_{head_dim}_{config_name(cfg)}", include_dirs=[str(KERNEL_DIR)],
                                 options=["--use_fast_math"], name_expressions=[kernel_name(dtype, head_dim, cfg)])
 
@@ -66,13 +73,7 @@ def unsupported_reason(q: torch.Tensor, pool: KVPool) -> str | None:
     """Why the CUDA kernel cannot serve this call (None: it can)."""
     if pool.device.type != "cuda":
         return f"pool on {pool.device}"
-    if pool.dtype not in _CTYPES:
-        return f"pool dtype {pool.dtype} (kernel: bf16/fp16)"
-    if q.dtype != pool.dtype:
-        return f"q dtype {q.dtype} differs from the pool's {pool.dtype}"
-    if pool.head_dim not in HEAD_DIMS:
-        return f"head_dim {pool.head_dim} (kernel: {HEAD_DIMS})"
-    return None
+    return dtype_reason(q, pool, HEAD_DIMS)
 
 
 def tile_list(cu: list[int], lens: list[int], rows_per_tile: int) -> list[tuple[int, int]]:

@@ -46,13 +46,7 @@ __device__ __forceinline__ void unpack16(const int4& r, float (&x)[8], bool bf16
   const unsigned u[4] = {unsigned(r.x), unsigned(r.y), unsigned(r.z), unsigned(r.w)};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    float2 f;
-    if (bf16) {
-      f = tilehal::bf16x2_to_float2(u[i]);
-    } else {
-      __half2 h = *reinterpret_cast<const __half2*>(&u[i]);
-      f = __half22float2(h);
-    }
+    const float2 f = bf16 ? tilehal::bf16x2_to_float2(u[i]) : tilehal::half2_to_float2(u[i]);
     x[2 * i] = f.x;
     x[2 * i + 1] = f.y;
   }

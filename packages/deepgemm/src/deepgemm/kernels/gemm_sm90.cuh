@@ -187,11 +187,6 @@ TILEHAL_DEVICE u64 desc_step(u64 desc, int k) {
   return (desc & 0xFFFFFFFF00000000ull) | static_cast<u32>(static_cast<u32>(desc) + k * 2);
 }
 
-// bar.sync on a named barrier among `count` threads (id 0 is __syncthreads's).
-TILEHAL_DEVICE void named_barrier_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-
 // Byte offset of the bf16 pair (row r, columns 8j + 2q, +1) in the epilogue staging tile. With
 // D_SWIZZLE the tile is BLOCK_N / (D_SWIZZLE / 2) boxes of [BLOCK_M, D_SWIZZLE / 2] as TMA's
 // SWIZZLE_{32,64,128}B expects them: the 16-byte unit of a row is XORed with the row's phase.

@@ -11,31 +11,15 @@
 
 namespace kvpool {
 
-template <typename T> struct Pair;
-template <> struct Pair<__nv_bfloat16> {
-  static __device__ __forceinline__ unsigned pack(float a, float b) { return tilehal::float2_to_bf16x2(a, b); }
-  static __device__ __forceinline__ float2 unpack(unsigned u) { return tilehal::bf16x2_to_float2(u); }
-};
-template <> struct Pair<__half> {
-  static __device__ __forceinline__ unsigned pack(float a, float b) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<unsigned*>(&h);
-  }
-  static __device__ __forceinline__ float2 unpack(unsigned u) {
-    __half2 h = *reinterpret_cast<__half2*>(&u);
-    return __half22float2(h);
-  }
-};
-
 template <typename T, bool IS_MIN>
 __device__ __forceinline__ void fold_pair(unsigned* addr, float x0, float x1) {
   unsigned old = *reinterpret_cast<volatile unsigned*>(addr), assumed;
   do {
     assumed = old;
-    const float2 cur = Pair<T>::unpack(assumed);
+    const float2 cur = tilehal::to_float2<T>(assumed);
     const float n0 = IS_MIN ? (x0 < cur.x ? x0 : cur.x) : (x0 > cur.x ? x0 : cur.x);
     const float n1 = IS_MIN ? (x1 < cur.y ? x1 : cur.y) : (x1 > cur.y ? x1 : cur.y);
-    const unsigned nw = Pair<T>::pack(n0, n1);  // exact: n0, n1 are values of T
+    const unsigned nw = tilehal::from_float2<T>(n0, n1);  // exact: n0, n1 are values of T
     if (nw == assumed) return;
     old = atomicCAS(addr, assumed, nw);
   } while (old != assumed);
@@ -59,10 +43,10 @@ __global__ void __launch_bounds__(256) kv_write_kernel(
     const int e = 2 * p;  // element index within [H, D]; head_dim is even, so a pair never straddles heads
     const float k0 = tilehal::to_float(k[src0 + e]), k1 = tilehal::to_float(k[src0 + e + 1]);
     const float v0 = tilehal::to_float(v[src0 + e]), v1 = tilehal::to_float(v[src0 + e + 1]);
-    const unsigned kw = Pair<T>::pack(k0, k1);
+    const unsigned kw = tilehal::from_float2<T>(k0, k1);
     reinterpret_cast<unsigned*>(k_cache + dst0)[p] = kw;
-    reinterpret_cast<unsigned*>(v_cache + dst0)[p] = Pair<T>::pack(v0, v1);
-    const float2 ks = Pair<T>::unpack(kw);  // the stored (rounded) key, as the reference summarizes
+    reinterpret_cast<unsigned*>(v_cache + dst0)[p] = tilehal::from_float2<T>(v0, v1);
+    const float2 ks = tilehal::to_float2<T>(kw);  // the stored (rounded) key, as the reference summarizes
     fold_pair<T, true>(reinterpret_cast<unsigned*>(kmin + sum0) + p, ks.x, ks.y);
     fold_pair<T, false>(reinterpret_cast<unsigned*>(kmax + sum0) + p, ks.x, ks.y);
   }

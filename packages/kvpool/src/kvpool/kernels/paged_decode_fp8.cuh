@@ -1,20 +1,19 @@
 // Paged decode over an fp8 (e4m3) pool: K/V stored as e4m3 with one fp32 scale per (block, kv head).
 //
-// Same contract and split-K partials as paged_decode_kernel (paged_decode.cuh), plus the two
-// scale tensors; q and out are bf16/fp16/fp32 (the model's dtype). Grid (splits, kv_heads, B),
-// 128 threads. The CTA's share of blocks (physical id, valid tokens, K and V scale) is staged in
-// shared memory; warp w takes blocks w, w+4, ...; inside a block, D/8 lanes own one token (8
-// channels = 8 bytes of K and of V per lane), so a warp reads 32/(D/8) tokens per step, and
-// kUnroll steps are loaded before they are used. Scores of a batch of tokens update the online
-// softmax once (one rescale per batch). The lane groups' and warps' partial (m, l, O) merge at
-// the end (shuffles, then shared memory).
+// Contract, grid and split partials: paged_decode_common.cuh, plus the two scale tensors; q and
+// out are bf16/fp16/fp32 (the model's dtype). The CTA's share of blocks (physical id, valid
+// tokens, K and V scale) is staged in shared memory; warp w takes blocks w, w+4, ...; inside a
+// block, D/8 lanes own one token (8 channels = 8 bytes of K and of V per lane), so a warp reads
+// 32/(D/8) tokens per step, and kF8Unroll steps are loaded before they are used. Scores of a
+// batch of tokens update the online softmax once (one rescale per batch). The lane groups' and
+// warps' partial (m, l, O) merge at the end (shuffles, then shared memory).
 #pragma once
-#include "paged_decode.cuh"
+#include "paged_decode_common.cuh"
 
 namespace kvpool {
 
 constexpr int kF8Warps = kThreads / 32;
-constexpr int kF8MaxItems = 512;  // blocks one CTA may own (host picks splits accordingly)
+constexpr int kF8MaxItems = 512;  // blocks one CTA may own; the host picks splits accordingly (FP8_MAX_ITEMS)
 constexpr int kF8Unroll = 4;
 
 // 8 e4m3 values (8 bytes) -> floats
@@ -55,12 +54,11 @@ __global__ void __launch_bounds__(kThreads) paged_decode_fp8_kernel(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int sub = lane / kLanes, cl = lane % kLanes;
   const int seq_len = seq_lens[b];
+  // Positions past the table are ignored (as in the reference), never read out of bounds.
   const int seq_blocks = min((seq_len + block_size - 1) / block_size, table_stride);
   const int* idx = block_idx ? block_idx + (long long)b * idx_b_stride + (long long)h * idx_h_stride : nullptr;
-  const int items = idx ? num_idx : seq_blocks;
-  const int per_split = (items + splits - 1) / splits;
-  const int item0 = split * per_split;
-  const int n_items = max(0, min(items, item0 + per_split) - item0);
+  const SplitRange range = split_range(idx, num_idx, seq_blocks, split, splits);
+  const int item0 = range.begin, n_items = range.count;
   const int* table = block_table + (long long)b * table_stride;
 
   for (int i = threadIdx.x; i < n_items; i += kThreads) {

@@ -30,41 +30,6 @@ struct PrefillSmem {
   static constexpr int kBytes = kQBytes + 4 * kKVBytes;    // Q, K x 2 stages, V x 2 stages
 };
 
-template <typename T> struct MmaF32;
-template <> struct MmaF32<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-  }
-};
-template <> struct MmaF32<__half> {
-  static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-  }
-};
-
-__device__ __forceinline__ void prefill_ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void prefill_ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-
 template <typename T, int D, int W, int MR>
 __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
     const T* __restrict__ q,              // [total, Hq, D]
@@ -78,7 +43,7 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
     T* __restrict__ out,                  // [total, Hq, D]
     int kv_heads, float scale_log2, int block_size) {
   using S = PrefillSmem<T, D, W * MR>;
-  using Mma = MmaF32<T>;
+  using Tag = typename tilehal::MmaTag<T>::type;
   constexpr int kThreads = 32 * W;
   constexpr int kRowsPerWarp = 16 * MR;
   constexpr int kPrefillBM = kRowsPerWarp * W;
@@ -155,7 +120,7 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
   const int q_r = lane & 15, q_half = lane >> 4;
   auto load_q = [&](unsigned (&a)[4], int mr, int kk) {
     const int r = warp * kRowsPerWarp + mr * 16 + q_r;
-    prefill_ldmatrix_x4(a, q_sa + r * S::kRowBytes + (((2 * kk + q_half) ^ (r & 7)) << 4));
+    tilehal::ldmatrix_x4(a, q_sa + r * S::kRowBytes + (((2 * kk + q_half) ^ (r & 7)) << 4));
   };
   unsigned qa[kQInRegs ? kKSteps : 1][4];
   if constexpr (kQInRegs) {
@@ -212,11 +177,11 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
       for (int np = 0; np < kSTiles / 2; ++np) {
         const int r = np * 16 + k_tok;
         unsigned bk[4];
-        prefill_ldmatrix_x4(bk, ks + r * S::kRowBytes + (((2 * kk + k_half) ^ (r & 7)) << 4));
+        tilehal::ldmatrix_x4(bk, ks + r * S::kRowBytes + (((2 * kk + k_half) ^ (r & 7)) << 4));
 #pragma unroll
         for (int mr = 0; mr < MR; ++mr) {
-          Mma::run(s[mr][2 * np], qf[mr], bk[0], bk[1]);
-          Mma::run(s[mr][2 * np + 1], qf[mr], bk[2], bk[3]);
+          tilehal::mma_m16n8k16(Tag(), s[mr][2 * np], qf[mr], {bk[0], bk[1]});
+          tilehal::mma_m16n8k16(Tag(), s[mr][2 * np + 1], qf[mr], {bk[2], bk[3]});
         }
       }
     }
@@ -263,10 +228,10 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
       }
 #pragma unroll
       for (int kk = 0; kk < kPrefillBN / 16; ++kk) {
-        pa[mr][kk][0] = Mma::pack(s[mr][2 * kk][0], s[mr][2 * kk][1]);
-        pa[mr][kk][1] = Mma::pack(s[mr][2 * kk][2], s[mr][2 * kk][3]);
-        pa[mr][kk][2] = Mma::pack(s[mr][2 * kk + 1][0], s[mr][2 * kk + 1][1]);
-        pa[mr][kk][3] = Mma::pack(s[mr][2 * kk + 1][2], s[mr][2 * kk + 1][3]);
+        pa[mr][kk][0] = tilehal::pack2(Tag(), s[mr][2 * kk][0], s[mr][2 * kk][1]);
+        pa[mr][kk][1] = tilehal::pack2(Tag(), s[mr][2 * kk][2], s[mr][2 * kk][3]);
+        pa[mr][kk][2] = tilehal::pack2(Tag(), s[mr][2 * kk + 1][0], s[mr][2 * kk + 1][1]);
+        pa[mr][kk][3] = tilehal::pack2(Tag(), s[mr][2 * kk + 1][2], s[mr][2 * kk + 1][3]);
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) l_run[mr][r] = l_run[mr][r] * alpha[r] + rs[r];
@@ -284,11 +249,11 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
 #pragma unroll
       for (int n = 0; n < kOTiles; n += 2) {
         unsigned bv[4];
-        prefill_ldmatrix_x4_trans(bv, vs + r * S::kRowBytes + (((n + v_half) ^ (r & 7)) << 4));
+        tilehal::ldmatrix_x4_trans(bv, vs + r * S::kRowBytes + (((n + v_half) ^ (r & 7)) << 4));
 #pragma unroll
         for (int mr = 0; mr < MR; ++mr) {
-          Mma::run(o[mr][n], pa[mr][kk], bv[0], bv[1]);
-          Mma::run(o[mr][n + 1], pa[mr][kk], bv[2], bv[3]);
+          tilehal::mma_m16n8k16(Tag(), o[mr][n], pa[mr][kk], {bv[0], bv[1]});
+          tilehal::mma_m16n8k16(Tag(), o[mr][n + 1], pa[mr][kk], {bv[2], bv[3]});
         }
       }
     }
@@ -309,7 +274,7 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
       T* dst = out + (long long)(q0 + i0 + row) * q_row_stride + (long long)hq * D + t2;
 #pragma unroll
       for (int n = 0; n < kOTiles; ++n)
-        *reinterpret_cast<unsigned*>(dst + n * 8) = Mma::pack(o[mr][n][2 * r] * inv, o[mr][n][2 * r + 1] * inv);
+        *reinterpret_cast<unsigned*>(dst + n * 8) = tilehal::pack2(Tag(), o[mr][n][2 * r] * inv, o[mr][n][2 * r + 1] * inv);
     }
   }
 }

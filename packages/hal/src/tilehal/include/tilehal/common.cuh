@@ -28,4 +28,10 @@ constexpr int kWarpSize = 32;
 TILEHAL_DEVICE int lane_id() { return threadIdx.x & 31; }
 TILEHAL_DEVICE int warp_id() { return threadIdx.x >> 5; }
 
+// bar.sync on a named barrier among `count` threads (a multiple of 32; id 0 is __syncthreads's):
+// lets a subset of the CTA's warps (e.g. a warp-specialized kernel's math warps) meet.
+TILEHAL_DEVICE void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
 }  // namespace tilehal

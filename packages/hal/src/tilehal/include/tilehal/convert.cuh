@@ -27,5 +27,23 @@ TILEHAL_DEVICE unsigned float2_to_bf16x2(float a, float b) {
   __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
   return *reinterpret_cast<unsigned*>(&v);
 }
+// The same for two fp16.
+TILEHAL_DEVICE float2 half2_to_float2(unsigned bits) {
+  __half2 h = *reinterpret_cast<__half2*>(&bits);
+  return __half22float2(h);
+}
+TILEHAL_DEVICE unsigned float2_to_half2(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+// By element type, for kernels templated over bf16 / fp16: two values packed in 32 bits (the
+// first in the low half) <-> float2, rounded to nearest even.
+template <typename T> TILEHAL_DEVICE float2 to_float2(unsigned bits);
+template <> TILEHAL_DEVICE float2 to_float2<__nv_bfloat16>(unsigned bits) { return bf16x2_to_float2(bits); }
+template <> TILEHAL_DEVICE float2 to_float2<__half>(unsigned bits) { return half2_to_float2(bits); }
+template <typename T> TILEHAL_DEVICE unsigned from_float2(float a, float b);
+template <> TILEHAL_DEVICE unsigned from_float2<__nv_bfloat16>(float a, float b) { return float2_to_bf16x2(a, b); }
+template <> TILEHAL_DEVICE unsigned from_float2<__half>(float a, float b) { return float2_to_half2(a, b); }
 
 }  // namespace tilehal

@@ -21,6 +21,17 @@ TILEHAL_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], const void* smem_row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
+// The same from a shared-space address (__cvta_generic_to_shared of the tile once, then 32-bit
+// offset arithmetic, e.g. a swizzled row), ordered against the kernel's shared-memory accesses
+// ("memory" clobber) since the compiler cannot see which bytes an address names.
+TILEHAL_DEVICE void ldmatrix_x4(u32 (&r)[4], u32 smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr) : "memory");
+}
+TILEHAL_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], u32 smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr) : "memory");
+}
 TILEHAL_DEVICE void ldmatrix_x2(u32 (&r)[2], const void* smem_row) {
   u32 a = static_cast<u32>(__cvta_generic_to_shared(smem_row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
@@ -37,6 +48,10 @@ struct MmaBF16 {};
 struct MmaE4M3 {};
 struct MmaE5M2 {};
 struct MmaS8 {};
+// The 16-bit operand tag of an element type, for kernels templated over bf16 / fp16.
+template <typename T> struct MmaTag;
+template <> struct MmaTag<__half> { using type = MmaF16; };
+template <> struct MmaTag<__nv_bfloat16> { using type = MmaBF16; };
 
 TILEHAL_DEVICE void mma_m16n8k16(MmaF16, float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "

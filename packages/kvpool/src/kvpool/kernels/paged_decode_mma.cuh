@@ -1,12 +1,13 @@
-// Paged decode, variant 3: tensor cores (mma.sync m16n8k16) and per-warp pipelines.
+// Paged decode on tensor cores (mma.sync m16n8k16) with per-warp pipelines.
 //
-// Same contract as paged_decode_kernel (paged_decode.cuh). Why a second kernel: v1 spends
-// ~4000 warp instructions per 64-token tile on CUDA-core dot products, conversions and three
-// CTA barriers, which at 4 KB of K/V per token-row group is close to the SM's issue rate at
-// 4 TB/s. Here the GQA group's q heads are the M rows of an m16n8k16 MMA (rows >= G are zero
-// padding; the tensor cores have throughput to spare), so a 16-token step costs ~32 MMAs +
-// 16 ldmatrix per warp, and the FlashAttention-2 trick feeds the probabilities straight from
-// the QK accumulators into the P@V MMA as the A operand (no shared-memory round trip).
+// Contract, grid and split partials: paged_decode_common.cuh. Why a second kernel: the SIMT
+// kernel (paged_decode_simt.cuh) spends ~4000 warp instructions per 64-token tile on CUDA-core
+// dot products, conversions and three CTA barriers, which at 4 KB of K/V per token-row group is
+// close to the SM's issue rate at 4 TB/s. Here the GQA group's q heads are the M rows of an
+// m16n8k16 MMA (rows >= G are zero padding; the tensor cores have throughput to spare), so a
+// 16-token step costs ~32 MMAs + 16 ldmatrix per warp, and the FlashAttention-2 trick feeds the
+// probabilities straight from the QK accumulators into the P@V MMA as the A operand (no
+// shared-memory round trip).
 //
 // Work split: 4 warps per CTA, each with its own STAGES-deep cp.async pipeline over its own
 // 16-token steps (warp w takes steps w, w+4, ...), its own online-softmax state and its own
@@ -16,93 +17,62 @@
 // the CTA's share (physical id, valid tokens) is staged in shared memory once.
 // Requires a power-of-two block_size (host checks).
 #pragma once
-#include "paged_decode.cuh"
+#include "paged_decode_common.cuh"
 
 namespace kvpool {
 
-constexpr int kV3Warps = kThreads / 32;
-constexpr int kV3StepTokens = 16;  // tokens per warp step: one MMA k-step of P @ V
-constexpr int kV3MaxItems = 512;   // blocks one CTA may own (host picks splits accordingly)
+constexpr int kMmaWarps = kThreads / 32;  // cuda_decode.MMA_WARPS
+constexpr int kMmaStepTokens = 16;  // tokens per warp step: one MMA k-step of P @ V (cuda_decode.MMA_STEP)
+constexpr int kMmaMaxItems = 512;   // blocks one CTA may own; the host picks splits accordingly (MMA_MAX_ITEMS)
 
 template <typename T, int D, int STAGES>
-struct DecodeSmemV3 {
+struct DecodeSmemMma {
   static constexpr int kRowBytes = D * int(sizeof(T));
-  static constexpr int kStepBytes = kV3StepTokens * kRowBytes;  // K (or V) of one warp step
+  static constexpr int kStepBytes = kMmaStepTokens * kRowBytes;  // K (or V) of one warp step
   static constexpr int kWarpBytes = 2 * STAGES * kStepBytes;    // K stages then V stages
-  static constexpr int kBytes = kV3Warps * kWarpBytes + 2 * kV3MaxItems * 4;
+  static constexpr int kBytes = kMmaWarps * kWarpBytes + 2 * kMmaMaxItems * 4;
 };
 
-template <typename T> struct Mma16816;
-template <> struct Mma16816<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float (&c)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
-    const unsigned zero = 0u;  // A rows 8..15 (a1, a3) are padding
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(zero), "r"(a2), "r"(zero), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-  }
-};
-template <> struct Mma16816<__half> {
-  static __device__ __forceinline__ void run(float (&c)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
-    const unsigned zero = 0u;
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(zero), "r"(a2), "r"(zero), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-  }
-};
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+// One m16n8k16 MMA whose A rows 8..15 are zero padding (only a0, a2 live: rows < 8 hold the
+// GQA group's q heads).
+template <typename T>
+__device__ __forceinline__ void mma_rows8(float (&c)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
+  tilehal::mma_m16n8k16(typename tilehal::MmaTag<T>::type(), c, {a0, 0u, a2, 0u}, {b0, b1});
 }
 
 template <typename T, int D, int G, int STAGES>
-__global__ void __launch_bounds__(kThreads) paged_decode_v3_kernel(
+__global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int* __restrict__ block_table, int table_stride, const int* __restrict__ seq_lens,
     const int* __restrict__ block_idx, int idx_b_stride, int idx_h_stride, int num_idx,
     T* __restrict__ out, float* __restrict__ o_part, float* __restrict__ ml_part,
     float scale_log2, int block_size) {
-  using S = DecodeSmemV3<T, D, STAGES>;
-  using Mma = Mma16816<T>;
+  using S = DecodeSmemMma<T, D, STAGES>;
+  using Tag = typename tilehal::MmaTag<T>::type;
   constexpr int kChunks = D / 8;                          // 16-byte chunks per K/V row
   constexpr int kKSteps = D / 16;                         // QK k-steps over the head dim
   constexpr int kNTiles = D / 8;                          // P@V n-tiles over the head dim
-  constexpr int kLoads = kV3StepTokens * kChunks / 32;   // cp.async per lane per step, K and V each
+  constexpr int kLoads = kMmaStepTokens * kChunks / 32;   // cp.async per lane per step, K and V each
   static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
   static_assert(G >= 1 && G <= 8, "q heads per kv head must fit the MMA's 8 live rows");
   static_assert(STAGES >= 2, "at least two stages");
-  static_assert(kV3Warps * 8 * (D + 2) * 4 <= kV3Warps * S::kWarpBytes, "warp merge must fit the stages");
+  static_assert(kMmaWarps * 8 * (D + 2) * 4 <= kMmaWarps * S::kWarpBytes, "warp merge must fit the stages");
 
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   unsigned char* wbase = smem + warp * S::kWarpBytes;
   const unsigned wbase_s = static_cast<unsigned>(__cvta_generic_to_shared(wbase));
-  int* blk_s = reinterpret_cast<int*>(smem + kV3Warps * S::kWarpBytes);
-  int* ntok_s = blk_s + kV3MaxItems;
+  int* blk_s = reinterpret_cast<int*>(smem + kMmaWarps * S::kWarpBytes);
+  int* ntok_s = blk_s + kMmaMaxItems;
 
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int H = gridDim.y, splits = gridDim.x;
   const int seq_len = seq_lens[b];
+  // Positions past the table are ignored (as in the reference), never read out of bounds.
   const int seq_blocks = min((seq_len + block_size - 1) / block_size, table_stride);
   const int* idx = block_idx ? block_idx + (long long)b * idx_b_stride + (long long)h * idx_h_stride : nullptr;
-  const int items = idx ? num_idx : seq_blocks;
-  const int per_split = (items + splits - 1) / splits;
-  const int item0 = split * per_split;
-  const int n_items = max(0, min(items, item0 + per_split) - item0);
+  const SplitRange range = split_range(idx, num_idx, seq_blocks, split, splits);
+  const int item0 = range.begin, n_items = range.count;
   const int num_tokens = n_items * block_size;
   const int bs_shift = __ffs(block_size) - 1, bs_mask = block_size - 1;
   const long long row_stride = (long long)H * D;
@@ -122,11 +92,11 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v3_kernel(
     return off < ntok_s[i] ? ((long long)blk_s[i] << bs_shift) + off : -1;
   };
 
-  const int num_steps = (num_tokens + kV3StepTokens - 1) / kV3StepTokens;
-  const int my_steps = num_steps > warp ? (num_steps - warp + kV3Warps - 1) / kV3Warps : 0;
+  const int num_steps = (num_tokens + kMmaStepTokens - 1) / kMmaStepTokens;
+  const int my_steps = num_steps > warp ? (num_steps - warp + kMmaWarps - 1) / kMmaWarps : 0;
 
   auto load_step = [&](int j, int stage) {
-    const int t0 = (warp + j * kV3Warps) * kV3StepTokens;
+    const int t0 = (warp + j * kMmaWarps) * kMmaStepTokens;
     unsigned char* ks = wbase + stage * S::kStepBytes;
     unsigned char* vs = wbase + (STAGES + stage) * S::kStepBytes;
 #pragma unroll
@@ -182,14 +152,14 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v3_kernel(
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
       unsigned bk[4];
-      ldmatrix_x4(bk, ks + k_tok * S::kRowBytes + (((2 * kk + k_half) ^ (k_tok & 7)) << 4));
-      Mma::run(s[0], qa[kk][0], qa[kk][1], bk[0], bk[1]);
-      Mma::run(s[1], qa[kk][0], qa[kk][1], bk[2], bk[3]);
+      tilehal::ldmatrix_x4(bk, ks + k_tok * S::kRowBytes + (((2 * kk + k_half) ^ (k_tok & 7)) << 4));
+      mma_rows8<T>(s[0], qa[kk][0], qa[kk][1], bk[0], bk[1]);
+      mma_rows8<T>(s[1], qa[kk][0], qa[kk][1], bk[2], bk[3]);
     }
 
     // ---- online softmax of row qrow over this lane's 4 tokens (n*8 + qcol + e); the row's
     // other 12 tokens live in the 3 neighbouring lanes (xor 1, 2).
-    const int t0 = (warp + j * kV3Warps) * kV3StepTokens;
+    const int t0 = (warp + j * kMmaWarps) * kMmaStepTokens;
     float mx = -INFINITY;
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
@@ -212,15 +182,15 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v3_kernel(
 #pragma unroll
     for (int n = 0; n < kNTiles; ++n) { o[n][0] *= alpha; o[n][1] *= alpha; }
     // The QK accumulator layout (row, token pair) is the A-operand layout of P (row, k pair).
-    const unsigned pa0 = Mma::pack(p00, p01), pa2 = Mma::pack(p10, p11);
+    const unsigned pa0 = tilehal::pack2(Tag(), p00, p01), pa2 = tilehal::pack2(Tag(), p10, p11);
 
     // ---- O += P V: V rows are tokens (k), columns head-dim (n); ldmatrix.trans gives B.
 #pragma unroll
     for (int n = 0; n < kNTiles; n += 2) {
       unsigned bv[4];
-      ldmatrix_x4_trans(bv, vs + v_tok * S::kRowBytes + (((n + v_half) ^ (v_tok & 7)) << 4));
-      Mma::run(o[n], pa0, pa2, bv[0], bv[1]);
-      Mma::run(o[n + 1], pa0, pa2, bv[2], bv[3]);
+      tilehal::ldmatrix_x4_trans(bv, vs + v_tok * S::kRowBytes + (((n + v_half) ^ (v_tok & 7)) << 4));
+      mma_rows8<T>(o[n], pa0, pa2, bv[0], bv[1]);
+      mma_rows8<T>(o[n + 1], pa0, pa2, bv[2], bv[3]);
     }
   }
   tilehal::cp_async_wait<0>();  // only empty groups can remain; drain before reusing smem
@@ -230,7 +200,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v3_kernel(
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
   float* red_o = reinterpret_cast<float*>(smem);  // [warps][8][D]
-  float* red_ml = red_o + kV3Warps * 8 * D;        // [warps][8][2]
+  float* red_ml = red_o + kMmaWarps * 8 * D;        // [warps][8][2]
   if (qrow < G) {
     float* dst = red_o + (warp * 8 + qrow) * D + qcol;
 #pragma unroll
@@ -248,11 +218,11 @@ __global__ void __launch_bounds__(kThreads) paged_decode_v3_kernel(
     const int g = e / D, d = e % D;
     float m = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kV3Warps; ++w) m = fmaxf(m, red_ml[(w * 8 + g) * 2]);
+    for (int w = 0; w < kMmaWarps; ++w) m = fmaxf(m, red_ml[(w * 8 + g) * 2]);
     const float base = m == -INFINITY ? 0.f : m;
     float acc = 0.f, l = 0.f;
 #pragma unroll
-    for (int w = 0; w < kV3Warps; ++w) {
+    for (int w = 0; w < kMmaWarps; ++w) {
       const float sc = exp2f(red_ml[(w * 8 + g) * 2] - base);
       acc += sc * red_o[(w * 8 + g) * D + d];
       l += sc * red_ml[(w * 8 + g) * 2 + 1];

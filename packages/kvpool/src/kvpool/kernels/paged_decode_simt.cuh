@@ -1,42 +1,30 @@
-// Paged decode attention (flash-decoding): one query token per sequence against its K/V blocks.
+// Paged decode attention on CUDA cores (SIMT): one query token per sequence against its K/V blocks.
 //
-// Grid (num_splits, kv_heads, batch); 128 threads. A CTA owns one (sequence, kv head) and one
-// contiguous share of that sequence's block list (all blocks, or the selected ones: sparse), and
-// serves all GROUP query heads of the kv head from a single pass over K and V. Tiles of 64
-// tokens stream global -> shared with 16-byte cp.async (zero-filled past the end) in a two-stage
-// pipeline; QK uses 8 threads per token (16-byte shared loads, q in registers), PV gives each
-// thread a pair of channels. With several splits, each writes an unnormalized partial (acc, m, l)
-// and paged_decode_combine merges them.
+// Contract, grid and split partials: paged_decode_common.cuh. The CTA serves all GROUP query
+// heads of its kv head from a single pass over K and V. Tiles of 64 tokens stream global ->
+// shared with 16-byte cp.async (zero-filled past the end) in a two-stage pipeline; QK uses 8
+// threads per token (16-byte shared loads, q in registers), PV gives each thread a pair of
+// channels. Serves any block size (paged_decode_mma.cuh needs a power of two).
 #pragma once
-#include <tilehal/tilehal.cuh>
+#include "paged_decode_common.cuh"
 
 namespace kvpool {
 
-constexpr int kThreads = 128;
-constexpr int kTile = 64;    // tokens per pipeline stage
-constexpr int kStages = 2;
+constexpr int kSimtTile = 64;    // tokens per pipeline stage (cuda_decode.TILE)
+constexpr int kSimtStages = 2;   // cuda_decode.STAGES
 
 template <typename T, int D, int G>
-struct DecodeSmem {
+struct DecodeSmemSimt {
   static constexpr int kRowBytes = D * int(sizeof(T));
-  static constexpr int kTileBytes = kTile * kRowBytes;
-  static constexpr int kBytes = 2 * kStages * kTileBytes          // K and V stages
-                                + kTile * G * 4                     // probabilities [token][g]
-                                + kStages * kTile * 4               // token valid flags
+  static constexpr int kTileBytes = kSimtTile * kRowBytes;
+  static constexpr int kBytes = 2 * kSimtStages * kTileBytes      // K and V stages
+                                + kSimtTile * G * 4                 // probabilities [token][g]
+                                + kSimtStages * kSimtTile * 4       // token valid flags
                                 + 4 * G * 4;                        // running m, l, alpha
 };
 
-template <typename T> __device__ __forceinline__ float2 to_float2(unsigned bits);
-template <> __device__ __forceinline__ float2 to_float2<__nv_bfloat16>(unsigned bits) {
-  return tilehal::bf16x2_to_float2(bits);
-}
-template <> __device__ __forceinline__ float2 to_float2<__half>(unsigned bits) {
-  __half2 h = *reinterpret_cast<__half2*>(&bits);
-  return __half22float2(h);
-}
-
 template <typename T, int D, int G>
-__global__ void __launch_bounds__(kThreads) paged_decode_kernel(
+__global__ void __launch_bounds__(kThreads) paged_decode_simt_kernel(
     const T* __restrict__ q,              // [B, H * G, D]
     const T* __restrict__ k_cache,        // [num_blocks, block_size, H, D] (one layer)
     const T* __restrict__ v_cache,
@@ -49,7 +37,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(
     float* __restrict__ o_part,           // [B, H * G, splits, D]
     float* __restrict__ ml_part,          // [B, H * G, splits, 2]
     float scale_log2, int block_size) {
-  using S = DecodeSmem<T, D, G>;
+  using S = DecodeSmemSimt<T, D, G>;
   constexpr int kChunks = D / 8;          // 16-byte chunks per K/V row
   constexpr int kDotChunks = kChunks / 8; // per QK thread (8 threads per token)
   constexpr int kPairs = D / 2;
@@ -58,10 +46,10 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(
 
   extern __shared__ __align__(16) unsigned char smem[];
   T* k_s = reinterpret_cast<T*>(smem);
-  T* v_s = reinterpret_cast<T*>(smem + kStages * S::kTileBytes);
-  float* p_s = reinterpret_cast<float*>(smem + 2 * kStages * S::kTileBytes);
-  int* valid_s = reinterpret_cast<int*>(p_s + kTile * G);
-  float* m_s = reinterpret_cast<float*>(valid_s + kStages * kTile);
+  T* v_s = reinterpret_cast<T*>(smem + kSimtStages * S::kTileBytes);
+  float* p_s = reinterpret_cast<float*>(smem + 2 * kSimtStages * S::kTileBytes);
+  int* valid_s = reinterpret_cast<int*>(p_s + kSimtTile * G);
+  float* m_s = reinterpret_cast<float*>(valid_s + kSimtStages * kSimtTile);
   float* l_s = m_s + G;
   float* alpha_s = l_s + G;
 
@@ -71,12 +59,10 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(
   // Positions past the table are ignored (as in the reference), never read out of bounds.
   const int seq_blocks = min((seq_len + block_size - 1) / block_size, table_stride);
   const int* idx = block_idx ? block_idx + (long long)b * idx_b_stride + (long long)h * idx_h_stride : nullptr;
-  const int items = idx ? num_idx : seq_blocks;
-  const int per_split = (items + splits - 1) / splits;
-  const int item0 = split * per_split;
-  const int item1 = min(items, item0 + per_split);
-  const int num_tokens = max(0, item1 - item0) * block_size;
-  const int num_tiles = (num_tokens + kTile - 1) / kTile;
+  const SplitRange range = split_range(idx, num_idx, seq_blocks, split, splits);
+  const int item0 = range.begin, n_items = range.count;
+  const int num_tokens = n_items * block_size;
+  const int num_tiles = (num_tokens + kSimtTile - 1) / kSimtTile;
   const long long row_stride = (long long)H * D;  // elements between consecutive tokens
   const int* table = block_table + (long long)b * table_stride;
 
@@ -93,16 +79,16 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(
   };
 
   auto load_tile = [&](int tile, int stage) {
-    T* ks = k_s + stage * kTile * D;
-    T* vs = v_s + stage * kTile * D;
+    T* ks = k_s + stage * kSimtTile * D;
+    T* vs = v_s + stage * kSimtTile * D;
 #pragma unroll
-    for (int i = 0; i < kTile * kChunks / kThreads; ++i) {
+    for (int i = 0; i < kSimtTile * kChunks / kThreads; ++i) {
       const int c = tid + i * kThreads, t = c / kChunks, col = c % kChunks;
-      const long long row = row_of(tile * kTile + t);
+      const long long row = row_of(tile * kSimtTile + t);
       const long long off = row < 0 ? 0 : row * row_stride + (long long)h * D + col * 8;
       tilehal::cp_async_16(ks + t * D + col * 8, k_cache + off, row >= 0);
       tilehal::cp_async_16(vs + t * D + col * 8, v_cache + off, row >= 0);
-      if (col == 0) valid_s[stage * kTile + t] = row >= 0;
+      if (col == 0) valid_s[stage * kSimtTile + t] = row >= 0;
     }
     tilehal::cp_async_commit();
   };
@@ -119,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(
       const unsigned* u = reinterpret_cast<const unsigned*>(&raw);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float2 f = to_float2<T>(u[e]);
+        float2 f = tilehal::to_float2<T>(u[e]);
         qr[g][j][2 * e] = f.x * scale_log2;
         qr[g][j][2 * e + 1] = f.y * scale_log2;
       }
@@ -133,20 +119,20 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(
 
   if (num_tiles > 0) load_tile(0, 0);
   for (int tile = 0; tile < num_tiles; ++tile) {
-    const int stage = tile % kStages;
+    const int stage = tile % kSimtStages;
     if (tile + 1 < num_tiles) {
-      load_tile(tile + 1, (tile + 1) % kStages);
+      load_tile(tile + 1, (tile + 1) % kSimtStages);
       tilehal::cp_async_wait<1>();
     } else {
       tilehal::cp_async_wait<0>();
     }
     __syncthreads();
-    const T* ks = k_s + stage * kTile * D;
-    const T* vs = v_s + stage * kTile * D;
+    const T* ks = k_s + stage * kSimtTile * D;
+    const T* vs = v_s + stage * kSimtTile * D;
 
     // ---- scores: 8 threads per token, 16 tokens per pass
 #pragma unroll
-    for (int pass = 0; pass < kTile / (kThreads / 8); ++pass) {
+    for (int pass = 0; pass < kSimtTile / (kThreads / 8); ++pass) {
       const int t = pass * (kThreads / 8) + qk_tok;
       float s[G];
 #pragma unroll
@@ -157,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(
         const unsigned* u = reinterpret_cast<const unsigned*>(&raw);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float2 f = to_float2<T>(u[e]);
+          float2 f = tilehal::to_float2<T>(u[e]);
 #pragma unroll
           for (int g = 0; g < G; ++g) s[g] += qr[g][j][2 * e] * f.x + qr[g][j][2 * e + 1] * f.y;
         }
@@ -165,7 +151,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(
 #pragma unroll
       for (int g = 0; g < G; ++g) s[g] = tilehal::warp_sum<float, 8>(s[g]);
       if (qk_lane == 0) {
-        const bool ok = valid_s[stage * kTile + t];
+        const bool ok = valid_s[stage * kSimtTile + t];
 #pragma unroll
         for (int g = 0; g < G; ++g) p_s[t * G + g] = ok ? s[g] : -INFINITY;
       }
@@ -197,8 +183,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(
 #pragma unroll
     for (int g = 0; g < G; ++g) { acc[g][0] *= alpha_s[g]; acc[g][1] *= alpha_s[g]; }
 #pragma unroll 4
-    for (int t = pv_group; t < kTile; t += kTG) {
-      float2 v = to_float2<T>(*reinterpret_cast<const unsigned*>(vs + t * D + 2 * pv_pair));
+    for (int t = pv_group; t < kSimtTile; t += kTG) {
+      float2 v = tilehal::to_float2<T>(*reinterpret_cast<const unsigned*>(vs + t * D + 2 * pv_pair));
       float p[G];
       if constexpr (G % 4 == 0) {
 #pragma unroll
@@ -251,25 +237,6 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(
       }
     }
   }
-}
-
-// Merge split partials: grid (B * H * G), one thread per channel.
-template <typename T, int D>
-__global__ void paged_decode_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part,
-                                     T* __restrict__ out, int splits) {
-  const long long head = blockIdx.x;
-  const int d = threadIdx.x;
-  const float* ml = ml_part + head * splits * 2;
-  float m = -INFINITY;
-  for (int s = 0; s < splits; ++s) m = fmaxf(m, ml[2 * s]);
-  const float base = m == -INFINITY ? 0.f : m;
-  float num = 0.f, den = 0.f;
-  for (int s = 0; s < splits; ++s) {
-    const float w = exp2f(ml[2 * s] - base);
-    den += w * ml[2 * s + 1];
-    num += w * o_part[(head * splits + s) * D + d];
-  }
-  out[head * D + d] = tilehal::from_float<T>(den > 0.f ? num / den : 0.f);
 }
 
 }  // namespace kvpool

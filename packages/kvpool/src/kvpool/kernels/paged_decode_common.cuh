@@ -1,0 +1,50 @@
+// What the paged decode kernels share: the launch shape, the contract, each CTA's share of a
+// sequence's blocks, and the merge of split partials.
+//
+// Contract of every decode kernel (paged_decode_simt.cuh, paged_decode_mma.cuh,
+// paged_decode_fp8.cuh): grid (num_splits, kv_heads, batch), kThreads threads. A CTA owns one
+// (sequence b, kv head h) and one contiguous share of that sequence's items: its blocks in table
+// order (dense), or the selected logical blocks block_idx[b, h] (sparse). With one split it
+// writes the normalized output; with several, each writes an unnormalized partial (acc, m, l)
+// and paged_decode_combine merges them.
+#pragma once
+#include <tilehal/tilehal.cuh>
+
+namespace kvpool {
+
+constexpr int kThreads = 128;  // every decode kernel's CTA (cuda_decode.THREADS)
+
+// The share of a sequence's items that split `split` of `splits` owns: [begin, begin + count).
+// The items are the selected blocks idx[0, num_idx) when idx is given (sparse), else the
+// sequence's seq_blocks blocks in table order (dense). Contiguous shares of ceil(items /
+// splits); trailing splits may own none.
+struct SplitRange {
+  int begin, count;
+};
+__device__ __forceinline__ SplitRange split_range(const int* idx, int num_idx, int seq_blocks, int split, int splits) {
+  const int items = idx ? num_idx : seq_blocks;
+  const int per_split = (items + splits - 1) / splits;
+  const int begin = split * per_split;
+  return {begin, max(0, min(items, begin + per_split) - begin)};
+}
+
+// Merge split partials: grid (B * H * G), one thread per channel.
+template <typename T, int D>
+__global__ void paged_decode_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part,
+                                     T* __restrict__ out, int splits) {
+  const long long head = blockIdx.x;
+  const int d = threadIdx.x;
+  const float* ml = ml_part + head * splits * 2;
+  float m = -INFINITY;
+  for (int s = 0; s < splits; ++s) m = fmaxf(m, ml[2 * s]);
+  const float base = m == -INFINITY ? 0.f : m;
+  float num = 0.f, den = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float w = exp2f(ml[2 * s] - base);
+    den += w * ml[2 * s + 1];
+    num += w * o_part[(head * splits + s) * D + d];
+  }
+  out[head * D + d] = tilehal::from_float<T>(den > 0.f ? num / den : 0.f);
+}
+
+}  // namespace kvpool

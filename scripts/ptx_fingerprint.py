@@ -1,0 +1,256 @@
+"""Fingerprint the stack's CUDA kernels (PTX and SASS) to prove a refactor changed no generated code.
+
+Runs on a machine without a GPU. Each package's own compile function is called with
+`tilehal.compile_cuda` swapped for a recorder, so the exact source, options, include
+directories and template instantiations that production would build are replayed through
+NVRTC to get the PTX (`nvrtcGetPTX`) and the cubin. Written per case:
+
+  <case>.ptx   the PTX, symbol names and debug lines taken out (see normalize_ptx), so renamed
+               kernels and moved helpers compare equal;
+  <case>.sass  one line per code section of the cubin, sorted: its number of bytes and SHA-256
+               (the machine code itself; symbol names live in other sections).
+
+Usage:
+  python scripts/ptx_fingerprint.py dump DIR [--only SUBSTR]   # compile every case into DIR
+  python scripts/ptx_fingerprint.py compare DIR_BEFORE DIR_AFTER  # exit 1 on any difference
+
+Typical check: dump on the old commit, dump on the new one, compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import re
+import struct
+import sys
+from pathlib import Path
+
+import tilehal
+from tilehal.jit import cuda as tcuda
+
+_SYM = re.compile(r"\b_Z\w+")
+# kvpool decode kernels fingerprinted: case label -> KVPOOL_DECODE_KERNEL text.
+DECODE_CONFIGS = {"simt": "simt", "mma2": "mma:64:2", "mma3": "mma"}
+
+
+def normalize_ptx(ptx: str) -> str:
+    """PTX with symbol names and debug lines taken out, its top-level blocks sorted.
+
+    Each block (a kernel, a function, a module-level variable) numbers the mangled symbols it
+    names S0, S1, ... in order of first appearance, so renaming a kernel, moving a helper to
+    another header or defining kernels in another order leaves the text unchanged. Dropped: the
+    banner (compiler build) and the line tables (.file/.loc and .debug_* sections, which
+    -lineinfo builds change with every edit or move of a header; the code they annotate is
+    what is compared).
+    """
+    blocks: list[list[str]] = [[]]
+    depth = 0
+    for ln in ptx.splitlines():
+        s = ln.strip()
+        if not s or s.startswith("//") or s.startswith((".loc", ".file")):
+            continue
+        blocks[-1].append(ln)
+        depth += s.count("{") - s.count("}")
+        if depth == 0 and (s.endswith(";") or s == "}"):
+            blocks.append([])
+
+    def norm(block: list[str]) -> str:
+        names: dict[str, str] = {}
+        return _SYM.sub(lambda m: names.setdefault(m.group(0), f"S{len(names)}"), "\n".join(block))
+
+    # .section .debug_*: -lineinfo's tables, which also spell inlined functions' mangled names
+    # as bytes (a helper moved to another namespace changes them, not the code).
+    kept = [b for b in blocks if b and not b[0].strip().startswith(".section\t.debug")
+            and not b[0].strip().startswith(".section .debug")]
+    return "\n\n".join(sorted(norm(b) for b in kept)) + "\n"
+
+
+def text_sections(cubin: bytes) -> list[tuple[int, str]]:
+    """(size, sha256) of every .text.* section of an ELF64 cubin, in section order."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not an ELF64 cubin")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def header(i: int) -> tuple[int, int, int]:
+        name, _type, _flags, _addr, off, size = struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize)
+        return name, off, size
+
+    _, stroff, _ = header(shstrndx)
+    out = []
+    for i in range(shnum):
+        name_off, off, size = header(i)
+        end = cubin.index(b"\0", stroff + name_off)
+        if cubin[stroff + name_off:end].startswith(b".text."):
+            out.append((size, hashlib.sha256(cubin[off:off + size]).hexdigest()))
+    return out
+
+
+def nvrtc_build(source: str, name: str, opts: list[str], exprs: list[str]) -> tuple[str, bytes]:
+    nvrtc = tcuda._nvrtc()
+    if nvrtc is None:
+        raise SystemExit("NVRTC is not available")
+
+    def ok(res):
+        err = res[0] if isinstance(res, tuple) else res
+        if int(err) != 0:
+            raise RuntimeError(nvrtc.nvrtcGetErrorString(err)[1].decode())
+        return res[1:] if isinstance(res, tuple) else ()
+
+    (prog,) = ok(nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []))
+    try:
+        for e in exprs:
+            ok(nvrtc.nvrtcAddNameExpression(prog, e.encode()))
+        enc = [o.encode() for o in opts]
+        res = nvrtc.nvrtcCompileProgram(prog, len(enc), enc)
+        if int(res[0]) != 0:
+            (n,) = ok(nvrtc.nvrtcGetProgramLogSize(prog))
+            buf = b" " * n
+            ok(nvrtc.nvrtcGetProgramLog(prog, buf))
+            raise RuntimeError(f"{name}: compile failed\n{buf.decode(errors='replace')}")
+        (n,) = ok(nvrtc.nvrtcGetPTXSize(prog))
+        ptx = b" " * n
+        ok(nvrtc.nvrtcGetPTX(prog, ptx))
+        (n,) = ok(nvrtc.nvrtcGetCUBINSize(prog))
+        cubin = b" " * n
+        ok(nvrtc.nvrtcGetCUBIN(prog, cubin))
+        return ptx.decode().rstrip("\0"), cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+class _Recorder:
+    """Stands in for tilehal.compile_cuda and keeps the arguments of each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, source, *, arch=tcuda.DEFAULT_ARCH, name="kernel", options=(), include_dirs=(),
+                 name_expressions=(), compiler="auto"):
+        self.calls.append(dict(source=source, arch=arch, name=name, options=list(options),
+                               include_dirs=[str(d) for d in include_dirs], exprs=list(name_expressions)))
+        raise _Recorded
+
+
+class _Recorded(Exception):
+    pass
+
+
+def _options(call: dict) -> list[str]:
+    incs = [str(tcuda.include_dir()), *call["include_dirs"], *tcuda.cuda_include_dirs()]
+    return [f"--gpu-architecture={call['arch']}", *tcuda.DEFAULT_OPTIONS, *call["options"], *[f"-I{d}" for d in incs]]
+
+
+def cases():
+    """(label, thunk): each thunk calls one package compile function (which the recorder stops)."""
+    import torch
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    # (dtype, head_dim, group): every head dim, the group extremes, both dtypes.
+    DECODE_SHAPES = [(bf16, 64, 4), (bf16, 128, 1), (bf16, 128, 4), (bf16, 128, 8), (bf16, 256, 4), (fp16, 128, 4)]
+    out = []
+    try:
+        from kvpool import cuda_decode as dec
+    except ImportError:
+        dec = None
+    if dec is not None:
+        for cname, text in DECODE_CONFIGS.items():
+            cfg = dec.KernelConfig.parse(text)
+            for dt, d, g in DECODE_SHAPES:
+                out.append((f"decode_{cname}_{str(dt)[6:]}_{d}_{g}",
+                            lambda dt=dt, d=d, g=g, cfg=cfg: dec.compile_decode.__wrapped__(dt, d, g, cfg=cfg)))
+        for qdt, d in ((bf16, 128), (torch.float32, 64)):
+            out.append((f"decode_fp8_{str(qdt)[6:]}_{d}_4",
+                        lambda qdt=qdt, d=d: dec.compile_decode_fp8.__wrapped__(qdt, d, 4)))
+        from kvpool import cuda_prefill as pre
+        from kvpool import cuda_write as wr
+
+        for cfg, dt, d in [*((c, bf16, 128) for c in pre.CONFIGS), (pre.CONFIGS[0], fp16, 64)]:
+            out.append((f"prefill_{pre.config_name(cfg)}_{str(dt)[6:]}_{d}",
+                        lambda dt=dt, d=d, cfg=cfg: pre.compile_prefill.__wrapped__(dt, d, cfg)))
+        out.append(("kv_write", lambda: wr.compile_write.__wrapped__()))
+    try:
+        from dataengine import cuda_select as sel
+    except ImportError:
+        sel = None
+    if sel is not None:
+        for sdt, d in ((bf16, 128), (torch.float32, 64)):
+            out.append((f"quest_{str(sdt)[6:]}_{d}_4",
+                        lambda sdt=sdt, d=d: sel.compile_score.__wrapped__(bf16, sdt, d, 4, "max")))
+        out.append(("topk", lambda: sel.compile_topk.__wrapped__()))
+    try:
+        from deepgemm import cuda_gemm as dg
+    except ImportError:
+        dg = None
+    if dg is not None:
+        keys = {
+            "fp8_128x128": dg.KernelKey(4096, 7168, 128, 128, 5, "normal", 1, True, True, False),
+            "bf16_tma_store_mc2": dg.KernelKey(4096, 2048, 128, 128, 4, "normal", 1, False, True, False,
+                                               tma_store=True, d_swizzle=128, multicast=2),
+        }
+        for label, key in keys.items():
+            out.append((f"deepgemm_{label}", lambda key=key: dg.compile_kernel(key)))
+    return out
+
+
+def dump(directory: Path, only: str | None) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    rec = _Recorder()
+    real = tilehal.compile_cuda
+    tilehal.compile_cuda = rec
+    try:
+        todo = []
+        for label, thunk in cases():
+            if only and only not in label:
+                continue
+            try:
+                thunk()
+            except _Recorded:
+                todo.append((label, rec.calls[-1]))
+    finally:
+        tilehal.compile_cuda = real
+    for label, call in todo:
+        ptx, cubin = nvrtc_build(call["source"], call["name"], _options(call), call["exprs"])
+        (directory / f"{label}.ptx").write_text(normalize_ptx(ptx))
+        (directory / f"{label}.sass").write_text("".join(f"{n} {h}\n" for n, h in sorted(text_sections(cubin))))
+        print(f"{label}: {len(ptx.splitlines())} PTX lines, {len(text_sections(cubin))} code sections", flush=True)
+
+
+def compare(before: Path, after: Path) -> int:
+    bad = 0
+    labels = sorted({p.stem for p in before.glob("*.ptx")} | {p.stem for p in after.glob("*.ptx")})
+    for label in labels:
+        status = []
+        for ext in ("ptx", "sass"):
+            a, b = before / f"{label}.{ext}", after / f"{label}.{ext}"
+            if not a.exists() or not b.exists():
+                status.append(f"{ext} only {'after' if b.exists() else 'before'}")
+            elif a.read_bytes() != b.read_bytes():
+                status.append(f"{ext} DIFFERS")
+            else:
+                status.append(f"{ext} same")
+        bad += sum("same" not in x for x in status)
+        print(f"{label}: {', '.join(status)}")
+    print(f"{len(labels)} cases compared, {bad} differences")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dump")
+    d.add_argument("dir", type=Path)
+    d.add_argument("--only")
+    c = sub.add_parser("compare")
+    c.add_argument("before", type=Path)
+    c.add_argument("after", type=Path)
+    args = ap.parse_args()
+    if args.cmd == "dump":
+        dump(args.dir, args.only)
+        return 0
+    return compare(args.before, args.after)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
