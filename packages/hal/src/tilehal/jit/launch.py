@@ -88,39 +88,47 @@ def _ranged(v: Any, lo: int, hi: int, what: str) -> int:
     return v
 
 
+# Arg's scalar kinds: C type, and for the integers the range [lo, hi) a value must lie in (no
+# wrap-around: an out-of-range value raises ArgumentError). Floats convert with float(), pointers
+# with int().
+_SCALAR_KINDS: dict[str, tuple[type, tuple[int, int] | None]] = {
+    "i32": (ctypes.c_int32, (-(2**31), 2**31)),
+    "u32": (ctypes.c_uint32, (0, 2**32)),
+    "i64": (ctypes.c_int64, (-(2**63), 2**63)),
+    "u64": (ctypes.c_uint64, (0, 2**64)),
+    "f32": (ctypes.c_float, None),
+    "f64": (ctypes.c_double, None),
+    "ptr": (ctypes.c_void_p, None),
+}
+
+
+def _scalar(kind: str) -> classmethod:
+    ctype, bounds = _SCALAR_KINDS[kind]
+
+    def make(cls, v: Any) -> Arg:
+        if bounds is not None:
+            return cls(ctype(_ranged(v, *bounds, f"Arg.{kind}")))
+        return cls(ctype(int(v) if kind == "ptr" else float(v)))
+
+    make.__name__ = make.__qualname__ = kind
+    make.__doc__ = f"A `{ctype.__name__}` argument" + (" (range-checked)." if bounds else ".")
+    return classmethod(make)
+
+
 class Arg:
     """A kernel argument with an explicit C type: `Arg.i64(n)`, `Arg.f32(x)`, `Arg.raw(bytes)`."""
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
 
-    @classmethod
-    def i32(cls, v: int) -> Arg:
-        return cls(ctypes.c_int32(_ranged(v, -(2**31), 2**31, "Arg.i32")))
-
-    @classmethod
-    def u32(cls, v: int) -> Arg:
-        return cls(ctypes.c_uint32(_ranged(v, 0, 2**32, "Arg.u32")))
-
-    @classmethod
-    def i64(cls, v: int) -> Arg:
-        return cls(ctypes.c_int64(_ranged(v, -(2**63), 2**63, "Arg.i64")))
-
-    @classmethod
-    def u64(cls, v: int) -> Arg:
-        return cls(ctypes.c_uint64(_ranged(v, 0, 2**64, "Arg.u64")))
-
-    @classmethod
-    def f32(cls, v: float) -> Arg:
-        return cls(ctypes.c_float(float(v)))
-
-    @classmethod
-    def f64(cls, v: float) -> Arg:
-        return cls(ctypes.c_double(float(v)))
-
-    @classmethod
-    def ptr(cls, addr: int) -> Arg:
-        return cls(ctypes.c_void_p(int(addr)))
+    # One constructor per row of _SCALAR_KINDS.
+    i32 = _scalar("i32")
+    u32 = _scalar("u32")
+    i64 = _scalar("i64")
+    u64 = _scalar("u64")
+    f32 = _scalar("f32")
+    f64 = _scalar("f64")
+    ptr = _scalar("ptr")
 
     @classmethod
     def raw(cls, data: bytes) -> Arg:
