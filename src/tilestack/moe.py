@@ -24,18 +24,13 @@ from typing import Any
 import deepgemm
 import torch
 import torch.nn.functional as F
-from tilehal import ShapeError
+from tilehal import expect
 
 from . import ops
 
 log = logging.getLogger("tilestack.moe")
 
 XTensor = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-
-
-def _check(cond: bool, arg: str, expected: object, actual: object) -> None:
-    if not cond:
-        raise ShapeError(f"{arg}: expected {expected}, got {actual}")
 
 
 # ----------------------------------------------------------------------------- routing
@@ -151,11 +146,11 @@ def build_contiguous_layout(recv_topk_idx: torch.Tensor, num_recv_tokens_per_exp
     host without another device synchronization. Pairs keep their received order inside a group.
     """
     align = alignment or deepgemm.get_m_alignment_for_contiguous_layout()
-    _check(recv_topk_idx.dim() == 2, "recv_topk_idx", "a 2-D tensor [N_recv, k]", tuple(recv_topk_idx.shape))
-    _check(len(num_recv_tokens_per_expert_list) == num_local_experts, "num_recv_tokens_per_expert_list",
+    expect(recv_topk_idx.dim() == 2, "recv_topk_idx", "a 2-D tensor [N_recv, k]", tuple(recv_topk_idx.shape))
+    expect(len(num_recv_tokens_per_expert_list) == num_local_experts, "num_recv_tokens_per_expert_list",
            f"{num_local_experts} entries (one per local expert)", len(num_recv_tokens_per_expert_list))
     sizes = [int(s) for s in num_recv_tokens_per_expert_list]
-    _check(all(s >= 0 and s % align == 0 for s in sizes), "num_recv_tokens_per_expert_list",
+    expect(all(s >= 0 and s % align == 0 for s in sizes), "num_recv_tokens_per_expert_list",
            f"multiples of {align} (dispatch with expert_alignment={align})", sizes)
     dev = recv_topk_idx.device
     n_recv, k = recv_topk_idx.shape
@@ -168,7 +163,7 @@ def build_contiguous_layout(recv_topk_idx: torch.Tensor, num_recv_tokens_per_exp
     if not recv_topk_idx.is_cuda:
         # On the host this costs nothing; on CUDA it would add a synchronization per call.
         padded = ((counts + align - 1) // align * align).tolist()
-        _check(padded == sizes, "num_recv_tokens_per_expert_list",
+        expect(padded == sizes, "num_recv_tokens_per_expert_list",
                f"{padded} (the aligned pair counts of recv_topk_idx)", sizes)
     group_start = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=dev).cumsum(0)
     first_pair = torch.cumsum(counts, 0) - counts                     # first sorted pair of each expert
@@ -296,7 +291,7 @@ class ExpertParallelMoE(torch.nn.Module):
         e, h, f = self.num_experts, self.hidden, self.ffn_hidden
         for name, t, shape in (("router_weight", router_weight, (e, h)), ("gate_weight", gate_weight, (e, f, h)),
                                ("up_weight", up_weight, (e, f, h)), ("down_weight", down_weight, (e, h, f))):
-            _check(tuple(t.shape) == shape, name, f"shape {shape}", tuple(t.shape))
+            expect(tuple(t.shape) == shape, name, f"shape {shape}", tuple(t.shape))
         mine = slice(self.local_experts.start, self.local_experts.stop)
         self.router_weight.copy_(router_weight)
         self.w13.copy_(torch.cat([gate_weight[mine], up_weight[mine]], dim=1))
@@ -381,7 +376,7 @@ class ExpertParallelMoE(torch.nn.Module):
             a = (_scatter_rows(x8, layout), _scatter_rows(sx, layout))
             deepgemm.m_grouped_fp8_gemm_nt_contiguous(a, self._fp8_weight("w13"), gate_up, layout.m_indices)
         else:
-            _check(not isinstance(recv_x, tuple), "recv_x", "a bf16 tensor (use_fp8=False)", "an fp8 pair")
+            expect(not isinstance(recv_x, tuple), "recv_x", "a bf16 tensor (use_fp8=False)", "an fp8 pair")
             a = _scatter_rows(recv_x.to(torch.bfloat16), layout)
             deepgemm.m_grouped_bf16_gemm_nt_contiguous(a, self.w13, gate_up, layout.m_indices)
         act = (F.silu(gate_up[:, :f].float()) * gate_up[:, f:].float())
@@ -405,9 +400,9 @@ class ExpertParallelMoE(torch.nn.Module):
             return self._forward(x, routing)
 
     def _forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        _check(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == self.hidden, "x",
+        expect(isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == self.hidden, "x",
                f"a tensor [..., {self.hidden}]", tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__)
-        _check(x.dtype in (torch.bfloat16, torch.float16, torch.float32), "x.dtype",
+        expect(x.dtype in (torch.bfloat16, torch.float16, torch.float32), "x.dtype",
                "bfloat16, float16 or float32", x.dtype)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden)
@@ -415,11 +410,11 @@ class ExpertParallelMoE(torch.nn.Module):
             topk_idx, topk_w = self.route(x2)
         else:
             topk_idx, topk_w = routing
-            _check(topk_idx.dim() == 2 and topk_idx.shape[0] == x2.shape[0], "routing[0] (topk_idx)",
+            expect(topk_idx.dim() == 2 and topk_idx.shape[0] == x2.shape[0], "routing[0] (topk_idx)",
                    f"shape [{x2.shape[0]}, k]", tuple(topk_idx.shape))
-            _check(tuple(topk_w.shape) == tuple(topk_idx.shape), "routing[1] (topk_weights)",
+            expect(tuple(topk_w.shape) == tuple(topk_idx.shape), "routing[1] (topk_weights)",
                    f"shape {tuple(topk_idx.shape)}", tuple(topk_w.shape))
-            _check(bool(((topk_idx >= -1) & (topk_idx < self.num_experts)).all()), "routing[0] (topk_idx)",
+            expect(bool(((topk_idx >= -1) & (topk_idx < self.num_experts)).all()), "routing[0] (topk_idx)",
                    f"expert ids in [-1, {self.num_experts})", "an id outside it")
             topk_idx, topk_w = topk_idx.to(torch.int64), topk_w.float()
         if torch.compiler.is_compiling():
