@@ -64,7 +64,7 @@ def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, score_bias: torch.Ten
     scores = logits.float().sigmoid()
     choice = scores if score_bias is None else scores + score_bias.float()
     if n_group > 1:
-        _check(e % n_group == 0 and e // n_group >= 2, "n_group", f"a divisor of {e} leaving >= 2 experts a group",
+        expect(e % n_group == 0 and e // n_group >= 2, "n_group", f"a divisor of {e} leaving >= 2 experts a group",
                n_group)
         per_group = choice.view(t, n_group, e // n_group)
         group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)
