@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentError, DeviceError, LaunchError
+from ..errors import DeviceError, LaunchError, check_int
 from ..tensors import is_torch
 
 
@@ -78,24 +78,14 @@ def ensure_context(device_index: int):
     return driver
 
 
-def _ranged(v: Any, lo: int, hi: int, what: str) -> int:
-    """`v` as an int in [lo, hi); a float, a bool or an out-of-range value raises ArgumentError (no wrapping)."""
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise ArgumentError(f"{what}: expected an integer, got {v!r} ({type(v).__name__})")
-    v = int(v)
-    if not lo <= v < hi:
-        raise ArgumentError(f"{what}: expected a value in [{lo}, {hi - 1}], got {v}")
-    return v
-
-
-# Arg's scalar kinds: C type, and for the integers the range [lo, hi) a value must lie in (no
-# wrap-around: an out-of-range value raises ArgumentError). Floats convert with float(), pointers
-# with int().
+# Arg's scalar kinds: C type, and for the integers the range [lo, hi] a value must lie in
+# (check_int: no wrap-around, floats and bools refused, ArgumentError). Floats convert with
+# float(), pointers with int().
 _SCALAR_KINDS: dict[str, tuple[type, tuple[int, int] | None]] = {
-    "i32": (ctypes.c_int32, (-(2**31), 2**31)),
-    "u32": (ctypes.c_uint32, (0, 2**32)),
-    "i64": (ctypes.c_int64, (-(2**63), 2**63)),
-    "u64": (ctypes.c_uint64, (0, 2**64)),
+    "i32": (ctypes.c_int32, (-(2**31), 2**31 - 1)),
+    "u32": (ctypes.c_uint32, (0, 2**32 - 1)),
+    "i64": (ctypes.c_int64, (-(2**63), 2**63 - 1)),
+    "u64": (ctypes.c_uint64, (0, 2**64 - 1)),
     "f32": (ctypes.c_float, None),
     "f64": (ctypes.c_double, None),
     "ptr": (ctypes.c_void_p, None),
@@ -107,7 +97,7 @@ def _scalar(kind: str) -> classmethod:
 
     def make(cls, v: Any) -> Arg:
         if bounds is not None:
-            return cls(ctype(_ranged(v, *bounds, f"Arg.{kind}")))
+            return cls(ctype(check_int(v, f"Arg.{kind}", *bounds)))
         return cls(ctype(int(v) if kind == "ptr" else float(v)))
 
     make.__name__ = make.__qualname__ = kind
