@@ -26,3 +26,40 @@ def test_bench_times_the_function_on_cpu():
     assert len(calls) == 7 and r.iters == 5
     assert 0 < r.min_s <= r.median_s <= r.max_s
     assert r.timer == "perf_counter"
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_cuda(), reason="checks the no-GPU refusal")
+def test_bench_graph_needs_a_gpu():
+    from tilehal import DeviceError, bench_graph
+
+    calls = []
+    with pytest.raises(DeviceError, match="bench_graph"):
+        bench_graph(lambda: calls.append(1))
+    assert calls == []  # refused before running anything
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_bench_graph_times_the_replay():
+    import torch
+    from tilehal import bench_graph
+
+    x = torch.zeros(1 << 20, device="cuda")
+    eager = []
+
+    def step():
+        eager.append(1)  # Python side effects run at the eager call and at the capture only
+        x.add_(1)
+
+    r = bench_graph(step, warmup=2, iters=5)
+    assert r.timer == "cuda_events" and r.median_s > 0 and len(eager) == 2
+    torch.cuda.synchronize()
+    assert x[0].item() == 1 + 2 + r.iters  # the eager call, then every replay (capturing runs nothing)

@@ -127,6 +127,28 @@ def bench(
                        host_s=statistics.median(host_times) if host_times else 0.0)
 
 
+def bench_graph(fn: Callable[[], Any], **bench_kwargs: Any) -> BenchResult:
+    """Time `fn` captured in a CUDA graph: `bench` of the graph's replay (same keywords), so the
+    figure has no Python or launch overhead at all. `fn` runs once eagerly first, outside the
+    capture (JIT compiles, module loads, allocator growth); it must be capturable. Needs a GPU
+    (DeviceError otherwise); a failed capture raises torch's error.
+    """
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        from .errors import DeviceError
+
+        raise DeviceError("bench_graph: no CUDA GPU is available (a CUDA graph needs one)")
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay, **{"device": "cuda", **bench_kwargs})
+
+
 def _float64(x: Any) -> np.ndarray:
     if is_torch(x):
         return x.detach().to("cpu").double().numpy()
