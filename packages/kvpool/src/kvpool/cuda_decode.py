@@ -195,6 +195,15 @@ def _launch_plan(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfi
     return main, combine, smem, num_splits
 
 
+def _decode_dims(q: torch.Tensor, pool: KVPool, scale: float | None):
+    """(B, Hq, D, kv heads, q heads per kv head, softmax scale * log2(e)) of a decode call; the
+    kernels take exp2 of scores pre-multiplied by the last (default scale: 1 / sqrt(D))."""
+    B, hq, d = q.shape
+    H = pool.num_kv_heads
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    return B, hq, d, H, hq // H, float(scale * math.log2(math.e))
+
+
 def _index_args(block_indices: torch.Tensor | None, table: torch.Tensor, kv_heads: int):
     """The kernels' (block_idx, num_idx, idx_b_stride, idx_h_stride) and the item count per
     sequence: the selected blocks (sparse, [B, n] or [B, kv_heads, n]) or the table's width."""
@@ -218,10 +227,7 @@ def _partials(q: torch.Tensor, num_splits: int):
 def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float | None, block_indices: torch.Tensor | None,
                       num_splits: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
-    B, hq, d = q.shape
-    H = pool.num_kv_heads
-    group = hq // H
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    B, hq, d, H, group, scale_log2 = _decode_dims(q, pool, scale)
     if B == 0:
         return torch.empty_like(q)
     cfg = default_config() if config is None else config
@@ -235,7 +241,7 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     o_part, ml_part = _partials(q, num_splits)
     main.launch((num_splits, H, B), THREADS,
                 [q, kc, vc, table, table.shape[1], seq_lens, idx, idx_b_stride, idx_h_stride, n, out, o_part,
-                 ml_part, float(scale * math.log2(math.e)), pool.block_size], smem_bytes=smem)
+                 ml_part, scale_log2, pool.block_size], smem_bytes=smem)
     if num_splits > 1:
         combine.launch(B * hq, d, [o_part, ml_part, out, num_splits])
     return out
@@ -279,10 +285,7 @@ def paged_decode_fp8_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table
                           seq_lens: torch.Tensor, scale: float | None, block_indices: torch.Tensor | None,
                           num_splits: int | None = None) -> torch.Tensor:
     """Decode over an fp8 pool: e4m3 K/V dequantized in registers with their per-(block, head) scales."""
-    B, hq, d = q.shape
-    H = pool.num_kv_heads
-    group = hq // H
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    B, hq, d, H, group, scale_log2 = _decode_dims(q, pool, scale)
     if B == 0:
         return torch.empty_like(q)
     q = q.contiguous()
@@ -299,7 +302,7 @@ def paged_decode_fp8_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table
     main.launch((num_splits, H, B), THREADS,
                 [q, kc.view(torch.uint8), vc.view(torch.uint8), ks.contiguous(), vs.contiguous(), table, table.shape[1],
                  seq_lens, idx, idx_b_stride, idx_h_stride, n, out, o_part, ml_part,
-                 float(scale * math.log2(math.e)), pool.block_size])
+                 scale_log2, pool.block_size])
     if num_splits > 1:
         combine.launch(B * hq, d, [o_part, ml_part, out, num_splits])
     return out
