@@ -28,6 +28,23 @@ __device__ __forceinline__ SplitRange split_range(const int* idx, int num_idx, i
   return {begin, max(0, min(items, begin + per_split) - begin)};
 }
 
+// Channel d of q head `head` once a CTA has its (acc, m, l): the normalized output when the
+// sequence has one split, else this split's unnormalized partial for paged_decode_combine.
+template <typename T, int D>
+__device__ __forceinline__ void store_channel(T* __restrict__ out, float* __restrict__ o_part,
+                                              float* __restrict__ ml_part, long long head, int split, int splits,
+                                              int d, float acc, float m, float l) {
+  if (splits == 1) {
+    out[head * D + d] = tilehal::from_float<T>(l > 0.f ? acc / l : 0.f);
+  } else {
+    o_part[(head * splits + split) * D + d] = acc;
+    if (d == 0) {
+      ml_part[(head * splits + split) * 2] = m;
+      ml_part[(head * splits + split) * 2 + 1] = l;
+    }
+  }
+}
+
 // Merge split partials: grid (B * H * G), one thread per channel.
 template <typename T, int D>
 __global__ void paged_decode_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part,

@@ -195,15 +195,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_fp8_kernel(
       l += sc * red_ml[w][g][1];
     }
     const long long head = (long long)b * H * G + (long long)h * G + g;
-    if (splits == 1) {
-      out[head * D + d] = tilehal::from_float<TQ>(l > 0.f ? a / l : 0.f);
-    } else {
-      o_part[(head * splits + split) * D + d] = a;
-      if (d == 0) {
-        ml_part[(head * splits + split) * 2] = m;
-        ml_part[(head * splits + split) * 2 + 1] = l;
-      }
-    }
+    store_channel<TQ, D>(out, o_part, ml_part, head, split, splits, d, a, m, l);
   }
 }
 

@@ -228,15 +228,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
       l += sc * red_ml[(w * 8 + g) * 2 + 1];
     }
     const long long head = (long long)b * H * G + h * G + g;
-    if (splits == 1) {
-      out[head * D + d] = tilehal::from_float<T>(l > 0.f ? acc / l : 0.f);
-    } else {
-      o_part[(head * splits + split) * D + d] = acc;
-      if (d == 0) {
-        ml_part[(head * splits + split) * 2] = m;
-        ml_part[(head * splits + split) * 2 + 1] = l;
-      }
-    }
+    store_channel<T, D>(out, o_part, ml_part, head, split, splits, d, acc, m, l);
   }
 }
 
