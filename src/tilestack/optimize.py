@@ -7,6 +7,9 @@
   blocks (gate Linear + ModuleList of experts) only when `include` names them (their forward may
   differ: a tensor out, softmax top-k routing).
 
+`precision="auto"` picks fp8 or bf16 per Linear from a calibration forward (measured output error
+against a budget, measured speed here) and says why in the report.
+
 A module whose shape does not qualify is kept; the reason is logged at DEBUG (`tilestack.optimize`)
 and listed in the returned report, as is every module `include` names that is not swapped.
 """
@@ -43,6 +46,7 @@ class OptimizationReport:
     backend: str
     fp8: bool
     sparse_24: bool
+    precision: str | None = None
     swapped: list[Decision] = field(default_factory=list)
     skipped: list[Decision] = field(default_factory=list)
 
@@ -50,7 +54,8 @@ class OptimizationReport:
         return [d.name for d in getattr(self, which)]
 
     def __str__(self) -> str:
-        lines = [f"register_optimizations(backend={self.backend!r}, fp8={self.fp8}, sparse_24={self.sparse_24}): "
+        prec = f", precision={self.precision!r}" if self.precision else ""
+        lines = [f"register_optimizations(backend={self.backend!r}, fp8={self.fp8}, sparse_24={self.sparse_24}{prec}): "
                  f"{len(self.swapped)} swapped, {len(self.skipped)} skipped"]
         lines += [f"  swapped {d.name or '<root>'} ({d.kind}) -> {d.replacement}"
                   + (f": {d.reason}" if d.reason else "") for d in self.swapped]
@@ -104,22 +109,101 @@ def moe_skip_reason(parts: Any, backend: str, fp8: bool) -> str | None:
     return None
 
 
+# precision="auto": fp8 is taken where a layer's output error stays within this (normwise relative).
+# Twice the RMS error of two e4m3 quantizations (unit 2^-4, uniform: 2^-4/sqrt(3) each) is 0.10; the
+# default asks for a bit better than that so layers with outliers (per-block scales stretched) stay bf16.
+FP8_ERROR_BUDGET = 0.08
+
+
+def _capture_linear_inputs(model: torch.nn.Module, include: Sequence[str] | None, calibration: tuple
+                           ) -> dict[str, torch.Tensor]:
+    """The first input each candidate nn.Linear receives in one forward on `calibration`."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if type(mod) is torch.nn.Linear and _matches(name, include):
+            def hook(m, args, name=name):
+                if name not in seen and args and isinstance(args[0], torch.Tensor):
+                    seen[name] = args[0].detach()
+            hooks.append(mod.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            model(*calibration)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _auto_precision(name: str, linear: torch.nn.Linear, x: torch.Tensor | None, backend: str, budget: float,
+                    iters: int) -> tuple[torch.nn.Module, str]:
+    """(GemmLinear in the chosen precision, why) from the measured error and speed of fp8 vs bf16."""
+    import tilehal
+
+    bf16 = GemmLinear.from_linear(linear, fp8=False)
+    why_not = linear_skip_reason(linear, backend, fp8=True)
+    if why_not is not None:
+        return bf16, f"bf16 (fp8 not possible: {why_not})"
+    if x is None:
+        return bf16, "bf16 (not reached by the calibration forward: nothing measured)"
+    fp8 = GemmLinear.from_linear(linear, fp8=True)
+    dev = "cuda" if x.is_cuda else "cpu"
+    with torch.no_grad():
+        ref = linear(x).double()
+        err = {}
+        for label, mod in (("bf16", bf16), ("fp8", fp8)):
+            err[label] = float((mod(x).double() - ref).norm() / ref.norm().clamp_min(1e-30))
+        ms = {label: tilehal.bench(lambda m=mod: m(x), warmup=2, iters=iters, device=dev,
+                                   hide_host=False).median_s * 1e3
+              for label, mod in (("bf16", bf16), ("fp8", fp8))}
+    facts = (f"error fp8 {err['fp8']:.3g} / bf16 {err['bf16']:.3g} (budget {budget:g}), "
+             f"time fp8 {ms['fp8']:.4f} / bf16 {ms['bf16']:.4f} ms")
+    log.debug("%s: %s", name, facts)
+    if err["fp8"] > budget:
+        return bf16, f"bf16: fp8 over the error budget; {facts}"
+    if ms["fp8"] >= ms["bf16"]:
+        return bf16, f"bf16: fp8 not faster here; {facts}"
+    return fp8, f"fp8 e4m3: within budget and faster; {facts}"
+
+
 def _matches(name: str, include: Sequence[str] | None) -> bool:
     return include is None or any(fnmatch.fnmatchcase(name, pat) for pat in include)
 
 
 def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: bool = False, sparse_24: bool = False,
                            include: Sequence[str] | None = None, *, moe_group: Any = None,
-                           sparse_method: str = "magnitude") -> OptimizationReport:
+                           sparse_method: str = "magnitude", precision: str | None = None,
+                           calibration: Any = None, error_budget: float = FP8_ERROR_BUDGET,
+                           timing_iters: int = 10) -> OptimizationReport:
     """Swap `model`'s qualifying modules in place for TileStack's; returns what was swapped and skipped.
 
     backend: "cuda" (deepgemm's sm_90a kernels; shape rules of TMA apply; needs a Hopper GPU) or
       "cpu" (deepgemm's reference; any shape). The swapped layers run wherever their tensors are.
     fp8: GemmLinear with fp8 e4m3 operands (needs in_features % 128 == 0).
     sparse_24: prune Linears 2:4 by `sparse_method` into dataengine SparseLinear (exclusive with fp8).
-    include: module names or fnmatch patterns to consider (None: every Linear). MoE blocks are
-      swapped for ExpertParallelMoE (on `moe_group`) only when `include` names them.
+    include: module names or fnmatch patterns to consider (None: every Linear and transformers MoE
+      block). Other MoE blocks are swapped for ExpertParallelMoE (on `moe_group`) only when named.
+    precision: None (bf16, or fp8 with `fp8=True`), "bf16", "fp8", or "auto": run `calibration` (the
+      tuple of forward arguments) once, and per Linear pick fp8 where its output's normwise relative
+      error against the original is <= `error_budget` and it is faster than bf16 here (median of
+      `timing_iters` eager calls on the input it received), else bf16; the reason is in the report.
     """
+    if precision not in (None, "bf16", "fp8", "auto"):
+        raise ValueError(f"precision: expected None, 'bf16', 'fp8' or 'auto', got {precision!r}")
+    if precision == "fp8":
+        fp8 = True
+    if precision == "auto":
+        if fp8:
+            raise ValueError("precision='auto' and fp8=True: expected at most one of them, got both")
+        if sparse_24:
+            raise ValueError("precision='auto' and sparse_24: expected at most one of them, got both")
+        if isinstance(calibration, torch.Tensor):
+            calibration = (calibration,)
+        if not isinstance(calibration, tuple):
+            raise TypeError(f"calibration: expected the tuple of forward arguments for precision='auto', got "
+                            f"{type(calibration).__name__}")
+        if not (isinstance(error_budget, float | int) and error_budget > 0):
+            raise ValueError(f"error_budget: expected a positive number, got {error_budget!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if fp8 and sparse_24:
@@ -132,7 +216,8 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
             from tilehal import DeviceError
 
             raise DeviceError(f"backend='cuda' is not usable here: {why} (use backend='cpu')")
-    report = OptimizationReport(backend, fp8, sparse_24)
+    report = OptimizationReport(backend, fp8, sparse_24, precision)
+    seen = _capture_linear_inputs(model, include, calibration) if precision == "auto" else {}
     replacements: dict[int, torch.nn.Module] = {}
     done: list[str] = []   # prefixes of replaced subtrees: their children are gone
 
@@ -185,6 +270,9 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
 
             sl = SparseLinear.from_dense(module, "2:4", sparse_method)
             decide(name, "linear", sl, f"path {sl.path}" + (f" ({sl.reason})" if sl.reason else ""), module)
+        elif precision == "auto":
+            new, why = _auto_precision(name, module, seen.get(name), backend, float(error_budget), timing_iters)
+            decide(name, "linear", new, why, module)
         else:
             decide(name, "linear", GemmLinear.from_linear(module, fp8=fp8), "fp8 e4m3" if fp8 else "bf16", module)
 
