@@ -52,7 +52,7 @@ def normalize_ptx(ptx: str) -> str:
             continue
         blocks[-1].append(ln)
         depth += s.count("{") - s.count("}")
-        if depth == 0 and (s.endswith(";") or s == "}"):
+        if depth == 0 and (s.endswith(";") or s == "}" or s.startswith((".version", ".target", ".address_size"))):
             blocks.append([])
 
     def norm(block: list[str]) -> str:
