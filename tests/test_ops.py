@@ -153,3 +153,19 @@ def test_gemm_linear_op_refuses_autograd_clearly():
     y = torch.ops.tilestack.gemm_linear(x, model[0].weight.detach(), None, model[0]._tilestack_handle)
     with pytest.raises(ops.AutogradUnsupportedError, match="gemm_linear records no gradient"):
         y.sum().backward()
+
+
+def test_transformers_mixtral_compiles_fullgraph_after_register_optimizations():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=96, num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    report = register_optimizations(model, backend="cpu")
+    assert {"model.layers.0.mlp", "model.layers.1.mlp", "lm_head"} <= set(report.names("swapped"))
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+        torch._dynamo.reset()
+        got = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
+    assert torch.equal(got, want)

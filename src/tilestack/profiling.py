@@ -277,8 +277,8 @@ def profile(model: torch.nn.Module, inputs: Any, out: str | Path | None = None, 
                 args, kwargs = captured[d.name]
                 old, new = originals[d.name], swapped[d.name]
                 want, got = old(*args, **kwargs), new(*args, **kwargs)
-                before = _time(lambda f=old, a=args, kw=kwargs: f(*a, **kw), device, max(iters, 3))
-                after = _time(lambda f=new, a=args, kw=kwargs: f(*a, **kw), device, max(iters, 3))
+                before = _time(lambda f=old, a=args, kw=kwargs: f(*a, **kw), device, max(iters, 5))
+                after = _time(lambda f=new, a=args, kw=kwargs: f(*a, **kw), device, max(iters, 5))
                 rep.swaps.append(SwapTiming(d.name, d.kind, d.replacement or "", before, after,
                                             _rel_diff(got, want)))
     if plot and out is not None:
