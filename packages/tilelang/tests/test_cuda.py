@@ -389,7 +389,7 @@ def test_examples_gpu(example):
 
 
 @pytest.mark.gpu
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prop.programs(), st.integers(0, 2**31 - 1))
 def test_property_gpu_matches_interp(prog, seed):
     _prop_case(prog, seed, "cuda")

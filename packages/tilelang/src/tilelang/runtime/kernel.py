@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ class JITKernel:
         self.prim_func = func
         self.requested_target = (target or "auto").lower()
         self.target = resolve_target(target)
+        if self.requested_target == "auto" and not os.environ.get("TILELANG_DEFAULT_TARGET") and _gpu_machine():
+            self.target = "cuda"  # a GPU machine: build for it now; CPU tensors get the host target lazily
         workspace = [func.params.index(b) for b in getattr(func, "workspace", [])]
         self.view_idx = [(func.params.index(v), func.params.index(b)) for v, b in getattr(func, "views", [])]
         n = len(func.params) - len(workspace) - len(self.view_idx)  # out_idx counts the user's parameters only
@@ -74,10 +77,12 @@ class JITKernel:
         return impl
 
     def _backend_for(self, args: tuple) -> str:
-        if self.requested_target == "auto" and any(tilehal.is_torch(a) and a.is_cuda for a in args):
+        if self.requested_target != "auto":
+            return self.target
+        if any(tilehal.is_torch(a) and a.is_cuda for a in args):
             log.debug("target auto: CUDA tensors given, running the cuda backend")
             return "cuda"
-        return self.target
+        return resolve_target("auto") if self.target == "cuda" else self.target
 
     @property
     def params(self) -> list:
@@ -157,6 +162,19 @@ class JITKernel:
 
     def __repr__(self) -> str:
         return f"<JITKernel {self.prim_func.name} target={self.target} out_idx={self.out_idx}>"
+
+
+def _gpu_machine() -> bool:
+    """A CUDA GPU is visible (torch sees one) and a CUDA compiler is here: target "auto" means cuda."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+    except ImportError:
+        return False
+    v = tilehal.jit.cuda.compiler_versions()
+    return bool(v.get("nvrtc") or v.get("nvcc"))
 
 
 def _bind(pairs: list[tuple[Any, Any]], device: str = "cpu") -> dict[Var, int]:

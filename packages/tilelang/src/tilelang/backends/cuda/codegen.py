@@ -649,7 +649,11 @@ class KernelCodegen:
             self.close()
             self.emit("tilehal::cp_async_commit();")
             self.close()
+        # one barrier per iteration: after it, stage k has landed for every thread and every thread is
+        # done with stage k-1 (read in the previous iteration), which the prefetch then refills
         self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
+        self.emit(f"tilehal::cp_async_wait<{n - 2}>();")
+        self.sync()
         self.open("")
         nxt = self.fresh("knext")
         self.emit(f"const int {nxt} = {v} + {n - 1};")
@@ -661,8 +665,6 @@ class KernelCodegen:
         self.close()
         self.emit("tilehal::cp_async_commit();")
         self.close()
-        self.emit(f"tilehal::cp_async_wait<{n - 1}>();")
-        self.sync()
         stage = self.fresh("stage")
         self.emit(f"const int {stage} = ({v} - ({start})) % {n};")
         for b in bufs:
@@ -672,9 +674,12 @@ class KernelCodegen:
             if any(c is x for x in copies):
                 continue
             self.stmt(c)
-        self.sync()
         self.close()
         self.emit("tilehal::cp_async_wait<0>();")
+        # the last iteration's accesses are still in flight for other threads
+        r, w = self.tracked(s)
+        self.pending_r |= r
+        self.pending_w |= w
 
     # ---------------------------------------------------------------- T.Parallel
 
