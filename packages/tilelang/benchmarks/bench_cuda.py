@@ -215,11 +215,14 @@ def plot(rows: list[dict], path: Path) -> None:
             vals.append(m[0]["tflops"] if m else 0)
         if any(vals):
             ax.bar([j + i * width for j in range(len(keys))], vals, width, label=impl)
-    labels = [(f"{k[1][:4]} {'x'.join(map(str, k[2]))}" if k[0] == "gemm" else f"FA {'causal' if k[3] else 'full'}")
+    short = {"float16": "fp16", "bfloat16": "bf16"}
+    labels = [(f"{short.get(k[1], k[1])} {'x'.join(map(str, k[2]))}" if k[0] == "gemm" else
+               f"FA {'causal' if k[3] else 'full'}")
               for k in keys]
     ax.set_xticks([j + 1.5 * width for j in range(len(keys))], labels, rotation=20, fontsize=8)
     ax.set_ylabel("TFLOP/s")
-    ax.set_title("tilelang CUDA backend (mma.sync) vs public TileLang 0.1.15, cuBLAS, SDPA — H200")
+    ax.set_title("tilelang CUDA backend (mma.sync) vs public TileLang 0.1.15, cuBLAS, SDPA — H200, "
+                 + time.strftime("%Y-%m-%d"))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
