@@ -17,6 +17,7 @@ same run; times are medians of `tilehal.bench`, eager rows with host time includ
   moe            Mixtral-8x7B-shaped MoE blocks (2 layers, hidden 4096, 8 experts top-2, ffn 14336),
                  4096 tokens: transformers' block (its default experts implementation) vs
                  ExpertParallelMoE bf16 / fp8
+  profile        tilestack.profile of the prefill model: the markdown report + plot next to --json
   host           host time of one small GEMM (bf16 128 x 7168 x 2048, eager): deepgemm.bf16_gemm_nt,
                  GemmLinear and the tilestack::bf16_gemm_nt op vs cuBLAS (torch.nn.functional.linear)
 
@@ -60,7 +61,7 @@ def _args(argv):
     p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (smoke test)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--budget-s", type=float, default=220.0, help="skip sections once this much time has passed")
-    p.add_argument("--only", help="comma-separated sections: prefill,decode,compile,moe,host")
+    p.add_argument("--only", help="comma-separated sections: host,prefill,decode,moe,profile,compile")
     p.add_argument("--iters", type=int, default=10)
     return p.parse_args(argv)
 
@@ -90,6 +91,7 @@ class Env:
         self.iters = 2 if args.quick else args.iters
         self.budget = args.budget_s
         self.s = _shapes(args.quick)
+        self.out_dir = str(Path(args.json).parent) if args.json else "."
 
     def bench(self, fn, hide_host=False) -> tilehal.BenchResult:
         return tilehal.bench(fn, warmup=2 if self.quick else 3, iters=self.iters,
@@ -316,7 +318,25 @@ def sec_host(env: Env) -> None:
                 host_us=host_us, peer_host_us=peer_host)
 
 
-SECTIONS = {"host": sec_host, "prefill": sec_prefill, "decode": sec_decode, "moe": sec_moe, "compile": sec_compile}
+def sec_profile(env: Env) -> None:
+    """tilestack.profile of the prefill model (bf16 swaps considered), the report next to --json."""
+    from tilestack import profile
+
+    b, s = env.s["prefill"]
+    base = _llama(env)
+    ids = torch.randint(0, base.config.vocab_size, (b, s), device=env.device)
+    out = Path(env.out_dir) / ("profile_quick.md" if env.quick else "profile_llama3_8b_2l_prefill.md")
+    rep = profile(base, (ids,), out=out, iters=3)
+    saved = sum(x.before_ms - x.after_ms for x in rep.swaps)
+    row("profile", "plain", rep.total_ms, None, None,
+        f"report {out.name}; {len(rep.swaps)} swaps timed, {saved:+.3f} ms saved per forward; "
+        f"{sum(1 for g in rep.gemms if g.autotune)} GEMM shapes flagged for autotuning")
+    del base
+    _free()
+
+
+SECTIONS = {"host": sec_host, "prefill": sec_prefill, "decode": sec_decode, "moe": sec_moe, "profile": sec_profile,
+            "compile": sec_compile}
 
 
 def main(argv=None) -> int:

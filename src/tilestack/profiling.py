@@ -223,8 +223,10 @@ def profile(model: torch.nn.Module, inputs: Any, out: str | Path | None = None, 
     events = prof.key_averages()
     types = {name or "<root>": type(m).__name__ for name, m in model.named_modules()}
 
-    def dev_us(e) -> float:
-        return float(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0) or 0.0)
+    def dev_us(e, self_only: bool = False) -> float:
+        names = ("self_device_time_total", "self_cuda_time_total") if self_only else \
+            ("device_time_total", "cuda_time_total")
+        return float(next((v for v in (getattr(e, n, None) for n in names) if v), 0.0))
 
     for e in events:
         if e.key.startswith("module::"):
@@ -232,7 +234,8 @@ def profile(model: torch.nn.Module, inputs: Any, out: str | Path | None = None, 
             rep.modules.append(ModuleTime(name, types.get(name, "?"), e.count // iters,
                                           e.cpu_time_total / 1e3 / iters))
     rep.modules.sort(key=lambda m: -m.total_ms)
-    op_rows = [(e.key, e.count // iters, e.self_cpu_time_total / 1e3 / iters, dev_us(e) / 1e3 / iters)
+    # Self times, so an aten op and the kernel it launches are not counted twice.
+    op_rows = [(e.key, e.count // iters, e.self_cpu_time_total / 1e3 / iters, dev_us(e, True) / 1e3 / iters)
                for e in events if not e.key.startswith("module::") and not e.key.startswith("ProfilerStep")]
     op_rows.sort(key=lambda r: -(r[3] if device.type == "cuda" else r[2]))
     rep.ops = op_rows[:top]
