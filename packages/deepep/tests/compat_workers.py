@@ -195,3 +195,35 @@ def masked_rank(rank: int, world: int) -> dict:
     buf.low_latency_query_mask_buffer(status)
     assert status.sum() == 0
     return {"left": False}
+
+
+def nvlink_compat(rank: int, world: int) -> dict:
+    """On GPUs (NCCL group): a per-call Config on the NVLink engine, its handle tuple, and low-latency
+    round_scale/use_ue8m0 (served by the torch engine over NCCL) next to the NVLink kernels' fp8."""
+    experts, k, hidden, t = 4 * world, 2, 512, 64
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = Buffer(None, 0, 0, True, 4, transport="nvlink", timeout_s=60, num_max_tokens_per_rank=t, hidden=hidden)
+    idx = _routing(rank, t, experts, k).to(dev)
+    x = torch.full((t, hidden), float(rank), dtype=torch.bfloat16, device=dev)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    recv, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert, topk_idx=idx, config=Config(8, 4, 256))
+    prefix = handle[0]
+    start = 0
+    for i in range(world):
+        end = int(prefix[i][rank])
+        assert torch.all(recv[start:end] == i)
+        start = end
+    combined, _, _ = buf.combine(recv, handle, config=Config(8, 4, 256))
+    assert torch.equal(combined.float(), x.float() * in_rank.sum(1, keepdim=True).float())
+    (rx, rs), cnt, h, _, _ = buf.low_latency_dispatch(x, idx, t, experts, use_fp8=True, round_scale=True,
+                                                      use_ue8m0=True)
+    assert rs.dtype == torch.int32 and rs.shape[-1] == hidden // 512
+    src_info, layout_range, *_ = h
+    assert int((layout_range & 0xFFFFFFFF).sum()) == int(cnt.sum())
+    y = per_token_cast_back(rx.view(-1, hidden), rs.reshape(-1, 1)).view(rx.shape)
+    out, _, _ = buf.low_latency_combine(y, idx, torch.ones(t, k, device=dev), h)
+    expect = x.float() * (idx >= 0).sum(1, keepdim=True)
+    assert torch.allclose(out.float(), expect, rtol=2**-6, atol=1e-2)
+    buf.destroy()
+    return {"recv": int(recv.shape[0])}

@@ -46,3 +46,13 @@ def test_nvlink_stalled_peer_times_out(ranks):
 
 def test_nvlink_layout_kernel(ranks):
     assert ranks(WORLD, "nvlink_layout", backend="nccl", timeout_s=120) == [4] * WORLD
+
+
+def test_deepep_dropin_points_on_gpus():
+    """Issue 18 on 2+ GPUs: per-call Config on the NVLink engine, handle tuple, LL round_scale/use_ue8m0."""
+    from pathlib import Path
+
+    from deepep.testing import run_on_ranks
+
+    run_on_ranks(WORLD, str(Path(__file__).with_name("compat_workers.py")), "nvlink_compat", backend="nccl",
+                 timeout_s=240)
