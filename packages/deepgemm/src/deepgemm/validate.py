@@ -59,7 +59,8 @@ def _int_tuple(r: Any, name: str, length: int) -> tuple[int, ...]:
 
 
 def recipes(recipe: Any, recipe_a: Any, recipe_b: Any, packed: bool = False) -> tuple[int, int, int]:
-    """DeepGEMM's recipe arguments -> (gran_k, gran_n of B, ...) as (gran_k, gran_n, gran_m_of_a).
+    """DeepGEMM's recipe arguments -> (gran_k, gran_n, gran_m): K granularity of both operands' scales,
+    rows of B per weight scale (1: per row, the 1D1D recipe; 128: 128x128 blocks), rows of A per scale.
 
     Either `recipe` = (gran_m, gran_n, gran_k) or the pair `recipe_a` = (gran_m, gran_k_a) and
     `recipe_b` = (gran_n, gran_k_b); neither gives the default (1, 128, 128) ((1, 1, 128) for packed
