@@ -79,10 +79,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
   const int* table = block_table + (long long)b * table_stride;
 
   for (int i = threadIdx.x; i < n_items; i += kThreads) {
-    const int lb = idx ? idx[item0 + i] : item0 + i;
-    const int phys = lb >= 0 && lb < seq_blocks ? table[lb] : -1;
-    blk_s[i] = max(phys, 0);
-    ntok_s[i] = phys >= 0 ? min(block_size, seq_len - lb * block_size) : 0;
+    stage_block(i, idx, item0, seq_blocks, table, seq_len, block_size, blk_s, ntok_s);
   }
   __syncthreads();
 
