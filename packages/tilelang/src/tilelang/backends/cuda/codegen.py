@@ -57,7 +57,7 @@ from ...ir.nodes import (
     Store,
     Var,
 )
-from ...ir.visit import buffers_read, buffers_written, stmt_exprs, walk_expr, walk_stmts
+from ...ir.visit import buffers_read, buffers_written, walk_expr, walk_stmts
 from .infer import GemmPlan, LayoutInference, ParallelNest, infer_layouts
 
 log = logging.getLogger("tilelang.backends.cuda")
@@ -1713,4 +1713,3 @@ def generate_cuda(func: PrimFunc, base_name: str) -> tuple[str, list[tuple[str, 
 
 __all__ = ["KernelCodegen", "SMEM_LIMIT", "generate_cuda"]
 
-_ = (stmt_exprs,)

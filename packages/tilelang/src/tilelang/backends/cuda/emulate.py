@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tilehal
 
 from ...errors import CompileError
 from ...ir.nodes import Const, PrimFunc, Var
@@ -92,5 +91,3 @@ class EmulatedCudaKernel:
 def build_emulated(func: PrimFunc, options: dict) -> Any:
     return EmulatedCudaKernel(func, options)
 
-
-_ = tilehal

@@ -29,7 +29,6 @@ from ...ir.nodes import (
     Fill,
     For,
     Gemm,
-    If,
     Kernel,
     Load,
     Reduce,
@@ -423,4 +422,3 @@ def infer_layouts(kernel: Kernel) -> LayoutInference:
 __all__ = ["GemmPlan", "LayoutInference", "ParallelNest", "frag_accesses", "infer_layouts", "parallel_nest",
            "plan_gemm"]
 
-_ = If  # If is part of the walked statements (imported for readers of this module)
