@@ -80,3 +80,23 @@ def test_topk_idx_t_and_utils():
     t = deep_ep.utils.testing.bench_kineto(lambda: None, ("dispatch", "combine"), num_kernels_per_period=2)
     assert len(t) == 2 and len(t[0]) == 2
     assert deep_ep.Buffer.is_sm90_compiled()
+
+
+def test_nvlink_low_latency_handle_tuple_from_tok_rows():
+    """The NVLink engine's LL handle derives DeepEP's layout_range from its tok_rows (CPU check of the math)."""
+    from deepep.nvlink_ll import NvlinkLowLatencyHandle
+
+    r, m, k, e_l = 2, 4, 2, 2
+    cap = r * m
+    tok_rows = torch.full((r, m, k), -1, dtype=torch.int32)
+    # expert 0 gets source 0's tokens 0, 2 at slots 0, 1 and source 1's token 1 at slot 2;
+    # expert 1 gets source 1's tokens 0, 3 at slots 0, 1
+    tok_rows[0, 0, 0], tok_rows[0, 2, 1], tok_rows[1, 1, 0] = 0, 1, 2
+    tok_rows[1, 0, 1], tok_rows[1, 3, 0] = cap + 0, cap + 1
+    src_info = torch.zeros(e_l, cap, dtype=torch.int32)
+    h = NvlinkLowLatencyHandle(4, 256, 4, m, tok_rows, torch.tensor([4, 4], dtype=torch.int32), src_info)
+    info, layout, mm, hidden, experts = h
+    assert info is src_info and (mm, hidden, experts) == (m, 256, 4) and len(h) == 5
+    begin, count = (layout >> 32).tolist(), (layout & 0xFFFFFFFF).tolist()
+    assert count == [[2, 1], [0, 2]]
+    assert begin[0] == [0, 2] and begin[1][1] == 0

@@ -49,6 +49,33 @@ class NvlinkLowLatencyHandle:
     src_tokens: torch.Tensor  # [R] int32: tokens each source had
     recv_src_info: torch.Tensor  # [E_l, R * M] int32: source token of each received row
 
+    def as_tuple(self) -> tuple:
+        """DeepEP's low-latency handle: (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
+        num_experts); layout_range [E_l, R] int64 = (first row << 32) | rows, per local expert and source
+        rank, derived on the device from tok_rows (valid once the dispatch's receive has run)."""
+        r, m, k = self.tok_rows.shape
+        e_l, cap = self.recv_src_info.shape[0], r * m
+        rows = self.tok_rows.reshape(r, m * k).to(torch.int64)
+        valid = rows >= 0
+        src = torch.arange(r, device=rows.device).view(r, 1).expand_as(rows)
+        flat = torch.where(valid, (rows // cap) * r + src, torch.full_like(rows, e_l * r)).reshape(-1)
+        slot = torch.where(valid, rows % cap, torch.full_like(rows, cap)).reshape(-1)
+        count = torch.bincount(flat, minlength=e_l * r + 1)[: e_l * r]
+        begin = torch.full((e_l * r + 1,), cap, dtype=torch.int64, device=rows.device)
+        begin = begin.scatter_reduce(0, flat, slot, reduce="amin")[: e_l * r]
+        begin = torch.where(count > 0, begin, torch.zeros_like(begin))
+        layout = ((begin << 32) | count).view(e_l, r)
+        return (self.recv_src_info, layout, self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)
+
+    def __getitem__(self, i: int) -> object:
+        return self.as_tuple()[i]
+
+    def __iter__(self):
+        return iter(self.as_tuple())
+
+    def __len__(self) -> int:
+        return 5
+
 
 def payload_bytes(H: int, use_fp8: bool) -> int:
     """Bytes of one staged token before its top-k ids and slots: fp8 values and fp32 scales, or bf16."""
