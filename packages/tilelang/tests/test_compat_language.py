@@ -365,3 +365,18 @@ def test_meta_level_while_and_assert():
             assert Y.shape[0] == 5
             with T.Kernel(1) as _:
                 Y[0] = 1
+
+
+def test_astype_on_ir_values(target):
+    @tilelang.jit(out_idx=[-1], target=target)
+    def f(n):
+        @T.prim_func
+        def main(A: T.Tensor((n,), "uint8"), B: T.Tensor((n,), "float32")):
+            with T.Kernel(1) as _:
+                for i in T.Parallel(n):
+                    B[i] = (A[i] >> 4).astype("int32").astype(T.float32) * 0.5
+
+        return main
+
+    a = np.arange(0, 256, 17, dtype=np.uint8)
+    np.testing.assert_array_equal(f(a.size)(a), (a >> 4).astype(np.float32) * 0.5)

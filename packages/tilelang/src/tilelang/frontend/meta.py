@@ -132,6 +132,14 @@ def parse_python(source: str) -> ast.Module:
         return ast.parse(source)
 
 
+def _astype(e: Expr) -> Callable[[Any], Expr]:
+    def astype(dtype: Any) -> Expr:
+        return Cast(e, dt.canonical(str(dtype)))
+
+    astype.__tl_meta__ = True
+    return astype
+
+
 class Shared:
     """State shared by a prim_func's parser and the parsers of the macros it inlines."""
 
@@ -293,6 +301,8 @@ class MetaEvaluator:
         if isinstance(base, Expr):
             if attr == "dtype":
                 return base.dtype
+            if attr == "astype":  # TIR's `x.astype(dtype)`, as the dequantize helpers write casts
+                return _astype(base)
             self.fail(node, f"expression has no attribute {attr!r}")
         try:
             return getattr(base, attr)
