@@ -92,7 +92,8 @@ EXAMPLES: list[Example] = [
               "def main(d_hidden=256, d_expert=128, n_routed_experts=4, n_shared_experts=1, n_experts_per_token=2, "
               "batch_size=1, seq_len=64)")]),
     Example("gemm/example_gemm_persistent.py", "persistent gemm", argv=["--M", "320", "--N", "512", "--K", "128"]),
-    Example("gemm_streamk/example_tilelang_gemm_streamk.py", "stream-K gemm", [("total_sm = 108", "total_sm = 12")]),
+    Example("gemm_streamk/example_tilelang_gemm_streamk.py", "stream-K gemm",
+            [("total_sm = 108", "total_sm = 12  # device edit: the SM count (programs of the stream-K split)")]),
     Example("quickstart.py", "gemm + ReLU (quickstart)", [("M = 1024\nN = 1024\nK = 1024\n", "M = 256\nN = 256\nK = 128\n")]),
     Example("blocksparse_gemm/example_blocksparse_gemm.py", "block-sparse gemm",
             argv=["--m", "256", "--n", "256", "--k", "256"]),

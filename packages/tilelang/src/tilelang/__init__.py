@@ -10,7 +10,10 @@
             ...
         return main
 
-Targets: "cpu" (C + OpenMP), "interp" (numpy reference); "cuda" is planned.
+Or in the eager style of the public TileLang's current examples: the function body is the kernel
+(`M, N = T.const("M, N")`, `A: T.Tensor((M, N), dtype)` in the body, `C = T.empty(...)`, `return C`).
+
+Targets: "cpu" (C + OpenMP), "interp" (numpy reference), "cuda" (NVRTC).
 """
 
 from . import autotuner, layout, profiler, testing, utils  # noqa: E402 - public submodules
