@@ -144,3 +144,21 @@ def test_eager_errors():
         not_returned.__call__()
     with pytest.raises(ValueError, match="out_idx"):
         tilelang.jit(out_idx=[-1])(not_returned.fn)
+
+
+def test_lazy_factory_calling_other_empty_is_not_eager():
+    import numpy
+
+    @tilelang.jit(out_idx=[-1], target="interp")
+    def f(n):
+        scratch = numpy.empty(n)  # not T.empty: this factory is lazy
+        @T.prim_func
+        def main(A: T.Tensor((n,), "float32"), B: T.Tensor((n,), "float32")):
+            with T.Kernel(1) as _:
+                for i in T.Parallel(n):
+                    B[i] = A[i] + float(scratch.size)
+
+        return main
+
+    assert not isinstance(f, EagerJIT)
+    np.testing.assert_array_equal(f(3)(np.zeros(3, np.float32)), np.full(3, 3, np.float32))

@@ -56,12 +56,16 @@ def _is_kernel_with(node: ast.stmt) -> bool:
     return False
 
 
-def _calls(node: ast.AST, names: tuple[str, ...]) -> bool:
+def _calls(node: ast.AST, names: tuple[str, ...], scope: dict) -> bool:
+    """Whether `node` calls T.<name> for one of `names`, T being the language module (so `torch.empty` or a
+    user's own `const` do not count)."""
     for n in ast.walk(node):
         if isinstance(n, ast.Call):
             f = n.func
-            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
-            if name in names:
+            if isinstance(f, ast.Attribute) and f.attr in names and isinstance(f.value, ast.Name):
+                if getattr(scope.get(f.value.id), "__tl_language__", False):
+                    return True
+            elif isinstance(f, ast.Name) and f.id in names and getattr(scope.get(f.id), "__tl_eager__", None):
                 return True
     return False
 
@@ -77,7 +81,14 @@ def is_eager_style(fn: Callable) -> bool:
     own = [s for s in fdef.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     if any(_is_kernel_with(s) for s in own):
         return True
-    return any(_calls(s, ("const", "empty")) for s in own)
+    scope = dict(getattr(fn, "__globals__", {}))
+    for name, cell in zip(getattr(fn, "__code__", None).co_freevars if hasattr(fn, "__code__") else (),
+                          getattr(fn, "__closure__", None) or ()):
+        try:
+            scope[name] = cell.cell_contents
+        except ValueError:
+            pass
+    return any(_calls(s, ("const", "empty"), scope) for s in own)
 
 
 def _dedented_source(fn: Callable) -> str:
