@@ -106,16 +106,16 @@ def nvrtc_build(source: str, name: str, opts: list[str], exprs: list[str]) -> tu
         res = nvrtc.nvrtcCompileProgram(prog, len(enc), enc)
         if int(res[0]) != 0:
             (n,) = ok(nvrtc.nvrtcGetProgramLogSize(prog))
-            buf = b" " * n
+            buf = bytearray(n)  # never b" " * n: n == 1 would hand NVRTC the shared b" "
             ok(nvrtc.nvrtcGetProgramLog(prog, buf))
-            raise RuntimeError(f"{name}: compile failed\n{buf.decode(errors='replace')}")
+            raise RuntimeError(f"{name}: compile failed\n{bytes(buf).decode(errors='replace')}")
         (n,) = ok(nvrtc.nvrtcGetPTXSize(prog))
-        ptx = b" " * n
+        ptx = bytearray(n)
         ok(nvrtc.nvrtcGetPTX(prog, ptx))
         (n,) = ok(nvrtc.nvrtcGetCUBINSize(prog))
-        cubin = b" " * n
+        cubin = bytearray(n)
         ok(nvrtc.nvrtcGetCUBIN(prog, cubin))
-        return ptx.decode().rstrip("\0"), cubin
+        return bytes(ptx).decode().rstrip("\0"), bytes(cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -107,14 +107,18 @@ def _compile_nvrtc(nvrtc, source: str, name: str, options: list[str], name_expre
         opts = [o.encode() for o in options]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         (log_size,) = check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        buf = b" " * log_size
+        # Output buffers are fresh bytearrays: `b" " * n` is the interpreter's shared one-byte
+        # object when n == 1 (an empty log), and NVRTC's NUL would then turn every b" " in the
+        # process, and every " " Python encodes, into b"\0".
+        buf = bytearray(log_size)
         check(nvrtc.nvrtcGetProgramLog(prog, buf), "log")
-        text = buf.decode(errors="replace").rstrip("\x00").strip()
+        text = bytes(buf).decode(errors="replace").rstrip("\x00").strip()
         if int(res[0]) != 0:
             raise CompileError(f"compile_cuda: {name}.cu failed to compile with NVRTC", log=text, source_name=f"{name}.cu")
         (size,) = check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-        cubin = b" " * size
+        cubin = bytearray(size)
         check(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
+        cubin = bytes(cubin)
         lowered = {}
         for expr in name_expressions:
             (low,) = check(nvrtc.nvrtcGetLoweredName(prog, expr.encode()), f"lowered name {expr}")
