@@ -21,7 +21,10 @@ HEAD_DIMS = (64, 128)
 BN = 64  # kPrefillBN: kv tokens per pipeline stage (static_asserted at every compile)
 # (warps per CTA, 16-row blocks per warp): a CTA owns 16 * warps * row_blocks query rows.
 CONFIGS = ((8, 1), (4, 1), (4, 2), (8, 2))
-DEFAULT_CONFIG = (8, 1)
+# w8x2 was fastest on every measured case (H200, 2026-12-01, docs/benchmarks/kvpool_prefill_run2.json:
+# 32K prompt 35.6 ms vs w8x1 44.1; 4K on a 28K prefix 8.6 vs 10.9; 8 x 4K 5.0 vs 6.0) despite
+# ptxas spilling ~100 bytes at d128: two 16-row blocks per warp halve the K/V shared-memory reads.
+DEFAULT_CONFIG = (8, 2)
 MAX_GRID_Y = 65535
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
