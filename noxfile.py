@@ -107,7 +107,7 @@ def _install_everything(session: nox.Session) -> None:
     editable = ["-e", "packages/hal[torch,cuda,test]"]
     for folder in list(PACKAGES.values())[1:]:
         editable += ["-e", f"packages/{folder}[test]"]
-    _install(session, *CONSTRAINTS, *editable, "-e", ".[hf]")
+    _install(session, *CONSTRAINTS, *editable, "-e", ".[hf,bench]")
 
 
 @nox.session(python=PYTHON)
@@ -202,7 +202,7 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """The CPU benchmark suite; with `-- --record` it writes tables and JSON under docs/benchmarks/."""
     _install(session, *CONSTRAINTS, "-e", "packages/hal[torch,cuda,test]",
-             *[a for f in list(PACKAGES.values())[1:] for a in ("-e", f"packages/{f}[test,bench]")], "-e", ".[hf]")
+             *[a for f in list(PACKAGES.values())[1:] for a in ("-e", f"packages/{f}[test,bench]")], "-e", ".[hf,bench]")
     session.run("tilestack", "bench", *session.posargs)
 
 
