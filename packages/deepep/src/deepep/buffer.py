@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tilehal import ArgumentError, ShapeError
+from tilehal import ArgumentError, expect
 
 from .config import Config, default_combine_config, default_dispatch_config
 from .event import EventOverlap
@@ -26,11 +26,6 @@ TRANSPORTS = ("auto", "torch", "hierarchical", "nvlink")
 DEFAULT_TIMEOUT_S = float(os.environ.get("DEEPEP_TIMEOUT_S", "60"))
 
 XTensor = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-
-
-def _check(cond: bool, arg: str, expected: object, actual: object) -> None:
-    if not cond:
-        raise ShapeError(f"{arg}: expected {expected}, got {actual}")
 
 
 def _shape(t: Any) -> object:
@@ -187,14 +182,14 @@ class Buffer:
         """Mask (mask=True) or unmask a rank: low-latency dispatch/combine then neither send to nor wait for
         it; tokens routed to its experts are dropped (they combine as zeros), and the others go on."""
         self._need_shrink("low_latency_update_mask_buffer")
-        _check(0 <= rank_to_mask < self.group_size and rank_to_mask != self.rank, "rank_to_mask",
+        expect(0 <= rank_to_mask < self.group_size and rank_to_mask != self.rank, "rank_to_mask",
                f"another rank of the group (0..{self.group_size - 1}, not {self.rank})", rank_to_mask)
         (self._masked.add if mask else self._masked.discard)(rank_to_mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Write the mask of every rank (1 = masked) into mask_status (int32 [num_ranks])."""
         self._need_shrink("low_latency_query_mask_buffer")
-        _check(isinstance(mask_status, torch.Tensor) and tuple(mask_status.shape) == (self.group_size,)
+        expect(isinstance(mask_status, torch.Tensor) and tuple(mask_status.shape) == (self.group_size,)
                and mask_status.dtype == torch.int32, "mask_status", f"an int32 tensor [{self.group_size}]",
                _shape(mask_status))
         m = torch.zeros(self.group_size, dtype=torch.int32)
@@ -229,8 +224,8 @@ class Buffer:
         sizes its buffers itself at the first call, so passing this as `num_rdma_bytes` is optional."""
         from .nvlink_ll import size_hint
 
-        _check(num_experts % num_ranks == 0, "num_experts", f"a multiple of num_ranks={num_ranks}", num_experts)
-        _check(hidden % 128 == 0, "hidden", "a multiple of 128", hidden)
+        expect(num_experts % num_ranks == 0, "num_experts", f"a multiple of num_ranks={num_ranks}", num_experts)
+        expect(hidden % 128 == 0, "hidden", "a multiple of 128", hidden)
         return size_hint(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     @staticmethod
@@ -305,18 +300,18 @@ class Buffer:
 
     def _check_x(self, x: XTensor) -> DispatchInput:
         if isinstance(x, tuple):
-            _check(len(x) == 2, "x", "a tensor or a (x_fp8, scales) pair", f"a tuple of {len(x)}")
+            expect(len(x) == 2, "x", "a tensor or a (x_fp8, scales) pair", f"a tuple of {len(x)}")
             xf, sf = x
-            _check(isinstance(xf, torch.Tensor) and xf.dim() == 2, "x[0]", "a 2-D tensor [T, H]", _shape(xf))
-            _check(xf.dtype == torch.float8_e4m3fn, "x[0].dtype", "torch.float8_e4m3fn", xf.dtype)
+            expect(isinstance(xf, torch.Tensor) and xf.dim() == 2, "x[0]", "a 2-D tensor [T, H]", _shape(xf))
+            expect(xf.dtype == torch.float8_e4m3fn, "x[0].dtype", "torch.float8_e4m3fn", xf.dtype)
             want = (xf.shape[0], (xf.shape[1] + 127) // 128)
-            _check(isinstance(sf, torch.Tensor) and tuple(sf.shape) == want, "x[1] (scales)",
+            expect(isinstance(sf, torch.Tensor) and tuple(sf.shape) == want, "x[1] (scales)",
                    f"shape {want} (one scale per 128 channels)", _shape(sf))
-            _check(sf.dtype == torch.float32, "x[1].dtype", "torch.float32", sf.dtype)
-            _check(sf.device == xf.device, "x[1].device", xf.device, sf.device)
+            expect(sf.dtype == torch.float32, "x[1].dtype", "torch.float32", sf.dtype)
+            expect(sf.device == xf.device, "x[1].device", xf.device, sf.device)
             return DispatchInput(xf.contiguous(), sf.contiguous(), None, None)
-        _check(isinstance(x, torch.Tensor) and x.dim() == 2, "x", "a 2-D tensor [T, H]", _shape(x))
-        _check(x.dtype in (torch.bfloat16, torch.float16, torch.float32), "x.dtype",
+        expect(isinstance(x, torch.Tensor) and x.dim() == 2, "x", "a 2-D tensor [T, H]", _shape(x))
+        expect(x.dtype in (torch.bfloat16, torch.float16, torch.float32), "x.dtype",
                "bfloat16, float16 or float32 (fp8 as an (x_fp8, scales) pair)", x.dtype)
         return DispatchInput(x.contiguous(), None, None, None)
 
@@ -339,22 +334,22 @@ class Buffer:
         self._alive()
         inp = self._check_x(x)
         t, dev = inp.num_tokens, inp.x.device
-        _check(expert_alignment >= 1, "expert_alignment", ">= 1", expert_alignment)
-        _check(num_worst_tokens >= 0, "num_worst_tokens", ">= 0", num_worst_tokens)
+        expect(expert_alignment >= 1, "expert_alignment", ">= 1", expert_alignment)
+        expect(num_worst_tokens >= 0, "num_worst_tokens", ">= 0", num_worst_tokens)
         if topk_idx is not None:
-            _check(topk_idx.dim() == 2 and topk_idx.shape[0] == t, "topk_idx", f"shape [{t}, k]", _shape(topk_idx))
-            _check(topk_idx.dtype == torch.int64, "topk_idx.dtype", "torch.int64", topk_idx.dtype)
-            _check(topk_idx.device == dev, "topk_idx.device", dev, topk_idx.device)
+            expect(topk_idx.dim() == 2 and topk_idx.shape[0] == t, "topk_idx", f"shape [{t}, k]", _shape(topk_idx))
+            expect(topk_idx.dtype == torch.int64, "topk_idx.dtype", "torch.int64", topk_idx.dtype)
+            expect(topk_idx.device == dev, "topk_idx.device", dev, topk_idx.device)
             inp.topk_idx = topk_idx.contiguous()
         if topk_weights is not None:
-            _check(topk_idx is not None, "topk_weights", "to come with topk_idx", "topk_idx=None")
-            _check(tuple(topk_weights.shape) == tuple(topk_idx.shape), "topk_weights",
+            expect(topk_idx is not None, "topk_weights", "to come with topk_idx", "topk_idx=None")
+            expect(tuple(topk_weights.shape) == tuple(topk_idx.shape), "topk_weights",
                    f"shape {tuple(topk_idx.shape)}", _shape(topk_weights))
-            _check(topk_weights.dtype == torch.float32, "topk_weights.dtype", "torch.float32", topk_weights.dtype)
+            expect(topk_weights.dtype == torch.float32, "topk_weights.dtype", "torch.float32", topk_weights.dtype)
             inp.topk_weights = topk_weights.contiguous()
         if handle is not None:
             self._check_handle(handle, "handle")
-            _check(handle.num_tokens == t, "x", f"{handle.num_tokens} tokens (as in the handle)", t)
+            expect(handle.num_tokens == t, "x", f"{handle.num_tokens} tokens (as in the handle)", t)
             experts_per_rank = handle.experts_per_rank
             cached_in = getattr(handle, "is_token_in_rank", None)
             if topk_idx is not None and isinstance(cached_in, torch.Tensor) and dev.type == "cpu":
@@ -362,16 +357,16 @@ class Buffer:
                 # to the wrong ranks (or not at all) without a word.
                 now = compute_layout(topk_idx, experts_per_rank * self.group_size, self.group_size,
                                      self.num_ranks_per_node).is_token_in_rank
-                _check(torch.equal(now, cached_in.to(now.device)), "topk_idx",
+                expect(torch.equal(now, cached_in.to(now.device)), "topk_idx",
                        "the routing the handle was dispatched with (dispatch without the handle to change it)",
                        f"tokens {now.ne(cached_in).any(1).nonzero().flatten()[:8].tolist()} routed differently")
         else:
-            _check(num_tokens_per_expert is not None, "num_tokens_per_expert",
+            expect(num_tokens_per_expert is not None, "num_tokens_per_expert",
                    "a tensor (from get_dispatch_layout) when no handle is given", None)
-            _check(is_token_in_rank is not None or topk_idx is not None, "is_token_in_rank",
+            expect(is_token_in_rank is not None or topk_idx is not None, "is_token_in_rank",
                    "a tensor (from get_dispatch_layout), or topk_idx to derive it, when no handle is given", None)
             num_experts = num_tokens_per_expert.numel()
-            _check(num_experts % self.group_size == 0, "num_tokens_per_expert",
+            expect(num_experts % self.group_size == 0, "num_tokens_per_expert",
                    f"a multiple of {self.group_size} experts", num_experts)
             on_device = hasattr(self._backend, "layout") and dev.type == "cuda"
             if is_token_in_rank is None:
@@ -380,9 +375,9 @@ class Buffer:
                 else:
                     is_token_in_rank = compute_layout(topk_idx, num_experts, self.group_size,
                                                       self.num_ranks_per_node).is_token_in_rank
-            _check(tuple(is_token_in_rank.shape) == (t, self.group_size), "is_token_in_rank",
+            expect(tuple(is_token_in_rank.shape) == (t, self.group_size), "is_token_in_rank",
                    f"shape ({t}, {self.group_size})", _shape(is_token_in_rank))
-            _check(is_token_in_rank.dtype == torch.bool, "is_token_in_rank.dtype", "torch.bool",
+            expect(is_token_in_rank.dtype == torch.bool, "is_token_in_rank.dtype", "torch.bool",
                    is_token_in_rank.dtype)
             if topk_idx is not None:
                 check_topk_idx(topk_idx, num_experts, values=not on_device)
@@ -413,16 +408,16 @@ class Buffer:
         got_in = is_token_in_rank.to("cpu")
         if not torch.equal(got_in, want.is_token_in_rank):
             bad = got_in.ne(want.is_token_in_rank).any(1).nonzero().flatten()[:8].tolist()
-            _check(False, "is_token_in_rank", "the ranks topk_idx routes each token to", f"tokens {bad} differ")
+            expect(False, "is_token_in_rank", "the ranks topk_idx routes each token to", f"tokens {bad} differ")
         got_n = num_tokens_per_expert.to("cpu", torch.int64).view(-1)
         if not torch.equal(got_n, want.num_tokens_per_expert.to(torch.int64)):
             bad = got_n.ne(want.num_tokens_per_expert.to(torch.int64)).nonzero().flatten()[:8].tolist()
-            _check(False, "num_tokens_per_expert", "the per-expert token counts of topk_idx",
+            expect(False, "num_tokens_per_expert", "the per-expert token counts of topk_idx",
                    f"experts {bad} differ ({got_n[bad].tolist()} vs {want.num_tokens_per_expert[bad].tolist()})")
 
     def _check_handle(self, handle: Any, arg: str) -> None:
         want = self._backend.handle_type
-        _check(isinstance(handle, want), arg, f"a {want.__name__} from this Buffer's dispatch",
+        expect(isinstance(handle, want), arg, f"a {want.__name__} from this Buffer's dispatch",
                type(handle).__name__)
 
     def combine(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None = None,
@@ -437,18 +432,18 @@ class Buffer:
         self._alive()
         self._check_handle(handle, "handle")
         n = handle.num_recv_tokens
-        _check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] >= n and x.shape[1] == handle.hidden,
+        expect(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] >= n and x.shape[1] == handle.hidden,
                "x", f"[>= {n}, {handle.hidden}] (the dispatch's received rows)", _shape(x))
-        _check(x.dtype in (torch.bfloat16, torch.float16, torch.float32), "x.dtype", "bfloat16/float16/float32",
+        expect(x.dtype in (torch.bfloat16, torch.float16, torch.float32), "x.dtype", "bfloat16/float16/float32",
                x.dtype)
         if topk_weights is not None:
-            _check(topk_weights.dim() == 2 and topk_weights.shape[0] >= n, "topk_weights", f"[>= {n}, k]",
+            expect(topk_weights.dim() == 2 and topk_weights.shape[0] >= n, "topk_weights", f"[>= {n}, k]",
                    _shape(topk_weights))
             topk_weights = topk_weights.float()
         biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
-        _check(len(biases) <= 2, "bias", "a tensor or a pair of tensors", f"{len(biases)} tensors")
+        expect(len(biases) <= 2, "bias", "a tensor or a pair of tensors", f"{len(biases)} tensors")
         for i, b in enumerate(biases):
-            _check(isinstance(b, torch.Tensor) and tuple(b.shape) == (handle.num_tokens, handle.hidden)
+            expect(isinstance(b, torch.Tensor) and tuple(b.shape) == (handle.num_tokens, handle.hidden)
                    and b.device == x.device, f"bias[{i}]", f"[{handle.num_tokens}, {handle.hidden}] on {x.device}",
                    _shape(b))
         self._use_config(config)
@@ -469,7 +464,7 @@ class Buffer:
     def _use_config(self, config: Config | None) -> None:
         if config is None:
             return
-        _check(isinstance(config, Config), "config", "a deepep.Config", type(config).__name__)
+        expect(isinstance(config, Config), "config", "a deepep.Config", type(config).__name__)
         if self.transport == "nvlink":
             self._call_config = config  # read by the NVLink engine for this call's grid and chunk size
         else:
@@ -516,27 +511,27 @@ class Buffer:
         """
         self._alive()
         t = x.shape[0] if isinstance(x, torch.Tensor) else -1
-        _check(isinstance(x, torch.Tensor) and x.dim() == 2, "x", "a 2-D tensor [T, H]", _shape(x))
-        _check(x.dtype == torch.bfloat16 or not use_fp8 and x.dtype in (torch.float16, torch.float32), "x.dtype",
+        expect(isinstance(x, torch.Tensor) and x.dim() == 2, "x", "a 2-D tensor [T, H]", _shape(x))
+        expect(x.dtype == torch.bfloat16 or not use_fp8 and x.dtype in (torch.float16, torch.float32), "x.dtype",
                "torch.bfloat16 (or float16/float32 with use_fp8=False)", x.dtype)
-        _check(x.shape[1] % 128 == 0, "x.shape[1] (hidden)", "a multiple of 128", x.shape[1])
-        _check(t <= num_max_dispatch_tokens_per_rank, "x.shape[0]",
+        expect(x.shape[1] % 128 == 0, "x.shape[1] (hidden)", "a multiple of 128", x.shape[1])
+        expect(t <= num_max_dispatch_tokens_per_rank, "x.shape[0]",
                f"<= num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}", t)
-        _check(num_experts % self.group_size == 0, "num_experts", f"a multiple of {self.group_size}", num_experts)
-        _check(tuple(topk_idx.shape[:1]) == (t,) and topk_idx.dim() == 2, "topk_idx", f"[{t}, k]", _shape(topk_idx))
-        _check(not use_ue8m0 or (round_scale and use_fp8), "use_ue8m0", "round_scale=True and use_fp8=True with it",
+        expect(num_experts % self.group_size == 0, "num_experts", f"a multiple of {self.group_size}", num_experts)
+        expect(tuple(topk_idx.shape[:1]) == (t,) and topk_idx.dim() == 2, "topk_idx", f"[{t}, k]", _shape(topk_idx))
+        expect(not use_ue8m0 or (round_scale and use_fp8), "use_ue8m0", "round_scale=True and use_fp8=True with it",
                f"round_scale={round_scale}, use_fp8={use_fp8}")
-        _check(not use_ue8m0 or x.shape[1] % 512 == 0, "x.shape[1] (hidden)",
+        expect(not use_ue8m0 or x.shape[1] % 512 == 0, "x.shape[1] (hidden)",
                "a multiple of 512 with use_ue8m0 (four scales per int32)", x.shape[1])
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             epr = num_experts // self.group_size
-            _check(tuple(stats.shape) == (epr,) and stats.dtype == torch.int32 and stats.device == x.device,
+            expect(tuple(stats.shape) == (epr,) and stats.dtype == torch.int32 and stats.device == x.device,
                    "cumulative_local_expert_recv_stats", f"int32 [{epr}] on {x.device}",
                    f"{stats.dtype} {_shape(stats)} on {stats.device}")
         wait = dispatch_wait_recv_cost_stats
         if wait is not None:
-            _check(tuple(wait.shape) == (self.group_size,) and wait.dtype == torch.int64,
+            expect(tuple(wait.shape) == (self.group_size,) and wait.dtype == torch.int64,
                    "dispatch_wait_recv_cost_stats", f"int64 [{self.group_size}]", f"{wait.dtype} {_shape(wait)}")
         engine = self._ll_engine(round_scale, use_ue8m0, wait is not None)
         # The NVLink kernel checks the ids itself (no device-to-host sync, graph-capturable).
@@ -620,7 +615,7 @@ class Buffer:
 
         self._alive()
         nvl_type = getattr(self._backend, "ll_handle_type", None)
-        _check(isinstance(handle, (LowLatencyHandle,) + ((nvl_type,) if nvl_type else ())), "handle",
+        expect(isinstance(handle, (LowLatencyHandle,) + ((nvl_type,) if nvl_type else ())), "handle",
                "the handle of low_latency_dispatch", type(handle).__name__)
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
@@ -628,19 +623,19 @@ class Buffer:
             log.debug("use_logfmt: combine rows travel as bf16 (no LogFMT encoder in deepep)")
         epr = handle.num_experts // self.group_size
         shape = (epr, self.group_size * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
-        _check(isinstance(x, torch.Tensor) and tuple(x.shape) == shape, "x", f"shape {shape}", _shape(x))
-        _check(tuple(topk_weights.shape) == tuple(topk_idx.shape) == (handle.num_tokens, topk_idx.shape[1]),
+        expect(isinstance(x, torch.Tensor) and tuple(x.shape) == shape, "x", f"shape {shape}", _shape(x))
+        expect(tuple(topk_weights.shape) == tuple(topk_idx.shape) == (handle.num_tokens, topk_idx.shape[1]),
                "topk_weights", f"shape {tuple(topk_idx.shape)} with {handle.num_tokens} tokens",
                _shape(topk_weights))
         if out is not None:
-            _check(tuple(out.shape) == (handle.num_tokens, handle.hidden), "out",
+            expect(tuple(out.shape) == (handle.num_tokens, handle.hidden), "out",
                    f"shape {(handle.num_tokens, handle.hidden)}", _shape(out))
         wait = combine_wait_recv_cost_stats
         if wait is not None:
-            _check(tuple(wait.shape) == (self.group_size,) and wait.dtype == torch.int64,
+            expect(tuple(wait.shape) == (self.group_size,) and wait.dtype == torch.int64,
                    "combine_wait_recv_cost_stats", f"int64 [{self.group_size}]", f"{wait.dtype} {_shape(wait)}")
         if not isinstance(handle, LowLatencyHandle):
-            _check(wait is None, "combine_wait_recv_cost_stats", "None for a dispatch that ran on the NVLink kernels",
+            expect(wait is None, "combine_wait_recv_cost_stats", "None for a dispatch that ran on the NVLink kernels",
                    "a tensor")
             return self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, async_finish,
                                                      return_recv_hook, out)
