@@ -18,13 +18,9 @@ multi-buffer pipeline; __syncthreads() inserted between statements with a shared
 from __future__ import annotations
 
 import itertools
-import logging
 import math
-import struct
-from dataclasses import dataclass
 
 import numpy as np
-import tilehal
 
 from ...errors import CompileError
 from ...ir import dtypes as dt
@@ -38,18 +34,15 @@ from ...ir.nodes import (
     Cast,
     Const,
     Copy,
-    CumSum,
     Expr,
     Fill,
     For,
-    Gemm,
     If,
     Kernel,
     Let,
     Load,
     Not,
     PrimFunc,
-    Reduce,
     Region,
     Select,
     Seq,
@@ -58,9 +51,18 @@ from ...ir.nodes import (
     Var,
 )
 from ...ir.visit import buffers_read, buffers_written, walk_expr, walk_stmts
-from .infer import GemmPlan, LayoutInference, ParallelNest, infer_layouts
-
-log = logging.getLogger("tilelang.backends.cuda")
+from .common import _LOW, ParCtx, SmemInfo, _nonneg, cuda_type, esize, float_literal, log, value_type
+from .infer import LayoutInference, ParallelNest, infer_layouts
+from .rules import (
+    RULES,
+    AtomicRules,
+    CopyRules,
+    CumSumRules,
+    FillRules,
+    GemmRules,
+    PipelineRules,
+    ReduceRules,
+)
 
 SMEM_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90 (227 KiB)
 SMEM_ALIGN = 128
@@ -70,10 +72,6 @@ _FN32 = {"exp": "expf", "exp2": "exp2f", "log": "logf", "log2": "log2f", "sqrt":
          "pow": "powf"}
 _FN64 = {"exp": "exp", "exp2": "exp2", "log": "log", "log2": "log2", "sqrt": "sqrt", "tanh": "tanh", "sin": "sin",
          "cos": "cos", "floor": "floor", "ceil": "ceil", "round": "rint", "abs": "fabs", "pow": "pow"}
-_LOW = ("float16", "bfloat16", "float8_e4m3", "float8_e5m2")
-_MMA_TAG = {"float16": "MmaF16", "bfloat16": "MmaBF16", "float8_e4m3": "MmaE4M3", "float8_e5m2": "MmaE5M2",
-            "int8": "MmaS8"}
-
 PRELUDE = r"""
 #include <tilehal/tilehal.cuh>
 template <typename T> __device__ __forceinline__ T tl_max(T a, T b) { return a > b ? a : b; }
@@ -85,74 +83,10 @@ template <typename T> __device__ __forceinline__ T tl_floormod(T a, T b) {
 """
 
 
-def cuda_type(dtype: str) -> str:
-    return tilehal.get_dtype(dtype).cuda_name
 
+class KernelCodegen(CopyRules, FillRules, GemmRules, ReduceRules, CumSumRules, AtomicRules, PipelineRules):
+    """Lowers one T.Kernel; the per-op rules are the mixins of rules/ (looked up in rules.RULES)."""
 
-def value_type(dtype: str) -> str:
-    """C type of arithmetic on a value of `dtype` (16/8-bit floats compute in float)."""
-    return cuda_type(dt.compute_type(dtype))
-
-
-def esize(dtype: str) -> int:
-    return tilehal.get_dtype(dtype).itemsize
-
-
-def float_literal(v: float, dtype: str) -> str:
-    if math.isinf(v):
-        lit = "INFINITY" if v > 0 else "-INFINITY"
-        return lit if dtype != "float64" else f"((double){lit})"
-    if math.isnan(v):
-        return "__int_as_float(0x7fffffff)"
-    if dtype == "float64":
-        return repr(float(v))
-    f32 = struct.unpack("f", struct.pack("f", float(np.float32(v))))[0]
-    return f"{f32!r}f" if "e" in repr(f32) or "." in repr(f32) else f"{f32!r}.0f"
-
-
-def _divisible(e: Expr, v: int) -> bool:
-    if v == 1:
-        return True
-    if isinstance(e, Const):
-        return int(e.value) % v == 0
-    if isinstance(e, BinOp):
-        if e.op == "*":
-            return _divisible(e.a, v) or _divisible(e.b, v) or (
-                isinstance(e.a, Const) and isinstance(e.b, Const) and (int(e.a.value) * int(e.b.value)) % v == 0)
-        if e.op in ("+", "-"):
-            return _divisible(e.a, v) and _divisible(e.b, v)
-    return False
-
-
-def _nonneg(e: Expr) -> bool:
-    if isinstance(e, Const):
-        return not isinstance(e.value, bool) and e.value >= 0
-    if isinstance(e, Var):
-        return True  # loop, block and size variables are never negative
-    if isinstance(e, BinOp) and e.op in ("+", "*", "//", "%", "max", "min"):
-        return _nonneg(e.a) and _nonneg(e.b)
-    if isinstance(e, Cast):
-        return _nonneg(e.value)
-    return False
-
-
-@dataclass
-class SmemInfo:
-    offset: int
-    stages: int
-    stage_elems: int
-    swizzle: tuple[int, int, int] | None  # (shift, mask, log2 elems per 16 bytes)
-
-
-@dataclass
-class ParCtx:
-    layout: Fragment | None
-    var_pos: dict[Var, int]
-    regvars: dict[tuple[int, Axis], str]
-    lead: str | None  # C condition true on one replica (guards global/shared stores)
-
-
-class KernelCodegen:
     def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let]) -> None:
         self.func = func
         self.kernel = kernel
@@ -180,23 +114,6 @@ class KernelCodegen:
         self._plan_zero_init()
 
     # ================================================================ planning
-
-    def _plan_swizzle(self) -> None:
-        self.swizzled: dict[Buffer, tuple[int, int, int]] = {}
-        for s in walk_stmts(self.kernel.body):
-            if isinstance(s, Gemm) and self.inf.gemms[id(s)].kind == "mma":
-                for r in (s.A, s.B):
-                    b = r.buffer
-                    if b.scope != "shared" or b.ndim != 2:
-                        continue
-                    row_bytes = b.static_shape()[-1] * esize(b.dtype)
-                    lv = int(math.log2(16 // esize(b.dtype)))
-                    if row_bytes % 128 == 0:
-                        self.swizzled[b] = (0, 7, lv)
-                    elif row_bytes == 64:
-                        self.swizzled[b] = (1, 3, lv)
-                    elif row_bytes == 32:
-                        self.swizzled[b] = (2, 1, lv)
 
     def _plan_zero_init(self) -> None:
         """Shared buffers whose first access is not a full, unconditional write start at zero (the
@@ -236,76 +153,6 @@ class KernelCodegen:
         self.zero_init = {b for b, full in first.items() if not full}
         for b in self.zero_init:
             log.debug("shared buffer %s is read before it is fully written: zero-initialized", b.name)
-
-    def _plan_pipelines(self) -> None:
-        self.pipes: dict[int, list[Copy]] = {}
-        self.stages: dict[Buffer, int] = {}
-        all_stmts = list(walk_stmts(self.kernel.body))
-        for loop in all_stmts:
-            if not (isinstance(loop, For) and loop.kind == "pipelined"):
-                continue
-            n = int(loop.annotations.get("num_stages", 1) or 1)
-            if n < 2:
-                continue
-            body = loop.body.body if isinstance(loop.body, Seq) else [loop.body]
-            inside = set(map(id, walk_stmts(loop.body)))
-            local_vars = {st.var for st in walk_stmts(loop.body) if isinstance(st, (Let, For))}
-            chosen = []
-            for i, c in enumerate(body):
-                if not (isinstance(c, Copy) and self._async_copy_ok(c)):
-                    continue
-                buf = c.dst.buffer
-                free = {x for e in c.src.starts for x in walk_expr(e) if isinstance(x, (Var, Load))}
-                if any(isinstance(x, Load) for x in free) or (free & local_vars):
-                    log.debug("%s: T.copy into %s not pipelined: its source depends on values computed in the loop",
-                              c.loc, buf.name)
-                    continue
-                others = [st for st in all_stmts if st is not c and not isinstance(st, (Seq, For, If, Kernel))
-                          and (buf in buffers_written(st))]
-                outside = [st for st in all_stmts if id(st) not in inside and not isinstance(st, (Seq, For, If, Kernel))
-                           and not isinstance(st, Alloc) and buf in (buffers_read(st) | buffers_written(st))]
-                before = [st for st in body[:i] if buf in buffers_read(st)]
-                if others or outside or before:
-                    log.debug("%s: T.copy into %s not pipelined: the buffer is used outside this loop or written "
-                              "elsewhere", c.loc, buf.name)
-                    continue
-                chosen.append(c)
-                self.stages[buf] = n
-            if chosen:
-                self.pipes[id(loop)] = chosen
-            else:
-                log.debug("%s: T.Pipelined(num_stages=%d) has no global->shared copy to prefetch; runs serially",
-                          loop.loc, n)
-
-    def _vector_width(self, src: Region, dst: Region, limit_bytes: int = 16) -> int:
-        """Elements per vector for a copy between two memory regions (1 when alignment is unprovable)."""
-        if src.buffer.dtype != dst.buffer.dtype:
-            return 1
-        es = esize(src.buffer.dtype)
-        ext = src.squeezed()
-        if not ext:
-            return 1
-        last = ext[-1]
-        for r in (src, dst):
-            rd, cd = r.matrix_dims()
-            if cd != r.buffer.ndim - 1 or r.extents[cd] != last:
-                return 1
-        v = max(1, limit_bytes // es)
-        while v > 1:
-            ok = last % v == 0
-            for r in (src, dst):
-                size = r.buffer.shape[-1]
-                ok = ok and isinstance(size, Const) and int(size.value) % v == 0 and _divisible(r.starts[-1], v)
-            if ok:
-                return v
-            v //= 2
-        return 1
-
-    def _async_copy_ok(self, c: Copy) -> bool:
-        if c.src.buffer.scope != "global" or c.dst.buffer.scope != "shared":
-            return False
-        v = self._vector_width(c.src, c.dst)
-        return v * esize(c.src.buffer.dtype) in (4, 8, 16)
 
     # ================================================================ emission helpers
 
@@ -566,20 +413,11 @@ class KernelCodegen:
         self.hazard(s)
         if isinstance(s, Store):
             self.emit(f"{self.ref(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};")
-        elif isinstance(s, Copy):
-            self.copy(s)
-        elif isinstance(s, Fill):
-            self.fill(s)
-        elif isinstance(s, Gemm):
-            self.gemm(s)
-        elif isinstance(s, Reduce):
-            self.reduce(s)
-        elif isinstance(s, CumSum):
-            self.cumsum(s)
-        elif isinstance(s, AtomicAdd):
-            self.atomic(s, uniform=True)
-        else:
+            return
+        rule = RULES.get(type(s))
+        if rule is None:
             raise CompileError(f"CUDA codegen: unsupported statement {type(s).__name__}", s.loc)
+        rule(self, s)
 
     def alloc(self, s: Alloc) -> None:
         b = s.buffer
@@ -629,57 +467,6 @@ class KernelCodegen:
         if w:
             self.pending_r.clear()
             self.pending_w.clear()
-
-    # ---------------------------------------------------------------- T.Pipelined
-
-    def pipelined(self, s: For) -> None:
-        copies = self.pipes[id(s)]
-        n = int(s.annotations["num_stages"])
-        start, ext = self.expr(s.start), self.expr(s.extent)
-        v = s.var.name
-        bufs = [c.dst.buffer for c in copies]
-        self.emit(f"// T.Pipelined: {n} stages of {', '.join(b.name for b in bufs)} (cp.async)")
-        for st in range(n - 1):
-            self.open("")
-            self.emit(f"const int {v} = {start} + {st};")
-            self.open(f"if ({st} < {ext})")
-            for c in copies:
-                self.stage_expr[c.dst.buffer] = str(st)
-                self.copy_async(c)
-            self.close()
-            self.emit("tilehal::cp_async_commit();")
-            self.close()
-        # one barrier per iteration: after it, stage k has landed for every thread and every thread is
-        # done with stage k-1 (read in the previous iteration), which the prefetch then refills
-        self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
-        self.emit(f"tilehal::cp_async_wait<{n - 2}>();")
-        self.sync()
-        self.open("")
-        nxt = self.fresh("knext")
-        self.emit(f"const int {nxt} = {v} + {n - 1};")
-        self.open(f"if ({nxt} < {start} + {ext})")
-        self.emit(f"const int {v} = {nxt};")
-        for c in copies:
-            self.stage_expr[c.dst.buffer] = f"(({nxt} - ({start})) % {n})"
-            self.copy_async(c)
-        self.close()
-        self.emit("tilehal::cp_async_commit();")
-        self.close()
-        stage = self.fresh("stage")
-        self.emit(f"const int {stage} = ({v} - ({start})) % {n};")
-        for b in bufs:
-            self.stage_expr[b] = stage
-        body = s.body.body if isinstance(s.body, Seq) else [s.body]
-        for c in body:
-            if any(c is x for x in copies):
-                continue
-            self.stmt(c)
-        self.close()
-        self.emit("tilehal::cp_async_wait<0>();")
-        # the last iteration's accesses are still in flight for other threads
-        r, w = self.tracked(s)
-        self.pending_r |= r
-        self.pending_w |= w
 
     # ---------------------------------------------------------------- T.Parallel
 
@@ -735,26 +522,6 @@ class KernelCodegen:
         for _ in range(len(f.reg_order) - (vec is not None)):
             self.close()
         self.close()
-
-    def _frag_vector(self, f: Fragment, fr: Region, other: Region) -> tuple[int, Axis] | None:
-        """The fragment's innermost register axis, when its elements are contiguous in `other` and every
-        vector is aligned (16, 8 or 4 bytes): a copy then moves them with one vector access."""
-        if not f.reg_order or other.buffer.scope not in ("global", "shared"):
-            return None
-        d, a = f.reg_order[-1]
-        nd = len(f.shape)
-        if d != nd - 1 or a.coeff != 1 or a.extent < 2 or f.shape[-1] % a.extent:
-            return None
-        v = a.extent
-        es = esize(other.buffer.dtype)
-        if v * es not in (4, 8, 16):
-            return None
-        rd, cd = other.matrix_dims()
-        size = other.buffer.shape[-1]
-        if cd != other.buffer.ndim - 1 or not isinstance(size, Const) or int(size.value) % v or \
-                not _divisible(other.starts[-1], v) or f.shape[-1] != other.extents[-1]:
-            return None
-        return (d, a)
 
     def parallel(self, nest: ParallelNest) -> None:
         names = [v.name for v in nest.vars]
@@ -893,40 +660,7 @@ class KernelCodegen:
             return buf.name
         return f"{buf.name}[{self.flat_index(buf, idx)}]"
 
-    # ---------------------------------------------------------------- T.copy
-
-    def copy(self, s: Copy) -> None:
-        src, dst = s.src, s.dst
-        ss, ds = src.buffer.scope, dst.buffer.scope
-        if src.squeezed() != dst.squeezed():
-            raise CompileError(f"T.copy: shape mismatch {tuple(src.extents)} vs {tuple(dst.extents)}", s.loc)
-        if ss == "fragment" and ds == "fragment":
-            fa, fb = self.inf.layouts[src.buffer], self.inf.layouts[dst.buffer]
-            if fa.same_mapping(fb) and self._full(src) and self._full(dst):
-                names = [self.fresh("i") for _ in fb.shape]
-                f = fb
-
-                def body(regvars):
-                    ra = self._reg_by_axes(fa, f, regvars)
-                    rb = self._reg_by_axes(fb, f, regvars)
-                    self.emit(f"{dst.buffer.name}[{rb}] = {self.conv(f'{src.buffer.name}[{ra}]', src.buffer.dtype, dst.buffer.dtype)};")
-
-                self.layout_loop(f, names, body)
-                return
-            return self.copy_via_scratch(s)
-        if ss == "fragment" or ds == "fragment":
-            return self.copy_fragment(s)
-        if ss == "local" or ds == "local" or ss == "var" or ds == "var":
-            return self.copy_elementwise(s, uniform=True)
-        if ss == "global" and ds == "shared" and self._async_copy_ok(s):
-            self.copy_async(s)
-            self.emit("tilehal::cp_async_commit();")
-            self.emit("tilehal::cp_async_wait<0>();")
-            return
-        v = self._vector_width(src, dst)
-        if v > 1:
-            return self.copy_vector(s, v)
-        self.copy_elementwise(s)
+    # ---------------------------------------------------------------- helpers shared by the op rules
 
     def _full(self, r: Region) -> bool:
         return tuple(r.extents) == r.buffer.static_shape() and all(isinstance(x, Const) and x.value == 0
@@ -940,147 +674,6 @@ class KernelCodegen:
 
     def _tile_names(self, r: Region) -> list[str]:
         return [self.fresh("c") for _ in (r.squeezed() or [1])]
-
-    def copy_async(self, s: Copy) -> None:
-        src, dst = s.src, s.dst
-        v = self._vector_width(src, dst)
-        nbytes = v * esize(src.buffer.dtype)
-        ext = [str(x) for x in (src.squeezed() or [1])]
-        ext_v = ext[:-1] + [str(int(ext[-1]) // v)]
-        names = self._tile_names(src)
-
-        def body():
-            coords = names[:-1] + [f"{names[-1]} * {v}"]
-            si = self.region_idx(src, coords if src.squeezed() else [])
-            di = self.region_idx(dst, coords if dst.squeezed() else [])
-            pred = self.in_bounds(src, si)
-            sref = f"&{src.buffer.name}[{self.flat_index(src.buffer, si)}]"
-            dref = f"&{dst.buffer.name}[{self.smem_offset(dst.buffer, di)}]"
-            if pred:
-                sref = f"(({pred}) ? (const void*)({sref}) : (const void*){src.buffer.name})"
-            fn = "cp_async_16" if nbytes == 16 else f"cp_async_{nbytes}"
-            self.emit(f"tilehal::{fn}({dref}, {sref}{', ' + pred if pred else ''});")
-
-        self.flat_loop(ext_v, names, body)
-
-    def copy_vector(self, s: Copy, v: int) -> None:
-        src, dst = s.src, s.dst
-        ext = [str(x) for x in (src.squeezed() or [1])]
-        ext_v = ext[:-1] + [str(int(ext[-1]) // v)]
-        names = self._tile_names(src)
-        t = cuda_type(src.buffer.dtype)
-
-        def body():
-            coords = names[:-1] + [f"{names[-1]} * {v}"]
-            si = self.region_idx(src, coords)
-            di = self.region_idx(dst, coords)
-            sp, dp = self.in_bounds(src, si), self.in_bounds(dst, di)
-            sref = f"&{self.mem_ref(src.buffer, si)}"
-            dref = f"&{self.mem_ref(dst.buffer, di)}"
-            vt = f"tilehal::Vec<{t}, {v}>"
-            tmp = self.fresh("v")
-            if sp:
-                self.emit(f"{vt} {tmp};")
-                self.open(f"if ({sp})")
-                self.emit(f"{tmp} = tilehal::load_vec<{t}, {v}>({sref});")
-                self.close()
-                self.open("else")
-                self.emit("#pragma unroll")
-                self.emit(f"for (int _k = 0; _k < {v}; ++_k) {tmp}[_k] = tilehal::from_float<{t}>(0.0f);"
-                          if t in ("__half", "__nv_bfloat16", "__nv_fp8_e4m3", "__nv_fp8_e5m2") else
-                          f"for (int _k = 0; _k < {v}; ++_k) {tmp}[_k] = 0;")
-                self.close()
-            else:
-                self.emit(f"{vt} {tmp} = tilehal::load_vec<{t}, {v}>({sref});")
-            st = f"tilehal::store_vec<{t}, {v}>({dref}, {tmp});"
-            self.emit(f"if ({dp}) {st}" if dp else st)
-
-        self.flat_loop(ext_v, names, body)
-
-    def copy_elementwise(self, s: Copy, uniform: bool = False) -> None:
-        src, dst = s.src, s.dst
-        ext = [str(x) for x in (src.squeezed() or [1])]
-        names = self._tile_names(src)
-
-        def body():
-            si = self.region_idx(src, names if src.squeezed() else [])
-            di = self.region_idx(dst, names if dst.squeezed() else [])
-            sp, dp = self.in_bounds(src, si), self.in_bounds(dst, di)
-            val = self.mem_ref(src.buffer, si)
-            if sp:
-                zero = self.conv("0", "int32", src.buffer.dtype) if src.buffer.dtype in _LOW else "0"
-                val = f"(({sp}) ? {val} : {zero})"
-            line = f"{self.mem_ref(dst.buffer, di)} = {self.conv(val, src.buffer.dtype, dst.buffer.dtype)};"
-            self.emit(f"if ({dp}) {line}" if dp else line)
-
-        if uniform:
-            self.open("")
-            for n, e in zip(names, ext):
-                self.open(f"for (int {n} = 0; {n} < {e}; ++{n})")
-            body()
-            for _ in names:
-                self.close()
-            self.close()
-        else:
-            self.flat_loop(ext, names, body)
-
-    def copy_fragment(self, s: Copy) -> None:
-        """Each thread moves the fragment elements it holds (masked at the edges of global tensors)."""
-        src, dst = s.src, s.dst
-        fr, other = (src, dst) if src.buffer.scope == "fragment" else (dst, src)
-        f = self.inf.layouts[fr.buffer]
-        if not self._full(fr):
-            raise CompileError(f"T.copy of part of fragment {fr.buffer.name} is not supported on cuda; copy the whole "
-                               f"fragment", s.loc)
-        names = [self.fresh("i") for _ in f.shape]
-        nonunit = [nm for nm, n in zip(names, f.shape) if n != 1]
-        lead = self.lead_cond(f) if fr is src and other.buffer.scope in ("global", "shared") else None
-        vec = self._frag_vector(f, fr, other)
-
-        def body(regvars):
-            reg = self._reg_by_axes(f, f, regvars)
-            oi = self.region_idx(other, nonunit if other.squeezed() else [])
-            pred = self.in_bounds(other, oi)
-            oref = self.mem_ref(other.buffer, oi)
-            fref = f"{fr.buffer.name}[{reg}]"
-            if vec is not None:
-                v = vec[1].extent
-                t = cuda_type(other.buffer.dtype)
-                vt = f"tilehal::Vec<{t}, {v}>"
-                tmp = self.fresh("v")
-                fd, od = fr.buffer.dtype, other.buffer.dtype
-                if fr is src:
-                    self.emit(f"{vt} {tmp};")
-                    self.emit("#pragma unroll")
-                    self.emit(f"for (int _u = 0; _u < {v}; ++_u) {tmp}[_u] = "
-                              f"{self.conv(f'{fr.buffer.name}[{reg} + _u]', fd, od)};")
-                    conds = [c for c in (pred, lead) if c]
-                    line = f"tilehal::store_vec<{t}, {v}>(&{oref}, {tmp});"
-                    self.emit(f"if ({' && '.join(conds)}) {line}" if conds else line)
-                else:
-                    self.emit(f"{vt} {tmp};")
-                    load = f"{tmp} = tilehal::load_vec<{t}, {v}>(&{oref});"
-                    if pred:
-                        self.emit(f"if ({pred}) {load} else for (int _u = 0; _u < {v}; ++_u) {tmp}[_u] = "
-                                  f"{self.zero(od)};")
-                    else:
-                        self.emit(load)
-                    self.emit("#pragma unroll")
-                    self.emit(f"for (int _u = 0; _u < {v}; ++_u) {fr.buffer.name}[{reg} + _u] = "
-                              f"{self.conv(f'{tmp}[_u]', od, fd)};")
-                return
-            if fr is src:
-                conds = [c for c in (pred, lead) if c]
-                line = f"{oref} = {self.conv(fref, fr.buffer.dtype, other.buffer.dtype)};"
-                self.emit(f"if ({' && '.join(conds)}) {line}" if conds else line)
-            else:
-                val = self.conv(oref, other.buffer.dtype, fr.buffer.dtype)
-                if pred:
-                    zero = self.conv("0", "int32", fr.buffer.dtype) if fr.buffer.dtype in _LOW else "0"
-                    val = f"(({pred}) ? {val} : {zero})"
-                self.emit(f"{fref} = {val};")
-
-        self.layout_loop(f, names, body, vec=vec)
 
     def stage_fragment(self, buf: Buffer, to_scratch: bool, base: str) -> None:
         """fragment <-> scratch (row-major, compute type): the way between two layouts."""
@@ -1103,452 +696,6 @@ class KernelCodegen:
                 self.emit(f"{fref} = {self.conv(sref, dt.compute_type(buf.dtype), buf.dtype)};")
 
         self.layout_loop(f, names, body)
-
-    def copy_via_scratch(self, s: Copy) -> None:
-        a, b = s.src.buffer, s.dst.buffer
-        if not (self._full(s.src) and self._full(s.dst)):
-            raise CompileError("T.copy between parts of fragments with different layouts is not supported", s.loc)
-        n = int(np.prod(a.static_shape()))
-        base = self.scratch(n * 8)
-        self.emit("__syncthreads();")
-        self.stage_fragment(a, True, base)
-        self.emit("__syncthreads();")
-        self.stage_fragment(b, False, base)
-        self.emit("__syncthreads();")
-
-    # ---------------------------------------------------------------- T.fill
-
-    def fill(self, s: Fill) -> None:
-        r = s.dst
-        b = r.buffer
-        if b.scope == "fragment" and self._full(r):
-            n = self.inf.layouts[b].nregs
-            self.emit("#pragma unroll")
-            self.emit(f"for (int _i = 0; _i < {n}; ++_i) {b.name}[_i] = {self.store_value(b, s.value)};")
-            return
-        if b.scope == "fragment":
-            f = self.inf.layouts[b]
-            names = [self.fresh("i") for _ in f.shape]
-
-            def body(regvars):
-                reg = self._reg_by_axes(f, f, regvars)
-                conds = []
-                for d, nm in enumerate(names):
-                    st = self.expr(r.starts[d])
-                    conds.append(f"{nm} >= {st} && {nm} < {st} + {r.extents[d]}")
-                self.emit(f"if ({' && '.join(conds)}) {b.name}[{reg}] = {self.store_value(b, s.value)};")
-
-            return self.layout_loop(f, names, body)
-        ext = [str(x) for x in (r.squeezed() or [1])]
-        names = self._tile_names(r)
-
-        def body2():
-            idx = self.region_idx(r, names if r.squeezed() else [])
-            pred = self.in_bounds(r, idx)
-            line = f"{self.mem_ref(b, idx)} = {self.store_value(b, s.value)};"
-            self.emit(f"if ({pred}) {line}" if pred else line)
-
-        if b.scope in ("local", "var"):
-            self.open("")
-            for n, e in zip(names, ext):
-                self.open(f"for (int {n} = 0; {n} < {e}; ++{n})")
-            body2()
-            for _ in names:
-                self.close()
-            self.close()
-        else:
-            self.flat_loop(ext, names, body2)
-
-    # ---------------------------------------------------------------- T.reduce_*
-
-    def reduce(self, s: Reduce) -> None:
-        src, dst = s.src, s.dst
-        if src.scope != "fragment" or dst.scope not in ("fragment",):
-            raise CompileError(f"T.reduce_{s.kind} on cuda reduces a fragment into a fragment, got {src.name} "
-                               f"({src.scope}) -> {dst.name} ({dst.scope})", s.loc)
-        fs, fd = self.inf.layouts[src], self.inf.layouts[dst]
-        acc_t = dt.compute_type(dst.dtype)
-        ct = value_type(dst.dtype)
-        init = {"sum": 0.0, "abssum": 0.0, "max": float("-inf"), "absmax": 0.0, "min": float("inf")}[s.kind]
-        if dt.is_int(acc_t) and math.isinf(init):
-            info = np.iinfo(np.dtype(acc_t))
-            init_c = str(int(info.max if init > 0 else info.min))
-        elif dt.is_int(acc_t):
-            init_c = "0"
-        else:
-            init_c = float_literal(init, acc_t)
-        op = {"sum": "+", "abssum": "+", "max": "max", "absmax": "max", "min": "min"}[s.kind]
-
-        def comb(a: str, b: str) -> str:
-            return f"({a} + {b})" if op == "+" else f"tl_{op}<{ct}>({a}, {b})"
-
-        red_axes = list(fs.dims[s.dim])
-        kept = [d for d in range(src.ndim) if d != s.dim]
-        dst_dim = {d: (i if dst.ndim != src.ndim else d) for i, d in enumerate(kept)}
-        warp_ax, cross_ax = [], []
-        for a in red_axes:
-            if a.kind != "t":
-                continue
-            if a.tstride * a.extent <= 32:
-                warp_ax.append((a.tstride, a.extent))
-            elif a.tstride >= 32:
-                cross_ax.append((a.tstride, a.extent))
-            else:
-                inner = 32 // a.tstride
-                warp_ax.append((a.tstride, inner))
-                cross_ax.append((32, a.extent // inner))
-        nd = fd.nregs
-        self.emit(f"// T.reduce_{s.kind}({src.name} -> {dst.name}, dim={s.dim})")
-        self.open("")
-        accs = self.fresh("acc")
-        self.emit(f"{ct} {accs}[{nd}];")
-        # registers of the kept dims (outer loops), then the reduced registers (inner loops)
-        kept_regs = [(d, a) for d, a in fs.reg_order if d != s.dim]
-        red_regs = [(d, a) for d, a in fs.reg_order if d == s.dim]
-        names = {}
-        for d, a in kept_regs:
-            nm = self.fresh("r")
-            names[(d, a)] = nm
-            self.emit("#pragma unroll")
-            self.open(f"for (int {nm} = 0; {nm} < {a.extent}; ++{nm})")
-        dreg = " + ".join(f"{names[(d, a)]} * {fd.reg_stride(dst_dim[d], a)}" for d, a in kept_regs) or "0"
-        acc = self.fresh("a")
-        self.emit(f"{ct} {acc} = {init_c};")
-        for d, a in red_regs:
-            nm = self.fresh("r")
-            names[(d, a)] = nm
-            self.emit("#pragma unroll")
-            self.open(f"for (int {nm} = 0; {nm} < {a.extent}; ++{nm})")
-        sreg = " + ".join(f"{names[(d, a)]} * {fs.reg_stride(d, a)}" for d, a in fs.reg_order) or "0"
-        val = f"{src.name}[{sreg}]"
-        val = f"tilehal::to_float({val})" if src.dtype in _LOW else f"(({ct}){val})"
-        if s.kind in ("abssum", "absmax"):
-            val = f"fabsf({val})" if not dt.is_int(acc_t) else f"abs({val})"
-        # padding of the reduced dim holds no data
-        if fs.covered(s.dim) > fs.shape[s.dim]:
-            terms = []
-            for a in red_axes:
-                v = self.thread_val(a) if a.kind == "t" else names[(s.dim, a)]
-                terms.append(f"{v} * {a.coeff}")
-            self.emit(f"if (({' + '.join(terms)}) < {fs.shape[s.dim]}) {acc} = {comb(acc, val)};")
-        else:
-            self.emit(f"{acc} = {comb(acc, val)};")
-        for _ in red_regs:
-            self.close()
-        for ts, e in warp_ax:
-            off = ts
-            while off < ts * e:
-                self.emit(f"{acc} = {comb(acc, f'__shfl_xor_sync(0xffffffffu, {acc}, {off})')};")
-                off *= 2
-        self.emit(f"{accs}[{dreg}] = {acc};")
-        for _ in kept_regs:
-            self.close()
-        if cross_ax:
-            base = self.scratch(nd * self.threads * 8)
-            sp = f"(({ct}*){base})"
-            self.emit("__syncthreads();")
-            self.emit(f"for (int _i = 0; _i < {nd}; ++_i) {sp}[_i * {self.threads} + _tx] = {accs}[_i];")
-            self.emit("__syncthreads();")
-            self.open(f"for (int _i = 0; _i < {nd}; ++_i)")
-            self.emit(f"{ct} _a = {init_c};")
-            base_t = "_tx"
-            for ts, e in cross_ax:
-                base_t = f"({base_t} - ((_tx / {ts}) % {e}) * {ts})"
-            loops = []
-            for k, (ts, e) in enumerate(cross_ax):
-                w = f"_w{k}"
-                loops.append(f"{w} * {ts}")
-                self.open(f"for (int {w} = 0; {w} < {e}; ++{w})")
-            self.emit(f"_a = {comb('_a', f'{sp}[_i * {self.threads} + {base_t} + {chr(43).join(loops)}]')};")
-            for _ in cross_ax:
-                self.close()
-            self.emit(f"{accs}[_i] = _a;")
-            self.close()
-            self.emit("__syncthreads();")
-        self.emit("#pragma unroll")
-        if s.clear:
-            self.emit(f"for (int _i = 0; _i < {nd}; ++_i) {dst.name}[_i] = {self.conv(f'{accs}[_i]', acc_t, dst.dtype)};")
-        else:
-            old = f"tilehal::to_float({dst.name}[_i])" if dst.dtype in _LOW else f"{dst.name}[_i]"
-            self.emit(f"for (int _i = 0; _i < {nd}; ++_i) {dst.name}[_i] = "
-                      f"{self.conv(comb(old, f'{accs}[_i]'), acc_t, dst.dtype)};")
-        self.close()
-
-    # ---------------------------------------------------------------- T.cumsum
-
-    def cumsum(self, s: CumSum) -> None:
-        src, dst = s.src, s.dst
-        shape = src.static_shape()
-        n = int(np.prod(shape))
-        ct = value_type(dst.dtype)
-        base = self.scratch(n * 8)
-        sp = f"(({ct}*){base})"
-        self.emit(f"// T.cumsum({src.name} -> {dst.name}, dim={s.dim}, reverse={s.reverse})")
-        self.emit("__syncthreads();")
-        self._to_from_scratch(src, sp, True)
-        self.emit("__syncthreads();")
-        rows = n // shape[s.dim]
-        inner = int(np.prod(shape[s.dim + 1:]))
-        L = shape[s.dim]
-        self.open(f"for (int _row = _tx; _row < {rows}; _row += {self.threads})")
-        self.emit(f"const int _base = (_row / {inner}) * {L * inner} + (_row % {inner});")
-        self.emit(f"{ct} _acc = 0;")
-        self.open(f"for (int _k = 0; _k < {L}; ++_k)")
-        kk = f"({L - 1} - _k)" if s.reverse else "_k"
-        self.emit(f"const int _o = _base + {kk} * {inner};")
-        self.emit(f"_acc += {sp}[_o];")
-        self.emit(f"{sp}[_o] = _acc;")
-        self.close()
-        self.close()
-        self.emit("__syncthreads();")
-        self._to_from_scratch(dst, sp, False)
-        self.emit("__syncthreads();")
-
-    def _to_from_scratch(self, buf: Buffer, sp: str, to: bool) -> None:
-        if buf.scope == "fragment":
-            f = self.inf.layouts[buf]
-            names = [self.fresh("i") for _ in f.shape]
-            shape = list(f.shape)
-
-            def body(regvars):
-                reg = self._reg_by_axes(f, f, regvars)
-                flat = names[0]
-                for d in range(1, len(names)):
-                    flat = f"({flat}) * {shape[d]} + {names[d]}"
-                fref = f"{buf.name}[{reg}]"
-                if to:
-                    self.emit(f"{sp}[{flat}] = {'tilehal::to_float(' + fref + ')' if buf.dtype in _LOW else fref};")
-                else:
-                    self.emit(f"{fref} = {self.conv(f'{sp}[{flat}]', dt.compute_type(buf.dtype), buf.dtype)};")
-
-            self.layout_loop(f, names, body)
-            return
-        shape = buf.static_shape()
-        names = [self.fresh("c") for _ in shape]
-
-        def body2():
-            flat = names[0]
-            for d in range(1, len(names)):
-                flat = f"({flat}) * {shape[d]} + {names[d]}"
-            ref = self.mem_ref(buf, names)
-            if to:
-                self.emit(f"{sp}[{flat}] = {'tilehal::to_float(' + ref + ')' if buf.dtype in _LOW else ref};")
-            else:
-                self.emit(f"{ref} = {self.conv(f'{sp}[{flat}]', dt.compute_type(buf.dtype), buf.dtype)};")
-
-        if buf.scope in ("local", "var"):
-            raise CompileError(f"T.cumsum on a {buf.scope} buffer is not supported on cuda")
-        self.flat_loop([str(x) for x in shape], names, body2)
-
-    # ---------------------------------------------------------------- T.atomic_add
-
-    def atomic(self, s: AtomicAdd, uniform: bool) -> None:
-        dst = s.dst
-        if not isinstance(s.src, Region):
-            idx = [self.expr(x) for x in dst.starts]
-            pred = self.in_bounds(Region(dst.buffer, dst.starts, [1] * dst.buffer.ndim), idx)
-            val = self.store_value(dst.buffer, s.src)
-            conds = [c for c in (pred, "_tx == 0" if uniform else (self.par.lead if self.par else None)) if c]
-            line = f"atomicAdd(&{self.mem_ref(dst.buffer, idx)}, {val});"
-            self.emit(f"if ({' && '.join(conds)}) {line}" if conds else line)
-            return
-        src = s.src
-        if src.buffer.scope == "fragment":
-            f = self.inf.layouts[src.buffer]
-            names = [self.fresh("i") for _ in f.shape]
-            nonunit = [nm for nm, n in zip(names, f.shape) if n != 1]
-            lead = self.lead_cond(f)
-
-            def body(regvars):
-                reg = self._reg_by_axes(f, f, regvars)
-                di = self.region_idx(dst, nonunit if dst.squeezed() else [])
-                pred = self.in_bounds(dst, di)
-                conds = [c for c in (pred, lead) if c]
-                val = self.conv(f"{src.buffer.name}[{reg}]", src.buffer.dtype, dst.buffer.dtype)
-                line = f"atomicAdd(&{self.mem_ref(dst.buffer, di)}, {val});"
-                self.emit(f"if ({' && '.join(conds)}) {line}" if conds else line)
-
-            return self.layout_loop(f, names, body)
-        ext = [str(x) for x in (src.squeezed() or [1])]
-        names = self._tile_names(src)
-
-        def body2():
-            si = self.region_idx(src, names if src.squeezed() else [])
-            di = self.region_idx(dst, names if dst.squeezed() else [])
-            sp, dp = self.in_bounds(src, si), self.in_bounds(dst, di)
-            conds = [c for c in (sp, dp) if c]
-            val = self.conv(self.mem_ref(src.buffer, si), src.buffer.dtype, dst.buffer.dtype)
-            line = f"atomicAdd(&{self.mem_ref(dst.buffer, di)}, {val});"
-            self.emit(f"if ({' && '.join(conds)}) {line}" if conds else line)
-
-        self.flat_loop(ext, names, body2)
-
-    # ---------------------------------------------------------------- T.gemm
-
-    def gemm(self, s: Gemm) -> None:
-        plan = self.inf.gemms[id(s)]
-        if plan.kind == "mma":
-            return self.gemm_mma(s, plan)
-        return self.gemm_simt(s, plan)
-
-    def _smem_addr(self, r: Region, row: str, col: str) -> str:
-        rd, cd = r.matrix_dims()
-        idx = [self.expr(x) for x in r.starts]
-        idx[rd] = f"({idx[rd]} + {row})"
-        idx[cd] = f"({idx[cd]} + {col})"
-        return f"&{r.buffer.name}[{self.smem_offset(r.buffer, idx)}]"
-
-    def _mma_reg(self, f: Fragment, mi: str, nj: str, h: str, c: str) -> str:
-        """Register of (m16 tile mi, n8 tile nj, half h, column c) in an mma-shaped layout."""
-        want = {(0, 16): mi, (1, 8): nj, (0, 8): h, (1, 1): c}
-        terms = []
-        for d, a in f.reg_order:
-            key = (d, a.coeff)
-            if key not in want:
-                raise CompileError(f"layout {f} is not an mma.sync fragment", self.kernel.loc)
-            terms.append(f"({want[key]}) * {f.reg_stride(d, a)}")
-        return " + ".join(terms) or "0"
-
-    def gemm_mma(self, s: Gemm, plan: GemmPlan) -> None:
-        m, n = s.C.as_2d()
-        kdim = s.A.as_2d()[0] if s.transpose_A else s.A.as_2d()[1]
-        wm, wn = plan.warps_m, plan.warps_n
-        WM, WN = m // wm, n // wn
-        MI, NJ = WM // 16, WN // 8
-        ks = plan.kstep
-        tag = _MMA_TAG[s.A.buffer.dtype]
-        fc = self.inf.layouts[s.C.buffer]
-        c = s.C.buffer.name
-        acc_t = "int" if s.C.buffer.dtype == "int32" else "float"
-        self.emit(f"// T.gemm {m}x{n}x{kdim} {s.A.buffer.dtype}: mma.sync m16n8k{ks}, warps {wm}x{wn}")
-        self.open("")
-        self.emit("const int _warp = _tx >> 5, _lane = _tx & 31;")
-        self.emit(f"const int _wm = (_warp / {wn}) % {wm} * {WM}, _wn = (_warp % {wn}) * {WN};")
-        if s.clear_accum:
-            self.emit("#pragma unroll")
-            self.emit(f"for (int _i = 0; _i < {fc.nregs}; ++_i) {c}[_i] = 0;")
-        self.emit("const int _q = _lane >> 3, _r8 = _lane & 7;")
-        self.emit("#pragma unroll")
-        self.open(f"for (int _kk = 0; _kk < {kdim // ks}; ++_kk)")
-        self.emit(f"tilehal::u32 _a[{MI}][4];")
-        self.emit(f"tilehal::u32 _b[{NJ}][2];")
-        kcol = "(_q >> 1) * 8" if ks == 16 else "(_q >> 1) * 16"
-        # A
-        self.emit("#pragma unroll")
-        self.open(f"for (int _mi = 0; _mi < {MI}; ++_mi)")
-        if s.A.buffer.scope == "fragment":
-            fa = self.inf.layouts[s.A.buffer]
-            an = s.A.buffer.name
-            regs = [self._mma_reg(fa, "_mi", f"2 * _kk + {j}", str(h), "0") for j, h in ((0, 0), (0, 1), (1, 0), (1, 1))]
-            for i, r in enumerate(regs):
-                self.emit(f"_a[_mi][{i}] = tilehal::pack2_bits({an}[{r}], {an}[{r} + {fa.reg_stride(1, Axis('r', 2, 1))}]);")
-        elif not s.transpose_A:
-            row = "_wm + _mi * 16 + (_q & 1) * 8 + _r8"
-            col = f"_kk * {ks} + {kcol}"
-            self.emit(f"tilehal::ldmatrix_x4(_a[_mi], {self._smem_addr(s.A, row, col)});")
-        else:
-            row = "_kk * 16 + (_q >> 1) * 8 + _r8"
-            col = "_wm + _mi * 16 + (_q & 1) * 8"
-            self.emit(f"tilehal::ldmatrix_x4_trans(_a[_mi], {self._smem_addr(s.A, row, col)});")
-        self.close()
-        # B, two n8 tiles per ldmatrix.x4
-        self.emit("#pragma unroll")
-        self.open(f"for (int _p = 0; _p < {NJ // 2}; ++_p)")
-        self.emit("tilehal::u32 _t[4];")
-        if s.transpose_B:
-            row = "_wn + (_p * 2 + (_q >> 1)) * 8 + _r8"
-            col = f"_kk * {ks} + (_q & 1) * {ks // 2}"
-            self.emit(f"tilehal::ldmatrix_x4(_t, {self._smem_addr(s.B, row, col)});")
-        else:
-            row = "_kk * 16 + (_q & 1) * 8 + _r8"
-            col = "_wn + (_p * 2 + (_q >> 1)) * 8"
-            self.emit(f"tilehal::ldmatrix_x4_trans(_t, {self._smem_addr(s.B, row, col)});")
-        self.emit("_b[2 * _p][0] = _t[0]; _b[2 * _p][1] = _t[1]; _b[2 * _p + 1][0] = _t[2]; _b[2 * _p + 1][1] = _t[3];")
-        self.close()
-        self.emit("#pragma unroll")
-        self.open(f"for (int _mi = 0; _mi < {MI}; ++_mi)")
-        self.emit("#pragma unroll")
-        self.open(f"for (int _nj = 0; _nj < {NJ}; ++_nj)")
-        creg = self._mma_reg(fc, "_mi", "_nj", "0", "0")
-        fn = "mma_m16n8k16" if ks == 16 else "mma_m16n8k32"
-        self.emit(f"tilehal::{fn}(tilehal::{tag}(), *reinterpret_cast<{acc_t}(*)[4]>(&{c}[{creg}]), _a[_mi], _b[_nj]);")
-        self.close()
-        self.close()
-        self.close()
-        self.close()
-        # the accumulator registers are in (mi, nj, h, c) order with (h, c) innermost: checked here
-        for h, cc, k in ((0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)):
-            try:
-                st = fc.reg_stride(0, Axis("r", 2, 8)) * h + fc.reg_stride(1, Axis("r", 2, 1)) * cc
-            except KeyError:
-                st = k
-            if st != k:
-                raise CompileError(f"T.gemm accumulator {c}: registers not in mma order ({fc})", s.loc)
-
-    def gemm_simt(self, s: Gemm, plan: GemmPlan) -> None:
-        cbuf = s.C.buffer
-        f = self.inf.layouts[cbuf]
-        m, n = s.C.as_2d()
-        kdim = s.A.as_2d()[0] if s.transpose_A else s.A.as_2d()[1]
-        acc_t = dt.compute_type(cbuf.dtype)
-        ct = value_type(acc_t)
-        self.emit(f"// T.gemm {m}x{n}x{kdim} on CUDA cores ({plan.reason})")
-        staged = {}
-        off = 0
-        for r in (s.A, s.B):
-            if r.buffer.scope == "fragment" and r.buffer not in staged:
-                staged[r.buffer] = off
-                off += int(np.prod(r.buffer.static_shape()))
-        if staged:
-            base = self.scratch(off * 8)
-            self.emit("__syncthreads();")
-            for b, o in staged.items():
-                self.stage_fragment(b, True, f"((({value_type(b.dtype)}*){base}) + {o})")
-            self.emit("__syncthreads();")
-
-        def operand(r: Region, row: str, col: str) -> str:
-            b = r.buffer
-            rd, cd = r.matrix_dims()
-            if b in staged:
-                shape = b.static_shape()
-                idx = [self.expr(x) for x in r.starts]
-                if rd >= 0:
-                    idx[rd] = f"({idx[rd]} + {row})"
-                if cd >= 0:
-                    idx[cd] = f"({idx[cd]} + {col})"
-                flat = idx[0]
-                for d in range(1, len(idx)):
-                    flat = f"({flat}) * {shape[d]} + {idx[d]}"
-                return f"((({value_type(b.dtype)}*){base}) + {staged[b]})[{flat}]"
-            idx = [self.expr(x) for x in r.starts]
-            if rd >= 0:
-                idx[rd] = f"({idx[rd]} + {row})"
-            if cd >= 0:
-                idx[cd] = f"({idx[cd]} + {col})"
-            ref = self.mem_ref(b, idx)
-            return f"tilehal::to_float({ref})" if b.dtype in _LOW else ref
-
-        names = [self.fresh("i"), self.fresh("j")]
-        cn = [nm for nm in names]
-
-        def body(regvars):
-            reg = self._reg_by_axes(f, f, regvars)
-            i, j = cn
-            a = operand(s.A, "_k", i) if s.transpose_A else operand(s.A, i, "_k")
-            b = operand(s.B, j, "_k") if s.transpose_B else operand(s.B, "_k", j)
-            self.emit(f"{ct} _acc = 0;")
-            self.open(f"for (int _k = 0; _k < {kdim}; ++_k)")
-            self.emit(f"_acc += (({ct})({a})) * (({ct})({b}));")
-            self.close()
-            old = f"tilehal::to_float({cbuf.name}[{reg}])" if cbuf.dtype in _LOW else f"{cbuf.name}[{reg}]"
-            val = "_acc" if s.clear_accum else f"({old} + _acc)"
-            self.emit(f"{cbuf.name}[{reg}] = {self.conv(val, acc_t, cbuf.dtype)};")
-
-        if len(f.shape) != 2:
-            raise CompileError(f"T.gemm accumulator {cbuf.name} must be 2-D", s.loc)
-        self.layout_loop(f, names, body)
-        if staged:
-            self.emit("__syncthreads();")
 
     # ================================================================ the kernel
 

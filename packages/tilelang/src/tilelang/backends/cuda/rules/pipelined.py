@@ -1,0 +1,98 @@
+"""CUDA lowering of T.Pipelined(num_stages>=2): cp.async multi-buffer prefetch of global->shared copies."""
+
+from __future__ import annotations
+
+from ....ir.nodes import Alloc, Buffer, Copy, For, If, Kernel, Let, Load, Seq, Var
+from ....ir.visit import buffers_read, buffers_written, walk_expr, walk_stmts
+from ..common import log
+
+
+class PipelineRules:
+    def _plan_pipelines(self) -> None:
+        self.pipes: dict[int, list[Copy]] = {}
+        self.stages: dict[Buffer, int] = {}
+        all_stmts = list(walk_stmts(self.kernel.body))
+        for loop in all_stmts:
+            if not (isinstance(loop, For) and loop.kind == "pipelined"):
+                continue
+            n = int(loop.annotations.get("num_stages", 1) or 1)
+            if n < 2:
+                continue
+            body = loop.body.body if isinstance(loop.body, Seq) else [loop.body]
+            inside = set(map(id, walk_stmts(loop.body)))
+            local_vars = {st.var for st in walk_stmts(loop.body) if isinstance(st, (Let, For))}
+            chosen = []
+            for i, c in enumerate(body):
+                if not (isinstance(c, Copy) and self._async_copy_ok(c)):
+                    continue
+                buf = c.dst.buffer
+                free = {x for e in c.src.starts for x in walk_expr(e) if isinstance(x, (Var, Load))}
+                if any(isinstance(x, Load) for x in free) or (free & local_vars):
+                    log.debug("%s: T.copy into %s not pipelined: its source depends on values computed in the loop",
+                              c.loc, buf.name)
+                    continue
+                others = [st for st in all_stmts if st is not c and not isinstance(st, (Seq, For, If, Kernel))
+                          and (buf in buffers_written(st))]
+                outside = [st for st in all_stmts if id(st) not in inside and not isinstance(st, (Seq, For, If, Kernel))
+                           and not isinstance(st, Alloc) and buf in (buffers_read(st) | buffers_written(st))]
+                before = [st for st in body[:i] if buf in buffers_read(st)]
+                if others or outside or before:
+                    log.debug("%s: T.copy into %s not pipelined: the buffer is used outside this loop or written "
+                              "elsewhere", c.loc, buf.name)
+                    continue
+                chosen.append(c)
+                self.stages[buf] = n
+            if chosen:
+                self.pipes[id(loop)] = chosen
+            else:
+                log.debug("%s: T.Pipelined(num_stages=%d) has no global->shared copy to prefetch; runs serially",
+                          loop.loc, n)
+
+    def pipelined(self, s: For) -> None:
+        copies = self.pipes[id(s)]
+        n = int(s.annotations["num_stages"])
+        start, ext = self.expr(s.start), self.expr(s.extent)
+        v = s.var.name
+        bufs = [c.dst.buffer for c in copies]
+        self.emit(f"// T.Pipelined: {n} stages of {', '.join(b.name for b in bufs)} (cp.async)")
+        for st in range(n - 1):
+            self.open("")
+            self.emit(f"const int {v} = {start} + {st};")
+            self.open(f"if ({st} < {ext})")
+            for c in copies:
+                self.stage_expr[c.dst.buffer] = str(st)
+                self.copy_async(c)
+            self.close()
+            self.emit("tilehal::cp_async_commit();")
+            self.close()
+        # one barrier per iteration: after it, stage k has landed for every thread and every thread is
+        # done with stage k-1 (read in the previous iteration), which the prefetch then refills
+        self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
+        self.emit(f"tilehal::cp_async_wait<{n - 2}>();")
+        self.sync()
+        self.open("")
+        nxt = self.fresh("knext")
+        self.emit(f"const int {nxt} = {v} + {n - 1};")
+        self.open(f"if ({nxt} < {start} + {ext})")
+        self.emit(f"const int {v} = {nxt};")
+        for c in copies:
+            self.stage_expr[c.dst.buffer] = f"(({nxt} - ({start})) % {n})"
+            self.copy_async(c)
+        self.close()
+        self.emit("tilehal::cp_async_commit();")
+        self.close()
+        stage = self.fresh("stage")
+        self.emit(f"const int {stage} = ({v} - ({start})) % {n};")
+        for b in bufs:
+            self.stage_expr[b] = stage
+        body = s.body.body if isinstance(s.body, Seq) else [s.body]
+        for c in body:
+            if any(c is x for x in copies):
+                continue
+            self.stmt(c)
+        self.close()
+        self.emit("tilehal::cp_async_wait<0>();")
+        # the last iteration's accesses are still in flight for other threads
+        r, w = self.tracked(s)
+        self.pending_r |= r
+        self.pending_w |= w
