@@ -8,13 +8,13 @@ waits for the peers' weights, so it cannot run serialized.) Usage on the device 
 """
 
 import torch
-from deepep.emulation import EmulatedRegions, LowLatencyRank
-from deepep.nvlink_ll import NvlinkLowLatency
+from deepep.engines.nvlink.emulation import EmulatedRegions, emulated_context
+from deepep.engines.nvlink.low_latency import NvlinkLowLatency
 
 R, T, H, k, E, M = 2, 128, 7168, 8, 256, 128
 torch.manual_seed(0)
 regions = EmulatedRegions(R)
-lls = [NvlinkLowLatency(LowLatencyRank(regions, r, sms=132)) for r in range(R)]
+lls = [NvlinkLowLatency(emulated_context(regions, r, sms=132)) for r in range(R)]
 xs = [torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in range(R)]
 idx = [torch.rand(T, E, device="cuda").topk(k, dim=1).indices for _ in range(R)]
 for _ in range(3):

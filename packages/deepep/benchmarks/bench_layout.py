@@ -15,9 +15,10 @@ from __future__ import annotations
 def main() -> None:
     import tilehal
     import torch
+    from deepep.engines.nvlink.context import compile_kernels
+    from deepep.engines.nvlink.memory import HostMapped
+    from deepep.engines.nvlink.normal import LayoutScratch, launch_layout
     from deepep.layout import compute_layout
-    from deepep.nvlink import LayoutScratch, compile_kernels, launch_layout
-    from deepep.nvlink_memory import HostMapped
 
     err = HostMapped(4)
     scratch = LayoutScratch()

@@ -1,5 +1,5 @@
 # requires: cuda
-"""Low-latency kernels with 2 ranks emulated on ONE GPU (deepep.emulation), against the same
+"""Low-latency kernels with 2 ranks emulated on ONE GPU (deepep.engines.nvlink.emulation), against the same
 data movement in torch ops on that GPU, same run.
 
     source scripts/device_env.sh
@@ -22,15 +22,15 @@ import statistics
 
 def main() -> None:
     import torch
-    from deepep.emulation import EmulatedRegions, LowLatencyRank
+    from deepep.engines.nvlink.emulation import EmulatedRegions, emulated_context
+    from deepep.engines.nvlink.low_latency import NvlinkLowLatency, region_sizes
     from deepep.fp8 import per_token_cast_to_fp8
-    from deepep.nvlink_ll import NvlinkLowLatency, region_sizes
 
     R, T, H, k, E, M = 2, 128, 7168, 8, 256, 128
     epr = E // R
     torch.manual_seed(0)
     regions = EmulatedRegions(R)
-    ranks = [LowLatencyRank(regions, r, sms=60) for r in range(R)]
+    ranks = [emulated_context(regions, r, sms=60) for r in range(R)]
     lls = [NvlinkLowLatency(o) for o in ranks]
     streams = [torch.cuda.Stream() for _ in range(R)]
     xs = [torch.randn(T, H, device="cuda").to(torch.bfloat16) for _ in range(R)]

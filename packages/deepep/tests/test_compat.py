@@ -84,7 +84,7 @@ def test_topk_idx_t_and_utils():
 
 def test_nvlink_low_latency_handle_tuple_from_tok_rows():
     """The NVLink engine's LL handle derives DeepEP's layout_range from its tok_rows (CPU check of the math)."""
-    from deepep.nvlink_ll import NvlinkLowLatencyHandle
+    from deepep.engines.nvlink.low_latency import NvlinkLowLatencyHandle
 
     r, m, k, e_l = 2, 4, 2, 2
     cap = r * m

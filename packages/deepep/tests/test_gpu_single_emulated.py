@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import torch
-from deepep.emulation import EmulatedRegions, LowLatencyRank
+from deepep.engines.nvlink.emulation import EmulatedRegions, emulated_context
 
 pytestmark = pytest.mark.gpu
 
@@ -33,13 +33,13 @@ def _inputs(seed: int, rank: int, tokens: int, hidden: int, experts: int, k: int
 
 @pytest.mark.parametrize("world, tokens, use_fp8", [(2, [32, 7], True), (2, [0, 20], False), (3, [5, 31, 12], True)])
 def test_low_latency_kernels_emulated_ranks(world, tokens, use_fp8):
+    from deepep.engines.nvlink.low_latency import NvlinkLowLatency
     from deepep.fp8 import per_token_cast_back, per_token_cast_to_fp8
-    from deepep.nvlink_ll import NvlinkLowLatency
 
     hidden, experts, k, max_tokens = 512, 8 * world, 4, 32
     epr = experts // world
     w_ = EmulatedRegions(world)
-    owners = [LowLatencyRank(w_, r, sms=120 // world) for r in range(world)]
+    owners = [emulated_context(w_, r, sms=120 // world) for r in range(world)]
     lls = [NvlinkLowLatency(o) for o in owners]
     streams = [torch.cuda.Stream() for _ in range(world)]
     for seed in (1, 2, 3):  # several calls: both parities, epochs counted on the device
@@ -112,8 +112,9 @@ def test_low_latency_kernels_emulated_ranks(world, tokens, use_fp8):
 @pytest.mark.parametrize("R", [2, 3, 8])
 def test_layout_kernel_tiles(T, R):
     """The multi-block layout kernel against a plain torch reference (exact integers)."""
-    from deepep.nvlink import LayoutScratch, compile_kernels, launch_layout
-    from deepep.nvlink_memory import HostMapped
+    from deepep.engines.nvlink.context import compile_kernels
+    from deepep.engines.nvlink.memory import HostMapped
+    from deepep.engines.nvlink.normal import LayoutScratch, launch_layout
 
     E, k = 24 * R, 8
     g = torch.Generator().manual_seed(T * 10 + R)
@@ -146,30 +147,21 @@ def test_layout_kernel_tiles(T, R):
     assert torch.equal(send_pos2, send_pos) and torch.equal(msg2, msg)
 
 
-class _Buf:
-    """The Buffer attributes NvlinkDispatcher reads."""
-
-    def __init__(self, rank: int, world: int, cap: int, sms: int) -> None:
-        from deepep.config import Config
-
-        self.group, self.rank, self.group_size, self.num_max_tokens_per_rank = None, rank, world, cap
-        self.timeout_s = 10.0
-        self.get_dispatch_config = self.get_combine_config = lambda _r: Config(num_sms=sms, num_max_nvl_chunked_send_tokens=32)
-
-
 def _emulated_dispatchers(world: int, cap: int):
-    import torch.distributed as dist
-    from deepep.nvlink import NvlinkDispatcher
+    """One NvlinkDispatcher per emulated rank, each on its own NvlinkContext (regions in one GPU)."""
+    from deepep.dispatcher import EngineOptions
+    from deepep.engines.nvlink import NvlinkDispatcher
 
-    if not dist.is_initialized():  # the dispatcher asks for its global rank
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
     shared = EmulatedRegions(world)
+    options = EngineOptions(group=None, timeout_s=10.0, num_ranks_per_node=world, num_max_tokens_per_rank=cap)
+    return [NvlinkDispatcher(options, context=emulated_context(shared, r, sms=2 * (60 // world)))
+            for r in range(world)]
 
-    class Emulated(NvlinkDispatcher):
-        def _region(self, kind, sig_words, data_bytes):
-            return shared.region(kind, sig_words, data_bytes)
 
-    return [Emulated(_Buf(r, world, cap, sms=2 * (60 // world))) for r in range(world)]
+def _config(world: int):
+    from deepep.config import Config
+
+    return Config(num_sms=2 * (60 // world), num_max_nvl_chunked_send_tokens=32)
 
 
 def _on_threads(world: int, fn):
@@ -206,7 +198,7 @@ def _on_threads(world: int, fn):
 @pytest.mark.parametrize("world, fmt, worst", [(2, "bf16", 0), (2, "fp8", 0), (3, "bf16", 0), (2, "fp8", 700)])
 def test_normal_dispatch_combine_emulated_ranks(world, fmt, worst):
     """Layout + dispatch + combine through the NvlinkDispatcher; rows ordered by (source, token)."""
-    from deepep.flat import DispatchInput
+    from deepep.dispatcher import DispatchInput
     from deepep.fp8 import per_token_cast_to_fp8
 
     hidden, experts, k, cap = 512, 8 * world, 4, 300
@@ -227,7 +219,8 @@ def test_normal_dispatch_combine_emulated_ranks(world, fmt, worst):
 
         def dispatch(r, gpu_in=gpu_in):
             lay = ds[r].layout(gpu_in[r].topk_idx, experts)
-            return lay, ds[r].dispatch(gpu_in[r], None, lay.is_token_in_rank, lay.num_tokens_per_expert, epr, 1, worst)
+            return lay, ds[r].dispatch(gpu_in[r], None, lay.is_token_in_rank, lay.num_tokens_per_expert, epr, 1, worst,
+                                       config=_config(world))
 
         outs = _on_threads(world, dispatch)
         for r in range(world):
@@ -265,7 +258,7 @@ def test_normal_dispatch_combine_emulated_ranks(world, fmt, worst):
         torch.cuda.synchronize()
 
         def combine(r, outs=outs, ys=ys):
-            return ds[r].combine(ys[r], outs[r][1].handle, outs[r][1].recv_topk_weights)
+            return ds[r].combine(ys[r], outs[r][1].handle, outs[r][1].recv_topk_weights, config=_config(world))
 
         back = _on_threads(world, combine)
         for r in range(world):
@@ -283,7 +276,7 @@ def test_normal_dispatch_combine_emulated_ranks(world, fmt, worst):
 
 
 def test_num_worst_tokens_overflow_is_reported_at_the_next_call():
-    from deepep.flat import DispatchInput
+    from deepep.dispatcher import DispatchInput
 
     world, hidden, experts, k = 2, 256, 16, 4
     ds = _emulated_dispatchers(world, 64)
@@ -294,7 +287,7 @@ def test_num_worst_tokens_overflow_is_reported_at_the_next_call():
     def dispatch(r):
         lay = ds[r].layout(gpu_in[r].topk_idx, experts)
         return ds[r].dispatch(gpu_in[r], None, lay.is_token_in_rank, lay.num_tokens_per_expert, experts // world,
-                              1, 5)
+                              1, 5, config=_config(world))
 
     _on_threads(world, dispatch)  # returns without reading counts; each rank receives far more than 5 rows
     torch.cuda.synchronize()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from deepep.flat import send_order
+from deepep.dispatcher import send_order
 from deepep.fp8 import per_token_cast_back, per_token_cast_to_fp8
 from deepep.layout import compute_layout
 from hypothesis import given, settings

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from tilehal import ArgumentError, expect
 
 from .config import Config, default_combine_config, default_dispatch_config
+from .dispatcher import Dispatcher, DispatchInput, EngineOptions
+from .engines.torch import LowLatencyBuffers, LowLatencyHandle, TorchDispatcher, ll_combine, ll_dispatch
 from .event import EventOverlap
-from .flat import DispatchInput, FlatDispatcher
 from .layout import check_topk_idx, compute_layout
-from .ll import LowLatencyBuffers, ll_combine, ll_dispatch
 from .transport.torch_dist import TorchDistTransport
 
 log = logging.getLogger("deepep")
@@ -85,7 +85,6 @@ class Buffer:
         self._requested_transport = transport
         self._num_ranks_per_node_arg = num_ranks_per_node
         self._masked: set[int] = set()
-        self._call_config: Config | None = None
         self._zero_copy_bufs: dict[tuple, torch.Tensor] = {}
         self._setup()
 
@@ -101,16 +100,18 @@ class Buffer:
             raise ArgumentError(f"num_ranks_per_node: expected a divisor of the group size {self.group_size}, "
                              f"got {self.num_ranks_per_node}")
         self.transport = self._choose_transport()
+        options = EngineOptions(self.group, self.timeout_s, self.num_ranks_per_node, self.num_max_tokens_per_rank,
+                                self.num_nvl_bytes)
         if self.transport == "nvlink":
-            from .nvlink import NvlinkDispatcher
+            from .engines.nvlink import NvlinkDispatcher
 
-            self._backend: Any = NvlinkDispatcher(self)
+            self._backend: Dispatcher = NvlinkDispatcher(options)
         elif self.transport == "hierarchical":
-            from .hierarchical import HierarchicalDispatcher
+            from .engines.hierarchical import HierarchicalDispatcher
 
-            self._backend = HierarchicalDispatcher(self.group, self.num_ranks_per_node, self.timeout_s)
+            self._backend = HierarchicalDispatcher(options)
         else:
-            self._backend = FlatDispatcher(self._transport)
+            self._backend = TorchDispatcher(options)
         log.debug("Buffer rank %d/%d: transport %s", self.rank, self.group_size, self.transport)
 
     def _detect_ranks_per_node(self) -> int:
@@ -128,9 +129,9 @@ class Buffer:
         want = self._requested_transport
         if want in ("torch", "hierarchical"):
             return want
-        from .nvlink import nvlink_unavailable_reason
+        from .engines.nvlink import nvlink_unavailable_reason
 
-        reason = nvlink_unavailable_reason(self)
+        reason = nvlink_unavailable_reason(self.group, self.group_size, self.num_ranks_per_node)
         if want == "nvlink":
             if reason:
                 raise RuntimeError(f"transport='nvlink' is not possible here: {reason}")
@@ -158,7 +159,7 @@ class Buffer:
         """Release the engine's resources now (DeepEP: required with explicitly_destroy=True; here always
         allowed). Any later call on this Buffer raises RuntimeError until reset()."""
         backend = getattr(self, "_backend", None)
-        if backend is not None and hasattr(backend, "destroy"):
+        if backend is not None:
             backend.destroy()
         self._backend = None
         self._destroyed = True
@@ -222,7 +223,7 @@ class Buffer:
                                        num_experts: int) -> int:
         """Bytes of device memory low-latency mode shares per rank (DeepEP's sizing helper). Ours
         sizes its buffers itself at the first call, so passing this as `num_rdma_bytes` is optional."""
-        from .nvlink_ll import size_hint
+        from .engines.nvlink.low_latency import size_hint
 
         expect(num_experts % num_ranks == 0, "num_experts", f"a multiple of num_ranks={num_ranks}", num_experts)
         expect(hidden % 128 == 0, "hidden", "a multiple of 128", hidden)
@@ -287,10 +288,7 @@ class Buffer:
         num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)."""
         result: list[EventOverlap] = []
         with self._comm_scope(topk_idx.device, previous_event, async_finish, result):
-            if hasattr(self._backend, "layout") and topk_idx.is_cuda:
-                lay = self._backend.layout(topk_idx, num_experts)
-            else:
-                lay = compute_layout(topk_idx, num_experts, self.group_size, self.num_ranks_per_node)
+            lay = self._backend.layout(topk_idx, num_experts)
         outs = [lay.num_tokens_per_rank, lay.num_tokens_per_rdma_rank, lay.num_tokens_per_expert,
                 lay.is_token_in_rank]
         self._hand_to_compute(outs, result[0])
@@ -368,13 +366,9 @@ class Buffer:
             num_experts = num_tokens_per_expert.numel()
             expect(num_experts % self.group_size == 0, "num_tokens_per_expert",
                    f"a multiple of {self.group_size} experts", num_experts)
-            on_device = hasattr(self._backend, "layout") and dev.type == "cuda"
+            on_device = self._backend.device_layout and dev.type == "cuda"
             if is_token_in_rank is None:
-                if on_device:
-                    is_token_in_rank = self._backend.layout(topk_idx, num_experts).is_token_in_rank
-                else:
-                    is_token_in_rank = compute_layout(topk_idx, num_experts, self.group_size,
-                                                      self.num_ranks_per_node).is_token_in_rank
+                is_token_in_rank = self._backend.layout(topk_idx, num_experts).is_token_in_rank
             expect(tuple(is_token_in_rank.shape) == (t, self.group_size), "is_token_in_rank",
                    f"shape ({t}, {self.group_size})", _shape(is_token_in_rank))
             expect(is_token_in_rank.dtype == torch.bool, "is_token_in_rank.dtype", "torch.bool",
@@ -384,14 +378,11 @@ class Buffer:
                 if not on_device:
                     self._check_layout_agrees(topk_idx, num_experts, is_token_in_rank, num_tokens_per_expert)
             experts_per_rank = num_experts // self.group_size
-        self._use_config(config)
+        config = self._call_config(config, combine=False)
         result: list[EventOverlap] = []
-        try:
-            with self._comm_scope(dev, previous_event, async_finish, result):
-                out = self._backend.dispatch(inp, handle, is_token_in_rank, num_tokens_per_expert, experts_per_rank,
-                                             expert_alignment, num_worst_tokens)
-        finally:
-            self._call_config = None
+        with self._comm_scope(dev, previous_event, async_finish, result):
+            out = self._backend.dispatch(inp, handle, is_token_in_rank, num_tokens_per_expert, experts_per_rank,
+                                         expert_alignment, num_worst_tokens, config=config)
         recv_x: XTensor = out.recv_x if out.recv_scales is None else (out.recv_x, out.recv_scales)
         self._hand_to_compute([out.recv_x, out.recv_scales, out.recv_topk_idx, out.recv_topk_weights], result[0])
         if handle is not None:
@@ -446,35 +437,33 @@ class Buffer:
             expect(isinstance(b, torch.Tensor) and tuple(b.shape) == (handle.num_tokens, handle.hidden)
                    and b.device == x.device, f"bias[{i}]", f"[{handle.num_tokens}, {handle.hidden}] on {x.device}",
                    _shape(b))
-        self._use_config(config)
+        config = self._call_config(config, combine=True)
         result: list[EventOverlap] = []
-        try:
-            with self._comm_scope(x.device, previous_event, async_finish, result):
-                combined, combined_w = self._backend.combine(x.contiguous(), handle, topk_weights)
-                if biases:
-                    acc = combined.float()
-                    for b in biases:
-                        acc += b.float()
-                    combined = acc.to(combined.dtype)
-        finally:
-            self._call_config = None
+        with self._comm_scope(x.device, previous_event, async_finish, result):
+            combined, combined_w = self._backend.combine(x.contiguous(), handle, topk_weights, config=config)
+            if biases:
+                acc = combined.float()
+                for b in biases:
+                    acc += b.float()
+                combined = acc.to(combined.dtype)
         self._hand_to_compute([combined, combined_w], result[0])
         return combined, combined_w, result[0]
 
-    def _use_config(self, config: Config | None) -> None:
+    def _call_config(self, config: Config | None, combine: bool) -> Config:
+        """The config of one dispatch/combine: the caller's, else the default for this group and
+        Buffer.num_sms. The NVLink engine takes its grid and chunk size from it."""
         if config is None:
-            return
+            return (self.get_combine_config if combine else self.get_dispatch_config)(self.group_size)
         expect(isinstance(config, Config), "config", "a deepep.Config", type(config).__name__)
-        if self.transport == "nvlink":
-            self._call_config = config  # read by the NVLink engine for this call's grid and chunk size
-        else:
+        if self.transport != "nvlink":
             log.debug("config %s: the %s engine has no SMs or chunks to pick; ignored", config, self.transport)
+        return config
 
     # ------------------------------------------------------------------ low latency
 
     def _ll_engine(self, round_scale: bool, use_ue8m0: bool, wait_stats: bool) -> str:
         """'nvlink' (the NVLink kernels) or 'torch' (ll.py over the group): say why the kernels are not used."""
-        if not hasattr(self._backend, "low_latency_dispatch"):
+        if self._backend.low_latency() is None:
             return "torch"
         why = None
         if not self.allow_nvlink_for_low_latency_mode:
@@ -537,9 +526,9 @@ class Buffer:
         # The NVLink kernel checks the ids itself (no device-to-host sync, graph-capturable).
         check_topk_idx(topk_idx, num_experts, values=engine == "torch")
         if engine == "nvlink":
-            result = self._backend.low_latency_dispatch(x.contiguous(), topk_idx.contiguous(),
-                                                        num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                                                        async_finish, return_recv_hook)
+            result = self._backend.low_latency().dispatch(x.contiguous(), topk_idx.contiguous(),
+                                                          num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                                          return_recv_hook)
             if stats is None:
                 return result
             recv_hook = result[4]
@@ -611,11 +600,9 @@ class Buffer:
         `use_logfmt`: rows travel as bf16 (no LogFMT encoder here: more bytes, no precision lost; logged).
         `combine_wait_recv_cost_stats` (int64 [num_ranks]): nanoseconds waited for each rank's rows.
         """
-        from .ll import LowLatencyHandle
-
         self._alive()
-        nvl_type = getattr(self._backend, "ll_handle_type", None)
-        expect(isinstance(handle, (LowLatencyHandle,) + ((nvl_type,) if nvl_type else ())), "handle",
+        engine_ll = self._backend.low_latency()
+        expect(isinstance(handle, (LowLatencyHandle,) + ((engine_ll.handle_type,) if engine_ll else ())), "handle",
                "the handle of low_latency_dispatch", type(handle).__name__)
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
@@ -637,8 +624,7 @@ class Buffer:
         if not isinstance(handle, LowLatencyHandle):
             expect(wait is None, "combine_wait_recv_cost_stats", "None for a dispatch that ran on the NVLink kernels",
                    "a tensor")
-            return self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, async_finish,
-                                                     return_recv_hook, out)
+            return engine_ll.combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)
         wait_cpu = torch.zeros(self.group_size, dtype=torch.int64) if wait is not None else None
         finish = ll_combine(self._transport, x, topk_weights, handle, out, wait_cpu, frozenset(self._masked))
 

@@ -1,60 +1,40 @@
-"""Dispatch/combine over one torch.distributed group: counts all-to-all, then one row all-to-all.
+"""The torch engine: dispatch/combine over one torch.distributed group (counts all-to-all, then
+one row all-to-all).
 
 Works on any backend and any number of ranks; the reference against which the hierarchical and
-NVLink paths are tested.
+NVLink engines are tested.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tilehal import ShapeError
 
-from .packing import RowFormat
-from .transport.torch_dist import TorchDistTransport
+from ...dispatcher import (
+    DispatchInput,
+    DispatchOutput,
+    EngineOptions,
+    align_counts,
+    check_meta,
+    dispatch_format,
+    layout_meta,
+    pack_dispatch,
+    pad_rows,
+    send_order,
+    to_local_experts,
+)
+from ...layout import Layout, compute_layout
+from ...packing import RowFormat
+from ...transport.torch_dist import TorchDistTransport
 
-# What every rank must agree on before any row moves, exchanged in a fixed-size header so that a
-# disagreement can never reach the transport as mismatched byte counts (Gloo aborts the process).
-_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4, torch.float8_e5m2: 5,
-                torch.int64: 6, torch.int32: 7}
-_DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
-META_FIELDS = ("magic", "row_bytes", "hidden", "x_dtype", "scales_cols", "topk", "topk_weights", "experts_per_rank")
-_MAGIC = 0x44455045  # "DEPE"
-
-
-def layout_meta(fmt: RowFormat, inp: DispatchInput, experts_per_rank: int) -> list[int]:
-    """This rank's values of META_FIELDS for one dispatch (-1: absent)."""
-    return [_MAGIC, fmt.row_bytes, inp.x.shape[1], _DTYPE_CODES.get(inp.x.dtype, 0),
-            -1 if inp.scales is None else inp.scales.shape[1], -1 if inp.topk_idx is None else inp.topk_idx.shape[1],
-            -1 if inp.topk_weights is None else inp.topk_weights.shape[1], experts_per_rank]
-
-
-def check_meta(mine: list[int], recv: torch.Tensor, rank: int, stage: str) -> None:
-    """Raise ShapeError, on this rank, if any peer's header (row r of `recv`) differs from `mine`."""
-    want = torch.tensor(mine, dtype=torch.int64)
-    bad = (recv[:, : len(mine)] != want).any(dim=1).nonzero().flatten().tolist()
-    if not bad:
-        return
-    peer = bad[0]
-    diffs = describe_meta_diff(mine, recv[peer, : len(mine)].tolist(), "here", f"on rank {peer}")
-    raise ShapeError(f"{stage}: expected every rank to dispatch the same layout, got {diffs} (rank {rank}; "
-                     f"ranks {bad} differ). Every rank must pass x of one hidden size and dtype, the same "
-                     "scales/topk_idx/topk_weights presence and widths, and the same number of experts")
-
-
-def describe_meta_diff(a: list[int], b: list[int], a_name: str, b_name: str) -> str:
-    def show(name, v):
-        if name == "x_dtype":
-            return _DTYPE_NAMES.get(v, f"code {v}")
-        return "none" if v == -1 and name in ("scales_cols", "topk", "topk_weights") else v
-
-    return ", ".join(f"{n} {show(n, x)} {a_name} vs {show(n, y)} {b_name}"
-                     for n, x, y in zip(META_FIELDS, a, b) if x != y)
-
+if TYPE_CHECKING:
+    from ...config import Config
 
 @dataclass
-class FlatHandle:
+class TorchHandle:
     """What combine (and a cached dispatch) needs to repeat a dispatch's layout."""
 
     num_tokens: int
@@ -101,80 +81,15 @@ class FlatHandle:
         return 6
 
 
-def send_order(is_token_in_rank: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """Token indices grouped by destination rank (token order within a rank) and the group sizes."""
-    dest, tok = is_token_in_rank.t().nonzero(as_tuple=True)
-    counts = torch.bincount(dest, minlength=is_token_in_rank.shape[1]).tolist()
-    return tok, counts
+class TorchDispatcher:
+    """The torch engine (any backend, any number of ranks); see deepep.dispatcher.Dispatcher."""
 
+    handle_type = TorchHandle
+    device_layout = False
 
-def to_local_experts(recv_topk_idx: torch.Tensor, rank: int, experts_per_rank: int) -> torch.Tensor:
-    lo = rank * experts_per_rank
-    local = recv_topk_idx - lo
-    ok = (recv_topk_idx >= lo) & (recv_topk_idx < lo + experts_per_rank)
-    return torch.where(ok, local, torch.full_like(local, -1))
-
-
-def align_counts(counts: list[int], alignment: int) -> list[int]:
-    return [(c + alignment - 1) // alignment * alignment for c in counts]
-
-
-def pad_rows(t: torch.Tensor, rows: int, fill: float | int = 0) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    out = torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
-    out[: t.shape[0]] = t
-    return out
-
-
-@dataclass
-class DispatchInput:
-    x: torch.Tensor
-    scales: torch.Tensor | None
-    topk_idx: torch.Tensor | None
-    topk_weights: torch.Tensor | None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.x.shape[0]
-
-
-@dataclass
-class DispatchOutput:
-    recv_x: torch.Tensor
-    recv_scales: torch.Tensor | None
-    recv_topk_idx: torch.Tensor | None
-    recv_topk_weights: torch.Tensor | None
-    handle: object
-    extra: dict = field(default_factory=dict)
-
-
-def dispatch_format(inp: DispatchInput) -> RowFormat:
-    fields = [("x", inp.x.dtype, inp.x.shape[1]), ("src", torch.int64, 1)]
-    if inp.scales is not None:
-        fields.append(("scales", inp.scales.dtype, inp.scales.shape[1]))
-    if inp.topk_idx is not None:
-        fields.append(("topk_idx", torch.int64, inp.topk_idx.shape[1]))
-    if inp.topk_weights is not None:
-        fields.append(("topk_weights", torch.float32, inp.topk_weights.shape[1]))
-    return RowFormat(fields)
-
-
-def pack_dispatch(fmt: RowFormat, inp: DispatchInput, token_idx: torch.Tensor) -> torch.Tensor:
-    parts = {"x": inp.x.index_select(0, token_idx), "src": token_idx}
-    if inp.scales is not None:
-        parts["scales"] = inp.scales.index_select(0, token_idx)
-    if inp.topk_idx is not None:
-        parts["topk_idx"] = inp.topk_idx.index_select(0, token_idx)
-    if inp.topk_weights is not None:
-        parts["topk_weights"] = inp.topk_weights.index_select(0, token_idx)
-    return fmt.pack(parts, token_idx.numel(), inp.x.device)
-
-
-class FlatDispatcher:
-    handle_type = FlatHandle
-    def __init__(self, transport: TorchDistTransport) -> None:
-        self.t = transport
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.t = TorchDistTransport(options.group, options.timeout_s)
 
     @property
     def rank(self) -> int:
@@ -184,9 +99,9 @@ class FlatDispatcher:
     def num_ranks(self) -> int:
         return self.t.num_ranks
 
-    def dispatch(self, inp: DispatchInput, handle: FlatHandle | None, is_token_in_rank: torch.Tensor | None,
+    def dispatch(self, inp: DispatchInput, handle: TorchHandle | None, is_token_in_rank: torch.Tensor | None,
                  num_tokens_per_expert: torch.Tensor | None, experts_per_rank: int, expert_alignment: int,
-                 num_worst_tokens: int) -> DispatchOutput:
+                 num_worst_tokens: int, config: Config | None = None) -> DispatchOutput:
         r = self.num_ranks
         fmt = dispatch_format(inp)
         meta = layout_meta(fmt, inp, experts_per_rank)
@@ -246,7 +161,7 @@ class FlatDispatcher:
             if recv_topk_idx is not None:
                 w = torch.where(recv_topk_idx[: w.shape[0]] >= 0, w, torch.zeros_like(w))
             recv_topk_weights = pad_rows(w, rows_out)
-        handle = FlatHandle(
+        handle = TorchHandle(
             num_tokens=inp.num_tokens, hidden=inp.x.shape[1], is_token_in_rank=is_in, send_token_idx=send_idx,
             send_counts=list(send_counts), recv_counts=list(recv_counts),
             num_recv_tokens_per_expert_list=list(per_expert), recv_src_idx=fmt.unpack(got, "src").view(-1),
@@ -254,8 +169,17 @@ class FlatDispatcher:
             count_matrix=count_matrix)
         return DispatchOutput(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, handle)
 
-    def combine(self, x: torch.Tensor, handle: FlatHandle, topk_weights: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
+        return compute_layout(topk_idx, num_experts, self.num_ranks, self.options.num_ranks_per_node)
+
+    def low_latency(self) -> None:
+        return None  # Buffer runs engines/torch/low_latency.py over the group
+
+    def destroy(self) -> None:
+        pass  # nothing held beyond the group, which belongs to the caller
+
+    def combine(self, x: torch.Tensor, handle: TorchHandle, topk_weights: torch.Tensor | None,
+                config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = handle.num_recv_tokens
         fields = [("x", x.dtype, x.shape[1])]
         parts = {"x": x[:n]}

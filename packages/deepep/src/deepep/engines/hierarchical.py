@@ -10,14 +10,16 @@ Nodes are contiguous blocks of `num_ranks_per_node` ranks of the group.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from tilehal import ShapeError
 
-from .flat import (
+from ..dispatcher import (
     DispatchInput,
     DispatchOutput,
+    EngineOptions,
     align_counts,
     check_meta,
     dispatch_format,
@@ -27,8 +29,12 @@ from .flat import (
     send_order,
     to_local_experts,
 )
-from .packing import RowFormat
-from .transport.torch_dist import TorchDistTransport
+from ..layout import Layout, compute_layout
+from ..packing import RowFormat
+from ..transport.torch_dist import TorchDistTransport
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 
 @dataclass
@@ -51,7 +57,7 @@ class HierarchicalHandle:
     recv_src_idx: torch.Tensor
     inter_node_rows_sent: int  # rows that left this node (the test of "once per node")
     num_worst_tokens: int = 0
-    meta: tuple[int, ...] = ()  # flat.layout_meta of the dispatch that made it
+    meta: tuple[int, ...] = ()  # dispatcher.layout_meta of the dispatch that made it
 
     @property
     def num_recv_tokens(self) -> int:
@@ -77,9 +83,13 @@ def _subgroups(group: dist.ProcessGroup, per_node: int) -> tuple[dist.ProcessGro
 
 
 class HierarchicalDispatcher:
-    handle_type = HierarchicalHandle
+    """The hierarchical engine (nodes of `options.num_ranks_per_node` ranks); see deepep.dispatcher."""
 
-    def __init__(self, group: dist.ProcessGroup, num_ranks_per_node: int, timeout_s: float) -> None:
+    handle_type = HierarchicalHandle
+    device_layout = False
+
+    def __init__(self, options: EngineOptions) -> None:
+        group, num_ranks_per_node, timeout_s = options.group, options.num_ranks_per_node, options.timeout_s
         self.per_node = num_ranks_per_node
         self.num_ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -90,7 +100,8 @@ class HierarchicalDispatcher:
         self.flat = TorchDistTransport(group, timeout_s)  # the low-latency mode stays single level
 
     def dispatch(self, inp: DispatchInput, handle: HierarchicalHandle | None, is_token_in_rank, num_tokens_per_expert,
-                 experts_per_rank: int, expert_alignment: int, num_worst_tokens: int) -> DispatchOutput:
+                 experts_per_rank: int, expert_alignment: int, num_worst_tokens: int,
+                 config: Config | None = None) -> DispatchOutput:
         if handle is not None:
             is_token_in_rank = handle.is_token_in_rank
         t, L = inp.num_tokens, self.per_node
@@ -107,7 +118,7 @@ class HierarchicalDispatcher:
         rows = pack_dispatch_with_route(fmt1, inp, s1_idx, bits[s1_idx, s1_node], self.rank)
         meta = layout_meta(dispatch_format(inp), inp, experts_per_rank)
         if handle is None:
-            # The layout header (flat.layout_meta) goes to every rank of the group first, so that every
+            # The layout header (dispatcher.layout_meta) goes to every rank of the group first, so that every
             # rank sees any disagreement and raises, before a row of either stage moves.
             head = torch.tensor([meta] * self.num_ranks, dtype=torch.int64)
             check_meta(meta, self.flat.exchange_counts(head, "dispatch/counts"), self.rank, "dispatch")
@@ -168,7 +179,17 @@ class HierarchicalDispatcher:
         new.meta = tuple(meta)
         return DispatchOutput(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, new)
 
-    def combine(self, x: torch.Tensor, handle: HierarchicalHandle, topk_weights: torch.Tensor | None):
+    def layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
+        return compute_layout(topk_idx, num_experts, self.num_ranks, self.per_node)
+
+    def low_latency(self) -> None:
+        return None  # the low-latency mode stays single level (Buffer's torch engine over the group)
+
+    def destroy(self) -> None:
+        pass  # the node and rail groups are torch.distributed's to free
+
+    def combine(self, x: torch.Tensor, handle: HierarchicalHandle, topk_weights: torch.Tensor | None,
+                config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = handle.num_recv_tokens
         width = x.shape[1]
         acc_dtype = torch.float32

@@ -1,4 +1,4 @@
-"""Low-latency dispatch/combine over a row transport: fixed per-expert receive buffers.
+"""The torch engine's low-latency mode: dispatch/combine over a row transport: fixed per-expert receive buffers.
 
 Every (token, expert) pair is its own row, so the receiver's experts get packed
 `[num_local_experts, num_ranks * max_tokens, hidden]` inputs ready for a masked grouped GEMM;
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import pack_ue8m0, per_token_cast_to_fp8
-from .packing import RowFormat
-from .transport.torch_dist import TorchDistTransport
+from ...fp8 import pack_ue8m0, per_token_cast_to_fp8
+from ...packing import RowFormat
+from ...transport.torch_dist import TorchDistTransport
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""NVLink fast path: our kernels write rows straight into the peers' IPC-shared buffers.
+"""The NVLink engine's normal mode: our kernels write rows straight into the peers' IPC-shared buffers.
 
 Taken when every rank of an NCCL group is a GPU of one host with peer access. Buffers are
-plain torch allocations exported with CUDA IPC (`cuIpcGetMemHandle`), opened by every peer;
-the kernels (kernels/intranode.cu, compiled by tilehal.compile_cuda) are described there.
+our own cuMemAlloc allocations exported with CUDA IPC (`cuIpcGetMemHandle`), opened by every peer
+(context.py); the kernels (kernels/intranode.cu, compiled by tilehal.compile_cuda) are described there.
 Waits are bounded on both sides: in-kernel spins end at a deadline and record (stage, peer)
 in host-mapped memory; the host polls with a deadline too. Then CommTimeoutError.
 """
@@ -10,30 +10,28 @@ in host-mapped memory; the host polls with a deadline too. Then CommTimeoutError
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import tilehal
 import torch
-import torch.distributed as dist
-from tilehal import Arg, CommTimeoutError, ShapeError
+from tilehal import Arg, ShapeError
 
-from .flat import DispatchInput, DispatchOutput, align_counts
-from .nvlink_ll import NvlinkLowLatency, NvlinkLowLatencyHandle
-from .nvlink_memory import ROW_ALIGN, HostMapped, SharedRegion, addr, align_up, cuda_driver
-from .waits import comm_error, spin_until
+from ...config import Config, default_combine_config, default_dispatch_config
+from ...dispatcher import DispatchInput, DispatchOutput, EngineOptions, align_counts
+from ...layout import Layout, check_topk_idx, compute_layout
+from ...waits import spin_until
+from .context import NvlinkContext
+from .low_latency import NvlinkLowLatency
+from .memory import ROW_ALIGN, HostMapped, addr, align_up
+
+if TYPE_CHECKING:
+    from ...dispatcher import LowLatencyEngine
 
 log = logging.getLogger("deepep.nvlink")
 
-MAX_RANKS = 16
 THREADS = 512
-STAGES = {1: "dispatch/counts", 2: "dispatch/data", 3: "combine/start", 4: "combine/data",
-          5: "low_latency_dispatch/data", 6: "low_latency_combine/data", 7: "low_latency_dispatch/counts",
-          8: "low_latency_combine/weights", 9: "layout/tiles"}
 
 P = ctypes.c_uint64  # device pointers travel as 64-bit integers
 
@@ -66,54 +64,6 @@ class LayoutArgs(ctypes.Structure):
 
 LAYOUT_THREADS = 512  # tokens per tile block of the layout kernel
 MAX_SMEM_COUNTS = 200 * 1024  # experts counted in shared memory up to this many bytes, else in global
-
-
-KERNEL_DIR = Path(__file__).with_name("kernels")
-KERNEL_FILES = ("intranode.cu", "low_latency.cu")
-KERNEL_NAMES = ("deepep_layout", "deepep_dispatch", "deepep_combine_bf16", "deepep_combine_f32", "deepep_ll_dispatch",
-                "deepep_ll_combine")
-
-
-def kernel_source() -> str:
-    """The translation unit of every NVLink kernel (compiled with KERNEL_DIR on the include path)."""
-    return "".join(f'#include "{f}"\n' for f in KERNEL_FILES)
-
-
-@functools.lru_cache(maxsize=4)
-def compile_kernels(arch: str = "sm_90a") -> tilehal.CudaModule:
-    """Compile (or fetch from tilehal's cache) the NVLink kernels; needs no GPU."""
-    return tilehal.compile_cuda(kernel_source(), arch=arch, name="deepep_nvlink", include_dirs=[KERNEL_DIR])
-
-
-def nvlink_unavailable_reason(buf: Any) -> str | None:
-    """None when the NVLink path can run for this Buffer, else why not (logged at DEBUG)."""
-    if os.environ.get("DEEPEP_DISABLE_NVLINK") == "1":
-        return "DEEPEP_DISABLE_NVLINK=1"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    backend = str(dist.get_backend(buf.group)).lower()
-    if "nccl" not in backend:
-        return f"the group's backend is {backend!r}, not NCCL (one GPU per rank)"
-    if buf.num_ranks_per_node != buf.group_size:
-        return "the group spans several hosts"
-    if buf.group_size > MAX_RANKS:
-        return f"more than {MAX_RANKS} ranks"
-    try:
-        cuda_driver()
-    except ImportError:
-        return "cuda-bindings is not installed"
-    vers = tilehal.compiler_versions()
-    if not (vers.get("nvrtc") or vers.get("nvcc")):
-        return "no CUDA compiler (NVRTC or nvcc) for the kernels"
-    devices: list[Any] = [None] * buf.group_size
-    dist.all_gather_object(devices, torch.cuda.current_device(), group=buf.group)
-    if len(set(devices)) != len(devices):
-        return f"ranks share GPUs {devices}"
-    for a in devices:
-        for b in devices:
-            if a != b and not torch.cuda.can_device_access_peer(a, b):
-                return f"GPU {a} cannot access GPU {b} (no peer access)"
-    return None
 
 
 class LayoutScratch:
@@ -201,101 +151,61 @@ class NvlinkHandle:
 
 
 class NvlinkDispatcher:
-    handle_type = NvlinkHandle
-    ll_handle_type = NvlinkLowLatencyHandle
+    """The NVLink engine (one host, one GPU per rank); see deepep.dispatcher.Dispatcher. Its
+    NvlinkContext (built from the group unless given, e.g. emulated ranks) is shared with the
+    low-latency mode (low_latency.NvlinkLowLatency)."""
 
-    def __init__(self, buf: Any) -> None:
-        self.buf = buf
-        self.group = buf.group
-        self.rank, self.num_ranks = buf.rank, buf.group_size
-        self.global_rank = dist.get_rank()
-        self.cap = buf.num_max_tokens_per_rank
-        self.module = compile_kernels()
-        # Loaded now, not lazily at first launch: a lazy load can wait for the context to go idle,
-        # which a kernel spinning on a peer (or on another stream's kernel) would never let happen.
-        for name in KERNEL_NAMES:
-            self.module.get_kernel(name).preload()
-        self.info = HostMapped(2 + 4096)
-        self.err = HostMapped(8)  # [stage, peer, bad id?, the id, overflow?, rows]
-        self.regions: dict[str, SharedRegion] = {}
+    handle_type = NvlinkHandle
+    device_layout = True
+
+    def __init__(self, options: EngineOptions, context: NvlinkContext | None = None) -> None:
+        self.options = options
+        self.ctx = context if context is not None else NvlinkContext.for_group(options.group, options.timeout_s)
+        self.rank, self.num_ranks = self.ctx.rank, self.ctx.num_ranks
+        self.cap = options.num_max_tokens_per_rank
+        self.info = HostMapped(2 + 4096)  # the dispatch receivers' counts, read by the host
         self.epochs = {"dispatch": 0, "combine": 0}
         self._ll: NvlinkLowLatency | None = None
         self.layout_scratch = LayoutScratch()
-        self.num_device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         # The last get_dispatch_layout's send positions, reused when dispatch gets its is_token_in_rank.
         self._layout_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ plumbing
 
-    @property
-    def timeout_ns(self) -> int:
-        return int(self.buf.timeout_s * 1e9)
-
-    def _config(self, combine: bool) -> tuple[int, int, int]:
-        # The config passed to this dispatch/combine call (Buffer sets it for the call), else the default.
-        cfg = getattr(self.buf, "_call_config", None)
+    def _config(self, config: Config | None, combine: bool) -> tuple[int, int, int]:
+        # The config Buffer passes for this call (its default when the caller gave none).
+        cfg = config
         if cfg is None:
-            cfg = (self.buf.get_combine_config if combine else self.buf.get_dispatch_config)(self.num_ranks)
+            cfg = (default_combine_config if combine else default_dispatch_config)(self.num_ranks, Config.num_sms)
         num_sms = max(cfg.num_sms, 2 * self.num_ranks)
         senders = num_sms // 2
         return num_sms, senders, cfg.chunk_tokens
 
-    def _region(self, kind: str, sig_words: int, data_bytes: int) -> SharedRegion:
-        reg = self.regions.get(kind)
-        if reg is None or not reg.fits(sig_words, data_bytes):
-            if reg is not None:
-                torch.cuda.synchronize()
-                reg.close()
-            log.debug("rank %d: allocating %s region: %d signal words, %.1f MiB data", self.rank, kind, sig_words,
-                      data_bytes / 2**20)
-            reg = SharedRegion(self.group, self.rank, sig_words, data_bytes)
-            self.regions[kind] = reg
-        return reg
-
     def check(self) -> None:
-        """Raise the error a kernel recorded: a bad expert id (ShapeError, once), or a peer's flag
-        that never came (CommTimeoutError)."""
-        if self.err.view[4]:
-            n = int(self.err.view[5])
-            self.err.view[4] = 0
-            raise ValueError(f"num_worst_tokens: expected >= the {n} tokens rank {self.rank} received in the previous "
-                             "dispatch (found by the NVLink kernel; rows past num_worst_tokens were dropped)")
-        if self.err.view[2]:
-            bad = int(self.err.view[3])
-            self.err.view[2] = 0
-            raise ShapeError(f"topk_idx: expected expert ids in [-1, num_experts), got {bad} (found by the NVLink "
-                             "layout/low-latency kernel; those entries were skipped)")
-        stage = int(self.err.view[0])
-        if stage:
-            peer = int(self.err.view[1])
-            name = STAGES.get(stage, f"stage {stage}")
-            raise CommTimeoutError(
-                f"deepep rank {self.global_rank}: stage '{name}' timed out after {self.buf.timeout_s:.1f} s waiting "
-                f"for rank {peer} of the group (NVLink kernel); call Buffer.reset()", rank=self.global_rank,
-                stage=name)
+        """Raise what a kernel of this context recorded (see NvlinkContext.check)."""
+        self.ctx.check()
+
+    def low_latency(self) -> LowLatencyEngine:
+        if self._ll is None:
+            self._ll = NvlinkLowLatency(self.ctx)
+        return self._ll
 
     def destroy(self) -> None:
-        try:
-            torch.cuda.synchronize()
-        except Exception:  # a failed context must not stop us releasing the rest
-            pass
-        for reg in self.regions.values():
-            reg.close()
-        self.regions.clear()
+        self.ctx.destroy()
         self.info.free()
-        self.err.free()
 
     # ------------------------------------------------------------------ layout
 
     def _layout_kernel(self, T: int, epr: int, **tensors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return launch_layout(self.module, self.err.device, self.layout_scratch, self.num_ranks, T, epr,
-                             timeout_s=self.buf.timeout_s, **tensors)
+        return launch_layout(self.ctx.module, self.ctx.err.device, self.layout_scratch, self.num_ranks, T, epr,
+                             timeout_s=self.ctx.timeout_s, **tensors)
 
-    def layout(self, topk_idx: torch.Tensor, num_experts: int):
+    def layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
         """get_dispatch_layout in one kernel launch, no host sync (ids are checked on the device and a
-        bad one raises ShapeError at the next dispatch). Also computes the send positions."""
-        from .layout import Layout, check_topk_idx
-
+        bad one raises ShapeError at the next dispatch). Also computes the send positions. A CPU
+        topk_idx gets the host computation."""
+        if not topk_idx.is_cuda:
+            return compute_layout(topk_idx, num_experts, self.num_ranks, self.num_ranks)
         self.check()
         R = self.num_ranks
         if num_experts % R:
@@ -314,7 +224,8 @@ class NvlinkDispatcher:
     # ------------------------------------------------------------------ normal mode
 
     def dispatch(self, inp: DispatchInput, handle: NvlinkHandle | None, is_token_in_rank, num_tokens_per_expert,
-                 experts_per_rank: int, expert_alignment: int, num_worst_tokens: int) -> DispatchOutput:
+                 experts_per_rank: int, expert_alignment: int, num_worst_tokens: int,
+                 config: Config | None = None) -> DispatchOutput:
         self.check()
         R, T, epr = self.num_ranks, inp.num_tokens, experts_per_rank
         if T > self.cap:
@@ -343,14 +254,14 @@ class NvlinkDispatcher:
         off_w = off_topk + 8 * k
         off_src = off_w + 4 * k
         row_bytes = align_up(off_src + 4, ROW_ALIGN)
-        num_sms, senders, chunk = self._config(False)
+        num_sms, senders, chunk = self._config(config, False)
         if chunk >= 4096 or self.cap >= 2**20:
             raise ValueError(f"config: the NVLink dispatch needs chunk_tokens < 4096 and num_max_tokens_per_rank < 2**20 "
                              f"(chunk flags pack both), got {chunk} and {self.cap}")
         max_chunks = (self.cap + chunk - 1) // chunk
         counts_words = (R * (1 + epr) + 1) // 2
         sig_words = R + counts_words + R * max_chunks
-        reg = self._region("dispatch", sig_words, R * self.cap * row_bytes)
+        reg = self.ctx.region("dispatch", sig_words, R * self.cap * row_bytes)
         self.epochs["dispatch"] += 1
         epoch = self.epochs["dispatch"]
         par = epoch & 1
@@ -368,12 +279,12 @@ class NvlinkDispatcher:
             send_pos=addr(send_pos), counts_msg=addr(counts_msg), peer_data=addr(reg.peer_data[par]),
             peer_sig=addr(reg.peer_sig[par]), recv_x=addr(recv_x), recv_scales=addr(recv_scales),
             recv_topk=addr(recv_topk), recv_w=addr(recv_w), recv_src=addr(recv_src), recv_counts=addr(recv_counts),
-            host_info=self.info.device, err=self.err.device, region_bytes=self.cap * row_bytes,
-            timeout_ns=self.timeout_ns, T=T, R=R, me=self.rank, epr=epr, k=k, x16=x_bytes // 16, S=S,
+            host_info=self.info.device, err=self.ctx.err.device, region_bytes=self.cap * row_bytes,
+            timeout_ns=self.ctx.timeout_ns, T=T, R=R, me=self.rank, epr=epr, k=k, x16=x_bytes // 16, S=S,
             row_bytes=row_bytes, off_scales=off_scales, off_topk=off_topk, off_w=off_w, off_src=off_src, chunk=chunk,
             num_senders=senders, max_chunks=max_chunks, num_worst=num_worst_tokens, sig_counts=R,
             sig_chunks=R + counts_words, epoch=epoch)
-        self.module.get_kernel("deepep_dispatch").launch(num_sms, THREADS, [Arg(a)])
+        self.ctx.module.get_kernel("deepep_dispatch").launch(num_sms, THREADS, [Arg(a)])
         if num_worst_tokens:
             # No host read (CUDA-graph capturable, as in DeepEP): the kernel pads the top-k rows past
             # the received count and reports a count above num_worst_tokens at the next call.
@@ -382,8 +293,8 @@ class NvlinkDispatcher:
                                recv_src[:rows], num_worst_tokens, self.rank)
         else:
             # The receivers publish the counts early; the host sizes the outputs while rows still flow.
-            spin_until(lambda: self.info.view[0] == epoch or self.err.view[0] != 0, rank=self.global_rank,
-                       stage="dispatch/counts", timeout_s=self.buf.timeout_s + 1.0,
+            spin_until(lambda: self.info.view[0] == epoch or self.ctx.err.view[0] != 0, rank=self.ctx.global_rank,
+                       stage="dispatch/counts", timeout_s=self.ctx.timeout_s + 1.0,
                        detail="waiting for the NVLink kernel's counts")
             self.check()
             rows = int(self.info.view[1])
@@ -393,7 +304,8 @@ class NvlinkDispatcher:
         return DispatchOutput(recv_x[:rows], recv_scales[:rows] if S else None,
                               recv_topk[:rows] if k else None, recv_w[:rows] if recv_w is not None else None, new)
 
-    def combine(self, x: torch.Tensor, handle: NvlinkHandle, topk_weights: torch.Tensor | None):
+    def combine(self, x: torch.Tensor, handle: NvlinkHandle, topk_weights: torch.Tensor | None,
+                config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.check()
         if x.dtype not in (torch.bfloat16, torch.float32):
             raise ShapeError(f"x.dtype: expected bfloat16 or float32 on the NVLink transport, got {x.dtype}")
@@ -401,9 +313,9 @@ class NvlinkDispatcher:
         x_bytes = x.shape[1] * x.element_size()
         k = topk_weights.shape[1] if topk_weights is not None else 0
         row_bytes = align_up(x_bytes + 4 * k, ROW_ALIGN)
-        num_sms, senders, chunk = self._config(True)
+        num_sms, senders, chunk = self._config(config, True)
         max_chunks = (self.cap + chunk - 1) // chunk
-        reg = self._region("combine", R + R * max_chunks, R * self.cap * row_bytes)
+        reg = self.ctx.region("combine", R + R * max_chunks, R * self.cap * row_bytes)
         self.epochs["combine"] += 1
         epoch = self.epochs["combine"]
         par = epoch & 1
@@ -413,25 +325,12 @@ class NvlinkDispatcher:
         a = CombineArgs(
             x=addr(x), w=addr(w), recv_counts=addr(handle.recv_counts), send_pos=addr(handle.send_pos),
             peer_data=addr(reg.peer_data[par]), peer_sig=addr(reg.peer_sig[par]), out=addr(out), out_w=addr(out_w),
-            err=self.err.device, region_bytes=self.cap * row_bytes, timeout_ns=self.timeout_ns, T=T, R=R,
+            err=self.ctx.err.device, region_bytes=self.cap * row_bytes, timeout_ns=self.ctx.timeout_ns, T=T, R=R,
             me=self.rank, k=k, x16=x_bytes // 16, row_bytes=row_bytes, off_w=x_bytes, chunk=chunk,
             num_senders=senders, max_chunks=max_chunks, sig_hello=0, sig_chunks=R, epoch=epoch)
         name = "deepep_combine_bf16" if x.dtype == torch.bfloat16 else "deepep_combine_f32"
-        self.module.get_kernel(name).launch(num_sms, THREADS, [Arg(a)])
+        self.ctx.module.get_kernel(name).launch(num_sms, THREADS, [Arg(a)])
         return out, out_w
 
-    # ------------------------------------------------------------------ low latency
 
-    def _low_latency(self) -> NvlinkLowLatency:
-        if self._ll is None:
-            self._ll = NvlinkLowLatency(self)
-        return self._ll
-
-    def low_latency_dispatch(self, x, topk_idx, max_tokens, num_experts, use_fp8, async_finish, return_recv_hook):
-        return self._low_latency().dispatch(x, topk_idx, max_tokens, num_experts, use_fp8, return_recv_hook)
-
-    def low_latency_combine(self, y, topk_idx, topk_weights, handle, async_finish, return_recv_hook, out):
-        return self._low_latency().combine(y, topk_idx, topk_weights, handle, return_recv_hook, out)
-
-
-__all__ = ["NvlinkDispatcher", "compile_kernels", "kernel_source", "nvlink_unavailable_reason", "comm_error"]
+__all__ = ["NvlinkDispatcher", "NvlinkHandle", "LayoutScratch", "launch_layout"]

@@ -1,4 +1,4 @@
-"""Low-latency mode on the NVLink transport: host side of kernels/low_latency.cu.
+"""The NVLink engine's low-latency mode: host side of kernels/low_latency.cu.
 
 One kernel launch per call, no host synchronization, fixed output buffers: dispatch and combine
 can be captured in a CUDA graph and replayed. The kernels send each token once per destination
@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tilehal import Arg, ShapeError
 
-from .event import EventOverlap
-from .nvlink_memory import ROW_ALIGN, SharedRegion, addr, align_up
-
-if TYPE_CHECKING:
-    from .nvlink import NvlinkDispatcher
+from ...event import EventOverlap
+from .context import NvlinkContext
+from .memory import ROW_ALIGN, SharedRegion, addr, align_up
 
 THREADS = 512
 MAX_TOPK = 32  # the kernels keep one token's top-k entries in shared arrays of this size
@@ -101,11 +99,14 @@ def size_hint(R: int, M: int, H: int, E: int) -> int:
 
 
 class NvlinkLowLatency:
-    """Owns the fixed outputs and the device-side epochs; regions come from the dispatcher."""
+    """Owns the fixed outputs and the device-side epochs; module, regions, error word, timeout and
+    SMs come from the NvlinkContext it shares with the normal mode."""
 
-    def __init__(self, owner: NvlinkDispatcher) -> None:
-        self.owner = owner
-        self.rank, self.num_ranks = owner.rank, owner.num_ranks
+    handle_type = NvlinkLowLatencyHandle
+
+    def __init__(self, ctx: NvlinkContext) -> None:
+        self.ctx = ctx
+        self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
         self.state = torch.zeros(2, 2, dtype=torch.int32, device="cuda")  # [dispatch|combine][epoch, blocks done]
         self.outputs: dict[tuple, torch.Tensor] = {}
 
@@ -120,7 +121,7 @@ class NvlinkLowLatency:
         return t
 
     def _args(self, **kw: Any) -> LLArgs:
-        a = LLArgs(err=self.owner.err.device, timeout_ns=self.owner.timeout_ns, R=self.num_ranks, me=self.rank)
+        a = LLArgs(err=self.ctx.err.device, timeout_ns=self.ctx.timeout_ns, R=self.num_ranks, me=self.rank)
         for key, v in kw.items():
             setattr(a, key, v)
         return a
@@ -129,12 +130,12 @@ class NvlinkLowLatency:
         """Both phases in one launch; with `return_recv_hook` only the send phase now, and a hook
         that launches the receive phase (DeepEP's overlap: no SMs sit waiting in between). `keep`:
         the tensors `a` points into, held until the receive launch is queued."""
-        kernel = self.owner.module.get_kernel(name)
+        kernel = self.ctx.module.get_kernel(name)
 
         def launch(phases: int) -> None:
             a.phases = phases
             # Every SM: tokens and items are spread one per block (a block sends before it waits).
-            kernel.launch(self.owner.num_device_sms, THREADS, [Arg(a)], smem_bytes=smem_bytes)
+            kernel.launch(self.ctx.num_sms, THREADS, [Arg(a)], smem_bytes=smem_bytes)
 
         if not return_recv_hook:
             launch(SEND | RECEIVE)
@@ -151,7 +152,7 @@ class NvlinkLowLatency:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int, use_fp8: bool,
                  return_recv_hook: bool):
-        self.owner.check()
+        self.ctx.check()
         R, T, H = self.num_ranks, x.shape[0], x.shape[1]
         k = topk_idx.shape[1]
         epr = num_experts // R
@@ -168,7 +169,7 @@ class NvlinkLowLatency:
         M = max_tokens
         sig_words, data_bytes, row_bytes = region_sizes(R, M, H, num_experts, k, use_fp8)["ll_dispatch"]
         sig_tokens, sig_msg = R, R + R * M
-        reg = self.owner._region("ll_dispatch", sig_words, data_bytes)
+        reg = self.ctx.region("ll_dispatch", sig_words, data_bytes)
         cap = R * M
         if use_fp8:
             recv_x: Any = (self._out("x", (epr, cap, H), torch.float8_e4m3fn),
@@ -194,7 +195,7 @@ class NvlinkLowLatency:
 
     def combine(self, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: NvlinkLowLatencyHandle, return_recv_hook: bool, out: torch.Tensor | None):
-        self.owner.check()
+        self.ctx.check()
         R, H, M = self.num_ranks, handle.hidden, handle.num_max_dispatch_tokens_per_rank
         E, T, k = handle.num_experts, handle.num_tokens, topk_idx.shape[1]
         if y.dtype != torch.bfloat16:
@@ -203,7 +204,7 @@ class NvlinkLowLatency:
             raise ShapeError(f"topk_idx.shape[1]: expected {handle.tok_rows.shape[2]} (as in the dispatch), got {k}")
         sig_words, data_bytes, row_bytes = region_sizes(R, M, H, E, k, True)["ll_combine"]
         data_rows = data_bytes - R * M * row_bytes
-        reg = self.owner._region("ll_combine", sig_words, data_bytes)
+        reg = self.ctx.region("ll_combine", sig_words, data_bytes)
         if out is None:
             out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
         # Converted copies stay referenced until the launch is queued.

@@ -17,7 +17,8 @@ import threading
 
 import torch
 
-from .nvlink_memory import SharedRegion
+from .context import NvlinkContext
+from .memory import SharedRegion
 
 
 class EmulatedRegion:
@@ -55,25 +56,11 @@ class EmulatedRegions:
                                                   torch.tensor(data, dtype=torch.int64, device="cuda"))
             return self.views[kind]
 
+    def close(self) -> None:
+        """Nothing to unmap: the pools are this process's own memory (freed with the object)."""
 
-class LowLatencyRank:
-    """What NvlinkLowLatency needs from its NvlinkDispatcher, for one emulated rank."""
 
-    def __init__(self, regions: EmulatedRegions, rank: int, sms: int, timeout_s: float = 10.0) -> None:
-        from .nvlink import compile_kernels
-        from .nvlink_memory import HostMapped
-
-        self.regions, self.rank, self.num_ranks = regions, rank, regions.num_ranks
-        self.module = compile_kernels()
-        for name in ("deepep_ll_dispatch", "deepep_ll_combine"):  # no lazy loads once kernels spin
-            self.module.get_kernel(name).preload()
-        self.err = HostMapped(4)
-        self.timeout_ns = int(timeout_s * 1e9)
-        self.num_device_sms = sms
-
-    def _region(self, kind: str, sig_words: int, data_bytes: int) -> EmulatedRegion:
-        return self.regions.region(kind, sig_words, data_bytes)
-
-    def check(self) -> None:
-        if any(self.err.view):
-            raise RuntimeError(f"emulated rank {self.rank}: kernel error word {list(self.err.view)}")
+def emulated_context(regions: EmulatedRegions, rank: int, sms: int, timeout_s: float = 10.0) -> NvlinkContext:
+    """The NvlinkContext of emulated rank `rank` (group None): give it to NvlinkDispatcher(options,
+    context=...) and NvlinkLowLatency(...) as on a real GPU; `sms` is its share of the device."""
+    return NvlinkContext(None, rank, regions.num_ranks, rank, timeout_s, regions, num_sms=sms)
