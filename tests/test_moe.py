@@ -31,7 +31,6 @@ import torch
 
 from tilestack.moe import (
     ExpertParallelMoE,
-    LocalExchange,
     ReferenceMoE,
     build_contiguous_layout,
     moe_block_parts,
@@ -103,17 +102,12 @@ def test_contiguous_layout_rejects_inconsistent_counts():
         build_contiguous_layout(idx, [128], 2)
 
 
-def test_local_exchange_matches_deepep_one_rank_semantics():
-    ex = LocalExchange()
-    idx = torch.tensor([[1, -1], [0, 1]])
-    w = torch.tensor([[0.7, 0.3], [0.5, 0.5]])
-    per_rank, _, per_expert, in_rank, _ = ex.get_dispatch_layout(idx, 2)
-    assert per_rank.tolist() == [2] and per_expert.tolist() == [1, 2] and in_rank.all()
-    x = torch.randn(2, 8)
-    rx, ridx, rw, per_local, handle, _ = ex.dispatch(x, num_tokens_per_expert=per_expert, topk_idx=idx,
-                                                     topk_weights=w, expert_alignment=128)
-    assert rx is x and per_local == [128, 128] and rw[0, 1] == 0 and rw[1, 1] == 0.5
-    assert torch.equal(ex.combine(x, handle)[0], x)
+def test_one_process_exchange_is_deepeps_local_engine():
+    """group=None: the tokens move through deepep's one-rank engine (Buffer(transport="local")), not a
+    copy of its semantics kept here."""
+    moe = ExpertParallelMoE.from_module(make_reference())
+    moe(make_inputs(8))
+    assert moe._buffer.transport == "local" and moe._buffer.group_size == 1
 
 
 # ----------------------------------------------------------------------------- single process

@@ -10,8 +10,9 @@ The two peers never import each other; they meet here through tensors:
       -> un-permute, weighted by recv_topk_weights              (one row per received token)
       -> deepep combine                                         (rows back to their source, summed)
 
-With `group=None` the module runs on one process: `LocalExchange` stands in for the Buffer with
-deepep's one-rank semantics, so the layout and expert code is the same as with many ranks.
+With `group=None` the module runs on one process: deepep's local engine (`Buffer(transport="local")`,
+a group of one rank without torch.distributed) moves the tokens, so the layout and expert code is
+the same as with many ranks.
 Inference only: the GEMMs write into preallocated outputs and record no autograd graph.
 """
 
@@ -77,38 +78,6 @@ def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, score_bias: torch.Ten
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return idx.to(torch.int64), weights
-
-
-# ----------------------------------------------------------------------------- exchange
-
-
-class LocalExchange:
-    """deepep's dispatch/combine for a group of one rank, without torch.distributed.
-
-    Same outputs as `deepep.Buffer` on one rank: every token is received once, in order;
-    `recv_topk_weights` read 0 where `topk_idx` is -1; the per-expert list counts
-    (token, expert) pairs rounded up to `expert_alignment`; combine returns the rows as they are.
-    """
-
-    rank = 0
-    group_size = 1
-
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
-        valid = topk_idx[topk_idx >= 0]
-        per_expert = torch.bincount(valid, minlength=num_experts).to(torch.int32)
-        in_rank = (topk_idx >= 0).any(dim=1, keepdim=True)
-        per_rank = in_rank.sum(0).to(torch.int32)
-        return per_rank, None, per_expert, in_rank, None
-
-    def dispatch(self, x: XTensor, *, num_tokens_per_expert: torch.Tensor, topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor, expert_alignment: int = 1, **_: Any):
-        counts = num_tokens_per_expert.to(torch.int64)
-        aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
-        weights = torch.where(topk_idx >= 0, topk_weights, torch.zeros_like(topk_weights))
-        return x, topk_idx, weights, aligned.tolist(), topk_idx.shape[0], None
-
-    def combine(self, x: torch.Tensor, handle: int, topk_weights: torch.Tensor | None = None):
-        return x[:handle], topk_weights, None
 
 
 # ----------------------------------------------------------------------------- contiguous layout
@@ -212,7 +181,7 @@ class ExpertParallelMoE(torch.nn.Module):
     activations travel and multiply as e4m3 with 1x128 scales and the weights are cast per
     128x128 block (cached until the weights change).
 
-    `group=None`: one process, no torch.distributed (see `LocalExchange`). With a group, a deepep
+    `group=None`: one process, no torch.distributed (deepep's local engine). With a group, a deepep
     `Buffer` is created on the first forward (a collective: every rank calls forward), or pass
     `buffer=` to share one between layers.
     """
@@ -250,8 +219,10 @@ class ExpertParallelMoE(torch.nn.Module):
         else:
             import torch.distributed as dist
 
-            g = buffer.group if buffer is not None else group
-            self.rank, self.world_size = dist.get_rank(g), dist.get_world_size(g)
+            if buffer is not None:
+                self.rank, self.world_size = buffer.rank, buffer.group_size
+            else:
+                self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if num_experts % self.world_size:
             raise ValueError(f"num_experts: expected a multiple of the group size {self.world_size}, got {num_experts}")
         self.hidden, self.ffn_hidden, self.num_experts, self.top_k = hidden, ffn_hidden, num_experts, top_k
@@ -346,11 +317,11 @@ class ExpertParallelMoE(torch.nn.Module):
 
     def _exchange(self) -> Any:
         if self._buffer is None:
-            if self.group is None:
-                self._buffer = LocalExchange()
-            else:
-                import deepep
+            import deepep
 
+            if self.group is None:  # one process: the one-rank engine, whatever torch.distributed's state
+                self._buffer = deepep.Buffer(None, transport="local", hidden=self.hidden)
+            else:
                 self._buffer = deepep.Buffer(self.group, hidden=self.hidden)
         return self._buffer
 

@@ -506,7 +506,7 @@ def handle_reuse_checks(rank: int, world: int) -> list[str]:
 # ----------------------------------------------------------------------------- fuzzing (one rank)
 
 
-def fuzz_dispatch_args(rank: int, world: int, max_examples: int = 120) -> dict:
+def fuzz_dispatch_args(rank: int, world: int, max_examples: int = 120, transport: str = "torch") -> dict:
     """Hypothesis over dispatch/combine arguments on a 1-rank group: every call either matches the
     reference (world 1: each token with a valid expert comes back to itself, combine sums its copy)
     or raises a TileStackError naming an argument. Runs inside the rank so the group is set up once."""
@@ -516,7 +516,8 @@ def fuzz_dispatch_args(rank: int, world: int, max_examples: int = 120) -> dict:
     from hypothesis import strategies as st
     from tilehal import TileStackError
 
-    buf = Buffer(None, transport="torch", timeout_s=20)
+    buf = Buffer(None, transport=transport, timeout_s=20)
+    assert buf.transport == transport
     outcome = {"ok": 0, "refused": 0}
     names = ("x", "topk_idx", "topk_weights", "num_tokens_per_expert", "is_token_in_rank", "expert_alignment",
              "num_worst_tokens", "handle", "dispatch")
@@ -582,3 +583,83 @@ def fuzz_dispatch_args(rank: int, world: int, max_examples: int = 120) -> dict:
 
     run()
     return outcome
+
+
+# ----------------------------------------------------------------------------- the local engine
+
+
+def _same(a, b, what: str) -> None:
+    """Exact equality of two results (tensors, pairs, lists, None), NaN-free inputs."""
+    if isinstance(a, (tuple, list)) and not isinstance(a, torch.Tensor):
+        assert isinstance(b, (tuple, list)) and len(a) == len(b), (what, type(a), type(b))
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{what}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, (what, a, b)
+        assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                           b.view(torch.uint8) if b.dtype.itemsize == 1 else b), what
+    else:
+        assert a == b, (what, a, b)
+
+
+def local_matches_one_rank_group(rank: int, world: int) -> int:
+    """Buffer(transport="local") against the torch engine on this one-rank Gloo group: every output of
+    layout, dispatch (bf16, fp8, unrouted tokens, alignment, num_worst_tokens, a cached handle), combine
+    (weights, bias) and low-latency dispatch/combine is identical."""
+    assert world == 1
+    ref, loc = Buffer(None, transport="torch", timeout_s=20), Buffer(None, transport="local", timeout_s=20)
+    assert loc.transport == "local" and loc.group_size == 1 and loc.rank == 0
+    checked = 0
+    for seed, (t, unrouted, fp8, align, worst) in enumerate(
+            [(37, 0.0, False, 1, 0), (37, 0.3, False, 4, 0), (40, 0.3, True, 1, 0), (25, 0.2, False, 1, 64),
+             (0, 0.0, False, 1, 0), (16, 1.0, False, 1, 0)]):
+        g = torch.Generator().manual_seed(seed)
+        e, k, h = 8, 3, 256
+        idx = torch.rand(t, e, generator=g).topk(k, dim=1).indices
+        idx[torch.rand(t, k, generator=g) < 0.2] = -1
+        idx[torch.rand(t, generator=g) < unrouted] = -1  # tokens routed nowhere
+        w = torch.rand(t, k, generator=g)
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+        xin = per_token_cast_to_fp8(x.float()) if fp8 else x
+        lays = [b.get_dispatch_layout(idx, e) for b in (ref, loc)]
+        _same(lays[0][:4], lays[1][:4], f"layout {seed}")
+        outs = [b.dispatch(xin, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                           topk_idx=idx, topk_weights=w, expert_alignment=align, num_worst_tokens=worst)
+                for b, lay in zip((ref, loc), lays)]
+        _same(outs[0][:4], outs[1][:4], f"dispatch {seed}")
+        _same(tuple(outs[0][4]), tuple(outs[1][4]), f"handle {seed}")
+        y = (outs[0][0][0].float() * outs[0][0][1].repeat_interleave(128, 1) if fp8 else outs[0][0].float()) * 3
+        y = y.to(torch.bfloat16)
+        bias = torch.randn(t, h, generator=g).to(torch.bfloat16)
+        comb = [b.combine(y, o[4], o[2], bias=bias)[:2] for b, o in zip((ref, loc), outs)]
+        _same(comb[0], comb[1], f"combine {seed}")
+        x2 = (x * 2).to(torch.bfloat16)
+        again = [b.dispatch(x2, handle=o[4])[0] for b, o in zip((ref, loc), outs)]
+        _same(again[0], again[1], f"cached dispatch {seed}")
+        checked += 1
+    for seed, (t, use_fp8, round_scale, hook) in enumerate([(20, True, False, False), (20, False, False, True),
+                                                              (9, True, True, False), (0, True, False, False)]):
+        g = torch.Generator().manual_seed(100 + seed)
+        e, k, h, m = 8, 4, 512, 32
+        idx = torch.rand(t, e, generator=g).topk(k, dim=1).indices
+        idx[torch.rand(t, k, generator=g) < 0.2] = -1
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+        w = torch.rand(t, k, generator=g)
+        res = []
+        for b in (ref, loc):
+            recv, count, handle, _, recv_hook = b.low_latency_dispatch(
+                x, idx, m, e, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=round_scale,
+                return_recv_hook=hook)
+            if recv_hook is not None:
+                recv_hook()
+            got = per_token_cast_back(*recv) if use_fp8 and not round_scale else (recv[0] if use_fp8 else recv)
+            ys = (got.float() * 2).to(torch.bfloat16) if got.dtype != torch.float8_e4m3fn else \
+                torch.ones(got.shape, dtype=torch.bfloat16)
+            out, _, comb_hook = b.low_latency_combine(ys, idx, w, handle, return_recv_hook=hook)
+            if comb_hook is not None:
+                comb_hook()
+            res.append((recv, count.clone(), tuple(handle), out))
+        recv0 = tuple(r.clone() for r in res[0][0]) if use_fp8 else res[0][0].clone()
+        _same((recv0, *res[0][1:]), res[1], f"low latency {seed}")
+        checked += 1
+    return checked

@@ -22,7 +22,9 @@ from .transport.torch_dist import TorchDistTransport
 
 log = logging.getLogger("deepep")
 
-TRANSPORTS = ("auto", "torch", "hierarchical", "nvlink")
+TRANSPORTS = ("auto", "torch", "hierarchical", "nvlink", "local")
+# Set by launchers (torchrun, mpiexec, srun) in each process of a multi-process job.
+LAUNCHER_WORLD_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 DEFAULT_TIMEOUT_S = float(os.environ.get("DEEPEP_TIMEOUT_S", "60"))
 
 XTensor = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -37,7 +39,10 @@ class Buffer:
 
     `transport` is "auto" (NVLink kernels when every rank is a CUDA GPU of one host with peer
     access, hierarchical when the group spans several nodes, else plain torch.distributed),
-    or one of "torch", "hierarchical", "nvlink" to force it. `num_nvl_bytes` sizes the NVLink
+    or one of "torch", "hierarchical", "nvlink" to force it. `Buffer()` in a process that never
+    initialized torch.distributed (and was not started as one of several by a launcher), or
+    `transport="local"`, is a group of one rank (the local engine: nothing moves, same results as a
+    one-rank group). `num_nvl_bytes` sizes the NVLink
     receive buffers (0: derived from `num_max_tokens_per_rank` and `hidden`); `num_rdma_bytes`
     is accepted for DeepEP compatibility (the torch.distributed engine owns its own buffers).
     `timeout_s` bounds every wait on a peer; past it, CommTimeoutError names the rank and stage.
@@ -51,24 +56,27 @@ class Buffer:
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Any = None, *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, transport: str = "auto", num_ranks_per_node: int | None = None,
                  num_max_tokens_per_rank: int = 4096, hidden: int = 7168) -> None:
-        if group is None and comm is not None and not dist.is_initialized():
+        if transport not in TRANSPORTS:
+            raise ArgumentError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
+        self._local = transport == "local" or (group is None and comm is None and not dist.is_initialized())
+        if self._local:
+            self._check_local(group, transport)
+        elif group is None and comm is not None and not dist.is_initialized():
             # DeepEP's `comm`: an mpi4py communicator instead of a group; it bootstraps torch.distributed.
             from .mpi import init_from_mpi
 
             init_from_mpi()
-        if not dist.is_initialized():
-            raise RuntimeError("Buffer: torch.distributed is not initialized (call dist.init_process_group or "
-                               "deepep.init_from_mpi first, or pass an mpi4py `comm`)")
-        if group is None and comm is not None and comm.Get_size() != dist.get_world_size():
+        if not self._local and group is None and comm is not None and comm.Get_size() != dist.get_world_size():
             raise ValueError(f"comm: expected a communicator of all {dist.get_world_size()} ranks (the default "
                              f"group), got one of {comm.Get_size()}")
-        if transport not in TRANSPORTS:
-            raise ArgumentError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
         if timeout_s <= 0:
             raise ArgumentError(f"timeout_s: expected > 0, got {timeout_s}")
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.group_size = dist.get_world_size(self.group)
+        if self._local:
+            self.group, self.rank, self.group_size = group, 0, 1
+        else:
+            self.group = group if group is not None else dist.group.WORLD
+            self.rank = dist.get_rank(self.group)
+            self.group_size = dist.get_world_size(self.group)
         self.timeout_s = float(timeout_s)
         self.low_latency_mode = low_latency_mode
         self.num_nvl_bytes = int(num_nvl_bytes)
@@ -90,11 +98,39 @@ class Buffer:
 
     # ------------------------------------------------------------------ setup / reset
 
+    @staticmethod
+    def _check_local(group: dist.ProcessGroup | None, transport: str) -> None:
+        if group is not None and dist.get_world_size(group) != 1:
+            raise ArgumentError(f"transport: expected a group of one rank with transport='local', got a group of "
+                                f"{dist.get_world_size(group)}")
+        if transport == "local":
+            return
+        launched = {v: os.environ[v] for v in LAUNCHER_WORLD_VARS if os.environ.get(v, "1") not in ("", "1")}
+        if launched:
+            # One of several processes that forgot to initialize torch.distributed: a one-rank buffer
+            # here would silently keep every token in this process.
+            raise RuntimeError(f"Buffer: torch.distributed is not initialized, but this process is one of several "
+                               f"({', '.join(f'{k}={v}' for k, v in launched.items())}): call "
+                               "dist.init_process_group or deepep.init_from_mpi first, or pass an mpi4py `comm` "
+                               "(transport='local' forces a one-rank buffer)")
+        log.debug("Buffer: torch.distributed is not initialized; a group of one rank (the local engine)")
+
     def _setup(self) -> None:
         self._destroyed = False
-        self._transport = TorchDistTransport(self.group, self.timeout_s)
         self._ll_bufs = LowLatencyBuffers()
         self._comm_stream = None
+        if self._local:
+            from .engines.local import LocalDispatcher
+            from .transport.local import LocalTransport
+
+            self._transport: Any = LocalTransport(self.timeout_s)
+            self.num_ranks_per_node = 1
+            self.transport = "local"
+            self._backend: Dispatcher = LocalDispatcher(EngineOptions(self.group, self.timeout_s, 1,
+                                                                      self.num_max_tokens_per_rank,
+                                                                      self.num_nvl_bytes))
+            return
+        self._transport = TorchDistTransport(self.group, self.timeout_s)
         self.num_ranks_per_node = self._num_ranks_per_node_arg or self._detect_ranks_per_node()
         if self.group_size % self.num_ranks_per_node:
             raise ArgumentError(f"num_ranks_per_node: expected a divisor of the group size {self.group_size}, "
@@ -105,7 +141,7 @@ class Buffer:
         if self.transport == "nvlink":
             from .engines.nvlink import NvlinkDispatcher
 
-            self._backend: Dispatcher = NvlinkDispatcher(options)
+            self._backend = NvlinkDispatcher(options)
         elif self.transport == "hierarchical":
             from .engines.hierarchical import HierarchicalDispatcher
 
@@ -149,6 +185,9 @@ class Buffer:
         """
         self.destroy()
         if group is not None:
+            self._local = self._requested_transport == "local"
+            if self._local:
+                self._check_local(group, "local")
             self.group = group
             self.rank = dist.get_rank(group)
             self.group_size = dist.get_world_size(group)
