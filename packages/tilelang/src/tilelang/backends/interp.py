@@ -19,6 +19,7 @@ import tilehal
 from ..errors import CompileError
 from ..ir import dtypes as dt
 from ..ir.nodes import (
+    REDUCE_OPS,
     Alloc,
     AtomicAdd,
     BinOp,
@@ -46,6 +47,7 @@ from ..ir.nodes import (
     Store,
     Var,
     While,
+    register_rules,
 )
 
 
@@ -252,74 +254,80 @@ class Interpreter:
     # ------------------------------------------------------------ statements
 
     def stmt(self, s: Stmt) -> None:
-        if isinstance(s, Seq):
-            for c in s.body:
-                self.stmt(c)
-        elif isinstance(s, Kernel):
-            grid = [int(self.expr(g)) for g in s.grid]
-            for idx in itertools.product(*(range(n) for n in grid)):
-                for v, i in zip(s.block_vars, idx):
-                    self.env[v] = i
-                self.stmt(s.body)
-        elif isinstance(s, Alloc):
-            b = s.buffer
-            arr = np.zeros(b.static_shape(), dtype=np_dtype(b.dtype))
-            if s.init is not None:
-                arr[...] = np.asarray(self.expr(s.init)).astype(arr.dtype)
-            self.bufs[b] = arr
-        elif isinstance(s, For):
-            self.loop(s)
-        elif isinstance(s, Let):
-            self.env[s.var] = self.expr(s.value)
-        elif isinstance(s, Store):
-            self.store(s.buffer, [self.expr(i) for i in s.indices], self.expr(s.value), s.loc)
-        elif isinstance(s, While):
-            while True:
-                c = self.expr(s.cond)
-                if np.ndim(c):
-                    raise CompileError("interp: a while condition that differs between T.Parallel lanes is not "
-                                       "supported", s.loc)
-                if not c:
-                    break
-                self.stmt(s.body)
-        elif isinstance(s, If):
+        s.apply("interp", self, "interp: unknown statement {op}")
+
+    # ------------------------------------------------------------ rules (the "interp" table)
+
+    def seq(self, s: Seq) -> None:
+        for c in s.body:
+            self.stmt(c)
+
+    def kernel(self, s: Kernel) -> None:
+        grid = [int(self.expr(g)) for g in s.grid]
+        for idx in itertools.product(*(range(n) for n in grid)):
+            for v, i in zip(s.block_vars, idx):
+                self.env[v] = i
+            self.stmt(s.body)
+
+    def alloc(self, s: Alloc) -> None:
+        b = s.buffer
+        arr = np.zeros(b.static_shape(), dtype=np_dtype(b.dtype))
+        if s.init is not None:
+            arr[...] = np.asarray(self.expr(s.init)).astype(arr.dtype)
+        self.bufs[b] = arr
+
+    def let(self, s: Let) -> None:
+        self.env[s.var] = self.expr(s.value)
+
+    def store_stmt(self, s: Store) -> None:
+        self.store(s.buffer, [self.expr(i) for i in s.indices], self.expr(s.value), s.loc)
+
+    def while_(self, s: While) -> None:
+        while True:
             c = self.expr(s.cond)
-            if np.ndim(c) == 0:
-                if c:
-                    self.stmt(s.then)
-                elif s.orelse is not None:
-                    self.stmt(s.orelse)
-            else:
-                saved = self.mask
-                base = np.asarray(c, dtype=bool) if saved is None else (saved & c)
-                self.mask = base
+            if np.ndim(c):
+                raise CompileError("interp: a while condition that differs between T.Parallel lanes is not "
+                                   "supported", s.loc)
+            if not c:
+                break
+            self.stmt(s.body)
+
+    def if_(self, s: If) -> None:
+        c = self.expr(s.cond)
+        if np.ndim(c) == 0:
+            if c:
                 self.stmt(s.then)
-                if s.orelse is not None:
-                    self.mask = ~np.asarray(c, dtype=bool) if saved is None else (saved & ~c)
-                    self.stmt(s.orelse)
-                self.mask = saved
-        elif isinstance(s, Copy):
-            self.write_region(s.dst, self.read_region(s.src).reshape(s.dst.squeezed() or [1]))
-        elif isinstance(s, Fill):
-            ty = np_dtype(dt.compute_type(s.dst.buffer.dtype))
-            self.write_region(s.dst, np.asarray(self.expr(s.value)).astype(ty))
-        elif isinstance(s, Gemm):
-            self.gemm(s)
-        elif isinstance(s, Reduce):
-            self.reduce(s)
-        elif isinstance(s, CumSum):
-            src = _compute(self.bufs[s.src], s.src.dtype)
-            x = np.flip(src, s.dim) if s.reverse else src
-            r = np.cumsum(x, axis=s.dim, dtype=x.dtype)
-            self.bufs[s.dst][...] = (np.flip(r, s.dim) if s.reverse else r).astype(self.bufs[s.dst].dtype)
-        elif isinstance(s, AtomicAdd) and not isinstance(s.src, Region) and self.lanes:
-            self.atomic_add_lanes(s)
-        elif isinstance(s, AtomicAdd):
-            cur = self.read_region(s.dst)
-            add = self.read_region(s.src) if isinstance(s.src, Region) else np.asarray(self.expr(s.src))
-            self.write_region(s.dst, (cur + add.reshape(cur.shape) if np.ndim(add) else cur + add))
+            elif s.orelse is not None:
+                self.stmt(s.orelse)
         else:
-            raise CompileError(f"interp: unknown statement {type(s).__name__}", s.loc)
+            saved = self.mask
+            base = np.asarray(c, dtype=bool) if saved is None else (saved & c)
+            self.mask = base
+            self.stmt(s.then)
+            if s.orelse is not None:
+                self.mask = ~np.asarray(c, dtype=bool) if saved is None else (saved & ~c)
+                self.stmt(s.orelse)
+            self.mask = saved
+
+    def copy(self, s: Copy) -> None:
+        self.write_region(s.dst, self.read_region(s.src).reshape(s.dst.squeezed() or [1]))
+
+    def fill(self, s: Fill) -> None:
+        ty = np_dtype(dt.compute_type(s.dst.buffer.dtype))
+        self.write_region(s.dst, np.asarray(self.expr(s.value)).astype(ty))
+
+    def cumsum(self, s: CumSum) -> None:
+        src = _compute(self.bufs[s.src], s.src.dtype)
+        x = np.flip(src, s.dim) if s.reverse else src
+        r = np.cumsum(x, axis=s.dim, dtype=x.dtype)
+        self.bufs[s.dst][...] = (np.flip(r, s.dim) if s.reverse else r).astype(self.bufs[s.dst].dtype)
+
+    def atomic_add(self, s: AtomicAdd) -> None:
+        if not isinstance(s.src, Region) and self.lanes:
+            return self.atomic_add_lanes(s)
+        cur = self.read_region(s.dst)
+        add = self.read_region(s.src) if isinstance(s.src, Region) else np.asarray(self.expr(s.src))
+        self.write_region(s.dst, (cur + add.reshape(cur.shape) if np.ndim(add) else cur + add))
 
     def atomic_add_lanes(self, s: AtomicAdd) -> None:
         """`T.atomic_add(dst[i, j], v)` inside T.Parallel: one add per active lane, in lane order when
@@ -383,21 +391,26 @@ class Interpreter:
 
     def reduce(self, s: Reduce) -> None:
         src = _compute(self.bufs[s.src], s.src.dtype)
-        if s.kind in ("abssum", "absmax"):
+        op = REDUCE_OPS[s.kind][0]
+        if s.kind.startswith("abs"):
             src = np.abs(src)
-        if s.kind in ("sum", "abssum"):
-            r = np.sum(src, axis=s.dim, dtype=src.dtype)
-        elif s.kind in ("max", "absmax"):
-            r = np.max(src, axis=s.dim)
-        else:
-            r = np.min(src, axis=s.dim)
+        r = np.sum(src, axis=s.dim, dtype=src.dtype) if op == "+" else {"max": np.max, "min": np.min}[op](src, axis=s.dim)
         dst = self.bufs[s.dst]
         r = r.reshape(dst.shape)
         if not s.clear:
             old = _compute(dst, s.dst.dtype)
-            r = {"sum": np.add, "abssum": np.add, "max": np.maximum, "absmax": np.maximum,
-                 "min": np.minimum}[s.kind](old, r)
+            r = _COMBINE[REDUCE_OPS[s.kind][0]](old, r)
         dst[...] = r.astype(dst.dtype)
+
+
+_COMBINE = {"+": np.add, "max": np.maximum, "min": np.minimum}  # REDUCE_OPS operators
+
+register_rules("interp", {
+    Seq: Interpreter.seq, Kernel: Interpreter.kernel, Alloc: Interpreter.alloc, For: Interpreter.loop,
+    Let: Interpreter.let, Store: Interpreter.store_stmt, While: Interpreter.while_, If: Interpreter.if_,
+    Copy: Interpreter.copy, Fill: Interpreter.fill, Gemm: Interpreter.gemm, Reduce: Interpreter.reduce,
+    CumSum: Interpreter.cumsum, AtomicAdd: Interpreter.atomic_add,
+})
 
 
 class InterpKernel:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SourceLoc
+from ..errors import CompileError, SourceLoc
 from . import dtypes as dt
 
 # ---------------------------------------------------------------- expressions
@@ -214,8 +214,6 @@ class Region:
     def full(buf: Buffer, loc: SourceLoc | None = None) -> Region:
         shape = buf.static_shape()
         if shape is None:
-            from ..errors import CompileError
-
             raise CompileError(f"buffer {buf.name} has a symbolic shape; give an explicit tile slice", loc)
         return Region(buf, [const(0) for _ in shape], list(shape), loc)
 
@@ -246,16 +244,93 @@ class Region:
 
 
 # ---------------------------------------------------------------- statements
+#
+# Every statement class owns its structure: `children()` (nested statements), `exprs()` (the
+# expressions it holds itself), `reads()` / `writes()` (buffers it accesses itself, not through
+# loads in its expressions or nested statements) and `rebuild(tr)` (a copy with children and
+# expressions passed through a visit.Transformer). Walkers use these and never test classes.
+#
+# Rules (JAX style: one primitive, a rule per backend in a table): `Stmt.rules` is a per-class
+# table, keyed by the table's name ("interp", "cpu.lower", "cpu", "cuda", "cuda.parallel",
+# "cuda.layout", "verify", "print"), that each backend or analysis fills from its own module with
+# `register_rules`. The IR never imports a backend; a walker asks the statement for its rule.
+
+
+def _region_exprs(*regions: Region) -> list[Expr]:
+    return [e for r in regions for e in r.starts]
 
 
 @dataclass(eq=False)
 class Stmt:
     loc: SourceLoc | None = field(default=None, kw_only=True)
 
+    rules = {}  # class -> {table: rule}; every subclass gets its own (see __init_subclass__)
+    side_effects = False  # True: never dead, even when nothing reads what it writes (dce)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.rules = {}
+
+    @classmethod
+    def rule_for(cls, table: str) -> Any:
+        """The rule `table` registered for this class (or the nearest base class), else None."""
+        for k in cls.__mro__:
+            r = k.__dict__.get("rules", {}).get(table)
+            if r is not None:
+                return r
+        return None
+
+    def rule(self, table: str) -> Any:
+        return type(self).rules.get(table) or type(self).rule_for(table)
+
+    def apply(self, table: str, ctx: Any, missing: str) -> Any:
+        """Run this statement's `table` rule as rule(ctx, self); without one, CompileError(`missing`
+        with {op} replaced by the class name)."""
+        rule = self.rule(table)
+        if rule is None:
+            raise CompileError(missing.format(op=type(self).__name__), self.loc)
+        return rule(ctx, self)
+
+    def children(self) -> list[Stmt]:
+        return []
+
+    def exprs(self) -> list[Expr]:
+        return []
+
+    def reads(self) -> set[Buffer]:
+        return set()
+
+    def writes(self) -> set[Buffer]:
+        return set()
+
+    def rebuild(self, tr: Any) -> Stmt | None:
+        raise NotImplementedError(f"{type(self).__name__}.rebuild")
+
+    def check(self) -> None:
+        """Raise CompileError when the statement is malformed on its own (operand shapes)."""
+
+    def user_options(self) -> dict:
+        """Keywords the user wrote that backends may act on (reported at DEBUG where ignored)."""
+        return {}
+
+
+def register_rules(table: str, rules: dict[type, Any]) -> None:
+    """Register `rules[cls]` as the `table` rule of each statement class `cls`."""
+    for cls, fn in rules.items():
+        if not (isinstance(cls, type) and issubclass(cls, Stmt)):
+            raise TypeError(f"register_rules({table!r}): {cls!r} is not a statement class")
+        cls.rules[table] = fn
+
 
 @dataclass(eq=False)
 class Seq(Stmt):
     body: list[Stmt]
+
+    def children(self) -> list[Stmt]:
+        return list(self.body)
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return Seq([t for t in (tr.stmt(c) for c in self.body) if t is not None], loc=self.loc)
 
 
 @dataclass(eq=False)
@@ -266,11 +341,30 @@ class Kernel(Stmt):
     body: Stmt
     attrs: dict = field(default_factory=dict)  # e.g. swizzle from T.use_swizzle
 
+    def children(self) -> list[Stmt]:
+        return [self.body]
+
+    def exprs(self) -> list[Expr]:
+        return list(self.grid)
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return Kernel([tr.expr(g) for g in self.grid], self.block_vars, self.threads, tr.stmt(self.body) or Seq([]),
+                      dict(self.attrs), loc=self.loc)
+
 
 @dataclass(eq=False)
 class Alloc(Stmt):
     buffer: Buffer
     init: Expr | None = None  # alloc_var(..., init=)
+
+    def exprs(self) -> list[Expr]:
+        return [self.init] if self.init is not None else []
+
+    def writes(self) -> set[Buffer]:
+        return {self.buffer} if self.init is not None else set()
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return Alloc(self.buffer, tr.expr(self.init) if self.init is not None else None, loc=self.loc)
 
 
 LOOP_KINDS = ("serial", "parallel", "pipelined", "unroll", "vectorized")
@@ -285,6 +379,19 @@ class For(Stmt):
     body: Stmt
     annotations: dict = field(default_factory=dict)
 
+    def children(self) -> list[Stmt]:
+        return [self.body]
+
+    def exprs(self) -> list[Expr]:
+        return [self.start, self.extent]
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return For(self.var, tr.expr(self.start), tr.expr(self.extent), self.kind, tr.stmt(self.body) or Seq([]),
+                   dict(self.annotations), loc=self.loc)
+
+    def user_options(self) -> dict:
+        return {k: v for k, v in self.annotations.items() if k not in ("vectorize", "reduction")}  # not internal
+
 
 @dataclass(eq=False)
 class Let(Stmt):
@@ -293,6 +400,12 @@ class Let(Stmt):
     var: Var
     value: Expr
 
+    def exprs(self) -> list[Expr]:
+        return [self.value]
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return Let(self.var, tr.expr(self.value), loc=self.loc)
+
 
 @dataclass(eq=False)
 class Store(Stmt):
@@ -300,12 +413,31 @@ class Store(Stmt):
     indices: list[Expr]
     value: Expr
 
+    def exprs(self) -> list[Expr]:
+        return [*self.indices, self.value]
+
+    def writes(self) -> set[Buffer]:
+        return {self.buffer}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return Store(self.buffer, [tr.expr(i) for i in self.indices], tr.expr(self.value), loc=self.loc)
+
 
 @dataclass(eq=False)
 class If(Stmt):
     cond: Expr
     then: Stmt
     orelse: Stmt | None = None
+
+    def children(self) -> list[Stmt]:
+        return [self.then] + ([self.orelse] if self.orelse is not None else [])
+
+    def exprs(self) -> list[Expr]:
+        return [self.cond]
+
+    def rebuild(self, tr: Any) -> Stmt:
+        orelse = tr.stmt(self.orelse) if self.orelse is not None else None
+        return If(tr.expr(self.cond), tr.stmt(self.then) or Seq([]), orelse, loc=self.loc)
 
 
 @dataclass(eq=False)
@@ -315,16 +447,77 @@ class While(Stmt):
     cond: Expr
     body: Stmt
 
+    def children(self) -> list[Stmt]:
+        return [self.body]
+
+    def exprs(self) -> list[Expr]:
+        return [self.cond]
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return While(tr.expr(self.cond), tr.stmt(self.body) or Seq([]), loc=self.loc)
+
+
+# ---------------------------------------------------------------- tile ops
+
 
 @dataclass(eq=False)
-class Copy(Stmt):
+class TileOp(Stmt):
+    """A tile op: a statement on whole tiles (regions or buffers) that every backend lowers its
+    own way. Besides the Stmt structure, an op knows its operand regions and buffers (checked by
+    the verifier) and how it prints."""
+
+    def regions(self) -> list[Region]:
+        """Tile operands (their buffers must be visible, their bounds within on-chip buffers)."""
+        return []
+
+    def operand_buffers(self) -> list[Buffer]:
+        """Whole-buffer operands (must be visible where the op stands)."""
+        return []
+
+    def exprs(self) -> list[Expr]:
+        return _region_exprs(*self.regions())
+
+    def text(self, expr: Any, region: Any) -> str:
+        """One line of TVMScript-like text; `expr` / `region` print an expression / a region."""
+        raise NotImplementedError(f"{type(self).__name__}.text")
+
+
+def _kw(options: dict) -> str:
+    return "".join(f", {k}={v!r}" for k, v in options.items())
+
+
+@dataclass(eq=False)
+class Copy(TileOp):
     src: Region
     dst: Region
     options: dict = field(default_factory=dict)  # keywords a backend may use: coalesced_width, disable_tma, ...
 
+    def regions(self) -> list[Region]:
+        return [self.src, self.dst]
+
+    def reads(self) -> set[Buffer]:
+        return {self.src.buffer}
+
+    def writes(self) -> set[Buffer]:
+        return {self.dst.buffer}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return Copy(tr.region(self.src), tr.region(self.dst), dict(self.options), loc=self.loc)
+
+    def text(self, expr: Any, region: Any) -> str:
+        return f"T.copy({region(self.src)}, {region(self.dst)}{_kw(self.options)})"
+
+    def check(self) -> None:
+        if self.src.squeezed() != self.dst.squeezed():
+            raise CompileError(f"T.copy: shape mismatch {tuple(self.src.extents)} vs {tuple(self.dst.extents)}",
+                               self.loc)
+
+    def user_options(self) -> dict:
+        return dict(self.options)
+
 
 @dataclass(eq=False)
-class Gemm(Stmt):
+class Gemm(TileOp):
     A: Region
     B: Region
     C: Region
@@ -334,39 +527,139 @@ class Gemm(Stmt):
     policy: str = "Square"
     options: dict = field(default_factory=dict)  # k_pack, wg_wait, use_wgmma (kept; backends say what they ignore)
 
+    def regions(self) -> list[Region]:
+        return [self.A, self.B, self.C]
+
+    def reads(self) -> set[Buffer]:
+        return {self.A.buffer, self.B.buffer, self.C.buffer}
+
+    def writes(self) -> set[Buffer]:
+        return {self.C.buffer}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return Gemm(tr.region(self.A), tr.region(self.B), tr.region(self.C), self.transpose_A, self.transpose_B,
+                    self.clear_accum, self.policy, dict(self.options), loc=self.loc)
+
+    def text(self, expr: Any, region: Any) -> str:
+        opts = "".join([", transpose_A=True" if self.transpose_A else "", ", transpose_B=True" if self.transpose_B else "",
+                        ", clear_accum=True" if self.clear_accum else "",
+                        f", policy={self.policy!r}" if self.policy != "Square" else "", _kw(self.options)])
+        return f"T.gemm({region(self.A)}, {region(self.B)}, {region(self.C)}{opts})"
+
+    def check(self) -> None:
+        a, b, c = self.A.as_2d(), self.B.as_2d(), self.C.as_2d()
+        m, k = (a[1], a[0]) if self.transpose_A else (a[0], a[1])
+        k2, n = (b[1], b[0]) if self.transpose_B else (b[0], b[1])
+        if k != k2 or tuple(c) != (m, n):
+            raise CompileError(f"T.gemm: shape mismatch A {m}x{k}, B {k2}x{n}, C {tuple(c)}", self.loc)
+
+    def user_options(self) -> dict:
+        return dict(self.options)
+
 
 @dataclass(eq=False)
-class Fill(Stmt):
+class Fill(TileOp):
     dst: Region
     value: Expr
 
+    def regions(self) -> list[Region]:
+        return [self.dst]
 
-REDUCE_KINDS = ("sum", "max", "min", "abssum", "absmax")
+    def exprs(self) -> list[Expr]:
+        return _region_exprs(self.dst) + [self.value]
+
+    def writes(self) -> set[Buffer]:
+        return {self.dst.buffer}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return Fill(tr.region(self.dst), tr.expr(self.value), loc=self.loc)
+
+    def text(self, expr: Any, region: Any) -> str:
+        return f"T.fill({region(self.dst)}, {expr(self.value)})"
+
+
+# name -> (combine operator, identity); "abs" kinds reduce |x|. One table for every backend.
+REDUCE_OPS = {"sum": ("+", 0.0), "max": ("max", float("-inf")), "min": ("min", float("inf")),
+              "abssum": ("+", 0.0), "absmax": ("max", 0.0)}
+REDUCE_KINDS = tuple(REDUCE_OPS)
 
 
 @dataclass(eq=False)
-class Reduce(Stmt):
+class Reduce(TileOp):
     kind: str
     src: Buffer
     dst: Buffer
     dim: int
     clear: bool = True
 
+    def operand_buffers(self) -> list[Buffer]:
+        return [self.src, self.dst]
+
+    def reads(self) -> set[Buffer]:
+        src = self.src.buffer if isinstance(self.src, Region) else self.src
+        return {src} if self.clear else {src, self.dst}
+
+    def writes(self) -> set[Buffer]:
+        return {self.dst}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return self  # holds no expressions
+
+    def text(self, expr: Any, region: Any) -> str:
+        return f"T.reduce_{self.kind}({self.src.name}, {self.dst.name}, dim={self.dim}, clear={self.clear})"
+
 
 @dataclass(eq=False)
-class CumSum(Stmt):
+class CumSum(TileOp):
     src: Buffer
     dst: Buffer
     dim: int
     reverse: bool = False
 
+    def operand_buffers(self) -> list[Buffer]:
+        return [self.src, self.dst]
+
+    def reads(self) -> set[Buffer]:
+        return {self.src}
+
+    def writes(self) -> set[Buffer]:
+        return {self.dst}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return self  # holds no expressions
+
+    def text(self, expr: Any, region: Any) -> str:
+        return f"T.cumsum({self.src.name}, {self.dst.name}, dim={self.dim}, reverse={self.reverse})"
+
 
 @dataclass(eq=False)
-class AtomicAdd(Stmt):
+class AtomicAdd(TileOp):
     """dst[region] += src (a Region of the same squeezed shape, or a scalar Expr for a 1-element dst)."""
 
     dst: Region
     src: Region | Expr
+
+    side_effects = True  # accumulates into memory other blocks (and the caller) see
+
+    def regions(self) -> list[Region]:
+        return [self.dst] + ([self.src] if isinstance(self.src, Region) else [])
+
+    def exprs(self) -> list[Expr]:
+        return _region_exprs(*self.regions()) + ([] if isinstance(self.src, Region) else [self.src])
+
+    def reads(self) -> set[Buffer]:
+        return {self.dst.buffer} | ({self.src.buffer} if isinstance(self.src, Region) else set())
+
+    def writes(self) -> set[Buffer]:
+        return {self.dst.buffer}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        src = tr.region(self.src) if isinstance(self.src, Region) else tr.expr(self.src)
+        return AtomicAdd(tr.region(self.dst), src, loc=self.loc)
+
+    def text(self, expr: Any, region: Any) -> str:
+        src = region(self.src) if isinstance(self.src, Region) else expr(self.src)
+        return f"T.atomic_add({region(self.dst)}, {src})"
 
 
 @dataclass(eq=False)
@@ -380,10 +673,10 @@ class PrimFunc:
     workspace: list[Buffer] = field(default_factory=list)  # T.alloc_global: trailing params the runtime allocates
     views: list[tuple[Buffer, Buffer]] = field(default_factory=list)  # (view param, the param it reshapes)
 
-    def script(self) -> str:
-        from .printer import print_func
+    printer = None  # PrimFunc -> text; set by ir/printer.py, which the ir package imports
 
-        return print_func(self)
+    def script(self) -> str:
+        return type(self).printer(self)
 
     def __str__(self) -> str:
         return self.script()

@@ -4,32 +4,28 @@ from __future__ import annotations
 
 from .nodes import (
     Alloc,
-    AtomicAdd,
     BinOp,
     Buffer,
     Call,
     Cast,
     Const,
-    Copy,
-    CumSum,
     Expr,
-    Fill,
     For,
-    Gemm,
     If,
     Kernel,
     Let,
     Load,
     Not,
     PrimFunc,
-    Reduce,
     Region,
     Select,
     Seq,
     Stmt,
     Store,
+    TileOp,
     Var,
     While,
+    register_rules,
 )
 
 _PREC = {"or": 1, "and": 2, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 4, "!=": 4, "+": 5, "-": 5, "*": 6, "/": 6,
@@ -92,69 +88,83 @@ def _block(lines: list[str], s: Stmt, ind: int) -> None:
         lines.append("    " * ind + "pass")
 
 
-def _stmt(lines: list[str], s: Stmt, ind: int) -> None:
+def _seq(lines: list[str], s: Seq, ind: int) -> None:
+    for c in s.body:
+        _stmt(lines, c, ind)
+
+
+def _kernel(lines: list[str], s: Kernel, ind: int) -> None:
     pad = "    " * ind
-    if isinstance(s, Seq):
-        for c in s.body:
-            _stmt(lines, c, ind)
-    elif isinstance(s, Kernel):
-        grid = ", ".join(print_expr(g) for g in s.grid)
-        names = ", ".join(v.name for v in s.block_vars)
-        target = f"({names})" if len(s.block_vars) > 1 else names
-        lines.append(f"{pad}with T.Kernel({grid}, threads={s.threads[0] if len(s.threads) == 1 else s.threads}) "
-                     f"as {target}:")
-        for k, v in s.attrs.items():
-            lines.append(f"{pad}    # attr {k} = {v!r}")
-        _block(lines, s.body, ind + 1)
-    elif isinstance(s, Alloc):
-        b = s.buffer
-        if b.scope == "var":
-            init = f", init={print_expr(s.init)}" if s.init is not None else ""
-            lines.append(f"{pad}{b.name} = T.alloc_var({b.dtype!r}{init})")
-        else:
-            lines.append(f"{pad}{b.name} = T.alloc_{b.scope}({_shape(b)}, {b.dtype!r})")
-    elif isinstance(s, For):
-        kind = {"serial": "serial", "parallel": "Parallel", "pipelined": "Pipelined", "unroll": "unroll",
-                "vectorized": "vectorized"}[s.kind]
-        rng = print_expr(s.extent) if isinstance(s.start, Const) and s.start.value == 0 else \
-            f"{print_expr(s.start)}, {print_expr(s.start)} + {print_expr(s.extent)}"
-        extra = "".join(f", {k}={v!r}" for k, v in s.annotations.items())
-        lines.append(f"{pad}for {s.var.name} in T.{kind}({rng}{extra}):")
-        _block(lines, s.body, ind + 1)
-    elif isinstance(s, Let):
-        lines.append(f"{pad}{s.var.name} = {print_expr(s.value)}")
-    elif isinstance(s, Store):
-        idx = ", ".join(print_expr(i) for i in s.indices)
-        lines.append(f"{pad}{s.buffer.name}[{idx}] = {print_expr(s.value)}")
-    elif isinstance(s, If):
-        lines.append(f"{pad}if {print_expr(s.cond)}:")
-        _block(lines, s.then, ind + 1)
-        if s.orelse is not None:
-            lines.append(f"{pad}else:")
-            _block(lines, s.orelse, ind + 1)
-    elif isinstance(s, While):
-        lines.append(f"{pad}while {print_expr(s.cond)}:")
-        _block(lines, s.body, ind + 1)
-    elif isinstance(s, Copy):
-        extra = "".join(f", {k}={v!r}" for k, v in s.options.items())
-        lines.append(f"{pad}T.copy({print_region(s.src)}, {print_region(s.dst)}{extra})")
-    elif isinstance(s, Gemm):
-        opts = "".join([", transpose_A=True" if s.transpose_A else "", ", transpose_B=True" if s.transpose_B else "",
-                        ", clear_accum=True" if s.clear_accum else "",
-                        f", policy={s.policy!r}" if s.policy != "Square" else "",
-                        *(f", {k}={v!r}" for k, v in s.options.items())])
-        lines.append(f"{pad}T.gemm({print_region(s.A)}, {print_region(s.B)}, {print_region(s.C)}{opts})")
-    elif isinstance(s, Fill):
-        lines.append(f"{pad}T.fill({print_region(s.dst)}, {print_expr(s.value)})")
-    elif isinstance(s, Reduce):
-        lines.append(f"{pad}T.reduce_{s.kind}({s.src.name}, {s.dst.name}, dim={s.dim}, clear={s.clear})")
-    elif isinstance(s, CumSum):
-        lines.append(f"{pad}T.cumsum({s.src.name}, {s.dst.name}, dim={s.dim}, reverse={s.reverse})")
-    elif isinstance(s, AtomicAdd):
-        src = print_region(s.src) if isinstance(s.src, Region) else print_expr(s.src)
-        lines.append(f"{pad}T.atomic_add({print_region(s.dst)}, {src})")
+    grid = ", ".join(print_expr(g) for g in s.grid)
+    names = ", ".join(v.name for v in s.block_vars)
+    target = f"({names})" if len(s.block_vars) > 1 else names
+    lines.append(f"{pad}with T.Kernel({grid}, threads={s.threads[0] if len(s.threads) == 1 else s.threads}) "
+                 f"as {target}:")
+    for k, v in s.attrs.items():
+        lines.append(f"{pad}    # attr {k} = {v!r}")
+    _block(lines, s.body, ind + 1)
+
+
+def _alloc(lines: list[str], s: Alloc, ind: int) -> None:
+    pad = "    " * ind
+    b = s.buffer
+    if b.scope == "var":
+        init = f", init={print_expr(s.init)}" if s.init is not None else ""
+        lines.append(f"{pad}{b.name} = T.alloc_var({b.dtype!r}{init})")
     else:
-        lines.append(f"{pad}<{type(s).__name__}>")
+        lines.append(f"{pad}{b.name} = T.alloc_{b.scope}({_shape(b)}, {b.dtype!r})")
+
+
+_LOOP_NAMES = {"serial": "serial", "parallel": "Parallel", "pipelined": "Pipelined", "unroll": "unroll",
+               "vectorized": "vectorized"}
+
+
+def _for(lines: list[str], s: For, ind: int) -> None:
+    pad = "    " * ind
+    rng = print_expr(s.extent) if isinstance(s.start, Const) and s.start.value == 0 else \
+        f"{print_expr(s.start)}, {print_expr(s.start)} + {print_expr(s.extent)}"
+    extra = "".join(f", {k}={v!r}" for k, v in s.annotations.items())
+    lines.append(f"{pad}for {s.var.name} in T.{_LOOP_NAMES[s.kind]}({rng}{extra}):")
+    _block(lines, s.body, ind + 1)
+
+
+def _let(lines: list[str], s: Let, ind: int) -> None:
+    lines.append(f"{'    ' * ind}{s.var.name} = {print_expr(s.value)}")
+
+
+def _store(lines: list[str], s: Store, ind: int) -> None:
+    idx = ", ".join(print_expr(i) for i in s.indices)
+    lines.append(f"{'    ' * ind}{s.buffer.name}[{idx}] = {print_expr(s.value)}")
+
+
+def _if(lines: list[str], s: If, ind: int) -> None:
+    pad = "    " * ind
+    lines.append(f"{pad}if {print_expr(s.cond)}:")
+    _block(lines, s.then, ind + 1)
+    if s.orelse is not None:
+        lines.append(f"{pad}else:")
+        _block(lines, s.orelse, ind + 1)
+
+
+def _while(lines: list[str], s: While, ind: int) -> None:
+    lines.append(f"{'    ' * ind}while {print_expr(s.cond)}:")
+    _block(lines, s.body, ind + 1)
+
+
+def _tile_op(lines: list[str], s: TileOp, ind: int) -> None:
+    lines.append("    " * ind + s.text(print_expr, print_region))
+
+
+register_rules("print", {Seq: _seq, Kernel: _kernel, Alloc: _alloc, For: _for, Let: _let, Store: _store, If: _if,
+                         While: _while, TileOp: _tile_op})
+
+
+def _stmt(lines: list[str], s: Stmt, ind: int) -> None:
+    rule = s.rule("print")
+    if rule is None:
+        lines.append(f"{'    ' * ind}<{type(s).__name__}>")
+    else:
+        rule(lines, s, ind)
 
 
 def print_stmt(s: Stmt, indent: int = 0) -> str:
@@ -171,3 +181,6 @@ def print_func(f: PrimFunc) -> str:
     lines += ["@T.prim_func", f"def {f.name}({params}):"]
     _block(lines, f.body, 1)
     return "\n".join(lines) + "\n"
+
+
+PrimFunc.printer = print_func  # PrimFunc.script() (nodes does not import the printer)

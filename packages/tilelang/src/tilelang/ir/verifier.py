@@ -5,14 +5,10 @@ from __future__ import annotations
 from ..errors import CompileError, SourceLoc
 from .nodes import (
     Alloc,
-    AtomicAdd,
     BinOp,
     Buffer,
     Const,
-    Copy,
-    CumSum,
     Expr,
-    Fill,
     For,
     Gemm,
     If,
@@ -20,13 +16,14 @@ from .nodes import (
     Let,
     Load,
     PrimFunc,
-    Reduce,
     Region,
     Seq,
     Stmt,
     Store,
+    TileOp,
     Var,
     While,
+    register_rules,
 )
 from .visit import stmt_exprs, walk_expr
 
@@ -105,62 +102,70 @@ class _Verifier:
                     self.fail(s.loc, f"variable {x.name} used outside its loop or block")
 
     def stmt(self, s: Stmt, in_kernel: bool) -> None:
-        if isinstance(s, Seq):
-            self.visible.append(set())
-            for c in s.body:
-                self.stmt(c, in_kernel)
-            self.visible.pop()
-            return
         self.exprs(s)
-        if isinstance(s, Kernel):
-            if in_kernel:
-                self.fail(s.loc, "nested T.Kernel")
-            for v, g in zip(s.block_vars, s.grid):
-                self.defined.add(v)
-                self.ranges[v] = (0, int(g.value) - 1) if isinstance(g, Const) else None
-                if self.ranges[v] is None:
-                    del self.ranges[v]
-            self.stmt(s.body, True)
-        elif not in_kernel:
+        if not in_kernel and not isinstance(s, (Seq, Kernel)):  # the only statements allowed outside a kernel
             self.fail(s.loc, "statements outside `with T.Kernel(...)` are not supported")
-        elif isinstance(s, Alloc):
-            if s.buffer.scope == "global":
-                self.fail(s.loc, "cannot allocate a global buffer inside a kernel")
-            self.visible[-1].add(s.buffer)
-        elif isinstance(s, For):
-            self.defined.add(s.var)
-            if isinstance(s.extent, Const) and isinstance(s.start, Const):
-                self.ranges[s.var] = (int(s.start.value), int(s.start.value) + int(s.extent.value) - 1)
-            self.stmt(s.body, True)
-            self.ranges.pop(s.var, None)
-        elif isinstance(s, Let):
-            self.defined.add(s.var)
-        elif isinstance(s, Store):
-            self.check_access(s.buffer, s.indices, s.loc, "store to")
-        elif isinstance(s, While):
-            self.stmt(s.body, True)
-        elif isinstance(s, If):
-            self.stmt(s.then, True)
-            if s.orelse is not None:
-                self.stmt(s.orelse, True)
-        elif isinstance(s, Copy):
-            self.check_region(s.src, s.loc)
-            self.check_region(s.dst, s.loc)
-        elif isinstance(s, Gemm):
-            for r, nm in ((s.A, "A"), (s.B, "B"), (s.C, "C")):
-                self.check_region(r, s.loc)
-                if r.buffer.scope == "global" and not self.allow_global_gemm:
-                    self.fail(s.loc, f"T.gemm: operand {nm} ({r.buffer.name}) is a global tensor; copy it into a "
-                                     f"shared or fragment buffer first")
-        elif isinstance(s, Fill):
-            self.check_region(s.dst, s.loc)
-        elif isinstance(s, (Reduce, CumSum)):
-            self.check_buffer(s.src, s.loc)
-            self.check_buffer(s.dst, s.loc)
-        elif isinstance(s, AtomicAdd):
-            self.check_region(s.dst, s.loc)
-            if isinstance(s.src, Region):
-                self.check_region(s.src, s.loc)
+        rule = s.rule("verify")
+        if rule is not None:
+            rule(self, s, in_kernel)
+
+    # ---------------------------------------------------------------- rules (the "verify" table)
+
+    def seq(self, s: Seq, in_kernel: bool) -> None:
+        self.visible.append(set())
+        for c in s.body:
+            self.stmt(c, in_kernel)
+        self.visible.pop()
+
+    def kernel(self, s: Kernel, in_kernel: bool) -> None:
+        if in_kernel:
+            self.fail(s.loc, "nested T.Kernel")
+        for v, g in zip(s.block_vars, s.grid):
+            self.defined.add(v)
+            self.ranges[v] = (0, int(g.value) - 1) if isinstance(g, Const) else None
+            if self.ranges[v] is None:
+                del self.ranges[v]
+        self.stmt(s.body, True)
+
+    def alloc(self, s: Alloc, in_kernel: bool) -> None:
+        if s.buffer.scope == "global":
+            self.fail(s.loc, "cannot allocate a global buffer inside a kernel")
+        self.visible[-1].add(s.buffer)
+
+    def for_(self, s: For, in_kernel: bool) -> None:
+        self.defined.add(s.var)
+        if isinstance(s.extent, Const) and isinstance(s.start, Const):
+            self.ranges[s.var] = (int(s.start.value), int(s.start.value) + int(s.extent.value) - 1)
+        self.stmt(s.body, True)
+        self.ranges.pop(s.var, None)
+
+    def let(self, s: Let, in_kernel: bool) -> None:
+        self.defined.add(s.var)
+
+    def store(self, s: Store, in_kernel: bool) -> None:
+        self.check_access(s.buffer, s.indices, s.loc, "store to")
+
+    def nested(self, s: Stmt, in_kernel: bool) -> None:  # While, If
+        for c in s.children():
+            self.stmt(c, True)
+
+    def tile_op(self, s: TileOp, in_kernel: bool) -> None:
+        for r in s.regions():
+            self.check_region(r, s.loc)
+        for b in s.operand_buffers():
+            self.check_buffer(b, s.loc)
+
+    def gemm(self, s: Gemm, in_kernel: bool) -> None:
+        for r, nm in ((s.A, "A"), (s.B, "B"), (s.C, "C")):
+            self.check_region(r, s.loc)
+            if r.buffer.scope == "global" and not self.allow_global_gemm:
+                self.fail(s.loc, f"T.gemm: operand {nm} ({r.buffer.name}) is a global tensor; copy it into a "
+                                 f"shared or fragment buffer first")
+
+
+register_rules("verify", {Seq: _Verifier.seq, Kernel: _Verifier.kernel, Alloc: _Verifier.alloc, For: _Verifier.for_,
+                          Let: _Verifier.let, Store: _Verifier.store, While: _Verifier.nested, If: _Verifier.nested,
+                          TileOp: _Verifier.tile_op, Gemm: _Verifier.gemm})
 
 
 def verify(func: PrimFunc, allow_global_gemm: bool = False) -> PrimFunc:

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 from ..ir.nodes import (
     Alloc,
-    AtomicAdd,
     Buffer,
-    Copy,
-    CumSum,
-    Fill,
     For,
-    Gemm,
     If,
     Let,
     PrimFunc,
-    Reduce,
     Seq,
     Stmt,
-    Store,
     Var,
 )
 from ..ir.visit import all_exprs, buffers_read, map_stmt
@@ -28,21 +21,13 @@ def _empty(s: Stmt | None) -> bool:
 
 
 def _writes_only(s: Stmt, dead: set[Buffer]) -> bool:
-    if isinstance(s, Store):
-        return s.buffer in dead
-    if isinstance(s, (Copy,)):
-        return s.dst.buffer in dead
-    if isinstance(s, Fill):
-        return s.dst.buffer in dead
-    if isinstance(s, Gemm):
-        return s.C.buffer in dead
-    if isinstance(s, (Reduce, CumSum)):
-        return s.dst in dead
-    if isinstance(s, AtomicAdd):
-        return False  # global side effect
+    """A statement whose only effect is writing dead buffers (an allocation of one counts)."""
     if isinstance(s, Alloc):
         return s.buffer in dead
-    return False
+    if s.children() or s.side_effects:
+        return False
+    w = s.writes()
+    return bool(w) and w <= dead
 
 
 def dce(func: PrimFunc) -> PrimFunc:

@@ -14,6 +14,7 @@ import logging
 
 from ..ir import dtypes as dt
 from ..ir.nodes import (
+    REDUCE_OPS,
     Alloc,
     AtomicAdd,
     Buffer,
@@ -36,6 +37,7 @@ from ..ir.nodes import (
     Var,
     binop,
     const,
+    register_rules,
 )
 from ..ir.visit import map_stmt
 from .simplify import simplify_expr
@@ -112,7 +114,7 @@ def lower_fill(s: Fill) -> Stmt:
     return _loops(vars_, shape, st, s.loc)
 
 
-_INIT = {"sum": 0.0, "abssum": 0.0, "max": float("-inf"), "absmax": 0.0, "min": float("inf")}
+_INIT = {k: init for k, (_, init) in REDUCE_OPS.items()}
 
 
 def _acc_buffer(dtype: str) -> Buffer:
@@ -145,7 +147,7 @@ def lower_reduce(s: Reduce) -> Stmt:
         from ..ir.nodes import Call
 
         x = Call("abs", [x], x.dtype)
-    op = {"sum": "+", "abssum": "+", "max": "max", "absmax": "max", "min": "min"}[s.kind]
+    op = REDUCE_OPS[s.kind][0]
     start = Const(init, acc_t) if s.clear else Load(s.dst, dst_idx)
     inner = For(k, const(0), const(sshape[s.dim]), "serial",
                 Store(acc, a0, binop(op, Load(acc, a0), x), loc=s.loc), {"reduction": (acc, op)}, loc=s.loc)
@@ -228,23 +230,23 @@ def lower_gemm_to_loops(s: Gemm) -> Stmt:
     return _loops([i, j], [m, n], body, s.loc)
 
 
+def lower_gemm(s: Gemm) -> Stmt:
+    if gemm_uses_microkernel(s):
+        return s  # the C backend calls its micro-kernel
+    log.debug("%s: T.gemm with dtypes %s/%s -> %s has no micro-kernel (float32 storage only); lowered to "
+              "loops", s.loc, s.A.buffer.dtype, s.B.buffer.dtype, s.C.buffer.dtype)
+    return lower_gemm_to_loops(s)
+
+
+# the cpu target's lowering of each tile op (statement -> statement); ops without one stay as they are
+register_rules("cpu.lower", {Copy: lower_copy, Fill: lower_fill, Reduce: lower_reduce, CumSum: lower_cumsum,
+                             AtomicAdd: lower_atomic_add, Gemm: lower_gemm})
+
+
 def lower_tile_ops(func: PrimFunc) -> PrimFunc:
     def rewrite(s: Stmt) -> Stmt:
-        if isinstance(s, Copy):
-            return lower_copy(s)
-        if isinstance(s, Fill):
-            return lower_fill(s)
-        if isinstance(s, Reduce):
-            return lower_reduce(s)
-        if isinstance(s, CumSum):
-            return lower_cumsum(s)
-        if isinstance(s, AtomicAdd):
-            return lower_atomic_add(s)
-        if isinstance(s, Gemm) and not gemm_uses_microkernel(s):
-            log.debug("%s: T.gemm with dtypes %s/%s -> %s has no micro-kernel (float32 storage only); lowered to "
-                      "loops", s.loc, s.A.buffer.dtype, s.B.buffer.dtype, s.C.buffer.dtype)
-            return lower_gemm_to_loops(s)
-        return s
+        rule = s.rule("cpu.lower")
+        return rule(s) if rule is not None else s
 
     body = map_stmt(func.body, rewrite) or Seq([])
     return PrimFunc(func.name, func.params, body, func.dynamic_vars, func.loc, func.source)

@@ -28,13 +28,12 @@ USED_OPTIONS = {
 
 
 def report_ignored_options(func: PrimFunc, target: str) -> None:
-    from ..ir.nodes import Copy, For, Gemm
+    from ..ir.nodes import For
     from ..ir.visit import walk_stmts
 
     used = USED_OPTIONS.get(target, set())
     for s in walk_stmts(func.body):
-        opts = dict(s.options) if isinstance(s, (Copy, Gemm)) else (
-            {k: v for k, v in s.annotations.items() if k not in ("vectorize", "reduction")} if isinstance(s, For) else {})
+        opts = s.user_options()
         ignored = {k: v for k, v in opts.items() if k not in used}
         if ignored:
             what = type(s).__name__ if not isinstance(s, For) else f"T.{s.kind} loop"

@@ -40,6 +40,7 @@ from ...ir.nodes import (
     Store,
     Var,
     While,
+    register_rules,
 )
 from ...ir.visit import walk_stmts
 
@@ -199,65 +200,69 @@ class CCodegen:
         self.lines.append("  " * self.ind + line)
 
     def stmt(self, s: Stmt) -> None:
-        if isinstance(s, Seq):
-            for c in s.body:
-                self.stmt(c)
-        elif isinstance(s, Alloc):
-            if s.buffer.scope == "var":
-                init = f" = {self.store_value(s.buffer, s.init)}" if s.init is not None else " = 0"
-                self.emit(f"{storage_ctype(s.buffer)} {s.buffer.name}{init};")
-            elif s.init is not None:
-                n = int(np.prod(s.buffer.static_shape()))
-                self.emit(f"for (int64_t _z = 0; _z < {n}; ++_z) {s.buffer.name}[_z] = "
-                          f"{self.store_value(s.buffer, s.init)};")
-        elif isinstance(s, For):
-            ann = s.annotations
-            if ann.get("vectorize"):
-                self.emit("#pragma omp simd")
-            elif "reduction" in ann:
-                acc, op = ann["reduction"]
-                omp_op = {"+": "+", "max": "max", "min": "min"}[op]
-                self.emit(f"#pragma omp simd reduction({omp_op}:{acc.name})")
-            elif s.kind == "unroll":
-                self.emit("#pragma GCC unroll 16")
-            start, ext = self.expr(s.start), self.expr(s.extent)
-            v = s.var.name
-            lo = start
-            hi = f"({start}) + ({ext})" if start != "0" else ext
-            self.emit(f"for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{")
+        s.apply("cpu", self, "C codegen: {op} should have been lowered")
+
+    # ------------------------------------------------------------ rules (the "cpu" table)
+
+    def seq(self, s: Seq) -> None:
+        for c in s.body:
+            self.stmt(c)
+
+    def alloc(self, s: Alloc) -> None:
+        if s.buffer.scope == "var":
+            init = f" = {self.store_value(s.buffer, s.init)}" if s.init is not None else " = 0"
+            self.emit(f"{storage_ctype(s.buffer)} {s.buffer.name}{init};")
+        elif s.init is not None:
+            n = int(np.prod(s.buffer.static_shape()))
+            self.emit(f"for (int64_t _z = 0; _z < {n}; ++_z) {s.buffer.name}[_z] = "
+                      f"{self.store_value(s.buffer, s.init)};")
+
+    def for_(self, s: For) -> None:
+        ann = s.annotations
+        if ann.get("vectorize"):
+            self.emit("#pragma omp simd")
+        elif "reduction" in ann:
+            acc, op = ann["reduction"]
+            omp_op = {"+": "+", "max": "max", "min": "min"}[op]
+            self.emit(f"#pragma omp simd reduction({omp_op}:{acc.name})")
+        elif s.kind == "unroll":
+            self.emit("#pragma GCC unroll 16")
+        start, ext = self.expr(s.start), self.expr(s.extent)
+        v = s.var.name
+        lo = start
+        hi = f"({start}) + ({ext})" if start != "0" else ext
+        self.block(f"for (int64_t {v} = {lo}; {v} < {hi}; ++{v}) {{", s.body)
+
+    def block(self, head: str, body: Stmt) -> None:
+        self.emit(head)
+        self.ind += 1
+        self.stmt(body)
+        self.ind -= 1
+        self.emit("}")
+
+    def let(self, s: Let) -> None:
+        self.emit(f"const {ctype(s.var.dtype)} {s.var.name} = {self.expr(s.value)};")
+
+    def store(self, s: Store) -> None:
+        self.emit(f"{self.index(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};")
+
+    def while_(self, s: While) -> None:
+        self.block(f"while ({self.expr(s.cond)}) {{", s.body)
+
+    def if_(self, s: If) -> None:
+        self.emit(f"if ({self.expr(s.cond)}) {{")
+        self.ind += 1
+        self.stmt(s.then)
+        self.ind -= 1
+        if s.orelse is not None:
+            self.emit("} else {")
             self.ind += 1
-            self.stmt(s.body)
+            self.stmt(s.orelse)
             self.ind -= 1
-            self.emit("}")
-        elif isinstance(s, Let):
-            self.emit(f"const {ctype(s.var.dtype)} {s.var.name} = {self.expr(s.value)};")
-        elif isinstance(s, Store):
-            self.emit(f"{self.index(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};")
-        elif isinstance(s, While):
-            self.emit(f"while ({self.expr(s.cond)}) {{")
-            self.ind += 1
-            self.stmt(s.body)
-            self.ind -= 1
-            self.emit("}")
-        elif isinstance(s, If):
-            self.emit(f"if ({self.expr(s.cond)}) {{")
-            self.ind += 1
-            self.stmt(s.then)
-            self.ind -= 1
-            if s.orelse is not None:
-                self.emit("} else {")
-                self.ind += 1
-                self.stmt(s.orelse)
-                self.ind -= 1
-            self.emit("}")
-        elif isinstance(s, Gemm):
-            self.gemm(s)
-        elif isinstance(s, AtomicAdd):
-            self.atomic_add(s)
-        elif isinstance(s, Kernel):
-            raise CompileError("nested T.Kernel", s.loc)
-        else:
-            raise CompileError(f"C codegen: {type(s).__name__} should have been lowered", s.loc)
+        self.emit("}")
+
+    def nested_kernel(self, s: Kernel) -> None:
+        raise CompileError("nested T.Kernel", s.loc)
 
     def _matrix(self, r: Region, transpose: bool) -> tuple[str, str, str]:
         """(pointer to the tile's first element, stride between rows, stride between cols) of the logical matrix."""
@@ -378,3 +383,9 @@ class CCodegen:
         self.emit("free(_tl_scratch);")
         self.ind -= 1
         self.emit("}")
+
+
+# what the C backend emits itself; the other tile ops were lowered to loops (passes/lower_tile_ops.py)
+register_rules("cpu", {Seq: CCodegen.seq, Alloc: CCodegen.alloc, For: CCodegen.for_, Let: CCodegen.let,
+                       Store: CCodegen.store, While: CCodegen.while_, If: CCodegen.if_, Gemm: CCodegen.gemm,
+                       AtomicAdd: CCodegen.atomic_add, Kernel: CCodegen.nested_kernel})

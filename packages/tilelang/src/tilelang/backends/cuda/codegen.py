@@ -27,7 +27,6 @@ from ...ir import dtypes as dt
 from ...ir.layout import Axis, Fragment
 from ...ir.nodes import (
     Alloc,
-    AtomicAdd,
     BinOp,
     Buffer,
     Call,
@@ -49,12 +48,14 @@ from ...ir.nodes import (
     Stmt,
     Store,
     Var,
+    register_rules,
 )
 from ...ir.visit import buffers_read, buffers_written, walk_expr, walk_stmts
 from .common import _LOW, ParCtx, SmemInfo, _nonneg, cuda_type, esize, float_literal, log, value_type
 from .infer import LayoutInference, ParallelNest, infer_layouts
 from .rules import (
-    RULES,
+    IN_PARALLEL,
+    UNIFORM,
     AtomicRules,
     CopyRules,
     CumSumRules,
@@ -85,7 +86,8 @@ template <typename T> __device__ __forceinline__ T tl_floormod(T a, T b) {
 
 
 class KernelCodegen(CopyRules, FillRules, GemmRules, ReduceRules, CumSumRules, AtomicRules, PipelineRules):
-    """Lowers one T.Kernel; the per-op rules are the mixins of rules/ (looked up in rules.RULES)."""
+    """Lowers one T.Kernel; statements are lowered by their rule in the "cuda" / "cuda.parallel"
+    tables (registered below; the tile ops' rules are the mixins of rules/)."""
 
     def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let]) -> None:
         self.func = func
@@ -379,45 +381,43 @@ class KernelCodegen(CopyRules, FillRules, GemmRules, ReduceRules, CumSumRules, A
     def stmt(self, s: Stmt) -> None:
         if self.par is not None:
             return self.par_stmt(s)
-        if isinstance(s, Seq):
-            for c in s.body:
-                self.stmt(c)
-            return
-        if isinstance(s, Alloc):
-            return self.alloc(s)
-        if isinstance(s, Let):
-            self.emit(f"const {value_type(s.var.dtype)} {s.var.name} = {self.expr(s.value)};")
-            return
-        if isinstance(s, If):
-            r, w = self.tracked(s)
-            if ((r | w) & self.pending_w) or (w & self.pending_r):
-                self.sync()
-            saved = (set(self.pending_r), set(self.pending_w))
-            self.open(f"if ({self.expr(s.cond)})")
-            self.stmt(s.then)
-            after_then = (self.pending_r, self.pending_w)
+        s.apply("cuda", self, "CUDA codegen: unsupported statement {op}")
+
+    # ---------------------------------------------------------------- rules (the "cuda" table)
+
+    def seq(self, s: Seq) -> None:
+        for c in s.body:
+            self.stmt(c)
+
+    def let(self, s: Let) -> None:
+        self.emit(f"const {value_type(s.var.dtype)} {s.var.name} = {self.expr(s.value)};")
+
+    def if_(self, s: If) -> None:
+        r, w = self.tracked(s)
+        if ((r | w) & self.pending_w) or (w & self.pending_r):
+            self.sync()
+        saved = (set(self.pending_r), set(self.pending_w))
+        self.open(f"if ({self.expr(s.cond)})")
+        self.stmt(s.then)
+        after_then = (self.pending_r, self.pending_w)
+        self.close()
+        self.pending_r, self.pending_w = set(saved[0]), set(saved[1])
+        if s.orelse is not None:
+            self.open("else")
+            self.stmt(s.orelse)
             self.close()
-            self.pending_r, self.pending_w = set(saved[0]), set(saved[1])
-            if s.orelse is not None:
-                self.open("else")
-                self.stmt(s.orelse)
-                self.close()
-            self.pending_r |= after_then[0]
-            self.pending_w |= after_then[1]
-            return
-        if isinstance(s, For):
-            if s.kind == "parallel":
-                self.hazard(s)
-                return self.parallel(self.inf.nests[id(s)])
-            return self.serial_loop(s)
+        self.pending_r |= after_then[0]
+        self.pending_w |= after_then[1]
+
+    def for_(self, s: For) -> None:
+        if s.kind == "parallel":
+            self.hazard(s)
+            return self.parallel(self.inf.nests[id(s)])
+        return self.serial_loop(s)
+
+    def store(self, s: Store) -> None:
         self.hazard(s)
-        if isinstance(s, Store):
-            self.emit(f"{self.ref(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};")
-            return
-        rule = RULES.get(type(s))
-        if rule is None:
-            raise CompileError(f"CUDA codegen: unsupported statement {type(s).__name__}", s.loc)
-        rule(self, s)
+        self.emit(f"{self.ref(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};")
 
     def alloc(self, s: Alloc) -> None:
         b = s.buffer
@@ -587,46 +587,48 @@ class KernelCodegen(CopyRules, FillRules, GemmRules, ReduceRules, CumSumRules, A
             self.par = saved
 
     def par_stmt(self, s: Stmt) -> None:
-        if isinstance(s, Seq):
-            for c in s.body:
-                self.par_stmt(c)
-        elif isinstance(s, Store):
-            line = f"{self.ref(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};"
-            if s.buffer.scope in ("global", "shared") and self.par.lead:
-                line = f"if ({self.par.lead}) {line}"
-            self.emit(line)
-        elif isinstance(s, Let):
-            self.emit(f"const {value_type(s.var.dtype)} {s.var.name} = {self.expr(s.value)};")
-        elif isinstance(s, If):
-            self.open(f"if ({self.expr(s.cond)})")
-            self.par_stmt(s.then)
+        s.apply("cuda.parallel", self, "{op} inside a T.Parallel loop is not supported on cuda")
+
+    # ---------------------------------------------------------------- rules (the "cuda.parallel" table)
+
+    def par_seq(self, s: Seq) -> None:
+        for c in s.body:
+            self.par_stmt(c)
+
+    def par_store(self, s: Store) -> None:
+        line = f"{self.ref(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};"
+        if s.buffer.scope in ("global", "shared") and self.par.lead:
+            line = f"if ({self.par.lead}) {line}"
+        self.emit(line)
+
+    def par_if(self, s: If) -> None:
+        self.open(f"if ({self.expr(s.cond)})")
+        self.par_stmt(s.then)
+        self.close()
+        if s.orelse is not None:
+            self.open("else")
+            self.par_stmt(s.orelse)
             self.close()
-            if s.orelse is not None:
-                self.open("else")
-                self.par_stmt(s.orelse)
-                self.close()
-        elif isinstance(s, For):
-            v = s.var.name
-            start, ext = self.expr(s.start), self.expr(s.extent)
-            if s.kind == "unroll":
-                self.emit("#pragma unroll")
-            self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
-            self.par_stmt(s.body)
-            self.close()
-        elif isinstance(s, Alloc):
-            b = s.buffer
-            t = cuda_type(b.dtype)
-            init = self.store_value(b, s.init) if s.init is not None else self.zero(b.dtype)
-            if b.scope == "var":
-                self.emit(f"{t} {b.name} = {init};")
-            else:
-                n = int(np.prod(b.static_shape()))
-                self.emit(f"{t} {b.name}[{n}];")
-                self.emit(f"for (int _i = 0; _i < {n}; ++_i) {b.name}[_i] = {init};")
-        elif isinstance(s, AtomicAdd):
-            self.atomic(s, uniform=False)
+
+    def par_for(self, s: For) -> None:
+        v = s.var.name
+        start, ext = self.expr(s.start), self.expr(s.extent)
+        if s.kind == "unroll":
+            self.emit("#pragma unroll")
+        self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
+        self.par_stmt(s.body)
+        self.close()
+
+    def par_alloc(self, s: Alloc) -> None:
+        b = s.buffer
+        t = cuda_type(b.dtype)
+        init = self.store_value(b, s.init) if s.init is not None else self.zero(b.dtype)
+        if b.scope == "var":
+            self.emit(f"{t} {b.name} = {init};")
         else:
-            raise CompileError(f"{type(s).__name__} inside a T.Parallel loop is not supported on cuda", s.loc)
+            n = int(np.prod(b.static_shape()))
+            self.emit(f"{t} {b.name}[{n}];")
+            self.emit(f"for (int _i = 0; _i < {n}; ++_i) {b.name}[_i] = {init};")
 
     # ---------------------------------------------------------------- regions
 
@@ -832,6 +834,14 @@ class KernelCodegen(CopyRules, FillRules, GemmRules, ReduceRules, CumSumRules, A
         head += ["  " + d for d in decls]
         src = "\n".join(head + body + ["}"])
         return src, smem_bytes
+
+
+# statements at the uniform level of a kernel, and inside T.Parallel loops; the tile ops' rules are in rules/
+register_rules("cuda", {Seq: KernelCodegen.seq, Alloc: KernelCodegen.alloc, Let: KernelCodegen.let,
+                        If: KernelCodegen.if_, For: KernelCodegen.for_, Store: KernelCodegen.store, **UNIFORM})
+register_rules("cuda.parallel", {Seq: KernelCodegen.par_seq, Store: KernelCodegen.par_store,
+                                 Let: KernelCodegen.let, If: KernelCodegen.par_if, For: KernelCodegen.par_for,
+                                 Alloc: KernelCodegen.par_alloc, **IN_PARALLEL})
 
 
 def generate_cuda(func: PrimFunc, base_name: str) -> tuple[str, list[tuple[str, Kernel, int]]]:

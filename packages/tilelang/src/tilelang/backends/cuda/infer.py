@@ -20,13 +20,10 @@ from ...errors import CompileError
 from ...ir import dtypes as dt
 from ...ir.layout import Fragment, default_fragment, mma_accumulator, replicated
 from ...ir.nodes import (
-    AtomicAdd,
     Buffer,
     Const,
     Copy,
-    CumSum,
     Expr,
-    Fill,
     For,
     Gemm,
     Kernel,
@@ -36,7 +33,9 @@ from ...ir.nodes import (
     Seq,
     Stmt,
     Store,
+    TileOp,
     Var,
+    register_rules,
 )
 from ...ir.visit import child_stmts, stmt_exprs, walk_expr, walk_stmts
 
@@ -246,10 +245,9 @@ class LayoutInference:
                     self.fragments.append(st.buffer)
                     self.uniform.add(st.buffer)
             return
-        if isinstance(s, (Reduce, CumSum)) or (isinstance(s, Copy) and s.src.buffer.scope == "fragment" and
-                                               s.dst.buffer.scope == "fragment"):
+        if s.rule("cuda.layout") is not None:
             self.ops.append(s)
-        if not isinstance(s, (Copy, Gemm, Fill, Reduce, CumSum, AtomicAdd)):
+        if not isinstance(s, TileOp):  # tile ops access fragments through their own rules
             for e in stmt_exprs(s):
                 for x in walk_expr(e):
                     if isinstance(x, Load) and x.buffer.scope == "fragment":
@@ -388,31 +386,42 @@ class LayoutInference:
         return False
 
     def _op(self, s: Stmt) -> None:
-        if isinstance(s, Reduce):
-            src, dst = s.src, s.dst
-            if src.scope != "fragment":
-                return
-            fs, fd = self.layouts.get(src), self.layouts.get(dst)
-            keep = [d for d in range(src.ndim) if d != s.dim]
-            if fs is not None:
-                proj = fs.project(keep)
-                if dst.ndim == src.ndim:
-                    proj = proj.with_unit_dim(s.dim)
-                if dst.scope == "fragment":
-                    self._assign(dst, proj, s.loc, f"T.reduce of {src.name}")
-            elif fd is not None and fd.parent is not None and fd.parent.shape == src.static_shape():
-                self._assign(src, fd.parent, s.loc, f"T.reduce into {dst.name}")
-        elif isinstance(s, Copy):
-            a, b = s.src.buffer, s.dst.buffer
-            if tuple(s.src.extents) != a.static_shape() or tuple(s.dst.extents) != b.static_shape():
-                return
-            if a in self.layouts and b not in self.layouts:
-                self._assign(b, self.layouts[a], s.loc, f"T.copy from {a.name}")
-            elif b in self.layouts and a not in self.layouts:
-                self._assign(a, self.layouts[b], s.loc, f"T.copy to {b.name}")
-            elif a in self.layouts and b in self.layouts and not self.layouts[a].same_mapping(self.layouts[b]):
-                log.debug("%s: T.copy %s -> %s between different layouts: goes through shared memory", s.loc,
-                          a.name, b.name)
+        s.rule("cuda.layout")(self, s)
+
+    # ------------------------------------------------------------ rules (the "cuda.layout" table)
+
+    def reduce_layout(self, s: Reduce) -> None:
+        src, dst = s.src, s.dst
+        if src.scope != "fragment":
+            return
+        fs, fd = self.layouts.get(src), self.layouts.get(dst)
+        keep = [d for d in range(src.ndim) if d != s.dim]
+        if fs is not None:
+            proj = fs.project(keep)
+            if dst.ndim == src.ndim:
+                proj = proj.with_unit_dim(s.dim)
+            if dst.scope == "fragment":
+                self._assign(dst, proj, s.loc, f"T.reduce of {src.name}")
+        elif fd is not None and fd.parent is not None and fd.parent.shape == src.static_shape():
+            self._assign(src, fd.parent, s.loc, f"T.reduce into {dst.name}")
+
+    def copy_layout(self, s: Copy) -> None:
+        a, b = s.src.buffer, s.dst.buffer
+        if a.scope != "fragment" or b.scope != "fragment":
+            return  # only fragment -> fragment copies carry a layout across
+        if tuple(s.src.extents) != a.static_shape() or tuple(s.dst.extents) != b.static_shape():
+            return
+        if a in self.layouts and b not in self.layouts:
+            self._assign(b, self.layouts[a], s.loc, f"T.copy from {a.name}")
+        elif b in self.layouts and a not in self.layouts:
+            self._assign(a, self.layouts[b], s.loc, f"T.copy to {b.name}")
+        elif a in self.layouts and b in self.layouts and not self.layouts[a].same_mapping(self.layouts[b]):
+            log.debug("%s: T.copy %s -> %s between different layouts: goes through shared memory", s.loc,
+                      a.name, b.name)
+
+
+# how layouts propagate through tile ops (gemm accumulators are fixed first, in LayoutInference.run)
+register_rules("cuda.layout", {Reduce: LayoutInference.reduce_layout, Copy: LayoutInference.copy_layout})
 
 
 def infer_layouts(kernel: Kernel) -> LayoutInference:
