@@ -88,7 +88,8 @@ def check_pass_configs(configs: dict | None, target: str) -> dict[str, Any]:
             else:
                 log.info("pass_configs %s=%r has no effect on target %s", key, v, target)
         if out.get(PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS.value):
-            out["disable_passes"] = [*out.get("disable_passes", ()), "guard_global_stores"]
+            out["disable_passes"] = [*out.get("disable_passes", ()), "guard_global_accesses",
+                                    "check_local_accesses"]
         if out.get("tirx.disable_vectorize") or out.get("tir.disable_vectorize"):
             out["disable_passes"] = [*out.get("disable_passes", ()), "vectorize_hints"]
     return out

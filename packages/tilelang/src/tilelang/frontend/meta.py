@@ -158,6 +158,14 @@ class Shared:
         return name
 
 
+class _Stale:
+    """The binding of a name reassigned inside an IR loop / `if`: reading it after that block is an error."""
+
+    def __init__(self, name: str, where: SourceLoc) -> None:
+        self.name = name
+        self.where = where
+
+
 class MetaEvaluator:
     """The function's source, its scopes, and the evaluation of expressions in them."""
 
@@ -195,7 +203,13 @@ class MetaEvaluator:
     def lookup(self, name: str, node: ast.AST) -> Any:
         for scope in reversed(self.scopes):
             if name in scope:
-                return scope[name]
+                v = scope[name]
+                if isinstance(v, _Stale):
+                    self.fail(node, f"{name!r} was reassigned inside the IR loop or `if` block at {v.where}; `=` on a "
+                                    f"scalar binds an immutable value, so the new value does not reach past that "
+                                    f"block. Carry it in a variable: `{name} = T.alloc_var(dtype)` before the block, "
+                                    f"then `{name} = ...` inside")
+                return v
         if name in self.closure:
             return self.closure[name]
         if name in self.globals:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -35,7 +36,7 @@ from ..ir.nodes import (
     const,
 )
 from ..ir.verifier import verify
-from .meta import _BINOPS, _PYOPS, Macro, TensorType, fmt_shape, is_ir
+from .meta import _BINOPS, _PYOPS, Macro, TensorType, _Stale, fmt_shape, is_ir
 from .tileops import TileOpBinder
 
 _UNSET = object()
@@ -93,8 +94,13 @@ class Parser(TileOpBinder):
 
     # ------------------------------------------------------------ statements
 
-    def block(self, stmts: list[ast.stmt], bindings: dict[str, Any] | None = None) -> Seq:
-        self.scopes.append(dict(bindings or {}))
+    def block(self, stmts: list[ast.stmt], bindings: dict[str, Any] | None = None, inline: bool = False) -> Seq:
+        """Parse `stmts` in a new scope. `inline`: a meta-level block (unrolled loop body, `if` on a Python
+        value) whose statements join the enclosing block, so its assignments stay visible after it, as in
+        Python. Otherwise (an IR loop or `if`) a name of an enclosing scope reassigned inside cannot carry
+        the new value out (a let is immutable): reading it after the block is a CompileError."""
+        initial = dict(bindings or {})
+        self.scopes.append(dict(initial))
         out: list[Stmt] = []
         try:
             for s in stmts:
@@ -104,7 +110,15 @@ class Parser(TileOpBinder):
                 elif r is not None:
                     out.append(r)
         finally:
-            self.scopes.pop()
+            scope = self.scopes.pop()
+        if self.scopes:
+            for name, value in scope.items():
+                if name in initial and initial[name] is value:
+                    continue
+                if inline:
+                    self.scopes[-1][name] = value
+                elif self._local_lookup(name) is not None and stmts:
+                    self.scopes[-1][name] = _Stale(name, self.loc(stmts[0]))
         return Seq(out)
 
     def stmt(self, node: ast.stmt) -> Stmt | list[Stmt] | None:
@@ -112,7 +126,10 @@ class Parser(TileOpBinder):
         if method is None:
             what = type(node).__name__.lower()
             self.fail(node, f"unsupported Python construct in a prim_func: `{what}` statement")
-        return method(node)
+        try:
+            return method(node)
+        except RecursionError:  # the innermost statement catches it, with the stack already unwound
+            self.fail(node, too_deep())
 
     def stmt_Pass(self, node: ast.Pass) -> None:
         return None
@@ -304,7 +321,7 @@ class Parser(TileOpBinder):
         out: list[Stmt] = []
         for item in seq:
             bindings = self.assign_target(node.target, item, bind_only=True)
-            s = self.block(node.body, bindings)
+            s = self.block(node.body, bindings, inline=True)
             out.extend(s.body)
         return out
 
@@ -339,7 +356,7 @@ class Parser(TileOpBinder):
         cond = self.value(node.test)
         if not is_ir(cond):
             chosen = node.body if cond else node.orelse
-            return self.block(chosen).body if chosen else None
+            return self.block(chosen, inline=True).body if chosen else None
         c = self.to_expr(cond, node.test)
         then = self.block(node.body)
         orelse = self.block(node.orelse) if node.orelse else None
@@ -509,6 +526,11 @@ class Parser(TileOpBinder):
             return sub.block(fdef.body, dict(bound.arguments)).body
         except CompileError as e:
             raise CompileError(f"{e.message} (in T.macro {macro.__name__} called at {self.loc(call)})", e.loc) from None
+
+
+def too_deep() -> str:
+    return (f"expression nested too deeply to compile (over the Python recursion limit of {sys.getrecursionlimit()} "
+            f"frames); split it into several assignments, e.g. partial sums in a loop")
 
 
 def _is_zero(e: Expr) -> bool:

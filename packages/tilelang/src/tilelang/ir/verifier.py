@@ -1,8 +1,12 @@
-"""Structural checks on tile IR: scopes, ranks, gemm shapes, static bounds of local buffers."""
+"""Structural checks on tile IR: scopes, ranks, gemm shapes, static bounds of local buffers, accesses
+of global tensors that can never be in bounds, grid and buffer sizes."""
 
 from __future__ import annotations
 
+import tilehal
+
 from ..errors import CompileError, SourceLoc
+from .bounds import MAX_GRID, interval
 from .nodes import (
     Alloc,
     BinOp,
@@ -17,6 +21,7 @@ from .nodes import (
     Load,
     PrimFunc,
     Region,
+    Select,
     Seq,
     Stmt,
     Store,
@@ -25,7 +30,30 @@ from .nodes import (
     While,
     register_rules,
 )
-from .visit import stmt_exprs, walk_expr
+from .visit import child_exprs, stmt_exprs
+
+MAX_BUFFER_BYTES = 2**48  # larger static buffers are a mistake (and their byte counts could wrap in C)
+
+
+def _loads(e: Expr, guarded: bool = False):
+    """(load, guarded) for every Load in `e`; guarded: inside a branch of a Select (T.if_then_else)."""
+    stack = [(e, guarded)]
+    while stack:
+        x, g = stack.pop()
+        if isinstance(x, Load):
+            yield x, g
+        if isinstance(x, Select):
+            stack += [(x.cond, g), (x.a, True), (x.b, True)]
+        else:
+            stack += [(c, g) for c in child_exprs(x)]
+
+
+def _walk(e: Expr):
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        yield x
+        stack += child_exprs(x)
 
 
 def _interval(e: Expr, ranges: dict[Var, tuple[int, int]]) -> tuple[int, int] | None:
@@ -60,6 +88,8 @@ class _Verifier:
         self.visible: list[set[Buffer]] = [set(func.params)]
         self.ranges: dict[Var, tuple[int, int]] = {}
         self.defined: set[Var] = set(func.dynamic_vars)
+        self.bounds: dict[Var, tuple] = {}  # half-open-ended ranges (ir.bounds) of every index variable
+        self.conditional = 0  # > 0 inside an IR if / while: an access there may never execute
 
     def fail(self, loc: SourceLoc | None, msg: str) -> None:
         raise CompileError(msg, loc or self.func.loc)
@@ -73,6 +103,7 @@ class _Verifier:
         if len(idx) != b.ndim:
             self.fail(loc, f"{what} {b.name}: rank {b.ndim} buffer accessed with {len(idx)} indices")
         if b.scope == "global":
+            self.check_never_in_bounds(b, idx, [1] * len(idx), loc, what)
             return
         shape = b.static_shape()
         for d, (i, n) in enumerate(zip(idx, shape)):
@@ -81,10 +112,38 @@ class _Verifier:
                 self.fail(loc, f"{what} {b.name}: index {d} ranges over [{iv[0]}, {iv[1]}] but the dimension has "
                                f"size {n} (out of bounds)")
 
+    def check_never_in_bounds(self, b: Buffer, starts: list[Expr], extents: list[int], loc: SourceLoc | None,
+                              what: str) -> None:
+        """A global access that no execution has in bounds is a bug (an edge tile is in bounds in part)."""
+        if self.conditional:
+            return
+        for d, (i, n, size) in enumerate(zip(starts, extents, b.shape)):
+            lo, hi = interval(i, self.bounds)
+            if hi is not None and hi + n - 1 < 0:
+                self.fail(loc, f"{what} {b.name}: index {d} ranges over [{lo}, {hi + n - 1}], always negative "
+                               f"(out of bounds on every execution)")
+            if isinstance(size, Const) and lo is not None and lo >= int(size.value):
+                self.fail(loc, f"{what} {b.name}: index {d} is at least {lo} but the dimension has size "
+                               f"{int(size.value)} (out of bounds on every execution)")
+
+    def check_size(self, b: Buffer, loc: SourceLoc | None) -> None:
+        shape = b.static_shape()
+        if shape is None:
+            return
+        n = 1
+        for d in shape:
+            n *= int(d)
+        nbytes = n * tilehal.get_dtype(b.dtype).itemsize
+        if nbytes > MAX_BUFFER_BYTES:
+            self.fail(loc, f"buffer {b.name}: shape {tuple(shape)} of {b.dtype} is {nbytes} bytes; expected at most "
+                           f"2**48 bytes")
+
     def check_region(self, r: Region, loc: SourceLoc | None) -> None:
         self.check_buffer(r.buffer, loc)
         if len(r.starts) != r.buffer.ndim:
             self.fail(loc, f"tile of {r.buffer.name}: rank {r.buffer.ndim} buffer given {len(r.starts)} indices")
+        if r.buffer.scope == "global":
+            self.check_never_in_bounds(r.buffer, r.starts, list(r.extents), loc, "tile of")
         shape = r.buffer.static_shape()
         if r.buffer.scope != "global" and shape is not None:
             for d, (s, n, size) in enumerate(zip(r.starts, r.extents, shape)):
@@ -95,11 +154,15 @@ class _Verifier:
 
     def exprs(self, s: Stmt) -> None:
         for e in stmt_exprs(s):
-            for x in walk_expr(e):
-                if isinstance(x, Load):
-                    self.check_access(x.buffer, x.indices, s.loc, "load from")
-                elif isinstance(x, Var) and x not in self.defined:
+            for x in _walk(e):
+                if isinstance(x, Var) and x not in self.defined:
                     self.fail(s.loc, f"variable {x.name} used outside its loop or block")
+            for x, guarded in _loads(e):
+                self.conditional += guarded
+                try:
+                    self.check_access(x.buffer, x.indices, s.loc, "load from")
+                finally:
+                    self.conditional -= guarded
 
     def stmt(self, s: Stmt, in_kernel: bool) -> None:
         self.exprs(s)
@@ -120,7 +183,13 @@ class _Verifier:
     def kernel(self, s: Kernel, in_kernel: bool) -> None:
         if in_kernel:
             self.fail(s.loc, "nested T.Kernel")
+        for d, g in enumerate(s.grid):
+            if isinstance(g, Const) and not 1 <= int(g.value) <= MAX_GRID[min(d, 2)]:
+                self.fail(s.loc, f"T.Kernel: grid dimension {d} is {g.value}; expected an integer in "
+                                 f"[1, {MAX_GRID[min(d, 2)]}]")
         for v, g in zip(s.block_vars, s.grid):
+            hi = interval(g, self.bounds)[1]
+            self.bounds[v] = (0, hi - 1 if hi is not None else None)
             self.defined.add(v)
             self.ranges[v] = (0, int(g.value) - 1) if isinstance(g, Const) else None
             if self.ranges[v] is None:
@@ -130,10 +199,13 @@ class _Verifier:
     def alloc(self, s: Alloc, in_kernel: bool) -> None:
         if s.buffer.scope == "global":
             self.fail(s.loc, "cannot allocate a global buffer inside a kernel")
+        self.check_size(s.buffer, s.loc)
         self.visible[-1].add(s.buffer)
 
     def for_(self, s: For, in_kernel: bool) -> None:
         self.defined.add(s.var)
+        st, ex = interval(s.start, self.bounds), interval(s.extent, self.bounds)
+        self.bounds[s.var] = (st[0], st[1] + ex[1] - 1 if st[1] is not None and ex[1] is not None else None)
         if isinstance(s.extent, Const) and isinstance(s.start, Const):
             self.ranges[s.var] = (int(s.start.value), int(s.start.value) + int(s.extent.value) - 1)
         self.stmt(s.body, True)
@@ -141,13 +213,19 @@ class _Verifier:
 
     def let(self, s: Let, in_kernel: bool) -> None:
         self.defined.add(s.var)
+        if s.var.dtype.startswith("int"):
+            self.bounds[s.var] = interval(s.value, self.bounds)
 
     def store(self, s: Store, in_kernel: bool) -> None:
         self.check_access(s.buffer, s.indices, s.loc, "store to")
 
-    def nested(self, s: Stmt, in_kernel: bool) -> None:  # While, If
-        for c in s.children():
-            self.stmt(c, True)
+    def nested(self, s: Stmt, in_kernel: bool) -> None:  # While, If: what is inside may never execute
+        self.conditional += 1
+        try:
+            for c in s.children():
+                self.stmt(c, True)
+        finally:
+            self.conditional -= 1
 
     def tile_op(self, s: TileOp, in_kernel: bool) -> None:
         for r in s.regions():
@@ -170,5 +248,8 @@ register_rules("verify", {Seq: _Verifier.seq, Kernel: _Verifier.kernel, Alloc: _
 
 def verify(func: PrimFunc, allow_global_gemm: bool = False) -> PrimFunc:
     """Raise CompileError (with the source location) on the first structural problem; return func."""
-    _Verifier(func, allow_global_gemm).stmt(func.body, False)
+    v = _Verifier(func, allow_global_gemm)
+    for p in func.params:
+        v.check_size(p, func.loc)
+    v.stmt(func.body, False)
     return func

@@ -58,6 +58,7 @@ class JITKernel:
         self.lowered = self._lowered[self.target]
         self.compile_seconds = getattr(self._impl, "compile_seconds", 0.0)
         self.cache_hit = getattr(self._impl, "cache_hit", False)
+        self._launch = _LaunchChecks(func)
 
     def _build(self, target: str) -> Any:
         """Lower and build for `target` once (target 'auto' builds cuda lazily, for CUDA tensors)."""
@@ -68,8 +69,15 @@ class JITKernel:
             impl = self._impls.get(target)
             if impl is None:
                 backend = BACKENDS[target]
-                lowered = run_pipeline(self.prim_func, target, self.pass_configs)
-                impl = backend.build(lowered, self.pass_configs)
+                try:
+                    lowered = run_pipeline(self.prim_func, target, self.pass_configs)
+                    impl = backend.build(lowered, self.pass_configs)
+                except RecursionError:  # IR built by meta-level Python (not the parser) can nest deeply too
+                    from ..errors import CompileError
+                    from ..frontend.parser import too_deep
+
+                    raise CompileError(f"{target} build of {self.prim_func.name}: {too_deep()}",
+                                       self.prim_func.loc) from None
                 if not hasattr(self, "_lowered"):
                     self._lowered = {}
                 self._lowered[target] = lowered
@@ -152,6 +160,7 @@ class JITKernel:
         for v, b in self.view_idx:  # views: the underlying tensor, reshaped (no copy)
             shape = tuple(int(s.value) if isinstance(s, Const) else dyn[s] for s in self.params[v].shape)
             full[v] = full[b].view(shape) if tilehal.is_torch(full[b]) else full[b].reshape(shape)
+        self._launch.check(full, dyn)
         if backend.device == "cuda":
             impl(full, dyn)
         else:
@@ -162,6 +171,68 @@ class JITKernel:
 
     def __repr__(self) -> str:
         return f"<JITKernel {self.prim_func.name} target={self.target} out_idx={self.out_idx}>"
+
+
+class _LaunchChecks:
+    """What the compiled code assumes of a call, checked before it runs (every target): grid sizes
+    computed from the T.dynamic sizes in [0, MAX_GRID] (0 runs nothing), parameters the kernel
+    writes are writeable, and no written parameter shares memory with another one (the C code
+    declares them `restrict`; the interpreter would see a different order of reads and writes)."""
+
+    def __init__(self, func: PrimFunc) -> None:
+        from ..ir.nodes import Kernel
+        from ..ir.visit import buffers_written, walk_stmts
+
+        self.func = func
+        self.grids = [(k, d, g) for k in walk_stmts(func.body) if isinstance(k, Kernel)
+                      for d, g in enumerate(k.grid) if not isinstance(g, Const)]
+        params = func.params
+        base = {params.index(v): params.index(b) for v, b in getattr(func, "views", [])}
+        self.root = [base.get(i, i) for i in range(len(params))]  # a view's memory is its tensor's
+        written = buffers_written(func.body)
+        roots_written = {self.root[i] for i, p in enumerate(params) if p in written}
+        self.written = [self.root[i] in roots_written for i in range(len(params))]
+
+    def check(self, full: list[Any], dyn: dict[Var, int]) -> None:
+        from ..ir.bounds import MAX_GRID, eval_int
+        from ..ir.printer import print_expr
+
+        for k, d, g in self.grids:
+            n = eval_int(g, dyn)
+            hi = MAX_GRID[min(d, 2)]
+            if n is not None and not 0 <= n <= hi:
+                sizes = ", ".join(f"{v.name}={dyn[v]}" for v in self.func.dynamic_vars if v in dyn)
+                raise tilehal.ShapeError(f"{k.loc or self.func.name}: T.Kernel grid dimension {d} "
+                                         f"({print_expr(g)}): expected a value in [0, {hi}], got {n} for {sizes}")
+        params = self.func.params
+        spans = []
+        for i, (p, a) in enumerate(zip(params, full)):
+            if not self.written[i] or a is None:
+                continue
+            if isinstance(a, np.ndarray) and not a.flags.writeable:
+                raise tilehal.ArgumentError(f"{p.name}: expected a writeable array (kernel {self.func.name} writes "
+                                            f"it), got a read-only numpy array")
+        for i, a in enumerate(full):
+            if a is not None and self.root[i] == i:
+                span = _span(a)
+                if span is not None:
+                    spans.append((i, span))
+        for x, (i, (lo_i, hi_i)) in enumerate(spans):
+            for j, (lo_j, hi_j) in spans[x + 1:]:
+                if (self.written[i] or self.written[j]) and lo_i < hi_j and lo_j < hi_i:
+                    w = params[i].name if self.written[i] else params[j].name
+                    raise tilehal.ArgumentError(
+                        f"{params[i].name}, {params[j].name}: expected separate memory (kernel {self.func.name} "
+                        f"writes {w}), got tensors that overlap; pass a copy")
+
+
+def _span(a: Any) -> tuple[int, int] | None:
+    """[first byte, end) of a tensor's memory (device pointers for CUDA tensors); None if empty."""
+    if tilehal.is_torch(a):
+        n = a.numel() * a.element_size()
+        return (a.data_ptr(), a.data_ptr() + n) if n else None
+    a = np.asarray(a)
+    return (a.ctypes.data, a.ctypes.data + a.nbytes) if a.nbytes else None
 
 
 def _gpu_machine() -> bool:

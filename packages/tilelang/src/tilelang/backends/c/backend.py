@@ -13,7 +13,7 @@ import numpy as np
 import tilehal
 
 from ...ir.nodes import PrimFunc, Var
-from .codegen import CCodegen
+from .codegen import STATUS_BOUNDS, STATUS_GRID, STATUS_OOM, CCodegen
 
 log = logging.getLogger("tilelang.backends.c")
 
@@ -67,8 +67,20 @@ class CKernel:
         sizes = [int(dyn[v]) for v in self.func.dynamic_vars]
         status = self.fn(*ptrs, *sizes)
         if status != 0:
-            raise tilehal.LaunchError(f"kernel {self.func.name}: out of memory allocating its shared/fragment "
-                                      f"buffers (status {status})")
+            raise tilehal.LaunchError(self._status_message(status, sizes))
+
+    def _status_message(self, status: int, sizes: list[int]) -> str:
+        checks = getattr(self.func, "bounds_checks", [])
+        if status >= STATUS_BOUNDS and status - STATUS_BOUNDS < len(checks):
+            where, name, shape = checks[status - STATUS_BOUNDS]
+            return (f"{where + ': ' if where else ''}store to {name}: index out of bounds (shape {shape}); the store "
+                    f"was skipped (kernel {self.func.name})")
+        if status == STATUS_GRID:
+            dyn = ", ".join(f"{v.name}={n}" for v, n in zip(self.func.dynamic_vars, sizes))
+            return f"kernel {self.func.name}: a grid dimension is negative or too large ({dyn})"
+        if status == STATUS_OOM:
+            return f"kernel {self.func.name}: out of memory allocating its shared/fragment buffers (status {status})"
+        return f"kernel {self.func.name}: failed with status {status}"
 
 
 def build_c_kernel(func: PrimFunc, options: dict) -> Any:

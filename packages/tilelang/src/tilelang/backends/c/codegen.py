@@ -16,6 +16,7 @@ import numpy as np
 
 from ...errors import CompileError
 from ...ir import dtypes as dt
+from ...ir.bounds import MAX_GRID
 from ...ir.nodes import (
     Alloc,
     AtomicAdd,
@@ -43,6 +44,12 @@ from ...ir.nodes import (
     register_rules,
 )
 from ...ir.visit import walk_stmts
+from .guard_memory import BoundsFail
+
+# kernel status codes (the function's return value); backend.py turns them into LaunchError
+STATUS_OOM = 1  # an on-chip buffer could not be allocated
+STATUS_GRID = 2  # a grid dimension outside [0, MAX_GRID[d]] (the runtime checks first; this is the backstop)
+STATUS_BOUNDS = 16  # + k: the k-th checked on-chip store was out of bounds
 
 _CTYPE = {"float32": "float", "float64": "double", "int64": "int64_t", "int32": "int32_t", "int16": "int16_t",
           "int8": "int8_t", "uint8": "uint8_t", "bool": "uint8_t"}
@@ -264,6 +271,9 @@ class CCodegen:
     def nested_kernel(self, s: Kernel) -> None:
         raise CompileError("nested T.Kernel", s.loc)
 
+    def bounds_fail(self, s: BoundsFail) -> None:  # an on-chip store out of bounds: skipped, reported by the launch
+        self.emit(f"__atomic_store_n(&_tl_status, {STATUS_BOUNDS + s.code}, __ATOMIC_RELAXED);")
+
     def _matrix(self, r: Region, transpose: bool) -> tuple[str, str, str]:
         """(pointer to the tile's first element, stride between rows, stride between cols) of the logical matrix."""
         buf = r.buffer
@@ -318,7 +328,7 @@ class CCodegen:
         cdef = f"int {symbol}({', '.join(cdef_params) or 'void'});"
         kernels = [s for s in (f.body.body if isinstance(f.body, Seq) else [f.body])]
         self.lines.append(f"{sig} {{")
-        self.lines.append("  int _tl_status = 0;  /* 1: an on-chip buffer could not be allocated */")
+        self.lines.append("  int _tl_status = 0;  /* 1: out of memory, 2: bad grid, 16 + k: on-chip store k out of bounds */")
         for s in kernels:
             if isinstance(s, Kernel):  # one C block per T.Kernel: programs may launch several in sequence
                 self.emit("{")
@@ -343,6 +353,8 @@ class CCodegen:
         grid = [self.expr(g) for g in k.grid]
         for i, g in enumerate(grid):
             self.emit(f"const int64_t _grid{i} = {g};")
+        bad = " || ".join(f"_grid{i} < 0 || _grid{i} > {MAX_GRID[min(i, 2)]}LL" for i in range(len(grid)))
+        self.emit(f"if ({bad}) return {STATUS_GRID};")
         swz = k.attrs.get("swizzle")
         total = " * ".join(f"_grid{i}" for i in range(len(grid)))
         # no more threads than blocks: a 1-block launch runs on the calling thread, no barrier to wait on
@@ -388,4 +400,5 @@ class CCodegen:
 # what the C backend emits itself; the other tile ops were lowered to loops (passes/lower_tile_ops.py)
 register_rules("cpu", {Seq: CCodegen.seq, Alloc: CCodegen.alloc, For: CCodegen.for_, Let: CCodegen.let,
                        Store: CCodegen.store, While: CCodegen.while_, If: CCodegen.if_, Gemm: CCodegen.gemm,
-                       AtomicAdd: CCodegen.atomic_add, Kernel: CCodegen.nested_kernel})
+                       AtomicAdd: CCodegen.atomic_add, Kernel: CCodegen.nested_kernel,
+                       BoundsFail: CCodegen.bounds_fail})

@@ -10,7 +10,7 @@ from ...passes.fuse_parallel import fuse_parallel
 from ...passes.lower_tile_ops import lower_tile_ops
 from ...passes.simplify import simplify
 from ...passes.vectorize import vectorize_hints
-from .guard_stores import guard_global_stores
+from .guard_memory import check_local_accesses, guard_global_accesses
 
 
 def verify_lowered(func):
@@ -22,14 +22,15 @@ PASSES = [
     (check_shapes, "reject malformed tile ops before anything is rewritten"),
     (simplify, "fold constants so bounds tests below are static where they can be"),
     (dce, "drop dead buffers and their writes"),
-    (guard_global_stores, "element stores to global tensors stay in bounds (public TileLang default); before "
-                          "lowering, whose copies guard their own edge tiles"),
+    (guard_global_accesses, "element loads/stores of global tensors stay in bounds (interpreter semantics, the "
+                            "public TileLang default); before lowering, whose copies guard their own edge tiles"),
     (elide_gemm_copies, "before lowering: gemm may read in-bounds A tiles in place (caches do the staging)"),
     (lower_tile_ops, "tile ops except float gemm become loop nests (gemm stays a micro-kernel call)"),
     (simplify, "clean up the index arithmetic lowering introduced"),
     (fuse_parallel, "fuse adjacent T.Parallel nests: one pass over the tile instead of several"),
     (dce, "drop what fusion made dead"),
     (vectorize_hints, "last: mark innermost element loops for the C compiler's vectorizer"),
+    (check_local_accesses, "after lowering and fusion: on-chip accesses not proved in bounds read zero / raise"),
     (verify_lowered, "the lowered IR is still well formed"),
 ]
 
