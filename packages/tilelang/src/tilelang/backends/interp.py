@@ -194,7 +194,7 @@ class Interpreter:
         if self.mask is None and val.ndim == 0 and all(np.ndim(i) == 0 for i in idx):
             t = tuple(int(i) for i in idx)
             if buf.scope == "global" and not all(0 <= i < n for i, n in zip(t, arr.shape)):
-                return  # dropped, as on cpu (guard_global_stores)
+                return  # dropped, as on cpu (guard_global_accesses)
             self._check_bounds(buf, [np.asarray(i) for i in t], arr.shape, loc)
             arr[t] = val.astype(arr.dtype)
             return
