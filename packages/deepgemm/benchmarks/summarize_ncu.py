@@ -45,7 +45,7 @@ def summarize(path: str) -> list[dict]:
         else:
             label, peer = f"peer_{PEERS[peer] if peer < len(PEERS) else peer}", peer + 1
 
-        def g(metric: str) -> float:
+        def g(metric: str, d=d) -> float:
             return num(d[col[metric]]) if metric in col else float("nan")
 
         stalls = {m.group(1): num(d[i]) for h, i in col.items() if (m := STALL.fullmatch(h))}
