@@ -222,8 +222,17 @@ def _contiguous(a, sfa, b, sfb, d, grouped_layout, fp8: bool, *, use_psum_layout
     validate.tensor(grouped_layout, "grouped_layout", (torch.int32,), 1)
     if use_psum_layout:
         validate.shape(grouped_layout, "grouped_layout", (g,))
+        validate.int_values(grouped_layout, "grouped_layout", 0, m, "cumulative group ends, at most M_sum")
+        if grouped_layout.numel() > 1 and validate.value_checks(grouped_layout, "grouped_layout"):
+            steps = grouped_layout[1:] - grouped_layout[:-1]
+            if bool((steps < 0).any()):
+                at = int((steps < 0).nonzero()[0]) + 1
+                raise validate.ArgumentError(
+                    f"grouped_layout: expected non-decreasing group ends, got {int(grouped_layout[at])} after "
+                    f"{int(grouped_layout[at - 1])} at index {at}")
     else:
         validate.shape(grouped_layout, "grouped_layout", (m,))
+        validate.int_values(grouped_layout, "grouped_layout", -1, g - 1, f"group per row, -1 for padding, {g} groups")
         if expected_m_for_psum_layout is not None:
             raise ValueError("expected_m_for_psum_layout: expected None without use_psum_layout=True, got "
                              f"{expected_m_for_psum_layout!r}")
@@ -262,6 +271,7 @@ def _masked(a, sfa, b, sfb, d, masked_m, expected_m, fp8: bool, gran=(128, 128))
     validate.shape(d, "d", (g, m_max, n))
     validate.tensor(masked_m, "masked_m", (torch.int32,), 1)
     validate.shape(masked_m, "masked_m", (g,))
+    validate.int_values(masked_m, "masked_m", 0, m_max, "rows per group, at most M_max = a.shape[1]")
     if not isinstance(expected_m, int) or expected_m < 1:
         raise ValueError(f"expected_m: expected a positive int (typical rows per group), got {expected_m!r}")
     gran_k, gran_n = gran

@@ -125,6 +125,18 @@ def unpack_ue8m0_from_int(packed: torch.Tensor) -> torch.Tensor:
     return (dense.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
 
 
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """|x| with Inf and NaN as 0: a block's scale comes from its finite values only, so one Inf or NaN does not
+    turn the whole block into NaN (it stays at its own position, see _to_e4m3)."""
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
+    """Round to e4m3, saturating: +-Inf become +-448 (the largest e4m3 magnitude at the block's scale), NaN
+    stays NaN; e4m3fn has no Inf, and an unsaturated cast would turn values past 448 into NaN."""
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def _scale(amax: torch.Tensor, use_ue8m0: bool, top: float = FP8_MAX) -> torch.Tensor:
     sf = amax / top
     return ceil_to_ue8m0(sf) if use_ue8m0 else sf
@@ -134,8 +146,10 @@ def per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int 
                           use_packed_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize [..., M, K] per token and `gran_k`-wide K block: (x_fp8 [..., M, K], sf [..., M, ceil(K/gran_k)]).
 
-    sf = amax / 448 (amax clamped to 1e-4 so all-zero blocks stay finite), rounded up to a power of two
-    with `use_ue8m0`; x ~= x_fp8 * sf. `use_packed_ue8m0` returns sf packed four per int32 (DeepGEMM's
+    sf = amax / 448 (amax of the block's finite values, clamped to 1e-4 so all-zero blocks stay finite),
+    rounded up to a power of two with `use_ue8m0`; x ~= x_fp8 * sf. An Inf is stored as +-448 (the
+    block's largest magnitude) and a NaN as NaN, each at its own position: the rest of the block is
+    quantized as if they were not there. `use_packed_ue8m0` returns sf packed four per int32 (DeepGEMM's
     SM100 layout; needs ceil(K/gran_k) % 4 == 0).
     """
     _check_2d_or_3d(x, "x")
@@ -146,8 +160,8 @@ def per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int 
     if k % gran_k:
         xf = torch.nn.functional.pad(xf, (0, sk * gran_k - k))
     blocks = xf.view(*lead, m, sk, gran_k)
-    sf = _scale(blocks.abs().amax(dim=-1).clamp(min=1e-4), use_ue8m0)
-    q = (blocks * (1.0 / sf.unsqueeze(-1))).to(torch.float8_e4m3fn).view(*lead, m, sk * gran_k)[..., :k]
+    sf = _scale(_finite_abs(blocks).amax(dim=-1).clamp(min=1e-4), use_ue8m0)
+    q = _to_e4m3(blocks * (1.0 / sf.unsqueeze(-1))).view(*lead, m, sk * gran_k)[..., :k]
     sf = sf.contiguous()
     return q.contiguous(), pack_ue8m0_to_int(sf) if use_packed_ue8m0 else sf
 
@@ -164,8 +178,8 @@ def per_channel_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     k, n = x.shape
     blocks = x.float().view(k // gran_k, gran_k, n)
-    sf = _scale(blocks.abs().amax(dim=1).clamp(min=1e-4), use_ue8m0)
-    return (blocks * (1.0 / sf.unsqueeze(1))).to(torch.float8_e4m3fn).view(k, n), sf
+    sf = _scale(_finite_abs(blocks).amax(dim=1).clamp(min=1e-4), use_ue8m0)
+    return _to_e4m3(blocks * (1.0 / sf.unsqueeze(1))).view(k, n), sf
 
 
 def per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
@@ -177,8 +191,8 @@ def per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
     sn, sk = ceil_div(n, gran_k), ceil_div(k, gran_k)
     xf = torch.nn.functional.pad(x.float(), (0, sk * gran_k - k, 0, sn * gran_k - n))
     blocks = xf.view(*lead, sn, gran_k, sk, gran_k)
-    sf = _scale(blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-4), use_ue8m0)
-    q = (blocks * (1.0 / sf)).to(torch.float8_e4m3fn).view(*lead, sn * gran_k, sk * gran_k)[..., :n, :k]
+    sf = _scale(_finite_abs(blocks).amax(dim=(-3, -1), keepdim=True).clamp(min=1e-4), use_ue8m0)
+    q = _to_e4m3(blocks * (1.0 / sf)).view(*lead, sn * gran_k, sk * gran_k)[..., :n, :k]
     return q.contiguous(), sf.view(*lead, sn, sk).contiguous()
 
 
@@ -189,8 +203,8 @@ def per_custom_dims_cast_to_fp8(x: torch.Tensor, dims: tuple[int, ...],
         raise ShapeError(f"x: expected a torch tensor, got {type(x).__name__}")
     keep = {d % x.dim() for d in dims}
     reduce = tuple(i for i in range(x.dim()) if i not in keep)
-    sf = _scale(x.abs().float().amax(dim=reduce, keepdim=True).clamp(min=1e-4), use_ue8m0)
-    return (x * (1.0 / sf)).to(torch.float8_e4m3fn), sf.squeeze()
+    sf = _scale(_finite_abs(x.float()).amax(dim=reduce, keepdim=True).clamp(min=1e-4), use_ue8m0)
+    return _to_e4m3(x * (1.0 / sf)), sf.squeeze()
 
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes by code 0..7
@@ -212,7 +226,7 @@ def per_token_cast_to_fp4(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int 
     m, k = x.shape
     sk = ceil_div(k, gran_k)
     xf = torch.nn.functional.pad(x.float(), (0, sk * gran_k - k)).view(m, sk, gran_k)
-    sf = _scale(xf.abs().amax(dim=2).clamp(min=1e-4), use_ue8m0, top=6.0)
+    sf = _scale(_finite_abs(xf).amax(dim=2).clamp(min=1e-4), use_ue8m0, top=6.0)  # Inf -> +-6 * sf, NaN -> 0
     scaled = xf * (1.0 / sf.unsqueeze(2))
     mag = scaled.abs()
     code = torch.zeros_like(mag, dtype=torch.uint8)

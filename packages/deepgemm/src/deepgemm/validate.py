@@ -3,12 +3,16 @@ before anything is launched."""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import torch
-from tilehal import ShapeError, TileStackError
+from tilehal import ArgumentError, ShapeError, TileStackError
 
 from .utils import BLOCK_K, ceil_div
+
+log = logging.getLogger("deepgemm")
 
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -118,7 +122,47 @@ def sf(x: Any, name: str, rows: int, k: int, gran_rows: int, gran_k: int, groups
         raise ShapeError(f"{name}: expected shape {want}, got {tuple(x.shape)} (scales are passed in the same "
                          f"stored orientation as their operand, as in DeepGEMM: transpose them with it)")
     shape(x, name, want)
+    scale_values(x, name)
     return x
+
+
+def value_checks(x: torch.Tensor, name: str) -> bool:
+    """Whether to check the values of `x` on the host: always for CPU tensors; for CUDA tensors only with
+    DEEPGEMM_DEBUG=1 (reading them costs a device sync) and never during CUDA graph capture. Without the
+    checks the kernels clamp masked_m to [0, M_max] and skip rows whose m_indices are out of range."""
+    if x.device.type != "cuda":
+        return True
+    if os.environ.get("DEEPGEMM_DEBUG", "0") not in ("", "0") and not torch.cuda.is_current_stream_capturing():
+        return True
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s: value checks skipped on CUDA (set DEEPGEMM_DEBUG=1 to run them; they sync)", name)
+    return False
+
+
+def _first(bad: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in bad.nonzero()[0].tolist())
+
+
+def scale_values(x: torch.Tensor, name: str) -> None:
+    """Scales must be finite and >= 0: a NaN or Inf scale turns its whole block (up to 128 x 128 outputs'
+    worth of products) into NaN, a negative one flips the block's sign. The cast helpers in deepgemm.utils
+    never produce them (an Inf or NaN input stays at its own position)."""
+    if x.numel() == 0 or not value_checks(x, name):
+        return
+    bad = ~torch.isfinite(x) | (x < 0)
+    if bool(bad.any()):
+        at = _first(bad)
+        raise ArgumentError(f"{name}: expected finite scales >= 0, got {float(x[at])} at index {at}")
+
+
+def int_values(x: torch.Tensor, name: str, lo: int, hi: int, what: str) -> None:
+    """Every value of integer tensor `x` in [lo, hi]."""
+    if x.numel() == 0 or not value_checks(x, name):
+        return
+    bad = (x < lo) | (x > hi)
+    if bool(bad.any()):
+        at = _first(bad)
+        raise ArgumentError(f"{name}: expected values in [{lo}, {hi}] ({what}), got {int(x[at])} at index {at}")
 
 
 def scales(sfa: Any, sfb: Any, m: int, n: int, k: int, groups_a: int | None, groups_b: int | None) -> None:
