@@ -19,6 +19,7 @@ import tilehal
 from ..errors import CompileError
 from ..ir import dtypes as dt
 from ..ir.nodes import (
+    FUNCTIONS,
     REDUCE_OPS,
     Alloc,
     AtomicAdd,
@@ -58,12 +59,6 @@ def np_dtype(name: str) -> np.dtype:
 def _compute(arr: np.ndarray, name: str) -> np.ndarray:
     ct = dt.compute_type(name)
     return arr.astype(np_dtype(ct)) if ct != name else arr
-
-
-_UNARY = {
-    "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "sqrt": np.sqrt, "tanh": np.tanh, "sin": np.sin,
-    "cos": np.cos, "floor": np.floor, "ceil": np.ceil, "round": np.rint, "abs": np.abs,
-}
 
 
 class Interpreter:
@@ -154,17 +149,10 @@ class Interpreter:
     def call(self, e: Call) -> Any:
         ty = np_dtype(e.dtype)
         args = [np.asarray(self.expr(a)).astype(ty, copy=False) for a in e.args]
-        if e.fn in _UNARY:
-            r = _UNARY[e.fn](args[0])
-        elif e.fn == "rsqrt":
-            r = ty.type(1) / np.sqrt(args[0])
-        elif e.fn == "sigmoid":
-            r = ty.type(1) / (ty.type(1) + np.exp(-args[0]))
-        elif e.fn == "pow":
-            r = np.power(args[0], args[1])
-        else:
+        fn = FUNCTIONS.get(e.fn)
+        if fn is None:
             raise CompileError(f"interp: unknown function T.{e.fn}")
-        r = np.asarray(r).astype(ty, copy=False)
+        r = np.asarray(fn.numpy(*args)).astype(ty, copy=False)
         return r if r.ndim else r[()]
 
     # ------------------------------------------------------------ memory

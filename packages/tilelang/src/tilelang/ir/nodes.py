@@ -7,7 +7,9 @@ their thread count, so a GPU backend lowers the same IR the CPU backends run.
 
 from __future__ import annotations
 
+import builtins
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +76,7 @@ class Not(Expr):
 
 @dataclass(eq=False)
 class Call(Expr):
-    fn: str  # exp exp2 log log2 sqrt rsqrt tanh abs sin cos floor ceil pow sigmoid
+    fn: str  # a FUNCTIONS name
     args: list[Expr]
     dtype: str
 
@@ -106,9 +108,45 @@ class Load(Expr):
 COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")
 LOGIC_OPS = ("and", "or")
 BITWISE_OPS = ("&", "|", "^", "<<", ">>")  # on integers (on bools, & | ^ are and / or / !=)
-FLOAT_FNS = ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sin", "cos", "sigmoid", "floor", "ceil",
-             "round", "pow")
-ANY_FNS = ("abs",)
+
+
+@dataclass(frozen=True)
+class Function:
+    """A `T.<name>` math function: the one table every layer reads (language folding, interpreter,
+    printer; the C-family spellings are backends/cexpr.py's C_MATH, checked against this table)."""
+
+    name: str
+    arity: int
+    fold: Any  # meta level: Python numbers -> Python number
+    numpy: Any  # the interpreter: arrays of the compute type -> array
+    keeps_type: bool = False  # abs keeps integer types; the others compute in float (ints -> float32)
+
+
+def _np_rsqrt(x: np.ndarray) -> np.ndarray:
+    return x.dtype.type(1) / np.sqrt(x)
+
+
+def _np_sigmoid(x: np.ndarray) -> np.ndarray:
+    return x.dtype.type(1) / (x.dtype.type(1) + np.exp(-x))
+
+
+FUNCTIONS = {f.name: f for f in [
+    Function("exp", 1, math.exp, np.exp),
+    Function("exp2", 1, lambda v: 2.0**v, np.exp2),
+    Function("log", 1, math.log, np.log),
+    Function("log2", 1, math.log2, np.log2),
+    Function("sqrt", 1, math.sqrt, np.sqrt),
+    Function("rsqrt", 1, lambda v: 1.0 / math.sqrt(v), _np_rsqrt),
+    Function("tanh", 1, math.tanh, np.tanh),
+    Function("sin", 1, math.sin, np.sin),
+    Function("cos", 1, math.cos, np.cos),
+    Function("sigmoid", 1, lambda v: 1.0 / (1.0 + math.exp(-v)), _np_sigmoid),
+    Function("floor", 1, math.floor, np.floor),
+    Function("ceil", 1, math.ceil, np.ceil),
+    Function("round", 1, lambda v: float(builtins.round(v)), np.rint),
+    Function("pow", 2, lambda a, b: a**b, np.power),
+    Function("abs", 1, lambda v: v if v >= 0 else -v, np.abs, keeps_type=True),
+]}
 
 
 def const(value: Any, dtype: str | None = None, weak: bool | None = None) -> Const:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import builtins
-import math
 from typing import Any
 
 from ..ir import dtypes as dt
-from ..ir.nodes import Call, Const, Expr, Select, as_expr, binop
+from ..ir.nodes import FUNCTIONS, Call, Const, Expr, Select, as_expr, binop
 from ..ir.nodes import Cast as _CastNode
 
 
@@ -24,40 +22,35 @@ def _float_type(x: Expr) -> str:
     return x.dtype if dt.is_float(x.dtype) else "float32"
 
 
-def _make_unary(name: str, py_fn):
+def _make_unary(name: str):
+    fold = FUNCTIONS[name].fold
+
     @_expr_intrinsic
     def op(x: Any) -> Any:
         if _is_num(x):
-            return py_fn(x)
+            return fold(x)
         e = as_expr(x)
-        return Call(name, [e], _float_type(e))
+        return Call(name, [e], e.dtype if FUNCTIONS[name].keeps_type else _float_type(e))
 
     op.__name__ = name
     op.__doc__ = f"Elementwise {name} (computed in float32 for 16/8-bit floats)."
     return op
 
 
-exp = _make_unary("exp", math.exp)
-exp2 = _make_unary("exp2", lambda v: 2.0**v)
-log = _make_unary("log", math.log)
-log2 = _make_unary("log2", math.log2)
-sqrt = _make_unary("sqrt", math.sqrt)
-rsqrt = _make_unary("rsqrt", lambda v: 1.0 / math.sqrt(v))
-tanh = _make_unary("tanh", math.tanh)
-sin = _make_unary("sin", math.sin)
-cos = _make_unary("cos", math.cos)
-sigmoid = _make_unary("sigmoid", lambda v: 1.0 / (1.0 + math.exp(-v)))
-floor = _make_unary("floor", math.floor)
-ceil = _make_unary("ceil", math.ceil)
-round = _make_unary("round", lambda v: float(builtins.round(v)))  # noqa: A001
-
-
-@_expr_intrinsic
-def abs(x: Any) -> Any:  # noqa: A001 - TileLang's name
-    if _is_num(x):
-        return x if x >= 0 else -x
-    e = as_expr(x)
-    return Call("abs", [e], e.dtype)
+exp = _make_unary("exp")
+exp2 = _make_unary("exp2")
+log = _make_unary("log")
+log2 = _make_unary("log2")
+sqrt = _make_unary("sqrt")
+rsqrt = _make_unary("rsqrt")
+tanh = _make_unary("tanh")
+sin = _make_unary("sin")
+cos = _make_unary("cos")
+sigmoid = _make_unary("sigmoid")
+floor = _make_unary("floor")
+ceil = _make_unary("ceil")
+round = _make_unary("round")  # noqa: A001
+abs = _make_unary("abs")  # noqa: A001 - TileLang's name
 
 
 @_expr_intrinsic

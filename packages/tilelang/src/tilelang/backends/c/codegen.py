@@ -22,8 +22,6 @@ from ...ir.nodes import (
     AtomicAdd,
     BinOp,
     Buffer,
-    Call,
-    Cast,
     Const,
     Expr,
     For,
@@ -32,18 +30,16 @@ from ...ir.nodes import (
     Kernel,
     Let,
     Load,
-    Not,
     PrimFunc,
     Region,
-    Select,
     Seq,
     Stmt,
     Store,
-    Var,
     While,
     register_rules,
 )
 from ...ir.visit import walk_stmts
+from ..cexpr import C_MATH, CExprEmitter
 from .guard_memory import BoundsFail
 
 # kernel status codes (the function's return value); backend.py turns them into LaunchError
@@ -80,15 +76,14 @@ def float_literal(v: float, dtype: str) -> str:
     return f"{f32.hex()}f"
 
 
-_FN32 = {"exp": "expf", "exp2": "tl_exp2f", "log": "logf", "log2": "log2f", "sqrt": "sqrtf", "tanh": "tanhf",
-         "sin": "sinf", "cos": "cosf", "floor": "floorf", "ceil": "ceilf", "round": "rintf", "abs": "fabsf",
-         "pow": "powf", "sigmoid": "tl_sigmoidf"}
-_FN64 = {"exp": "exp", "exp2": "tl_exp2", "log": "log", "log2": "log2", "sqrt": "sqrt", "tanh": "tanh", "sin": "sin",
-         "cos": "cos", "floor": "floor", "ceil": "ceil", "round": "rint", "abs": "fabs", "pow": "pow",
-         "sigmoid": "tl_sigmoid"}
+# the C runtime's own exp2 (vectorizable) and sigmoid; the rest are libm's (backends/cexpr.py)
+_MATH = {**C_MATH, "exp2": ("tl_exp2f", "tl_exp2"), "sigmoid": ("tl_sigmoidf", "tl_sigmoid")}
 
 
-class CCodegen:
+class CCodegen(CExprEmitter):
+    TARGET = "C"
+    MATH = _MATH
+
     def __init__(self, func: PrimFunc) -> None:
         self.func = func
         self.lines: list[str] = []
@@ -134,61 +129,17 @@ class CCodegen:
             return f"tl_{_SHORT[b.dtype]}_to_f32({ref})"
         return ref
 
-    def expr(self, e: Expr) -> str:
-        if isinstance(e, Const):
-            return self.const(e)
-        if isinstance(e, Var):
-            return e.name
-        if isinstance(e, Load):
-            return self.load(e)
-        if isinstance(e, BinOp):
-            return self.binop(e)
-        if isinstance(e, Not):
-            return f"(!({self.expr(e.a)}))"
-        if isinstance(e, Cast):
-            inner = self.expr(e.value)
-            if e.dtype in _RAW:
-                return f"tl_round_{_SHORT[e.dtype]}((float)({inner}))"
-            if e.dtype == "bool":
-                return f"(({inner}) != 0)"
-            return f"(({ctype(e.dtype)})({inner}))"
-        if isinstance(e, Select):
-            return f"(({self.expr(e.cond)}) ? {self.cast_to(e.a, e.dtype)} : {self.cast_to(e.b, e.dtype)})"
-        if isinstance(e, Call):
-            t = dt.compute_type(e.dtype)
-            args = [self.cast_to(a, e.dtype) for a in e.args]
-            if dt.is_int(t):
-                if e.fn == "abs":
-                    return f"({args[0]} < 0 ? -{args[0]} : {args[0]})"
-                raise CompileError(f"T.{e.fn} on integer type {e.dtype} is not supported")
-            if e.fn == "rsqrt":
-                return f"(1.0f / sqrtf({args[0]}))" if t == "float32" else f"(1.0 / sqrt({args[0]}))"
-            table = _FN64 if t == "float64" else _FN32
-            return f"{table[e.fn]}({', '.join(args)})"
-        raise CompileError(f"C codegen: unknown expression {type(e).__name__}")
+    def value_ctype(self, dtype: str) -> str:
+        return ctype(dtype)
 
-    def binop(self, e: BinOp) -> str:
-        op = e.op
-        if op in ("and", "or"):
-            return f"({self.expr(e.a)} {'&&' if op == 'and' else '||'} {self.expr(e.b)})"
-        if op in ("<", "<=", ">", ">=", "==", "!="):
-            common = dt.promote(e.a.dtype, e.b.dtype)
-            return f"({self.cast_to(e.a, common)} {op} {self.cast_to(e.b, common)})"
-        a, b = self.cast_to(e.a, e.dtype), self.cast_to(e.b, e.dtype)
-        if op == "max":
-            return f"TL_MAX({a}, {b})"
-        if op == "min":
-            return f"TL_MIN({a}, {b})"
-        if dt.is_int(e.dtype) and op == "//":
-            return f"tl_floordiv({a}, {b})"
-        if dt.is_int(e.dtype) and op == "%":
-            return f"tl_floormod({a}, {b})"
-        if op == "//":
-            return f"floor{'f' if e.dtype == 'float32' else ''}({a} / {b})"
-        if op == "%":
-            f = "f" if e.dtype == "float32" else ""
-            return f"({a} - floor{f}({a} / {b}) * {b})"
-        return f"({a} {op} {b})"
+    def round_to(self, dtype: str, code: str) -> str | None:
+        return f"tl_round_{_SHORT[dtype]}((float)({code}))" if dtype in _RAW else None
+
+    def minmax(self, op: str, dtype: str, a: str, b: str) -> str:
+        return f"TL_{op.upper()}({a}, {b})"
+
+    def int_divmod(self, e: BinOp, a: str, b: str) -> str:
+        return f"tl_floor{'div' if e.op == '//' else 'mod'}({a}, {b})"
 
     def store_value(self, buf: Buffer, value: Expr) -> str:
         v = self.cast_to(value, buf.dtype) if buf.dtype not in _RAW else self.expr(value)

@@ -29,8 +29,6 @@ from ...ir.nodes import (
     Alloc,
     BinOp,
     Buffer,
-    Call,
-    Cast,
     Const,
     Copy,
     Expr,
@@ -40,10 +38,8 @@ from ...ir.nodes import (
     Kernel,
     Let,
     Load,
-    Not,
     PrimFunc,
     Region,
-    Select,
     Seq,
     Stmt,
     Store,
@@ -51,6 +47,7 @@ from ...ir.nodes import (
     register_rules,
 )
 from ...ir.visit import buffers_read, buffers_written, walk_expr, walk_stmts
+from ..cexpr import CExprEmitter
 from .common import _LOW, ParCtx, SmemInfo, _nonneg, cuda_type, esize, float_literal, log, value_type
 from .infer import LayoutInference, ParallelNest, infer_layouts
 from .rules import (
@@ -68,11 +65,6 @@ from .rules import (
 SMEM_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90 (227 KiB)
 SMEM_ALIGN = 128
 
-_FN32 = {"exp": "expf", "exp2": "exp2f", "log": "logf", "log2": "log2f", "sqrt": "sqrtf", "tanh": "tanhf",
-         "sin": "sinf", "cos": "cosf", "floor": "floorf", "ceil": "ceilf", "round": "rintf", "abs": "fabsf",
-         "pow": "powf"}
-_FN64 = {"exp": "exp", "exp2": "exp2", "log": "log", "log2": "log2", "sqrt": "sqrt", "tanh": "tanh", "sin": "sin",
-         "cos": "cos", "floor": "floor", "ceil": "ceil", "round": "rint", "abs": "fabs", "pow": "pow"}
 PRELUDE = r"""
 #include <tilehal/tilehal.cuh>
 template <typename T> __device__ __forceinline__ T tl_max(T a, T b) { return a > b ? a : b; }
@@ -85,9 +77,12 @@ template <typename T> __device__ __forceinline__ T tl_floormod(T a, T b) {
 
 
 
-class KernelCodegen(CopyRules, FillRules, GemmRules, ReduceRules, CumSumRules, AtomicRules, PipelineRules):
+class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, CumSumRules, AtomicRules,
+                    PipelineRules):
     """Lowers one T.Kernel; statements are lowered by their rule in the "cuda" / "cuda.parallel"
     tables (registered below; the tile ops' rules are the mixins of rules/)."""
+
+    TARGET = "CUDA"
 
     def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let]) -> None:
         self.func = func
@@ -208,66 +203,22 @@ class KernelCodegen(CopyRules, FillRules, GemmRules, ReduceRules, CumSumRules, A
             return self.const(Const(e.value, dtype))
         return f"(({value_type(dtype)})({code}))"
 
-    def expr(self, e: Expr) -> str:
-        if isinstance(e, Const):
-            return self.const(e)
-        if isinstance(e, Var):
-            return e.name
-        if isinstance(e, Load):
-            return self.load(e)
-        if isinstance(e, BinOp):
-            return self.binop(e)
-        if isinstance(e, Not):
-            return f"(!({self.expr(e.a)}))"
-        if isinstance(e, Cast):
-            inner = self.expr(e.value)
-            if e.dtype in _LOW:  # round to the narrow type, keep computing in float
-                return f"tilehal::to_float(tilehal::from_float<{cuda_type(e.dtype)}>((float)({inner})))"
-            if e.dtype == "bool":
-                return f"(({inner}) != 0)"
-            return f"(({value_type(e.dtype)})({inner}))"
-        if isinstance(e, Select):
-            return f"(({self.expr(e.cond)}) ? {self.cast_to(e.a, e.dtype)} : {self.cast_to(e.b, e.dtype)})"
-        if isinstance(e, Call):
-            t = dt.compute_type(e.dtype)
-            args = [self.cast_to(a, e.dtype) for a in e.args]
-            if dt.is_int(t):
-                if e.fn == "abs":
-                    return f"({args[0]} < 0 ? -{args[0]} : {args[0]})"
-                raise CompileError(f"T.{e.fn} on integer type {e.dtype} is not supported")
-            f64 = t == "float64"
-            if e.fn == "rsqrt":
-                return f"(1.0 / sqrt({args[0]}))" if f64 else f"(1.0f / sqrtf({args[0]}))"
-            if e.fn == "sigmoid":
-                return f"(1.0 / (1.0 + exp(-{args[0]})))" if f64 else f"(1.0f / (1.0f + expf(-{args[0]})))"
-            table = _FN64 if f64 else _FN32
-            if e.fn not in table:
-                raise CompileError(f"T.{e.fn} is not supported by the CUDA backend")
-            return f"{table[e.fn]}({', '.join(args)})"
-        raise CompileError(f"CUDA codegen: unknown expression {type(e).__name__}")
+    def value_ctype(self, dtype: str) -> str:
+        return value_type(dtype)
 
-    def binop(self, e: BinOp) -> str:
-        op = e.op
-        if op in ("and", "or"):
-            return f"({self.expr(e.a)} {'&&' if op == 'and' else '||'} {self.expr(e.b)})"
-        if op in ("<", "<=", ">", ">=", "==", "!="):
-            common = dt.promote(e.a.dtype, e.b.dtype)
-            return f"({self.cast_to(e.a, common)} {op} {self.cast_to(e.b, common)})"
-        a, b = self.cast_to(e.a, e.dtype), self.cast_to(e.b, e.dtype)
-        if op == "max":
-            return f"tl_max<{value_type(e.dtype)}>({a}, {b})"
-        if op == "min":
-            return f"tl_min<{value_type(e.dtype)}>({a}, {b})"
-        if dt.is_int(e.dtype) and op in ("//", "%"):
-            if _nonneg(e.a) and _nonneg(e.b):
-                return f"({a} {'/' if op == '//' else '%'} {b})"
-            return f"tl_floor{'div' if op == '//' else 'mod'}<{value_type(e.dtype)}>({a}, {b})"
-        if op == "//":
-            return f"floor{'f' if e.dtype == 'float32' else ''}({a} / {b})"
-        if op == "%":
-            f = "f" if e.dtype == "float32" else ""
-            return f"({a} - floor{f}({a} / {b}) * {b})"
-        return f"({a} {op} {b})"
+    def round_to(self, dtype: str, code: str) -> str | None:
+        """Round to the narrow type, keep computing in float."""
+        if dtype not in _LOW:
+            return None
+        return f"tilehal::to_float(tilehal::from_float<{cuda_type(dtype)}>((float)({code})))"
+
+    def minmax(self, op: str, dtype: str, a: str, b: str) -> str:
+        return f"tl_{op}<{value_type(dtype)}>({a}, {b})"
+
+    def int_divmod(self, e: BinOp, a: str, b: str) -> str:
+        if _nonneg(e.a) and _nonneg(e.b):
+            return f"({a} {'/' if e.op == '//' else '%'} {b})"
+        return f"tl_floor{'div' if e.op == '//' else 'mod'}<{value_type(e.dtype)}>({a}, {b})"
 
     # ---------------------------------------------------------------- memory references
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from ....errors import CompileError
 from ....ir import dtypes as dt
-from ....ir.nodes import Reduce
+from ....ir.nodes import REDUCE_OPS, Reduce
 from ..common import _LOW, float_literal, value_type
 
 
@@ -21,7 +21,7 @@ class ReduceRules:
         fs, fd = self.inf.layouts[src], self.inf.layouts[dst]
         acc_t = dt.compute_type(dst.dtype)
         ct = value_type(dst.dtype)
-        init = {"sum": 0.0, "abssum": 0.0, "max": float("-inf"), "absmax": 0.0, "min": float("inf")}[s.kind]
+        op, init = REDUCE_OPS[s.kind]
         if dt.is_int(acc_t) and math.isinf(init):
             info = np.iinfo(np.dtype(acc_t))
             init_c = str(int(info.max if init > 0 else info.min))
@@ -29,7 +29,6 @@ class ReduceRules:
             init_c = "0"
         else:
             init_c = float_literal(init, acc_t)
-        op = {"sum": "+", "abssum": "+", "max": "max", "absmax": "max", "min": "min"}[s.kind]
 
         def comb(a: str, b: str) -> str:
             return f"({a} + {b})" if op == "+" else f"tl_{op}<{ct}>({a}, {b})"
