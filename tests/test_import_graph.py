@@ -1,5 +1,5 @@
 """The stack's import graph, read from the source (nothing is imported): layers point down only,
-and no modules import each other in a circle.
+and no modules import each other in a circle (tilelang included).
 
 Every import statement counts, wherever it stands: at module level, inside a function (a lazy
 import), or under `if TYPE_CHECKING:` (a circle hidden from the interpreter is still one for
@@ -16,7 +16,10 @@ SOURCES = [*sorted((ROOT / "packages").glob("*/src")), ROOT / "src"]
 PEERS = {"tilelang", "deepgemm", "deepep", "kvpool", "dataengine"}
 STACK = PEERS | {"tilehal", "tilestack"}
 # Circles known and owned elsewhere: each entry names the issue that removes it.
-KNOWN_CYCLES: set[frozenset[str]] = set()
+KNOWN_CYCLES: set[frozenset[str]] = {
+    # issue 14: do_bench moves out of tilelang/profiler/__init__.py once the GPU do_bench (tlgpu) is on main
+    frozenset({"tilelang.profiler", "tilelang.runtime.profiler"}),
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -124,11 +127,12 @@ def test_layers_point_down():
     assert not wrong, "imports against the layering (DESIGN.md: peers never import each other):\n" + "\n".join(wrong)
 
 
-def test_no_import_cycles_outside_tilelang():
-    # tilelang is left to its own restructuring issue; its circles are not checked here.
-    found = [c for c in cycles(import_graph()) if not all(m.startswith("tilelang") for m in c)]
+def test_no_import_cycles():
+    found = cycles(import_graph())
     new = [sorted(c) for c in found if c not in KNOWN_CYCLES]
     assert not new, f"modules importing each other in a circle: {new}"
+    gone = [sorted(c) for c in KNOWN_CYCLES if c not in found]
+    assert not gone, f"listed as known but no longer a circle (remove from KNOWN_CYCLES): {gone}"
 
 
 def test_cycle_finder_finds_a_planted_circle():

@@ -23,7 +23,8 @@ from .highlevel import tensor_contract, tile_kernel
 from .ir.nodes import PrimFunc
 from .pass_config import PassConfigKey
 from .runtime.autotune import AutoTuner, autotune
-from .runtime.kernel import JITKernel, compile, jit  # noqa: A004
+from .runtime.jit import jit
+from .runtime.kernel import JITKernel, compile  # noqa: A004
 from .runtime.profiler import Profiler, TensorSupplyType
 from .utils.math import cdiv, next_power_of_2
 

@@ -343,19 +343,3 @@ def _hashable(v: Any) -> Any:
         return v
     except TypeError:
         return repr(v)
-
-
-def jit(func: Callable | None = None, *, out_idx: Any = None, target: str = "auto", pass_configs: dict | None = None,
-        **_: Any) -> Any:
-    """Decorator: `@tilelang.jit(out_idx=[-1])` on a factory that builds and returns a `@T.prim_func`."""
-
-    def wrap(fn: Callable) -> Any:
-        from ..frontend.eager import is_eager_style
-
-        if is_eager_style(fn):  # the function's body is the kernel (T.const / T.empty / with T.Kernel)
-            from .eager import EagerJIT
-
-            return EagerJIT(fn, target, pass_configs, out_idx)
-        return JITFactory(fn, out_idx, target, pass_configs)
-
-    return wrap(func) if func is not None else wrap
