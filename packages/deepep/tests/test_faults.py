@@ -1,4 +1,5 @@
-"""A dead or stalled peer gives CommTimeoutError (rank + stage) within the timeout, never a hang."""
+"""A dead or stalled peer gives CommTimeoutError (rank, stage, and the peer that stopped answering) within the
+timeout, never a hang."""
 
 import pytest
 
@@ -12,6 +13,7 @@ def test_killed_rank_4_ranks(ranks):
         assert err["elapsed"] < timeout_s + 2.0, err
         assert err["rank"] == rank and err["stage"].startswith("dispatch/"), err
         assert f"rank {rank}" in err["msg"] and "dispatch/" in err["msg"]
+        assert err["peer"] == 3 and "waiting for rank 3" in err["msg"], err  # the peer that stopped answering
 
 
 def test_stalled_rank_times_out(ranks):
@@ -20,3 +22,4 @@ def test_stalled_rank_times_out(ranks):
     err = out[0]
     assert timeout_s - 0.1 < err["elapsed"] < timeout_s + 2.0, err
     assert err["rank"] == 0 and err["stage"] == "dispatch/counts" and "timed out" in err["msg"]
+    assert err["peer"] == 1 and "waiting for rank 1" in err["msg"], err

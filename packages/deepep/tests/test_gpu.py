@@ -41,7 +41,7 @@ def test_nvlink_stalled_peer_times_out(ranks):
     out = ranks(WORLD, "nvlink_stalled_peer", comm_timeout_s=2.0, backend="nccl", timeout_s=120)
     err = out[0]
     assert err["elapsed"] < 2.0 + 3.0, err
-    assert err["rank"] == 0 and err["stage"].startswith("dispatch/"), err
+    assert err["rank"] == 0 and err["stage"].startswith("dispatch/") and 0 < err["peer"] < WORLD, err
 
 
 def test_nvlink_layout_kernel(ranks):

@@ -275,7 +275,7 @@ def killed_rank(rank: int, world: int, victim: int, comm_timeout_s: float) -> di
         buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
     except CommTimeoutError as e:
         elapsed = time.monotonic() - t0
-        err = {"elapsed": elapsed, "rank": e.rank, "stage": e.stage, "msg": str(e)}
+        err = {"elapsed": elapsed, "rank": e.rank, "stage": e.stage, "msg": str(e), "peer": e.peer}
     else:
         raise AssertionError("dispatch with a dead peer returned")
     # The survivors form a new group and carry on with the same Buffer.
@@ -304,7 +304,7 @@ def stalled_rank(rank: int, world: int, comm_timeout_s: float) -> dict | None:
     try:
         buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
     except CommTimeoutError as e:
-        return {"elapsed": time.monotonic() - t0, "rank": e.rank, "stage": e.stage, "msg": str(e)}
+        return {"elapsed": time.monotonic() - t0, "rank": e.rank, "stage": e.stage, "msg": str(e), "peer": e.peer}
     raise AssertionError("dispatch with a stalled peer returned")
 
 
@@ -397,7 +397,7 @@ def nvlink_stalled_peer(rank: int, world: int, comm_timeout_s: float) -> dict | 
     try:
         buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
     except CommTimeoutError as e:
-        return {"elapsed": time.monotonic() - t0, "rank": e.rank, "stage": e.stage, "msg": str(e)}
+        return {"elapsed": time.monotonic() - t0, "rank": e.rank, "stage": e.stage, "msg": str(e), "peer": e.peer}
     raise AssertionError("NVLink dispatch with a stalled peer returned")
 
 

@@ -17,11 +17,14 @@ def _pause(waited_s: float) -> None:
         time.sleep(1e-4)
 
 
-def comm_error(rank: int, stage: str, detail: str) -> CommTimeoutError:
-    return CommTimeoutError(f"deepep rank {rank}: stage '{stage}' {detail}", rank=rank, stage=stage)
+def comm_error(rank: int, stage: str, detail: str, peer: int | None = None) -> CommTimeoutError:
+    """CommTimeoutError from `rank` (global) at `stage`; `peer`: the global rank that stopped answering."""
+    who = f" (waiting for rank {peer})" if peer is not None else ""
+    return CommTimeoutError(f"deepep rank {rank}: stage '{stage}' {detail}{who}", rank=rank, stage=stage, peer=peer)
 
 
-def wait_work(work: Any, *, rank: int, stage: str, timeout_s: float, peers: object = None) -> None:
+def wait_work(work: Any, *, rank: int, stage: str, timeout_s: float, peers: object = None,
+              peer: int | None = None) -> None:
     """Wait for a torch.distributed Work by polling `is_completed()` until the deadline.
 
     Polling (not `work.wait(timeout)`) because NCCL's wait only orders streams and Gloo's may
@@ -34,20 +37,21 @@ def wait_work(work: Any, *, rank: int, stage: str, timeout_s: float, peers: obje
         now = time.monotonic()
         if now > deadline:
             who = f" waiting on ranks {peers}" if peers is not None else ""
-            raise comm_error(rank, stage, f"timed out after {timeout_s:.1f} s{who} (dead or stuck peer?)")
+            raise comm_error(rank, stage, f"timed out after {timeout_s:.1f} s{who} (dead or stuck peer?)", peer)
         _pause(now - start)
     try:
         work.wait()
     except Exception as e:  # a peer's closed connection surfaces here (Gloo) as RuntimeError
-        raise comm_error(rank, stage, f"failed: {type(e).__name__}: {e}") from e
+        raise comm_error(rank, stage, f"failed: {type(e).__name__}: {e}", peer) from e
 
 
-def spin_until(predicate: Any, *, rank: int, stage: str, timeout_s: float, detail: str = "") -> None:
+def spin_until(predicate: Any, *, rank: int, stage: str, timeout_s: float, detail: str = "",
+               peer: int | None = None) -> None:
     """Poll a host-side condition (e.g. a flag a kernel writes to pinned memory) with a deadline."""
     start = time.monotonic()
     deadline = start + timeout_s
     while not predicate():
         now = time.monotonic()
         if now > deadline:
-            raise comm_error(rank, stage, f"timed out after {timeout_s:.1f} s {detail}".rstrip())
+            raise comm_error(rank, stage, f"timed out after {timeout_s:.1f} s {detail}".rstrip(), peer)
         _pause(now - start)

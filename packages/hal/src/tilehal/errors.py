@@ -42,11 +42,14 @@ class CacheError(TileStackError, OSError):
 
 
 class CommTimeoutError(TileStackError, TimeoutError):
-    """A communication wait ran past its deadline (dead or stuck peer)."""
+    """A communication wait ran past its deadline (dead or stuck peer). `rank`: the reporting rank;
+    `stage`: what it was doing; `peer`: the rank (of the group) that stopped answering, when known."""
 
-    def __init__(self, message: str, rank: int | None = None, stage: str | None = None) -> None:
+    def __init__(self, message: str, rank: int | None = None, stage: str | None = None,
+                 peer: int | None = None) -> None:
         self.rank = rank
         self.stage = stage
+        self.peer = peer
         super().__init__(message)
 
 

@@ -39,13 +39,14 @@ class TorchDistTransport:
         self._a2a_start(out, inp, out_splits, in_splits, stage)()
 
     def _a2a_start(self, out, inp, out_splits, in_splits, stage, masked: frozenset[int] = frozenset(),
-                   wait_ns: torch.Tensor | None = None) -> Callable[[], None]:
+                   wait_ns: torch.Tensor | None = None, name_peer: bool = False) -> Callable[[], None]:
         """Issue the all-to-all; the returned callable waits for it (bounded).
 
         `masked` peers take no part (nothing is sent to or received from them: their slices of `out`
         are left as they are), so the others go on without a failed rank. `wait_ns` (int64 [R]) gets
-        the nanoseconds spent waiting for each peer's data added. Both use paired send/recv."""
-        if masked or wait_ns is not None:
+        the nanoseconds spent waiting for each peer's data added. Both use paired send/recv, as does
+        `name_peer` on Gloo (one work per peer: a timeout names the peer that did not answer)."""
+        if masked or wait_ns is not None or (name_peer and "gloo" in self.backend):
             return self._p2p_a2a(out, inp, out_splits, in_splits, stage, masked, wait_ns)
         if not self._use_p2p:
             try:
@@ -67,7 +68,7 @@ class TorchDistTransport:
         rows_out = out_splits if out_splits is not None else [out.shape[0] // n] * n
         sends = torch.split(inp, rows_in)
         recvs = torch.split(out, rows_out)
-        ops, owner = [], []
+        ops, owner, peer_of = [], [], []
         for peer in range(n):
             g = dist.get_global_rank(self.group, peer) if self.group is not dist.group.WORLD else peer
             if peer == self.rank:
@@ -78,31 +79,44 @@ class TorchDistTransport:
             if rows_in[peer]:
                 ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), g, group=self.group))
                 owner.append(-1)
+                peer_of.append(g)
             if rows_out[peer]:
                 ops.append(dist.P2POp(dist.irecv, recvs[peer], g, group=self.group))
                 owner.append(peer)
-        works = dist.batch_isend_irecv(ops) if ops else []
+                peer_of.append(g)
+        if "gloo" in self.backend:
+            # One call per op: Gloo raises at once for a peer whose connection closed; name that peer.
+            works = []
+            for op, g in zip(ops, peer_of):
+                try:
+                    works.append(op.op(op.tensor, op.peer, group=op.group))
+                except RuntimeError as e:
+                    raise comm_error(self.global_rank, stage, f"failed: {type(e).__name__}: {e}", g) from e
+        else:
+            works = dist.batch_isend_irecv(ops) if ops else []
 
         def finish() -> None:
             per_op = len(works) == len(owner)  # NCCL may coalesce the batch into one work
+            deadline = time.monotonic() + self.timeout_s  # one deadline for all of this exchange's works
             for i, w in enumerate(works):
                 peer = owner[i] if per_op else -1
                 t0 = time.perf_counter_ns()
-                self._wait_p2p(w, stage)
+                self._wait_p2p(w, stage, deadline, peer_of[i] if per_op else None)
                 if wait_ns is not None and peer >= 0:
                     wait_ns[peer] += time.perf_counter_ns() - t0
         return finish
 
-    def _wait_p2p(self, work: object, stage: str) -> None:
+    def _wait_p2p(self, work: object, stage: str, deadline: float, peer: int | None) -> None:
+        left = max(deadline - time.monotonic(), 1e-3)
         if "gloo" not in self.backend:
-            wait_work(work, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)
+            wait_work(work, rank=self.global_rank, stage=stage, timeout_s=left, peer=peer)
             return
         # Gloo's send/recv works report completion only from wait(), which takes a deadline itself.
         try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            work.wait(datetime.timedelta(seconds=left))
         except RuntimeError as e:
             raise comm_error(self.global_rank, stage, f"timed out or failed after {self.timeout_s:.1f} s "
-                             f"(dead or stuck peer?): {e}") from e
+                             f"(dead or stuck peer?): {e}", peer) from e
 
     # ------------------------------------------------------------------ public
 
@@ -111,7 +125,8 @@ class TorchDistTransport:
         for masked peers)."""
         send = counts.to(device=self.device, dtype=torch.int64).contiguous()
         recv = torch.zeros_like(send)
-        self._a2a_start(recv, send, None, None, stage, masked)()
+        # The first exchange of a call: where a dead or absent peer shows; name it where the backend can.
+        self._a2a_start(recv, send, None, None, stage, masked, name_peer=True)()
         return recv.cpu()
 
     def gather_counts(self, counts: torch.Tensor, stage: str) -> torch.Tensor:

@@ -169,7 +169,13 @@ class NvlinkContext:
             raise CommTimeoutError(
                 f"deepep rank {self.global_rank}: stage '{name}' timed out after {self.timeout_s:.1f} s waiting "
                 f"for rank {peer} of the group (NVLink kernel); call Buffer.reset()", rank=self.global_rank,
-                stage=name)
+                stage=name, peer=self.global_rank_of(peer))
+
+    def global_rank_of(self, rank: int) -> int:
+        """The global rank of `rank` of this context's group (itself for emulated ranks)."""
+        if self.group is None or self.group is dist.group.WORLD:
+            return rank
+        return dist.get_global_rank(self.group, rank)
 
     def destroy(self) -> None:
         try:
