@@ -7,6 +7,10 @@ CASES maps a name to (factory, args, make_inputs(device), reference(*inputs) -> 
 """
 
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import tilelang
 import tilelang.language as T
 import torch
@@ -157,85 +161,19 @@ def topk(M, N, k, blk_m=64, threads=128):
 # ---------------------------------------------------------------- attention
 
 
-@tilelang.jit(out_idx=[3])
-def flash_attention(batch, heads, seq_len, dim, is_causal, groups=1, layout="bhsd", block_M=64, block_N=64,
-                    num_stages=1, threads=128, dtype="float16"):
-    """MHA (groups=1) or GQA (heads // groups KV heads), bhsd or bshd, causal or not."""
-    scale = (1.0 / dim) ** 0.5 * 1.44269504
-    kv_heads = heads // groups
-    if layout == "bhsd":
-        q_shape, kv_shape = [batch, heads, seq_len, dim], [batch, kv_heads, seq_len, dim]
-    else:
-        q_shape, kv_shape = [batch, seq_len, heads, dim], [batch, seq_len, kv_heads, dim]
-    accum = "float"
+def _load_example(name: str):
+    """An example file by path (examples/ is not a package); the flash-attention source lives there once."""
+    key = f"tilelang_example_{name}"
+    if key not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(key, path)
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
 
-    @T.prim_func
-    def main(Q: T.Tensor(q_shape, dtype), K: T.Tensor(kv_shape, dtype), V: T.Tensor(kv_shape, dtype),
-             Output: T.Tensor(q_shape, dtype)):
-        with T.Kernel(T.ceildiv(seq_len, block_M), heads, batch, threads=threads) as (bx, by, bz):
-            Q_shared = T.alloc_shared([block_M, dim], dtype)
-            K_shared = T.alloc_shared([block_N, dim], dtype)
-            V_shared = T.alloc_shared([block_N, dim], dtype)
-            O_shared = T.alloc_shared([block_M, dim], dtype)
-            acc_s = T.alloc_fragment([block_M, block_N], accum)
-            acc_s_cast = T.alloc_fragment([block_M, block_N], dtype)
-            acc_o = T.alloc_fragment([block_M, dim], accum)
-            scores_max = T.alloc_fragment([block_M], accum)
-            scores_max_prev = T.alloc_fragment([block_M], accum)
-            scores_scale = T.alloc_fragment([block_M], accum)
-            scores_sum = T.alloc_fragment([block_M], accum)
-            logsum = T.alloc_fragment([block_M], accum)
 
-            if layout == "bhsd":
-                T.copy(Q[bz, by, bx * block_M:(bx + 1) * block_M, :], Q_shared)
-            else:
-                T.copy(Q[bz, bx * block_M:(bx + 1) * block_M, by, :], Q_shared)
-            T.fill(acc_o, 0)
-            T.fill(logsum, 0)
-            T.fill(scores_max, -T.infinity(accum))
-            loop_range = (T.min(T.ceildiv(seq_len, block_N), T.ceildiv((bx + 1) * block_M, block_N))
-                          if is_causal else T.ceildiv(seq_len, block_N))
-            for k in T.Pipelined(loop_range, num_stages=num_stages):
-                if layout == "bhsd":
-                    T.copy(K[bz, by // groups, k * block_N:(k + 1) * block_N, :], K_shared)
-                else:
-                    T.copy(K[bz, k * block_N:(k + 1) * block_N, by // groups, :], K_shared)
-                if is_causal:
-                    for i, j in T.Parallel(block_M, block_N):
-                        acc_s[i, j] = T.if_then_else(bx * block_M + i >= k * block_N + j, 0, -T.infinity(accum))
-                else:
-                    for i, j in T.Parallel(block_M, block_N):
-                        acc_s[i, j] = T.if_then_else(k * block_N + j < seq_len, 0, -T.infinity(accum))
-                T.gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(scores_max, scores_max_prev)
-                T.fill(scores_max, -T.infinity(accum))
-                T.reduce_max(acc_s, scores_max, dim=1, clear=False)
-                for i in T.Parallel(block_M):
-                    scores_max[i] = T.max(scores_max[i], scores_max_prev[i])
-                for i in T.Parallel(block_M):
-                    scores_scale[i] = T.exp2(scores_max_prev[i] * scale - scores_max[i] * scale)
-                for i, j in T.Parallel(block_M, dim):
-                    acc_o[i, j] *= scores_scale[i]
-                for i, j in T.Parallel(block_M, block_N):
-                    acc_s[i, j] = T.exp2(acc_s[i, j] * scale - scores_max[i] * scale)
-                T.reduce_sum(acc_s, scores_sum, dim=1)
-                for i in T.Parallel(block_M):
-                    logsum[i] = logsum[i] * scores_scale[i] + scores_sum[i]
-                T.copy(acc_s, acc_s_cast)
-                if layout == "bhsd":
-                    T.copy(V[bz, by // groups, k * block_N:(k + 1) * block_N, :], V_shared)
-                else:
-                    T.copy(V[bz, k * block_N:(k + 1) * block_N, by // groups, :], V_shared)
-                T.gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-            for i, j in T.Parallel(block_M, dim):
-                acc_o[i, j] /= logsum[i]
-            T.copy(acc_o, O_shared)
-            if layout == "bhsd":
-                T.copy(O_shared, Output[bz, by, bx * block_M:(bx + 1) * block_M, :])
-            else:
-                T.copy(O_shared, Output[bz, bx * block_M:(bx + 1) * block_M, by, :])
-
-    return main
+# MHA (groups=1) or GQA (heads // groups KV heads), bhsd or bshd, causal or not: examples/flash_attention.py
+flash_attention = _load_example("flash_attention").flashattn
 
 
 @tilelang.jit(out_idx=[-1])
@@ -449,7 +387,8 @@ def cases(size: str = "small") -> dict:
                 qs = (b, h, s, dd) if layout == "bhsd" else (b, s, h, dd)
                 ks = (b, kvh, s, dd) if layout == "bhsd" else (b, s, kvh, dd)
                 name = f"fa_{'mha' if groups == 1 else 'gqa'}_{layout}_{'causal' if causal else 'full'}"
-                c[name] = (flash_attention, (b, h, s, dd, causal, groups, layout), _fa_inputs(qs, ks),
+                c[name] = (flash_attention, (b, h, s, dd, causal, 64, 64, 1, 128, "float16", groups, layout),
+                           _fa_inputs(qs, ks),
                            _fa_ref(causal, layout, groups), 2e-2)
     db, dh, dkvh, ds, dd = (4, 32, 8, 4096, 128) if big else (1, 16, 4, 256, 32)
     c["flash_decoding"] = (flash_decoding, (db, dh, dkvh, ds, dd, 4),
