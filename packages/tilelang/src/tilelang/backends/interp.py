@@ -50,6 +50,7 @@ from ..ir.nodes import (
     While,
     register_rules,
 )
+from ..ir.visit import seq_rule
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -246,10 +247,6 @@ class Interpreter:
 
     # ------------------------------------------------------------ rules (the "interp" table)
 
-    def seq(self, s: Seq) -> None:
-        for c in s.body:
-            self.stmt(c)
-
     def kernel(self, s: Kernel) -> None:
         grid = [int(self.expr(g)) for g in s.grid]
         for idx in itertools.product(*(range(n) for n in grid)):
@@ -394,7 +391,7 @@ class Interpreter:
 _COMBINE = {"+": np.add, "max": np.maximum, "min": np.minimum}  # REDUCE_OPS operators
 
 register_rules("interp", {
-    Seq: Interpreter.seq, Kernel: Interpreter.kernel, Alloc: Interpreter.alloc, For: Interpreter.loop,
+    Seq: seq_rule, Kernel: Interpreter.kernel, Alloc: Interpreter.alloc, For: Interpreter.loop,
     Let: Interpreter.let, Store: Interpreter.store_stmt, While: Interpreter.while_, If: Interpreter.if_,
     Copy: Interpreter.copy, Fill: Interpreter.fill, Gemm: Interpreter.gemm, Reduce: Interpreter.reduce,
     CumSum: Interpreter.cumsum, AtomicAdd: Interpreter.atomic_add,

@@ -22,7 +22,16 @@ from . import dtypes as dt
 
 
 class Expr:
+    """An expression. Each class owns its structure: `children()` and `rebuild(children)` (a copy
+    with new children; leaves return themselves), so walkers never test expression classes."""
+
     dtype: str
+
+    def children(self) -> list[Expr]:
+        return []
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return self
 
     # Operator overloads let meta-level Python (e.g. `T.dynamic("M") * 2` in a factory) build IR.
     def __add__(self, o): return binop("+", self, o)
@@ -67,11 +76,23 @@ class BinOp(Expr):
     b: Expr
     dtype: str
 
+    def children(self) -> list[Expr]:
+        return [self.a, self.b]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return BinOp(self.op, children[0], children[1], self.dtype)
+
 
 @dataclass(eq=False)
 class Not(Expr):
     a: Expr
     dtype: str = "bool"
+
+    def children(self) -> list[Expr]:
+        return [self.a]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return Not(children[0])
 
 
 @dataclass(eq=False)
@@ -80,11 +101,23 @@ class Call(Expr):
     args: list[Expr]
     dtype: str
 
+    def children(self) -> list[Expr]:
+        return list(self.args)
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return Call(self.fn, children, self.dtype)
+
 
 @dataclass(eq=False)
 class Cast(Expr):
     value: Expr
     dtype: str
+
+    def children(self) -> list[Expr]:
+        return [self.value]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return Cast(children[0], self.dtype)
 
 
 @dataclass(eq=False)
@@ -93,6 +126,12 @@ class Select(Expr):
     a: Expr
     b: Expr
     dtype: str
+
+    def children(self) -> list[Expr]:
+        return [self.cond, self.a, self.b]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return Select(children[0], children[1], children[2], self.dtype)
 
 
 @dataclass(eq=False)
@@ -103,6 +142,12 @@ class Load(Expr):
     @property
     def dtype(self) -> str:  # arithmetic type of the loaded value
         return dt.compute_type(self.buffer.dtype)
+
+    def children(self) -> list[Expr]:
+        return list(self.indices)
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return Load(self.buffer, children)
 
 
 COMPARE_OPS = ("<", "<=", ">", ">=", "==", "!=")

@@ -5,16 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from .nodes import (
-    BinOp,
     Buffer,
-    Call,
-    Cast,
-    Const,
     Expr,
     Load,
-    Not,
     Region,
-    Select,
     Stmt,
     Var,
 )
@@ -30,25 +24,19 @@ def walk_stmts(s: Stmt) -> Iterator[Stmt]:
         yield from walk_stmts(c)
 
 
+def seq_rule(walker, s: Stmt) -> None:
+    """The Seq rule of every walker with a `stmt(s)` entry: its statements in order."""
+    for c in s.body:
+        walker.stmt(c)
+
+
 def child_exprs(e: Expr) -> list[Expr]:
-    if isinstance(e, BinOp):
-        return [e.a, e.b]
-    if isinstance(e, Not):
-        return [e.a]
-    if isinstance(e, Call):
-        return list(e.args)
-    if isinstance(e, Cast):
-        return [e.value]
-    if isinstance(e, Select):
-        return [e.cond, e.a, e.b]
-    if isinstance(e, Load):
-        return list(e.indices)
-    return []
+    return e.children()
 
 
 def walk_expr(e: Expr) -> Iterator[Expr]:
     yield e
-    for c in child_exprs(e):
+    for c in e.children():
         yield from walk_expr(c)
 
 
@@ -90,21 +78,8 @@ class Transformer:
     """Rebuilds statements and expressions; override `expr`/`stmt` hooks and call super()."""
 
     def expr(self, e: Expr) -> Expr:
-        if isinstance(e, (Const, Var)):
-            return e
-        if isinstance(e, BinOp):
-            return BinOp(e.op, self.expr(e.a), self.expr(e.b), e.dtype)
-        if isinstance(e, Not):
-            return Not(self.expr(e.a))
-        if isinstance(e, Call):
-            return Call(e.fn, [self.expr(a) for a in e.args], e.dtype)
-        if isinstance(e, Cast):
-            return Cast(self.expr(e.value), e.dtype)
-        if isinstance(e, Select):
-            return Select(self.expr(e.cond), self.expr(e.a), self.expr(e.b), e.dtype)
-        if isinstance(e, Load):
-            return Load(e.buffer, [self.expr(i) for i in e.indices])
-        raise TypeError(f"Transformer: unknown expression {type(e).__name__}")
+        """The rebuilt expression (each expression class rebuilds itself from its rebuilt children)."""
+        return e.rebuild([self.expr(c) for c in e.children()])
 
     def region(self, r: Region) -> Region:
         return Region(r.buffer, [self.expr(x) for x in r.starts], list(r.extents), r.loc)

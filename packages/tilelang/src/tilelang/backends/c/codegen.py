@@ -38,7 +38,7 @@ from ...ir.nodes import (
     While,
     register_rules,
 )
-from ...ir.visit import walk_stmts
+from ...ir.visit import seq_rule, walk_stmts
 from ..cexpr import C_MATH, CExprEmitter
 from .guard_memory import BoundsFail
 
@@ -161,10 +161,6 @@ class CCodegen(CExprEmitter):
         s.apply("cpu", self, "C codegen: {op} should have been lowered")
 
     # ------------------------------------------------------------ rules (the "cpu" table)
-
-    def seq(self, s: Seq) -> None:
-        for c in s.body:
-            self.stmt(c)
 
     def alloc(self, s: Alloc) -> None:
         if s.buffer.scope == "var":
@@ -349,7 +345,7 @@ class CCodegen(CExprEmitter):
 
 
 # what the C backend emits itself; the other tile ops were lowered to loops (passes/lower_tile_ops.py)
-register_rules("cpu", {Seq: CCodegen.seq, Alloc: CCodegen.alloc, For: CCodegen.for_, Let: CCodegen.let,
+register_rules("cpu", {Seq: seq_rule, Alloc: CCodegen.alloc, For: CCodegen.for_, Let: CCodegen.let,
                        Store: CCodegen.store, While: CCodegen.while_, If: CCodegen.if_, Gemm: CCodegen.gemm,
                        AtomicAdd: CCodegen.atomic_add, Kernel: CCodegen.nested_kernel,
                        BoundsFail: CCodegen.bounds_fail})

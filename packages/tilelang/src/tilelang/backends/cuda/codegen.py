@@ -46,7 +46,7 @@ from ...ir.nodes import (
     Var,
     register_rules,
 )
-from ...ir.visit import buffers_read, buffers_written, walk_expr, walk_stmts
+from ...ir.visit import buffers_read, buffers_written, seq_rule, walk_expr, walk_stmts
 from ..cexpr import CExprEmitter
 from .common import _LOW, ParCtx, SmemInfo, _nonneg, cuda_type, esize, float_literal, log, value_type
 from .infer import LayoutInference, ParallelNest, infer_layouts
@@ -336,10 +336,6 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
 
     # ---------------------------------------------------------------- rules (the "cuda" table)
 
-    def seq(self, s: Seq) -> None:
-        for c in s.body:
-            self.stmt(c)
-
     def let(self, s: Let) -> None:
         self.emit(f"const {value_type(s.var.dtype)} {s.var.name} = {self.expr(s.value)};")
 
@@ -541,10 +537,6 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
         s.apply("cuda.parallel", self, "{op} inside a T.Parallel loop is not supported on cuda")
 
     # ---------------------------------------------------------------- rules (the "cuda.parallel" table)
-
-    def par_seq(self, s: Seq) -> None:
-        for c in s.body:
-            self.par_stmt(c)
 
     def par_store(self, s: Store) -> None:
         line = f"{self.ref(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};"
@@ -788,9 +780,9 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
 
 
 # statements at the uniform level of a kernel, and inside T.Parallel loops; the tile ops' rules are in rules/
-register_rules("cuda", {Seq: KernelCodegen.seq, Alloc: KernelCodegen.alloc, Let: KernelCodegen.let,
+register_rules("cuda", {Seq: seq_rule, Alloc: KernelCodegen.alloc, Let: KernelCodegen.let,
                         If: KernelCodegen.if_, For: KernelCodegen.for_, Store: KernelCodegen.store, **UNIFORM})
-register_rules("cuda.parallel", {Seq: KernelCodegen.par_seq, Store: KernelCodegen.par_store,
+register_rules("cuda.parallel", {Seq: seq_rule, Store: KernelCodegen.par_store,
                                  Let: KernelCodegen.let, If: KernelCodegen.par_if, For: KernelCodegen.par_for,
                                  Alloc: KernelCodegen.par_alloc, **IN_PARALLEL})
 
