@@ -11,6 +11,7 @@ import tilelang
 import tilelang.language as T
 from tilelang.backends import interp  # noqa: F401 - registers the "interp" table
 from tilelang.backends.c import codegen as c_codegen  # noqa: F401 - registers the "cpu" table
+from tilelang.backends.c import lower_tile_ops  # noqa: F401 - registers the "cpu.lower" table
 from tilelang.backends.cexpr import C_MATH
 from tilelang.backends.cuda import codegen as cuda_codegen  # noqa: F401 - registers the "cuda" tables
 from tilelang.ir.nodes import (
@@ -29,7 +30,6 @@ from tilelang.ir.nodes import (
 )
 from tilelang.ir.verifier import verify
 from tilelang.ir.visit import buffers_read, buffers_written, map_stmt, walk_stmts
-from tilelang.passes import lower_tile_ops  # noqa: F401 - registers the "cpu.lower" table
 from tilelang.passes.dce import dce
 
 OPS = [Copy, Gemm, Fill, Reduce, CumSum, AtomicAdd]

@@ -121,10 +121,10 @@ def test_autotune_picks_and_caches(tmp_path, monkeypatch):
 
 
 def test_passes_simplify_dce_fuse():
+    from tilelang.backends.c.fuse_parallel import fuse_parallel
     from tilelang.ir.nodes import For
     from tilelang.ir.visit import walk_stmts
     from tilelang.passes.dce import dce
-    from tilelang.passes.fuse_parallel import fuse_parallel
     from tilelang.passes.simplify import simplify
 
     @T.prim_func

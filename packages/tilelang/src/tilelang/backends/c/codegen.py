@@ -344,7 +344,7 @@ class CCodegen(CExprEmitter):
         self.emit("}")
 
 
-# what the C backend emits itself; the other tile ops were lowered to loops (passes/lower_tile_ops.py)
+# what the C backend emits itself; the other tile ops were lowered to loops (backends/c/lower_tile_ops.py)
 register_rules("cpu", {Seq: seq_rule, Alloc: CCodegen.alloc, For: CCodegen.for_, Let: CCodegen.let,
                        Store: CCodegen.store, While: CCodegen.while_, If: CCodegen.if_, Gemm: CCodegen.gemm,
                        AtomicAdd: CCodegen.atomic_add, Kernel: CCodegen.nested_kernel,

@@ -5,12 +5,12 @@ from __future__ import annotations
 from ...ir.verifier import verify
 from ...passes.checks import check_shapes
 from ...passes.dce import dce
-from ...passes.elide_copies import elide_gemm_copies
-from ...passes.fuse_parallel import fuse_parallel
-from ...passes.lower_tile_ops import lower_tile_ops
 from ...passes.simplify import simplify
-from ...passes.vectorize import vectorize_hints
+from .elide_copies import elide_gemm_copies
+from .fuse_parallel import fuse_parallel
 from .guard_memory import check_local_accesses, guard_global_accesses
+from .lower_tile_ops import lower_tile_ops
+from .vectorize import vectorize_hints
 
 
 def verify_lowered(func):

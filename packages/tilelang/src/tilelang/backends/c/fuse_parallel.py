@@ -7,9 +7,9 @@ nest depends only on iteration i of the first.
 
 from __future__ import annotations
 
-from ..ir.nodes import Alloc, Buffer, Const, Expr, For, If, Let, Load, PrimFunc, Seq, Stmt, Store, Var
-from ..ir.printer import print_expr
-from ..ir.visit import Transformer, map_stmt, stmt_exprs, walk_expr, walk_stmts
+from ...ir.nodes import Alloc, Buffer, Const, Expr, For, If, Let, Load, PrimFunc, Seq, Stmt, Store, Var
+from ...ir.printer import print_expr
+from ...ir.visit import Transformer, map_stmt, stmt_exprs, walk_expr, walk_stmts
 
 
 def _nest(s: Stmt) -> tuple[list[Var], list[int], Stmt] | None:

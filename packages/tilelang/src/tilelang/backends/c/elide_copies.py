@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 
-from ..ir.nodes import Const, Copy, For, Gemm, If, Kernel, PrimFunc, Region, Seq, Stmt, binop
-from ..ir.visit import buffers_read, buffers_written, map_stmt, walk_stmts
-from .simplify import simplify_expr
+from ...ir.nodes import Const, Copy, For, Gemm, If, Kernel, PrimFunc, Region, Seq, Stmt, binop
+from ...ir.visit import buffers_read, buffers_written, map_stmt, walk_stmts
+from ...passes.simplify import simplify_expr
 
 log = logging.getLogger("tilelang.passes.elide_copies")
 

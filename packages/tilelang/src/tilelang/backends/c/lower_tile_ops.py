@@ -12,8 +12,8 @@ from __future__ import annotations
 import itertools
 import logging
 
-from ..ir import dtypes as dt
-from ..ir.nodes import (
+from ...ir import dtypes as dt
+from ...ir.nodes import (
     REDUCE_OPS,
     Alloc,
     AtomicAdd,
@@ -39,8 +39,8 @@ from ..ir.nodes import (
     const,
     register_rules,
 )
-from ..ir.visit import map_stmt
-from .simplify import simplify_expr
+from ...ir.visit import map_stmt
+from ...passes.simplify import simplify_expr
 
 _ids = itertools.count()
 log = logging.getLogger("tilelang.passes.lower_tile_ops")
@@ -144,7 +144,7 @@ def lower_reduce(s: Reduce) -> Stmt:
         init = int(info.max if init > 0 else info.min)
     x: Expr = Load(s.src, src_idx)
     if s.kind in ("abssum", "absmax"):
-        from ..ir.nodes import Call
+        from ...ir.nodes import Call
 
         x = Call("abs", [x], x.dtype)
     op = REDUCE_OPS[s.kind][0]
@@ -220,7 +220,7 @@ def lower_gemm_to_loops(s: Gemm) -> Stmt:
     acc_t = dt.compute_type(s.C.buffer.dtype)
     acc = _acc_buffer(acc_t)
     a0 = [const(0)]
-    from ..ir.nodes import Cast
+    from ...ir.nodes import Cast
 
     prod = binop("*", Cast(a, acc_t), Cast(b, acc_t))
     inner = For(k, const(0), const(kdim), "serial", Store(acc, a0, binop("+", Load(acc, a0), prod), loc=s.loc),

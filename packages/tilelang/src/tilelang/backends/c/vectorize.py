@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..ir.nodes import For, PrimFunc, Seq, Stmt
-from ..ir.visit import map_stmt, walk_stmts
+from ...ir.nodes import For, PrimFunc, Seq, Stmt
+from ...ir.visit import map_stmt, walk_stmts
 
 
 def _innermost(s: For) -> bool:
