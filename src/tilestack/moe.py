@@ -25,7 +25,7 @@ from typing import Any
 import deepgemm
 import torch
 import torch.nn.functional as F
-from tilehal import expect
+from tilehal import ArgumentError, expect
 
 from . import ops
 
@@ -195,11 +195,11 @@ class ExpertParallelMoE(torch.nn.Module):
                  shared_expert_gate: torch.nn.Module | None = None) -> None:
         super().__init__()
         if scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"scoring: expected 'softmax' or 'sigmoid', got {scoring!r}")
+            raise ArgumentError(f"scoring: expected 'softmax' or 'sigmoid', got {scoring!r}")
         if not (isinstance(n_group, int) and n_group >= 1 and num_experts % n_group == 0):
-            raise ValueError(f"n_group: expected a positive divisor of num_experts ({num_experts}), got {n_group!r}")
+            raise ArgumentError(f"n_group: expected a positive divisor of num_experts ({num_experts}), got {n_group!r}")
         if not (isinstance(topk_group, int) and 1 <= topk_group <= n_group):
-            raise ValueError(f"topk_group: expected an int in [1, n_group={n_group}], got {topk_group!r}")
+            raise ArgumentError(f"topk_group: expected an int in [1, n_group={n_group}], got {topk_group!r}")
         self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.router_in_input_dtype, self.weights_in_input_dtype = router_in_input_dtype, weights_in_input_dtype
@@ -208,11 +208,11 @@ class ExpertParallelMoE(torch.nn.Module):
         for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("num_experts", num_experts),
                         ("top_k", top_k)):
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+                raise ArgumentError(f"{name}: expected a positive int, got {v!r}")
         if top_k > num_experts:
-            raise ValueError(f"top_k: expected <= num_experts ({num_experts}), got {top_k}")
+            raise ArgumentError(f"top_k: expected <= num_experts ({num_experts}), got {top_k}")
         if dtype != torch.bfloat16:
-            raise ValueError(f"dtype: expected torch.bfloat16 (deepgemm's grouped GEMMs take bf16 or fp8), got {dtype}")
+            raise ArgumentError(f"dtype: expected torch.bfloat16 (deepgemm's grouped GEMMs take bf16 or fp8), got {dtype}")
         self.group, self._buffer = group, buffer
         if group is None and buffer is None:
             self.rank, self.world_size = 0, 1
@@ -224,7 +224,7 @@ class ExpertParallelMoE(torch.nn.Module):
             else:
                 self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if num_experts % self.world_size:
-            raise ValueError(f"num_experts: expected a multiple of the group size {self.world_size}, got {num_experts}")
+            raise ArgumentError(f"num_experts: expected a multiple of the group size {self.world_size}, got {num_experts}")
         self.hidden, self.ffn_hidden, self.num_experts, self.top_k = hidden, ffn_hidden, num_experts, top_k
         self.num_local_experts = num_experts // self.world_size
         self.use_fp8, self.norm_topk_prob = use_fp8, norm_topk_prob
@@ -280,7 +280,7 @@ class ExpertParallelMoE(torch.nn.Module):
         """
         parts = moe_block_parts(module)
         if isinstance(parts, str):
-            raise TypeError(f"module: expected an MoE block ExpertParallelMoE can take, got "
+            raise ArgumentError(f"module: expected an MoE block ExpertParallelMoE can take, got "
                             f"{type(module).__name__} ({parts})")
         e, h = parts.router.shape
         moe = cls(h, parts.gate.shape[1], e, parts.top_k, group=group, use_fp8=use_fp8,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tilehal import ArgumentError
 
 from .layers import GemmLinear
 from .moe import ExpertParallelMoE, moe_block_parts
@@ -189,27 +190,27 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
       `timing_iters` eager calls on the input it received), else bf16; the reason is in the report.
     """
     if precision not in (None, "bf16", "fp8", "auto"):
-        raise ValueError(f"precision: expected None, 'bf16', 'fp8' or 'auto', got {precision!r}")
+        raise ArgumentError(f"precision: expected None, 'bf16', 'fp8' or 'auto', got {precision!r}")
     if precision == "fp8":
         fp8 = True
     if precision == "auto":
         if fp8:
-            raise ValueError("precision='auto' and fp8=True: expected at most one of them, got both")
+            raise ArgumentError("precision='auto' and fp8=True: expected at most one of them, got both")
         if sparse_24:
-            raise ValueError("precision='auto' and sparse_24: expected at most one of them, got both")
+            raise ArgumentError("precision='auto' and sparse_24: expected at most one of them, got both")
         if isinstance(calibration, torch.Tensor):
             calibration = (calibration,)
         if not isinstance(calibration, tuple):
-            raise TypeError(f"calibration: expected the tuple of forward arguments for precision='auto', got "
+            raise ArgumentError(f"calibration: expected the tuple of forward arguments for precision='auto', got "
                             f"{type(calibration).__name__}")
         if not (isinstance(error_budget, float | int) and error_budget > 0):
-            raise ValueError(f"error_budget: expected a positive number, got {error_budget!r}")
+            raise ArgumentError(f"error_budget: expected a positive number, got {error_budget!r}")
     if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        raise ArgumentError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if fp8 and sparse_24:
-        raise ValueError("fp8 and sparse_24: expected at most one of them, got both (SparseLinear has no fp8 path)")
+        raise ArgumentError("fp8 and sparse_24: expected at most one of them, got both (SparseLinear has no fp8 path)")
     if isinstance(include, str):
-        raise TypeError(f"include: expected a sequence of names or patterns, got the string {include!r}")
+        raise ArgumentError(f"include: expected a sequence of names or patterns, got the string {include!r}")
     if backend == "cuda":
         why = _cuda_unavailable_reason()
         if why is not None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tilehal import ArgumentError
 
 log = logging.getLogger("tilestack.profile")
 
@@ -198,9 +199,9 @@ def profile(model: torch.nn.Module, inputs: Any, out: str | Path | None = None, 
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     if not isinstance(inputs, tuple):
-        raise TypeError(f"inputs: expected the tuple of forward arguments, got {type(inputs).__name__}")
+        raise ArgumentError(f"inputs: expected the tuple of forward arguments, got {type(inputs).__name__}")
     if not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"iters: expected a positive int, got {iters!r}")
+        raise ArgumentError(f"iters: expected a positive int, got {iters!r}")
     device = _device_of(model, inputs)
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -418,7 +419,7 @@ def build_model(spec: str, dtype: torch.dtype, device: str, seed: int = 0) -> to
         data = json.loads(Path(spec).read_text())
         cfg = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
     else:
-        raise ValueError(f"--model: expected a preset ({', '.join(PRESETS)}) or a config.json path, got {spec!r}")
+        raise ArgumentError(f"--model: expected a preset ({', '.join(PRESETS)}) or a config.json path, got {spec!r}")
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 
+from tilehal import ArgumentError
+
 try:
     import transformers  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -82,7 +84,7 @@ def enable_kvpool(model, *, num_blocks: int, block_size: int = 16, dtype: torch.
     """
     text, window = _check_model(model)
     if sparse is not None and not isinstance(sparse, SparseConfig):
-        raise TypeError(f"sparse: expected a tilestack.hf.SparseConfig or None, got {type(sparse).__name__}")
+        raise ArgumentError(f"sparse: expected a tilestack.hf.SparseConfig or None, got {type(sparse).__name__}")
     param = next(model.parameters())
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     pool = KVPool(num_layers=text.num_hidden_layers, num_kv_heads=text.num_key_value_heads, head_dim=head_dim,

@@ -15,6 +15,7 @@ import logging
 import torch
 from dataengine import select_blocks
 from kvpool import paged_decode, paged_prefill
+from tilehal import ArgumentError
 from transformers import AttentionInterface
 
 from .errors import CacheMismatchError
@@ -39,7 +40,7 @@ def kvpool_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             "attention: this model runs kvpool's paged attention (tilestack.hf.enable_kvpool); pass the cache "
             "enable_kvpool returned as past_key_values, or call tilestack.hf.disable_kvpool(model) first")
     if dropout:
-        raise ValueError(f"dropout: expected 0.0 (kvpool attention is for inference), got {dropout}")
+        raise ArgumentError(f"dropout: expected 0.0 (kvpool attention is for inference), got {dropout}")
     pool = cache.pool
     B, hq, T, D = query.shape
     if step.decode:

@@ -24,7 +24,8 @@ from itertools import count
 import numpy as np
 import torch
 from kvpool import KVPool, PoolExhaustedError
-from tilehal import ShapeError
+from kvpool.errors import UnknownSequenceError
+from tilehal import ArgumentError, ShapeError
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import CacheMismatchError, SequenceTooLongError
@@ -50,7 +51,7 @@ class SparseConfig:
         for name, v, lo in (("top_k", self.top_k, 1), ("sink_blocks", self.sink_blocks, 0),
                             ("local_blocks", self.local_blocks, 0)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+                raise ArgumentError(f"{name}: expected an int >= {lo}, got {v!r}")
 
 
 @dataclass
@@ -281,9 +282,9 @@ class KVPoolCache(Cache):
         """
         missing = [s for s in seq_ids if s not in self.pool]
         if missing:
-            raise KeyError(f"seq_ids: {missing!r} are not sequences of this cache's pool")
+            raise UnknownSequenceError(f"seq_ids: {missing!r} are not sequences of this cache's pool")
         if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("seq_ids: expected distinct sequences")
+            raise ArgumentError("seq_ids: expected distinct sequences")
         self.release()
         self._rows = list(seq_ids)
 
@@ -303,7 +304,7 @@ class KVPoolCache(Cache):
         B, dev = len(rows), self.pool.device
         need = max(-(-self.pool.num_tokens(s) // self.pool.block_size) for s in rows) + 1
         if max_blocks < need:
-            raise ValueError(f"max_blocks: expected >= {need} (the longest row's blocks + 1), got {max_blocks}")
+            raise ArgumentError(f"max_blocks: expected >= {need} (the longest row's blocks + 1), got {max_blocks}")
         self._static = _Step(batch=B, length=1, decode=True, slots=torch.zeros(B, dtype=torch.long, device=dev),
                              write_mask=torch.ones(B, 1, dtype=torch.bool, device=dev),
                              query_mask=torch.ones(B, 1, dtype=torch.bool, device=dev),

@@ -57,7 +57,7 @@ def topk_variant() -> str:
     memory, warp-aggregated histogram; compile-tested, not yet measured on a GPU)."""
     v = os.environ.get("DATAENGINE_TOPK_KERNEL") or "plain"
     if v not in TOPK_KERNELS:
-        raise ValueError(f"DATAENGINE_TOPK_KERNEL: expected one of {sorted(TOPK_KERNELS)}, got {v!r}")
+        raise tilehal.ArgumentError(f"DATAENGINE_TOPK_KERNEL: expected one of {sorted(TOPK_KERNELS)}, got {v!r}")
     return v
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tilehal import ShapeError
+from tilehal import ArgumentError, ShapeError
 
 
 def _scipy_sparse():
@@ -170,7 +170,7 @@ class BSRMatrix:
     def from_torch(cls, t: torch.Tensor, blocksize: tuple[int, int] | None = None) -> BSRMatrix:
         if t.layout != torch.sparse_bsr:
             if blocksize is None:
-                raise ValueError("blocksize: expected (bh, bw) to convert a non-BSR tensor, got None")
+                raise ArgumentError("blocksize: expected (bh, bw) to convert a non-BSR tensor, got None")
             return cls.from_dense(t.to_dense(), blocksize)
         t = t.cpu()
         vals = t.values().numpy().copy()

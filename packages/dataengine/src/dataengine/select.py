@@ -33,7 +33,7 @@ import logging
 from typing import Literal
 
 import torch
-from tilehal import ShapeError
+from tilehal import ArgumentError, ShapeError
 
 log = logging.getLogger("dataengine.select")
 
@@ -66,7 +66,7 @@ def _cuda_reason(q, kmin) -> str | None:
 
 def _check_reduce(reduce) -> None:
     if reduce not in ("max", "sum", "mean"):
-        raise ValueError(f"reduce: expected 'max', 'sum' or 'mean', got {reduce!r}")
+        raise ArgumentError(f"reduce: expected 'max', 'sum' or 'mean', got {reduce!r}")
 
 
 def _valid_mask(block_table, seq_lens, block_size, nb, device) -> torch.Tensor:
@@ -122,7 +122,7 @@ def quest_scores_reference(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tens
     elif reduce == "mean":
         score = bound.mean(2)
     else:
-        raise ValueError(f"reduce: expected 'max', 'sum' or 'mean', got {reduce!r}")
+        raise ArgumentError(f"reduce: expected 'max', 'sum' or 'mean', got {reduce!r}")
     valid = _valid_mask(block_table, seq_lens, block_size, block_table.shape[1], score.device)
     return score.masked_fill(~valid[:, None, :], float("-inf"))
 
@@ -182,9 +182,9 @@ def _select(scores: torch.Tensor, n_valid: torch.Tensor, k: int, sink_blocks: in
 
 def _check_select_args(top_k: int, sink_blocks: int, local_blocks: int) -> None:
     if top_k <= 0:
-        raise ValueError(f"top_k: expected a positive number of blocks, got {top_k}")
+        raise ArgumentError(f"top_k: expected a positive number of blocks, got {top_k}")
     if sink_blocks < 0 or local_blocks < 0:
-        raise ValueError(f"sink_blocks/local_blocks: expected >= 0, got {sink_blocks}/{local_blocks}")
+        raise ArgumentError(f"sink_blocks/local_blocks: expected >= 0, got {sink_blocks}/{local_blocks}")
 
 
 def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor,
@@ -233,9 +233,9 @@ def _check_topk_args(scores, k, num_valid, sink_blocks, local_blocks) -> torch.T
     if not isinstance(scores, torch.Tensor) or scores.dim() < 1:
         raise ShapeError(f"scores: expected a tensor [B, ..., num_blocks], got {getattr(scores, 'shape', scores)}")
     if k <= 0:
-        raise ValueError(f"k: expected a positive number of blocks, got {k}")
+        raise ArgumentError(f"k: expected a positive number of blocks, got {k}")
     if sink_blocks < 0 or local_blocks < 0:
-        raise ValueError(f"sink_blocks/local_blocks: expected >= 0, got {sink_blocks}/{local_blocks}")
+        raise ArgumentError(f"sink_blocks/local_blocks: expected >= 0, got {sink_blocks}/{local_blocks}")
     rows = scores.shape[0] if scores.dim() > 1 else 1
     if num_valid is None:
         return torch.full((rows,), scores.shape[-1], device=scores.device)
@@ -261,7 +261,7 @@ def topk_blocks(scores: torch.Tensor, k: int, num_valid: torch.Tensor | None = N
     on_gpu = scores.device.type == "cuda" and scores.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if not on_gpu or validate:
         if torch.isnan(scores).any():
-            raise ValueError("scores: expected no NaN, got NaN entries")
+            raise ArgumentError("scores: expected no NaN, got NaN entries")
     if not on_gpu:
         if scores.device.type == "cuda":
             log.debug("topk_blocks: CUDA kernel not used (dtype %s); running the torch reference", scores.dtype)
@@ -281,7 +281,7 @@ def topk_blocks_reference(scores: torch.Tensor, k: int, num_valid: torch.Tensor 
     """Torch reference of `topk_blocks` (any device)."""
     n_valid = _check_topk_args(scores, k, num_valid, sink_blocks, local_blocks)
     if torch.isnan(scores).any():
-        raise ValueError("scores: expected no NaN, got NaN entries")
+        raise ArgumentError("scores: expected no NaN, got NaN entries")
     if scores.dim() == 1:
         return _select(scores.unsqueeze(0), n_valid, k, sink_blocks, local_blocks)[0]
     return _select(scores, n_valid, k, sink_blocks, local_blocks)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from tilehal import ShapeError
+from tilehal import ArgumentError, ShapeError
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ _PATTERNS: dict[str, tuple[int, int]] = {"2:4": (2, 4), "4:8": (4, 8)}
 def parse_pattern(pattern: str) -> tuple[int, int]:
     """'2:4' -> (2, 4); only the patterns we compress exactly are accepted."""
     if pattern not in _PATTERNS:
-        raise ValueError(f"pattern: expected one of {sorted(_PATTERNS)}, got {pattern!r}")
+        raise ArgumentError(f"pattern: expected one of {sorted(_PATTERNS)}, got {pattern!r}")
     return _PATTERNS[pattern]
 
 
@@ -48,9 +48,9 @@ def scores(weight: torch.Tensor, method: Method = "magnitude", activations: torc
     if method == "magnitude":
         return w
     if method != "wanda":
-        raise ValueError(f"method: expected 'magnitude' or 'wanda', got {method!r}")
+        raise ArgumentError(f"method: expected 'magnitude' or 'wanda', got {method!r}")
     if activations is None:
-        raise ValueError("activations: expected calibration inputs [tokens, in_features] for method='wanda', got None")
+        raise ArgumentError("activations: expected calibration inputs [tokens, in_features] for method='wanda', got None")
     x = activations.detach().reshape(-1, activations.shape[-1]).float()
     if x.shape[1] != weight.shape[1]:
         raise ShapeError(f"activations: expected last dimension {weight.shape[1]} (in_features), got {x.shape[1]}")
@@ -118,7 +118,7 @@ def _mask_from_weight_or_given(weight: torch.Tensor, mask: torch.Tensor | None, 
         raise ShapeError(f"mask: expected shape {tuple(weight.shape)}, got {tuple(mask.shape)}")
     per_group = mask.reshape(weight.shape[0], -1, m).sum(-1)
     if not bool((per_group == n).all()):
-        raise ValueError(f"mask: expected exactly {n} kept of every {m}, got groups with {per_group.unique().tolist()}")
+        raise ArgumentError(f"mask: expected exactly {n} kept of every {m}, got groups with {per_group.unique().tolist()}")
     return mask.bool()
 
 
@@ -229,9 +229,9 @@ class SparseLinear(torch.nn.Module):
         backend: "auto" (sparse tensor cores when they qualify), "dense" (force the masked reference).
         """
         if not isinstance(linear, torch.nn.Linear):
-            raise TypeError(f"linear: expected torch.nn.Linear, got {type(linear).__name__}")
+            raise ArgumentError(f"linear: expected torch.nn.Linear, got {type(linear).__name__}")
         if backend not in ("auto", "dense"):
-            raise ValueError(f"backend: expected 'auto' or 'dense', got {backend!r}")
+            raise ArgumentError(f"backend: expected 'auto' or 'dense', got {backend!r}")
         w = linear.weight.detach()
         mask = nm_mask(w, pattern, method, activations)
         pruned = (w * mask.to(w.dtype)).contiguous()

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 import torch
-from tilehal import ShapeError
+from tilehal import ArgumentError, ShapeError
 
 from . import reference, validate
 from .utils import CONTIGUOUS_BLOCK_M, get_mk_alignment_for_contiguous_layout
@@ -234,7 +234,7 @@ def _contiguous(a, sfa, b, sfb, d, grouped_layout, fp8: bool, *, use_psum_layout
         validate.shape(grouped_layout, "grouped_layout", (m,))
         validate.int_values(grouped_layout, "grouped_layout", -1, g - 1, f"group per row, -1 for padding, {g} groups")
         if expected_m_for_psum_layout is not None:
-            raise ValueError("expected_m_for_psum_layout: expected None without use_psum_layout=True, got "
+            raise ArgumentError("expected_m_for_psum_layout: expected None without use_psum_layout=True, got "
                              f"{expected_m_for_psum_layout!r}")
     align = get_mk_alignment_for_contiguous_layout()
     if m % align and not use_psum_layout:
@@ -273,7 +273,7 @@ def _masked(a, sfa, b, sfb, d, masked_m, expected_m, fp8: bool, gran=(128, 128))
     validate.shape(masked_m, "masked_m", (g,))
     validate.int_values(masked_m, "masked_m", 0, m_max, "rows per group, at most M_max = a.shape[1]")
     if not isinstance(expected_m, int) or expected_m < 1:
-        raise ValueError(f"expected_m: expected a positive int (typical rows per group), got {expected_m!r}")
+        raise ArgumentError(f"expected_m: expected a positive int (typical rows per group), got {expected_m!r}")
     gran_k, gran_n = gran
     if fp8:
         sfa = validate.sf(sfa, "sfa", m_max, k, 1, gran_k, g)
@@ -414,7 +414,7 @@ def _k_grouped_args(d, ks_cpu, grouped_layout, c, use_psum_layout, gran_k: int):
 def _k_recipe(recipe) -> int:
     r = validate._int_tuple(recipe, "recipe", 3)
     if r[:2] != (1, 1):
-        raise ValueError(f"recipe: expected (1, 1, gran_k) (1D1D scales on both operands), got {r}")
+        raise ArgumentError(f"recipe: expected (1, 1, gran_k) (1D1D scales on both operands), got {r}")
     if r[2] != 128:
         raise validate.UnsupportedError(f"recipe: expected gran_k 128 (32 is an SM100 recipe), got {r[2]}")
     return r[2]
@@ -626,7 +626,7 @@ def gemm(
     validate.size("b", "K (rows of op(b), matching op(a)'s columns)", k, kb)
     if beta != 0.0:
         if c is None:
-            raise ValueError("c: expected a tensor when beta != 0, got None")
+            raise ArgumentError("c: expected a tensor when beta != 0, got None")
         validate.tensor(c, "c", (a.dtype, torch.float32), 2)
         validate.shape(c, "c", (m, n))
     validate.same_device(a=a, b=b, c=c)

@@ -27,6 +27,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+from tilehal import ArgumentError
+
 from .utils import ceil_div, get_num_sms
 
 SMEM_CAPACITY = 232448  # bytes of dynamic shared memory one sm_90 CTA may opt into (227 KiB)
@@ -191,9 +193,9 @@ def pick_config(
     every fp8 tile on the serial promotion path (for A/B timing).
     """
     if kind not in ("fp8", "bf16"):
-        raise ValueError(f"kind: expected 'fp8' or 'bf16', got {kind!r}")
+        raise ArgumentError(f"kind: expected 'fp8' or 'bf16', got {kind!r}")
     if grouping not in ("normal", "contiguous", "masked"):
-        raise ValueError(f"grouping: expected 'normal', 'contiguous' or 'masked', got {grouping!r}")
+        raise ArgumentError(f"grouping: expected 'normal', 'contiguous' or 'masked', got {grouping!r}")
     return _pick(kind, m, n, k, num_groups, grouping, num_sms or get_num_sms(), tma_store, max_multicast, overlap)
 
 

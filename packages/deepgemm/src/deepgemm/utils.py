@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 import torch
-from tilehal import ShapeError
+from tilehal import ArgumentError, ShapeError
 
 log = logging.getLogger("deepgemm")
 
@@ -34,11 +34,11 @@ def align(x: int, a: int) -> int:
 def set_num_sms(num_sms: int) -> None:
     """Limit the persistent kernels to `num_sms` SMs (e.g. to leave SMs to communication kernels)."""
     if not isinstance(num_sms, int) or num_sms < 1:
-        raise ValueError(f"num_sms: expected a positive int, got {num_sms!r}")
+        raise ArgumentError(f"num_sms: expected a positive int, got {num_sms!r}")
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         if num_sms > total:
-            raise ValueError(f"num_sms: expected at most {total} (this device's SM count), got {num_sms}")
+            raise ArgumentError(f"num_sms: expected at most {total} (this device's SM count), got {num_sms}")
     global _num_sms
     _num_sms = num_sms
 
@@ -60,7 +60,7 @@ def set_mk_alignment_for_contiguous_layout(alignment: int) -> None:
     multiple of 128 (checked when a grouped GEMM runs on a GPU); the CPU reference takes any positive value.
     """
     if not isinstance(alignment, int) or alignment < 1:
-        raise ValueError(f"alignment: expected a positive int, got {alignment!r}")
+        raise ArgumentError(f"alignment: expected a positive int, got {alignment!r}")
     global _M_ALIGNMENT_CONTIGUOUS
     _M_ALIGNMENT_CONTIGUOUS = alignment
 
@@ -74,7 +74,7 @@ def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = 
     """The alignment the kernels are built for: 128 on sm_90 (DeepGEMM returns 128 there too; only its
     SM100 kernels shrink it with `expected_m`)."""
     if expected_m is not None and (not isinstance(expected_m, int) or expected_m < 0):
-        raise ValueError(f"expected_m: expected a non-negative int or None, got {expected_m!r}")
+        raise ArgumentError(f"expected_m: expected a non-negative int or None, got {expected_m!r}")
     return CONTIGUOUS_BLOCK_M
 
 
@@ -221,7 +221,7 @@ def per_token_cast_to_fp4(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int 
         raise ShapeError(f"x: expected a 2-D tensor with an even last dimension, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     if use_packed_ue8m0 and not use_ue8m0:
-        raise ValueError("use_packed_ue8m0: expected use_ue8m0=True with it, got use_ue8m0=False")
+        raise ArgumentError("use_packed_ue8m0: expected use_ue8m0=True with it, got use_ue8m0=False")
     _check_gran(gran_k)
     m, k = x.shape
     sk = ceil_div(k, gran_k)
@@ -272,7 +272,7 @@ def cast_back_from_fp4(packed: torch.Tensor, sf: torch.Tensor, gran_k: int = BLO
 
 def _check_gran(gran_k: int) -> None:
     if not isinstance(gran_k, int) or gran_k < 1:
-        raise ValueError(f"gran_k: expected a positive int, got {gran_k!r}")
+        raise ArgumentError(f"gran_k: expected a positive int, got {gran_k!r}")
 
 
 def is_mn_major_tma_aligned(sf: torch.Tensor) -> bool:
@@ -371,14 +371,14 @@ def transform_sf_into_required_layout(
     r = tuple(recipe)
     if len(r) == 3:
         if is_sfa is None:
-            raise ValueError("is_sfa: expected True or False with a 3-element recipe, got None")
+            raise ArgumentError("is_sfa: expected True or False with a 3-element recipe, got None")
         gran_mn, gran_k = (r[0] if is_sfa else r[1]), r[2]
     elif len(r) == 2:
         gran_mn, gran_k = r
     else:
-        raise ValueError(f"recipe: expected (gran_m, gran_n, gran_k) or (gran_mn, gran_k), got {r}")
+        raise ArgumentError(f"recipe: expected (gran_m, gran_n, gran_k) or (gran_mn, gran_k), got {r}")
     if (gran_mn, gran_k) not in ((1, 128), (128, 128)):
-        raise ValueError(f"recipe: expected 1x128 or 128x128 scale blocks on sm_90, got {gran_mn}x{gran_k} "
+        raise ArgumentError(f"recipe: expected 1x128 or 128x128 scale blocks on sm_90, got {gran_mn}x{gran_k} "
                          f"(from recipe {r})")
     if psum_layout is not None:
         raise ShapeError("psum_layout: expected None (the packed psum scale layout is DeepGEMM's SM100 format)")

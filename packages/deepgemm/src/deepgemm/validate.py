@@ -56,9 +56,9 @@ def _int_tuple(r: Any, name: str, length: int) -> tuple[int, ...]:
     try:
         t = tuple(int(v) for v in r)
     except TypeError:
-        raise ValueError(f"{name}: expected a tuple of {length} ints, got {r!r}") from None
+        raise ArgumentError(f"{name}: expected a tuple of {length} ints, got {r!r}") from None
     if len(t) != length or any(v < 1 for v in t):
-        raise ValueError(f"{name}: expected a tuple of {length} positive ints, got {r!r}")
+        raise ArgumentError(f"{name}: expected a tuple of {length} positive ints, got {r!r}")
     return t
 
 
@@ -71,10 +71,10 @@ def recipes(recipe: Any, recipe_a: Any, recipe_b: Any, packed: bool = False) -> 
     UE8M0 scales). Activations must be per token (gran_m = 1) with gran_k_a == gran_k_b.
     """
     if recipe is not None and (recipe_a is not None or recipe_b is not None):
-        raise ValueError(f"recipe: expected either recipe or the recipe_a/recipe_b pair, got recipe={recipe!r} "
+        raise ArgumentError(f"recipe: expected either recipe or the recipe_a/recipe_b pair, got recipe={recipe!r} "
                          f"with recipe_a={recipe_a!r}, recipe_b={recipe_b!r}")
     if (recipe_a is None) != (recipe_b is None):
-        raise ValueError(f"recipe_a/recipe_b: expected both or neither, got recipe_a={recipe_a!r}, recipe_b={recipe_b!r}")
+        raise ArgumentError(f"recipe_a/recipe_b: expected both or neither, got recipe_a={recipe_a!r}, recipe_b={recipe_b!r}")
     if recipe_a is not None:
         gm, gka = _int_tuple(recipe_a, "recipe_a", 2)
         gn, gkb = _int_tuple(recipe_b, "recipe_b", 2)
@@ -88,7 +88,7 @@ def recipes(recipe: Any, recipe_a: Any, recipe_b: Any, packed: bool = False) -> 
     if gka != gkb:
         raise UnsupportedError(f"recipe_b: expected the activations' gran_k = {gka}, got {gkb}")
     if gka not in (32, 64, 128):
-        raise ValueError(f"recipe: expected gran_k 32, 64 or 128, got {gka}")
+        raise ArgumentError(f"recipe: expected gran_k 32, 64 or 128, got {gka}")
     return gka, gn, gm
 
 
@@ -96,7 +96,7 @@ def recipe(r: Any) -> None:
     """The dense recipe check of the older API: only (1, 128, 128) and (1, 1, 128)."""
     t = _int_tuple(r, "recipe", 3)
     if t not in ((1, 128, 128), (1, 1, 128)):
-        raise ValueError(f"recipe: expected (1, 128, 128) (1x128 activation, 128x128 weight scales) or (1, 1, 128), "
+        raise ArgumentError(f"recipe: expected (1, 128, 128) (1x128 activation, 128x128 weight scales) or (1, 1, 128), "
                          f"got {t}")
 
 
@@ -173,12 +173,12 @@ def scales(sfa: Any, sfb: Any, m: int, n: int, k: int, groups_a: int | None, gro
 
 def compiled_dims(x: Any) -> None:
     if not isinstance(x, str) or any(ch not in "mnk" for ch in x.lower()):
-        raise ValueError(f"compiled_dims: expected a string of the letters m, n, k, got {x!r}")
+        raise ArgumentError(f"compiled_dims: expected a string of the letters m, n, k, got {x!r}")
 
 
 def flag(x: Any, name: str) -> bool:
     if not isinstance(x, bool):
-        raise ValueError(f"{name}: expected a bool, got {x!r}")
+        raise ArgumentError(f"{name}: expected a bool, got {x!r}")
     return x
 
 

@@ -30,8 +30,7 @@ def _check_decode_args(q, pool: KVPool, layer: int, block_table, seq_lens, block
         raise ShapeError(f"q: expected q_heads a multiple of kv_heads={pool.num_kv_heads}, got {hq}")
     if not q.is_floating_point():
         raise ShapeError(f"q: expected a floating dtype, got {q.dtype}")
-    if not 0 <= layer < pool.num_layers:
-        raise IndexError(f"layer: expected 0 <= layer < {pool.num_layers}, got {layer}")
+    pool._check_layer(layer)  # an int in range: ArgumentError / OutOfRangeError naming `layer`
     for name, t, nd in (("block_table", block_table, 2), ("seq_lens", seq_lens, 1)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.ndim != nd:
             raise ShapeError(f"{name}: expected an int32 tensor with {nd} dims, got "
@@ -172,6 +171,11 @@ def _check_prefill_args(q, pool: KVPool, layer: int, block_table, seq_lens, cu_s
     if seq_lens.shape[0] != B:
         raise ShapeError(f"seq_lens: expected {B} entries (block_table's batch), got {seq_lens.shape[0]}")
     pool.check_tables(layer, block_table, seq_lens, contiguous=True)
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.ndim != 1 or cu_seqlens_q.is_floating_point() \
+            or cu_seqlens_q.is_complex() or cu_seqlens_q.dtype == torch.bool:
+        raise ShapeError(f"cu_seqlens_q: expected a 1-D integer tensor of {B + 1} offsets, got "
+                         f"{getattr(cu_seqlens_q, 'dtype', type(cu_seqlens_q).__name__)} shape "
+                         f"{tuple(getattr(cu_seqlens_q, 'shape', ()))}")
     cu = [int(x) for x in cu_seqlens_q.tolist()]
     if len(cu) != B + 1 or cu[0] != 0 or cu[-1] != total or any(a > b for a, b in zip(cu, cu[1:])):
         raise ShapeError(f"cu_seqlens_q: expected {B + 1} non-decreasing offsets from 0 to {total}, got {cu}")

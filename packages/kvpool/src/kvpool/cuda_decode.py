@@ -48,12 +48,12 @@ class KernelConfig:
         parts = text.split(":")
         if parts[0] != "mma" or len(parts) not in (1, 3):
             renamed = " (v1 is now 'simt', v3 is 'mma')" if parts[0] in ("v1", "v3") else ""
-            raise ValueError(f"KVPOOL_DECODE_KERNEL: expected 'simt', 'mma' or 'mma:64:STAGES', got {text!r}{renamed}")
+            raise tilehal.ArgumentError(f"KVPOOL_DECODE_KERNEL: expected 'simt', 'mma' or 'mma:64:STAGES', got {text!r}{renamed}")
         tile, stages = (int(x) for x in parts[1:]) if len(parts) == 3 else (MMA_WARPS * MMA_STEP, 3)
         if tile != MMA_WARPS * MMA_STEP:
-            raise ValueError(f"KVPOOL_DECODE_KERNEL: mma's tile is fixed at {MMA_WARPS * MMA_STEP}, got {text!r}")
+            raise tilehal.ArgumentError(f"KVPOOL_DECODE_KERNEL: mma's tile is fixed at {MMA_WARPS * MMA_STEP}, got {text!r}")
         if stages < 2:
-            raise ValueError(f"KVPOOL_DECODE_KERNEL: at least 2 stages, got {text!r}")
+            raise tilehal.ArgumentError(f"KVPOOL_DECODE_KERNEL: at least 2 stages, got {text!r}")
         return cls(parts[0], tile, stages)
 
 

@@ -41,7 +41,7 @@ def default_config() -> tuple[int, int]:
     for cfg in CONFIGS:
         if text == config_name(cfg):
             return cfg
-    raise ValueError(f"KVPOOL_PREFILL_KERNEL: expected one of {[config_name(c) for c in CONFIGS]}, got {text!r}")
+    raise tilehal.ArgumentError(f"KVPOOL_PREFILL_KERNEL: expected one of {[config_name(c) for c in CONFIGS]}, got {text!r}")
 
 
 def kernel_name(dtype: torch.dtype, head_dim: int, cfg: tuple[int, int]) -> str:

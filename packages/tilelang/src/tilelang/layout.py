@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tilehal import ArgumentError
+
 from .ir.nodes import Buffer
 
 
@@ -17,7 +19,7 @@ class Layout:
 def make_swizzled_layout(buffer: Buffer) -> Layout:
     """The bank-conflict-free swizzled shared-memory layout TileLang uses for gemm operands."""
     if not isinstance(buffer, Buffer):
-        raise TypeError(f"make_swizzled_layout: expected a buffer, got {type(buffer).__name__}")
+        raise ArgumentError(f"make_swizzled_layout: expected a buffer, got {type(buffer).__name__}")
     return Layout("swizzled", buffer.name, tuple(int(s.value) for s in buffer.shape))
 
 

@@ -97,5 +97,5 @@ def resolve_target(target: str | None) -> str:
     if t == "auto":
         return host_target()
     if t not in BACKENDS:
-        raise ValueError(f"target: expected one of {sorted(BACKENDS)} or 'auto', got {target!r}")
+        raise tilehal.ArgumentError(f"target: expected one of {sorted(BACKENDS)} or 'auto', got {target!r}")
     return t

@@ -30,7 +30,7 @@ def tensor_contract(A: Any, B: Any, axes: Sequence[tuple[int, int]] = ((-1, 0),)
     pairs = [(a % na, b % nb) for a, b in axes]
     ca, cb = [p[0] for p in pairs], [p[1] for p in pairs]
     if len(set(ca)) != len(ca) or len(set(cb)) != len(cb):
-        raise ValueError(f"axes: expected distinct axes per tensor, got {list(axes)}")
+        raise tilehal.ArgumentError(f"axes: expected distinct axes per tensor, got {list(axes)}")
     for a, b in pairs:
         if A.shape[a] != B.shape[b]:
             raise tilehal.ShapeError(f"axes: A dim {a} has size {A.shape[a]} but B dim {b} has size {B.shape[b]}")

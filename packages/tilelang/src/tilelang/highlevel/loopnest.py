@@ -181,7 +181,7 @@ class TileKernel:
         tensors = dict(sig.arguments)
         for n, t in tensors.items():
             if not tilehal.tensors.is_array(t):
-                raise TypeError(f"{n}: expected a tensor or array, got {type(t).__name__}")
+                raise tilehal.ArgumentError(f"{n}: expected a tensor or array, got {type(t).__name__}")
         key = tuple((n, tuple(t.shape), tilehal.dtype_of(t).name) for n, t in tensors.items())
         if key not in self._kernels:
             self._kernels[key] = self._build(tensors)

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tilehal import ArgumentError
+
 from ..runtime.profiler import Profiler, TensorSupplyType
 
 log = logging.getLogger("tilelang.profiler")
@@ -38,7 +40,7 @@ def do_bench(fn: Callable[[], Any], warmup: float = 25, rep: float = 100, _n_war
     have no meaning.
     """
     if return_mode not in ("mean", "median", "min", "max"):
-        raise ValueError(f"do_bench: return_mode must be 'mean', 'median', 'min' or 'max', got {return_mode!r}")
+        raise ArgumentError(f"do_bench: return_mode must be 'mean', 'median', 'min' or 'max', got {return_mode!r}")
     if ignored:
         log.debug("do_bench: options %s have no effect on this device", sorted(ignored))
     t0 = time.perf_counter()

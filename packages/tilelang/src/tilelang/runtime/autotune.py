@@ -52,7 +52,7 @@ class AutoTuner:
         from .eager import EagerJIT
 
         if not isinstance(factory, (JITFactory, EagerJIT)):
-            raise TypeError("autotune: stack it on top of @tilelang.jit(...): @tilelang.autotune(configs=...) then "
+            raise tilehal.ArgumentError("autotune: stack it on top of @tilelang.jit(...): @tilelang.autotune(configs=...) then "
                             "@tilelang.jit(out_idx=...)")
         self.eager = isinstance(factory, EagerJIT)
         self.factory = factory
@@ -109,7 +109,7 @@ class AutoTuner:
     def _tune(self, args: tuple, kwargs: dict) -> JITKernel:
         configs = list(self.configs(*args, **kwargs) if callable(self.configs) else self.configs)
         if not configs:
-            raise ValueError("autotune: configs is empty")
+            raise tilehal.ArgumentError("autotune: configs is empty")
         given = self._given_tunables(args, kwargs, configs)
         if given:  # as in the public TileLang: explicitly passed tunables mean no tuning
             log.info("autotune %s: tunable parameter(s) %s passed explicitly; building that config without tuning",

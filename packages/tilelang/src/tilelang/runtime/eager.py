@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from tilehal import ArgumentError
+
 from ..errors import CompileError
 from ..frontend.eager import EagerParser, EagerResult, tensor_params
 from .kernel import JITKernel, _hashable, compile
@@ -27,7 +29,7 @@ _EMPTY = inspect.Parameter.empty
 class EagerJIT:
     def __init__(self, fn: Callable, target: str, pass_configs: dict | None, out_idx: Any = None) -> None:
         if out_idx is not None:
-            raise ValueError("out_idx is only supported for @tilelang.jit factories that return a @T.prim_func; an "
+            raise ArgumentError("out_idx is only supported for @tilelang.jit factories that return a @T.prim_func; an "
                              "eager function declares its outputs with T.empty() and returns them")
         self.fn = fn
         self.target = target
@@ -50,7 +52,7 @@ class EagerJIT:
         try:
             bound = self.signature.bind_partial(*args, **kw)
         except TypeError as e:
-            raise TypeError(f"{self.fn.__name__}: {e}") from None
+            raise ArgumentError(f"{self.fn.__name__}: {e}") from None
         meta: dict[str, Any] = {}
         tensors: dict[str, Any] = {}
         for n in names:
@@ -64,7 +66,7 @@ class EagerJIT:
             elif p.kind == p.VAR_KEYWORD or p.kind == p.VAR_POSITIONAL:
                 continue
             else:
-                raise TypeError(f"{self.fn.__name__}: missing argument {n!r}")
+                raise ArgumentError(f"{self.fn.__name__}: missing argument {n!r}")
         return meta, tensors, consts
 
     def _meta_key(self, meta: dict[str, Any]) -> Any:
@@ -135,7 +137,7 @@ class EagerJIT:
         meta, tensors, consts = self.split(args, kwargs)
         missing = [n for n, t in tensors.items() if t is None]
         if missing:
-            raise TypeError(f"{self.fn.__name__}: missing tensor argument(s) {missing} (use .compile(...) to build "
+            raise ArgumentError(f"{self.fn.__name__}: missing tensor argument(s) {missing} (use .compile(...) to build "
                             f"the kernel without running it)")
         kernel, _ = self.specialize(meta, tensors, consts)
         return run(kernel, [tensors[n] for n in self.tensor_names])

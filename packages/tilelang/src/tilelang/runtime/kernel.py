@@ -27,7 +27,7 @@ class JITKernel:
     def __init__(self, func: PrimFunc, out_idx: Sequence[int] | int | None = None, target: str = "auto",
                  pass_configs: dict | None = None) -> None:
         if not isinstance(func, PrimFunc):
-            raise TypeError(f"compile: expected a PrimFunc (from @T.prim_func), got {type(func).__name__}")
+            raise tilehal.ArgumentError(f"compile: expected a PrimFunc (from @T.prim_func), got {type(func).__name__}")
         self.prim_func = func
         self.requested_target = (target or "auto").lower()
         self.target = resolve_target(target)
@@ -45,7 +45,7 @@ class JITKernel:
         norm = []
         for i in idx:
             if not -n <= i < n:
-                raise ValueError(f"out_idx: expected indices in [-{n}, {n}) for {n} parameters, got {i}")
+                raise tilehal.ArgumentError(f"out_idx: expected indices in [-{n}, {n}) for {n} parameters, got {i}")
             norm.append(i % n)
         self.workspace_idx = workspace  # T.alloc_global buffers: allocated per call like outputs, not returned
         self.out_idx = norm + workspace
@@ -126,7 +126,7 @@ class JITKernel:
             args = tuple(a for i, a in enumerate(args) if i not in self.out_idx)  # outputs passed explicitly: ignored
         if len(args) != n_in:
             names = [p.name for i, p in enumerate(self.params) if i not in self.out_idx]
-            raise TypeError(f"kernel {self.prim_func.name}: expected {n_in} inputs ({', '.join(names)}), got "
+            raise tilehal.ArgumentError(f"kernel {self.prim_func.name}: expected {n_in} inputs ({', '.join(names)}), got "
                             f"{len(args)}")
         inputs = iter(args)
         full: list[Any] = [None] * len(self.params)
