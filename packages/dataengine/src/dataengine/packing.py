@@ -13,7 +13,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from tilehal import ArgumentError, ShapeError, check_int
+from tilehal import ArgumentError, ShapeError, check_choice, check_int
 
 from .masks import BlockMask
 
@@ -120,18 +120,21 @@ def _pieces(samples: Sequence, row_len: int, overlong: Overlong) -> list[tuple[i
 
 def pack(samples: Sequence, row_len: int, pad_id: int = 0, overlong: Overlong = "error") -> PackedBatch:
     """Pack token sequences into rows of `row_len` by best-fit-decreasing; no token is lost."""
-    if overlong not in ("error", "truncate", "split"):
-        raise ArgumentError(f"overlong: expected 'error', 'truncate' or 'split', got {overlong!r}")
-    row_len = check_int(row_len, "row_len", lo=1)
+    check_choice(overlong, "overlong", ("error", "truncate", "split"))
+    row_len = check_int(row_len, "row_len", lo=1, hi=2**31 - 1)
     pad_id = check_int(pad_id, "pad_id", lo=-(2**63), hi=_INT64_MAX)
     if isinstance(samples, (str, bytes)) or not hasattr(samples, "__iter__"):
         raise ArgumentError(f"samples: expected a sequence of token sequences, got {type(samples).__name__}")
     pieces = _pieces(samples, row_len, overlong)
     bins = best_fit_decreasing([len(p[2]) for p in pieces], row_len)
     R = len(bins)
-    tokens = np.full((R, row_len), pad_id, dtype=np.int64)
-    pos = np.zeros((R, row_len), dtype=np.int64)
-    doc = np.full((R, row_len), -1, dtype=np.int64)
+    try:
+        tokens = np.full((R, row_len), pad_id, dtype=np.int64)
+        pos = np.zeros((R, row_len), dtype=np.int64)
+        doc = np.full((R, row_len), -1, dtype=np.int64)
+    except MemoryError:
+        raise ArgumentError(f"row_len: expected rows that fit in memory, got {R} rows of {row_len} tokens "
+                            f"({3 * 8 * R * row_len} bytes)") from None
     cu_rows: list[torch.Tensor] = []
     flat = [0]
     placed: list[list[tuple[int, int]]] = []

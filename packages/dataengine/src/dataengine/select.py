@@ -33,7 +33,7 @@ import logging
 from typing import Literal
 
 import torch
-from tilehal import ArgumentError, ShapeError
+from tilehal import ArgumentError, ShapeError, check_choice, check_int
 
 log = logging.getLogger("dataengine.select")
 
@@ -65,8 +65,26 @@ def _cuda_reason(q, kmin) -> str | None:
 
 
 def _check_reduce(reduce) -> None:
-    if reduce not in ("max", "sum", "mean"):
-        raise ArgumentError(f"reduce: expected 'max', 'sum' or 'mean', got {reduce!r}")
+    check_choice(reduce, "reduce", ("max", "sum", "mean"))
+
+
+def _check_block_size(block_size) -> int | None:
+    return None if block_size is None else check_int(block_size, "block_size", lo=1)
+
+
+def _check_values(q, kmin, kmax, block_table, seq_lens) -> None:
+    """Host checks of values (CPU tensors, or validate=True): q finite, no NaN in the summaries (+-inf
+    marks a block with no keys yet), block ids >= -1, seq_lens >= 0."""
+    if q.numel() and not bool(torch.isfinite(q).all()):
+        raise ArgumentError(f"q: expected finite values, got {int((~torch.isfinite(q)).sum())} NaN/Inf entries")
+    for name, t in (("kmin", kmin), ("kmax", kmax)):
+        if t.numel() and bool(torch.isnan(t).any()):
+            raise ArgumentError(f"{name}: expected no NaN (+-inf marks a block with no keys), got "
+                                f"{int(torch.isnan(t).sum())} NaN entries")
+    if block_table.numel() and int(block_table.min()) < -1:
+        raise ArgumentError(f"block_table: expected ids >= -1 (-1 pads), got {int(block_table.min())}")
+    if seq_lens.numel() and int(seq_lens.min()) < 0:
+        raise ArgumentError(f"seq_lens: expected lengths >= 0, got {int(seq_lens.min())}")
 
 
 def _valid_mask(block_table, seq_lens, block_size, nb, device) -> torch.Tensor:
@@ -83,6 +101,10 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
     against num_blocks on the host.
     """
     _check_reduce(reduce)
+    block_size = _check_block_size(block_size)
+    _check_inputs(q, kmin, kmax, block_table, seq_lens, check_ids=False)
+    if q.device.type != "cuda" or validate:
+        _check_values(q, kmin, kmax, block_table, seq_lens)
     reason = _cuda_reason(q, kmin)
     if reason is not None:
         if q.device.type == "cuda":
@@ -180,11 +202,9 @@ def _select(scores: torch.Tensor, n_valid: torch.Tensor, k: int, sink_blocks: in
     return torch.where(idx < nb, idx, -1).to(torch.int32)
 
 
-def _check_select_args(top_k: int, sink_blocks: int, local_blocks: int) -> None:
-    if top_k <= 0:
-        raise ArgumentError(f"top_k: expected a positive number of blocks, got {top_k}")
-    if sink_blocks < 0 or local_blocks < 0:
-        raise ArgumentError(f"sink_blocks/local_blocks: expected >= 0, got {sink_blocks}/{local_blocks}")
+def _check_select_args(top_k: int, sink_blocks: int, local_blocks: int) -> tuple[int, int, int]:
+    return (check_int(top_k, "top_k", lo=1), check_int(sink_blocks, "sink_blocks", lo=0),
+            check_int(local_blocks, "local_blocks", lo=0))
 
 
 def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor,
@@ -198,8 +218,12 @@ def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
     them. `block_size`, when given, counts valid blocks from seq_lens instead of the table.
     On CUDA: two kernel launches, no host sync (`validate=True` adds the host check of block ids).
     """
-    _check_select_args(top_k, sink_blocks, local_blocks)
+    top_k, sink_blocks, local_blocks = _check_select_args(top_k, sink_blocks, local_blocks)
     _check_reduce(reduce)
+    block_size = _check_block_size(block_size)
+    _check_inputs(q, kmin, kmax, block_table, seq_lens, check_ids=False)
+    if q.device.type != "cuda" or validate:
+        _check_values(q, kmin, kmax, block_table, seq_lens)
     budget = max(top_k, sink_blocks + local_blocks)
     reason = _cuda_reason(q, kmin)
     if reason is not None:
@@ -222,7 +246,7 @@ def select_blocks_reference(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Ten
                             seq_lens: torch.Tensor, top_k: int, sink_blocks: int = 1, local_blocks: int = 1,
                             block_size: int | None = None, reduce: Reduce = "max") -> torch.Tensor:
     """Torch reference of `select_blocks` (any device): the oracle of the GPU kernels."""
-    _check_select_args(top_k, sink_blocks, local_blocks)
+    top_k, sink_blocks, local_blocks = _check_select_args(top_k, sink_blocks, local_blocks)
     scores = quest_scores_reference(q, kmin, kmax, block_table, seq_lens, block_size, reduce)
     n_valid = num_valid_blocks(block_table, seq_lens, block_size).to(scores.device)
     budget = max(top_k, sink_blocks + local_blocks)
@@ -232,18 +256,21 @@ def select_blocks_reference(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Ten
 def _check_topk_args(scores, k, num_valid, sink_blocks, local_blocks) -> torch.Tensor:
     if not isinstance(scores, torch.Tensor) or scores.dim() < 1:
         raise ShapeError(f"scores: expected a tensor [B, ..., num_blocks], got {getattr(scores, 'shape', scores)}")
-    if k <= 0:
-        raise ArgumentError(f"k: expected a positive number of blocks, got {k}")
-    if sink_blocks < 0 or local_blocks < 0:
-        raise ArgumentError(f"sink_blocks/local_blocks: expected >= 0, got {sink_blocks}/{local_blocks}")
+    check_int(k, "k", lo=1)
+    check_int(sink_blocks, "sink_blocks", lo=0)
+    check_int(local_blocks, "local_blocks", lo=0)
     rows = scores.shape[0] if scores.dim() > 1 else 1
     if num_valid is None:
         return torch.full((rows,), scores.shape[-1], device=scores.device)
     if not isinstance(num_valid, torch.Tensor):
         raise ShapeError(f"num_valid: expected an int tensor [{rows}], got {type(num_valid).__name__}")
+    if num_valid.is_floating_point() or num_valid.is_complex() or num_valid.dtype == torch.bool:
+        raise ShapeError(f"num_valid: expected an int tensor [{rows}], got dtype {num_valid.dtype}")
     n_valid = num_valid.to(scores.device).long()
     if n_valid.shape != (rows,):
         raise ShapeError(f"num_valid: expected shape ({rows},), got {tuple(n_valid.shape)}")
+    if num_valid.device.type == "cpu" and n_valid.numel() and int(n_valid.min()) < 0:
+        raise ArgumentError(f"num_valid: expected counts >= 0, got {int(n_valid.min())}")
     return n_valid
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from tilehal import ArgumentError, ShapeError
+from tilehal import ArgumentError, ShapeError, check_choice
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +28,7 @@ _PATTERNS: dict[str, tuple[int, int]] = {"2:4": (2, 4), "4:8": (4, 8)}
 
 def parse_pattern(pattern: str) -> tuple[int, int]:
     """'2:4' -> (2, 4); only the patterns we compress exactly are accepted."""
-    if pattern not in _PATTERNS:
-        raise ArgumentError(f"pattern: expected one of {sorted(_PATTERNS)}, got {pattern!r}")
-    return _PATTERNS[pattern]
+    return _PATTERNS[check_choice(pattern, "pattern", sorted(_PATTERNS))]
 
 
 def _check_weight(weight: torch.Tensor, m: int) -> None:
@@ -44,6 +42,7 @@ def _check_weight(weight: torch.Tensor, m: int) -> None:
 
 def scores(weight: torch.Tensor, method: Method = "magnitude", activations: torch.Tensor | None = None) -> torch.Tensor:
     """Importance of each weight (float32, same shape as `weight`)."""
+    check_choice(method, "method", ("magnitude", "wanda"))
     w = weight.detach().float().abs()
     if method == "magnitude":
         return w
@@ -152,6 +151,8 @@ def compress(weight: torch.Tensor, pattern: Pattern = "2:4", mask: torch.Tensor 
 
 def decompress(c: CompressedNM) -> torch.Tensor:
     """Dense weight with zeros at pruned positions; bit-exact inverse of `compress`."""
+    if not isinstance(c, CompressedNM):
+        raise ArgumentError(f"c: expected a CompressedNM (from compress), got {type(c).__name__}")
     n, m = parse_pattern(c.pattern)
     rows, cols = c.shape
     groups = cols // m

@@ -76,3 +76,13 @@ def check_int(value: object, arg: str, lo: int | None = None, hi: int | None = N
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ArgumentError(f"{arg}: expected {want}, got {v}")
     return v
+
+
+def check_choice(value: object, arg: str, choices: tuple | list) -> object:
+    """`value` if it is one of `choices` (strings, numbers, None), else ArgumentError naming `arg`. A value of
+    another type (an array, a list) is refused without comparing it, so it cannot raise a library error."""
+    ok_types = tuple({type(c) for c in choices})
+    if isinstance(value, ok_types) and not (isinstance(value, bool) and bool not in ok_types) and value in choices:
+        return value
+    shown = ", ".join(repr(c) for c in choices)
+    raise ArgumentError(f"{arg}: expected one of {shown}, got {value!r}"[:400])
