@@ -108,6 +108,56 @@ def test_low_latency_kernels_emulated_ranks(world, tokens, use_fp8):
             torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
 
 
+def _expected_ll_rows(ins, r: int, world: int, epr: int) -> list[list[torch.Tensor]]:
+    """The rows each local expert of rank r receives, packed by source rank then token."""
+    expect: list[list[torch.Tensor]] = [[] for _ in range(epr)]
+    for s in range(world):
+        xs, ids, _ = ins[s]
+        for t in range(xs.shape[0]):
+            for e in ids[t].tolist():
+                if r * epr <= e < (r + 1) * epr:
+                    expect[e - r * epr].append(xs[t])
+    return expect
+
+
+def test_low_latency_two_live_results_and_column_major_scales():
+    """Issue 18 on the NVLink kernels: a second dispatch does not overwrite the first's outputs (two
+    output sets used in turn, a third call reuses the first's storage), and fp8 scales come
+    column-major with a TMA-aligned column stride (deepgemm's masked-GEMM layout)."""
+    from deepep.engines.nvlink.low_latency import NvlinkLowLatency
+    from deepep.fp8 import per_token_cast_back, per_token_cast_to_fp8
+
+    world, hidden, experts, k, max_tokens = 2, 256, 8, 2, 7  # R * M = 14 rows: the column pads to 16
+    epr = experts // world
+    regions = EmulatedRegions(world)
+    lls = [NvlinkLowLatency(emulated_context(regions, r, sms=60)) for r in range(world)]
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    results = []
+    for seed in (11, 12, 13):
+        ins = [_inputs(seed, r, 5 + r, hidden, experts, k) for r in range(world)]
+        outs = []
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                outs.append(lls[r].dispatch(ins[r][0].cuda(), ins[r][1].cuda(), max_tokens, experts, True, False))
+        torch.cuda.synchronize()
+        results.append((ins, outs))
+    for r in range(world):
+        lls[r].ctx.check()
+        first, second, third = (res[1][r][0] for res in results)
+        assert first[0].data_ptr() != second[0].data_ptr() and third[0].data_ptr() == first[0].data_ptr()
+        assert second[1].stride() == (hidden // 128 * 16, 1, 16) and second[1].shape == (epr, 14, hidden // 128)
+    for ins, outs in results[1:]:  # the second result, after a third call; and the third
+        for r in range(world):
+            recv_x, recv_count = outs[r][0], outs[r][1]
+            expect = _expected_ll_rows(ins, r, world, epr)
+            assert recv_count.cpu().tolist() == [len(v) for v in expect]
+            got = per_token_cast_back(*recv_x).cpu()
+            for e in range(epr):
+                if expect[e]:
+                    ref = per_token_cast_back(*per_token_cast_to_fp8(torch.stack(expect[e]).float()))
+                    torch.testing.assert_close(got[e, :len(expect[e])], ref, rtol=2 ** -3, atol=1e-3)
+
+
 @pytest.mark.parametrize("T", [0, 1, 511, 513, 4096, 20001])
 @pytest.mark.parametrize("R", [2, 3, 8])
 def test_layout_kernel_tiles(T, R):

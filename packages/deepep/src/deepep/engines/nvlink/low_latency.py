@@ -33,7 +33,7 @@ class LLArgs(ctypes.Structure):
                                   "recv_src", "recv_count", "out", "peer_data", "peer_sig", "state", "err")] + [
         ("timeout_ns", ctypes.c_uint64)] + [
         (n, ctypes.c_int32) for n in ("T", "k", "H", "R", "me", "E", "epr", "M", "use_fp8", "phases", "row_bytes",
-                                      "payload_bytes", "sig_tokens", "sig_msg")] + [
+                                      "payload_bytes", "sig_tokens", "sig_msg", "scale_pad")] + [
         ("data_rows", ctypes.c_int64)]
 
 
@@ -75,6 +75,11 @@ class NvlinkLowLatencyHandle:
         return 5
 
 
+def scale_pad(rows: int) -> int:
+    """Rows of one column of column-major fp32 scales: padded to 16 bytes (TMA's alignment)."""
+    return (rows + 3) // 4 * 4
+
+
 def payload_bytes(H: int, use_fp8: bool) -> int:
     """Bytes of one staged token before its top-k ids and slots: fp8 values and fp32 scales, or bf16."""
     return H + 4 * (H // 128) if use_fp8 else 2 * H
@@ -109,14 +114,23 @@ class NvlinkLowLatency:
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
         self.state = torch.zeros(2, 2, dtype=torch.int32, device="cuda")  # [dispatch|combine][epoch, blocks done]
         self.outputs: dict[tuple, torch.Tensor] = {}
+        self.parity = 0  # the output set the next dispatch fills: two sets, so two results are live at once
 
-    def _out(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        k = (key, shape, dtype)
+    def _out(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, col_major: bool = False) -> torch.Tensor:
+        """The fixed output `key` of the current set (the same storage every call of that set: graph-safe).
+        `col_major`: [..., rows, cols] stored column-major with rows padded to 4 (16 bytes), the
+        TMA-aligned scale layout deepgemm's masked GEMM reads as it is."""
+        key = f"{key}/{self.parity}"
+        k = (key, shape, dtype, col_major)
         t = self.outputs.get(k)
         if t is None:
             for old in [o for o in self.outputs if o[0] == key]:
                 del self.outputs[old]
-            t = torch.zeros(shape, dtype=dtype, device="cuda")
+            if col_major:
+                *lead, rows, cols = shape
+                t = torch.zeros((*lead, cols, scale_pad(rows)), dtype=dtype, device="cuda")[..., :rows].transpose(-1, -2)
+            else:
+                t = torch.zeros(shape, dtype=dtype, device="cuda")
             self.outputs[k] = t
         return t
 
@@ -173,13 +187,14 @@ class NvlinkLowLatency:
         cap = R * M
         if use_fp8:
             recv_x: Any = (self._out("x", (epr, cap, H), torch.float8_e4m3fn),
-                           self._out("scales", (epr, cap, H // 128), torch.float32))
+                           self._out("scales", (epr, cap, H // 128), torch.float32, col_major=True))
             rx, rs = recv_x
         else:
             recv_x = rx = self._out("x_bf16", (epr, cap, H), torch.bfloat16)
             rs = None
         recv_count = self._out("count", (epr,), torch.int32)
         recv_src = self._out("src", (epr, cap), torch.int32)
+        self.parity ^= 1
         # Per call (graph-safe: captured allocations come from the graph's pool); the kernel writes
         # every entry the combine reads.
         tok_rows = torch.empty(R, M, k, dtype=torch.int32, device=x.device)
@@ -188,7 +203,7 @@ class NvlinkLowLatency:
                        recv_x=addr(rx), recv_scales=addr(rs), recv_src=addr(recv_src), recv_count=addr(recv_count),
                        peer_data=addr(reg.peer_data), peer_sig=addr(reg.peer_sig), state=addr(self.state[0]),
                        T=T, k=k, H=H, E=num_experts, epr=epr, M=M, use_fp8=int(use_fp8), row_bytes=row_bytes,
-                       payload_bytes=payload, sig_tokens=sig_tokens, sig_msg=sig_msg)
+                       payload_bytes=payload, sig_tokens=sig_tokens, sig_msg=sig_msg, scale_pad=scale_pad(cap))
         hook = self._launch("deepep_ll_dispatch", a, return_recv_hook, (x, topk_idx), smem_bytes=smem)
         handle = NvlinkLowLatencyHandle(T, H, num_experts, M, tok_rows, src_tokens, recv_src)
         return recv_x, recv_count, handle, EventOverlap.capture(x.device), hook

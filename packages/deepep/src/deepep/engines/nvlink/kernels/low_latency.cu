@@ -25,7 +25,7 @@ struct LLArgs {
   int* tok_rows;              // [R, M, k]: row (le * R * M + i) of recv_x that got (source, token, j), or -1
   int* src_tokens;            // [R]: tokens each source had in the dispatch
   void* recv_x;               // [E_l, R * M, H] fp8 or bf16
-  float* recv_scales;         // [E_l, R * M, H / 128]
+  float* recv_scales;         // [E_l, R * M, H / 128] column-major: (e, row, g) at (e * G + g) * scale_pad + row
   int* recv_src;              // [E_l, R * M]: source token of each row
   int* recv_count;            // [E_l]
   __nv_bfloat16* out;         // combine: [T, H]
@@ -40,6 +40,7 @@ struct LLArgs {
   int payload_bytes;          // dispatch: fp8 + scales or bf16 bytes, then ids[k], slots[k] (int32)
   int sig_tokens;             // u64 offset of the per-token flags [R][M]
   int sig_msg;                // u64 offset of the counts messages (dispatch, int32 [R][epr])
+  int scale_pad;              // dispatch fp8: R * M rounded up to 4 (a TMA-aligned column of scales)
   long long data_rows;        // combine: byte offset of the partial rows (after the weights [R][M][k])
 };
 
@@ -296,12 +297,17 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_dispatch(LLArgs a) {
         for (int j = 0; j < a.k; ++j)
           if (dst_row[j] >= 0) dst[(long long)dst_row[j] * x16 + w] = v;
       }
-      if (a.use_fp8)
+      if (a.use_fp8) {
+        const int cap = a.R * a.M;
         for (int g = tid; g < G; g += blockDim.x) {
           const float sc = __ldcg(reinterpret_cast<const float*>(row + a.H) + g);
           for (int j = 0; j < a.k; ++j)
-            if (dst_row[j] >= 0) a.recv_scales[(long long)dst_row[j] * G + g] = sc;
+            if (dst_row[j] >= 0) {
+              const int le = dst_row[j] / cap, i = dst_row[j] - le * cap;
+              a.recv_scales[((long long)le * G + g) * a.scale_pad + i] = sc;
+            }
         }
+      }
     }
     __syncthreads();  // dst_row / item_sent are reused by the next item
   }
