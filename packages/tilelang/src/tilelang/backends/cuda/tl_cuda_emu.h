@@ -1,8 +1,9 @@
 // Runs tilelang's generated CUDA C++ on the CPU: one std::thread per CUDA thread, blocks one after
 // another, __syncthreads() as a block barrier, warp shuffles / ldmatrix / mma.sync through a
-// per-warp exchange. cp.async copies synchronously (so it cannot find a missing wait, only wrong
-// addresses, layouts and barriers). A test tool: it checks every lowering against the
-// interpreter on a machine without a GPU.
+// per-warp exchange. A cp.async poisons its destination when issued (0xff bytes: NaN for floats)
+// and lands when a cp_async_wait retires its group, so a missing wait, or a prefetch issued before
+// the barrier that ends the reads of its buffer, reads poison here (stale data on a GPU). A test
+// tool: it checks every lowering against the interpreter on a machine without a GPU.
 #pragma once
 #include <algorithm>
 #include <array>
@@ -118,15 +119,30 @@ template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
 template <typename T, int N> inline Vec<T, N> load_vec(const T* p) { Vec<T, N> r; std::memcpy(&r, p, sizeof(r)); return r; }
 template <typename T, int N> inline void store_vec(T* p, const Vec<T, N>& v) { std::memcpy(p, &v, sizeof(v)); }
 
+// cp.async, per thread: copies not yet committed, then committed groups (oldest first)
+struct TlCp { void* s; const void* g; bool pred; int n; };
+inline thread_local std::vector<TlCp> tl_cp_open;
+inline thread_local std::vector<std::vector<TlCp>> tl_cp_groups;
 inline void tl_cp(void* s, const void* g, bool pred, int n) {
   if ((reinterpret_cast<uintptr_t>(s) % n) || (pred && reinterpret_cast<uintptr_t>(g) % n)) std::abort();
-  if (pred) std::memcpy(s, g, n); else std::memset(s, 0, n);
+  std::memset(s, 0xff, n);  // in flight: nothing may read it before the wait that retires it
+  tl_cp_open.push_back({s, g, pred, n});
 }
 inline void cp_async_16(void* s, const void* g, bool pred = true) { tl_cp(s, g, pred, 16); }
 inline void cp_async_8(void* s, const void* g, bool pred = true) { tl_cp(s, g, pred, 8); }
 inline void cp_async_4(void* s, const void* g, bool pred = true) { tl_cp(s, g, pred, 4); }
-inline void cp_async_commit() {}
-template <int N> inline void cp_async_wait() {}
+inline void cp_async_commit() {
+  tl_cp_groups.push_back(std::move(tl_cp_open));
+  tl_cp_open.clear();
+}
+template <int N> inline void cp_async_wait() {  // all but the N most recent committed groups land
+  while (tl_cp_groups.size() > (size_t)N) {
+    for (const TlCp& c : tl_cp_groups.front()) {
+      if (c.pred) std::memcpy(c.s, c.g, c.n); else std::memset(c.s, 0, c.n);
+    }
+    tl_cp_groups.erase(tl_cp_groups.begin());
+  }
+}
 
 inline void tl_ldmatrix(u32* r, int count, const void* row, bool trans) {
   if (reinterpret_cast<uintptr_t>(row) % 16) std::abort();
