@@ -51,7 +51,7 @@ class GemmLinear(torch.nn.Module):
     def _gemm_weight(self) -> Any:
         """The weight in the GEMM's operand format, recomputed only when the weight changes."""
         w = self.weight
-        key = (w.data_ptr(), w._version, w.device, w.dtype, self.fp8)
+        key = (w.data_ptr(), w._version, w.get_device(), w.dtype, self.fp8)
         if self._cache is None or self._cache[0] != key:
             wd = w.detach()
             val = deepgemm.per_block_cast_to_fp8(wd) if self.fp8 else wd.to(torch.bfloat16).contiguous()
@@ -89,7 +89,8 @@ class GemmLinear(torch.nn.Module):
         d = torch.empty((x2.shape[0], self.out_features), dtype=out_dtype, device=x2.device)
         if x2.shape[0]:
             if self.fp8:
-                deepgemm.fp8_gemm_nt(deepgemm.per_token_cast_to_fp8(x2), self._gemm_weight(), d)
+                # On CUDA one fused cast kernel, scales written in the layout the GEMM reads (no transpose).
+                deepgemm.fp8_gemm_nt(deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=x2.is_cuda), self._gemm_weight(), d)
             else:
                 deepgemm.bf16_gemm_nt(x2.to(torch.bfloat16).contiguous(), self._gemm_weight(), d)
         if self.bias is not None:

@@ -113,3 +113,48 @@ def test_bench_host_gap_sleep_stays_bounded_for_a_synchronizing_fn():
     r = bench(syncing, warmup=3, iters=40)
     assert time.perf_counter() - t0 < 5.0, "the host-gap sleep grew call after call"
     assert r.median_s < 0.01
+
+
+def test_launch_plan_is_built_once_and_reused(mod):
+    """The second launch of a signature runs its LaunchPlan; results stay exact, new buffers and
+    values are honoured, and a bad argument after the plan exists still raises LaunchError."""
+    from tilehal import LaunchError
+
+    k = mod.get_kernel("vector_add")
+    k._plans.clear()
+    for n in (1000, 777, 1000):
+        a = torch.randn(n, device="cuda")
+        b = torch.randn(n, device="cuda")
+        c = torch.empty_like(a)
+        k.launch(4, 256, [a, b, c, Arg.i64(n)])
+        torch.testing.assert_close(c, a + b, rtol=0, atol=0)
+    assert len(k._plans[(4, 256, 0, None, torch.cuda.current_device())]) == 1
+    with pytest.raises(LaunchError, match="args\\[0\\]"):
+        k.launch(4, 256, [a.cpu(), b, c, Arg.i64(1000)])
+    w = mod.get_kernel("warp_row_sum")
+    x = torch.randn(8, 64, device="cuda").bfloat16()
+    out = torch.empty(8, device="cuda")
+    w.launch(8, 32, [x, out, 64])
+    with pytest.raises(LaunchError, match="int32"):
+        w.launch(8, 32, [x, out, 2**31])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # the plan reads the current stream on every call
+        w.launch(8, 32, [x, out, 64])
+    s.synchronize()
+    torch.testing.assert_close(out.double(), x.double().sum(1), rtol=1e-4, atol=1e-3)
+
+
+def test_launch_plan_under_cuda_graph_capture(mod):
+    k = mod.get_kernel("vector_add")
+    a = torch.randn(4096, device="cuda")
+    c = torch.empty_like(a)
+    k.launch(16, 256, [a, a, c, Arg.i64(4096)])  # builds the plan
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        k.launch(16, 256, [a, a, c, Arg.i64(4096)])
+    c.zero_()
+    a.copy_(torch.arange(4096, device="cuda", dtype=torch.float32))
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(c, 2 * a)

@@ -18,7 +18,7 @@ import torch
 from tilehal import ShapeError
 from tilehal.tma import encode_tiled
 
-from . import validate
+from . import plans, validate
 from .heuristics import GemmConfig, pick_config
 from .utils import ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size, is_mn_major_tma_aligned
 
@@ -117,6 +117,7 @@ def _encode(ptr: int, dtype: torch.dtype, shape: tuple, strides: tuple, box: tup
         _DESC_CACHE[key] = hit
         if len(_DESC_CACHE) > 4096:
             _DESC_CACHE.popitem(last=False)
+    plans.note_encode(hit, key)
     return hit
 
 
@@ -186,9 +187,10 @@ def _launch(key: KernelKey, cfg: GemmConfig, tiles: int, descs, d_desc, sfb, d, 
         log.debug("fp8 promotion not overlapped with the next wgmma: %s",
                   "DEEPGEMM_FP8_OVERLAP=0" if not cfg.allow_overlap else
                   f"BLOCK_N = {cfg.block_n} (a second partial-sum set would not fit in registers)")
-    kern.launch(grid_size(cfg, tiles), cfg.num_threads,
-                [descs[0], descs[1], descs[2], d_desc, sfb, d, c, group_info, shape_m],
-                smem_bytes=cfg.smem_bytes, cluster=(cfg.multicast, 1, 1) if cfg.multicast > 1 else None)
+    grid, args = grid_size(cfg, tiles), [descs[0], descs[1], descs[2], d_desc, sfb, d, c, group_info, shape_m]
+    cluster = (cfg.multicast, 1, 1) if cfg.multicast > 1 else None
+    kern.launch(grid, cfg.num_threads, args, smem_bytes=cfg.smem_bytes, cluster=cluster)
+    plans.note_launch(kern, grid, cfg.num_threads, args, cfg.smem_bytes, cluster)
 
 
 def max_multicast() -> int:

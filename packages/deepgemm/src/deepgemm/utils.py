@@ -143,7 +143,8 @@ def _scale(amax: torch.Tensor, use_ue8m0: bool, top: float = FP8_MAX) -> torch.T
 
 
 def per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int = BLOCK_K,
-                          use_packed_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          use_packed_ue8m0: bool = False, tma_aligned_sf: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize [..., M, K] per token and `gran_k`-wide K block: (x_fp8 [..., M, K], sf [..., M, ceil(K/gran_k)]).
 
     sf = amax / 448 (amax of the block's finite values, clamped to 1e-4 so all-zero blocks stay finite),
@@ -151,9 +152,23 @@ def per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int 
     block's largest magnitude) and a NaN as NaN, each at its own position: the rest of the block is
     quantized as if they were not there. `use_packed_ue8m0` returns sf packed four per int32 (DeepGEMM's
     SM100 layout; needs ceil(K/gran_k) % 4 == 0).
+    `tma_aligned_sf` (2-D x) returns sf already in the layout the CUDA kernels read
+    (get_mn_major_tma_aligned_tensor's), so fp8_gemm_nt skips that copy. On CUDA tensors one fused
+    kernel does it all (deepgemm/kernels/fp8_cast.cuh, same values).
     """
     _check_2d_or_3d(x, "x")
     _check_gran(gran_k)
+    if tma_aligned_sf and (use_packed_ue8m0 or x.dim() != 2):
+        raise ShapeError(f"tma_aligned_sf: expected a 2-D x with float32 scales, got {x.dim()} dimensions"
+                         + (" and use_packed_ue8m0" if use_packed_ue8m0 else ""))
+    if x.is_cuda and not use_packed_ue8m0:
+        from . import cuda_cast
+
+        fused = cuda_cast.per_token(x, gran_k, use_ue8m0, tma_aligned_sf)
+        if fused is not None:
+            return fused
+    elif x.is_cuda:
+        log.debug("per_token_cast_to_fp8: torch ops instead of the fused kernel (use_packed_ue8m0)")
     *lead, m, k = x.shape
     sk = ceil_div(k, gran_k)
     xf = x.float()
@@ -163,6 +178,8 @@ def per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int 
     sf = _scale(_finite_abs(blocks).amax(dim=-1).clamp(min=1e-4), use_ue8m0)
     q = _to_e4m3(blocks * (1.0 / sf.unsqueeze(-1))).view(*lead, m, sk * gran_k)[..., :k]
     sf = sf.contiguous()
+    if tma_aligned_sf:
+        return q.contiguous(), get_mn_major_tma_aligned_tensor(sf)
     return q.contiguous(), pack_ue8m0_to_int(sf) if use_packed_ue8m0 else sf
 
 
@@ -184,9 +201,20 @@ def per_channel_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
 
 def per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
                           gran_k: int = BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize [..., N, K] per gran_k x gran_k block: (x_fp8 [..., N, K], sf [..., ceil(N/gran_k), ceil(K/gran_k)])."""
+    """Quantize [..., N, K] per gran_k x gran_k block: (x_fp8 [..., N, K], sf [..., ceil(N/gran_k), ceil(K/gran_k)]).
+
+    On CUDA tensors (gran_k 128) one fused kernel does it (deepgemm/kernels/fp8_cast.cuh, same values)."""
     _check_2d_or_3d(x, "x")
     _check_gran(gran_k)
+    if x.is_cuda:
+        if gran_k == BLOCK_K:
+            from . import cuda_cast
+
+            fused = cuda_cast.per_block(x, use_ue8m0)
+            if fused is not None:
+                return fused
+        else:
+            log.debug("per_block_cast_to_fp8: torch ops instead of the fused kernel (gran_k = %d)", gran_k)
     *lead, n, k = x.shape
     sn, sk = ceil_div(n, gran_k), ceil_div(k, gran_k)
     xf = torch.nn.functional.pad(x.float(), (0, sk * gran_k - k, 0, sn * gran_k - n))

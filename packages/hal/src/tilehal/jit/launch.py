@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,10 @@ import numpy as np
 
 from ..errors import DeviceError, LaunchError, check_int
 from ..tensors import is_torch
+from . import fastlaunch
+from .fastlaunch import MISS
+
+log = logging.getLogger("tilehal.jit.launch")
 
 
 def _driver():
@@ -205,6 +210,7 @@ class Kernel:
     symbol: str  # mangled/lowered name in the cubin
     _functions: dict[int, Any] = field(default_factory=dict, repr=False)
     _smem_set: dict[int, int] = field(default_factory=dict, repr=False)
+    _plans: dict[tuple, list] = field(default_factory=dict, repr=False)
 
     def _function(self, device_index: int):
         fn = self._functions.get(device_index)
@@ -250,7 +256,40 @@ class Kernel:
         Tensors become device pointers, Python ints int32, floats float32; use `Arg` for other
         C types. `smem_bytes` above 48 KiB is opted into automatically. `cluster` launches
         thread-block clusters (sm_90+).
+
+        The first launch of a signature (grid, block, smem, cluster, device and the arguments'
+        types) checks everything and builds a LaunchPlan (fastlaunch.py); later launches of it run
+        the plan: per-argument type/device checks, one struct pack, one cuLaunchKernel.
         """
+        torch = _torch_fast
+        if torch is not None:
+            if stream is None:
+                dev = torch._C._cuda_getDevice()
+                handle = torch._C._cuda_getCurrentRawStream(dev)
+            elif hasattr(stream, "cuda_stream"):
+                dev, handle = stream.device.index, stream.cuda_stream
+            else:
+                dev, handle = None, None
+            if dev is not None:
+                try:
+                    plans = self._plans.get((grid, block, smem_bytes, cluster, dev))
+                except TypeError:  # unhashable grid/block (a list): the slow path every time
+                    plans = None
+                if plans:
+                    for plan in plans:
+                        rc = plan.go(args, dev, handle)
+                        if rc == 0:
+                            return
+                        if rc != MISS:
+                            self._raise_launch(rc, grid, block, smem_bytes)
+        self._launch_slow(grid, block, args, smem_bytes, stream, cluster)
+
+    def _raise_launch(self, rc: int, grid: Any, block: Any, smem_bytes: int) -> None:
+        driver = _driver()
+        _check(driver, driver.CUresult(rc), f"launch of {self.name} grid={_dims(grid, 'grid')} "
+               f"block={_dims(block, 'block')} smem={smem_bytes}")
+
+    def _launch_slow(self, grid, block, args, smem_bytes, stream, cluster) -> None:
         g, b = _dims(grid, "grid"), _dims(block, "block")
         torch = _torch_with_cuda()
         if stream is None:
@@ -273,19 +312,75 @@ class Kernel:
         if cluster is None:
             res = driver.cuLaunchKernel(fn, *g, *b, int(smem_bytes), stream_h, ctypes.addressof(ptrs), 0)
         else:
-            c = _dims(cluster, "cluster")
-            cfg = driver.CUlaunchConfig()
-            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = g
-            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = b
-            cfg.sharedMemBytes = int(smem_bytes)
-            cfg.hStream = stream_h
-            attr = driver.CUlaunchAttribute()
-            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c
-            cfg.attrs = [attr]
-            cfg.numAttrs = 1
-            res = driver.cuLaunchKernelEx(cfg, fn, ctypes.addressof(ptrs), 0)
+            res = driver.cuLaunchKernelEx(_cluster_config(driver, g, b, smem_bytes, cluster, stream_h), fn,
+                                          ctypes.addressof(ptrs), 0)
         _check(driver, res, f"launch of {self.name} grid={g} block={b} smem={smem_bytes}")
+        self._remember(grid, block, args, smem_bytes, cluster, dev, fn, g, b, torch)
+
+    def _remember(self, grid, block, args, smem_bytes, cluster, dev, fn, g, b, torch) -> None:
+        """Build a plan for this (successful) launch's signature, unless one exists or it cannot be planned."""
+        global _torch_fast
+        try:
+            key = (grid, block, smem_bytes, cluster, dev)
+            hash(key)
+        except TypeError:
+            log.debug("kernel %s: grid/block/cluster given as lists (unhashable): no launch plan, every launch "
+                      "takes the checked slow path; pass ints or tuples", self.name)
+            return
+        sig = fastlaunch.signature_of(args, torch.Tensor, Arg)
+        plans = self._plans.setdefault(key, [])
+        if any(p.signature == sig for p in plans):
+            return
+        if len(self._plans) > _MAX_PLAN_KEYS:
+            self._plans.clear()
+            plans = self._plans.setdefault(key, [])
+        driver = _driver()
+        try:
+            if cluster is None:
+                fast = fastlaunch.ctypes_cu_launch_kernel()
+                if fast is not None:
+                    launcher, handle = fast, int(fn)
+                else:
+                    def launcher(f, gx, gy, gz, bx, by, bz, sm, st, params, extra, _d=driver):
+                        return int(_d.cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sm, _d.CUstream(st), params, 0)[0])
+                    handle = fn
+                plan = fastlaunch.build_plan(args, handle, g, b, int(smem_bytes), launcher, torch.Tensor, Arg)
+            else:
+                cfg = _cluster_config(driver, g, b, smem_bytes, cluster, driver.CUstream(0))
+
+                def launcher(c, st, params, _d=driver, _f=fn):
+                    c.hStream = _d.CUstream(st)
+                    return int(_d.cuLaunchKernelEx(c, _f, params, 0)[0])
+                plan = fastlaunch.build_plan(args, None, g, b, int(smem_bytes), launcher, torch.Tensor, Arg,
+                                             cluster_cfg=cfg)
+        except fastlaunch.Unplannable as e:
+            log.debug("kernel %s: no launch plan for an argument of type %s; launches take the slow path",
+                      self.name, e)
+            return
+        if len(plans) >= _MAX_PLANS_PER_KEY:
+            plans.pop(0)
+        plans.append(plan)
+        _torch_fast = torch
+
+
+_MAX_PLAN_KEYS = 256  # distinct (grid, block, smem, cluster, device) per kernel before the plans are dropped
+_MAX_PLANS_PER_KEY = 4  # argument signatures kept per launch shape
+_torch_fast: Any = None  # torch, once a launch has succeeded (the plan path needs no further checks)
+
+
+def _cluster_config(driver, g, b, smem_bytes, cluster, stream_h):
+    c = _dims(cluster, "cluster")
+    cfg = driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = g
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = b
+    cfg.sharedMemBytes = int(smem_bytes)
+    cfg.hStream = stream_h
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg
 
 
 @dataclass

@@ -1,0 +1,128 @@
+"""Host side of the fused fp8 casts (kernels/fp8_cast.cuh): one launch per cast on CUDA tensors.
+
+`per_token(x, gran_k, ue8m0, mn_major_sf)` and `per_block(x, ue8m0)` return what
+deepgemm.utils.per_token_cast_to_fp8 / per_block_cast_to_fp8 return (bit-identical values), or
+None where the fused kernel does not apply (the caller then runs the torch ops; DEBUG says why).
+With `mn_major_sf` the per-token scales come back in the layout the GEMM kernels read (MN-major,
+the M stride padded to 16 bytes: `is_mn_major_tma_aligned` holds), so fp8_gemm_nt needs no
+transpose of sfa per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import tilehal
+import torch
+
+from .utils import ceil_div, get_tma_aligned_size
+
+log = logging.getLogger("deepgemm")
+
+KERNEL_FILE = Path(__file__).resolve().parent / "kernels" / "fp8_cast.cuh"
+_CTYPE = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half", torch.float32: "float"}
+THREADS = 256
+
+
+def kernel_source() -> str:
+    return KERNEL_FILE.read_text()
+
+
+def token_expression(dtype: torch.dtype, gran_k: int, vec: bool) -> str:
+    return f"deepgemm::per_token_cast<{_CTYPE[dtype]}, {gran_k}, {'true' if vec else 'false'}>"
+
+
+def block_expression(dtype: torch.dtype, vec: bool) -> str:
+    return f"deepgemm::per_block_cast<{_CTYPE[dtype]}, {'true' if vec else 'false'}>"
+
+
+def all_expressions() -> list[str]:
+    out = []
+    for dt in _CTYPE:
+        for vec in (True, False):
+            out += [token_expression(dt, g, vec) for g in (32, 64, 128)] + [block_expression(dt, vec)]
+    return out
+
+
+def compile_module(expressions: tuple[str, ...] | None = None, options: tuple[str, ...] = ()) -> tilehal.CudaModule:
+    """NVRTC module (sm_90a, cached on disk; no GPU needed) of `expressions` (default: all of them)."""
+    return tilehal.compile_cuda(kernel_source(), arch="sm_90a", name="deepgemm_fp8_cast",
+                                options=("-std=c++17", *options),
+                                name_expressions=list(expressions or all_expressions()))
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(expr: str) -> tilehal.Kernel:
+    return compile_module((expr,)).get_kernel(expr)  # one instantiation per module: a short first compile
+
+
+def _why_not(x: torch.Tensor, gran_k: int) -> str | None:
+    if not x.is_cuda:
+        return "not a CUDA tensor"
+    if x.dtype not in _CTYPE:
+        return f"dtype {x.dtype}"
+    if x.dim() not in (2, 3):
+        return f"{x.dim()} dimensions"
+    if gran_k not in (32, 64, 128):
+        return f"gran_k = {gran_k}"
+    if x.stride(-1) != 1:
+        return "non-unit stride along K"
+    if x.dim() == 3 and x.shape[0] > 1 and x.stride(0) != x.shape[1] * x.stride(1):
+        return "groups not evenly strided"
+    if x.numel() >= 2**31 or x.shape[-2] * ceil_div(x.shape[-1], 128) >= 2**31:
+        return "more than 2^31 elements"
+    return None
+
+
+def _vec(x: torch.Tensor, row_stride: int) -> bool:
+    k = x.shape[-1]
+    return k % 4 == 0 and row_stride % 4 == 0 and x.data_ptr() % 16 == 0
+
+
+def per_token(x: torch.Tensor, gran_k: int, ue8m0: bool, mn_major_sf: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    why = _why_not(x, gran_k)
+    if why is None and mn_major_sf and x.dim() != 2:
+        why = "MN-major scales are built for 2-D inputs only"
+    if why is not None:
+        log.debug("per_token_cast_to_fp8: torch ops instead of the fused kernel (%s)", why)
+        return None
+    *lead, m, k = x.shape
+    rows = m * (lead[0] if lead else 1)
+    sk = ceil_div(k, gran_k)
+    ldx = x.stride(-2) if x.dim() == 2 or x.shape[0] == 1 else x.stride(1)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if mn_major_sf:
+        sf = torch.empty_strided((m, sk), (1, get_tma_aligned_size(m, 4)), dtype=torch.float32, device=x.device)
+        rs, cs = 1, get_tma_aligned_size(m, 4)
+    else:
+        sf = torch.empty((*lead, m, sk), dtype=torch.float32, device=x.device)
+        rs, cs = sk, 1
+    if rows == 0 or k == 0:
+        return q, sf
+    tasks = rows * ceil_div(k, 128)
+    _kernel(token_expression(x.dtype, gran_k, _vec(x, ldx))).launch(
+        ceil_div(tasks, THREADS // 32), THREADS,
+        (x, q, sf, rows, k, tilehal.Arg.i64(ldx), tilehal.Arg.i64(rs), tilehal.Arg.i64(cs), bool(ue8m0)))
+    return q, sf
+
+
+def per_block(x: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    why = _why_not(x, 128)
+    if why is not None:
+        log.debug("per_block_cast_to_fp8: torch ops instead of the fused kernel (%s)", why)
+        return None
+    *lead, n, k = x.shape
+    g = lead[0] if lead else 1
+    sn, sk = ceil_div(n, 128), ceil_div(k, 128)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    sf = torch.empty((*lead, sn, sk), dtype=torch.float32, device=x.device)
+    if n == 0 or k == 0 or g == 0:
+        return q, sf
+    ldx = x.stride(-2)
+    ldg = x.stride(0) if x.dim() == 3 else n * ldx
+    _kernel(block_expression(x.dtype, _vec(x, ldx) and ldg % 4 == 0)).launch(
+        (sk, sn, g), THREADS, (x, q, sf, n, k, tilehal.Arg.i64(ldx), tilehal.Arg.i64(ldg), bool(ue8m0)))
+    return q, sf

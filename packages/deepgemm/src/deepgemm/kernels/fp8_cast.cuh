@@ -1,0 +1,146 @@
+// Fused fp8 (e4m3) casts: one kernel each for DeepGEMM's per-token (1 x GRAN_K) and per-block
+// (GRAN_K x GRAN_K) quantization, replacing chains of torch ops (pad, view, abs, amax, clamp, div,
+// mul, cast, contiguous).
+//
+// Both compute exactly what deepgemm.utils' torch reference computes, bit for bit:
+//   amax = max |x| over the block (NaN propagates, as torch.amax), clamped below at 1e-4,
+//   sf   = amax / 448 (IEEE division), rounded up to a power of two with UE8M0,
+//   q    = fp8(x * (1 / sf)) with round-to-nearest-even; |x * (1/sf)| <= 448 up to one rounding,
+//          so the saturating conversion never saturates a finite value the reference keeps.
+// Elements past K (or N) count as zeros, like the reference's zero padding.
+#pragma once
+#include <tilehal/tilehal.cuh>
+
+namespace deepgemm {
+
+using tilehal::u64;
+
+constexpr float kFp8Max = 448.0f;
+
+// Max that keeps a NaN (torch.amax semantics).
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+template <int WIDTH>
+__device__ __forceinline__ float group_amax(float v) {
+#pragma unroll
+  for (int offset = WIDTH / 2; offset > 0; offset >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+__device__ __forceinline__ float scale_of(float amax, bool ue8m0) {
+  amax = amax != amax ? amax : fmaxf(amax, 1e-4f);
+  float sf = amax / kFp8Max;
+  if (ue8m0) {
+    const unsigned bits = __float_as_uint(fabsf(sf));
+    int e = static_cast<int>((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0u ? 1 : 0);
+    e = e < 1 ? 1 : (e > 254 ? 254 : e);
+    sf = __uint_as_float(static_cast<unsigned>(e) << 23);
+  }
+  return sf;
+}
+
+__device__ __forceinline__ unsigned char to_e4m3(float v) {
+  return static_cast<unsigned char>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// Four consecutive elements starting at column `col` of a row (zeros past `k`).
+template <typename T, bool VEC>
+__device__ __forceinline__ void load4(const T* row, int col, int k, float (&v)[4]) {
+  if (VEC && col + 3 < k) {
+    if constexpr (sizeof(T) == 4) {
+      const float4 f = *reinterpret_cast<const float4*>(row + col);
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
+      const uint2 u = *reinterpret_cast<const uint2*>(row + col);
+      const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = tilehal::to_float(h[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = col + i < k ? tilehal::to_float(row[col + i]) : 0.f;
+  }
+}
+
+__device__ __forceinline__ void store4(unsigned char* row, int col, int k, const float (&v)[4], float inv, bool vec) {
+  unsigned char q[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) q[i] = to_e4m3(v[i] * inv);
+  if (vec && col + 3 < k) {
+    *reinterpret_cast<unsigned*>(row + col) = q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<unsigned>(q[3]) << 24);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) if (col + i < k) row[col + i] = q[i];
+  }
+}
+
+// Per token: x [rows, k] (row stride ldx elements) -> q [rows, k] (row stride k) and
+// sf[row * sf_rs + kb * sf_cs]. One warp per (row, 128 columns); each lane holds 4 consecutive
+// elements, GRAN_K / 4 lanes share one scale. VEC: rows 16-byte aligned for vector loads (host checks).
+template <typename T, int GRAN_K, bool VEC>
+__global__ void __launch_bounds__(256) per_token_cast(const T* __restrict__ x, unsigned char* __restrict__ q,
+                                                      float* __restrict__ sf, int rows, int k, long long ldx,
+                                                      long long sf_rs, long long sf_cs, bool ue8m0) {
+  static_assert(GRAN_K == 32 || GRAN_K == 64 || GRAN_K == 128, "GRAN_K is 32, 64 or 128");
+  const int chunks = (k + 127) / 128;
+  const long long task = static_cast<long long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (task >= static_cast<long long>(rows) * chunks) return;
+  const int row = static_cast<int>(task / chunks), chunk = static_cast<int>(task % chunks);
+  const int lane = threadIdx.x & 31;
+  const int col = chunk * 128 + lane * 4;
+  float v[4];
+  load4<T, VEC>(x + row * ldx, col, k, v);
+  float a = nan_max(nan_max(fabsf(v[0]), fabsf(v[1])), nan_max(fabsf(v[2]), fabsf(v[3])));
+  a = group_amax<GRAN_K / 4>(a);
+  const float s = scale_of(a, ue8m0);
+  const float inv = 1.0f / s;
+  store4(q + static_cast<long long>(row) * k, col, k, v, inv, VEC);
+  if (col < k && lane % (GRAN_K / 4) == 0) sf[row * sf_rs + static_cast<long long>(col / GRAN_K) * sf_cs] = s;
+}
+
+// Per block: x [groups][n, k] (row stride ldx, group stride ldg) -> q (contiguous) and
+// sf [groups][ceil(n/128), ceil(k/128)] (contiguous). One CTA of 8 warps per 128 x 128 block: warp w
+// owns rows w, w + 8, ...; each lane 4 consecutive columns. The block's 64 values per thread stay in
+// registers between the reduction and the stores.
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(256) per_block_cast(const T* __restrict__ x, unsigned char* __restrict__ q,
+                                                      float* __restrict__ sf, int n, int k, long long ldx,
+                                                      long long ldg, bool ue8m0) {
+  __shared__ float warp_amax[8];
+  const int kb = blockIdx.x, nb = blockIdx.y, g = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const T* xg = x + g * ldg;
+  unsigned char* qg = q + static_cast<long long>(g) * n * k;
+  const int col = kb * 128 + lane * 4;
+  float v[16][4];
+  float a = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int r = nb * 128 + warp + 8 * i;
+    if (r < n) {
+      load4<T, VEC>(xg + r * ldx, col, k, v[i]);
+    } else {
+      v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.f;
+    }
+    a = nan_max(a, nan_max(nan_max(fabsf(v[i][0]), fabsf(v[i][1])), nan_max(fabsf(v[i][2]), fabsf(v[i][3]))));
+  }
+  a = group_amax<32>(a);
+  if (lane == 0) warp_amax[warp] = a;
+  __syncthreads();
+  a = warp_amax[0];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) a = nan_max(a, warp_amax[w]);
+  const float s = scale_of(a, ue8m0);
+  const float inv = 1.0f / s;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int r = nb * 128 + warp + 8 * i;
+    if (r < n) store4(qg + static_cast<long long>(r) * k, col, k, v[i], inv, VEC);
+  }
+  if (threadIdx.x == 0) {
+    const int sn = (n + 127) / 128, sk = (k + 127) / 128;
+    sf[(static_cast<long long>(g) * sn + nb) * sk + kb] = s;
+  }
+}
+
+}  // namespace deepgemm

@@ -1,0 +1,155 @@
+"""The host fast path (deepgemm.plans) on the CPU: the GPU pieces are stood in for (a fake kernel that
+records its launches, descriptors that carry their address in the first 8 bytes as CUtensorMaps do
+for cuTensorMapReplaceAddress), so the replayed launch can be compared with the launch the full,
+checked path makes for the same call."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import deepgemm
+import pytest
+import torch
+from deepgemm import cuda_gemm, plans, validate
+
+
+class FakeKernel:
+    def __init__(self, log, key):
+        self.log, self.key = log, key
+
+    def launch(self, grid, block, args, smem_bytes=0, cluster=None):
+        self.log.append((self.key, grid, block, list(args), smem_bytes, cluster))
+
+
+def _fake_encode(ptr, dtype, shape, strides, box, swizzle="none"):
+    rest = hashlib.sha256(repr((dtype, shape, strides, box, swizzle)).encode()).digest() * 4
+    return struct.pack("<Q", ptr) + rest[:120]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    launches, full_calls = [], []
+    monkeypatch.setattr(validate, "same_device", lambda **k: torch.device("cuda"))
+    monkeypatch.setattr(cuda_gemm, "_capability", lambda i: (9, 0))
+    monkeypatch.setattr(cuda_gemm, "_kernel", lambda key: FakeKernel(launches, key))
+    monkeypatch.setattr(cuda_gemm, "encode_tiled", _fake_encode)
+    monkeypatch.setattr(plans.tma, "retarget", lambda desc, p: struct.pack("<Q", p) + desc[8:])
+    real_pick = cuda_gemm.pick_config
+
+    def counting_pick(*a, **k):
+        full_calls.append(a)
+        return real_pick(*a, **k)
+
+    monkeypatch.setattr(cuda_gemm, "pick_config", counting_pick)
+    cuda_gemm._DESC_CACHE.clear()
+    plans.clear()
+    yield launches, full_calls
+    plans.clear()
+    cuda_gemm._DESC_CACHE.clear()
+
+
+def _full_launch(call, full_calls):
+    """The launch the full path makes for `call` (plans off; its heuristic call is not counted)."""
+    n_calls = len(full_calls)
+    saved = dict(plans._PLANS)
+    plans.clear()
+    log = []
+    orig = cuda_gemm._kernel
+    cuda_gemm._kernel = lambda key: FakeKernel(log, key)
+    try:
+        with plans.record(None, ()):
+            call()
+    finally:
+        cuda_gemm._kernel = orig
+        plans._PLANS.clear()
+        plans._PLANS.update(saved)
+        del full_calls[n_calls:]
+    return log[-1]
+
+
+def _same(l1, l2):
+    assert l1[0] == l2[0] and l1[1:3] == l2[1:3] and l1[4:] == l2[4:]
+    for x, y in zip(l1[3], l2[3]):
+        assert (x is y) if isinstance(x, torch.Tensor) else (x == y)
+
+
+def test_bf16_replay_equals_the_full_path(fake_gpu):
+    launches, full_calls = fake_gpu
+    m, n, k = 128, 512, 256
+    for it in range(4):
+        a = torch.randn(m, k).bfloat16()
+        w = torch.randn(n, k).bfloat16()
+        d = torch.empty(m, n, dtype=torch.bfloat16)
+        deepgemm.bf16_gemm_nt(a, w, d)
+        assert len(full_calls) == 1, "the heuristic ran again: the call did not replay its plan"
+        _same(launches[-1], _full_launch(lambda a=a, w=w, d=d: deepgemm.bf16_gemm_nt(a, w, d), full_calls))
+    assert len(launches) == 4
+
+
+def test_fp8_replay_with_mn_major_scales(fake_gpu):
+    launches, full_calls = fake_gpu
+    m, n, k = 64, 256, 512
+    for it in range(3):
+        x = torch.randn(m, k)
+        a, sfa = deepgemm.per_token_cast_to_fp8(x)
+        sfa = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
+        b, sfb = deepgemm.per_block_cast_to_fp8(torch.randn(n, k))
+        d = torch.empty(m, n, dtype=torch.bfloat16)
+        deepgemm.fp8_gemm_nt((a, sfa), (b, sfb), d)
+        _same(launches[-1], _full_launch(lambda a=a, sfa=sfa, b=b, sfb=sfb, d=d: deepgemm.fp8_gemm_nt((a, sfa), (b, sfb), d),
+                                         full_calls))
+    assert len(full_calls) == 1
+
+
+def test_no_plan_when_the_call_copies_an_operand(fake_gpu):
+    launches, full_calls = fake_gpu
+    m, n, k = 64, 256, 512
+    for _ in range(2):
+        a, sfa = deepgemm.per_token_cast_to_fp8(torch.randn(m, k))  # K-major sfa: transposed per call
+        b, sfb = deepgemm.per_block_cast_to_fp8(torch.randn(n, k))
+        d = torch.empty(m, n, dtype=torch.bfloat16)
+        deepgemm.fp8_gemm_nt((a, sfa), (b, sfb), d)
+    assert len(full_calls) == 2 and not plans._PLANS
+    c = torch.randn(m, n).bfloat16()
+    a16, b16 = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    for _ in range(2):  # a bf16 C is widened per call
+        deepgemm.bf16_gemm_nt(a16, b16, d, c)
+    assert len(full_calls) == 4 and not plans._PLANS
+
+
+def test_checks_still_run_for_a_new_signature_and_bad_alignment(fake_gpu):
+    launches, full_calls = fake_gpu
+    a = torch.randn(64, 256).bfloat16()
+    w = torch.randn(128, 256).bfloat16()
+    d = torch.empty(64, 128, dtype=torch.bfloat16)
+    deepgemm.bf16_gemm_nt(a, w, d)
+    with pytest.raises(deepgemm.ShapeError if hasattr(deepgemm, "ShapeError") else Exception, match="d: expected"):
+        deepgemm.bf16_gemm_nt(a, w, torch.empty(64, 127, dtype=torch.bfloat16))
+    buf = torch.empty(64 * 256 + 4, dtype=torch.bfloat16)
+    a_off = buf[4:].view(64, 256)  # same signature, pointer 8 bytes off 16-byte alignment
+    a_off.copy_(a)
+    with pytest.raises(Exception, match="16-byte aligned"):
+        deepgemm.bf16_gemm_nt(a_off, w, d)
+    assert len(launches) == 1
+
+
+def test_environment_switch_is_part_of_the_key(fake_gpu, monkeypatch):
+    launches, full_calls = fake_gpu
+    a = torch.randn(128, 256).bfloat16()
+    w = torch.randn(512, 256).bfloat16()
+    d = torch.empty(128, 512, dtype=torch.bfloat16)
+    deepgemm.bf16_gemm_nt(a, w, d)
+    tma_key = launches[-1][0]
+    monkeypatch.setenv("DEEPGEMM_EPILOGUE", "direct")
+    deepgemm.bf16_gemm_nt(a, w, d)
+    assert len(full_calls) == 2 and launches[-1][0] != tma_key and not launches[-1][0].tma_store
+
+
+def test_aliased_operands_get_no_descriptor_plan(fake_gpu):
+    launches, full_calls = fake_gpu
+    x = torch.randn(128, 128).bfloat16()
+    d = torch.empty(128, 128, dtype=torch.bfloat16)
+    deepgemm.bf16_gemm_nt(x, x, d)  # a is b: the descriptor's owner is ambiguous
+    deepgemm.bf16_gemm_nt(x, x, d)
+    assert len(full_calls) == 2 and not plans._PLANS
