@@ -173,7 +173,8 @@ def sec_deepep() -> None:
     import deepep
 
     t, hidden, e, topk = 128, 7168, 32, 8
-    buf = deepep.Buffer(transport="local", low_latency_mode=True, num_qps_per_rank=1)
+    buf = deepep.Buffer(transport="local", low_latency_mode=True, num_qps_per_rank=1, num_max_tokens_per_rank=t,
+                        hidden=hidden)
     x = torch.randn(t, hidden, device="cuda").bfloat16()
     g = torch.Generator(device="cuda").manual_seed(0)
     idx = torch.rand(t, e, device="cuda", generator=g).topk(topk, dim=1).indices.to(torch.int64)
