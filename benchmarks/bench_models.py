@@ -158,8 +158,12 @@ def sec_prefill(env: Env) -> None:
 
 
 def _static_decode(env: Env, model: torch.nn.Module, b: int, ctx: int):
-    """A decode step at position ctx on a StaticCache whose first ctx positions hold random K/V."""
-    cache = transformers.StaticCache(config=model.config, max_cache_len=ctx + 8)
+    """A decode step at position ctx on a StaticCache whose first ctx positions hold random K/V.
+
+    The cache holds exactly ctx + 1 positions: for one query token without an attention mask,
+    transformers' SDPA path drops the causal mask in eager mode (attending every cache position)
+    but keeps it while a CUDA graph is captured; with no position past ctx both read the same K/V."""
+    cache = transformers.StaticCache(config=model.config, max_cache_len=ctx + 1)
     ids = torch.randint(0, model.config.vocab_size, (b, 1), device=env.device,
                         generator=torch.Generator(env.device).manual_seed(3))
     pos = torch.full((1,), ctx, dtype=torch.long, device=env.device)
@@ -180,7 +184,7 @@ def sec_decode(env: Env) -> None:
     b, ctx = env.s["decode"]
     base = _llama(env)
     with torch.no_grad():
-        peer_e = peer_g = ref = None
+        peer_e = peer_g = ref = ref_g = None
         for name, m in _variants(env, base):
             step = _static_decode(env, m, b, ctx)
             out = step().float()
@@ -205,7 +209,10 @@ def sec_decode(env: Env) -> None:
                 torch.cuda.synchronize()
                 tg = env.bench(graph.replay, hide_host=True).median_s * 1e3
                 peer_g = tg if peer_g is None else peer_g
-                row("decode_graph", name, tg, peer_g, tilehal.calc_diff(gout.float(), ref), "CUDA graph replay")
+                ref_g = gout.float().clone() if ref_g is None else ref_g
+                row("decode_graph", name, tg, peer_g, tilehal.calc_diff(gout.float(), ref_g),
+                    f"CUDA graph replay; calc_diff vs the plain graph's logits (plain graph vs plain eager: "
+                    f"{tilehal.calc_diff(ref_g, ref):.1e})")
             except Exception as e:   # a capture failure is a result, recorded with its reason
                 row("decode_graph", name, None, note=f"capture failed: {type(e).__name__}: {str(e)[:200]}")
             del step

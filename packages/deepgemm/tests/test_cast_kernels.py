@@ -96,3 +96,34 @@ def test_strided_rows_and_odd_alignment():
     qb0, sfb0 = deepgemm.per_block_cast_to_fp8(x.cpu())
     _same_fp8(qb, qb0)
     _same_sf(sfb, sfb0)
+
+
+def test_silu_mul_on_the_cpu_matches_its_definition():
+    x = torch.randn(9, 512)
+    g, u = x[:, :256], x[:, 256:]
+    ref = torch.nn.functional.silu(g) * u
+    assert torch.equal(deepgemm.silu_mul(x), ref.bfloat16())
+    q, sf = deepgemm.silu_mul_cast_to_fp8(x)
+    q0, sf0 = deepgemm.per_token_cast_to_fp8(ref)
+    assert torch.equal(sf, sf0) and torch.equal(q.float(), q0.float())
+    with pytest.raises(tilehal.ShapeError, match="gate"):
+        deepgemm.silu_mul(torch.randn(4, 7))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 256), (8192, 28672), (77, 2 * 200), (5, 2 * 130)])
+def test_silu_mul_matches_the_torch_ops(shape):
+    g = torch.Generator().manual_seed(shape[0])
+    x = (torch.randn(shape, generator=g) * 4).bfloat16().cuda()
+    f = shape[1] // 2
+    act = torch.nn.functional.silu(x[:, :f].float()) * x[:, f:].float()  # torch on the same GPU
+    y = deepgemm.silu_mul(x)
+    torch.testing.assert_close(y.float(), act.bfloat16().float(), rtol=2**-7, atol=1e-30)
+    assert (y != act.bfloat16()).float().mean().item() < 1e-3  # an exp ulp apart at most, rarely
+    q, sf = deepgemm.silu_mul_cast_to_fp8(x, tma_aligned_sf=True)
+    assert is_mn_major_tma_aligned(sf)
+    q0, sf0 = deepgemm.per_token_cast_to_fp8(act)
+    torch.testing.assert_close(sf, sf0, rtol=1e-6, atol=0)
+    deq = q.float() * sf.repeat_interleave(128, dim=1)[:, :f]
+    deq0 = q0.float() * sf0.repeat_interleave(128, dim=1)[:, :f]
+    assert tilehal.calc_diff(deq, deq0) < 1e-6

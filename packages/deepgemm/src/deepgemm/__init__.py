@@ -70,6 +70,8 @@ from .utils import (
     per_token_cast_to_fp8,
     set_mk_alignment_for_contiguous_layout,
     set_num_sms,
+    silu_mul,
+    silu_mul_cast_to_fp8,
     transform_sf_into_required_layout,
     transpose_packed_fp4,
     unpack_ue8m0_from_int,
@@ -95,6 +97,6 @@ __all__ = [
     "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_masked", "pack_ue8m0_to_int",
     "per_block_cast_to_fp8", "per_channel_cast_to_fp8", "per_custom_dims_cast_to_fp8", "per_token_cast_to_fp4",
     "per_token_cast_to_fp8", "pick_config", "psum_to_m_indices", "set_mk_alignment_for_contiguous_layout",
-    "set_num_sms", "testing", "transform_sf_into_required_layout", "transpose_packed_fp4", "unpack_ue8m0_from_int",
+    "set_num_sms", "silu_mul", "silu_mul_cast_to_fp8", "testing", "transform_sf_into_required_layout", "transpose_packed_fp4", "unpack_ue8m0_from_int",
     "utils", "wgrad_gemm_fp8_fp8_fp32_nt",
 ]

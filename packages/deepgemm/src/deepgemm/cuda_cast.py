@@ -38,11 +38,16 @@ def block_expression(dtype: torch.dtype, vec: bool) -> str:
     return f"deepgemm::per_block_cast<{_CTYPE[dtype]}, {'true' if vec else 'false'}>"
 
 
+def silu_expression(dtype: torch.dtype, fp8: bool, vec: bool) -> str:
+    return f"deepgemm::silu_mul<{_CTYPE[dtype]}, {'true' if fp8 else 'false'}, {'true' if vec else 'false'}>"
+
+
 def all_expressions() -> list[str]:
     out = []
     for dt in _CTYPE:
         for vec in (True, False):
             out += [token_expression(dt, g, vec) for g in (32, 64, 128)] + [block_expression(dt, vec)]
+            out += [silu_expression(dt, fp8, vec) for fp8 in (False, True)]
     return out
 
 
@@ -126,3 +131,36 @@ def per_block(x: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]
     _kernel(block_expression(x.dtype, _vec(x, ldx) and ldg % 4 == 0)).launch(
         (sk, sn, g), THREADS, (x, q, sf, n, k, tilehal.Arg.i64(ldx), tilehal.Arg.i64(ldg), bool(ue8m0)))
     return q, sf
+
+
+def silu_mul(x: torch.Tensor, fp8: bool, ue8m0: bool = False, mn_major_sf: bool = False
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """y = silu(x[:, :f]) * x[:, f:] (fp32 math) for x [M, 2f]: bf16 [M, f], or with `fp8` its per-token
+    cast (q [M, f], sf [M, ceil(f/128)]). None where the kernel does not apply (DEBUG says why)."""
+    why = _why_not(x, 128)
+    if why is None and (x.dim() != 2 or x.shape[-1] % 2):
+        why = f"shape {tuple(x.shape)} (expected [M, 2f])"
+    if why is not None:
+        log.debug("silu_mul: torch ops instead of the fused kernel (%s)", why)
+        return None
+    m, f = x.shape[0], x.shape[1] // 2
+    ldx = x.stride(0)
+    sk = ceil_div(f, 128)
+    if fp8:
+        out = torch.empty((m, f), dtype=torch.float8_e4m3fn, device=x.device)
+        if mn_major_sf:
+            al = get_tma_aligned_size(m, 4)
+            sf = torch.empty_strided((m, sk), (1, al), dtype=torch.float32, device=x.device)
+            rs, cs = 1, al
+        else:
+            sf = torch.empty((m, sk), dtype=torch.float32, device=x.device)
+            rs, cs = sk, 1
+    else:
+        out = torch.empty((m, f), dtype=torch.bfloat16, device=x.device)
+        sf, rs, cs = None, 0, 0
+    if m and f:
+        vec = _vec(x, ldx) and f % 4 == 0
+        _kernel(silu_expression(x.dtype, fp8, vec)).launch(
+            ceil_div(m * sk, THREADS // 32), THREADS,
+            (x, out, sf, m, f, tilehal.Arg.i64(ldx), tilehal.Arg.i64(rs), tilehal.Arg.i64(cs), bool(ue8m0)))
+    return (out, sf) if fp8 else out

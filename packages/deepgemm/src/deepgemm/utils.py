@@ -183,6 +183,43 @@ def per_token_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False, gran_k: int 
     return q.contiguous(), pack_ue8m0_to_int(sf) if use_packed_ue8m0 else sf
 
 
+def _silu_mul_checked(x: Any) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[-1] % 2:
+        raise ShapeError(f"x: expected a 2-D tensor [M, 2 * F] (gate | up), got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation for x = [gate | up] ([M, 2F]): bf16 silu(gate) * up (fp32 math), [M, F].
+
+    On CUDA tensors one fused kernel (kernels/fp8_cast.cuh); else torch ops."""
+    _silu_mul_checked(x)
+    if x.is_cuda:
+        from . import cuda_cast
+
+        fused = cuda_cast.silu_mul(x, fp8=False)
+        if fused is not None:
+            return fused
+    f = x.shape[-1] // 2
+    return (torch.nn.functional.silu(x[:, :f].float()) * x[:, f:].float()).to(torch.bfloat16)
+
+
+def silu_mul_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False, tma_aligned_sf: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """per_token_cast_to_fp8(silu(gate) * up) for x = [gate | up] ([M, 2F]), the fp32 product never
+    stored: one fused kernel on CUDA (the MoE experts' step between their GEMMs), torch ops elsewhere."""
+    _silu_mul_checked(x)
+    if x.is_cuda:
+        from . import cuda_cast
+
+        fused = cuda_cast.silu_mul(x, fp8=True, ue8m0=use_ue8m0, mn_major_sf=tma_aligned_sf)
+        if fused is not None:
+            return fused
+    f = x.shape[-1] // 2
+    return per_token_cast_to_fp8(torch.nn.functional.silu(x[:, :f].float()) * x[:, f:].float(), use_ue8m0=use_ue8m0,
+                                 tma_aligned_sf=tma_aligned_sf)
+
+
 def per_channel_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
                             gran_k: int = BLOCK_K) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize [K, N] per channel and `gran_k`-tall K block (K % gran_k == 0): (x_fp8 [K, N], sf [K/gran_k, N]).

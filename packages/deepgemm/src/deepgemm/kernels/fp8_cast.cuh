@@ -144,3 +144,47 @@ __global__ void __launch_bounds__(256) per_block_cast(const T* __restrict__ x, u
 }
 
 }  // namespace deepgemm
+
+namespace deepgemm {
+
+// SwiGLU's activation, the MoE experts' step between their two GEMMs: y = silu(g) * u for
+// x = [g | u] ([rows, 2f], row stride ldx), in fp32 as torch computes F.silu(g.float()) * u.float()
+// (silu(g) = g / (1 + exp(-g)), IEEE division, accurate exp). FP8: y cast per token and 128
+// columns like per_token_cast (q [rows, f], sf[row * sf_rs + kb * sf_cs]); else y rounded to bf16.
+template <typename T, bool FP8, bool VEC>
+__global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ x, void* __restrict__ out,
+                                                float* __restrict__ sf, int rows, int f, long long ldx,
+                                                long long sf_rs, long long sf_cs, bool ue8m0) {
+  const int chunks = (f + 127) / 128;
+  const long long task = static_cast<long long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (task >= static_cast<long long>(rows) * chunks) return;
+  const int row = static_cast<int>(task / chunks), chunk = static_cast<int>(task % chunks);
+  const int lane = threadIdx.x & 31;
+  const int col = chunk * 128 + lane * 4;
+  float g[4], u[4], y[4];
+  load4<T, VEC>(x + row * ldx, col, f, g);
+  load4<T, VEC>(x + row * ldx + f, col, f, u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+  const long long o = static_cast<long long>(row) * f;
+  if constexpr (FP8) {
+    float a = nan_max(nan_max(fabsf(y[0]), fabsf(y[1])), nan_max(fabsf(y[2]), fabsf(y[3])));
+    a = group_amax<32>(a);
+    const float s = scale_of(a, ue8m0);
+    store4(static_cast<unsigned char*>(out) + o, col, f, y, 1.0f / s, VEC);
+    if (col < f && lane == 0) sf[row * sf_rs + static_cast<long long>(chunk) * sf_cs] = s;
+  } else {
+    __nv_bfloat16* d = static_cast<__nv_bfloat16*>(out) + o;
+    if (VEC && col + 3 < f) {
+      uint2 pk;
+      pk.x = tilehal::float2_to_bf16x2(y[0], y[1]);
+      pk.y = tilehal::float2_to_bf16x2(y[2], y[3]);
+      *reinterpret_cast<uint2*>(d + col) = pk;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) if (col + i < f) d[col + i] = __float2bfloat16_rn(y[i]);
+    }
+  }
+}
+
+}  // namespace deepgemm
