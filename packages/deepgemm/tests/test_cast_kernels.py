@@ -48,7 +48,9 @@ def _special(x: torch.Tensor) -> torch.Tensor:
     x.view(-1)[:: max(1, x.numel() // 7)] = 0
     if x.shape[-1] > 3:
         x[..., 0, :] = 0  # an all-zero row: amax clamps to 1e-4
-        x[..., -1, 3] = float("nan")
+        x[..., -1, 3] = float("nan")  # non-finite values: no part in the amax, NaN kept, +-Inf saturated
+        x[..., -1, 1] = float("inf")
+        x[..., -1, 2] = -float("inf")
     return x
 
 

@@ -3,10 +3,10 @@
 // mul, cast, contiguous).
 //
 // Both compute exactly what deepgemm.utils' torch reference computes, bit for bit:
-//   amax = max |x| over the block (NaN propagates, as torch.amax), clamped below at 1e-4,
+//   amax = max |x| over the block's finite values (NaN and +-Inf ignored), clamped below at 1e-4,
 //   sf   = amax / 448 (IEEE division), rounded up to a power of two with UE8M0,
-//   q    = fp8(x * (1 / sf)) with round-to-nearest-even; |x * (1/sf)| <= 448 up to one rounding,
-//          so the saturating conversion never saturates a finite value the reference keeps.
+//   q    = fp8(x * (1 / sf)), round-to-nearest-even, saturating: +-Inf -> +-448, NaN stays NaN at
+//          its position; finite |x * (1/sf)| <= 448 up to one rounding, so no finite value saturates.
 // Elements past K (or N) count as zeros, like the reference's zero padding.
 #pragma once
 #include <tilehal/tilehal.cuh>
@@ -17,18 +17,25 @@ using tilehal::u64;
 
 constexpr float kFp8Max = 448.0f;
 
-// Max that keeps a NaN (torch.amax semantics).
-__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+// |v| where v is finite, else 0: non-finite values take no part in a block's amax.
+__device__ __forceinline__ float finite_abs(float v) {
+  const float a = fabsf(v);
+  return a <= 3.402823466e+38f ? a : 0.f;
+}
+
+__device__ __forceinline__ float abs_max4(const float (&v)[4]) {
+  return fmaxf(fmaxf(finite_abs(v[0]), finite_abs(v[1])), fmaxf(finite_abs(v[2]), finite_abs(v[3])));
+}
 
 template <int WIDTH>
 __device__ __forceinline__ float group_amax(float v) {
 #pragma unroll
-  for (int offset = WIDTH / 2; offset > 0; offset >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  for (int offset = WIDTH / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
 
 __device__ __forceinline__ float scale_of(float amax, bool ue8m0) {
-  amax = amax != amax ? amax : fmaxf(amax, 1e-4f);
+  amax = fmaxf(amax, 1e-4f);
   float sf = amax / kFp8Max;
   if (ue8m0) {
     const unsigned bits = __float_as_uint(fabsf(sf));
@@ -90,8 +97,7 @@ __global__ void __launch_bounds__(256) per_token_cast(const T* __restrict__ x, u
   const int col = chunk * 128 + lane * 4;
   float v[4];
   load4<T, VEC>(x + row * ldx, col, k, v);
-  float a = nan_max(nan_max(fabsf(v[0]), fabsf(v[1])), nan_max(fabsf(v[2]), fabsf(v[3])));
-  a = group_amax<GRAN_K / 4>(a);
+  const float a = group_amax<GRAN_K / 4>(abs_max4(v));
   const float s = scale_of(a, ue8m0);
   const float inv = 1.0f / s;
   store4(q + static_cast<long long>(row) * k, col, k, v, inv, VEC);
@@ -122,14 +128,14 @@ __global__ void __launch_bounds__(256) per_block_cast(const T* __restrict__ x, u
     } else {
       v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.f;
     }
-    a = nan_max(a, nan_max(nan_max(fabsf(v[i][0]), fabsf(v[i][1])), nan_max(fabsf(v[i][2]), fabsf(v[i][3]))));
+    a = fmaxf(a, abs_max4(v[i]));
   }
   a = group_amax<32>(a);
   if (lane == 0) warp_amax[warp] = a;
   __syncthreads();
   a = warp_amax[0];
 #pragma unroll
-  for (int w = 1; w < 8; ++w) a = nan_max(a, warp_amax[w]);
+  for (int w = 1; w < 8; ++w) a = fmaxf(a, warp_amax[w]);
   const float s = scale_of(a, ue8m0);
   const float inv = 1.0f / s;
 #pragma unroll
@@ -168,8 +174,7 @@ __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ x, void* _
   for (int i = 0; i < 4; ++i) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
   const long long o = static_cast<long long>(row) * f;
   if constexpr (FP8) {
-    float a = nan_max(nan_max(fabsf(y[0]), fabsf(y[1])), nan_max(fabsf(y[2]), fabsf(y[3])));
-    a = group_amax<32>(a);
+    const float a = group_amax<32>(abs_max4(y));
     const float s = scale_of(a, ue8m0);
     store4(static_cast<unsigned char*>(out) + o, col, f, y, 1.0f / s, VEC);
     if (col < f && lane == 0) sf[row * sf_rs + static_cast<long long>(chunk) * sf_cs] = s;
