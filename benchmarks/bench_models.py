@@ -61,7 +61,8 @@ def _args(argv):
     p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (smoke test)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--budget-s", type=float, default=220.0, help="skip sections once this much time has passed")
-    p.add_argument("--only", help="comma-separated sections: host,prefill,decode,moe,profile,compile")
+    p.add_argument("--only", help="comma-separated sections: host,prefill,decode,moe,profile,compile,gemms,kernels "
+                   "(default: all but gemms,kernels)")
     p.add_argument("--iters", type=int, default=10)
     return p.parse_args(argv)
 
@@ -263,7 +264,8 @@ class _MoEStack(torch.nn.Module):
         return h
 
 
-def sec_moe(env: Env) -> None:
+def _moe_stack(env: Env):
+    """(2 Mixtral MoE layers with weights ~ N(0, 0.02), the input, the experts implementation's name)."""
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     cfg = transformers.MixtralConfig(**env.s["moe"])
@@ -276,6 +278,11 @@ def sec_moe(env: Env) -> None:
                 p.normal_(0, 0.02)
     impl = getattr(cfg, "_experts_implementation", None) or "default"
     x = torch.randn(1, env.s["moe_tokens"], cfg.hidden_size, device=env.device, dtype=env.dtype)
+    return stack, x, impl
+
+
+def sec_moe(env: Env) -> None:
+    stack, x, impl = _moe_stack(env)
     with torch.no_grad():
         ref = stack(x)
         peer = env.bench(lambda st=stack: st(x)).median_s * 1e3
@@ -325,6 +332,90 @@ def sec_host(env: Env) -> None:
                 host_us=host_us, peer_host_us=peer_host)
 
 
+def _top_kernels(fn, n: int = 12, reps: int = 3) -> list[dict]:
+    """torch.profiler over `reps` calls of fn: the n kernels with the most GPU time (us per call)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    fn()
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.key_averages():
+        # Kernels carry self device time; the CPU ops that launched them only total device time.
+        dev = getattr(e, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(e, "self_cuda_time_total", 0.0)
+        if dev:
+            out.append(dict(kernel=e.key[:110], calls=e.count // reps, us=dev / reps))
+    out.sort(key=lambda r: -r["us"])
+    return out[:n]
+
+
+def sec_kernels(env: Env) -> None:
+    """Where the GPU time goes: the top kernels of each prefill and MoE variant (torch.profiler)."""
+    if not env.cuda:
+        row("kernels", "-", None, note="skipped: needs a GPU")
+        return
+    b, s = env.s["prefill"]
+    base = _llama(env)
+    ids = torch.randint(0, base.config.vocab_size, (b, s), device=env.device)
+    with torch.no_grad():
+        for name, m in _variants(env, base):
+            top = _top_kernels(lambda m=m: m(ids))
+            row("kernels", "prefill " + name, sum(k["us"] for k in top) / 1e3, None, None,
+                "top kernels (ms of GPU time per forward, the 12 largest)", top=top)
+    del base
+    _free()
+    stack, x, _ = _moe_stack(env)
+    with torch.no_grad():
+        top = _top_kernels(lambda st=stack: st(x))
+        row("kernels", "moe transformers", sum(k["us"] for k in top) / 1e3, None, None, "top kernels", top=top)
+        for name, fp8 in (("moe ExpertParallelMoE bf16", False), ("moe ExpertParallelMoE fp8", True)):
+            ours = copy.deepcopy(stack)
+            register_optimizations(ours, backend=env.backend, fp8=fp8)
+            top = _top_kernels(lambda ours=ours: ours(x))
+            row("kernels", name, sum(k["us"] for k in top) / 1e3, None, None, "top kernels", top=top)
+            del ours
+            _free()
+    del stack
+    _free()
+
+
+def sec_gemms(env: Env) -> None:
+    """The prefill / decode GEMM shapes of the Llama model, one by one: deepgemm vs cuBLAS (GPU time)."""
+    if not env.cuda:
+        row("gemms", "-", None, note="skipped: needs a GPU")
+        return
+    import deepgemm
+
+    c = env.s["llama"]
+    h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    shapes = {"q/o_proj": (h, h), "k/v_proj": (kv, h), "gate/up_proj": (f, h), "down_proj": (h, f), "lm_head": (v, h)}
+    for m in (env.s["prefill"][0] * env.s["prefill"][1], env.s["decode"][0]):
+        for what, (n, k) in shapes.items():
+            a = torch.randn(m, k, device="cuda").bfloat16()
+            w = torch.randn(n, k, device="cuda").bfloat16()
+            d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            peer = env.bench(lambda a=a, w=w: torch.nn.functional.linear(a, w), hide_host=True).median_s * 1e3
+            t = env.bench(lambda a=a, w=w, d=d: deepgemm.bf16_gemm_nt(a, w, d), hide_host=True).median_s * 1e3
+            tf = 2 * m * n * k / 1e9
+            row("gemms", f"bf16 M={m} {what}", t, peer, None, f"{n}x{k}: {tf / t:.0f} vs cuBLAS {tf / peer:.0f} TFLOP/s")
+            a8 = deepgemm.per_token_cast_to_fp8(a, tma_aligned_sf=True)
+            w8 = deepgemm.per_block_cast_to_fp8(w)
+            t8 = env.bench(lambda a8=a8, w8=w8, d=d: deepgemm.fp8_gemm_nt(a8, w8, d), hide_host=True).median_s * 1e3
+            tc = env.bench(lambda a=a: deepgemm.per_token_cast_to_fp8(a, tma_aligned_sf=True),
+                           hide_host=True).median_s * 1e3
+            row("gemms", f"fp8 M={m} {what}", t8, peer, None,
+                f"{tf / t8:.0f} TFLOP/s vs bf16 cuBLAS; + activation cast {tc * 1e3:.1f} us")
+            del a, w, d, a8, w8
+        _free()
+
+
 def sec_profile(env: Env) -> None:
     """tilestack.profile of the prefill model (bf16 swaps considered), the report next to --json."""
     from tilestack import profile
@@ -342,14 +433,14 @@ def sec_profile(env: Env) -> None:
     _free()
 
 
-SECTIONS = {"host": sec_host, "prefill": sec_prefill, "decode": sec_decode, "moe": sec_moe, "profile": sec_profile,
+SECTIONS = {"gemms": sec_gemms, "kernels": sec_kernels, "host": sec_host, "prefill": sec_prefill, "decode": sec_decode, "moe": sec_moe, "profile": sec_profile,
             "compile": sec_compile}
 
 
 def main(argv=None) -> int:
     args = _args(argv)
     env = Env(args)
-    only = args.only.split(",") if args.only else list(SECTIONS)
+    only = args.only.split(",") if args.only else [k for k in SECTIONS if k not in ("gemms", "kernels")]
     print(f"bench_models: device {env.device}, dtype {env.dtype}, budget {env.budget:.0f} s, sections {only}",
           flush=True)
     for name in only:
