@@ -146,6 +146,17 @@ def test_environment_switch_is_part_of_the_key(fake_gpu, monkeypatch):
     assert len(full_calls) == 2 and launches[-1][0] != tma_key and not launches[-1][0].tma_store
 
 
+def test_debug_checks_disable_plans(fake_gpu, monkeypatch):
+    """DEEPGEMM_DEBUG=1 reads scale values on every call: every call takes the full path."""
+    launches, full_calls = fake_gpu
+    monkeypatch.setenv("DEEPGEMM_DEBUG", "1")
+    a, w = torch.randn(64, 256).bfloat16(), torch.randn(128, 256).bfloat16()
+    d = torch.empty(64, 128, dtype=torch.bfloat16)
+    for _ in range(3):
+        deepgemm.bf16_gemm_nt(a, w, d)
+    assert len(full_calls) == 3 and not plans._PLANS
+
+
 def test_aliased_operands_get_no_descriptor_plan(fake_gpu):
     launches, full_calls = fake_gpu
     x = torch.randn(128, 128).bfloat16()

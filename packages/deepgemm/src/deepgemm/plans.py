@@ -40,7 +40,7 @@ def sig(x: Any) -> tuple | None:
     return (type(x), x.dtype, x.shape, x.stride(), x.get_device())
 
 
-_ENV_NAMES = ("DEEPGEMM_EPILOGUE", "DEEPGEMM_MULTICAST", "DEEPGEMM_FP8_OVERLAP")
+_ENV_NAMES = ("DEEPGEMM_EPILOGUE", "DEEPGEMM_MULTICAST", "DEEPGEMM_FP8_OVERLAP", "DEEPGEMM_DEBUG")
 # os.environ's own mapping (bytes keys on POSIX), read without the encode/decode of os.environ.get:
 # this runs on every call. Where CPython keeps it elsewhere, the public (slower) lookup.
 _ENV_DATA = getattr(os.environ, "_data", None)
@@ -48,12 +48,18 @@ _ENV_RAW = tuple(os.environ.encodekey(n) for n in _ENV_NAMES) if hasattr(os.envi
 
 
 def env_key() -> tuple:
-    """The DEEPGEMM_* switches the full path reads (raw values; part of every plan's key)."""
+    """The DEEPGEMM_* switches the full path reads (raw values; part of every plan's key). With
+    DEEPGEMM_DEBUG set, the scale-value checks read device data on every call: no plan then (TypeError
+    from the unhashable marker sends the caller down the full path)."""
     if _ENV_DATA is not None and _ENV_RAW is not None:
         d = _ENV_DATA
-        return (d.get(_ENV_RAW[0]), d.get(_ENV_RAW[1]), d.get(_ENV_RAW[2]))
-    e = os.environ
-    return (e.get(_ENV_NAMES[0]), e.get(_ENV_NAMES[1]), e.get(_ENV_NAMES[2]))
+        out = (d.get(_ENV_RAW[0]), d.get(_ENV_RAW[1]), d.get(_ENV_RAW[2]), d.get(_ENV_RAW[3]))
+    else:
+        e = os.environ
+        out = tuple(e.get(n) for n in _ENV_NAMES)
+    if out[3] not in (None, "", "0", b"", b"0"):
+        raise TypeError("DEEPGEMM_DEBUG: every call runs the full path")
+    return out
 
 
 def get(key: tuple | None) -> DensePlan | None:
