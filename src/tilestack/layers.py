@@ -33,6 +33,7 @@ class GemmLinear(torch.nn.Module):
         self.bias = (torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None)
         torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Linear's default
         self._cache: tuple[Any, Any] | None = None
+        self._bias_cache: tuple[Any, torch.Tensor] | None = None
         self._logged_cpu = False
         ops.handle_of(self)
 
@@ -44,7 +45,7 @@ class GemmLinear(torch.nn.Module):
         out.in_features, out.out_features, out.fp8 = linear.in_features, linear.out_features, fp8
         out.weight = linear.weight
         out.bias = linear.bias
-        out._cache, out._logged_cpu = None, False
+        out._cache, out._bias_cache, out._logged_cpu = None, None, False
         ops.handle_of(out)
         return out
 
@@ -84,18 +85,31 @@ class GemmLinear(torch.nn.Module):
             log.debug("GemmLinear %dx%d: input on %s, running deepgemm's CPU reference (the sm_90a kernels need "
                       "CUDA tensors)", self.out_features, self.in_features, x2.device)
             self._logged_cpu = True
-        # fp32 output when a bias follows or the caller is not bf16: one rounding, at the end.
-        out_dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 and self.bias is None else torch.float32
+        # bf16 out for a bf16 caller (the bias, in fp32, added in the GEMM's epilogue before the one rounding),
+        # fp32 otherwise (rounded once to the caller's dtype at the end).
+        out_dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32
         d = torch.empty((x2.shape[0], self.out_features), dtype=out_dtype, device=x2.device)
+        bias = self._bias32() if self.bias is not None else None
         if x2.shape[0]:
             if self.fp8:
                 # On CUDA one fused cast kernel, scales written in the layout the GEMM reads (no transpose).
-                deepgemm.fp8_gemm_nt(deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=x2.is_cuda), self._gemm_weight(), d)
+                deepgemm.fp8_gemm_nt(deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=x2.is_cuda), self._gemm_weight(),
+                                     d, bias=bias)
             else:
-                deepgemm.bf16_gemm_nt(x2.to(torch.bfloat16).contiguous(), self._gemm_weight(), d)
-        if self.bias is not None:
-            d += self.bias.float()
-        return d.to(x2.dtype)
+                deepgemm.bf16_gemm_nt(x2.to(torch.bfloat16).contiguous(), self._gemm_weight(), d, bias=bias)
+        elif bias is not None:
+            d += bias
+        return d if d.dtype == x2.dtype else d.to(x2.dtype)
+
+    def _bias32(self) -> torch.Tensor:
+        """The bias as a contiguous fp32 vector (the epilogue's operand), recomputed only when it changes."""
+        bias = self.bias
+        key = (bias.data_ptr(), bias._version, bias.get_device(), bias.dtype)
+        hit = self._bias_cache
+        if hit is None or hit[0] != key:
+            hit = (key, bias.detach().float().contiguous())
+            self._bias_cache = hit
+        return hit[1]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -129,3 +129,17 @@ def test_silu_mul_matches_the_torch_ops(shape):
     deq = q.float() * sf.repeat_interleave(128, dim=1)[:, :f]
     deq0 = q0.float() * sf0.repeat_interleave(128, dim=1)[:, :f]
     assert tilehal.calc_diff(deq, deq0) < 1e-6
+
+
+@nvrtc
+def test_gemm_with_bias_in_the_epilogue_compiles():
+    """The BIAS instantiations GemmLinear uses (bf16 / fp8, TMA-store epilogue)."""
+    from deepgemm.cuda_gemm import compile_kernel, kernel_key
+    from deepgemm.heuristics import pick_config
+
+    for kind in ("bf16", "fp8"):
+        cfg = pick_config(kind, 4096, 4096, 4096, num_sms=132, tma_store=True)
+        key = kernel_key(cfg, 4096, 4096, "normal", 1, torch.bfloat16, False, bias=True)
+        assert key.expression.endswith(", true>")
+        mod = compile_kernel(key)
+        assert key.expression in mod.lowered_names

@@ -189,3 +189,37 @@ def test_replayed_calls_are_exact_on_the_gpu(m, n, k):
         deepgemm.gemm._fp8_gemm_checked(a8, w8, full, None, "nt", None, None, None, "nk", False)
         assert torch.equal(d, full), f"fp8 call {it}"
     assert len(plans._PLANS) == 2
+
+
+def test_bias_on_the_cpu_reference():
+    a, w = torch.randn(16, 256).bfloat16(), torch.randn(64, 256).bfloat16()
+    bias = torch.randn(64)
+    d = torch.empty(16, 64)
+    deepgemm.bf16_gemm_nt(a, w, d, bias=bias)
+    torch.testing.assert_close(d, a.float() @ w.float().T + bias, rtol=1e-5, atol=1e-4)
+    with pytest.raises(Exception, match="bias: expected shape"):
+        deepgemm.bf16_gemm_nt(a, w, d, bias=torch.randn(63))
+    with pytest.raises(Exception, match="bias: expected dtype float32"):
+        deepgemm.bf16_gemm_nt(a, w, d, bias=torch.randn(64).bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(128, 7168, 2048), (4096, 4096, 4096), (77, 1000, 512)])
+def test_bias_in_the_epilogue_on_the_gpu(m, n, k):
+    a = torch.randn(m, k, device="cuda").bfloat16()
+    w = torch.randn(n, k, device="cuda").bfloat16()
+    bias = torch.randn(n, device="cuda") * 10
+    for fp8 in (False, True):
+        d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        ref32 = torch.empty(m, n, device="cuda", dtype=torch.float32)
+        if fp8:
+            a8, w8 = deepgemm.per_token_cast_to_fp8(a, tma_aligned_sf=True), deepgemm.per_block_cast_to_fp8(w)
+            deepgemm.fp8_gemm_nt(a8, w8, d, bias=bias)
+            deepgemm.fp8_gemm_nt(a8, w8, ref32)
+        else:
+            deepgemm.bf16_gemm_nt(a, w, d, bias=bias)
+            deepgemm.bf16_gemm_nt(a, w, ref32)
+        # the fp32 accumulator plus the bias, rounded once: within one bf16 ulp of rounding (acc + bias)
+        # (the fp32-out kernel may tile differently; the accumulation order along K is the same)
+        torch.testing.assert_close(d.float(), ref32 + bias, rtol=2**-7, atol=1e-3, msg=f"fp8={fp8}")
+        assert (d == (ref32 + bias).bfloat16()).float().mean().item() > 0.999

@@ -49,6 +49,7 @@ class KernelKey:
     multicast: int = 1  # CTAs per cluster sharing one operand tile
     multicast_on_a: bool = False
     overlap_promotion: bool = False  # fp8: two partial-sum sets, promotion overlaps the next wgmma
+    bias: bool = False  # `c` holds an fp32 bias [N], added in the TMA-store epilogue
 
     @property
     def expression(self) -> str:
@@ -60,7 +61,7 @@ class KernelKey:
         return (f"deepgemm::gemm_sm90<{self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
                 f"{KIND_IDS[self.grouping]}, {self.num_groups}, {b(self.fp8)}, {out}, {b(self.has_c)}, "
                 f"{b(self.tma_store)}, {self.d_swizzle}, {self.multicast}, {b(self.multicast_on_a)}, "
-                f"{b(self.overlap_promotion)}>")
+                f"{b(self.overlap_promotion)}{', true' if self.bias else ''}>")
 
 
 def kernel_source() -> str:
@@ -80,11 +81,11 @@ def _kernel(key: KernelKey) -> tilehal.Kernel:
 
 
 def kernel_key(cfg: GemmConfig, n: int, k: int, grouping: str, num_groups: int, out_dtype: torch.dtype,
-               has_c: bool) -> KernelKey:
+               has_c: bool, bias: bool = False) -> KernelKey:
     return KernelKey(n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages, grouping=grouping,
                      num_groups=num_groups, fp8=cfg.kind == "fp8", out_bf16=out_dtype == torch.bfloat16,
                      has_c=has_c, tma_store=cfg.tma_store, d_swizzle=cfg.d_swizzle, multicast=cfg.multicast,
-                     multicast_on_a=cfg.multicast_on_a, overlap_promotion=cfg.overlap_promotion)
+                     multicast_on_a=cfg.multicast_on_a, overlap_promotion=cfg.overlap_promotion, bias=bias)
 
 
 def use_tma_store(d: torch.Tensor, n: int, has_c: bool, grouping: str) -> bool:
@@ -204,9 +205,11 @@ def overlap_allowed() -> bool:
 
 
 def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor | None,
-          d: torch.Tensor, c: torch.Tensor | None, config: GemmConfig | None = None) -> None:
+          d: torch.Tensor, c: torch.Tensor | None, config: GemmConfig | None = None,
+          bias: torch.Tensor | None = None) -> None:
     """a [M, K], b [N, K] K-major; sfa/sfb None for bf16. `config` overrides the heuristic (the
-    benchmark's variant sweep uses it to time the candidates the heuristic did not pick)."""
+    benchmark's variant sweep uses it to time the candidates the heuristic did not pick). `bias`
+    (fp32 [N], contiguous) is added in the TMA-store epilogue (bf16 d, no C: the caller checks)."""
     _check_cuda(a, b, d, c)
     m, k = a.shape
     n = b.shape[0]
@@ -214,6 +217,8 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
         return
     if k == 0:
         d.copy_(c if c is not None else torch.zeros_like(d))
+        if bias is not None:
+            d += bias
         return
     fp8 = sfa is not None
     cfg = config or pick_config("fp8" if fp8 else "bf16", m, n, k,
@@ -222,9 +227,12 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     sfa_t = _sfa_layout(sfa) if fp8 else None
     sfb_c = sfb.contiguous() if fp8 else None
     descs = _descriptors(a, b, sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
-    key = kernel_key(cfg, n, k, "normal", 1, d.dtype, c is not None)
+    if bias is not None and not cfg.tma_store:
+        raise ShapeError("bias: expected the TMA-store epilogue (bf16 d, no C, N % 8 == 0); the caller adds it "
+                         "otherwise")
+    key = kernel_key(cfg, n, k, "normal", 1, d.dtype, c is not None, bias is not None)
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
-    _launch(key, cfg, tiles, descs, _d_descriptor(d, cfg), sfb_c, d, c, None, m)
+    _launch(key, cfg, tiles, descs, _d_descriptor(d, cfg), sfb_c, d, bias if bias is not None else c, None, m)
 
 
 def grouped_contiguous(a, sfa, b, sfb, d, m_indices) -> None:

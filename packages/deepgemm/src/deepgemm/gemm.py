@@ -79,25 +79,47 @@ def _dense_options(compiled_dims, disable_ue8m0_cast) -> None:
 
 
 def _fp8_gemm(a_sfa, b_sfb, d, c, layout: str, recipe=None, recipe_a=None, recipe_b=None,
-              compiled_dims="nk", disable_ue8m0_cast=False) -> None:
+              compiled_dims="nk", disable_ue8m0_cast=False, bias=None) -> None:
     # The host fast path (plans.py): a call whose signature was seen replays that call's launch.
     try:
         a, sfa = a_sfa
         b, sfb = b_sfb
         key = ("fp8", layout, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast, plans.sig(a),
-               plans.sig(sfa), plans.sig(b), plans.sig(sfb), plans.sig(d), plans.sig(c), plans.env_key())
+               plans.sig(sfa), plans.sig(b), plans.sig(sfb), plans.sig(d), plans.sig(c), plans.sig(bias),
+               plans.env_key())
         plan = plans.get(key)
     except (AttributeError, TypeError, ValueError):  # not (tensor, tensor) pairs, unhashable recipes: checked below
         key = plan = None
-    operands = (a, sfa, b, sfb, d, c) if key is not None else ()
+    operands = (a, sfa, b, sfb, d, c, bias) if key is not None else ()
     if plan is not None and plan.run(operands):
         return
     with plans.record(key, operands):
-        _fp8_gemm_checked(a_sfa, b_sfb, d, c, layout, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast)
+        _fp8_gemm_checked(a_sfa, b_sfb, d, c, layout, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast,
+                          bias)
+
+
+def _check_bias(bias, n: int, d: torch.Tensor) -> None:
+    if bias is not None:
+        validate.tensor(bias, "bias", (torch.float32,), 1)
+        validate.shape(bias, "bias", (n,))
+        if d.is_cuda and not bias.is_contiguous():
+            raise ShapeError(f"bias: expected a contiguous tensor on CUDA, got strides {tuple(bias.stride())}")
+
+
+def _dense_cuda(la, sfa, lb, sfb, d, c, bias) -> None:
+    """cuda_gemm.dense, with the bias in the kernel's epilogue where the TMA-store epilogue runs."""
+    from . import cuda_gemm
+
+    if bias is not None and not cuda_gemm.use_tma_store(d, lb.shape[0], c is not None, "normal"):
+        log.debug("bias: added after the GEMM (the epilogue adds it only with the bf16 TMA-store epilogue)")
+        cuda_gemm.dense(la, sfa, lb, sfb, d, c)
+        d += bias
+        return
+    cuda_gemm.dense(la, sfa, lb, sfb, d, c, bias=bias)
 
 
 def _fp8_gemm_checked(a_sfa, b_sfb, d, c, layout: str, recipe, recipe_a, recipe_b, compiled_dims,
-                      disable_ue8m0_cast) -> None:
+                      disable_ue8m0_cast, bias=None) -> None:
     a, sfa = _fp8_pair(a_sfa, "a")
     b, sfb = _fp8_pair(b_sfb, "b")
     _dense_options(compiled_dims, disable_ue8m0_cast)
@@ -114,57 +136,59 @@ def _fp8_gemm_checked(a_sfa, b_sfb, d, c, layout: str, recipe, recipe_a, recipe_
     if isinstance(sfb, torch.Tensor) and layout[1] == "n":
         sfb = _stored_T(sfb)
     m, n, k = _check_dense(la, lb, d, c)
+    _check_bias(bias, n, d)
     sfa = validate.sf(sfa, "sfa", m, k, 1, gran_k, None)
     sfb = validate.sf(sfb, "sfb", n, k, gran_n, gran_k, None)
-    device = validate.same_device(a=a, sfa=sfa, b=b, sfb=sfb, d=d, c=c)
+    device = validate.same_device(a=a, sfa=sfa, b=b, sfb=sfb, d=d, c=c, bias=bias)
     if device.type == "cuda":
-        from . import cuda_gemm
-
         if (gran_k, gran_n) != (128, 128):
             raise validate.UnsupportedError(
                 f"recipe: the sm_90a kernels take the (1, 128, 128) recipe; got gran_n = {gran_n}, gran_k = {gran_k} "
                 f"(the (1, 1, 128) weight-gradient recipe runs on the CPU reference only)")
         la, lb = _k_major_for_cuda(la, "a", layout), _k_major_for_cuda(lb, "b", layout)
-        cuda_gemm.dense(la, sfa, lb, sfb, d, _c_for_cuda(c))
+        _dense_cuda(la, sfa, lb, sfb, d, _c_for_cuda(c), bias)
     else:
-        d.copy_(reference.fp8_gemm_nt(la, sfa, lb, sfb, c, gran_k, gran_n).to(d.dtype))
+        out = reference.fp8_gemm_nt(la, sfa, lb, sfb, c, gran_k, gran_n)
+        d.copy_((out + bias if bias is not None else out).to(d.dtype))
 
 
-def _bf16_gemm(a, b, d, c, layout: str, compiled_dims="nk") -> None:
+def _bf16_gemm(a, b, d, c, layout: str, compiled_dims="nk", bias=None) -> None:
     try:
-        key = ("bf16", layout, compiled_dims, plans.sig(a), plans.sig(b), plans.sig(d), plans.sig(c), plans.env_key())
+        key = ("bf16", layout, compiled_dims, plans.sig(a), plans.sig(b), plans.sig(d), plans.sig(c), plans.sig(bias),
+               plans.env_key())
         plan = plans.get(key)
     except (AttributeError, TypeError):
         key = plan = None
-    operands = (a, None, b, None, d, c) if key is not None else ()
+    operands = (a, None, b, None, d, c, bias) if key is not None else ()
     if plan is not None and plan.run(operands):
         return
     with plans.record(key, operands):
-        _bf16_gemm_checked(a, b, d, c, layout, compiled_dims)
+        _bf16_gemm_checked(a, b, d, c, layout, compiled_dims, bias)
 
 
-def _bf16_gemm_checked(a, b, d, c, layout: str, compiled_dims) -> None:
+def _bf16_gemm_checked(a, b, d, c, layout: str, compiled_dims, bias=None) -> None:
     validate.tensor(a, "a", (torch.bfloat16,), 2)
     validate.tensor(b, "b", (torch.bfloat16,), 2)
     validate.tensor(d, "d", validate.OUT_DTYPES, 2)
     _dense_options(compiled_dims, False)
     la, lb = _logical(a, b, layout)
-    _check_dense(la, lb, d, c)
-    device = validate.same_device(a=a, b=b, d=d, c=c)
+    _, n, _ = _check_dense(la, lb, d, c)
+    _check_bias(bias, n, d)
+    device = validate.same_device(a=a, b=b, d=d, c=c, bias=bias)
     if device.type == "cuda":
-        from . import cuda_gemm
-
         la, lb = _k_major_for_cuda(la, "a", layout), _k_major_for_cuda(lb, "b", layout)
-        cuda_gemm.dense(la, None, lb, None, d, _c_for_cuda(c))
+        _dense_cuda(la, None, lb, None, d, _c_for_cuda(c), bias)
     else:
-        d.copy_(reference.bf16_gemm_nt(la, lb, c).to(d.dtype))
+        out = reference.bf16_gemm_nt(la, lb, c)
+        d.copy_((out + bias if bias is not None else out).to(d.dtype))
 
 
 _FP8_DOC = """D = C + A @ B^T with e4m3 operands and fp32 (or packed UE8M0 int32) scales, DeepGEMM's signature.
 
     a = (a, sfa), b = (b, sfb), each passed as stored for the layout `{layout}` ({what}), scales stored
     the same way (for a "t" A: sfa [SK, M]; for an "n" B: sfb [SK, SN]). d bf16/fp32 [M, N] is written;
-    c (D's dtype, may be d itself) is added. recipe (gran_m, gran_n, gran_k) or recipe_a/recipe_b:
+    c (D's dtype, may be d itself) is added, and `bias` (float32 [N], keyword; deepgemm's extension) to
+    every row, in the kernel's epilogue for a bf16 d. recipe (gran_m, gran_n, gran_k) or recipe_a/recipe_b:
     (1, 128, 128) (default; the CUDA kernels) or (1, 1, 128) (1x128 scales on both operands, the
     weight-gradient recipe; CPU reference). compiled_dims and disable_ue8m0_cast are accepted as in
     DeepGEMM (deepgemm always specializes on N, K; fp32 scales are never cast to UE8M0 on sm_90).
@@ -176,8 +200,8 @@ _WHAT = {"nt": "A [M, K], B [N, K]", "nn": "A [M, K], B [K, N]", "tn": "A [K, M]
 
 def _make_fp8(layout: str):
     def fn(a, b, d: torch.Tensor, c: torch.Tensor | None = None, recipe=None, recipe_a=None, recipe_b=None,
-           compiled_dims: str = "nk", disable_ue8m0_cast: bool = False) -> None:
-        _fp8_gemm(a, b, d, c, layout, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast)
+           compiled_dims: str = "nk", disable_ue8m0_cast: bool = False, *, bias: torch.Tensor | None = None) -> None:
+        _fp8_gemm(a, b, d, c, layout, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast, bias)
 
     fn.__name__ = fn.__qualname__ = f"fp8_fp4_gemm_{layout}"
     fn.__doc__ = _FP8_DOC.format(layout=layout, what=_WHAT[layout])
@@ -192,27 +216,28 @@ fp8_gemm_nt, fp8_gemm_nn, fp8_gemm_tn, fp8_gemm_tt = fp8_fp4_gemm_nt, fp8_fp4_ge
 
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
-                 compiled_dims: str = "nk") -> None:
-    """D = C + A @ B^T with a [M, K], b [N, K] bf16, d bf16/fp32 [M, N] (c of d's dtype), fp32 accumulation."""
-    _bf16_gemm(a, b, d, c, "nt", compiled_dims)
+                 compiled_dims: str = "nk", *, bias: torch.Tensor | None = None) -> None:
+    """D = C + A @ B^T (+ bias) with a [M, K], b [N, K] bf16, d bf16/fp32 [M, N] (c of d's dtype), fp32
+    accumulation; `bias` float32 [N] (deepgemm's extension) is added in the epilogue for a bf16 d."""
+    _bf16_gemm(a, b, d, c, "nt", compiled_dims, bias)
 
 
 def bf16_gemm_nn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
-                 compiled_dims: str = "nk") -> None:
+                 compiled_dims: str = "nk", *, bias: torch.Tensor | None = None) -> None:
     """bf16_gemm_nt with b stored [K, N]."""
-    _bf16_gemm(a, b, d, c, "nn", compiled_dims)
+    _bf16_gemm(a, b, d, c, "nn", compiled_dims, bias)
 
 
 def bf16_gemm_tn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
-                 compiled_dims: str = "mn") -> None:
+                 compiled_dims: str = "mn", *, bias: torch.Tensor | None = None) -> None:
     """bf16_gemm_nt with a stored [K, M] and b stored [K, N]."""
-    _bf16_gemm(a, b, d, c, "tn", compiled_dims)
+    _bf16_gemm(a, b, d, c, "tn", compiled_dims, bias)
 
 
 def bf16_gemm_tt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None = None,
-                 compiled_dims: str = "mn") -> None:
+                 compiled_dims: str = "mn", *, bias: torch.Tensor | None = None) -> None:
     """bf16_gemm_nt with a stored [K, M]."""
-    _bf16_gemm(a, b, d, c, "tt", compiled_dims)
+    _bf16_gemm(a, b, d, c, "tt", compiled_dims, bias)
 
 
 # ----------------------------------------------------------------------------- grouped (MoE)

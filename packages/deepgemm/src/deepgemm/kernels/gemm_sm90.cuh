@@ -206,7 +206,8 @@ TILEHAL_DEVICE int staging_offset(int r, int j, int q) {
 }
 
 template <int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int KIND, int NUM_GROUPS, bool FP8,
-          typename OutT, bool HAS_C, bool TMA_STORE, int D_SWIZZLE, int MCAST, bool MCAST_ON_A, bool OVERLAP>
+          typename OutT, bool HAS_C, bool TMA_STORE, int D_SWIZZLE, int MCAST, bool MCAST_ON_A, bool OVERLAP,
+          bool BIAS = false>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
           const __grid_constant__ TmaDescriptor tma_sfa, const __grid_constant__ TmaDescriptor tma_d,
@@ -244,6 +245,9 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   constexpr int D_BYTES = TMA_STORE ? BLOCK_M * BLOCK_N * static_cast<int>(sizeof(OutT)) : 0;
   static_assert(!TMA_STORE || (KIND != kGroupedMasked && !HAS_C), "TMA store would write rows/values it must not");
   static_assert(!TMA_STORE || sizeof(OutT) == 2, "the staging tile holds bf16");
+  // BIAS: `c` holds an fp32 bias [SHAPE_N] added to every row in the TMA-store epilogue (nn.Linear's bias,
+  // one rounding to bf16 after it).
+  static_assert(!BIAS || (TMA_STORE && !HAS_C), "the bias is added in the TMA-store epilogue, C not added");
   unsigned char* smem_d = smem;
   unsigned char* smem_a = smem_d + D_BYTES;
   unsigned char* smem_b = smem_a + STAGES * A_BYTES;
@@ -467,10 +471,18 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
       named_barrier_sync(1, NUM_MATH_THREADS);
 #pragma unroll
       for (int j = 0; j < BLOCK_N / 8; ++j) {
+        [[maybe_unused]] float bias0 = 0.f, bias1 = 0.f;
+        if constexpr (BIAS) {
+          const int col = n0 + j * 8 + (lane % 4) * 2;  // columns past N are clipped by the store: read none
+          if (col < SHAPE_N) bias0 = __ldg(c + col);
+          if (col + 1 < SHAPE_N) bias1 = __ldg(c + col + 1);
+        }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int off = staging_offset<BLOCK_M, BLOCK_N, D_SWIZZLE>(row_in_tile + 8 * half, j, lane % 4);
-          *reinterpret_cast<unsigned*>(smem_d + off) = float2_to_bf16x2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
+          if constexpr (BIAS) x += bias0, y += bias1;  // (no `+ 0.f` otherwise: it would turn -0 into +0)
+          *reinterpret_cast<unsigned*>(smem_d + off) = float2_to_bf16x2(x, y);
         }
       }
       fence_proxy_async_shared();  // make these generic-proxy writes visible to the TMA engine
