@@ -293,8 +293,19 @@ def sec_moe(env: Env) -> None:
                 rep = register_optimizations(ours, backend=env.backend, fp8=fp8)
                 out = ours(x)
                 t = env.bench(lambda ours=ours: ours(x)).median_s * 1e3
+                # One block on the same input separates arithmetic from routing: in the second layer a
+                # token whose top-2 is a near-tie may pick another expert after any rounding difference.
+                n0 = stack.norms[0](x)
+                r1, o1 = stack.blocks[0](n0), ours.blocks[0](n0)
+                one = tilehal.calc_diff(o1, r1)
+                g = stack.blocks[1].gate
+                ti = g(stack.norms[1](x + r1))[2].sort(-1).values
+                to = g(stack.norms[1](x + o1))[2].sort(-1).values
+                flips = (ti != to).any(-1).float().mean().item()
                 row("moe", name, t, peer, tilehal.calc_diff(out - x, ref - x),
-                    f"{len(rep.swapped)} blocks swapped; calc_diff of the MoE part (out - x)")
+                    f"{len(rep.swapped)} blocks swapped; calc_diff of the MoE part (out - x); one block on the "
+                    f"same input {one:.1e}; tokens whose layer-2 top-2 differs {100 * flips:.2f} %",
+                    calc_diff_one_block=one, layer2_routing_flips=flips)
                 del ours
             except Exception as e:
                 row("moe", name, None, note=f"failed: {type(e).__name__}: {str(e)[:200]}")
