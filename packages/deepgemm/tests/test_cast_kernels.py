@@ -66,6 +66,11 @@ def test_per_token_matches_the_torch_ops(dtype, shape, gran_k, ue8m0):
     q0, sf0 = deepgemm.per_token_cast_to_fp8(x, use_ue8m0=ue8m0, gran_k=gran_k)
     _same_fp8(q, q0)
     _same_sf(sf, sf0)
+    x2 = x * 3  # the second call of a signature runs its cached plan
+    q, sf = deepgemm.per_token_cast_to_fp8(x2.cuda(), use_ue8m0=ue8m0, gran_k=gran_k)
+    q0, sf0 = deepgemm.per_token_cast_to_fp8(x2, use_ue8m0=ue8m0, gran_k=gran_k)
+    _same_fp8(q, q0)
+    _same_sf(sf, sf0)
     if len(shape) == 2:
         q2, sf2 = deepgemm.per_token_cast_to_fp8(x.cuda(), use_ue8m0=ue8m0, gran_k=gran_k, tma_aligned_sf=True)
         assert is_mn_major_tma_aligned(sf2)

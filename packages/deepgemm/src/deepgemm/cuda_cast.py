@@ -86,8 +86,33 @@ def _vec(x: torch.Tensor, row_stride: int) -> bool:
     return k % 4 == 0 and row_stride % 4 == 0 and x.data_ptr() % 16 == 0
 
 
+_TOKEN_PLANS: dict[tuple, tuple] = {}
+
+
 def per_token(x: torch.Tensor, gran_k: int, ue8m0: bool, mn_major_sf: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    # Per-signature plan (everything but the pointers): the cast runs before every fp8 GemmLinear call.
+    key = (x.dtype, x.shape, x.stride(), x.get_device(), x.data_ptr() % 16 == 0, gran_k, ue8m0, mn_major_sf)
+    plan = _TOKEN_PLANS.get(key)
+    if plan is not None:
+        kern, grid, qshape, sf_shape, sf_strides, tail = plan
+        q = torch.empty(qshape, dtype=torch.float8_e4m3fn, device=x.device)
+        sf = torch.empty_strided(sf_shape, sf_strides, dtype=torch.float32, device=x.device)
+        if grid:
+            kern.launch(grid, THREADS, (x, q, sf, *tail))
+        return q, sf
+    out = _per_token_checked(x, gran_k, ue8m0, mn_major_sf)
+    if out is None:
+        return None
+    q, sf, plan = out
+    if len(_TOKEN_PLANS) > 1024:
+        _TOKEN_PLANS.clear()
+    _TOKEN_PLANS[key] = plan
+    return q, sf
+
+
+def _per_token_checked(x: torch.Tensor, gran_k: int, ue8m0: bool, mn_major_sf: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
     why = _why_not(x, gran_k)
     if why is None and mn_major_sf and x.dim() != 2:
         why = "MN-major scales are built for 2-D inputs only"
@@ -105,13 +130,12 @@ def per_token(x: torch.Tensor, gran_k: int, ue8m0: bool, mn_major_sf: bool = Fal
     else:
         sf = torch.empty((*lead, m, sk), dtype=torch.float32, device=x.device)
         rs, cs = sk, 1
-    if rows == 0 or k == 0:
-        return q, sf
-    tasks = rows * ceil_div(k, 128)
-    _kernel(token_expression(x.dtype, gran_k, _vec(x, ldx))).launch(
-        ceil_div(tasks, THREADS // 32), THREADS,
-        (x, q, sf, rows, k, tilehal.Arg.i64(ldx), tilehal.Arg.i64(rs), tilehal.Arg.i64(cs), bool(ue8m0)))
-    return q, sf
+    kern = _kernel(token_expression(x.dtype, gran_k, _vec(x, ldx)))
+    grid = ceil_div(rows * ceil_div(k, 128), THREADS // 32) if rows and k else 0
+    tail = (rows, k, tilehal.Arg.i64(ldx), tilehal.Arg.i64(rs), tilehal.Arg.i64(cs), bool(ue8m0))
+    if grid:
+        kern.launch(grid, THREADS, (x, q, sf, *tail))
+    return q, sf, (kern, grid, tuple(q.shape), tuple(sf.shape), tuple(sf.stride()), tail)
 
 
 def per_block(x: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
