@@ -360,7 +360,11 @@ class Kernel:
         if len(plans) >= _MAX_PLANS_PER_KEY:
             plans.pop(0)
         plans.append(plan)
-        _torch_fast = torch
+        if _torch_fast is None:
+            if hasattr(torch._C, "_cuda_getCurrentRawStream") and hasattr(torch._C, "_cuda_getDevice"):
+                _torch_fast = torch
+            else:
+                log.debug("launch plans unused: this torch has no torch._C._cuda_getCurrentRawStream")
 
 
 _MAX_PLAN_KEYS = 256  # distinct (grid, block, smem, cluster, device) per kernel before the plans are dropped
