@@ -93,8 +93,11 @@ def row(section: str, name: str, fn, peer: str | None = None, gpu: bool = False,
 
 
 def sec_gemm() -> None:
+    import importlib
+
     import deepgemm
-    from deepgemm import gemm as dg
+
+    dg = importlib.import_module("deepgemm.gemm")  # the module (deepgemm.gemm is also a function's name)
 
     from tilestack.layers import GemmLinear
 

@@ -8,7 +8,7 @@ Rows (per-call host time: median over batches of back-to-back calls, perf_counte
   ctypes             cuLaunchKernel of libcuda through ctypes with parameters packed beforehand (the plan's floor)
   torch x.zero_()    torch's launch of a one-element kernel (the peer: what a torch op costs)
 plus the pieces: torch.cuda.current_stream().cuda_stream vs torch._C._cuda_getCurrentRawStream,
-tilehal.tma.encode_tiled vs tilehal.tma.retarget.
+tma.encode_tiled vs tma.retarget.
 
 Usage (GPU): python packages/hal/benchmarks/bench_launch.py [--json FILE]
 """
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import tilehal
 import torch
+from tilehal import tma
 from tilehal.jit.launch import _driver
 
 SRC = r"""
@@ -84,15 +85,15 @@ def main() -> None:
     dev = torch.cuda.current_device()
     res["torch._C._cuda_getCurrentRawStream"] = host_us(lambda: torch._C._cuda_getCurrentRawStream(dev))
     a = torch.randn(128, 2048, device="cuda").bfloat16()
-    res["tma.encode_tiled"] = host_us(lambda: tilehal.tma.encode_tiled(a.data_ptr(), a.dtype, (128, 2048), (2048, 1),
+    res["tma.encode_tiled"] = host_us(lambda: tma.encode_tiled(a.data_ptr(), a.dtype, (128, 2048), (2048, 1),
                                                                        (128, 64), swizzle="128B"), batches=10)
-    desc = tilehal.tma.encode_tiled(a.data_ptr(), a.dtype, (128, 2048), (2048, 1), (128, 64), swizzle="128B")
+    desc = tma.encode_tiled(a.data_ptr(), a.dtype, (128, 2048), (2048, 1), (128, 64), swizzle="128B")
     b = torch.randn(128, 2048, device="cuda").bfloat16()
     pb = b.data_ptr()
-    if tilehal.tma.retarget(desc, pb) is not None:
-        res["tma.retarget"] = host_us(lambda: tilehal.tma.retarget(desc, pb))
-        fresh = tilehal.tma.encode_tiled(pb, a.dtype, (128, 2048), (2048, 1), (128, 64), swizzle="128B")
-        res["retarget == fresh encode"] = str(tilehal.tma.retarget(desc, pb) == fresh)
+    if tma.retarget(desc, pb) is not None:
+        res["tma.retarget"] = host_us(lambda: tma.retarget(desc, pb))
+        fresh = tma.encode_tiled(pb, a.dtype, (128, 2048), (2048, 1), (128, 64), swizzle="128B")
+        res["retarget == fresh encode"] = str(tma.retarget(desc, pb) == fresh)
     for k, v in res.items():
         print(f"{k:45s} {v:8.2f} us" if isinstance(v, float) else f"{k:45s} {v}")
     if args.json:
