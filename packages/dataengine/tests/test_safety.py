@@ -98,7 +98,7 @@ def test_domain_weights_must_be_finite_and_non_negative(tmp_path, w):
 
 
 def test_block_mask_arguments_name_themselves():
-    with pytest.raises(ArgumentError, match="block_size: expected an integer >= 1, got 0"):
+    with pytest.raises(ArgumentError, match=r"block_size: expected an integer in \[1, 2147483647\], got 0"):
         BlockMask.from_doc_ids(torch.zeros(1, 8, dtype=torch.long), block_size=0)
     with pytest.raises(ShapeError, match=r"doc_ids: expected \[batch, seq_len\]"):
         BlockMask.from_doc_ids(torch.zeros(8, dtype=torch.long), 4)
@@ -110,7 +110,7 @@ def test_block_mask_arguments_name_themselves():
         BlockMask.from_doc_ids(torch.tensor([[1, 1, 0, 0]]), 2)  # silently wrong blocks before
     with pytest.raises(ArgumentError, match="block_scores: expected no NaN"):
         BlockMask.topk(torch.tensor([[[[1.0, math.nan]]]]), 1, 4, 8, block_size=4)
-    with pytest.raises(ArgumentError, match="k: expected an integer >= 1"):
+    with pytest.raises(ArgumentError, match=r"k: expected an integer in \[1, 2147483647\]"):
         BlockMask.topk(torch.zeros(1, 1, 1, 2), -1, 4, 8, block_size=4)
     with pytest.raises(ArgumentError, match="window"):
         BlockMask.sliding_window(8, window=-4, block_size=4)
@@ -148,3 +148,54 @@ def test_loader_helpers_name_their_arguments(tmp_path):
         domain_losses(torch.ones(2), torch.tensor([0.0, 1.0]), 2)
     out = domain_losses(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 2]), 3)
     assert out[0] == 2.0 and math.isnan(out[1]) and out[2] == 5.0
+
+
+def _quest_inputs():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 16, generator=g)
+    kmin = torch.randn(6, 2, 16, generator=g)
+    bt = torch.tensor([[0, 1, 2, -1], [3, 4, -1, -1]], dtype=torch.int32)
+    return q, kmin, kmin + 1, bt, torch.tensor([40, 20], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("fn", ["select_blocks", "quest_scores"])
+def test_select_blocks_refuses_nan_and_negative_inputs(fn):
+    from dataengine import quest_scores, select_blocks
+
+    call = (lambda *a: select_blocks(*a, top_k=2, block_size=16)) if fn == "select_blocks" else \
+        (lambda *a: quest_scores(*a, block_size=16))
+    q, kmin, kmax, bt, sl = _quest_inputs()
+    call(q, kmin, kmax, bt, sl)
+    bad_q = q.clone()
+    bad_q[1, 2, 3] = math.nan
+    with pytest.raises(ArgumentError, match="q: expected finite values, got 1 NaN/Inf"):
+        call(bad_q, kmin, kmax, bt, sl)  # was: every block scored -inf, only forced blocks chosen
+    bad_k = kmin.clone()
+    bad_k[0, 0, 0] = math.nan
+    with pytest.raises(ArgumentError, match="kmin: expected no NaN"):
+        call(q, bad_k, kmax, bt, sl)
+    empty_min, empty_max = kmin.clone(), kmax.clone()
+    empty_min[5], empty_max[5] = math.inf, -math.inf  # kvpool's summary of a block with no keys: allowed
+    call(q, empty_min, empty_max, bt, sl)
+    with pytest.raises(ArgumentError, match="seq_lens: expected lengths >= 0, got -3"):
+        call(q, kmin, kmax, bt, torch.tensor([40, -3], dtype=torch.int32))
+    with pytest.raises(ArgumentError, match=r"block_table: expected ids >= -1 \(-1 pads\), got -2"):
+        call(q, kmin, kmax, torch.tensor([[0, 1, 2, -2], [3, 4, -1, -1]], dtype=torch.int32), sl)
+    with pytest.raises(ArgumentError, match="block_size: expected an integer >= 1, got 0"):
+        call_bs = select_blocks if fn == "select_blocks" else quest_scores
+        kw = {"top_k": 2} if fn == "select_blocks" else {}
+        call_bs(q, kmin, kmax, bt, sl, block_size=0, **kw)  # was: ZeroDivisionError from torch
+
+
+def test_select_ints_and_topk_counts_are_checked():
+    from dataengine import select_blocks, topk_blocks
+
+    q, kmin, kmax, bt, sl = _quest_inputs()
+    for kw, pattern in (({"top_k": 2.5}, "top_k: expected an integer >= 1, got 2.5"),
+                        ({"top_k": 2, "sink_blocks": True}, "sink_blocks: expected an integer >= 0, got True"),
+                        ({"top_k": 2, "local_blocks": -1}, "local_blocks: expected an integer >= 0, got -1"),
+                        ({"top_k": 2, "reduce": np.array(["max"])}, "reduce: expected one of 'max', 'sum', 'mean'")):
+        with pytest.raises(ArgumentError, match=pattern):
+            select_blocks(q, kmin, kmax, bt, sl, **kw)
+    with pytest.raises(ArgumentError, match="num_valid: expected counts >= 0, got -1"):
+        topk_blocks(torch.randn(2, 5), 2, num_valid=torch.tensor([5, -1]))

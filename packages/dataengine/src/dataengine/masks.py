@@ -13,15 +13,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tilehal import ArgumentError, ShapeError, check_int
+from tilehal import ArgumentError, ShapeError, check_choice, check_int
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+MAX_INT = 2**31 - 1  # lengths, block sizes, batch and head counts: beyond int32 they are a mistake
+MAX_ENTRIES = 2**32  # entries of one block matrix (or padded element mask) built here
+
+
 def _int_arg(v: object, name: str, lo: int = 1) -> int:
-    return check_int(v, name, lo=lo)
+    return check_int(v, name, lo=lo, hi=MAX_INT)
+
+
+def _check_entries(what: str, *dims: int) -> None:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    if n > MAX_ENTRIES:
+        raise ArgumentError(f"{what}: expected at most 2**32 entries, got {' x '.join(str(int(d)) for d in dims)} = {n}")
 
 
 def _tensor_arg(x: object, name: str) -> torch.Tensor:
@@ -136,6 +148,7 @@ class BlockMask:
             raise ShapeError(f"allowed: expected a boolean mask, got {allowed.dtype}")
         B, H, Lq, Lk = allowed.shape
         qb, kb = _ceil_div(Lq, q_block_size), _ceil_div(Lk, kv_block_size)
+        _check_entries("q_block_size/kv_block_size (the padded mask)", B, H, qb * q_block_size, kb * kv_block_size)
         padded = torch.zeros(B, H, qb * q_block_size, kb * kv_block_size, dtype=torch.bool, device=allowed.device)
         padded[:, :, :Lq, :Lk] = allowed
         blocks = padded.reshape(B, H, qb, q_block_size, kb, kv_block_size).any(dim=(3, 5))
@@ -165,6 +178,7 @@ class BlockMask:
         if kv_len < q_len:
             raise ShapeError(f"kv_len: expected >= q_len ({q_len}), got {kv_len}")
         qb, kb = _ceil_div(q_len, block_size), _ceil_div(kv_len, block_size)
+        _check_entries("q_len/kv_len/block_size/batch/heads (the block matrix)", batch, heads, qb, kb)
         off = kv_len - q_len
         q_lo = torch.arange(qb, device=device) * block_size + off
         q_hi = torch.clamp(q_lo + block_size - 1, max=kv_len - 1)
@@ -189,6 +203,9 @@ class BlockMask:
         applies the causal mask inside each document.
         """
         block_size = _int_arg(block_size, "block_size")
+        check_choice(causal, "causal", (False, True))
+        if not isinstance(cu_seqlens, (torch.Tensor, list, tuple)):
+            raise ArgumentError(f"cu_seqlens: expected an int tensor or a list of them, got {type(cu_seqlens).__name__}")
         rows = [cu_seqlens] if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
         if not rows:
             raise ArgumentError("cu_seqlens: expected at least one row, got an empty list")
@@ -203,6 +220,7 @@ class BlockMask:
         L = max(lengths) if seq_len is None else seq_len
         if max(lengths) > L:
             raise ShapeError(f"seq_len: expected >= the longest row ({max(lengths)}), got {L}")
+        _check_entries("seq_len (the per-token document ids)", len(rows), L)
         dev = device if device is not None else rows[0].device
         doc = torch.full((len(rows), L), -1, dtype=torch.long, device=dev)
         for i, cu in enumerate(rows):
@@ -222,6 +240,7 @@ class BlockMask:
         contiguous id range and the test is interval overlap, O(blocks^2) not O(L^2).
         """
         block_size = _int_arg(block_size, "block_size")
+        check_choice(causal, "causal", (False, True))
         _tensor_arg(doc_ids, "doc_ids")
         if doc_ids.dim() != 2:
             raise ShapeError(f"doc_ids: expected [batch, seq_len] (one row per packed sequence), got shape "
@@ -241,6 +260,8 @@ class BlockMask:
                                     f"{int(doc_ids[r, c])} after {int(run[r, c])} at [{r}, {c}]")
         B, L = doc_ids.shape
         nb = _ceil_div(L, block_size)
+        _check_entries("block_size (the padded rows)", B, nb * block_size)
+        _check_entries("doc_ids (the block matrix)", B, nb, nb)
         pad = nb * block_size - L
         d = torch.nn.functional.pad(doc_ids, (0, pad), value=-1).reshape(B, nb, block_size)
         big = torch.iinfo(torch.long).max

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
-from tilehal import ArgumentError
+from tilehal import ArgumentError, check_int
 from tqdm.auto import tqdm
 
 _MASK32 = np.uint64(0xFFFFFFFF)
@@ -22,10 +22,15 @@ _MASK32 = np.uint64(0xFFFFFFFF)
 class MinHashLSH:
     def __init__(self, num_perm: int = 128, bands: int = 16, ngram: int = 5, threshold: float = 0.8,
                  seed: int = 0) -> None:
+        num_perm = check_int(num_perm, "num_perm", lo=1, hi=1 << 16)
+        bands = check_int(bands, "bands", lo=1, hi=num_perm)
+        ngram = check_int(ngram, "ngram", lo=1)
+        seed = check_int(seed, "seed", lo=0)
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.floating)) or \
+                not 0.0 <= threshold <= 1.0:
+            raise ArgumentError(f"threshold: expected a number in [0, 1], got {threshold!r}")
         if num_perm % bands:
             raise ArgumentError(f"bands: expected a divisor of num_perm ({num_perm}), got {bands}")
-        if ngram < 1:
-            raise ArgumentError(f"ngram: expected >= 1, got {ngram}")
         self.num_perm, self.bands, self.rows = num_perm, bands, num_perm // bands
         self.ngram, self.threshold = ngram, threshold
         rng = np.random.default_rng(seed)
@@ -102,6 +107,10 @@ class MinHashLSH:
 
 def jaccard(a: np.ndarray, b: np.ndarray, ngram: int = 5) -> float:
     """Exact Jaccard similarity of two samples' n-gram sets (reference for tests)."""
+    ngram = check_int(ngram, "ngram", lo=1)
+    for name, x in (("a", a), ("b", b)):
+        if not hasattr(x, "__len__") or isinstance(x, (str, bytes)) or np.ndim(x) != 1:
+            raise ArgumentError(f"{name}: expected a sequence of token ids, got {type(x).__name__}")
     def grams(t):
         t = list(np.asarray(t).tolist())
         n = min(ngram, len(t))

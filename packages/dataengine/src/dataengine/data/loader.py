@@ -15,6 +15,13 @@ from .stream import StreamingDataset
 
 def pad_collate(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: input_ids [b, max_len], lengths, sample_id, domain, position."""
+    pad_id = check_int(pad_id, "pad_id")
+    if isinstance(samples, (str, bytes)) or not hasattr(samples, "__len__"):
+        raise ArgumentError(f"samples: expected a list of samples (dicts with 'tokens'), got {type(samples).__name__}")
+    for i, s in enumerate(samples):
+        if not isinstance(s, dict) or "tokens" not in s:
+            raise ArgumentError(f"samples[{i}]: expected a dict with a 'tokens' entry (a StreamingDataset sample), "
+                                f"got {type(s).__name__}")
     lengths = torch.tensor([len(s["tokens"]) for s in samples], dtype=torch.long)
     shape = (len(samples), int(lengths.max()) if len(samples) else 0)
     # zeros() gets pre-zeroed pages from the allocator, noticeably faster than full() for big batches.
@@ -122,7 +129,7 @@ class ResumableLoader:
             raise ArgumentError(f"stream: expected a StreamingDataset, got {type(stream).__name__}")
         self.stream = stream
         self.batch_size = check_int(batch_size, "batch_size", lo=1)
-        self.num_workers = check_int(num_workers, "num_workers", lo=0)
+        self.num_workers = check_int(num_workers, "num_workers", lo=0, hi=1024)
         self.collate_fn = collate_fn or pad_collate
         self.loader_kwargs = loader_kwargs
         self._restart = False
@@ -197,6 +204,7 @@ def domain_losses(per_sample_loss: torch.Tensor, domains: torch.Tensor, num_doma
                          f"{tuple(domains.shape)}")
     if domains.is_floating_point():
         raise ShapeError(f"domains: expected integer domain ids, got {domains.dtype}")
+    num_domains = check_int(num_domains, "num_domains", lo=1, hi=1 << 24)
     loss = per_sample_loss.detach().double().cpu()
     d = domains.cpu().long()
     if d.numel() and (int(d.min()) < 0 or int(d.max()) >= num_domains):

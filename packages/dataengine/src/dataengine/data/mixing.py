@@ -14,6 +14,13 @@ import numpy as np
 from tilehal import ArgumentError, ShapeError, check_int
 
 
+def _floats(v, name: str) -> np.ndarray:
+    try:
+        return np.asarray(v, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"{name}: expected a sequence of numbers, got {v!r}") from None
+
+
 class ExponentiatedGradientWeights:
     def __init__(self, num_domains: int, lr: float = 1.0, smoothing: float = 1e-3,
                  initial: Sequence[float] | None = None, reference_losses: Sequence[float] | None = None,
@@ -27,12 +34,12 @@ class ExponentiatedGradientWeights:
         self.lr = lr
         self.smoothing = smoothing
         self.ema = ema
-        w = np.full(num_domains, 1.0 / num_domains) if initial is None else np.asarray(initial, dtype=np.float64)
+        w = np.full(num_domains, 1.0 / num_domains) if initial is None else _floats(initial, "initial")
         if w.shape != (num_domains,) or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
             raise ArgumentError(f"initial: expected {num_domains} finite non-negative weights with a positive sum, "
                                 f"got {initial}")
         self.weights = w / w.sum()
-        self.reference = None if reference_losses is None else np.asarray(reference_losses, dtype=np.float64)
+        self.reference = None if reference_losses is None else _floats(reference_losses, "reference_losses")
         if self.reference is not None and (self.reference.shape != (num_domains,) or not np.isfinite(self.reference).all()):
             raise ArgumentError(f"reference_losses: expected {num_domains} finite losses, got {reference_losses}")
         self.loss_ema = np.full(num_domains, np.nan)

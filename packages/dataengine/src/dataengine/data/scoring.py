@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tilehal import ArgumentError
+from tilehal import ArgumentError, check_int
 from tqdm.auto import tqdm
 
 
@@ -52,9 +52,7 @@ class NGramRepetitionScorer(Scorer):
     """
 
     def __init__(self, n: int = 3) -> None:
-        if n < 1:
-            raise ArgumentError(f"n: expected >= 1, got {n}")
-        self.n = n
+        self.n = n = check_int(n, "n", lo=1)
         self.name = f"repetition_{n}gram"
 
     def __call__(self, tokens: np.ndarray) -> float:

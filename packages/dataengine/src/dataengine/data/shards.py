@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tilehal import ArgumentError, TileStackError, check_int
+from tilehal import ArgumentError, TileStackError, check_choice, check_int
 
 INDEX_NAME = "index.json"
 # A shard name is one plain file-name stem: an index naming "../x" must not reach outside the root.
@@ -60,20 +60,26 @@ def _pyarrow():
     return pa, pq
 
 
+def _path(root: object, name: str) -> Path:
+    if not isinstance(root, (str, os.PathLike)):
+        raise ArgumentError(f"{name}: expected a path (str or os.PathLike), got {type(root).__name__}")
+    return Path(root)
+
+
 class ShardWriter:
     """Write samples into shards of about `shard_tokens` tokens each; `close()` writes the index."""
 
     def __init__(self, root: str | os.PathLike, dtype: Any = np.uint16, domains: Sequence[str] = ("default",),
                  shard_tokens: int = 1 << 26, format: str = "npy") -> None:
-        if format not in ("npy", "parquet"):
-            raise ArgumentError(f"format: expected 'npy' or 'parquet', got {format!r}")
+        check_choice(format, "format", ("npy", "parquet"))
+        root = _path(root, "root")
         try:
             self.dtype = np.dtype(dtype)
-        except TypeError:
+        except (TypeError, ValueError):
             raise ArgumentError(f"dtype: expected an integer numpy dtype for token ids, got {dtype!r}") from None
         if self.dtype.kind not in "ui":
             raise ArgumentError(f"dtype: expected an integer numpy dtype for token ids, got {self.dtype}")
-        if isinstance(domains, str) or not domains or not all(isinstance(d, str) for d in domains):
+        if not isinstance(domains, (list, tuple)) or not domains or not all(isinstance(d, str) for d in domains):
             raise ArgumentError(f"domains: expected a non-empty sequence of domain names, got {domains!r}")
         if len(set(domains)) != len(domains):
             raise ArgumentError(f"domains: expected distinct names, got {list(domains)}")
@@ -175,7 +181,7 @@ class TokenDataset:
     """
 
     def __init__(self, root: str | os.PathLike, verify: bool = False) -> None:
-        self.root = Path(root)
+        self.root = _path(root, "root")
         index_path = self.root / INDEX_NAME
         if not index_path.is_file():
             raise ShardError(INDEX_NAME, f"missing index file {index_path}")
@@ -183,7 +189,7 @@ class TokenDataset:
             index = json.loads(index_path.read_text())
         except json.JSONDecodeError as exc:
             raise ShardError(INDEX_NAME, f"index is not valid JSON: {exc}") from exc
-        self.verify = bool(verify)
+        self.verify = check_choice(verify, "verify", (False, True))
         metas = self._check_index(index)
         self.domain_names: list[str] = list(index["domains"])
         self._shards: list[_Shard] = []

@@ -1,0 +1,78 @@
+"""Test helpers shared by the packages' test suites (argument-handling probes).
+
+`probe_arguments(fn, kwargs)` calls `fn(**kwargs)` once per (argument, bad value) pair with that one
+argument replaced, and returns every call that ended in something other than success or a
+TileStackError: a raw library exception (IndexError, ZeroDivisionError, a torch RuntimeError, ...),
+or a call that ran past `timeout_s` (on the main thread of a POSIX process). The stack's rule is
+that bad input raises a TileStackError naming the argument before any work runs.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .errors import TileStackError
+
+
+def bad_values() -> dict[str, Any]:
+    """Values that break careless argument handling: wrong types, NaN, sizes 0/-1/huge, empty or
+    NaN tensors and arrays (torch and numpy entries only when they are installed)."""
+    out: dict[str, Any] = {"None": None, "-1": -1, "0": 0, "1.5": 1.5, "nan": math.nan, "inf": math.inf,
+                           "str": "x", "True": True, "list": [], "big": 2**40, "-big": -(2**40)}
+    try:
+        import numpy as np
+
+        out.update({"np2d": np.ones((2, 2), np.float32), "np_nan": np.array([math.nan])})
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        out.update({"t_empty": torch.empty(0), "t_float": torch.ones(3), "t_nan": torch.tensor([math.nan]),
+                    "t_int2d": torch.ones(2, 2, dtype=torch.int64), "t_neg": -torch.ones(2, 3)})
+    except ImportError:
+        pass
+    return out
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _raise_timeout(*_: Any) -> None:
+    raise _Timeout()
+
+
+def probe_arguments(fn: Callable, kwargs: dict[str, Any], skip: dict[str, set[str]] | None = None,
+                    timeout_s: int = 20, values: dict[str, Any] | None = None) -> list[str]:
+    """Failures of `fn` under one-argument mutations of `kwargs` (empty when every call either succeeded
+    or raised a TileStackError). `skip[arg]` names bad values not to try for `arg`."""
+    values = bad_values() if values is None else values
+    use_alarm = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
+    failures = []
+    for arg in kwargs:
+        for name, bad in values.items():
+            if name in (skip or {}).get(arg, set()):
+                continue
+            kw = dict(kwargs)
+            kw[arg] = bad
+            old = signal.signal(signal.SIGALRM, _raise_timeout) if use_alarm else None
+            if use_alarm:
+                signal.alarm(timeout_s)
+            try:
+                fn(**kw)
+            except TileStackError:
+                pass
+            except _Timeout:
+                failures.append(f"{getattr(fn, '__qualname__', fn)}({arg}={name}): no answer in {timeout_s} s")
+            except Exception as e:  # noqa: BLE001 - any other exception is the finding
+                failures.append(f"{getattr(fn, '__qualname__', fn)}({arg}={name}): {type(e).__name__}: {str(e)[:160]}")
+            finally:
+                if use_alarm:
+                    signal.alarm(0)
+                    signal.signal(signal.SIGALRM, old)
+    return failures
