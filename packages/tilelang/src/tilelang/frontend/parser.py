@@ -174,6 +174,7 @@ class Parser(TileOpBinder):
         for k in kw:
             if k not in ("prelude", "is_cpu"):
                 self.fail(node, f"T.Kernel: unknown keyword {k!r}")
+        kept = {k: v for k, v in kw.items() if v is not None and v is not False}  # Kernel.attrs: backends report
         tgt = item.optional_vars
         if tgt is None:
             names: list[str] = []
@@ -186,7 +187,7 @@ class Parser(TileOpBinder):
         if names and len(names) != len(grid):
             self.fail(node, f"T.Kernel has {len(grid)} grid dimension(s) but binds {len(names)} name(s)")
         bvars = [Var(self.shared.fresh(n)) for n in names] or [Var(self.shared.fresh(f"b{i}")) for i in range(len(grid))]
-        kernel = Kernel(grid, bvars, threads_t, Seq([]), loc=self.loc(node))
+        kernel = Kernel(grid, bvars, threads_t, Seq([]), dict(kept), loc=self.loc(node))
         self.shared.kernel = kernel
         try:
             kernel.body = self.block(node.body, dict(zip(names, bvars)))
@@ -487,6 +488,7 @@ class Parser(TileOpBinder):
         args = self.eval_args(call.args)
         kw = {k.arg: self.value(k.value) for k in call.keywords}
         init = None
+        options: dict = {}
         if scope == "var":
             dtype = kw.pop("dtype", args[0] if args else None)
             init = kw.pop("init", args[1] if len(args) > 1 else None)
@@ -494,7 +496,9 @@ class Parser(TileOpBinder):
         else:
             shape = kw.pop("shape", args[0] if args else None)
             dtype = kw.pop("dtype", args[1] if len(args) > 1 else "float32")
-            kw.pop("scope", None)
+            scope_kw = kw.pop("scope", None)
+            if scope_kw is not None:
+                options["scope"] = scope_kw  # e.g. "shared.dyn": kept in the IR; backends say if ignored
             if isinstance(shape, int):
                 shape = (shape,)
             if not isinstance(shape, (list, tuple)) or not shape:
@@ -510,7 +514,7 @@ class Parser(TileOpBinder):
         buf = Buffer(self.shared.fresh(name), tuple(const(int(s)) for s in shape), dtype, scope)
         self.bind(name, buf)
         init_e = self.to_expr(init, call) if init is not None else None
-        return Alloc(buf, init_e, loc=self.loc(call))
+        return Alloc(buf, init_e, options, loc=self.loc(call))
 
     def inline_macro(self, macro: Macro, call: ast.Call) -> list[Stmt]:
         sub = Parser(macro.func, self.shared)

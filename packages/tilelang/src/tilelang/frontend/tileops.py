@@ -226,6 +226,8 @@ class TileOpBinder(MetaEvaluator):
     def op_atomic_add(self, call: ast.Call) -> Stmt:
         self._need_kernel(call, "T.atomic_add")
         a = self._args(call, ["dst", "value", "memory_order"], {"memory_order": None}, "atomic_add")
+        order = self._meta_arg(a["memory_order"])
+        opts = {"memory_order": order} if order is not None else {}  # kept in the IR; backends say if ignored
         vnode = a["value"]
         v = self.value(vnode)
         db, ds, de = self.region_spec(a["dst"])
@@ -239,11 +241,11 @@ class TileOpBinder(MetaEvaluator):
             dst = Region(db, ds, [int(e) for e in de], self.loc(call))
             if src.squeezed() != dst.squeezed():
                 self.fail(call, f"T.atomic_add: shape mismatch: {tuple(de)} vs {tuple(se)}")
-            return AtomicAdd(dst, src, loc=self.loc(call))
+            return AtomicAdd(dst, src, opts, loc=self.loc(call))
         de = [1 if e is None else e for e in de]
         if any(e != 1 for e in de):
             self.fail(call, "T.atomic_add with a scalar value needs a single element destination, e.g. C[i, j]")
-        return AtomicAdd(Region(db, ds, de, self.loc(call)), self.to_expr(v, call), loc=self.loc(call))
+        return AtomicAdd(Region(db, ds, de, self.loc(call)), self.to_expr(v, call), opts, loc=self.loc(call))
 
     def op_use_swizzle(self, call: ast.Call) -> None:
         k = self._need_kernel(call, "T.use_swizzle")

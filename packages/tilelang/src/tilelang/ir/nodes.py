@@ -434,11 +434,15 @@ class Kernel(Stmt):
         return Kernel([tr.expr(g) for g in self.grid], self.block_vars, self.threads, tr.stmt(self.body) or Seq([]),
                       dict(self.attrs), loc=self.loc)
 
+    def user_options(self) -> dict:
+        return dict(self.attrs)  # swizzle (T.use_swizzle), prelude, is_cpu
+
 
 @dataclass(eq=False)
 class Alloc(Stmt):
     buffer: Buffer
     init: Expr | None = None  # alloc_var(..., init=)
+    options: dict = field(default_factory=dict)  # keywords kept for backends: scope="shared.dyn", ...
 
     def exprs(self) -> list[Expr]:
         return [self.init] if self.init is not None else []
@@ -447,7 +451,12 @@ class Alloc(Stmt):
         return {self.buffer} if self.init is not None else set()
 
     def rebuild(self, tr: Any) -> Stmt:
-        return Alloc(self.buffer, tr.expr(self.init) if self.init is not None else None, loc=self.loc)
+        return Alloc(self.buffer, tr.expr(self.init) if self.init is not None else None, dict(self.options),
+                     loc=self.loc)
+
+    def user_options(self) -> dict:
+        layout = {"layout": self.buffer.layout} if self.buffer.layout is not None else {}  # T.annotate_layout
+        return {**self.options, **layout}
 
 
 LOOP_KINDS = ("serial", "parallel", "pipelined", "unroll", "vectorized")
@@ -721,6 +730,7 @@ class AtomicAdd(TileOp):
 
     dst: Region
     src: Region | Expr
+    options: dict = field(default_factory=dict)  # memory_order (kept; backends say what they ignore)
 
     side_effects = True  # accumulates into memory other blocks (and the caller) see
 
@@ -738,11 +748,14 @@ class AtomicAdd(TileOp):
 
     def rebuild(self, tr: Any) -> Stmt:
         src = tr.region(self.src) if isinstance(self.src, Region) else tr.expr(self.src)
-        return AtomicAdd(tr.region(self.dst), src, loc=self.loc)
+        return AtomicAdd(tr.region(self.dst), src, dict(self.options), loc=self.loc)
 
     def text(self, expr: Any, region: Any) -> str:
         src = region(self.src) if isinstance(self.src, Region) else expr(self.src)
-        return f"T.atomic_add({region(self.dst)}, {src})"
+        return f"T.atomic_add({region(self.dst)}, {src}{_kw(self.options)})"
+
+    def user_options(self) -> dict:
+        return dict(self.options)
 
 
 @dataclass(eq=False)

@@ -112,7 +112,8 @@ def _alloc(lines: list[str], s: Alloc, ind: int) -> None:
         init = f", init={print_expr(s.init)}" if s.init is not None else ""
         lines.append(f"{pad}{b.name} = T.alloc_var({b.dtype!r}{init})")
     else:
-        lines.append(f"{pad}{b.name} = T.alloc_{b.scope}({_shape(b)}, {b.dtype!r})")
+        extra = "".join(f", {k}={v!r}" for k, v in s.options.items())
+        lines.append(f"{pad}{b.name} = T.alloc_{b.scope}({_shape(b)}, {b.dtype!r}{extra})")
 
 
 _LOOP_NAMES = {"serial": "serial", "parallel": "Parallel", "pipelined": "Pipelined", "unroll": "unroll",

@@ -21,9 +21,9 @@ def passes_for(target: str, pass_configs: dict | None = None) -> list[Pass]:
 # the op and loop keywords each target acts on; the others are kept in the IR and reported at DEBUG
 USED_OPTIONS = {
     "interp": set(),
-    "cpu": {"num_stages"},
-    "cuda": {"num_stages"},
-    "cuda_emu": {"num_stages"},
+    "cpu": set(),  # T.Pipelined runs as a serial loop: num_stages has no meaning for the C backend
+    "cuda": {"num_stages", "swizzle"},
+    "cuda_emu": {"num_stages", "swizzle"},
 }
 
 

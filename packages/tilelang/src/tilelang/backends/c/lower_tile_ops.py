@@ -189,7 +189,8 @@ def lower_atomic_add(s: AtomicAdd) -> Stmt:
     val: Expr = Load(s.src.buffer, sidx)
     if _needs_guard(s.src):
         val = Select(_in_bounds(s.src.buffer, sidx), val, const(0), val.dtype)
-    st: Stmt = AtomicAdd(Region(s.dst.buffer, didx, [1] * s.dst.buffer.ndim, s.loc), val, loc=s.loc)
+    st: Stmt = AtomicAdd(Region(s.dst.buffer, didx, [1] * s.dst.buffer.ndim, s.loc), val, dict(s.options),
+                         loc=s.loc)
     if _needs_guard(s.dst):
         st = If(_in_bounds(s.dst.buffer, didx), st, loc=s.loc)
     return _loops(vars_, shape, st, s.loc)
