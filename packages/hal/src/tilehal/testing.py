@@ -48,9 +48,11 @@ def _raise_timeout(*_: Any) -> None:
 
 
 def probe_arguments(fn: Callable, kwargs: dict[str, Any], skip: dict[str, set[str]] | None = None,
-                    timeout_s: int = 20, values: dict[str, Any] | None = None) -> list[str]:
+                    timeout_s: int = 20, values: dict[str, Any] | None = None,
+                    fresh: Callable[[], tuple[Callable, dict[str, Any]]] | None = None) -> list[str]:
     """Failures of `fn` under one-argument mutations of `kwargs` (empty when every call either succeeded
-    or raised a TileStackError). `skip[arg]` names bad values not to try for `arg`."""
+    or raised a TileStackError). `skip[arg]` names bad values not to try for `arg`. `fresh()`, when
+    given, returns a new (fn, kwargs) for each call (for methods of objects a call may change)."""
     values = bad_values() if values is None else values
     use_alarm = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
     failures = []
@@ -58,13 +60,14 @@ def probe_arguments(fn: Callable, kwargs: dict[str, Any], skip: dict[str, set[st
         for name, bad in values.items():
             if name in (skip or {}).get(arg, set()):
                 continue
-            kw = dict(kwargs)
+            call, base = fresh() if fresh is not None else (fn, kwargs)
+            kw = dict(base)
             kw[arg] = bad
             old = signal.signal(signal.SIGALRM, _raise_timeout) if use_alarm else None
             if use_alarm:
                 signal.alarm(timeout_s)
             try:
-                fn(**kw)
+                call(**kw)
             except TileStackError:
                 pass
             except _Timeout:

@@ -11,7 +11,7 @@ import logging
 import math
 
 import torch
-from tilehal import ShapeError
+from tilehal import ArgumentError, ShapeError
 
 from .pool import KVPool
 
@@ -19,7 +19,16 @@ log = logging.getLogger("kvpool.attention")
 
 
 # ----------------------------------------------------------------------------- validation
-def _check_decode_args(q, pool: KVPool, layer: int, block_table, seq_lens, block_indices) -> None:
+def _check_pool_and_scale(pool, scale) -> None:
+    if not isinstance(pool, KVPool):
+        raise ArgumentError(f"pool: expected a kvpool.KVPool, got {type(pool).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ArgumentError(f"scale: expected a finite positive number or None (1/sqrt(head_dim)), got {scale!r}")
+
+
+def _check_decode_args(q, pool: KVPool, layer: int, block_table, seq_lens, block_indices, scale=None) -> None:
+    _check_pool_and_scale(pool, scale)
     if not isinstance(q, torch.Tensor) or q.ndim != 3:
         raise ShapeError(f"q: expected a tensor [batch, q_heads, head_dim], got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
@@ -39,8 +48,8 @@ def _check_decode_args(q, pool: KVPool, layer: int, block_table, seq_lens, block
             raise ShapeError(f"{name}: expected batch {B} (q's), got {t.shape[0]}")
     if block_indices is not None:
         bi = block_indices
-        ok_shape = bi.ndim == 2 or (bi.ndim == 3 and bi.shape[1] == pool.num_kv_heads)
-        if not isinstance(bi, torch.Tensor) or bi.dtype != torch.int32 or not ok_shape or bi.shape[0] != B:
+        ok_shape = isinstance(bi, torch.Tensor) and (bi.ndim == 2 or (bi.ndim == 3 and bi.shape[1] == pool.num_kv_heads))
+        if not ok_shape or bi.dtype != torch.int32 or bi.shape[0] != B:
             raise ShapeError(f"block_indices: expected int32 [{B}, n] or [{B}, {pool.num_kv_heads}, n], got "
                              f"{getattr(bi, 'dtype', type(bi).__name__)} shape {tuple(getattr(bi, 'shape', ()))}")
     for name, t in (("q", q), ("block_table", block_table), ("seq_lens", seq_lens), ("block_indices", block_indices)):
@@ -82,6 +91,8 @@ def paged_decode_reference(q: torch.Tensor, pool: KVPool, layer: int, block_tabl
                            seq_lens: torch.Tensor, scale: float | None = None,
                            block_indices: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of `paged_decode` (float32 math, any device)."""
+    _check_decode_args(q, pool, layer, block_table, seq_lens, block_indices, scale)
+    pool.check_tables(layer, block_table, seq_lens, block_indices)
     B, hq, d = q.shape
     H = pool.num_kv_heads
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -109,7 +120,7 @@ def paged_decode(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.T
     positions, -1 padded, no duplicates) restricts attention to those blocks: the sparse path.
     `scale` defaults to 1/sqrt(head_dim). A sequence with nothing to attend to gets zeros.
     """
-    _check_decode_args(q, pool, layer, block_table, seq_lens, block_indices)
+    _check_decode_args(q, pool, layer, block_table, seq_lens, block_indices, scale)
     pool.check_tables(layer, block_table, seq_lens, block_indices)
     if pool.device.type == "cuda":
         from . import cuda_decode
@@ -136,7 +147,7 @@ def paged_prefill(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.
     bf16/fp16 with head_dim 64/128 run the tensor-core kernel (kvpool/cuda_prefill.py); other
     pools the torch reference (`paged_prefill_reference`, float32 math).
     """
-    cu, lens = _check_prefill_args(q, pool, layer, block_table, seq_lens, cu_seqlens_q)
+    cu, lens = _check_prefill_args(q, pool, layer, block_table, seq_lens, cu_seqlens_q, scale)
     if pool.device.type == "cuda":
         from . import cuda_prefill
 
@@ -152,11 +163,13 @@ def paged_prefill_reference(q: torch.Tensor, pool: KVPool, layer: int, block_tab
                             seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             scale: float | None = None) -> torch.Tensor:
     """Torch reference of `paged_prefill` (float32 math, any device): the kernel's oracle."""
-    cu, lens = _check_prefill_args(q, pool, layer, block_table, seq_lens, cu_seqlens_q)
+    cu, lens = _check_prefill_args(q, pool, layer, block_table, seq_lens, cu_seqlens_q, scale)
     return _prefill_reference(q, pool, layer, block_table, cu, lens, scale)
 
 
-def _check_prefill_args(q, pool: KVPool, layer: int, block_table, seq_lens, cu_seqlens_q) -> tuple[list, list]:
+def _check_prefill_args(q, pool: KVPool, layer: int, block_table, seq_lens, cu_seqlens_q,
+                        scale=None) -> tuple[list, list]:
+    _check_pool_and_scale(pool, scale)
     if not isinstance(q, torch.Tensor) or q.ndim != 3:
         raise ShapeError(f"q: expected a tensor [total_tokens, q_heads, head_dim], got {getattr(q, 'shape', q)}")
     total, hq, d = q.shape

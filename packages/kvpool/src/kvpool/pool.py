@@ -70,6 +70,22 @@ class PoolStats:
         return d
 
 
+def _hashable(x: object, name: str) -> None:
+    try:
+        hash(x)
+    except TypeError:
+        raise ArgumentError(f"{name}: expected a hashable id, got {type(x).__name__}") from None
+
+
+def _id_list(ids: object, name: str) -> list:
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or isinstance(ids, dict):
+        raise ArgumentError(f"{name}: expected a sequence of sequence ids, got {type(ids).__name__}")
+    out = list(ids)
+    for x in out:
+        _hashable(x, name)
+    return out
+
+
 class KVPool:
     """A paged KV cache: per layer K and V in `[num_blocks, block_size, kv_heads, head_dim]` blocks.
 
@@ -113,8 +129,14 @@ class KVPool:
         self.prefix_caching = prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
         self.debug = bool(int(os.environ.get("KVPOOL_DEBUG", "0"))) if debug is None else debug
-        self.storage = KVStorage(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
-        self.host = HostTier(self.storage, host_blocks) if host_blocks > 0 else None
+        try:
+            self.storage = KVStorage(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
+            self.host = HostTier(self.storage, host_blocks) if host_blocks > 0 else None
+        except (RuntimeError, MemoryError) as e:  # the allocator's refusal, as the stack's error
+            total = 2 * num_layers * (num_blocks + host_blocks) * block_size * num_kv_heads * head_dim
+            raise ArgumentError(f"num_blocks: expected a pool that fits in memory, got {num_layers} layers x "
+                                f"{num_blocks} (+{host_blocks} host) blocks x {block_size} tokens x {num_kv_heads} "
+                                f"heads x {head_dim} = {total} K/V elements ({str(e)[:80]})") from None
         if self.host is not None:
             self.storage.before_device_op = self.host.sync
         self.manager = BlockManager(num_blocks, on_evict=self._on_evict)
@@ -178,6 +200,7 @@ class KVPool:
         Raises PoolExhaustedError (pool unchanged) if the whole prompt would not fit above the
         watermark.
         """
+        _hashable(seq_id, "seq_id")
         if seq_id in self._seqs:
             raise ArgumentError(f"seq_id: {seq_id!r} is already registered")
         ids = as_token_array(tokens)
@@ -257,9 +280,12 @@ class KVPool:
         Returns the concatenated int32 slots (sequence order). Raises PoolExhaustedError, with
         nothing allocated, unless every sequence's growth fits.
         """
-        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
-            raise ArgumentError(f"seq_ids: expected a sequence of sequence ids, got {type(seq_ids).__name__}")
-        counts = ([num_tokens] * len(seq_ids) if isinstance(num_tokens, (int, np.integer)) else list(num_tokens))
+        seq_ids = _id_list(seq_ids, "seq_ids")
+        if not isinstance(num_tokens, (int, np.integer, list, tuple, np.ndarray, torch.Tensor)) or \
+                isinstance(num_tokens, (bool, np.bool_)):
+            raise ArgumentError(f"num_tokens: expected an int or a sequence of ints, got {num_tokens!r}")
+        counts = ([num_tokens] * len(seq_ids) if isinstance(num_tokens, (int, np.integer)) else
+                  np.asarray(num_tokens).reshape(-1).tolist())
         counts = [check_int(c, "num_tokens", lo=0) for c in counts]
         if len(counts) != len(seq_ids):
             raise ArgumentError(f"num_tokens: expected {len(seq_ids)} counts, got {len(counts)}")
@@ -371,6 +397,7 @@ class KVPool:
     def fork(self, src_id: Hashable, dst_id: Hashable) -> None:
         """`dst_id` becomes a copy of `src_id` sharing all its blocks (copy-on-write on append)."""
         src = self._seq(src_id)
+        _hashable(dst_id, "dst_id")
         if dst_id in self._seqs:
             raise ArgumentError(f"dst_id: {dst_id!r} is already registered")
         for b in src.blocks:
@@ -518,6 +545,8 @@ class KVPool:
 
     def gather(self, layer: int, seq_id: Hashable, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a sequence as contiguous `[num_tokens, kv_heads, head_dim]` (fp8: dequantized)."""
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ArgumentError(f"dtype: expected a torch dtype or None, got {dtype!r}")
         self._check_layer(layer)
         seq = self._seq(seq_id)
         self._issue_onloads(seq.blocks, prefetch=False)
@@ -531,19 +560,21 @@ class KVPool:
 
     def block_table(self, seq_ids: Sequence[Hashable], device: str | torch.device | None = None) -> torch.Tensor:
         """int32 `[B, max_blocks]` physical block ids per sequence, -1 padded (on the pool device)."""
-        seqs = [self._seq(s) for s in seq_ids]
+        device = self._target_device(device)
+        seqs = [self._seq(s) for s in _id_list(seq_ids, "seq_ids")]
         width = max((len(s.blocks) for s in seqs), default=0)
         table = np.full((len(seqs), width), -1, dtype=np.int32)
         for i, s in enumerate(seqs):
             table[i, :len(s.blocks)] = s.blocks
             self._issue_onloads(s.blocks, prefetch=False)
         self._ready()
-        return torch.from_numpy(table).to(device or self.device)
+        return torch.from_numpy(table).to(device)
 
     def seq_lens(self, seq_ids: Sequence[Hashable], device: str | torch.device | None = None) -> torch.Tensor:
         """int32 `[B]` token counts (positions with slots) per sequence."""
-        lens = np.array([self._seq(s).num_tokens for s in seq_ids], dtype=np.int32)
-        return torch.from_numpy(lens).to(device or self.device)
+        device = self._target_device(device)
+        lens = np.array([self._seq(s).num_tokens for s in _id_list(seq_ids, "seq_ids")], dtype=np.int32)
+        return torch.from_numpy(lens).to(device)
 
     def check_tables(self, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      block_indices: torch.Tensor | None = None, *, contiguous: bool = False) -> None:
@@ -692,6 +723,16 @@ class KVPool:
             raise UnknownSequenceError(f"seq_id: {seq_id!r} is not a registered sequence") from None
         except TypeError:
             raise ArgumentError(f"seq_id: expected a hashable id, got {type(seq_id).__name__}") from None
+
+    def _target_device(self, device: object) -> torch.device:
+        if device is None:
+            return self.device
+        if not isinstance(device, (str, torch.device)):
+            raise ArgumentError(f"device: expected a torch device, a string like 'cuda:0' or None, got {device!r}")
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ArgumentError(f"device: expected a torch device like 'cpu' or 'cuda:0', got {device!r} ({e})") from None
 
     def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
