@@ -16,10 +16,7 @@ SOURCES = [*sorted((ROOT / "packages").glob("*/src")), ROOT / "src"]
 PEERS = {"tilelang", "deepgemm", "deepep", "kvpool", "dataengine"}
 STACK = PEERS | {"tilehal", "tilestack"}
 # Circles known and owned elsewhere: each entry names the issue that removes it.
-KNOWN_CYCLES: set[frozenset[str]] = {
-    # issue 14: do_bench moves out of tilelang/profiler/__init__.py once the GPU do_bench (tlgpu) is on main
-    frozenset({"tilelang.profiler", "tilelang.runtime.profiler"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def _modules() -> dict[str, Path]:

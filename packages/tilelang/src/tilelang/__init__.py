@@ -22,10 +22,10 @@ from .errors import CompileError, SourceLoc
 from .highlevel import tensor_contract, tile_kernel
 from .ir.nodes import PrimFunc
 from .pass_config import PassConfigKey
+from .profiler import Profiler, TensorSupplyType
 from .runtime.autotune import AutoTuner, autotune
 from .runtime.jit import jit
 from .runtime.kernel import JITKernel, compile  # noqa: A004
-from .runtime.profiler import Profiler, TensorSupplyType
 from .utils.math import cdiv, next_power_of_2
 
 __all__ = ["AutoTuner", "CompileError", "JITKernel", "PassConfigKey", "PrimFunc", "Profiler", "SourceLoc",

@@ -101,7 +101,7 @@ class JITKernel:
         return self._impl.source()
 
     def get_profiler(self, tensor_supply_type: Any = None, dynamic_shapes: dict[str, int] | None = None) -> Any:
-        from .profiler import Profiler
+        from ..profiler import Profiler
 
         return Profiler(self, tensor_supply_type, dynamic_shapes or {})
 

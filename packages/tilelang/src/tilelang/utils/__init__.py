@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..runtime.profiler import TensorSupplyType
+from ..profiler import TensorSupplyType
 from .math import cdiv, next_power_of_2
 from .tensor import map_torch_type, torch_assert_close
 

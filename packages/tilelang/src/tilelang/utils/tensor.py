@@ -7,7 +7,7 @@ from typing import Any
 import tilehal
 
 from ..ir import dtypes as dt
-from ..runtime.profiler import Profiler, TensorSupplyType
+from ..profiler import Profiler, TensorSupplyType
 
 
 def map_torch_type(name: Any) -> Any:
