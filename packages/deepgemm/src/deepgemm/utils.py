@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
-from tilehal import ArgumentError, ShapeError
+from tilehal import ArgumentError, ShapeError, check_choice
 
 log = logging.getLogger("deepgemm")
 
@@ -24,7 +25,9 @@ _num_sms: int | None = None
 
 def ceil_div(a: int, b: int) -> int:
     """ceil(a / b) for non-negative integers."""
-    return (a + b - 1) // b
+    if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)) and b > 0:
+        return (a + b - 1) // b
+    raise ArgumentError(f"ceil_div: expected integers a >= 0 and b > 0, got a={a!r}, b={b!r}")
 
 
 def align(x: int, a: int) -> int:
@@ -84,6 +87,7 @@ get_k_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
 
 def get_tma_aligned_size(x: int, element_size: int) -> int:
     """`x` rounded up so that x * element_size is a multiple of 16 bytes (TMA's stride rule)."""
+    check_choice(element_size, "element_size", (1, 2, 4, 8, 16))
     return align(x, 16 // element_size)
 
 
@@ -96,6 +100,8 @@ def _check_2d_or_3d(x: Any, name: str) -> None:
 
 def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
     """Round positive fp32 scales up to the next power of two (the UE8M0 format: exponent only)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ShapeError(f"x: expected a floating torch tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     bits = x.abs().float().view(torch.int32)
     exp = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).ne(0).to(torch.int32)
     return (exp.clamp(1, 254) << 23).view(torch.float32)
@@ -138,6 +144,8 @@ def _to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
 
 
 def _scale(amax: torch.Tensor, use_ue8m0: bool, top: float = FP8_MAX) -> torch.Tensor:
+    if not isinstance(use_ue8m0, bool):
+        raise ArgumentError(f"use_ue8m0: expected a bool, got {use_ue8m0!r}")
     sf = amax / top
     return ceil_to_ue8m0(sf) if use_ue8m0 else sf
 
@@ -264,8 +272,12 @@ def per_block_cast_to_fp8(x: torch.Tensor, use_ue8m0: bool = False,
 def per_custom_dims_cast_to_fp8(x: torch.Tensor, dims: tuple[int, ...],
                                 use_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per index of the kept `dims` (amax over every other dimension): (x_fp8, sf squeezed)."""
-    if not isinstance(x, torch.Tensor):
-        raise ShapeError(f"x: expected a torch tensor, got {type(x).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.numel() == 0:
+        raise ShapeError(f"x: expected a non-empty torch tensor, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not isinstance(dims, (tuple, list)) or not all(isinstance(d, int) and not isinstance(d, bool)
+                                                      and -x.dim() <= d < x.dim() for d in dims):
+        raise ArgumentError(f"dims: expected a tuple of dimensions of x (ndim {x.dim()}), got {dims!r}")
     keep = {d % x.dim() for d in dims}
     reduce = tuple(i for i in range(x.dim()) if i not in keep)
     sf = _scale(_finite_abs(x.float()).amax(dim=reduce, keepdim=True).clamp(min=1e-4), use_ue8m0)
@@ -336,8 +348,8 @@ def cast_back_from_fp4(packed: torch.Tensor, sf: torch.Tensor, gran_k: int = BLO
 
 
 def _check_gran(gran_k: int) -> None:
-    if not isinstance(gran_k, int) or gran_k < 1:
-        raise ArgumentError(f"gran_k: expected a positive int, got {gran_k!r}")
+    if not isinstance(gran_k, int) or isinstance(gran_k, bool) or not 1 <= gran_k <= 1 << 16:
+        raise ArgumentError(f"gran_k: expected an int in [1, 65536], got {gran_k!r}")
 
 
 def is_mn_major_tma_aligned(sf: torch.Tensor) -> bool:
