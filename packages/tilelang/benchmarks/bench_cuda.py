@@ -5,10 +5,12 @@
 
 Kernels: benchmarks/cuda_kernels.py (public TileLang style). GEMM NT fp16/bf16 at 8192^3 and
 M=4096 with (N, K) in (7168, 2048), (2112, 7168), (24576, 1536); flash attention forward bhsd
-fp16, b4 h32 s4096 d128, causal and not. Timing: 10 calls captured in a CUDA graph, replayed
-(median of 5 replays), so launch overhead is not measured for anyone. Compile: cold (parse +
-lower + NVRTC with an empty cache dir) and cached (`tilelang.compile` of the same prim_func again:
-lowering, codegen and the disk-cached cubin) wall times.
+fp16, b4 h32 s4096 d128, causal and not. Ours twice: "ours" (T.gemm on wgmma, the sm_90a default)
+and "ours_mma" (pass_configs tl.disable_wgmma: ldmatrix + mma.sync). Timing: 10 calls captured in a
+CUDA graph, replayed (median of 5 replays), so launch overhead is not measured for anyone. Compile:
+cold (parse + lower + NVRTC with an empty cache dir) and cached (a new JITKernel of the same prim_func:
+the kernel cache finds the generated CUDA by the program's structure, the cubin cache the binary)
+wall times.
 The public TileLang runs the same file in a child process with only its bundle on PYTHONPATH
 (`--impl public`); its rows are merged into the JSON. Nothing asserts a time.
 """
@@ -60,16 +62,26 @@ def graph_time_ms(fn, reps: int = 10, replays: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _pass_configs(impl: str) -> dict | None:
+    """ours: T.gemm on wgmma (the sm_90a default); ours_mma: mma.sync (issue 14's generation)."""
+    return {"tl.disable_wgmma": True} if impl == "ours_mma" else None
+
+
 def _cached_compile(tilelang, impl: str, func, out_idx) -> float:
-    """Seconds to build `func` again with its binary in the disk cache: ours lowers and generates the
-    CUDA again (a JITKernel, bypassing the in-process memo of tilelang.compile); the public TileLang's
-    second tilelang.compile hits its own kernel cache."""
+    """Seconds to build `func` again with its binary in the disk cache: ours builds a new JITKernel
+    (bypassing the in-process memo of tilelang.compile; the kernel cache finds the generated CUDA by the
+    program's structure, the cubin cache the binary); the public TileLang's second tilelang.compile hits
+    its own kernel cache."""
     t0 = time.perf_counter()
-    if impl == "ours":
-        tilelang.JITKernel(func, out_idx=out_idx, target="cuda")
+    if impl.startswith("ours"):
+        tilelang.JITKernel(func, out_idx=out_idx, target="cuda", pass_configs=_pass_configs(impl))
     else:
         tilelang.compile(func, out_idx=out_idx, target="cuda")
     return time.perf_counter() - t0
+
+
+def _compile_kw(impl: str) -> dict:
+    return {"pass_configs": _pass_configs(impl)} if impl.startswith("ours") else {}
 
 
 def run_impl(impl: str, quick: bool) -> list[dict]:
@@ -94,7 +106,7 @@ def run_impl(impl: str, quick: bool) -> list[dict]:
                 try:
                     t0 = time.perf_counter()
                     func = ck.gemm_nt(M, N, K, *cfg, dtype)
-                    k = tilelang.compile(func, out_idx=[-1], target="cuda")
+                    k = tilelang.compile(func, out_idx=[-1], target="cuda", **_compile_kw(impl))
                     cold = time.perf_counter() - t0  # parse + lower + NVRTC, empty cache
                     cached = _cached_compile(tilelang, impl, func, [-1])
                     c = k(a, b)
@@ -120,7 +132,7 @@ def run_impl(impl: str, quick: bool) -> list[dict]:
         try:
             t0 = time.perf_counter()
             func = ck.flashattn_bhsd(b_, h, s, d, causal)
-            k = tilelang.compile(func, out_idx=[3], target="cuda")
+            k = tilelang.compile(func, out_idx=[3], target="cuda", **_compile_kw(impl))
             cold = time.perf_counter() - t0
             cached = _cached_compile(tilelang, impl, func, [3])
             o = k(q, kk, v)
@@ -174,20 +186,24 @@ def summarize(rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("best") and "tflops" in r:
             best[(r["impl"], *key(r))] = r
-    lines = ["| kernel | ours TFLOP/s | peer (cuBLAS/SDPA) | ours/peer | public TileLang | ours/public | ours compile "
-             "cold / cached |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| kernel | ours (wgmma) TFLOP/s | ours mma.sync | peer (cuBLAS/SDPA) | ours/peer | mma.sync/peer | "
+             "public TileLang | ours/public | ours compile cold / cached |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (impl, *k), r in sorted(best.items(), key=lambda x: str(x[0])):
         if impl != "ours":
             continue
         peer = best.get(("cublas" if k[0] == "gemm" else "sdpa", *k))
         pub = best.get(("public", *k))
+        mma = best.get(("ours_mma", *k))
         name = (f"gemm {k[1]} {'x'.join(map(str, k[2]))}" if k[0] == "gemm" else
                 f"fa fp16 {'x'.join(map(str, k[2]))} {'causal' if k[3] else 'full'}")
         pt = f"{peer['tflops']:.0f}" if peer else "-"
         ratio = f"{r['tflops'] / peer['tflops']:.2f}x" if peer else "-"
         pubt = f"{pub['tflops']:.0f}" if pub else "-"
         pratio = f"{r['tflops'] / pub['tflops']:.2f}x" if pub else "-"
-        lines.append(f"| {name} | {r['tflops']:.0f} | {pt} | {ratio} | {pubt} | {pratio} | "
+        mt = f"{mma['tflops']:.0f}" if mma else "-"
+        mratio = f"{mma['tflops'] / peer['tflops']:.2f}x" if mma and peer else "-"
+        lines.append(f"| {name} | {r['tflops']:.0f} | {mt} | {pt} | {ratio} | {mratio} | {pubt} | {pratio} | "
                      f"{r['compile_cold_s']:.2f} s / {r['compile_cached_s'] * 1e3:.1f} ms |")
     return lines
 
@@ -204,9 +220,9 @@ def plot(rows: list[dict], path: Path) -> None:
         k = (r["kind"], r.get("dtype"), tuple(r.get("shape", [])), r.get("causal"))
         if k not in keys:
             keys.append(k)
-    impls = ["ours", "public", "cublas", "sdpa"]
+    impls = ["ours", "ours_mma", "public", "cublas", "sdpa"]
     fig, ax = plt.subplots(figsize=(12, 4.5))
-    width = 0.2
+    width = 0.16
     for i, impl in enumerate(impls):
         vals = []
         for k in keys:
@@ -219,9 +235,9 @@ def plot(rows: list[dict], path: Path) -> None:
     labels = [(f"{short.get(k[1], k[1])} {'x'.join(map(str, k[2]))}" if k[0] == "gemm" else
                f"FA {'causal' if k[3] else 'full'}")
               for k in keys]
-    ax.set_xticks([j + 1.5 * width for j in range(len(keys))], labels, rotation=20, fontsize=8)
+    ax.set_xticks([j + 2 * width for j in range(len(keys))], labels, rotation=20, fontsize=8)
     ax.set_ylabel("TFLOP/s")
-    ax.set_title("tilelang CUDA backend (mma.sync) vs public TileLang 0.1.15, cuBLAS, SDPA — H200, "
+    ax.set_title("tilelang CUDA backend (wgmma; mma.sync) vs public TileLang 0.1.15, cuBLAS, SDPA — H200, "
                  + time.strftime("%Y-%m-%d"))
     ax.legend()
     fig.tight_layout()
@@ -285,6 +301,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TILESTACK_CACHE_DIR"] = cache  # cold compiles really are cold
         rows = run_impl("ours", args.quick)
+        rows += run_impl("ours_mma", args.quick)
     rows += run_peers(args.quick)
     if args.public:
         out = Path(tempfile.mkdtemp()) / "public.json"

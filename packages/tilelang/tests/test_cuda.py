@@ -11,6 +11,7 @@ Tolerances: fp16/bf16 outputs 2e-2..3e-2 relative to max(1, |ref|max); fp32 1e-4
 """
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def test_public_kernel_compiles(name):
     src = k.get_kernel_source()
     assert "__global__" in src and k._impl.module.cubin[:4] == b"\x7fELF"
     if name.startswith(("gemm", "fa_", "flash", "linear")) and name != "gemv":
-        assert "mma_m16n8k16" in src and "ldmatrix" in src, f"{name} does not use the tensor cores"
+        assert ("mma_m16n8k16" in src and "ldmatrix" in src) or "Wgmma16" in src, f"{name} does not use the tensor cores"
     if name.startswith(("gemm", "fa_")):
         assert "cp_async" in src
 
@@ -162,7 +163,7 @@ def test_property_programs_compile(prog):
     tilelang.compile(prop._load(prog[2]), out_idx=[2], target="cuda")
 
 
-# ---------------------------------------------------------------- gemm variants (mma.sync paths)
+# ---------------------------------------------------------------- gemm variants (wgmma and mma.sync paths)
 
 
 def _gemm_program(M, N, K, bm, bn, bk, dtype, acc, ta, tb, stages, threads, policy, a_frag=False, dyn_m=False):
@@ -211,18 +212,29 @@ GEMM_VARIANTS = {  # M, N, K, tile, dtype, accumulator, transpose_A, transpose_B
     "a_in_registers_fullrow": (128, 64, 64, 128, 64, 32, "float16", "float32", False, True, 2, 256, "FullRow", True),
     "f32_cuda_cores": (40, 24, 20, 32, 16, 16, "float32", "float32", False, False, 2, 64, "Square"),
     "dynamic_m": (100, 64, 64, 64, 64, 32, "float16", "float32", False, True, 2, 128, "Square", False, True),
+    # wgmma forms (sm_90a): 128-byte rows; B N-major in 64-element atoms; A M-major; K rows of two atoms;
+    # 64-byte rows (64B swizzle); two m64 blocks per warpgroup; warpgroups split along N; bf16 A in registers
+    "wg_nt_f16_2wg": (256, 256, 128, 128, 256, 64, "float16", "float32", False, True, 3, 256, "Square"),
+    "wg_nn_bf16_natoms": (128, 256, 128, 64, 256, 64, "bfloat16", "float32", False, False, 2, 128, "Square"),
+    "wg_tn_f16_mmajor": (128, 128, 128, 64, 128, 64, "float16", "float32", True, False, 2, 128, "Square"),
+    "wg_nt_bf16_k128": (128, 128, 256, 64, 128, 128, "bfloat16", "float32", False, True, 2, 128, "Square"),
+    "wg_nt_f16_k32_sw64": (128, 128, 96, 128, 128, 32, "float16", "float32", False, True, 3, 128, "Square"),
+    "wg_nt_f16_n_split": (64, 256, 64, 64, 256, 64, "float16", "float32", False, True, 2, 256, "Square"),
+    "wg_a_regs_bf16": (128, 128, 64, 128, 128, 64, "bfloat16", "float32", False, True, 2, 256, "FullRow", True),
 }
 FAST_GEMM = {"nn_f16_square_edges", "tt_bf16_3stage", "nt_e4m3", "nt_int8", "a_in_registers_fullrow", "dynamic_m"}
 _TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8,
           "float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
-def _gemm_variant(name, target, device):
+def _gemm_variant(name, target, device, pass_configs=None):
     c = GEMM_VARIANTS[name]
     M, N, K, _, _, _, dtype, _, ta, tb = c[:10]
-    k = tilelang.compile(_gemm_program(*c), out_idx=[2], target=target)
+    k = tilelang.compile(_gemm_program(*c), out_idx=[2], target=target, pass_configs=pass_configs)
     src = k.get_kernel_source()
-    assert ("mma_m16n8k" in src) == (dtype != "float32"), name
+    assert ("mma_m16n8k" in src or "Wgmma16" in src) == (dtype != "float32"), name
+    if name.startswith("wg_"):
+        assert ("Wgmma16" in src) == (target == "cuda" and not pass_configs), name
     g = torch.Generator().manual_seed(0)
     a_shape, b_shape = ((K, M) if ta else (M, K)), ((N, K) if tb else (K, N))
     if dtype == "int8":
@@ -242,6 +254,55 @@ def _gemm_variant(name, target, device):
 def test_gemm_variant_compiles(name):
     src = tilelang.compile(_gemm_program(*GEMM_VARIANTS[name]), out_idx=[2], target="cuda").get_kernel_source()
     assert "__global__" in src
+    if name.startswith("wg_"):
+        assert "Wgmma16" in src and "fence_proxy_async_shared" in src, name
+
+
+@needs_nvrtc
+def test_wgmma_choice_logged(caplog, tmp_path, monkeypatch):
+    """The wgmma / mma.sync choice is logged at DEBUG with the reason (by the build that generates the code:
+    an empty kernel cache here); tl.disable_wgmma keeps mma.sync."""
+    import logging
+
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))
+    prog = _gemm_program(*GEMM_VARIANTS["wg_nt_f16_2wg"])
+    with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
+        tilelang.compile(prog, out_idx=[2], target="cuda")
+    assert any("wgmma.mma_async (A K, B K-major, warpgroups 2x1)" in r.getMessage() for r in caplog.records)
+    src = tilelang.compile(prog, out_idx=[2], target="cuda",
+                           pass_configs={"tl.disable_wgmma": True}).get_kernel_source()
+    assert "Wgmma16" not in src and "mma_m16n8k16" in src
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
+        src = tilelang.compile(_gemm_program(*GEMM_VARIANTS["nt_e4m3"]), out_idx=[2], target="cuda").get_kernel_source()
+    assert "Wgmma16" not in src
+    assert any("not wgmma: wgmma is emitted for fp16 / bf16" in r.getMessage() for r in caplog.records)
+
+
+@needs_nvrtc
+def test_use_wgmma_option():
+    """T.gemm(use_wgmma=False) keeps mma.sync; use_wgmma=True on a gemm wgmma cannot run is a CompileError."""
+
+    def prog(dtype, use):
+        @T.prim_func
+        def main(A: T.Tensor((128, 64), dtype), B: T.Tensor((128, 64), dtype), C: T.Tensor((128, 128), "float32")):
+            with T.Kernel(1, threads=256) as bx:
+                As = T.alloc_shared((128, 64), dtype)
+                Bs = T.alloc_shared((128, 64), dtype)
+                Cf = T.alloc_fragment((128, 128), "float32")
+                T.copy(A, As)
+                T.copy(B, Bs)
+                T.gemm(As, Bs, Cf, transpose_B=True, clear_accum=True, use_wgmma=use)
+                T.copy(Cf, C)
+
+        return main
+
+    src = tilelang.compile(prog("float16", False), out_idx=[2], target="cuda").get_kernel_source()
+    assert "Wgmma16" not in src and "mma_m16n8k16" in src
+    src = tilelang.compile(prog("float16", True), out_idx=[2], target="cuda").get_kernel_source()
+    assert "Wgmma16" in src
+    with pytest.raises(tilelang.CompileError, match="use_wgmma=True.*fp16 / bf16"):
+        tilelang.compile(prog("float8_e4m3", True), out_idx=[2], target="cuda")
 
 
 @pytest.mark.parametrize("name", [n if n in FAST_GEMM else pytest.param(n, marks=pytest.mark.slow)
@@ -251,9 +312,10 @@ def test_gemm_variant_emulated(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["default", "mma.sync"])
 @pytest.mark.parametrize("name", sorted(GEMM_VARIANTS))
-def test_gemm_variant_gpu(name):
-    _gemm_variant(name, "cuda", "cuda")
+def test_gemm_variant_gpu(name, path):
+    _gemm_variant(name, "cuda", "cuda", {"tl.disable_wgmma": True} if path == "mma.sync" else None)
 
 
 def test_high_level_schedules_onto_cuda():
@@ -394,3 +456,153 @@ def test_examples_gpu(example):
 def test_property_gpu_matches_interp(prog, seed):
     _prop_case(prog, seed, "cuda")
 
+
+
+@pytest.mark.gpu
+def test_do_bench_gpu_events_and_l2_flush():
+    """do_bench on the GPU: event-timed calls (every one, for means and quantiles), cold L2 by default."""
+    from tilelang.profiler import do_bench
+
+    x = torch.randn(32 * 2**20 // 4, device="cuda")  # 32 MiB: fits the L2, so a flush is visible
+    ms = do_bench(lambda: x.mul_(1.0), warmup=5, rep=20)
+    hot = do_bench(lambda: x.mul_(1.0), warmup=5, rep=20, fast_flush=False)
+    q = do_bench(lambda: x.mul_(1.0), _n_warmup=2, _n_repeat=9, quantiles=[0.0, 0.5, 1.0])
+    assert ms > 0 and hot > 0 and q[0] <= q[1] <= q[2]
+    assert all(do_bench(lambda: x.mul_(1.0), _n_repeat=5, return_mode=m) > 0 for m in ("min", "max", "median"))
+    print(f"do_bench 32 MiB scale: cold L2 {ms * 1e3:.1f} us, warm {hot * 1e3:.1f} us")
+
+
+@pytest.mark.gpu
+def test_autotune_gpu_picks_and_caches(tmp_path, monkeypatch):
+    """@tilelang.autotune over cuda gemm tiles: checked against torch, timed on the GPU, best config cached
+    (the key names the GPU), a second tuner instance reads it back."""
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))
+    configs = [{"bn": 64, "stages": 2}, {"bn": 128, "stages": 3}]
+
+    def make():
+        @tilelang.autotune(configs=configs, warmup=2, rep=5, progress=True,
+                           ref_prog=lambda a, b: a.float() @ b.float().T, atol=1e-1, rtol=1e-2)
+        @tilelang.jit(out_idx=[2], target="cuda")
+        def gemm(n, bn=64, stages=2):
+            return _gemm_program(n, n, n, 128, bn, 64, "float16", "float32", False, True, stages, 256, "Square")
+
+        return gemm
+
+    g = make()
+    k = g(1024)
+    assert k.config in configs and not g.last_result.from_cache and len(g.last_result.timings) == 2
+    files = list((tmp_path / "tilelang_autotune").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["config"] == k.config
+    g2 = make()
+    k2 = g2(1024)
+    assert g2.last_result.from_cache and k2.config == k.config
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.float16)
+    b = torch.randn(1024, 1024, device="cuda", dtype=torch.float16)
+    torch.testing.assert_close(k2(a, b), a.float() @ b.float().T, atol=1e-1, rtol=1e-2)
+
+
+@needs_nvrtc
+def test_kernel_cache_skips_lowering(tmp_path, monkeypatch):
+    """A program compiled again (a fresh build of the same factory) is found by its structure: no IR pass or
+    code generation runs; the source is the same; `.lowered` still lowers on request; any change of the
+    program or of the options is another entry."""
+    import tilelang.backends.cuda.backend as cb
+
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))
+    cfg = GEMM_VARIANTS["wg_nt_f16_2wg"]
+    k1 = tilelang.JITKernel(_gemm_program(*cfg), out_idx=[2], target="cuda")
+    calls = []
+    real = cb.build_cuda_kernel
+    monkeypatch.setattr(cb, "build_cuda_kernel", lambda *a: calls.append(1) or real(*a))
+    k2 = tilelang.JITKernel(_gemm_program(*cfg), out_idx=[2], target="cuda")
+    assert not calls and k2.get_kernel_source() == k1.get_kernel_source() and k2.cache_hit
+    assert k2.lowered.script() == k1.lowered.script()
+    other = tilelang.JITKernel(_gemm_program(*cfg[:5], 32, *cfg[6:]), out_idx=[2], target="cuda")
+    mma = tilelang.JITKernel(_gemm_program(*cfg), out_idx=[2], target="cuda", pass_configs={"tl.disable_wgmma": True})
+    assert len(calls) == 2 and "Wgmma16" not in mma.get_kernel_source()
+    assert other.get_kernel_source() != k1.get_kernel_source()
+
+
+def _transpose_program(M, N, dtype, annotate):
+    from tilelang.layout import make_swizzled_layout
+
+    @T.prim_func
+    def main(A: T.Tensor((M, N), dtype), B: T.Tensor((N, M), dtype)):
+        with T.Kernel(T.ceildiv(N, 64), T.ceildiv(M, 64), threads=128) as (bx, by):
+            S = T.alloc_shared((64, 64), dtype)
+            if annotate:
+                T.annotate_layout({S: make_swizzled_layout(S)})
+            T.copy(A[by * 64, bx * 64], S)
+            for i, j in T.Parallel(64, 64):
+                B[bx * 64 + j, by * 64 + i] = S[i, j]
+
+    return main
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_annotate_swizzled_layout_honoured(dtype):
+    """make_swizzled_layout on a staging buffer swizzles its accesses (the XOR of 16-byte chunks by row);
+    the transposition stays exact (run by cuda_emu)."""
+    src = tilelang.compile(_transpose_program(96, 80, dtype, True), out_idx=[1], target="cuda").get_kernel_source() \
+        if HAVE_NVRTC else None
+    plain = tilelang.compile(_transpose_program(96, 80, dtype, False), out_idx=[1], target="cuda_emu").get_kernel_source()
+    k = tilelang.compile(_transpose_program(96, 80, dtype, True), out_idx=[1], target="cuda_emu")
+    assert "^" in k.get_kernel_source() and "^" not in plain.split("extern", 1)[1]
+    if src is not None:
+        assert "^" in src.split("extern", 1)[1]
+    a = torch.randn(96, 80).to(getattr(torch, dtype))  # partial tiles: T.Parallel element stores masked
+    torch.testing.assert_close(k(a), a.T.contiguous())
+
+
+def _splitk_tile_program(M, N, K, splits, out_dtype):
+    @T.prim_func
+    def main(A: T.Tensor((M, K), "float16"), B: T.Tensor((N, K), "float16"), C: T.Tensor((M, N), out_dtype)):
+        with T.Kernel(T.ceildiv(N, 64), T.ceildiv(M, 64), splits, threads=128) as (bx, by, bz):
+            As = T.alloc_shared((64, 32), "float16")
+            Bs = T.alloc_shared((64, 32), "float16")
+            Cf = T.alloc_fragment((64, 64), "float32")
+            T.clear(Cf)
+            for k in T.Pipelined(K // 32 // splits, num_stages=2):
+                T.copy(A[by * 64, (bz * (K // 32 // splits) + k) * 32], As)
+                T.copy(B[bx * 64, (bz * (K // 32 // splits) + k) * 32], Bs)
+                T.gemm(As, Bs, Cf, transpose_B=True)
+            T.atomic_add(C[by * 64, bx * 64], Cf)
+
+    return main
+
+
+@pytest.mark.parametrize("out_dtype,vec", [("float32", "float2"), ("float16", "__half2"), ("bfloat16", "__nv_bfloat162")])
+def test_vectorized_atomic_add(out_dtype, vec):
+    """T.atomic_add(global tile, fragment): the accumulator's column pairs go out as one vector atomic each;
+    split-K sums match torch (cuda_emu)."""
+    k = tilelang.compile(_splitk_tile_program(64, 128, 128, 2, out_dtype), out_idx=[2], target="cuda_emu")
+    assert f"reinterpret_cast<{vec}*>" in k.get_kernel_source()
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 128, generator=g).half()
+    b = torch.randn(128, 128, generator=g).half()
+    ref = a.float() @ b.float().T
+    tol = 1e-3 if out_dtype == "float32" else 0.25
+    torch.testing.assert_close(k(a, b).float(), ref, atol=tol, rtol=1e-2)
+    if HAVE_NVRTC:
+        src = tilelang.compile(_splitk_tile_program(64, 128, 128, 2, out_dtype), out_idx=[2],
+                               target="cuda").get_kernel_source()
+        assert f"reinterpret_cast<{vec}*>" in src
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", ["float32", "float16", "bfloat16"])
+def test_vectorized_atomic_add_gpu(out_dtype):
+    k = tilelang.compile(_splitk_tile_program(256, 384, 1024, 4, out_dtype), out_idx=[2], target="cuda")
+    a = torch.randn(256, 1024, device="cuda").half()
+    b = torch.randn(384, 1024, device="cuda").half()
+    ref = a.float() @ b.float().T
+    tol = 1e-2 if out_dtype == "float32" else 0.5
+    torch.testing.assert_close(k(a, b).float(), ref, atol=tol, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_annotate_swizzled_layout_gpu(dtype):
+    k = tilelang.compile(_transpose_program(500, 770, dtype, True), out_idx=[1], target="cuda")
+    a = torch.randn(500, 770, device="cuda").to(getattr(torch, dtype))
+    torch.testing.assert_close(k(a), a.T.contiguous())

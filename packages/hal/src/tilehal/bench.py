@@ -23,6 +23,7 @@ class BenchResult:
     iters: int
     timer: str  # "cuda_events" or "perf_counter"
     host_s: float = 0.0  # median host time of one call (launch overhead on CUDA)
+    times_s: tuple[float, ...] = ()  # every timed call, in order (means and quantiles of callers)
 
     @property
     def median_us(self) -> float:
@@ -124,7 +125,7 @@ def bench(
         timer = "perf_counter"
     return BenchResult(median_s=statistics.median(times), min_s=min(times), max_s=max(times),
                        p20_s=_percentile(times, 20), p80_s=_percentile(times, 80), iters=len(times), timer=timer,
-                       host_s=statistics.median(host_times) if host_times else 0.0)
+                       host_s=statistics.median(host_times) if host_times else 0.0, times_s=tuple(times))
 
 
 def bench_graph(fn: Callable[[], Any], **bench_kwargs: Any) -> BenchResult:

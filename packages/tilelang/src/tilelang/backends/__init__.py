@@ -22,6 +22,9 @@ class Backend:
     device: str  # where the kernel's tensors live: "cpu" or "cuda"
     passes: Callable[[dict], list]  # options -> ordered list of PrimFunc -> PrimFunc passes
     build: Callable[[PrimFunc, dict], Any]  # lowered func, options -> callable(args, dyn) with .source()
+    # optional: func as written, options -> built kernel, lowering on the way (a backend with a kernel cache
+    # that can skip the passes); JITKernel then lowers for `.lowered` only when asked
+    compile: Callable[[PrimFunc, dict], Any] | None = None
 
 
 def _interp_passes(options: dict) -> list:
@@ -64,6 +67,12 @@ def _build_cuda(func: PrimFunc, options: dict) -> Any:
     return build_cuda_kernel(func, options)
 
 
+def _compile_cuda(func: PrimFunc, options: dict) -> Any:
+    from .cuda.backend import compile_cuda_kernel
+
+    return compile_cuda_kernel(func, options)
+
+
 def _build_cuda_emu(func: PrimFunc, options: dict) -> Any:
     from .cuda.emulate import build_emulated
 
@@ -73,7 +82,7 @@ def _build_cuda_emu(func: PrimFunc, options: dict) -> Any:
 BACKENDS: dict[str, Backend] = {
     "interp": Backend("interp", "cpu", _interp_passes, _build_interp),
     "cpu": Backend("cpu", "cpu", _cpu_passes, _build_cpu),
-    "cuda": Backend("cuda", "cuda", _cuda_passes, _build_cuda),
+    "cuda": Backend("cuda", "cuda", _cuda_passes, _build_cuda, _compile_cuda),
     # testing: the cuda backend's code run on the CPU with a thread per CUDA thread (backends/cuda/emulate.py)
     "cuda_emu": Backend("cuda_emu", "cpu", _cuda_passes, _build_cuda_emu),
 }

@@ -37,12 +37,24 @@ def autotune_cache_dir() -> Path:
     return d
 
 
-def _machine() -> str:
+def _machine(target: str = "cpu") -> str:
+    """The device a tuned config is best on: the CPU, and for cuda / auto targets the GPU (name,
+    compute capability, SM count) when there is one."""
     try:
         c = tilehal.cpu()
-        return f"{getattr(c, 'name', '')}|{getattr(c, 'cores', '')}|{getattr(c, 'simd', '')}"
+        out = f"{getattr(c, 'name', '')}|{getattr(c, 'cores', '')}|{getattr(c, 'simd', '')}"
     except Exception:  # noqa: BLE001 - device description is only part of a cache key
-        return "cpu"
+        out = "cpu"
+    if target in ("cuda", "auto"):
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                p = torch.cuda.get_device_properties(torch.cuda.current_device())
+                out += f"|{p.name}|sm_{p.major}{p.minor}|{p.multi_processor_count}"
+        except Exception:  # noqa: BLE001 - no torch / no driver: a CPU key
+            pass
+    return out
 
 
 class AutoTuner:
@@ -73,7 +85,7 @@ class AutoTuner:
         except OSError:
             src = fn.__qualname__
         payload = repr((fn.__module__, fn.__qualname__, src, _hashable(_shapes(args)), _hashable(_shapes(kwargs)),
-                        [_hashable(c) for c in configs], self.factory.target, _machine()))
+                        [_hashable(c) for c in configs], self.factory.target, _machine(self.factory.target)))
         return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
     def _compile(self, args: tuple, kwargs: dict, cfg: dict) -> JITKernel:

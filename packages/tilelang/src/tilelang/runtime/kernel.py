@@ -55,7 +55,6 @@ class JITKernel:
         self._impls: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._impl = self._build(self.target)
-        self.lowered = self._lowered[self.target]
         self.compile_seconds = getattr(self._impl, "compile_seconds", 0.0)
         self.cache_hit = getattr(self._impl, "cache_hit", False)
         self._launch = _LaunchChecks(func)
@@ -69,18 +68,21 @@ class JITKernel:
             impl = self._impls.get(target)
             if impl is None:
                 backend = BACKENDS[target]
+                if not hasattr(self, "_lowered"):
+                    self._lowered = {}
                 try:
-                    lowered = run_pipeline(self.prim_func, target, self.pass_configs)
-                    impl = backend.build(lowered, self.pass_configs)
+                    if backend.compile is not None:  # lowers itself (or finds the kernel in its cache)
+                        impl = backend.compile(self.prim_func, self.pass_configs)
+                    else:
+                        lowered = run_pipeline(self.prim_func, target, self.pass_configs)
+                        impl = backend.build(lowered, self.pass_configs)
+                        self._lowered[target] = lowered
                 except RecursionError:  # IR built by meta-level Python (not the parser) can nest deeply too
                     from ..errors import CompileError
                     from ..frontend.parser import too_deep
 
                     raise CompileError(f"{target} build of {self.prim_func.name}: {too_deep()}",
                                        self.prim_func.loc) from None
-                if not hasattr(self, "_lowered"):
-                    self._lowered = {}
-                self._lowered[target] = lowered
                 self._impls[target] = impl
         return impl
 
@@ -91,6 +93,15 @@ class JITKernel:
             log.debug("target auto: CUDA tensors given, running the cuda backend")
             return "cuda"
         return resolve_target("auto") if self.target == "cuda" else self.target
+
+    @property
+    def lowered(self) -> PrimFunc:
+        """The prim_func after the target's IR passes (lowered now if the backend found the kernel in its
+        cache without lowering)."""
+        low = self._lowered.get(self.target)
+        if low is None:
+            low = self._lowered[self.target] = run_pipeline(self.prim_func, self.target, self.pass_configs)
+        return low
 
     @property
     def params(self) -> list:

@@ -7,6 +7,7 @@
 // Sequence per tile step: wgmma_fence(); mma...; wgmma_commit(); ... wgmma_wait<0>().
 #pragma once
 #include "common.cuh"
+#include "mbarrier.cuh"  // smem_addr
 #include "wgmma_ops.cuh"
 
 namespace tilehal {

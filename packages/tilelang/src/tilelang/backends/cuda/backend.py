@@ -10,7 +10,7 @@ from typing import Any
 import tilehal
 
 from ...errors import CompileError
-from ...ir.nodes import AtomicAdd, Const, Expr, PrimFunc, Var
+from ...ir.nodes import AtomicAdd, Const, Expr, Kernel, PrimFunc, Var
 from ...ir.visit import walk_stmts
 from .codegen import generate_cuda
 
@@ -31,15 +31,25 @@ def _eval(e: Expr, dyn: dict[Var, int]) -> int:
 class CudaKernel:
     device = "cuda"
 
-    def __init__(self, func: PrimFunc, options: dict) -> None:
+    def __init__(self, func: PrimFunc, options: dict,
+                 generated: tuple[str, list[tuple[str, Kernel, int]]] | None = None) -> None:
+        """Generate (or, from the kernel cache, take `generated`: source and kernels) and build."""
         self.func = func
         arch = options.get("arch", DEFAULT_ARCH)
-        # generated once under a placeholder name, then named by its content hash
-        probe, kernels = generate_cuda(func, "tl_kernel")
-        digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
-        base = f"tl_{func.name}_{digest}"
-        self.cuda_source = probe.replace("tl_kernel_k", f"{base}_k")
-        self.kernels = [(name.replace("tl_kernel", base, 1), k, smem) for name, k, smem in kernels]
+        if generated is None:
+            # wgmma needs the arch-specific sm_90a target; pass_configs {"tl.disable_wgmma": True} keeps mma.sync
+            wgmma = arch == "sm_90a" and not options.get("tl.disable_wgmma")
+            if not wgmma:
+                log.debug("%s: wgmma off (arch %s, tl.disable_wgmma=%r): T.gemm uses mma.sync", func.name, arch,
+                          options.get("tl.disable_wgmma"))
+            # generated once under a placeholder name, then named by its content hash
+            probe, kernels = generate_cuda(func, "tl_kernel", wgmma=wgmma)
+            digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
+            base = f"tl_{func.name}_{digest}"
+            self.cuda_source = probe.replace("tl_kernel_k", f"{base}_k")
+            self.kernels = [(name.replace("tl_kernel", base, 1), k, smem) for name, k, smem in kernels]
+        else:
+            self.cuda_source, self.kernels = generated
         t0 = time.perf_counter()
         opts = tuple(options.get("nvrtc_options", ()))
         self.module = tilehal.compile_cuda(self.cuda_source, arch=arch, name=func.name, options=opts)
@@ -53,7 +63,8 @@ class CudaKernel:
             for t in k.threads:
                 threads *= int(t)
             self._static_grids.append((self.module.get_kernel(name), k, grid, threads, smem))
-        log.debug("built %s (%d kernel(s)) in %.3fs (cache hit: %s)", base, len(self.kernels), self.compile_seconds,
+        log.debug("built %s (%d kernel(s)) in %.3fs (cache hit: %s)", self.kernels[0][0], len(self.kernels),
+                  self.compile_seconds,
                   self.cache_hit)
 
     def source(self) -> str:
@@ -74,6 +85,41 @@ class CudaKernel:
             if any(x <= 0 for x in g):
                 continue
             kern.launch(g, threads, [*args, *sizes], smem_bytes=smem)
+
+
+def compile_cuda_kernel(func: PrimFunc, options: dict) -> CudaKernel:
+    """Lower and build `func` (not yet lowered), or find it in the kernel cache (kernel_cache.py): a hit
+    skips the IR passes and code generation."""
+    from tilehal.cache import cached_build
+
+    from ...passes.pipeline import run_pipeline
+    from .kernel_cache import cache_key, pack, unpack
+
+    key = cache_key(func, options)
+    built: dict[str, CudaKernel] = {}
+
+    def build(work) -> bytes:
+        built["k"] = k = build_cuda_kernel(run_pipeline(func, "cuda", options), options)
+        return pack(k.cuda_source, k.kernels)
+
+    art = cached_build("tilelang_cuda", key, "kernel.json", build)
+    if "k" in built:
+        return built["k"]
+    got = unpack(func, art.data)
+    if got is None:
+        log.debug("%s: kernel cache entry %s does not fit this program; building it", func.name, key)
+        return build_cuda_kernel(run_pipeline(func, "cuda", options), options)
+    log.debug("%s: kernel cache hit %s (no lowering)", func.name, key)
+    from ...passes.pipeline import log as passes_log
+    from ...passes.pipeline import report_ignored_options
+
+    if passes_log.isEnabledFor(logging.DEBUG):  # what the skipped pipeline would have said
+        report_ignored_options(func, "cuda")
+    try:
+        return CudaKernel(func, options, got)
+    except tilehal.CompileError as e:
+        raise CompileError(f"{func.name}: the cached CUDA failed to compile: {e}", func.loc,
+                           log=getattr(e, "log", "")) from e
 
 
 def build_cuda_kernel(func: PrimFunc, options: dict) -> CudaKernel:

@@ -46,7 +46,15 @@ from ...ir.nodes import (
     Var,
     register_rules,
 )
-from ...ir.visit import buffers_read, buffers_written, seq_rule, walk_expr, walk_stmts
+from ...ir.visit import (
+    buffers_read,
+    buffers_written,
+    child_stmts,
+    seq_rule,
+    stmt_exprs,
+    walk_expr,
+    walk_stmts,
+)
 from ..cexpr import CExprEmitter
 from .common import _LOW, ParCtx, SmemInfo, _nonneg, cuda_type, esize, float_literal, log, value_type
 from .infer import LayoutInference, ParallelNest, infer_layouts
@@ -60,6 +68,7 @@ from .rules import (
     GemmRules,
     PipelineRules,
     ReduceRules,
+    WgmmaRules,
 )
 
 SMEM_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90 (227 KiB)
@@ -74,17 +83,21 @@ template <typename T> __device__ __forceinline__ T tl_floordiv(T a, T b) {
 template <typename T> __device__ __forceinline__ T tl_floormod(T a, T b) {
   T r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
 """
+WGMMA_PRELUDE = r"""#include <tilehal/mbarrier.cuh>
+#include <tilehal/wgmma.cuh>
+#include <tilehal/wgmma16_ops.cuh>
+"""
 
 
 
-class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, CumSumRules, AtomicRules,
-                    PipelineRules):
+class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, ReduceRules, CumSumRules,
+                    AtomicRules, PipelineRules):
     """Lowers one T.Kernel; statements are lowered by their rule in the "cuda" / "cuda.parallel"
     tables (registered below; the tile ops' rules are the mixins of rules/)."""
 
     TARGET = "CUDA"
 
-    def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let]) -> None:
+    def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let], wgmma: bool = True) -> None:
         self.func = func
         self.kernel = kernel
         self.name = name
@@ -95,7 +108,8 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
         if self.threads % 32 or self.threads > 1024:
             raise CompileError(f"T.Kernel threads={self.threads}: the CUDA backend needs a multiple of 32 threads, "
                                f"at most 1024", kernel.loc)
-        self.inf: LayoutInference = infer_layouts(kernel)
+        self.inf: LayoutInference = infer_layouts(kernel, allow_wgmma=wgmma)
+        self.has_wgmma = any(p.kind == "wgmma" for p in self.inf.gemms.values())
         self.lines: list[str] = []
         self.ind = 1
         self.ids = itertools.count()
@@ -105,12 +119,42 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
         self.par: ParCtx | None = None
         self.pending_w: set[Buffer] = set()
         self.pending_r: set[Buffer] = set()
+        self._wg_async: Stmt | None = None  # the wgmma T.Pipelined leaves in flight (rules/pipelined.py)
         self.dyn_names = {v.name for v in func.dynamic_vars}
+        self._rw: dict[int, tuple[frozenset[Buffer], frozenset[Buffer]]] = {}
+        self._index_rw(kernel.body)
+        self.all_stmts: list[Stmt] = list(walk_stmts(kernel.body))
         self._plan_swizzle()
         self._plan_pipelines()
         self._plan_zero_init()
 
     # ================================================================ planning
+
+    def _index_rw(self, s: Stmt) -> tuple[frozenset[Buffer], frozenset[Buffer]]:
+        """Buffers read / written by every statement of the kernel, computed once bottom-up (the
+        barrier, pipeline and smem planners ask for them per statement; walking each subtree again
+        made code generation quadratic in the kernel size)."""
+        kids = child_stmts(s)
+        if not kids:
+            rw = (frozenset(buffers_read(s)), frozenset(buffers_written(s)))
+        else:
+            r = {x.buffer for e in stmt_exprs(s) for x in walk_expr(e) if isinstance(x, Load)}
+            w: set[Buffer] = set()
+            for c in kids:
+                cr, cw = self._index_rw(c)
+                r |= cr
+                w |= cw
+            rw = (frozenset(r), frozenset(w))
+        self._rw[id(s)] = rw
+        return rw
+
+    def reads(self, s: Stmt) -> frozenset[Buffer]:
+        rw = self._rw.get(id(s))
+        return rw[0] if rw is not None else frozenset(buffers_read(s))
+
+    def writes(self, s: Stmt) -> frozenset[Buffer]:
+        rw = self._rw.get(id(s))
+        return rw[1] if rw is not None else frozenset(buffers_written(s))
 
     def _plan_zero_init(self) -> None:
         """Shared buffers whose first access is not a full, unconditional write start at zero (the
@@ -136,7 +180,7 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
                 return
             if isinstance(s, Alloc):
                 return
-            reads, writes = buffers_read(s), buffers_written(s)
+            reads, writes = self.reads(s), self.writes(s)
             for b in reads | writes:
                 if b.scope != "shared" or b in first:
                     continue
@@ -168,6 +212,8 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
         self.emit("}")
 
     def sync(self) -> None:
+        if self.has_wgmma:  # shared memory written by ordinary / cp.async stores is read next by wgmma
+            self.emit("tilehal::fence_proxy_async_shared();")
         self.emit("__syncthreads();")
         self.pending_w.clear()
         self.pending_r.clear()
@@ -240,9 +286,15 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
         if swz is None:
             off = self.flat_index(buf, idx)
         else:
-            sh, mask, lv = swz
+            sh, mask, lv, atom = swz
             row = idx[0] if buf.ndim == 2 else "0"
-            off = f"(({row}) * {shape[-1]} + (({idx[-1]}) ^ (((({row}) >> {sh}) & {mask}) << {lv})))"
+            if atom:
+                la = int(math.log2(atom))
+                col = idx[-1]
+                off = (f"(((({col}) >> {la}) * {shape[0] * atom}) + ({row}) * {atom} + "
+                       f"((({col}) & {atom - 1}) ^ (((({row}) >> {sh}) & {mask}) << {lv})))")
+            else:
+                off = f"(({row}) * {shape[-1]} + (({idx[-1]}) ^ (((({row}) >> {sh}) & {mask}) << {lv})))"
         stage = self.stage_expr.get(buf)
         if stage is not None and self.stages.get(buf, 1) > 1:
             off = f"(({stage}) * {int(np.prod(shape))} + {off})"
@@ -283,8 +335,26 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
                                    self.kernel.loc)
         return " + ".join(terms) or "0"
 
+    def global_guard(self, buf: Buffer, idx: list[Expr]) -> str | None:
+        """C condition that an element access of a global tensor is in bounds (None when every index is
+        a constant inside its dim): element loads past the end read zero and stores are dropped, as on
+        the interpreter and the C backend, instead of touching other memory."""
+        conds = []
+        for i, n in zip(idx, buf.shape):
+            if isinstance(i, Const) and isinstance(n, Const) and 0 <= int(i.value) < int(n.value):
+                continue
+            c = self.expr(i)
+            conds.append(f"({c}) < {self.dim(n)}")
+            if not _nonneg(i):
+                conds.append(f"({c}) >= 0")
+        return " && ".join(conds) if conds else None
+
     def load(self, e: Load) -> str:
         ref = self.ref(e.buffer, e.indices)
+        if e.buffer.scope == "global":
+            g = self.global_guard(e.buffer, e.indices)
+            if g:
+                ref = f"(({g}) ? {ref} : {self.zero(e.buffer.dtype)})"
         if e.buffer.dtype in _LOW:
             return f"tilehal::to_float({ref})"
         return ref
@@ -320,7 +390,7 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
                 out |= self.alias.get(b, {b})
             return out
 
-        return (expand({b for b in buffers_read(s) if keep(b)}), expand({b for b in buffers_written(s) if keep(b)}))
+        return (expand({b for b in self.reads(s) if keep(b)}), expand({b for b in self.writes(s) if keep(b)}))
 
     def hazard(self, s: Stmt) -> None:
         r, w = self.tracked(s)
@@ -364,7 +434,9 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
 
     def store(self, s: Store) -> None:
         self.hazard(s)
-        self.emit(f"{self.ref(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};")
+        line = f"{self.ref(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};"
+        g = self.global_guard(s.buffer, s.indices) if s.buffer.scope == "global" else None
+        self.emit(f"if ({g}) {line}" if g else line)
 
     def alloc(self, s: Alloc) -> None:
         b = s.buffer
@@ -540,8 +612,11 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
 
     def par_store(self, s: Store) -> None:
         line = f"{self.ref(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};"
-        if s.buffer.scope in ("global", "shared") and self.par.lead:
-            line = f"if ({self.par.lead}) {line}"
+        conds = [self.par.lead] if s.buffer.scope in ("global", "shared") and self.par.lead else []
+        if s.buffer.scope == "global":
+            conds += [g for g in [self.global_guard(s.buffer, s.indices)] if g]
+        if conds:
+            line = f"if ({' && '.join(conds)}) {line}"
         self.emit(line)
 
     def par_if(self, s: If) -> None:
@@ -646,7 +721,7 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
 
     def place_smem(self) -> None:
         """Offsets for the shared buffers (before lowering: barriers must know which buffers alias)."""
-        allocs = [st for st in walk_stmts(self.kernel.body) if isinstance(st, Alloc) and st.buffer.scope == "shared"]
+        allocs = [st for st in self.all_stmts if isinstance(st, Alloc) and st.buffer.scope == "shared"]
         # live ranges over a pre-order numbering of statements; a use inside a loop spans the loop
         order: dict[int, int] = {}
         spans: dict[int, tuple[int, int]] = {}
@@ -654,8 +729,6 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
         def number(s: Stmt, loops: list[int]) -> None:
             i = len(order)
             order[id(s)] = i
-            from ...ir.visit import child_stmts
-
             for c in child_stmts(s):
                 number(c, loops + ([id(s)] if isinstance(s, For) else []))
             spans[id(s)] = (i, len(order))
@@ -664,10 +737,8 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
         live: dict[Buffer, list[int]] = {}
 
         def uses(s: Stmt, loops: list[Stmt]) -> None:
-            from ...ir.visit import child_stmts
-
             if not isinstance(s, (Seq, For, If, Kernel)):
-                touched = buffers_read(s) | buffers_written(s)
+                touched = set(self.reads(s) | self.writes(s))
                 if isinstance(s, Alloc) and s.buffer in self.zero_init:
                     touched.add(s.buffer)
                 for b in touched:
@@ -707,6 +778,9 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
                     if not (hi <= l2 or h2 <= lo) and off < e and o < off + nbytes:
                         off = -(-e // SMEM_ALIGN) * SMEM_ALIGN
                         changed = True
+                if b in self.wgmma_bufs and off % 1024:  # wgmma descriptors: swizzle atoms on 1 KiB boundaries
+                    off = -(-off // 1024) * 1024
+                    changed = True
             placed.append((off, off + nbytes, lo, hi))
             shape = b.static_shape()
             self.smem[b] = SmemInfo(off, self.stages.get(b, 1), int(np.prod(shape)), self.swizzled.get(b))
@@ -742,7 +816,7 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, ReduceRules, 
         return total, decls
 
     def generate(self) -> tuple[str, int]:
-        self.written_globals = {b for b in buffers_written(self.kernel.body) if b.scope == "global"}
+        self.written_globals = {b for b in self.writes(self.kernel.body) if b.scope == "global"}
         k = self.kernel
         self.place_smem()
         self.stmt(k.body)
@@ -787,18 +861,22 @@ register_rules("cuda.parallel", {Seq: seq_rule, Store: KernelCodegen.par_store,
                                  Alloc: KernelCodegen.par_alloc, **IN_PARALLEL})
 
 
-def generate_cuda(func: PrimFunc, base_name: str) -> tuple[str, list[tuple[str, Kernel, int]]]:
-    """CUDA source for every T.Kernel of `func`: (source, [(kernel name, Kernel node, smem bytes)])."""
+def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True) -> tuple[str, list[tuple[str, Kernel, int]]]:
+    """CUDA source for every T.Kernel of `func`: (source, [(kernel name, Kernel node, smem bytes)]).
+    `wgmma`: T.gemm may use wgmma.mma_async (an sm_90a target); otherwise mma.sync only."""
     body = func.body.body if isinstance(func.body, Seq) else [func.body]
     lets: list[Let] = []
     kernels = []
     parts = []
+    uses_wgmma = False
     for s in body:
         if isinstance(s, Let):
             lets.append(s)
         elif isinstance(s, Kernel):
             name = f"{base_name}_k{len(kernels)}"
-            src, smem = KernelCodegen(func, s, name, list(lets)).generate()
+            cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma)
+            src, smem = cg.generate()
+            uses_wgmma |= cg.has_wgmma
             parts.append(src)
             kernels.append((name, s, smem))
         elif isinstance(s, Seq) and not s.body:
@@ -807,7 +885,8 @@ def generate_cuda(func: PrimFunc, base_name: str) -> tuple[str, list[tuple[str, 
             raise CompileError(f"cuda: statements outside T.Kernel ({type(s).__name__}) are not supported", s.loc)
     if not kernels:
         raise CompileError("cuda: the prim_func has no T.Kernel", func.loc)
-    source = f"// generated by tilelang from {func.name}\n{PRELUDE}\n" + "\n\n".join(parts) + "\n"
+    prelude = PRELUDE + (WGMMA_PRELUDE if uses_wgmma else "")
+    source = f"// generated by tilelang from {func.name}\n{prelude}\n" + "\n\n".join(parts) + "\n"
     return source, kernels
 
 

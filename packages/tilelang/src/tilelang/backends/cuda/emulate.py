@@ -37,7 +37,8 @@ class EmulatedCudaKernel:
 
     def __init__(self, func: PrimFunc, options: dict) -> None:
         self.func = func
-        self.cuda_source, self.kernels = generate_cuda(func, f"tl_{func.name}")
+        # the emulator runs per-thread C++: warpgroup-collective wgmma is not emulated (mma.sync is)
+        self.cuda_source, self.kernels = generate_cuda(func, f"tl_{func.name}", wgmma=False)
         header = resources.files(__package__).joinpath("tl_cuda_emu.h").read_text()
         src = self.cuda_source.replace("#include <tilehal/tilehal.cuh>", header)
         launch = []

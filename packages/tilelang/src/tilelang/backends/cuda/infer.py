@@ -18,7 +18,7 @@ import numpy as np
 
 from ...errors import CompileError
 from ...ir import dtypes as dt
-from ...ir.layout import Fragment, default_fragment, mma_accumulator, replicated
+from ...ir.layout import Axis, Fragment, default_fragment, mma_accumulator, replicated
 from ...ir.nodes import (
     Buffer,
     Const,
@@ -46,11 +46,54 @@ _MMA_K = {"float16": 16, "bfloat16": 16, "float8_e4m3": 32, "float8_e5m2": 32, "
 
 @dataclass
 class GemmPlan:
-    kind: str  # "mma" or "simt"
-    warps_m: int = 1
-    warps_n: int = 1
+    kind: str  # "wgmma", "mma" or "simt"
+    warps_m: int = 1  # wgmma: warpgroups along M
+    warps_n: int = 1  # wgmma: warpgroups along N
     kstep: int = 16
     reason: str = ""
+    a_major: str = "K"  # wgmma: "K" / "MN" (shared A) or "reg" (A in registers)
+    b_major: str = "K"
+
+
+def wgmma_smem_ok(r: Region, major: str) -> bool:
+    """A shared operand wgmma can read through a descriptor: the whole 2-D buffer, its rows a multiple
+    of 8, and the contiguous dim a whole number of 128-byte swizzle atoms (K-major rows may also be 64
+    or 32 bytes: the 64 / 32-byte swizzle modes)."""
+    b = r.buffer
+    shape = b.static_shape()
+    if b.scope != "shared" or shape is None or len(shape) != 2 or tuple(r.extents) != shape:
+        return False
+    if not all(isinstance(x, Const) and int(x.value) == 0 for x in r.starts):
+        return False
+    es = 1 if "8" in b.dtype else 2
+    row_bytes = shape[1] * es
+    if shape[0] % 8:
+        return False
+    if major == "MN":
+        return row_bytes % 128 == 0
+    return row_bytes % 128 == 0 or row_bytes in (64, 32)
+
+
+def wgmma_accumulator(m: int, n: int, wg_m: int, wg_n: int, threads: int, *, a_operand: bool = False) -> Fragment:
+    """The wgmma m64nN accumulator over a (wg_m x wg_n) grid of warpgroups (warpgroup g = tx // 128 at
+    row g % wg_m, column g // wg_m), each holding an (m / wg_m) x (n / wg_n) tile as m64 blocks: warp w
+    of a warpgroup owns rows 16 w .. 16 w + 15 of each block, registers in (block, n8, half, column)
+    order, so block i's accumulators are registers [i * N / 2, (i + 1) * N / 2). With `a_operand`, the
+    layout of an A operand in registers (K columns, not split over warpgroups). One warpgroup row of
+    m64 blocks (m == 64 wg_m, wg_n == 1) is exactly mma_accumulator(m, n, m // 16, 1): the mma.sync and
+    wgmma paths then agree on every fragment derived from it."""
+    mw = m // wg_m
+    nw = n if a_operand else n // wg_n
+    if mw == 64 and (wg_n == 1 or a_operand):
+        return mma_accumulator(m, n, m // 16, 1, threads, n_warp_split=not a_operand)
+    ri, rj = Axis("r", mw // 64, 64), Axis("r", nw // 8, 8)
+    rh, rc = Axis("r", 2, 8), Axis("r", 2, 1)
+    d0 = [Axis("t", wg_m, mw, 128), ri, Axis("t", 4, 16, 32), rh, Axis("t", 8, 1, 4)]
+    d1 = [Axis("t", 1 if a_operand else wg_n, nw, 128 * wg_m), rj, Axis("t", 4, 2, 1), rc]
+    d0 = [a for a in d0 if a.extent > 1]
+    d1 = [a for a in d1 if a.extent > 1]
+    order = [(d, a) for d, a in [(0, ri), (1, rj), (0, rh), (1, rc)] if a.extent > 1]
+    return Fragment((m, n), (tuple(d0), tuple(d1)), tuple(order), threads)
 
 
 @dataclass
@@ -128,7 +171,55 @@ def _region_2d_ok(r: Region) -> bool:
     return isinstance(start, Const) and int(start.value) % ve == 0
 
 
-def plan_gemm(g: Gemm, threads: int) -> GemmPlan:
+def _wgmma_plan(g: Gemm, threads: int) -> tuple[GemmPlan | None, str]:
+    """wgmma.mma_async (sm_90a) when the shapes and layouts allow it, else (None, why not)."""
+    a, b, c = g.A.buffer, g.B.buffer, g.C.buffer
+    if a.dtype != b.dtype or a.dtype not in ("float16", "bfloat16"):
+        return None, f"wgmma is emitted for fp16 / bf16 inputs, not {a.dtype} x {b.dtype}"
+    if c.dtype != "float32":
+        return None, f"wgmma accumulates in float32, the accumulator is {c.dtype}"
+    if threads % 128:
+        return None, f"threads={threads} is not a whole number of warpgroups (128)"
+    m, n = g.C.as_2d()
+    kdim = g.A.as_2d()[0] if g.transpose_A else g.A.as_2d()[1]
+    if kdim % 16:
+        return None, f"K={kdim} is not a multiple of 16"
+    b_major = "K" if g.transpose_B else "MN"
+    if not wgmma_smem_ok(g.B, b_major):
+        return None, f"B ({b.name}) is not a whole {b_major}-major shared tile with 128-byte swizzle atoms"
+    if a.scope == "fragment":
+        if g.transpose_A:
+            return None, "an A operand in registers must not be transposed"
+        a_major = "reg"
+    else:
+        a_major = "MN" if g.transpose_A else "K"
+        if not wgmma_smem_ok(g.A, a_major):
+            return None, f"A ({a.name}) is not a whole {a_major}-major shared tile with 128-byte swizzle atoms"
+    ng = threads // 128
+    if m % 64:
+        return None, f"M={m} is not a multiple of 64"
+    # warpgroups along M first (each reads its own A rows; FullCol: along N first), the rest along N
+    cands = [d for d in range(ng, 0, -1) if ng % d == 0 and m % (64 * d) == 0]
+    if g.policy == "FullCol":
+        cands.reverse()
+    why = f"M={m} x N={n} does not split over {ng} warpgroups"
+    for wg_m in cands:
+        wg_n = ng // wg_m
+        nw = n // wg_n
+        if a_major == "reg" and wg_n != 1:
+            why = "an A operand in registers needs the warpgroups split along M only"
+        elif n % (8 * wg_n):
+            why = f"N={n} does not split into n8 pieces over {wg_n} warpgroups"
+        elif b_major == "MN" and nw % 64:
+            why = f"an N-major B needs N per warpgroup ({nw}) in whole 64-element swizzle atoms"
+        elif nw > 256 and nw % 256:
+            why = f"N per warpgroup ({nw}) is over 256 and not a multiple of it"
+        else:
+            return GemmPlan("wgmma", wg_m, wg_n, 16, a_major=a_major, b_major=b_major), ""
+    return None, why
+
+
+def plan_gemm(g: Gemm, threads: int, allow_wgmma: bool = True) -> GemmPlan:
     a, b, c = g.A.buffer, g.B.buffer, g.C.buffer
     if a.dtype != b.dtype and not (dt.is_float(a.dtype) and dt.is_float(b.dtype) and
                                     "float32" in (a.dtype, b.dtype)):
@@ -148,6 +239,21 @@ def plan_gemm(g: Gemm, threads: int) -> GemmPlan:
         grid = _warp_grid(m, n, warps, g.policy, n_align=8)
         return GemmPlan("simt", grid[0] if grid else 0, grid[1] if grid else 0, reason=why)
 
+    use = g.options.get("use_wgmma")
+    if use is not None and not use:
+        log.debug("%s: T.gemm(use_wgmma=False): mma.sync", g.loc)
+    elif use and not allow_wgmma:
+        log.debug("%s: T.gemm(use_wgmma=True): this target has no wgmma (not sm_90a, tl.disable_wgmma, or "
+                  "cuda_emu): mma.sync", g.loc)
+    if allow_wgmma and use is not False:
+        plan, why = _wgmma_plan(g, threads)
+        if plan is not None:
+            log.debug("%s: T.gemm %s %dx%dx%d -> wgmma.mma_async (A %s, B %s-major, warpgroups %dx%d)", g.loc,
+                      a.dtype, m, n, kdim, plan.a_major, plan.b_major, plan.warps_m, plan.warps_n)
+            return plan
+        if use:
+            raise CompileError(f"T.gemm(use_wgmma=True): this gemm cannot run on wgmma: {why}", g.loc)
+        log.debug("%s: T.gemm %s %dx%dx%d -> not wgmma: %s", g.loc, a.dtype, m, n, kdim, why)
     if a.dtype != b.dtype or a.dtype not in _MMA_K:
         return simt(f"no mma.sync for {a.dtype} x {b.dtype}")
     want_acc = "int32" if a.dtype == "int8" else "float32"
@@ -175,8 +281,9 @@ def plan_gemm(g: Gemm, threads: int) -> GemmPlan:
 
 
 class LayoutInference:
-    def __init__(self, kernel: Kernel) -> None:
+    def __init__(self, kernel: Kernel, allow_wgmma: bool = True) -> None:
         self.kernel = kernel
+        self.allow_wgmma = allow_wgmma
         self.threads = 1
         for t in kernel.threads:
             self.threads *= int(t)
@@ -193,8 +300,17 @@ class LayoutInference:
     def run(self) -> LayoutInference:
         self._collect(self.kernel.body)
         for g in [s for s in walk_stmts(self.kernel.body) if isinstance(s, Gemm)]:
-            plan = plan_gemm(g, self.threads)
+            plan = plan_gemm(g, self.threads, self.allow_wgmma)
             self.gemms[id(g)] = plan
+            if plan.kind == "wgmma":
+                m, n = g.C.as_2d()
+                self._assign(g.C.buffer, wgmma_accumulator(m, n, plan.warps_m, plan.warps_n, self.threads),
+                             g.loc, "T.gemm accumulator")
+                if g.A.buffer.scope == "fragment":
+                    k = g.A.as_2d()[1]
+                    self._assign(g.A.buffer, wgmma_accumulator(m, k, plan.warps_m, 1, self.threads, a_operand=True),
+                                 g.loc, "T.gemm A operand")
+                continue
             if plan.kind == "simt" and plan.warps_m:
                 m, n = g.C.as_2d()
                 self._assign(g.C.buffer, mma_accumulator(m, n, plan.warps_m, plan.warps_n, self.threads),
@@ -424,10 +540,10 @@ class LayoutInference:
 register_rules("cuda.layout", {Reduce: LayoutInference.reduce_layout, Copy: LayoutInference.copy_layout})
 
 
-def infer_layouts(kernel: Kernel) -> LayoutInference:
-    return LayoutInference(kernel).run()
+def infer_layouts(kernel: Kernel, allow_wgmma: bool = True) -> LayoutInference:
+    return LayoutInference(kernel, allow_wgmma).run()
 
 
-__all__ = ["GemmPlan", "LayoutInference", "ParallelNest", "frag_accesses", "infer_layouts", "parallel_nest",
+__all__ = ["GemmPlan", "wgmma_accumulator", "wgmma_smem_ok", "LayoutInference", "ParallelNest", "frag_accesses", "infer_layouts", "parallel_nest",
            "plan_gemm"]
 

@@ -222,6 +222,23 @@ inline __nv_bfloat16 atomicAdd(__nv_bfloat16* p, __nv_bfloat16 v) {
   *p = tilehal::from_float<__nv_bfloat16>(tilehal::to_float(old) + tilehal::to_float(v)); return old;
 }
 
+// the vector atomics of T.atomic_add (float2 / float4 on sm_90, 16-bit pairs): element by element here
+struct float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct __half2 { __half x, y; };
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline __half2 __floats2half2_rn(float x, float y) {
+  return {tilehal::from_float<__half>(x), tilehal::from_float<__half>(y)}; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float x, float y) {
+  return {tilehal::from_float<__nv_bfloat16>(x), tilehal::from_float<__nv_bfloat16>(y)}; }
+inline void atomicAdd(float2* p, float2 v) { atomicAdd(&p->x, v.x); atomicAdd(&p->y, v.y); }
+inline void atomicAdd(float4* p, float4 v) {
+  atomicAdd(&p->x, v.x); atomicAdd(&p->y, v.y); atomicAdd(&p->z, v.z); atomicAdd(&p->w, v.w); }
+inline void atomicAdd(__half2* p, __half2 v) { atomicAdd(&p->x, v.x); atomicAdd(&p->y, v.y); }
+inline void atomicAdd(__nv_bfloat162* p, __nv_bfloat162 v) { atomicAdd(&p->x, v.x); atomicAdd(&p->y, v.y); }
+
 alignas(1024) inline unsigned char tl_emu_smem[262144];
 #define _tl_smem tl_emu_smem
 

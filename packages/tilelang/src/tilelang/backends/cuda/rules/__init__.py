@@ -16,6 +16,7 @@ from .fill import FillRules
 from .gemm import GemmRules
 from .pipelined import PipelineRules
 from .reduce import ReduceRules
+from .wgmma import WgmmaRules
 
 
 def _uniform(name: str):
@@ -51,4 +52,4 @@ UNIFORM = {
 IN_PARALLEL = {AtomicAdd: _atomic_in_parallel}
 
 __all__ = ["IN_PARALLEL", "UNIFORM", "AtomicRules", "CopyRules", "CumSumRules", "FillRules", "GemmRules", "PipelineRules",
-           "ReduceRules"]
+           "ReduceRules", "WgmmaRules"]

@@ -1,4 +1,5 @@
-"""CUDA lowering of T.gemm: ldmatrix + mma.sync with swizzled shared operands, or FMA on CUDA cores."""
+"""CUDA lowering of T.gemm: ldmatrix + mma.sync with swizzled shared operands, or FMA on CUDA cores
+(wgmma.mma_async: rules/wgmma.py)."""
 
 from __future__ import annotations
 
@@ -9,32 +10,65 @@ import numpy as np
 from ....errors import CompileError
 from ....ir import dtypes as dt
 from ....ir.layout import Axis, Fragment
-from ....ir.nodes import Buffer, Gemm, Region
-from ....ir.visit import walk_stmts
-from ..common import _LOW, _MMA_TAG, esize, value_type
+from ....ir.nodes import Alloc, Buffer, Gemm, Region
+from ..common import _LOW, _MMA_TAG, esize, log, value_type
 from ..infer import GemmPlan
 
 
 class GemmRules:
     def _plan_swizzle(self) -> None:
-        self.swizzled: dict[Buffer, tuple[int, int, int]] = {}
-        for s in walk_stmts(self.kernel.body):
-            if isinstance(s, Gemm) and self.inf.gemms[id(s)].kind == "mma":
-                for r in (s.A, s.B):
-                    b = r.buffer
-                    if b.scope != "shared" or b.ndim != 2:
-                        continue
-                    row_bytes = b.static_shape()[-1] * esize(b.dtype)
-                    lv = int(math.log2(16 // esize(b.dtype)))
-                    if row_bytes % 128 == 0:
-                        self.swizzled[b] = (0, 7, lv)
-                    elif row_bytes == 64:
-                        self.swizzled[b] = (1, 3, lv)
-                    elif row_bytes == 32:
-                        self.swizzled[b] = (2, 1, lv)
+        """XOR swizzles of the shared operands of tensor-core gemms: (shift, mask, log2 elements per 16
+        bytes, atom). 128-byte rows get chunk ^= row % 8 (ldmatrix rows hit distinct banks); the operands
+        of wgmma with rows of several 128-byte atoms are stored atom-column by atom-column (`atom` =
+        elements per 128 bytes: element (r, c) at (c // atom) * rows * atom + r * atom + swizzled c % atom),
+        which is the canonical 128-byte-swizzle layout a wgmma descriptor names; 64 / 32-byte rows get
+        the 64 / 32-byte swizzle patterns (the same bits as the hardware modes of those names)."""
+        self.swizzled: dict[Buffer, tuple[int, int, int, int]] = {}
+        self.wgmma_bufs: set[Buffer] = set()
+        for s in self.all_stmts:
+            if not isinstance(s, Gemm) or self.inf.gemms[id(s)].kind not in ("mma", "wgmma"):
+                continue
+            wg = self.inf.gemms[id(s)].kind == "wgmma"
+            for r in (s.A, s.B):
+                b = r.buffer
+                if b.scope != "shared" or b.ndim != 2:
+                    continue
+                if wg:
+                    self.wgmma_bufs.add(b)
+                row_bytes = b.static_shape()[-1] * esize(b.dtype)
+                lv = int(math.log2(16 // esize(b.dtype)))
+                if row_bytes % 128 == 0:
+                    atom = 128 // esize(b.dtype) if (wg or b in self.wgmma_bufs) and row_bytes > 128 else 0
+                    self.swizzled[b] = (0, 7, lv, max(atom, self.swizzled.get(b, (0, 0, 0, 0))[3]))
+                elif row_bytes == 64:
+                    self.swizzled[b] = (1, 3, lv, 0)
+                elif row_bytes == 32:
+                    self.swizzled[b] = (2, 1, lv, 0)
+        # T.annotate_layout({buf: make_swizzled_layout(buf)}) on other shared buffers: the same swizzle
+        for s in self.all_stmts:
+            if not isinstance(s, Alloc) or s.buffer.layout is None or s.buffer in self.swizzled:
+                continue
+            b = s.buffer
+            kind = getattr(b.layout, "kind", None)
+            if b.scope != "shared" or kind != "swizzled" or b.ndim != 2 or b.static_shape() is None:
+                log.debug("%s: layout annotation %r of %s (%s) has no effect on cuda", s.loc, b.layout, b.name,
+                          b.scope)
+                continue
+            row_bytes = b.static_shape()[-1] * esize(b.dtype)
+            lv = int(math.log2(max(1, 16 // esize(b.dtype))))
+            swz = {64: (1, 3, lv, 0), 32: (2, 1, lv, 0)}.get(row_bytes, (0, 7, lv, 0) if row_bytes % 128 == 0 else None)
+            if swz is None:
+                log.debug("%s: make_swizzled_layout(%s): %d-byte rows have no swizzle here; kept row-major", s.loc,
+                          b.name, row_bytes)
+                continue
+            self.swizzled[b] = swz
+            log.debug("%s: %s swizzled as annotated (16-byte chunk ^ row pattern of %d-byte rows)", s.loc, b.name,
+                      min(row_bytes, 128))
 
     def gemm(self, s: Gemm) -> None:
         plan = self.inf.gemms[id(s)]
+        if plan.kind == "wgmma":
+            return self.gemm_wgmma(s, plan)
         if plan.kind == "mma":
             return self.gemm_mma(s, plan)
         return self.gemm_simt(s, plan)

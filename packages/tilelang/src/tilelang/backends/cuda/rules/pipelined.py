@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
-from ....ir.nodes import Alloc, Buffer, Copy, For, If, Kernel, Let, Load, Seq, Var
-from ....ir.visit import buffers_read, buffers_written, walk_expr, walk_stmts
+from ....ir.nodes import Alloc, Buffer, Copy, For, Gemm, If, Kernel, Let, Load, Seq, Var
+from ....ir.visit import walk_expr, walk_stmts
 from ..common import log
 
 
 class PipelineRules:
+    def _async_wgmma(self, rest: list, copies: list) -> Gemm | None:
+        """The loop's last statement when it is a wgmma whose accumulator nothing else in the loop touches
+        and whose operands only the pipelined copies write: its wgmma group may then stay in flight into
+        the next iteration (invisible to the program: the accumulator is read after the loop, where the
+        group is waited for)."""
+        if not rest or not isinstance(rest[-1], Gemm) or self.inf.gemms[id(rest[-1])].kind != "wgmma":
+            return None
+        g = rest[-1]
+        filled = {c.dst.buffer for c in copies}
+        others = rest[:-1]
+        if any(g.C.buffer in self.reads(o) or g.C.buffer in self.writes(o) for o in others):
+            log.debug("%s: wgmma waits for itself: the loop reads its accumulator %s", g.loc, g.C.buffer.name)
+            return None
+        for r in (g.A, g.B):
+            b = r.buffer
+            if b.scope != "shared" or (b not in filled and any(b in self.writes(o) for o in others)):
+                log.debug("%s: wgmma waits for itself: operand %s is written in the loop", g.loc, b.name)
+                return None
+        log.debug("%s: T.gemm on wgmma stays in flight across T.Pipelined iterations (one group)", g.loc)
+        return g
+
     def _plan_pipelines(self) -> None:
         self.pipes: dict[int, list[Copy]] = {}
         self.stages: dict[Buffer, int] = {}
-        all_stmts = list(walk_stmts(self.kernel.body))
+        all_stmts = self.all_stmts
         for loop in all_stmts:
             if not (isinstance(loop, For) and loop.kind == "pipelined"):
                 continue
@@ -32,10 +53,10 @@ class PipelineRules:
                               c.loc, buf.name)
                     continue
                 others = [st for st in all_stmts if st is not c and not isinstance(st, (Seq, For, If, Kernel))
-                          and (buf in buffers_written(st))]
+                          and (buf in self.writes(st))]
                 outside = [st for st in all_stmts if id(st) not in inside and not isinstance(st, (Seq, For, If, Kernel))
-                           and not isinstance(st, Alloc) and buf in (buffers_read(st) | buffers_written(st))]
-                before = [st for st in body[:i] if buf in buffers_read(st)]
+                           and not isinstance(st, Alloc) and (buf in self.reads(st) or buf in self.writes(st))]
+                before = [st for st in body[:i] if buf in self.reads(st)]
                 if others or outside or before:
                     log.debug("%s: T.copy into %s not pipelined: the buffer is used outside this loop or written "
                               "elsewhere", c.loc, buf.name)
@@ -65,32 +86,48 @@ class PipelineRules:
             self.close()
             self.emit("tilehal::cp_async_commit();")
             self.close()
+        body = s.body.body if isinstance(s.body, Seq) else [s.body]
+        rest = [c for c in body if not any(c is x for x in copies)]
+        agemm = self._async_wgmma(rest, copies)
+
+        def prefetch() -> None:
+            self.open("")
+            nxt = self.fresh("knext")
+            self.emit(f"const int {nxt} = {v} + {n - 1};")
+            self.open(f"if ({nxt} < {start} + {ext})")
+            self.emit(f"const int {v} = {nxt};")
+            for c in copies:
+                self.stage_expr[c.dst.buffer] = f"(({nxt} - ({start})) % {n})"
+                self.copy_async(c)
+            self.close()
+            self.emit("tilehal::cp_async_commit();")
+            self.close()
+
         # one barrier per iteration: after it, stage k has landed for every thread and every thread is
-        # done with stage k-1 (read in the previous iteration), which the prefetch then refills
+        # done with stage k-1 (read in the previous iteration), which the prefetch then refills. With the
+        # loop's last statement a wgmma left in flight (one group) across iterations, the refill of
+        # stage k-1 waits for a second barrier after that wgmma's issue: by then every warpgroup has
+        # waited for its wgmma of iteration k-1, and the tensor cores run iteration k meanwhile.
         self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
         self.emit(f"tilehal::cp_async_wait<{n - 2}>();")
         self.sync()
-        self.open("")
-        nxt = self.fresh("knext")
-        self.emit(f"const int {nxt} = {v} + {n - 1};")
-        self.open(f"if ({nxt} < {start} + {ext})")
-        self.emit(f"const int {v} = {nxt};")
-        for c in copies:
-            self.stage_expr[c.dst.buffer] = f"(({nxt} - ({start})) % {n})"
-            self.copy_async(c)
-        self.close()
-        self.emit("tilehal::cp_async_commit();")
-        self.close()
+        if agemm is None:
+            prefetch()
         stage = self.fresh("stage")
         self.emit(f"const int {stage} = ({v} - ({start})) % {n};")
         for b in bufs:
             self.stage_expr[b] = stage
-        body = s.body.body if isinstance(s.body, Seq) else [s.body]
-        for c in body:
-            if any(c is x for x in copies):
-                continue
+        for c in rest:
+            self._wg_async = c if c is agemm else None
             self.stmt(c)
+            self._wg_async = None
+        if agemm is not None:
+            self.sync()
+            prefetch()
         self.close()
+        if agemm is not None:
+            self.emit("tilehal::wgmma_wait<0>();")
+            self.emit(f"tilehal::wgmma_fence_operands({agemm.C.buffer.name});")
         self.emit("tilehal::cp_async_wait<0>();")
         # the last iteration's accesses are still in flight for other threads
         r, w = self.tracked(s)
