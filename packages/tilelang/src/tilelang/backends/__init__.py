@@ -22,9 +22,9 @@ class Backend:
     device: str  # where the kernel's tensors live: "cpu" or "cuda"
     passes: Callable[[dict], list]  # options -> ordered list of PrimFunc -> PrimFunc passes
     build: Callable[[PrimFunc, dict], Any]  # lowered func, options -> callable(args, dyn) with .source()
-    # optional: func as written, options -> built kernel, lowering on the way (a backend with a kernel cache
-    # that can skip the passes); JITKernel then lowers for `.lowered` only when asked
-    compile: Callable[[PrimFunc, dict], Any] | None = None
+    # optional: func as written, options, lower() (runs the passes) -> built kernel (a backend with a kernel
+    # cache that can skip the passes); JITKernel then lowers for `.lowered` only when asked
+    compile: Callable[[PrimFunc, dict, Callable[[], PrimFunc]], Any] | None = None
 
 
 def _interp_passes(options: dict) -> list:
@@ -67,10 +67,10 @@ def _build_cuda(func: PrimFunc, options: dict) -> Any:
     return build_cuda_kernel(func, options)
 
 
-def _compile_cuda(func: PrimFunc, options: dict) -> Any:
+def _compile_cuda(func: PrimFunc, options: dict, lower: Callable[[], PrimFunc]) -> Any:
     from .cuda.backend import compile_cuda_kernel
 
-    return compile_cuda_kernel(func, options)
+    return compile_cuda_kernel(func, options, lower)
 
 
 def _build_cuda_emu(func: PrimFunc, options: dict) -> Any:

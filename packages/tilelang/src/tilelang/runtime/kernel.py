@@ -72,7 +72,15 @@ class JITKernel:
                     self._lowered = {}
                 try:
                     if backend.compile is not None:  # lowers itself (or finds the kernel in its cache)
-                        impl = backend.compile(self.prim_func, self.pass_configs)
+                        impl = backend.compile(self.prim_func, self.pass_configs,
+                                               functools.partial(run_pipeline, self.prim_func, target,
+                                                                 self.pass_configs))
+                        if getattr(impl, "from_kernel_cache", False):  # what the skipped passes would say
+                            from ..passes.pipeline import log as passes_log
+                            from ..passes.pipeline import report_ignored_options
+
+                            if passes_log.isEnabledFor(logging.DEBUG):
+                                report_ignored_options(self.prim_func, target)
                     else:
                         lowered = run_pipeline(self.prim_func, target, self.pass_configs)
                         impl = backend.build(lowered, self.pass_configs)

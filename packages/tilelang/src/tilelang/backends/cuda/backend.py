@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import tilehal
@@ -30,6 +31,7 @@ def _eval(e: Expr, dyn: dict[Var, int]) -> int:
 
 class CudaKernel:
     device = "cuda"
+    from_kernel_cache = False  # built from the kernel cache's source, without lowering
 
     def __init__(self, func: PrimFunc, options: dict,
                  generated: tuple[str, list[tuple[str, Kernel, int]]] | None = None) -> None:
@@ -87,19 +89,18 @@ class CudaKernel:
             kern.launch(g, threads, [*args, *sizes], smem_bytes=smem)
 
 
-def compile_cuda_kernel(func: PrimFunc, options: dict) -> CudaKernel:
-    """Lower and build `func` (not yet lowered), or find it in the kernel cache (kernel_cache.py): a hit
-    skips the IR passes and code generation."""
+def compile_cuda_kernel(func: PrimFunc, options: dict, lower: Callable[[], PrimFunc]) -> CudaKernel:
+    """Build `func` (as written; `lower()` runs the target's IR passes on it), or find it in the kernel
+    cache (kernel_cache.py): a hit skips the IR passes and code generation (`.from_kernel_cache`)."""
     from tilehal.cache import cached_build
 
-    from ...passes.pipeline import run_pipeline
     from .kernel_cache import cache_key, pack, unpack
 
     key = cache_key(func, options)
     built: dict[str, CudaKernel] = {}
 
     def build(work) -> bytes:
-        built["k"] = k = build_cuda_kernel(run_pipeline(func, "cuda", options), options)
+        built["k"] = k = build_cuda_kernel(lower(), options)
         return pack(k.cuda_source, k.kernels)
 
     art = cached_build("tilelang_cuda", key, "kernel.json", build)
@@ -108,18 +109,15 @@ def compile_cuda_kernel(func: PrimFunc, options: dict) -> CudaKernel:
     got = unpack(func, art.data)
     if got is None:
         log.debug("%s: kernel cache entry %s does not fit this program; building it", func.name, key)
-        return build_cuda_kernel(run_pipeline(func, "cuda", options), options)
+        return build_cuda_kernel(lower(), options)
     log.debug("%s: kernel cache hit %s (no lowering)", func.name, key)
-    from ...passes.pipeline import log as passes_log
-    from ...passes.pipeline import report_ignored_options
-
-    if passes_log.isEnabledFor(logging.DEBUG):  # what the skipped pipeline would have said
-        report_ignored_options(func, "cuda")
     try:
-        return CudaKernel(func, options, got)
+        k = CudaKernel(func, options, got)
     except tilehal.CompileError as e:
         raise CompileError(f"{func.name}: the cached CUDA failed to compile: {e}", func.loc,
                            log=getattr(e, "log", "")) from e
+    k.from_kernel_cache = True
+    return k
 
 
 def build_cuda_kernel(func: PrimFunc, options: dict) -> CudaKernel:

@@ -84,12 +84,10 @@ def structural_key(func: PrimFunc) -> str:
 @functools.lru_cache(maxsize=1)
 def _compiler_stamp() -> str:
     """Paths, sizes and mtimes of the tilelang and tilehal sources (once per process)."""
-    import tilelang
+    from ...__about__ import __version__
 
-    h = hashlib.sha256()
-    for pkg in (tilelang, tilehal):
-        root = Path(pkg.__file__).resolve().parent
-        h.update(str(getattr(pkg, "__version__", "")).encode())
+    h = hashlib.sha256(f"{__version__}|{getattr(tilehal, '__version__', '')}".encode())
+    for root in (Path(__file__).resolve().parents[2], Path(tilehal.__file__).resolve().parent):
         for p in sorted(root.rglob("*")):
             if p.suffix in (".py", ".cuh", ".h") and p.is_file():
                 st = p.stat()
