@@ -29,6 +29,7 @@ from ...ir.nodes import (
     Alloc,
     BinOp,
     Buffer,
+    Cast,
     Const,
     Copy,
     Expr,
@@ -124,6 +125,8 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
         self._rw: dict[int, tuple[frozenset[Buffer], frozenset[Buffer]]] = {}
         self._index_rw(kernel.body)
         self.all_stmts: list[Stmt] = list(walk_stmts(kernel.body))
+        self.ranges: dict[Var, tuple[int, int]] = {}
+        self._plan_ranges()
         self._plan_swizzle()
         self._plan_pipelines()
         self._plan_zero_init()
@@ -147,6 +150,67 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
             rw = (frozenset(r), frozenset(w))
         self._rw[id(s)] = rw
         return rw
+
+    def _plan_ranges(self) -> None:
+        """Value ranges of block indices (from the grid), loop variables (start and extent) and lets,
+        outer before inner: bounds checks that the ranges prove are left out (a full tile's copy at
+        a block's offset never passes the end of a tensor whose size the tile divides)."""
+        k = self.kernel
+        unknown: set[Var] = set()
+
+        def bind(v: Var, iv: tuple[int, int] | None) -> None:  # a variable bound twice gets the hull
+            if iv is None or v in unknown:
+                unknown.add(v)
+                self.ranges.pop(v, None)
+                return
+            old = self.ranges.get(v)
+            self.ranges[v] = iv if old is None else (min(old[0], iv[0]), max(old[1], iv[1]))
+
+        for v, g in zip(k.block_vars, k.grid):
+            iv = self.interval(g)
+            bind(v, (0, iv[1] - 1) if iv is not None and iv[1] >= 1 else None)
+        for let in self.lets:
+            bind(let.var, self.interval(let.value))
+        for s in self.all_stmts:
+            if isinstance(s, For):
+                st, ext = self.interval(s.start), self.interval(s.extent)
+                bind(s.var, (st[0], st[1] + ext[1] - 1) if st is not None and ext is not None and ext[1] >= 1
+                     else None)
+            elif isinstance(s, Let):
+                bind(s.var, self.interval(s.value))
+
+    def interval(self, e: Expr) -> tuple[int, int] | None:
+        """(lo, hi) of an integer expression over the known ranges, or None."""
+        if isinstance(e, Const):
+            if isinstance(e.value, bool) or not isinstance(e.value, int):
+                return None
+            return (int(e.value), int(e.value))
+        if isinstance(e, Var):
+            return self.ranges.get(e)
+        if isinstance(e, Cast) and not dt.is_float(e.dtype):
+            return self.interval(e.value)
+        if not isinstance(e, BinOp) or dt.is_float(e.dtype):
+            return None
+        a, b = self.interval(e.a), self.interval(e.b)
+        if a is None or b is None:
+            return None
+        op = e.op
+        if op == "+":
+            return (a[0] + b[0], a[1] + b[1])
+        if op == "-":
+            return (a[0] - b[1], a[1] - b[0])
+        if op == "*":
+            ps = [x * y for x in a for y in b]
+            return (min(ps), max(ps))
+        if op == "//" and b[0] == b[1] and b[0] > 0:
+            return (a[0] // b[0], a[1] // b[0])
+        if op == "%" and b[0] == b[1] and b[0] > 0:
+            return (a[0], a[1]) if 0 <= a[0] and a[1] < b[0] else (0, b[0] - 1)
+        if op == "max":
+            return (max(a[0], b[0]), max(a[1], b[1]))
+        if op == "min":
+            return (min(a[0], b[0]), min(a[1], b[1]))
+        return None
 
     def reads(self, s: Stmt) -> frozenset[Buffer]:
         rw = self._rw.get(id(s))
@@ -341,11 +405,12 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
         the interpreter and the C backend, instead of touching other memory."""
         conds = []
         for i, n in zip(idx, buf.shape):
-            if isinstance(i, Const) and isinstance(n, Const) and 0 <= int(i.value) < int(n.value):
+            iv = self.interval(i)
+            if iv is not None and isinstance(n, Const) and 0 <= iv[0] and iv[1] < int(n.value):
                 continue
             c = self.expr(i)
             conds.append(f"({c}) < {self.dim(n)}")
-            if not _nonneg(i):
+            if not _nonneg(i) and not (iv is not None and iv[0] >= 0):
                 conds.append(f"({c}) >= 0")
         return " && ".join(conds) if conds else None
 
@@ -665,11 +730,11 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
         conds = []
         for d, (i, n) in enumerate(zip(idx, r.buffer.shape)):
             st = r.starts[d]
-            if isinstance(st, Const) and isinstance(n, Const) and int(st.value) >= 0 and \
-                    int(st.value) + r.extents[d] <= int(n.value):
-                continue
+            iv = self.interval(st)
+            if iv is not None and isinstance(n, Const) and iv[0] >= 0 and iv[1] + r.extents[d] <= int(n.value):
+                continue  # every element of the tile is inside the tensor
             conds.append(f"({i}) < {self.dim(n)}")
-            if not _nonneg(st):
+            if not _nonneg(st) and not (iv is not None and iv[0] >= 0):
                 conds.append(f"({i}) >= 0")
         return " && ".join(conds) if conds else None
 
