@@ -31,7 +31,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 GEMM_SHAPES = [(8192, 8192, 8192), (4096, 7168, 2048), (4096, 2112, 7168), (4096, 24576, 1536)]
-GEMM_CONFIGS = [(128, 256, 32, 3, 256), (128, 128, 32, 4, 128), (128, 256, 64, 3, 256)]
+GEMM_CONFIGS = [(128, 256, 64, 3, 256), (128, 256, 64, 4, 256), (128, 128, 64, 4, 256)]  # ours (wgmma)
+MMA_GEMM_CONFIGS = [(128, 256, 64, 3, 256), (128, 128, 32, 4, 128)]  # ours_mma: the best two of 2026-12-01
 PUBLIC_GEMM_CONFIG = (128, 256, 64, 3, 256)  # the configuration measured in ../shared/GPU.md
 FA_SHAPE = (4, 32, 4096, 128)
 
@@ -92,7 +93,8 @@ def run_impl(impl: str, quick: bool) -> list[dict]:
     rows = []
     dtypes = ["float16", "bfloat16"]
     shapes = GEMM_SHAPES[:2] if quick else GEMM_SHAPES
-    configs = [PUBLIC_GEMM_CONFIG] if impl == "public" else (GEMM_CONFIGS[:1] if quick else GEMM_CONFIGS)
+    configs = [PUBLIC_GEMM_CONFIG] if impl == "public" else (MMA_GEMM_CONFIGS if impl == "ours_mma" else GEMM_CONFIGS)
+    configs = configs[:1] if quick else configs
     for dtype in dtypes:
         tdt = getattr(torch, dtype)
         for M, N, K in shapes:
@@ -298,11 +300,26 @@ def main() -> None:
         rows = run_impl("public", args.quick)
         Path(args.json).write_text(json.dumps(rows))
         return
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "timing": "CUDA graph of 10 calls, median of 5 replays"}
+
+    def save(rows: list[dict]) -> list[str]:  # after every stage: a run cut short keeps what it measured
+        table = summarize(rows)
+        if args.out:
+            outdir = Path(args.out)
+            outdir.mkdir(parents=True, exist_ok=True)
+            (outdir / "tilelang_cuda.json").write_text(json.dumps({"meta": meta, "rows": rows, "table": table},
+                                                                  indent=1))
+        return table
+
+    rows = run_peers(args.quick)
+    save(rows)
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TILESTACK_CACHE_DIR"] = cache  # cold compiles really are cold
-        rows = run_impl("ours", args.quick)
+        rows += run_impl("ours", args.quick)
+        save(rows)
         rows += run_impl("ours_mma", args.quick)
-    rows += run_peers(args.quick)
+        save(rows)
     if args.public:
         out = Path(tempfile.mkdtemp()) / "public.json"
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -313,16 +330,11 @@ def main() -> None:
             rows += json.loads(out.read_text())
         else:
             print(f"public TileLang run failed (rc {proc.returncode})", flush=True)
-    table = summarize(rows)
+    table = save(rows)
     print("\n".join(table))
     if args.out:
-        outdir = Path(args.out)
-        outdir.mkdir(parents=True, exist_ok=True)
-        meta = {"date": time.strftime("%Y-%m-%d"), "machine": torch.cuda.get_device_name(),
-                "torch": torch.__version__, "timing": "CUDA graph of 10 calls, median of 5 replays"}
-        (outdir / "tilelang_cuda.json").write_text(json.dumps({"meta": meta, "rows": rows, "table": table}, indent=1))
         try:
-            plot(rows, outdir / "tilelang_cuda.png")
+            plot(rows, Path(args.out) / "tilelang_cuda.png")
         except Exception as e:  # matplotlib may be missing on the GPU machine
             print(f"no plot: {e}")
 

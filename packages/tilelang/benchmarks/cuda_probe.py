@@ -116,6 +116,12 @@ def _warm_one(job: tuple) -> str:
 
             name, cfgs = args
             tilelang.compile(tc._gemm_program(*tc.GEMM_VARIANTS[name]), out_idx=[2], target="cuda", pass_configs=cfgs)
+        elif what == "public":
+            sys.path.insert(0, str(HERE.parent / "tests"))
+            import test_cuda as tc
+
+            fac, fargs, *_ = tc.GPU[args]
+            tc._compile(fac, fargs, "cuda")
         else:
             build(*args)
     except Exception as e:  # the real run reports it
@@ -131,6 +137,7 @@ def warm(jobs: int) -> None:
     import test_cuda as tc
 
     work = [("variant", (n, c)) for n in tc.GEMM_VARIANTS for c in (None, NO_WGMMA)]
+    work += [("public", n) for n in tc.GPU]
     for path in ("mma", "wgmma"):
         work += [("probe", ("gemm", path, False, dt, sh, cfg)) for dt, sh, cfg in GEMM_CASES]
         work += [("probe", ("fa", path, c)) for c in (False, True)]
@@ -140,6 +147,25 @@ def warm(jobs: int) -> None:
             if "Error" in line:
                 print(line, flush=True)
     print(f"warm: {len(work)} kernels in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+def sass(names: list[str], out: str) -> None:
+    """Opcode histogram of each kernel's SASS (cuobjdump on the cubin); the full listing goes to `out`."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    for name in names:
+        kind, path = name.replace("gemm16", "gemm").split("_")
+        k, _ = build(kind, path)
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k._impl.module.cubin)
+        text = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+        Path(out, f"{name}.sass").write_text(text)
+        ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text))
+        print(f"{name}: {sum(ops.values())} SASS instructions; top: " +
+              ", ".join(f"{o} {n}" for o, n in ops.most_common(16)), flush=True)
 
 
 def ncu_target(names: list[str]) -> None:
@@ -157,7 +183,8 @@ def ncu_target(names: list[str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["check", "ncu", "warm"])
+    ap.add_argument("mode", choices=["check", "ncu", "warm", "sass"])
+    ap.add_argument("--out", default=".")
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("kernels", nargs="*")
     ap.add_argument("--only", choices=["gemm", "fa"])
@@ -167,6 +194,8 @@ def main() -> None:
         sys.exit(check(args.only, args.json))
     if args.mode == "warm":
         return warm(args.jobs)
+    if args.mode == "sass":
+        return sass(args.kernels, args.out)
     ncu_target(args.kernels)
 
 

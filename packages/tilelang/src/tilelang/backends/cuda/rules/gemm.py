@@ -10,7 +10,7 @@ import numpy as np
 from ....errors import CompileError
 from ....ir import dtypes as dt
 from ....ir.layout import Axis, Fragment
-from ....ir.nodes import Alloc, Buffer, Gemm, Region
+from ....ir.nodes import Alloc, Buffer, Copy, Gemm, Region
 from ..common import _LOW, _MMA_TAG, esize, log, value_type
 from ..infer import GemmPlan
 
@@ -44,12 +44,25 @@ class GemmRules:
                     self.swizzled[b] = (1, 3, lv, 0)
                 elif row_bytes == 32:
                     self.swizzled[b] = (2, 1, lv, 0)
+        # a shared tile a fragment in the mma / wgmma accumulator layout is copied to or from: eight rows
+        # of one column group per access, which without the swizzle hit one bank (e.g. an epilogue's
+        # staging tile)
+        mma_frags = {b for b, f in self.inf.layouts.items() if any(a.kind == "t" and a.tstride == 4 and a.extent == 8
+                                                                  for a in f.dims[0])} if self.inf.layouts else set()
+        staged = set()
+        for s in self.all_stmts:
+            if isinstance(s, Copy) and {s.src.buffer.scope, s.dst.buffer.scope} == {"fragment", "shared"}:
+                fr, sh = (s.src.buffer, s.dst.buffer) if s.src.buffer.scope == "fragment" else (s.dst.buffer,
+                                                                                                  s.src.buffer)
+                if fr in mma_frags and sh.ndim == 2 and sh not in self.swizzled and sh.static_shape() is not None:
+                    staged.add(sh)
         # T.annotate_layout({buf: make_swizzled_layout(buf)}) on other shared buffers: the same swizzle
         for s in self.all_stmts:
-            if not isinstance(s, Alloc) or s.buffer.layout is None or s.buffer in self.swizzled:
+            if not isinstance(s, Alloc) or s.buffer in self.swizzled or (s.buffer.layout is None and
+                                                                         s.buffer not in staged):
                 continue
             b = s.buffer
-            kind = getattr(b.layout, "kind", None)
+            kind = "swizzled" if b in staged else getattr(b.layout, "kind", None)
             if b.scope != "shared" or kind != "swizzled" or b.ndim != 2 or b.static_shape() is None:
                 log.debug("%s: layout annotation %r of %s (%s) has no effect on cuda", s.loc, b.layout, b.name,
                           b.scope)
@@ -62,8 +75,8 @@ class GemmRules:
                           b.name, row_bytes)
                 continue
             self.swizzled[b] = swz
-            log.debug("%s: %s swizzled as annotated (16-byte chunk ^ row pattern of %d-byte rows)", s.loc, b.name,
-                      min(row_bytes, 128))
+            log.debug("%s: %s swizzled (%s; 16-byte chunk ^ row pattern of %d-byte rows)", s.loc, b.name,
+                      "a fragment's staging tile" if b in staged else "as annotated", min(row_bytes, 128))
 
     def gemm(self, s: Gemm) -> None:
         plan = self.inf.gemms[id(s)]
