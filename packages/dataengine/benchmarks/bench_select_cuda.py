@@ -8,8 +8,11 @@ Shapes from issue 15: b8, GQA 32/8, head_dim 128, bf16, 16-token blocks; selecti
   step         select_blocks + paged_decode(block_indices=...) vs dense paged_decode, context
                8K..128K (one pool of 128K tokens per sequence, blocks interleaved; shorter
                contexts use the first blocks), eager and CUDA graph.
-Floor: the selection reads the summaries, 2 * kv_heads * head_dim * 2 B per block per sequence
-(268 MB at b8 x 128K) = 1/16 of what dense decode reads (K and V); the JSON gives both.
+Summaries: bf16 (kvpool's default) and fp8 e4m3 rounded outward (KVPool(summary_dtype=
+torch.float8_e4m3fn)), each timed end to end and split into its two launches (score kernel on CUDA
+cores and on tensor cores; top-k plain and staged).
+Floor: the selection reads the summaries, 2 * kv_heads * head_dim * 2 B (bf16) or 1 B (fp8) per
+block per sequence (268 / 134 MB at b8 x 128K) = 1/16 / 1/32 of what dense decode reads (K and V).
 Writes docs/benchmarks/dataengine_select_cuda_kernels.{json,png}.
 """
 
@@ -64,76 +67,104 @@ def us(x):
     return round(x * 1e6, 2) if isinstance(x, float) else x
 
 
+def fp8_summaries(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What KVPool(summary_dtype=torch.float8_e4m3fn) keeps for the same keys: outward-rounded codes."""
+    from kvpool.storage import FP8_DTYPE, fp8_round_outward
+
+    lo = torch.empty(kmin.shape, dtype=FP8_DTYPE, device=kmin.device)
+    hi = torch.empty_like(lo)
+    for s in range(0, kmin.shape[0], 8192):
+        lo[s:s + 8192] = fp8_round_outward(kmin[s:s + 8192], up=False).view(FP8_DTYPE)
+        hi[s:s + 8192] = fp8_round_outward(kmax[s:s + 8192], up=True).view(FP8_DTYPE)
+    return lo, hi
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_select_cuda needs a CUDA GPU")
+    contexts = [int(x) for x in os.environ.get("BENCH_CONTEXTS", "8192,16384,32768,65536,131072").split(",")]
     pool = build_pool()
     ids = list(range(B))
     bt_full = pool.block_table(ids)
     kmin, kmax = pool.key_summary(0)
+    summaries = {"bf16": (kmin, kmax), "fp8": fp8_summaries(kmin, kmax)}
     q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
     rows = []
     sel_row = None
-    for ctx in (8192, 16384, 32768, 65536, 131072):
+    for ctx in contexts:
         nb = ctx // BS
         bt = bt_full[:, :nb].contiguous()
         sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
 
-        def sel(bt=bt, sl=sl):
-            return select.select_blocks(q, kmin, kmax, bt, sl, TOP, 1, 1, block_size=BS)
-
-        def step(bt=bt, sl=sl):
-            return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=sel(bt, sl))
-
         def dense(bt=bt, sl=sl):
             return kvpool.paged_decode(q, pool, 0, bt, sl)
 
-        idx = sel()
-        ref = select.select_blocks_reference(q, kmin, kmax, bt, sl, TOP, 1, 1, block_size=BS)
-        same = bool(torch.equal(idx, ref))
-        mismatch_rows = int((idx != ref).any(-1).sum())
-        out_sparse = step()
-        out_ref = kvpool.paged_decode_reference(q[:1], pool, 0, bt[:1], sl[:1], block_indices=idx[:1])
-        t_sel, t_step, t_dense = bench(sel), bench(step), bench(dense)
-        g_sel, g_step, g_dense = bench_graph(sel), bench_graph(step), bench_graph(dense)
-        summary_bytes = 2 * B * nb * H * D * 2
+        t_dense, g_dense = bench(dense), bench_graph(dense)
         kv_bytes = 2 * B * ctx * H * D * 2
-        row = {"context": ctx, "blocks": nb, "select_us": us(t_sel), "select_graph_us": us(g_sel),
-               "sparse_step_us": us(t_step), "sparse_step_graph_us": us(g_step),
-               "dense_decode_us": us(t_dense), "dense_decode_graph_us": us(g_dense),
-               "step_speedup": round(t_dense / t_step, 2),
-               "step_speedup_graph": round(g_dense / g_step, 2) if isinstance(g_step, float) and isinstance(g_dense, float) else None,
-               "select_summary_GBps": round(summary_bytes / t_sel / 1e9), "summary_bytes": summary_bytes,
-               "dense_kv_bytes": kv_bytes, "floor_speedup_at_dense_bandwidth": round(kv_bytes / summary_bytes, 1),
-               "gpu_equals_reference": same, "mismatching_rows": mismatch_rows,
-               "sparse_calc_diff_vs_reference": tilehal.calc_diff(out_sparse[:1], out_ref)}
-        cuda_select.compile_topk()  # the opt-in top-k variant, same shapes
-        try:
-            os.environ["DATAENGINE_TOPK_KERNEL"] = "staged"
-            staged_ok = bool(torch.equal(sel(), ref))
-            row["select_staged_topk_us"] = us(bench(sel))
-            row["select_staged_topk_equals_reference"] = staged_ok
-        except Exception as e:  # reported, not hidden
-            row["select_staged_topk_error"] = f"{type(e).__name__}: {e}"[:300]
-        finally:
-            os.environ.pop("DATAENGINE_TOPK_KERNEL", None)
-        if ctx == CTX_MAX:
-            t_ref = tilehal.bench(lambda bt=bt, sl=sl: select.select_blocks_reference(q, kmin, kmax, bt, sl, TOP, 1, 1,
+        row = {"context": ctx, "blocks": nb, "dense_decode_us": us(t_dense), "dense_decode_graph_us": us(g_dense),
+               "dense_kv_bytes": kv_bytes}
+        for name, (lo, hi) in summaries.items():
+            def sel(bt=bt, sl=sl, lo=lo, hi=hi):
+                return select.select_blocks(q, lo, hi, bt, sl, TOP, 1, 1, block_size=BS)
+
+            def step(bt=bt, sl=sl, sel=sel):
+                return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=sel(bt, sl))
+
+            idx = sel()
+            ref = select.select_blocks_reference(q, lo, hi, bt, sl, TOP, 1, 1, block_size=BS)
+
+            def sparse_only(bt=bt, sl=sl, idx=idx):
+                return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=idx)
+
+            out_sparse = step()
+            out_ref = kvpool.paged_decode_reference(q[:1], pool, 0, bt[:1], sl[:1], block_indices=idx[:1])
+            t_sel, t_step = bench(sel), bench(step)
+            g_sel, g_step = bench_graph(sel), bench_graph(step)
+            sbytes = 2 * B * nb * H * D * lo.element_size()
+            r = {"select_us": us(t_sel), "select_graph_us": us(g_sel),
+                 "sparse_step_us": us(t_step), "sparse_step_graph_us": us(g_step),
+                 "sparse_decode_only_us": us(bench(sparse_only)),
+                 "step_speedup": round(t_dense / t_step, 2),
+                 "step_speedup_graph": round(g_dense / g_step, 2) if isinstance(g_step, float) and isinstance(g_dense, float) else None,
+                 "summary_bytes": sbytes, "select_summary_GBps": round(sbytes / t_sel / 1e9),
+                 "floor_speedup_at_dense_bandwidth": round(kv_bytes / sbytes, 1),
+                 "gpu_equals_reference": bool(torch.equal(idx, ref)), "mismatching_rows": int((idx != ref).any(-1).sum()),
+                 "sparse_calc_diff_vs_reference": tilehal.calc_diff(out_sparse[:1], out_ref)}
+            # the two launches apart: score kernel (each variant) and top-k
+            raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max")
+            for variant in ("simt", "mma"):
+                if variant == "mma" and cuda_select.mma_reason(q, lo) is not None:
+                    continue
+                t = bench(lambda bt=bt, lo=lo, hi=hi, v=variant: cuda_select.quest_raw_scores(q, lo, hi, bt, "max", v))
+                r[f"score_{variant}_us"] = us(t)
+                r[f"score_{variant}_GBps"] = round(sbytes / t / 1e9)
+                other = cuda_select.quest_raw_scores(q, lo, hi, bt, "max", variant)
+                fin = torch.isfinite(raw)
+                r[f"score_{variant}_max_rel_diff_vs_default"] = float(
+                    ((other[fin] - raw[fin]).abs() / (1 + raw[fin].abs())).max()) if bool(fin.any()) else 0.0
+            for tv in ("plain", "staged"):
+                r[f"topk_{tv}_us"] = us(bench(lambda raw=raw, sl=sl, tv=tv: cuda_select.topk_rows(
+                    raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant=tv)))
+            if ctx == max(contexts) and name == "bf16":
+                r["select_torch_reference_us"] = us(tilehal.bench(
+                    lambda bt=bt, sl=sl, lo=lo, hi=hi: select.select_blocks_reference(q, lo, hi, bt, sl, TOP, 1, 1,
                                                                                       block_size=BS),
-                                  warmup=2, iters=5).median_s
-            row["select_torch_reference_us"] = us(t_ref)
+                    warmup=2, iters=5).median_s)
+            row[name] = r
+        if ctx == max(contexts):
             sel_row = row
         rows.append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
-    result = {"benchmark": "dataengine GPU selection + kvpool sparse decode step",
+    result = {"benchmark": "dataengine GPU selection + kvpool sparse decode step, bf16 and fp8 key summaries",
               "config": {"batch": B, "q_heads": HQ, "kv_heads": H, "head_dim": D, "block_size": BS, "top_k": TOP,
-                         "sink": 1, "local": 1, "dtype": "bfloat16",
+                         "sink": 1, "local": 1, "dtype": "bfloat16", "summaries": list(summaries),
                          "timer": "tilehal.bench: CUDA events, median of 30 after 5 warm-up, L2 flushed"},
               "targets": {"select_us_at_128K": 25, "step_speedup_at_128K": 20},
               "at_128K": sel_row, "curve": rows}
     path = write_json("select_cuda_kernels", result)
-    plot(json.loads(path.read_text()))
+    if path is not None:
+        plot(json.loads(path.read_text()))
 
 
 def plot(result: dict) -> None:
@@ -148,21 +179,22 @@ def plot(result: dict) -> None:
     rows = result["curve"]
     x = [r["context"] // 1024 for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, label in (("dense_decode_us", "dense paged decode"), ("sparse_step_us", "select + sparse decode"),
-                       ("select_us", "select_blocks (GPU)")):
-        a1.plot(x, [r[key] for r in rows], marker="o", label=label)
+    a1.plot(x, [r["dense_decode_us"] for r in rows], marker="o", label="dense paged decode")
+    for name in result["config"].get("summaries", ["bf16"]):
+        a1.plot(x, [r[name]["sparse_step_us"] for r in rows], marker="o", label=f"select + sparse decode ({name} summaries)")
+        a1.plot(x, [r[name]["select_us"] for r in rows], marker=".", ls=":", label=f"select_blocks ({name} summaries)")
+        a2.plot(x, [r[name]["step_speedup"] for r in rows], marker="o", label=f"{name} summaries, eager GPU time")
+        a2.plot(x, [r[name]["step_speedup_graph"] or 0 for r in rows], marker="s", label=f"{name} summaries, CUDA graph")
     a1.set_xscale("log", base=2)
     a1.set_yscale("log")
     a1.set_xlabel("context (K tokens)")
     a1.set_ylabel("GPU time per step (us)")
-    a1.legend(fontsize=8)
-    a2.plot(x, [r["step_speedup"] for r in rows], marker="o", label="eager GPU time")
-    a2.plot(x, [r["step_speedup_graph"] or 0 for r in rows], marker="s", label="CUDA graph")
-    a2.plot(x, [r["floor_speedup_at_dense_bandwidth"] for r in rows], ls="--", label="bound: KV bytes / summary bytes")
+    a1.legend(fontsize=7)
+    a2.axhline(result["targets"]["step_speedup_at_128K"], ls="--", color="gray", label="target at 128K")
     a2.set_xscale("log", base=2)
     a2.set_xlabel("context (K tokens)")
     a2.set_ylabel("dense / sparse step")
-    a2.legend(fontsize=8)
+    a2.legend(fontsize=7)
     fig.suptitle(f"b{B}, GQA 32/8, d128, top {TOP} blocks, {result['machine'].get('gpu', '')}")
     fig.tight_layout()
     fig.savefig(out_dir() / "dataengine_select_cuda_kernels.png", dpi=120)

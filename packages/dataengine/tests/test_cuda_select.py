@@ -219,3 +219,86 @@ def test_out_of_range_ids_score_minus_inf_without_validation():
     assert bool(torch.isneginf(sc[2, :, 0]).all())
     with pytest.raises(ValueError, match="block_table: expected physical ids < num_blocks"):
         select.select_blocks(q, kmin, kmax, bad, lens, 4, validate=True)
+
+
+# ----------------------------------------------------------------------------- fp8 summaries, tensor cores
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
+@pytest.mark.parametrize("s_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (128, 8), (64, 2)])
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+def test_mma_and_fp8_score_kernels_compile(s_dtype, head_dim, group, reduce):
+    m = cuda_select.compile_score(torch.bfloat16, s_dtype, head_dim, group, reduce, variant="mma")
+    assert cuda_select.score_kernel_name(torch.bfloat16, s_dtype, head_dim, group, reduce, "mma") in m.lowered_names
+    if s_dtype == FP8:
+        m = cuda_select.compile_score(torch.float32, FP8, head_dim, group, reduce)
+        assert cuda_select.score_kernel_name(torch.float32, FP8, head_dim, group, reduce) in m.lowered_names
+
+
+def test_score_variant_env_and_reasons(monkeypatch):
+    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "tensor")
+    with pytest.raises(ValueError, match="DATAENGINE_SCORE_KERNEL"):
+        cuda_select.score_variant()
+    monkeypatch.delenv("DATAENGINE_SCORE_KERNEL")
+    assert cuda_select.score_variant() == "auto"
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    assert cuda_select.mma_reason(q, torch.zeros(4, 8, 128, dtype=FP8)) is None
+    assert "bf16" in cuda_select.mma_reason(q.float(), torch.zeros(4, 8, 128, dtype=FP8))
+    assert "head_dim" in cuda_select.mma_reason(q[..., :64].repeat(1, 1, 4), torch.zeros(4, 8, 256, dtype=FP8))
+    assert "q heads" in cuda_select.mma_reason(q, torch.zeros(4, 2, 128, dtype=torch.bfloat16))
+
+
+def _to_fp8_summaries(kmin: torch.Tensor, kmax: torch.Tensor):
+    """Exact e4m3 codes of integer-valued summaries (|x| <= 448), unwritten rows as the open ends."""
+    out = []
+    for t, dead, code in ((kmin, torch.isposinf(kmin), 0x7F), (kmax, torch.isneginf(kmax), 0xFF)):
+        c = t.float().cpu().masked_fill(dead.cpu(), 0.0).to(FP8).view(torch.uint8)
+        c[dead.cpu()] = code
+        out.append(c.view(FP8).to(t.device))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["simt", "mma"])
+@pytest.mark.parametrize("sdtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (64, 8, 8), (128, 16, 2), (64, 12, 2)])
+@pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
+def test_select_exact_fp8_and_mma(variant, sdtype, D, Hq, Hkv, reduce, monkeypatch):
+    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", variant)
+    for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (500, 1, 1)]):
+        q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, dtype=torch.bfloat16,
+                                              sdtype=torch.float32, holes=seed % 2 == 1, unwritten=0.05)
+        if sdtype == FP8:
+            kmin, kmax = _to_fp8_summaries(kmin, kmax)
+            big = torch.rand(kmax.shape[0], device="cuda") < 0.02  # some blocks with a key above 448
+            kmax.view(torch.uint8)[big, :, 0] = 0x7F
+        else:
+            kmin, kmax = kmin.to(sdtype), kmax.to(sdtype)
+        args = (q, kmin, kmax, table, lens)
+        got = select.select_blocks(*args, top_k, sink, local, reduce=reduce)
+        want = select.select_blocks_reference(*_cpu(*args), top_k, sink, local, reduce=reduce)
+        assert torch.equal(got.cpu(), want), (seed, top_k, sink, local)
+        sc = select.quest_scores(*args, reduce=reduce)
+        assert torch.equal(sc.cpu(), select.quest_scores_reference(*_cpu(*args), reduce=reduce))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sdtype", [torch.bfloat16, FP8])
+def test_mma_gaussian_scores_within_rounding(sdtype, monkeypatch):
+    args = list(_problem(0, integer=False, max_blocks=2048, num_blocks=8192, dtype=torch.bfloat16,
+                         sdtype=torch.float32))
+    if sdtype == FP8:
+        # outward rounding is the writer's job; here: nearest, then the bounds are what they are
+        args[1] = args[1].to(FP8)
+        args[2] = args[2].to(FP8)
+    else:
+        args[1], args[2] = args[1].to(sdtype), args[2].to(sdtype)
+    ref = select.quest_scores_reference(*_cpu(*args))
+    for variant in ("simt", "mma"):
+        monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", variant)
+        got = select.quest_scores(*args).cpu()
+        fin = torch.isfinite(ref)
+        assert torch.equal(fin, torch.isfinite(got)), variant
+        torch.testing.assert_close(got[fin], ref[fin], rtol=1e-5, atol=1e-3)

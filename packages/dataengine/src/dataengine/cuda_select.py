@@ -20,30 +20,63 @@ log = logging.getLogger("dataengine.cuda_select")
 KERNEL_DIR = Path(__file__).with_name("kernels")
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # q heads per kv head held in registers by the score kernel
+SCORE_CHUNK = 256  # kScoreChunk: table positions per score CTA
 SCORE_THREADS, TOPK_THREADS = 256, 512  # kScoreThreads, kTopkThreads (static_asserted at every compile)
 # The host's copies of the kernels' launch constants, held to the kernels' at compile time.
 _CHECKS = (f'static_assert(dataengine::kScoreThreads == {SCORE_THREADS}, "dataengine.cuda_select.SCORE_THREADS");\n'
-           f'static_assert(dataengine::kTopkThreads == {TOPK_THREADS}, "dataengine.cuda_select.TOPK_THREADS");\n')
+           f'static_assert(dataengine::kTopkThreads == {TOPK_THREADS}, "dataengine.cuda_select.TOPK_THREADS");\n'
+           f'static_assert(dataengine::kScoreChunk == {SCORE_CHUNK}, "dataengine.cuda_select.SCORE_CHUNK");\n')
 TOPK_STAGE_BYTES = 160 * 1024  # the staged top-k keeps rows of up to 40960 keys in shared memory
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half", torch.float32: "float"}
+FP8 = torch.float8_e4m3fn
+_S_CTYPES = {**_CTYPES, FP8: "__nv_fp8_e4m3"}  # summaries may also be fp8 (rounded outward by their writer)
+SCORE_KERNELS = ("auto", "simt", "mma")
+MMA_HEAD_DIMS = (64, 128)
+MMA_MAX_GROUP = 8
 _REDUCE = {"max": 0, "sum": 1, "mean": 2}
 TOPK_KERNELS = {"plain": "dataengine::topk_select_kernel<false>", "staged": "dataengine::topk_select_kernel<true>"}
 TOPK_KERNEL = TOPK_KERNELS["plain"]
 
 
-def score_kernel_name(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, group: int, reduce: str) -> str:
-    return (f"dataengine::quest_score_kernel<{_CTYPES[q_dtype]}, {_CTYPES[s_dtype]}, {head_dim}, {group}, "
+def score_kernel_name(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, group: int, reduce: str,
+                      variant: str = "simt") -> str:
+    if variant == "mma":
+        return f"dataengine::quest_score_mma_kernel<{_S_CTYPES[s_dtype]}, {head_dim}, {group}, {_REDUCE[reduce]}>"
+    return (f"dataengine::quest_score_kernel<{_CTYPES[q_dtype]}, {_S_CTYPES[s_dtype]}, {head_dim}, {group}, "
             f"{_REDUCE[reduce]}>")
 
 
 @functools.cache
 def compile_score(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, group: int, reduce: str,
-                  arch: str = "sm_90a") -> tilehal.CudaModule:
-    """The Quest score kernel for one (q dtype, summary dtype, head_dim, group, reduce)."""
+                  arch: str = "sm_90a", variant: str = "simt") -> tilehal.CudaModule:
+    """The Quest score kernel for one (q dtype, summary dtype, head_dim, group, reduce, variant)."""
     # No --use_fast_math: bounds must follow IEEE (no flush of subnormals) to match the reference.
-    return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS, arch=arch, name=f"quest_score_{head_dim}_{group}",
-                                include_dirs=[str(KERNEL_DIR)],
-                                name_expressions=[score_kernel_name(q_dtype, s_dtype, head_dim, group, reduce)])
+    return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS, arch=arch,
+                                name=f"quest_score_{variant}_{head_dim}_{group}", include_dirs=[str(KERNEL_DIR)],
+                                name_expressions=[score_kernel_name(q_dtype, s_dtype, head_dim, group, reduce,
+                                                                    variant)])
+
+
+def score_variant() -> str:
+    """DATAENGINE_SCORE_KERNEL: "auto" (default: tensor cores where `mma_reason` allows), "simt"
+    (CUDA cores always) or "mma" (tensor cores; an unsupported call is an error, not a fallback)."""
+    v = os.environ.get("DATAENGINE_SCORE_KERNEL") or "auto"
+    if v not in SCORE_KERNELS:
+        raise ValueError(f"DATAENGINE_SCORE_KERNEL: expected one of {list(SCORE_KERNELS)}, got {v!r}")
+    return v
+
+
+def mma_reason(q: torch.Tensor, kmin: torch.Tensor) -> str | None:
+    """Why the tensor-core score kernel cannot serve this call (None: it can)."""
+    if q.dtype != torch.bfloat16:
+        return f"q dtype {q.dtype} (mma kernel: bf16)"
+    if kmin.dtype not in (torch.bfloat16, FP8):
+        return f"summary dtype {kmin.dtype} (mma kernel: bf16 or float8_e4m3fn)"
+    if q.shape[-1] not in MMA_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} (mma kernel: {MMA_HEAD_DIMS})"
+    if q.shape[1] // kmin.shape[1] > MMA_MAX_GROUP:
+        return f"{q.shape[1] // kmin.shape[1]} q heads per kv head (mma kernel: <= {MMA_MAX_GROUP})"
+    return None
 
 
 @functools.cache
@@ -65,8 +98,8 @@ def unsupported_reason(q: torch.Tensor, kmin: torch.Tensor) -> str | None:
     """Why the CUDA score kernel cannot serve this call (None: it can)."""
     if q.device.type != "cuda":
         return f"q on {q.device}"
-    if q.dtype not in _CTYPES or kmin.dtype not in _CTYPES:
-        return f"dtypes q={q.dtype} summaries={kmin.dtype} (kernel: bf16/fp16/fp32)"
+    if q.dtype not in _CTYPES or kmin.dtype not in _S_CTYPES:
+        return f"dtypes q={q.dtype} summaries={kmin.dtype} (kernel: q bf16/fp16/fp32, summaries also fp8 e4m3)"
     D = q.shape[-1]
     if D not in HEAD_DIMS:
         return f"head_dim {D} (kernel: {HEAD_DIMS})"
@@ -83,12 +116,25 @@ def _aligned(*ts: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in ts)
 
 
+def _pick_variant(q: torch.Tensor, kmin: torch.Tensor, variant: str | None) -> str:
+    variant = score_variant() if variant is None else variant
+    if variant == "simt":
+        return "simt"
+    reason = mma_reason(q, kmin)
+    if reason is None:
+        return "mma"
+    if variant == "mma":
+        raise ValueError(f"DATAENGINE_SCORE_KERNEL=mma: the tensor-core kernel cannot serve this call ({reason})")
+    log.debug("quest scores: CUDA-core kernel (%s)", reason)
+    return "simt"
+
+
 def _i32(t: torch.Tensor) -> torch.Tensor:
     return (t if t.dtype == torch.int32 else t.to(torch.int32)).contiguous()
 
 
 def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor,
-                     reduce: str) -> torch.Tensor:
+                     reduce: str, variant: str | None = None) -> torch.Tensor:
     """float32 [B, kv_heads, max_blocks]: the reduced Quest bound of every table position (holes
     read block 0 as in the reference; ids >= num_blocks give -inf). No sequence-length masking."""
     B, Hq, D = q.shape
@@ -99,14 +145,18 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     raw = torch.empty((B, H, nb), dtype=torch.float32, device=q.device)
     if B == 0 or nb == 0:
         return raw
-    kern = compile_score(q.dtype, kmin.dtype, D, group, reduce).get_kernel(
-        score_kernel_name(q.dtype, kmin.dtype, D, group, reduce))
-    chunks = max(1, min(-(-nb // 256), 1024))
+    variant = _pick_variant(q, kmin, variant)
+    kern = compile_score(q.dtype, kmin.dtype, D, group, reduce, variant=variant).get_kernel(
+        score_kernel_name(q.dtype, kmin.dtype, D, group, reduce, variant))
+    chunks = -(-nb // SCORE_CHUNK)
     kmin, kmax = kmin.contiguous(), kmax.contiguous()
     if not _aligned(kmin, kmax):  # a copy, said out loud, rather than a misaligned load
         log.debug("quest scores: summaries not 16-byte aligned; copying them")
         kmin, kmax = kmin.clone(), kmax.clone()
-    kern.launch((chunks, H, B), SCORE_THREADS, [q.contiguous(), kmin, kmax, table, nb, kmin.shape[0], raw])
+    q = q.contiguous()
+    if q.data_ptr() % 4:  # the mma kernel reads q as 32-bit words
+        q = q.clone()
+    kern.launch((chunks, H, B), SCORE_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], raw])
     return raw
 
 

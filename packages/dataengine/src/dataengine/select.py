@@ -19,7 +19,14 @@ are fetched once for the whole group.
 Tie rule (GPU kernel and reference alike): forced blocks (sink/local) first, by position among
 themselves, then higher score, then lower position; -0 equals +0. Only forced blocks and blocks scoring above -inf are returned.
 
-On CUDA tensors of bf16/fp16/fp32 with head_dim 64/128/256, `select_blocks`, `quest_scores` and
+Summaries may be fp8 (torch.float8_e4m3fn; kvpool's `summary_dtype`): half the bytes of bf16,
+so half the selection's memory traffic. Their writer rounds outward (kmin down, kmax up), so the
+bound stays an upper bound of every key; the two NaN codes are the open ends: in kmax 0x7F means
+"a key above 448" (read as 2^100, so the block stays a candidate) and 0xFF "nothing written"
+(-inf); in kmin 0xFF means "a key below -448" (-2^100) and 0x7F "nothing written" (+inf). The
+reference and the kernels decode them the same way (`decode_fp8_summary`).
+
+On CUDA tensors of bf16/fp16/fp32 (summaries also fp8) with head_dim 64/128/256, `select_blocks`, `quest_scores` and
 `topk_blocks` run the kernels of cuda_select.py (kernels/select.cuh): two launches, no host
 synchronization, CUDA-graph capturable. Checks that would need the tensors' values on the host
 (block ids < num_blocks, NaN scores) are skipped there unless `validate=True`: the kernels never
@@ -92,6 +99,40 @@ def _valid_mask(block_table, seq_lens, block_size, nb, device) -> torch.Tensor:
     return torch.arange(nb, device=device)[None, :] < n_valid[:, None]
 
 
+FP8_SUMMARY = torch.float8_e4m3fn
+UNBOUNDED = 2.0 ** 100  # an fp8 summary's open end, as a finite stand-in
+
+
+def _fp8_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_SUMMARY).float()
+    vmax, vmin = v.clone(), v.clone()
+    vmax[0x7F], vmax[0xFF] = UNBOUNDED, float("-inf")
+    vmin[0xFF], vmin[0x7F] = -UNBOUNDED, float("inf")
+    return vmin, vmax
+
+
+_FP8_TABLES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def decode_fp8_summary(t: torch.Tensor, role: Literal["min", "max"]) -> torch.Tensor:
+    """float32 values of fp8 (e4m3) summary codes (uint8 or float8_e4m3fn), by role: the NaN
+    codes are the open ends (module docstring)."""
+    key = str(t.device)
+    if key not in _FP8_TABLES:
+        _FP8_TABLES[key] = tuple(x.to(t.device) for x in _fp8_tables())
+    lut = _FP8_TABLES[key][1 if role == "max" else 0]
+    codes = t.view(torch.uint8) if t.dtype == FP8_SUMMARY else t
+    return lut[codes.long()]
+
+
+def _gather_summary(t: torch.Tensor, flat: torch.Tensor, role: Literal["min", "max"]) -> torch.Tensor:
+    """Rows `flat` of a summary [num_blocks, H, D] as float32 [len(flat), H * D]."""
+    rows = t.reshape(t.shape[0], -1)
+    if t.dtype == FP8_SUMMARY:
+        return decode_fp8_summary(rows.view(torch.uint8).index_select(0, flat), role)
+    return rows.index_select(0, flat).float()
+
+
 def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, block_size: int | None = None, reduce: Reduce = "max",
                  validate: bool | None = None) -> torch.Tensor:
@@ -129,8 +170,8 @@ def quest_scores_reference(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tens
     phys = block_table.long().clamp(min=0)
     # Gather only the blocks each sequence owns, laid out [B, kv_heads, D, max_blocks] for a matmul.
     flat = phys.reshape(-1)
-    kmx = kmax.reshape(kmax.shape[0], -1).index_select(0, flat).reshape(B, -1, Hkv, D).float().permute(0, 2, 3, 1)
-    kmn = kmin.reshape(kmin.shape[0], -1).index_select(0, flat).reshape(B, -1, Hkv, D).float().permute(0, 2, 3, 1)
+    kmx = _gather_summary(kmax, flat, "max").reshape(B, -1, Hkv, D).permute(0, 2, 3, 1)
+    kmn = _gather_summary(kmin, flat, "min").reshape(B, -1, Hkv, D).permute(0, 2, 3, 1)
     qg = q.float().reshape(B, Hkv, group, D)
     # max(q*kmax, q*kmin) per channel = q+ * kmax + q- * kmin, summed over channels: two matmuls.
     bound = torch.matmul(qg.clamp(min=0), kmx) + torch.matmul(qg.clamp(max=0), kmn)  # [B, kv_heads, group, blocks]
@@ -158,6 +199,8 @@ def _check_inputs(q, kmin, kmax, block_table, seq_lens, check_ids: bool = True) 
             raise ShapeError(f"{name}: expected [num_blocks, kv_heads, {D}], got {getattr(t, 'shape', type(t).__name__)}")
     if kmin.shape != kmax.shape:
         raise ShapeError(f"kmax: expected shape {tuple(kmin.shape)} (same as kmin), got {tuple(kmax.shape)}")
+    if kmax.dtype != kmin.dtype:
+        raise ShapeError(f"kmax: expected dtype {kmin.dtype} (same as kmin), got {kmax.dtype}")
     Hkv = kmin.shape[1]
     if Hq % Hkv:
         raise ShapeError(f"q: expected q_heads divisible by kv_heads ({Hkv}), got {Hq}")

@@ -16,13 +16,13 @@ _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half", torch.float
 POOL_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def kernel_name(in_dtype: torch.dtype, pool_dtype: torch.dtype) -> str:
-    return f"kvpool::kv_write_kernel<{_CTYPES[in_dtype]}, {_CTYPES[pool_dtype]}>"
+def kernel_name(in_dtype: torch.dtype, pool_dtype: torch.dtype, fp8_summaries: bool = False) -> str:
+    return f"kvpool::kv_write_kernel<{_CTYPES[in_dtype]}, {_CTYPES[pool_dtype]}, {str(fp8_summaries).lower()}>"
 
 
 @functools.cache
 def compile_write(arch: str = "sm_90a") -> tilehal.CudaModule:
-    names = [kernel_name(i, p) for i in _CTYPES for p in POOL_DTYPES]
+    names = [kernel_name(i, p, f) for i in _CTYPES for p in POOL_DTYPES for f in (False, True)]
     return tilehal.compile_cuda('#include "kv_write.cuh"\n', arch=arch, name="kv_write",
                                 include_dirs=[str(KERNEL_DIR)], name_expressions=names)
 
@@ -38,6 +38,8 @@ def unsupported_reason(storage, k: torch.Tensor) -> str | None:
         return f"input dtype {k.dtype} (kernel: fp32/bf16/fp16)"
     if storage.head_dim % 2:
         return f"odd head_dim {storage.head_dim}"
+    if storage.fp8_summaries and (storage.num_blocks * storage.num_kv_heads * storage.head_dim) % 4:
+        return "fp8 summaries of a layer not 4-byte aligned (num_blocks * kv_heads * head_dim % 4 != 0)"
     return None
 
 
@@ -48,6 +50,6 @@ def write_kv(storage, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch
         return
     k = k.to(storage.device).contiguous()
     v = v.to(device=storage.device, dtype=k.dtype).contiguous()
-    kern = compile_write().get_kernel(kernel_name(k.dtype, storage.dtype))
+    kern = compile_write().get_kernel(kernel_name(k.dtype, storage.dtype, storage.fp8_summaries))
     kern.launch(T, 256, [k, v, slots.contiguous(), storage.num_kv_heads, storage.head_dim, storage.block_size,
                          storage.k[layer], storage.v[layer], storage.kmin[layer], storage.kmax[layer]])

@@ -107,6 +107,7 @@ class KVPool:
         prefix_caching: bool = True,
         watermark: float = 0.01,
         debug: bool | None = None,
+        summary_dtype: torch.dtype | None = None,
     ) -> None:
         num_layers, num_kv_heads, head_dim, num_blocks, block_size = (
             check_int(v, name, lo=1) for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
@@ -130,7 +131,8 @@ class KVPool:
         self.watermark_blocks = int(watermark * num_blocks)
         self.debug = bool(int(os.environ.get("KVPOOL_DEBUG", "0"))) if debug is None else debug
         try:
-            self.storage = KVStorage(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
+            self.storage = KVStorage(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device,
+                                     summary_dtype=summary_dtype)
             self.host = HostTier(self.storage, host_blocks) if host_blocks > 0 else None
         except (RuntimeError, MemoryError) as e:  # the allocator's refusal, as the stack's error
             total = 2 * num_layers * (num_blocks + host_blocks) * block_size * num_kv_heads * head_dim
@@ -644,6 +646,8 @@ class KVPool:
 
         Maintained by `write` (a rewritten position keeps widening the bounds, which stay valid
         upper/lower bounds). Unwritten blocks hold +inf / -inf. Views into the pool's storage.
+        With `summary_dtype=torch.float8_e4m3fn` they are e4m3 codes rounded outward, whose NaN
+        codes are the open ends (storage.py; dataengine.select_blocks reads them so).
         """
         self._check_layer(layer)
         self._issue_onloads(list(self._onload), prefetch=False)

@@ -13,7 +13,14 @@ NaN, each only at its own position.
 
 Key summaries (kmin/kmax per block, head and channel) are reduced into by every write; a freshly
 allocated block is reset lazily (`mark_fresh`, applied before the next device op) so allocation
-stays a pure-Python operation.
+stays a pure-Python operation. They are kept in the compute dtype, or with
+`summary_dtype=torch.float8_e4m3fn` as e4m3 codes rounded outward (kmin down, kmax up: the
+bounds stay bounds of every key, at half the bytes a selection reads). e4m3 has no infinities,
+so its two NaN codes are the open ends, ordered below / above every value: 0xFF (-inf: a kmax
+with nothing written, or a kmin below -448) and 0x7F (+inf: a kmin with nothing written, or a
+kmax above 448; a NaN key widens both bounds to these ends). dataengine's selection decodes them
+so (dataengine/select.py). Folding is monotone in that order, so round(min) == min(round): each
+write folds its own rounded keys, no unrounded copy is kept.
 """
 
 from __future__ import annotations
@@ -35,28 +42,67 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
+# ------------------------------------------------------------------ fp8 summary codes
+FP8_TOP, FP8_BOTTOM = 0x7F, 0xFF  # the NaN codes as +inf / -inf ends of the code order
+
+
+def fp8_order(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 e4m3 codes -> int32 keys in value order (0xFF lowest, -0 just below +0, 0x7F highest)."""
+    c = codes.to(torch.int32)
+    return torch.where(c < 128, c + 128, 255 - c)
+
+
+def fp8_unorder(order: torch.Tensor) -> torch.Tensor:
+    return torch.where(order >= 128, order - 128, 255 - order).to(torch.uint8)
+
+
+def fp8_round_outward(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """uint8 e4m3 codes of x (float), rounded up (the smallest code >= x; above 448: 0x7F) or down
+    (the largest code <= x; below -448: 0xFF). NaN goes to the open end (0x7F up, 0xFF down)."""
+    x = x.float()
+    c = x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)  # nearest; NaN stays a NaN code
+    o = fp8_order(c)
+    step = 1 if up else -1
+    for _ in range(2):  # nearest is at most one code away, two across the signed zeros
+        v = fp8_unorder(o).view(FP8_DTYPE).float()
+        off = (v < x) if up else (v > x)
+        o = torch.where(off & (o > 0) & (o < 255), o + step, o)
+    c = fp8_unorder(o)
+    return torch.where(torch.isnan(x), FP8_TOP if up else FP8_BOTTOM, c.to(torch.int32)).to(torch.uint8)
+
+
 def _int_index(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device=device, dtype=torch.long, non_blocking=True)
 
 
 class KVStorage:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, pin_memory: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device, pin_memory: bool = False,
+                 summary_dtype: torch.dtype | None = None) -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ArgumentError(f"dtype: expected one of {[str(d) for d in SUPPORTED_DTYPES]}, got {dtype}")
+        if summary_dtype not in (None, FP8_DTYPE):
+            raise ArgumentError(f"summary_dtype: expected None (the compute dtype) or torch.float8_e4m3fn, "
+                                f"got {summary_dtype!r}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.is_fp8 = dtype == FP8_DTYPE
         # Summaries and dequantized reads use the model dtype; fp8 has none, so float32.
         self.compute_dtype = torch.float32 if self.is_fp8 else dtype
+        self.summary_dtype = summary_dtype or self.compute_dtype
+        self.fp8_summaries = self.summary_dtype == FP8_DTYPE
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         kw = dict(device=device, pin_memory=pin_memory) if device.type == "cpu" and pin_memory else dict(device=device)
         self.k = torch.zeros(shape, dtype=dtype, **kw)
         self.v = torch.zeros(shape, dtype=dtype, **kw)
         sshape = (num_layers, num_blocks, num_kv_heads, head_dim)
-        self.kmin = torch.full(sshape, float("inf"), dtype=self.compute_dtype, **kw)
-        self.kmax = torch.full(sshape, float("-inf"), dtype=self.compute_dtype, **kw)
+        if self.fp8_summaries:
+            self.kmin = torch.full(sshape, FP8_TOP, dtype=torch.uint8, **kw).view(FP8_DTYPE)
+            self.kmax = torch.full(sshape, FP8_BOTTOM, dtype=torch.uint8, **kw).view(FP8_DTYPE)
+        else:
+            self.kmin = torch.full(sshape, float("inf"), dtype=self.compute_dtype, **kw)
+            self.kmax = torch.full(sshape, float("-inf"), dtype=self.compute_dtype, **kw)
         if self.is_fp8:
             self.k_scale = torch.zeros((num_layers, num_blocks, num_kv_heads), dtype=torch.float32, **kw)
             self.v_scale = torch.zeros((num_layers, num_blocks, num_kv_heads), dtype=torch.float32, **kw)
@@ -87,8 +133,12 @@ class KVStorage:
             return
         idx = torch.tensor(sorted(set(self._fresh)), dtype=torch.long).to(self.device, non_blocking=True)
         self._fresh.clear()
-        self.kmin.index_fill_(1, idx, float("inf"))
-        self.kmax.index_fill_(1, idx, float("-inf"))
+        if self.fp8_summaries:
+            _raw(self.kmin).index_fill_(1, idx, FP8_TOP)
+            _raw(self.kmax).index_fill_(1, idx, FP8_BOTTOM)
+        else:
+            self.kmin.index_fill_(1, idx, float("inf"))
+            self.kmax.index_fill_(1, idx, float("-inf"))
         if self.is_fp8:
             self.k_scale.index_fill_(1, idx, 0.0)
             self.v_scale.index_fill_(1, idx, 0.0)
@@ -125,9 +175,22 @@ class KVStorage:
             self.k[layer].view(flat).index_copy_(0, slots, k.to(self.dtype))
             self.v[layer].view(flat).index_copy_(0, slots, v.to(self.dtype))
         kc = k.to(self.compute_dtype)
+        if self.fp8_summaries:
+            self._fold_fp8_summaries(layer, blocks, kc)
+            return
         bidx = blocks.view(-1, 1, 1).expand_as(kc)
         self.kmin[layer].scatter_reduce_(0, bidx, kc, "amin", include_self=True)
         self.kmax[layer].scatter_reduce_(0, bidx, kc, "amax", include_self=True)
+
+    def _fold_fp8_summaries(self, layer: int, blocks: torch.Tensor, k: torch.Tensor) -> None:
+        """Widen the touched blocks' e4m3 codes by the outward-rounded keys, in code order."""
+        touched, inv = torch.unique(blocks, return_inverse=True)
+        idx = inv.view(-1, 1, 1).expand(k.shape)
+        for cache, up, how in ((self.kmin, False, "amin"), (self.kmax, True, "amax")):
+            raw = _raw(cache[layer])
+            cur = fp8_order(raw.index_select(0, touched))
+            cur.scatter_reduce_(0, idx, fp8_order(fp8_round_outward(k, up)), how, include_self=True)
+            raw.index_copy_(0, touched, fp8_unorder(cur))
 
     def _write_fp8(self, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor,
                    x: torch.Tensor) -> None:

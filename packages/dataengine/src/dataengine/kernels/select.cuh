@@ -2,14 +2,28 @@
 //
 // Two kernels, no host synchronization between or inside them (CUDA-graph capturable):
 //
-// quest_score_kernel  grid (chunks, kv_heads, B), 256 threads. D/8 lanes own one logical
-//   block (8 channels each, one 16-byte load of kmax and one of kmin for 2-byte summaries), so a
-//   warp scores 32/(D/8) blocks per step and every load is a full 16 B. Per q head of the GQA
-//   group: sum(q+ * kmax) + sum(q- * kmin) over the channels (the reference's two matmuls, the
-//   same IEEE special cases: any inf/NaN in a summary row makes the bound non-finite), reduced
-//   over the lanes; a non-finite head bound becomes -inf; the group reduces by max/sum/mean.
-//   Writes raw[b, h, pos] for every table position (float32). Holes (-1) read block 0, as the
-//   reference does (its clamp); ids >= num_blocks score -inf and are never read.
+// quest_score_kernel  grid (ceil(table_stride / 256), kv_heads, B), 256 threads, CUDA cores.
+//   The CTA's 256 table entries are staged in shared memory first (one dependent load, not one
+//   per step). D/8 lanes own one logical block (8 channels each: one 16-byte load of kmax and one
+//   of kmin for 2-byte summaries, 8 bytes for fp8), so a warp scores 32/(D/8) blocks per step.
+//   Per q head of the GQA group: sum(q+ * kmax) + sum(q- * kmin) over the channels (the
+//   reference's two matmuls, the same IEEE special cases: any inf/NaN in a summary row makes the
+//   bound non-finite), reduced over the lanes; a non-finite head bound becomes -inf; the group
+//   reduces by max/sum/mean. Writes raw[b, h, pos] for every table position (float32). Holes (-1)
+//   read block 0, as the reference does (its clamp); ids >= num_blocks score -inf, never read.
+//
+// quest_score_mma_kernel  the same scores on tensor cores (bf16 q; bf16 or fp8 summaries; D 64
+//   or 128; G <= 8): a warp takes 16 blocks as the rows of an m16n8k16 A tile ([kmax | kmin]
+//   channels along k) against B = [q+ ; q-] of the group's heads (n = head, 8 columns, G used).
+//   bf16 x bf16 products are exact in fp32, so bounds differ from the reference's only by the
+//   order of the fp32 sums (none on integer inputs). Channels are assigned to k slots so that a
+//   lane's A registers come from one contiguous 16-byte (bf16) / 8-byte (fp8) load per row.
+//
+// fp8 summaries (e4m3, kvpool's summary_dtype=float8_e4m3fn) are rounded outward by their
+//   writer (kmin down, kmax up), so the bound stays an upper bound. The two NaN codes are the
+//   open ends: in kmax 0x7F = "a key above 448" (read as 2^100: the block stays a candidate) and
+//   0xFF = nothing written (-inf); in kmin 0xFF = "a key below -448" (-2^100), 0x7F = nothing
+//   written (+inf). select.py's reference decodes the same way.
 //
 // topk_select_kernel  grid (rows), 512 threads, one row of N scores each. Order key per
 //   position: invalid (pos >= n_valid) 0; forced (sink/local) 0xffffffff; otherwise the float's
@@ -32,7 +46,53 @@ constexpr unsigned kKeyForced = 0xffffffffu;
 
 enum Reduce { kMax = 0, kSum = 1, kMean = 2 };
 
-// 8 summary channels: loaded raw (16 B for 2-byte types, 32 B for float), converted on use.
+constexpr int kScoreChunk = 256;  // table positions per score CTA (staged in shared memory)
+constexpr float kUnbounded = 1.2676506002282294e30f;  // 2^100: an fp8 summary's open end
+
+// fp8 (e4m3) summary codes -> float, by role (see the header): the NaN codes are the open ends.
+__device__ __forceinline__ float e4m3_summary(unsigned byte, bool is_max) {
+  if ((byte & 0x7fu) == 0x7fu) {
+    const bool top = byte == 0x7fu;
+    return is_max ? (top ? kUnbounded : -INFINITY) : (top ? INFINITY : -kUnbounded);
+  }
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(byte), __NV_E4M3);
+  return __half2float(__half(h));
+}
+// Any byte of w a NaN code (0x7F / 0xFF)?
+__device__ __forceinline__ bool has_e4m3_nan(unsigned w) {
+  return (((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u) != 0u;
+}
+// Two e4m3 codes (low 16 bits of w >> shift) -> float2, ordinary values only.
+__device__ __forceinline__ float2 e4m3x2_to_float2(unsigned w, int shift) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w >> shift) & 0xffffu),
+                                                    __NV_E4M3);
+  return __half22float2(__half2(h));
+}
+// 8 fp8 codes (w.x: channels 0-3, w.y: 4-7) -> floats, by role.
+__device__ __forceinline__ void e4m3x8_to_float(const int2& w, float (&x)[8], bool is_max) {
+  const unsigned u[2] = {unsigned(w.x), unsigned(w.y)};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float2 a = e4m3x2_to_float2(u[i], 0), b = e4m3x2_to_float2(u[i], 16);
+    x[4 * i] = a.x; x[4 * i + 1] = a.y; x[4 * i + 2] = b.x; x[4 * i + 3] = b.y;
+  }
+  if (has_e4m3_nan(u[0]) || has_e4m3_nan(u[1])) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const unsigned byte = (u[c / 4] >> (8 * (c % 4))) & 0xffu;
+      if ((byte & 0x7fu) == 0x7fu) x[c] = e4m3_summary(byte, is_max);
+    }
+  }
+}
+
+TILEHAL_DEVICE int2 load_nc_v2(const int2* ptr) {
+  int2 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.s32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(ptr));
+  return r;
+}
+
+// 8 summary channels: loaded raw (16 B for 2-byte types, 32 B for float, 8 B for fp8), converted
+// on use (`get<true>` for kmax, `get<false>` for kmin: only fp8 codes differ by role).
 template <typename T> struct Chan8 {
   static constexpr int kWords = sizeof(T) / 2;  // int4 words per 8 channels
   int4 w[kWords];
@@ -40,7 +100,12 @@ template <typename T> struct Chan8 {
 #pragma unroll
     for (int i = 0; i < kWords; ++i) w[i] = tilehal::load_nc_v4(reinterpret_cast<const int4*>(p) + i);
   }
-  __device__ __forceinline__ void get(float (&x)[8]) const;
+  template <bool IS_MAX> __device__ __forceinline__ void get(float (&x)[8]) const;
+};
+template <> struct Chan8<__nv_fp8_e4m3> {
+  int2 w;
+  __device__ __forceinline__ void load(const __nv_fp8_e4m3* p) { w = load_nc_v2(reinterpret_cast<const int2*>(p)); }
+  template <bool IS_MAX> __device__ __forceinline__ void get(float (&x)[8]) const { e4m3x8_to_float(w, x, IS_MAX); }
 };
 __device__ __forceinline__ void unpack16(const int4& r, float (&x)[8], bool bf16) {
   const unsigned u[4] = {unsigned(r.x), unsigned(r.y), unsigned(r.z), unsigned(r.w)};
@@ -51,17 +116,32 @@ __device__ __forceinline__ void unpack16(const int4& r, float (&x)[8], bool bf16
     x[2 * i + 1] = f.y;
   }
 }
-template <> __device__ __forceinline__ void Chan8<__nv_bfloat16>::get(float (&x)[8]) const { unpack16(w[0], x, true); }
-template <> __device__ __forceinline__ void Chan8<__half>::get(float (&x)[8]) const { unpack16(w[0], x, false); }
-template <> __device__ __forceinline__ void Chan8<float>::get(float (&x)[8]) const {
+template <> template <bool M> __device__ __forceinline__ void Chan8<__nv_bfloat16>::get(float (&x)[8]) const {
+  unpack16(w[0], x, true);
+}
+template <> template <bool M> __device__ __forceinline__ void Chan8<__half>::get(float (&x)[8]) const {
+  unpack16(w[0], x, false);
+}
+template <> template <bool M> __device__ __forceinline__ void Chan8<float>::get(float (&x)[8]) const {
   x[0] = __int_as_float(w[0].x); x[1] = __int_as_float(w[0].y); x[2] = __int_as_float(w[0].z); x[3] = __int_as_float(w[0].w);
   x[4] = __int_as_float(w[1].x); x[5] = __int_as_float(w[1].y); x[6] = __int_as_float(w[1].z); x[7] = __int_as_float(w[1].w);
 }
 
 __device__ __forceinline__ bool finite(float x) { return fabsf(x) <= 3.402823466e38f; }  // false for inf, NaN
 
+// Stage the CTA's table entries: phys id, or -1 for ids >= num_blocks (scored -inf, never read);
+// holes (-1) read block 0 like the reference's clamp. Ends with __syncthreads.
+__device__ __forceinline__ void stage_table(int* phys_s, const int* table, int pos0, int n_here, int num_blocks) {
+  for (int i = threadIdx.x; i < kScoreChunk; i += blockDim.x) {
+    int p = i < n_here ? table[pos0 + i] : 0;
+    p = max(p, 0);
+    phys_s[i] = p < num_blocks ? p : -1;
+  }
+  __syncthreads();
+}
+
 // q [B, Hq, D] (TQ), kmin/kmax [num_blocks, H, D] (TS), block_table [B, table_stride] int32;
-// raw [B, H, table_stride] float32.
+// raw [B, H, table_stride] float32. Grid x = ceil(table_stride / kScoreChunk).
 template <typename TQ, typename TS, int D, int G, int REDUCE>
 __global__ void __launch_bounds__(kScoreThreads, (G <= 4 && sizeof(TS) <= 2) ? 2 : 1) quest_score_kernel(
     const TQ* __restrict__ q, const TS* __restrict__ kmin, const TS* __restrict__ kmax,
@@ -70,10 +150,14 @@ __global__ void __launch_bounds__(kScoreThreads, (G <= 4 && sizeof(TS) <= 2) ? 2
   constexpr int kPerWarp = 32 / kLanes;   // blocks per warp and group step
   constexpr int kPerStep = kPerWarp * kScoreUnroll;
   static_assert(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+  __shared__ int phys_s[kScoreChunk];
   const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int sub = lane / kLanes, cl = lane % kLanes;
   const int warps = kScoreThreads / 32;
+  const int pos0 = blockIdx.x * kScoreChunk;
+  const int n_here = min(kScoreChunk, table_stride - pos0);
+  stage_table(phys_s, block_table + (long long)b * table_stride, pos0, n_here, num_blocks);
 
   // This lane's 8 channels of every q head of the group; small groups keep q+ and q- apart
   // (two FMAs per channel), large ones split on the fly (registers).
@@ -93,21 +177,17 @@ __global__ void __launch_bounds__(kScoreThreads, (G <= 4 && sizeof(TS) <= 2) ? 2
       }
     }
   }
-  const int* table = block_table + (long long)b * table_stride;
   const long long row_stride = (long long)H * D;
-  const int chunk = (table_stride + gridDim.x - 1) / gridDim.x;
-  const int pos0 = blockIdx.x * chunk, pos1 = min(table_stride, pos0 + chunk);
-  float* out = raw + ((long long)b * H + h) * table_stride;
+  float* out = raw + ((long long)b * H + h) * table_stride + pos0;
 
-  for (int base = pos0 + warp * kPerStep; base < pos1; base += warps * kPerStep) {
+  for (int base = warp * kPerStep; base < n_here; base += warps * kPerStep) {
     Chan8<TS> rx[kScoreUnroll], rn[kScoreUnroll];
     bool ok[kScoreUnroll];
 #pragma unroll
     for (int u = 0; u < kScoreUnroll; ++u) {
-      const int pos = base + u * kPerWarp + sub;
-      int phys = pos < pos1 ? table[pos] : 0;
-      phys = max(phys, 0);  // holes read block 0, like the reference's clamp
-      ok[u] = pos < pos1 && phys < num_blocks;
+      const int i = base + u * kPerWarp + sub;
+      const int phys = i < n_here ? phys_s[i] : -1;
+      ok[u] = phys >= 0;
       const long long off = (ok[u] ? (long long)phys : 0ll) * row_stride + (long long)h * D + cl * 8;
       rx[u].load(kmax + off);
       rn[u].load(kmin + off);
@@ -115,8 +195,8 @@ __global__ void __launch_bounds__(kScoreThreads, (G <= 4 && sizeof(TS) <= 2) ? 2
 #pragma unroll
     for (int u = 0; u < kScoreUnroll; ++u) {
       float kx[8], kn[8];
-      rx[u].get(kx);
-      rn[u].get(kn);
+      rx[u].template get<true>(kx);
+      rn[u].template get<false>(kn);
       float score = REDUCE == kMax ? -INFINITY : 0.f;
 #pragma unroll
       for (int g = 0; g < G; ++g) {
@@ -136,8 +216,134 @@ __global__ void __launch_bounds__(kScoreThreads, (G <= 4 && sizeof(TS) <= 2) ? 2
         else score += s;
       }
       if (REDUCE == kMean) score = score / float(G);
-      const int pos = base + u * kPerWarp + sub;
-      if (cl == 0 && pos < pos1) out[pos] = ok[u] ? score : -INFINITY;
+      const int i = base + u * kPerWarp + sub;
+      if (cl == 0 && i < n_here) out[i] = ok[u] ? score : -INFINITY;
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------- tensor-core scores
+// A lane's 8 channels of one summary row as 4 bf16x2 words (channel pairs 0-1, 2-3, 4-5, 6-7).
+template <typename TS> struct RowA;
+template <> struct RowA<__nv_bfloat16> {
+  int4 w;
+  __device__ __forceinline__ void load(const __nv_bfloat16* p) { w = tilehal::load_nc_v4(reinterpret_cast<const int4*>(p)); }
+  template <bool IS_MAX> __device__ __forceinline__ void words(unsigned (&o)[4]) const {
+    o[0] = unsigned(w.x); o[1] = unsigned(w.y); o[2] = unsigned(w.z); o[3] = unsigned(w.w);
+  }
+};
+template <> struct RowA<__nv_fp8_e4m3> {
+  int2 w;
+  __device__ __forceinline__ void load(const __nv_fp8_e4m3* p) { w = load_nc_v2(reinterpret_cast<const int2*>(p)); }
+  template <bool IS_MAX> __device__ __forceinline__ void words(unsigned (&o)[4]) const {
+    // e4m3 -> bf16 is exact (3 mantissa bits, exponents within bf16's), as is 2^100.
+    float x[8];
+    e4m3x8_to_float(w, x, IS_MAX);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[i] = tilehal::float2_to_bf16x2(x[2 * i], x[2 * i + 1]);
+  }
+};
+
+TILEHAL_DEVICE unsigned bf16x2_max0(unsigned w) {  // max(x, 0) per half, NaN kept (torch.clamp)
+  const __nv_bfloat162 r = __hmax2_nan(*reinterpret_cast<const __nv_bfloat162*>(&w), __float2bfloat162_rn(0.f));
+  return *reinterpret_cast<const unsigned*>(&r);
+}
+TILEHAL_DEVICE unsigned bf16x2_min0(unsigned w) {  // min(x, 0) per half, NaN kept
+  const __nv_bfloat162 r = __hmin2_nan(*reinterpret_cast<const __nv_bfloat162*>(&w), __float2bfloat162_rn(0.f));
+  return *reinterpret_cast<const unsigned*>(&r);
+}
+
+// Lane l = 4r + t. k slot assignment per 8-channel group j (channels 32j + 8t + 0..7 of this lane):
+// k-step (j, hh) uses channels 32j + 8t + 4hh + {0,1} as k rows 2t, 2t+1 and + {2,3} as 2t+8, 2t+9;
+// the A rows are blocks (r and r + 8 of the warp's 16), the B columns heads (n = r).
+template <typename TS, int D, int G, int REDUCE>
+__global__ void __launch_bounds__(kScoreThreads, 2) quest_score_mma_kernel(
+    const __nv_bfloat16* __restrict__ q, const TS* __restrict__ kmin, const TS* __restrict__ kmax,
+    const int* __restrict__ block_table, int table_stride, int num_blocks, float* __restrict__ raw) {
+  static_assert(D == 64 || D == 128, "mma scores: head_dim 64 or 128");
+  static_assert(G >= 1 && G <= 8, "mma scores: at most 8 q heads per kv head");
+  constexpr int kJ = D / 32;
+  __shared__ int phys_s[kScoreChunk];
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane / 4, t = lane % 4;
+  const int warps = kScoreThreads / 32;
+  const int pos0 = blockIdx.x * kScoreChunk;
+  const int n_here = min(kScoreChunk, table_stride - pos0);
+  stage_table(phys_s, block_table + (long long)b * table_stride, pos0, n_here, num_blocks);
+
+  unsigned qp[kJ][4], qn[kJ][4];  // B fragments: head r's q+ / q- at this lane's channels
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      unsigned w = 0u;
+      if (r < G) {
+        const unsigned* qr = reinterpret_cast<const unsigned*>(q + ((long long)b * H * G + (long long)h * G + r) * D);
+        w = qr[(32 * j + 8 * t) / 2 + i];
+      }
+      qp[j][i] = bf16x2_max0(w);
+      qn[j][i] = bf16x2_min0(w);
+    }
+  }
+  const long long row_stride = (long long)H * D;
+  float* out = raw + ((long long)b * H + h) * table_stride + pos0;
+  const int cols0 = 2 * t;  // this lane's accumulator columns (heads) cols0, cols0 + 1
+
+  for (int tile = warp * 16; tile < n_here; tile += warps * 16) {
+    const int i_lo = tile + r, i_hi = tile + r + 8;
+    const int p_lo = i_lo < n_here ? phys_s[i_lo] : -1, p_hi = i_hi < n_here ? phys_s[i_hi] : -1;
+    const long long o_lo = (long long)max(p_lo, 0) * row_stride + (long long)h * D + 8 * t;
+    const long long o_hi = (long long)max(p_hi, 0) * row_stride + (long long)h * D + 8 * t;
+    RowA<TS> xl[kJ], xh[kJ], nl[kJ], nh[kJ];
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      xl[j].load(kmax + o_lo + 32 * j);
+      xh[j].load(kmax + o_hi + 32 * j);
+      nl[j].load(kmin + o_lo + 32 * j);
+      nh[j].load(kmin + o_hi + 32 * j);
+    }
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      unsigned al[4], ah[4];
+      xl[j].template words<true>(al);
+      xh[j].template words<true>(ah);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
+        const tilehal::u32 bq[2] = {qp[j][2 * hh], qp[j][2 * hh + 1]};
+        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
+      }
+      nl[j].template words<false>(al);
+      nh[j].template words<false>(ah);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
+        const tilehal::u32 bq[2] = {qn[j][2 * hh], qn[j][2 * hh + 1]};
+        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
+      }
+    }
+    // acc: (row r, heads cols0, cols0+1) = acc[0], acc[1]; (row r + 8, same heads) = acc[2], acc[3]
+    float s_lo = REDUCE == kMax ? -INFINITY : 0.f, s_hi = s_lo;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (cols0 + e < G) {
+        const float lo = finite(acc[e]) ? acc[e] : -INFINITY, hi = finite(acc[2 + e]) ? acc[2 + e] : -INFINITY;
+        if (REDUCE == kMax) { s_lo = fmaxf(s_lo, lo); s_hi = fmaxf(s_hi, hi); }
+        else { s_lo += lo; s_hi += hi; }
+      }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      const float ol = __shfl_xor_sync(0xffffffffu, s_lo, off), oh = __shfl_xor_sync(0xffffffffu, s_hi, off);
+      if (REDUCE == kMax) { s_lo = fmaxf(s_lo, ol); s_hi = fmaxf(s_hi, oh); }
+      else { s_lo += ol; s_hi += oh; }
+    }
+    if (REDUCE == kMean) { s_lo = s_lo / float(G); s_hi = s_hi / float(G); }
+    if (t == 0) {
+      if (i_lo < n_here) out[i_lo] = p_lo >= 0 ? s_lo : -INFINITY;
+      if (i_hi < n_here) out[i_hi] = p_hi >= 0 ? s_hi : -INFINITY;
     }
   }
 }

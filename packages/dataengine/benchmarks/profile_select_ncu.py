@@ -1,0 +1,39 @@
+# requires: cuda, kvpool (for the fp8 summaries' rounding); run under Nsight Compute, e.g.
+#   ncu --kernel-name regex:"quest|topk" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+#       --section Occupancy --section WarpStateStats python profile_select_ncu.py
+"""One launch of each kernel of the selection (score on CUDA cores / tensor cores, bf16 / fp8
+summaries; top-k plain / staged) at b8 x 128K, GQA 32/8, d128, 8192 blocks, top 64. Prints only
+the shapes: the profile is ncu's."""
+
+from __future__ import annotations
+
+import torch
+
+B, HQ, H, D, BS, TOP, NB = 8, 32, 8, 128, 16, 64, 8192
+
+
+def select_kernels() -> None:
+    from dataengine import cuda_select
+    from kvpool.storage import FP8_DTYPE, fp8_round_outward
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(B * NB, BS, H, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    kmin, kmax = k.amin(1), k.amax(1)
+    del k
+    fmin = fp8_round_outward(kmin, up=False).view(FP8_DTYPE)
+    fmax = fp8_round_outward(kmax, up=True).view(FP8_DTYPE)
+    q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
+    bt = torch.randperm(B * NB, device="cuda", generator=g).to(torch.int32).reshape(B, NB)
+    sl = torch.full((B,), NB * BS, dtype=torch.int32, device="cuda")
+    print(f"select: b{B} x {NB} blocks, GQA {HQ}/{H}, d{D}, top {TOP}", flush=True)
+    raw = None
+    for lo, hi in ((kmin, kmax), (fmin, fmax)):
+        for v in ("simt", "mma"):
+            raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max", v)
+    for tv in ("plain", "staged"):
+        cuda_select.topk_rows(raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant=tv)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    select_kernels()

@@ -1,0 +1,140 @@
+"""fp8 (e4m3) key summaries: `KVPool(summary_dtype=torch.float8_e4m3fn)`.
+
+The contract (storage.py): kmin is rounded down and kmax up to e4m3 codes, the NaN codes 0xFF /
+0x7F are the open ends (-inf / +inf) of the code order, and folding happens in that order, so the
+codes equal the outward rounding of the exact (compute-dtype) summaries and bound every key.
+The oracle of the rounding here is independent of storage.py's: a search over the 254 sorted
+ordinary e4m3 values.
+"""
+
+import kvpool
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvpool.storage import FP8_DTYPE, fp8_round_outward
+from tilehal import ArgumentError
+
+_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+_VALUES = _CODES.view(FP8_DTYPE).float()
+_ORDINARY = ~torch.isnan(_VALUES)
+_SORTED_VALUES, _perm = _VALUES[_ORDINARY].double().sort()  # -0 and +0 both present
+_SORTED_CODES = _CODES[_ORDINARY][_perm]
+
+
+def _oracle(x: float, up: bool) -> float:
+    """The value of the tightest e4m3 bound of x (+-inf beyond the finite range, NaN -> open end)."""
+    if x != x:
+        return float("inf") if up else float("-inf")
+    vals = _SORTED_VALUES
+    if up:
+        ok = vals >= x
+        return float(vals[ok][0]) if bool(ok.any()) else float("inf")
+    ok = vals <= x
+    return float(vals[ok][-1]) if bool(ok.any()) else float("-inf")
+
+
+def _decode(codes: torch.Tensor, up: bool) -> torch.Tensor:
+    """Codes -> float64 values with the open ends as infinities."""
+    v = codes.view(FP8_DTYPE).double()
+    end = torch.full_like(v, float("inf") if up else float("-inf"))
+    other = -end
+    raw = codes.view(torch.uint8)
+    v = torch.where(raw == (0x7F if up else 0xFF), end, v)
+    return torch.where(raw == (0xFF if up else 0x7F), other, v)
+
+
+@settings(max_examples=300, deadline=None)
+@given(x=st.floats(allow_nan=True, allow_infinity=True, width=32))
+def test_round_outward_is_the_tightest_bound(x):
+    t = torch.tensor([x], dtype=torch.float32)
+    for up in (True, False):
+        got = float(_decode(fp8_round_outward(t, up), up)[0])
+        want = _oracle(x, up)
+        assert got == want, (x, up, got, want)
+        if x == x:
+            assert (got >= x) if up else (got <= x)
+
+
+def _written_pool(summary_dtype, device="cpu", seed=0, scale=3.0, in_dtype=torch.float32):
+    pool = kvpool.KVPool(2, 4, 64, 40, block_size=16, dtype=torch.bfloat16, device=device, prefix_caching=False,
+                         summary_dtype=summary_dtype)
+    g = torch.Generator().manual_seed(seed)
+    keys = {}
+    for s in range(3):
+        pool.add_sequence(s, [0])
+        keys[s] = []
+    for step in range(5):
+        for s in range(3):
+            n = 37 if step < 2 else 1
+            k = scale * torch.randn(n, 4, 64, generator=g)
+            if step == 1 and s == 0:
+                k[0, 0, :4] = torch.tensor([600.0, -700.0, float("inf"), 1e-4])  # beyond e4m3, and tiny
+            slots = pool.append(s, n)
+            pool.write(step % 2, slots.to(device), k.to(device, in_dtype),
+                       torch.randn(n, 4, 64, generator=g).to(device, in_dtype))
+            keys[s].append((step % 2, slots, k))
+    return pool, keys
+
+
+def test_fp8_summaries_equal_outward_rounding_of_exact_summaries():
+    exact, _ = _written_pool(None)
+    fp8, keys = _written_pool(FP8_DTYPE)
+    assert fp8.storage.kmin.dtype == FP8_DTYPE and fp8.storage.kmin.shape == exact.storage.kmin.shape
+    emin, emax = exact.storage.kmin.float(), exact.storage.kmax.float()
+    # nothing written (exact +inf / -inf) is the open end; everything else the outward rounding
+    want_min = torch.where(emin == float("inf"), 0x7F, fp8_round_outward(emin, up=False).int()).to(torch.uint8)
+    want_max = torch.where(emax == float("-inf"), 0xFF, fp8_round_outward(emax, up=True).int()).to(torch.uint8)
+    assert torch.equal(fp8.storage.kmin.view(torch.uint8), want_min)
+    assert torch.equal(fp8.storage.kmax.view(torch.uint8), want_max)
+    # every written key (as stored, bf16) lies inside its block's decoded bounds
+    for layer in range(2):
+        kmin, kmax = fp8.key_summary(layer)
+        lo, hi = _decode(kmin, False), _decode(kmax, True)
+        for parts in keys.values():
+            for lyr, slots, k in parts:
+                if lyr != layer:
+                    continue
+                blk = slots // 16
+                kb = k.to(torch.bfloat16).double()
+                assert bool((lo[blk] <= kb).all()) and bool((hi[blk] >= kb).all())
+    # unwritten blocks: the open ends (nothing written)
+    assert int(fp8.storage.kmin.view(torch.uint8)[0, -1].unique()) == 0x7F
+    assert int(fp8.storage.kmax.view(torch.uint8)[0, -1].unique()) == 0xFF
+
+
+def test_fp8_summaries_reset_on_reuse_and_copy_on_write():
+    pool, _ = _written_pool(FP8_DTYPE)
+    blocks = pool.block_table([0])[0]
+    pool.free(0)
+    pool.add_sequence(7, [1])
+    slots = pool.append(7, 16 * 20)  # reuses freed blocks: their summaries start over
+    pool.write(0, slots, torch.zeros(len(slots), 4, 64), torch.zeros(len(slots), 4, 64))
+    b = int(slots[0]) // 16
+    assert int(blocks.max()) >= 0
+    assert pool.storage.kmin.view(torch.uint8)[0, b].unique().tolist() == [0x00]  # round_down(0) = +0
+    assert pool.storage.kmax.view(torch.uint8)[0, b].unique().tolist() == [0x00]
+    pool.fork(7, 8)
+    before = pool.storage.kmax.view(torch.uint8).clone()
+    s8 = pool.append(8, 1)  # the shared partial block is copied (summaries too), then widened
+    pool.write(0, s8, torch.full((1, 4, 64), 5.0), torch.zeros(1, 4, 64))
+    nb = int(s8[0]) // 16
+    assert pool.storage.kmax.view(torch.uint8)[0, nb].unique().tolist() == [int(fp8_round_outward(torch.tensor(5.0), True))]
+    assert torch.equal(pool.storage.kmax.view(torch.uint8)[0, b], before[0, b])
+
+
+def test_summary_dtype_checked():
+    with pytest.raises(ArgumentError, match="summary_dtype: expected None"):
+        kvpool.KVPool(1, 2, 64, 4, summary_dtype=torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_summary_write_kernel_equals_torch_path(in_dtype):
+    cpu, _ = _written_pool(FP8_DTYPE, in_dtype=in_dtype)
+    gpu, _ = _written_pool(FP8_DTYPE, device="cuda", in_dtype=in_dtype)
+    from kvpool import cuda_write
+
+    assert cuda_write.unsupported_reason(gpu.storage, torch.zeros(1, dtype=in_dtype, device="cuda")) is None
+    for t in ("k", "v", "kmin", "kmax"):
+        assert torch.equal(getattr(gpu.storage, t).cpu().view(torch.uint8), getattr(cpu.storage, t).view(torch.uint8)), t
