@@ -114,6 +114,23 @@ def test_sparse_with_every_block_equals_dense_and_small_budget_attends_less():
     cache.pool.check_invariants()
 
 
+def test_sparse_on_fp8_summaries_with_every_block_equals_dense():
+    model = tiny("llama")
+    ids, mask = prompts([70, 41])
+    dense_tok, dense_logits = greedy(model, ids, mask, n=8, cache=th.enable_kvpool(model, num_blocks=64, block_size=8))
+    cfg = th.SparseConfig(top_k=64, summary_dtype=torch.float8_e4m3fn)
+    cache = th.enable_kvpool(model, num_blocks=64, block_size=8, sparse=cfg)
+    assert cache.pool.key_summary(0)[0].dtype == torch.float8_e4m3fn
+    tok, logits = greedy(model, ids, mask, n=8, cache=cache)
+    assert torch.equal(tok, dense_tok) and (logits - dense_logits).abs().max().item() < 1e-5
+    cache = th.enable_kvpool(model, num_blocks=64, block_size=8, sparse=th.SparseConfig(3, summary_dtype=cfg.summary_dtype))
+    greedy(model, ids, mask, n=8, cache=cache)
+    assert 0 < cache.stats()["attended_fraction"] < 0.5
+    cache.pool.check_invariants()
+    with pytest.raises(ValueError, match="summary_dtype"):
+        th.SparseConfig(4, summary_dtype=torch.float16)
+
+
 def test_prefix_cached_second_request_equals_cold_and_skips_the_prefix():
     model = tiny("qwen2")
     g = torch.Generator().manual_seed(5)

@@ -89,7 +89,7 @@ def enable_kvpool(model, *, num_blocks: int, block_size: int = 16, dtype: torch.
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     pool = KVPool(num_layers=text.num_hidden_layers, num_kv_heads=text.num_key_value_heads, head_dim=head_dim,
                   num_blocks=num_blocks, block_size=block_size, dtype=dtype or param.dtype, device=param.device,
-                  prefix_caching=prefix_caching)
+                  prefix_caching=prefix_caching, summary_dtype=sparse.summary_dtype if sparse else None)
     cache = KVPoolCache(pool, sparse=sparse, max_tokens=window, window=window)
     state = getattr(model, _STATE, None)
     if state is None:
