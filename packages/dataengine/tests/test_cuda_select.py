@@ -302,3 +302,64 @@ def test_mma_gaussian_scores_within_rounding(sdtype, monkeypatch):
         fin = torch.isfinite(ref)
         assert torch.equal(fin, torch.isfinite(got)), variant
         torch.testing.assert_close(got[fin], ref[fin], rtol=1e-5, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- one-launch selection
+@pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
+@pytest.mark.parametrize("s_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 8)])
+def test_fused_select_kernels_compile(s_dtype, head_dim, group):
+    m = cuda_select.compile_select(s_dtype, head_dim, group, "max")
+    assert cuda_select.select_kernel_name(s_dtype, head_dim, group, "max") in m.lowered_names
+
+
+def test_fused_reasons(monkeypatch):
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    s = torch.zeros(4, 8, 128, dtype=FP8)
+    assert cuda_select.fused_reason(q, s, 64) is None
+    assert "budget" in cuda_select.fused_reason(q, s, 300)
+    monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "0")
+    assert "FUSED=0" in cuda_select.fused_reason(q, s, 64)
+    monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "yes")
+    with pytest.raises(ValueError, match="DATAENGINE_SELECT_FUSED"):
+        cuda_select.fused_reason(q, s, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sdtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("D,Hq,Hkv,max_blocks", [(128, 32, 8, 300), (64, 8, 8, 1000), (128, 16, 2, 97), (64, 12, 2, 512)])
+@pytest.mark.parametrize("reduce", ["max", "mean"])
+def test_fused_select_equals_reference(sdtype, D, Hq, Hkv, max_blocks, reduce):
+    for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (256, 1, 1), (1, 4, 4),
+                                                 (100, 0, 5)]):
+        q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=max_blocks,
+                                              num_blocks=max(2000, 3 * max_blocks), dtype=torch.bfloat16,
+                                              sdtype=torch.float32, unwritten=0.05)
+        kmin, kmax = _to_fp8_summaries(kmin, kmax) if sdtype == FP8 else (kmin.to(sdtype), kmax.to(sdtype))
+        if seed == 2:
+            kmin.view(torch.uint8)[:] = kmin.view(torch.uint8)[:1]  # every block alike: positions decide
+            kmax.view(torch.uint8)[:] = kmax.view(torch.uint8)[:1]
+        args = (q, kmin, kmax, table, lens)
+        width = min(max(top_k, sink + local), max_blocks)
+        assert cuda_select.fused_reason(q, kmin, width) is None
+        got = select.select_blocks(*args, top_k, sink, local, block_size=16, reduce=reduce)
+        want = select.select_blocks_reference(*_cpu(*args), top_k, sink, local, block_size=16, reduce=reduce)
+        assert torch.equal(got.cpu(), want), (seed, top_k, sink, local)
+        for _ in range(2):  # the row tickets are back at zero after every launch
+            assert torch.equal(select.select_blocks(*args, top_k, sink, local, block_size=16, reduce=reduce).cpu(), want)
+
+
+@pytest.mark.gpu
+def test_fused_select_in_a_cuda_graph():
+    q, kmin, kmax, table, lens = _problem(5, max_blocks=600, num_blocks=4000)
+    static_q = q.clone()
+    select.select_blocks(static_q, kmin, kmax, table, lens, 32, 1, 1, block_size=16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = select.select_blocks(static_q, kmin, kmax, table, lens, 32, 1, 1, block_size=16)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(200 + seed)
+        static_q.copy_(torch.randint(-3, 4, q.shape, generator=g).to(q.dtype))
+        graph.replay()
+        want = select.select_blocks_reference(*_cpu(static_q, kmin, kmax, table, lens), 32, 1, 1, block_size=16)
+        assert torch.equal(out.cpu(), want)

@@ -57,6 +57,92 @@ def compile_score(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, gro
                                                                     variant)])
 
 
+def select_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str) -> str:
+    return f"dataengine::quest_select_mma_kernel<{_S_CTYPES[s_dtype]}, {head_dim}, {group}, {_REDUCE[reduce]}>"
+
+
+@functools.cache
+def compile_select(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str,
+                   arch: str = "sm_90a") -> tilehal.CudaModule:
+    """The one-launch selection (tensor-core scores + two-level top-k) for one configuration."""
+    return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS, arch=arch, name=f"quest_select_{head_dim}_{group}",
+                                include_dirs=[str(KERNEL_DIR)],
+                                name_expressions=[select_kernel_name(s_dtype, head_dim, group, reduce)])
+
+
+def fused_enabled() -> bool:
+    """DATAENGINE_SELECT_FUSED=0 turns the one-launch selection off (two launches instead)."""
+    v = os.environ.get("DATAENGINE_SELECT_FUSED", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"DATAENGINE_SELECT_FUSED: expected 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def fused_reason(q: torch.Tensor, kmin: torch.Tensor, width: int) -> str | None:
+    """Why select_fused cannot serve this call (None: it can)."""
+    if not fused_enabled():
+        return "DATAENGINE_SELECT_FUSED=0"
+    if score_variant() == "simt":
+        return "DATAENGINE_SCORE_KERNEL=simt"
+    reason = mma_reason(q, kmin)
+    if reason is not None:
+        return reason
+    if width > SCORE_CHUNK:
+        return f"budget {width} > {SCORE_CHUNK} blocks"
+    return None
+
+
+_TICKETS: dict[tuple, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, rows: int) -> torch.Tensor:
+    """Per-row tickets of the one-launch selection: zero between launches (the last CTA of a row
+    resets its ticket), one buffer per (device, stream) so concurrent streams never share one."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < rows:
+        buf = torch.zeros(max(rows, 256), dtype=torch.int32, device=device)
+        _TICKETS[key] = buf
+    return buf
+
+
+def select_fused(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor, width: int,
+                 sink: int, local: int, reduce: str, *, num_valid: torch.Tensor | None = None,
+                 seq_lens: torch.Tensor | None = None, block_size: int | None = None) -> torch.Tensor:
+    """int32 [B, kv_heads, width]: select_blocks in one launch (fused_reason must be None)."""
+    B, Hq, D = q.shape
+    H = kmin.shape[1]
+    group = Hq // H
+    table = _i32(block_table)
+    nb = table.shape[1]
+    out = torch.empty((B, H, width), dtype=torch.int32, device=q.device)
+    if B == 0 or width == 0:
+        return out
+    if nb == 0:
+        return out.fill_(-1)
+    chunks = -(-nb // SCORE_CHUNK)
+    kmin, kmax = kmin.contiguous(), kmax.contiguous()
+    if not _aligned(kmin, kmax):
+        log.debug("select: summaries not 16-byte aligned; copying them")
+        kmin, kmax = kmin.clone(), kmax.clone()
+    q = q.contiguous()
+    if q.data_ptr() % 4:
+        q = q.clone()
+    nv = sl = None
+    if num_valid is not None:
+        mode, nv = 1, _i32(num_valid.clamp(min=-1, max=nb + local + 1))
+    elif seq_lens is not None and block_size is not None:
+        mode, sl = 2, _i32(seq_lens)
+    else:
+        mode = 0
+    cand = torch.empty((B * H, chunks, width, 2), dtype=torch.int32, device=q.device)
+    kern = compile_select(kmin.dtype, D, group, reduce).get_kernel(select_kernel_name(kmin.dtype, D, group, reduce))
+    kern.launch((chunks, H, B), SCORE_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], mode, nv, sl,
+                                                int(block_size or 1), int(sink), int(local), int(width), cand,
+                                                _tickets(q.device, B * H), out])
+    return out
+
+
 def score_variant() -> str:
     """DATAENGINE_SCORE_KERNEL: "auto" (default: tensor cores where `mma_reason` allows), "simt"
     (CUDA cores always) or "mma" (tensor cores; an unsupported call is an error, not a fallback)."""

@@ -259,7 +259,9 @@ def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
     last `local_blocks`, which are always kept (the budget grows to sink + local when smaller).
     n = min(budget, max_blocks); a sequence with fewer valid blocks than the budget gets all of
     them. `block_size`, when given, counts valid blocks from seq_lens instead of the table.
-    On CUDA: two kernel launches, no host sync (`validate=True` adds the host check of block ids).
+    On CUDA: one launch (tensor-core scores + two-level top-k, when `block_size` is given, q is
+    bf16, summaries bf16/fp8, head_dim 64/128, <= 8 q heads per kv head, budget <= 256), else two;
+    no host sync either way (`validate=True` adds the host check of block ids).
     """
     top_k, sink_blocks, local_blocks = _check_select_args(top_k, sink_blocks, local_blocks)
     _check_reduce(reduce)
@@ -277,9 +279,16 @@ def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
     from . import cuda_select
 
     _check_inputs(q, kmin, kmax, block_table, seq_lens, check_ids=bool(validate))
+    nb = block_table.shape[-1]
+    width = min(budget, nb)
+    sink, local = min(sink_blocks, nb + 1), min(local_blocks, nb + 1)
+    if block_size is not None:
+        why = cuda_select.fused_reason(q, kmin, width)
+        if why is None:
+            return cuda_select.select_fused(q, kmin, kmax, block_table, width, sink, local, reduce,
+                                            seq_lens=seq_lens, block_size=block_size)
+        log.debug("select_blocks: two launches (%s)", why)
     raw = cuda_select.quest_raw_scores(q, kmin, kmax, block_table, reduce)
-    width = min(budget, raw.shape[-1])
-    sink, local = min(sink_blocks, raw.shape[-1] + 1), min(local_blocks, raw.shape[-1] + 1)
     if block_size is not None:
         return cuda_select.topk_rows(raw, width, raw.shape[1], sink, local, seq_lens=seq_lens, block_size=block_size)
     return cuda_select.topk_rows(raw, width, raw.shape[1], sink, local, seq_lens=seq_lens, block_table=block_table)

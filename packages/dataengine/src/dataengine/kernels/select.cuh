@@ -519,4 +519,223 @@ __global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
   for (int s = out_carry + tid; s < width; s += kTopkThreads) orow[s] = -1;
 }
 
+// ----------------------------------------------------------------------------- fused selection
+// The top-k of topk_select_kernel (radix select of the width-th largest key, then the ordered
+// walk) as a CTA-wide device function over any key source: key_at(i) for i in [0, N), in
+// position order; emit(slot, i) for the taken ones (ascending i), slots [0, count). Returns the
+// count (on every thread). Shared scratch: hist[256], warp_sums[THREADS / 32], s_digit, s_need.
+template <int THREADS, int ITEMS, typename KeyAt, typename Emit>
+__device__ __forceinline__ int block_topk(int N, int width, KeyAt key_at, Emit emit, int* hist, int* warp_sums,
+                                          int& s_digit, int& s_need) {
+  const int tid = threadIdx.x;
+  unsigned prefix = 0u, mask = 0u;
+  int need = width;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = tid; i < 256; i += THREADS) hist[i] = 0;
+    __syncthreads();
+    for (int p = tid; p < N; p += THREADS) {
+      const unsigned k = key_at(p);
+      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1);
+    }
+    __syncthreads();
+    if (tid < 32) {
+      int c[8], sum = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) { c[j] = hist[255 - 8 * tid - j]; sum += c[j]; }
+      int incl = sum;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, off);
+        if (tid >= off) incl += y;
+      }
+      const int excl = incl - sum;
+      if (excl < need && need <= incl) {
+        int cum = excl;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (cum + c[j] >= need) { s_digit = 255 - 8 * tid - j; s_need = need - cum; break; }
+          cum += c[j];
+        }
+      }
+    }
+    __syncthreads();
+    prefix |= unsigned(s_digit) << shift;
+    mask |= 255u << shift;
+    need = s_need;
+    __syncthreads();
+  }
+  const unsigned T = prefix;
+  int eq_carry = 0, out_carry = 0;
+  for (int t0 = 0; t0 < N; t0 += THREADS * ITEMS) {
+    unsigned k[ITEMS];
+    int eq = 0;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int p = t0 + tid * ITEMS + i;
+      k[i] = p < N ? key_at(p) : 0u;
+      eq += p < N && k[i] == T;
+    }
+    int eq_total;
+    int eq_rank = eq_carry + block_exclusive_scan(eq, warp_sums, eq_total);
+    bool take[ITEMS];
+    int n_take = 0;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int p = t0 + tid * ITEMS + i;
+      bool tk = false;
+      if (p < N) {
+        if (k[i] > T) tk = true;
+        else if (k[i] == T) { tk = eq_rank < need; ++eq_rank; }
+      }
+      take[i] = tk && k[i] > kKeyNegInf;
+      n_take += take[i];
+    }
+    int out_total;
+    int slot = out_carry + block_exclusive_scan(n_take, warp_sums, out_total);
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (take[i]) emit(slot++, t0 + tid * ITEMS + i);
+    }
+    eq_carry += eq_total;
+    out_carry += out_total;
+  }
+  return out_carry;
+}
+
+// Selection in one launch: the tensor-core scores of a CTA's 256 positions go to shared memory,
+// the CTA keeps its local top-`width` (block_topk: every global winner is a winner of its chunk,
+// the tie order being total) as (key, position) candidates, ascending by position; the row's last
+// CTA to finish (a ticket per row, reset by that CTA for the next launch) merges the row's
+// chunks x width candidates, which lie in position order, with the same block_topk: exactly the
+// rows topk_select_kernel (mode 0/1/2) gives for the same scores. width <= kScoreChunk (host).
+// n_valid: mode 0 N, 1 nv[b], 2 ceil(seq_lens[b] / block_size).
+template <typename TS, int D, int G, int REDUCE>
+__global__ void __launch_bounds__(kScoreThreads, 2) quest_select_mma_kernel(
+    const __nv_bfloat16* __restrict__ q, const TS* __restrict__ kmin, const TS* __restrict__ kmax,
+    const int* __restrict__ block_table, int table_stride, int num_blocks,
+    int mode, const int* __restrict__ nv, const int* __restrict__ seq_lens, int block_size, int sink, int local,
+    int width, uint2* __restrict__ cand, unsigned* __restrict__ tickets, int* __restrict__ out) {
+  static_assert(D == 64 || D == 128, "mma scores: head_dim 64 or 128");
+  static_assert(G >= 1 && G <= 8, "mma scores: at most 8 q heads per kv head");
+  constexpr int kJ = D / 32;
+  __shared__ int phys_s[kScoreChunk];
+  __shared__ float score_s[kScoreChunk];
+  __shared__ int hist[256];
+  __shared__ int warp_sums[kScoreThreads / 32];
+  __shared__ int s_digit, s_need;
+  __shared__ bool s_last;
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y, chunks = gridDim.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tid = threadIdx.x;
+  const int r = lane / 4, t = lane % 4;
+  const int warps = kScoreThreads / 32;
+  const int pos0 = blockIdx.x * kScoreChunk;
+  const int n_here = min(kScoreChunk, table_stride - pos0);
+  stage_table(phys_s, block_table + (long long)b * table_stride, pos0, n_here, num_blocks);
+
+  unsigned qp[kJ][4], qn[kJ][4];
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      unsigned w = 0u;
+      if (r < G) {
+        const unsigned* qr = reinterpret_cast<const unsigned*>(q + ((long long)b * H * G + (long long)h * G + r) * D);
+        w = qr[(32 * j + 8 * t) / 2 + i];
+      }
+      qp[j][i] = bf16x2_max0(w);
+      qn[j][i] = bf16x2_min0(w);
+    }
+  }
+  const long long row_stride = (long long)H * D;
+  const int cols0 = 2 * t;
+  for (int tile = warp * 16; tile < n_here; tile += warps * 16) {
+    const int i_lo = tile + r, i_hi = tile + r + 8;
+    const int p_lo = i_lo < n_here ? phys_s[i_lo] : -1, p_hi = i_hi < n_here ? phys_s[i_hi] : -1;
+    const long long o_lo = (long long)max(p_lo, 0) * row_stride + (long long)h * D + 8 * t;
+    const long long o_hi = (long long)max(p_hi, 0) * row_stride + (long long)h * D + 8 * t;
+    RowA<TS> xl[kJ], xh[kJ], nl[kJ], nh[kJ];
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      xl[j].load(kmax + o_lo + 32 * j);
+      xh[j].load(kmax + o_hi + 32 * j);
+      nl[j].load(kmin + o_lo + 32 * j);
+      nh[j].load(kmin + o_hi + 32 * j);
+    }
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      unsigned al[4], ah[4];
+      xl[j].template words<true>(al);
+      xh[j].template words<true>(ah);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
+        const tilehal::u32 bq[2] = {qp[j][2 * hh], qp[j][2 * hh + 1]};
+        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
+      }
+      nl[j].template words<false>(al);
+      nh[j].template words<false>(ah);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
+        const tilehal::u32 bq[2] = {qn[j][2 * hh], qn[j][2 * hh + 1]};
+        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
+      }
+    }
+    float s_lo = REDUCE == kMax ? -INFINITY : 0.f, s_hi = s_lo;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (cols0 + e < G) {
+        const float lo = finite(acc[e]) ? acc[e] : -INFINITY, hi = finite(acc[2 + e]) ? acc[2 + e] : -INFINITY;
+        if (REDUCE == kMax) { s_lo = fmaxf(s_lo, lo); s_hi = fmaxf(s_hi, hi); }
+        else { s_lo += lo; s_hi += hi; }
+      }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      const float ol = __shfl_xor_sync(0xffffffffu, s_lo, off), oh = __shfl_xor_sync(0xffffffffu, s_hi, off);
+      if (REDUCE == kMax) { s_lo = fmaxf(s_lo, ol); s_hi = fmaxf(s_hi, oh); }
+      else { s_lo += ol; s_hi += oh; }
+    }
+    if (REDUCE == kMean) { s_lo = s_lo / float(G); s_hi = s_hi / float(G); }
+    if (t == 0) {
+      if (i_lo < n_here) score_s[i_lo] = p_lo >= 0 ? s_lo : -INFINITY;
+      if (i_hi < n_here) score_s[i_hi] = p_hi >= 0 ? s_hi : -INFINITY;
+    }
+  }
+  __syncthreads();
+
+  long long n_valid = table_stride;
+  if (mode == 1) n_valid = nv[b];
+  if (mode == 2) n_valid = ((long long)seq_lens[b] + block_size - 1) / block_size;
+  auto key_local = [&](int i) -> unsigned {
+    const int p = pos0 + i;
+    if (i >= n_here || p >= n_valid) return 0u;
+    if (p < sink || p >= n_valid - local) return kKeyForced;
+    return float_key(score_s[i]);
+  };
+  const int row = b * H + h;
+  uint2* crow = cand + ((long long)row * chunks + blockIdx.x) * width;
+  const int n_local = block_topk<kScoreThreads, 1>(
+      kScoreChunk, width, key_local, [&](int slot, int i) { crow[slot] = make_uint2(key_local(i), unsigned(pos0 + i)); },
+      hist, warp_sums, s_digit, s_need);
+  for (int s2 = n_local + tid; s2 < width; s2 += kScoreThreads) crow[s2] = make_uint2(0u, 0x7fffffffu);
+
+  // ---- the row's last chunk merges
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(&tickets[row], 1u) == unsigned(chunks - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const uint2* call = cand + (long long)row * chunks * width;
+  const int Nc = chunks * width;
+  auto key_c = [&](int i) -> unsigned { return __ldcg(&call[i].x); };
+  int* orow = out + (long long)row * width;
+  const int n_out = block_topk<kScoreThreads, 8>(
+      Nc, width, key_c, [&](int slot, int i) { orow[slot] = int(__ldcg(&call[i].y)); }, hist, warp_sums, s_digit, s_need);
+  for (int s2 = n_out + tid; s2 < width; s2 += kScoreThreads) orow[s2] = -1;
+  if (tid == 0) tickets[row] = 0u;
+}
+
 }  // namespace dataengine
