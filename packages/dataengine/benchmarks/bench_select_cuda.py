@@ -8,8 +8,8 @@ Shapes from issue 15: b8, GQA 32/8, head_dim 128, bf16, 16-token blocks; selecti
   step         select_blocks + paged_decode(block_indices=...) vs dense paged_decode, context
                8K..128K (one pool of 128K tokens per sequence, blocks interleaved; shorter
                contexts use the first blocks), eager and CUDA graph.
-Summaries: bf16 (kvpool's default) and fp8 e4m3 rounded outward (KVPool(summary_dtype=
-torch.float8_e4m3fn)), each timed end to end and split into its two launches (score kernel on CUDA
+Summaries: bf16 (kvpool's default), fp8 e4m3 rounded outward (KVPool(summary_dtype=
+torch.float8_e4m3fn)) and int4 rows (summary_dtype="int4": 80 B per block and head at d128), each timed end to end and split into its two launches (score kernel on CUDA
 cores and on tensor cores; top-k plain and staged). select_us is the default path: one launch
 (tensor-core scores + per-chunk top-k + merge by the row's last CTA); select_two_launches_us the
 score kernel then the top-k kernel.
@@ -81,6 +81,18 @@ def fp8_summaries(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor,
     return lo, hi
 
 
+def int4_summaries(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What KVPool(summary_dtype="int4") keeps for the same keys: int4 rows encoded outward."""
+    from kvpool.storage import int4_encode
+
+    lo = torch.empty((*kmin.shape[:2], kmin.shape[2] // 2 + kmin.shape[2] // 8), dtype=torch.uint8, device=kmin.device)
+    hi = torch.empty_like(lo)
+    for s in range(0, kmin.shape[0], 8192):
+        lo[s:s + 8192] = int4_encode(kmin[s:s + 8192].float(), up=False)
+        hi[s:s + 8192] = int4_encode(kmax[s:s + 8192].float(), up=True)
+    return lo, hi
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_select_cuda needs a CUDA GPU")
@@ -89,7 +101,7 @@ def main() -> None:
     ids = list(range(B))
     bt_full = pool.block_table(ids)
     kmin, kmax = pool.key_summary(0)
-    summaries = {"bf16": (kmin, kmax), "fp8": fp8_summaries(kmin, kmax)}
+    summaries = {"bf16": (kmin, kmax), "fp8": fp8_summaries(kmin, kmax), "int4": int4_summaries(kmin, kmax)}
     q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
     rows = []
     sel_row = None
@@ -122,7 +134,7 @@ def main() -> None:
             out_ref = kvpool.paged_decode_reference(q[:1], pool, 0, bt[:1], sl[:1], block_indices=idx[:1])
             t_sel, t_step = bench(sel), bench(step)
             g_sel, g_step = bench_graph(sel), bench_graph(step)
-            sbytes = 2 * B * nb * H * D * lo.element_size()
+            sbytes = 2 * B * nb * H * lo.shape[-1] * lo.element_size()
             r = {"select_us": us(t_sel), "select_graph_us": us(g_sel),
                  "sparse_step_us": us(t_step), "sparse_step_graph_us": us(g_step),
                  "sparse_decode_only_us": us(bench(sparse_only)),
@@ -141,7 +153,8 @@ def main() -> None:
             # the two launches apart: score kernel (each variant) and top-k
             raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max")
             for variant in ("simt", "mma"):
-                if variant == "mma" and cuda_select.mma_reason(q, lo) is not None:
+                if (variant == "mma" and cuda_select.mma_reason(q, lo) is not None) or (
+                        variant == "simt" and lo.dtype == torch.uint8):
                     continue
                 t = bench(lambda bt=bt, lo=lo, hi=hi, v=variant: cuda_select.quest_raw_scores(q, lo, hi, bt, "max", v))
                 r[f"score_{variant}_us"] = us(t)

@@ -2,7 +2,7 @@
 #   ncu --kernel-name regex:"quest|topk" --section SpeedOfLight --section MemoryWorkloadAnalysis \
 #       --section Occupancy --section WarpStateStats python profile_select_ncu.py
 """One launch of each kernel of the selection (score on CUDA cores / tensor cores, bf16 / fp8
-summaries; top-k plain / staged; the one-launch selection, bf16 / fp8) at b8 x 128K, GQA 32/8, d128, 8192 blocks, top 64. Prints only
+summaries; top-k plain / staged; the one-launch selection, bf16 / fp8 / int4) at b8 x 128K, GQA 32/8, d128, 8192 blocks, top 64. Prints only
 the shapes: the profile is ncu's."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ B, HQ, H, D, BS, TOP, NB = 8, 32, 8, 128, 16, 64, 8192
 
 def select_kernels() -> None:
     from dataengine import cuda_select
-    from kvpool.storage import FP8_DTYPE, fp8_round_outward
+    from kvpool.storage import FP8_DTYPE, fp8_round_outward, int4_encode
 
     g = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(B * NB, BS, H, D, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -22,6 +22,8 @@ def select_kernels() -> None:
     del k
     fmin = fp8_round_outward(kmin, up=False).view(FP8_DTYPE)
     fmax = fp8_round_outward(kmax, up=True).view(FP8_DTYPE)
+    imin = torch.cat([int4_encode(kmin[s:s + 8192].float(), up=False) for s in range(0, kmin.shape[0], 8192)])
+    imax = torch.cat([int4_encode(kmax[s:s + 8192].float(), up=True) for s in range(0, kmax.shape[0], 8192)])
     q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
     bt = torch.randperm(B * NB, device="cuda", generator=g).to(torch.int32).reshape(B, NB)
     sl = torch.full((B,), NB * BS, dtype=torch.int32, device="cuda")
@@ -30,7 +32,8 @@ def select_kernels() -> None:
     for lo, hi in ((kmin, kmax), (fmin, fmax)):
         for v in ("simt", "mma"):
             raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max", v)
-    for lo, hi in ((kmin, kmax), (fmin, fmax)):
+    raw = cuda_select.quest_raw_scores(q, imin, imax, bt, "max", "mma")
+    for lo, hi in ((kmin, kmax), (fmin, fmax), (imin, imax)):
         cuda_select.select_fused(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS)
     for tv in ("plain", "staged"):
         cuda_select.topk_rows(raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant=tv)

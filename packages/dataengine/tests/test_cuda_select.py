@@ -103,6 +103,15 @@ def _problem(seed, B=6, Hq=32, Hkv=8, D=128, max_blocks=300, num_blocks=2000, dt
             lens.to(dev, torch.int32))
 
 
+def _problem_cpu(seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-3, 4, (2, 8, 128), generator=g).to(torch.bfloat16)
+    kmin = torch.randint(-4, 4, (40, 2, 128), generator=g).float()
+    kmax = kmin + torch.randint(0, 3, (40, 2, 128), generator=g).float()
+    table = torch.randperm(40, generator=g)[:20].to(torch.int32).reshape(2, 10)
+    return q, kmin, kmax, table, torch.tensor([160, 77], dtype=torch.int32)
+
+
 def _cpu(*ts):
     return [t.cpu() for t in ts]
 
@@ -363,3 +372,55 @@ def test_fused_select_in_a_cuda_graph():
         graph.replay()
         want = select.select_blocks_reference(*_cpu(static_q, kmin, kmax, table, lens), 32, 1, 1, block_size=16)
         assert torch.equal(out.cpu(), want)
+
+
+# ----------------------------------------------------------------------------- int4 rows
+def _int4_rows(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """Dyadic int4 rows of x [N, H, D] (lo = floor(min), step a multiple of 1/8, codes outward):
+    every decoded value and every partial sum is exact in float32 on integer inputs."""
+    D = x.shape[-1]
+    x = x.cpu().double()
+    g = x.reshape(*x.shape[:-1], D // 32, 32)
+    dead = torch.isinf(g).all(-1)
+    gg = torch.where(torch.isinf(g), 0.0, g)
+    lo = torch.floor(gg.amin(-1))
+    step = torch.ceil((gg.amax(-1) - lo) / 15 * 8) / 8
+    c = (gg - lo[..., None]) / torch.where(step > 0, step, 1.0)[..., None]
+    c = torch.where(dead[..., None], 0.0, (torch.ceil(c) if up else torch.floor(c)).clamp(0, 15))
+    lo, step = torch.where(dead, g[..., 0], lo), torch.where(dead, 0.0, step)
+    codes = c.to(torch.uint8).reshape(*x.shape[:-1], D // 2, 2)
+    params = torch.stack((lo, step), -1).to(torch.bfloat16).reshape(*x.shape[:-1], D // 16).view(torch.uint8)
+    return torch.cat((codes[..., 0] | (codes[..., 1] << 4), params), -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (64, 8, 8), (128, 16, 2), (64, 12, 2)])
+@pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_int4_select_equals_reference(D, Hq, Hkv, reduce, fused, monkeypatch):
+    monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1" if fused else "0")
+    for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (200, 1, 1)]):
+        q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, dtype=torch.bfloat16, sdtype=torch.float32,
+                                              unwritten=0.05)
+        lo, hi = _int4_rows(kmin, False).cuda(), _int4_rows(kmax, True).cuda()
+        args = (q, lo, hi, table, lens)
+        assert select.is_int4_summary(lo, D)
+        got = select.select_blocks(*args, top_k, sink, local, block_size=16, reduce=reduce)
+        want = select.select_blocks_reference(*_cpu(*args), top_k, sink, local, block_size=16, reduce=reduce)
+        assert torch.equal(got.cpu(), want), (seed, top_k, sink, local)
+        sc = select.quest_scores(*args, reduce=reduce)
+        assert torch.equal(sc.cpu(), select.quest_scores_reference(*_cpu(*args), reduce=reduce))
+
+
+@pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
+def test_int4_kernels_compile_and_need_tensor_cores():
+    m = cuda_select.compile_select(torch.uint8, 128, 4, "max")
+    assert cuda_select.select_kernel_name(torch.uint8, 128, 4, "max") in m.lowered_names
+    rows = torch.zeros(4, 8, 80, dtype=torch.uint8)
+    assert cuda_select.mma_reason(torch.zeros(2, 8, 128, dtype=torch.bfloat16), rows) is None
+    assert "bf16" in cuda_select.mma_reason(torch.zeros(2, 8, 128, dtype=torch.float16), rows)
+    # on the CPU, int4 rows go to the reference (select.py dispatches on the device first)
+    q, kmin, kmax, table, lens = (t.cpu() for t in _problem_cpu(0))
+    lo, hi = _int4_rows(kmin, False), _int4_rows(kmax, True)
+    assert torch.equal(select.select_blocks(q, lo, hi, table, lens, 5, block_size=16),
+                       select.select_blocks_reference(q, lo, hi, table, lens, 5, block_size=16))

@@ -141,3 +141,59 @@ def test_fp8_recall_close_to_exact_on_clustered_keys():
     print(f"attention-mass recall, top 16 of 256 blocks: exact summaries {e:.4f}, fp8 {f:.4f}")
     assert e > 0.3  # the premise: attention is concentrated enough for selection to matter
     assert f >= e - 0.03, rec  # fp8 loses at most 3 points of attention mass here
+
+
+# ----------------------------------------------------------------------------- int4 rows
+from dataengine.select import decode_int4_summary, int4_row_bytes  # noqa: E402
+
+
+def encode_int4_dyadic(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """A valid outward int4 encoding, the test's own: per 32-channel group lo = floor(min), step a
+    multiple of 1/8 >= range / 15, codes by ceil / floor in float64 (all values dyadic, so the
+    float32 decode is exact). Unwritten rows (+inf / -inf) keep their infinity with step 0."""
+    D = x.shape[-1]
+    g = x.double().reshape(*x.shape[:-1], D // 32, 32)
+    dead = torch.isinf(g).all(-1)
+    gg = torch.where(torch.isinf(g), 0.0, g)
+    lo = torch.floor(gg.amin(-1))
+    step = torch.ceil((gg.amax(-1) - lo) / 15 * 8) / 8
+    c = (gg - lo[..., None]) / torch.where(step > 0, step, 1.0)[..., None]
+    c = (torch.ceil(c) if up else torch.floor(c)).clamp(0, 15)
+    c = torch.where(dead[..., None], 0.0, c)
+    lo = torch.where(dead, g[..., 0], lo)
+    step = torch.where(dead, 0.0, step)
+    codes = c.to(torch.uint8).reshape(*x.shape[:-1], D // 2, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)
+    params = torch.stack((lo, step), -1).to(torch.bfloat16).reshape(*x.shape[:-1], D // 16).view(torch.uint8)
+    return torch.cat((packed, params), -1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6))
+def test_int4_bound_upper_bounds_every_key(seed):
+    q, keys, kmin, kmax, _, _, table, lens, _ = _paged(seed, D=64)
+    lo, hi = encode_int4_dyadic(kmin, False), encode_int4_dyadic(kmax, True)
+    assert lo.shape[-1] == int4_row_bytes(64)
+    assert bool((decode_int4_summary(lo, 64) <= torch.where(torch.isinf(kmin), float("inf"), kmin)).all())
+    bound = quest_scores(q, lo, hi, table, lens, block_size=4)
+    exact = quest_scores(q, kmin, kmax, table, lens, block_size=4)
+    assert torch.equal(torch.isfinite(bound), torch.isfinite(exact))
+    for b, k in enumerate(keys):
+        Hq, D = q.shape[1:]
+        s = torch.einsum("hgd,nhd->hgn", q[b].reshape(2, Hq // 2, D).double(), k.double()).amax(1)
+        for lb in range(-(-k.shape[0] // 4)):
+            blk = s[:, lb * 4:(lb + 1) * 4].amax(-1)
+            assert bool((bound[b, :, lb].double() >= blk - 1e-4 * (1 + blk.abs())).all())
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6))
+def test_int4_needle_block_always_selected(seed):
+    # other keys in [-3, 3]: a group's step is at most 6 / 15 rounded up to 1/8 (0.5), so another
+    # block's int4 bound is at most 3.5 |q|_1 while the needle (margin 2) scores 6 |q|_1
+    q, keys, kmin, kmax, _, _, table, lens, pos = _paged(seed, D=64, needle=2.0)
+    lo, hi = encode_int4_dyadic(kmin, False), encode_int4_dyadic(kmax, True)
+    sel = select_blocks(q, lo, hi, table, lens, top_k=3, sink_blocks=1, local_blocks=1)
+    for b in range(len(keys)):
+        for h in range(2):
+            assert pos[b] // 4 in sel[b, h].tolist()

@@ -138,3 +138,70 @@ def test_fp8_summary_write_kernel_equals_torch_path(in_dtype):
     assert cuda_write.unsupported_reason(gpu.storage, torch.zeros(1, dtype=in_dtype, device="cuda")) is None
     for t in ("k", "v", "kmin", "kmax"):
         assert torch.equal(getattr(gpu.storage, t).cpu().view(torch.uint8), getattr(cpu.storage, t).view(torch.uint8)), t
+
+
+# ----------------------------------------------------------------------------- int4 rows
+from kvpool.storage import int4_encode, int4_row_bytes  # noqa: E402
+
+
+def _decode_int4(rows: torch.Tensor, D: int) -> torch.Tensor:
+    """The decoder's float32 arithmetic (lo + code * step), written independently of dataengine."""
+    codes = rows[..., :D // 2].to(torch.int32)
+    c = torch.stack((codes & 15, codes >> 4), -1).reshape(*rows.shape[:-1], D).float()
+    p = rows[..., D // 2:].contiguous().view(torch.bfloat16).float().reshape(*rows.shape[:-1], D // 32, 2)
+    return p[..., 0].repeat_interleave(32, -1) + c * p[..., 1].repeat_interleave(32, -1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10**6), scale=st.sampled_from([1e-30, 1e-3, 1.0, 300.0, 1e30]),
+       special=st.sampled_from([None, "inf", "-inf", "zero"]))
+def test_int4_rows_bound_every_value_and_are_tight(seed, scale, special):
+    g = torch.Generator().manual_seed(seed)
+    x = scale * torch.randn(5, 3, 64, generator=g) * torch.exp2(torch.randint(-3, 4, (5, 3, 64), generator=g).float())
+    if special == "inf":
+        x[0, 0, 3] = float("inf")
+    elif special == "-inf":
+        x[1, 2, 40] = float("-inf")
+    elif special == "zero":
+        x[2, 1, :32] = 0.0
+    for up in (True, False):
+        rows = int4_encode(x, up)
+        assert rows.dtype == torch.uint8 and rows.shape == (5, 3, int4_row_bytes(64))
+        v = _decode_int4(rows, 64)
+        assert bool(((v >= x) if up else (v <= x)).all())
+        fin = torch.isfinite(x).reshape(5, 3, 2, 32).all(-1)
+        g32 = x.reshape(5, 3, 2, 32)
+        rng = (g32.amax(-1) - g32.amin(-1))
+        step = rows[..., 32:].contiguous().view(torch.bfloat16).float().reshape(5, 3, 2, 2)[..., 1]
+        # tight: the step is the range / 15 rounded up (within bf16 rounding and the 2 bumps), and
+        # every channel sits within one step of its value
+        ok = fin & (rng > 0)
+        assert bool((step[ok] <= rng[ok] / 15 * (1 + 2 ** -6) + 1e-38).all())
+        gap = (v - x).abs().reshape(5, 3, 2, 32)
+        assert bool((gap[ok] <= 2 * step[ok][..., None] + 1e-30 * scale).all())
+
+
+def test_int4_pool_rows_follow_the_exact_summaries():
+    pool, keys = _written_pool("int4")
+    kmin, kmax = pool.key_summary(0)
+    assert kmin.dtype == torch.uint8 and kmin.shape == (40, 4, int4_row_bytes(64))
+    assert torch.equal(kmin, int4_encode(pool.storage.kmin[0].float(), up=False))
+    assert torch.equal(kmax, int4_encode(pool.storage.kmax[0].float(), up=True))
+    lo, hi = _decode_int4(kmin, 64), _decode_int4(kmax, 64)
+    for parts in keys.values():
+        for lyr, slots, k in parts:
+            if lyr == 0:
+                kb = k.to(torch.bfloat16).float()
+                assert bool((lo[slots // 16] <= kb).all()) and bool((hi[slots // 16] >= kb).all())
+    assert bool(torch.isposinf(lo[-1]).all()) and bool(torch.isneginf(hi[-1]).all())  # unwritten
+    with pytest.raises(ArgumentError, match="multiple of 32"):
+        kvpool.KVPool(1, 2, 48, 4, summary_dtype="int4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_int4_encode_kernel_equals_torch_path(in_dtype):
+    cpu, _ = _written_pool("int4", in_dtype=in_dtype)
+    gpu, _ = _written_pool("int4", device="cuda", in_dtype=in_dtype)
+    for t in ("kmin", "kmax", "kmin_q4", "kmax_q4"):
+        assert torch.equal(getattr(gpu.storage, t).cpu(), getattr(cpu.storage, t)), t

@@ -43,21 +43,23 @@ class SparseConfig:
     them (dataengine.select_blocks). Prefill stays dense. `summary_dtype=torch.float8_e4m3fn`
     keeps the pool's key summaries as outward-rounded e4m3 codes (KVPool(summary_dtype=...)):
     the selection reads half the bytes; the bounds stay bounds, a little looser (one e4m3 step
-    per channel). Used by `enable_kvpool` when it builds the pool.
+    per channel); `summary_dtype="int4"` keeps 4-bit rows on a per-32-channel grid (5/16 of bf16's
+    bytes, looser still). Used by `enable_kvpool` when it builds the pool.
     """
 
     top_k: int
     sink_blocks: int = 1
     local_blocks: int = 1
-    summary_dtype: torch.dtype | None = None
+    summary_dtype: torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
         for name, v, lo in (("top_k", self.top_k, 1), ("sink_blocks", self.sink_blocks, 0),
                             ("local_blocks", self.local_blocks, 0)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ArgumentError(f"{name}: expected an int >= {lo}, got {v!r}")
-        if self.summary_dtype not in (None, torch.float8_e4m3fn):
-            raise ArgumentError(f"summary_dtype: expected None or torch.float8_e4m3fn, got {self.summary_dtype!r}")
+        if self.summary_dtype not in (None, torch.float8_e4m3fn, "int4"):
+            raise ArgumentError(f"summary_dtype: expected None, torch.float8_e4m3fn or 'int4', got "
+                                f"{self.summary_dtype!r}")
 
 
 @dataclass

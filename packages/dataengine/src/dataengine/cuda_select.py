@@ -30,6 +30,7 @@ TOPK_STAGE_BYTES = 160 * 1024  # the staged top-k keeps rows of up to 40960 keys
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half", torch.float32: "float"}
 FP8 = torch.float8_e4m3fn
 _S_CTYPES = {**_CTYPES, FP8: "__nv_fp8_e4m3"}  # summaries may also be fp8 (rounded outward by their writer)
+_S_CTYPES_MMA = {torch.bfloat16: "__nv_bfloat16", FP8: "__nv_fp8_e4m3", torch.uint8: "dataengine::Q4"}
 SCORE_KERNELS = ("auto", "simt", "mma")
 MMA_HEAD_DIMS = (64, 128)
 MMA_MAX_GROUP = 8
@@ -41,7 +42,7 @@ TOPK_KERNEL = TOPK_KERNELS["plain"]
 def score_kernel_name(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, group: int, reduce: str,
                       variant: str = "simt") -> str:
     if variant == "mma":
-        return f"dataengine::quest_score_mma_kernel<{_S_CTYPES[s_dtype]}, {head_dim}, {group}, {_REDUCE[reduce]}>"
+        return f"dataengine::quest_score_mma_kernel<{_S_CTYPES_MMA[s_dtype]}, {head_dim}, {group}, {_REDUCE[reduce]}>"
     return (f"dataengine::quest_score_kernel<{_CTYPES[q_dtype]}, {_S_CTYPES[s_dtype]}, {head_dim}, {group}, "
             f"{_REDUCE[reduce]}>")
 
@@ -58,7 +59,7 @@ def compile_score(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, gro
 
 
 def select_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str) -> str:
-    return f"dataengine::quest_select_mma_kernel<{_S_CTYPES[s_dtype]}, {head_dim}, {group}, {_REDUCE[reduce]}>"
+    return f"dataengine::quest_select_mma_kernel<{_S_CTYPES_MMA[s_dtype]}, {head_dim}, {group}, {_REDUCE[reduce]}>"
 
 
 @functools.cache
@@ -156,8 +157,8 @@ def mma_reason(q: torch.Tensor, kmin: torch.Tensor) -> str | None:
     """Why the tensor-core score kernel cannot serve this call (None: it can)."""
     if q.dtype != torch.bfloat16:
         return f"q dtype {q.dtype} (mma kernel: bf16)"
-    if kmin.dtype not in (torch.bfloat16, FP8):
-        return f"summary dtype {kmin.dtype} (mma kernel: bf16 or float8_e4m3fn)"
+    if kmin.dtype not in _S_CTYPES_MMA:
+        return f"summary dtype {kmin.dtype} (mma kernel: bf16, float8_e4m3fn or int4 rows)"
     if q.shape[-1] not in MMA_HEAD_DIMS:
         return f"head_dim {q.shape[-1]} (mma kernel: {MMA_HEAD_DIMS})"
     if q.shape[1] // kmin.shape[1] > MMA_MAX_GROUP:
@@ -184,6 +185,9 @@ def unsupported_reason(q: torch.Tensor, kmin: torch.Tensor) -> str | None:
     """Why the CUDA score kernel cannot serve this call (None: it can)."""
     if q.device.type != "cuda":
         return f"q on {q.device}"
+    if kmin.dtype == torch.uint8:  # int4 rows: tensor cores only
+        why = mma_reason(q, kmin)
+        return None if why is None else f"int4 summaries need the tensor-core kernel ({why})"
     if q.dtype not in _CTYPES or kmin.dtype not in _S_CTYPES:
         return f"dtypes q={q.dtype} summaries={kmin.dtype} (kernel: q bf16/fp16/fp32, summaries also fp8 e4m3)"
     D = q.shape[-1]
@@ -204,6 +208,8 @@ def _aligned(*ts: torch.Tensor) -> bool:
 
 def _pick_variant(q: torch.Tensor, kmin: torch.Tensor, variant: str | None) -> str:
     variant = score_variant() if variant is None else variant
+    if kmin.dtype == torch.uint8:  # int4 rows: unsupported_reason has checked mma_reason
+        return "mma"
     if variant == "simt":
         return "simt"
     reason = mma_reason(q, kmin)

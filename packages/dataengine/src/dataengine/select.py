@@ -25,6 +25,11 @@ bound stays an upper bound of every key; the two NaN codes are the open ends: in
 "a key above 448" (read as 2^100, so the block stays a candidate) and 0xFF "nothing written"
 (-inf); in kmin 0xFF means "a key below -448" (-2^100) and 0x7F "nothing written" (+inf). The
 reference and the kernels decode them the same way (`decode_fp8_summary`).
+Or int4 rows (uint8 [num_blocks, kv_heads, head_dim / 2 + head_dim / 8]; kvpool's
+summary_dtype="int4"): 4-bit codes on a per-(block, head, 32 channels) grid lo + code * step, the
+codes rounded outward by the writer (`decode_int4_summary`): 5/16 of bf16's bytes. The kernels
+(tensor cores only) factor the grid out of the dot product, so their bounds agree with the
+reference's to float32 rounding (exactly on dyadic inputs), like bf16 summaries on Gaussian data.
 
 On CUDA tensors of bf16/fp16/fp32 (summaries also fp8) with head_dim 64/128/256, `select_blocks`, `quest_scores` and
 `topk_blocks` run the kernels of cuda_select.py (kernels/select.cuh): two launches, no host
@@ -125,8 +130,36 @@ def decode_fp8_summary(t: torch.Tensor, role: Literal["min", "max"]) -> torch.Te
     return lut[codes.long()]
 
 
-def _gather_summary(t: torch.Tensor, flat: torch.Tensor, role: Literal["min", "max"]) -> torch.Tensor:
-    """Rows `flat` of a summary [num_blocks, H, D] as float32 [len(flat), H * D]."""
+INT4_GROUP = 32  # channels per (origin, step) pair of an int4 summary row
+
+
+def int4_row_bytes(head_dim: int) -> int:
+    """Bytes of one int4 summary row (one block, one kv head): codes, then (lo, step) per group."""
+    return head_dim // 2 + 4 * (head_dim // INT4_GROUP)
+
+
+def is_int4_summary(t: torch.Tensor, head_dim: int) -> bool:
+    return t.dtype == torch.uint8 and head_dim % INT4_GROUP == 0 and t.shape[-1] == int4_row_bytes(head_dim)
+
+
+def decode_int4_summary(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """float32 [..., head_dim] values of int4 summary rows uint8 [..., int4_row_bytes(head_dim)]:
+    lo + code * step per channel (float32; code * step is exact), code = the channel's nibble
+    (channel 2i: low nibble of byte i), (lo, step) bf16 per 32-channel group after the codes."""
+    D = head_dim
+    codes = rows[..., :D // 2]
+    c = torch.stack(((codes & 15), (codes >> 4)), dim=-1).reshape(*rows.shape[:-1], D).float()
+    params = rows[..., D // 2:].contiguous().view(torch.bfloat16).float().reshape(*rows.shape[:-1], D // INT4_GROUP, 2)
+    lo = params[..., 0].repeat_interleave(INT4_GROUP, dim=-1)
+    step = params[..., 1].repeat_interleave(INT4_GROUP, dim=-1)
+    return lo + c * step
+
+
+def _gather_summary(t: torch.Tensor, flat: torch.Tensor, role: Literal["min", "max"], head_dim: int) -> torch.Tensor:
+    """Rows `flat` of a summary [num_blocks, H, D] (or int4 rows) as float32 [len(flat), H * D]."""
+    if is_int4_summary(t, head_dim):
+        rows = t.index_select(0, flat)
+        return decode_int4_summary(rows, head_dim).reshape(len(flat), -1)
     rows = t.reshape(t.shape[0], -1)
     if t.dtype == FP8_SUMMARY:
         return decode_fp8_summary(rows.view(torch.uint8).index_select(0, flat), role)
@@ -170,8 +203,8 @@ def quest_scores_reference(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tens
     phys = block_table.long().clamp(min=0)
     # Gather only the blocks each sequence owns, laid out [B, kv_heads, D, max_blocks] for a matmul.
     flat = phys.reshape(-1)
-    kmx = _gather_summary(kmax, flat, "max").reshape(B, -1, Hkv, D).permute(0, 2, 3, 1)
-    kmn = _gather_summary(kmin, flat, "min").reshape(B, -1, Hkv, D).permute(0, 2, 3, 1)
+    kmx = _gather_summary(kmax, flat, "max", D).reshape(B, -1, Hkv, D).permute(0, 2, 3, 1)
+    kmn = _gather_summary(kmin, flat, "min", D).reshape(B, -1, Hkv, D).permute(0, 2, 3, 1)
     qg = q.float().reshape(B, Hkv, group, D)
     # max(q*kmax, q*kmin) per channel = q+ * kmax + q- * kmin, summed over channels: two matmuls.
     bound = torch.matmul(qg.clamp(min=0), kmx) + torch.matmul(qg.clamp(max=0), kmn)  # [B, kv_heads, group, blocks]
@@ -195,8 +228,9 @@ def _check_inputs(q, kmin, kmax, block_table, seq_lens, check_ids: bool = True) 
         raise ShapeError(f"q: expected [B, q_heads, head_dim], got {getattr(q, 'shape', type(q).__name__)}")
     B, Hq, D = q.shape
     for name, t in (("kmin", kmin), ("kmax", kmax)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[2] != D:
-            raise ShapeError(f"{name}: expected [num_blocks, kv_heads, {D}], got {getattr(t, 'shape', type(t).__name__)}")
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or (t.shape[2] != D and not is_int4_summary(t, D)):
+            raise ShapeError(f"{name}: expected [num_blocks, kv_heads, {D}] (or int4 rows "
+                             f"[num_blocks, kv_heads, {int4_row_bytes(D)}] uint8), got {getattr(t, 'shape', type(t).__name__)}")
     if kmin.shape != kmax.shape:
         raise ShapeError(f"kmax: expected shape {tuple(kmin.shape)} (same as kmin), got {tuple(kmax.shape)}")
     if kmax.dtype != kmin.dtype:

@@ -20,9 +20,14 @@ def kernel_name(in_dtype: torch.dtype, pool_dtype: torch.dtype, fp8_summaries: b
     return f"kvpool::kv_write_kernel<{_CTYPES[in_dtype]}, {_CTYPES[pool_dtype]}, {str(fp8_summaries).lower()}>"
 
 
+def encode_kernel_name(pool_dtype: torch.dtype) -> str:
+    return f"kvpool::int4_encode_kernel<{_CTYPES[pool_dtype]}>"
+
+
 @functools.cache
 def compile_write(arch: str = "sm_90a") -> tilehal.CudaModule:
     names = [kernel_name(i, p, f) for i in _CTYPES for p in POOL_DTYPES for f in (False, True)]
+    names += [encode_kernel_name(p) for p in POOL_DTYPES]
     return tilehal.compile_cuda('#include "kv_write.cuh"\n', arch=arch, name="kv_write",
                                 include_dirs=[str(KERNEL_DIR)], name_expressions=names)
 
@@ -53,3 +58,13 @@ def write_kv(storage, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch
     kern = compile_write().get_kernel(kernel_name(k.dtype, storage.dtype, storage.fp8_summaries))
     kern.launch(T, 256, [k, v, slots.contiguous(), storage.num_kv_heads, storage.head_dim, storage.block_size,
                          storage.k[layer], storage.v[layer], storage.kmin[layer], storage.kmax[layer]])
+
+
+def encode_int4(storage, layer: int, slots: torch.Tensor) -> None:
+    """Re-encode the int4 summary rows of the blocks `slots` wrote (after write_kv): one launch."""
+    T = slots.shape[0]
+    if T == 0:
+        return
+    kern = compile_write().get_kernel(encode_kernel_name(storage.dtype))
+    kern.launch(T, 256, [slots.contiguous(), storage.num_kv_heads, storage.head_dim, storage.block_size,
+                         storage.kmin[layer], storage.kmax[layer], storage.kmin_q4[layer], storage.kmax_q4[layer]])

@@ -107,7 +107,7 @@ class KVPool:
         prefix_caching: bool = True,
         watermark: float = 0.01,
         debug: bool | None = None,
-        summary_dtype: torch.dtype | None = None,
+        summary_dtype: torch.dtype | str | None = None,
     ) -> None:
         num_layers, num_kv_heads, head_dim, num_blocks, block_size = (
             check_int(v, name, lo=1) for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
@@ -647,11 +647,15 @@ class KVPool:
         Maintained by `write` (a rewritten position keeps widening the bounds, which stay valid
         upper/lower bounds). Unwritten blocks hold +inf / -inf. Views into the pool's storage.
         With `summary_dtype=torch.float8_e4m3fn` they are e4m3 codes rounded outward, whose NaN
-        codes are the open ends (storage.py; dataengine.select_blocks reads them so).
+        codes are the open ends (storage.py; dataengine.select_blocks reads them so). With
+        `summary_dtype="int4"`: int4 rows uint8 `[num_blocks, kv_heads, head_dim / 2 + head_dim / 8]`
+        (storage.py), re-encoded from the exact summaries by every write.
         """
         self._check_layer(layer)
         self._issue_onloads(list(self._onload), prefetch=False)
         self._ready()
+        if self.storage.int4_summaries:
+            return self.storage.kmin_q4[layer], self.storage.kmax_q4[layer]
         return self.storage.kmin[layer], self.storage.kmax[layer]
 
     # ------------------------------------------------------------------ host tier

@@ -21,6 +21,13 @@ with nothing written, or a kmin below -448) and 0x7F (+inf: a kmin with nothing 
 kmax above 448; a NaN key widens both bounds to these ends). dataengine's selection decodes them
 so (dataengine/select.py). Folding is monotone in that order, so round(min) == min(round): each
 write folds its own rounded keys, no unrounded copy is kept.
+With `summary_dtype="int4"` the exact summaries stay (the writes fold into them) and each write
+also re-encodes its blocks' rows as int4 rows (uint8 [layers, blocks, heads, D/2 + D/8], what
+`KVPool.key_summary` returns): per 32-channel group a bf16 origin lo (the group's minimum,
+rounded down) and a bf16 step (the range / 15, rounded up), and per channel a 4-bit code, kmin's
+rounded down and kmax's up, each checked in the decoder's float32 arithmetic (lo + code * step),
+so the decoded kmin <= every key <= the decoded kmax. A group with a non-finite value is stored
+as its own extreme with step 0 (its minimum for kmin, maximum for kmax). 5/16 of bf16's bytes.
 """
 
 from __future__ import annotations
@@ -71,6 +78,76 @@ def fp8_round_outward(x: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.where(torch.isnan(x), FP8_TOP if up else FP8_BOTTOM, c.to(torch.int32)).to(torch.uint8)
 
 
+# ------------------------------------------------------------------ int4 summary rows
+INT4_GROUP = 32
+
+
+def int4_row_bytes(head_dim: int) -> int:
+    return head_dim // 2 + 4 * (head_dim // INT4_GROUP)
+
+
+def _bf16_order(bits: torch.Tensor) -> torch.Tensor:
+    b = bits.to(torch.int32) & 0xFFFF
+    return torch.where(b < 0x8000, b + 0x8000, 0xFFFF - b)
+
+
+def _bf16_from_order(o: torch.Tensor) -> torch.Tensor:
+    b = torch.where(o >= 0x8000, o - 0x8000, 0xFFFF - o)
+    return torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16).view(torch.bfloat16)
+
+
+def bf16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """bfloat16 of finite float32 x rounded up (smallest >= x) or down (largest <= x)."""
+    o = _bf16_order(x.to(torch.bfloat16).view(torch.int16))
+    step = 1 if up else -1
+    for _ in range(2):  # nearest is at most one away, two across the signed zeros
+        v = _bf16_from_order(o).float()
+        off = (v < x) if up else (v > x)
+        o = torch.where(off, o + step, o)
+    return _bf16_from_order(o)
+
+
+def int4_encode(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """int4 summary rows uint8 [..., D/2 + D/8] of exact summaries x [..., D] (float32): codes
+    rounded up (kmax) or down (kmin) on each 32-channel group's grid; see the module docstring."""
+    x = x.float()
+    D = x.shape[-1]
+    lead = x.shape[:-1]
+    g = x.reshape(*lead, D // INT4_GROUP, INT4_GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    fin = torch.isfinite(g).all(-1)
+    lo_b = bf16_round(torch.where(fin, lo, 0.0), up=False).float()
+    d = hi - lo_b
+    fin = fin & torch.isfinite(d)
+    d = torch.where(fin, d, 0.0)
+    step = bf16_round(d / 15.0, up=True)
+    for _ in range(2):  # the decoder's lo + 15 * step must reach hi
+        short = fin & ((lo_b + 15.0 * step.float()) < hi)
+        step = torch.where(short, _bf16_from_order(_bf16_order(step.view(torch.int16)) + 1), step)
+    st = step.float()[..., None]
+    lb = lo_b[..., None]
+    safe = torch.where(st > 0, st, 1.0)
+    q = (g - lb) / safe
+    c = (torch.ceil(q) if up else torch.floor(q)).clamp(0, 15)
+    c = torch.where(st > 0, c, 0.0)
+    c = torch.where(fin[..., None], c, 0.0)
+    for _ in range(2):  # the decoder's float32 lo + c * step must stay on the right side of x
+        v = lb + c * st
+        if up:
+            c = torch.where((v < g) & (c < 15), c + 1, c)
+        else:
+            c = torch.where((v > g) & (c > 0), c - 1, c)
+    # non-finite groups: their own extreme, step 0
+    ext = hi if up else lo
+    ext_b = torch.where(torch.isfinite(ext), bf16_round(torch.where(torch.isfinite(ext), ext, 0.0), up).float(), ext)
+    lo_out = torch.where(fin, lo_b, ext_b).to(torch.bfloat16)
+    st_out = torch.where(fin, step.float(), 0.0).to(torch.bfloat16)
+    codes = c.to(torch.uint8).reshape(*lead, D // 2, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)
+    params = torch.stack((lo_out, st_out), dim=-1).reshape(*lead, D // INT4_GROUP * 2).view(torch.uint8)
+    return torch.cat((packed, params), dim=-1)
+
+
 def _int_index(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device=device, dtype=torch.long, non_blocking=True)
 
@@ -78,12 +155,14 @@ def _int_index(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 class KVStorage:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, pin_memory: bool = False,
-                 summary_dtype: torch.dtype | None = None) -> None:
+                 summary_dtype: torch.dtype | str | None = None) -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ArgumentError(f"dtype: expected one of {[str(d) for d in SUPPORTED_DTYPES]}, got {dtype}")
-        if summary_dtype not in (None, FP8_DTYPE):
-            raise ArgumentError(f"summary_dtype: expected None (the compute dtype) or torch.float8_e4m3fn, "
-                                f"got {summary_dtype!r}")
+        if summary_dtype not in (None, FP8_DTYPE, "int4"):
+            raise ArgumentError(f"summary_dtype: expected None (the compute dtype), torch.float8_e4m3fn or "
+                                f"'int4', got {summary_dtype!r}")
+        if summary_dtype == "int4" and head_dim % INT4_GROUP:
+            raise ArgumentError(f"summary_dtype: 'int4' expects head_dim a multiple of {INT4_GROUP}, got {head_dim}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
@@ -92,6 +171,7 @@ class KVStorage:
         self.compute_dtype = torch.float32 if self.is_fp8 else dtype
         self.summary_dtype = summary_dtype or self.compute_dtype
         self.fp8_summaries = self.summary_dtype == FP8_DTYPE
+        self.int4_summaries = summary_dtype == "int4"
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         kw = dict(device=device, pin_memory=pin_memory) if device.type == "cpu" and pin_memory else dict(device=device)
         self.k = torch.zeros(shape, dtype=dtype, **kw)
@@ -103,6 +183,15 @@ class KVStorage:
         else:
             self.kmin = torch.full(sshape, float("inf"), dtype=self.compute_dtype, **kw)
             self.kmax = torch.full(sshape, float("-inf"), dtype=self.compute_dtype, **kw)
+        self.kmin_q4 = self.kmax_q4 = None
+        if self.int4_summaries:  # rows of the fresh state (+inf / -inf, step 0), re-encoded by every write
+            rb = int4_row_bytes(head_dim)
+            self._fresh_q4 = (int4_encode(torch.full((head_dim,), float("inf")), up=False).to(device),
+                              int4_encode(torch.full((head_dim,), float("-inf")), up=True).to(device))
+            self.kmin_q4 = self._fresh_q4[0].expand(num_layers, num_blocks, num_kv_heads, rb).clone()
+            self.kmax_q4 = self._fresh_q4[1].expand(num_layers, num_blocks, num_kv_heads, rb).clone()
+            if kw.get("pin_memory"):
+                self.kmin_q4, self.kmax_q4 = self.kmin_q4.pin_memory(), self.kmax_q4.pin_memory()
         if self.is_fp8:
             self.k_scale = torch.zeros((num_layers, num_blocks, num_kv_heads), dtype=torch.float32, **kw)
             self.v_scale = torch.zeros((num_layers, num_blocks, num_kv_heads), dtype=torch.float32, **kw)
@@ -115,6 +204,8 @@ class KVStorage:
     def tensors(self) -> list[torch.Tensor]:
         """Every per-block tensor (dim 1 = block), i.e. what a block copy must move."""
         ts = [self.k, self.v, self.kmin, self.kmax]
+        if self.int4_summaries:
+            ts += [self.kmin_q4, self.kmax_q4]
         if self.is_fp8:
             ts += [self.k_scale, self.v_scale]
         return ts
@@ -133,6 +224,9 @@ class KVStorage:
             return
         idx = torch.tensor(sorted(set(self._fresh)), dtype=torch.long).to(self.device, non_blocking=True)
         self._fresh.clear()
+        if self.int4_summaries:
+            for t, row in ((self.kmin_q4, self._fresh_q4[0]), (self.kmax_q4, self._fresh_q4[1])):
+                t.index_copy_(1, idx, row.expand(t.shape[0], len(idx), t.shape[2], t.shape[3]).contiguous())
         if self.fp8_summaries:
             _raw(self.kmin).index_fill_(1, idx, FP8_TOP)
             _raw(self.kmax).index_fill_(1, idx, FP8_BOTTOM)
@@ -162,6 +256,8 @@ class KVStorage:
             reason = cuda_write.unsupported_reason(self, k)
             if reason is None:
                 cuda_write.write_kv(self, layer, slots, k, v)
+                if self.int4_summaries:
+                    cuda_write.encode_int4(self, layer, slots)
                 return
             log.debug("write: CUDA kernel not used (%s); running torch ops", reason)
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
@@ -181,6 +277,13 @@ class KVStorage:
         bidx = blocks.view(-1, 1, 1).expand_as(kc)
         self.kmin[layer].scatter_reduce_(0, bidx, kc, "amin", include_self=True)
         self.kmax[layer].scatter_reduce_(0, bidx, kc, "amax", include_self=True)
+        if self.int4_summaries:
+            self._encode_int4(layer, torch.unique(blocks))
+
+    def _encode_int4(self, layer: int, blocks: torch.Tensor) -> None:
+        """Re-encode the int4 rows of `blocks` from the exact summaries."""
+        self.kmin_q4[layer].index_copy_(0, blocks, int4_encode(self.kmin[layer].index_select(0, blocks), up=False))
+        self.kmax_q4[layer].index_copy_(0, blocks, int4_encode(self.kmax[layer].index_select(0, blocks), up=True))
 
     def _fold_fp8_summaries(self, layer: int, blocks: torch.Tensor, k: torch.Tensor) -> None:
         """Widen the touched blocks' e4m3 codes by the outward-rounded keys, in code order."""

@@ -252,100 +252,246 @@ TILEHAL_DEVICE unsigned bf16x2_min0(unsigned w) {  // min(x, 0) per half, NaN ke
   const __nv_bfloat162 r = __hmin2_nan(*reinterpret_cast<const __nv_bfloat162*>(&w), __float2bfloat162_rn(0.f));
   return *reinterpret_cast<const unsigned*>(&r);
 }
+TILEHAL_DEVICE unsigned load_nc_u32(const void* p) {
+  unsigned r;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// int4 summary rows (kvpool's summary_dtype="int4"): per (block, kv head) D/2 bytes of 4-bit
+// codes (channel 2i in the low nibble of byte i) then, per 32-channel group, a bf16 origin lo and
+// a bf16 step: value = lo + code * step (fp32; code * step is exact). The writer rounds outward,
+// so the decoded kmin <= every key <= the decoded kmax, channel by channel.
+struct Q4 {};
+template <typename T> struct IsQ4 { static constexpr bool value = false; };
+template <> struct IsQ4<Q4> { static constexpr bool value = true; };
+template <int D> struct Q4Row {
+  static constexpr int kCodeBytes = D / 2, kGroups = D / 32, kBytes = D / 2 + 4 * (D / 32);
+};
 
 // Lane l = 4r + t. k slot assignment per 8-channel group j (channels 32j + 8t + 0..7 of this lane):
 // k-step (j, hh) uses channels 32j + 8t + 4hh + {0,1} as k rows 2t, 2t+1 and + {2,3} as 2t+8, 2t+9;
-// the A rows are blocks (r and r + 8 of the warp's 16), the B columns heads (n = r).
-template <typename TS, int D, int G, int REDUCE>
-__global__ void __launch_bounds__(kScoreThreads, 2) quest_score_mma_kernel(
-    const __nv_bfloat16* __restrict__ q, const TS* __restrict__ kmin, const TS* __restrict__ kmax,
-    const int* __restrict__ block_table, int table_stride, int num_blocks, float* __restrict__ raw) {
-  static_assert(D == 64 || D == 128, "mma scores: head_dim 64 or 128");
-  static_assert(G >= 1 && G <= 8, "mma scores: at most 8 q heads per kv head");
-  constexpr int kJ = D / 32;
-  __shared__ int phys_s[kScoreChunk];
-  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r = lane / 4, t = lane % 4;
-  const int warps = kScoreThreads / 32;
-  const int pos0 = blockIdx.x * kScoreChunk;
-  const int n_here = min(kScoreChunk, table_stride - pos0);
-  stage_table(phys_s, block_table + (long long)b * table_stride, pos0, n_here, num_blocks);
+// the A rows are blocks (r and r + 8 of the warp's 16), the B columns heads (n = r). The two
+// k-steps of j cover exactly channels 32j .. 32j + 31 (one int4 group).
+template <int D, int G, bool SUMS>
+struct MmaQ {
+  static constexpr int kJ = D / 32;
+  unsigned qp[kJ][4], qn[kJ][4];                    // B fragments: head r's q+ / q- at this lane's channels
+  float sp[SUMS ? kJ : 1][2], sn[SUMS ? kJ : 1][2];  // int4 rows: sum of q+ / q- over group j, heads 2t + e
+  __device__ __forceinline__ void load(const __nv_bfloat16* q, long long head0, int r, int t) {
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      float fp = 0.f, fn = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        unsigned w = 0u;
+        if (r < G) w = reinterpret_cast<const unsigned*>(q + (head0 + r) * D)[(32 * j + 8 * t) / 2 + i];
+        qp[j][i] = bf16x2_max0(w);
+        qn[j][i] = bf16x2_min0(w);
+        if constexpr (SUMS) {
+          const float2 a = tilehal::bf16x2_to_float2(qp[j][i]), c = tilehal::bf16x2_to_float2(qn[j][i]);
+          fp += a.x + a.y;
+          fn += c.x + c.y;
+        }
+      }
+      if constexpr (SUMS) {
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+          fp += __shfl_xor_sync(0xffffffffu, fp, off);
+          fn += __shfl_xor_sync(0xffffffffu, fn, off);
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {  // the quad of head 2t + e holds its sums
+          sp[j][e] = __shfl_sync(0xffffffffu, fp, 4 * (2 * t + e));
+          sn[j][e] = __shfl_sync(0xffffffffu, fn, 4 * (2 * t + e));
+        }
+      }
+    }
+  }
+};
 
-  unsigned qp[kJ][4], qn[kJ][4];  // B fragments: head r's q+ / q- at this lane's channels
+// Bounds of one 16-block tile (rows o_lo / o_hi: element offsets of the lane's row starts, h and
+// 8t included) for the lane's accumulator entries: acc[e] (row r, head 2t + e), acc[2 + e] (row r + 8).
+template <typename TS, int D, int G>
+__device__ __forceinline__ void mma_tile(const MmaQ<D, G, false>& Q, const TS* __restrict__ kmin,
+                                         const TS* __restrict__ kmax, long long o_lo, long long o_hi, float (&acc)[4]) {
+  constexpr int kJ = D / 32;
+  RowA<TS> xl[kJ], xh[kJ], nl[kJ], nh[kJ];
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+    xl[j].load(kmax + o_lo + 32 * j);
+    xh[j].load(kmax + o_hi + 32 * j);
+    nl[j].load(kmin + o_lo + 32 * j);
+    nh[j].load(kmin + o_hi + 32 * j);
+  }
+  acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+    unsigned al[4], ah[4];
+    xl[j].template words<true>(al);
+    xh[j].template words<true>(ah);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
+      const tilehal::u32 bq[2] = {Q.qp[j][2 * hh], Q.qp[j][2 * hh + 1]};
+      tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
+    }
+    nl[j].template words<false>(al);
+    nh[j].template words<false>(ah);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
+      const tilehal::u32 bq[2] = {Q.qn[j][2 * hh], Q.qn[j][2 * hh + 1]};
+      tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
+    }
+  }
+}
+
+// 8 codes (one 32-bit word: channels 0..7 of the lane) -> 4 bf16x2 words of (16 + code) / 16,
+// exact in bf16: sum q * (1 + c / 16) = S + (sum q * c) / 16 with S = sum q.
+__device__ __forceinline__ void q4_words(unsigned w, unsigned (&o)[4]) {
+  const unsigned ev = (w << 3) & 0x78787878u, od = (w >> 1) & 0x78787878u;  // (even / odd code) << 3 per byte
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = 0x3F803F80u | ((ev >> (8 * i)) & 0xffu) | (((od >> (8 * i)) & 0xffu) << 16);
+}
+
+// The same for int4 rows (r_lo / r_hi: byte offsets of the lane's rows): per group j, the mma
+// gives A = sum q (1 + c/16) and the group adds lo * S + 16 * step * (A - S).
+template <int D, int G>
+__device__ __forceinline__ void mma_tile_q4(const MmaQ<D, G, true>& Q, const unsigned char* __restrict__ kmin,
+                                            const unsigned char* __restrict__ kmax, long long r_lo, long long r_hi,
+                                            int t, float (&acc)[4]) {
+  constexpr int kJ = D / 32;
+  constexpr int kParams = Q4Row<D>::kCodeBytes;
+  unsigned cx[2][kJ], cn[2][kJ], px[2][kJ], pn[2][kJ];
+  const long long rows[2] = {r_lo, r_hi};
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      cx[s][j] = load_nc_u32(kmax + rows[s] + 16 * j + 4 * t);
+      cn[s][j] = load_nc_u32(kmin + rows[s] + 16 * j + 4 * t);
+      px[s][j] = load_nc_u32(kmax + rows[s] + kParams + 4 * j);
+      pn[s][j] = load_nc_u32(kmin + rows[s] + kParams + 4 * j);
+    }
+  }
+  acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
 #pragma unroll
   for (int j = 0; j < kJ; ++j) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      unsigned w = 0u;
-      if (r < G) {
-        const unsigned* qr = reinterpret_cast<const unsigned*>(q + ((long long)b * H * G + (long long)h * G + r) * D);
-        w = qr[(32 * j + 8 * t) / 2 + i];
+    for (int bound = 0; bound < 2; ++bound) {
+      const unsigned(&c)[2][kJ] = bound == 0 ? cx : cn;
+      const unsigned(&pr)[2][kJ] = bound == 0 ? px : pn;
+      unsigned al[4], ah[4];
+      q4_words(c[0][j], al);
+      q4_words(c[1][j], ah);
+      float a[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const tilehal::u32 av[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
+        const tilehal::u32 bq[2] = {bound == 0 ? Q.qp[j][2 * hh] : Q.qn[j][2 * hh],
+                                    bound == 0 ? Q.qp[j][2 * hh + 1] : Q.qn[j][2 * hh + 1]};
+        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, a, av, bq);
       }
-      qp[j][i] = bf16x2_max0(w);
-      qn[j][i] = bf16x2_min0(w);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const float2 ls = tilehal::bf16x2_to_float2(pr[s][j]);  // (lo, step)
+        const float step16 = 16.f * ls.y;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float S = bound == 0 ? Q.sp[j][e] : Q.sn[j][e];
+          acc[2 * s + e] += ls.x * S + step16 * (a[2 * s + e] - S);
+        }
+      }
     }
   }
-  const long long row_stride = (long long)H * D;
-  float* out = raw + ((long long)b * H + h) * table_stride + pos0;
-  const int cols0 = 2 * t;  // this lane's accumulator columns (heads) cols0, cols0 + 1
+}
 
+// Summary element pointers / row offsets per summary type.
+template <typename TS, int D> struct Rows {
+  using ptr = const TS*;
+  static __device__ __forceinline__ long long lane_off(int phys, int h, int H, int t) {
+    return (long long)phys * H * D + (long long)h * D + 8 * t;
+  }
+};
+template <int D> struct Rows<Q4, D> {
+  using ptr = const unsigned char*;
+  static __device__ __forceinline__ long long lane_off(int phys, int h, int H, int) {
+    return ((long long)phys * H + h) * Q4Row<D>::kBytes;
+  }
+};
+
+template <typename TS, int D, int G>
+__device__ __forceinline__ void tile_bounds(const MmaQ<D, G, IsQ4<TS>::value>& Q,
+                                            typename Rows<TS, D>::ptr kmin, typename Rows<TS, D>::ptr kmax,
+                                            int p_lo, int p_hi, int h, int H, int t, float (&acc)[4]) {
+  const long long o_lo = Rows<TS, D>::lane_off(max(p_lo, 0), h, H, t), o_hi = Rows<TS, D>::lane_off(max(p_hi, 0), h, H, t);
+  if constexpr (IsQ4<TS>::value) mma_tile_q4<D, G>(Q, kmin, kmax, o_lo, o_hi, t, acc);
+  else mma_tile<TS, D, G>(Q, kmin, kmax, o_lo, o_hi, acc);
+}
+
+// acc -> the reduced scores of rows r (s_lo) and r + 8 (s_hi), on every lane of the quad.
+template <int G, int REDUCE>
+__device__ __forceinline__ void reduce_heads(const float (&acc)[4], int t, float& s_lo, float& s_hi) {
+  s_lo = REDUCE == kMax ? -INFINITY : 0.f;
+  s_hi = s_lo;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (2 * t + e < G) {
+      const float lo = finite(acc[e]) ? acc[e] : -INFINITY, hi = finite(acc[2 + e]) ? acc[2 + e] : -INFINITY;
+      if (REDUCE == kMax) { s_lo = fmaxf(s_lo, lo); s_hi = fmaxf(s_hi, hi); }
+      else { s_lo += lo; s_hi += hi; }
+    }
+  }
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    const float ol = __shfl_xor_sync(0xffffffffu, s_lo, off), oh = __shfl_xor_sync(0xffffffffu, s_hi, off);
+    if (REDUCE == kMax) { s_lo = fmaxf(s_lo, ol); s_hi = fmaxf(s_hi, oh); }
+    else { s_lo += ol; s_hi += oh; }
+  }
+  if (REDUCE == kMean) { s_lo = s_lo / float(G); s_hi = s_hi / float(G); }
+}
+
+// Tensor-core scores of the CTA's positions: dst(i, score) for i in [0, n_here).
+template <typename TS, int D, int G, int REDUCE, typename Dst>
+__device__ __forceinline__ void mma_scores(const __nv_bfloat16* __restrict__ q, typename Rows<TS, D>::ptr kmin,
+                                           typename Rows<TS, D>::ptr kmax, const int* phys_s, int n_here, Dst dst) {
+  static_assert(D == 64 || D == 128, "mma scores: head_dim 64 or 128");
+  static_assert(G >= 1 && G <= 8, "mma scores: at most 8 q heads per kv head");
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane / 4, t = lane % 4;
+  const int warps = blockDim.x / 32;
+  MmaQ<D, G, IsQ4<TS>::value> Q;
+  Q.load(q, (long long)b * H * G + (long long)h * G, r, t);
   for (int tile = warp * 16; tile < n_here; tile += warps * 16) {
     const int i_lo = tile + r, i_hi = tile + r + 8;
     const int p_lo = i_lo < n_here ? phys_s[i_lo] : -1, p_hi = i_hi < n_here ? phys_s[i_hi] : -1;
-    const long long o_lo = (long long)max(p_lo, 0) * row_stride + (long long)h * D + 8 * t;
-    const long long o_hi = (long long)max(p_hi, 0) * row_stride + (long long)h * D + 8 * t;
-    RowA<TS> xl[kJ], xh[kJ], nl[kJ], nh[kJ];
-#pragma unroll
-    for (int j = 0; j < kJ; ++j) {
-      xl[j].load(kmax + o_lo + 32 * j);
-      xh[j].load(kmax + o_hi + 32 * j);
-      nl[j].load(kmin + o_lo + 32 * j);
-      nh[j].load(kmin + o_hi + 32 * j);
-    }
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < kJ; ++j) {
-      unsigned al[4], ah[4];
-      xl[j].template words<true>(al);
-      xh[j].template words<true>(ah);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
-        const tilehal::u32 bq[2] = {qp[j][2 * hh], qp[j][2 * hh + 1]};
-        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
-      }
-      nl[j].template words<false>(al);
-      nh[j].template words<false>(ah);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
-        const tilehal::u32 bq[2] = {qn[j][2 * hh], qn[j][2 * hh + 1]};
-        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
-      }
-    }
-    // acc: (row r, heads cols0, cols0+1) = acc[0], acc[1]; (row r + 8, same heads) = acc[2], acc[3]
-    float s_lo = REDUCE == kMax ? -INFINITY : 0.f, s_hi = s_lo;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if (cols0 + e < G) {
-        const float lo = finite(acc[e]) ? acc[e] : -INFINITY, hi = finite(acc[2 + e]) ? acc[2 + e] : -INFINITY;
-        if (REDUCE == kMax) { s_lo = fmaxf(s_lo, lo); s_hi = fmaxf(s_hi, hi); }
-        else { s_lo += lo; s_hi += hi; }
-      }
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      const float ol = __shfl_xor_sync(0xffffffffu, s_lo, off), oh = __shfl_xor_sync(0xffffffffu, s_hi, off);
-      if (REDUCE == kMax) { s_lo = fmaxf(s_lo, ol); s_hi = fmaxf(s_hi, oh); }
-      else { s_lo += ol; s_hi += oh; }
-    }
-    if (REDUCE == kMean) { s_lo = s_lo / float(G); s_hi = s_hi / float(G); }
+    float acc[4];
+    tile_bounds<TS, D, G>(Q, kmin, kmax, p_lo, p_hi, h, H, t, acc);
+    float s_lo, s_hi;
+    reduce_heads<G, REDUCE>(acc, t, s_lo, s_hi);
     if (t == 0) {
-      if (i_lo < n_here) out[i_lo] = p_lo >= 0 ? s_lo : -INFINITY;
-      if (i_hi < n_here) out[i_hi] = p_hi >= 0 ? s_hi : -INFINITY;
+      if (i_lo < n_here) dst(i_lo, p_lo >= 0 ? s_lo : -INFINITY);
+      if (i_hi < n_here) dst(i_hi, p_hi >= 0 ? s_hi : -INFINITY);
     }
   }
+}
+
+// TS: __nv_bfloat16, __nv_fp8_e4m3 or Q4 (then kmin / kmax are int4 rows, passed as bytes).
+template <typename TS, int D, int G, int REDUCE>
+__global__ void __launch_bounds__(kScoreThreads, 2) quest_score_mma_kernel(
+    const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin, const void* __restrict__ kmax,
+    const int* __restrict__ block_table, int table_stride, int num_blocks, float* __restrict__ raw) {
+  __shared__ int phys_s[kScoreChunk];
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const int pos0 = blockIdx.x * kScoreChunk;
+  const int n_here = min(kScoreChunk, table_stride - pos0);
+  stage_table(phys_s, block_table + (long long)b * table_stride, pos0, n_here, num_blocks);
+  float* out = raw + ((long long)b * H + h) * table_stride + pos0;
+  using P = typename Rows<TS, D>::ptr;
+  mma_scores<TS, D, G, REDUCE>(q, static_cast<P>(kmin), static_cast<P>(kmax), phys_s, n_here,
+                               [&](int i, float s) { out[i] = s; });
 }
 
 // ----------------------------------------------------------------------------- top-k
@@ -611,13 +757,10 @@ __device__ __forceinline__ int block_topk(int N, int width, KeyAt key_at, Emit e
 // n_valid: mode 0 N, 1 nv[b], 2 ceil(seq_lens[b] / block_size).
 template <typename TS, int D, int G, int REDUCE>
 __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_mma_kernel(
-    const __nv_bfloat16* __restrict__ q, const TS* __restrict__ kmin, const TS* __restrict__ kmax,
+    const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin, const void* __restrict__ kmax,
     const int* __restrict__ block_table, int table_stride, int num_blocks,
     int mode, const int* __restrict__ nv, const int* __restrict__ seq_lens, int block_size, int sink, int local,
     int width, uint2* __restrict__ cand, unsigned* __restrict__ tickets, int* __restrict__ out) {
-  static_assert(D == 64 || D == 128, "mma scores: head_dim 64 or 128");
-  static_assert(G >= 1 && G <= 8, "mma scores: at most 8 q heads per kv head");
-  constexpr int kJ = D / 32;
   __shared__ int phys_s[kScoreChunk];
   __shared__ float score_s[kScoreChunk];
   __shared__ int hist[256];
@@ -625,84 +768,13 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_mma_kernel(
   __shared__ int s_digit, s_need;
   __shared__ bool s_last;
   const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y, chunks = gridDim.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tid = threadIdx.x;
-  const int r = lane / 4, t = lane % 4;
-  const int warps = kScoreThreads / 32;
+  const int tid = threadIdx.x;
   const int pos0 = blockIdx.x * kScoreChunk;
   const int n_here = min(kScoreChunk, table_stride - pos0);
   stage_table(phys_s, block_table + (long long)b * table_stride, pos0, n_here, num_blocks);
-
-  unsigned qp[kJ][4], qn[kJ][4];
-#pragma unroll
-  for (int j = 0; j < kJ; ++j) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      unsigned w = 0u;
-      if (r < G) {
-        const unsigned* qr = reinterpret_cast<const unsigned*>(q + ((long long)b * H * G + (long long)h * G + r) * D);
-        w = qr[(32 * j + 8 * t) / 2 + i];
-      }
-      qp[j][i] = bf16x2_max0(w);
-      qn[j][i] = bf16x2_min0(w);
-    }
-  }
-  const long long row_stride = (long long)H * D;
-  const int cols0 = 2 * t;
-  for (int tile = warp * 16; tile < n_here; tile += warps * 16) {
-    const int i_lo = tile + r, i_hi = tile + r + 8;
-    const int p_lo = i_lo < n_here ? phys_s[i_lo] : -1, p_hi = i_hi < n_here ? phys_s[i_hi] : -1;
-    const long long o_lo = (long long)max(p_lo, 0) * row_stride + (long long)h * D + 8 * t;
-    const long long o_hi = (long long)max(p_hi, 0) * row_stride + (long long)h * D + 8 * t;
-    RowA<TS> xl[kJ], xh[kJ], nl[kJ], nh[kJ];
-#pragma unroll
-    for (int j = 0; j < kJ; ++j) {
-      xl[j].load(kmax + o_lo + 32 * j);
-      xh[j].load(kmax + o_hi + 32 * j);
-      nl[j].load(kmin + o_lo + 32 * j);
-      nh[j].load(kmin + o_hi + 32 * j);
-    }
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < kJ; ++j) {
-      unsigned al[4], ah[4];
-      xl[j].template words<true>(al);
-      xh[j].template words<true>(ah);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
-        const tilehal::u32 bq[2] = {qp[j][2 * hh], qp[j][2 * hh + 1]};
-        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
-      }
-      nl[j].template words<false>(al);
-      nh[j].template words<false>(ah);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
-        const tilehal::u32 bq[2] = {qn[j][2 * hh], qn[j][2 * hh + 1]};
-        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
-      }
-    }
-    float s_lo = REDUCE == kMax ? -INFINITY : 0.f, s_hi = s_lo;
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if (cols0 + e < G) {
-        const float lo = finite(acc[e]) ? acc[e] : -INFINITY, hi = finite(acc[2 + e]) ? acc[2 + e] : -INFINITY;
-        if (REDUCE == kMax) { s_lo = fmaxf(s_lo, lo); s_hi = fmaxf(s_hi, hi); }
-        else { s_lo += lo; s_hi += hi; }
-      }
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      const float ol = __shfl_xor_sync(0xffffffffu, s_lo, off), oh = __shfl_xor_sync(0xffffffffu, s_hi, off);
-      if (REDUCE == kMax) { s_lo = fmaxf(s_lo, ol); s_hi = fmaxf(s_hi, oh); }
-      else { s_lo += ol; s_hi += oh; }
-    }
-    if (REDUCE == kMean) { s_lo = s_lo / float(G); s_hi = s_hi / float(G); }
-    if (t == 0) {
-      if (i_lo < n_here) score_s[i_lo] = p_lo >= 0 ? s_lo : -INFINITY;
-      if (i_hi < n_here) score_s[i_hi] = p_hi >= 0 ? s_hi : -INFINITY;
-    }
-  }
+  using P = typename Rows<TS, D>::ptr;
+  mma_scores<TS, D, G, REDUCE>(q, static_cast<P>(kmin), static_cast<P>(kmax), phys_s, n_here,
+                               [&](int i, float s) { score_s[i] = s; });
   __syncthreads();
 
   long long n_valid = table_stride;

@@ -101,4 +101,74 @@ __global__ void __launch_bounds__(256) kv_write_kernel(
   }
 }
 
+// ---- int4 summary rows (storage.py's int4_encode, operation for operation in float32 RN)
+// Grid (T), 256 threads. CTA `tok` re-encodes the rows (every head, kmin and kmax) of its slot's
+// block, unless the previous token is in the same block (that CTA does it): one warp per
+// (head, 32-channel group, bound), lane = channel. Blocks met in two runs are encoded twice, to
+// the same bytes. Runs after kv_write_kernel (same stream), so it reads the final summaries.
+__device__ __forceinline__ unsigned bf16_bits(__nv_bfloat16 x) { return unsigned(*reinterpret_cast<unsigned short*>(&x)); }
+__device__ __forceinline__ float bf16_next_up(float x) {  // the next bf16 above bf16 value x >= 0
+  return __uint_as_float((bf16_bits(__float2bfloat16_rn(x)) + 1u) << 16);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) int4_encode_kernel(
+    const long long* __restrict__ slots, int heads, int head_dim, int block_size,
+    const T* __restrict__ kmin, const T* __restrict__ kmax,                 // [num_blocks, H, D] (one layer)
+    unsigned char* __restrict__ qmin, unsigned char* __restrict__ qmax) {  // [num_blocks, H, D/2 + D/8]
+  const int tok = blockIdx.x;
+  const long long blk = slots[tok] / block_size;
+  if (tok > 0 && slots[tok - 1] / block_size == blk) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int groups = head_dim / 32, row_bytes = head_dim / 2 + 4 * groups;
+  const int jobs = heads * groups * 2;
+  for (int job = warp; job < jobs; job += blockDim.x / 32) {
+    const bool up = job & 1;
+    const int hg = job >> 1, h = hg / groups, grp = hg % groups;
+    const T* src = (up ? kmax : kmin) + (blk * heads + h) * head_dim + grp * 32;
+    unsigned char* row = (up ? qmax : qmin) + (blk * heads + h) * row_bytes;
+    const float x = tilehal::to_float(src[lane]);
+    const bool any_nan = __any_sync(0xffffffffu, x != x);
+    const bool all_fin = __all_sync(0xffffffffu, fabsf(x) <= 3.402823466e38f);
+    float lo = x, hi = x;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+    }
+    if (any_nan) lo = hi = __int_as_float(0x7fc00000);
+    float lo_b = __bfloat162float(__float2bfloat16_rd(all_fin ? lo : 0.f));
+    const float d = __fsub_rn(hi, lo_b);
+    const bool fin = all_fin && fabsf(d) <= 3.402823466e38f;
+    float step = __bfloat162float(__float2bfloat16_ru(__fdiv_rn(fin ? d : 0.f, 15.f)));
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      if (fin && __fadd_rn(lo_b, __fmul_rn(15.f, step)) < hi) step = bf16_next_up(step);
+    unsigned c = 0u;
+    if (fin && step > 0.f) {
+      const float qv = __fdiv_rn(__fsub_rn(x, lo_b), step);
+      float cf = up ? ceilf(qv) : floorf(qv);
+      cf = fminf(fmaxf(cf, 0.f), 15.f);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float v = __fadd_rn(lo_b, __fmul_rn(cf, step));
+        if (up && v < x && cf < 15.f) cf += 1.f;
+        if (!up && v > x && cf > 0.f) cf -= 1.f;
+      }
+      c = unsigned(cf);
+    }
+    if (!fin) {  // the group's own extreme, step 0
+      const float ext = up ? hi : lo;
+      lo_b = fabsf(ext) <= 3.402823466e38f ? __bfloat162float(up ? __float2bfloat16_ru(ext) : __float2bfloat16_rd(ext)) : ext;
+      step = 0.f;
+    }
+    const unsigned other = __shfl_down_sync(0xffffffffu, c, 1);
+    if ((lane & 1) == 0) row[grp * 16 + lane / 2] = (unsigned char)(c | (other << 4));
+    if (lane == 0) {
+      const unsigned pw = bf16_bits(__float2bfloat16_rn(lo_b)) | (bf16_bits(__float2bfloat16_rn(step)) << 16);
+      *reinterpret_cast<unsigned*>(row + head_dim / 2 + 4 * grp) = pw;
+    }
+  }
+}
+
 }  // namespace kvpool
