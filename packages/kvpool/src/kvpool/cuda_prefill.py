@@ -18,9 +18,11 @@ log = logging.getLogger("kvpool.cuda_prefill")
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 HEAD_DIMS = (64, 128)
-BN = 64  # kPrefillBN: kv tokens per pipeline stage (static_asserted at every compile)
-# (warps per CTA, 16-row blocks per warp): a CTA owns 16 * warps * row_blocks query rows.
-CONFIGS = ((8, 1), (4, 1), (4, 2), (8, 2))
+BN = 64  # kPrefillBN: default kv tokens per pipeline stage (static_asserted at every compile)
+# (warps per CTA, 16-row blocks per warp[, kv tokens per stage]): a CTA owns 16 * warps * row_blocks
+# query rows. The n32 variants halve the S tile: at d128 with two row blocks per warp the n64 kernel
+# spills 80 (w8x2) / 136 (w4x2) bytes (ptxas -v, NVRTC 13), the n32 ones do not.
+CONFIGS = ((8, 1), (4, 1), (4, 2), (8, 2), (8, 2, 32), (4, 2, 32))
 # w8x2 was fastest on every measured case (H200, 2026-12-01, docs/benchmarks/kvpool_prefill_run2.json:
 # 32K prompt 35.6 ms vs w8x1 44.1; 4K on a 28K prefix 8.6 vs 10.9; 8 x 4K 5.0 vs 6.0) despite
 # ptxas spilling ~100 bytes at d128: two 16-row blocks per warp halve the K/V shared-memory reads.
@@ -29,11 +31,15 @@ MAX_GRID_Y = 65535
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
 
-def config_name(cfg: tuple[int, int]) -> str:
-    return f"w{cfg[0]}x{cfg[1]}"
+def config_bn(cfg: tuple[int, ...]) -> int:
+    return cfg[2] if len(cfg) > 2 else BN
 
 
-def default_config() -> tuple[int, int]:
+def config_name(cfg: tuple[int, ...]) -> str:
+    return f"w{cfg[0]}x{cfg[1]}" + ("" if config_bn(cfg) == BN else f"n{config_bn(cfg)}")
+
+
+def default_config() -> tuple[int, ...]:
     """KVPOOL_PREFILL_KERNEL ("w8x1", "w4x2", ...), else DEFAULT_CONFIG."""
     text = os.environ.get("KVPOOL_PREFILL_KERNEL")
     if not text:
@@ -44,28 +50,28 @@ def default_config() -> tuple[int, int]:
     raise tilehal.ArgumentError(f"KVPOOL_PREFILL_KERNEL: expected one of {[config_name(c) for c in CONFIGS]}, got {text!r}")
 
 
-def kernel_name(dtype: torch.dtype, head_dim: int, cfg: tuple[int, int]) -> str:
-    return f"kvpool::paged_prefill_kernel<{_CTYPES[dtype]}, {head_dim}, {cfg[0]}, {cfg[1]}>"
+def kernel_name(dtype: torch.dtype, head_dim: int, cfg: tuple[int, ...]) -> str:
+    return f"kvpool::paged_prefill_kernel<{_CTYPES[dtype]}, {head_dim}, {cfg[0]}, {cfg[1]}, {config_bn(cfg)}>"
 
 
-def rows_per_cta(cfg: tuple[int, int]) -> int:
+def rows_per_cta(cfg: tuple[int, ...]) -> int:
     return 16 * cfg[0] * cfg[1]
 
 
-def smem_bytes(dtype: torch.dtype, head_dim: int, cfg: tuple[int, int]) -> int:
+def smem_bytes(dtype: torch.dtype, head_dim: int, cfg: tuple[int, ...]) -> int:
     """Dynamic shared memory of one CTA (PrefillSmem::kBytes, asserted at compile time): Q tile +
     2 stages of K and of V."""
     row = head_dim * dtype.itemsize
-    return rows_per_cta(cfg) * row + 4 * BN * row
+    return rows_per_cta(cfg) * row + 4 * config_bn(cfg) * row
 
 
 @functools.cache
-def compile_prefill(dtype: torch.dtype, head_dim: int, cfg: tuple[int, int] = DEFAULT_CONFIG,
+def compile_prefill(dtype: torch.dtype, head_dim: int, cfg: tuple[int, ...] = DEFAULT_CONFIG,
                     arch: str = "sm_90a") -> tilehal.CudaModule:
     t, smem = _CTYPES[dtype], smem_bytes(dtype, head_dim, cfg)
     # The host's copies of the kernel's constants, held to the kernel's at compile time.
     checks = (f'static_assert(kvpool::kPrefillBN == {BN}, "kvpool.cuda_prefill.BN");\n'
-              f'static_assert(kvpool::PrefillSmem<{t}, {head_dim}, {cfg[0] * cfg[1]}>::kBytes == {smem}, '
+              f'static_assert(kvpool::PrefillSmem<{t}, {head_dim}, {cfg[0] * cfg[1]}, {config_bn(cfg)}>::kBytes == {smem}, '
               f'"kvpool.cuda_prefill.smem_bytes");\n')
     return tilehal.compile_cuda('#include "paged_prefill.cuh"\n' + checks, arch=arch,
                                 name=f"paged_prefill_{head_dim}_{config_name(cfg)}", include_dirs=[str(KERNEL_DIR)],
@@ -79,7 +85,7 @@ def unsupported_reason(q: torch.Tensor, pool: KVPool) -> str | None:
     return dtype_reason(q, pool, HEAD_DIMS)
 
 
-def tile_list(cu: list[int], lens: list[int], rows_per_tile: int) -> list[tuple[int, int]]:
+def tile_list(cu: list[int], lens: list[int], rows_per_tile: int) -> list[tuple[int, ...]]:
     """(sequence, first new-token row) of every query tile, most kv work first."""
     tiles = []
     for b in range(len(lens)):
@@ -93,7 +99,7 @@ def tile_list(cu: list[int], lens: list[int], rows_per_tile: int) -> list[tuple[
 
 def paged_prefill_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.Tensor,
                        seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, cu: list[int], lens: list[int],
-                       scale: float | None, config: tuple[int, int] | None = None) -> torch.Tensor:
+                       scale: float | None, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """The kernel's launch; `cu` / `lens` are the host copies paged_prefill validated."""
     total, hq, d = q.shape
     cfg = default_config() if config is None else config

@@ -20,17 +20,18 @@
 
 namespace kvpool {
 
-constexpr int kPrefillBN = 64;  // kv tokens per pipeline stage
+constexpr int kPrefillBN = 64;  // default kv tokens per pipeline stage
 
-template <typename T, int D, int W>
+template <typename T, int D, int W, int BN = kPrefillBN>
 struct PrefillSmem {
   static constexpr int kRowBytes = D * int(sizeof(T));
   static constexpr int kQBytes = 16 * W * kRowBytes;  // W blocks of 16 query rows
-  static constexpr int kKVBytes = kPrefillBN * kRowBytes;  // one stage of K (or V)
+  static constexpr int kKVBytes = BN * kRowBytes;  // one stage of K (or V)
   static constexpr int kBytes = kQBytes + 4 * kKVBytes;    // Q, K x 2 stages, V x 2 stages
 };
 
-template <typename T, int D, int W, int MR>
+// BN: kv tokens per stage; 32 keeps the S tile of two row blocks (MR = 2) in registers at d128.
+template <typename T, int D, int W, int MR, int BN = kPrefillBN>
 __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
     const T* __restrict__ q,              // [total, Hq, D]
     const T* __restrict__ k_cache,        // [num_blocks, block_size, H, D] (one layer)
@@ -42,7 +43,8 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
     const int* __restrict__ tiles,        // [num_tiles, 2]: (b, first new-token row)
     T* __restrict__ out,                  // [total, Hq, D]
     int kv_heads, float scale_log2, int block_size) {
-  using S = PrefillSmem<T, D, W * MR>;
+  using S = PrefillSmem<T, D, W * MR, BN>;
+  constexpr int kPrefillBN = BN;  // shadows the namespace default below
   using Tag = typename tilehal::MmaTag<T>::type;
   constexpr int kThreads = 32 * W;
   constexpr int kRowsPerWarp = 16 * MR;
