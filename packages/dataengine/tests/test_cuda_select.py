@@ -40,11 +40,11 @@ def test_topk_kernels_compile():
 def test_topk_variant_env(monkeypatch):
     monkeypatch.setenv("DATAENGINE_TOPK_KERNEL", "staged")
     assert cuda_select.topk_variant() == "staged"
-    monkeypatch.setenv("DATAENGINE_TOPK_KERNEL", "fast")
+    monkeypatch.setenv("DATAENGINE_TOPK_KERNEL", "fastest")
     with pytest.raises(ValueError, match="DATAENGINE_TOPK_KERNEL"):
         cuda_select.topk_variant()
     monkeypatch.delenv("DATAENGINE_TOPK_KERNEL")
-    assert cuda_select.topk_variant() == "plain"
+    assert cuda_select.topk_variant() == "fast"
 
 
 def test_reference_tie_rule():
@@ -135,7 +135,7 @@ def test_select_exact_on_integer_inputs(dtype, sdtype, D, Hq, Hkv, reduce, use_b
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", sorted(cuda_select.TOPK_KERNELS))
+@pytest.mark.parametrize("variant", cuda_select.TOPK_VARIANTS)
 def test_select_all_ties_and_all_unwritten(variant, monkeypatch):
     monkeypatch.setenv("DATAENGINE_TOPK_KERNEL", variant)
     q, kmin, kmax, table, lens = _problem(1)
@@ -180,9 +180,9 @@ def test_select_gaussian_differs_only_at_rounding_ties():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(5, 3000), (4, 2, 777), (2, 3, 2, 129), (1, 1), (3, 8192)])
+@pytest.mark.parametrize("shape", [(5, 3000), (4, 2, 777), (2, 3, 2, 129), (1, 1), (3, 8192), (2, 20000), (2, 40000)])
 @pytest.mark.parametrize("k", [1, 16, 64, 200])
-@pytest.mark.parametrize("variant", sorted(cuda_select.TOPK_KERNELS))
+@pytest.mark.parametrize("variant", cuda_select.TOPK_VARIANTS)
 def test_topk_blocks_exact(shape, k, variant, monkeypatch):
     monkeypatch.setenv("DATAENGINE_TOPK_KERNEL", variant)
     g = torch.Generator().manual_seed(k + shape[-1])
@@ -325,10 +325,13 @@ def test_fused_select_kernels_compile(s_dtype, head_dim, group):
 def test_fused_reasons(monkeypatch):
     q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
     s = torch.zeros(4, 8, 128, dtype=FP8)
+    assert "FUSED=0" in cuda_select.fused_reason(q, s, 64)  # off by default (measured slower)
+    monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
     assert cuda_select.fused_reason(q, s, 64) is None
     assert "budget" in cuda_select.fused_reason(q, s, 300)
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "0")
     assert "FUSED=0" in cuda_select.fused_reason(q, s, 64)
+    monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "yes")
     with pytest.raises(ValueError, match="DATAENGINE_SELECT_FUSED"):
         cuda_select.fused_reason(q, s, 64)
@@ -338,7 +341,8 @@ def test_fused_reasons(monkeypatch):
 @pytest.mark.parametrize("sdtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("D,Hq,Hkv,max_blocks", [(128, 32, 8, 300), (64, 8, 8, 1000), (128, 16, 2, 97), (64, 12, 2, 512)])
 @pytest.mark.parametrize("reduce", ["max", "mean"])
-def test_fused_select_equals_reference(sdtype, D, Hq, Hkv, max_blocks, reduce):
+def test_fused_select_equals_reference(sdtype, D, Hq, Hkv, max_blocks, reduce, monkeypatch):
+    monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
     for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (256, 1, 1), (1, 4, 4),
                                                  (100, 0, 5)]):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=max_blocks,
@@ -359,7 +363,8 @@ def test_fused_select_equals_reference(sdtype, D, Hq, Hkv, max_blocks, reduce):
 
 
 @pytest.mark.gpu
-def test_fused_select_in_a_cuda_graph():
+def test_fused_select_in_a_cuda_graph(monkeypatch):
+    monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
     q, kmin, kmax, table, lens = _problem(5, max_blocks=600, num_blocks=4000)
     static_q = q.clone()
     select.select_blocks(static_q, kmin, kmax, table, lens, 32, 1, 1, block_size=16)

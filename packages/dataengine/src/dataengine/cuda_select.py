@@ -21,11 +21,12 @@ KERNEL_DIR = Path(__file__).with_name("kernels")
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # q heads per kv head held in registers by the score kernel
 SCORE_CHUNK = 256  # kScoreChunk: table positions per score CTA
-SCORE_THREADS, TOPK_THREADS = 256, 512  # kScoreThreads, kTopkThreads (static_asserted at every compile)
+SCORE_THREADS, TOPK_THREADS, FAST_THREADS = 256, 512, 1024  # kScoreThreads, kTopkThreads, kFastThreads (static_asserted)
 # The host's copies of the kernels' launch constants, held to the kernels' at compile time.
 _CHECKS = (f'static_assert(dataengine::kScoreThreads == {SCORE_THREADS}, "dataengine.cuda_select.SCORE_THREADS");\n'
            f'static_assert(dataengine::kTopkThreads == {TOPK_THREADS}, "dataengine.cuda_select.TOPK_THREADS");\n'
-           f'static_assert(dataengine::kScoreChunk == {SCORE_CHUNK}, "dataengine.cuda_select.SCORE_CHUNK");\n')
+           f'static_assert(dataengine::kScoreChunk == {SCORE_CHUNK}, "dataengine.cuda_select.SCORE_CHUNK");\n'
+           f'static_assert(dataengine::kFastThreads == {FAST_THREADS}, "dataengine.cuda_select.FAST_THREADS");\n')
 TOPK_STAGE_BYTES = 160 * 1024  # the staged top-k keeps rows of up to 40960 keys in shared memory
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half", torch.float32: "float"}
 FP8 = torch.float8_e4m3fn
@@ -35,7 +36,9 @@ SCORE_KERNELS = ("auto", "simt", "mma")
 MMA_HEAD_DIMS = (64, 128)
 MMA_MAX_GROUP = 8
 _REDUCE = {"max": 0, "sum": 1, "mean": 2}
-TOPK_KERNELS = {"plain": "dataengine::topk_select_kernel<false>", "staged": "dataengine::topk_select_kernel<true>"}
+FAST_ITEMS = (8, 16, 32)  # keys per thread of topk_fast_kernel (1024 threads): rows up to 32768 keys
+TOPK_KERNELS = {"plain": "dataengine::topk_select_kernel<false>", "staged": "dataengine::topk_select_kernel<true>",
+                **{f"fast{i}": f"dataengine::topk_fast_kernel<{i}>" for i in FAST_ITEMS}}
 TOPK_KERNEL = TOPK_KERNELS["plain"]
 
 
@@ -72,8 +75,10 @@ def compile_select(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str,
 
 
 def fused_enabled() -> bool:
-    """DATAENGINE_SELECT_FUSED=0 turns the one-launch selection off (two launches instead)."""
-    v = os.environ.get("DATAENGINE_SELECT_FUSED", "1")
+    """DATAENGINE_SELECT_FUSED=1 turns the one-launch selection on. Off by default: measured slower
+    than two launches on the H200 (b8 x 8192 blocks, top 64: 122 vs 108 us on bf16 summaries, 109
+    vs 82 us on fp8; its per-CTA top-k stalls the score stream)."""
+    v = os.environ.get("DATAENGINE_SELECT_FUSED", "0")
     if v not in ("0", "1"):
         raise ValueError(f"DATAENGINE_SELECT_FUSED: expected 0 or 1, got {v!r}")
     return v == "1"
@@ -172,12 +177,16 @@ def compile_topk(arch: str = "sm_90a") -> tilehal.CudaModule:
                                 include_dirs=[str(KERNEL_DIR)], name_expressions=list(TOPK_KERNELS.values()))
 
 
+TOPK_VARIANTS = ("fast", "plain", "staged")
+
+
 def topk_variant() -> str:
-    """DATAENGINE_TOPK_KERNEL: "plain" (default, measured on the H200) or "staged" (keys in shared
-    memory, warp-aggregated histogram; compile-tested, not yet measured on a GPU)."""
-    v = os.environ.get("DATAENGINE_TOPK_KERNEL") or "plain"
-    if v not in TOPK_KERNELS:
-        raise tilehal.ArgumentError(f"DATAENGINE_TOPK_KERNEL: expected one of {sorted(TOPK_KERNELS)}, got {v!r}")
+    """DATAENGINE_TOPK_KERNEL: "fast" (default: topk_fast_kernel, rows up to 32768 keys, else
+    "plain"), "plain" (512 threads, 4 x 8-bit radix passes from L2) or "staged" (keys in shared
+    memory; measured no faster than plain on the H200: 28.2 vs 24.5 us at 8192 keys)."""
+    v = os.environ.get("DATAENGINE_TOPK_KERNEL") or "fast"
+    if v not in TOPK_VARIANTS:
+        raise tilehal.ArgumentError(f"DATAENGINE_TOPK_KERNEL: expected one of {list(TOPK_VARIANTS)}, got {v!r}")
     return v
 
 
@@ -204,6 +213,24 @@ def unsupported_reason(q: torch.Tensor, kmin: torch.Tensor) -> str | None:
 def _aligned(*ts: torch.Tensor) -> bool:
     """16-byte loads need 16-byte aligned rows (true for kvpool's summaries; a sliced view may not be)."""
     return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
+MMA_MAX_CHUNK = 4096  # kMmaMaxChunk
+MMA_CTAS_PER_SM = 2  # the score kernels' __launch_bounds__ minimum
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def mma_chunk(device: torch.device, rows: int, nb: int) -> int:
+    """Table positions per CTA of the tensor-core score kernel: about one wave of CTAs (long-lived
+    CTAs keep loads in flight), a multiple of 128 (8 warps x 16-block tiles), at most 4096."""
+    slots = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * MMA_CTAS_PER_SM
+    chunks = max(1, slots // max(rows, 1))
+    chunk = -(-nb // chunks)
+    return max(128, min(MMA_MAX_CHUNK, -(-chunk // 128) * 128))
 
 
 def _pick_variant(q: torch.Tensor, kmin: torch.Tensor, variant: str | None) -> str:
@@ -248,7 +275,11 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     q = q.contiguous()
     if q.data_ptr() % 4:  # the mma kernel reads q as 32-bit words
         q = q.clone()
-    kern.launch((chunks, H, B), SCORE_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], raw])
+    if variant == "mma":
+        chunk = mma_chunk(q.device, B * H, nb)
+        kern.launch((-(-nb // chunk), H, B), SCORE_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], raw, chunk])
+    else:
+        kern.launch((chunks, H, B), SCORE_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], raw])
     return raw
 
 
@@ -283,7 +314,15 @@ def topk_rows(scores: torch.Tensor, width: int, rows_per_b: int, sink: int, loca
     if variant == "staged" and N * 4 > TOPK_STAGE_BYTES:
         log.debug("topk: %d keys exceed the staged kernel's shared memory; running the plain kernel", N)
         variant = "plain"
+    threads = TOPK_THREADS
+    if variant == "fast":
+        items = next((i for i in FAST_ITEMS if N <= FAST_THREADS * i), None)
+        if items is None:
+            log.debug("topk: %d keys exceed the fast kernel's registers; running the plain kernel", N)
+            variant = "plain"
+        else:
+            variant, threads = f"fast{items}", FAST_THREADS
     compile_topk().get_kernel(TOPK_KERNELS[variant]).launch(
-        rows, TOPK_THREADS, [s, N, rows_per_b, mode, nv, sl, tb, int(block_size or 1), int(sink), int(local),
-                             int(width), out], smem_bytes=N * 4 if variant == "staged" else 0)
+        rows, threads, [s, N, rows_per_b, mode, nv, sl, tb, int(block_size or 1), int(sink), int(local),
+                        int(width), out], smem_bytes=N * 4 if variant == "staged" else 0)
     return out

@@ -293,9 +293,9 @@ def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
     last `local_blocks`, which are always kept (the budget grows to sink + local when smaller).
     n = min(budget, max_blocks); a sequence with fewer valid blocks than the budget gets all of
     them. `block_size`, when given, counts valid blocks from seq_lens instead of the table.
-    On CUDA: one launch (tensor-core scores + two-level top-k, when `block_size` is given, q is
-    bf16, summaries bf16/fp8, head_dim 64/128, <= 8 q heads per kv head, budget <= 256), else two;
-    no host sync either way (`validate=True` adds the host check of block ids).
+    On CUDA: two launches (scores, top-k; DATAENGINE_SELECT_FUSED=1: one, when `block_size` is
+    given, q is bf16, head_dim 64/128, <= 8 q heads per kv head, budget <= 256), no host sync
+    (`validate=True` adds the host check of block ids).
     """
     top_k, sink_blocks, local_blocks = _check_select_args(top_k, sink_blocks, local_blocks)
     _check_reduce(reduce)

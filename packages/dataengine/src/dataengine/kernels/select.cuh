@@ -310,42 +310,36 @@ struct MmaQ {
   }
 };
 
-// Bounds of one 16-block tile (rows o_lo / o_hi: element offsets of the lane's row starts, h and
-// 8t included) for the lane's accumulator entries: acc[e] (row r, head 2t + e), acc[2 + e] (row r + 8).
-template <typename TS, int D, int G>
-__device__ __forceinline__ void mma_tile(const MmaQ<D, G, false>& Q, const TS* __restrict__ kmin,
-                                         const TS* __restrict__ kmax, long long o_lo, long long o_hi, float (&acc)[4]) {
-  constexpr int kJ = D / 32;
-  RowA<TS> xl[kJ], xh[kJ], nl[kJ], nh[kJ];
+// One bound (kmax or kmin) of one 16-block tile, loaded raw: the lane's rows r (lo) and r + 8 (hi).
+// Loading and computing are separate so the next tile's loads go out while this one computes.
+template <typename TS, int D> struct Half {
+  static constexpr int kJ = D / 32;
+  RowA<TS> l[kJ], h[kJ];
+  __device__ __forceinline__ void load(const TS* __restrict__ p, long long o_lo, long long o_hi, int) {
 #pragma unroll
-  for (int j = 0; j < kJ; ++j) {
-    xl[j].load(kmax + o_lo + 32 * j);
-    xh[j].load(kmax + o_hi + 32 * j);
-    nl[j].load(kmin + o_lo + 32 * j);
-    nh[j].load(kmin + o_hi + 32 * j);
-  }
-  acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
-#pragma unroll
-  for (int j = 0; j < kJ; ++j) {
-    unsigned al[4], ah[4];
-    xl[j].template words<true>(al);
-    xh[j].template words<true>(ah);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
-      const tilehal::u32 bq[2] = {Q.qp[j][2 * hh], Q.qp[j][2 * hh + 1]};
-      tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
-    }
-    nl[j].template words<false>(al);
-    nh[j].template words<false>(ah);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
-      const tilehal::u32 bq[2] = {Q.qn[j][2 * hh], Q.qn[j][2 * hh + 1]};
-      tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
+    for (int j = 0; j < kJ; ++j) {
+      l[j].load(p + o_lo + 32 * j);
+      h[j].load(p + o_hi + 32 * j);
     }
   }
-}
+  // acc += [this bound's rows] x B (q+ for kmax, q- for kmin)
+  template <bool IS_MAX, int G, bool S>
+  __device__ __forceinline__ void mma(const MmaQ<D, G, S>& Q, float (&acc)[4]) const {
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      unsigned al[4], ah[4];
+      l[j].template words<IS_MAX>(al);
+      h[j].template words<IS_MAX>(ah);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
+        const tilehal::u32 bq[2] = {IS_MAX ? Q.qp[j][2 * hh] : Q.qn[j][2 * hh],
+                                    IS_MAX ? Q.qp[j][2 * hh + 1] : Q.qn[j][2 * hh + 1]};
+        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
+      }
+    }
+  }
+};
 
 // 8 codes (one 32-bit word: channels 0..7 of the lane) -> 4 bf16x2 words of (16 + code) / 16,
 // exact in bf16: sum q * (1 + c / 16) = S + (sum q * c) / 16 with S = sum q.
@@ -355,33 +349,26 @@ __device__ __forceinline__ void q4_words(unsigned w, unsigned (&o)[4]) {
   for (int i = 0; i < 4; ++i) o[i] = 0x3F803F80u | ((ev >> (8 * i)) & 0xffu) | (((od >> (8 * i)) & 0xffu) << 16);
 }
 
-// The same for int4 rows (r_lo / r_hi: byte offsets of the lane's rows): per group j, the mma
+// The same for int4 rows (o_lo / o_hi: byte offsets of the lane's rows): per group j the mma
 // gives A = sum q (1 + c/16) and the group adds lo * S + 16 * step * (A - S).
-template <int D, int G>
-__device__ __forceinline__ void mma_tile_q4(const MmaQ<D, G, true>& Q, const unsigned char* __restrict__ kmin,
-                                            const unsigned char* __restrict__ kmax, long long r_lo, long long r_hi,
-                                            int t, float (&acc)[4]) {
-  constexpr int kJ = D / 32;
-  constexpr int kParams = Q4Row<D>::kCodeBytes;
-  unsigned cx[2][kJ], cn[2][kJ], px[2][kJ], pn[2][kJ];
-  const long long rows[2] = {r_lo, r_hi};
+template <int D> struct Half<Q4, D> {
+  static constexpr int kJ = D / 32;
+  unsigned c[2][kJ], pr[2][kJ];  // code words, (lo, step) bf16 pairs; [0] row r, [1] row r + 8
+  __device__ __forceinline__ void load(const unsigned char* __restrict__ p, long long o_lo, long long o_hi, int t) {
+    const long long rows[2] = {o_lo, o_hi};
 #pragma unroll
-  for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < 2; ++s) {
 #pragma unroll
-    for (int j = 0; j < kJ; ++j) {
-      cx[s][j] = load_nc_u32(kmax + rows[s] + 16 * j + 4 * t);
-      cn[s][j] = load_nc_u32(kmin + rows[s] + 16 * j + 4 * t);
-      px[s][j] = load_nc_u32(kmax + rows[s] + kParams + 4 * j);
-      pn[s][j] = load_nc_u32(kmin + rows[s] + kParams + 4 * j);
+      for (int j = 0; j < kJ; ++j) {
+        c[s][j] = load_nc_u32(p + rows[s] + 16 * j + 4 * t);
+        pr[s][j] = load_nc_u32(p + rows[s] + Q4Row<D>::kCodeBytes + 4 * j);
+      }
     }
   }
-  acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+  template <bool IS_MAX, int G, bool S>
+  __device__ __forceinline__ void mma(const MmaQ<D, G, S>& Q, float (&acc)[4]) const {
 #pragma unroll
-  for (int j = 0; j < kJ; ++j) {
-#pragma unroll
-    for (int bound = 0; bound < 2; ++bound) {
-      const unsigned(&c)[2][kJ] = bound == 0 ? cx : cn;
-      const unsigned(&pr)[2][kJ] = bound == 0 ? px : pn;
+    for (int j = 0; j < kJ; ++j) {
       unsigned al[4], ah[4];
       q4_words(c[0][j], al);
       q4_words(c[1][j], ah);
@@ -389,8 +376,8 @@ __device__ __forceinline__ void mma_tile_q4(const MmaQ<D, G, true>& Q, const uns
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const tilehal::u32 av[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
-        const tilehal::u32 bq[2] = {bound == 0 ? Q.qp[j][2 * hh] : Q.qn[j][2 * hh],
-                                    bound == 0 ? Q.qp[j][2 * hh + 1] : Q.qn[j][2 * hh + 1]};
+        const tilehal::u32 bq[2] = {IS_MAX ? Q.qp[j][2 * hh] : Q.qn[j][2 * hh],
+                                    IS_MAX ? Q.qp[j][2 * hh + 1] : Q.qn[j][2 * hh + 1]};
         tilehal::mma_m16n8k16(tilehal::MmaBF16{}, a, av, bq);
       }
 #pragma unroll
@@ -399,13 +386,13 @@ __device__ __forceinline__ void mma_tile_q4(const MmaQ<D, G, true>& Q, const uns
         const float step16 = 16.f * ls.y;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float S = bound == 0 ? Q.sp[j][e] : Q.sn[j][e];
-          acc[2 * s + e] += ls.x * S + step16 * (a[2 * s + e] - S);
+          const float Ssum = IS_MAX ? Q.sp[j][e] : Q.sn[j][e];
+          acc[2 * s + e] += ls.x * Ssum + step16 * (a[2 * s + e] - Ssum);
         }
       }
     }
   }
-}
+};
 
 // Summary element pointers / row offsets per summary type.
 template <typename TS, int D> struct Rows {
@@ -420,15 +407,6 @@ template <int D> struct Rows<Q4, D> {
     return ((long long)phys * H + h) * Q4Row<D>::kBytes;
   }
 };
-
-template <typename TS, int D, int G>
-__device__ __forceinline__ void tile_bounds(const MmaQ<D, G, IsQ4<TS>::value>& Q,
-                                            typename Rows<TS, D>::ptr kmin, typename Rows<TS, D>::ptr kmax,
-                                            int p_lo, int p_hi, int h, int H, int t, float (&acc)[4]) {
-  const long long o_lo = Rows<TS, D>::lane_off(max(p_lo, 0), h, H, t), o_hi = Rows<TS, D>::lane_off(max(p_hi, 0), h, H, t);
-  if constexpr (IsQ4<TS>::value) mma_tile_q4<D, G>(Q, kmin, kmax, o_lo, o_hi, t, acc);
-  else mma_tile<TS, D, G>(Q, kmin, kmax, o_lo, o_hi, acc);
-}
 
 // acc -> the reduced scores of rows r (s_lo) and r + 8 (s_hi), on every lane of the quad.
 template <int G, int REDUCE>
@@ -452,7 +430,9 @@ __device__ __forceinline__ void reduce_heads(const float (&acc)[4], int t, float
   if (REDUCE == kMean) { s_lo = s_lo / float(G); s_hi = s_hi / float(G); }
 }
 
-// Tensor-core scores of the CTA's positions: dst(i, score) for i in [0, n_here).
+// Tensor-core scores of the CTA's positions: dst(i, score) for i in [0, n_here). Each warp walks
+// its tiles with the next tile's kmax loads issued after this tile's kmax MMAs and its kmin loads
+// after the kmin MMAs (one tile ahead, no extra registers).
 template <typename TS, int D, int G, int REDUCE, typename Dst>
 __device__ __forceinline__ void mma_scores(const __nv_bfloat16* __restrict__ q, typename Rows<TS, D>::ptr kmin,
                                            typename Rows<TS, D>::ptr kmax, const int* phys_s, int n_here, Dst dst) {
@@ -461,33 +441,57 @@ __device__ __forceinline__ void mma_scores(const __nv_bfloat16* __restrict__ q, 
   const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, t = lane % 4;
-  const int warps = blockDim.x / 32;
+  const int stride = (blockDim.x / 32) * 16;
   MmaQ<D, G, IsQ4<TS>::value> Q;
   Q.load(q, (long long)b * H * G + (long long)h * G, r, t);
-  for (int tile = warp * 16; tile < n_here; tile += warps * 16) {
-    const int i_lo = tile + r, i_hi = tile + r + 8;
-    const int p_lo = i_lo < n_here ? phys_s[i_lo] : -1, p_hi = i_hi < n_here ? phys_s[i_hi] : -1;
-    float acc[4];
-    tile_bounds<TS, D, G>(Q, kmin, kmax, p_lo, p_hi, h, H, t, acc);
+  int tile = warp * 16;
+  if (tile >= n_here) return;
+  auto phys_of = [&](int i) { return i < n_here ? phys_s[i] : -1; };
+  auto off_of = [&](int p) { return Rows<TS, D>::lane_off(max(p, 0), h, H, t); };
+  int p_lo = phys_of(tile + r), p_hi = phys_of(tile + r + 8);
+  Half<TS, D> X, N;
+  X.load(kmax, off_of(p_lo), off_of(p_hi), t);
+  N.load(kmin, off_of(p_lo), off_of(p_hi), t);
+  for (;;) {
+    const int next = tile + stride;
+    const bool more = next < n_here;
+    const int q_lo = more ? phys_of(next + r) : -1, q_hi = more ? phys_of(next + r + 8) : -1;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    X.template mma<true>(Q, acc);
+    if (more) X.load(kmax, off_of(q_lo), off_of(q_hi), t);
+    N.template mma<false>(Q, acc);
+    if (more) N.load(kmin, off_of(q_lo), off_of(q_hi), t);
     float s_lo, s_hi;
     reduce_heads<G, REDUCE>(acc, t, s_lo, s_hi);
     if (t == 0) {
-      if (i_lo < n_here) dst(i_lo, p_lo >= 0 ? s_lo : -INFINITY);
-      if (i_hi < n_here) dst(i_hi, p_hi >= 0 ? s_hi : -INFINITY);
+      if (tile + r < n_here) dst(tile + r, p_lo >= 0 ? s_lo : -INFINITY);
+      if (tile + r + 8 < n_here) dst(tile + r + 8, p_hi >= 0 ? s_hi : -INFINITY);
     }
+    if (!more) break;
+    tile = next;
+    p_lo = q_lo;
+    p_hi = q_hi;
   }
 }
 
 // TS: __nv_bfloat16, __nv_fp8_e4m3 or Q4 (then kmin / kmax are int4 rows, passed as bytes).
+// Grid x = ceil(table_stride / chunk), chunk <= kMmaMaxChunk positions per CTA (the host sizes it
+// so that the grid is about one wave).
+constexpr int kMmaMaxChunk = 4096;
 template <typename TS, int D, int G, int REDUCE>
 __global__ void __launch_bounds__(kScoreThreads, 2) quest_score_mma_kernel(
     const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin, const void* __restrict__ kmax,
-    const int* __restrict__ block_table, int table_stride, int num_blocks, float* __restrict__ raw) {
-  __shared__ int phys_s[kScoreChunk];
+    const int* __restrict__ block_table, int table_stride, int num_blocks, float* __restrict__ raw, int chunk) {
+  __shared__ int phys_s[kMmaMaxChunk];
   const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
-  const int pos0 = blockIdx.x * kScoreChunk;
-  const int n_here = min(kScoreChunk, table_stride - pos0);
-  stage_table(phys_s, block_table + (long long)b * table_stride, pos0, n_here, num_blocks);
+  const int pos0 = blockIdx.x * chunk;
+  const int n_here = min(chunk, table_stride - pos0);
+  const int* table = block_table + (long long)b * table_stride;
+  for (int i = threadIdx.x; i < n_here; i += blockDim.x) {
+    int p = max(table[pos0 + i], 0);  // holes read block 0 like the reference's clamp
+    phys_s[i] = p < num_blocks ? p : -1;
+  }
+  __syncthreads();
   float* out = raw + ((long long)b * H + h) * table_stride + pos0;
   using P = typename Rows<TS, D>::ptr;
   mma_scores<TS, D, G, REDUCE>(q, static_cast<P>(kmin), static_cast<P>(kmax), phys_s, n_here,
@@ -663,6 +667,156 @@ __global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
     out_carry += out_total;
   }
   for (int s = out_carry + tid; s < width; s += kTopkThreads) orow[s] = -1;
+}
+
+// ----------------------------------------------------------------------------- fast top-k
+// topk_fast_kernel<ITEMS>  grid (rows), 1024 threads, N <= 1024 * ITEMS: the same rows as
+//   topk_select_kernel (same modes, same tie rule), faster. Thread t holds positions
+//   t*ITEMS .. t*ITEMS + ITEMS - 1 in registers (one load). Forced blocks are counted, not ranked:
+//   min(n_valid, sink + local) of them, taken first by position (up to width). Among the free
+//   (valid, not forced) keys the radix select skips the bits all of them share (AND / OR over the
+//   row) and takes 12-bit digits (4096-bin histograms): two passes for scores within a factor of
+//   two of each other, three at most. The walk ranks forced blocks and keys == T in position order
+//   with one packed scan.
+constexpr int kFastThreads = 1024;
+constexpr int kFastBins = 4096;
+
+template <int ITEMS>
+__global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
+    const float* __restrict__ scores, int N, int rows_per_b, int mode, const int* __restrict__ nv,
+    const int* __restrict__ seq_lens, const int* __restrict__ table, int block_size,
+    int sink, int local, int width, int* __restrict__ out) {
+  __shared__ int hist[kFastBins];
+  __shared__ int warp_sums[kFastThreads / 32];
+  __shared__ unsigned red_and[kFastThreads / 32], red_or[kFastThreads / 32];
+  __shared__ int s_digit, s_need;
+  __shared__ long long s_nvalid;
+  const int row = blockIdx.x, b = row / rows_per_b, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const float* srow = scores + (long long)row * N;
+  int* orow = out + (long long)row * width;
+
+  if (mode == 3) {
+    int c = 0;
+    for (int p = tid; p < N; p += kFastThreads) c += table[(long long)b * N + p] >= 0;
+    int total;
+    block_exclusive_scan(c, warp_sums, total);
+    if (tid == 0) s_nvalid = seq_lens[b] > 0 ? total : 0;
+  } else if (tid == 0) {
+    long long n = N;
+    if (mode == 1) n = nv[b];
+    if (mode == 2) n = ((long long)seq_lens[b] + block_size - 1) / block_size;
+    s_nvalid = n;
+  }
+  __syncthreads();
+  const long long n_valid = s_nvalid;  // may exceed N (mode 1): the forced suffix then starts past it
+  // key 0: invalid; kKeyForced: forced (no score maps to either: float_key >= -inf's key, NaN -> -inf)
+  unsigned key[ITEMS];
+  const int p0 = tid * ITEMS;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int p = p0 + i;
+    const float sc = p < N ? srow[p] : 0.f;
+    const bool valid = p < n_valid;
+    const bool forced = valid && (p < sink || p >= n_valid - local);
+    key[i] = !valid ? 0u : (forced ? kKeyForced : float_key(sc));
+  }
+  // forced positions: [0, min(sink, V)) and [max(n_valid - local, 0), V), V = clamp(n_valid, 0, N)
+  const long long V = min(max(n_valid, 0ll), (long long)N);
+  const long long pre = min((long long)sink, V), suf0 = max(n_valid - local, 0ll);
+  const long long suf = max(V - suf0, 0ll), overlap = max(pre - suf0, 0ll);
+  const int n_forced = int(pre + suf - min(overlap, suf));
+  const int n_free = int(V) - n_forced;
+  const int need_free = max(width - n_forced, 0);
+
+  // ---- T: the need_free-th largest free key (need: how many keys == T to take)
+  unsigned T = 0u;
+  int need = 0;
+  if (need_free > 0 && need_free < n_free) {
+    unsigned a = 0xffffffffu, o = 0u;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (key[i] != 0u && key[i] != kKeyForced) { a &= key[i]; o |= key[i]; }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      a &= __shfl_xor_sync(0xffffffffu, a, off);
+      o |= __shfl_xor_sync(0xffffffffu, o, off);
+    }
+    if (lane == 0) { red_and[warp] = a; red_or[warp] = o; }
+    __syncthreads();
+    a = 0xffffffffu;
+    o = 0u;
+    for (int w = 0; w < kFastThreads / 32; ++w) { a &= red_and[w]; o |= red_or[w]; }
+    const unsigned diff = a ^ o;
+    unsigned prefix = a & o, mask = ~diff;  // bits every free key shares
+    need = need_free;
+    int top = diff ? 31 - __clz(diff) : -1;
+    while (top >= 0) {
+      const int width_bits = min(12, top + 1);
+      const int shift = top + 1 - width_bits;
+      const unsigned dmask = (1u << width_bits) - 1u;
+      for (int i = tid; i < kFastBins; i += kFastThreads) hist[i] = 0;
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        if (key[i] != 0u && key[i] != kKeyForced && (key[i] & mask) == prefix)
+          atomicAdd(&hist[(key[i] >> shift) & dmask], 1);
+      }
+      __syncthreads();
+      // thread j owns bins 4095 - 4j .. 4092 - 4j (descending digits)
+      int c[4], sum = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) { c[i] = hist[kFastBins - 1 - 4 * tid - i]; sum += c[i]; }
+      int total;
+      const int excl = block_exclusive_scan(sum, warp_sums, total);
+      if (excl < need && need <= excl + sum) {
+        int cum = excl;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (cum + c[i] >= need) { s_digit = kFastBins - 1 - 4 * tid - i; s_need = need - cum; break; }
+          cum += c[i];
+        }
+      }
+      __syncthreads();
+      prefix |= unsigned(s_digit) << shift;
+      mask |= dmask << shift;
+      need = s_need;
+      top = shift - 1;
+      __syncthreads();
+    }
+    T = prefix;
+  }
+  const bool all_free = need_free >= n_free;  // every free key is within the budget
+
+  // ---- walk: forced ranks and ranks among keys == T in position order, one packed scan
+  int packed = 0;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i)
+    packed += (key[i] == kKeyForced ? 1 << 16 : 0) + (key[i] != kKeyForced && key[i] != 0u && !all_free && key[i] == T);
+  int packed_total;
+  const int before = block_exclusive_scan(packed, warp_sums, packed_total);
+  int f_rank = before >> 16, e_rank = before & 0xffff;
+  unsigned take = 0u;  // bit i: position p0 + i is chosen
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    bool tk = false;
+    if (key[i] == kKeyForced) {
+      tk = f_rank < width;
+      ++f_rank;
+    } else if (key[i] != 0u && need_free > 0) {
+      if (all_free || key[i] > T) tk = true;
+      else if (key[i] == T) { tk = e_rank < need; ++e_rank; }
+      tk = tk && key[i] > kKeyNegInf;  // -inf (or NaN) scores are never chosen
+    }
+    take |= unsigned(tk) << i;
+  }
+  int out_total;
+  int slot = block_exclusive_scan(__popc(take), warp_sums, out_total);
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    if ((take >> i) & 1u) orow[slot++] = p0 + i;
+  }
+  for (int s2 = out_total + tid; s2 < width; s2 += kFastThreads) orow[s2] = -1;
 }
 
 // ----------------------------------------------------------------------------- fused selection
