@@ -212,3 +212,39 @@ def test_batch_and_evict_counts_are_checked():
         pool.append_batch(["a"], -1)
     with pytest.raises(ArgumentError, match="num_blocks"):
         pool.evict(-2)
+
+
+def test_device_slots_keep_every_check():
+    # write() checks slots uploaded by device_slots on their host copy: same verdicts as host slots
+    pool = kvpool.KVPool(1, 2, 16, 8, block_size=4, prefix_caching=False)
+    pool.add_sequence(0, [1])
+    slots = pool.append(0, 3)
+    k = torch.zeros(3, 2, 16)
+    pool.write(0, pool.device_slots(slots), k, k)
+    bad = pool.device_slots(torch.tensor([0, 0, 1]))
+    with pytest.raises(ArgumentError, match="distinct"):
+        pool.write(0, bad, k, k)
+    with pytest.raises(OutOfRangeError):
+        pool.write(0, pool.device_slots(torch.tensor([0, 1, 99])), k, k)
+    free = pool.device_slots(torch.tensor([8, 9, 10]))  # block 2: never allocated
+    with pytest.raises(SlotOwnershipError):
+        pool.write(0, free, k, k)
+    d = pool.device_slots(slots)
+    d.add_(0)  # modified in place after upload: the host copy is no longer trusted, the tensor is read
+    pool.write(0, d, k, k)
+
+
+@pytest.mark.gpu
+def test_device_slots_write_needs_no_sync():
+    pool = kvpool.KVPool(2, 2, 64, 16, block_size=16, device="cuda", prefix_caching=False)
+    pool.add_sequence(0, [1])
+    slots = pool.device_slots(pool.append(0, 5))
+    k = torch.randn(5, 2, 64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for layer in range(2):
+            pool.write(layer, slots, k, k)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(pool.k_cache[1, 0, :5].float().cpu(), k.cpu().to(pool.dtype).float())

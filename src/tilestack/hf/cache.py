@@ -476,7 +476,8 @@ class KVPoolCache(Cache):
             write_mask = query_mask = cu = None
         else:
             write_mask, query_mask, cu = write_mask.to(device), query_mask.to(device), cu.to(device)
-        step = _Step(batch=B, length=T, decode=decode, slots=slots.to(device), write_mask=write_mask,
+        # device_slots: the pool checks every layer's write on this host copy, no sync per step
+        step = _Step(batch=B, length=T, decode=decode, slots=pool.device_slots(slots), write_mask=write_mask,
                      query_mask=query_mask, block_table=self._table(rows, rebuild), seq_lens=pool.seq_lens(rows),
                      cu_seqlens_q=cu, all_written=all_written)
         if decode:

@@ -152,6 +152,7 @@ class KVPool:
         self._epoch = 0  # bumped by every operation that changes block ownership
         self._untracked_writes = False  # a write went unchecked (CUDA graph capture): _filled is a lower bound
         self._slot_memo: tuple | None = None
+        self._device_slots_reg: tuple | None = None  # (device tensor, its _version, host int64 copy)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -445,7 +446,8 @@ class KVPool:
         already written for this layer is refused with `SlotOwnershipError`. With `seq_id` the
         slots must also be that sequence's, at positions it has appended. The checks run on the
         CPU: pass the CPU slots `append` returns (CUDA slots cost one sync per new slots tensor;
-        the verdict is reused for every layer of one step).
+        the verdict is reused for every layer of one step; `device_slots` uploads host slots so that
+        their checks need no sync at all).
         """
         self._check_layer(layer)
         slots = self._as_slots(slots)
@@ -473,6 +475,18 @@ class KVPool:
         self.storage.write(layer, slots, k, v)
         np.maximum.at(self._filled[layer], blocks, offsets + 1)
 
+    def device_slots(self, slots) -> torch.Tensor:
+        """`slots` (host ints, e.g. what `append` returned) as an int64 tensor on the pool's device,
+        remembered with their host copy: a `write` given this very tensor (unmodified: same
+        `_version`) runs its checks on the host copy instead of reading the device tensor back, so a
+        GPU step pays no synchronization for them. The checks are the same; the latest tensor is
+        remembered."""
+        s = self._as_slots(slots)
+        host = s.detach().cpu().numpy().astype(np.int64, copy=True)
+        dev = torch.from_numpy(host.copy()).to(self.device, non_blocking=True)
+        self._device_slots_reg = (dev, dev._version, host)
+        return dev
+
     def _as_slots(self, slots) -> torch.Tensor:
         if not isinstance(slots, torch.Tensor):
             arr = np.asarray(slots)
@@ -490,7 +504,11 @@ class KVPool:
         if (memo is not None and memo[0] is slots and memo[1] == slots._version and memo[2] == self._epoch
                 and memo[3] == seq_id):
             return memo[4], memo[5]
-        s = slots.detach().to("cpu").numpy().astype(np.int64, copy=False)
+        reg = self._device_slots_reg
+        if reg is not None and reg[0] is slots and reg[1] == slots._version:
+            s = reg[2]  # the host copy device_slots uploaded: the same values, no sync
+        else:
+            s = slots.detach().to("cpu").numpy().astype(np.int64, copy=False)
         total = self.num_blocks * self.block_size
         bad = np.flatnonzero((s < 0) | (s >= total))
         if bad.size:
