@@ -130,6 +130,13 @@ def main() -> None:
             def sparse_only(bt=bt, sl=sl, idx=idx):
                 return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=idx)
 
+            if name == "bf16":  # the sparse decode's split-K count (the kernel's heuristic vs fixed counts)
+                from kvpool import cuda_decode
+
+                for ns in (1, 2, 4, 8, 16):
+                    row[f"sparse_decode_splits{ns}_us"] = us(bench(
+                        lambda bt=bt, sl=sl, idx=idx, ns=ns: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, idx,
+                                                                                            num_splits=ns)))
             out_sparse = step()
             out_ref = kvpool.paged_decode_reference(q[:1], pool, 0, bt[:1], sl[:1], block_indices=idx[:1])
             t_sel, t_step = bench(sel), bench(step)

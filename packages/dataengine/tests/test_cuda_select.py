@@ -44,7 +44,7 @@ def test_topk_variant_env(monkeypatch):
     with pytest.raises(ValueError, match="DATAENGINE_TOPK_KERNEL"):
         cuda_select.topk_variant()
     monkeypatch.delenv("DATAENGINE_TOPK_KERNEL")
-    assert cuda_select.topk_variant() == "fast"
+    assert cuda_select.topk_variant() == cuda_select.DEFAULT_TOPK
 
 
 def test_reference_tie_rule():
@@ -251,7 +251,7 @@ def test_score_variant_env_and_reasons(monkeypatch):
     with pytest.raises(ValueError, match="DATAENGINE_SCORE_KERNEL"):
         cuda_select.score_variant()
     monkeypatch.delenv("DATAENGINE_SCORE_KERNEL")
-    assert cuda_select.score_variant() == "auto"
+    assert cuda_select.score_variant() == cuda_select.DEFAULT_SCORE
     q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
     assert cuda_select.mma_reason(q, torch.zeros(4, 8, 128, dtype=FP8)) is None
     assert "bf16" in cuda_select.mma_reason(q.float(), torch.zeros(4, 8, 128, dtype=FP8))
@@ -323,6 +323,7 @@ def test_fused_select_kernels_compile(s_dtype, head_dim, group):
 
 
 def test_fused_reasons(monkeypatch):
+    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
     q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
     s = torch.zeros(4, 8, 128, dtype=FP8)
     assert "FUSED=0" in cuda_select.fused_reason(q, s, 64)  # off by default (measured slower)
@@ -343,6 +344,7 @@ def test_fused_reasons(monkeypatch):
 @pytest.mark.parametrize("reduce", ["max", "mean"])
 def test_fused_select_equals_reference(sdtype, D, Hq, Hkv, max_blocks, reduce, monkeypatch):
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
+    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
     for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (256, 1, 1), (1, 4, 4),
                                                  (100, 0, 5)]):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=max_blocks,
@@ -365,6 +367,7 @@ def test_fused_select_equals_reference(sdtype, D, Hq, Hkv, max_blocks, reduce, m
 @pytest.mark.gpu
 def test_fused_select_in_a_cuda_graph(monkeypatch):
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
+    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
     q, kmin, kmax, table, lens = _problem(5, max_blocks=600, num_blocks=4000)
     static_q = q.clone()
     select.select_blocks(static_q, kmin, kmax, table, lens, 32, 1, 1, block_size=16)

@@ -33,6 +33,7 @@ FP8 = torch.float8_e4m3fn
 _S_CTYPES = {**_CTYPES, FP8: "__nv_fp8_e4m3"}  # summaries may also be fp8 (rounded outward by their writer)
 _S_CTYPES_MMA = {torch.bfloat16: "__nv_bfloat16", FP8: "__nv_fp8_e4m3", torch.uint8: "dataengine::Q4"}
 SCORE_KERNELS = ("auto", "simt", "mma")
+DEFAULT_SCORE = "simt"  # "auto" (tensor cores where they apply) once the pipelined kernel is measured
 MMA_HEAD_DIMS = (64, 128)
 MMA_MAX_GROUP = 8
 _REDUCE = {"max": 0, "sum": 1, "mean": 2}
@@ -150,9 +151,10 @@ def select_fused(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
 
 
 def score_variant() -> str:
-    """DATAENGINE_SCORE_KERNEL: "auto" (default: tensor cores where `mma_reason` allows), "simt"
-    (CUDA cores always) or "mma" (tensor cores; an unsupported call is an error, not a fallback)."""
-    v = os.environ.get("DATAENGINE_SCORE_KERNEL") or "auto"
+    """DATAENGINE_SCORE_KERNEL (default DEFAULT_SCORE): "auto" (tensor cores where `mma_reason`
+    allows), "simt" (CUDA cores; int4 rows still use tensor cores, the only kernel for them) or
+    "mma" (tensor cores; an unsupported call is an error, not a fallback)."""
+    v = os.environ.get("DATAENGINE_SCORE_KERNEL") or DEFAULT_SCORE
     if v not in SCORE_KERNELS:
         raise ValueError(f"DATAENGINE_SCORE_KERNEL: expected one of {list(SCORE_KERNELS)}, got {v!r}")
     return v
@@ -178,13 +180,14 @@ def compile_topk(arch: str = "sm_90a") -> tilehal.CudaModule:
 
 
 TOPK_VARIANTS = ("fast", "plain", "staged")
+DEFAULT_TOPK = "plain"  # "fast" becomes the default once measured on a GPU
 
 
 def topk_variant() -> str:
-    """DATAENGINE_TOPK_KERNEL: "fast" (default: topk_fast_kernel, rows up to 32768 keys, else
-    "plain"), "plain" (512 threads, 4 x 8-bit radix passes from L2) or "staged" (keys in shared
-    memory; measured no faster than plain on the H200: 28.2 vs 24.5 us at 8192 keys)."""
-    v = os.environ.get("DATAENGINE_TOPK_KERNEL") or "fast"
+    """DATAENGINE_TOPK_KERNEL (default DEFAULT_TOPK): "fast" (topk_fast_kernel, rows up to 32768
+    keys, else "plain"), "plain" (512 threads, 4 x 8-bit radix passes from L2) or "staged" (keys in
+    shared memory; measured no faster than plain on the H200: 28.2 vs 24.5 us at 8192 keys)."""
+    v = os.environ.get("DATAENGINE_TOPK_KERNEL") or DEFAULT_TOPK
     if v not in TOPK_VARIANTS:
         raise tilehal.ArgumentError(f"DATAENGINE_TOPK_KERNEL: expected one of {list(TOPK_VARIANTS)}, got {v!r}")
     return v
