@@ -81,7 +81,7 @@ def fused_enabled() -> bool:
     vs 82 us on fp8; its per-CTA top-k stalls the score stream)."""
     v = os.environ.get("DATAENGINE_SELECT_FUSED", "0")
     if v not in ("0", "1"):
-        raise ValueError(f"DATAENGINE_SELECT_FUSED: expected 0 or 1, got {v!r}")
+        raise tilehal.ArgumentError(f"DATAENGINE_SELECT_FUSED: expected 0 or 1, got {v!r}")
     return v == "1"
 
 
@@ -156,7 +156,7 @@ def score_variant() -> str:
     "mma" (tensor cores; an unsupported call is an error, not a fallback)."""
     v = os.environ.get("DATAENGINE_SCORE_KERNEL") or DEFAULT_SCORE
     if v not in SCORE_KERNELS:
-        raise ValueError(f"DATAENGINE_SCORE_KERNEL: expected one of {list(SCORE_KERNELS)}, got {v!r}")
+        raise tilehal.ArgumentError(f"DATAENGINE_SCORE_KERNEL: expected one of {list(SCORE_KERNELS)}, got {v!r}")
     return v
 
 
@@ -246,7 +246,7 @@ def _pick_variant(q: torch.Tensor, kmin: torch.Tensor, variant: str | None) -> s
     if reason is None:
         return "mma"
     if variant == "mma":
-        raise ValueError(f"DATAENGINE_SCORE_KERNEL=mma: the tensor-core kernel cannot serve this call ({reason})")
+        raise tilehal.ArgumentError(f"DATAENGINE_SCORE_KERNEL=mma: the tensor-core kernel cannot serve this call ({reason})")
     log.debug("quest scores: CUDA-core kernel (%s)", reason)
     return "simt"
 
