@@ -46,7 +46,7 @@ def test_every_tile_op_has_a_rule_in_every_table():
 
 
 def test_register_rules_refuses_a_non_statement():
-    with pytest.raises(TypeError, match="not a statement class"):
+    with pytest.raises(TypeError, match="not a statement or expression class"):
         register_rules("interp", {int: print})
 
 

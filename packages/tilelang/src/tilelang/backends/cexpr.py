@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..errors import CompileError
 from ..ir import dtypes as dt
-from ..ir.nodes import BinOp, Call, Cast, Const, Expr, Load, Not, Select, Var
+from ..ir.nodes import BinOp, Call, Cast, Const, Expr, Load, Not, Select, Var, register_rules
 
 # T.<fn> -> (float32 spelling, float64 spelling): a function name, or a template on the args ({0})
 C_MATH = {
@@ -55,29 +55,28 @@ class CExprEmitter:
     # ------------------------------------------------------------ the shared walk
 
     def expr(self, e: Expr) -> str:
-        if isinstance(e, Const):
-            return self.const(e)
-        if isinstance(e, Var):
-            return e.name
-        if isinstance(e, Load):
-            return self.load(e)
-        if isinstance(e, BinOp):
-            return self.binop(e)
-        if isinstance(e, Not):
-            return f"(!({self.expr(e.a)}))"
-        if isinstance(e, Cast):
-            inner = self.expr(e.value)
-            rounded = self.round_to(e.dtype, inner)
-            if rounded is not None:
-                return rounded
-            if e.dtype == "bool":
-                return f"(({inner}) != 0)"
-            return f"(({self.value_ctype(e.dtype)})({inner}))"
-        if isinstance(e, Select):
-            return f"(({self.expr(e.cond)}) ? {self.cast_to(e.a, e.dtype)} : {self.cast_to(e.b, e.dtype)})"
-        if isinstance(e, Call):
-            return self.call(e)
-        raise CompileError(f"{self.TARGET} codegen: unknown expression {type(e).__name__}")
+        method = e.rule("cexpr")  # the emitter's method for this class (a name, so codegens override it)
+        if method is None:
+            raise CompileError(f"{self.TARGET} codegen: unknown expression {type(e).__name__}")
+        return getattr(self, method)(e)
+
+    def var(self, e: Var) -> str:
+        return e.name
+
+    def not_(self, e: Not) -> str:
+        return f"(!({self.expr(e.a)}))"
+
+    def cast(self, e: Cast) -> str:
+        inner = self.expr(e.value)
+        rounded = self.round_to(e.dtype, inner)
+        if rounded is not None:
+            return rounded
+        if e.dtype == "bool":
+            return f"(({inner}) != 0)"
+        return f"(({self.value_ctype(e.dtype)})({inner}))"
+
+    def select(self, e: Select) -> str:
+        return f"(({self.expr(e.cond)}) ? {self.cast_to(e.a, e.dtype)} : {self.cast_to(e.b, e.dtype)})"
 
     def call(self, e: Call) -> str:
         t = dt.compute_type(e.dtype)
@@ -110,3 +109,7 @@ class CExprEmitter:
             f = "f" if e.dtype == "float32" else ""
             return f"({a} - floor{f}({a} / {b}) * {b})"
         return f"({a} {op} {b})"
+
+
+register_rules("cexpr", {Const: "const", Var: "var", Load: "load", BinOp: "binop", Not: "not_", Cast: "cast",
+                         Select: "select", Call: "call"})

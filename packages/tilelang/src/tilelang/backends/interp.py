@@ -79,34 +79,41 @@ class Interpreter:
     # ------------------------------------------------------------ expressions
 
     def expr(self, e: Expr) -> Any:
-        if isinstance(e, Const):
-            return np_dtype(dt.compute_type(e.dtype)).type(e.value)
-        if isinstance(e, Var):
-            try:
-                return self.env[e]
-            except KeyError:
-                raise CompileError(f"interp: variable {e.name} is unbound") from None
-        if isinstance(e, Load):
-            return self.load(e.buffer, [self.expr(i) for i in e.indices])
-        if isinstance(e, BinOp):
-            return self.binop(e)
-        if isinstance(e, Not):
-            return np.logical_not(self.expr(e.a))
-        if isinstance(e, Cast):
-            v = np.asarray(self.expr(e.value))
-            target = np_dtype(e.dtype)
-            if dt.is_int(e.dtype) and v.dtype.kind == "f":
-                v = np.trunc(v)
-            out = v.astype(target)
-            return _compute(out, e.dtype) if out.ndim else _compute(out, e.dtype)[()]
-        if isinstance(e, Select):
-            c = self.expr(e.cond)
-            a, b = self.expr(e.a), self.expr(e.b)
-            ty = np_dtype(e.dtype)
-            return np.where(c, np.asarray(a, dtype=ty), np.asarray(b, dtype=ty))
-        if isinstance(e, Call):
-            return self.call(e)
-        raise CompileError(f"interp: unknown expression {type(e).__name__}")
+        rule = e.rule("interp")
+        if rule is None:
+            raise CompileError(f"interp: unknown expression {type(e).__name__}")
+        return rule(self, e)
+
+    # ------------------------------------------------------------ expression rules (the "interp" table)
+
+    def const(self, e: Const) -> Any:
+        return np_dtype(dt.compute_type(e.dtype)).type(e.value)
+
+    def var(self, e: Var) -> Any:
+        try:
+            return self.env[e]
+        except KeyError:
+            raise CompileError(f"interp: variable {e.name} is unbound") from None
+
+    def load_expr(self, e: Load) -> Any:
+        return self.load(e.buffer, [self.expr(i) for i in e.indices])
+
+    def not_(self, e: Not) -> Any:
+        return np.logical_not(self.expr(e.a))
+
+    def cast(self, e: Cast) -> Any:
+        v = np.asarray(self.expr(e.value))
+        target = np_dtype(e.dtype)
+        if dt.is_int(e.dtype) and v.dtype.kind == "f":
+            v = np.trunc(v)
+        out = v.astype(target)
+        return _compute(out, e.dtype) if out.ndim else _compute(out, e.dtype)[()]
+
+    def select(self, e: Select) -> Any:
+        c = self.expr(e.cond)
+        a, b = self.expr(e.a), self.expr(e.b)
+        ty = np_dtype(e.dtype)
+        return np.where(c, np.asarray(a, dtype=ty), np.asarray(b, dtype=ty))
 
     def binop(self, e: BinOp) -> Any:
         a, b = self.expr(e.a), self.expr(e.b)
@@ -391,6 +398,8 @@ class Interpreter:
 _COMBINE = {"+": np.add, "max": np.maximum, "min": np.minimum}  # REDUCE_OPS operators
 
 register_rules("interp", {
+    Const: Interpreter.const, Var: Interpreter.var, Load: Interpreter.load_expr, BinOp: Interpreter.binop,
+    Not: Interpreter.not_, Cast: Interpreter.cast, Select: Interpreter.select, Call: Interpreter.call,
     Seq: seq_rule, Kernel: Interpreter.kernel, Alloc: Interpreter.alloc, For: Interpreter.loop,
     Let: Interpreter.let, Store: Interpreter.store_stmt, While: Interpreter.while_, If: Interpreter.if_,
     Copy: Interpreter.copy, Fill: Interpreter.fill, Gemm: Interpreter.gemm, Reduce: Interpreter.reduce,

@@ -21,7 +21,30 @@ from . import dtypes as dt
 # ---------------------------------------------------------------- expressions
 
 
-class Expr:
+class Ruled:
+    """A node class with a table of rules, one per backend or analysis (JAX style: a rule per
+    backend in a table on the primitive). Every subclass gets its own table."""
+
+    rules = {}  # {table: rule}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.rules = {}
+
+    @classmethod
+    def rule_for(cls, table: str) -> Any:
+        """The rule `table` registered for this class (or the nearest base class), else None."""
+        for k in cls.__mro__:
+            r = k.__dict__.get("rules", {}).get(table)
+            if r is not None:
+                return r
+        return None
+
+    def rule(self, table: str) -> Any:
+        return type(self).rules.get(table) or type(self).rule_for(table)
+
+
+class Expr(Ruled):
     """An expression. Each class owns its structure: `children()` and `rebuild(children)` (a copy
     with new children; leaves return themselves), so walkers never test expression classes."""
 
@@ -333,10 +356,11 @@ class Region:
 # loads in its expressions or nested statements) and `rebuild(tr)` (a copy with children and
 # expressions passed through a visit.Transformer). Walkers use these and never test classes.
 #
-# Rules (JAX style: one primitive, a rule per backend in a table): `Stmt.rules` is a per-class
-# table, keyed by the table's name ("interp", "cpu.lower", "cpu", "cuda", "cuda.parallel",
-# "cuda.layout", "verify", "print"), that each backend or analysis fills from its own module with
-# `register_rules`. The IR never imports a backend; a walker asks the statement for its rule.
+# Rules (JAX style: one primitive, a rule per backend in a table): `Stmt.rules` (and
+# `Expr.rules`, see Ruled) is a per-class table, keyed by the table's name ("interp", "cpu.lower",
+# "cpu", "cuda", "cuda.parallel", "cuda.layout", "verify", "print", "cexpr"), that each backend or
+# analysis fills from its own module with `register_rules`. The IR never imports a backend; a
+# walker asks the node for its rule.
 
 
 def _region_exprs(*regions: Region) -> list[Expr]:
@@ -344,27 +368,10 @@ def _region_exprs(*regions: Region) -> list[Expr]:
 
 
 @dataclass(eq=False)
-class Stmt:
+class Stmt(Ruled):
     loc: SourceLoc | None = field(default=None, kw_only=True)
 
-    rules = {}  # class -> {table: rule}; every subclass gets its own (see __init_subclass__)
     side_effects = False  # True: never dead, even when nothing reads what it writes (dce)
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        cls.rules = {}
-
-    @classmethod
-    def rule_for(cls, table: str) -> Any:
-        """The rule `table` registered for this class (or the nearest base class), else None."""
-        for k in cls.__mro__:
-            r = k.__dict__.get("rules", {}).get(table)
-            if r is not None:
-                return r
-        return None
-
-    def rule(self, table: str) -> Any:
-        return type(self).rules.get(table) or type(self).rule_for(table)
 
     def apply(self, table: str, ctx: Any, missing: str) -> Any:
         """Run this statement's `table` rule as rule(ctx, self); without one, CompileError(`missing`
@@ -398,10 +405,10 @@ class Stmt:
 
 
 def register_rules(table: str, rules: dict[type, Any]) -> None:
-    """Register `rules[cls]` as the `table` rule of each statement class `cls`."""
+    """Register `rules[cls]` as the `table` rule of each statement or expression class `cls`."""
     for cls, fn in rules.items():
-        if not (isinstance(cls, type) and issubclass(cls, Stmt)):
-            raise TypeError(f"register_rules({table!r}): {cls!r} is not a statement class")
+        if not (isinstance(cls, type) and issubclass(cls, Ruled)):
+            raise TypeError(f"register_rules({table!r}): {cls!r} is not a statement or expression class")
         cls.rules[table] = fn
 
 

@@ -33,36 +33,41 @@ _PREC = {"or": 1, "and": 2, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 4, "!=": 4, 
 
 
 def print_expr(e: Expr, prec: int = 0) -> str:
-    if isinstance(e, Const):
-        v = e.value
-        if isinstance(v, float):
-            if v == float("inf"):
-                return f"T.infinity({e.dtype!r})"
-            if v == float("-inf"):
-                return f"-T.infinity({e.dtype!r})"
-            return repr(v) if e.dtype == "float32" or e.weak else f"T.{e.dtype}({v!r})"
-        if isinstance(v, bool):
-            return repr(v)
-        return str(v) if e.weak or e.dtype == "int32" else f"T.{e.dtype}({v})"
-    if isinstance(e, Var):
-        return e.name
-    if isinstance(e, BinOp):
-        if e.op in ("max", "min"):
-            return f"T.{e.op}({print_expr(e.a)}, {print_expr(e.b)})"
-        p = _PREC[e.op]
-        text = f"{print_expr(e.a, p)} {e.op} {print_expr(e.b, p + 1)}"
-        return f"({text})" if p < prec else text
-    if isinstance(e, Not):
-        return f"not {print_expr(e.a, 3)}"
-    if isinstance(e, Call):
-        return f"T.{e.fn}({', '.join(print_expr(a) for a in e.args)})"
-    if isinstance(e, Cast):
-        return f"T.cast({print_expr(e.value)}, {e.dtype!r})"
-    if isinstance(e, Select):
-        return f"T.if_then_else({print_expr(e.cond)}, {print_expr(e.a)}, {print_expr(e.b)})"
-    if isinstance(e, Load):
-        return f"{e.buffer.name}[{', '.join(print_expr(i) for i in e.indices)}]"
-    return f"<{type(e).__name__}>"
+    rule = e.rule("print")
+    return rule(e, prec) if rule is not None else f"<{type(e).__name__}>"
+
+
+def _const(e: Const, prec: int) -> str:
+    v = e.value
+    if isinstance(v, float):
+        if v == float("inf"):
+            return f"T.infinity({e.dtype!r})"
+        if v == float("-inf"):
+            return f"-T.infinity({e.dtype!r})"
+        return repr(v) if e.dtype == "float32" or e.weak else f"T.{e.dtype}({v!r})"
+    if isinstance(v, bool):
+        return repr(v)
+    return str(v) if e.weak or e.dtype == "int32" else f"T.{e.dtype}({v})"
+
+
+def _binop(e: BinOp, prec: int) -> str:
+    if e.op in ("max", "min"):
+        return f"T.{e.op}({print_expr(e.a)}, {print_expr(e.b)})"
+    p = _PREC[e.op]
+    text = f"{print_expr(e.a, p)} {e.op} {print_expr(e.b, p + 1)}"
+    return f"({text})" if p < prec else text
+
+
+register_rules("print", {
+    Const: _const,
+    Var: lambda e, prec: e.name,
+    BinOp: _binop,
+    Not: lambda e, prec: f"not {print_expr(e.a, 3)}",
+    Call: lambda e, prec: f"T.{e.fn}({', '.join(print_expr(a) for a in e.args)})",
+    Cast: lambda e, prec: f"T.cast({print_expr(e.value)}, {e.dtype!r})",
+    Select: lambda e, prec: f"T.if_then_else({print_expr(e.cond)}, {print_expr(e.a)}, {print_expr(e.b)})",
+    Load: lambda e, prec: f"{e.buffer.name}[{', '.join(print_expr(i) for i in e.indices)}]",
+})
 
 
 def print_region(r: Region) -> str:
