@@ -154,3 +154,13 @@ def test_every_function_on_every_target(tgt):
         args = [x64] if ARITY[k] == 1 else [x64, np.float64(1.5)]
         want = FUNCTIONS[name].numpy(*args)
         np.testing.assert_allclose(y[k], want, rtol=5e-7, atol=5e-7, err_msg=f"T.{name} on {tgt}")
+
+
+def test_every_reduce_kind_is_a_language_statement_with_a_front_end_binding():
+    from tilelang.frontend.tileops import TileOpBinder
+    from tilelang.ir.nodes import REDUCE_OPS
+
+    for kind in REDUCE_OPS:
+        assert getattr(T, f"reduce_{kind}").__tl_stmt__ == f"reduce_{kind}"
+        assert callable(getattr(TileOpBinder, f"op_reduce_{kind}"))
+    assert {n[len("reduce_"):] for n in dir(T) if n.startswith("reduce_")} == set(REDUCE_OPS)
