@@ -17,7 +17,7 @@ from pathlib import Path
 import tilehal
 import torch
 
-from .utils import ceil_div, get_tma_aligned_size
+from .sizes import ceil_div, get_tma_aligned_size
 
 log = logging.getLogger("deepgemm")
 

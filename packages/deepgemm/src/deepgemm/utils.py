@@ -10,9 +10,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import torch
-from tilehal import ArgumentError, ShapeError, check_choice
+from tilehal import ArgumentError, ShapeError
+
+from .sizes import (  # re-exported: deepgemm.utils.ceil_div etc. as before
+    align,
+    ceil_div,
+    get_tma_aligned_size,
+)
 
 log = logging.getLogger("deepgemm")
 
@@ -21,17 +26,6 @@ BLOCK_K = 128  # K granularity of every scale factor
 _M_ALIGNMENT_CONTIGUOUS = 128
 CONTIGUOUS_BLOCK_M = 128  # rows per block of the contiguous grouped kernel: one expert per block
 _num_sms: int | None = None
-
-
-def ceil_div(a: int, b: int) -> int:
-    """ceil(a / b) for non-negative integers."""
-    if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)) and b > 0:
-        return (a + b - 1) // b
-    raise ArgumentError(f"ceil_div: expected integers a >= 0 and b > 0, got a={a!r}, b={b!r}")
-
-
-def align(x: int, a: int) -> int:
-    return ceil_div(x, a) * a
 
 
 def set_num_sms(num_sms: int) -> None:
@@ -83,12 +77,6 @@ def get_theoretical_mk_alignment_for_contiguous_layout(expected_m: int | None = 
 
 get_m_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
 get_k_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
-
-
-def get_tma_aligned_size(x: int, element_size: int) -> int:
-    """`x` rounded up so that x * element_size is a multiple of 16 bytes (TMA's stride rule)."""
-    check_choice(element_size, "element_size", (1, 2, 4, 8, 16))
-    return align(x, 16 // element_size)
 
 
 def _check_2d_or_3d(x: Any, name: str) -> None:
