@@ -51,9 +51,10 @@ class GemmLinear(torch.nn.Module):
 
     def _gemm_weight(self) -> Any:
         """The weight in the GEMM's operand format, recomputed only when the weight changes."""
-        w = self.weight
+        w = self._parameters["weight"]  # (not self.weight: Module.__getattr__ is on every call's path)
         key = (w.data_ptr(), w._version, w.get_device(), w.dtype, self.fp8)
-        if self._cache is None or self._cache[0] != key:
+        cache = self._cache
+        if cache is None or cache[0] != key:
             wd = w.detach()
             val = deepgemm.per_block_cast_to_fp8(wd) if self.fp8 else wd.to(torch.bfloat16).contiguous()
             self._cache = (key, val)
@@ -66,14 +67,14 @@ class GemmLinear(torch.nn.Module):
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             raise RuntimeError("GemmLinear is inference-only (deepgemm records no autograd graph): run it under "
                                "torch.no_grad() / torch.inference_mode(), or set requires_grad=False")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        two_d = x.dim() == 2
+        x2 = x if two_d else x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
             # One opaque node for torch.compile (tilestack.ops); its eager body is _forward_2d.
             y = torch.ops.tilestack.gemm_linear(x2, self.weight, self.bias, self._tilestack_handle)
         else:
             y = self._forward_2d(x2)
-        return y.reshape(*lead, self.out_features)
+        return y if two_d else y.view(*x.shape[:-1], self.out_features)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -89,21 +90,22 @@ class GemmLinear(torch.nn.Module):
         # fp32 otherwise (rounded once to the caller's dtype at the end).
         out_dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32
         d = torch.empty((x2.shape[0], self.out_features), dtype=out_dtype, device=x2.device)
-        bias = self._bias32() if self.bias is not None else None
+        bias = self._bias32() if self._parameters.get("bias") is not None else None
         if x2.shape[0]:
             if self.fp8:
                 # On CUDA one fused cast kernel, scales written in the layout the GEMM reads (no transpose).
                 deepgemm.fp8_gemm_nt(deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=x2.is_cuda), self._gemm_weight(),
                                      d, bias=bias)
             else:
-                deepgemm.bf16_gemm_nt(x2.to(torch.bfloat16).contiguous(), self._gemm_weight(), d, bias=bias)
+                a = x2 if x2.dtype is torch.bfloat16 and x2.is_contiguous() else x2.to(torch.bfloat16).contiguous()
+                deepgemm.bf16_gemm_nt(a, self._gemm_weight(), d, bias=bias)
         elif bias is not None:
             d += bias
         return d if d.dtype == x2.dtype else d.to(x2.dtype)
 
     def _bias32(self) -> torch.Tensor:
         """The bias as a contiguous fp32 vector (the epilogue's operand), recomputed only when it changes."""
-        bias = self.bias
+        bias = self._parameters["bias"]
         key = (bias.data_ptr(), bias._version, bias.get_device(), bias.dtype)
         hit = self._bias_cache
         if hit is None or hit[0] != key:
