@@ -64,6 +64,7 @@ def _args(argv):
     p.add_argument("--only", help="comma-separated sections: host,prefill,decode,moe,profile,compile,gemms,kernels "
                    "(default: all but gemms,kernels)")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--precompile", action="store_true", help="NVRTC-compile the Llama rows' kernels in parallel first")
     return p.parse_args(argv)
 
 
@@ -444,6 +445,41 @@ def sec_profile(env: Env) -> None:
     _free()
 
 
+def _compile_one(args) -> float:
+    from deepgemm import cuda_gemm
+    from deepgemm.heuristics import pick_config
+
+    kind, m, n, k = args
+    t0 = time.perf_counter()
+    cfg = pick_config(kind, m, n, k, num_sms=132, tma_store=True)
+    cuda_gemm.compile_kernel(cuda_gemm.kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))
+    return time.perf_counter() - t0
+
+
+def precompile(env: Env, workers: int = 12) -> None:
+    """NVRTC-compile the dense kernels the Llama rows will ask for, in parallel processes (the compile
+    cache is shared on disk): a fresh GPU machine otherwise compiles them one by one inside the timed
+    sections' warm-up. The fused cast kernels compile in the same pool."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    c = env.s["llama"]
+    h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    jobs = [(kind, m, n, k) for kind in ("bf16", "fp8") for m in (env.s["prefill"][0] * env.s["prefill"][1],
+                                                                  env.s["decode"][0])
+            for n, k in ((h, h), (kv, h), (f, h), (h, f), (v, h))]
+    t0 = time.perf_counter()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        futs = [pool.submit(_compile_one, j) for j in jobs]
+        from deepgemm import cuda_cast
+
+        futs += [pool.submit(cuda_cast.compile_module, (e,)) for e in cuda_cast.all_expressions()]
+        for fu in futs:
+            fu.result()
+    print(f"# precompiled {len(jobs)} GEMM kernels + the casts in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
 SECTIONS = {"gemms": sec_gemms, "kernels": sec_kernels, "host": sec_host, "prefill": sec_prefill, "decode": sec_decode, "moe": sec_moe, "profile": sec_profile,
             "compile": sec_compile}
 
@@ -454,6 +490,8 @@ def main(argv=None) -> int:
     only = args.only.split(",") if args.only else [k for k in SECTIONS if k not in ("gemms", "kernels")]
     print(f"bench_models: device {env.device}, dtype {env.dtype}, budget {env.budget:.0f} s, sections {only}",
           flush=True)
+    if args.precompile and env.cuda:
+        precompile(env)
     for name in only:
         if env.left() < 10:
             row(name, "-", None, note="skipped: time budget")
