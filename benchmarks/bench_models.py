@@ -182,6 +182,35 @@ def _static_decode(env: Env, model: torch.nn.Module, b: int, ctx: int):
     return step
 
 
+def _host_profile(env: Env, fn, tag: str, reps: int = 5) -> float:
+    """Host time of one eager call (ms), and where it goes: cProfile of `reps` calls, the 25 functions with
+    the most own time, written next to --json as cprofile_<tag>.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    if env.cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t0) / reps * 1e3
+    if env.cuda:
+        torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(reps):
+        fn()
+    pr.disable()
+    if env.cuda:
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
+    Path(env.out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(env.out_dir) / f"cprofile_{tag}.txt").write_text(f"{reps} calls\n" + text.getvalue())
+    return host
+
+
 def sec_decode(env: Env) -> None:
     b, ctx = env.s["decode"]
     base = _llama(env)
@@ -193,7 +222,8 @@ def sec_decode(env: Env) -> None:
             ref = out if ref is None else ref
             t = env.bench(step).median_s * 1e3
             peer_e = t if peer_e is None else peer_e
-            row("decode_eager", name, t, peer_e, tilehal.calc_diff(out, ref), f"b{b}, {ctx} cached, StaticCache")
+            row("decode_eager", name, t, peer_e, tilehal.calc_diff(out, ref), f"b{b}, {ctx} cached, StaticCache",
+                host_ms=_host_profile(env, step, f"decode_eager_{name.split()[0]}"))
             if not env.cuda:
                 row("decode_graph", name, None, note="skipped: CUDA graphs need a GPU")
                 continue
