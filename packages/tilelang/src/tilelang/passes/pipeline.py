@@ -22,8 +22,9 @@ def passes_for(target: str, pass_configs: dict | None = None) -> list[Pass]:
 USED_OPTIONS = {
     "interp": set(),
     "cpu": set(),  # T.Pipelined runs as a serial loop: num_stages has no meaning for the C backend
-    "cuda": {"num_stages", "swizzle"},
-    "cuda_emu": {"num_stages", "swizzle"},
+    # cuda: pipelining, T.use_swizzle, T.annotate_layout on shared buffers, wgmma choice and its wait depth
+    "cuda": {"num_stages", "swizzle", "layout", "use_wgmma", "wg_wait"},
+    "cuda_emu": {"num_stages", "swizzle", "layout", "use_wgmma"},  # mma.sync only: no wgmma to wait for
 }
 
 
