@@ -37,18 +37,22 @@ def _percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
+MAX_ITERS = 10**7  # warm-up / timed calls: more is a typo, and would run for hours
+MAX_TIME_S = 3600.0
+
+
 def _check_bench_args(fn: Any, warmup: Any, iters: Any, device: Any, min_time_s: Any) -> None:
     from .errors import ArgumentError
 
     if not callable(fn):
         raise ArgumentError(f"fn: expected a callable taking no arguments, got {type(fn).__name__}")
     for arg, value, lo in (("warmup", warmup, 0), ("iters", iters, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-            raise ArgumentError(f"{arg}: expected an integer >= {lo}, got {value!r}")
-    if device not in ("auto", "cuda", "cpu"):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= MAX_ITERS:
+            raise ArgumentError(f"{arg}: expected an integer in [{lo}, {MAX_ITERS}], got {value!r}")
+    if not isinstance(device, str) or device not in ("auto", "cuda", "cpu"):
         raise ArgumentError(f"device: expected 'auto', 'cuda' or 'cpu', got {device!r}")
-    if isinstance(min_time_s, bool) or not isinstance(min_time_s, (int, float)) or not 0 <= min_time_s < float("inf"):
-        raise ArgumentError(f"min_time_s: expected a finite number of seconds >= 0, got {min_time_s!r}")
+    if isinstance(min_time_s, bool) or not isinstance(min_time_s, (int, float)) or not 0 <= min_time_s <= MAX_TIME_S:
+        raise ArgumentError(f"min_time_s: expected a number of seconds in [0, {MAX_TIME_S}], got {min_time_s!r}")
 
 
 def bench(

@@ -496,6 +496,7 @@ def cached_build(kind: str, key: str, artifact_name: str, build: Callable[[Path]
 
 def flag_list(flags: Sequence[str], arg: str) -> list[str]:
     """`flags` as a list of strings; refuse a bare string (it would be split into characters)."""
-    if isinstance(flags, (str, bytes)) or not all(isinstance(f, str) for f in flags):
+    if isinstance(flags, (str, bytes)) or not isinstance(flags, (list, tuple)) or \
+            not all(isinstance(f, str) for f in flags):
         raise ArgumentError(f"{arg}: expected a sequence of strings, got {flags!r}")
     return list(flags)

@@ -55,7 +55,11 @@ class CommTimeoutError(TileStackError, TimeoutError):
 
 def expect(condition: bool, arg: str, expected: object, actual: object, kind: type = ShapeError) -> None:
     """Raise `kind` with the stack's standard message unless `condition` holds."""
-    if not condition:
+    try:
+        ok = bool(condition)
+    except (TypeError, ValueError, RuntimeError):  # an array or tensor with several elements
+        raise ArgumentError(f"expect({arg!r}): expected condition a bool, got {type(condition).__name__}") from None
+    if not ok:
         raise kind(f"{arg}: expected {expected}, got {actual}")
 
 
@@ -64,6 +68,9 @@ def check_int(value: object, arg: str, lo: int | None = None, hi: int | None = N
     outside the bounds raises ArgumentError naming `arg`. Integers of any kind (numpy, 0-d tensors) pass."""
     import operator
 
+    for bound, bname in ((lo, "lo"), (hi, "hi")):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
+            raise ArgumentError(f"check_int({arg!r}): expected {bname} an int or None, got {bound!r}")
     want = "an integer" + (f" >= {lo}" if lo is not None and hi is None else "") + (
         f" in [{lo}, {hi}]" if lo is not None and hi is not None else "") + (
         f" <= {hi}" if hi is not None and lo is None else "")
@@ -81,6 +88,8 @@ def check_int(value: object, arg: str, lo: int | None = None, hi: int | None = N
 def check_choice(value: object, arg: str, choices: tuple | list) -> object:
     """`value` if it is one of `choices` (strings, numbers, None), else ArgumentError naming `arg`. A value of
     another type (an array, a list) is refused without comparing it, so it cannot raise a library error."""
+    if not isinstance(choices, (tuple, list)) or not choices:
+        raise ArgumentError(f"check_choice({arg!r}): expected choices a non-empty tuple or list, got {choices!r}")
     ok_types = tuple({type(c) for c in choices})
     if isinstance(value, ok_types) and not (isinstance(value, bool) and bool not in ok_types) and value in choices:
         return value

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from .dtypes import DType, get_dtype
-from .errors import ArgumentError, ShapeError
+from .errors import ArgumentError, ShapeError, TileStackError
 
 
 def is_torch(x: Any) -> bool:
@@ -20,7 +20,10 @@ def is_array(x: Any) -> bool:
 
 
 def dtype_of(x: Any) -> DType:
-    return get_dtype(x.dtype)
+    try:
+        return get_dtype(x.dtype)
+    except AttributeError:
+        raise ShapeError(f"x: expected a torch tensor or numpy array, got {type(x).__name__}") from None
 
 
 def device_of(x: Any) -> str:
@@ -34,13 +37,19 @@ def device_of(x: Any) -> str:
 def data_ptr(x: Any) -> int:
     if is_torch(x):
         return int(x.data_ptr())
-    return int(x.__array_interface__["data"][0])
+    try:
+        return int(x.__array_interface__["data"][0])
+    except AttributeError:
+        raise ShapeError(f"x: expected a torch tensor or numpy array, got {type(x).__name__}") from None
 
 
 def is_contiguous(x: Any) -> bool:
     if is_torch(x):
         return bool(x.is_contiguous())
-    return bool(x.flags["C_CONTIGUOUS"])
+    try:
+        return bool(x.flags["C_CONTIGUOUS"])
+    except (AttributeError, TypeError, KeyError):
+        raise ShapeError(f"x: expected a torch tensor or numpy array, got {type(x).__name__}") from None
 
 
 def as_numpy(x: Any) -> np.ndarray:
@@ -91,33 +100,42 @@ def check_tensor(
     `shape` entries of None match any size. `device` is "cpu", "cuda" (any index) or "cuda:N".
     `alignment` is in bytes, for the data pointer.
     """
-    if not is_array(x):
-        raise ShapeError(f"{name}: expected a torch tensor or numpy array, got {type(x).__name__}")
-    if dtype is not None:
-        allowed = [get_dtype(d) for d in (dtype if isinstance(dtype, (list, tuple, set)) else [dtype])]
-        actual = dtype_of(x)
-        if actual not in allowed:
-            want = " or ".join(d.name for d in allowed)
-            raise ShapeError(f"{name}: expected dtype {want}, got {actual.name}")
-    actual_shape = tuple(int(s) for s in x.shape)
-    if ndim is not None and len(actual_shape) != ndim:
-        raise ShapeError(f"{name}: expected {ndim} dimensions, got {len(actual_shape)} (shape {actual_shape})")
-    if shape is not None:
-        ok = len(shape) == len(actual_shape) and all(
-            s is None or int(s) == a for s, a in zip(shape, actual_shape)
-        )
-        if not ok:
-            want = tuple("*" if s is None else int(s) for s in shape)
-            raise ShapeError(f"{name}: expected shape {want}, got {actual_shape}")
-    if contiguous and not is_contiguous(x):
-        raise ShapeError(f"{name}: expected a contiguous tensor, got strides {tuple(_strides(x))}")
-    if device is not None:
-        actual_dev = device_of(x)
-        match = actual_dev == device or (device == "cuda" and actual_dev.startswith("cuda"))
-        if not match:
-            raise ShapeError(f"{name}: expected device {device}, got {actual_dev}")
-    if alignment is not None and data_ptr(x) % alignment != 0:
-        raise ShapeError(f"{name}: expected data aligned to {alignment} bytes, got address {data_ptr(x):#x}")
+    try:
+        if not is_array(x):
+            raise ShapeError(f"{name}: expected a torch tensor or numpy array, got {type(x).__name__}")
+        if dtype is not None:
+            allowed = [get_dtype(d) for d in (dtype if isinstance(dtype, (list, tuple, set)) else [dtype])]
+            actual = dtype_of(x)
+            if actual not in allowed:
+                want = " or ".join(d.name for d in allowed)
+                raise ShapeError(f"{name}: expected dtype {want}, got {actual.name}")
+        actual_shape = tuple(int(s) for s in x.shape)
+        if ndim is not None and len(actual_shape) != ndim:
+            raise ShapeError(f"{name}: expected {ndim} dimensions, got {len(actual_shape)} (shape {actual_shape})")
+        if shape is not None:
+            ok = len(shape) == len(actual_shape) and all(
+                s is None or int(s) == a for s, a in zip(shape, actual_shape)
+            )
+            if not ok:
+                want = tuple("*" if s is None else int(s) for s in shape)
+                raise ShapeError(f"{name}: expected shape {want}, got {actual_shape}")
+        if contiguous and not is_contiguous(x):
+            raise ShapeError(f"{name}: expected a contiguous tensor, got strides {tuple(_strides(x))}")
+        if device is not None:
+            actual_dev = device_of(x)
+            match = actual_dev == device or (device == "cuda" and actual_dev.startswith("cuda"))
+            if not match:
+                raise ShapeError(f"{name}: expected device {device}, got {actual_dev}")
+        if alignment is not None and data_ptr(x) % alignment != 0:
+            raise ShapeError(f"{name}: expected data aligned to {alignment} bytes, got address {data_ptr(x):#x}")
+
+    except TileStackError:
+        raise
+    except (TypeError, ValueError, RuntimeError, ZeroDivisionError, AttributeError) as e:
+        raise ArgumentError(f"check_tensor({name!r}): expected dtype a dtype or list of them, shape a sequence of ints "
+                            f"or None, ndim an int, contiguous a bool, device a string, alignment a positive int; "
+                            f"got dtype={dtype!r}, shape={shape!r}, ndim={ndim!r}, contiguous={contiguous!r}, "
+                            f"device={device!r}, alignment={alignment!r} ({type(e).__name__}: {e})"[:600]) from None
     return x
 
 

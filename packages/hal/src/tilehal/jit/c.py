@@ -174,8 +174,11 @@ def compile_c(
     check_name(name)
     flags = flag_list(flags, "flags")
     _check_flags(flags)
-    if isinstance(include_dirs, (str, bytes)):
+    if isinstance(include_dirs, (str, bytes)) or not isinstance(include_dirs, (list, tuple)) or \
+            not all(isinstance(d, (str, os.PathLike)) for d in include_dirs):
         raise ArgumentError(f"include_dirs: expected a sequence of directories, got {include_dirs!r}")
+    if not isinstance(openmp, bool):
+        raise ArgumentError(f"openmp: expected a bool, got {openmp!r}")
     inc = [os.fspath(d) for d in include_dirs]
     libraries = flag_list(libraries, "libraries")
     for lib in libraries:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DeviceError, LaunchError, check_int
+from ..errors import ArgumentError, DeviceError, LaunchError, check_int
 from ..tensors import is_torch
 from . import fastlaunch
 from .fastlaunch import MISS
@@ -103,7 +103,11 @@ def _scalar(kind: str) -> classmethod:
     def make(cls, v: Any) -> Arg:
         if bounds is not None:
             return cls(ctype(check_int(v, f"Arg.{kind}", *bounds)))
-        return cls(ctype(int(v) if kind == "ptr" else float(v)))
+        try:
+            return cls(ctype(int(v) if kind == "ptr" else float(v)))
+        except (TypeError, ValueError, OverflowError):
+            raise ArgumentError(f"Arg.{kind}: expected a {'pointer (int)' if kind == 'ptr' else 'number'}, "
+                                f"got {v!r}") from None
 
     make.__name__ = make.__qualname__ = kind
     make.__doc__ = f"A `{ctype.__name__}` argument" + (" (range-checked)." if bounds else ".")
