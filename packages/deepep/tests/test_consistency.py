@@ -33,3 +33,22 @@ def test_hierarchical_ranks_name_the_disagreement(ranks, odd_rank):
                 ranks_per_node=2, timeout_s=90)
     for rank, msg in enumerate(out):
         assert msg.startswith("dispatch: expected every rank to dispatch the same layout"), (rank, msg)
+
+
+def test_nvlink_engine_layout_agreement(ranks):
+    """Issue 16 item 4 for the NVLink engine (normal and low-latency): its host-side agreement check, on Gloo."""
+    for msgs in ranks(3, "nvlink_agreement", timeout_s=90):
+        assert msgs[0] == "exchanges 1", msgs  # the same layout again costs no exchange
+        assert msgs[1].startswith("dispatch: expected every rank to call dispatch with the same layout") \
+            and "hidden" in msgs[1], msgs
+        assert msgs[2].startswith("low_latency_dispatch: expected every rank") and "num_experts" in msgs[2], msgs
+        assert msgs[3].startswith("combine: expected every rank") and "x_dtype" in msgs[3], msgs
+        assert msgs[4] == "exchanges 5", msgs
+
+
+def test_combine_layouts_that_differ_are_refused_on_every_rank(ranks):
+    for transport, world, per_node in (("torch", 2, None), ("hierarchical", 4, 2)):
+        out = ranks(world, "disagreeing_combine", transport=transport, ranks_per_node=per_node, timeout_s=90)
+        for rank, msg in enumerate(out):
+            assert msg.startswith("combine: expected every rank to combine the same layout"), (transport, rank, msg)
+            assert "x_dtype" in msg, msg

@@ -463,6 +463,25 @@ def disagreeing_dispatch(rank: int, world: int, vary: str, odd_rank: int = 1, tr
     return "no error"
 
 
+def disagreeing_combine(rank: int, world: int, transport: str = "torch", ranks_per_node: int | None = None) -> str:
+    """The same dispatch everywhere, then rank 1 combines bf16 rows where the others combine fp32: every rank
+    must raise ShapeError naming x_dtype before a row moves."""
+    from tilehal import ShapeError
+
+    buf = Buffer(None, transport=transport, num_ranks_per_node=ranks_per_node, timeout_s=20)
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.rand(10, 4 * world, generator=g).topk(2, dim=1).indices
+    x = torch.randn(10, 64, generator=g)
+    _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4 * world)
+    recv, _, _, _, handle, _ = buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                            topk_idx=idx)
+    try:
+        buf.combine(recv.to(torch.bfloat16) if rank == 1 else recv, handle)
+    except ShapeError as e:
+        return str(e)
+    return "no error"
+
+
 def handle_reuse_checks(rank: int, world: int) -> list[str]:
     """A handle reused with a new hidden size by every rank works (DeepEP replays handles with new x); one
     rank alone changing it, or a new topk_idx, is refused on every rank before any row moves."""
@@ -663,3 +682,34 @@ def local_matches_one_rank_group(rank: int, world: int) -> int:
         _same((recv0, *res[0][1:]), res[1], f"low latency {seed}")
         checked += 1
     return checked
+
+
+# ----------------------------------------------------------------------------- NVLink layout agreement (host side)
+
+
+def nvlink_agreement(rank: int, world: int) -> list[str]:
+    """The NVLink engine's cross-rank layout check (engines/nvlink/context.Agreement), on its own: the same
+    layout passes (and is not exchanged again), a new layout that differs across ranks raises ShapeError on
+    every rank naming the field, and the kinds are checked separately."""
+    from deepep.engines.nvlink.context import Agreement
+    from tilehal import ShapeError
+
+    a = Agreement(dist.group.WORLD, timeout_s=20)
+    calls = []
+    real = a.t.gather_counts
+    a.t.gather_counts = lambda *args, **kw: (calls.append(args[1]), real(*args, **kw))[1]
+    out = []
+    a.ensure("dispatch", [1024, 512, 2, -1, 4, 4, 8, 4096, 32])
+    a.ensure("dispatch", [1024, 512, 2, -1, 4, 4, 8, 4096, 32])  # unchanged: no exchange
+    out.append(f"exchanges {len(calls)}")
+    for kind, values in (("dispatch", [1024, 576 + 64 * rank, 2, -1, 4, 4, 8, 4096, 32]),  # every rank changed it
+                         ("low_latency_dispatch", [7168, 1, 8, 16 + 16 * (rank == world - 1), 128]),
+                         ("combine", [1152, 512, 2 if rank else 1, 4, 4096, 32])):
+        try:
+            a.ensure(kind, values)
+            out.append("no error")
+        except ShapeError as e:
+            out.append(str(e))
+    a.ensure("low_latency_combine", [7168, 8, 16, 128])
+    out.append(f"exchanges {len(calls)}")
+    return out

@@ -154,6 +154,19 @@ def describe_meta_diff(a: list[int], b: list[int], a_name: str, b_name: str,
                      for n, x, y in zip(fields, a, b) if x != y)
 
 
+COMBINE_FIELDS = ("magic", "x_dtype", "hidden", "topk_weights")
+
+
+def combine_meta(x: torch.Tensor, topk_weights: torch.Tensor | None) -> list[int]:
+    """This rank's values of COMBINE_FIELDS for one combine: what both ends of its rows must agree on."""
+    return [_MAGIC + 1, DTYPE_CODES.get(x.dtype, 0), x.shape[1], -1 if topk_weights is None else topk_weights.shape[1]]
+
+
+def check_combine_meta(mine: list[int], recv: torch.Tensor, rank: int, stage: str = "combine") -> None:
+    check_meta(mine, recv, rank, stage, COMBINE_FIELDS, "combine the same layout",
+               "Every rank must pass combine x of one dtype and hidden size, and topk_weights of one width (or none)")
+
+
 # ----------------------------------------------------------------------------- shared row helpers
 
 

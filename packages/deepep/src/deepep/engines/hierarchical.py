@@ -21,7 +21,9 @@ from ..dispatcher import (
     DispatchOutput,
     EngineOptions,
     align_counts,
+    check_combine_meta,
     check_meta,
+    combine_meta,
     dispatch_format,
     layout_meta,
     pack_dispatch,
@@ -97,7 +99,7 @@ class HierarchicalDispatcher:
         node_group, rail_group = _subgroups(group, num_ranks_per_node)
         self.node = TorchDistTransport(node_group, timeout_s)  # rank index inside = local rank
         self.rail = TorchDistTransport(rail_group, timeout_s)  # rank index inside = node index
-        self.flat = TorchDistTransport(group, timeout_s)  # the low-latency mode stays single level
+        self.flat = TorchDistTransport(group, timeout_s)  # the whole group: layout headers
 
     def dispatch(self, inp: DispatchInput, handle: HierarchicalHandle | None, is_token_in_rank, num_tokens_per_expert,
                  experts_per_rank: int, expert_alignment: int, num_worst_tokens: int,
@@ -125,6 +127,9 @@ class HierarchicalDispatcher:
             s1_recv = self.rail.exchange_counts(torch.tensor(s1_counts).view(-1, 1), "dispatch/inter-node counts")
             s1_recv_counts = s1_recv[:, 0].tolist()
         else:
+            # A cached dispatch may change x's layout when every rank does: the same header, checked everywhere.
+            head = torch.tensor([meta] * self.num_ranks, dtype=torch.int64)
+            check_meta(meta, self.flat.exchange_counts(head, "dispatch/cached_layout"), self.rank, "dispatch (cached)")
             s1_recv_counts = handle.s1_recv_counts
         got1 = self.rail.exchange_rows(rows, s1_counts, s1_recv_counts, "dispatch/inter-node data")
 
@@ -191,6 +196,9 @@ class HierarchicalDispatcher:
     def combine(self, x: torch.Tensor, handle: HierarchicalHandle, topk_weights: torch.Tensor | None,
                 config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = handle.num_recv_tokens
+        meta = combine_meta(x, topk_weights)
+        head = torch.tensor([meta] * self.num_ranks, dtype=torch.int64)
+        check_combine_meta(meta, self.flat.exchange_counts(head, "combine/layout"), self.rank)
         width = x.shape[1]
         acc_dtype = torch.float32
         fields = [("x", acc_dtype, width)]

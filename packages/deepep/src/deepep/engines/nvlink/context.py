@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from tilehal import CommTimeoutError, ShapeError
 
+from ...dispatcher import check_meta
+from ...transport.torch_dist import TorchDistTransport
 from .memory import HostMapped, SharedRegion, cuda_driver
 
 log = logging.getLogger("deepep.nvlink")
@@ -114,6 +116,51 @@ class IpcRegions:
         self.regions.clear()
 
 
+# What each kind of NVLink call lays its shared buffers out by: every rank must pass the same values.
+AGREE_FIELDS = {
+    "dispatch": ("magic", "row_bytes", "hidden", "x_dtype", "scales_cols", "topk", "topk_weights", "experts_per_rank",
+                 "num_max_tokens_per_rank", "chunk_tokens"),
+    "combine": ("magic", "row_bytes", "hidden", "x_dtype", "topk_weights", "num_max_tokens_per_rank", "chunk_tokens"),
+    "low_latency_dispatch": ("magic", "hidden", "use_fp8", "topk", "num_experts", "num_max_dispatch_tokens_per_rank"),
+    "low_latency_combine": ("magic", "hidden", "topk", "num_experts", "num_max_dispatch_tokens_per_rank"),
+}
+
+
+class Agreement:
+    """Cross-rank agreement on the layout of each kind of call, checked on the host whenever this rank's
+    layout of that kind changes (the first call, a new hidden size, dtype, top-k, expert count...).
+
+    The NVLink kernels write rows at offsets and into regions sized by the sender's own layout, and a
+    region is (re)made by a collective: a rank that disagreed would write past a peer's region or wait
+    in a collective alone. So before such a call, every rank's values go through one small all-gather
+    on a CPU (Gloo) side group, with a deadline; a mismatch raises ShapeError naming each differing field
+    on every rank that made the call, before any kernel runs. Calls whose layout did not change cost
+    nothing (no exchange). A rank that changes its layout alone waits in that exchange and gets
+    CommTimeoutError, while its peers' kernels time out waiting for it: bounded, and no memory is touched."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+        ranks = [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r
+                 for r in range(dist.get_world_size(group))]
+        self.cpu_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        self.t = TorchDistTransport(self.cpu_group, timeout_s)
+        self.agreed: dict[str, tuple[int, ...]] = {}
+
+    def ensure(self, kind: str, values: list[int]) -> None:
+        key = tuple(int(v) for v in values)
+        if self.agreed.get(kind) == key:
+            return
+        fields = AGREE_FIELDS[kind]
+        mine = [0x4E564C00 + list(AGREE_FIELDS).index(kind), *key]  # "NVL" + the kind
+        got = self.t.gather_counts(torch.tensor([mine], dtype=torch.int64), f"{kind}/layout")[:, 0]
+        check_meta(mine, got, self.t.rank, kind, fields, f"call {kind} with the same layout",
+                   "Every rank must pass the same hidden size, dtypes, top-k and expert count, and build its "
+                   "Buffer with the same num_max_tokens_per_rank and Config")
+        self.agreed[kind] = key
+
+    def destroy(self) -> None:
+        self.agreed.clear()
+
+
 class NvlinkContext:
     """Group, rank, module, regions, timeout and SMs of one NVLink engine, shared by both its modes.
 
@@ -121,8 +168,10 @@ class NvlinkContext:
     `num_ranks` and `global_rank` are given."""
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int, global_rank: int,
-                 timeout_s: float, regions: Regions, num_sms: int | None = None) -> None:
+                 timeout_s: float, regions: Regions, num_sms: int | None = None,
+                 agreement: Agreement | None = None) -> None:
         self.group, self.rank, self.num_ranks, self.global_rank = group, rank, num_ranks, global_rank
+        self.agreement = agreement  # None for emulated ranks (one process: nothing to disagree across)
         self.timeout_s = float(timeout_s)
         self.regions = regions
         self.module = compile_kernels()
@@ -139,7 +188,13 @@ class NvlinkContext:
     def for_group(cls, group: dist.ProcessGroup, timeout_s: float) -> NvlinkContext:
         """The context of this process's rank of `group` (one GPU per rank, CUDA IPC regions)."""
         rank = dist.get_rank(group)
-        return cls(group, rank, dist.get_world_size(group), dist.get_rank(), timeout_s, IpcRegions(group, rank))
+        return cls(group, rank, dist.get_world_size(group), dist.get_rank(), timeout_s, IpcRegions(group, rank),
+                   agreement=Agreement(group, timeout_s))
+
+    def agree(self, kind: str, values: list[int]) -> None:
+        """Every rank lays out this kind of call alike, or ShapeError on every rank (see Agreement)."""
+        if self.agreement is not None:
+            self.agreement.ensure(kind, values)
 
     @property
     def timeout_ns(self) -> int:
@@ -184,3 +239,5 @@ class NvlinkContext:
             pass
         self.regions.close()
         self.err.free()
+        if self.agreement is not None:
+            self.agreement.destroy()

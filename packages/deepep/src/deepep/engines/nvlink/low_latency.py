@@ -181,6 +181,7 @@ class NvlinkLowLatency:
                              f"path, got {num_experts}")
         payload = payload_bytes(H, use_fp8)
         M = max_tokens
+        self.ctx.agree("low_latency_dispatch", [H, int(use_fp8), k, num_experts, M])
         sig_words, data_bytes, row_bytes = region_sizes(R, M, H, num_experts, k, use_fp8)["ll_dispatch"]
         sig_tokens, sig_msg = R, R + R * M
         reg = self.ctx.region("ll_dispatch", sig_words, data_bytes)
@@ -217,6 +218,7 @@ class NvlinkLowLatency:
             raise ShapeError(f"x.dtype: expected torch.bfloat16 for low_latency_combine, got {y.dtype}")
         if k != handle.tok_rows.shape[2]:
             raise ShapeError(f"topk_idx.shape[1]: expected {handle.tok_rows.shape[2]} (as in the dispatch), got {k}")
+        self.ctx.agree("low_latency_combine", [H, k, E, M])
         sig_words, data_bytes, row_bytes = region_sizes(R, M, H, E, k, True)["ll_combine"]
         data_rows = data_bytes - R * M * row_bytes
         reg = self.ctx.region("ll_combine", sig_words, data_bytes)

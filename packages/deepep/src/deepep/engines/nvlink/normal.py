@@ -19,7 +19,7 @@ import torch
 from tilehal import Arg, ShapeError
 
 from ...config import Config, default_combine_config, default_dispatch_config
-from ...dispatcher import DispatchInput, DispatchOutput, EngineOptions, align_counts
+from ...dispatcher import DTYPE_CODES, DispatchInput, DispatchOutput, EngineOptions, align_counts
 from ...layout import Layout, check_topk_idx, compute_layout
 from ...waits import spin_until
 from .context import NvlinkContext
@@ -255,6 +255,8 @@ class NvlinkDispatcher:
         off_src = off_w + 4 * k
         row_bytes = align_up(off_src + 4, ROW_ALIGN)
         num_sms, senders, chunk = self._config(config, False)
+        self.ctx.agree("dispatch", [row_bytes, x.shape[1], DTYPE_CODES.get(x.dtype, 0), S, k,
+                                    -1 if inp.topk_weights is None else k, epr, self.cap, chunk])
         if chunk >= 4096 or self.cap >= 2**20:
             raise ValueError(f"config: the NVLink dispatch needs chunk_tokens < 4096 and num_max_tokens_per_rank < 2**20 "
                              f"(chunk flags pack both), got {chunk} and {self.cap}")
@@ -314,6 +316,7 @@ class NvlinkDispatcher:
         k = topk_weights.shape[1] if topk_weights is not None else 0
         row_bytes = align_up(x_bytes + 4 * k, ROW_ALIGN)
         num_sms, senders, chunk = self._config(config, True)
+        self.ctx.agree("combine", [row_bytes, x.shape[1], DTYPE_CODES.get(x.dtype, 0), k, self.cap, chunk])
         max_chunks = (self.cap + chunk - 1) // chunk
         reg = self.ctx.region("combine", R + R * max_chunks, R * self.cap * row_bytes)
         self.epochs["combine"] += 1

@@ -18,7 +18,9 @@ from ...dispatcher import (
     DispatchOutput,
     EngineOptions,
     align_counts,
+    check_combine_meta,
     check_meta,
+    combine_meta,
     dispatch_format,
     layout_meta,
     pack_dispatch,
@@ -181,6 +183,11 @@ class TorchDispatcher:
     def combine(self, x: torch.Tensor, handle: TorchHandle, topk_weights: torch.Tensor | None,
                 config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = handle.num_recv_tokens
+        # Every rank's row layout first (one tiny all-to-all): rows of different widths must never reach the
+        # transport as mismatched byte counts (Gloo aborts the process).
+        meta = combine_meta(x, topk_weights)
+        head = torch.tensor([meta], dtype=torch.int64).repeat(self.num_ranks, 1)
+        check_combine_meta(meta, self.t.exchange_counts(head, "combine/layout"), self.rank)
         fields = [("x", x.dtype, x.shape[1])]
         parts = {"x": x[:n]}
         if topk_weights is not None:
