@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import tilehal
+
 from ..frontend.eager import is_eager_style
 from .eager import EagerJIT
 from .kernel import JITFactory
@@ -16,7 +18,13 @@ def jit(func: Callable | None = None, *, out_idx: Any = None, target: str = "aut
         **_: Any) -> Any:
     """Decorator: `@tilelang.jit(out_idx=[-1])` on a factory that builds and returns a `@T.prim_func`."""
 
+    from .kernel import check_compile_args
+
+    check_compile_args(out_idx, target, pass_configs)
+
     def wrap(fn: Callable) -> Any:
+        if not callable(fn):
+            raise tilehal.ArgumentError(f"jit: expected a function to decorate, got {type(fn).__name__}")
         if is_eager_style(fn):  # the function's body is the kernel (T.const / T.empty / with T.Kernel)
             return EagerJIT(fn, target, pass_configs, out_idx)
         return JITFactory(fn, out_idx, target, pass_configs)

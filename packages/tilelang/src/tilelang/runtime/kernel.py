@@ -28,6 +28,7 @@ class JITKernel:
                  pass_configs: dict | None = None) -> None:
         if not isinstance(func, PrimFunc):
             raise tilehal.ArgumentError(f"compile: expected a PrimFunc (from @T.prim_func), got {type(func).__name__}")
+        check_compile_args(out_idx, target, pass_configs)
         self.prim_func = func
         self.requested_target = (target or "auto").lower()
         self.target = resolve_target(target)
@@ -152,6 +153,8 @@ class JITKernel:
         for i in range(len(self.params)):
             if i not in self.out_idx and i not in views:
                 full[i] = next(inputs)
+                if full[i] is None:
+                    raise tilehal.ShapeError(f"{self.params[i].name}: expected a torch tensor or numpy array, got None")
         in_params = [(p, a) for p, a in zip(self.params, full) if a is not None]
         target = self._backend_for(args)
         backend = BACKENDS[target]
@@ -286,6 +289,18 @@ def _bind(pairs: list[tuple[Any, Any]], device: str = "cpu") -> dict[Var, int]:
     return dyn
 
 
+def check_compile_args(out_idx: Any, target: Any, pass_configs: Any) -> None:
+    """Types of compile/jit's options, before anything is built (their values are checked where used)."""
+    if target is not None and not isinstance(target, str):
+        raise tilehal.ArgumentError(f"target: expected a string ('auto', 'cpu', 'interp', 'cuda'), got {target!r}")
+    if pass_configs is not None and not isinstance(pass_configs, dict):
+        raise tilehal.ArgumentError(f"pass_configs: expected a dict or None, got {type(pass_configs).__name__}")
+    ok = out_idx is None or (isinstance(out_idx, int) and not isinstance(out_idx, bool)) or (
+        isinstance(out_idx, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in out_idx))
+    if not ok:
+        raise tilehal.ArgumentError(f"out_idx: expected None, an int or a list of ints, got {out_idx!r}")
+
+
 def compile(func: PrimFunc, out_idx: Sequence[int] | int | None = None, target: str = "auto",  # noqa: A001
             pass_configs: dict | None = None, **_: Any) -> JITKernel:
     """Lower and build a prim_func for `target` ("auto", "cpu", "interp", "cuda").
@@ -294,6 +309,7 @@ def compile(func: PrimFunc, out_idx: Sequence[int] | int | None = None, target: 
     first time (an in-process memo; a new process finds the binary in the disk cache)."""
     if not isinstance(func, PrimFunc):
         return JITKernel(func, out_idx=out_idx, target=target, pass_configs=pass_configs)
+    check_compile_args(out_idx, target, pass_configs)
     key = (_hashable(out_idx), str(target).lower(), _hashable(pass_configs or {}))
     with _memo_lock:
         hit = _memo.get(func, {}).get(key)
