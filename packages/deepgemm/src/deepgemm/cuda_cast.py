@@ -81,9 +81,13 @@ def _why_not(x: torch.Tensor, gran_k: int) -> str | None:
     return None
 
 
+WARP_COLS = 256  # columns one warp covers (32 lanes x 8 elements)
+
+
 def _vec(x: torch.Tensor, row_stride: int) -> bool:
+    """16-byte vector loads: K, the row stride and the base address on 8-element / 16-byte boundaries."""
     k = x.shape[-1]
-    return k % 4 == 0 and row_stride % 4 == 0 and x.data_ptr() % 16 == 0
+    return k % 8 == 0 and row_stride % 8 == 0 and x.data_ptr() % 16 == 0
 
 
 _TOKEN_PLANS: dict[tuple, tuple] = {}
@@ -131,7 +135,7 @@ def _per_token_checked(x: torch.Tensor, gran_k: int, ue8m0: bool, mn_major_sf: b
         sf = torch.empty((*lead, m, sk), dtype=torch.float32, device=x.device)
         rs, cs = sk, 1
     kern = _kernel(token_expression(x.dtype, gran_k, _vec(x, ldx)))
-    grid = ceil_div(rows * ceil_div(k, 128), THREADS // 32) if rows and k else 0
+    grid = ceil_div(rows * ceil_div(k, WARP_COLS), THREADS // 32) if rows and k else 0
     tail = (rows, k, tilehal.Arg.i64(ldx), tilehal.Arg.i64(rs), tilehal.Arg.i64(cs), bool(ue8m0))
     if grid:
         kern.launch(grid, THREADS, (x, q, sf, *tail))
@@ -152,7 +156,7 @@ def per_block(x: torch.Tensor, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]
         return q, sf
     ldx = x.stride(-2)
     ldg = x.stride(0) if x.dim() == 3 else n * ldx
-    _kernel(block_expression(x.dtype, _vec(x, ldx) and ldg % 4 == 0)).launch(
+    _kernel(block_expression(x.dtype, _vec(x, ldx) and ldg % 8 == 0)).launch(
         (sk, sn, g), THREADS, (x, q, sf, n, k, tilehal.Arg.i64(ldx), tilehal.Arg.i64(ldg), bool(ue8m0)))
     return q, sf
 
@@ -183,8 +187,8 @@ def silu_mul(x: torch.Tensor, fp8: bool, ue8m0: bool = False, mn_major_sf: bool 
         out = torch.empty((m, f), dtype=torch.bfloat16, device=x.device)
         sf, rs, cs = None, 0, 0
     if m and f:
-        vec = _vec(x, ldx) and f % 4 == 0
+        vec = _vec(x, ldx) and f % 8 == 0
         _kernel(silu_expression(x.dtype, fp8, vec)).launch(
-            ceil_div(m * sk, THREADS // 32), THREADS,
+            ceil_div(m * ceil_div(f, WARP_COLS), THREADS // 32), THREADS,
             (x, out, sf, m, f, tilehal.Arg.i64(ldx), tilehal.Arg.i64(rs), tilehal.Arg.i64(cs), bool(ue8m0)))
     return (out, sf) if fp8 else out

@@ -23,10 +23,6 @@ __device__ __forceinline__ float finite_abs(float v) {
   return a <= 3.402823466e+38f ? a : 0.f;
 }
 
-__device__ __forceinline__ float abs_max4(const float (&v)[4]) {
-  return fmaxf(fmaxf(finite_abs(v[0]), finite_abs(v[1])), fmaxf(finite_abs(v[2]), finite_abs(v[3])));
-}
-
 template <int WIDTH>
 __device__ __forceinline__ float group_amax(float v) {
 #pragma unroll
@@ -50,64 +46,79 @@ __device__ __forceinline__ unsigned char to_e4m3(float v) {
   return static_cast<unsigned char>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
-// Four consecutive elements starting at column `col` of a row (zeros past `k`).
+// Eight consecutive elements starting at column `col` of a row (zeros past `k`): one 16-byte load
+// per lane for 2-byte types (two for fp32) when VEC (the host checks k, the row stride and the base
+// address are multiples of 8 elements / 16 bytes), element by element otherwise.
 template <typename T, bool VEC>
-__device__ __forceinline__ void load4(const T* row, int col, int k, float (&v)[4]) {
-  if (VEC && col + 3 < k) {
+__device__ __forceinline__ void load8(const T* row, int col, int k, float (&v)[8]) {
+  if (VEC && col + 7 < k) {
     if constexpr (sizeof(T) == 4) {
-      const float4 f = *reinterpret_cast<const float4*>(row + col);
-      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+      const float4 f0 = *reinterpret_cast<const float4*>(row + col);
+      const float4 f1 = *reinterpret_cast<const float4*>(row + col + 4);
+      v[0] = f0.x, v[1] = f0.y, v[2] = f0.z, v[3] = f0.w, v[4] = f1.x, v[5] = f1.y, v[6] = f1.z, v[7] = f1.w;
     } else {
-      const uint2 u = *reinterpret_cast<const uint2*>(row + col);
+      const uint4 u = *reinterpret_cast<const uint4*>(row + col);
       const T* h = reinterpret_cast<const T*>(&u);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = tilehal::to_float(h[i]);
+      for (int i = 0; i < 8; ++i) v[i] = tilehal::to_float(h[i]);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = col + i < k ? tilehal::to_float(row[col + i]) : 0.f;
+    for (int i = 0; i < 8; ++i) v[i] = col + i < k ? tilehal::to_float(row[col + i]) : 0.f;
   }
 }
 
-__device__ __forceinline__ void store4(unsigned char* row, int col, int k, const float (&v)[4], float inv, bool vec) {
-  unsigned char q[4];
+__device__ __forceinline__ float abs_max8(const float (&v)[8]) {
+  float a = finite_abs(v[0]);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) q[i] = to_e4m3(v[i] * inv);
-  if (vec && col + 3 < k) {
-    *reinterpret_cast<unsigned*>(row + col) = q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<unsigned>(q[3]) << 24);
+  for (int i = 1; i < 8; ++i) a = fmaxf(a, finite_abs(v[i]));
+  return a;
+}
+
+__device__ __forceinline__ void store8(unsigned char* row, int col, int k, const float (&v)[8], float inv, bool vec) {
+  unsigned char q[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) q[i] = to_e4m3(v[i] * inv);
+  if (vec && col + 7 < k) {
+    uint2 w;
+    w.x = q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<unsigned>(q[3]) << 24);
+    w.y = q[4] | (q[5] << 8) | (q[6] << 16) | (static_cast<unsigned>(q[7]) << 24);
+    *reinterpret_cast<uint2*>(row + col) = w;
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) if (col + i < k) row[col + i] = q[i];
+    for (int i = 0; i < 8; ++i) if (col + i < k) row[col + i] = q[i];
   }
 }
 
+constexpr int kWarpCols = 256;  // columns one warp covers: 32 lanes x 8
+
 // Per token: x [rows, k] (row stride ldx elements) -> q [rows, k] (row stride k) and
-// sf[row * sf_rs + kb * sf_cs]. One warp per (row, 128 columns); each lane holds 4 consecutive
-// elements, GRAN_K / 4 lanes share one scale. VEC: rows 16-byte aligned for vector loads (host checks).
+// sf[row * sf_rs + kb * sf_cs]. One warp per (row, 256 columns); each lane holds 8 consecutive
+// elements, GRAN_K / 8 lanes share one scale.
 template <typename T, int GRAN_K, bool VEC>
 __global__ void __launch_bounds__(256) per_token_cast(const T* __restrict__ x, unsigned char* __restrict__ q,
                                                       float* __restrict__ sf, int rows, int k, long long ldx,
                                                       long long sf_rs, long long sf_cs, bool ue8m0) {
   static_assert(GRAN_K == 32 || GRAN_K == 64 || GRAN_K == 128, "GRAN_K is 32, 64 or 128");
-  const int chunks = (k + 127) / 128;
+  const int chunks = (k + kWarpCols - 1) / kWarpCols;
   const long long task = static_cast<long long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   if (task >= static_cast<long long>(rows) * chunks) return;
   const int row = static_cast<int>(task / chunks), chunk = static_cast<int>(task % chunks);
   const int lane = threadIdx.x & 31;
-  const int col = chunk * 128 + lane * 4;
-  float v[4];
-  load4<T, VEC>(x + row * ldx, col, k, v);
-  const float a = group_amax<GRAN_K / 4>(abs_max4(v));
+  const int col = chunk * kWarpCols + lane * 8;
+  float v[8];
+  load8<T, VEC>(x + row * ldx, col, k, v);
+  const float a = group_amax<GRAN_K / 8>(abs_max8(v));
   const float s = scale_of(a, ue8m0);
   const float inv = 1.0f / s;
-  store4(q + static_cast<long long>(row) * k, col, k, v, inv, VEC);
-  if (col < k && lane % (GRAN_K / 4) == 0) sf[row * sf_rs + static_cast<long long>(col / GRAN_K) * sf_cs] = s;
+  store8(q + static_cast<long long>(row) * k, col, k, v, inv, VEC);
+  if (col < k && lane % (GRAN_K / 8) == 0) sf[row * sf_rs + static_cast<long long>(col / GRAN_K) * sf_cs] = s;
 }
 
 // Per block: x [groups][n, k] (row stride ldx, group stride ldg) -> q (contiguous) and
-// sf [groups][ceil(n/128), ceil(k/128)] (contiguous). One CTA of 8 warps per 128 x 128 block: warp w
-// owns rows w, w + 8, ...; each lane 4 consecutive columns. The block's 64 values per thread stay in
-// registers between the reduction and the stores.
+// sf [groups][ceil(n/128), ceil(k/128)] (contiguous). One CTA of 8 warps per 128 x 128 block: in pass
+// i, warp w reads rows 16 i + 2 w and 16 i + 2 w + 1 (lanes 0-15 and 16-31), 8 columns per lane. The
+// block's 64 values per thread stay in registers between the reduction and the stores.
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(256) per_block_cast(const T* __restrict__ x, unsigned char* __restrict__ q,
                                                       float* __restrict__ sf, int n, int k, long long ldx,
@@ -117,18 +128,20 @@ __global__ void __launch_bounds__(256) per_block_cast(const T* __restrict__ x, u
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const T* xg = x + g * ldg;
   unsigned char* qg = q + static_cast<long long>(g) * n * k;
-  const int col = kb * 128 + lane * 4;
-  float v[16][4];
+  const int col = kb * 128 + (lane % 16) * 8;
+  const int r0 = nb * 128 + warp * 2 + lane / 16;
+  float v[8][8];
   float a = 0.f;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int r = nb * 128 + warp + 8 * i;
+  for (int i = 0; i < 8; ++i) {
+    const int r = r0 + 16 * i;
     if (r < n) {
-      load4<T, VEC>(xg + r * ldx, col, k, v[i]);
+      load8<T, VEC>(xg + r * ldx, col, k, v[i]);
     } else {
-      v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[i][e] = 0.f;
     }
-    a = fmaxf(a, abs_max4(v[i]));
+    a = fmaxf(a, abs_max8(v[i]));
   }
   a = group_amax<32>(a);
   if (lane == 0) warp_amax[warp] = a;
@@ -139,9 +152,9 @@ __global__ void __launch_bounds__(256) per_block_cast(const T* __restrict__ x, u
   const float s = scale_of(a, ue8m0);
   const float inv = 1.0f / s;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int r = nb * 128 + warp + 8 * i;
-    if (r < n) store4(qg + static_cast<long long>(r) * k, col, k, v[i], inv, VEC);
+  for (int i = 0; i < 8; ++i) {
+    const int r = r0 + 16 * i;
+    if (r < n) store8(qg + static_cast<long long>(r) * k, col, k, v[i], inv, VEC);
   }
   if (threadIdx.x == 0) {
     const int sn = (n + 127) / 128, sk = (k + 127) / 128;
@@ -161,33 +174,35 @@ template <typename T, bool FP8, bool VEC>
 __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ x, void* __restrict__ out,
                                                 float* __restrict__ sf, int rows, int f, long long ldx,
                                                 long long sf_rs, long long sf_cs, bool ue8m0) {
-  const int chunks = (f + 127) / 128;
+  const int chunks = (f + kWarpCols - 1) / kWarpCols;
   const long long task = static_cast<long long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   if (task >= static_cast<long long>(rows) * chunks) return;
   const int row = static_cast<int>(task / chunks), chunk = static_cast<int>(task % chunks);
   const int lane = threadIdx.x & 31;
-  const int col = chunk * 128 + lane * 4;
-  float g[4], u[4], y[4];
-  load4<T, VEC>(x + row * ldx, col, f, g);
-  load4<T, VEC>(x + row * ldx + f, col, f, u);
+  const int col = chunk * kWarpCols + lane * 8;
+  float g[8], u[8], y[8];
+  load8<T, VEC>(x + row * ldx, col, f, g);
+  load8<T, VEC>(x + row * ldx + f, col, f, u);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+  for (int i = 0; i < 8; ++i) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
   const long long o = static_cast<long long>(row) * f;
   if constexpr (FP8) {
-    const float a = group_amax<32>(abs_max4(y));
+    const float a = group_amax<16>(abs_max8(y));  // 16 lanes x 8 = one 128-column scale block
     const float s = scale_of(a, ue8m0);
-    store4(static_cast<unsigned char*>(out) + o, col, f, y, 1.0f / s, VEC);
-    if (col < f && lane == 0) sf[row * sf_rs + static_cast<long long>(chunk) * sf_cs] = s;
+    store8(static_cast<unsigned char*>(out) + o, col, f, y, 1.0f / s, VEC);
+    if (col < f && lane % 16 == 0) sf[row * sf_rs + static_cast<long long>(col / 128) * sf_cs] = s;
   } else {
     __nv_bfloat16* d = static_cast<__nv_bfloat16*>(out) + o;
-    if (VEC && col + 3 < f) {
-      uint2 pk;
+    if (VEC && col + 7 < f) {
+      uint4 pk;
       pk.x = tilehal::float2_to_bf16x2(y[0], y[1]);
       pk.y = tilehal::float2_to_bf16x2(y[2], y[3]);
-      *reinterpret_cast<uint2*>(d + col) = pk;
+      pk.z = tilehal::float2_to_bf16x2(y[4], y[5]);
+      pk.w = tilehal::float2_to_bf16x2(y[6], y[7]);
+      *reinterpret_cast<uint4*>(d + col) = pk;
     } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) if (col + i < f) d[col + i] = __float2bfloat16_rn(y[i]);
+      for (int i = 0; i < 8; ++i) if (col + i < f) d[col + i] = __float2bfloat16_rn(y[i]);
     }
   }
 }
