@@ -164,7 +164,10 @@ def unpermute(y: torch.Tensor, layout: ContiguousLayout, recv_topk_weights: torc
     the sum is fixed, so the result is deterministic on GPUs too.
     """
     h = y.shape[1]
-    y_ext = torch.cat([y, torch.zeros((1, h), dtype=y.dtype, device=y.device)])
+    if y.shape[0] == layout.m_sum + 1:
+        y_ext = y  # experts_forward's output already ends in the zero row the -1 slots read
+    else:
+        y_ext = torch.cat([y, torch.zeros((1, h), dtype=y.dtype, device=y.device)])
     rows = y_ext[layout.gather_rows].view(layout.num_recv_tokens, layout.top_k, h).float()
     return (rows * recv_topk_weights.float().unsqueeze(-1)).sum(dim=1)
 
@@ -335,13 +338,16 @@ class ExpertParallelMoE(torch.nn.Module):
         return hit[1]
 
     def experts_forward(self, recv_x: XTensor, layout: ContiguousLayout) -> torch.Tensor:
-        """The local experts on the grouped rows: [M_sum, hidden] bf16 (padding rows unspecified)."""
+        """The local experts on the grouped rows: [M_sum + 1, hidden] bf16, the last row zeros (what unpermute
+        reads for -1 slots, so it needs no concatenated copy); padding rows unspecified."""
         m, f, h = layout.m_sum, self.ffn_hidden, self.hidden
         dev = self.w13.device
         gate_up = torch.empty((m, 2 * f), dtype=torch.bfloat16, device=dev)
-        y = torch.empty((m, h), dtype=torch.bfloat16, device=dev)
+        y_ext = torch.empty((m + 1, h), dtype=torch.bfloat16, device=dev)
+        y_ext[m].zero_()
+        y = y_ext[:m]
         if m == 0:
-            return y
+            return y_ext
         if self.use_fp8:
             x8, sx = recv_x if isinstance(recv_x, tuple) else deepgemm.per_token_cast_to_fp8(recv_x)
             a = (_scatter_rows(x8, layout), _scatter_rows(sx, layout))
@@ -357,7 +363,7 @@ class ExpertParallelMoE(torch.nn.Module):
             deepgemm.m_grouped_fp8_gemm_nt_contiguous(act8, self._fp8_weight("w2"), y, layout.m_indices)
         else:
             deepgemm.m_grouped_bf16_gemm_nt_contiguous(deepgemm.silu_mul(gate_up), self.w2, y, layout.m_indices)
-        return y
+        return y_ext
 
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden] in x's dtype.
