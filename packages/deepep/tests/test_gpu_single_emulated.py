@@ -197,13 +197,14 @@ def test_layout_kernel_tiles(T, R):
     assert torch.equal(send_pos2, send_pos) and torch.equal(msg2, msg)
 
 
-def _emulated_dispatchers(world: int, cap: int):
+def _emulated_dispatchers(world: int, cap: int, num_nvl_bytes: int = 0):
     """One NvlinkDispatcher per emulated rank, each on its own NvlinkContext (regions in one GPU)."""
     from deepep.dispatcher import EngineOptions
     from deepep.engines.nvlink import NvlinkDispatcher
 
     shared = EmulatedRegions(world)
-    options = EngineOptions(group=None, timeout_s=10.0, num_ranks_per_node=world, num_max_tokens_per_rank=cap)
+    options = EngineOptions(group=None, timeout_s=10.0, num_ranks_per_node=world, num_max_tokens_per_rank=cap,
+                            num_nvl_bytes=num_nvl_bytes)
     return [NvlinkDispatcher(options, context=emulated_context(shared, r, sms=2 * (60 // world)))
             for r in range(world)]
 
@@ -245,16 +246,18 @@ def _on_threads(world: int, fn):
     return results
 
 
-@pytest.mark.parametrize("world, fmt, worst", [(2, "bf16", 0), (2, "fp8", 0), (3, "bf16", 0), (2, "fp8", 700)])
-def test_normal_dispatch_combine_emulated_ranks(world, fmt, worst):
-    """Layout + dispatch + combine through the NvlinkDispatcher; rows ordered by (source, token)."""
+@pytest.mark.parametrize("world, fmt, worst, nvl", [(2, "bf16", 0, 0), (2, "fp8", 0, 0), (3, "bf16", 0, 0),
+                                                   (2, "fp8", 700, 0), (2, "bf16", 0, 8 << 20)])
+def test_normal_dispatch_combine_emulated_ranks(world, fmt, worst, nvl):
+    """Layout + dispatch + combine through the NvlinkDispatcher; rows ordered by (source, token). With
+    num_nvl_bytes (nvl) the regions are sized from it: a quarter per kind and parity."""
     from deepep.dispatcher import DispatchInput
     from deepep.fp8 import per_token_cast_to_fp8
 
     hidden, experts, k, cap = 512, 8 * world, 4, 300
     epr = experts // world
     tokens = [257, 0, 33][:world]
-    ds = _emulated_dispatchers(world, cap)
+    ds = _emulated_dispatchers(world, cap, nvl)
     for seed in (1, 2):  # both parities
         ins = [_inputs(seed, r, tokens[r], hidden, experts, k) for r in range(world)]
 
@@ -323,6 +326,8 @@ def test_normal_dispatch_combine_emulated_ranks(world, fmt, worst):
                                        rtol=2 ** -7, atol=1e-2)
             # combined weights: each token's weights summed over the ranks it went to (own experts' only)
             torch.testing.assert_close(back[r][1].cpu(), torch.where(idx >= 0, w, torch.zeros_like(w)))
+    if nvl:  # both kinds, both parities: exactly num_nvl_bytes of region memory per rank
+        assert ds[0].ctx.regions.used == nvl
 
 
 def test_num_worst_tokens_overflow_is_reported_at_the_next_call():

@@ -24,7 +24,7 @@ from ...layout import Layout, check_topk_idx, compute_layout
 from ...waits import spin_until
 from .context import NvlinkContext
 from .low_latency import NvlinkLowLatency
-from .memory import ROW_ALIGN, HostMapped, addr, align_up
+from .memory import ROW_ALIGN, HostMapped, SharedRegion, addr, align_up
 
 if TYPE_CHECKING:
     from ...dispatcher import LowLatencyEngine
@@ -181,6 +181,28 @@ class NvlinkDispatcher:
         senders = num_sms // 2
         return num_sms, senders, cfg.chunk_tokens
 
+    def _capacity(self, kind: str, sig_words: int, row_bytes: int, T: int) -> tuple[int, int]:
+        """(rows a source may send this rank in one call, data bytes of the region) for a call of `kind`.
+
+        num_nvl_bytes = 0: the region holds num_max_tokens_per_rank rows from every rank (made at the first
+        call, remade larger when rows grow). num_nvl_bytes > 0 (DeepEP's sizing): each of the two kinds
+        (dispatch, combine) gets a quarter of it per parity, and a call holds what fits of its rows, up to
+        num_max_tokens_per_rank; a call with more tokens than that raises ShapeError naming num_nvl_bytes."""
+        R, nvl = self.num_ranks, self.options.num_nvl_bytes
+        if not nvl:
+            if T > self.cap:
+                raise ShapeError(f"x: expected at most num_max_tokens_per_rank={self.cap} tokens (Buffer argument), "
+                                 f"got {T}")
+            return self.cap, R * self.cap * row_bytes
+        data = nvl // 4 - SharedRegion.parity_size(sig_words, 0)
+        fit = max(data, 0) // (R * row_bytes)
+        cap = min(self.cap, fit)
+        if T > cap:
+            raise ShapeError(f"x: expected at most {cap} tokens per rank for this {kind} (num_nvl_bytes={nvl}: a quarter "
+                             f"per kind and parity holds {fit} rows of {row_bytes} bytes from each of {R} ranks; "
+                             f"num_max_tokens_per_rank={self.cap}), got {T}")
+        return cap, data
+
     def check(self) -> None:
         """Raise what a kernel of this context recorded (see NvlinkContext.check)."""
         self.ctx.check()
@@ -228,8 +250,6 @@ class NvlinkDispatcher:
                  config: Config | None = None) -> DispatchOutput:
         self.check()
         R, T, epr = self.num_ranks, inp.num_tokens, experts_per_rank
-        if T > self.cap:
-            raise ShapeError(f"x: expected at most num_max_tokens_per_rank={self.cap} tokens (Buffer argument), got {T}")
         if epr > 4096:
             raise ShapeError(f"num_tokens_per_expert: expected at most {4096 * R} experts, got {epr * R}")
         x = inp.x
@@ -255,20 +275,21 @@ class NvlinkDispatcher:
         off_src = off_w + 4 * k
         row_bytes = align_up(off_src + 4, ROW_ALIGN)
         num_sms, senders, chunk = self._config(config, False)
-        self.ctx.agree("dispatch", [row_bytes, x.shape[1], DTYPE_CODES.get(x.dtype, 0), S, k,
-                                    -1 if inp.topk_weights is None else k, epr, self.cap, chunk])
         if chunk >= 4096 or self.cap >= 2**20:
             raise ValueError(f"config: the NVLink dispatch needs chunk_tokens < 4096 and num_max_tokens_per_rank < 2**20 "
                              f"(chunk flags pack both), got {chunk} and {self.cap}")
         max_chunks = (self.cap + chunk - 1) // chunk
         counts_words = (R * (1 + epr) + 1) // 2
         sig_words = R + counts_words + R * max_chunks
-        reg = self.ctx.region("dispatch", sig_words, R * self.cap * row_bytes)
+        cap, data_bytes = self._capacity("dispatch", sig_words, row_bytes, T)
+        self.ctx.agree("dispatch", [row_bytes, x.shape[1], DTYPE_CODES.get(x.dtype, 0), S, k,
+                                    -1 if inp.topk_weights is None else k, epr, cap, chunk])
+        reg = self.ctx.region("dispatch", sig_words, data_bytes)
         self.epochs["dispatch"] += 1
         epoch = self.epochs["dispatch"]
         par = epoch & 1
 
-        rows_cap = max(R * self.cap, num_worst_tokens)
+        rows_cap = max(R * cap, num_worst_tokens)
         dev = x.device
         recv_x = torch.empty(rows_cap, x.shape[1], dtype=x.dtype, device=dev)
         recv_scales = torch.empty(rows_cap, S, dtype=torch.float32, device=dev) if S else None
@@ -281,7 +302,7 @@ class NvlinkDispatcher:
             send_pos=addr(send_pos), counts_msg=addr(counts_msg), peer_data=addr(reg.peer_data[par]),
             peer_sig=addr(reg.peer_sig[par]), recv_x=addr(recv_x), recv_scales=addr(recv_scales),
             recv_topk=addr(recv_topk), recv_w=addr(recv_w), recv_src=addr(recv_src), recv_counts=addr(recv_counts),
-            host_info=self.info.device, err=self.ctx.err.device, region_bytes=self.cap * row_bytes,
+            host_info=self.info.device, err=self.ctx.err.device, region_bytes=cap * row_bytes,
             timeout_ns=self.ctx.timeout_ns, T=T, R=R, me=self.rank, epr=epr, k=k, x16=x_bytes // 16, S=S,
             row_bytes=row_bytes, off_scales=off_scales, off_topk=off_topk, off_w=off_w, off_src=off_src, chunk=chunk,
             num_senders=senders, max_chunks=max_chunks, num_worst=num_worst_tokens, sig_counts=R,
@@ -316,9 +337,10 @@ class NvlinkDispatcher:
         k = topk_weights.shape[1] if topk_weights is not None else 0
         row_bytes = align_up(x_bytes + 4 * k, ROW_ALIGN)
         num_sms, senders, chunk = self._config(config, True)
-        self.ctx.agree("combine", [row_bytes, x.shape[1], DTYPE_CODES.get(x.dtype, 0), k, self.cap, chunk])
         max_chunks = (self.cap + chunk - 1) // chunk
-        reg = self.ctx.region("combine", R + R * max_chunks, R * self.cap * row_bytes)
+        cap, data_bytes = self._capacity("combine", R + R * max_chunks, row_bytes, T)
+        self.ctx.agree("combine", [row_bytes, x.shape[1], DTYPE_CODES.get(x.dtype, 0), k, cap, chunk])
+        reg = self.ctx.region("combine", R + R * max_chunks, data_bytes)
         self.epochs["combine"] += 1
         epoch = self.epochs["combine"]
         par = epoch & 1
@@ -328,7 +350,7 @@ class NvlinkDispatcher:
         a = CombineArgs(
             x=addr(x), w=addr(w), recv_counts=addr(handle.recv_counts), send_pos=addr(handle.send_pos),
             peer_data=addr(reg.peer_data[par]), peer_sig=addr(reg.peer_sig[par]), out=addr(out), out_w=addr(out_w),
-            err=self.ctx.err.device, region_bytes=self.cap * row_bytes, timeout_ns=self.ctx.timeout_ns, T=T, R=R,
+            err=self.ctx.err.device, region_bytes=cap * row_bytes, timeout_ns=self.ctx.timeout_ns, T=T, R=R,
             me=self.rank, k=k, x16=x_bytes // 16, row_bytes=row_bytes, off_w=x_bytes, chunk=chunk,
             num_senders=senders, max_chunks=max_chunks, sig_hello=0, sig_chunks=R, epoch=epoch)
         name = "deepep_combine_bf16" if x.dtype == torch.bfloat16 else "deepep_combine_f32"
