@@ -31,7 +31,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 GEMM_SHAPES = [(8192, 8192, 8192), (4096, 7168, 2048), (4096, 2112, 7168), (4096, 24576, 1536)]
-GEMM_CONFIGS = [(128, 256, 64, 3, 256), (128, 256, 64, 4, 256), (128, 128, 64, 4, 256)]  # ours (wgmma)
+GEMM_CONFIGS = [(128, 256, 64, 3, 256), (128, 256, 64, 4, 256), (128, 128, 64, 3, 256)]  # ours (wgmma)
 MMA_GEMM_CONFIGS = [(128, 256, 64, 3, 256), (128, 128, 32, 4, 128)]  # ours_mma: the best two of 2026-12-01
 PUBLIC_GEMM_CONFIG = (128, 256, 64, 3, 256)  # the configuration measured in ../shared/GPU.md
 FA_SHAPE = (4, 32, 4096, 128)

@@ -892,7 +892,19 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
             params.append(f"{cuda_type(p.dtype)}* __restrict__ {p.name}")
         for v in self.func.dynamic_vars:
             params.append(f"int {v.name}")
-        head = [f'extern "C" __global__ void __launch_bounds__({self.threads}) {self.name}({", ".join(params)}) {{',
+        # two blocks per SM when their shared memory fits twice and the fragments need few registers (one
+        # block's loads and barriers then overlap the other's tensor-core work); ptxas keeps <= 65536 / (2 x
+        # threads) registers per thread
+        frag_regs = sum(f.nregs for b, f in self.inf.layouts.items() if b.scope == "fragment")
+        frag_regs += sum(int(np.prod(a.buffer.static_shape() or (64,))) for a in self.all_stmts
+                         if isinstance(a, Alloc) and a.buffer.scope == "local")
+        two = (self.threads <= 512 and 2 * (smem_bytes + 1024) <= SMEM_LIMIT + 1024 and
+               frag_regs + 48 <= 65536 // (2 * self.threads))
+        if two:
+            log.debug("%s: __launch_bounds__(%d, 2): %d B of shared memory, %d fragment registers per thread",
+                      self.name, self.threads, smem_bytes, frag_regs)
+        bounds = f"{self.threads}, 2" if two else f"{self.threads}"
+        head = [f'extern "C" __global__ void __launch_bounds__({bounds}) {self.name}({", ".join(params)}) {{',
                 "  extern __shared__ __align__(1024) unsigned char _tl_smem[];",
                 "  const int _tx = threadIdx.x;"]
         axes = ["blockIdx.x", "blockIdx.y", "blockIdx.z"]
