@@ -74,7 +74,7 @@ def test_public_kernel_compiles(name):
     src = k.get_kernel_source()
     assert "__global__" in src and k._impl.module.cubin[:4] == b"\x7fELF"
     if name.startswith(("gemm", "fa_", "flash", "linear")) and name != "gemv":
-        assert ("mma_m16n8k16" in src and "ldmatrix" in src) or "Wgmma16" in src, f"{name} does not use the tensor cores"
+        assert ("mma_m16n8k16" in src and "ldmatrix" in src) or "Wgmma" in src, f"{name} does not use the tensor cores"
     if name.startswith(("gemm", "fa_")):
         assert "cp_async" in src
 
@@ -221,6 +221,7 @@ GEMM_VARIANTS = {  # M, N, K, tile, dtype, accumulator, transpose_A, transpose_B
     "wg_nt_f16_k32_sw64": (128, 128, 96, 128, 128, 32, "float16", "float32", False, True, 3, 128, "Square"),
     "wg_nt_f16_n_split": (64, 256, 64, 64, 256, 64, "float16", "float32", False, True, 2, 256, "Square"),
     "wg_a_regs_bf16": (128, 128, 64, 128, 128, 64, "bfloat16", "float32", False, True, 2, 256, "FullRow", True),
+    "wg_nt_e4m3_k128": (128, 256, 256, 128, 256, 128, "float8_e4m3", "float32", False, True, 2, 256, "Square"),
 }
 FAST_GEMM = {"nn_f16_square_edges", "tt_bf16_3stage", "nt_e4m3", "nt_int8", "a_in_registers_fullrow", "dynamic_m"}
 _TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8,
@@ -232,9 +233,9 @@ def _gemm_variant(name, target, device, pass_configs=None):
     M, N, K, _, _, _, dtype, _, ta, tb = c[:10]
     k = tilelang.compile(_gemm_program(*c), out_idx=[2], target=target, pass_configs=pass_configs)
     src = k.get_kernel_source()
-    assert ("mma_m16n8k" in src or "Wgmma16" in src) == (dtype != "float32"), name
+    assert ("mma_m16n8k" in src or "Wgmma" in src) == (dtype != "float32"), name
     if name.startswith("wg_"):
-        assert ("Wgmma16" in src) == (target == "cuda" and not pass_configs), name
+        assert ("Wgmma" in src) == (target == "cuda" and not pass_configs), name
     g = torch.Generator().manual_seed(0)
     a_shape, b_shape = ((K, M) if ta else (M, K)), ((N, K) if tb else (K, N))
     if dtype == "int8":
@@ -255,7 +256,7 @@ def test_gemm_variant_compiles(name):
     src = tilelang.compile(_gemm_program(*GEMM_VARIANTS[name]), out_idx=[2], target="cuda").get_kernel_source()
     assert "__global__" in src
     if name.startswith("wg_"):
-        assert "Wgmma16" in src and "fence_proxy_async_shared" in src, name
+        assert "Wgmma" in src and "fence_proxy_async_shared" in src, name
 
 
 @needs_nvrtc
@@ -274,9 +275,9 @@ def test_wgmma_choice_logged(caplog, tmp_path, monkeypatch):
     assert "Wgmma16" not in src and "mma_m16n8k16" in src
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
-        src = tilelang.compile(_gemm_program(*GEMM_VARIANTS["nt_e4m3"]), out_idx=[2], target="cuda").get_kernel_source()
+        src = tilelang.compile(_gemm_program(*GEMM_VARIANTS["nt_e5m2"]), out_idx=[2], target="cuda").get_kernel_source()
     assert "Wgmma16" not in src
-    assert any("not wgmma: wgmma is emitted for fp16 / bf16" in r.getMessage() for r in caplog.records)
+    assert any("not wgmma: wgmma is emitted for fp16 / bf16 / fp8 e4m3" in r.getMessage() for r in caplog.records)
 
 
 @needs_nvrtc
@@ -302,7 +303,7 @@ def test_use_wgmma_option():
     src = tilelang.compile(prog("float16", True), out_idx=[2], target="cuda").get_kernel_source()
     assert "Wgmma16" in src
     with pytest.raises(tilelang.CompileError, match="use_wgmma=True.*fp16 / bf16"):
-        tilelang.compile(prog("float8_e4m3", True), out_idx=[2], target="cuda")
+        tilelang.compile(prog("float8_e5m2", True), out_idx=[2], target="cuda")
 
 
 @pytest.mark.parametrize("name", [n if n in FAST_GEMM else pytest.param(n, marks=pytest.mark.slow)

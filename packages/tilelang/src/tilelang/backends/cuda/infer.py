@@ -174,16 +174,19 @@ def _region_2d_ok(r: Region) -> bool:
 def _wgmma_plan(g: Gemm, threads: int) -> tuple[GemmPlan | None, str]:
     """wgmma.mma_async (sm_90a) when the shapes and layouts allow it, else (None, why not)."""
     a, b, c = g.A.buffer, g.B.buffer, g.C.buffer
-    if a.dtype != b.dtype or a.dtype not in ("float16", "bfloat16"):
-        return None, f"wgmma is emitted for fp16 / bf16 inputs, not {a.dtype} x {b.dtype}"
+    if a.dtype != b.dtype or a.dtype not in ("float16", "bfloat16", "float8_e4m3"):
+        return None, f"wgmma is emitted for fp16 / bf16 / fp8 e4m3 inputs, not {a.dtype} x {b.dtype}"
     if c.dtype != "float32":
         return None, f"wgmma accumulates in float32, the accumulator is {c.dtype}"
     if threads % 128:
         return None, f"threads={threads} is not a whole number of warpgroups (128)"
     m, n = g.C.as_2d()
     kdim = g.A.as_2d()[0] if g.transpose_A else g.A.as_2d()[1]
-    if kdim % 16:
-        return None, f"K={kdim} is not a multiple of 16"
+    kstep = 32 if a.dtype == "float8_e4m3" else 16
+    if kdim % kstep:
+        return None, f"K={kdim} is not a multiple of {kstep}"
+    if kstep == 32 and (g.transpose_A or not g.transpose_B or a.scope != "shared"):
+        return None, "fp8 wgmma needs A and B K-major in shared memory (transpose_B=True, A not transposed)"
     b_major = "K" if g.transpose_B else "MN"
     if not wgmma_smem_ok(g.B, b_major):
         return None, f"B ({b.name}) is not a whole {b_major}-major shared tile with 128-byte swizzle atoms"
@@ -215,7 +218,7 @@ def _wgmma_plan(g: Gemm, threads: int) -> tuple[GemmPlan | None, str]:
         elif nw > 256 and nw % 256:
             why = f"N per warpgroup ({nw}) is over 256 and not a multiple of it"
         else:
-            return GemmPlan("wgmma", wg_m, wg_n, 16, a_major=a_major, b_major=b_major), ""
+            return GemmPlan("wgmma", wg_m, wg_n, kstep, a_major=a_major, b_major=b_major), ""
     return None, why
 
 

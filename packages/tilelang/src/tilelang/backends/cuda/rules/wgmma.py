@@ -40,14 +40,15 @@ class WgmmaRules:
         es = esize(b.dtype)
         row_bytes = cols * es
         base = f"&{b.name}[{self.smem_offset(b, ['0', '0'])}]"
+        ke = 32 // es  # elements of one k step: 32 bytes (k16 of 16-bit types, k32 of fp8)
         if major == "K":
             if row_bytes % 128 == 0:
                 atom = 128 // es
-                off = (f"(({kk}) * 16 / {atom}) * {rows * 128} + ({row0}) * 128 + ((({kk}) * 16) % {atom}) * {es}"
-                       if row_bytes > 128 else f"({row0}) * 128 + ({kk}) * {16 * es}")
+                off = (f"(({kk}) * {ke} / {atom}) * {rows * 128} + ({row0}) * 128 + ((({kk}) * {ke}) % {atom}) * {es}"
+                       if row_bytes > 128 else f"({row0}) * 128 + ({kk}) * 32")
                 return base, off, 1, 1024
             if row_bytes == 64:
-                return base, f"({row0}) * 64 + ({kk}) * {16 * es}", 2, 512
+                return base, f"({row0}) * 64 + ({kk}) * 32", 2, 512
             return base, f"({row0}) * 32", 3, 256
         # MN-major: 64-element atoms along the contiguous (M or N) dim, `rows` K-rows each
         off = f"(({row0}) / 64) * {rows * 128} + ({kk}) * {16 * 128}"
@@ -62,10 +63,11 @@ class WgmmaRules:
         NI = max(1, NW // 256)
         NINST = NW // NI
         tag = "tilehal::WgF16()" if s.A.buffer.dtype == "float16" else "tilehal::WgBF16()"
+        ks = plan.kstep
         fc = self.inf.layouts[s.C.buffer]
         c = s.C.buffer.name
         wg_wait = int(s.options.get("wg_wait", 0) or 0)
-        self.emit(f"// T.gemm {m}x{n}x{kdim} {s.A.buffer.dtype}: wgmma.mma_async m64n{NINST}k16, A {plan.a_major}, "
+        self.emit(f"// T.gemm {m}x{n}x{kdim} {s.A.buffer.dtype}: wgmma.mma_async m64n{NINST}k{ks}, A {plan.a_major}, "
                   f"B {plan.b_major}-major, warpgroups {wgm}x{wgn}")
         self.open("")
         self.emit("const int _wg = _tx >> 7;")
@@ -84,7 +86,7 @@ class WgmmaRules:
                       f"{albo}, {asbo});")
         self.emit("tilehal::wgmma_fence();")
         self.emit("#pragma unroll")
-        self.open(f"for (int _kk = 0; _kk < {kdim // 16}; ++_kk)")
+        self.open(f"for (int _kk = 0; _kk < {kdim // ks}; ++_kk)")
         scale = "(_kk > 0)" if s.clear_accum else "1"
         self.emit("#pragma unroll")
         self.open(f"for (int _mi = 0; _mi < {MI}; ++_mi)")
@@ -104,7 +106,10 @@ class WgmmaRules:
             self.emit(f"tilehal::Wgmma16<{NINST}>::rs<{tb}>({tag}, &{c}[{creg}], _a, {bdesc}, {scale});")
         else:
             adesc = f"_da + (tilehal::u64)(({aoff}) >> 4)"
-            self.emit(f"tilehal::Wgmma16<{NINST}>::ss<{ta}, {tb}>({tag}, &{c}[{creg}], {adesc}, {bdesc}, {scale});")
+            if s.A.buffer.dtype == "float8_e4m3":  # K-major A and B (fp8 wgmma has no transpose)
+                self.emit(f"tilehal::WgmmaE4M3<{NINST}>::mma(&{c}[{creg}], {adesc}, {bdesc}, {scale});")
+            else:
+                self.emit(f"tilehal::Wgmma16<{NINST}>::ss<{ta}, {tb}>({tag}, &{c}[{creg}], {adesc}, {bdesc}, {scale});")
         self.close()
         self.close()
         self.close()
