@@ -136,7 +136,7 @@ def warm(jobs: int) -> None:
     sys.path.insert(0, str(HERE.parent / "tests"))
     import test_cuda as tc
 
-    work = [("variant", (n, c)) for n in tc.GEMM_VARIANTS for c in (None, NO_WGMMA)]
+    work = [("variant", (n, c)) for n in tc.GEMM_VARIANTS for c in (None, {"tl.disable_wgmma": True})]  # as the tests
     work += [("public", n) for n in tc.GPU]
     for path in ("mma", "wgmma"):
         work += [("probe", ("gemm", path, False, dt, sh, cfg)) for dt, sh, cfg in GEMM_CASES]
