@@ -3,7 +3,10 @@
 `GemmLinear` replaces `nn.Linear` (same `weight [out, in]` / `bias [out]` parameters and
 state_dict keys): bf16 operands through `deepgemm.bf16_gemm_nt`, or with `fp8=True` e4m3
 operands through `deepgemm.fp8_gemm_nt` (activations cast per token and 128 channels, the
-weight per 128x128 block, cached until the weight changes). deepgemm runs its sm_90a kernels
+weight per 128x128 block, cached until the weight changes), or with `fp4=True` FP4 (e2m1) weights
+with 1 x 32 power-of-two block scales (`deepgemm.cast_weights_to_fp4`, cached the same way) and bf16
+activations (fp8 ones with `fp8=True` too): `deepgemm.bf16_fp4_gemm_nt` / `fp8_fp4_gemm_nt`, the
+decode-shape (memory-bound) choice. deepgemm runs its sm_90a kernels
 on CUDA tensors and its exact reference on CPU tensors. Accumulation is fp32; the bias is added
 in fp32; the result comes back in the input's dtype. Inference only (no autograd graph).
 """
@@ -23,12 +26,14 @@ log = logging.getLogger("tilestack.layers")
 
 
 class GemmLinear(torch.nn.Module):
-    """y = x @ weight.T + bias with deepgemm's bf16 (default) or fp8 (`fp8=True`) GEMM."""
+    """y = x @ weight.T + bias with deepgemm's bf16 (default) or fp8 (`fp8=True`) GEMM, or FP4 weights
+    (`fp4=True`; in_features % 128 == 0) with bf16 (or, with fp8=True, e4m3) activations."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, fp8: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 fp4: bool = False, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.fp8 = in_features, out_features, fp8
+        self.fp4 = _check_fp4(fp4, in_features)
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = (torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None)
         torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Linear's default
@@ -38,11 +43,12 @@ class GemmLinear(torch.nn.Module):
         ops.handle_of(self)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, fp8: bool = False) -> GemmLinear:
+    def from_linear(cls, linear: torch.nn.Linear, fp8: bool = False, fp4: bool = False) -> GemmLinear:
         """Wrap `linear`'s own parameters (shared, not copied), so state_dicts stay interchangeable."""
         out = cls.__new__(cls)
         torch.nn.Module.__init__(out)
         out.in_features, out.out_features, out.fp8 = linear.in_features, linear.out_features, fp8
+        out.fp4 = _check_fp4(fp4, linear.in_features)
         out.weight = linear.weight
         out.bias = linear.bias
         out._cache, out._bias_cache, out._logged_cpu = None, None, False
@@ -52,11 +58,16 @@ class GemmLinear(torch.nn.Module):
     def _gemm_weight(self) -> Any:
         """The weight in the GEMM's operand format, recomputed only when the weight changes."""
         w = self._parameters["weight"]  # (not self.weight: Module.__getattr__ is on every call's path)
-        key = (w.data_ptr(), w._version, w.get_device(), w.dtype, self.fp8)
+        key = (w.data_ptr(), w._version, w.get_device(), w.dtype, self.fp8, self.fp4)
         cache = self._cache
         if cache is None or cache[0] != key:
             wd = w.detach()
-            val = deepgemm.per_block_cast_to_fp8(wd) if self.fp8 else wd.to(torch.bfloat16).contiguous()
+            if self.fp4:
+                val = deepgemm.cast_weights_to_fp4(wd, gran_k=FP4_GRAN_K)
+            elif self.fp8:
+                val = deepgemm.per_block_cast_to_fp8(wd)
+            else:
+                val = wd.to(torch.bfloat16).contiguous()
             self._cache = (key, val)
         return self._cache[1]
 
@@ -92,7 +103,17 @@ class GemmLinear(torch.nn.Module):
         d = torch.empty((x2.shape[0], self.out_features), dtype=out_dtype, device=x2.device)
         bias = self._bias32() if self._parameters.get("bias") is not None else None
         if x2.shape[0]:
-            if self.fp8:
+            if self.fp4:
+                # FP4 weights: no bias epilogue in that kernel, so an fp32 result and the bias added in fp32.
+                dd = d if bias is None else torch.empty(d.shape, dtype=torch.float32, device=d.device)
+                if self.fp8:
+                    deepgemm.fp8_fp4_gemm_nt(deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=x2.is_cuda),
+                                             self._gemm_weight(), dd)
+                else:
+                    deepgemm.bf16_fp4_gemm_nt(x2.to(torch.bfloat16).contiguous(), self._gemm_weight(), dd)
+                if bias is not None:
+                    d.copy_(dd + bias)
+            elif self.fp8:
                 # On CUDA one fused cast kernel, scales written in the layout the GEMM reads (no transpose).
                 deepgemm.fp8_gemm_nt(deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=x2.is_cuda), self._gemm_weight(),
                                      d, bias=bias)
@@ -115,4 +136,15 @@ class GemmLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fp8={self.fp8}")
+                f"fp8={self.fp8}, fp4={self.fp4}")
+
+
+FP4_GRAN_K = 32  # K width of one FP4 weight scale (DeepGEMM's MXFP4 block)
+
+
+def _check_fp4(fp4: Any, in_features: int) -> bool:
+    if not isinstance(fp4, bool):
+        raise ValueError(f"fp4: expected a bool, got {fp4!r}")
+    if fp4 and in_features % 128:
+        raise ShapeError(f"in_features: expected a multiple of 128 for FP4 weights (fp4=True), got {in_features}")
+    return fp4

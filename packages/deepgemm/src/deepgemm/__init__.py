@@ -8,6 +8,7 @@ DeepGEMM's names (HEAD `fp8_fp4_*`, the `fp8_*` aliases, the v1 names) and `deep
 
 from . import testing, utils
 from .__about__ import __version__
+from .fp4 import bf16_fp4_gemm_nt, cast_weights_to_fp4, m_grouped_bf16_fp4_gemm_nt_masked
 from .gemm import (
     bf16_gemm_nn,
     bf16_gemm_nt,
@@ -81,8 +82,8 @@ from .validate import UnsupportedError
 get_col_major_tma_aligned_tensor = get_mn_major_tma_aligned_tensor  # DeepGEMM v1 name
 
 __all__ = [
-    "__version__", "GemmConfig", "UnsupportedError", "align", "bf16_gemm_nn", "bf16_gemm_nt", "bf16_gemm_tn",
-    "bf16_gemm_tt", "bf16_m_grouped_gemm_nt_masked", "cast_back_from_fp4", "ceil_div", "ceil_to_ue8m0",
+    "__version__", "GemmConfig", "UnsupportedError", "align", "bf16_fp4_gemm_nt", "bf16_gemm_nn", "bf16_gemm_nt", "bf16_gemm_tn",
+    "bf16_gemm_tt", "bf16_m_grouped_gemm_nt_masked", "cast_back_from_fp4", "cast_weights_to_fp4", "ceil_div", "ceil_to_ue8m0",
     "cublaslt_gemm_nn", "cublaslt_gemm_nt", "cublaslt_gemm_tn", "cublaslt_gemm_tt", "fp8_fp4_gemm_nn",
     "fp8_fp4_gemm_nt", "fp8_fp4_gemm_tn", "fp8_fp4_gemm_tt", "fp8_gemm_nn", "fp8_gemm_nt", "fp8_gemm_tn",
     "fp8_gemm_tt", "fp8_m_grouped_gemm_nt_masked", "gemm", "gemm_fp8_fp8_bf16_nt", "get_col_major_tma_aligned_tensor",
@@ -90,7 +91,7 @@ __all__ = [
     "get_m_alignment_for_contiguous_layout", "get_mk_alignment_for_contiguous_layout",
     "get_mn_major_tma_aligned_packed_ue8m0_tensor", "get_mn_major_tma_aligned_tensor", "get_num_sms",
     "get_theoretical_mk_alignment_for_contiguous_layout", "get_tma_aligned_size", "k_grouped_bf16_gemm_tn_contiguous",
-    "k_grouped_fp8_gemm_nt_contiguous", "k_grouped_fp8_gemm_tn_contiguous", "k_grouped_wgrad_gemm_fp8_fp8_fp32_nt",
+    "k_grouped_fp8_gemm_nt_contiguous", "k_grouped_fp8_gemm_tn_contiguous", "k_grouped_wgrad_gemm_fp8_fp8_fp32_nt", "m_grouped_bf16_fp4_gemm_nt_masked",
     "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked",
     "m_grouped_fp8_fp4_gemm_nn_contiguous", "m_grouped_fp8_fp4_gemm_nt_contiguous", "m_grouped_fp8_fp4_gemm_nt_masked",
     "m_grouped_fp8_gemm_nn_contiguous", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",

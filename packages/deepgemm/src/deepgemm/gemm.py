@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tilehal import ArgumentError, ShapeError
 
-from . import plans, reference, validate
+from . import fp4, plans, reference, validate
 from .utils import CONTIGUOUS_BLOCK_M, get_mk_alignment_for_contiguous_layout
 
 log = logging.getLogger("deepgemm")
@@ -65,8 +65,8 @@ def _fp8_pair(x, name: str):
     t, s = validate.pair(x, name)
     if isinstance(t, torch.Tensor) and t.dtype in (torch.int8, torch.uint8):
         raise validate.UnsupportedError(
-            f"{name}: expected float8_e4m3fn data, got {t.dtype} (packed FP4 operands are DeepGEMM's SM100 "
-            f"format; deepgemm's sm_90a kernels and reference take e4m3)")
+            f"{name}: expected float8_e4m3fn data, got {t.dtype} (packed FP4 is taken as weights `b` of "
+            f"fp8_fp4_gemm_nt and m_grouped_fp8_fp4_gemm_nt_masked only; FP4 activations are DeepGEMM's SM100 format)")
     return t, s
 
 
@@ -80,6 +80,17 @@ def _dense_options(compiled_dims, disable_ue8m0_cast) -> None:
 
 def _fp8_gemm(a_sfa, b_sfb, d, c, layout: str, recipe=None, recipe_a=None, recipe_b=None,
               compiled_dims="nk", disable_ue8m0_cast=False, bias=None) -> None:
+    if fp4.is_fp4_pair(b_sfb):  # FP4 weights (deepgemm/fp4.py)
+        if layout != "nt":
+            raise validate.UnsupportedError(f"b: FP4 weights take the nt layout (b [N, K/2], K-major), got "
+                                            f"fp8_fp4_gemm_{layout}")
+        _dense_options(compiled_dims, disable_ue8m0_cast)
+        fp4.fp8_fp4_gemm_nt(a_sfa, b_sfb, d, c, recipe, recipe_a, recipe_b)
+        if bias is not None:
+            _check_bias(bias, d.shape[1], d)
+            log.debug("bias: added after the FP4 GEMM")
+            d += bias
+        return
     # The host fast path (plans.py): a call whose signature was seen replays that call's launch.
     try:
         a, sfa = a_sfa
@@ -400,6 +411,10 @@ def m_grouped_fp8_fp4_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tens
     safe); expected_m is the typical masked_m, used only to pick block sizes. Rows past masked_m[g]
     are not written.
     """
+    if fp4.is_fp4_pair(b):  # FP4 expert weights (deepgemm/fp4.py)
+        _dense_options(compiled_dims, disable_ue8m0_cast)
+        fp4.grouped_masked(a, b, d, masked_m, expected_m, recipe, recipe_a, recipe_b)
+        return
     a_, sfa, b_, sfb, gran = _grouped_fp8_args(a, b, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast)
     _masked(a_, sfa, b_, sfb, d, masked_m, expected_m, True, gran)
 

@@ -1,0 +1,142 @@
+# requires: cuda
+"""FP4 weights vs bf16 cuBLAS (and deepgemm fp8) at decode shapes, one H200, same run.
+
+Issue 19's target: >= 1.5x bf16 cuBLAS geo-mean at M in {1, 16, 64, 128}, (N, K) in {(7168, 2048),
+(2112, 7168), (4096, 7168)}. Contenders: deepgemm fp8_fp4_gemm_nt (e4m3 activations, 1 x 128 scales),
+bf16_fp4_gemm_nt (bf16 activations), torch.matmul (cuBLAS bf16), deepgemm fp8_gemm_nt (128x128 weight
+scales). Timing: tilehal.bench with the L2 flushed before every call (median), and a CUDA-graph replay
+(tilehal.bench_graph, L2 flushed too); both reported. GB/s counts the weight bytes (codes + scales) and
+the activations once.
+
+    python packages/deepgemm/benchmarks/bench_fp4.py [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import platform
+from pathlib import Path
+
+import deepgemm
+import tilehal
+import torch
+
+M_LIST = (1, 16, 64, 128)
+NK = [(7168, 2048), (2112, 7168), (4096, 7168)]
+
+
+def timed(fn, iters: int) -> tuple[float, float]:
+    t = tilehal.bench(fn, warmup=3, iters=iters, flush_l2=True).median_s
+    tg = tilehal.bench_graph(fn, warmup=3, iters=iters, flush_l2=True).median_s
+    return t, tg
+
+
+def case(m: int, n: int, k: int, iters: int) -> dict:
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    packed, sf = deepgemm.cast_weights_to_fp4(w, gran_k=32)
+    a8, sfa = deepgemm.per_token_cast_to_fp8(a)
+    b8, sfb = deepgemm.per_block_cast_to_fp8(w)
+    d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    contenders = {
+        "fp8_fp4": lambda: deepgemm.fp8_fp4_gemm_nt((a8, sfa), (packed, sf), d),
+        "bf16_fp4": lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d),
+        "cublas_bf16": lambda: torch.matmul(a, w.T),
+        "deepgemm_fp8": lambda: deepgemm.fp8_gemm_nt((a8, deepgemm.get_mn_major_tma_aligned_tensor(sfa)), (b8, sfb), d),
+    }
+    # correctness of ours in the same run (float64 reference on the GPU)
+    ref = deepgemm.fp4.reference(a8, sfa, packed, sf, 32)
+    contenders["fp8_fp4"]()
+    diff_fp8 = deepgemm.testing.calc_diff(d.float(), ref.float())
+    ref = deepgemm.fp4.reference(a, None, packed, sf, 32)
+    contenders["bf16_fp4"]()
+    diff_bf16 = deepgemm.testing.calc_diff(d.float(), ref.float())
+    r = {"m": m, "n": n, "k": k, "calc_diff_fp8_fp4": diff_fp8, "calc_diff_bf16_fp4": diff_bf16}
+    weight_bytes = packed.numel() + sf.numel() * 4
+    for name, fn in contenders.items():
+        t, tg = timed(fn, iters)
+        r[f"{name}_us"], r[f"{name}_graph_us"] = t * 1e6, tg * 1e6
+    r["fp4_weight_gbps"] = (weight_bytes + a8.numel()) / (r["fp8_fp4_us"] * 1e-6) / 1e9
+    for ours in ("fp8_fp4", "bf16_fp4"):
+        r[f"{ours}_vs_cublas_bf16"] = r["cublas_bf16_us"] / r[f"{ours}_us"]
+        r[f"{ours}_vs_cublas_bf16_graph"] = r["cublas_bf16_graph_us"] / r[f"{ours}_graph_us"]
+        r[f"{ours}_vs_deepgemm_fp8"] = r["deepgemm_fp8_us"] / r[f"{ours}_us"]
+    return r
+
+
+def geomean(xs) -> float:
+    xs = list(xs)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ncu-launch", action="store_true", help="one launch of a few FP4 cases (for ncu), then exit")
+    args = ap.parse_args()
+    if args.ncu_launch:
+        for m, n, k, fp8 in ((1, 4096, 7168, True), (16, 2112, 7168, False), (128, 4096, 7168, True)):
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            packed, sf = deepgemm.cast_weights_to_fp4(torch.randn(n, k, device="cuda") * 0.05)
+            d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            if fp8:
+                deepgemm.fp8_fp4_gemm_nt(deepgemm.per_token_cast_to_fp8(a), (packed, sf), d)
+            else:
+                deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)
+            torch.cuda.synchronize()
+        return
+    iters = 10 if args.quick else 30
+    rows = []
+    for n, k in NK:
+        for m in M_LIST:
+            r = case(m, n, k, iters)
+            rows.append(r)
+            print(f"M={m:4d} N={n:5d} K={k:5d}  fp8_fp4 {r['fp8_fp4_us']:6.1f} us ({r['fp8_fp4_graph_us']:6.1f} graph) "
+                  f"bf16_fp4 {r['bf16_fp4_us']:6.1f}  cublas_bf16 {r['cublas_bf16_us']:6.1f} "
+                  f"deepgemm_fp8 {r['deepgemm_fp8_us']:6.1f}  x{r['fp8_fp4_vs_cublas_bf16']:.2f} / "
+                  f"x{r['bf16_fp4_vs_cublas_bf16']:.2f} vs cuBLAS bf16  {r['fp4_weight_gbps']:.0f} GB/s  "
+                  f"diff {r['calc_diff_fp8_fp4']:.1e}/{r['calc_diff_bf16_fp4']:.1e}", flush=True)
+    summary = {f"geomean_{o}_vs_cublas_bf16{s}": geomean(r[f"{o}_vs_cublas_bf16{s}"] for r in rows)
+               for o in ("fp8_fp4", "bf16_fp4") for s in ("", "_graph")}
+    summary.update({f"geomean_{o}_vs_deepgemm_fp8": geomean(r[f"{o}_vs_deepgemm_fp8"] for r in rows)
+                    for o in ("fp8_fp4", "bf16_fp4")})
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        doc = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
+               "timing": "tilehal.bench median, L2 flushed before each call; *_graph_us: CUDA-graph replay (L2 "
+                         "flushed); ratios > 1: ours faster", "summary": summary, "rows": rows}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "deepgemm_fp4_h200.json").write_text(json.dumps(doc, indent=1))
+        plot(rows, args.out / "deepgemm_fp4_h200.png")
+
+
+def plot(rows, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['m']}x{r['n']}x{r['k']}" for r in rows]
+    x = range(len(rows))
+    for i, name in enumerate(("fp8_fp4", "bf16_fp4", "deepgemm_fp8")):
+        ax.bar([v + 0.27 * i for v in x], [r["cublas_bf16_us"] / r[f"{name}_us"] for r in rows], 0.27, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(1.5, color="r", lw=0.8, ls="--", label="target 1.5x")
+    ax.set_xticks([v + 0.27 for v in x])
+    ax.set_xticklabels(labels, rotation=60, fontsize=7)
+    ax.set_ylabel("speed vs cuBLAS bf16 (L2 flushed)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Compile (NVRTC, no GPU) every FP4 kernel that tests/test_fp4.py and benchmarks/bench_fp4.py use, in
+parallel, into the tilehal compile cache (run it on the GPU machine before the tests: ~4 s per kernel).
+
+    python packages/deepgemm/scripts/warm_fp4.py [--jobs 8] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+
+from deepgemm import cuda_fp4
+
+SMS = 132
+TEST_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (64, 4096, 7168), (128, 4096, 7168), (5, 200, 256), (37, 136, 1152)]
+BENCH_M = (1, 16, 64, 128)
+BENCH_NK = [(7168, 2048), (2112, 7168), (4096, 7168)]
+
+
+def all_keys() -> list[cuda_fp4.Fp4Key]:
+    keys = set()
+    for m, n, k in TEST_SHAPES:
+        for gran in (32, 128):
+            for fp8 in (True, False):
+                for out_bf16 in (True, False):
+                    keys.add(cuda_fp4.plan(m, n, k, 1, fp8, gran, out_bf16, False, False, num_sms=SMS).key)
+    keys.add(cuda_fp4.plan(16, 2112, 7168, 1, True, 32, False, True, False, num_sms=SMS).key)  # with C
+    for fp8 in (True, False):
+        keys.add(cuda_fp4.plan(64, 2112, 2048, 4, fp8, 32, True, False, True, num_sms=SMS, expected_m=16).key)
+        for m in BENCH_M:
+            for n, k in BENCH_NK:
+                keys.add(cuda_fp4.plan(m, n, k, 1, fp8, 32, True, False, False, num_sms=SMS).key)
+    return sorted(keys, key=lambda k: k.expression)
+
+
+def _compile(key: cuda_fp4.Fp4Key) -> str:
+    cuda_fp4.compile_kernel(key)
+    return key.expression
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+    keys = all_keys()
+    if args.list:
+        print("\n".join(k.expression for k in keys))
+        return
+    with cf.ProcessPoolExecutor(args.jobs) as ex:
+        for expr in ex.map(_compile, keys):
+            print("compiled", expr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""FP4 (e2m1) weights: the cast, the reference against an independent numpy decoding, the API on CPU
+tensors, argument errors, and (GPU) the sm_90 kernel against the reference."""
+
+import deepgemm
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from deepgemm import fp4
+from deepgemm.utils import pack_ue8m0_to_int
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tilehal import ShapeError
+
+
+def np_weights(packed: torch.Tensor, sf: torch.Tensor, gran: int) -> np.ndarray:
+    """Independent decoding: ml_dtypes' float4_e2m1fn of each nibble (low nibble = even k), times the scale."""
+    u = packed.view(torch.uint8).numpy()
+    codes = np.stack([u & 0xF, u >> 4], axis=-1).reshape(*u.shape[:-1], u.shape[-1] * 2)
+    vals = codes.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    return vals * np.repeat(sf.double().numpy(), gran, axis=-1)[..., : vals.shape[-1]]
+
+
+def np_ref(a, sfa, packed, sf, gran, c=None) -> np.ndarray:
+    af = a.float().double().numpy()
+    if sfa is not None:
+        af = af * np.repeat(sfa.double().numpy(), 128, axis=-1)[..., : af.shape[-1]]
+    out = af @ np_weights(packed, sf, gran).swapaxes(-1, -2)
+    return out if c is None else out + c.double().numpy()
+
+
+def rel_err(x, ref) -> float:
+    x = np.asarray(x.double().cpu().numpy() if isinstance(x, torch.Tensor) else x, dtype=np.float64)
+    return float(np.abs(x - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def operands(m, n, k, gran=32, fp8=True, seed=0, groups=None, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    lead = () if groups is None else (groups,)
+    a = torch.randn((*lead, m, k), generator=g).to(torch.bfloat16).to(device)
+    w = (torch.randn((*lead, n, k), generator=g) * 0.05).to(device)  # cast where the data is (fast on a GPU)
+    packed, sf = deepgemm.cast_weights_to_fp4(w, gran_k=gran)
+    if fp8:
+        if groups is None:
+            a8, sfa = deepgemm.per_token_cast_to_fp8(a)
+        else:
+            parts = [deepgemm.per_token_cast_to_fp8(a[i]) for i in range(groups)]
+            a8, sfa = torch.stack([p for p, _ in parts]), torch.stack([s for _, s in parts])
+        act = (a8, sfa)
+        a_ref, sfa_ref = a8, sfa
+    else:
+        act, a_ref, sfa_ref = a, a, None
+    return act, (packed, sf), a_ref, sfa_ref, packed, sf
+
+
+# ----------------------------------------------------------------------------- decoding and cast
+
+
+def test_decode_matches_ml_dtypes_for_every_byte():
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.int8).reshape(1, 256)
+    ours = fp4.decode_e2m1(packed)[0].numpy()
+    assert np.array_equal(ours, np_weights(packed, torch.ones(1, 1), 512)[0].astype(np.float32))
+    assert set(np.abs(ours).tolist()) == set(fp4.E2M1_VALUES)
+
+
+@pytest.mark.parametrize("gran", [32, 128])
+@pytest.mark.parametrize("ue8m0", [True, False])
+def test_cast_round_trip(gran, ue8m0):
+    w = torch.randn(64, 512) * 0.1
+    packed, sf = deepgemm.cast_weights_to_fp4(w, gran_k=gran, use_ue8m0=ue8m0)
+    assert packed.dtype == torch.int8 and packed.shape == (64, 256) and sf.shape == (64, 512 // gran)
+    back = np_weights(packed, sf, gran)
+    # nearest e2m1 value of w / sf: at most half the widest gap (6 - 4) / 2 = 1 unit of sf
+    err = np.abs(back - w.double().numpy()) / np.repeat(sf.double().numpy(), gran, axis=-1)
+    assert err.max() <= 1.0 + 1e-6
+    if ue8m0:
+        assert torch.equal(sf, torch.exp2(torch.round(torch.log2(sf))))
+
+
+def test_cast_3d_is_per_group():
+    w = torch.randn(3, 32, 256)
+    packed, sf = deepgemm.cast_weights_to_fp4(w)
+    for i in range(3):
+        p, s = deepgemm.cast_weights_to_fp4(w[i])
+        assert torch.equal(packed[i], p) and torch.equal(sf[i], s)
+
+
+# ----------------------------------------------------------------------------- reference and API (CPU)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("gran", [32, 128])
+def test_reference_matches_numpy(fp8, gran):
+    act, b, a_ref, sfa_ref, packed, sf = operands(5, 48, 384, gran, fp8)
+    ref = np_ref(a_ref, sfa_ref, packed, sf, gran)
+    ours = fp4.reference(a_ref, sfa_ref, packed, sf, gran).numpy()
+    assert np.abs(ours - ref).max() <= 1e-12 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
+def test_fp8_fp4_gemm_nt_cpu(out):
+    act, b, a_ref, sfa_ref, packed, sf = operands(7, 64, 256)
+    c = torch.randn(7, 64).to(out)
+    d = torch.empty(7, 64, dtype=out)
+    deepgemm.fp8_fp4_gemm_nt(act, b, d, c=c, recipe_a=(1, 128), recipe_b=(1, 32))
+    tol = 1e-2 if out == torch.bfloat16 else 1e-6  # bf16 rounding of the result
+    assert rel_err(d, np_ref(a_ref, sfa_ref, packed, sf, 32, c)) < tol
+
+
+def test_bf16_fp4_and_scale_orientations_cpu():
+    act, b, a_ref, _, packed, sf = operands(3, 32, 512, 128, fp8=False)
+    d = torch.empty(3, 32, dtype=torch.float32)
+    deepgemm.bf16_fp4_gemm_nt(act, b, d)  # gran_k from sfb's shape (K/128 columns)
+    assert rel_err(d, np_ref(a_ref, None, packed, sf, 128)) < 1e-6
+
+
+def test_packed_ue8m0_scales_cpu():
+    act, (bp, sf), a_ref, sfa_ref, packed, _ = operands(4, 32, 256)
+    d1, d2 = torch.empty(4, 32), torch.empty(4, 32)
+    deepgemm.fp8_fp4_gemm_nt(act, (bp, sf), d1, recipe_b=(1, 32))
+    deepgemm.fp8_fp4_gemm_nt(act, (bp, pack_ue8m0_to_int(sf)), d2, recipe_b=(1, 32))
+    assert torch.equal(d1, d2)
+
+
+def test_grouped_masked_cpu_leaves_rows_past_masked_m():
+    act, b, a_ref, sfa_ref, packed, sf = operands(16, 32, 256, groups=3)
+    masked = torch.tensor([16, 0, 5], dtype=torch.int32)
+    d = torch.full((3, 16, 32), 7.0)
+    deepgemm.m_grouped_fp8_fp4_gemm_nt_masked(act, b, d, masked, expected_m=8, recipe_a=(1, 128), recipe_b=(1, 32))
+    for gi, r in enumerate(masked.tolist()):
+        if r:
+            assert rel_err(d[gi, :r], np_ref(a_ref[gi, :r], sfa_ref[gi, :r], packed[gi], sf[gi], 32)) < 1e-6
+        assert bool((d[gi, r:] == 7.0).all())
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 9), n=st.sampled_from([8, 40, 72]), kb=st.integers(1, 3), gran=st.sampled_from([32, 128]),
+       fp8=st.booleans(), seed=st.integers(0, 2**16))
+def test_api_matches_numpy_property(m, n, kb, gran, fp8, seed):
+    act, b, a_ref, sfa_ref, packed, sf = operands(m, n, 128 * kb, gran, fp8, seed)
+    d = torch.empty(m, n)
+    fn = deepgemm.fp8_fp4_gemm_nt if fp8 else deepgemm.bf16_fp4_gemm_nt
+    fn(act, b, d)
+    assert rel_err(d, np_ref(a_ref, sfa_ref, packed, sf, gran)) < 1e-6
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_errors_name_the_argument():
+    act, (bp, sf), *_ = operands(4, 32, 256)
+    d = torch.empty(4, 32)
+    with pytest.raises(ShapeError, match="b: expected K/2"):
+        deepgemm.fp8_fp4_gemm_nt(act, (bp[:, :64], sf), d)
+    with pytest.raises(deepgemm.UnsupportedError, match="a: FP4 activations"):
+        deepgemm.fp8_fp4_gemm_nt((bp, sf), (bp, sf), d)
+    with pytest.raises(ValueError, match="recipe_b"):
+        deepgemm.fp8_fp4_gemm_nt(act, (bp, sf), d, recipe_b=(128, 32))
+    with pytest.raises(ShapeError, match="sfb"):
+        deepgemm.fp8_fp4_gemm_nt(act, (bp, sf[:, :3]), d, recipe_b=(1, 32))
+    with pytest.raises(deepgemm.UnsupportedError, match="nt layout"):
+        deepgemm.fp8_fp4_gemm_nn(act, (bp, sf), d)
+    a2 = torch.randn(4, 200).to(torch.bfloat16)
+    with pytest.raises(ShapeError, match="multiple of 128"):
+        deepgemm.bf16_fp4_gemm_nt(a2, (torch.zeros(32, 100, dtype=torch.int8), torch.ones(32, 7)), d)
+    with pytest.raises(ShapeError, match="d: expected shape"):
+        deepgemm.fp8_fp4_gemm_nt(act, (bp, sf), torch.empty(4, 31))
+
+
+# ----------------------------------------------------------------------------- heuristic (CPU)
+
+
+def test_plan_covers_k_and_fills_the_gpu():
+    from deepgemm import cuda_fp4
+
+    for m in (1, 16, 64, 128):
+        for n, k in ((7168, 2048), (2112, 7168), (4096, 7168)):
+            p = cuda_fp4.plan(m, n, k, 1, True, 32, True, False, False, num_sms=132)
+            assert p.splits * p.chunks_per_split >= k // 128 > (p.splits - 1) * p.chunks_per_split
+            assert p.row_blocks * p.key.rows >= n and p.m_blocks * p.key.tokens >= m
+            assert p.row_blocks * p.splits * p.m_blocks >= 132  # at least one CTA per SM
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def cuda(*xs):
+    return tuple(None if x is None else x.cuda() for x in xs)
+
+
+GPU_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (64, 4096, 7168), (128, 4096, 7168), (5, 200, 256), (37, 136, 1152)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("gran", [32, 128])
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+def test_gpu_dense_matches_reference(m, n, k, gran, fp8):
+    act, b, a_ref, sfa_ref, packed, sf = operands(m, n, k, gran, fp8, device="cuda")
+    d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    fn = deepgemm.fp8_fp4_gemm_nt if fp8 else deepgemm.bf16_fp4_gemm_nt
+    fn(act, b, d)
+    ref = fp4.reference(*cuda(a_ref, sfa_ref, packed, sf), gran).cpu()  # float64 on the GPU
+    assert deepgemm.testing.calc_diff(d.float().cpu(), ref.float()) < 1e-4
+    d32 = torch.empty(m, n, device="cuda")
+    fn(act, b, d32)
+    assert rel_err(d32, ref.numpy()) < 1e-4  # fp32 summation order only
+
+
+@pytest.mark.gpu
+def test_gpu_c_and_graph_replay():
+    m, n, k = 16, 2112, 7168  # split-K: the per-tile counters must be reset by each launch
+    act, b, a_ref, sfa_ref, packed, sf = operands(m, n, k, device="cuda")
+    c = torch.randn(m, n, device="cuda")
+    d = torch.empty(m, n, device="cuda")
+    deepgemm.fp8_fp4_gemm_nt(act, b, d, c=c)
+    ref = fp4.reference(*cuda(a_ref, sfa_ref, packed, sf), 32, c).cpu()
+    assert rel_err(d, ref.numpy()) < 1e-4
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        deepgemm.fp8_fp4_gemm_nt(act, b, d, c=c)
+    for _ in range(3):
+        d.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(d, ref.numpy()) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [True, False])
+def test_gpu_grouped_masked(fp8):
+    g, m_max, n, k = 4, 64, 2112, 2048
+    act, b, a_ref, sfa_ref, packed, sf = operands(m_max, n, k, 32, fp8, groups=g, device="cuda")
+    masked = torch.tensor([64, 0, 17, 1], dtype=torch.int32, device="cuda")
+    d = torch.full((g, m_max, n), 3.0, device="cuda", dtype=torch.bfloat16)
+    if fp8:
+        deepgemm.m_grouped_fp8_fp4_gemm_nt_masked(act, b, d, masked, expected_m=16)
+    else:
+        deepgemm.m_grouped_bf16_fp4_gemm_nt_masked(act, b, d, masked, expected_m=16)
+    for gi, r in enumerate(masked.tolist()):
+        if r:
+            ref = fp4.reference(*cuda(a_ref[gi, :r], None if sfa_ref is None else sfa_ref[gi, :r], packed[gi], sf[gi]),
+                                32).cpu()
+            assert deepgemm.testing.calc_diff(d[gi, :r].float().cpu(), ref.float()) < 1e-4
+        assert bool((d[gi, r:] == 3.0).all())

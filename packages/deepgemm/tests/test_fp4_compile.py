@@ -1,0 +1,39 @@
+"""Compile-only (NVRTC sm_90a, no GPU): the FP4-weight kernel for every configuration the planner picks at
+issue 19's decode shapes, plus the other template paths (gran 128, fp32 out + C, masked). Runs in CI."""
+
+import pytest
+import tilehal
+from deepgemm import cuda_fp4
+
+pytestmark = pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
+
+
+def configs():
+    keys = set()
+    for m in (1, 16, 64, 128):
+        for n, k in ((7168, 2048), (2112, 7168), (4096, 7168)):
+            for fp8 in (True, False):
+                keys.add(cuda_fp4.plan(m, n, k, 1, fp8, 32, True, False, False, num_sms=132).key)
+    keys.add(cuda_fp4.plan(5, 200, 256, 1, True, 128, False, True, False, num_sms=132).key)
+    keys.add(cuda_fp4.plan(64, 2112, 2048, 4, True, 32, True, False, True, num_sms=132, expected_m=16).key)
+    return sorted(keys, key=lambda k: k.expression)
+
+
+CONFIGS = configs()
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_fp4_kernel_configs_compile(half):
+    batch = CONFIGS[half::2]
+    exprs = [k.expression for k in batch]
+    mod = tilehal.compile_cuda(cuda_fp4.kernel_source(), arch="sm_90a", name="deepgemm_fp4_compile_check",
+                               options=cuda_fp4.OPTIONS + ("--ptxas-options=-v",), name_expressions=exprs)
+    assert len(mod.cubin) > 1000 and all(e in mod.lowered_names for e in exprs)
+    if not mod.cache_hit:
+        spills = [line for line in mod.log.splitlines() if "spill" in line]
+        assert len(spills) == len(exprs) and all("0 bytes spill stores" in line for line in spills), mod.log
+
+
+def test_configs_cover_both_activation_kinds_and_token_tiles():
+    assert {k.act_fp8 for k in CONFIGS} == {True, False}
+    assert {k.nt for k in CONFIGS} >= {1, 2, 8} and any(k.masked for k in CONFIGS) and any(k.has_c for k in CONFIGS)
