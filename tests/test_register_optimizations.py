@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 
+import deepgemm
 import pytest
 import torch
 from dataengine import SparseLinear
@@ -232,3 +233,28 @@ def test_cuda_backend_on_a_hopper_gpu(fp8, tol):
         got = model(x)
     assert report.names("swapped") == ["0", "2"]
     assert rel_err(got, want) < tol
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemm_linear_fp4_weights_cpu(fp8):
+    """GemmLinear(fp4=True): e2m1 weights with 1x32 power-of-two scales (deepgemm.cast_weights_to_fp4). The
+    result is exactly x @ W_fp4^T + b for the dequantized weight W_fp4 (deepgemm.fp4.reference semantics),
+    and W_fp4 is the nearest e2m1 grid point of each weight (error <= one scale unit)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 48)
+    g = GemmLinear.from_linear(lin, fp4=True, fp8=fp8)
+    x = torch.randn(5, 256)
+    packed, sf = deepgemm.cast_weights_to_fp4(lin.weight.detach(), gran_k=32)
+    w4 = deepgemm.fp4.decode_e2m1(packed) * sf.repeat_interleave(32, dim=1)
+    xa = x.to(torch.bfloat16).float()
+    if fp8:
+        a8, sfa = deepgemm.per_token_cast_to_fp8(x)
+        xa = a8.float() * sfa.repeat_interleave(128, dim=1)
+    with torch.no_grad():
+        y = g(x)
+        want = xa.double() @ w4.double().T + lin.bias.double()
+    assert g.fp4 and "fp4=True" in repr(g)
+    assert rel_err(y, want.float()) < 1e-6
+    assert (w4 - lin.weight.detach()).abs().max() <= sf.max()
+    with pytest.raises(ValueError, match="in_features: expected a multiple of 128"):
+        GemmLinear(200, 8, fp4=True)
