@@ -191,6 +191,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the results into this folder instead")
     ap.add_argument("--variants", action="store_true",
                     help="also time the tile widths / multicast settings the heuristic did not pick (M = 4096)")
+    ap.add_argument("--only", default=None, help="only the jobs whose benchmark name contains this (e.g. masked)")
     args = ap.parse_args()
     jobs = []
     for m in ((4096,) if args.quick else (64, 128, 4096)):
@@ -205,6 +206,8 @@ def main() -> None:
                 jobs.append((bench_contiguous, (g, rows, n, k)))
             for g, rows in ((1, 1024), (2, 512), (4, 256)):
                 jobs.append((bench_masked, (g, rows, n, k)))
+    if args.only:
+        jobs = [j for j in jobs if args.only in j[0].__name__]
     results = []
     for fn, shape in tqdm(jobs, desc="bench"):
         results.append(fn(*shape))

@@ -49,7 +49,8 @@ SKIP = {"promotion": ("-DDEEPGEMM_PROFILE_SKIP_PROMOTION",), "epilogue": ("-DDEE
 def key_of(case, num_sms=132):
     _, kind, grouping, m, n, k, g = case
     tma = grouping != "masked"
-    cfg = pick_config(kind, m, n, k, num_groups=g, grouping=grouping, num_sms=num_sms, tma_store=tma)
+    cfg = pick_config(kind, m, n, k, num_groups=g, grouping=grouping, num_sms=num_sms, tma_store=tma,
+                      staged_store=cuda_gemm.staged_store(torch.bfloat16, n, False, tma))
     return cuda_gemm.kernel_key(cfg, n, k, grouping, g, torch.bfloat16, False), cfg
 
 

@@ -12,7 +12,7 @@ import concurrent.futures as cf
 import dataclasses
 
 import torch
-from deepgemm.cuda_gemm import compile_kernel, kernel_key
+from deepgemm.cuda_gemm import compile_kernel, kernel_key, staged_store
 from deepgemm.heuristics import max_stages, pick_config
 from deepgemm.utils import ceil_div, set_num_sms
 
@@ -24,7 +24,8 @@ SMS = 132
 
 def dense(keys, kind, m, n, k, out_bf16, has_c, max_multicast=2):
     tma = out_bf16 and not has_c and n % 8 == 0
-    cfg = pick_config(kind, m, n, k, num_sms=SMS, tma_store=tma, max_multicast=max_multicast)
+    staged = staged_store(torch.bfloat16 if out_bf16 else torch.float32, n, has_c, tma)
+    cfg = pick_config(kind, m, n, k, num_sms=SMS, tma_store=tma, max_multicast=max_multicast, staged_store=staged)
     keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16 if out_bf16 else torch.float32, has_c))
 
 
@@ -60,7 +61,8 @@ def all_keys(max_multicast=2):
             for g, m_max in ((1, 1024), (2, 512), (4, 256)):
                 for e in (m_max, masked_expected(g, m_max, n)):
                     cfg = pick_config(kind, min(e, m_max), n, k, num_groups=g, grouping="masked", num_sms=SMS,
-                                      max_multicast=max_multicast)
+                                      max_multicast=max_multicast, staged_store=staged_store(torch.bfloat16, n, False,
+                                                                                             False))
                     keys.add(kernel_key(cfg, n, k, "masked", g, torch.bfloat16, False))
     for n, k in DENSE_NK:  # the benchmark's A/B of the overlapped fp8 promotion
         cfg = pick_config("fp8", 4096, n, k, num_sms=SMS, tma_store=True)

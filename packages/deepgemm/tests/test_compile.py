@@ -21,7 +21,8 @@ def issue_configs():
         for m in (1, 7, 64, 128, 1000, 4096):
             for n, k in DENSE_NK:
                 for out in (torch.bfloat16, torch.float32):  # bf16: TMA-store epilogue; fp32 + C: direct
-                    cfg = pick_config(kind, m, n, k, num_sms=132, tma_store=out == torch.bfloat16)
+                    cfg = pick_config(kind, m, n, k, num_sms=132, tma_store=out == torch.bfloat16,
+                                      staged_store=4 if out == torch.float32 else 0)  # fp32 + C: staged copy-out
                     keys.add(kernel_key(cfg, n, k, "normal", 1, out, has_c=out == torch.float32))
         for n, k in GROUPED_NK:
             for g, rows in ((4, 8192), (8, 4096)):
@@ -29,7 +30,7 @@ def issue_configs():
                                   tma_store=True)
                 keys.add(kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False))
             for g, rows in ((1, 1024), (2, 512), (4, 256)):
-                cfg = pick_config(kind, rows, n, k, num_groups=g, grouping="masked", num_sms=132)
+                cfg = pick_config(kind, rows, n, k, num_groups=g, grouping="masked", num_sms=132, staged_store=2)
                 keys.add(kernel_key(cfg, n, k, "masked", g, torch.bfloat16, False))
     # DEEPGEMM_MULTICAST=2 (multicast allowed) for the large shapes, as the benchmark variants use it
     for kind in ("fp8", "bf16"):
@@ -41,7 +42,8 @@ def issue_configs():
         cfg = pick_config("fp8", 4096, n, k, num_sms=132, tma_store=True, overlap=False)
         keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))
     for n, k in GROUPED_NK:
-        cfg = pick_config("fp8", 1024, n, k, num_groups=1, grouping="masked", num_sms=132, overlap=False)
+        cfg = pick_config("fp8", 1024, n, k, num_groups=1, grouping="masked", num_sms=132, overlap=False,
+                          staged_store=2)
         keys.add(kernel_key(cfg, n, k, "masked", 1, torch.bfloat16, False))
     # overlapped fp8 tiles the heuristic does not pick for these shapes: every width class up to 128,
     # K-block counts that leave group tails of 1..7 (the group is 8 blocks), a tile across two scale blocks
@@ -53,6 +55,11 @@ def issue_configs():
     for kind, m, n, k in (("fp8", 7, 200, 272), ("bf16", 1000, 200, 272), ("fp8", 1000, 129, 1040)):
         cfg = pick_config(kind, m, n, k, num_sms=132, tma_store=n % 8 == 0)
         keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))
+    for n, k in GROUPED_NK:  # DEEPGEMM_EPILOGUE=direct: stores straight from the accumulators
+        cfg = pick_config("fp8", 1024, n, k, num_groups=1, grouping="masked", num_sms=132)
+        keys.add(kernel_key(cfg, n, k, "masked", 1, torch.bfloat16, False))
+    cfg = pick_config("bf16", 128, 7168, 2048, num_sms=132)
+    keys.add(kernel_key(cfg, 7168, 2048, "normal", 1, torch.float32, True))
     return sorted(keys, key=lambda k: k.expression)
 
 
@@ -79,6 +86,9 @@ def test_kernel_configs_compile(batch):
 
 def test_issue_configs_are_many_and_distinct():
     assert len(CONFIGS) == len({k.expression for k in CONFIGS}) > 40
+    staged = [k for k in CONFIGS if k.d_swizzle == 1 and not k.tma_store]
+    assert {k.grouping for k in staged} >= {"masked", "normal"} and any(k.has_c for k in staged)
+    assert any(k.d_swizzle == 0 and not k.tma_store for k in CONFIGS)  # the direct path too
 
 
 def test_both_fp8_promotion_paths_are_compiled():

@@ -102,8 +102,27 @@ def use_tma_store(d: torch.Tensor, n: int, has_c: bool, grouping: str) -> bool:
     elif n % 8:
         why = f"N = {n} is not a multiple of 8 (TMA needs 16-byte rows)"
     if why:
-        log.debug("direct-store epilogue instead of TMA store: %s", why)
+        log.debug("no TMA-store epilogue: %s", why)
     return why is None
+
+
+def staged_store(d_dtype: torch.dtype, n: int, has_c: bool, tma_store: bool) -> int:
+    """Without the TMA store: bytes per element of the staged copy-out tile (4 when C is added or D is fp32,
+    else 2), or 0 for stores straight from the accumulators (N not a multiple of the 16-byte segment)."""
+    if tma_store:
+        return 0
+    vec = 16 // (4 if d_dtype == torch.float32 else 2)
+    if os.environ.get("DEEPGEMM_EPILOGUE", "tma") == "direct" or n % vec:
+        log.debug("direct-store epilogue: %s", "DEEPGEMM_EPILOGUE=direct" if n % vec == 0 else
+                  f"N = {n} is not a multiple of {vec} (16-byte row segments)")
+        return 0
+    return 4 if has_c or d_dtype == torch.float32 else 2
+
+
+def epilogue(d: torch.Tensor, n: int, has_c: bool, grouping: str) -> dict:
+    """pick_config's epilogue keywords for this output."""
+    tma = use_tma_store(d, n, has_c, grouping)
+    return {"tma_store": tma, "staged_store": staged_store(d.dtype, n, has_c, tma)}
 
 
 _DESC_CACHE: collections.OrderedDict = collections.OrderedDict()
@@ -221,9 +240,8 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
             d += bias
         return
     fp8 = sfa is not None
-    cfg = config or pick_config("fp8" if fp8 else "bf16", m, n, k,
-                                tma_store=use_tma_store(d, n, c is not None, "normal"), max_multicast=max_multicast(),
-                                overlap=overlap_allowed())
+    cfg = config or pick_config("fp8" if fp8 else "bf16", m, n, k, **epilogue(d, n, c is not None, "normal"),
+                                max_multicast=max_multicast(), overlap=overlap_allowed())
     sfa_t = _sfa_layout(sfa) if fp8 else None
     sfb_c = sfb.contiguous() if fp8 else None
     descs = _descriptors(a, b, sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
@@ -243,8 +261,7 @@ def grouped_contiguous(a, sfa, b, sfb, d, m_indices) -> None:
         return
     fp8 = sfa is not None
     cfg = pick_config("fp8" if fp8 else "bf16", m, n, k, num_groups=g, grouping="contiguous",
-                      tma_store=use_tma_store(d, n, False, "contiguous"), max_multicast=max_multicast(),
-                      overlap=overlap_allowed())
+                      **epilogue(d, n, False, "contiguous"), max_multicast=max_multicast(), overlap=overlap_allowed())
     sfa_t = _sfa_layout(sfa) if fp8 else None
     descs = _descriptors(a, b.view(g * n, k), sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
     key = kernel_key(cfg, n, k, "contiguous", g, d.dtype, False)
@@ -261,12 +278,11 @@ def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int) -> None:
         return
     fp8 = sfa is not None
     cfg = pick_config("fp8" if fp8 else "bf16", min(expected_m, m_max), n, k, num_groups=g, grouping="masked",
-                      max_multicast=max_multicast(), overlap=overlap_allowed())
+                      **epilogue(d, n, False, "masked"), max_multicast=max_multicast(), overlap=overlap_allowed())
     sfa_t = _sfa_layout(sfa) if fp8 else None
     sk = sfa.shape[2] if fp8 else 0
     descs = _descriptors(a.view(g * m_max, k), b.view(g * n, k), sfa_t, cfg, sfa_rows=g * sk, sfa_cols=m_max)
     key = kernel_key(cfg, n, k, "masked", g, d.dtype, False)
     upper = g * ceil_div(m_max, cfg.block_m) * ceil_div(n, cfg.block_n)  # tiles if every group were full
-    use_tma_store(d, n, False, "masked")  # logs why the direct epilogue is used
     _launch(key, cfg, upper, descs, _NULL_DESC, sfb.contiguous() if fp8 else None, d, None,
             masked_m.contiguous(), m_max)

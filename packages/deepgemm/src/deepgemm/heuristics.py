@@ -52,6 +52,7 @@ OVERLAP_MAX_BLOCK_N = 128
 # per thread and K block) leaves the warpgroup's critical path. Measured 1.08x .. 1.16x on the H200
 # (docs/benchmarks/deepgemm_h200.json, ours_serial_promotion_*), so 0.9 errs on the cautious side.
 OVERLAP_COST = 0.9
+MIN_STAGED_STAGES = 3  # a staged copy-out tile must leave room for this many pipeline stages
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class GemmConfig:
     multicast_on_a: bool = False  # with multicast 2: the cluster shares A (else B)
     allow_overlap: bool = True  # fp8: overlap promotion with the next wgmma where registers allow
     grouping: str = "normal"  # "normal", "contiguous" or "masked"
+    staged_store: int = 0  # without TMA store: bytes per element of the staged copy-out tile (2, 4) or 0 (direct)
 
     @property
     def overlap_promotion(self) -> bool:
@@ -77,7 +79,9 @@ class GemmConfig:
 
     @property
     def d_swizzle(self) -> int:
-        return d_swizzle(self.block_n) if self.tma_store else 0
+        if self.tma_store:
+            return d_swizzle(self.block_n)
+        return 1 if self.staged_store else 0  # 1: the kernel's staged copy-out epilogue
 
     @property
     def num_math_warpgroups(self) -> int:
@@ -93,7 +97,7 @@ class GemmConfig:
 
     @property
     def epilogue_bytes(self) -> int:
-        return self.block_m * self.block_n * 2 if self.tma_store else 0
+        return epilogue_bytes(self.block_m, self.block_n, self.tma_store, self.staged_store)
 
 
 def block_n_candidates(kind: str, grouping: str = "normal") -> tuple[int, ...]:
@@ -142,6 +146,17 @@ def pick_multicast(grouping: str, m: int, n: int, block_m: int, block_n: int, nu
     return 1, False
 
 
+def epilogue_bytes(block_m: int, block_n: int, tma_store: bool, staged_store: int = 0) -> int:
+    """Shared memory of the epilogue's staging tile: bf16 for the TMA store; for the staged copy-out
+    (kernels/gemm_sm90.cuh StagedStore) rows padded by 16 (bf16) / 32 (fp32) bytes, rounded to 1 KiB."""
+    if tma_store:
+        return block_m * block_n * 2
+    if staged_store:
+        row = block_n * staged_store + (32 if staged_store == 4 else 16)
+        return ceil_div(block_m * row, 1024) * 1024
+    return 0
+
+
 def stage_bytes(kind: str, block_m: int, block_n: int) -> int:
     sfa = block_m * 4 if kind == "fp8" else 0  # one fp32 activation scale per row and K block
     return (block_m + block_n) * ROW_BYTES + sfa
@@ -185,6 +200,7 @@ def pick_config(
     tma_store: bool = False,
     max_multicast: int = 1,
     overlap: bool = True,
+    staged_store: int = 0,
 ) -> GemmConfig:
     """Choose the kernel configuration for D[M, N] (per group) = A[M, K] @ B[N, K]^T.
 
@@ -196,12 +212,15 @@ def pick_config(
         raise ArgumentError(f"kind: expected 'fp8' or 'bf16', got {kind!r}")
     if grouping not in ("normal", "contiguous", "masked"):
         raise ArgumentError(f"grouping: expected 'normal', 'contiguous' or 'masked', got {grouping!r}")
-    return _pick(kind, m, n, k, num_groups, grouping, num_sms or get_num_sms(), tma_store, max_multicast, overlap)
+    if tma_store and staged_store:
+        raise ArgumentError("staged_store: expected 0 with tma_store=True (one staging tile per epilogue)")
+    return _pick(kind, m, n, k, num_groups, grouping, num_sms or get_num_sms(), tma_store, max_multicast, overlap,
+                 staged_store)
 
 
 @functools.lru_cache(maxsize=4096)  # called on every launch: keep the host path short
 def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms: int, tma_store: bool,
-          max_multicast: int, overlap: bool) -> GemmConfig:
+          max_multicast: int, overlap: bool, staged_store: int = 0) -> GemmConfig:
     if grouping == "contiguous":
         block_ms: tuple[int, ...] = (128,)  # the layout's alignment: one expert per M block
     elif m <= 64:
@@ -213,6 +232,9 @@ def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms
     best = None
     for bm in block_ms:
         for bn in block_n_candidates(kind, grouping):
+            if staged_store and smem_bytes(kind, bm, bn, MIN_STAGED_STAGES,
+                                           epilogue_bytes(bm, bn, False, staged_store)) > SMEM_CAPACITY:
+                continue  # the staging tile would leave too short a ring (fp32 tiles of 256 columns)
             tiles = ceil_div(m, bm) * ceil_div(n, bn) * groups
             w, util = waves(tiles, sms)
             key = (w * tile_cost(bm, bn, overlap and overlaps(kind, bn, grouping)), -util, -(bm * bn), -bm)
@@ -220,9 +242,9 @@ def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms
                 best = (key, bm, bn, w, util)
     _, bm, bn, w, util = best
     block_k = 128 if kind == "fp8" else 64
-    epilogue = bm * bn * 2 if tma_store else 0
+    epilogue = epilogue_bytes(bm, bn, tma_store, staged_store)
     multicast, on_a = pick_multicast(grouping, m, n, bm, bn, sms, max_multicast)
     return GemmConfig(kind=kind, block_m=bm, block_n=bn, block_k=block_k,
                       stages=max_stages(kind, bm, bn, epilogue), multicast=multicast, num_waves=w,
                       last_wave_util=util, num_sms=sms, tma_store=tma_store, multicast_on_a=on_a,
-                      allow_overlap=overlap, grouping=grouping)
+                      allow_overlap=overlap, grouping=grouping, staged_store=staged_store)
