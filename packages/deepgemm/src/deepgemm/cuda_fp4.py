@@ -27,7 +27,6 @@ log = logging.getLogger("deepgemm")
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 OPTIONS = ("-std=c++17", "-lineinfo")
 MIN_CHUNKS_PER_WARP = 2  # 128-wide K chunks: fewer and the register pipeline has nothing to overlap
-CTAS_PER_SM = 2  # the grid the split-K heuristic aims for
 
 
 @dataclass(frozen=True)
@@ -117,9 +116,11 @@ def plan(m: int, n: int, k: int, groups: int, act_fp8: bool, gran: int, out_bf16
     tiles = row_blocks * m_blocks * groups
     if masked and expected_m:
         tiles = row_blocks * ceil_div(expected_m, key.tokens) * groups
-    want = ceil_div(CTAS_PER_SM * sms, max(1, tiles))
+    # One wave: as many K splits as keep every CTA resident at once (a second, partial wave would cost
+    # as much as the first), at least MIN_CHUNKS_PER_WARP chunks per warp.
+    resident = (2 if nt <= 4 else 1) * sms  # the kernel's __launch_bounds__ minimum blocks per SM
     most = max(1, chunks // (wk * MIN_CHUNKS_PER_WARP))
-    splits = max(1, min(want, most))
+    splits = max(1, min(resident // max(1, tiles), most))
     cps = ceil_div(chunks, splits)
     splits = ceil_div(chunks, cps)
     return Fp4Plan(key=key, m_blocks=m_blocks, row_blocks=row_blocks, splits=splits, chunks_per_split=cps,
