@@ -19,7 +19,7 @@ from tilehal import ShapeError
 from tilehal.tma import encode_tiled
 
 from . import plans, validate
-from .heuristics import GemmConfig, pick_config
+from .heuristics import GemmConfig, epilogue_passes, pick_config
 from .utils import ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size, is_mn_major_tma_aligned
 
 log = logging.getLogger("deepgemm")
@@ -175,7 +175,7 @@ def _d_descriptor(d2d: torch.Tensor, cfg: GemmConfig) -> bytes:
     if not cfg.tma_store:
         return _NULL_DESC
     sw = cfg.d_swizzle
-    box_n = sw // d2d.element_size() if sw else cfg.block_n
+    box_n = sw // d2d.element_size() if sw else cfg.block_n // epilogue_passes(cfg.block_n)
     return _encode(d2d.data_ptr(), d2d.dtype, tuple(d2d.shape), tuple(d2d.stride()), (cfg.block_m, box_n),
                    f"{sw}B" if sw else "none")
 

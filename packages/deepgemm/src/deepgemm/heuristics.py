@@ -146,11 +146,17 @@ def pick_multicast(grouping: str, m: int, n: int, block_m: int, block_n: int, nu
     return 1, False
 
 
+def epilogue_passes(block_n: int) -> int:
+    """TMA-store staging passes of a tile (kernels/gemm_sm90.cuh kEpiPasses): 256-wide tiles are staged
+    128 columns at a time, which leaves room for a 4th pipeline stage of bf16 128x256 tiles."""
+    return 2 if block_n == 256 else 1
+
+
 def epilogue_bytes(block_m: int, block_n: int, tma_store: bool, staged_store: int = 0) -> int:
     """Shared memory of the epilogue's staging tile: bf16 for the TMA store; for the staged copy-out
     (kernels/gemm_sm90.cuh StagedStore) rows padded by 16 (bf16) / 32 (fp32) bytes, rounded to 1 KiB."""
     if tma_store:
-        return block_m * block_n * 2
+        return block_m * block_n * 2 // epilogue_passes(block_n)
     if staged_store:
         row = block_n * staged_store + (32 if staged_store == 4 else 16)
         return ceil_div(block_m * row, 1024) * 1024

@@ -307,7 +307,10 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   // Swizzled tiles need 1024-byte aligned bases (the host reserves the slack). Every region
   // below is a multiple of 1024 bytes up to the activation scales.
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  constexpr int D_BYTES = TMA_STORE ? BLOCK_M * BLOCK_N * static_cast<int>(sizeof(OutT)) : kStaged ? Staged::kBytes : 0;
+  // TMA-store staging passes (heuristics.epilogue_passes: 2 for 256-wide tiles) and their width.
+  constexpr int kEpiPasses = TMA_STORE && BLOCK_N == 256 ? 2 : 1;
+  constexpr int kPassN = BLOCK_N / kEpiPasses;
+  constexpr int D_BYTES = TMA_STORE ? BLOCK_M * kPassN * static_cast<int>(sizeof(OutT)) : kStaged ? Staged::kBytes : 0;
   static_assert(!TMA_STORE || (KIND != kGroupedMasked && !HAS_C), "TMA store would write rows/values it must not");
   static_assert(!TMA_STORE || sizeof(OutT) == 2, "the staging tile holds bf16");
   // BIAS: `c` holds an fp32 bias [SHAPE_N] added to every row in the TMA-store epilogue (nn.Linear's bias,
@@ -531,35 +534,42 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
     continue;
 #endif
     if constexpr (TMA_STORE) {
-      // The previous tile's store must have finished reading the staging tile before it is overwritten.
-      if (tid == 0) tma_store_wait_read<0>();
-      named_barrier_sync(1, NUM_MATH_THREADS);
-#pragma unroll
-      for (int j = 0; j < BLOCK_N / 8; ++j) {
-        [[maybe_unused]] float bias0 = 0.f, bias1 = 0.f;
-        if constexpr (BIAS) {
-          const int col = n0 + j * 8 + (lane % 4) * 2;  // columns past N are clipped by the store: read none
-          if (col < SHAPE_N) bias0 = __ldg(c + col);
-          if (col + 1 < SHAPE_N) bias1 = __ldg(c + col + 1);
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int off = staging_offset<BLOCK_M, BLOCK_N, D_SWIZZLE>(row_in_tile + 8 * half, j, lane % 4);
-          float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
-          if constexpr (BIAS) x += bias0, y += bias1;  // (no `+ 0.f` otherwise: it would turn -0 into +0)
-          *reinterpret_cast<unsigned*>(smem_d + off) = float2_to_bf16x2(x, y);
-        }
-      }
-      fence_proxy_async_shared();  // make these generic-proxy writes visible to the TMA engine
-      named_barrier_sync(1, NUM_MATH_THREADS);
-      constexpr int kBoxN = D_SWIZZLE ? D_SWIZZLE / 2 : BLOCK_N;
+      // 256-wide tiles are staged in two 128-column passes: the half-size staging tile frees a pipeline
+      // stage (bf16 128x256: 4 stages instead of 3). Each pass waits until the previous TMA store has read
+      // the staging tile before overwriting it.
       const int m0 = m_block * BLOCK_M;
-      if (tid == 0 && m0 < shape_m) {  // phantom tiles (past M or N) store nothing
 #pragma unroll
-        for (int b = 0; b < BLOCK_N / kBoxN; ++b) {
-          if (n0 + b * kBoxN < SHAPE_N) tma_store_2d(&tma_d, smem_d + b * BLOCK_M * kBoxN * 2, n0 + b * kBoxN, m0);
+      for (int pass = 0; pass < kEpiPasses; ++pass) {
+        if (tid == 0) tma_store_wait_read<0>();
+        named_barrier_sync(1, NUM_MATH_THREADS);
+#pragma unroll
+        for (int jj = 0; jj < kPassN / 8; ++jj) {
+          const int j = pass * (kPassN / 8) + jj;
+          [[maybe_unused]] float bias0 = 0.f, bias1 = 0.f;
+          if constexpr (BIAS) {
+            const int col = n0 + j * 8 + (lane % 4) * 2;  // columns past N are clipped by the store: read none
+            if (col < SHAPE_N) bias0 = __ldg(c + col);
+            if (col + 1 < SHAPE_N) bias1 = __ldg(c + col + 1);
+          }
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int off = staging_offset<BLOCK_M, kPassN, D_SWIZZLE>(row_in_tile + 8 * half, jj, lane % 4);
+            float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
+            if constexpr (BIAS) x += bias0, y += bias1;  // (no `+ 0.f` otherwise: it would turn -0 into +0)
+            *reinterpret_cast<unsigned*>(smem_d + off) = float2_to_bf16x2(x, y);
+          }
         }
-        tma_store_commit();
+        fence_proxy_async_shared();  // make these generic-proxy writes visible to the TMA engine
+        named_barrier_sync(1, NUM_MATH_THREADS);
+        constexpr int kBoxN = D_SWIZZLE ? D_SWIZZLE / 2 : kPassN;
+        if (tid == 0 && m0 < shape_m) {  // phantom tiles (past M or N) store nothing
+#pragma unroll
+          for (int b = 0; b < kPassN / kBoxN; ++b) {
+            const int col = n0 + pass * kPassN + b * kBoxN;
+            if (col < SHAPE_N) tma_store_2d(&tma_d, smem_d + b * BLOCK_M * kBoxN * 2, col, m0);
+          }
+          tma_store_commit();
+        }
       }
       continue;
     }
