@@ -20,16 +20,15 @@ BENCH_NK = [(7168, 2048), (2112, 7168), (4096, 7168)]
 def all_keys() -> list[cuda_fp4.Fp4Key]:
     keys = set()
     for m, n, k in TEST_SHAPES:
-        for gran in (32, 128):
-            for fp8 in (True, False):
-                for out_bf16 in (True, False):
-                    keys.add(cuda_fp4.plan(m, n, k, 1, fp8, gran, out_bf16, False, False, num_sms=SMS).key)
-    keys.add(cuda_fp4.plan(16, 2112, 7168, 1, True, 32, False, True, False, num_sms=SMS).key)  # with C
+        for fp8 in (True, False):
+            for out_bf16 in (True, False):
+                keys.add(cuda_fp4.plan(m, n, k, 1, fp8, out_bf16, False, False, num_sms=SMS).key)
+    keys.add(cuda_fp4.plan(16, 2112, 7168, 1, True, False, True, False, num_sms=SMS).key)  # with C
     for fp8 in (True, False):
-        keys.add(cuda_fp4.plan(64, 2112, 2048, 4, fp8, 32, True, False, True, num_sms=SMS, expected_m=16).key)
+        keys.add(cuda_fp4.plan(64, 2112, 2048, 4, fp8, True, False, True, num_sms=SMS, expected_m=16).key)
         for m in BENCH_M:
             for n, k in BENCH_NK:
-                keys.add(cuda_fp4.plan(m, n, k, 1, fp8, 32, True, False, False, num_sms=SMS).key)
+                keys.add(cuda_fp4.plan(m, n, k, 1, fp8, True, False, False, num_sms=SMS).key)
     return sorted(keys, key=lambda k: k.expression)
 
 

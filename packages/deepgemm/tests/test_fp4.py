@@ -175,11 +175,12 @@ def test_plan_covers_k_and_fills_the_gpu():
 
     for m in (1, 16, 64, 128):
         for n, k in ((7168, 2048), (2112, 7168), (4096, 7168)):
-            p = cuda_fp4.plan(m, n, k, 1, True, 32, True, False, False, num_sms=132)
+            p = cuda_fp4.plan(m, n, k, 1, True, True, False, False, num_sms=132)
             assert p.splits * p.chunks_per_split >= k // 128 > (p.splits - 1) * p.chunks_per_split
             assert p.row_blocks * p.key.rows >= n and p.m_blocks * p.key.tokens >= m
             ctas = p.row_blocks * p.splits * p.m_blocks
-            resident = 132 * (2 if p.key.nt <= 4 else 1)  # the kernel's minimum blocks per SM
+            resident = 132 * p.key.min_blocks  # the kernel's minimum blocks per SM
+            assert p.key.min_blocks * (p.key.smem_bytes + 1024) <= cuda_fp4.SM_SMEM  # they fit
             assert 0.75 * 132 <= ctas <= resident  # one wave that keeps (nearly) every SM busy
 
 

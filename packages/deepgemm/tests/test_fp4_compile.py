@@ -13,9 +13,9 @@ def configs():
     for m in (1, 16, 64, 128):
         for n, k in ((7168, 2048), (2112, 7168), (4096, 7168)):
             for fp8 in (True, False):
-                keys.add(cuda_fp4.plan(m, n, k, 1, fp8, 32, True, False, False, num_sms=132).key)
-    keys.add(cuda_fp4.plan(5, 200, 256, 1, True, 128, False, True, False, num_sms=132).key)
-    keys.add(cuda_fp4.plan(64, 2112, 2048, 4, True, 32, True, False, True, num_sms=132, expected_m=16).key)
+                keys.add(cuda_fp4.plan(m, n, k, 1, fp8, True, False, False, num_sms=132).key)
+    keys.add(cuda_fp4.plan(5, 200, 256, 1, True, False, True, False, num_sms=132).key)
+    keys.add(cuda_fp4.plan(64, 2112, 2048, 4, True, True, False, True, num_sms=132, expected_m=16).key)
     return sorted(keys, key=lambda k: k.expression)
 
 

@@ -1,11 +1,11 @@
-"""Host side of the FP4-weight kernel (kernels/fp4_gemm_sm90.cuh): config, workspace, launch.
+"""Host side of the FP4-weight kernel (kernels/fp4_gemm_sm90.cuh): config, TMA descriptors, workspace, launch.
 
-The kernel is specialized on the token tile (8 x NT rows of A), the warp layout and the operand
-kinds; M, N, K stay runtime arguments. Split-K partial tiles go through one fp32 workspace and a
-per-tile arrival counter per device; the kernel leaves the counters at zero, so launches (and CUDA
-graph replays) need no memset. The workspace and counters are never freed or moved once handed out
-(a captured graph keeps pointing at them); launches on one device are assumed to be stream-ordered
-(one stream at a time, as with cuBLAS's own workspace).
+The kernel is specialized on the token tile (8 x NT rows of A), the consumer warps (16 weight rows
+each), the operand kinds and the ring depth; M, N, K stay runtime arguments. Split-K partial tiles go
+through one fp32 workspace and a per-tile arrival counter per device; the kernel leaves the counters
+at zero, so launches (and CUDA graph replays) need no memset. The workspace and counters are never
+freed or moved once handed out (a captured graph keeps pointing at them); launches on one device are
+assumed to be stream-ordered (one stream at a time, as with cuBLAS's own workspace).
 """
 
 from __future__ import annotations
@@ -20,26 +20,28 @@ import torch
 from tilehal import ShapeError
 
 from . import validate
-from .utils import ceil_div, get_num_sms
+from .utils import ceil_div, get_num_sms, get_tma_aligned_size
 
 log = logging.getLogger("deepgemm")
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 OPTIONS = ("-std=c++17", "-lineinfo")
-MIN_CHUNKS_PER_WARP = 2  # 128-wide K chunks: fewer and the register pipeline has nothing to overlap
+MIN_CHUNKS_PER_CTA = 2  # 128-wide K chunks: fewer and the ring has nothing to overlap
+MAX_STAGES = 8
+MAX_TOKEN_TILES = 8  # 64 tokens per CTA (M = 128 runs as two m-blocks; their weights come from L2)
+SM_SMEM = 228 * 1024  # shared memory per SM (sm_90), of which 1 KiB per CTA is reserved
+_NULL_DESC = bytes(128)
 
 
 @dataclass(frozen=True)
 class Fp4Key:
     nt: int  # n8 tiles of tokens per CTA (tokens = 8 nt)
-    mt: int  # m16 tiles of weight rows per warp
-    wn: int  # warps along N
-    wk: int  # warps along K
+    wn: int  # consumer warps (16 weight rows each)
     act_fp8: bool
-    gran: int
     out_bf16: bool
     has_c: bool
     masked: bool
+    stages: int
 
     @property
     def expression(self) -> str:
@@ -47,12 +49,12 @@ class Fp4Key:
             return "true" if x else "false"
 
         out = "__nv_bfloat16" if self.out_bf16 else "float"
-        return (f"deepgemm::fp4::fp4_gemm_sm90<{self.nt}, {self.mt}, {self.wn}, {self.wk}, {b(self.act_fp8)}, "
-                f"{self.gran}, {out}, {b(self.has_c)}, {b(self.masked)}>")
+        return (f"deepgemm::fp4::fp4_gemm_sm90<{self.nt}, {self.wn}, {b(self.act_fp8)}, {out}, {b(self.has_c)}, "
+                f"{b(self.masked)}, {self.stages}>")
 
     @property
     def rows(self) -> int:
-        return 16 * self.mt * self.wn
+        return 16 * self.wn
 
     @property
     def tokens(self) -> int:
@@ -60,11 +62,33 @@ class Fp4Key:
 
     @property
     def threads(self) -> int:
-        return 32 * self.wn * self.wk
+        return 32 * (self.wn + 1)  # + the TMA producer warp
+
+    @property
+    def min_blocks(self) -> int:
+        return min_blocks(self.nt)
 
     @property
     def smem_bytes(self) -> int:
-        return self.wk * self.tokens * self.rows * 4  # the partial tiles of the K-warps
+        return smem_bytes(self.nt, self.wn, self.act_fp8, self.stages)
+
+
+def min_blocks(nt: int) -> int:
+    """CTAs per SM the kernel is built for (its __launch_bounds__, kMinBlocks): 4 small ones for <= 16 tokens,
+    else 1 (the 8-warp, 64-token CTA needs its registers)."""
+    return 4 if nt <= 2 else 1
+
+
+def stage_bytes(nt: int, wn: int, act_fp8: bool) -> int:
+    """One ring stage (kernels/fp4_gemm_sm90.cuh Fp4Stage): activations, codes, weight and activation scales."""
+    tokens, rows = 8 * nt, 16 * wn
+    raw = tokens * 128 * (1 if act_fp8 else 2) + rows * 64 + rows * 16 + (tokens * 4 if act_fp8 else 0)
+    return ceil_div(raw, 1024) * 1024
+
+
+def smem_bytes(nt: int, wn: int, act_fp8: bool, stages: int) -> int:
+    ring = max(stages * stage_bytes(nt, wn, act_fp8), 8 * nt * 16 * wn * 4)  # the epilogue tile reuses the ring
+    return 1024 + ring + 16 * stages
 
 
 @dataclass(frozen=True)
@@ -89,9 +113,6 @@ class Fp4Plan:
         return 0 if self.splits == 1 else self.tiles * self.splits * self.key.rows * self.key.tokens
 
 
-MAX_TOKEN_TILES = 8  # 64 tokens per CTA: 16 n-tiles exceed the register file (spills) with this kernel
-
-
 def token_tiles(m: int) -> int:
     """n8 tiles of tokens per CTA: the smallest power of two covering m, at most MAX_TOKEN_TILES."""
     nt = 1
@@ -100,29 +121,29 @@ def token_tiles(m: int) -> int:
     return nt
 
 
-def plan(m: int, n: int, k: int, groups: int, act_fp8: bool, gran: int, out_bf16: bool, has_c: bool, masked: bool,
+def plan(m: int, n: int, k: int, groups: int, act_fp8: bool, out_bf16: bool, has_c: bool, masked: bool,
          num_sms: int | None = None, expected_m: int | None = None) -> Fp4Plan:
-    """Warp layout and split-K for one problem (m: tokens per group; expected_m: the masked hint)."""
+    """Warps, ring depth and split-K for one problem (m: tokens per group; expected_m: the masked hint)."""
     sms = num_sms or get_num_sms()
     nt = token_tiles(expected_m or m)
-    # Few tokens: 4 x 2 warps (64 rows, two K-halves) keep many loads in flight per CTA; more tokens:
-    # 8 warps along N so one CTA's activations serve 128 weight rows.
-    wn, wk = (4, 2) if nt <= 2 else (8, 1)
-    key = Fp4Key(nt=nt, mt=1, wn=wn, wk=wk, act_fp8=act_fp8, gran=gran, out_bf16=out_bf16, has_c=has_c,
-                 masked=masked)
-    m_blocks = ceil_div(m, key.tokens)
-    row_blocks = ceil_div(n, key.rows)
+    wn = 4 if nt <= 2 else 8  # few tokens: 64-row CTAs, several per SM; more: one CTA's activations feed 128 rows
+    blocks = min_blocks(nt)
+    m_blocks = ceil_div(m, 8 * nt)
+    row_blocks = ceil_div(n, 16 * wn)
     chunks = k // 128
-    tiles = row_blocks * m_blocks * groups
-    if masked and expected_m:
-        tiles = row_blocks * ceil_div(expected_m, key.tokens) * groups
-    # One wave: as many K splits as keep every CTA resident at once (a second, partial wave would cost
-    # as much as the first), at least MIN_CHUNKS_PER_WARP chunks per warp.
-    resident = (2 if nt <= 4 else 1) * sms  # the kernel's __launch_bounds__ minimum blocks per SM
-    most = max(1, chunks // (wk * MIN_CHUNKS_PER_WARP))
-    splits = max(1, min(resident // max(1, tiles), most))
+    tiles = row_blocks * groups * (ceil_div(expected_m, 8 * nt) if masked and expected_m else m_blocks)
+    # One wave: as many K splits as keep every CTA resident at once (a partial second wave costs as much
+    # as the first), at least MIN_CHUNKS_PER_CTA chunks each.
+    resident = blocks * sms
+    splits = max(1, min(resident // max(1, tiles), chunks // MIN_CHUNKS_PER_CTA))
     cps = ceil_div(chunks, splits)
     splits = ceil_div(chunks, cps)
+    # Ring: the CTA's whole K range if it fits next to its min_blocks - 1 neighbours, at least 2 stages.
+    budget = min(SM_SMEM // blocks - 1024, 227 * 1024)
+    stages = min(MAX_STAGES, max(2, cps))
+    while stages > 2 and smem_bytes(nt, wn, act_fp8, stages) > budget:
+        stages -= 1
+    key = Fp4Key(nt=nt, wn=wn, act_fp8=act_fp8, out_bf16=out_bf16, has_c=has_c, masked=masked, stages=stages)
     return Fp4Plan(key=key, m_blocks=m_blocks, row_blocks=row_blocks, splits=splits, chunks_per_split=cps,
                    groups=groups)
 
@@ -161,7 +182,6 @@ def _workspace(device: torch.device, floats: int) -> torch.Tensor | None:
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
     cur = _COUNTERS.get(device.index)
     if cur is None or cur.numel() < tiles:
-        # A larger set is a new allocation (zeroed); the old one stays alive for graphs that hold it.
         size = 1 << max(12, (tiles - 1).bit_length())
         if cur is not None:
             _RETIRED.append(cur)
@@ -170,35 +190,52 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None) -> None:
-    if a.stride(-1) != 1 or (a.dim() == 2 and a.stride(0) % 8) or (a.dim() == 3 and not a.is_contiguous()):
-        raise ShapeError(f"a: expected unit stride along K and a row stride that is a multiple of 8 elements on CUDA "
-                         f"(3-D: contiguous), got strides {tuple(a.stride())}")
-    if a.data_ptr() % 16:
-        raise ShapeError(f"a: expected a 16-byte aligned data pointer on CUDA, got {a.data_ptr():#x}")
+    validate.cuda_operand(a, "a")  # TMA: unit stride along K, 16-byte rows and base
     for t, name in ((b, "b"), (sfb, "sfb"), (d, "d")):
         validate.cuda_output(t, name)
     if c is not None:
         validate.cuda_output(c, "c")
+    if a.dim() == 3 and not a.is_contiguous():
+        raise ShapeError(f"a: expected a contiguous [G, M_max, K] tensor on CUDA, got strides {tuple(a.stride())}")
     cap = torch.cuda.get_device_capability(a.device)
     if cap[0] != 9:
         raise tilehal.DeviceError(f"deepgemm FP4 kernel: expected an sm_90 (Hopper) GPU, got sm_{cap[0]}{cap[1]}")
 
 
+def _scales_32(sfb: torch.Tensor, gran: int) -> torch.Tensor:
+    if gran == 32:
+        return sfb.contiguous()
+    # The kernel reads one fp32 scale per 32 weights; 1 x 128 scales are repeated once per call.
+    log.debug("sfb: 1 x %d weight scales expanded to 1 x 32 for the FP4 kernel (cast with gran_k=32 to skip this)",
+              gran)
+    return sfb.repeat_interleave(gran // 32, dim=-1).contiguous()
+
+
 def _launch(p: Fp4Plan, a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int) -> None:
+    key = p.key
+    g = p.groups
+    a2 = a.reshape(-1, k) if a.dim() == 3 else a
+    rows_a = a2.shape[0]
+    from .cuda_gemm import _encode as encode_tiled  # cached per (pointer, shape, box)
+    from .cuda_gemm import _sfa_layout
+
+    if key.act_fp8:
+        da = encode_tiled(a2.data_ptr(), torch.uint8, (rows_a, k), (a2.stride(0), 1), (key.tokens, 128), "128B")
+        sfa_t = _sfa_layout(sfa)
+        sk = k // 128
+        dsfa = encode_tiled(sfa_t.data_ptr(), torch.float32, (g * sk, m), (get_tma_aligned_size(m, 4), 1),
+                            (1, key.tokens), "none")
+    else:
+        da = encode_tiled(a2.data_ptr(), torch.bfloat16, (rows_a, k), (a2.stride(0), 1), (key.tokens, 64), "128B")
+        dsfa = _NULL_DESC
+    db = encode_tiled(b.data_ptr(), torch.uint8, (g * n, k // 2), (k // 2, 1), (key.rows, 64), "64B")
+    dsfb = encode_tiled(sfb.data_ptr(), torch.float32, (g * n, k // 32), (k // 32, 1), (key.rows, 4), "none")
     ws = _workspace(a.device, p.workspace_floats)
     counters = _counters(a.device, p.tiles)
-    if sfa is not None:
-        sg = sfa.stride(0) if sfa.dim() == 3 else 0
-        sm, sk = sfa.stride(-2), sfa.stride(-1)
-    else:
-        sg = sm = sk = 0
-    lda = a.stride(-2)
-    log.debug("fp4 gemm %dx%dx%d (groups %d): %s grid %s, %d chunks per split", m, n, k, p.groups, p.key.expression,
-              p.grid, p.chunks_per_split)
-    _kernel(p.key).launch(p.grid, p.key.threads,
-                          [a, sfa, b, sfb, d, c, ws, counters, masked_m, m, n, k, lda, sg, sm, sk, p.m_blocks,
-                           p.chunks_per_split],
-                          smem_bytes=p.key.smem_bytes)
+    log.debug("fp4 gemm %dx%dx%d (groups %d): %s grid %s, %d chunks per split", m, n, k, g, key.expression, p.grid,
+              p.chunks_per_split)
+    _kernel(key).launch(p.grid, key.threads, [db, dsfb, da, dsfa, d, c, ws, counters, masked_m, m, n, k, p.m_blocks,
+                                              p.chunks_per_split], smem_bytes=key.smem_bytes)
 
 
 def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor, gran: int, d: torch.Tensor,
@@ -208,12 +245,12 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     n = b.shape[0]
     if m == 0 or n == 0:
         return
-    sfb = sfb.contiguous()
+    sfb = _scales_32(sfb, gran)
     _check(a, b, sfb, d, c)
     if c is not None and c.dtype != torch.float32:
         log.debug("c: bf16 accumulation; widening C to fp32 for the FP4 kernel's epilogue")
         c = c.float()
-    p = plan(m, n, k, 1, sfa is not None, gran, d.dtype == torch.bfloat16, c is not None, False)
+    p = plan(m, n, k, 1, sfa is not None, d.dtype == torch.bfloat16, c is not None, False)
     _launch(p, a, sfa, b, sfb, d, c, None, m, n, k)
 
 
@@ -224,9 +261,9 @@ def grouped_masked(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, s
     n = b.shape[1]
     if m_max == 0 or n == 0:
         return
-    sfb = sfb.contiguous()
+    sfb = _scales_32(sfb, gran)
     _check(a, b, sfb, d, None)
-    p = plan(m_max, n, k, g, sfa is not None, gran, d.dtype == torch.bfloat16, False, True,
+    p = plan(m_max, n, k, g, sfa is not None, d.dtype == torch.bfloat16, False, True,
              expected_m=min(expected_m, m_max))
     # Every (group, m-block) gets a grid slice; blocks past masked_m[g] return at once.
     p = Fp4Plan(key=p.key, m_blocks=ceil_div(m_max, p.key.tokens), row_blocks=p.row_blocks, splits=p.splits,

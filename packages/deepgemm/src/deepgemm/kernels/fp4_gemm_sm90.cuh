@@ -23,13 +23,22 @@
 // register-resident byte table (e4m3 or the two bytes of bf16); a second prmt in sign-replicate mode
 // turns the 4 sign bits into 0x80 byte masks.
 //
-// Work split: CTA = WN x WK warps; warp (wn, wk) owns MT m-tiles (16 MT rows) and takes the CTA's K
-// chunks wk, wk + WK, ...; the CTA's K range is split `gridDim.y` ways. Partial tiles are summed in
-// shared memory (over wk), then across CTAs through an fp32 workspace: every CTA of a tile writes its
-// part, and the last to arrive (per-tile counter) adds the parts in split order (deterministic),
-// writes D and resets the counter (so the kernel is CUDA-graph replayable without a memset).
+// Data movement: a producer warp streams each 128-wide K chunk of the CTA's weight rows (codes: one
+// 64-byte-swizzled TMA box; scales: one box), activations (128-byte-swizzled boxes) and activation
+// scales into a STAGES-deep shared-memory ring (mbarriers: full = bytes landed, empty = consumed), so
+// a CTA keeps its whole K range in flight without spending registers on it; WN consumer warps each
+// own 16 weight rows of every stage. The swizzles make the consumers' 4-byte code reads and 8/16-byte
+// activation reads bank-conflict free.
+//
+// Work split: the CTA's K range is split `gridDim.y` ways (the planner picks one resident wave).
+// Partial tiles go through shared memory (transposed to token-major), then across CTAs through an fp32
+// workspace: every CTA of a tile writes its part, and the last to arrive (per-tile counter) adds the
+// parts in split order (deterministic), writes D and resets the counter (so the kernel is CUDA-graph
+// replayable without a memset). Weight scales are 1 x 32 here (the host expands 1 x 128 ones).
 #pragma once
 #include <tilehal/tilehal.cuh>
+#include <tilehal/mbarrier.cuh>
+#include <tilehal/tma.cuh>
 
 namespace deepgemm {
 namespace fp4 {
@@ -72,75 +81,60 @@ TILEHAL_DEVICE void decode_bf16(u32 w, u32 (&r)[4]) {
   r[3] = prmt(xh, yh, 0x7362);
 }
 
-TILEHAL_DEVICE u32 ldg_u32(const void* p) {
-  u32 v;
-  asm("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-TILEHAL_DEVICE float4 ldg_f4(const void* p) {
-  float4 v;
-  asm("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-  return v;
-}
-TILEHAL_DEVICE uint2 ldg_u2(const void* p) {
-  uint2 v;
-  asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-// Volatile twins: kept in program order relative to the (volatile) mma.sync, so the compiler does not
-// hoist every group's B operands of a wide token tile at once (that spills at NT = 16).
-TILEHAL_DEVICE uint2 ldg_u2_ordered(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-TILEHAL_DEVICE uint4 ldg_u4_ordered(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-TILEHAL_DEVICE uint4 ldg_u4(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
+TILEHAL_DEVICE u32 lds_u32(const unsigned char* p) { return *reinterpret_cast<const u32*>(p); }
+
+// Byte offset of 16-byte unit `unit` of row `row` in a TMA tile with ROW_BYTES-wide rows and the
+// matching swizzle (64B: unit ^= (row / 2) % 4; 128B: unit ^= row % 8), from a 1024-aligned base.
+template <int ROW_BYTES>
+TILEHAL_DEVICE int swz(int row, int unit) {
+  if constexpr (ROW_BYTES == 64) {
+    return row * 64 + ((unit ^ ((row >> 1) & 3)) << 4);
+  } else {
+    return row * 128 + ((unit ^ (row & 7)) << 4);
+  }
 }
 
-// One K chunk (128) of one thread's weights: MT m-tiles x 2 rows (g, g+8) x 4 groups of 8 codes,
-// and their scales (one per group for GRAN 32, one per chunk for GRAN 128).
-// With PRE_A the chunk's activations (B operands of 4 groups x NT n-tiles) and activation scales ride
-// along, so small-M kernels have no load on the critical path at all.
-template <int MT, int GRAN, int NT, bool PRE_A, int A_REGS>
-struct WChunk {
-  u32 w[MT][2][4];
-  float s[MT][2][GRAN == 32 ? 4 : 1];
-  u32 act[PRE_A ? 4 : 1][PRE_A ? NT : 1][A_REGS];
-  float sa[PRE_A ? NT : 1][2];
+// Shared memory of one pipeline stage (one 128-wide K chunk), every region 16-byte aligned and the
+// swizzled ones 1024-aligned: activations [TOKENS][128 bytes] (bf16: two such halves), codes
+// [ROWS][64 bytes], weight scales [ROWS][4] fp32, activation scales [TOKENS] fp32.
+template <int NT, int WN, bool ACT_FP8>
+struct Fp4Stage {
+  static constexpr int kRows = 16 * WN, kTokens = 8 * NT;
+  static constexpr int kA = kTokens * 128 * (ACT_FP8 ? 1 : 2);
+  static constexpr int kW = kRows * 64;
+  static constexpr int kSfb = kRows * 16;
+  static constexpr int kSfa = ACT_FP8 ? kTokens * 4 : 0;
+  static constexpr int kOffW = kA, kOffSfb = kA + kW, kOffSfa = kA + kW + kSfb;
+  static constexpr int kBytes = (kA + kW + kSfb + kSfa + 1023) / 1024 * 1024;
 };
 
-// Small token tiles: two CTAs per SM (at most 128 registers) keep twice the loads in flight.
-template <int NT> constexpr int kMinBlocks = NT <= 4 ? 2 : 1;
+// Dynamic shared memory (cuda_fp4.smem_bytes mirrors it): alignment slack, the ring (the epilogue's
+// [TOKENS][ROWS] fp32 tile reuses it once drained, so at least that much), the barriers.
+template <int NT, int WN, bool ACT_FP8, int STAGES>
+TILEHAL_HOST_DEVICE constexpr int fp4_ring_bytes() {
+  constexpr int ring = STAGES * Fp4Stage<NT, WN, ACT_FP8>::kBytes, red = 8 * NT * 16 * WN * 4;
+  return ring > red ? ring : red;
+}
 
-template <int NT, int MT, int WN, int WK, bool ACT_FP8, int GRAN, typename OutT, bool HAS_C, bool MASKED>
-__global__ void __launch_bounds__(32 * WN * WK, kMinBlocks<NT>)
-fp4_gemm_sm90(const unsigned char* __restrict__ a, const float* __restrict__ sfa, const unsigned char* __restrict__ b,
-              const float* __restrict__ sfb, OutT* __restrict__ d, const float* __restrict__ c,
-              float* __restrict__ workspace, int* __restrict__ counters, const int* __restrict__ masked_m,
-              int shape_m, int shape_n, int shape_k, int lda, int sfa_stride_g, int sfa_stride_m,
-              int sfa_stride_k, int m_blocks, int chunks_per_split) {
-  static_assert(GRAN == 32 || GRAN == 128, "weight scale groups of 32 or 128 along K");
-  static_assert(MT == 1 || MT == 2, "one or two m16 tiles of weight rows per warp");
-  constexpr int ROWS = 16 * MT * WN;  // weight rows (output columns) per CTA
-  constexpr int TOKENS = 8 * NT;      // activation rows (output rows) per CTA
-  constexpr int A_BYTES = ACT_FP8 ? 1 : 2;
-  constexpr int SF_PER_CHUNK = 128 / GRAN;
-  constexpr int A_REGS = ACT_FP8 ? 2 : 4;  // 8 activations of one group and n-tile
-  constexpr bool PRE_A = NT * A_REGS <= 8;  // prefetch activations with the weights (NT <= 2 / 4)
-  constexpr int NH = NT * A_REGS > 32 ? 2 : 1;  // passes over the n-tiles per group (B operand registers)
-  using Chunk = WChunk<MT, GRAN, NT, PRE_A, A_REGS>;
+// Small token tiles: several CTAs per SM (the planner assumes this many).
+template <int NT> constexpr int kMinBlocks = NT <= 2 ? 4 : 1;
+
+template <int NT, int WN, bool ACT_FP8, typename OutT, bool HAS_C, bool MASKED, int STAGES>
+__global__ void __launch_bounds__(32 * (WN + 1), kMinBlocks<NT>)
+fp4_gemm_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant__ TmaDescriptor tma_sfb,
+              const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_sfa,
+              OutT* __restrict__ d, const float* __restrict__ c, float* __restrict__ workspace,
+              int* __restrict__ counters, const int* __restrict__ masked_m, int shape_m, int shape_n, int shape_k,
+              int m_blocks, int chunks_per_split) {
+  using St = Fp4Stage<NT, WN, ACT_FP8>;
+  constexpr int ROWS = St::kRows;      // weight rows (output columns) per CTA
+  constexpr int TOKENS = St::kTokens;  // activation rows (output rows) per CTA
+  constexpr int A_REGS = ACT_FP8 ? 2 : 4;          // 8 activations of one group and n-tile
+  constexpr int NH = NT * A_REGS > 16 ? 2 : 1;     // passes over the n-tiles per group (registers)
+  constexpr int NUM_CONSUMERS = 32 * WN;
 
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int wn = warp % WN, wk = warp / WN;
   const int g = lane / 4, q = lane % 4;
 
   // Which tile: blockIdx.x = row block, blockIdx.y = K split, blockIdx.z = (group, m-block).
@@ -151,200 +145,154 @@ fp4_gemm_sm90(const unsigned char* __restrict__ a, const float* __restrict__ sfa
   const int m0 = m_block * TOKENS;
   if (m0 >= rows_m) return;  // every CTA of this tile returns: the counter is never touched
 
-  const int sk = shape_k / GRAN;
-  const unsigned char* a_g = a + static_cast<size_t>(group) * shape_m * lda * A_BYTES;
-  const float* sfa_g = ACT_FP8 ? sfa + static_cast<size_t>(group) * sfa_stride_g : nullptr;
-  const unsigned char* b_g = b + static_cast<size_t>(group) * shape_n * (shape_k / 2);
-  const float* sfb_g = sfb + static_cast<size_t>(group) * shape_n * sk;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  float* red = reinterpret_cast<float*>(smem);  // [TOKENS][ROWS], over the drained ring
+  u64* full_bar = reinterpret_cast<u64*>(smem + fp4_ring_bytes<NT, WN, ACT_FP8, STAGES>());
+  u64* empty_bar = full_bar + STAGES;
 
   const int n_cta = blockIdx.x * ROWS;
-  int row[MT][2];  // this thread's weight rows (A rows g and g + 8 of each m-tile)
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      // Clamped: loads stay in bounds; the epilogue skips columns past N.
-      row[mt][h] = min(n_cta + (wn * MT + mt) * 16 + g + 8 * h, shape_n - 1);
-    }
-  }
-  // Tokens this thread feeds as B (n index g of each n-tile); clamped like the rows.
-  int tok[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) tok[nt] = min(m0 + nt * 8 + g, rows_m - 1);
-
   const int num_chunks = shape_k / 128;
   const int c_begin = blockIdx.y * chunks_per_split;
   const int c_end = min(c_begin + chunks_per_split, num_chunks);
 
-  float acc[MT][NT][4];
+  if (threadIdx.x == NUM_CONSUMERS) {
+    tma_prefetch_descriptor(&tma_b);
+    tma_prefetch_descriptor(&tma_sfb);
+    tma_prefetch_descriptor(&tma_a);
+    if constexpr (ACT_FP8) tma_prefetch_descriptor(&tma_sfa);
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-
-  // The 8 activations of group gg of chunk `chunk` for n-tile nt: K positions [gg*32 + 8q, +8).
-  auto load_act = [&](u32 (&dst)[A_REGS], int chunk, int gg, int nt) {
-    const size_t k_off = static_cast<size_t>(chunk) * 128 + gg * 32 + q * 8;
-    const unsigned char* p = a_g + (static_cast<size_t>(tok[nt]) * lda + k_off) * A_BYTES;
-    if constexpr (ACT_FP8) {
-      const uint2 v = PRE_A ? ldg_u2(p) : ldg_u2_ordered(p);
-      dst[0] = v.x, dst[1] = v.y;
-    } else {
-      const uint4 v = PRE_A ? ldg_u4(p) : ldg_u4_ordered(p);
-      dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
+    for (int i = 0; i < STAGES; ++i) {
+      mbarrier_init(&full_bar[i], 1);
+      mbarrier_init(&empty_bar[i], WN);  // lane 0 of every consumer warp
     }
-  };
-  // Activation scales of a chunk for the two C columns (tokens 2q, 2q+1) of each n-tile.
-  auto load_sa = [&](float (&dst)[2], int chunk, int nt) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      if constexpr (ACT_FP8) {
-        const int t = min(m0 + nt * 8 + 2 * q + j, rows_m - 1);
-        dst[j] = __ldg(sfa_g + static_cast<size_t>(t) * sfa_stride_m + static_cast<size_t>(chunk) * sfa_stride_k);
-      } else {
-        dst[j] = 1.f;
-      }
-    }
-  };
+    fence_barrier_init();
+  }
+  __syncthreads();
 
-  auto load = [&](Chunk& wc, int chunk) {
+  float acc[NT][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const unsigned char* p = b_g + static_cast<size_t>(row[mt][h]) * (shape_k / 2) + chunk * 64 + q * 4;
-#pragma unroll
-        for (int gg = 0; gg < 4; ++gg) wc.w[mt][h][gg] = ldg_u32(p + gg * 16);
-        const float* ps = sfb_g + static_cast<size_t>(row[mt][h]) * sk + chunk * SF_PER_CHUNK;
-        if constexpr (GRAN == 32) {
-          const float4 v = ldg_f4(ps);
-          wc.s[mt][h][0] = v.x, wc.s[mt][h][1] = v.y, wc.s[mt][h][2] = v.z, wc.s[mt][h][3] = v.w;
+    for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+
+  if (warp == WN) {
+    // ---------------------------------------------------------------- producer warp
+    if (lane == 0) {
+      const int b_row = group * shape_n + n_cta;
+      const int a_row = group * shape_m + m0;
+      const int sf_k = shape_k / 128;
+      for (int ch = c_begin, i = 0; ch < c_end; ++ch, ++i) {
+        const int s = i % STAGES;
+        mbarrier_wait(&empty_bar[s], ((i / STAGES) & 1) ^ 1);
+        unsigned char* st = smem + s * St::kBytes;
+        mbarrier_arrive_expect_tx(&full_bar[s], St::kA + St::kW + St::kSfb + St::kSfa);
+        tma_load_2d(st + St::kOffW, &tma_b, &full_bar[s], ch * 64, b_row);
+        tma_load_2d(st + St::kOffSfb, &tma_sfb, &full_bar[s], ch * 4, b_row);
+        if constexpr (ACT_FP8) {
+          tma_load_2d(st, &tma_a, &full_bar[s], ch * 128, a_row);
+          tma_load_2d(st + St::kOffSfa, &tma_sfa, &full_bar[s], m0, group * sf_k + ch);
         } else {
-          wc.s[mt][h][0] = __ldg(ps);
+          tma_load_2d(st, &tma_a, &full_bar[s], ch * 128, a_row);
+          tma_load_2d(st + TOKENS * 128, &tma_a, &full_bar[s], ch * 128 + 64, a_row);
         }
       }
     }
-    if constexpr (PRE_A) {
+  } else {
+    // ---------------------------------------------------------------- consumer warps
+    const int r0 = warp * 16 + g;  // this thread's weight rows in the CTA: r0 and r0 + 8
+    for (int ch = c_begin, i = 0; ch < c_end; ++ch, ++i) {
+      const int s = i % STAGES;
+      mbarrier_wait(&full_bar[s], (i / STAGES) & 1);
+      const unsigned char* st = smem + s * St::kBytes;
+      const float4 sb0 = *reinterpret_cast<const float4*>(st + St::kOffSfb + r0 * 16);
+      const float4 sb1 = *reinterpret_cast<const float4*>(st + St::kOffSfb + (r0 + 8) * 16);
+      float sa[NT][2];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        load_sa(wc.sa[nt], chunk, nt);
-#pragma unroll
-        for (int gg = 0; gg < 4; ++gg) load_act(wc.act[gg][nt], chunk, gg, nt);
+        if constexpr (ACT_FP8) {
+          const float2 v = *reinterpret_cast<const float2*>(st + St::kOffSfa + (nt * 8 + 2 * q) * 4);
+          sa[nt][0] = v.x, sa[nt][1] = v.y;
+        } else {
+          sa[nt][0] = sa[nt][1] = 1.f;
+        }
       }
-    }
-  };
-
-  auto compute = [&](const Chunk& wc, int chunk) {
-    float sa[NT][2];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if constexpr (PRE_A) {
-        sa[nt][0] = wc.sa[nt][0], sa[nt][1] = wc.sa[nt][1];
-      } else {
-        load_sa(sa[nt], chunk, nt);
-      }
-    }
-#pragma unroll
-    for (int gg = 0; gg < 4; ++gg) {
-      // Without PRE_A the B operands are loaded here, NH passes of NT / NH n-tiles (register budget).
-#pragma unroll
-      for (int half = 0; half < NH; ++half) {
-        u32 bf[NT / NH][A_REGS];
-#pragma unroll
-        for (int j = 0; j < NT / NH; ++j) {
-          if constexpr (PRE_A) {
-#pragma unroll
-            for (int i = 0; i < A_REGS; ++i) bf[j][i] = wc.act[gg][j][i];
-          } else {
-            load_act(bf[j], chunk, gg, half * (NT / NH) + j);
-          }
+      for (int gg = 0; gg < 4; ++gg) {
+        // Codes: 4 bytes (K positions [gg*32 + 8q, +8)) of rows r0 and r0 + 8.
+        const u32 w0 = lds_u32(st + St::kOffW + swz<64>(r0, gg) + q * 4);
+        const u32 w1 = lds_u32(st + St::kOffW + swz<64>(r0 + 8, gg) + q * 4);
+        const float s0 = gg == 0 ? sb0.x : gg == 1 ? sb0.y : gg == 2 ? sb0.z : sb0.w;
+        const float s1 = gg == 0 ? sb1.x : gg == 1 ? sb1.y : gg == 2 ? sb1.z : sb1.w;
+        u32 af[4], a_lo[4], a_hi[4];
+        if constexpr (ACT_FP8) {
+          decode_e4m3(w0, af[0], af[2]);
+          decode_e4m3(w1, af[1], af[3]);
+        } else {
+          u32 q0[4], q1[4];
+          decode_bf16(w0, q0);
+          decode_bf16(w1, q1);
+          a_lo[0] = q0[0], a_lo[1] = q1[0], a_lo[2] = q0[1], a_lo[3] = q1[1];  // K positions 8q + 0..3
+          a_hi[0] = q0[2], a_hi[1] = q1[2], a_hi[2] = q0[3], a_hi[3] = q1[3];  // 8q + 4..7
         }
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const float s0 = wc.s[mt][0][GRAN == 32 ? gg : 0], s1 = wc.s[mt][1][GRAN == 32 ? gg : 0];
-          if constexpr (ACT_FP8) {
-            u32 af[4];
-            decode_e4m3(wc.w[mt][0][gg], af[0], af[2]);
-            decode_e4m3(wc.w[mt][1][gg], af[1], af[3]);
+        for (int half = 0; half < NH; ++half) {
+          u32 bf[NT / NH][A_REGS];
 #pragma unroll
-            for (int j = 0; j < NT / NH; ++j) {
-              const int nt = half * (NT / NH) + j;
-              float p[4] = {0.f, 0.f, 0.f, 0.f};
+          for (int j = 0; j < NT / NH; ++j) {
+            const int t = (half * (NT / NH) + j) * 8 + g;  // token row of the stage's activation tile
+            if constexpr (ACT_FP8) {  // bytes [gg*32 + 8q, +8) of a 128-byte row
+              const uint2 v = *reinterpret_cast<const uint2*>(st + swz<128>(t, 2 * gg + (q >> 1)) + (q & 1) * 8);
+              bf[j][0] = v.x, bf[j][1] = v.y;
+            } else {  // bf16: half gg / 2 of the chunk, bytes [(gg % 2) * 64 + 16q, +16)
+              const uint4 v = *reinterpret_cast<const uint4*>(st + (gg >> 1) * TOKENS * 128 +
+                                                              swz<128>(t, (gg & 1) * 4 + q));
+              bf[j][0] = v.x, bf[j][1] = v.y, bf[j][2] = v.z, bf[j][3] = v.w;
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < NT / NH; ++j) {
+            const int nt = half * (NT / NH) + j;
+            float p[4] = {0.f, 0.f, 0.f, 0.f};
+            if constexpr (ACT_FP8) {
               const u32 bb[2] = {bf[j][0], bf[j][1]};
               mma_m16n8k32(MmaE4M3{}, p, af, bb);
-              acc[mt][nt][0] += p[0] * (s0 * sa[nt][0]);
-              acc[mt][nt][1] += p[1] * (s0 * sa[nt][1]);
-              acc[mt][nt][2] += p[2] * (s1 * sa[nt][0]);
-              acc[mt][nt][3] += p[3] * (s1 * sa[nt][1]);
-            }
-          } else {
-            u32 r0[4], r1[4];
-            decode_bf16(wc.w[mt][0][gg], r0);
-            decode_bf16(wc.w[mt][1][gg], r1);
-            const u32 a_lo[4] = {r0[0], r1[0], r0[1], r1[1]};  // K positions 8q + 0..3
-            const u32 a_hi[4] = {r0[2], r1[2], r0[3], r1[3]};  // 8q + 4..7
-#pragma unroll
-            for (int j = 0; j < NT / NH; ++j) {
-              const int nt = half * (NT / NH) + j;
-              float p[4] = {0.f, 0.f, 0.f, 0.f};
+            } else {
               const u32 b_lo[2] = {bf[j][0], bf[j][1]};
-              const u32 b_hi[2] = {bf[j][A_REGS - 2], bf[j][A_REGS - 1]};
+              const u32 b_hi[2] = {bf[j][2], bf[j][3]};
               mma_m16n8k16(MmaBF16{}, p, a_lo, b_lo);
               mma_m16n8k16(MmaBF16{}, p, a_hi, b_hi);
-              acc[mt][nt][0] += p[0] * s0;
-              acc[mt][nt][1] += p[1] * s0;
-              acc[mt][nt][2] += p[2] * s1;
-              acc[mt][nt][3] += p[3] * s1;
             }
+            acc[nt][0] += p[0] * (s0 * sa[nt][0]);
+            acc[nt][1] += p[1] * (s0 * sa[nt][1]);
+            acc[nt][2] += p[2] * (s1 * sa[nt][0]);
+            acc[nt][3] += p[3] * (s1 * sa[nt][1]);
           }
         }
       }
-    }
-  };
-
-  // Register pipeline of two chunks: chunk i+WK's weights load while chunk i computes.
-  {
-    Chunk cur, nxt;
-    int chunk = c_begin + wk;
-    if (chunk < c_end) load(cur, chunk);
-#pragma unroll 1
-    for (; chunk < c_end; chunk += 2 * WK) {
-      const int c1 = chunk + WK;
-      if (c1 < c_end) load(nxt, c1);
-      compute(cur, chunk);
-      if (c1 >= c_end) break;
-      const int c2 = c1 + WK;
-      if (c2 < c_end) load(cur, c2);
-      compute(nxt, c1);
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&empty_bar[s]);
     }
   }
 
-  // ------------------------------------------------------------------ reduction and epilogue
-  // Partial tiles -> shared memory [WK][TOKENS][ROWS] (token-major, so D rows are written along N).
-  extern __shared__ float red[];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+  // Partial tile -> shared memory [TOKENS][ROWS] (token-major, so D rows are written along N), over
+  // the ring: every consumer has finished reading it, and every load it waited for has landed.
+  __syncthreads();
+  if (warp < WN) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int r = (wn * MT + mt) * 16 + g + 8 * (i / 2);
+        const int r = warp * 16 + g + 8 * (i / 2);
         const int t = nt * 8 + 2 * q + (i % 2);
-        red[(wk * TOKENS + t) * ROWS + r] = acc[mt][nt][i];
+        red[t * ROWS + r] = acc[nt][i];
       }
     }
   }
   __syncthreads();
   constexpr int TILE = TOKENS * ROWS;
-  constexpr int THREADS = 32 * WN * WK;
-  for (int e = threadIdx.x; e < TILE; e += THREADS) {
-    float v = red[e];
-#pragma unroll
-    for (int j = 1; j < WK; ++j) v += red[j * TILE + e];
-    red[e] = v;
-  }
+  constexpr int THREADS = 32 * (WN + 1);
+  // ------------------------------------------------------------------ split-K reduction and epilogue
 
   const int splits = gridDim.y;
   const int tile_id = blockIdx.z * gridDim.x + blockIdx.x;
