@@ -152,10 +152,10 @@ class _Patched:
         cuda_gemm._kernel = self.orig
 
 
-def shares(out: Path | None) -> list[dict]:
+def shares(out: Path | None, only: str | None = None) -> list[dict]:
     rows = []
     for case in CASES:
-        if case[0] not in SHARE_CASES:
+        if case[0] not in SHARE_CASES or (only and only not in case[0]):
             continue
         ours, _ = make(case)
         _, kind, grouping, m, n, k, g = case
@@ -261,6 +261,7 @@ def main() -> None:
     ap.add_argument("--shares", action="store_true")
     ap.add_argument("--decode-peers", action="store_true")
     ap.add_argument("--contig-overlap", action="store_true")
+    ap.add_argument("--only", default=None, help="--shares: only the cases whose name contains this")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.compile:
@@ -268,7 +269,7 @@ def main() -> None:
     if args.launch:
         launch_once()
     if args.shares:
-        shares(args.out)
+        shares(args.out, args.only)
     if args.decode_peers:
         decode_peers(args.out)
     if args.contig_overlap:
