@@ -75,7 +75,8 @@ class GemmConfig:
     @property
     def overlap_promotion(self) -> bool:
         """Whether the kernel keeps two fp8 partial-sum sets (derived, so replacing block_n stays valid)."""
-        return self.allow_overlap and overlaps(self.kind, self.block_n, self.grouping)
+        # fp32 staging (C or fp32 D) next to three partial-sum sets spills (ptxas): serial promotion there
+        return self.allow_overlap and self.staged_store != 4 and overlaps(self.kind, self.block_n, self.grouping)
 
     @property
     def d_swizzle(self) -> int:
