@@ -30,8 +30,20 @@ GROUPED_NK = [(4096, 7168), (7168, 2048)]
 ROOT = Path(__file__).resolve().parents[3]
 
 
+GRAPH = False  # --graph: also time a CUDA-graph replay of every contender (L2 flushed too)
+
+
+class Timed(float):
+    """A median time (s) that may carry the CUDA-graph replay's median as `.graph`."""
+
+    graph: float | None = None
+
+
 def timed(fn) -> float:
-    return tilehal.bench(fn, warmup=5, iters=30, flush_l2=True).median_s
+    t = Timed(tilehal.bench(fn, warmup=5, iters=30, flush_l2=True).median_s)
+    if GRAPH:
+        t.graph = tilehal.bench_graph(fn, warmup=3, iters=30, flush_l2=True).median_s
+    return t
 
 
 def fp8_inputs(m, n, k, groups=None):
@@ -45,6 +57,9 @@ def fp8_inputs(m, n, k, groups=None):
 def row(kind, shape, flops, nbytes, ours_s, peers: dict) -> dict:
     r = {"kind": kind, "shape": shape, "ours_us": ours_s * 1e6, "ours_tflops": flops / ours_s / 1e12,
          "ours_gbps": nbytes / ours_s / 1e9}
+    og = getattr(ours_s, "graph", None)
+    if og:
+        r["ours_graph_us"], r["ours_graph_tflops"] = og * 1e6, flops / og / 1e12
     for name, t in peers.items():
         if isinstance(t, str):
             r[f"{name}_error"] = t
@@ -52,6 +67,10 @@ def row(kind, shape, flops, nbytes, ours_s, peers: dict) -> dict:
         r[f"{name}_us"] = t * 1e6
         r[f"{name}_tflops"] = flops / t / 1e12
         r[f"ratio_vs_{name}"] = t / ours_s  # > 1: ours is faster
+        tg = getattr(t, "graph", None)
+        if og and tg:
+            r[f"{name}_graph_us"] = tg * 1e6
+            r[f"ratio_vs_{name}_graph"] = tg / og
     return r
 
 
@@ -192,7 +211,10 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true",
                     help="also time the tile widths / multicast settings the heuristic did not pick (M = 4096)")
     ap.add_argument("--only", default=None, help="only the jobs whose benchmark name contains this (e.g. masked)")
+    ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replays (every contender)")
     args = ap.parse_args()
+    global GRAPH
+    GRAPH = args.graph
     jobs = []
     for m in ((4096,) if args.quick else (64, 128, 4096)):
         for n, k in DENSE_NK:
@@ -240,6 +262,16 @@ def main() -> None:
         # > 1: the overlapped promotion is faster than the same tile with the serial one
         "fp8_overlap_speedup_geomean": geomean(
             [r["ours_serial_promotion_us"] / r["ours_us"] for r in sel("fp8_dense") if "ours_serial_promotion_us" in r]),
+        # the issue's target rows, from the CUDA-graph replays (--graph)
+        "graph_fp8_m4096_geomean_vs_scaled_mm_rowwise": geomean(
+            [r.get("ratio_vs_scaled_mm_rowwise_graph") for r in sel("fp8_dense", 4096)]),
+        "graph_fp8_m4096_geomean_vs_scaled_mm_blockwise": geomean(
+            [r.get("ratio_vs_scaled_mm_blockwise_graph") for r in sel("fp8_dense", 4096)]),
+        "fp8_m4096_geomean_vs_scaled_mm_blockwise": geomean(
+            [r.get("ratio_vs_scaled_mm_blockwise") for r in sel("fp8_dense", 4096)]),
+        "graph_bf16_m4096_geomean_vs_cublas": geomean([r.get("ratio_vs_cublas_bf16_graph") for r in sel("bf16_dense", 4096)]),
+        "masked_tflops": {str(r["shape"]): round(r["ours_tflops"]) for r in sel("fp8_grouped_masked")},
+        "contiguous_tflops": {str(r["shape"]): round(r["ours_tflops"]) for r in sel("fp8_grouped_contiguous")},
     }
     for r in results:
         if "ours_serial_promotion_us" in r:
