@@ -45,6 +45,9 @@ constexpr int kSwizzleGroupN = 16;  // n-blocks per rasterization band: neighbou
 // math warpgroups 240, but the grouped schedulers spill at 24.)
 template <int NUM_MATH_WG> constexpr int kProducerRegs = 40;
 template <int NUM_MATH_WG> constexpr int kMathRegs = NUM_MATH_WG == 1 ? 256 : 232;
+// The contiguous grouped kernel with the overlapped promotion needs 8 more math registers (its expert
+// lookup): a 24-register producer leaves them (24 x 128 + 240 x 256 = 168 x 384).
+template <int KIND, bool OVERLAP> constexpr bool kLeanProducer = KIND == kGroupedContiguous && OVERLAP;
 constexpr int kOverlapGroup = 8;  // fp8 K blocks per drained group of the overlapped promotion
 
 // Which output tile a CTA does next. Producer and consumers run identical copies, and so do the
@@ -347,7 +350,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
 
   if (tid >= NUM_MATH_THREADS) {
     // ---------------------------------------------------------------- producer warpgroup
-    setmaxnreg_dec<kProducerRegs<NUM_MATH_WG>>();
+    setmaxnreg_dec<kLeanProducer<KIND, OVERLAP> ? 24 : kProducerRegs<NUM_MATH_WG>>();
     if (tid != NUM_MATH_THREADS) return;
     const int rank = sched.rank;
     u32 it = 0;
@@ -387,7 +390,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   }
 
   // ------------------------------------------------------------------ math warpgroups
-  setmaxnreg_inc<kMathRegs<NUM_MATH_WG>>();
+  setmaxnreg_inc<kLeanProducer<KIND, OVERLAP> ? 240 : kMathRegs<NUM_MATH_WG>>();
   const int wg = tid / 128;
   const int warp = (tid % 128) / 32;
   const int lane = tid % 32;
