@@ -34,7 +34,7 @@ def timed(fn, iters: int) -> tuple[float, float]:
     return t, tg
 
 
-def case(m: int, n: int, k: int, iters: int) -> dict:
+def case(m: int, n: int, k: int, iters: int, only: str | None = None) -> dict:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
     packed, sf = deepgemm.cast_weights_to_fp4(w, gran_k=32)
@@ -47,23 +47,27 @@ def case(m: int, n: int, k: int, iters: int) -> dict:
         "cublas_bf16": lambda: torch.matmul(a, w.T),
         "deepgemm_fp8": lambda: deepgemm.fp8_gemm_nt((a8, deepgemm.get_mn_major_tma_aligned_tensor(sfa)), (b8, sfb), d),
     }
+    if only:
+        contenders = {k2: v for k2, v in contenders.items() if k2 in only.split(",")}
     # correctness of ours in the same run (float64 reference on the GPU)
-    ref = deepgemm.fp4.reference(a8, sfa, packed, sf, 32)
-    contenders["fp8_fp4"]()
-    diff_fp8 = deepgemm.testing.calc_diff(d.float(), ref.float())
-    ref = deepgemm.fp4.reference(a, None, packed, sf, 32)
-    contenders["bf16_fp4"]()
-    diff_bf16 = deepgemm.testing.calc_diff(d.float(), ref.float())
-    r = {"m": m, "n": n, "k": k, "calc_diff_fp8_fp4": diff_fp8, "calc_diff_bf16_fp4": diff_bf16}
+    r = {"m": m, "n": n, "k": k}
+    for name, a_ref, sfa_ref in (("fp8_fp4", a8, sfa), ("bf16_fp4", a, None)):
+        if name in contenders:
+            contenders[name]()
+            ref = deepgemm.fp4.reference(a_ref, sfa_ref, packed, sf, 32)
+            r[f"calc_diff_{name}"] = deepgemm.testing.calc_diff(d.float(), ref.float())
     weight_bytes = packed.numel() + sf.numel() * 4
     for name, fn in contenders.items():
         t, tg = timed(fn, iters)
         r[f"{name}_us"], r[f"{name}_graph_us"] = t * 1e6, tg * 1e6
-    r["fp4_weight_gbps"] = (weight_bytes + a8.numel()) / (r["fp8_fp4_us"] * 1e-6) / 1e9
+    if "fp8_fp4" in contenders:
+        r["fp4_weight_gbps"] = (weight_bytes + a8.numel()) / (r["fp8_fp4_us"] * 1e-6) / 1e9
     for ours in ("fp8_fp4", "bf16_fp4"):
-        r[f"{ours}_vs_cublas_bf16"] = r["cublas_bf16_us"] / r[f"{ours}_us"]
-        r[f"{ours}_vs_cublas_bf16_graph"] = r["cublas_bf16_graph_us"] / r[f"{ours}_graph_us"]
-        r[f"{ours}_vs_deepgemm_fp8"] = r["deepgemm_fp8_us"] / r[f"{ours}_us"]
+        if ours in contenders and "cublas_bf16" in contenders:
+            r[f"{ours}_vs_cublas_bf16"] = r["cublas_bf16_us"] / r[f"{ours}_us"]
+            r[f"{ours}_vs_cublas_bf16_graph"] = r["cublas_bf16_graph_us"] / r[f"{ours}_graph_us"]
+        if ours in contenders and "deepgemm_fp8" in contenders:
+            r[f"{ours}_vs_deepgemm_fp8"] = r["deepgemm_fp8_us"] / r[f"{ours}_us"]
     return r
 
 
@@ -77,6 +81,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ncu-launch", action="store_true", help="one launch of a few FP4 cases (for ncu), then exit")
+    ap.add_argument("--ms", default=None, help="comma-separated M values (default: 1,16,64,128)")
+    ap.add_argument("--only", default=None, help="comma-separated contenders (default: all four)")
     args = ap.parse_args()
     if args.ncu_launch:
         for m, n, k, fp8 in ((1, 4096, 7168, True), (16, 2112, 7168, False), (128, 4096, 7168, True)):
@@ -91,15 +97,21 @@ def main() -> None:
         return
     iters = 10 if args.quick else 30
     rows = []
+    ms = tuple(int(x) for x in args.ms.split(",")) if args.ms else M_LIST
     for n, k in NK:
-        for m in M_LIST:
-            r = case(m, n, k, iters)
+        for m in ms:
+            r = case(m, n, k, iters, args.only)
             rows.append(r)
+            if args.only:
+                print(json.dumps(r), flush=True)
+                continue
             print(f"M={m:4d} N={n:5d} K={k:5d}  fp8_fp4 {r['fp8_fp4_us']:6.1f} us ({r['fp8_fp4_graph_us']:6.1f} graph) "
                   f"bf16_fp4 {r['bf16_fp4_us']:6.1f}  cublas_bf16 {r['cublas_bf16_us']:6.1f} "
                   f"deepgemm_fp8 {r['deepgemm_fp8_us']:6.1f}  x{r['fp8_fp4_vs_cublas_bf16']:.2f} / "
                   f"x{r['bf16_fp4_vs_cublas_bf16']:.2f} vs cuBLAS bf16  {r['fp4_weight_gbps']:.0f} GB/s  "
                   f"diff {r['calc_diff_fp8_fp4']:.1e}/{r['calc_diff_bf16_fp4']:.1e}", flush=True)
+    if args.only:
+        return
     summary = {f"geomean_{o}_vs_cublas_bf16{s}": geomean(r[f"{o}_vs_cublas_bf16{s}"] for r in rows)
                for o in ("fp8_fp4", "bf16_fp4") for s in ("", "_graph")}
     summary.update({f"geomean_{o}_vs_deepgemm_fp8": geomean(r[f"{o}_vs_deepgemm_fp8"] for r in rows)

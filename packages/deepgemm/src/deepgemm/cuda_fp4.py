@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,10 +114,20 @@ class Fp4Plan:
         return 0 if self.splits == 1 else self.tiles * self.splits * self.key.rows * self.key.tokens
 
 
+def max_token_tiles() -> int:
+    """MAX_TOKEN_TILES, or DEEPGEMM_FP4_TOKEN_TILES (1..16, a power of two) for A/B timing."""
+    v = os.environ.get("DEEPGEMM_FP4_TOKEN_TILES")
+    if v is None:
+        return MAX_TOKEN_TILES
+    if v not in ("1", "2", "4", "8", "16"):
+        raise validate.ArgumentError(f"DEEPGEMM_FP4_TOKEN_TILES: expected 1, 2, 4, 8 or 16, got {v!r}")
+    return int(v)
+
+
 def token_tiles(m: int) -> int:
-    """n8 tiles of tokens per CTA: the smallest power of two covering m, at most MAX_TOKEN_TILES."""
-    nt = 1
-    while nt < MAX_TOKEN_TILES and 8 * nt < m:
+    """n8 tiles of tokens per CTA: the smallest power of two covering m, at most max_token_tiles()."""
+    nt, top = 1, max_token_tiles()
+    while nt < top and 8 * nt < m:
         nt *= 2
     return nt
 
