@@ -210,7 +210,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the results into this folder instead")
     ap.add_argument("--variants", action="store_true",
                     help="also time the tile widths / multicast settings the heuristic did not pick (M = 4096)")
-    ap.add_argument("--only", default=None, help="only the jobs whose benchmark name contains this (e.g. masked)")
+    ap.add_argument("--only", default=None, help="only the jobs whose benchmark name contains one of these (comma-separated, e.g. masked,contiguous)")
     ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replays (every contender)")
     args = ap.parse_args()
     global GRAPH
@@ -229,7 +229,7 @@ def main() -> None:
             for g, rows in ((1, 1024), (2, 512), (4, 256)):
                 jobs.append((bench_masked, (g, rows, n, k)))
     if args.only:
-        jobs = [j for j in jobs if args.only in j[0].__name__]
+        jobs = [j for j in jobs if any(x in j[0].__name__ for x in args.only.split(","))]
     results = []
     for fn, shape in tqdm(jobs, desc="bench"):
         results.append(fn(*shape))
