@@ -108,12 +108,15 @@ def variant_keys():
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--only", choices=("grouped",), default=None, help="grouped: the contiguous and masked kernels only")
+    ap.add_argument("--only", choices=("grouped", "dense"), default=None,
+                    help="grouped: the contiguous and masked kernels only; dense: the dense ones (no multicast)")
     args = ap.parse_args()
     set_num_sms(SMS)
     keys = sorted(all_keys() | all_keys(max_multicast=1) | variant_keys(), key=lambda k: k.expression)
     if args.only == "grouped":
         keys = [k for k in keys if k.grouping in ("contiguous", "masked") and k.multicast == 1]
+    elif args.only == "dense":
+        keys = [k for k in keys if k.grouping == "normal" and k.multicast == 1]
     print(f"{len(keys)} kernels")
     with cf.ProcessPoolExecutor(args.jobs) as ex:
         for i, mod in enumerate(ex.map(compile_kernel, keys)):
