@@ -112,7 +112,8 @@ def main() -> None:
                     help="grouped: the contiguous and masked kernels only; dense: the dense ones (no multicast)")
     args = ap.parse_args()
     set_num_sms(SMS)
-    keys = sorted(all_keys() | all_keys(max_multicast=1) | variant_keys(), key=lambda k: k.expression)
+    keys = all_keys() | all_keys(max_multicast=1) | (set() if args.only else variant_keys())
+    keys = sorted(keys, key=lambda k: k.expression)
     if args.only == "grouped":
         keys = [k for k in keys if k.grouping in ("contiguous", "masked") and k.multicast == 1]
     elif args.only == "dense":
