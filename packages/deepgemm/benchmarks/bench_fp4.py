@@ -40,12 +40,14 @@ def case(m: int, n: int, k: int, iters: int, only: str | None = None) -> dict:
     packed, sf = deepgemm.cast_weights_to_fp4(w, gran_k=32)
     a8, sfa = deepgemm.per_token_cast_to_fp8(a)
     b8, sfb = deepgemm.per_block_cast_to_fp8(w)
+    sfa_t = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
     d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     contenders = {
-        "fp8_fp4": lambda: deepgemm.fp8_fp4_gemm_nt((a8, sfa), (packed, sf), d),
+        # MN-major activation scales, as GemmLinear's fused cast writes them (else each call transposes them)
+        "fp8_fp4": lambda: deepgemm.fp8_fp4_gemm_nt((a8, sfa_t), (packed, sf), d),
         "bf16_fp4": lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d),
         "cublas_bf16": lambda: torch.matmul(a, w.T),
-        "deepgemm_fp8": lambda: deepgemm.fp8_gemm_nt((a8, deepgemm.get_mn_major_tma_aligned_tensor(sfa)), (b8, sfb), d),
+        "deepgemm_fp8": lambda: deepgemm.fp8_gemm_nt((a8, sfa_t), (b8, sfb), d),
     }
     if only:
         contenders = {k2: v for k2, v in contenders.items() if k2 in only.split(",")}

@@ -181,7 +181,7 @@ def test_plan_covers_k_and_fills_the_gpu():
             ctas = p.row_blocks * p.splits * p.m_blocks
             resident = 132 * p.key.min_blocks  # the kernel's minimum blocks per SM
             assert p.key.min_blocks * (p.key.smem_bytes + 1024) <= cuda_fp4.SM_SMEM  # they fit
-            assert 0.75 * 132 <= ctas <= resident  # one wave that keeps (nearly) every SM busy
+            assert 0.5 * 132 <= ctas <= resident  # one wave (wide token tiles: at most 4 splits, see plan)
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -29,6 +29,7 @@ KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 OPTIONS = ("-std=c++17", "-lineinfo")
 MIN_CHUNKS_PER_CTA = 2  # 128-wide K chunks: fewer and the ring has nothing to overlap
 MAX_STAGES = 8
+MAX_WIDE_SPLITS = 4  # K splits of a tile with more than 16 tokens (its fp32 partial tile is 8-32 KiB)
 MAX_TOKEN_TILES = 8  # 64 tokens per CTA (M = 128 runs as two m-blocks; their weights come from L2)
 SM_SMEM = 228 * 1024  # shared memory per SM (sm_90), of which 1 KiB per CTA is reserved
 _NULL_DESC = bytes(128)
@@ -146,7 +147,9 @@ def plan(m: int, n: int, k: int, groups: int, act_fp8: bool, out_bf16: bool, has
     # One wave: as many K splits as keep every CTA resident at once (a partial second wave costs as much
     # as the first), at least MIN_CHUNKS_PER_CTA chunks each.
     resident = blocks * sms
-    splits = max(1, min(resident // max(1, tiles), chunks // MIN_CHUNKS_PER_CTA))
+    # Wide token tiles cap the splits: the last CTA of a tile reads every split's [tokens x rows] fp32 part.
+    most = chunks // MIN_CHUNKS_PER_CTA if nt <= 2 else min(MAX_WIDE_SPLITS, chunks // MIN_CHUNKS_PER_CTA)
+    splits = max(1, min(resident // max(1, tiles), most))
     cps = ceil_div(chunks, splits)
     splits = ceil_div(chunks, cps)
     # Ring: the CTA's whole K range if it fits next to its min_blocks - 1 neighbours, at least 2 stages.
