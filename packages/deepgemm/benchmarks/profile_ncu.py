@@ -208,8 +208,8 @@ def decode_peers(out: Path | None) -> list[dict]:
 
 
 def contig_overlap_ab(out: Path | None) -> list[dict]:
-    """A/B: the contiguous grouped fp8 kernel with the overlapped promotion (the heuristic's pick now) vs
-    the serial path (wait_group 0 per K block, what it used before), same tile, same run."""
+    """A/B: the contiguous grouped fp8 kernel with the overlapped promotion forced on (24-register producer)
+    vs the serial path the heuristic keeps (wait_group 0 per K block), same tile, same run."""
     from deepgemm import heuristics
 
     rows = []
@@ -220,7 +220,9 @@ def contig_overlap_ab(out: Path | None) -> list[dict]:
         res = {"shape": [g, rows_per, n, k]}
         orig = heuristics.overlaps
         for label, allow in (("serial", False), ("overlapped", True)):
-            heuristics.overlaps = orig if allow else (lambda kind, bn, grouping="normal": False)
+            heuristics.overlaps = (lambda kind, bn, grouping="normal": kind == "fp8" and (
+                bn <= heuristics.OVERLAP_MAX_STRADDLING_N or bn == heuristics.OVERLAP_MAX_BLOCK_N)) if allow else \
+                (lambda kind, bn, grouping="normal": False)
             try:
                 ours()
                 torch.cuda.synchronize()

@@ -44,8 +44,10 @@ ROW_BYTES = 128  # BLOCK_K is one 128-byte swizzle row: 128 fp8 or 64 bf16 eleme
 # (which never straddles two weight-scale blocks, so it needs no per-column scale selection). 104..120
 # spill a few registers in some K-tail / grouped variants (measured with ptxas -v), and wider tiles
 # cannot hold three sets at all.
-# The contiguous grouped kernel (expert lookup per tile) spilled 12 bytes at 128 with the 40-register
-# producer; with a 24-register producer (its math warpgroups get 240) it does not, so it overlaps too.
+# The contiguous grouped kernel (expert lookup per tile) spills 12 bytes at 128 with the 40-register
+# producer; with a 24-register producer (its math warpgroups get 240) it does not, but on the H200 the
+# overlapped path measured 2.5 % / 1.4 % SLOWER there (docs/benchmarks/deepgemm_contig_overlap_ab_h200_*.json),
+# so the contiguous kernel keeps the serial promotion.
 OVERLAP_MAX_STRADDLING_N = 96
 OVERLAP_MAX_BLOCK_N = 128
 # Cost factor of an fp8 tile whose promotion overlaps the next wgmma: the promotion (BLOCK_N/2 FMAs
@@ -119,7 +121,8 @@ def block_n_candidates(kind: str, grouping: str = "normal") -> tuple[int, ...]:
 
 def overlaps(kind: str, block_n: int, grouping: str = "normal") -> bool:
     """fp8 tiles whose promotion can overlap the next K block's wgmma (two partial-sum sets fit)."""
-    return kind == "fp8" and (block_n <= OVERLAP_MAX_STRADDLING_N or block_n == OVERLAP_MAX_BLOCK_N)
+    return (kind == "fp8" and grouping != "contiguous"
+            and (block_n <= OVERLAP_MAX_STRADDLING_N or block_n == OVERLAP_MAX_BLOCK_N))
 
 
 def d_swizzle(block_n: int) -> int:
