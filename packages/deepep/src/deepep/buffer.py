@@ -434,7 +434,8 @@ class Buffer:
                              num_tokens_per_expert: torch.Tensor) -> None:
         """On the CPU, is_token_in_rank and num_tokens_per_expert must be what topk_idx implies: wrong
         per-expert counts would reach the grouped GEMM of every receiving rank."""
-        want = compute_layout(topk_idx, num_experts, self.group_size, self.num_ranks_per_node)
+        # Computed and compared on the CPU (the engines without a device layout check CUDA tensors here too).
+        want = compute_layout(topk_idx.to("cpu"), num_experts, self.group_size, self.num_ranks_per_node)
         got_in = is_token_in_rank.to("cpu")
         if not torch.equal(got_in, want.is_token_in_rank):
             bad = got_in.ne(want.is_token_in_rank).any(1).nonzero().flatten()[:8].tolist()
