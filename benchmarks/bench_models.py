@@ -262,7 +262,7 @@ def sec_compile(env: Env) -> None:
         ref = base(ids).logits
         peer = None
         for name, m in _variants(env, base):
-            if env.left() < 45:
+            if env.left() < 25:
                 row("compile", name, None, note="skipped: time budget")
                 continue
             torch._dynamo.reset()
@@ -486,7 +486,7 @@ def _compile_one(args) -> float:
     return time.perf_counter() - t0
 
 
-def precompile(env: Env, workers: int = 12) -> None:
+def precompile(env: Env, workers: int = 12, sections: tuple = ("prefill", "decode")) -> None:
     """NVRTC-compile the dense kernels the Llama rows will ask for, in parallel processes (the compile
     cache is shared on disk): a fresh GPU machine otherwise compiles them one by one inside the timed
     sections' warm-up. The fused cast kernels compile in the same pool."""
@@ -496,9 +496,12 @@ def precompile(env: Env, workers: int = 12) -> None:
     c = env.s["llama"]
     h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
-    jobs = [(kind, m, n, k) for kind in ("bf16", "fp8") for m in (env.s["prefill"][0] * env.s["prefill"][1],
-                                                                  env.s["decode"][0])
+    ms = [env.s["prefill"][0] * env.s["prefill"][1]] * ("prefill" in sections or "compile" in sections)
+    ms += [env.s["decode"][0]] * ("decode" in sections)
+    jobs = [(kind, m, n, k) for kind in ("bf16", "fp8") for m in ms
             for n, k in ((h, h), (kv, h), (f, h), (h, f), (v, h))]
+    if "prefill" in sections or "decode" in sections:  # GemmSwiGLU's gate|up GEMM
+        jobs += [(kind, m, 2 * f, h) for kind in ("bf16", "fp8") for m in ms]
     t0 = time.perf_counter()
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
         futs = [pool.submit(_compile_one, j) for j in jobs]
@@ -521,7 +524,7 @@ def main(argv=None) -> int:
     print(f"bench_models: device {env.device}, dtype {env.dtype}, budget {env.budget:.0f} s, sections {only}",
           flush=True)
     if args.precompile and env.cuda:
-        precompile(env)
+        precompile(env, sections=tuple(only))
     for name in only:
         if env.left() < 10:
             row(name, "-", None, note="skipped: time budget")
