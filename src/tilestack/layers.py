@@ -18,9 +18,9 @@ from typing import Any
 
 import deepgemm
 import torch
-from tilehal import ShapeError
+from tilehal import ArgumentError, ShapeError
 
-from . import ops
+from . import _args, ops
 
 log = logging.getLogger("tilestack.layers")
 
@@ -32,9 +32,15 @@ class GemmLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, fp8: bool = False,
                  fp4: bool = False, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        in_features, out_features = _args.features(in_features, "in_features"), _args.features(out_features,
+                                                                                                "out_features")
+        bias, fp8 = _args.flag(bias, "bias"), _args.flag(fp8, "fp8")
+        device, dtype = _args.device(device), _args.dtype(dtype)
         self.in_features, self.out_features, self.fp8 = in_features, out_features, fp8
         self.fp4 = _check_fp4(fp4, in_features)
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.weight = _args.allocate(lambda: torch.nn.Parameter(torch.empty(out_features, in_features, device=device,
+                                                                            dtype=dtype)),
+                                     "in_features/out_features", (out_features, in_features))
         self.bias = (torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None)
         torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Linear's default
         self._cache: tuple[Any, Any] | None = None
@@ -45,6 +51,9 @@ class GemmLinear(torch.nn.Module):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, fp8: bool = False, fp4: bool = False) -> GemmLinear:
         """Wrap `linear`'s own parameters (shared, not copied), so state_dicts stay interchangeable."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise ArgumentError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
+        fp8 = _args.flag(fp8, "fp8")
         out = cls.__new__(cls)
         torch.nn.Module.__init__(out)
         out.in_features, out.out_features, out.fp8 = linear.in_features, linear.out_features, fp8

@@ -25,9 +25,9 @@ from typing import Any
 import deepgemm
 import torch
 import torch.nn.functional as F
-from tilehal import ArgumentError, expect
+from tilehal import ArgumentError, check_choice, check_int, expect
 
-from . import ops
+from . import _args, ops
 
 log = logging.getLogger("tilestack.moe")
 
@@ -197,8 +197,12 @@ class ExpertParallelMoE(torch.nn.Module):
                  shared_expert: torch.nn.Module | None = None,
                  shared_expert_gate: torch.nn.Module | None = None) -> None:
         super().__init__()
-        if scoring not in ("softmax", "sigmoid"):
-            raise ArgumentError(f"scoring: expected 'softmax' or 'sigmoid', got {scoring!r}")
+        hidden, ffn_hidden = _args.features(hidden, "hidden"), _args.features(ffn_hidden, "ffn_hidden")
+        num_experts = _args.features(num_experts, "num_experts")
+        top_k = check_int(top_k, "top_k", lo=1, hi=num_experts)
+        use_fp8, norm_topk_prob = _args.flag(use_fp8, "use_fp8"), _args.flag(norm_topk_prob, "norm_topk_prob")
+        dtype, device = _args.dtype(dtype, allow_none=False), _args.device(device)
+        check_choice(scoring, "scoring", ("softmax", "sigmoid"))
         if not (isinstance(n_group, int) and n_group >= 1 and num_experts % n_group == 0):
             raise ArgumentError(f"n_group: expected a positive divisor of num_experts ({num_experts}), got {n_group!r}")
         if not (isinstance(topk_group, int) and 1 <= topk_group <= n_group):
@@ -231,11 +235,11 @@ class ExpertParallelMoE(torch.nn.Module):
         self.hidden, self.ffn_hidden, self.num_experts, self.top_k = hidden, ffn_hidden, num_experts, top_k
         self.num_local_experts = num_experts // self.world_size
         self.use_fp8, self.norm_topk_prob = use_fp8, norm_topk_prob
-        self.router_weight = torch.nn.Parameter(torch.empty(num_experts, hidden, device=device))
-        self.w13 = torch.nn.Parameter(torch.empty(self.num_local_experts, 2 * ffn_hidden, hidden, dtype=dtype,
-                                                  device=device))
-        self.w2 = torch.nn.Parameter(torch.empty(self.num_local_experts, hidden, ffn_hidden, dtype=dtype,
-                                                 device=device))
+        self.router_weight, self.w13, self.w2 = _args.allocate(lambda: (
+            torch.nn.Parameter(torch.empty(num_experts, hidden, device=device)),
+            torch.nn.Parameter(torch.empty(self.num_local_experts, 2 * ffn_hidden, hidden, dtype=dtype, device=device)),
+            torch.nn.Parameter(torch.empty(self.num_local_experts, hidden, ffn_hidden, dtype=dtype, device=device))),
+            "hidden/ffn_hidden/num_experts", (self.num_local_experts, 2 * ffn_hidden, hidden))
         if scoring == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device))
         self._fp8_cache: dict[str, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -605,8 +609,14 @@ class ReferenceMoE(torch.nn.Module):
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.gate = torch.nn.Linear(hidden, num_experts, bias=False, dtype=dtype)
-        self.experts = torch.nn.ModuleList(SwiGLUExpert(hidden, ffn_hidden, dtype) for _ in range(num_experts))
+        hidden, ffn_hidden = _args.features(hidden, "hidden"), _args.features(ffn_hidden, "ffn_hidden")
+        num_experts = _args.features(num_experts, "num_experts")
+        top_k = check_int(top_k, "top_k", lo=1, hi=num_experts)
+        norm_topk_prob, dtype = _args.flag(norm_topk_prob, "norm_topk_prob"), _args.dtype(dtype, allow_none=False)
+        self.gate, self.experts = _args.allocate(
+            lambda: (torch.nn.Linear(hidden, num_experts, bias=False, dtype=dtype),
+                     torch.nn.ModuleList(SwiGLUExpert(hidden, ffn_hidden, dtype) for _ in range(num_experts))),
+            "hidden/ffn_hidden/num_experts", (num_experts, ffn_hidden, hidden))
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

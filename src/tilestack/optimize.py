@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tilehal import ArgumentError
+from tilehal import ArgumentError, check_choice
 
 from .layers import GemmLinear
 from .moe import ExpertParallelMoE, moe_block_parts
@@ -189,8 +189,14 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
       error against the original is <= `error_budget` and it is faster than bf16 here (median of
       `timing_iters` eager calls on the input it received), else bf16; the reason is in the report.
     """
-    if precision not in (None, "bf16", "fp8", "auto"):
-        raise ArgumentError(f"precision: expected None, 'bf16', 'fp8' or 'auto', got {precision!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise ArgumentError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    check_choice(precision, "precision", (None, "bf16", "fp8", "auto"))
+    check_choice(backend, "backend", tuple(BACKENDS))
+    fp8, sparse_24 = check_choice(fp8, "fp8", (False, True)), check_choice(sparse_24, "sparse_24", (False, True))
+    if include is not None and (isinstance(include, (str, bytes)) or not isinstance(include, (list, tuple, set))
+                                or not all(isinstance(p, str) for p in include)):
+        raise ArgumentError(f"include: expected a sequence of names or patterns or None, got {include!r}")
     if precision == "fp8":
         fp8 = True
     if precision == "auto":
