@@ -43,3 +43,25 @@ def test_a_launched_process_without_a_group_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="WORLD_SIZE=4"):
         Buffer()
     assert Buffer(transport="local").transport == "local"
+
+
+def test_layout_checks_skip_only_the_layouts_own_unmodified_tensors(monkeypatch):
+    """The consistency check of is_token_in_rank / num_tokens_per_expert against topk_idx costs nothing for
+    get_dispatch_layout's own outputs, and still fires when they were edited in place since."""
+    from tilehal import ShapeError
+
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    buf = Buffer(transport="local")
+    idx = torch.tensor([[1, -1], [0, 1]])
+    x = torch.randn(2, 64)
+    _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 2)
+    calls = []
+    real = buf._check_layout_agrees
+    monkeypatch.setattr(buf, "_check_layout_agrees", lambda *a: (calls.append(1), real(*a))[1])
+    buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+    assert calls == []  # the layout's own tensors: nothing to check
+    per_expert[0] += 1  # edited in place: checked again, and wrong
+    with pytest.raises(ShapeError, match="num_tokens_per_expert: expected the per-expert token counts"):
+        buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+    assert calls == [1]
