@@ -20,6 +20,12 @@ same run; times are medians of `tilehal.bench`, eager rows with host time includ
   profile        tilestack.profile of the prefill model: the markdown report + plot next to --json
   host           host time of one small GEMM (bf16 128 x 7168 x 2048, eager): deepgemm.bf16_gemm_nt,
                  GemmLinear and the tilestack::bf16_gemm_nt op vs cuBLAS (torch.nn.functional.linear)
+  gemms          (only when named) the Llama GEMM shapes one by one, deepgemm bf16 / fp8 vs cuBLAS bf16
+  kernels        (only when named) the top GPU kernels of every prefill and MoE variant (torch.profiler)
+
+The decode rows also record each variant's host time per eager step and write a cProfile of it
+(cprofile_decode_eager_<variant>.txt next to --json). `--precompile` NVRTC-compiles the chosen
+sections' dense kernels in a process pool first.
 
 A row that cannot run (no kernel, capture failure, memory, the time budget) is recorded with its
 reason; nothing asserts a time. `--budget-s` bounds the whole run (sections after it are skipped).
