@@ -133,6 +133,14 @@ class GemmLinear(torch.nn.Module):
             d += bias
         return d if d.dtype == x2.dtype else d.to(x2.dtype)
 
+    def _forward_cast(self, a8: tuple[torch.Tensor, torch.Tensor], m: int) -> torch.Tensor:
+        """fp8 layers: [M, out] bf16 from an activation already cast per token (e.g. by a fused activation
+        kernel), scales MN-major as per_token_cast_to_fp8(..., tma_aligned_sf=True) returns them."""
+        d = torch.empty((m, self.out_features), dtype=torch.bfloat16, device=a8[0].device)
+        bias = self._bias32() if self._parameters.get("bias") is not None else None
+        deepgemm.fp8_gemm_nt(a8, self._gemm_weight(), d, bias=bias)
+        return d
+
     def _bias32(self) -> torch.Tensor:
         """The bias as a contiguous fp32 vector (the epilogue's operand), recomputed only when it changes."""
         bias = self._parameters["bias"]
@@ -157,3 +165,100 @@ def _check_fp4(fp4: Any, in_features: int) -> bool:
     if fp4 and in_features % 128:
         raise ShapeError(f"in_features: expected a multiple of 128 for FP4 weights (fp4=True), got {in_features}")
     return fp4
+
+
+# transformers' dense gated MLPs: forward = down_proj(act_fn(gate_proj(x)) * up_proj(x)). (The MoE models'
+# shared-expert MLP classes are left to ExpertParallelMoE's own handling.)
+SWIGLU_MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+
+
+def swiglu_skip_reason(module: torch.nn.Module) -> str | None:
+    """Why `module` is not a gated SiLU MLP GemmSwiGLU reproduces, or None."""
+    if type(module).__name__ not in SWIGLU_MLP_CLASSES:
+        return f"{type(module).__name__} is not one of {sorted(SWIGLU_MLP_CLASSES)}"
+    parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if any(type(p) is not torch.nn.Linear for p in parts):
+        return "gate_proj / up_proj / down_proj are not all nn.Linear"
+    if any(p.bias is not None for p in parts):
+        return "the projections have biases (fused only without)"
+    if parts[0].weight.shape != parts[1].weight.shape:
+        return "gate_proj and up_proj differ in shape"
+    act = getattr(module, "act_fn", None)
+    if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"):  # transformers' F.silu module
+        return f"act_fn is {type(act).__name__}, not SiLU"
+    return None
+
+
+class GemmSwiGLU(torch.nn.Module):
+    """A transformers gated MLP, down(silu(gate(x)) * up(x)), on deepgemm in three steps: gate and up as ONE
+    GEMM on their concatenated weight, silu(gate) * up in one kernel (fp32 math, one rounding; with fp8 cast
+    per token straight into the down GEMM's e4m3 operand), then down. Eager host work: 2 GEMM launches and
+    1 activation kernel instead of 3 GEMMs + silu + mul (+ 3 casts with fp8).
+
+    Parameters stay the original Linears' (`gate_proj.weight`, ... : state_dict keys unchanged). For bf16,
+    gate's and up's weights become views of one [2F, H] tensor at construction (no copy of the weights
+    kept); if either is later replaced, the concatenation is rebuilt on the next call. Under
+    torch.compile, on the CPU or for a non-bf16 input it runs the three GemmLinears as the original does.
+    """
+
+    def __init__(self, mlp: torch.nn.Module, fp8: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = GemmLinear.from_linear(mlp.gate_proj, fp8=fp8)
+        self.up_proj = GemmLinear.from_linear(mlp.up_proj, fp8=fp8)
+        self.down_proj = GemmLinear.from_linear(mlp.down_proj, fp8=fp8)
+        self.act_fn = mlp.act_fn
+        self.fp8 = fp8
+        self._gu: tuple[Any, Any] | None = None
+        self._fuse_storage()
+
+    def _fuse_storage(self) -> torch.Tensor:
+        """gate's and up's weights as views of one [2F, H] tensor (returned)."""
+        g, u = self.gate_proj._parameters["weight"], self.up_proj._parameters["weight"]
+        with torch.no_grad():
+            fused = torch.cat([g.detach(), u.detach()])
+            g.data = fused[: g.shape[0]]
+            u.data = fused[g.shape[0]:]
+        self._fused = fused
+        self._gu = None
+        return fused
+
+    def _gate_up_operand(self) -> Any:
+        """The concatenated weight in the GEMM's operand format (bf16 [2F, H], or its fp8 per-block cast)."""
+        g, u = self.gate_proj._parameters["weight"], self.up_proj._parameters["weight"]
+        fused = self._fused
+        step = g.shape[0] * g.shape[1] * g.element_size()
+        if g.data_ptr() != fused.data_ptr() or u.data_ptr() != fused.data_ptr() + step or g.dtype != fused.dtype:
+            fused = self._fuse_storage()  # a weight was replaced: concatenate again
+        key = (fused.data_ptr(), fused._version, fused.get_device(), fused.dtype, self.fp8)
+        gu = self._gu
+        if gu is None or gu[0] != key:
+            val = deepgemm.per_block_cast_to_fp8(fused) if self.fp8 else fused.to(torch.bfloat16).contiguous()
+            gu = self._gu = (key, val)
+        return gu[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (torch.compiler.is_compiling() or not isinstance(x, torch.Tensor) or not x.is_cuda
+                or x.dtype is not torch.bfloat16 or x.dim() < 1 or x.shape[-1] != self.gate_proj.in_features
+                or torch.is_grad_enabled() and x.requires_grad):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        if torch.is_grad_enabled() and self.gate_proj.weight.requires_grad:
+            raise RuntimeError("GemmSwiGLU is inference-only (deepgemm records no autograd graph): run it under "
+                               "torch.no_grad() / torch.inference_mode(), or set requires_grad=False")
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        h = torch.empty((m, 2 * self.gate_proj.out_features), dtype=torch.bfloat16, device=x2.device)
+        if m:
+            if self.fp8:
+                deepgemm.fp8_gemm_nt(deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=True), self._gate_up_operand(), h)
+                y = self.down_proj._forward_cast(deepgemm.silu_mul_cast_to_fp8(h, tma_aligned_sf=True), m)
+            else:
+                deepgemm.bf16_gemm_nt(x2, self._gate_up_operand(), h)
+                y = self.down_proj._forward_2d(deepgemm.silu_mul(h))
+        else:
+            y = torch.empty((0, self.down_proj.out_features), dtype=torch.bfloat16, device=x2.device)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.down_proj.out_features)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.gate_proj.in_features}, ffn={self.gate_proj.out_features}, fp8={self.fp8}"

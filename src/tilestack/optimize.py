@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tilehal import ArgumentError, check_choice
 
-from .layers import GemmLinear
+from .layers import GemmLinear, GemmSwiGLU, swiglu_skip_reason
 from .moe import ExpertParallelMoE, moe_block_parts
 
 log = logging.getLogger("tilestack.optimize")
@@ -175,7 +175,7 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
                            include: Sequence[str] | None = None, *, moe_group: Any = None,
                            sparse_method: str = "magnitude", precision: str | None = None,
                            calibration: Any = None, error_budget: float = FP8_ERROR_BUDGET,
-                           timing_iters: int = 10) -> OptimizationReport:
+                           timing_iters: int = 10, fuse_mlp: bool = True) -> OptimizationReport:
     """Swap `model`'s qualifying modules in place for TileStack's; returns what was swapped and skipped.
 
     backend: "cuda" (deepgemm's sm_90a kernels; shape rules of TMA apply; needs a Hopper GPU) or
@@ -188,6 +188,8 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
       tuple of forward arguments) once, and per Linear pick fp8 where its output's normwise relative
       error against the original is <= `error_budget` and it is faster than bf16 here (median of
       `timing_iters` eager calls on the input it received), else bf16; the reason is in the report.
+    fuse_mlp: with backend="cuda", transformers' dense gated SiLU MLPs (Llama, Mistral, Qwen2/3) become
+      GemmSwiGLU (gate and up as one GEMM, silu * up in one kernel; not with sparse_24 or precision="auto").
     """
     if not isinstance(model, torch.nn.Module):
         raise ArgumentError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -243,6 +245,15 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
         if any(name == p or name.startswith(p + ".") for p in done):
             continue
         if not isinstance(module, torch.nn.Linear):
+            if (fuse_mlp and backend == "cuda" and not sparse_24 and precision != "auto" and _matches(name, include)
+                    and swiglu_skip_reason(module) is None):
+                whys = [linear_skip_reason(getattr(module, p), backend, fp8) for p in ("gate_proj", "up_proj",
+                                                                                       "down_proj")]
+                if all(w is None for w in whys):
+                    decide(name, "mlp", GemmSwiGLU(module, fp8=fp8),
+                           f"gate|up as one {'fp8' if fp8 else 'bf16'} GEMM, silu(gate) * up in one kernel"
+                           + (" cast to fp8 for down" if fp8 else "") + ", then down", module)
+                    continue
             parts = moe_block_parts(module)
             named = include is not None and _matches(name, include)
             if isinstance(parts, str):
