@@ -77,7 +77,7 @@ def test_fuse_mlp_off_swaps_linears_one_by_one(cuda_present):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="deepgemm's kernels need an sm_90 GPU")
-@pytest.mark.parametrize("fp8, bound", [(False, 1e-5), (True, 2e-3)])
+@pytest.mark.parametrize("fp8, bound", [(False, 1e-4), (True, 3e-2)])  # the bf16 bound; fp8: e4m3 operands
 def test_fused_mlp_on_the_gpu(fp8, bound):
     model = llama(torch.bfloat16, "cuda", hidden=1024, ffn=2816)
     ref = copy.deepcopy(model)
