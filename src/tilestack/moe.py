@@ -83,27 +83,41 @@ def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, score_bias: torch.Ten
 # ----------------------------------------------------------------------------- contiguous layout
 
 
-@dataclass
 class ContiguousLayout:
     """Where each received (token, expert) pair sits in deepgemm's contiguous grouped layout.
 
     m_indices: int32 [M_sum], the local expert of each row, -1 on padding rows.
-    src_rows: int64 [P], the received token of each pair (P = pairs with an expert on this rank).
-    dst_rows: int64 [P], the pair's row in the grouped layout.
+    pair_src / pair_dst: int64 [N_recv * k], every (token, slot) in expert order (received order inside an
+      expert, then the -1 slots): its received token, and its row in the grouped layout, or M_sum (a
+      scratch row past the layout) for a -1 slot. Built without reading device data: no host sync.
     gather_rows: int64 [N_recv * k], for every (token, slot) of recv_topk_idx its row in the grouped
       layout, or M_sum (a zero row) where the slot is -1: the un-permute reads through it.
+    src_rows / dst_rows: the same as pair_src / pair_dst for the pairs with an expert only (P of them;
+      computed on first use: their length is data-dependent, so reading them synchronizes).
     """
 
     m_indices: torch.Tensor
-    src_rows: torch.Tensor
-    dst_rows: torch.Tensor
+    pair_src: torch.Tensor
+    pair_dst: torch.Tensor
     gather_rows: torch.Tensor
     num_recv_tokens: int
     top_k: int
 
+    def __init__(self, m_indices, pair_src, pair_dst, gather_rows, num_recv_tokens, top_k) -> None:
+        self.m_indices, self.pair_src, self.pair_dst = m_indices, pair_src, pair_dst
+        self.gather_rows, self.num_recv_tokens, self.top_k = gather_rows, num_recv_tokens, top_k
+
     @property
     def m_sum(self) -> int:
         return int(self.m_indices.numel())
+
+    @property
+    def src_rows(self) -> torch.Tensor:
+        return self.pair_src[self.pair_dst < self.m_sum]
+
+    @property
+    def dst_rows(self) -> torch.Tensor:
+        return self.pair_dst[self.pair_dst < self.m_sum]
 
 
 def build_contiguous_layout(recv_topk_idx: torch.Tensor, num_recv_tokens_per_expert_list: list[int],
@@ -112,7 +126,9 @@ def build_contiguous_layout(recv_topk_idx: torch.Tensor, num_recv_tokens_per_exp
 
     `num_recv_tokens_per_expert_list` is deepep's list from a dispatch with
     `expert_alignment=alignment`: its entries are the padded group sizes, so M_sum is known on the
-    host without another device synchronization. Pairs keep their received order inside a group.
+    host without another device synchronization (and nothing here reads device data: a stable sort
+    with the -1 slots keyed past the last expert, counts by scatter_add). Pairs keep their received
+    order inside a group.
     """
     align = alignment or deepgemm.get_m_alignment_for_contiguous_layout()
     expect(recv_topk_idx.dim() == 2, "recv_topk_idx", "a 2-D tensor [N_recv, k]", tuple(recv_topk_idx.shape))
@@ -123,38 +139,42 @@ def build_contiguous_layout(recv_topk_idx: torch.Tensor, num_recv_tokens_per_exp
            f"multiples of {align} (dispatch with expert_alignment={align})", sizes)
     dev = recv_topk_idx.device
     n_recv, k = recv_topk_idx.shape
-    flat = recv_topk_idx.reshape(-1)
-    pair_pos = torch.nonzero(flat >= 0).flatten()                 # flat (token, slot) positions
-    experts = flat[pair_pos]
-    order = torch.sort(experts, stable=True).indices                 # stable: received order per expert
-    pair_pos, experts = pair_pos[order], experts[order]
-    counts = torch.bincount(experts, minlength=num_local_experts)
+    e = num_local_experts
+    flat = recv_topk_idx.reshape(-1).to(torch.int64)
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, e))        # -1 slots sort after every expert
+    order = torch.sort(key, stable=True).indices                        # stable: received order per expert
+    experts = key[order]
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
     if not recv_topk_idx.is_cuda:
         # On the host this costs nothing; on CUDA it would add a synchronization per call.
-        padded = ((counts + align - 1) // align * align).tolist()
+        padded = ((counts[:e] + align - 1) // align * align).tolist()
         expect(padded == sizes, "num_recv_tokens_per_expert_list",
                f"{padded} (the aligned pair counts of recv_topk_idx)", sizes)
-    group_start = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=dev).cumsum(0)
-    first_pair = torch.cumsum(counts, 0) - counts                     # first sorted pair of each expert
-    rank_in_group = torch.arange(experts.numel(), device=dev) - first_pair[experts]
-    dst_rows = group_start[experts] + rank_in_group
     m_sum = sum(sizes)
-    m_indices = torch.full((m_sum,), -1, dtype=torch.int32, device=dev)
-    m_indices[dst_rows] = experts.to(torch.int32)
-    gather_rows = torch.full((n_recv * k,), m_sum, dtype=torch.int64, device=dev)
-    gather_rows[pair_pos] = dst_rows
-    return ContiguousLayout(m_indices, pair_pos // k, dst_rows, gather_rows, n_recv, k)
+    starts = [0]
+    for sz in sizes:
+        starts.append(starts[-1] + sz)                                   # starts[e] = M_sum: the scratch row
+    group_start = torch.tensor(starts, dtype=torch.int64, device=dev)
+    first_pair = torch.cumsum(counts, 0) - counts                       # first sorted pair of each expert
+    rank_in_group = torch.arange(experts.numel(), device=dev) - first_pair[experts]
+    valid = experts < e
+    dst = torch.where(valid, group_start[experts] + rank_in_group, torch.full_like(experts, m_sum))
+    m_indices = torch.full((m_sum + 1,), -1, dtype=torch.int32, device=dev)
+    m_indices[dst] = torch.where(valid, experts, torch.full_like(experts, -1)).to(torch.int32)
+    gather_rows = torch.empty((n_recv * k,), dtype=torch.int64, device=dev)
+    gather_rows[order] = dst
+    return ContiguousLayout(m_indices[:m_sum], order // k, dst, gather_rows, n_recv, k)
 
 
 def _scatter_rows(src: torch.Tensor, layout: ContiguousLayout) -> torch.Tensor:
-    """[N_recv, C] received rows -> [M_sum, C] grouped rows (zeros on padding)."""
-    out = torch.zeros((layout.m_sum, src.shape[1]), dtype=src.dtype, device=src.device)
+    """[N_recv, C] received rows -> [M_sum, C] grouped rows (zeros on padding; -1 slots land in a scratch row)."""
+    out = torch.zeros((layout.m_sum + 1, src.shape[1]), dtype=src.dtype, device=src.device)
     if src.dtype == torch.float8_e4m3fn:
         # index_put has no fp8 kernel; move the bytes instead.
-        out.view(torch.uint8)[layout.dst_rows] = src.view(torch.uint8)[layout.src_rows]
+        out.view(torch.uint8)[layout.pair_dst] = src.view(torch.uint8)[layout.pair_src]
     else:
-        out[layout.dst_rows] = src[layout.src_rows]
-    return out
+        out[layout.pair_dst] = src[layout.pair_src]
+    return out[: layout.m_sum]
 
 
 def unpermute(y: torch.Tensor, layout: ContiguousLayout, recv_topk_weights: torch.Tensor) -> torch.Tensor:
