@@ -34,8 +34,12 @@ class DType:
         return self.kind == "float"
 
     def to_torch(self) -> Any:
-        import torch
+        try:
+            import torch
+        except ImportError:
+            from .errors import DeviceError
 
+            raise DeviceError(f"dtype {self.name}: torch is not installed (pip install tilestack-hal[torch])") from None
         return getattr(torch, self.torch_name)
 
     def __str__(self) -> str:
