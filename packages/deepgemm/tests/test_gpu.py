@@ -323,20 +323,6 @@ def test_k_grouped_bf16_on_gpu():
         off += kg
 
 
-def test_unsupported_recipes_are_named_on_gpu():
-    a8, sfa = deepgemm.per_token_cast_to_fp8(torch.randn(128, 256, device="cuda"))
-    b8, sfb = deepgemm.per_token_cast_to_fp8(torch.randn(256, 256, device="cuda"))
-    d = torch.empty(128, 256, device="cuda")
-    with pytest.raises(deepgemm.UnsupportedError, match="recipe"):
-        deepgemm.fp8_gemm_nt((a8, sfa), (b8, sfb), d, c=d, recipe=(1, 1, 128))
-    ks = [256]
-    lay = torch.tensor(ks, dtype=torch.int32, device="cuda")
-    with pytest.raises(deepgemm.UnsupportedError, match="k_grouped_fp8_gemm_nt_contiguous"):
-        deepgemm.k_grouped_fp8_gemm_nt_contiguous((a8.view(-1)[:256 * 128], sfa), (a8.view(-1)[:256 * 128], sfa),
-                                                  torch.zeros(1, 128, 128, device="cuda"), ks, lay,
-                                                  torch.zeros(1, 128, 128, device="cuda"))
-
-
 def test_bench_kineto_sees_our_kernels():
     from deepgemm import testing
 

@@ -18,9 +18,15 @@ import torch
 from tilehal import ShapeError
 from tilehal.tma import encode_tiled
 
-from . import plans, validate
+from . import plans, splitk, validate
 from .heuristics import GemmConfig, epilogue_passes, pick_config
-from .utils import ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size, is_mn_major_tma_aligned
+from .utils import (
+    ceil_div,
+    get_mn_major_tma_aligned_tensor,
+    get_num_sms,
+    get_tma_aligned_size,
+    is_mn_major_tma_aligned,
+)
 
 log = logging.getLogger("deepgemm")
 
@@ -190,7 +196,11 @@ def _check_cuda(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tens
         raise ShapeError(f"b: expected a contiguous [G, N, K] tensor on CUDA, got strides {tuple(b.stride())}")
     if a.dim() == 3 and not a.is_contiguous():
         raise ShapeError(f"a: expected a contiguous [G, M_max, K] tensor on CUDA, got strides {tuple(a.stride())}")
-    cap = _capability(a.device.index)
+    _capability_check(a.device)
+
+
+def _capability_check(device: torch.device) -> None:
+    cap = _capability(device.index)
     if cap[0] != 9:
         raise tilehal.DeviceError(f"deepgemm CUDA kernels: expected an sm_90 (Hopper) GPU, got sm_{cap[0]}{cap[1]}")
 
@@ -223,12 +233,60 @@ def overlap_allowed() -> bool:
     return os.environ.get("DEEPGEMM_FP8_OVERLAP", "1") != "0"
 
 
+def mn_major_in_place() -> bool:
+    """DEEPGEMM_MN_MAJOR=copy copies MN-major bf16 operands K-major for the persistent kernel (A/B timing)."""
+    return os.environ.get("DEEPGEMM_MN_MAJOR", "in_place") != "copy"
+
+
+def _check_cuda_outputs(a: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None) -> None:
+    validate.cuda_output(d, "d")
+    if c is not None:
+        validate.cuda_output(c, "c")
+    _capability_check(a.device)
+
+
+def splitk_allowed() -> bool:
+    """DEEPGEMM_SPLITK=0 keeps small-M bf16 GEMMs on the persistent kernel (for A/B timing)."""
+    return os.environ.get("DEEPGEMM_SPLITK", "1") != "0"
+
+
 def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor | None,
           d: torch.Tensor, c: torch.Tensor | None, config: GemmConfig | None = None,
           bias: torch.Tensor | None = None) -> None:
     """a [M, K], b [N, K] K-major; sfa/sfb None for bf16. `config` overrides the heuristic (the
-    benchmark's variant sweep uses it to time the candidates the heuristic did not pick). `bias`
-    (fp32 [N], contiguous) is added in the TMA-store epilogue (bf16 d, no C: the caller checks)."""
+    benchmark's variant sweep uses it to time the candidates the heuristic did not pick); a
+    `splitk.SplitKConfig` forces the split-K / tile kernel. `bias` (fp32 [N], contiguous) is added in
+    the TMA-store epilogue (bf16 d, no C: the caller checks); calls with a bias stay on the persistent
+    kernel. bf16 operands may be MN-major (a [M, K] with strides (1, lda), b likewise): they are read in
+    place by the split-K / tile kernel, never copied, unless TMA cannot address them (stride not 16-byte
+    aligned) or DEEPGEMM_MN_MAJOR=copy (logged at DEBUG). A bf16 C is read in place by that kernel too."""
+    if (sfa is None and bias is None and (splitk.is_mn_major(a) or splitk.is_mn_major(b))
+            and not isinstance(config, GemmConfig)):
+        if mn_major_in_place() and splitk.in_place_ok(a, "a") and splitk.in_place_ok(b, "b"):
+            _check_cuda_outputs(a, d, c)
+            for x, name in ((a, "a"), (b, "b")):
+                if not splitk.is_mn_major(x):
+                    validate.cuda_operand(x, name)
+            m, k = a.shape
+            n = b.shape[0]
+            if m == 0 or n == 0:
+                return
+            if k == 0:
+                d.copy_(c if c is not None else torch.zeros_like(d))
+                return
+            cfg = config or splitk.pick_tiles(m, n, k, get_num_sms())
+            log.debug("bf16 %dx%dx%d: MN-major %s read in place (%dx%d tiles, %d splits)", m, n, k,
+                      "+".join(x for x, t in (("a", a), ("b", b)) if splitk.is_mn_major(t)), cfg.block_m,
+                      cfg.block_n, cfg.splits)
+            splitk.dense_bf16(a, b, d, c, cfg)
+            return
+        if not mn_major_in_place():
+            log.debug("MN-major bf16 operands copied K-major: DEEPGEMM_MN_MAJOR=copy")
+    if sfa is None and (a.stride(-1) != 1 or b.stride(-1) != 1):
+        log.debug("bf16 operand(s) with strides a %s / b %s copied K-major for the persistent kernel",
+                  a.stride(), b.stride())
+        a = a if a.stride(-1) == 1 else a.contiguous()
+        b = b if b.stride(-1) == 1 else b.contiguous()
     _check_cuda(a, b, d, c)
     m, k = a.shape
     n = b.shape[0]
@@ -240,6 +298,26 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
             d += bias
         return
     fp8 = sfa is not None
+    if not fp8 and bias is None and (isinstance(config, splitk.SplitKConfig)
+                                     or (config is None and splitk_allowed())):
+        # Small M: too few output tiles for the SMs; split K instead (None when not clearly faster).
+        sk = config if config is not None else splitk.pick_splitk(m, n, k, get_num_sms())
+        if sk is None and config is None and c is not None and c.dtype == torch.bfloat16:
+            # bf16 accumulation: the tile kernel reads the bf16 C in place; the persistent kernel would
+            # need it widened to fp32 first (an extra M x N x 6-byte pass; H200, M = 4096: 1.0-1.8x faster).
+            sk = splitk.pick_tiles(m, n, k, get_num_sms())
+            log.debug("bf16 %dx%dx%d with a bf16 C: tile kernel (reads C as bf16)", m, n, k)
+        if sk is not None:
+            log.debug("bf16 %dx%dx%d: split-K kernel, %dx%d tiles, %d splits", m, n, k, sk.block_m, sk.block_n,
+                      sk.splits)
+            splitk.dense_bf16(a, b, d, c, sk)
+            return
+    elif not fp8 and config is None and bias is None:
+        log.debug("split-K not used: DEEPGEMM_SPLITK=0")
+    if c is not None and c.dtype != torch.float32:
+        # The persistent kernel adds C in fp32 from an fp32 buffer: a bf16 C is widened once.
+        log.debug("c: bf16 accumulation; widening C to fp32 for the kernel's epilogue")
+        c = c.float()
     cfg = config or pick_config("fp8" if fp8 else "bf16", m, n, k, **epilogue(d, n, c is not None, "normal"),
                                 max_multicast=max_multicast(), overlap=overlap_allowed())
     sfa_t = _sfa_layout(sfa) if fp8 else None

@@ -70,6 +70,16 @@ def _fp8_pair(x, name: str):
     return t, s
 
 
+def _no_packed_on_cuda(sfa, sfb) -> None:
+    """Packed UE8M0 (int32) scales are DeepGEMM's SM100 format; its SM90 kernels take fp32, and so do ours."""
+    for name, sf in (("sfa", sfa), ("sfb", sfb)):
+        if isinstance(sf, torch.Tensor) and sf.dtype == torch.int32:
+            raise validate.UnsupportedError(
+                f"{name}: expected float32 scales on CUDA, got packed UE8M0 int32 (DeepGEMM runs packed scales on "
+                f"SM100 only; on sm_90 pass fp32 scales, e.g. unpack_ue8m0_from_int({name}); the CPU reference "
+                f"takes packed scales)")
+
+
 def _dense_options(compiled_dims, disable_ue8m0_cast) -> None:
     validate.compiled_dims(compiled_dims)
     validate.flag(disable_ue8m0_cast, "disable_ue8m0_cast")
@@ -152,12 +162,22 @@ def _fp8_gemm_checked(a_sfa, b_sfb, d, c, layout: str, recipe, recipe_a, recipe_
     sfb = validate.sf(sfb, "sfb", n, k, gran_n, gran_k, None)
     device = validate.same_device(a=a, sfa=sfa, b=b, sfb=sfb, d=d, c=c, bias=bias)
     if device.type == "cuda":
-        if (gran_k, gran_n) != (128, 128):
-            raise validate.UnsupportedError(
-                f"recipe: the sm_90a kernels take the (1, 128, 128) recipe; got gran_n = {gran_n}, gran_k = {gran_k} "
-                f"(the (1, 1, 128) weight-gradient recipe runs on the CPU reference only)")
+        from . import cuda_gemm, gemm_1d1d
+
+        _no_packed_on_cuda(a_sfa[1], b_sfb[1])
         la, lb = _k_major_for_cuda(la, "a", layout), _k_major_for_cuda(lb, "b", layout)
-        _dense_cuda(la, sfa, lb, sfb, d, _c_for_cuda(c), bias)
+        if (gran_k, gran_n) == (128, 128):
+            _dense_cuda(la, sfa, lb, sfb, d, _c_for_cuda(c), bias)
+        elif (gran_k, gran_n) == (128, 1):
+            cuda_gemm._check_cuda(la, lb, d, c)
+            log.debug("fp8 %dx%dx%d: (1, 1, 128) recipe, 1D1D kernel", m, n, k)
+            gemm_1d1d.dense(la, sfa, lb, sfb, d, _c_for_cuda(c))
+            if bias is not None:
+                d += bias
+        else:
+            raise validate.UnsupportedError(
+                f"recipe: the sm_90a kernels take (1, 128, 128) and (1, 1, 128); got gran_n = {gran_n}, "
+                f"gran_k = {gran_k} (gran_k 32/64 are DeepGEMM's SM100 recipes; the CPU reference runs them)")
     else:
         out = reference.fp8_gemm_nt(la, sfa, lb, sfb, c, gran_k, gran_n)
         d.copy_((out + bias if bias is not None else out).to(d.dtype))
@@ -187,8 +207,15 @@ def _bf16_gemm_checked(a, b, d, c, layout: str, compiled_dims, bias=None) -> Non
     _check_bias(bias, n, d)
     device = validate.same_device(a=a, b=b, d=d, c=c, bias=bias)
     if device.type == "cuda":
-        la, lb = _k_major_for_cuda(la, "a", layout), _k_major_for_cuda(lb, "b", layout)
-        _dense_cuda(la, None, lb, None, d, _c_for_cuda(c), bias)
+        if bias is None:
+            # MN-major operands ("t" A, "n" B) and a bf16 c are read in place there (copied, logged, when
+            # TMA cannot address them).
+            from . import cuda_gemm
+
+            cuda_gemm.dense(la, None, lb, None, d, c)
+        else:
+            la, lb = _k_major_for_cuda(la, "a", layout), _k_major_for_cuda(lb, "b", layout)
+            _dense_cuda(la, None, lb, None, d, _c_for_cuda(c), bias)
     else:
         out = reference.bf16_gemm_nt(la, lb, c)
         d.copy_((out + bias if bias is not None else out).to(d.dtype))
@@ -499,7 +526,7 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, ks_cpu: list[int], g
     a = (flat e4m3 data holding each group's A_g [M, K_g] K-major one after another, sfa [M, sum K_g/128]),
     b likewise with B_g [N, K_g] and sfb [N, sum K_g/128]; d, c fp32 [G, M, N] (c may be d);
     ks_cpu the K_g (multiples of 128; 0 allowed), grouped_layout the same as an int32 tensor.
-    CPU reference only: on CUDA an UnsupportedError names the missing sm_90a kernel.
+    CUDA: the sm_90a 1D1D kernel, one launch per non-empty group (as DeepGEMM on SM90; fp32 scales).
     """
     gran_k = _k_recipe(recipe)
     validate.compiled_dims(compiled_dims)
@@ -514,10 +541,21 @@ def k_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, ks_cpu: list[int], g
     sfa = validate.sf(sfa, "sfa", m, sum_k, 1, gran_k, None)
     sfb = validate.sf(sfb, "sfb", n, sum_k, 1, gran_k, None)
     device = validate.same_device(a=a_, sfa=sfa, b=b_, sfb=sfb, d=d, c=c, grouped_layout=grouped_layout)
-    if device.type == "cuda":
-        raise validate.UnsupportedError("k_grouped_fp8_gemm_nt_contiguous: no sm_90a 1D1D k-grouped kernel in deepgemm "
-                                        "yet (a: CUDA tensor); run it on CPU tensors (the reference)")
     fa, fb = a_.reshape(-1), b_.reshape(-1)
+    if device.type == "cuda":
+        from . import cuda_gemm, gemm_1d1d
+
+        _no_packed_on_cuda(a[1], b[1])
+        for x, name in ((a_, "a"), (b_, "b"), (d, "d"), (c, "c")):
+            validate.cuda_output(x, name)  # contiguous, 16-byte aligned (as DeepGEMM asserts)
+        cuda_gemm._capability_check(d.device)
+        launches, off, soff = [], 0, 0
+        for kg in ks_cpu:
+            launches.append((fa[off * m:(off + kg) * m].view(m, kg), fb[off * n:(off + kg) * n].view(n, kg), soff))
+            off, soff = off + kg, soff + kg // gran_k
+        log.debug("k_grouped_fp8_gemm_nt_contiguous: %d groups, one 1D1D launch per non-empty group", g)
+        gemm_1d1d.k_grouped(launches, sfa, sfb, d, c)
+        return
     groups, off, soff = [], 0, 0
     for kg in ks_cpu:
         sk = kg // gran_k

@@ -40,7 +40,8 @@ def sig(x: Any) -> tuple | None:
     return (type(x), x.dtype, x.shape, x.stride(), x.get_device())
 
 
-_ENV_NAMES = ("DEEPGEMM_EPILOGUE", "DEEPGEMM_MULTICAST", "DEEPGEMM_FP8_OVERLAP", "DEEPGEMM_DEBUG")
+_ENV_NAMES = ("DEEPGEMM_EPILOGUE", "DEEPGEMM_MULTICAST", "DEEPGEMM_FP8_OVERLAP", "DEEPGEMM_DEBUG", "DEEPGEMM_SPLITK",
+              "DEEPGEMM_MN_MAJOR")
 # os.environ's own mapping (bytes keys on POSIX), read without the encode/decode of os.environ.get:
 # this runs on every call. Where CPython keeps it elsewhere, the public (slower) lookup.
 _ENV_DATA = getattr(os.environ, "_data", None)
@@ -53,7 +54,8 @@ def env_key() -> tuple:
     from the unhashable marker sends the caller down the full path)."""
     if _ENV_DATA is not None and _ENV_RAW is not None:
         d = _ENV_DATA
-        out = (d.get(_ENV_RAW[0]), d.get(_ENV_RAW[1]), d.get(_ENV_RAW[2]), d.get(_ENV_RAW[3]))
+        out = (d.get(_ENV_RAW[0]), d.get(_ENV_RAW[1]), d.get(_ENV_RAW[2]), d.get(_ENV_RAW[3]), d.get(_ENV_RAW[4]),
+               d.get(_ENV_RAW[5]))
     else:
         e = os.environ
         out = tuple(e.get(n) for n in _ENV_NAMES)

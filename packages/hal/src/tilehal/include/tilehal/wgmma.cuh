@@ -33,6 +33,15 @@ TILEHAL_DEVICE u64 make_smem_desc_k128b(const void* tile) {
   return make_smem_desc(tile, SmemSwizzle::k128B, 16, 1024);
 }
 
+// Descriptor of an MN-major tile (MN contiguous: read with the wgmma transpose immediate, bf16/fp16
+// only) in 128-byte swizzled atoms: each atom is `k_rows` K-rows of 128 bytes (64 bf16 along MN),
+// as one TMA box of (64 MN elements x k_rows) writes it, and atoms for the next 64 MN elements
+// follow `k_rows * 128` bytes later (the leading offset). The stride offset is the 1024 bytes
+// between 8-row groups along K; advancing K by k elements = adding (k * 128) >> 4 to the result.
+TILEHAL_DEVICE u64 make_smem_desc_mn128b(const void* tile, u32 k_rows) {
+  return make_smem_desc(tile, SmemSwizzle::k128B, k_rows * 128, 1024);
+}
+
 // Make register writes visible to the next wgmma (accumulators touched by ordinary code).
 TILEHAL_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 TILEHAL_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }

@@ -1,0 +1,295 @@
+// Split-K bf16 GEMM for sm_90a, for shapes whose output tiles cannot fill the GPU: D = C + A @ B^T.
+//
+// The persistent kernel (gemm_sm90.cuh) gives each CTA whole output tiles. When M is small (decode
+// batches, M = 1 .. 128) and N is a few thousand, there are fewer tiles than SMs unless they are
+// made very narrow, and narrow tiles re-read A once per tile and run wgmma at a fraction of its
+// rate. Here the K loop is split instead: the grid is (n-blocks, m-blocks, SPLITS), CTA (x, y, z)
+// computes tile (y, x) over K blocks [z * KB_PER_SPLIT, (z + 1) * KB_PER_SPLIT), and the partial
+// sums of a tile are combined by whichever of its CTAs finishes last:
+//   - every CTA writes its fp32 partial tile (only rows < M) to the workspace `ws`,
+//     __threadfence(), then one thread increments the tile's counter;
+//   - the CTA that sees SPLITS - 1 adds the partials in split order 0 .. SPLITS - 1 (its own read
+//     back too: the same value it wrote), adds C, converts and stores D, and resets the counter
+//     to 0 for the next launch.
+// The sum order never depends on which CTA finishes last, so results are deterministic. The
+// counters are zero-initialized once on the host; every launch leaves them zero again.
+//
+// Operands may be MN-major (A_MN: A stored [K, M]; B_MN: B stored [K, N], i.e. DeepGEMM's "t" A /
+// "n" B): such a tile is loaded as BLOCK/64 TMA boxes of 64 MN-elements x 64 K-rows (128-byte
+// swizzled) and read by wgmma with its transpose immediate, so the operand is never copied.
+//
+// Inside a CTA the pipeline is the persistent kernel's: one producer thread issues TMA loads of
+// the A and B tiles (128-byte swizzled K-major boxes of 64 bf16) into a STAGES-deep mbarrier ring;
+// BLOCK_M / 64 math warpgroups run wgmma m64nBLOCK_Nk16 on 64 rows each, with one K block in
+// flight when 4+ stages fit. For M = 1 .. 16 the 64-row wgmma does mostly zero rows (TMA
+// zero-fills rows past M without reading memory), which costs nothing: such GEMMs are bound by
+// reading B, and the deep ring keeps STAGES x BLOCK_N x 128 bytes of B in flight per SM.
+#pragma once
+#include <tilehal/tilehal.cuh>
+#include <tilehal/mbarrier.cuh>
+#include <tilehal/tma.cuh>
+#include <tilehal/wgmma.cuh>
+#include <tilehal/wgmma16_ops.cuh>
+
+namespace deepgemm {
+using namespace tilehal;
+
+// Registers after setmaxnreg: as in gemm_sm90.cuh, the producer warpgroup gives back what the math
+// warpgroups take ((168 - 40) x 128 = 2 x (232 - 168) x 128; one math warpgroup reaches 256).
+template <int NUM_MATH_WG> constexpr int kSplitKProducerRegs = 40;
+template <int NUM_MATH_WG> constexpr int kSplitKMathRegs = NUM_MATH_WG == 1 ? 256 : 232;
+
+template <typename OutT>
+TILEHAL_DEVICE void splitk_store2(OutT* p, float x, float y, bool both, bool aligned) {
+  if constexpr (sizeof(OutT) == 2) {
+    if (both && aligned) {
+      *reinterpret_cast<unsigned*>(p) = float2_to_bf16x2(x, y);
+    } else {
+      p[0] = __float2bfloat16_rn(x);
+      if (both) p[1] = __float2bfloat16_rn(y);
+    }
+  } else {
+    if (both && aligned) {
+      *reinterpret_cast<float2*>(p) = make_float2(x, y);
+    } else {
+      p[0] = x;
+      if (both) p[1] = y;
+    }
+  }
+}
+
+TILEHAL_DEVICE float splitk_load(const float* p) { return *p; }
+TILEHAL_DEVICE float splitk_load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+// C (added when HAS_C) is read in its own dtype CT: fp32, or bf16 (DeepGEMM's bf16 accumulation).
+template <int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int SPLITS, typename OutT, bool HAS_C,
+          typename CT, bool A_MN, bool B_MN>
+__global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
+splitk_bf16_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
+                 OutT* d, const CT* c, float* __restrict__ ws, int* counters, int shape_m) {
+  constexpr int BLOCK_K = 64;  // one 128-byte swizzle row of bf16
+  constexpr int K_STEP = 16;   // K per wgmma instruction
+  constexpr int NUM_K_BLOCKS = (SHAPE_K + BLOCK_K - 1) / BLOCK_K;
+  constexpr int KB_PER_SPLIT = (NUM_K_BLOCKS + SPLITS - 1) / SPLITS;
+  constexpr int NUM_MATH_WG = BLOCK_M / 64;
+  constexpr int NUM_MATH_THREADS = NUM_MATH_WG * 128;
+  constexpr int A_BYTES = BLOCK_M * 128;
+  constexpr int B_BYTES = BLOCK_N * 128;
+  constexpr int ACC = BLOCK_N / 2;
+  constexpr int kInFlight = STAGES >= 4 ? 1 : 0;
+  static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups");
+  static_assert(BLOCK_N % 8 == 0 && BLOCK_N <= 256, "wgmma N");
+  // The host picks SPLITS so that every split owns at least one K block.
+  static_assert(SPLITS >= 1 && (SPLITS - 1) * KB_PER_SPLIT < NUM_K_BLOCKS, "an empty split");
+  static_assert(!B_MN || BLOCK_N % 64 == 0, "an MN-major B tile is whole 64-column atoms");
+  constexpr int ATOM_BYTES = 64 * 128;  // one MN-major atom column: 64 K-rows of 128 bytes
+  using Mma = Wgmma16<BLOCK_N>;  // bf16 wgmma with the transpose immediates (MN-major operands)
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* smem_a = smem;
+  unsigned char* smem_b = smem_a + STAGES * A_BYTES;
+  u64* full_bar = reinterpret_cast<u64*>(smem_b + STAGES * B_BYTES);
+  u64* empty_bar = full_bar + STAGES;
+  int* last_flag = reinterpret_cast<int*>(empty_bar + STAGES);
+
+  const int tid = threadIdx.x;
+  const int n_block = blockIdx.x, m_block = blockIdx.y, split = blockIdx.z;
+  const int kb_begin = split * KB_PER_SPLIT;
+  const int kb_end = min(NUM_K_BLOCKS, kb_begin + KB_PER_SPLIT);
+
+  if (tid == NUM_MATH_THREADS) {
+    tma_prefetch_descriptor(&tma_a);
+    tma_prefetch_descriptor(&tma_b);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbarrier_init(&full_bar[s], 1);
+      mbarrier_init(&empty_bar[s], NUM_MATH_WG * 4);  // lane 0 of every math warp
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (tid >= NUM_MATH_THREADS) {
+    // ---------------------------------------------------------------- producer warpgroup
+    setmaxnreg_dec<kSplitKProducerRegs<NUM_MATH_WG>>();
+    if (tid != NUM_MATH_THREADS) return;
+    for (int kb = kb_begin, it = 0; kb < kb_end; ++kb, ++it) {
+      const int s = it % STAGES;
+      mbarrier_wait(&empty_bar[s], ((it / STAGES) & 1) ^ 1);
+      mbarrier_arrive_expect_tx(&full_bar[s], A_BYTES + B_BYTES);
+      if constexpr (A_MN) {
+#pragma unroll
+        for (int i = 0; i < BLOCK_M / 64; ++i)
+          tma_load_2d(smem_a + s * A_BYTES + i * ATOM_BYTES, &tma_a, &full_bar[s], m_block * BLOCK_M + i * 64,
+                      kb * BLOCK_K);
+      } else {
+        tma_load_2d(smem_a + s * A_BYTES, &tma_a, &full_bar[s], kb * BLOCK_K, m_block * BLOCK_M);
+      }
+      if constexpr (B_MN) {
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 64; ++i)
+          tma_load_2d(smem_b + s * B_BYTES + i * ATOM_BYTES, &tma_b, &full_bar[s], n_block * BLOCK_N + i * 64,
+                      kb * BLOCK_K);
+      } else {
+        tma_load_2d(smem_b + s * B_BYTES, &tma_b, &full_bar[s], kb * BLOCK_K, n_block * BLOCK_N);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ math warpgroups
+  setmaxnreg_inc<kSplitKMathRegs<NUM_MATH_WG>>();
+  const int wg = tid / 128;
+  const int warp = (tid % 128) / 32;
+  const int lane = tid % 32;
+  const int row_in_tile = wg * 64 + warp * 16 + lane / 4;  // and +8
+  float acc[ACC];
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+
+  const int num_kb = kb_end - kb_begin;
+  for (int it = 0; it < num_kb; ++it) {
+    const int s = it % STAGES;
+    mbarrier_wait(&full_bar[s], (it / STAGES) & 1);
+    // A warpgroup's 64 rows of A start 64 x 128 bytes in: 64 K-major rows, or one MN-major atom column.
+    const u64 desc_a = A_MN ? make_smem_desc_mn128b(smem_a + s * A_BYTES + wg * ATOM_BYTES, BLOCK_K)
+                            : make_smem_desc_k128b(smem_a + s * A_BYTES + wg * 64 * 128);
+    const u64 desc_b = B_MN ? make_smem_desc_mn128b(smem_b + s * B_BYTES, BLOCK_K) : make_smem_desc_k128b(smem_b + s * B_BYTES);
+    // One K step (16 elements): 32 bytes along a K-major row, or 16 rows of 128 bytes MN-major.
+    constexpr u64 kStepA = A_MN ? (K_STEP * 128) >> 4 : (K_STEP * 2) >> 4;
+    constexpr u64 kStepB = B_MN ? (K_STEP * 128) >> 4 : (K_STEP * 2) >> 4;
+    wgmma_fence_operands(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < BLOCK_K / K_STEP; ++k)
+      Mma::template ss<A_MN ? 1 : 0, B_MN ? 1 : 0>(WgBF16{}, acc, desc_a + k * kStepA, desc_b + k * kStepB, 1);
+    wgmma_commit();
+    wgmma_wait<kInFlight>();
+    wgmma_fence_operands(acc);
+    if (it >= kInFlight) {
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&empty_bar[(it + STAGES - kInFlight) % STAGES]);
+    }
+  }
+  if constexpr (kInFlight) {
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc);
+  }
+
+  // ---------------------------------------------------------------- epilogue
+  const int n0 = n_block * BLOCK_N;
+  const int r0 = m_block * BLOCK_M + row_in_tile;
+  constexpr bool kEvenN = SHAPE_N % 2 == 0;
+  const u64 split_stride = static_cast<u64>(shape_m) * SHAPE_N;
+  if constexpr (SPLITS > 1) {
+    float* mine = ws + split * split_stride;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + half * 8;
+      if (r >= shape_m) continue;
+#pragma unroll
+      for (int j = 0; j < BLOCK_N / 8; ++j) {
+        const int col = n0 + j * 8 + (lane % 4) * 2;
+        if (col >= SHAPE_N) continue;
+        float* p = mine + static_cast<u64>(r) * SHAPE_N + col;
+        if (kEvenN) {
+          __stcg(reinterpret_cast<float2*>(p), make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+        } else {
+          __stcg(p, acc[4 * j + 2 * half]);
+          if (col + 1 < SHAPE_N) __stcg(p + 1, acc[4 * j + 2 * half + 1]);
+        }
+      }
+    }
+    __threadfence();  // our partial is visible device-wide before the counter says so
+    named_barrier_sync(1, NUM_MATH_THREADS);
+    if (tid == 0) {
+      int* counter = counters + m_block * gridDim.x + n_block;
+      const int arrived = atomicAdd(counter, 1);
+      const int last = arrived == SPLITS - 1;
+      if (last) *counter = 0;  // every split has arrived: ready for the next launch
+      *last_flag = last;
+    }
+    named_barrier_sync(1, NUM_MATH_THREADS);
+    if (!*last_flag) return;
+    __threadfence();  // acquire side: the other splits' partials are read after their arrivals
+    // The last CTA sums every split's partial (its own too: read back, the value it wrote) in split
+    // order, element-parallel over all its math threads: consecutive threads take consecutive VEC-wide
+    // column groups of a row (coalesced 16-byte loads of the partials and C, coalesced stores of D).
+    // Each thread first issues the loads of UNROLL groups x SPLITS partials (independent, all in
+    // flight together), then adds and stores, so the reduction costs a few L2 round trips however
+    // few rows are valid (M = 1 has one row: the fragment layout would leave it to 4 threads).
+    constexpr int VEC = SHAPE_N % 4 == 0 ? 4 : (SHAPE_N % 2 == 0 ? 2 : 1);
+    constexpr int UNROLL = 4;
+    const int m0 = m_block * BLOCK_M;
+    const int rows = min(BLOCK_M, shape_m - m0);
+    const int per_row = (min(BLOCK_N, SHAPE_N - n0) + VEC - 1) / VEC;
+    const int total = rows * per_row;
+    for (int base = tid; base < total; base += NUM_MATH_THREADS * UNROLL) {
+      float sum[UNROLL][VEC];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) sum[u][v] = 0.f;
+        const int i = base + u * NUM_MATH_THREADS;
+        if (i >= total) continue;
+        const u64 off = static_cast<u64>(m0 + i / per_row) * SHAPE_N + n0 + (i % per_row) * VEC;
+#pragma unroll
+        for (int sp = 0; sp < SPLITS; ++sp) {
+          const float* p = ws + sp * split_stride + off;
+          if constexpr (VEC == 4) {
+            const float4 x = __ldcg(reinterpret_cast<const float4*>(p));
+            sum[u][0] += x.x, sum[u][1] += x.y, sum[u][2] += x.z, sum[u][3] += x.w;
+          } else if constexpr (VEC == 2) {
+            const float2 x = __ldcg(reinterpret_cast<const float2*>(p));
+            sum[u][0] += x.x, sum[u][1] += x.y;
+          } else {
+            sum[u][0] += __ldcg(p);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int i = base + u * NUM_MATH_THREADS;
+        if (i >= total) continue;
+        const u64 off = static_cast<u64>(m0 + i / per_row) * SHAPE_N + n0 + (i % per_row) * VEC;
+        if constexpr (HAS_C) {
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) sum[u][v] += splitk_load(c + off + v);
+        }
+#pragma unroll
+        for (int v = 0; v < VEC; v += 2) {
+          if constexpr (VEC == 1) {
+            splitk_store2(d + off, sum[u][0], 0.f, false, false);
+          } else {
+            splitk_store2(d + off + v, sum[u][v], sum[u][v + 1], true, true);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // One split: store straight from the accumulators.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = r0 + half * 8;
+    if (r >= shape_m) continue;
+    const u64 row_off = static_cast<u64>(r) * SHAPE_N;
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j) {
+      const int col = n0 + j * 8 + (lane % 4) * 2;
+      if (col >= SHAPE_N) continue;
+      const bool both = col + 1 < SHAPE_N;
+      float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
+      if constexpr (HAS_C) {
+        const CT* cp = c + row_off + col;
+        x += splitk_load(cp);
+        if (both) y += splitk_load(cp + 1);
+      }
+      splitk_store2(d + row_off + col, x, y, both, kEvenN);
+    }
+  }
+}
+
+}  // namespace deepgemm

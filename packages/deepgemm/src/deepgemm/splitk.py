@@ -1,0 +1,258 @@
+"""Split-K bf16 GEMMs for shapes whose output tiles cannot fill the GPU (kernels/splitk_sm90.cuh).
+
+With M = 1 .. 128 and N of a few thousand, the persistent kernel has fewer output tiles than SMs
+unless it makes them very narrow (16 columns), and narrow tiles re-read A once per tile and keep
+wgmma far below its rate: the upstream bf16 test's M = 1 and M = 128 rows measured 0.34-0.85x
+cuBLAS that way. Splitting K gives each SM a wide (64..256-column) tile over part of K; the CTA of
+a tile that finishes last adds the partial sums in a fixed order (deterministic) and writes D.
+
+`pick_splitk` compares the two plans with the persistent heuristic's cost model (waves x K blocks
+x tile cost) plus the split-K reduction (the last CTA reads the other splits' partial tiles from
+L2) and returns a config only when split-K is clearly cheaper; the reason is logged at DEBUG.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import tilehal
+import torch
+
+from .heuristics import SMEM_CAPACITY, SMEM_SLACK, pick_config, tile_cost, waves
+from .utils import ceil_div
+
+log = logging.getLogger("deepgemm")
+
+BLOCK_K = 64  # bf16 elements per 128-byte swizzle row
+MAX_STAGES = 8
+MAX_SPLITS = 32
+BLOCK_N_CANDIDATES = (64, 128, 256)
+# Cost-model units per byte of partial sums moved through L2 by the reducing CTA, relative to
+# tile_cost's units per K block: a 128x128x64 bf16 wgmma block (~0.35 us at 6 TFLOP/s per SM) costs
+# 192 x 160 units, and an SM moves ~100 GB/s from L2, so one byte ~ 0.9 units.
+REDUCE_COST_PER_BYTE = 0.9
+FIXED_CTA_COST = 4.0 * 192 * 160  # prologue + epilogue of one CTA, in K-block units of a 128x128 tile
+MIN_GAIN = 0.85  # split-K must cost at most this fraction of the persistent plan
+
+
+@dataclass(frozen=True)
+class SplitKConfig:
+    block_m: int
+    block_n: int
+    splits: int
+    stages: int
+    num_sms: int
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.block_m // 64 + 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.block_m, self.block_n, self.stages)
+
+    def grid(self, m: int, n: int) -> tuple[int, int, int]:
+        return ceil_div(n, self.block_n), ceil_div(m, self.block_m), self.splits
+
+
+def smem_bytes(block_m: int, block_n: int, stages: int) -> int:
+    return stages * (block_m + block_n) * 128 + 2 * 8 * stages + 16 + SMEM_SLACK
+
+
+def max_stages(block_m: int, block_n: int) -> int:
+    s = MAX_STAGES
+    while s > 2 and smem_bytes(block_m, block_n, s) > SMEM_CAPACITY:
+        s -= 1
+    return s
+
+
+def effective_splits(num_k_blocks: int, splits: int) -> int:
+    """Splits that each own at least one K block when K blocks are dealt ceil(KB / splits) at a time."""
+    per = ceil_div(num_k_blocks, splits)
+    return ceil_div(num_k_blocks, per)
+
+
+def splitk_cost(m: int, block_m: int, block_n: int, num_k_blocks: int, splits: int) -> float:
+    rows = min(m, block_m)
+    per = ceil_div(num_k_blocks, splits)
+    partial_bytes = rows * block_n * 4
+    reduce = REDUCE_COST_PER_BYTE * partial_bytes * splits if splits > 1 else 0.0  # write own + read the others
+    return per * (block_m + 64) * (block_n + 32) + reduce + FIXED_CTA_COST
+
+
+def persistent_cost(m: int, n: int, k: int, num_sms: int) -> float:
+    cfg = pick_config("bf16", m, n, k, num_sms=num_sms, tma_store=True)
+    return cfg.num_waves * ceil_div(k, BLOCK_K) * tile_cost(cfg.block_m, cfg.block_n) + FIXED_CTA_COST * cfg.num_waves
+
+
+def pick_splitk(m: int, n: int, k: int, num_sms: int) -> SplitKConfig | None:
+    """The split-K plan for a bf16 D[M, N] = A[M, K] @ B[N, K]^T, or None when the persistent kernel
+    is expected to be as fast (the reason is logged at DEBUG)."""
+    return _pick(m, n, k, num_sms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pick(m: int, n: int, k: int, num_sms: int) -> SplitKConfig | None:
+    kb = ceil_div(k, BLOCK_K)
+    if kb < 2:
+        log.debug("split-K not used for %dx%dx%d: K has one block", m, n, k)
+        return None
+    # 64-row tiles also for M > 64: more tiles share the reduction (each tile's last CTA reads the
+    # other splits' partials, so the tail shrinks with the tile).
+    best = None
+    for block_m in (64,) if m <= 64 else (64, 128):
+        m_blocks = ceil_div(m, block_m)
+        for bn in BLOCK_N_CANDIDATES:
+            tiles = m_blocks * ceil_div(n, bn)
+            for s in range(2, min(kb, MAX_SPLITS) + 1):
+                se = effective_splits(kb, s)
+                if tiles * se > num_sms:
+                    break
+                key = (splitk_cost(m, block_m, bn, kb, se), -tiles * se, -bn, -block_m)
+                if best is None or key < best[0]:
+                    best = (key, block_m, bn, se)
+    if best is None:
+        log.debug("split-K not used for %dx%dx%d: %d tiles already fill %d SMs", m, n, k,
+                  ceil_div(m, 64) * ceil_div(n, BLOCK_N_CANDIDATES[-1]), num_sms)
+        return None
+    (cost, _, _, _), block_m, bn, se = best
+    base = persistent_cost(m, n, k, num_sms)
+    if cost > MIN_GAIN * base:
+        log.debug("split-K not used for %dx%dx%d: estimated %.0f vs persistent %.0f", m, n, k, cost, base)
+        return None
+    return SplitKConfig(block_m=block_m, block_n=bn, splits=se, stages=max_stages(block_m, bn), num_sms=num_sms)
+
+
+# ----------------------------------------------------------------------------- compile / launch
+
+KERNEL_NAME = "splitk_sm90.cuh"
+OPTIONS = ("-std=c++17", "-lineinfo")
+
+
+@dataclass(frozen=True)
+class SplitKKey:
+    n: int
+    k: int
+    block_m: int
+    block_n: int
+    stages: int
+    splits: int
+    out_bf16: bool
+    has_c: bool
+    c_bf16: bool = False  # C read as bf16 (else fp32)
+    a_mn: bool = False  # A read MN-major in place (stored [K, M])
+    b_mn: bool = False  # B read MN-major in place (stored [K, N])
+
+    @property
+    def expression(self) -> str:
+        out = "__nv_bfloat16" if self.out_bf16 else "float"
+        ct = "__nv_bfloat16" if self.c_bf16 else "float"
+
+        def b(x: bool) -> str:
+            return "true" if x else "false"
+
+        return (f"deepgemm::splitk_bf16_sm90<{self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
+                f"{self.splits}, {out}, {b(self.has_c)}, {ct}, {b(self.a_mn)}, {b(self.b_mn)}>")
+
+
+def splitk_key(cfg: SplitKConfig, n: int, k: int, out_dtype: torch.dtype, c_dtype: torch.dtype | None,
+               a_mn: bool = False, b_mn: bool = False) -> SplitKKey:
+    return SplitKKey(n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages, splits=cfg.splits,
+                     out_bf16=out_dtype == torch.bfloat16, has_c=c_dtype is not None,
+                     c_bf16=c_dtype == torch.bfloat16, a_mn=a_mn, b_mn=b_mn)
+
+
+def pick_tiles(m: int, n: int, k: int, num_sms: int) -> SplitKConfig:
+    """The kernel's plan for MN-major operands: split-K where `pick_splitk` takes it, else one CTA per
+    output tile (splits = 1) with 64-column multiples (an MN-major tile is whole 64-element atoms)."""
+    sk = pick_splitk(m, n, k, num_sms)
+    if sk is not None:
+        return sk
+    bm = 64 if m <= 64 else 128
+    best = None
+    for bn in (128, 256):
+        w, util = waves(ceil_div(m, bm) * ceil_div(n, bn), num_sms)
+        key = (w * tile_cost(bm, bn), -util, -bn)
+        if best is None or key < best[0]:
+            best = (key, bn)
+    return SplitKConfig(block_m=bm, block_n=best[1], splits=1, stages=max_stages(bm, best[1]), num_sms=num_sms)
+
+
+def kernel_source() -> str:
+    from .cuda_gemm import KERNEL_DIR
+
+    return (KERNEL_DIR / KERNEL_NAME).read_text()
+
+
+def compile_kernels(keys, extra_options: tuple[str, ...] = ()) -> tilehal.CudaModule:
+    """NVRTC-compile split-K instantiations for sm_90a (no GPU needed; cached on disk by content)."""
+    return tilehal.compile_cuda(kernel_source(), arch="sm_90a", name="deepgemm_splitk_sm90",
+                                options=OPTIONS + tuple(extra_options), name_expressions=[k.expression for k in keys])
+
+
+@functools.lru_cache(maxsize=256)
+def _kernel(key: SplitKKey) -> tilehal.Kernel:
+    return compile_kernels([key]).get_kernel(key.expression)
+
+
+_WORKSPACES: dict = {}
+
+
+def _workspace(device: torch.device, ws_floats: int, num_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial-sum buffer and per-tile counters for the current stream (the counters must start at 0;
+    every launch leaves them 0). Kept per stream, so split-K GEMMs on different streams never share them,
+    and apart for CUDA-graph capture (a capture does not run the zero fill eagerly)."""
+    stream = torch.cuda.current_stream(device)
+    key = (device.index, stream.cuda_stream, torch.cuda.is_current_stream_capturing())
+    ws, counters = _WORKSPACES.get(key, (None, None))
+    if ws is None or ws.numel() < ws_floats:
+        ws = torch.empty(max(ws_floats, 1 << 20), dtype=torch.float32, device=device)
+    if counters is None or counters.numel() < num_counters:
+        counters = torch.zeros(max(num_counters, 1024), dtype=torch.int32, device=device)
+    _WORKSPACES[key] = (ws, counters)
+    return ws, counters
+
+
+def is_mn_major(x: torch.Tensor) -> bool:
+    """x [rows, K] stored K-first (the transpose of a row-major [K, rows] tensor)."""
+    return x.stride(0) == 1 and x.stride(1) != 1
+
+
+def in_place_ok(x: torch.Tensor, name: str) -> bool:
+    """Whether TMA can read x [rows, K] as stored: K-major, or MN-major with a 16-byte aligned K stride."""
+    if not is_mn_major(x):
+        return True
+    why = None
+    if (x.stride(1) * x.element_size()) % 16:
+        why = f"its K stride {x.stride(1)} is not a multiple of 8 elements (TMA needs 16-byte rows)"
+    elif x.data_ptr() % 16:
+        why = "its data pointer is not 16-byte aligned"
+    if why:
+        log.debug("%s: MN-major but not readable in place (%s); copying it K-major", name, why)
+    return why is None
+
+
+def _operand_descriptor(x: torch.Tensor, block_rows: int) -> bytes:
+    from .cuda_gemm import _encode
+
+    if is_mn_major(x):  # stored [K, rows]: boxes of 64 K-rows x 64 elements (one 128-byte swizzled atom)
+        k, rows = x.shape[1], x.shape[0]
+        return _encode(x.data_ptr(), x.dtype, (k, rows), (x.stride(1), 1), (BLOCK_K, 64), "128B")
+    return _encode(x.data_ptr(), x.dtype, tuple(x.shape), tuple(x.stride()), (block_rows, BLOCK_K), "128B")
+
+
+def dense_bf16(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None, cfg: SplitKConfig) -> None:
+    """a [M, K], b [N, K] bf16, each K-major or MN-major (`in_place_ok`, checked by the caller); d [M, N]
+    contiguous, c (fp32 or bf16, contiguous, read in its own dtype) or None."""
+    m, k = a.shape
+    n = b.shape[0]
+    a_mn, b_mn = is_mn_major(a), is_mn_major(b)
+    key = splitk_key(cfg, n, k, d.dtype, None if c is None else c.dtype, a_mn, b_mn)
+    kern = _kernel(key)
+    grid = cfg.grid(m, n)
+    ws, counters = _workspace(a.device, cfg.splits * m * n if cfg.splits > 1 else 0, grid[0] * grid[1])
+    da = _operand_descriptor(a, cfg.block_m)
+    db = _operand_descriptor(b, cfg.block_n)
+    kern.launch(grid, cfg.num_threads, [da, db, d, c, ws, counters, m], smem_bytes=cfg.smem_bytes)

@@ -1,0 +1,254 @@
+"""The split-K bf16 path for small M: heuristic (CPU), NVRTC compile of every instantiation it picks
+for DeepGEMM's test shapes (CPU, runs in CI), and the kernel against the reference (GPU)."""
+
+import logging
+
+import deepgemm
+import pytest
+import tilehal
+import torch
+from deepgemm import reference, splitk
+from deepgemm.splitk import SplitKConfig, effective_splits, pick_splitk, splitk_key
+
+# DeepGEMM's test_bf16 forward shapes (N, K); the last two have fp32 outputs there.
+UPSTREAM_NK = [(2112, 7168), (576, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048),
+               (256, 7168), (129280, 7168)]
+FP32_OUT_NK = {(256, 7168), (129280, 7168)}
+
+
+def test_effective_splits_never_leave_a_split_empty():
+    for kb in range(2, 300):
+        for s in range(2, 33):
+            se = effective_splits(kb, s)
+            per = -(-kb // se)
+            assert 1 <= se <= s and (se - 1) * per < kb <= se * per
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 128])
+@pytest.mark.parametrize("n,k", UPSTREAM_NK)
+def test_pick_splitk_fits_one_wave(m, n, k):
+    cfg = pick_splitk(m, n, k, 132)
+    if cfg is None:
+        return
+    gx, gy, gz = cfg.grid(m, n)
+    assert gx * gy * gz <= 132 and cfg.splits >= 2
+    assert cfg.block_m == 64 if m <= 64 else cfg.block_m in (64, 128)
+    assert cfg.smem_bytes <= 232448
+    assert effective_splits(-(-k // 64), cfg.splits) == cfg.splits
+
+
+def test_pick_splitk_takes_the_shapes_that_cannot_fill_the_gpu():
+    # M = 1 / 128 with N of a few thousand: the persistent kernel would need 16-wide tiles to fill 132 SMs.
+    for m in (1, 128):
+        for n, k in ((2112, 7168), (576, 7168), (4096, 7168), (256, 7168)):
+            assert pick_splitk(m, n, k, 132) is not None, (m, n, k)
+    # Enough wide tiles already: 4096 rows, or N = 24576 / 32768 / 129280.
+    for m, n, k in ((4096, 2112, 7168), (128, 24576, 1536), (1, 32768, 512), (1, 129280, 7168)):
+        assert pick_splitk(m, n, k, 132) is None, (m, n, k)
+    assert pick_splitk(1, 4096, 64, 132) is None  # one K block: nothing to split
+
+
+def test_pick_splitk_logs_why_not(caplog):
+    with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+        splitk._pick.cache_clear()
+        assert pick_splitk(4096, 4096, 7168, 132) is None
+    assert any("split-K not used" in r.getMessage() for r in caplog.records)
+
+
+def upstream_keys():
+    keys = set()
+    for m in (1, 128):
+        for n, k in UPSTREAM_NK:
+            cfg = pick_splitk(m, n, k, 132)
+            if cfg is None:
+                continue
+            out = torch.float32 if (n, k) in FP32_OUT_NK else torch.bfloat16
+            keys.add(splitk_key(cfg, n, k, out, None))
+            if out == torch.bfloat16:
+                keys.add(splitk_key(cfg, n, k, out, torch.bfloat16))  # bf16 accumulation (c = bf16)
+    # odd shapes of the GPU tests below
+    for m, n, k in ODD:
+        cfg = pick_splitk(m, n, k, 132) or SplitKConfig(64 if m <= 64 else 128, 64, 3, 4, 132)
+        keys.add(splitk_key(cfg, n, k, torch.float32, torch.float32))
+    return sorted(keys, key=lambda x: x.expression)
+
+
+ODD = [(1, 200, 272), (5, 129, 1040), (70, 2112, 1536), (33, 1000, 4104)]
+KEYS = None
+
+
+def _keys():
+    global KEYS
+    if KEYS is None:
+        KEYS = sorted(set(upstream_keys()) | mn_major_keys(), key=lambda x: x.expression)
+    return KEYS
+
+
+@pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
+def test_splitk_kernels_compile_without_spills():
+    keys = _keys()
+    assert len(keys) >= 12
+    for i in range(0, len(keys), 8):
+        batch = keys[i:i + 8]
+        mod = splitk.compile_kernels(batch, ("--ptxas-options=-v",))
+        assert all(k.expression in mod.lowered_names for k in batch)
+        if not mod.cache_hit:
+            spills = [line for line in mod.log.splitlines() if "spill" in line]
+            assert len(spills) == len(batch) and all("0 bytes spill stores" in line for line in spills), mod.log
+            assert "serialized" not in mod.log, mod.log
+
+
+def test_cpu_path_unchanged_by_splitk():
+    # The CPU reference never goes through the CUDA dispatch: same answer for a split-K-sized shape.
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1, 256, generator=g).bfloat16()
+    b = torch.randn(576, 256, generator=g).bfloat16()
+    d = torch.empty(1, 576, dtype=torch.bfloat16)
+    deepgemm.bf16_gemm_nt(a, b, d)
+    torch.testing.assert_close(d.float(), (a.double() @ b.double().T).float(), rtol=1e-2, atol=1e-2)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _ab(m, n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn((m, k), generator=g, device="cuda").bfloat16()
+    b = torch.randn((n, k), generator=g, device="cuda").bfloat16()
+    return a, b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 128])
+@pytest.mark.parametrize("n,k", [(2112, 7168), (576, 7168), (4096, 7168), (256, 7168)])
+@pytest.mark.parametrize("acc", [False, True])
+def test_splitk_upstream_shapes(m, n, k, acc, caplog):
+    a, b = _ab(m, n, k, seed=m + n)
+    out = torch.float32 if (n, k) in FP32_OUT_NK else torch.bfloat16
+    c = torch.randn(m, n, device="cuda").to(out) if acc else None
+    d = torch.empty(m, n, dtype=out, device="cuda")
+    with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+        deepgemm.bf16_gemm_nt(a, b, d, c=c)
+    assert any("split-K kernel" in r.getMessage() for r in caplog.records)
+    ref = reference.bf16_gemm_nt(a, b, None if c is None else c.float())
+    assert deepgemm.testing.calc_diff(d, ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", ODD)
+@pytest.mark.parametrize("bn,splits", [(64, 2), (128, 3), (256, 5)])
+def test_splitk_forced_configs_odd_shapes(m, n, k, bn, splits):
+    from deepgemm import cuda_gemm
+
+    a, b = _ab(m, n, k, seed=7)
+    kb = -(-k // 64)
+    cfg = SplitKConfig(block_m=64 if m <= 64 else 128, block_n=bn, splits=effective_splits(kb, min(splits, kb)),
+                       stages=splitk.max_stages(64 if m <= 64 else 128, bn), num_sms=132)
+    c = torch.randn(m, n, device="cuda")
+    d = torch.empty(m, n, device="cuda")
+    cuda_gemm.dense(a, None, b, None, d, c, config=cfg)
+    ref = reference.bf16_gemm_nt(a, b, c)
+    torch.testing.assert_close(d, ref, rtol=1e-4, atol=1e-3 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_splitk_deterministic_repeated_and_in_place():
+    a, b = _ab(128, 2112, 7168, seed=3)
+    d1 = torch.empty(128, 2112, dtype=torch.bfloat16, device="cuda")
+    d2 = torch.empty_like(d1)
+    deepgemm.bf16_gemm_nt(a, b, d1)
+    for _ in range(3):  # the tile counters are reset by every launch
+        deepgemm.bf16_gemm_nt(a, b, d2)
+        deepgemm.testing.assert_bitwise_equal(d1, d2, "split-K repeated")
+    c = torch.randn(128, 2112, device="cuda").bfloat16()
+    want = reference.bf16_gemm_nt(a, b, c.float())
+    deepgemm.bf16_gemm_nt(a, b, c, c=c)  # c is d
+    assert deepgemm.testing.calc_diff(c, want) < 1e-5
+
+
+@pytest.mark.gpu
+def test_splitk_in_a_cuda_graph():
+    a, b = _ab(1, 4096, 7168, seed=4)
+    d = torch.empty(1, 4096, dtype=torch.bfloat16, device="cuda")
+    deepgemm.bf16_gemm_nt(a, b, d)  # compile outside the capture
+    want = d.clone()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            deepgemm.bf16_gemm_nt(a, b, d)
+    d.zero_()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        deepgemm.testing.assert_bitwise_equal(d, want, "graph replay")
+
+
+@pytest.mark.gpu
+def test_splitk_off_switch(monkeypatch, caplog):
+    monkeypatch.setenv("DEEPGEMM_SPLITK", "0")
+    a, b = _ab(1, 576, 7168, seed=5)
+    d = torch.empty(1, 576, dtype=torch.bfloat16, device="cuda")
+    with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+        deepgemm.bf16_gemm_nt(a, b, d)
+    assert any("DEEPGEMM_SPLITK=0" in r.getMessage() for r in caplog.records)
+    assert deepgemm.testing.calc_diff(d, reference.bf16_gemm_nt(a, b, None)) < 1e-5
+
+
+# ----------------------------------------------------------------------------- MN-major bf16 operands in place
+
+
+def test_mn_major_detection_and_alignment(caplog):
+    k_major = torch.zeros(64, 256, dtype=torch.bfloat16)
+    mn_major = torch.zeros(256, 64, dtype=torch.bfloat16).T  # [64, 256] stored [K, M]
+    odd = torch.zeros(256, 63, dtype=torch.bfloat16).T  # K stride 63 elements: TMA cannot read it
+    assert not splitk.is_mn_major(k_major) and splitk.is_mn_major(mn_major) and splitk.is_mn_major(odd)
+    assert splitk.in_place_ok(k_major, "a") and splitk.in_place_ok(mn_major, "a")
+    with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+        assert not splitk.in_place_ok(odd, "b")
+    assert any("b: MN-major but not readable in place" in r.getMessage() for r in caplog.records)
+
+
+def mn_major_keys():
+    """Kernels of the MN-major GPU tests below (and DeepGEMM's backward rows at these sizes)."""
+    keys = set()
+    for (m, n, k), (a_mn, b_mn) in MN_CASES:
+        cfg = splitk.pick_tiles(m, n, k, 132)
+        for out, c in ((torch.bfloat16, None), (torch.float32, torch.float32)):
+            keys.add(splitk_key(cfg, n, k, out, c, a_mn, b_mn))
+    return keys
+
+
+# (M, N, K), (A MN-major, B MN-major): DeepGEMM's dgrad (B MN-major) and wgrad (both) at test sizes,
+# small M (split-K), and a K tail.
+MN_CASES = [((1024, 2048, 1536), (False, True)), ((2112, 1024, 1024), (True, True)), ((128, 2112, 7168), (False, True)),
+            ((256, 576, 1000), (True, False)), ((4096, 4096, 7168), (True, True))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MN_CASES, ids=[f"{m}x{n}x{k}-{int(x)}{int(y)}" for (m, n, k), (x, y) in MN_CASES])
+@pytest.mark.parametrize("acc", [False, True])
+def test_mn_major_read_in_place(case, acc, caplog):
+    (m, n, k), (a_mn, b_mn) = case
+    a, b = _ab(m, n, k, seed=11)
+    a_st = a.T.contiguous() if a_mn else a  # stored [K, M]: the "t" layout
+    b_st = b.T.contiguous() if b_mn else b  # stored [K, N]: the "n" layout
+    layout = ("t" if a_mn else "n") + ("n" if b_mn else "t")
+    out = torch.float32 if acc else torch.bfloat16
+    c = torch.randn(m, n, device="cuda") if acc else None
+    d = torch.empty(m, n, dtype=out, device="cuda")
+    with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+        getattr(deepgemm, f"bf16_gemm_{layout}")(a_st, b_st, d, c=c)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("read in place" in x for x in msgs) and not any("copied K-major" in x for x in msgs), msgs
+    assert deepgemm.testing.calc_diff(d, reference.bf16_gemm_nt(a, b, c)) < 1e-5
+
+
+@pytest.mark.gpu
+def test_mn_major_unaligned_stride_is_copied(caplog):
+    a, b = _ab(100, 129, 512, seed=12)  # N = 129: B stored [K, N] has a 258-byte row, not TMA-readable
+    d = torch.empty(100, 129, device="cuda")
+    with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+        deepgemm.bf16_gemm_nn(a, b.T.contiguous(), d)
+    assert any("not readable in place" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(d, reference.bf16_gemm_nt(a, b, None), rtol=1e-4, atol=1e-2)
