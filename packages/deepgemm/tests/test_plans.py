@@ -40,6 +40,10 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(validate, "same_device", lambda **k: torch.device("cuda"))
     monkeypatch.setattr(cuda_gemm, "_capability", lambda i: (9, 0))
     monkeypatch.setattr(cuda_gemm, "_kernel", lambda key: FakeKernel(launches, key))
+    from deepgemm import splitk  # the split-K / tile kernel (bf16 C, MN-major operands, small M)
+
+    monkeypatch.setattr(splitk, "_kernel", lambda key: FakeKernel(launches, key))
+    monkeypatch.setattr(splitk, "_workspace", lambda dev, n, c: (torch.empty(n), torch.zeros(c, dtype=torch.int32)))
     monkeypatch.setattr(cuda_gemm, "encode_tiled", _fake_encode)
     monkeypatch.setattr(plans.tma, "retarget", lambda desc, p: struct.pack("<Q", p) + desc[8:])
     real_pick = cuda_gemm.pick_config
@@ -120,9 +124,9 @@ def test_no_plan_when_the_call_copies_an_operand(fake_gpu):
     assert len(full_calls) == 2 and not plans._PLANS
     c = torch.randn(m, n).bfloat16()
     a16, b16 = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
-    for _ in range(2):  # a bf16 C is widened per call
+    for _ in range(2):  # a bf16 C is read in place by the tile kernel, which has no plan (its workspace)
         deepgemm.bf16_gemm_nt(a16, b16, d, c)
-    assert len(full_calls) == 4 and not plans._PLANS
+    assert len(launches) == 4 and "splitk" in launches[-1][0].expression and not plans._PLANS
 
 
 def test_checks_still_run_for_a_new_signature_and_bad_alignment(fake_gpu):
@@ -195,7 +199,10 @@ def test_replayed_calls_are_exact_on_the_gpu(m, n, k):
         deepgemm.fp8_gemm_nt(a8, w8, d)
         _gemm_module()._fp8_gemm_checked(a8, w8, full, None, "nt", None, None, None, "nk", False)
         assert torch.equal(d, full), f"fp8 call {it}"
-    assert len(plans._PLANS) == 2
+    # bf16 shapes on the split-K kernel have no plan (its workspace is not a caller tensor): full path
+    from deepgemm import splitk
+
+    assert len(plans._PLANS) == 1 + (splitk.pick_splitk(m, n, k, deepgemm.get_num_sms()) is None)
 
 
 def test_bias_on_the_cpu_reference():
@@ -212,7 +219,8 @@ def test_bias_on_the_cpu_reference():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(128, 7168, 2048), (4096, 4096, 4096), (77, 1000, 512)])
-def test_bias_in_the_epilogue_on_the_gpu(m, n, k):
+def test_bias_in_the_epilogue_on_the_gpu(m, n, k, monkeypatch):
+    monkeypatch.setenv("DEEPGEMM_SPLITK", "0")  # the fp32 reference on the persistent kernel too (same K order)
     a = torch.randn(m, k, device="cuda").bfloat16()
     w = torch.randn(n, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda") * 10
