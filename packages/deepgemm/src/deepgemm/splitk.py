@@ -34,7 +34,13 @@ BLOCK_N_CANDIDATES = (64, 128, 256)
 # 192 x 160 units, and an SM moves ~100 GB/s from L2, so one byte ~ 0.9 units.
 REDUCE_COST_PER_BYTE = 0.9
 FIXED_CTA_COST = 4.0 * 192 * 160  # prologue + epilogue of one CTA, in K-block units of a 128x128 tile
-MIN_GAIN = 0.85  # split-K must cost at most this fraction of the persistent plan
+# Split-K must cost at most this fraction of the persistent plan. Calibrated on the H200 (2026-12-02,
+# docs/benchmarks/deepgemm_small_m_h200.json): for M <= 64 (bound by reading B) every plan the model
+# put below 0.78 was faster; for M > 64 the model is optimistic (measured/model ~1.35-1.5: the
+# 128-row reduction tail is larger, the persistent kernel's narrow tiles better than modelled), so
+# 128x4096x7168 (model 0.71, measured 0.96) and 128x7168x16384 (0.81, measured 1.20) stay persistent.
+MIN_GAIN_SMALL_M = 0.85
+MIN_GAIN = 0.6
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,7 @@ def _pick(m: int, n: int, k: int, num_sms: int) -> SplitKConfig | None:
         return None
     (cost, _, _, _), block_m, bn, se = best
     base = persistent_cost(m, n, k, num_sms)
-    if cost > MIN_GAIN * base:
+    if cost > (MIN_GAIN_SMALL_M if m <= 64 else MIN_GAIN) * base:
         log.debug("split-K not used for %dx%dx%d: estimated %.0f vs persistent %.0f", m, n, k, cost, base)
         return None
     return SplitKConfig(block_m=block_m, block_n=bn, splits=se, stages=max_stages(block_m, bn), num_sms=num_sms)
