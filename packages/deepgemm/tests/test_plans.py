@@ -43,6 +43,8 @@ def fake_gpu(monkeypatch):
     from deepgemm import splitk  # the split-K / tile kernel (bf16 C, MN-major operands, small M)
 
     monkeypatch.setattr(splitk, "_kernel", lambda key: FakeKernel(launches, key))
+    monkeypatch.setattr(splitk, "encode_tiled", _fake_encode)
+    splitk._DESC_CACHE.clear()
     monkeypatch.setattr(splitk, "_workspace", lambda dev, n, c: (torch.empty(n), torch.zeros(c, dtype=torch.int32)))
     monkeypatch.setattr(cuda_gemm, "encode_tiled", _fake_encode)
     monkeypatch.setattr(plans.tma, "retarget", lambda desc, p: struct.pack("<Q", p) + desc[8:])

@@ -13,12 +13,15 @@ L2) and returns a config only when split-K is clearly cheaper; the reason is log
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import tilehal
 import torch
+from tilehal.tma import encode_tiled
 
 from .heuristics import SMEM_CAPACITY, SMEM_SLACK, pick_config, tile_cost, waves
 from .utils import ceil_div
@@ -187,9 +190,7 @@ def pick_tiles(m: int, n: int, k: int, num_sms: int) -> SplitKConfig:
 
 
 def kernel_source() -> str:
-    from .cuda_gemm import KERNEL_DIR
-
-    return (KERNEL_DIR / KERNEL_NAME).read_text()
+    return (Path(__file__).resolve().parent / "kernels" / KERNEL_NAME).read_text()
 
 
 def compile_kernels(keys, extra_options: tuple[str, ...] = ()) -> tilehal.CudaModule:
@@ -240,9 +241,21 @@ def in_place_ok(x: torch.Tensor, name: str) -> bool:
     return why is None
 
 
-def _operand_descriptor(x: torch.Tensor, block_rows: int) -> bytes:
-    from .cuda_gemm import _encode
+_DESC_CACHE: collections.OrderedDict = collections.OrderedDict()
 
+
+def _encode(ptr: int, dtype: torch.dtype, shape: tuple, strides: tuple, box: tuple, swizzle: str) -> bytes:
+    # A descriptor depends only on these values: repeated calls on the same buffers reuse it.
+    key = (ptr, dtype, shape, strides, box, swizzle)
+    hit = _DESC_CACHE.get(key)
+    if hit is None:
+        hit = _DESC_CACHE[key] = encode_tiled(ptr, dtype, shape, strides, box, swizzle=swizzle)
+        if len(_DESC_CACHE) > 4096:
+            _DESC_CACHE.popitem(last=False)
+    return hit
+
+
+def _operand_descriptor(x: torch.Tensor, block_rows: int) -> bytes:
     if is_mn_major(x):  # stored [K, rows]: boxes of 64 K-rows x 64 elements (one 128-byte swizzled atom)
         k, rows = x.shape[1], x.shape[0]
         return _encode(x.data_ptr(), x.dtype, (k, rows), (x.stride(1), 1), (BLOCK_K, 64), "128B")
