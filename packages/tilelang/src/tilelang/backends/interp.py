@@ -333,6 +333,12 @@ class Interpreter:
         sel = b[n + 1] if self.mask is not None else np.ones(b[0].shape, dtype=bool)
         ids = [x[sel] for x in b[:n]]
         vals = b[n][sel].astype(np_dtype(dt.compute_type(s.dst.buffer.dtype)))
+        if s.dst.buffer.scope == "global":  # out-of-bounds adds to a global tensor are dropped, like its stores
+            ok = np.ones(vals.shape, dtype=bool)
+            for i, n_ in zip(ids, arr.shape):
+                ok &= (i >= 0) & (i < n_)
+            if not ok.all():
+                ids, vals = [i[ok] for i in ids], vals[ok]
         self._check_bounds(s.dst.buffer, ids, arr.shape, s.loc)
         flat = np.ravel_multi_index(ids, arr.shape) if ids[0].size else ids[0]
         if np.unique(flat).size == flat.size:
