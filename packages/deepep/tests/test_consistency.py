@@ -52,3 +52,10 @@ def test_combine_layouts_that_differ_are_refused_on_every_rank(ranks):
         for rank, msg in enumerate(out):
             assert msg.startswith("combine: expected every rank to combine the same layout"), (transport, rank, msg)
             assert "x_dtype" in msg, msg
+
+
+def test_hierarchical_cached_dispatch_checks_the_layout(ranks):
+    for msgs in ranks(4, "hierarchical_cached_layout", timeout_s=90):
+        assert msgs[0] == "ok 32", msgs  # every rank changed hidden alike: fine, as in DeepEP
+        assert msgs[1].startswith("dispatch (cached): expected every rank to dispatch the same layout") \
+            and "hidden" in msgs[1], msgs

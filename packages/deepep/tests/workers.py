@@ -713,3 +713,24 @@ def nvlink_agreement(rank: int, world: int) -> list[str]:
     a.ensure("low_latency_combine", [7168, 8, 16, 128])
     out.append(f"exchanges {len(calls)}")
     return out
+
+
+def hierarchical_cached_layout(rank: int, world: int) -> list[str]:
+    """The hierarchical engine's cached dispatch: every rank replaying the handle with a new hidden size is
+    fine; one rank alone changing it is refused on every rank (the header goes to the whole group)."""
+    from tilehal import ShapeError
+
+    buf = Buffer(None, transport="hierarchical", num_ranks_per_node=2, timeout_s=20)
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.rand(12, 4 * world, generator=g).topk(2, dim=1).indices
+    _, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4 * world)
+    *_, handle, _ = buf.dispatch(torch.randn(12, 64, generator=g), is_token_in_rank=in_rank,
+                                 num_tokens_per_expert=per_expert, topk_idx=idx)
+    out = []
+    for hidden in (32, 48 if rank == 1 else 32):
+        try:
+            recv = buf.dispatch(torch.randn(12, hidden, generator=g), handle=handle)[0]
+            out.append(f"ok {recv.shape[1]}")
+        except ShapeError as e:
+            out.append(str(e))
+    return out
