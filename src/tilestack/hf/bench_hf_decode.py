@@ -43,6 +43,8 @@ def _args(argv):
     p.add_argument("--iters", type=int, default=10, help="timed steps per column (after 2 warm-up steps)")
     p.add_argument("--ttft-context", type=int, default=32768, help="cached prefix of the TTFT request (0: skip)")
     p.add_argument("--quick", action="store_true", help="tiny model and contexts (smoke test)")
+    p.add_argument("--summary-dtype", choices=("bf16", "fp8", "int4"), default="bf16",
+                   help="the pool's key summaries (SparseConfig.summary_dtype): what the sparse columns select from")
     return p.parse_args(argv)
 
 
@@ -227,7 +229,10 @@ def run_context(args, model, cfg, dtype, device, L, timer, th, results, columns)
     if not any(c.startswith("kv_") for c in columns):
         return
     bs = 16
-    cache = th.enable_kvpool(model, num_blocks=B * (-(-(L + steps) // bs) + 1), block_size=bs)
+    sdt = {"bf16": None, "fp8": torch.float8_e4m3fn, "int4": "int4"}[args.summary_dtype]
+    sparse_cfg = th.SparseConfig(top_k=args.top_k, summary_dtype=sdt)
+    cache = th.enable_kvpool(model, num_blocks=B * (-(-(L + steps) // bs) + 1), block_size=bs, sparse=sparse_cfg)
+    cache.sparse = None
     try:
         pool = cache.pool
         sids = [("bench", L, b) for b in range(B)]
@@ -249,7 +254,7 @@ def run_context(args, model, cfg, dtype, device, L, timer, th, results, columns)
             res["logit_scale_max_abs"] = ref_logits.abs().max().item()
             print(f"    first step logits: kvpool dense vs transformers max |diff| {d:.4g} "
                   f"(max |logit| {res['logit_scale_max_abs']:.3g})", flush=True)
-        for name, sparse in (("kv_dense_eager", None), ("kv_sparse_eager", th.SparseConfig(top_k=args.top_k))):
+        for name, sparse in (("kv_dense_eager", None), ("kv_sparse_eager", sparse_cfg)):
             if name not in columns:
                 continue
             print(f"  [{L}] {name}", flush=True)
@@ -265,7 +270,7 @@ def run_context(args, model, cfg, dtype, device, L, timer, th, results, columns)
                 res[name] = {"ms": timer.median(kv_step, args.iters) * 1e3}
             except Exception as e:  # noqa: BLE001
                 res[name] = skip(e)
-        for name, sparse in (("kv_dense_graph", None), ("kv_sparse_graph", th.SparseConfig(top_k=args.top_k))):
+        for name, sparse in (("kv_dense_graph", None), ("kv_sparse_graph", sparse_cfg)):
             if name not in columns:
                 continue
             print(f"  [{L}] {name}", flush=True)
@@ -375,7 +380,8 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "batch": args.batch,
-        "top_k_blocks": args.top_k, "block_size": 16, "dtype": str(dtype).replace("torch.", ""),
+        "top_k_blocks": args.top_k, "summary_dtype": args.summary_dtype, "block_size": 16,
+        "dtype": str(dtype).replace("torch.", ""),
         "model": {k: getattr(cfg, k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                                                "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")},
         "decode_step": {}, "ttft": {},
