@@ -108,16 +108,18 @@ def variant_keys():
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--only", choices=("grouped", "dense"), default=None,
-                    help="grouped: the contiguous and masked kernels only; dense: the dense ones (no multicast)")
+    ap.add_argument("--only", choices=("grouped", "dense", "dense_bf16"), default=None,
+                    help="grouped: the contiguous and masked kernels only; dense (dense_bf16): the dense (bf16) ones "
+                         "without multicast")
     args = ap.parse_args()
     set_num_sms(SMS)
     keys = all_keys() | all_keys(max_multicast=1) | (set() if args.only else variant_keys())
     keys = sorted(keys, key=lambda k: k.expression)
     if args.only == "grouped":
         keys = [k for k in keys if k.grouping in ("contiguous", "masked") and k.multicast == 1]
-    elif args.only == "dense":
-        keys = [k for k in keys if k.grouping == "normal" and k.multicast == 1]
+    elif args.only in ("dense", "dense_bf16"):
+        keys = [k for k in keys if k.grouping == "normal" and k.multicast == 1 and not (args.only == "dense_bf16"
+                                                                                     and k.fp8)]
     print(f"{len(keys)} kernels")
     with cf.ProcessPoolExecutor(args.jobs) as ex:
         for i, mod in enumerate(ex.map(compile_kernel, keys)):
