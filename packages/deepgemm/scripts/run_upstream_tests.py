@@ -127,7 +127,7 @@ PERF = re.compile(r"^ > Perf")
 AVG = re.compile(r"Average .*speedup.*?([0-9.]+)x")
 
 
-def run(specs: list[str], log_dir: Path | None) -> dict:
+def run(specs: list[str], log_dir: Path | None, save=None) -> dict:
     results = {}
     for spec in specs:
         _, fn = _resolve(spec)
@@ -148,6 +148,8 @@ def run(specs: list[str], log_dir: Path | None) -> dict:
         print(f"{spec}: {results[spec]}", flush=True)
         if log_dir is not None:
             (log_dir / f"{spec}.log").write_text(out + ("\n" + err if err else ""))
+        if save is not None:
+            save(results)  # after every function: a run cut by a time limit keeps what finished
     return results
 
 
@@ -168,9 +170,13 @@ def main() -> None:
         report["prewarm"] = prewarm(specs, args.jobs)
         print(f"prewarm: {report['prewarm']}", flush=True)
     log_dir = args.out.parent if args.out else None
-    report["results"] = run(specs, log_dir)
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
+
+    def save(results: dict) -> None:
+        if args.out:
+            args.out.write_text(json.dumps({**report, "results": results}, indent=1))
+
+    save({})
+    report["results"] = run(specs, log_dir, save)
 
 
 if __name__ == "__main__":
