@@ -33,7 +33,7 @@ def test_llama_mlps_are_fused_and_keep_their_parameters(cuda_present):
     ids = torch.randint(0, 512, (2, 16))
     with torch.no_grad():
         want = model(ids).logits
-        rep = register_optimizations(model, backend="cuda")
+        rep = register_optimizations(model, backend="cuda", fuse_mlp=True)
         got = model(ids).logits  # CPU tensors: GemmSwiGLU runs its three GemmLinears (deepgemm's reference)
     mlps = [d for d in rep.swapped if d.kind == "mlp"]
     assert [d.name for d in mlps] == ["model.layers.0.mlp", "model.layers.1.mlp"]
@@ -59,7 +59,7 @@ def test_skip_reasons():
 
 def test_replaced_weight_is_concatenated_again(cuda_present):
     model = llama()
-    register_optimizations(model, backend="cuda")
+    register_optimizations(model, backend="cuda", fuse_mlp=True)
     m = model.model.layers[0].mlp
     new = torch.randn_like(m.up_proj.weight)
     m.up_proj.weight = torch.nn.Parameter(new)
@@ -69,7 +69,7 @@ def test_replaced_weight_is_concatenated_again(cuda_present):
 
 def test_fuse_mlp_off_swaps_linears_one_by_one(cuda_present):
     model = llama()
-    rep = register_optimizations(model, backend="cuda", fuse_mlp=False)
+    rep = register_optimizations(model, backend="cuda")  # the default: off
     assert not any(d.kind == "mlp" for d in rep.swapped)
     assert "model.layers.0.mlp.gate_proj" in rep.names("swapped")
 
@@ -84,7 +84,7 @@ def test_fused_mlp_on_the_gpu(fp8, bound):
     ids = torch.randint(0, 512, (4, 64), device="cuda")
     with torch.no_grad():
         want = ref(ids).logits
-        register_optimizations(model, backend="cuda", fp8=fp8)
+        register_optimizations(model, backend="cuda", fp8=fp8, fuse_mlp=True)
         for _ in range(2):  # the second call replays the GEMMs' plans
             got = model(ids).logits
         mlp_in = torch.randn(3, 5, 1024, device="cuda").bfloat16()
