@@ -9,7 +9,7 @@ fused write path. Same run, same shapes; writes docs/benchmarks/kvpool_prefill.{
   fp8       paged decode over an e4m3 pool, b8 x 32K, vs the bf16 pool's decode (same shapes).
   write     pool.write of a decode step (8 tokens) and of a 32K prompt: one kernel vs the torch
             ops it replaced (the same storage code with the kernel switched off).
-KVPOOL_BENCH_QUICK=1 runs the 32K prompt only.
+KVPOOL_BENCH_QUICK=1 runs the 32K prompt only; KVPOOL_BENCH_CONFIGS=w8x2,w8x2n32 limits the configs.
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ def prefill_case(lens: list[int], news: list[int], with_sdpa: bool) -> dict:
     row = {"case": f"{len(lens)} x (prefix {lens[0] - news[0]} + new {news[0]})", "flops": flops}
     cul, sll = cu.tolist(), sl.tolist()
     outs = {}
-    for cfg in cuda_prefill.CONFIGS:
+    only = [c for c in os.environ.get("KVPOOL_BENCH_CONFIGS", "").split(",") if c]  # e.g. w8x2,w8x2n32
+    configs = [c for c in cuda_prefill.CONFIGS if not only or cuda_prefill.config_name(c) in only]
+    for cfg in configs:
         name = cuda_prefill.config_name(cfg)
 
         def fn(cfg=cfg, pool=pool):
@@ -185,6 +187,8 @@ def plot(result: dict, out: Path) -> None:
     r = result["prefill"][0]
     names, vals = [], []
     for cfg in cuda_prefill.CONFIGS:
+        if f"ours_{cuda_prefill.config_name(cfg)}_TFLOPs" not in r:
+            continue
         names.append(f"paged_prefill {cuda_prefill.config_name(cfg)}")
         vals.append(r[f"ours_{cuda_prefill.config_name(cfg)}_TFLOPs"])
     for n in ("sdpa_flash_gqa", "sdpa_flash_expanded_kv", "sdpa_default_backend"):
