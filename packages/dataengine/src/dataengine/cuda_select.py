@@ -33,7 +33,7 @@ FP8 = torch.float8_e4m3fn
 _S_CTYPES = {**_CTYPES, FP8: "__nv_fp8_e4m3"}  # summaries may also be fp8 (rounded outward by their writer)
 _S_CTYPES_MMA = {torch.bfloat16: "__nv_bfloat16", FP8: "__nv_fp8_e4m3", torch.uint8: "dataengine::Q4"}
 SCORE_KERNELS = ("auto", "simt", "mma")
-DEFAULT_SCORE = "simt"  # "auto" (tensor cores where they apply) once the pipelined kernel is measured
+DEFAULT_SCORE = "auto"  # tensor cores where they apply: 78 vs 91 us (bf16), 57 vs 91 us (fp8) at b8 x 8192 blocks
 MMA_HEAD_DIMS = (64, 128)
 MMA_MAX_GROUP = 8
 _REDUCE = {"max": 0, "sum": 1, "mean": 2}
@@ -179,14 +179,19 @@ def compile_topk(arch: str = "sm_90a") -> tilehal.CudaModule:
                                 include_dirs=[str(KERNEL_DIR)], name_expressions=list(TOPK_KERNELS.values()))
 
 
-TOPK_VARIANTS = ("fast", "plain", "staged")
-DEFAULT_TOPK = "plain"  # "fast" becomes the default once measured on a GPU
+TOPK_VARIANTS = ("auto", "fast", "plain", "staged")
+DEFAULT_TOPK = "auto"
+# "auto": the fast kernel from this many keys per row on, plain below. Measured on the H200
+# (2026-12-02, docs/benchmarks/dataengine_select_cuda_kernels.json, 64 rows): plain 9.9 / 11.0 /
+# 12.4 / 16.0 / 24.9 us at 512 / 1024 / 2048 / 4096 / 8192 keys, fast 15.0 / 15.2 / 15.0 / 15.4 / 16.0.
+FAST_TOPK_FROM = 4096
 
 
 def topk_variant() -> str:
-    """DATAENGINE_TOPK_KERNEL (default DEFAULT_TOPK): "fast" (topk_fast_kernel, rows up to 32768
-    keys, else "plain"), "plain" (512 threads, 4 x 8-bit radix passes from L2) or "staged" (keys in
-    shared memory; measured no faster than plain on the H200: 28.2 vs 24.5 us at 8192 keys)."""
+    """DATAENGINE_TOPK_KERNEL (default DEFAULT_TOPK): "auto" (fast from FAST_TOPK_FROM keys per row,
+    plain below), "fast" (topk_fast_kernel, rows up to 32768 keys, else "plain"), "plain" (512
+    threads, 4 x 8-bit radix passes from L2) or "staged" (keys in shared memory; measured no faster
+    than plain on the H200: 28.2 vs 24.5 us at 8192 keys)."""
     v = os.environ.get("DATAENGINE_TOPK_KERNEL") or DEFAULT_TOPK
     if v not in TOPK_VARIANTS:
         raise tilehal.ArgumentError(f"DATAENGINE_TOPK_KERNEL: expected one of {list(TOPK_VARIANTS)}, got {v!r}")
@@ -318,6 +323,8 @@ def topk_rows(scores: torch.Tensor, width: int, rows_per_b: int, sink: int, loca
         log.debug("topk: %d keys exceed the staged kernel's shared memory; running the plain kernel", N)
         variant = "plain"
     threads = TOPK_THREADS
+    if variant == "auto":
+        variant = "fast" if N >= FAST_TOPK_FROM else "plain"
     if variant == "fast":
         items = next((i for i in FAST_ITEMS if N <= FAST_THREADS * i), None)
         if items is None:
