@@ -31,7 +31,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 GEMM_SHAPES = [(8192, 8192, 8192), (4096, 7168, 2048), (4096, 2112, 7168), (4096, 24576, 1536)]
-GEMM_CONFIGS = [(128, 256, 64, 3, 256), (128, 256, 64, 4, 256), (128, 128, 64, 3, 256)]  # ours (wgmma)
+GEMM_CONFIGS = [(128, 256, 64, 4, 256), (128, 128, 64, 3, 256),
+                (128, 192, 64, 4, 256)]  # ours (wgmma; 192 columns: N = 2112 is 11 of them)
 MMA_GEMM_CONFIGS = [(128, 256, 64, 3, 256), (128, 128, 32, 4, 128)]  # ours_mma: the best two of 2026-12-01
 PUBLIC_GEMM_CONFIG = (128, 256, 64, 3, 256)  # the configuration measured in ../shared/GPU.md
 FA_SHAPE = (4, 32, 4096, 128)
@@ -63,9 +64,14 @@ def graph_time_ms(fn, reps: int = 10, replays: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+TMA = False  # --tma: ours puts pipelined copies on TMA (experimental pass_configs cuda_tma)
+
+
 def _pass_configs(impl: str) -> dict | None:
     """ours: T.gemm on wgmma (the sm_90a default); ours_mma: mma.sync (issue 14's generation)."""
-    return {"tl.disable_wgmma": True} if impl == "ours_mma" else None
+    if impl == "ours_mma":
+        return {"tl.disable_wgmma": True, "tl.disable_tma_lower": True}
+    return {"cuda_tma": True} if TMA else None
 
 
 def _cached_compile(tilelang, impl: str, func, out_idx) -> float:
@@ -292,7 +298,11 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="(child) write rows here")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile-only", action="store_true", help="no GPU: time cold/cached compiles only")
+    ap.add_argument("--tma", action="store_true", help="ours: pipelined copies on TMA (experimental: cuda_tma)")
+    ap.add_argument("--skip-mma", action="store_true", help="leave out the ours_mma rows (mma.sync + cp.async)")
     args = ap.parse_args()
+    global TMA
+    TMA = args.tma
     if args.compile_only:
         compile_only(args.out)
         return
@@ -318,8 +328,9 @@ def main() -> None:
         os.environ["TILESTACK_CACHE_DIR"] = cache  # cold compiles really are cold
         rows += run_impl("ours", args.quick)
         save(rows)
-        rows += run_impl("ours_mma", args.quick)
-        save(rows)
+        if not args.skip_mma:
+            rows += run_impl("ours_mma", args.quick)
+            save(rows)
     if args.public:
         out = Path(tempfile.mkdtemp()) / "public.json"
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -28,7 +28,7 @@ import cuda_kernels as ck  # noqa: E402
 import tilelang  # noqa: E402
 from bench_cuda import graph_time_ms  # noqa: E402
 
-NO_WGMMA = {"tl.disable_wgmma": True}
+NO_WGMMA = {"tl.disable_wgmma": True, "tl.disable_tma_lower": True}  # the sm_80-style path: mma.sync + cp.async
 GEMM_CASES = [("float16", (8192, 8192, 8192), (128, 256, 64, 3, 256)),
               ("bfloat16", (4096, 7168, 2048), (128, 256, 64, 3, 256)),
               ("bfloat16", (4096, 2112, 7168), (128, 128, 64, 3, 256)),

@@ -76,7 +76,7 @@ def test_public_kernel_compiles(name):
     if name.startswith(("gemm", "fa_", "flash", "linear")) and name != "gemv":
         assert ("mma_m16n8k16" in src and "ldmatrix" in src) or "Wgmma" in src, f"{name} does not use the tensor cores"
     if name.startswith(("gemm", "fa_")):
-        assert "cp_async" in src
+        assert "cp_async" in src or "tma_load_2d" in src
 
 
 EXAMPLES = [
@@ -607,3 +607,42 @@ def test_annotate_swizzled_layout_gpu(dtype):
     k = tilelang.compile(_transpose_program(500, 770, dtype, True), out_idx=[1], target="cuda")
     a = torch.randn(500, 770, device="cuda").to(getattr(torch, dtype))
     torch.testing.assert_close(k(a), a.T.contiguous())
+
+
+@needs_nvrtc
+def test_tma_pipelined_copies(example):
+    """On sm_90a pipelined whole-tile copies of kernel parameters go through TMA (one descriptor per copy,
+    one load per 128-byte atom column, an mbarrier per stage); tl.disable_tma_lower and disable_tma keep
+    cp.async; 4-D sources are flattened only where the value ranges prove the tile inside."""
+    prog = _gemm_program(*GEMM_VARIANTS["wg_nt_bf16_k128"])
+    on = {"cuda_tma": True}  # experimental, off by default
+    assert "tma_load_2d" not in tilelang.compile(prog, out_idx=[2], target="cuda").get_kernel_source()
+    k = tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=on)
+    src = k.get_kernel_source()
+    specs = next(iter(k._impl.tma.values()))
+    assert [(s.param, s.box_rows, s.box_cols, s.swizzle) for s in specs] == [(0, 64, 64, "128B"), (1, 128, 64, "128B")]
+    assert src.count("tma_load_2d(") == 2 * 2 * 2 and "mbarrier_wait" in src and "cp_async_16" not in src
+    off = tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs={**on, "tl.disable_tma_lower": True})
+    assert "tma_load_2d" not in off.get_kernel_source() and not any(off._impl.tma.values())
+    m = example("flash_attention")
+    bhsd = m.flash_attention_fwd(4, 32, 4096, 128, True, 128, 128, 2, 256, "float16", layout="bhsd")
+    fa = tilelang.compile(bhsd, out_idx=[3], target="cuda", pass_configs=on)
+    assert fa.get_kernel_source().count("tma_load_2d(") == 2 * 2 * 2  # K and V, 2 atom columns, prologue + loop
+    bshd = m.flash_attention_fwd(4, 32, 4096, 128, True, 128, 128, 2, 256, "float16", layout="bshd")
+    assert "tma_load_2d" not in tilelang.compile(bshd, out_idx=[3], target="cuda",
+                                                 pass_configs=on).get_kernel_source()  # strided rows
+
+
+@needs_nvrtc
+def test_value_ranges_drop_proven_bounds_checks():
+    """Block indices range over the grid and loop variables over their extents: a tile that divides the
+    tensor copies without edge predicates; one that does not keeps them (and its results stay exact:
+    the edge variants above). cp.async path (tl.disable_tma_lower) so the predicates are visible."""
+    cfg = {"tl.disable_tma_lower": True}
+    full = tilelang.compile(_gemm_program(256, 256, 128, 64, 64, 32, "float16", "float32", False, True, 2, 128,
+                                          "Square"), out_idx=[2], target="cuda", pass_configs=cfg).get_kernel_source()
+    edge = tilelang.compile(_gemm_program(200, 256, 128, 64, 64, 32, "float16", "float32", False, True, 2, 128,
+                                          "Square"), out_idx=[2], target="cuda", pass_configs=cfg).get_kernel_source()
+    copies = [ln for ln in full.splitlines() if "cp_async_16(" in ln]
+    assert copies and not any("?" in ln for ln in copies)  # a predicated copy selects its address with ?:
+    assert any("?" in ln and "< 200" in ln for ln in edge.splitlines() if "cp_async_16(" in ln)

@@ -35,7 +35,9 @@ def _run(func):
 
 def test_pipelined_copies_land_at_their_wait():
     func = _pipelined_gemm()
-    src = tilelang.compile(func, out_idx=[-1], target="cuda").get_kernel_source()
+    # the cp.async form the emulator runs (on sm_90a the cuda target puts these copies on TMA)
+    src = tilelang.compile(func, out_idx=[-1], target="cuda",
+                           pass_configs={"tl.disable_tma_lower": True}).get_kernel_source()
     assert "cp_async_wait<1>" in src and "cp_async_commit" in src
     got, want = _run(func)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

@@ -34,8 +34,8 @@ class CudaKernel:
     from_kernel_cache = False  # built from the kernel cache's source, without lowering
 
     def __init__(self, func: PrimFunc, options: dict,
-                 generated: tuple[str, list[tuple[str, Kernel, int]]] | None = None) -> None:
-        """Generate (or, from the kernel cache, take `generated`: source and kernels) and build."""
+                 generated: tuple[str, list[tuple[str, Kernel, int]], dict] | None = None) -> None:
+        """Generate (or, from the kernel cache, take `generated`: source, kernels, TMA specs) and build."""
         self.func = func
         arch = options.get("arch", DEFAULT_ARCH)
         if generated is None:
@@ -45,13 +45,18 @@ class CudaKernel:
                 log.debug("%s: wgmma off (arch %s, tl.disable_wgmma=%r): T.gemm uses mma.sync", func.name, arch,
                           options.get("tl.disable_wgmma"))
             # generated once under a placeholder name, then named by its content hash
-            probe, kernels = generate_cuda(func, "tl_kernel", wgmma=wgmma)
+            tma: dict = {}
+            # TMA pipelines are experimental (not yet verified on a GPU): only with pass_configs {"cuda_tma": True}
+            use_tma = bool(options.get("cuda_tma")) and not options.get("tl.disable_tma_lower")
+            probe, kernels = generate_cuda(func, "tl_kernel", wgmma=wgmma, tma=tma, use_tma=use_tma)
             digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
             base = f"tl_{func.name}_{digest}"
             self.cuda_source = probe.replace("tl_kernel_k", f"{base}_k")
             self.kernels = [(name.replace("tl_kernel", base, 1), k, smem) for name, k, smem in kernels]
+            self.tma = {name.replace("tl_kernel", base, 1): specs for name, specs in tma.items()}
         else:
-            self.cuda_source, self.kernels = generated
+            self.cuda_source, self.kernels, self.tma = generated
+        self._descs: dict = {}
         t0 = time.perf_counter()
         opts = tuple(options.get("nvrtc_options", ()))
         self.module = tilehal.compile_cuda(self.cuda_source, arch=arch, name=func.name, options=opts)
@@ -82,11 +87,34 @@ class CudaKernel:
                 raise tilehal.ShapeError(f"{p.name}: the CUDA kernel needs a 16-byte aligned data pointer, got "
                                          f"address {a.data_ptr():#x} (a view with a storage offset?)")
         sizes = [int(dyn[v]) for v in self.func.dynamic_vars]
-        for kern, k, grid, threads, smem in self._static_grids:
+        for (kern, k, grid, threads, smem), (name, _, _) in zip(self._static_grids, self.kernels):
             g = [x if x is not None else _eval(e, dyn) for x, e in zip(grid, k.grid)]
             if any(x <= 0 for x in g):
                 continue
-            kern.launch(g, threads, [*args, *sizes], smem_bytes=smem)
+            descs = [self._descriptor(spec, args[spec.param]) for spec in self.tma.get(name, ())]
+            kern.launch(g, threads, [*args, *sizes, *descs], smem_bytes=smem)
+
+    def _descriptor(self, spec: Any, t: Any) -> bytes:
+        """The TMA descriptor of `spec` over tensor `t` (a 2-D view: leading dims as rows), cached per
+        address and shape (a moved tensor of one shape gets its address swapped in)."""
+        from tilehal import tma
+
+        from .rules.tma import tma_param_shape
+
+        rows, cols = tma_param_shape(tuple(t.shape))
+        key = (spec, rows, cols)
+        ptr = t.data_ptr()
+        hit = self._descs.get(key)
+        if hit is not None and hit[0] == ptr:
+            return hit[1]
+        desc = None
+        if hit is not None:
+            desc = tma.retarget(hit[1], ptr)
+        if desc is None:
+            desc = tma.encode_tiled(t, spec.dtype, (rows, cols), (cols, 1), (spec.box_rows, spec.box_cols),
+                                            swizzle=spec.swizzle)
+        self._descs[key] = (ptr, desc)
+        return desc
 
 
 def compile_cuda_kernel(func: PrimFunc, options: dict, lower: Callable[[], PrimFunc]) -> CudaKernel:
@@ -101,7 +129,7 @@ def compile_cuda_kernel(func: PrimFunc, options: dict, lower: Callable[[], PrimF
 
     def build(work) -> bytes:
         built["k"] = k = build_cuda_kernel(lower(), options)
-        return pack(k.cuda_source, k.kernels)
+        return pack(k.cuda_source, k.kernels, k.tma)
 
     art = cached_build("tilelang_cuda", key, "kernel.json", build)
     if "k" in built:

@@ -71,6 +71,7 @@ from .rules import (
     ReduceRules,
     WgmmaRules,
 )
+from .rules.tma import TmaRules
 
 SMEM_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90 (227 KiB)
 SMEM_ALIGN = 128
@@ -88,17 +89,21 @@ WGMMA_PRELUDE = r"""#include <tilehal/mbarrier.cuh>
 #include <tilehal/wgmma.cuh>
 #include <tilehal/wgmma16_ops.cuh>
 """
+TMA_PRELUDE = r"""#include <tilehal/mbarrier.cuh>
+#include <tilehal/tma.cuh>
+"""
 
 
 
 class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, ReduceRules, CumSumRules,
-                    AtomicRules, PipelineRules):
+                    AtomicRules, PipelineRules, TmaRules):
     """Lowers one T.Kernel; statements are lowered by their rule in the "cuda" / "cuda.parallel"
     tables (registered below; the tile ops' rules are the mixins of rules/)."""
 
     TARGET = "CUDA"
 
-    def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let], wgmma: bool = True) -> None:
+    def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let], wgmma: bool = True,
+                 tma: bool = True) -> None:
         self.func = func
         self.kernel = kernel
         self.name = name
@@ -126,6 +131,11 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
         self._index_rw(kernel.body)
         self.all_stmts: list[Stmt] = list(walk_stmts(kernel.body))
         self.ranges: dict[Var, tuple[int, int]] = {}
+        self.hopper = wgmma  # sm_90a features: wgmma, TMA
+        self.use_tma = tma  # pass_configs tl.disable_tma_lower: pipelined copies stay on cp.async
+        self.tma_specs: list = []  # TmaSpec per descriptor parameter, in parameter order
+        self.tma_bufs: set[Buffer] = set()
+        self.tma_plans: dict[int, dict] = {}
         self._plan_ranges()
         self._plan_swizzle()
         self._plan_pipelines()
@@ -843,7 +853,7 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
                     if not (hi <= l2 or h2 <= lo) and off < e and o < off + nbytes:
                         off = -(-e // SMEM_ALIGN) * SMEM_ALIGN
                         changed = True
-                if b in self.wgmma_bufs and off % 1024:  # wgmma descriptors: swizzle atoms on 1 KiB boundaries
+                if (b in self.wgmma_bufs or b in self.tma_bufs) and off % 1024:  # swizzle atoms on 1 KiB
                     off = -(-off // 1024) * 1024
                     changed = True
             placed.append((off, off + nbytes, lo, hi))
@@ -892,6 +902,8 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
             params.append(f"{cuda_type(p.dtype)}* __restrict__ {p.name}")
         for v in self.func.dynamic_vars:
             params.append(f"int {v.name}")
+        for i, _ in enumerate(self.tma_specs):
+            params.append(f"const __grid_constant__ tilehal::TmaDescriptor _tma{i}")
         # two blocks per SM when their shared memory fits twice and the fragments need few registers (one
         # block's loads and barriers then overlap the other's tensor-core work); ptxas keeps <= 65536 / (2 x
         # threads) registers per thread
@@ -938,22 +950,28 @@ register_rules("cuda.parallel", {Seq: seq_rule, Store: KernelCodegen.par_store,
                                  Alloc: KernelCodegen.par_alloc, **IN_PARALLEL})
 
 
-def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True) -> tuple[str, list[tuple[str, Kernel, int]]]:
+def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict | None = None,
+                  use_tma: bool = True) -> tuple[str, list[tuple[str, Kernel, int]]]:
     """CUDA source for every T.Kernel of `func`: (source, [(kernel name, Kernel node, smem bytes)]).
-    `wgmma`: T.gemm may use wgmma.mma_async (an sm_90a target); otherwise mma.sync only."""
+    `wgmma`: sm_90a features (T.gemm on wgmma, pipelined copies on TMA); otherwise mma.sync and cp.async
+    only. `tma`, when given, receives {kernel name: [TmaSpec]} (the descriptors each kernel takes after
+    its tensor and size parameters)."""
     body = func.body.body if isinstance(func.body, Seq) else [func.body]
     lets: list[Let] = []
     kernels = []
     parts = []
-    uses_wgmma = False
+    uses_wgmma = uses_tma = False
     for s in body:
         if isinstance(s, Let):
             lets.append(s)
         elif isinstance(s, Kernel):
             name = f"{base_name}_k{len(kernels)}"
-            cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma)
+            cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma)
             src, smem = cg.generate()
             uses_wgmma |= cg.has_wgmma
+            uses_tma |= bool(cg.tma_specs)
+            if tma is not None:
+                tma[name] = list(cg.tma_specs)
             parts.append(src)
             kernels.append((name, s, smem))
         elif isinstance(s, Seq) and not s.body:
@@ -962,7 +980,7 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True) -> tuple[s
             raise CompileError(f"cuda: statements outside T.Kernel ({type(s).__name__}) are not supported", s.loc)
     if not kernels:
         raise CompileError("cuda: the prim_func has no T.Kernel", func.loc)
-    prelude = PRELUDE + (WGMMA_PRELUDE if uses_wgmma else "")
+    prelude = PRELUDE + (WGMMA_PRELUDE if uses_wgmma else "") + (TMA_PRELUDE if uses_tma else "")
     source = f"// generated by tilelang from {func.name}\n{prelude}\n" + "\n\n".join(parts) + "\n"
     return source, kernels
 

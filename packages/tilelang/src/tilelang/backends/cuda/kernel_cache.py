@@ -29,7 +29,8 @@ from ...ir.nodes import Buffer, Kernel, PrimFunc, Seq, Var
 
 log = logging.getLogger("tilelang.backends.cuda")
 
-_SKIP = {"uid", "loc", "source", "parent"}  # identity counters and source positions change no code
+_SKIP = {"uid", "loc", "source", "parent"}
+_VERSION = "tilelang-cuda-kernel-v2"  # v2: entries carry TMA descriptor specs  # identity counters and source positions change no code
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
@@ -97,7 +98,7 @@ def _compiler_stamp() -> str:
 
 def cache_key(func: PrimFunc, options: dict) -> str:
     opts = json.dumps({k: v for k, v in options.items()}, sort_keys=True, default=repr)
-    return content_key("tilelang-cuda-kernel-v1", structural_key(func), opts, _compiler_stamp())
+    return content_key(_VERSION, structural_key(func), opts, _compiler_stamp())
 
 
 def top_kernels(func: PrimFunc) -> list[Kernel]:
@@ -105,15 +106,21 @@ def top_kernels(func: PrimFunc) -> list[Kernel]:
     return [s for s in body if isinstance(s, Kernel)]
 
 
-def pack(source: str, kernels: list[tuple[str, Kernel, int]]) -> bytes:
-    return json.dumps({"source": source, "kernels": [[name, smem] for name, _, smem in kernels]}).encode()
+def pack(source: str, kernels: list[tuple[str, Kernel, int]], tma: dict) -> bytes:
+    return json.dumps({"source": source, "kernels": [[name, smem, [t.as_list() for t in tma.get(name, ())]]
+                                                     for name, _, smem in kernels]}).encode()
 
 
-def unpack(func: PrimFunc, data: bytes) -> tuple[str, list[tuple[str, Kernel, int]]] | None:
-    """(source, [(kernel name, Kernel of `func`, smem bytes)]), or None when the entry does not fit."""
+def unpack(func: PrimFunc, data: bytes) -> tuple[str, list[tuple[str, Kernel, int]], dict] | None:
+    """(source, [(kernel name, Kernel of `func`, smem bytes)], {kernel name: [TmaSpec]}), or None when the
+    entry does not fit."""
+    from .rules.tma import TmaSpec
+
     try:
         rec = json.loads(data)
-        names = [(str(n), int(s)) for n, s in rec["kernels"]]
+        names = [(str(n), int(s)) for n, s, _ in rec["kernels"]]
+        tma = {str(n): [TmaSpec(int(p), str(d), int(r), int(c), str(w)) for p, d, r, c, w in specs]
+               for n, _, specs in rec["kernels"]}
         source = str(rec["source"])
     except (ValueError, KeyError, TypeError) as e:
         log.debug("kernel cache entry unusable (%s)", e)
@@ -121,7 +128,7 @@ def unpack(func: PrimFunc, data: bytes) -> tuple[str, list[tuple[str, Kernel, in
     ks = top_kernels(func)
     if len(ks) != len(names):
         return None
-    return source, [(n, k, s) for (n, s), k in zip(names, ks)]
+    return source, [(n, k, s) for (n, s), k in zip(names, ks)], tma
 
 
 __all__ = ["cache_key", "pack", "structural_key", "top_kernels", "unpack"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ....ir.nodes import Alloc, Buffer, Copy, For, Gemm, If, Kernel, Let, Load, Seq, Var
 from ....ir.visit import walk_expr, walk_stmts
 from ..common import log
@@ -65,6 +67,10 @@ class PipelineRules:
                 self.stages[buf] = n
             if chosen:
                 self.pipes[id(loop)] = chosen
+                for c in chosen:
+                    plan = self._tma_plan(c)
+                    if plan is not None:
+                        self.tma_plans[id(c)] = plan
             else:
                 log.debug("%s: T.Pipelined(num_stages=%d) has no global->shared copy to prefetch; runs serially",
                           loop.loc, n)
@@ -75,16 +81,40 @@ class PipelineRules:
         start, ext = self.expr(s.start), self.expr(s.extent)
         v = s.var.name
         bufs = [c.dst.buffer for c in copies]
-        self.emit(f"// T.Pipelined: {n} stages of {', '.join(b.name for b in bufs)} (cp.async)")
+        tma = [self.tma_plans[id(c)] for c in copies if id(c) in self.tma_plans]
+        on_tma = {id(p["copy"]) for p in tma}
+        cp = [c for c in copies if id(c) not in on_tma]
+        self.emit(f"// T.Pipelined: {n} stages of {', '.join(b.name for b in bufs)} "
+                  f"({'TMA + mbarrier' if tma else ''}{', ' if tma and cp else ''}{'cp.async' if cp else ''})")
+        bar = None
+        if tma:
+            bar = self.fresh("bar")
+            self.emit(f"__shared__ __align__(8) tilehal::u64 {bar}[{n}];")
+            self.emit(f"if (_tx == 0) {{ for (int _s = 0; _s < {n}; ++_s) tilehal::mbarrier_init(&{bar}[_s], 1); "
+                      f"tilehal::fence_barrier_init(); }}")
+            self.sync()
+        tma_bytes = sum(p["bytes"] for p in tma)
+
+        def issue(stage_c: str) -> None:
+            for c in cp:
+                self.stage_expr[c.dst.buffer] = stage_c
+                self.copy_async(c)
+            if tma:
+                self.open("if (_tx == 0)")
+                self.emit(f"tilehal::mbarrier_arrive_expect_tx(&{bar}[{stage_c}], {tma_bytes});")
+                for p in tma:
+                    size = int(np.prod(p["copy"].dst.buffer.static_shape()))
+                    self.tma_issue(p, f"({stage_c}) * {size}", f"&{bar}[{stage_c}]")
+                self.close()
+
         for st in range(n - 1):
             self.open("")
             self.emit(f"const int {v} = {start} + {st};")
             self.open(f"if ({st} < {ext})")
-            for c in copies:
-                self.stage_expr[c.dst.buffer] = str(st)
-                self.copy_async(c)
+            issue(str(st))
             self.close()
-            self.emit("tilehal::cp_async_commit();")
+            if cp:
+                self.emit("tilehal::cp_async_commit();")
             self.close()
         body = s.body.body if isinstance(s.body, Seq) else [s.body]
         rest = [c for c in body if not any(c is x for x in copies)]
@@ -96,25 +126,28 @@ class PipelineRules:
             self.emit(f"const int {nxt} = {v} + {n - 1};")
             self.open(f"if ({nxt} < {start} + {ext})")
             self.emit(f"const int {v} = {nxt};")
-            for c in copies:
-                self.stage_expr[c.dst.buffer] = f"(({nxt} - ({start})) % {n})"
-                self.copy_async(c)
+            issue(f"(({nxt} - ({start})) % {n})")
             self.close()
-            self.emit("tilehal::cp_async_commit();")
+            if cp:
+                self.emit("tilehal::cp_async_commit();")
             self.close()
 
         # one barrier per iteration: after it, stage k has landed for every thread and every thread is
         # done with stage k-1 (read in the previous iteration), which the prefetch then refills. With the
         # loop's last statement a wgmma left in flight (one group) across iterations, the refill of
         # stage k-1 waits for a second barrier after that wgmma's issue: by then every warpgroup has
-        # waited for its wgmma of iteration k-1, and the tensor cores run iteration k meanwhile.
+        # waited for its wgmma of iteration k-1, and the tensor cores run iteration k meanwhile. TMA
+        # stages land on their mbarrier: use u of a stage waits for phase parity u & 1.
         self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
-        self.emit(f"tilehal::cp_async_wait<{n - 2}>();")
+        stage = self.fresh("stage")
+        self.emit(f"const int {stage} = ({v} - ({start})) % {n};")
+        if cp:
+            self.emit(f"tilehal::cp_async_wait<{n - 2}>();")
+        if tma:
+            self.emit(f"tilehal::mbarrier_wait(&{bar}[{stage}], (({v} - ({start})) / {n}) & 1);")
         self.sync()
         if agemm is None:
             prefetch()
-        stage = self.fresh("stage")
-        self.emit(f"const int {stage} = ({v} - ({start})) % {n};")
         for b in bufs:
             self.stage_expr[b] = stage
         for c in rest:
@@ -128,7 +161,8 @@ class PipelineRules:
         if agemm is not None:
             self.emit("tilehal::wgmma_wait<0>();")
             self.emit(f"tilehal::wgmma_fence_operands({agemm.C.buffer.name});")
-        self.emit("tilehal::cp_async_wait<0>();")
+        if cp:
+            self.emit("tilehal::cp_async_wait<0>();")
         # the last iteration's accesses are still in flight for other threads
         r, w = self.tracked(s)
         self.pending_r |= r
