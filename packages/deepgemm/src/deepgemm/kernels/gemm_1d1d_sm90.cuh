@@ -28,25 +28,6 @@ template <int NUM_MATH_WG> constexpr int k1d1dProducerRegs = 40;
 template <int NUM_MATH_WG> constexpr int k1d1dMathRegs = NUM_MATH_WG == 1 ? 256 : 232;
 constexpr int k1d1dBand = 16;  // n-blocks per rasterization band
 
-template <typename OutT>
-TILEHAL_DEVICE void store2_1d1d(OutT* p, float x, float y, bool both, bool aligned) {
-  if constexpr (sizeof(OutT) == 2) {
-    if (both && aligned) {
-      *reinterpret_cast<unsigned*>(p) = float2_to_bf16x2(x, y);
-    } else {
-      p[0] = __float2bfloat16_rn(x);
-      if (both) p[1] = __float2bfloat16_rn(y);
-    }
-  } else {
-    if (both && aligned) {
-      *reinterpret_cast<float2*>(p) = make_float2(x, y);
-    } else {
-      p[0] = x;
-      if (both) p[1] = y;
-    }
-  }
-}
-
 template <int SHAPE_N, int BLOCK_M, int BLOCK_N, int STAGES, typename OutT, bool HAS_C>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 gemm_1d1d_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
@@ -198,7 +179,7 @@ gemm_1d1d_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constan
             if (both) y += cp[1];
           }
         }
-        store2_1d1d(d + row_off + col, x, y, both, kEvenN);
+        store_pair(d + row_off + col, x, y, both, kEvenN);
       }
     }
   }

@@ -165,25 +165,6 @@ TILEHAL_DEVICE void overlapped_group(int kb0, float (&part)[PART], float (&part2
 template <bool C, typename T, typename F> struct Select { using type = T; };
 template <typename T, typename F> struct Select<false, T, F> { using type = F; };
 
-template <typename OutT>
-TILEHAL_DEVICE void store_pair(OutT* p, float x, float y, bool both, bool aligned) {
-  if constexpr (sizeof(OutT) == 2) {
-    if (both && aligned) {
-      *reinterpret_cast<unsigned*>(p) = float2_to_bf16x2(x, y);
-    } else {
-      p[0] = __float2bfloat16_rn(x);
-      if (both) p[1] = __float2bfloat16_rn(y);
-    }
-  } else {
-    if (both && aligned) {
-      *reinterpret_cast<float2*>(p) = make_float2(x, y);
-    } else {
-      p[0] = x;
-      if (both) p[1] = y;
-    }
-  }
-}
-
 // The descriptor of K step k (32 bytes further along the 128-byte row). The 14-bit address field
 // cannot carry into the upper word (shared memory is below 256 KiB), whose bits are constants, so
 // only the low word is live: one register per descriptor instead of two.

@@ -39,25 +39,6 @@ using namespace tilehal;
 template <int NUM_MATH_WG> constexpr int kSplitKProducerRegs = 40;
 template <int NUM_MATH_WG> constexpr int kSplitKMathRegs = NUM_MATH_WG == 1 ? 256 : 232;
 
-template <typename OutT>
-TILEHAL_DEVICE void splitk_store2(OutT* p, float x, float y, bool both, bool aligned) {
-  if constexpr (sizeof(OutT) == 2) {
-    if (both && aligned) {
-      *reinterpret_cast<unsigned*>(p) = float2_to_bf16x2(x, y);
-    } else {
-      p[0] = __float2bfloat16_rn(x);
-      if (both) p[1] = __float2bfloat16_rn(y);
-    }
-  } else {
-    if (both && aligned) {
-      *reinterpret_cast<float2*>(p) = make_float2(x, y);
-    } else {
-      p[0] = x;
-      if (both) p[1] = y;
-    }
-  }
-}
-
 TILEHAL_DEVICE float splitk_load(const float* p) { return *p; }
 TILEHAL_DEVICE float splitk_load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 
@@ -260,9 +241,9 @@ splitk_bf16_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_const
 #pragma unroll
         for (int v = 0; v < VEC; v += 2) {
           if constexpr (VEC == 1) {
-            splitk_store2(d + off, sum[u][0], 0.f, false, false);
+            store_pair(d + off, sum[u][0], 0.f, false, false);
           } else {
-            splitk_store2(d + off + v, sum[u][v], sum[u][v + 1], true, true);
+            store_pair(d + off + v, sum[u][v], sum[u][v + 1], true, true);
           }
         }
       }
@@ -287,7 +268,7 @@ splitk_bf16_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_const
         x += splitk_load(cp);
         if (both) y += splitk_load(cp + 1);
       }
-      splitk_store2(d + row_off + col, x, y, both, kEvenN);
+      store_pair(d + row_off + col, x, y, both, kEvenN);
     }
   }
 }

@@ -46,4 +46,25 @@ template <typename T> TILEHAL_DEVICE unsigned from_float2(float a, float b);
 template <> TILEHAL_DEVICE unsigned from_float2<__nv_bfloat16>(float a, float b) { return float2_to_bf16x2(a, b); }
 template <> TILEHAL_DEVICE unsigned from_float2<__half>(float a, float b) { return float2_to_half2(a, b); }
 
+// Two adjacent epilogue outputs (OutT is __nv_bfloat16 or float): one 4- / 8-byte store when both
+// are wanted and the address allows it, else element by element (odd N, the last column).
+template <typename OutT>
+TILEHAL_DEVICE void store_pair(OutT* p, float x, float y, bool both, bool aligned) {
+  if constexpr (sizeof(OutT) == 2) {
+    if (both && aligned) {
+      *reinterpret_cast<unsigned*>(p) = float2_to_bf16x2(x, y);
+    } else {
+      p[0] = __float2bfloat16_rn(x);
+      if (both) p[1] = __float2bfloat16_rn(y);
+    }
+  } else {
+    if (both && aligned) {
+      *reinterpret_cast<float2*>(p) = make_float2(x, y);
+    } else {
+      p[0] = x;
+      if (both) p[1] = y;
+    }
+  }
+}
+
 }  // namespace tilehal
