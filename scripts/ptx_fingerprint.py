@@ -179,6 +179,9 @@ def cases():
             out.append((f"quest_{str(sdt)[6:]}_{d}_4",
                         lambda sdt=sdt, d=d: sel.compile_score.__wrapped__(bf16, sdt, d, 4, "max")))
         out.append(("topk", lambda: sel.compile_topk.__wrapped__()))
+        for sdt, label in ((bf16, "bfloat16"), (sel.FP8, "fp8"), (torch.uint8, "q4")):
+            out.append((f"select_fused_{label}_128_4",
+                        lambda sdt=sdt: sel.compile_select.__wrapped__(sdt, 128, 4, "max")))
     try:
         from deepgemm import cuda_gemm as dg
     except ImportError:
@@ -191,6 +194,25 @@ def cases():
         }
         for label, key in keys.items():
             out.append((f"deepgemm_{label}", lambda key=key: dg.compile_kernel(key)))
+        from deepgemm import gemm_1d1d as g1
+        from deepgemm import splitk as sk
+
+        # 1D1D: one and two math warpgroups, narrow and wide tiles, fp32 + C and bf16 without C.
+        for bm, bn, out_dt, has_c in ((64, 64, torch.float32, True), (128, 128, torch.float32, True),
+                                      (128, 192, bf16, False)):
+            cfg = g1.Config1D1D(bm, bn, g1.max_stages(bm, bn), 132)
+            key = g1.key_1d1d(cfg, 4096, out_dt, has_c)
+            out.append((f"deepgemm_1d1d_{bm}x{bn}_{str(out_dt)[6:]}_{int(has_c)}",
+                        lambda key=key: g1.compile_kernels([key])))
+        # split-K: bf16 out, bf16 C (bf16 accumulation), fp32 out + fp32 C, MN-major operands.
+        for bm, bn, splits, out_dt, c_dt, a_mn, b_mn in ((64, 128, 8, bf16, None, False, False),
+                                                          (64, 256, 4, bf16, bf16, False, False),
+                                                          (128, 128, 4, torch.float32, torch.float32, False, False),
+                                                          (128, 256, 1, bf16, None, True, True)):
+            cfg = sk.SplitKConfig(bm, bn, splits, sk.max_stages(bm, bn), 132)
+            key = sk.splitk_key(cfg, 4096, 7168, out_dt, c_dt, a_mn, b_mn)
+            out.append((f"deepgemm_splitk_{bm}x{bn}_s{splits}_{str(out_dt)[6:]}_{str(c_dt)[6:]}_{int(a_mn)}{int(b_mn)}",
+                        lambda key=key: sk.compile_kernels([key])))
     return out
 
 
