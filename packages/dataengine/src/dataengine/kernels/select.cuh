@@ -528,32 +528,16 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int& 
   return before + x - v;
 }
 
-// scores [rows, N] float32 (row-major, row stride N). n_valid per batch entry b = row / rows_per_b:
-//   mode 0: N; mode 1: nv[b]; mode 2: ceil(seq_lens[b] / block_size);
-//   mode 3: count(table[b, :] >= 0) if seq_lens[b] > 0 else 0 (table stride N).
-// out [rows, width] int32.
-// STAGED = false: every pass recomputes the keys from the scores (L2) and counts with one shared
-//   atomic per key (the variant measured on the H200, the default).
-// STAGED = true: the row's keys are computed once into dynamic shared memory (4 * N bytes, host
-//   checks the size) and lanes of a warp with the same digit add once (__match_any_sync):
-//   fewer L2 round trips and no serialized atomics on a crowded bin. Not yet measured on a GPU.
-template <bool STAGED>
-__global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
-    const float* __restrict__ scores, int N, int rows_per_b, int mode, const int* __restrict__ nv,
-    const int* __restrict__ seq_lens, const int* __restrict__ table, int block_size,
-    int sink, int local, int width, int* __restrict__ out) {
-  extern __shared__ unsigned keys_s[];
-  __shared__ int hist[256];
-  __shared__ int warp_sums[kTopkThreads / 32];
-  __shared__ int s_digit, s_need;
-  __shared__ long long s_nvalid;
-  const int row = blockIdx.x, b = row / rows_per_b, tid = threadIdx.x, lane = tid % 32;
-  const float* srow = scores + (long long)row * N;
-  int* orow = out + (long long)row * width;
-
+// The row's n_valid (the modes of topk_select_kernel below), the same on every thread of the CTA.
+// Scratch: warp_sums (mode 3's count), s_nvalid. Contains __syncthreads.
+template <int THREADS>
+__device__ __forceinline__ long long row_n_valid(int N, int b, int mode, const int* __restrict__ nv,
+                                                 const int* __restrict__ seq_lens, const int* __restrict__ table,
+                                                 int block_size, int* warp_sums, long long& s_nvalid) {
+  const int tid = threadIdx.x;
   if (mode == 3) {
     int c = 0;
-    for (int p = tid; p < N; p += kTopkThreads) c += table[(long long)b * N + p] >= 0;
+    for (int p = tid; p < N; p += THREADS) c += table[(long long)b * N + p] >= 0;
     int total;
     block_exclusive_scan(c, warp_sums, total);
     if (tid == 0) s_nvalid = seq_lens[b] > 0 ? total : 0;
@@ -564,30 +548,27 @@ __global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
     s_nvalid = n;
   }
   __syncthreads();
-  const long long n_valid = s_nvalid;
-  auto key_of = [&](int p) -> unsigned {
-    if (p >= n_valid) return 0u;
-    if (p < sink || p >= n_valid - local) return kKeyForced;
-    return float_key(srow[p]);
-  };
-  if constexpr (STAGED) {
-#pragma unroll 4
-    for (int p = tid; p < N; p += kTopkThreads) keys_s[p] = key_of(p);
-    __syncthreads();
-  }
-  auto key_at = [&](int p) -> unsigned {
-    if constexpr (STAGED) return keys_s[p];
-    else return key_of(p);
-  };
+  return s_nvalid;
+}
 
+// The top-k of every selection kernel, as a CTA-wide device function over any key source: the
+// radix select of the width-th largest key T (4 x 8-bit digits, shared-memory histograms), then the
+// ordered walk. key_at(i) for i in [0, N), in position order; emit(slot, i) for the taken ones
+// (ascending i), slots [0, count). Returns the count (on every thread). Shared scratch: hist[256],
+// warp_sums[THREADS / 32], s_digit, s_need. MATCH = false: one shared atomic per key; MATCH = true:
+// lanes of a warp with the same digit add once (__match_any_sync; the loop's trip count is warp-uniform).
+template <int THREADS, int ITEMS, bool MATCH = false, typename KeyAt, typename Emit>
+__device__ __forceinline__ int block_topk(int N, int width, KeyAt key_at, Emit emit, int* hist, int* warp_sums,
+                                          int& s_digit, int& s_need) {
+  const int tid = threadIdx.x, lane = tid % 32;
   // ---- radix select: T = the width-th largest key, need = how many keys == T to take
   unsigned prefix = 0u, mask = 0u;
   int need = width;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = tid; i < 256; i += kTopkThreads) hist[i] = 0;
+    for (int i = tid; i < 256; i += THREADS) hist[i] = 0;
     __syncthreads();
-    if constexpr (STAGED) {
-      for (int base = 0; base < N; base += kTopkThreads) {  // warp-uniform trip count (match_any)
+    if constexpr (MATCH) {
+      for (int base = 0; base < N; base += THREADS) {  // warp-uniform trip count (match_any)
         const int p = base + tid;
         const unsigned k = p < N ? key_at(p) : 0u;
         const bool m = p < N && (k & mask) == prefix;
@@ -596,7 +577,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
         if (m && lane == __ffs(peers) - 1) atomicAdd(&hist[d], __popc(peers));
       }
     } else {
-      for (int p = tid; p < N; p += kTopkThreads) {
+      for (int p = tid; p < N; p += THREADS) {
         const unsigned k = key_at(p);
         if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1);
       }
@@ -633,22 +614,22 @@ __global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
 
   // ---- ordered walk: take keys > T, the first `need` keys == T, keep the chosen ones
   int eq_carry = 0, out_carry = 0;
-  for (int t0 = 0; t0 < N; t0 += kTopkThreads * kTopkItems) {
-    unsigned k[kTopkItems];
+  for (int t0 = 0; t0 < N; t0 += THREADS * ITEMS) {
+    unsigned k[ITEMS];
     int eq = 0;
 #pragma unroll
-    for (int i = 0; i < kTopkItems; ++i) {
-      const int p = t0 + tid * kTopkItems + i;
+    for (int i = 0; i < ITEMS; ++i) {
+      const int p = t0 + tid * ITEMS + i;
       k[i] = p < N ? key_at(p) : 0u;
       eq += p < N && k[i] == T;
     }
     int eq_total;
     int eq_rank = eq_carry + block_exclusive_scan(eq, warp_sums, eq_total);
-    bool take[kTopkItems];
+    bool take[ITEMS];
     int n_take = 0;
 #pragma unroll
-    for (int i = 0; i < kTopkItems; ++i) {
-      const int p = t0 + tid * kTopkItems + i;
+    for (int i = 0; i < ITEMS; ++i) {
+      const int p = t0 + tid * ITEMS + i;
       bool tk = false;
       if (p < N) {
         if (k[i] > T) tk = true;
@@ -660,13 +641,57 @@ __global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
     int out_total;
     int slot = out_carry + block_exclusive_scan(n_take, warp_sums, out_total);
 #pragma unroll
-    for (int i = 0; i < kTopkItems; ++i) {
-      if (take[i]) orow[slot++] = t0 + tid * kTopkItems + i;
+    for (int i = 0; i < ITEMS; ++i) {
+      if (take[i]) emit(slot++, t0 + tid * ITEMS + i);
     }
     eq_carry += eq_total;
     out_carry += out_total;
   }
-  for (int s = out_carry + tid; s < width; s += kTopkThreads) orow[s] = -1;
+  return out_carry;
+}
+
+// scores [rows, N] float32 (row-major, row stride N). n_valid per batch entry b = row / rows_per_b:
+//   mode 0: N; mode 1: nv[b]; mode 2: ceil(seq_lens[b] / block_size);
+//   mode 3: count(table[b, :] >= 0) if seq_lens[b] > 0 else 0 (table stride N).
+// out [rows, width] int32.
+// STAGED = false: every pass recomputes the keys from the scores (L2) and counts with one shared
+//   atomic per key (the variant measured on the H200, the default).
+// STAGED = true: the row's keys are computed once into dynamic shared memory (4 * N bytes, host
+//   checks the size) and lanes of a warp with the same digit add once (__match_any_sync):
+//   fewer L2 round trips and no serialized atomics on a crowded bin. Not yet measured on a GPU.
+template <bool STAGED>
+__global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
+    const float* __restrict__ scores, int N, int rows_per_b, int mode, const int* __restrict__ nv,
+    const int* __restrict__ seq_lens, const int* __restrict__ table, int block_size,
+    int sink, int local, int width, int* __restrict__ out) {
+  extern __shared__ unsigned keys_s[];
+  __shared__ int hist[256];
+  __shared__ int warp_sums[kTopkThreads / 32];
+  __shared__ int s_digit, s_need;
+  __shared__ long long s_nvalid;
+  const int row = blockIdx.x, b = row / rows_per_b, tid = threadIdx.x;
+  const float* srow = scores + (long long)row * N;
+  int* orow = out + (long long)row * width;
+
+  const long long n_valid = row_n_valid<kTopkThreads>(N, b, mode, nv, seq_lens, table, block_size, warp_sums, s_nvalid);
+  auto key_of = [&](int p) -> unsigned {
+    if (p >= n_valid) return 0u;
+    if (p < sink || p >= n_valid - local) return kKeyForced;
+    return float_key(srow[p]);
+  };
+  if constexpr (STAGED) {
+#pragma unroll 4
+    for (int p = tid; p < N; p += kTopkThreads) keys_s[p] = key_of(p);
+    __syncthreads();
+  }
+  auto key_at = [&](int p) -> unsigned {
+    if constexpr (STAGED) return keys_s[p];
+    else return key_of(p);
+  };
+
+  const int n_out = block_topk<kTopkThreads, kTopkItems, STAGED>(
+      N, width, key_at, [&](int slot, int p) { orow[slot] = p; }, hist, warp_sums, s_digit, s_need);
+  for (int s = n_out + tid; s < width; s += kTopkThreads) orow[s] = -1;
 }
 
 // ----------------------------------------------------------------------------- fast top-k
@@ -695,20 +720,8 @@ __global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
   const float* srow = scores + (long long)row * N;
   int* orow = out + (long long)row * width;
 
-  if (mode == 3) {
-    int c = 0;
-    for (int p = tid; p < N; p += kFastThreads) c += table[(long long)b * N + p] >= 0;
-    int total;
-    block_exclusive_scan(c, warp_sums, total);
-    if (tid == 0) s_nvalid = seq_lens[b] > 0 ? total : 0;
-  } else if (tid == 0) {
-    long long n = N;
-    if (mode == 1) n = nv[b];
-    if (mode == 2) n = ((long long)seq_lens[b] + block_size - 1) / block_size;
-    s_nvalid = n;
-  }
-  __syncthreads();
-  const long long n_valid = s_nvalid;  // may exceed N (mode 1): the forced suffix then starts past it
+  // n_valid may exceed N (mode 1): the forced suffix then starts past it
+  const long long n_valid = row_n_valid<kFastThreads>(N, b, mode, nv, seq_lens, table, block_size, warp_sums, s_nvalid);
   // key 0: invalid; kKeyForced: forced (no score maps to either: float_key >= -inf's key, NaN -> -inf)
   unsigned key[ITEMS];
   const int p0 = tid * ITEMS;
@@ -820,88 +833,6 @@ __global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
 }
 
 // ----------------------------------------------------------------------------- fused selection
-// The top-k of topk_select_kernel (radix select of the width-th largest key, then the ordered
-// walk) as a CTA-wide device function over any key source: key_at(i) for i in [0, N), in
-// position order; emit(slot, i) for the taken ones (ascending i), slots [0, count). Returns the
-// count (on every thread). Shared scratch: hist[256], warp_sums[THREADS / 32], s_digit, s_need.
-template <int THREADS, int ITEMS, typename KeyAt, typename Emit>
-__device__ __forceinline__ int block_topk(int N, int width, KeyAt key_at, Emit emit, int* hist, int* warp_sums,
-                                          int& s_digit, int& s_need) {
-  const int tid = threadIdx.x;
-  unsigned prefix = 0u, mask = 0u;
-  int need = width;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = tid; i < 256; i += THREADS) hist[i] = 0;
-    __syncthreads();
-    for (int p = tid; p < N; p += THREADS) {
-      const unsigned k = key_at(p);
-      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1);
-    }
-    __syncthreads();
-    if (tid < 32) {
-      int c[8], sum = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) { c[j] = hist[255 - 8 * tid - j]; sum += c[j]; }
-      int incl = sum;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, off);
-        if (tid >= off) incl += y;
-      }
-      const int excl = incl - sum;
-      if (excl < need && need <= incl) {
-        int cum = excl;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (cum + c[j] >= need) { s_digit = 255 - 8 * tid - j; s_need = need - cum; break; }
-          cum += c[j];
-        }
-      }
-    }
-    __syncthreads();
-    prefix |= unsigned(s_digit) << shift;
-    mask |= 255u << shift;
-    need = s_need;
-    __syncthreads();
-  }
-  const unsigned T = prefix;
-  int eq_carry = 0, out_carry = 0;
-  for (int t0 = 0; t0 < N; t0 += THREADS * ITEMS) {
-    unsigned k[ITEMS];
-    int eq = 0;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      const int p = t0 + tid * ITEMS + i;
-      k[i] = p < N ? key_at(p) : 0u;
-      eq += p < N && k[i] == T;
-    }
-    int eq_total;
-    int eq_rank = eq_carry + block_exclusive_scan(eq, warp_sums, eq_total);
-    bool take[ITEMS];
-    int n_take = 0;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      const int p = t0 + tid * ITEMS + i;
-      bool tk = false;
-      if (p < N) {
-        if (k[i] > T) tk = true;
-        else if (k[i] == T) { tk = eq_rank < need; ++eq_rank; }
-      }
-      take[i] = tk && k[i] > kKeyNegInf;
-      n_take += take[i];
-    }
-    int out_total;
-    int slot = out_carry + block_exclusive_scan(n_take, warp_sums, out_total);
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (take[i]) emit(slot++, t0 + tid * ITEMS + i);
-    }
-    eq_carry += eq_total;
-    out_carry += out_total;
-  }
-  return out_carry;
-}
-
 // Selection in one launch: the tensor-core scores of a CTA's 256 positions go to shared memory,
 // the CTA keeps its local top-`width` (block_topk: every global winner is a winner of its chunk,
 // the tie order being total) as (key, position) candidates, ascending by position; the row's last
