@@ -31,8 +31,18 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 GEMM_SHAPES = [(8192, 8192, 8192), (4096, 7168, 2048), (4096, 2112, 7168), (4096, 24576, 1536)]
-GEMM_CONFIGS = [(128, 256, 64, 4, 256), (128, 128, 64, 3, 256),
-                (128, 192, 64, 4, 256)]  # ours (wgmma; 192 columns: N = 2112 is 11 of them)
+# ours (wgmma): the tile configurations tried per (M, N, K), each with the pipeline's two refill schemes
+# ("2b": refill the previous iteration's stage behind a second barrier; "1b": pass_configs
+# cuda_wgmma_one_barrier, refill the stage of two iterations back behind the only barrier).
+# N = 2112 is 11 tiles of 192 (352 tiles: 2.67 waves of 132 SMs) or 12 of 176 (384: 2.91 waves).
+_BIG = [(128, 256, 64, 4, 256)]
+GEMM_CONFIGS = {
+    (8192, 8192, 8192): _BIG,
+    (4096, 7168, 2048): _BIG,
+    (4096, 2112, 7168): [(128, 192, 64, 4, 256), (128, 176, 64, 4, 256), (128, 192, 64, 5, 256)],
+    (4096, 24576, 1536): _BIG + [(128, 128, 64, 3, 256)],
+}
+VARIANTS = ("2b", "1b")
 MMA_GEMM_CONFIGS = [(128, 256, 64, 3, 256), (128, 128, 32, 4, 128)]  # ours_mma: the best two of 2026-12-01
 PUBLIC_GEMM_CONFIG = (128, 256, 64, 3, 256)  # the configuration measured in ../shared/GPU.md
 FA_SHAPE = (4, 32, 4096, 128)
@@ -67,28 +77,42 @@ def graph_time_ms(fn, reps: int = 10, replays: int = 5) -> float:
 TMA = False  # --tma: ours puts pipelined copies on TMA (experimental pass_configs cuda_tma)
 
 
-def _pass_configs(impl: str) -> dict | None:
+def _pass_configs(impl: str, variant: str = "2b") -> dict | None:
     """ours: T.gemm on wgmma (the sm_90a default); ours_mma: mma.sync (issue 14's generation)."""
     if impl == "ours_mma":
         return {"tl.disable_wgmma": True, "tl.disable_tma_lower": True}
-    return {"cuda_tma": True} if TMA else None
+    cfg = {"cuda_tma": True} if TMA else {}
+    if variant == "1b":
+        cfg["cuda_wgmma_one_barrier"] = True
+    return cfg or None
 
 
-def _cached_compile(tilelang, impl: str, func, out_idx) -> float:
+def _cached_compile(tilelang, impl: str, func, out_idx, variant: str = "2b") -> float:
     """Seconds to build `func` again with its binary in the disk cache: ours builds a new JITKernel
     (bypassing the in-process memo of tilelang.compile; the kernel cache finds the generated CUDA by the
     program's structure, the cubin cache the binary); the public TileLang's second tilelang.compile hits
     its own kernel cache."""
     t0 = time.perf_counter()
     if impl.startswith("ours"):
-        tilelang.JITKernel(func, out_idx=out_idx, target="cuda", pass_configs=_pass_configs(impl))
+        tilelang.JITKernel(func, out_idx=out_idx, target="cuda", pass_configs=_pass_configs(impl, variant))
     else:
         tilelang.compile(func, out_idx=out_idx, target="cuda")
     return time.perf_counter() - t0
 
 
-def _compile_kw(impl: str) -> dict:
-    return {"pass_configs": _pass_configs(impl)} if impl.startswith("ours") else {}
+def _compile_kw(impl: str, variant: str = "2b") -> dict:
+    return {"pass_configs": _pass_configs(impl, variant)} if impl.startswith("ours") else {}
+
+
+def _configs(impl: str, shape: tuple, quick: bool) -> list[tuple[tuple, str]]:
+    """(tile config, refill variant) pairs to try for one GEMM shape."""
+    if impl == "public":
+        out = [(PUBLIC_GEMM_CONFIG, "-")]
+    elif impl == "ours_mma":
+        out = [(c, "-") for c in MMA_GEMM_CONFIGS]
+    else:
+        out = [(c, v) for c in GEMM_CONFIGS[shape] for v in VARIANTS]
+    return out[:1] if quick else out
 
 
 def run_impl(impl: str, quick: bool) -> list[dict]:
@@ -99,8 +123,6 @@ def run_impl(impl: str, quick: bool) -> list[dict]:
     rows = []
     dtypes = ["float16", "bfloat16"]
     shapes = GEMM_SHAPES[:2] if quick else GEMM_SHAPES
-    configs = [PUBLIC_GEMM_CONFIG] if impl == "public" else (MMA_GEMM_CONFIGS if impl == "ours_mma" else GEMM_CONFIGS)
-    configs = configs[:1] if quick else configs
     for dtype in dtypes:
         tdt = getattr(torch, dtype)
         for M, N, K in shapes:
@@ -110,30 +132,33 @@ def run_impl(impl: str, quick: bool) -> list[dict]:
             b = torch.randn(N, K, device="cuda", dtype=tdt)
             ref = (a.float() @ b.float().T)
             best = None
-            for cfg in configs:
+            for cfg, variant in _configs(impl, (M, N, K), quick):
                 try:
                     t0 = time.perf_counter()
                     func = ck.gemm_nt(M, N, K, *cfg, dtype)
-                    k = tilelang.compile(func, out_idx=[-1], target="cuda", **_compile_kw(impl))
+                    k = tilelang.compile(func, out_idx=[-1], target="cuda", **_compile_kw(impl, variant))
                     cold = time.perf_counter() - t0  # parse + lower + NVRTC, empty cache
-                    cached = _cached_compile(tilelang, impl, func, [-1])
+                    cached = _cached_compile(tilelang, impl, func, [-1], variant)
                     c = k(a, b)
                     err = ((c.float() - ref).norm() / ref.norm()).item()
                     ms = graph_time_ms(functools.partial(k, a, b))
                 except Exception as e:  # a config that does not build is reported, not fatal
                     rows.append({"impl": impl, "kind": "gemm", "dtype": dtype, "shape": [M, N, K], "config": cfg,
-                                 "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                    print(f"[{impl}] gemm {dtype} {M}x{N}x{K} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                                 "variant": variant, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                    print(f"[{impl}] gemm {dtype} {M}x{N}x{K} {cfg} {variant}: {type(e).__name__}: {str(e)[:200]}",
+                          flush=True)
                     continue
                 tflops = 2 * M * N * K / ms / 1e9
                 row = {"impl": impl, "kind": "gemm", "dtype": dtype, "shape": [M, N, K], "config": list(cfg),
-                       "ms": ms, "tflops": tflops, "rel_err": err, "compile_cold_s": cold, "compile_cached_s": cached}
-                print(f"[{impl}] gemm {dtype} {M}x{N}x{K} {cfg}: {ms:.3f} ms {tflops:.0f} TFLOP/s err {err:.1e} "
+                       "variant": variant, "ms": ms, "tflops": tflops, "rel_err": err, "compile_cold_s": cold,
+                       "compile_cached_s": cached}
+                rows.append(row)
+                print(f"[{impl}] gemm {dtype} {M}x{N}x{K} {cfg} {variant}: {ms:.3f} ms {tflops:.0f} TFLOP/s err {err:.1e} "
                       f"compile {cold:.2f}s / {cached * 1e3:.1f}ms", flush=True)
                 if best is None or tflops > best["tflops"]:
                     best = row
             if best:
-                rows.append({**best, "best": True})
+                best["best"] = True
     b_, h, s, d = FA_SHAPE
     for causal in (False, True):
         q, kk, v = (torch.randn(b_, h, s, d, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -195,8 +220,8 @@ def summarize(rows: list[dict]) -> list[str]:
         if r.get("best") and "tflops" in r:
             best[(r["impl"], *key(r))] = r
     lines = ["| kernel | ours (wgmma) TFLOP/s | ours mma.sync | peer (cuBLAS/SDPA) | ours/peer | mma.sync/peer | "
-             "public TileLang | ours/public | ours compile cold / cached |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "public TileLang | ours/public | ours compile cold / cached | ours: best config |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (impl, *k), r in sorted(best.items(), key=lambda x: str(x[0])):
         if impl != "ours":
             continue
@@ -212,7 +237,8 @@ def summarize(rows: list[dict]) -> list[str]:
         mt = f"{mma['tflops']:.0f}" if mma else "-"
         mratio = f"{mma['tflops'] / peer['tflops']:.2f}x" if mma and peer else "-"
         lines.append(f"| {name} | {r['tflops']:.0f} | {mt} | {pt} | {ratio} | {mratio} | {pubt} | {pratio} | "
-                     f"{r['compile_cold_s']:.2f} s / {r['compile_cached_s'] * 1e3:.1f} ms |")
+                     f"{r['compile_cold_s']:.2f} s / {r['compile_cached_s'] * 1e3:.1f} ms | "
+                     f"{'x'.join(map(str, r.get('config', []))) or '-'} {r.get('variant', '')} |")
     return lines
 
 
@@ -264,7 +290,7 @@ def compile_only(out: str | None) -> None:
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TILESTACK_CACHE_DIR"] = cache
         cases = [(f"gemm_nt bf16 8192^3 {cfg}", lambda cfg=cfg: ck.gemm_nt(8192, 8192, 8192, *cfg, "bfloat16"), [-1])
-                 for cfg in GEMM_CONFIGS]
+                 for cfg in GEMM_CONFIGS[(8192, 8192, 8192)]]
         cases += [(f"flashattn_bhsd fp16 b4 h32 s4096 d128 causal={c}",
                    lambda c=c: ck.flashattn_bhsd(*FA_SHAPE, c), [3]) for c in (False, True)]
         for name, make, out_idx in cases:

@@ -12,6 +12,7 @@ Tolerances: fp16/bf16 outputs 2e-2..3e-2 relative to max(1, |ref|max); fp32 1e-4
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -235,7 +236,7 @@ def _gemm_variant(name, target, device, pass_configs=None):
     src = k.get_kernel_source()
     assert ("mma_m16n8k" in src or "Wgmma" in src) == (dtype != "float32"), name
     if name.startswith("wg_"):
-        assert ("Wgmma" in src) == (target == "cuda" and not pass_configs), name
+        assert ("Wgmma" in src) == (target == "cuda" and not (pass_configs or {}).get("tl.disable_wgmma")), name
     g = torch.Generator().manual_seed(0)
     a_shape, b_shape = ((K, M) if ta else (M, K)), ((N, K) if tb else (K, N))
     if dtype == "int8":
@@ -317,6 +318,54 @@ def test_gemm_variant_emulated(name):
 @pytest.mark.parametrize("name", sorted(GEMM_VARIANTS))
 def test_gemm_variant_gpu(name, path):
     _gemm_variant(name, "cuda", "cuda", {"tl.disable_wgmma": True} if path == "mma.sync" else None)
+
+
+ONE_BARRIER = {"cuda_wgmma_one_barrier": True}
+DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DEEP_WGMMA)
+def test_gemm_one_barrier_gpu(name):
+    _gemm_variant(name, "cuda", "cuda", ONE_BARRIER)
+
+
+def _main_loop(src: str) -> str:
+    """The text of the pipelined main loop (from its `for` to the wgmma_wait<0> after it)."""
+    start = src.index("for (int k = 0;")
+    return src[start:src.index("tilehal::wgmma_wait<0>();", start)]
+
+
+@needs_nvrtc
+def test_pipelined_wgmma_one_barrier():
+    """cuda_wgmma_one_barrier: the wgmma left in flight reads stage k while the refill goes into the stage of
+    iteration k-2 (num_stages - 2 ahead), behind the loop's only barrier, before the wgmma_wait<1>; the
+    default refills stage k-1 (num_stages - 1 ahead) behind a second barrier. Fewer than 3 stages: the
+    option cannot apply (logged) and the default code comes out."""
+    prog = _gemm_program(*GEMM_VARIANTS["wg_nt_f16_2wg"])  # 3 stages
+    two = _main_loop(tilelang.compile(prog, out_idx=[2], target="cuda").get_kernel_source())
+    one = _main_loop(tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=ONE_BARRIER).get_kernel_source())
+    assert two.count("__syncthreads()") == 2 and "= k + 2;" in two and "cp_async_wait<1>" in two
+    assert one.count("__syncthreads()") == 1 and "= k + 1;" in one and "cp_async_wait<0>" in one
+    assert one.index("cp_async_16(") < one.rindex("wgmma_wait<1>") and one.index("wgmma_commit") < one.index(
+        "cp_async_16(")
+    shallow = _gemm_program(*GEMM_VARIANTS["wg_nt_bf16_k128"])  # 2 stages
+    assert (tilelang.compile(shallow, out_idx=[2], target="cuda", pass_configs=ONE_BARRIER).get_kernel_source()
+            == tilelang.compile(shallow, out_idx=[2], target="cuda").get_kernel_source())
+
+
+@needs_nvrtc
+def test_thread_loops_have_constant_trip_counts():
+    """Copies spread over the block's threads loop a constant number of times (`_j < 4`, element
+    `_tx + _j * threads`), not `e = _tx; e < n; e += threads` (a trip count that depends on _tx, which nvcc
+    compiles to a runtime loop with a remainder); a count the threads do not divide stops early."""
+    src = tilelang.compile(_gemm_program(*GEMM_VARIANTS["wg_nt_f16_2wg"]), out_idx=[2],
+                           target="cuda").get_kernel_source()
+    assert not re.search(r"for \(int _e\d+ = _tx;", src)
+    assert re.search(r"for \(int _j\d+ = 0; _j\d+ < 8; \+\+_j\d+\)", src)  # B: 256 rows x 8 chunks / 256
+    odd = tilelang.compile(_gemm_program(96, 80, 96, 64, 64, 32, "float16", "float32", False, False, 2, 96,
+                                         "Square"), out_idx=[2], target="cuda").get_kernel_source()
+    assert re.search(r"if \(_e\d+ >= \d+\) break;", odd)
 
 
 def test_high_level_schedules_onto_cuda():

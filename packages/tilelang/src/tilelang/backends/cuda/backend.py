@@ -48,7 +48,8 @@ class CudaKernel:
             tma: dict = {}
             # TMA pipelines are experimental (not yet verified on a GPU): only with pass_configs {"cuda_tma": True}
             use_tma = bool(options.get("cuda_tma")) and not options.get("tl.disable_tma_lower")
-            probe, kernels = generate_cuda(func, "tl_kernel", wgmma=wgmma, tma=tma, use_tma=use_tma)
+            probe, kernels = generate_cuda(func, "tl_kernel", wgmma=wgmma, tma=tma, use_tma=use_tma,
+                                           one_barrier=bool(options.get("cuda_wgmma_one_barrier")))
             digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
             base = f"tl_{func.name}_{digest}"
             self.cuda_source = probe.replace("tl_kernel_k", f"{base}_k")

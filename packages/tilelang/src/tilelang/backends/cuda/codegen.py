@@ -103,7 +103,7 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
     TARGET = "CUDA"
 
     def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let], wgmma: bool = True,
-                 tma: bool = True) -> None:
+                 tma: bool = True, one_barrier: bool = False) -> None:
         self.func = func
         self.kernel = kernel
         self.name = name
@@ -126,6 +126,7 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
         self.pending_w: set[Buffer] = set()
         self.pending_r: set[Buffer] = set()
         self._wg_async: Stmt | None = None  # the wgmma T.Pipelined leaves in flight (rules/pipelined.py)
+        self._wg_defer_wait = False  # ... and waits for itself, after the refill (cuda_wgmma_one_barrier)
         self.dyn_names = {v.name for v in func.dynamic_vars}
         self._rw: dict[int, tuple[frozenset[Buffer], frozenset[Buffer]]] = {}
         self._index_rw(kernel.body)
@@ -133,6 +134,9 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
         self.ranges: dict[Var, tuple[int, int]] = {}
         self.hopper = wgmma  # sm_90a features: wgmma, TMA
         self.use_tma = tma  # pass_configs tl.disable_tma_lower: pipelined copies stay on cp.async
+        # pass_configs cuda_wgmma_one_barrier: a pipelined wgmma loop refills the stage read two iterations
+        # back after its only barrier (rules/pipelined.py) instead of the previous one after a second barrier
+        self.one_barrier = one_barrier
         self.tma_specs: list = []  # TmaSpec per descriptor parameter, in parameter order
         self.tma_bufs: set[Buffer] = set()
         self.tma_plans: dict[int, dict] = {}
@@ -654,9 +658,17 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
             if n <= self.threads:
                 self.open(f"if (_tx < {n})")
                 self.emit(f"const int {e} = _tx;")
+            elif -(-n // self.threads) <= 32:
+                # A constant trip count (not `e = _tx; e < n; e += threads`, whose count depends on
+                # _tx): nvcc unrolls it fully, each element's address is a base plus a constant and
+                # no remainder loop or branch sits between the pipeline's copies and the MMAs.
+                trips, j = -(-n // self.threads), self.fresh("j")
+                self.emit("#pragma unroll")
+                self.open(f"for (int {j} = 0; {j} < {trips}; ++{j})")
+                self.emit(f"const int {e} = _tx + {j} * {self.threads};")
+                if n % self.threads:
+                    self.emit(f"if ({e} >= {n}) break;")
             else:
-                if n % self.threads == 0 and n // self.threads <= 32:
-                    self.emit("#pragma unroll")
                 self.open(f"for (int {e} = _tx; {e} < {n}; {e} += {self.threads})")
         else:
             self.open(f"for (int {e} = _tx; {e} < {total}; {e} += {self.threads})")
@@ -951,11 +963,11 @@ register_rules("cuda.parallel", {Seq: seq_rule, Store: KernelCodegen.par_store,
 
 
 def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict | None = None,
-                  use_tma: bool = True) -> tuple[str, list[tuple[str, Kernel, int]]]:
+                  use_tma: bool = True, one_barrier: bool = False) -> tuple[str, list[tuple[str, Kernel, int]]]:
     """CUDA source for every T.Kernel of `func`: (source, [(kernel name, Kernel node, smem bytes)]).
     `wgmma`: sm_90a features (T.gemm on wgmma, pipelined copies on TMA); otherwise mma.sync and cp.async
     only. `tma`, when given, receives {kernel name: [TmaSpec]} (the descriptors each kernel takes after
-    its tensor and size parameters)."""
+    its tensor and size parameters). `one_barrier`: see KernelCodegen (pass_configs cuda_wgmma_one_barrier)."""
     body = func.body.body if isinstance(func.body, Seq) else [func.body]
     lets: list[Let] = []
     kernels = []
@@ -966,7 +978,7 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
             lets.append(s)
         elif isinstance(s, Kernel):
             name = f"{base_name}_k{len(kernels)}"
-            cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma)
+            cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma, one_barrier=one_barrier)
             src, smem = cg.generate()
             uses_wgmma |= cg.has_wgmma
             uses_tma |= bool(cg.tma_specs)

@@ -107,7 +107,17 @@ class PipelineRules:
                     self.tma_issue(p, f"({stage_c}) * {size}", f"&{bar}[{stage_c}]")
                 self.close()
 
-        for st in range(n - 1):
+        body = s.body.body if isinstance(s.body, Seq) else [s.body]
+        rest = [c for c in body if not any(c is x for x in copies)]
+        agemm = self._async_wgmma(rest, copies)
+        # how far ahead the prefetch runs: n - 1 stages, or n - 2 when the in-flight wgmma's stage is
+        # refilled two iterations later behind the loop's only barrier (pass_configs cuda_wgmma_one_barrier)
+        lag = agemm is not None and n >= 3 and self.one_barrier
+        if agemm is not None and self.one_barrier and not lag:
+            log.debug("%s: cuda_wgmma_one_barrier needs num_stages >= 3 (got %d): two barriers per iteration",
+                      s.loc, n)
+        ahead = n - 2 if lag else n - 1
+        for st in range(ahead):
             self.open("")
             self.emit(f"const int {v} = {start} + {st};")
             self.open(f"if ({st} < {ext})")
@@ -116,14 +126,11 @@ class PipelineRules:
             if cp:
                 self.emit("tilehal::cp_async_commit();")
             self.close()
-        body = s.body.body if isinstance(s.body, Seq) else [s.body]
-        rest = [c for c in body if not any(c is x for x in copies)]
-        agemm = self._async_wgmma(rest, copies)
 
         def prefetch() -> None:
             self.open("")
             nxt = self.fresh("knext")
-            self.emit(f"const int {nxt} = {v} + {n - 1};")
+            self.emit(f"const int {nxt} = {v} + {ahead};")
             self.open(f"if ({nxt} < {start} + {ext})")
             self.emit(f"const int {v} = {nxt};")
             issue(f"(({nxt} - ({start})) % {n})")
@@ -138,11 +145,15 @@ class PipelineRules:
         # stage k-1 waits for a second barrier after that wgmma's issue: by then every warpgroup has
         # waited for its wgmma of iteration k-1, and the tensor cores run iteration k meanwhile. TMA
         # stages land on their mbarrier: use u of a stage waits for phase parity u & 1.
+        # With `lag` (prefetch n - 2 ahead) the refill after the wgmma's issue goes into the stage of
+        # iteration k-2: every warpgroup waited for its wgmma of k-2 (wgmma_wait<1> after issuing k-1)
+        # before this iteration's barrier, so the second barrier is not needed; the refill is issued
+        # before this iteration's wgmma_wait<1>, while the tensor cores work on k-1 and k.
         self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
         stage = self.fresh("stage")
         self.emit(f"const int {stage} = ({v} - ({start})) % {n};")
         if cp:
-            self.emit(f"tilehal::cp_async_wait<{n - 2}>();")
+            self.emit(f"tilehal::cp_async_wait<{ahead - 1}>();")
         if tma:
             self.emit(f"tilehal::mbarrier_wait(&{bar}[{stage}], (({v} - ({start})) / {n}) & 1);")
         self.sync()
@@ -152,9 +163,14 @@ class PipelineRules:
             self.stage_expr[b] = stage
         for c in rest:
             self._wg_async = c if c is agemm else None
+            self._wg_defer_wait = lag and c is agemm
             self.stmt(c)
             self._wg_async = None
-        if agemm is not None:
+            self._wg_defer_wait = False
+        if lag:
+            prefetch()
+            self.emit("tilehal::wgmma_wait<1>();")
+        elif agemm is not None:
             self.sync()
             prefetch()
         self.close()

@@ -115,7 +115,8 @@ class WgmmaRules:
         self.close()
         self.emit("tilehal::wgmma_commit();")
         if self._wg_async is s:  # T.Pipelined keeps one group in flight (rules/pipelined.py)
-            self.emit("tilehal::wgmma_wait<1>();")
+            if not self._wg_defer_wait:  # else the pipeline waits after issuing its refill
+                self.emit("tilehal::wgmma_wait<1>();")
         else:
             if wg_wait > 0:
                 log.debug("%s: T.gemm(wg_wait=%d) outside a pipelined loop's tail: waits for its own wgmma",
