@@ -12,7 +12,11 @@ Summaries: bf16 (kvpool's default), fp8 e4m3 rounded outward (KVPool(summary_dty
 torch.float8_e4m3fn)) and int4 rows (summary_dtype="int4": 80 B per block and head at d128), each timed end to end and split into its two launches (score kernel on CUDA
 cores and on tensor cores; top-k fast (1024 threads, 12-bit digits) and plain). select_us is the
 default path (score kernel, then top-k); select_fused_us the opt-in one-launch selection
-(DATAENGINE_SELECT_FUSED=1: tensor-core scores + per-chunk top-k + merge by the row's last CTA).
+(DATAENGINE_SELECT_FUSED=1: tensor-core scores + per-chunk top-k + merge by the row's last CTA);
+select_stream*_us / sparse_step_stream*_us the streamed one-launch selection
+(DATAENGINE_SELECT_STREAM=on: each CTA streams all kv heads' summaries of a chunk of blocks through
+shared memory, keeps per-head chunk candidates, the sequence's last CTA merges), _cN: N positions
+per CTA.
 Floor: the selection reads the summaries, 2 * kv_heads * head_dim * 2 B (bf16) or 1 B (fp8) per
 block per sequence (268 / 134 MB at b8 x 128K) = 1/16 / 1/32 of what dense decode reads (K and V).
 Writes docs/benchmarks/dataengine_select_cuda_kernels.{json,png}.
@@ -20,6 +24,7 @@ Writes docs/benchmarks/dataengine_select_cuda_kernels.{json,png}.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -93,6 +98,20 @@ def int4_summaries(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor
     return lo, hi
 
 
+@contextlib.contextmanager
+def _env(values: dict):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_select_cuda needs a CUDA GPU")
@@ -157,6 +176,25 @@ def main() -> None:
                 r["select_fused_equals_reference"] = bool(torch.equal(sel(), ref))
             finally:
                 os.environ.pop("DATAENGINE_SELECT_FUSED", None)
+            # the streamed one-launch selection (quest_select_stream_kernel), its chunk sizes at 128K
+            for chunk in ([None, "128", "256", "512"] if ctx == max(contexts) else [None]):
+                env = {"DATAENGINE_SELECT_STREAM": "on", **({"DATAENGINE_STREAM_CHUNK": chunk} if chunk else {})}
+                sfx = f"_c{chunk}" if chunk else ""
+                with _env(env):
+                    if cuda_select.stream_reason(q, lo, TOP) is not None:
+                        r["stream"] = cuda_select.stream_reason(q, lo, TOP)
+                        break
+                    t_st = bench(sel)
+                    r[f"select_stream{sfx}_us"] = us(t_st)
+                    r[f"select_stream{sfx}_equals_reference"] = bool(torch.equal(sel(), ref))
+                    if chunk is None:
+                        g_st, t_sst, g_sst = bench_graph(sel), bench(step), bench_graph(step)
+                        r.update({"select_stream_graph_us": us(g_st), "sparse_step_stream_us": us(t_sst),
+                                  "sparse_step_stream_graph_us": us(g_sst),
+                                  "select_stream_summary_GBps": round(sbytes / t_st / 1e9),
+                                  "step_speedup_stream": round(t_dense / t_sst, 2),
+                                  "step_speedup_stream_graph": round(g_dense / g_sst, 2)
+                                  if isinstance(g_sst, float) and isinstance(g_dense, float) else None})
             # the two launches apart: score kernel (each variant) and top-k
             raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max")
             for variant in ("simt", "mma"):

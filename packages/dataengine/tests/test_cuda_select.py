@@ -432,3 +432,132 @@ def test_int4_kernels_compile_and_need_tensor_cores():
     lo, hi = _int4_rows(kmin, False), _int4_rows(kmax, True)
     assert torch.equal(select.select_blocks(q, lo, hi, table, lens, 5, block_size=16),
                        select.select_blocks_reference(q, lo, hi, table, lens, 5, block_size=16))
+
+
+# ----------------------------------------------------------------------------- streamed selection
+STREAM_CONFIGS = [(torch.uint8, 128, 4, 8, 256), (FP8, 128, 4, 8, 256), (torch.uint8, 64, 8, 8, 128),
+                  (FP8, 64, 1, 8, 512), (torch.bfloat16, 128, 4, 8, 256), (torch.uint8, 128, 8, 2, 128)]
+
+
+@pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
+@pytest.mark.parametrize("s_dtype,head_dim,group,kv_heads,chunk", STREAM_CONFIGS)
+def test_stream_select_kernels_compile(s_dtype, head_dim, group, kv_heads, chunk):
+    m = cuda_select.compile_stream(s_dtype, head_dim, group, "max", kv_heads, chunk)
+    name = cuda_select.stream_kernel_name(s_dtype, head_dim, group, "max", kv_heads, chunk)
+    assert name in m.lowered_names
+    row = head_dim // 2 + head_dim // 8 if s_dtype == torch.uint8 else head_dim * (1 if s_dtype == FP8 else 2)
+    # two CTAs per SM for int4 and fp8 rows at d128 x 8 kv heads (228 KB of shared memory per H200 SM)
+    smem = cuda_select.stream_smem_bytes(s_dtype, row, kv_heads, chunk)
+    assert smem <= 227 * 1024
+    if s_dtype != torch.bfloat16 and head_dim == 128 and chunk == 256:
+        assert 2 * (smem + 2048) <= 228 * 1024
+
+
+def test_stream_reasons(monkeypatch):
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    fp8 = torch.zeros(4, 8, 128, dtype=FP8)
+    bf16 = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    q4 = torch.zeros(4, 8, 80, dtype=torch.uint8)
+    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
+    monkeypatch.setenv("DATAENGINE_SELECT_STREAM", "auto")
+    assert cuda_select.stream_reason(q, fp8, 64) is None
+    assert cuda_select.stream_reason(q, q4, 64) is None
+    assert "auto" in cuda_select.stream_reason(q, bf16, 64)
+    monkeypatch.setenv("DATAENGINE_SELECT_STREAM", "on")
+    assert cuda_select.stream_reason(q, bf16, 64) is None
+    assert "kv heads" in cuda_select.stream_reason(torch.zeros(2, 32, 128, dtype=torch.bfloat16),
+                                                   torch.zeros(4, 16, 128, dtype=FP8), 64)
+    assert "16 B" in cuda_select.stream_reason(torch.zeros(2, 8, 64, dtype=torch.bfloat16),
+                                               torch.zeros(4, 1, 40, dtype=torch.uint8), 64)
+    assert "bf16" in cuda_select.stream_reason(q.float(), fp8, 64)
+    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "simt")
+    assert "simt" in cuda_select.stream_reason(q, fp8, 64)
+    monkeypatch.setenv("DATAENGINE_SELECT_STREAM", "off")
+    assert "off" in cuda_select.stream_reason(q, fp8, 64)
+    monkeypatch.setenv("DATAENGINE_SELECT_STREAM", "yes")
+    with pytest.raises(ValueError, match="DATAENGINE_SELECT_STREAM"):
+        cuda_select.stream_reason(q, fp8, 64)
+    monkeypatch.setenv("DATAENGINE_STREAM_CHUNK", "300")
+    with pytest.raises(ValueError, match="DATAENGINE_STREAM_CHUNK"):
+        cuda_select.stream_chunk(torch.device("cpu"), 8, 8192)
+
+
+def test_stream_ranks_bound_the_row_threshold():
+    # r = ceil(width / m) chunks with m keys each >= their m-th key hold >= width keys: r <= chunks
+    for width in (1, 7, 64, 200, 256):
+        for chunks in (1, 2, 5, 32, 64):
+            for chunk in (128, 256, 512):
+                m = cuda_select.stream_ranks(width, chunks, chunk)
+                assert 1 <= m <= min(width, chunk)
+                if chunks * min(width, chunk) >= width and chunks > 1:
+                    assert -(-width // m) <= chunks or m == min(width, chunk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sdtype", [torch.uint8, FP8, torch.bfloat16])
+@pytest.mark.parametrize("D,Hq,Hkv,max_blocks", [(128, 32, 8, 300), (64, 8, 8, 1000), (128, 16, 2, 97),
+                                                 (64, 12, 2, 2100)])
+@pytest.mark.parametrize("reduce", ["max", "mean"])
+@pytest.mark.parametrize("chunk", ["128", "512"])
+def test_stream_select_equals_reference(sdtype, D, Hq, Hkv, max_blocks, reduce, chunk, monkeypatch):
+    monkeypatch.setenv("DATAENGINE_SELECT_STREAM", "on")
+    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
+    monkeypatch.setenv("DATAENGINE_STREAM_CHUNK", chunk)
+    for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (256, 1, 1), (1, 4, 4),
+                                                 (100, 0, 5), (600, 1, 1)]):
+        q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=max_blocks,
+                                              num_blocks=max(2000, 3 * max_blocks), dtype=torch.bfloat16,
+                                              sdtype=torch.float32, unwritten=0.05, holes=seed == 4)
+        if sdtype == torch.uint8:
+            kmin, kmax = _int4_rows(kmin, False).cuda(), _int4_rows(kmax, True).cuda()
+        elif sdtype == FP8:
+            kmin, kmax = _to_fp8_summaries(kmin, kmax)
+        else:
+            kmin, kmax = kmin.to(sdtype), kmax.to(sdtype)
+        if seed == 2:
+            kmin.view(torch.uint8)[:] = kmin.view(torch.uint8)[:1]  # every block alike: positions decide
+            kmax.view(torch.uint8)[:] = kmax.view(torch.uint8)[:1]
+        args = (q, kmin, kmax, table, lens)
+        width = min(max(top_k, sink + local), max_blocks)
+        assert cuda_select.stream_reason(q, kmin, width) is None
+        got = select.select_blocks(*args, top_k, sink, local, block_size=16, reduce=reduce)
+        want = select.select_blocks_reference(*_cpu(*args), top_k, sink, local, block_size=16, reduce=reduce)
+        assert torch.equal(got.cpu(), want), (seed, top_k, sink, local)
+        for _ in range(2):  # the tickets are back at zero after every launch
+            assert torch.equal(select.select_blocks(*args, top_k, sink, local, block_size=16, reduce=reduce).cpu(), want)
+
+
+@pytest.mark.gpu
+def test_stream_select_in_a_cuda_graph(monkeypatch):
+    monkeypatch.setenv("DATAENGINE_SELECT_STREAM", "on")
+    q, kmin, kmax, table, lens = _problem(5, max_blocks=600, num_blocks=4000, sdtype=torch.float32)
+    kmin, kmax = _to_fp8_summaries(kmin, kmax)
+    static_q = q.clone()
+    select.select_blocks(static_q, kmin, kmax, table, lens, 32, 1, 1, block_size=16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = select.select_blocks(static_q, kmin, kmax, table, lens, 32, 1, 1, block_size=16)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(300 + seed)
+        static_q.copy_(torch.randint(-3, 4, q.shape, generator=g).to(q.dtype))
+        graph.replay()
+        want = select.select_blocks_reference(*_cpu(static_q, kmin, kmax, table, lens), 32, 1, 1, block_size=16)
+        assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_stream_select_gaussian_large(monkeypatch):
+    """b8 x 8192 blocks (the benchmark's shape) on Gaussian fp8 / int4 summaries: the streamed kernel
+    and the two-launch path (same bounds: tensor-core arithmetic) pick the same blocks."""
+    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
+    q, kmin, kmax, table, lens = _problem(9, B=8, max_blocks=8192, num_blocks=8 * 8192, integer=False,
+                                          sdtype=torch.float32)
+    lens.fill_(8192 * 16)
+    table = torch.arange(8 * 8192, device="cuda", dtype=torch.int32).reshape(8, 8192)
+    for lo, hi in (_to_fp8_summaries(kmin, kmax), (_int4_rows(kmin, False).cuda(), _int4_rows(kmax, True).cuda())):
+        monkeypatch.setenv("DATAENGINE_SELECT_STREAM", "off")
+        want = select.select_blocks(q, lo, hi, table, lens, 64, 1, 1, block_size=16)
+        monkeypatch.setenv("DATAENGINE_SELECT_STREAM", "on")
+        for chunk in ("128", "256", "512"):
+            monkeypatch.setenv("DATAENGINE_STREAM_CHUNK", chunk)
+            assert torch.equal(select.select_blocks(q, lo, hi, table, lens, 64, 1, 1, block_size=16), want), chunk

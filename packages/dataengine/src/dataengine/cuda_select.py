@@ -150,6 +150,143 @@ def select_fused(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
     return out
 
 
+# ----------------------------------------------------------------------------- streamed selection
+STREAM_CHUNKS = (512, 256, 128)  # table positions per CTA of quest_select_stream_kernel
+STREAM_STAGES = {torch.uint8: 4, FP8: 3, torch.bfloat16: 2}  # pipeline stages (shared memory per CTA)
+STREAM_MAX_HEADS = 8  # one warp per kv head
+STREAM_VARIANTS = ("auto", "on", "off")
+DEFAULT_STREAM = "off"  # "auto" once the H200 round has checked it
+# "auto": the streamed kernel for these summary types (int4 rows, fp8); bf16 keeps two launches.
+STREAM_AUTO_DTYPES = (torch.uint8, FP8)
+
+
+def stream_variant() -> str:
+    """DATAENGINE_SELECT_STREAM (default DEFAULT_STREAM): "auto" (the streamed one-launch selection
+    for STREAM_AUTO_DTYPES when `stream_reason` allows), "on" (for every summary type it serves),
+    "off" (never)."""
+    v = os.environ.get("DATAENGINE_SELECT_STREAM") or DEFAULT_STREAM
+    if v not in STREAM_VARIANTS:
+        raise tilehal.ArgumentError(f"DATAENGINE_SELECT_STREAM: expected one of {list(STREAM_VARIANTS)}, got {v!r}")
+    return v
+
+
+def _row_bytes(kmin: torch.Tensor) -> int:
+    return kmin.shape[-1] * kmin.element_size()
+
+
+def stream_reason(q: torch.Tensor, kmin: torch.Tensor, width: int) -> str | None:
+    """Why quest_select_stream_kernel cannot serve this call (None: it can)."""
+    v = stream_variant()
+    if v == "off":
+        return "DATAENGINE_SELECT_STREAM=off"
+    if v == "auto" and kmin.dtype not in STREAM_AUTO_DTYPES:
+        return f"summary dtype {kmin.dtype} (DATAENGINE_SELECT_STREAM=auto: int4 rows / fp8 only)"
+    if score_variant() == "simt":
+        return "DATAENGINE_SCORE_KERNEL=simt"
+    reason = mma_reason(q, kmin)
+    if reason is not None:
+        return reason
+    H = kmin.shape[1]
+    if H > STREAM_MAX_HEADS:
+        return f"{H} kv heads (stream kernel: <= {STREAM_MAX_HEADS}, one warp each)"
+    if (H * _row_bytes(kmin)) % 16:
+        return f"{H} kv heads x {_row_bytes(kmin)} B summary rows is not a multiple of 16 B"
+    return None
+
+
+def stream_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
+                       chunk: int) -> str:
+    return (f"dataengine::quest_select_stream_kernel<{_S_CTYPES_MMA[s_dtype]}, {head_dim}, {group}, "
+            f"{_REDUCE[reduce]}, {kv_heads}, {chunk}, {STREAM_STAGES[s_dtype]}>")
+
+
+@functools.cache
+def compile_stream(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int, chunk: int,
+                   arch: str = "sm_90a") -> tilehal.CudaModule:
+    """The streamed one-launch selection for one configuration."""
+    return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS, arch=arch,
+                                name=f"quest_select_stream_{head_dim}_{group}_{kv_heads}_{chunk}",
+                                include_dirs=[str(KERNEL_DIR)],
+                                name_expressions=[stream_kernel_name(s_dtype, head_dim, group, reduce, kv_heads,
+                                                                     chunk)])
+
+
+def stream_smem_bytes(s_dtype: torch.dtype, row_bytes: int, kv_heads: int, chunk: int) -> int:
+    """Dynamic shared memory of quest_select_stream_kernel (StreamPitch in select.cuh)."""
+    quad = 4 if s_dtype == torch.uint8 else 8 * (1 if s_dtype == FP8 else 2)
+    block = kv_heads * row_bytes
+    pitch = -(-block // 128) * 128 + 4 * quad
+    return STREAM_STAGES[s_dtype] * 2 * 16 * pitch + kv_heads * chunk * 4
+
+
+def stream_chunk(device: torch.device, batch: int, nb: int) -> int:
+    """Positions per CTA: the largest of STREAM_CHUNKS that still gives 1.5 CTAs per SM
+    (DATAENGINE_STREAM_CHUNK overrides, for benchmarks)."""
+    env = os.environ.get("DATAENGINE_STREAM_CHUNK")
+    if env:
+        if env not in {str(c) for c in STREAM_CHUNKS}:
+            raise tilehal.ArgumentError(f"DATAENGINE_STREAM_CHUNK: expected one of {list(STREAM_CHUNKS)}, got {env!r}")
+        return int(env)
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    for c in STREAM_CHUNKS:
+        if batch * -(-nb // c) >= 1.5 * sms:
+            return c
+    return STREAM_CHUNKS[-1]
+
+
+def stream_ranks(width: int, chunks: int, chunk: int) -> int:
+    """m: each chunk reports its m-th largest key; the r = ceil(width / m)-th largest of those is a
+    lower bound of the row's width-th key (about half the chunks: a tight bound on random scores)."""
+    wc = min(width, chunk)
+    return max(1, min(wc, -(-2 * width // max(chunks, 1))))
+
+
+def select_stream(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor, width: int,
+                  sink: int, local: int, reduce: str, *, num_valid: torch.Tensor | None = None,
+                  seq_lens: torch.Tensor | None = None, block_size: int | None = None) -> torch.Tensor:
+    """int32 [B, kv_heads, width]: select_blocks in one launch of quest_select_stream_kernel
+    (stream_reason must be None)."""
+    B, Hq, D = q.shape
+    H = kmin.shape[1]
+    group = Hq // H
+    table = _i32(block_table)
+    nb = table.shape[1]
+    out = torch.empty((B, H, width), dtype=torch.int32, device=q.device)
+    if B == 0 or width == 0:
+        return out
+    if nb == 0:
+        return out.fill_(-1)
+    kmin, kmax = kmin.contiguous(), kmax.contiguous()
+    if not _aligned(kmin, kmax):
+        log.debug("select: summaries not 16-byte aligned; copying them")
+        kmin, kmax = kmin.clone(), kmax.clone()
+    q = q.contiguous()
+    if q.data_ptr() % 4:
+        q = q.clone()
+    nv = sl = None
+    if num_valid is not None:
+        mode, nv = 1, _i32(num_valid.clamp(min=-1, max=nb + local + 1))
+    elif seq_lens is not None and block_size is not None:
+        mode, sl = 2, _i32(seq_lens)
+    else:
+        mode = 0
+    chunk = stream_chunk(q.device, B, nb)
+    chunks = -(-nb // chunk)
+    wc = min(width, chunk)
+    m_rank = stream_ranks(width, chunks, chunk)
+    scratch = torch.empty(B * H * chunks * (2 * wc + 1), dtype=torch.int32, device=q.device)
+    ckey = scratch[:B * H * chunks * wc]
+    cpos = scratch[B * H * chunks * wc:2 * B * H * chunks * wc]
+    cthr = scratch[2 * B * H * chunks * wc:]
+    kern = compile_stream(kmin.dtype, D, group, reduce, H, chunk).get_kernel(
+        stream_kernel_name(kmin.dtype, D, group, reduce, H, chunk))
+    kern.launch((chunks, B), SCORE_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], mode, nv, sl,
+                                             int(block_size or 1), int(sink), int(local), int(width), int(m_rank),
+                                             ckey, cpos, cthr, _tickets(q.device, B), out],
+                smem_bytes=stream_smem_bytes(kmin.dtype, _row_bytes(kmin), H, chunk))
+    return out
+
+
 def score_variant() -> str:
     """DATAENGINE_SCORE_KERNEL (default DEFAULT_SCORE): "auto" (tensor cores where `mma_reason`
     allows), "simt" (CUDA cores; int4 rows still use tensor cores, the only kernel for them) or

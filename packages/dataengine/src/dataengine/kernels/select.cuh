@@ -895,4 +895,297 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_mma_kernel(
   if (tid == 0) tickets[row] = 0u;
 }
 
+
+// ----------------------------------------------------------------------------- streamed selection
+// quest_select_stream_kernel  grid (ceil(table_stride / CHUNK), B), 256 threads, one CTA per
+//   (sequence, chunk of CHUNK table positions) for ALL kv heads (H <= 8: warp h scores head h).
+//   The summaries of a block are H contiguous rows, so the CTA streams each block's kmax and kmin
+//   (H * row bytes each) into shared memory with 16-byte cp.async (STAGES stages of 16 blocks,
+//   rows padded so that the MMA fragment reads are free of bank conflicts), and scores them on
+//   tensor cores with the same arithmetic as quest_score_mma_kernel (so the same bounds).
+//   Then, per head, a warp keeps the chunk's top min(width, CHUNK) keys (keys as in
+//   topk_select_kernel: invalid 0, sink / local forced, others the float's order key; order:
+//   key descending, then position ascending) as candidates in position order, and the chunk's
+//   m-th largest key T_m (0 when the chunk has fewer than m keys). The sequence's last CTA (a
+//   ticket per sequence, reset by it) merges each head's chunks x width candidates:
+//   Tlow = the r-th largest T_m over the chunks (r = ceil(width / m) chunks hold >= width keys
+//   >= Tlow, so the width-th largest key T of the row is >= Tlow; 0 when r > chunks), the
+//   candidates >= Tlow are compacted into shared memory in position order (read from global
+//   memory instead when they do not fit), T and the ties to take are found by a bitwise search,
+//   and the taken positions (> -inf's key) are written ascending, -1 padded. Every global winner
+//   is a winner of its chunk (the order is total), so the rows equal topk_select_kernel's.
+//   Selection of a k-th largest key: bit by bit from the top, t | bit is kept while at least k
+//   keys are >= it (one warp-wide __reduce_add_sync per bit, no shared memory, no barrier).
+constexpr int kStreamBlocks = 16;  // blocks per pipeline stage: one 16-row MMA tile per head
+
+template <typename TS, int D> struct StreamRow {  // bytes per (block, head) summary row
+  static constexpr int kBytes = D * int(sizeof(TS));
+  static constexpr int kQuad = 8 * int(sizeof(TS));  // bytes one lane reads per 32-channel group
+};
+template <int D> struct StreamRow<Q4, D> {
+  static constexpr int kBytes = Q4Row<D>::kBytes;
+  static constexpr int kQuad = 4;
+};
+// Block pitch in shared memory: rows r and r + 1 of a tile land in different banks for the
+// widest fragment read of the type (4 / 8 / 16 bytes per lane).
+template <typename TS, int D, int H> struct StreamPitch {
+  static constexpr int kBlock = H * StreamRow<TS, D>::kBytes;
+  static constexpr int kPitch = (kBlock + 127) / 128 * 128 + 4 * StreamRow<TS, D>::kQuad;
+  static constexpr int kChunks16 = kBlock / 16;  // 16-byte copies per block and bound
+  static constexpr int kStage = 2 * kStreamBlocks * kPitch;
+};
+
+// Fill one bound's fragments of a tile from shared memory (rows lo / hi: the head's row start).
+template <typename TS, int D>
+__device__ __forceinline__ void smem_fill(Half<TS, D>& X, const unsigned char* lo, const unsigned char* hi, int t) {
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j) {
+    const int o = (32 * j + 8 * t) * int(sizeof(TS));
+    if constexpr (sizeof(TS) == 1) {
+      X.l[j].w = *reinterpret_cast<const int2*>(lo + o);
+      X.h[j].w = *reinterpret_cast<const int2*>(hi + o);
+    } else {
+      X.l[j].w = *reinterpret_cast<const int4*>(lo + o);
+      X.h[j].w = *reinterpret_cast<const int4*>(hi + o);
+    }
+  }
+}
+template <int D>
+__device__ __forceinline__ void smem_fill(Half<Q4, D>& X, const unsigned char* lo, const unsigned char* hi, int t) {
+  const unsigned char* rows[2] = {lo, hi};
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) {
+      X.c[s][j] = *reinterpret_cast<const unsigned*>(rows[s] + 16 * j + 4 * t);
+      X.pr[s][j] = *reinterpret_cast<const unsigned*>(rows[s] + Q4Row<D>::kCodeBytes + 4 * j);
+    }
+  }
+}
+
+// The largest t with #{keys >= t} >= kth over the warp's register keys (0 when there are fewer).
+template <int K>
+__device__ __forceinline__ unsigned warp_kth_regs(const unsigned (&k)[K], int kth) {
+  unsigned t = 0u;
+  for (int bit = 31; bit >= 0; --bit) {
+    const unsigned c = t | (1u << bit);
+    int n = 0;
+#pragma unroll
+    for (int i = 0; i < K; ++i) n += k[i] >= c;
+    if (int(__reduce_add_sync(0xffffffffu, unsigned(n))) >= kth) t = c;
+  }
+  return t;
+}
+// The same over get(i), i in [0, n) (strided over the lanes).
+template <typename Get>
+__device__ __forceinline__ unsigned warp_kth(int n, int kth, Get get) {
+  const int lane = threadIdx.x % 32;
+  unsigned t = 0u;
+  for (int bit = 31; bit >= 0; --bit) {
+    const unsigned c = t | (1u << bit);
+    int cnt = 0;
+    for (int i = lane; i < n; i += 32) cnt += get(i) >= c;
+    if (int(__reduce_add_sync(0xffffffffu, unsigned(cnt))) >= kth) t = c;
+  }
+  return t;
+}
+__device__ __forceinline__ int warp_exclusive_scan(int v) {
+  const int lane = threadIdx.x % 32;
+  int x = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, off);
+    if (lane >= off) x += y;
+  }
+  return x - v;
+}
+
+template <typename TS, int D, int G, int REDUCE, int H, int CHUNK, int STAGES>
+__global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
+    const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin_v, const void* __restrict__ kmax_v,
+    const int* __restrict__ block_table, int table_stride, int num_blocks,
+    int mode, const int* __restrict__ nv, const int* __restrict__ seq_lens, int block_size, int sink, int local,
+    int width, int m_rank, unsigned* __restrict__ ckey, int* __restrict__ cpos, unsigned* __restrict__ cthr,
+    unsigned* __restrict__ tickets, int* __restrict__ out) {
+  using P = StreamPitch<TS, D, H>;
+  static_assert(H >= 1 && H <= kScoreThreads / 32, "stream select: one warp per kv head");
+  static_assert(P::kBlock % 16 == 0, "stream select: a block's rows must be whole 16-byte copies");
+  static_assert(CHUNK % 32 == 0 && CHUNK % kStreamBlocks == 0, "stream select: CHUNK");
+  constexpr int K = CHUNK / 32;  // keys per lane in the chunk's selection
+  extern __shared__ __align__(16) unsigned char dsm[];
+  unsigned char* stages = dsm;                                            // [STAGES][2][16][pitch]
+  float* score_s = reinterpret_cast<float*>(dsm + STAGES * P::kStage);    // [H][CHUNK]
+  __shared__ int phys_s[CHUNK];
+  __shared__ bool s_last;
+  const int b = blockIdx.y, chunks = gridDim.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int r = lane / 4, t = lane % 4;
+  const int pos0 = blockIdx.x * CHUNK;
+  const int n_here = min(CHUNK, table_stride - pos0);
+  long long n_valid = table_stride;
+  if (mode == 1) n_valid = nv[b];
+  if (mode == 2) n_valid = ((long long)seq_lens[b] + block_size - 1) / block_size;
+  const int* table = block_table + (long long)b * table_stride;
+  for (int i = tid; i < CHUNK; i += kScoreThreads) {
+    const long long p = pos0 + i;
+    int ph = -1;
+    if (i < n_here) {
+      ph = max(table[p], 0);  // holes read block 0 like the reference's clamp
+      ph = ph < num_blocks ? ph : -1;
+    }
+    phys_s[i] = ph;
+  }
+  __syncthreads();
+  // Blocks whose score decides nothing (past n_valid, or forced) are not read.
+  auto needed = [&](int i) {
+    const long long p = pos0 + i;
+    return i < n_here && phys_s[i] >= 0 && p < n_valid && !(p < sink || p >= n_valid - local);
+  };
+  const unsigned char* kmin = static_cast<const unsigned char*>(kmin_v);
+  const unsigned char* kmax = static_cast<const unsigned char*>(kmax_v);
+  const int n_stage = (n_here + kStreamBlocks - 1) / kStreamBlocks;
+  auto issue = [&](int s) {
+    if (s < n_stage) {
+      unsigned char* dst = stages + (s % STAGES) * P::kStage;
+      for (int idx = tid; idx < 2 * kStreamBlocks * P::kChunks16; idx += kScoreThreads) {
+        const int bound = idx / (kStreamBlocks * P::kChunks16);
+        const int rem = idx - bound * (kStreamBlocks * P::kChunks16);
+        const int blk = rem / P::kChunks16, c = rem - blk * P::kChunks16;
+        const int i = s * kStreamBlocks + blk;
+        const bool ok = needed(i);
+        const unsigned char* src = (bound ? kmin : kmax) + (ok ? (long long)phys_s[i] * P::kBlock + 16 * c : 0);
+        if (ok) tilehal::cp_async_16(dst + (bound * kStreamBlocks + blk) * P::kPitch + 16 * c, src);
+      }
+    }
+    tilehal::cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+
+  MmaQ<D, G, IsQ4<TS>::value> Q;
+  if (warp < H) Q.load(q, (long long)b * H * G + (long long)warp * G, r, t);
+  for (int s = 0; s < n_stage; ++s) {
+    issue(s + STAGES - 1);
+    tilehal::cp_async_wait<STAGES - 1>();
+    __syncthreads();
+    if (warp < H) {
+      const unsigned char* st = stages + (s % STAGES) * P::kStage + warp * StreamRow<TS, D>::kBytes;
+      Half<TS, D> X, N;
+      smem_fill(X, st + r * P::kPitch, st + (r + 8) * P::kPitch, t);
+      smem_fill(N, st + (kStreamBlocks + r) * P::kPitch, st + (kStreamBlocks + r + 8) * P::kPitch, t);
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      X.template mma<true>(Q, acc);
+      N.template mma<false>(Q, acc);
+      float s_lo, s_hi;
+      reduce_heads<G, REDUCE>(acc, t, s_lo, s_hi);
+      const int i_lo = s * kStreamBlocks + r, i_hi = i_lo + 8;
+      if (t == 0) {
+        score_s[warp * CHUNK + i_lo] = phys_s[i_lo] >= 0 ? s_lo : -INFINITY;
+        score_s[warp * CHUNK + i_hi] = phys_s[i_hi] >= 0 ? s_hi : -INFINITY;
+      }
+    }
+    __syncthreads();  // the stage's buffer is refilled by the next iteration's issue
+  }
+  tilehal::cp_async_wait<0>();
+
+  // ---- the chunk's candidates, per head (warp h)
+  const int wc = min(width, CHUNK);
+  if (warp < H) {
+    const int row = b * H + warp;
+    unsigned key[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      const int i = lane * K + j;
+      const long long p = pos0 + i;
+      unsigned k = 0u;
+      if (i < n_here && p < n_valid) k = (p < sink || p >= n_valid - local) ? kKeyForced : float_key(score_s[warp * CHUNK + i]);
+      key[j] = k;
+    }
+    const unsigned T = warp_kth_regs(key, wc);
+    int gt = 0, eq = 0;
+#pragma unroll
+    for (int j = 0; j < K; ++j) { gt += key[j] > T; eq += key[j] == T; }
+    const int need = wc - int(__reduce_add_sync(0xffffffffu, unsigned(gt)));
+    int eq_rank = warp_exclusive_scan(eq);
+    unsigned take = 0u;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      bool tk = key[j] > T;
+      if (key[j] == T) { tk = eq_rank < need; ++eq_rank; }
+      take |= unsigned(tk && key[j] > kKeyNegInf) << j;
+    }
+    int slot = warp_exclusive_scan(__popc(take));
+    const int n_take = int(__reduce_add_sync(0xffffffffu, unsigned(__popc(take))));
+    const long long cbase = ((long long)row * chunks + blockIdx.x) * wc;
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      if ((take >> j) & 1u) { ckey[cbase + slot] = key[j]; cpos[cbase + slot] = pos0 + lane * K + j; ++slot; }
+    }
+    for (int s2 = n_take + lane; s2 < wc; s2 += 32) ckey[cbase + s2] = 0u;
+    const unsigned tm = warp_kth_regs(key, m_rank);
+    if (lane == 0) cthr[(long long)row * chunks + blockIdx.x] = tm;
+  }
+
+  // ---- the sequence's last CTA merges every head's candidates
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(&tickets[b], 1u) == unsigned(chunks - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (warp < H) {
+    const int row = b * H + warp;
+    const int n_all = chunks * wc;
+    const unsigned* rkey = ckey + (long long)row * n_all;
+    const int* rpos = cpos + (long long)row * n_all;
+    const unsigned* rthr = cthr + (long long)row * chunks;
+    const int r_need = (width + m_rank - 1) / m_rank;
+    const unsigned t_low = r_need <= chunks ? warp_kth(chunks, r_need, [&](int c) { return __ldcg(&rthr[c]); }) : 0u;
+    // compact the candidates >= t_low (in position order) into this warp's part of the stages
+    constexpr int kCap = STAGES * P::kStage / (8 * H);
+    unsigned* lkey = reinterpret_cast<unsigned*>(stages) + warp * 2 * kCap;
+    int* lpos = reinterpret_cast<int*>(lkey + kCap);
+    int n_list = 0;
+    for (int base = 0; base < n_all; base += 32 * 4) {
+      unsigned kk[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + 32 * u + lane;
+        kk[u] = i < n_all ? __ldcg(&rkey[i]) : 0u;
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + 32 * u + lane;
+        const bool keep = kk[u] >= t_low && kk[u] > kKeyNegInf;
+        const unsigned bal = __ballot_sync(0xffffffffu, keep);
+        const int at = n_list + __popc(bal & ((1u << lane) - 1u));
+        if (keep && at < kCap) { lkey[at] = kk[u]; lpos[at] = __ldcg(&rpos[i]); }
+        n_list += __popc(bal);
+      }
+    }
+    __syncwarp();
+    const bool fits = n_list <= kCap;
+    const int n = fits ? n_list : n_all;
+    auto key_i = [&](int i) -> unsigned { return fits ? lkey[i] : __ldcg(&rkey[i]); };
+    const unsigned T = warp_kth(n, width, key_i);
+    int gt = 0;
+    for (int i = lane; i < n; i += 32) gt += key_i(i) > T;
+    const int need = width - int(__reduce_add_sync(0xffffffffu, unsigned(gt)));
+    int* orow = out + (long long)row * width;
+    int eq_seen = 0, written = 0;
+    for (int base = 0; base < n; base += 32) {
+      const int i = base + lane;
+      const unsigned k = i < n ? key_i(i) : 0u;
+      const unsigned eqb = __ballot_sync(0xffffffffu, k == T && i < n);
+      const bool tk = (k > T || (k == T && i < n && eq_seen + __popc(eqb & ((1u << lane) - 1u)) < need)) &&
+                      k > kKeyNegInf;
+      const unsigned tb = __ballot_sync(0xffffffffu, tk);
+      if (tk) orow[written + __popc(tb & ((1u << lane) - 1u))] = fits ? lpos[i] : __ldcg(&rpos[i]);
+      written += __popc(tb);
+      eq_seen += __popc(eqb);
+    }
+    for (int s2 = written + lane; s2 < width; s2 += 32) orow[s2] = -1;
+  }
+  if (tid == 0) tickets[b] = 0u;
+}
+
 }  // namespace dataengine
