@@ -2,7 +2,7 @@
 #   ncu --kernel-name regex:"quest|topk" --section SpeedOfLight --section MemoryWorkloadAnalysis \
 #       --section Occupancy --section WarpStateStats python profile_select_ncu.py
 """One launch of each kernel of the selection (score on CUDA cores / tensor cores, bf16 / fp8
-summaries; top-k fast / plain; the one-launch selection, bf16 / fp8 / int4) at b8 x 128K, GQA 32/8, d128, 8192 blocks, top 64. Prints only
+summaries; top-k fast / plain; the one-launch selections: fused bf16 / fp8 / int4, streamed fp8 / int4) at b8 x 128K, GQA 32/8, d128, 8192 blocks, top 64. Prints only
 the shapes: the profile is ncu's."""
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def select_kernels() -> None:
     raw = cuda_select.quest_raw_scores(q, imin, imax, bt, "max", "mma")
     for lo, hi in ((kmin, kmax), (fmin, fmax), (imin, imax)):
         cuda_select.select_fused(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS)
+    for lo, hi in ((fmin, fmax), (imin, imax)):  # the streamed one-launch selection
+        cuda_select.select_stream(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS)
     for tv in ("fast", "plain"):
         cuda_select.topk_rows(raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant=tv)
     torch.cuda.synchronize()

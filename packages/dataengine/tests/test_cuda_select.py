@@ -482,19 +482,69 @@ def test_stream_reasons(monkeypatch):
         cuda_select.stream_chunk(torch.device("cpu"), 8, 8192)
 
 
-def test_stream_ranks_bound_the_row_threshold():
-    # r = ceil(width / m) chunks with m keys each >= their m-th key hold >= width keys: r <= chunks
-    for width in (1, 7, 64, 200, 256):
-        for chunks in (1, 2, 5, 32, 64):
-            for chunk in (128, 256, 512):
-                m = cuda_select.stream_ranks(width, chunks, chunk)
-                assert 1 <= m <= min(width, chunk)
-                if chunks * min(width, chunk) >= width and chunks > 1:
-                    assert -(-width // m) <= chunks or m == min(width, chunk)
+def _kth(keys, k):
+    """The largest t with #{keys >= t} >= k (0 when fewer): the kernel's bitwise search."""
+    t = 0
+    for bit in range(31, -1, -1):
+        c = t | (1 << bit)
+        if sum(1 for x in keys if x >= c) >= k:
+            t = c
+    return t
+
+
+def _top(keys, pos, width, neg_inf):
+    """(key desc, position asc) top-width, keys > -inf's only, in position order (topk_select_kernel)."""
+    order = sorted(range(len(keys)), key=lambda i: (-keys[i], pos[i]))[:width]
+    return sorted(pos[i] for i in order if keys[i] > neg_inf)
+
+
+def test_stream_merge_algorithm_is_exact():
+    """The streamed kernel's two-level selection (chunk candidates, the T_m bound, compaction,
+    bitwise search, ordered walk), emulated on the host, equals the one-level top-k on random and
+    tie-heavy key rows, with the m the host passes and with every other m."""
+    neg_inf = 0x007FFFFF
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        n = int(torch.randint(1, 700, (1,), generator=g))
+        chunk = (128, 256, 512)[trial % 3]
+        width = int(torch.randint(1, 300, (1,), generator=g))
+        hi = (3, 50, 1 << 32)[trial % 3]
+        keys = [int(x) % (1 << 32) for x in torch.randint(0, hi, (n,), generator=g).tolist()]
+        keys = [neg_inf if x == 1 else 0xFFFFFFFF if x == 2 else x for x in keys]  # -inf / forced keys too
+        want = _top(keys, list(range(n)), width, neg_inf)
+        chunks = -(-n // chunk)
+        wc = min(width, chunk)
+        for m in {cuda_select.stream_ranks(width, chunks, chunk), 1, wc}:
+            cand, thr = [], []
+            for c in range(chunks):
+                ks = keys[c * chunk:(c + 1) * chunk] + [0] * max(0, (c + 1) * chunk - n)
+                ps = list(range(c * chunk, c * chunk + chunk))
+                t = _kth(ks, wc)
+                need = wc - sum(1 for x in ks if x > t)
+                taken = []
+                for x, p in zip(ks, ps):
+                    tk = x > t or (x == t and need > 0)
+                    need -= x == t and tk
+                    if tk and x > neg_inf:
+                        taken.append((x, p))
+                cand += taken + [(0, -1)] * (wc - len(taken))
+                thr.append(_kth(ks, m))
+            r = -(-width // m)
+            t_low = _kth(thr, r) if r <= chunks else 0
+            lst = [(x, p) for x, p in cand if x >= t_low and x > neg_inf]
+            t = _kth([x for x, _ in lst], width)
+            need = width - sum(1 for x, _ in lst if x > t)
+            got = []
+            for x, p in lst:
+                tk = x > t or (x == t and need > 0)
+                need -= x == t and tk
+                if tk and x > neg_inf:
+                    got.append(p)
+            assert got == want, (trial, n, chunk, width, m)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sdtype", [torch.uint8, FP8, torch.bfloat16])
+@pytest.mark.parametrize("sdtype", [torch.uint8, FP8, torch.bfloat16], ids=["int4", "fp8", "bf16"])
 @pytest.mark.parametrize("D,Hq,Hkv,max_blocks", [(128, 32, 8, 300), (64, 8, 8, 1000), (128, 16, 2, 97),
                                                  (64, 12, 2, 2100)])
 @pytest.mark.parametrize("reduce", ["max", "mean"])

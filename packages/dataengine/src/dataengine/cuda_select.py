@@ -272,12 +272,11 @@ def select_stream(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
         mode = 0
     chunk = stream_chunk(q.device, B, nb)
     chunks = -(-nb // chunk)
-    wc = min(width, chunk)
+    wc4 = -(-min(width, chunk) // 4) * 4  # each chunk's candidate list, padded to 16-byte rows
     m_rank = stream_ranks(width, chunks, chunk)
-    scratch = torch.empty(B * H * chunks * (2 * wc + 1), dtype=torch.int32, device=q.device)
-    ckey = scratch[:B * H * chunks * wc]
-    cpos = scratch[B * H * chunks * wc:2 * B * H * chunks * wc]
-    cthr = scratch[2 * B * H * chunks * wc:]
+    n_c = B * H * chunks * wc4
+    scratch = torch.empty(2 * n_c + B * H * chunks, dtype=torch.int32, device=q.device)
+    ckey, cpos, cthr = scratch[:n_c], scratch[n_c:2 * n_c], scratch[2 * n_c:]
     kern = compile_stream(kmin.dtype, D, group, reduce, H, chunk).get_kernel(
         stream_kernel_name(kmin.dtype, D, group, reduce, H, chunk))
     kern.launch((chunks, B), SCORE_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], mode, nv, sl,

@@ -1088,7 +1088,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
   tilehal::cp_async_wait<0>();
 
   // ---- the chunk's candidates, per head (warp h)
-  const int wc = min(width, CHUNK);
+  const int wc = min(width, CHUNK), wc4 = (wc + 3) / 4 * 4;  // list stride: 16-byte rows
   if (warp < H) {
     const int row = b * H + warp;
     unsigned key[K];
@@ -1115,12 +1115,12 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
     }
     int slot = warp_exclusive_scan(__popc(take));
     const int n_take = int(__reduce_add_sync(0xffffffffu, unsigned(__popc(take))));
-    const long long cbase = ((long long)row * chunks + blockIdx.x) * wc;
+    const long long cbase = ((long long)row * chunks + blockIdx.x) * wc4;
 #pragma unroll
     for (int j = 0; j < K; ++j) {
       if ((take >> j) & 1u) { ckey[cbase + slot] = key[j]; cpos[cbase + slot] = pos0 + lane * K + j; ++slot; }
     }
-    for (int s2 = n_take + lane; s2 < wc; s2 += 32) ckey[cbase + s2] = 0u;
+    for (int s2 = n_take + lane; s2 < wc4; s2 += 32) ckey[cbase + s2] = 0u;
     const unsigned tm = warp_kth_regs(key, m_rank);
     if (lane == 0) cthr[(long long)row * chunks + blockIdx.x] = tm;
   }
@@ -1134,7 +1134,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
   __threadfence();
   if (warp < H) {
     const int row = b * H + warp;
-    const int n_all = chunks * wc;
+    const int n_all = chunks * wc4;
     const unsigned* rkey = ckey + (long long)row * n_all;
     const int* rpos = cpos + (long long)row * n_all;
     const unsigned* rthr = cthr + (long long)row * chunks;
@@ -1144,22 +1144,32 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
     constexpr int kCap = STAGES * P::kStage / (8 * H);
     unsigned* lkey = reinterpret_cast<unsigned*>(stages) + warp * 2 * kCap;
     int* lpos = reinterpret_cast<int*>(lkey + kCap);
+    // 128 keys per warp step (one 16-byte load per lane: keys 4 * lane .. 4 * lane + 3), 8 steps
+    // of loads in flight; n_all is a multiple of 4 (the host pads each chunk's list to wc4).
     int n_list = 0;
-    for (int base = 0; base < n_all; base += 32 * 4) {
-      unsigned kk[4];
+    constexpr int kBatch = 8;
+    for (int base = 0; base < n_all; base += 128 * kBatch) {
+      uint4 kv[kBatch];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int i = base + 32 * u + lane;
-        kk[u] = i < n_all ? __ldcg(&rkey[i]) : 0u;
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = base + 128 * u + 4 * lane;
+        kv[u] = i < n_all ? __ldcg(reinterpret_cast<const uint4*>(rkey + i)) : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int i = base + 32 * u + lane;
-        const bool keep = kk[u] >= t_low && kk[u] > kKeyNegInf;
-        const unsigned bal = __ballot_sync(0xffffffffu, keep);
-        const int at = n_list + __popc(bal & ((1u << lane) - 1u));
-        if (keep && at < kCap) { lkey[at] = kk[u]; lpos[at] = __ldcg(&rpos[i]); }
-        n_list += __popc(bal);
+      for (int u = 0; u < kBatch; ++u) {
+        const unsigned kk[4] = {kv[u].x, kv[u].y, kv[u].z, kv[u].w};
+        int c = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c += kk[e] >= t_low && kk[e] > kKeyNegInf;
+        int at = n_list + warp_exclusive_scan(c);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (kk[e] >= t_low && kk[e] > kKeyNegInf) {
+            if (at < kCap) { lkey[at] = kk[e]; lpos[at] = __ldcg(&rpos[base + 128 * u + 4 * lane + e]); }
+            ++at;
+          }
+        }
+        n_list += int(__reduce_add_sync(0xffffffffu, unsigned(c)));
       }
     }
     __syncwarp();
