@@ -190,13 +190,23 @@ def test_topk_blocks_exact(shape, k, variant, monkeypatch):
     s[torch.rand(shape, generator=g) < 0.1] = float("-inf")
     s[torch.rand(shape, generator=g) < 0.01] = float("inf")
     s[torch.rand(shape, generator=g) < 0.1] = -0.0
-    nv = torch.randint(-2, shape[-1] + 3, (shape[0],), generator=g)
+    nv = torch.randint(0, shape[-1] + 3, (shape[0],), generator=g)  # counts >= 0 (the contract); 0 and past the end
+    if shape[0] > 1:
+        nv[1] = 0  # a row with no valid block
     for kw in ({}, {"num_valid": nv}, {"num_valid": nv, "sink_blocks": 2, "local_blocks": 3},
                {"sink_blocks": 1, "local_blocks": 1}):
         got = select.topk_blocks(s.cuda(), k, **{n: (v.cuda() if isinstance(v, torch.Tensor) else v)
                                                 for n, v in kw.items()})
         want = select.topk_blocks_reference(s, k, **kw)
         assert torch.equal(got.cpu(), want), kw
+    # negative counts break the contract; on the host they are an ArgumentError, on CUDA (no sync to
+    # check them) they select nothing, like 0, and never read outside the row
+    neg = -1 - nv
+    got = select.topk_blocks(s.cuda(), k, num_valid=neg.cuda(), sink_blocks=2, local_blocks=3)
+    assert torch.equal(got.cpu(), select.topk_blocks_reference(s, k, num_valid=torch.zeros_like(nv),
+                                                               sink_blocks=2, local_blocks=3))
+    with pytest.raises(tilehal.ArgumentError, match="num_valid: expected counts >= 0"):
+        select.topk_blocks(s.cuda(), k, num_valid=neg.cuda(), validate=True)
     for dt in (torch.bfloat16, torch.float16):
         assert torch.equal(select.topk_blocks(s.to(dt).cuda(), k).cpu(), select.topk_blocks_reference(s.to(dt), k))
     one = s.reshape(-1)[:100]

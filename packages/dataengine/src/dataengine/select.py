@@ -374,9 +374,10 @@ def topk_blocks(scores: torch.Tensor, k: int, num_valid: torch.Tensor | None = N
     """NSA-style selection from given block scores [B, ..., num_blocks] (e.g. compressed-attention
     probabilities summed per block): the k best, ascending, -1 padded, int32 [B, ..., min(k, num_blocks)].
 
-    -inf marks blocks that may not be chosen; `num_valid` [B] limits each batch row to its first
-    blocks; the first `sink_blocks` / last `local_blocks` valid blocks are always kept. NaN scores
-    are an error (checked on the host; on CUDA only with `validate=True` and never chosen).
+    -inf marks blocks that may not be chosen; `num_valid` [B] (counts >= 0) limits each batch row
+    to its first blocks; the first `sink_blocks` / last `local_blocks` valid blocks are always kept.
+    NaN scores and negative counts are errors (checked on the host; on CUDA only with
+    `validate=True`: unchecked, a NaN is never chosen and a negative count selects nothing, as 0).
     On CUDA: one kernel launch, no host sync.
     """
     n_valid = _check_topk_args(scores, k, num_valid, sink_blocks, local_blocks)
@@ -384,6 +385,8 @@ def topk_blocks(scores: torch.Tensor, k: int, num_valid: torch.Tensor | None = N
     if not on_gpu or validate:
         if torch.isnan(scores).any():
             raise ArgumentError("scores: expected no NaN, got NaN entries")
+        if num_valid is not None and n_valid.numel() and int(n_valid.min()) < 0:
+            raise ArgumentError(f"num_valid: expected counts >= 0, got {int(n_valid.min())}")
     if not on_gpu:
         if scores.device.type == "cuda":
             log.debug("topk_blocks: CUDA kernel not used (dtype %s); running the torch reference", scores.dtype)
