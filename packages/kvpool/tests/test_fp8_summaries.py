@@ -8,6 +8,8 @@ ordinary e4m3 values.
 """
 
 import kvpool
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -179,6 +181,77 @@ def test_int4_rows_bound_every_value_and_are_tight(seed, scale, special):
         assert bool((step[ok] <= rng[ok] / 15 * (1 + 2 ** -6) + 1e-38).all())
         gap = (v - x).abs().reshape(5, 3, 2, 32)
         assert bool((gap[ok] <= 2 * step[ok][..., None] + 1e-30 * scale).all())
+
+
+def _kernel_int4_rows(x: np.ndarray, up: bool) -> np.ndarray:
+    """kv_write.cuh's int4_encode_kernel, one 32-lane warp per group, emulated in numpy float32
+    (each intrinsic: __fsub_rn / __fdiv_rn / __fmul_rn / __fadd_rn = float32 RN; bf16 _rd/_ru)."""
+    f32, bf16, big = np.float32, ml_dtypes.bfloat16, np.float32(3.402823466e38)
+
+    def bf16_dir(v: np.float32, toward_up: bool) -> np.float32:
+        b = np.array(v, f32).astype(bf16)
+        if (b.astype(f32) < v) if toward_up else (b.astype(f32) > v):
+            b = np.nextafter(b, np.array(np.inf if toward_up else -np.inf, bf16))
+        return f32(b.astype(f32))
+
+    lead, D = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, D).astype(f32)
+    out = np.zeros((flat.shape[0], D // 2 + 4 * (D // 32)), np.uint8)
+    for r, row in enumerate(flat):
+        for grp in range(D // 32):
+            lanes = row[grp * 32:(grp + 1) * 32]
+            all_fin = bool((np.abs(lanes) <= big).all())
+            lo, hi = f32(lanes.min()), f32(lanes.max())
+            lo_b = bf16_dir(lo if all_fin else f32(0), False)
+            d = f32(hi - lo_b)
+            fin = all_fin and abs(d) <= big
+            step = bf16_dir(f32((d if fin else f32(0)) / f32(15)), True)
+            for _ in range(2):
+                if fin and f32(lo_b + f32(f32(15) * step)) < hi:
+                    step = f32((np.array(step, f32).astype(bf16).view(np.uint16) + np.uint16(1)).view(bf16).astype(f32))
+            codes = np.zeros(32, np.uint8)
+            if fin and step > 0:
+                for lane, v in enumerate(lanes):
+                    q = f32(f32(v - lo_b) / step)
+                    cf = f32(min(max(np.ceil(q) if up else np.floor(q), f32(0)), f32(15)))
+                    for _ in range(2):
+                        dec = f32(lo_b + f32(cf * step))
+                        if up and dec < v and cf < 15:
+                            cf += f32(1)
+                        if not up and dec > v and cf > 0:
+                            cf -= f32(1)
+                    codes[lane] = int(cf)
+            if not fin:
+                ext = hi if up else lo
+                lo_b, step = (bf16_dir(ext, up) if abs(ext) <= big else ext), f32(0)
+            out[r, grp * 16:(grp + 1) * 16] = codes[0::2] | (codes[1::2] << 4)
+            p = np.array([lo_b, step], f32).astype(bf16).view(np.uint8)
+            out[r, D // 2 + 4 * grp:D // 2 + 4 * grp + 4] = p
+    return out.reshape(*lead, -1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), scale=st.sampled_from([1e-30, 1e-3, 1.0, 300.0, 1e30]),
+       special=st.sampled_from([None, "inf", "-inf", "both", "fresh", "zero", "equal"]))
+def test_int4_encode_equals_the_kernels_arithmetic(seed, scale, special):
+    """The torch path and the CUDA kernel (emulated) give the same bytes, including groups with a
+    non-finite value (their extreme, step 0, codes 0: the CUDA pass of 2026-12-02 caught the torch
+    path nudging those codes to 2) and never-written rows (+inf / -inf)."""
+    g = torch.Generator().manual_seed(seed)
+    x = scale * torch.randn(3, 2, 64, generator=g)
+    if special in ("inf", "both"):
+        x[0, 0, 3] = float("inf")
+    if special in ("-inf", "both"):
+        x[1, 1, 40] = float("-inf")
+    if special == "fresh":
+        x[2, 0] = float("inf")
+        x[2, 1] = float("-inf")
+    if special == "zero":
+        x[2, 1, :32] = 0.0
+    if special == "equal":
+        x[0, 1, 32:] = x[0, 1, 33]
+    for up in (True, False):
+        assert np.array_equal(int4_encode(x, up).numpy(), _kernel_int4_rows(x.numpy(), up)), up
 
 
 def test_int4_pool_rows_follow_the_exact_summaries():

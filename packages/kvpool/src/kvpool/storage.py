@@ -129,14 +129,14 @@ def int4_encode(x: torch.Tensor, up: bool) -> torch.Tensor:
     safe = torch.where(st > 0, st, 1.0)
     q = (g - lb) / safe
     c = (torch.ceil(q) if up else torch.floor(q)).clamp(0, 15)
-    c = torch.where(st > 0, c, 0.0)
-    c = torch.where(fin[..., None], c, 0.0)
+    coded = (st > 0) & fin[..., None]  # other groups decode to lo alone: their codes stay 0
+    c = torch.where(coded, c, 0.0)
     for _ in range(2):  # the decoder's float32 lo + c * step must stay on the right side of x
         v = lb + c * st
         if up:
-            c = torch.where((v < g) & (c < 15), c + 1, c)
+            c = torch.where(coded & (v < g) & (c < 15), c + 1, c)
         else:
-            c = torch.where((v > g) & (c > 0), c - 1, c)
+            c = torch.where(coded & (v > g) & (c > 0), c - 1, c)
     # non-finite groups: their own extreme, step 0
     ext = hi if up else lo
     ext_b = torch.where(torch.isfinite(ext), bf16_round(torch.where(torch.isfinite(ext), ext, 0.0), up).float(), ext)
