@@ -122,6 +122,65 @@ def test_atomic_adds_past_the_end_of_a_global_tensor_are_dropped_like_stores(tar
     np.testing.assert_array_equal(h, [1, 0, 0, 2])  # was: LaunchError on interp, dropped on cpu
 
 
+def _on_chip_atomic_hist(form):
+    M = T.dynamic("M")
+
+    @T.prim_func
+    def hist(idx: T.Tensor((M,), "int32"), B: T.Tensor((8,), "float32")):
+        with T.Kernel(1) as _:
+            h = T.alloc_fragment((8,), "float32")
+            one = T.alloc_fragment((1,), "float32")
+            T.fill(h, 0.0)
+            T.fill(one, 1.0)
+            if form == "parallel":
+                for i in T.Parallel(M):
+                    T.atomic_add(h[idx[i]], 1.0)
+            elif form == "serial":
+                for i in T.serial(M):
+                    T.atomic_add(h[idx[i]], 1.0)
+            else:  # a one-element region as the value
+                for i in T.serial(M):
+                    T.atomic_add(h[idx[i]], one[0])
+            for j in T.Parallel(8):
+                B[j] = h[j]
+
+    return hist
+
+
+@pytest.mark.parametrize("form", ["parallel", "serial", "region"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_atomic_adds_past_the_end_of_an_on_chip_buffer_raise_like_stores(target, form):
+    k = tilelang.compile(_on_chip_atomic_hist(form), out_idx=[1], target=target)
+    np.testing.assert_array_equal(k(np.array([0, 3, 3, 7], np.int32)), [1, 0, 0, 2, 0, 0, 0, 1])
+    for bad in ([1, 8], [-1, 2], [1 << 30]):  # was: dropped silently on cpu (and on interp outside T.Parallel)
+        with pytest.raises(tilehal.LaunchError, match=r"store to h.*out of bounds") as e:
+            k(np.array(bad, np.int32))
+        if target == "cpu":
+            assert THIS_FILE in str(e.value)  # the line of the add
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_tile_atomic_add_drops_its_out_of_bounds_edge_like_copy(target):
+    S = T.dynamic("S")
+
+    @T.prim_func
+    def edge(off: T.Tensor((S,), "int32"), B: T.Tensor((8,), "float32")):
+        with T.Kernel(1) as _:
+            h = T.alloc_fragment((8,), "float32")
+            src = T.alloc_fragment((4,), "float32")
+            T.fill(h, 0.0)
+            for j in T.Parallel(4):
+                src[j] = j + 1.0
+            T.atomic_add(h[off[0]:off[0] + 4], src)
+            for j in T.Parallel(8):
+                B[j] = h[j]
+
+    k = tilelang.compile(edge, out_idx=[1], target=target)
+    np.testing.assert_array_equal(k(np.array([2], np.int32)), [0, 0, 1, 2, 3, 4, 0, 0])
+    np.testing.assert_array_equal(k(np.array([6], np.int32)), [0, 0, 0, 0, 0, 0, 1, 2])
+    np.testing.assert_array_equal(k(np.array([-2], np.int32)), [3, 4, 0, 0, 0, 0, 0, 0])
+
+
 def test_access_never_in_bounds_is_a_compile_error_naming_the_line():
     def prog(off):
         @T.prim_func

@@ -317,6 +317,9 @@ class Interpreter:
     def atomic_add(self, s: AtomicAdd) -> None:
         if not isinstance(s.src, Region) and self.lanes:
             return self.atomic_add_lanes(s)
+        if s.dst.buffer.scope != "global" and not s.dst.squeezed():  # an element add: checked like a store
+            idx = [np.asarray(self.expr(st), dtype=np.int64).reshape(-1) for st in s.dst.starts]
+            self._check_bounds(s.dst.buffer, idx, self.bufs[s.dst.buffer].shape, s.loc)
         cur = self.read_region(s.dst)
         add = self.read_region(s.src) if isinstance(s.src, Region) else np.asarray(self.expr(s.src))
         self.write_region(s.dst, (cur + add.reshape(cur.shape) if np.ndim(add) else cur + add))

@@ -10,8 +10,10 @@ and write neighbouring memory):
   store is wrapped in `if (in_bounds)`. The public TileLang legalizes accesses the same way by
   default (a top-k whose blk_m does not divide M drops the last tile's extra rows).
 - `check_local_accesses` (after lowering): loads of shared/fragment/local buffers read zero past
-  the end; a store past the end records which access failed, is skipped, and the launch raises
-  LaunchError naming the buffer and the source line (`BoundsFail`, emitted by the codegen).
+  the end; a store or an element `T.atomic_add` past the end records which access failed, is
+  skipped, and the launch raises LaunchError naming the buffer and the source line (`BoundsFail`,
+  emitted by the codegen). Element adds to global tensors are dropped like their stores; a tile
+  add (several elements) drops its edge elements like T.copy (lower_tile_ops.lower_atomic_add).
 
 Accesses proved in bounds are left alone: an interval analysis over block indices (grid
 sizes), loop ranges and lets, plus `i < N` for a loop `for i in range(N)` over a T.dynamic N.
@@ -25,7 +27,22 @@ import logging
 from dataclasses import dataclass
 
 from ...ir.bounds import Interval, interval
-from ...ir.nodes import Const, Expr, For, If, Kernel, Let, Load, PrimFunc, Select, Stmt, Store, Var, binop
+from ...ir.nodes import (
+    AtomicAdd,
+    Const,
+    Expr,
+    For,
+    If,
+    Kernel,
+    Let,
+    Load,
+    PrimFunc,
+    Select,
+    Stmt,
+    Store,
+    Var,
+    binop,
+)
 from ...ir.visit import Transformer
 
 log = logging.getLogger("tilelang.backends.c")
@@ -133,14 +150,21 @@ class _LocalCheck(_Ranged):
             return If(self.expr(s.cond), self.stmt(s.then), s.orelse, loc=s.loc)
         if isinstance(s, Store) and s.buffer.scope in LOCAL_SCOPES:
             st = super().stmt(s)
-            cond = self.in_bounds(st.buffer, st.indices)
-            if cond is None:
-                return st
-            code = len(self.checks)
-            shape = tuple(int(d.value) if isinstance(d, Const) else d.name for d in s.buffer.shape)
-            self.checks.append((str(s.loc) if s.loc else "", s.buffer.name, shape))
-            return If(cond, st, BoundsFail(code, loc=s.loc), loc=s.loc)
+            return self.checked(st, st.buffer, st.indices)
+        if isinstance(s, AtomicAdd) and s.dst.buffer.scope in LOCAL_SCOPES:  # an element add (lowered)
+            st = super().stmt(s)
+            return self.checked(st, st.dst.buffer, st.dst.starts)
         return super().stmt(s)
+
+    def checked(self, st: Stmt, buf, idx: list[Expr]) -> Stmt:
+        """`st` (writing buf[idx]) if proved in bounds, else run only in bounds, recording a failure."""
+        cond = self.in_bounds(buf, idx)
+        if cond is None:
+            return st
+        code = len(self.checks)
+        shape = tuple(int(d.value) if isinstance(d, Const) else d.name for d in buf.shape)
+        self.checks.append((str(st.loc) if st.loc else "", buf.name, shape))
+        return If(cond, st, BoundsFail(code, loc=st.loc), loc=st.loc)
 
 
 def _rebuild(func: PrimFunc, body: Stmt) -> PrimFunc:

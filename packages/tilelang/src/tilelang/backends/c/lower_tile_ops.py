@@ -41,6 +41,7 @@ from ...ir.nodes import (
 )
 from ...ir.visit import map_stmt
 from ...passes.simplify import simplify_expr
+from .guard_memory import LOCAL_SCOPES
 
 _ids = itertools.count()
 log = logging.getLogger("tilelang.passes.lower_tile_ops")
@@ -180,9 +181,16 @@ def lower_cumsum(s: CumSum) -> Stmt:
 
 
 def lower_atomic_add(s: AtomicAdd) -> Stmt:
+    """Element adds past the end of a global tensor are dropped (like its stores); those past the
+    end of an on-chip buffer are left to check_local_accesses (they raise LaunchError, as stores
+    do). A tile add (several elements) drops its out-of-bounds edge elements, as T.copy does."""
     shape = s.dst.squeezed() or [1]
+    element = not s.dst.squeezed()
+    on_chip = s.dst.buffer.scope in LOCAL_SCOPES
     if not isinstance(s.src, Region):
-        return s if not _needs_guard(s.dst) else If(_in_bounds(s.dst.buffer, s.dst.starts), s, loc=s.loc)
+        if on_chip or not _needs_guard(s.dst):
+            return s
+        return If(_in_bounds(s.dst.buffer, s.dst.starts), s, loc=s.loc)
     vars_ = [_var("i") for _ in shape]
     didx = _region_index(s.dst, vars_ if s.dst.squeezed() else [])
     sidx = _region_index(s.src, vars_ if s.src.squeezed() else [])
@@ -191,7 +199,7 @@ def lower_atomic_add(s: AtomicAdd) -> Stmt:
         val = Select(_in_bounds(s.src.buffer, sidx), val, const(0), val.dtype)
     st: Stmt = AtomicAdd(Region(s.dst.buffer, didx, [1] * s.dst.buffer.ndim, s.loc), val, dict(s.options),
                          loc=s.loc)
-    if _needs_guard(s.dst):
+    if _needs_guard(s.dst) and not (element and on_chip):
         st = If(_in_bounds(s.dst.buffer, didx), st, loc=s.loc)
     return _loops(vars_, shape, st, s.loc)
 
