@@ -191,6 +191,10 @@ def cases():
             "fp8_128x128": dg.KernelKey(4096, 7168, 128, 128, 5, "normal", 1, True, True, False),
             "bf16_tma_store_mc2": dg.KernelKey(4096, 2048, 128, 128, 4, "normal", 1, False, True, False,
                                                tma_store=True, d_swizzle=128, multicast=2),
+            # the direct (register) epilogue with C: fp32 out, a masked grouping (row base), odd N
+            "fp8_128x128_c_f32": dg.KernelKey(4096, 7168, 128, 128, 5, "normal", 1, True, False, True),
+            "fp8_masked_c_f32": dg.KernelKey(4096, 7168, 128, 128, 5, "masked", 4, True, False, True),
+            "bf16_odd_n_c_f32": dg.KernelKey(2049, 2048, 128, 128, 4, "normal", 1, False, False, True),
         }
         for label, key in keys.items():
             out.append((f"deepgemm_{label}", lambda key=key: dg.compile_kernel(key)))
@@ -204,6 +208,10 @@ def cases():
             key = g1.key_1d1d(cfg, 4096, out_dt, has_c)
             out.append((f"deepgemm_1d1d_{bm}x{bn}_{str(out_dt)[6:]}_{int(has_c)}",
                         lambda key=key: g1.compile_kernels([key])))
+        odd = g1.key_1d1d(g1.Config1D1D(128, 128, g1.max_stages(128, 128), 132), 2049, torch.float32, True)
+        out.append(("deepgemm_1d1d_odd_n_c_f32", lambda: g1.compile_kernels([odd])))
+        odd_sk = sk.splitk_key(sk.SplitKConfig(64, 128, 1, sk.max_stages(64, 128), 132), 2049, 2048, bf16, bf16)
+        out.append(("deepgemm_splitk_odd_n_c_bf16", lambda: sk.compile_kernels([odd_sk])))
         # split-K: bf16 out, bf16 C (bf16 accumulation), fp32 out + fp32 C, MN-major operands.
         for bm, bn, splits, out_dt, c_dt, a_mn, b_mn in ((64, 128, 8, bf16, None, False, False),
                                                           (64, 256, 4, bf16, bf16, False, False),

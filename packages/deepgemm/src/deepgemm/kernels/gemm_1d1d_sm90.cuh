@@ -80,13 +80,7 @@ gemm_1d1d_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constan
   // Tile t -> (m_block, n_block): bands of k1d1dBand n-blocks, m-blocks walked inside a band, so the
   // CTAs running together share B panels (and A panels) in L2.
   auto tile_coords = [&](int t, int& m_block, int& n_block) {
-    const int per_band = num_m_blocks * k1d1dBand;
-    const int band = t / per_band;
-    const int first_n = band * k1d1dBand;
-    const int n_in_band = min(k1d1dBand, NUM_N_BLOCKS - first_n);
-    const int in_band = t - band * per_band;
-    m_block = in_band / n_in_band;
-    n_block = first_n + in_band % n_in_band;
+    band_tile_coords<k1d1dBand, NUM_N_BLOCKS>(t, num_m_blocks, m_block, n_block);
   };
 
   if (tid >= NUM_MATH_THREADS) {
@@ -130,15 +124,7 @@ gemm_1d1d_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constan
     for (int kb = 0; kb < num_k_blocks; ++kb, ++it) {
       const int s = it % STAGES;
       mbarrier_wait(&full_bar[s], (it / STAGES) & 1);
-      const u64 desc_a = make_smem_desc_k128b(smem_a + s * A_BYTES + wg * 64 * 128);
-      const u64 desc_b = make_smem_desc_k128b(smem_b + s * B_BYTES);
-      wgmma_fence_operands(part);
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < BLOCK_K / K_STEP; ++k) Mma::mma(part, desc_a + k * 2, desc_b + k * 2, k > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(part);
+      wgmma_block_k128b_sync<Mma, BLOCK_K / K_STEP>(part, smem_a + s * A_BYTES + wg * 64 * 128, smem_b + s * B_BYTES);
       const float sa0 = smem_sfa[s * BLOCK_M + row_in_tile];
       const float sa1 = smem_sfa[s * BLOCK_M + row_in_tile + 8];
       const float* sfb_s = smem_sfb + s * BLOCK_N + col_in_chunk;
@@ -155,33 +141,8 @@ gemm_1d1d_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constan
     }
 
     // ---------------------------------------------------------------- epilogue (direct, bounds-checked)
-    const int n0 = n_block * BLOCK_N;
-    const int r0 = m_block * BLOCK_M + row_in_tile;
-    constexpr bool kEvenN = SHAPE_N % 2 == 0;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = r0 + half * 8;
-      if (r >= shape_m) continue;
-      const u64 row_off = static_cast<u64>(r) * SHAPE_N;
-#pragma unroll
-      for (int j = 0; j < BLOCK_N / 8; ++j) {
-        const int col = n0 + j * 8 + col_in_chunk;
-        if (col >= SHAPE_N) continue;
-        const bool both = col + 1 < SHAPE_N;
-        float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
-        if constexpr (HAS_C) {
-          const float* cp = c + row_off + col;
-          if (both && kEvenN) {
-            const float2 cv = *reinterpret_cast<const float2*>(cp);
-            x += cv.x, y += cv.y;
-          } else {
-            x += cp[0];
-            if (both) y += cp[1];
-          }
-        }
-        store_pair(d + row_off + col, x, y, both, kEvenN);
-      }
-    }
+    store_acc_direct<SHAPE_N, BLOCK_N, HAS_C, true>(acc, d, c, 0, m_block * BLOCK_M + row_in_tile, shape_m,
+                                                 n_block * BLOCK_N, lane);
   }
 }
 

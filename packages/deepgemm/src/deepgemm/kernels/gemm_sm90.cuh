@@ -73,13 +73,7 @@ struct TileScheduler {
         stride(gridDim.x / MCAST) {}
 
   static TILEHAL_DEVICE void rasterize(int unit, int num_m_units, int& m_unit, int& n_unit) {
-    const int per_band = num_m_units * kBand;
-    const int band = unit / per_band;
-    const int first_n = band * kBand;
-    const int n_in_band = min(kBand, kNumNUnits - first_n);
-    const int in_band = unit - band * per_band;
-    m_unit = in_band / n_in_band;
-    n_unit = first_n + in_band % n_in_band;
+    band_tile_coords<kBand, kNumNUnits>(unit, num_m_units, m_unit, n_unit);
   }
 
   TILEHAL_DEVICE void take(int m_unit, int n_unit, int& m_block, int& n_block) const {
@@ -465,16 +459,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
         const float sb0 = __ldg(sfb_row + kb);
         const float sb1 = has_second_sf ? __ldg(sfb_row + SF_K + kb) : sb0;
         mbarrier_wait(&full_bar[s], (it / STAGES) & 1);
-
-        const u64 desc_a = make_smem_desc_k128b(smem_a + s * A_BYTES + wg * 64 * 128);
-        const u64 desc_b = make_smem_desc_k128b(smem_b + s * B_BYTES);
-        wgmma_fence_operands(part);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < BLOCK_K / K_STEP; ++k) Mma::mma(part, desc_a + k * 2, desc_b + k * 2, k > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands(part);
+        wgmma_block_k128b_sync<Mma, BLOCK_K / K_STEP>(part, smem_a + s * A_BYTES + wg * 64 * 128, smem_b + s * B_BYTES);
         const float sa0 = smem_sfa[s * BLOCK_M + row_in_tile];
         const float sa1 = smem_sfa[s * BLOCK_M + row_in_tile + 8];
         __syncwarp();
@@ -585,32 +570,8 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
                                                        m_block * BLOCK_M, row_limit, n0);
       continue;
     }
-    const int r0 = m_block * BLOCK_M + row_in_tile;
-    constexpr bool kEvenN = SHAPE_N % 2 == 0;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = r0 + half * 8;
-      if (r >= row_limit) continue;
-      const u64 row_off = (row_base + r) * static_cast<u64>(SHAPE_N);
-#pragma unroll
-      for (int j = 0; j < BLOCK_N / 8; ++j) {
-        const int col = n0 + j * 8 + (lane % 4) * 2;
-        if (col >= SHAPE_N) continue;
-        const bool both = col + 1 < SHAPE_N;
-        float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
-        if constexpr (HAS_C) {
-          const float* cp = c + row_off + col;
-          if (both && kEvenN) {
-            const float2 cv = *reinterpret_cast<const float2*>(cp);
-            x += cv.x, y += cv.y;
-          } else {
-            x += cp[0];
-            if (both) y += cp[1];
-          }
-        }
-        store_pair(d + row_off + col, x, y, both, kEvenN);
-      }
-    }
+    store_acc_direct<SHAPE_N, BLOCK_N, HAS_C, true>(acc, d, c, row_base, m_block * BLOCK_M + row_in_tile, row_limit,
+                                                 n0, lane);
   }
   if constexpr (TMA_STORE) {
     if (tid == 0) tma_store_wait<0>();  // shared memory must outlive the last store

@@ -39,9 +39,6 @@ using namespace tilehal;
 template <int NUM_MATH_WG> constexpr int kSplitKProducerRegs = 40;
 template <int NUM_MATH_WG> constexpr int kSplitKMathRegs = NUM_MATH_WG == 1 ? 256 : 232;
 
-TILEHAL_DEVICE float splitk_load(const float* p) { return *p; }
-TILEHAL_DEVICE float splitk_load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-
 // C (added when HAS_C) is read in its own dtype CT: fp32, or bf16 (DeepGEMM's bf16 accumulation).
 template <int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int SPLITS, typename OutT, bool HAS_C,
           typename CT, bool A_MN, bool B_MN>
@@ -236,7 +233,7 @@ splitk_bf16_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_const
         const u64 off = static_cast<u64>(m0 + i / per_row) * SHAPE_N + n0 + (i % per_row) * VEC;
         if constexpr (HAS_C) {
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) sum[u][v] += splitk_load(c + off + v);
+          for (int v = 0; v < VEC; ++v) sum[u][v] += to_float(c[off + v]);
         }
 #pragma unroll
         for (int v = 0; v < VEC; v += 2) {
@@ -252,25 +249,7 @@ splitk_bf16_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_const
   }
 
   // One split: store straight from the accumulators.
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = r0 + half * 8;
-    if (r >= shape_m) continue;
-    const u64 row_off = static_cast<u64>(r) * SHAPE_N;
-#pragma unroll
-    for (int j = 0; j < BLOCK_N / 8; ++j) {
-      const int col = n0 + j * 8 + (lane % 4) * 2;
-      if (col >= SHAPE_N) continue;
-      const bool both = col + 1 < SHAPE_N;
-      float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
-      if constexpr (HAS_C) {
-        const CT* cp = c + row_off + col;
-        x += splitk_load(cp);
-        if (both) y += splitk_load(cp + 1);
-      }
-      store_pair(d + row_off + col, x, y, both, kEvenN);
-    }
-  }
+  store_acc_direct<SHAPE_N, BLOCK_N, HAS_C, false>(acc, d, c, 0, r0, shape_m, n0, lane);
 }
 
 }  // namespace deepgemm

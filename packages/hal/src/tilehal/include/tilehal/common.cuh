@@ -34,4 +34,18 @@ TILEHAL_DEVICE void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
+// Persistent-kernel tile order: tile t of a grid of num_m x NUM_N tiles -> (m, n), walking bands of
+// BAND columns (n) and the m tiles inside a band, so the CTAs running together share operand panels
+// in L2. The last band holds the NUM_N % BAND remaining columns.
+template <int BAND, int NUM_N>
+TILEHAL_DEVICE void band_tile_coords(int t, int num_m, int& m, int& n) {
+  const int per_band = num_m * BAND;
+  const int band = t / per_band;
+  const int first_n = band * BAND;
+  const int n_in_band = min(BAND, NUM_N - first_n);
+  const int in_band = t - band * per_band;
+  m = in_band / n_in_band;
+  n = first_n + in_band % n_in_band;
+}
+
 }  // namespace tilehal

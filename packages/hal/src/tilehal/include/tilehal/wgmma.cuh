@@ -7,6 +7,7 @@
 // Sequence per tile step: wgmma_fence(); mma...; wgmma_commit(); ... wgmma_wait<0>().
 #pragma once
 #include "common.cuh"
+#include "convert.cuh"  // to_float, store_pair
 #include "mbarrier.cuh"  // smem_addr
 #include "wgmma_ops.cuh"
 
@@ -66,6 +67,59 @@ TILEHAL_DEVICE void setmaxnreg_inc() {
 template <int N>
 TILEHAL_DEVICE void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+// One K block, waited: d = A_tile @ B_tile^T over K_STEPS wgmma steps of 32 bytes of K each (the first
+// step overwrites d), A and B K-major in 128-byte-swizzled rows (a_tile: this warpgroup's 64 rows).
+// The fp8 kernels' per-block partial sums, promoted with the block's scales right after.
+template <typename Mma, int K_STEPS, int R>
+TILEHAL_DEVICE void wgmma_block_k128b_sync(float (&d)[R], const void* a_tile, const void* b_tile) {
+  const u64 desc_a = make_smem_desc_k128b(a_tile);
+  const u64 desc_b = make_smem_desc_k128b(b_tile);
+  wgmma_fence_operands(d);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < K_STEPS; ++k) Mma::mma(d, desc_a + k * 2, desc_b + k * 2, k > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operands(d);
+}
+
+// Direct epilogue of one warpgroup's m64nBLOCK_N fp32 accumulator (the layout above) into row-major
+// D [rows, SHAPE_N]: the thread's rows r0 and r0 + 8 (r0 = its first row, 16w + l/4 plus the tile's
+// first row), columns n0 + 8j + 2(l%4) and + 1. Rows >= row_limit and columns >= SHAPE_N are not
+// written; row r lies at d + (row_base + r) * SHAPE_N (row_base: a masked group's first row). HAS_C:
+// C, laid out as D, is added in fp32 first; VEC_C (fp32 C only): as one float2 load where both
+// columns are in range and N is even, else element by element.
+template <int SHAPE_N, int BLOCK_N, bool HAS_C, bool VEC_C, typename OutT, typename CT>
+TILEHAL_DEVICE void store_acc_direct(const float (&acc)[BLOCK_N / 2], OutT* d, const CT* c, u64 row_base, int r0,
+                                     int row_limit, int n0, int lane) {
+  static_assert(!VEC_C || sizeof(CT) == 4, "VEC_C reads C as float2");
+  constexpr bool kEvenN = SHAPE_N % 2 == 0;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = r0 + half * 8;
+    if (r >= row_limit) continue;
+    const u64 row_off = (row_base + r) * static_cast<u64>(SHAPE_N);
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j) {
+      const int col = n0 + j * 8 + (lane % 4) * 2;
+      if (col >= SHAPE_N) continue;
+      const bool both = col + 1 < SHAPE_N;
+      float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
+      if constexpr (HAS_C) {
+        const CT* cp = c + row_off + col;
+        if (VEC_C && both && kEvenN) {
+          const float2 cv = *reinterpret_cast<const float2*>(cp);
+          x += cv.x, y += cv.y;
+        } else {
+          x += to_float(cp[0]);
+          if (both) y += to_float(cp[1]);
+        }
+      }
+      store_pair(d + row_off + col, x, y, both, kEvenN);
+    }
+  }
 }
 
 }  // namespace tilehal
