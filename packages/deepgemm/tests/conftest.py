@@ -52,8 +52,22 @@ def oracle_fp8(a8, sfa, b8, sfb, c=None) -> torch.Tensor:
     return out if c is None else out + c.cpu().double()
 
 
+def check_compiled(mod, exprs, forbidden=("serialized",)) -> None:
+    """A compile-only test's checks of an NVRTC module built with --ptxas-options=-v: every kernel of
+    `exprs` is in it and, when this run compiled it (a cache hit has no ptxas report), ptxas reported
+    each kernel with 0 bytes of spill stores and none of the `forbidden` warnings (e.g. "serialized":
+    wgmma made synchronous)."""
+    assert all(e in mod.lowered_names for e in exprs)
+    if mod.cache_hit:
+        return
+    spills = [line for line in mod.log.splitlines() if "spill" in line]
+    assert len(spills) == len(exprs) and all("0 bytes spill stores" in line for line in spills), mod.log
+    for text in forbidden:
+        assert text not in mod.log, mod.log
+
+
 @pytest.fixture
 def h():
     """The helpers above, for test modules (importlib mode forbids importing conftest)."""
     return SimpleNamespace(fp8_operands=fp8_operands, dequant_a=dequant_a, dequant_b=dequant_b,
-                           oracle_fp8=oracle_fp8)
+                           oracle_fp8=oracle_fp8, check_compiled=check_compiled)

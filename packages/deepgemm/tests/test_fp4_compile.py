@@ -23,15 +23,13 @@ CONFIGS = configs()
 
 
 @pytest.mark.parametrize("half", [0, 1])
-def test_fp4_kernel_configs_compile(half):
+def test_fp4_kernel_configs_compile(half, h):
     batch = CONFIGS[half::2]
     exprs = [k.expression for k in batch]
     mod = tilehal.compile_cuda(cuda_fp4.kernel_source(), arch="sm_90a", name="deepgemm_fp4_compile_check",
                                options=cuda_fp4.OPTIONS + ("--ptxas-options=-v",), name_expressions=exprs)
-    assert len(mod.cubin) > 1000 and all(e in mod.lowered_names for e in exprs)
-    if not mod.cache_hit:
-        spills = [line for line in mod.log.splitlines() if "spill" in line]
-        assert len(spills) == len(exprs) and all("0 bytes spill stores" in line for line in spills), mod.log
+    assert len(mod.cubin) > 1000
+    h.check_compiled(mod, exprs, forbidden=())
 
 
 def test_configs_cover_both_activation_kinds_and_token_tiles():

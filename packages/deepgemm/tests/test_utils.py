@@ -84,3 +84,16 @@ def test_transform_sf_checks_shapes():
         deepgemm.transform_sf_into_required_layout(sfa, 10, 400, is_sfa=True)
     with pytest.raises(ValueError, match="recipe"):
         deepgemm.transform_sf_into_required_layout(sfa, 10, 300, recipe=(1, 128, 32))
+
+
+def test_degenerate_gemm_answers_empty_outputs_and_zero_k():
+    from deepgemm.utils import degenerate_gemm
+
+    d = torch.full((3, 4), 7.0)
+    c = torch.arange(12.0).reshape(3, 4)
+    assert degenerate_gemm(3, 4, 0, d, c) and torch.equal(d, c)  # K = 0: D = C
+    assert degenerate_gemm(3, 4, 0, d, None) and torch.equal(d, torch.zeros(3, 4))  # no C: D = 0
+    d.fill_(7.0)
+    assert degenerate_gemm(0, 4, 5, d, c) and degenerate_gemm(3, 0, 5, d, c)  # empty D: left as it is
+    assert torch.equal(d, torch.full((3, 4), 7.0))
+    assert not degenerate_gemm(3, 4, 5, d, c) and torch.equal(d, torch.full((3, 4), 7.0))  # a kernel's job

@@ -22,6 +22,7 @@ from . import plans, splitk, validate
 from .heuristics import GemmConfig, epilogue_passes, pick_config
 from .utils import (
     ceil_div,
+    degenerate_gemm,
     get_mn_major_tma_aligned_tensor,
     get_num_sms,
     get_tma_aligned_size,
@@ -269,10 +270,7 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
                     validate.cuda_operand(x, name)
             m, k = a.shape
             n = b.shape[0]
-            if m == 0 or n == 0:
-                return
-            if k == 0:
-                d.copy_(c if c is not None else torch.zeros_like(d))
+            if degenerate_gemm(m, n, k, d, c):
                 return
             cfg = config or splitk.pick_tiles(m, n, k, get_num_sms())
             log.debug("bf16 %dx%dx%d: MN-major %s read in place (%dx%d tiles, %d splits)", m, n, k,
@@ -290,11 +288,8 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     _check_cuda(a, b, d, c)
     m, k = a.shape
     n = b.shape[0]
-    if m == 0 or n == 0:
-        return
-    if k == 0:
-        d.copy_(c if c is not None else torch.zeros_like(d))
-        if bias is not None:
+    if degenerate_gemm(m, n, k, d, c):
+        if bias is not None and k == 0 and m and n:
             d += bias
         return
     fp8 = sfa is not None

@@ -14,8 +14,14 @@ from dataclasses import dataclass
 import tilehal
 import torch
 
-from .heuristics import SMEM_CAPACITY, SMEM_SLACK, tile_cost, waves
-from .utils import ceil_div, get_mn_major_tma_aligned_tensor, get_num_sms, get_tma_aligned_size
+from .heuristics import SMEM_SLACK, most_stages, tile_cost, warp_specialized_threads, waves
+from .utils import (
+    ceil_div,
+    degenerate_gemm,
+    get_mn_major_tma_aligned_tensor,
+    get_num_sms,
+    get_tma_aligned_size,
+)
 
 log = logging.getLogger("deepgemm")
 
@@ -37,7 +43,7 @@ class Config1D1D:
 
     @property
     def num_threads(self) -> int:
-        return 128 * (self.block_m // 64 + 1)
+        return warp_specialized_threads(self.block_m)
 
     @property
     def smem_bytes(self) -> int:
@@ -49,10 +55,7 @@ def smem_bytes(block_m: int, block_n: int, stages: int) -> int:
 
 
 def max_stages(block_m: int, block_n: int) -> int:
-    s = MAX_STAGES
-    while s > 2 and smem_bytes(block_m, block_n, s) > SMEM_CAPACITY:
-        s -= 1
-    return s
+    return most_stages(lambda s: smem_bytes(block_m, block_n, s), MAX_STAGES)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -143,10 +146,7 @@ def dense(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor
     bf16/fp32 contiguous; c fp32 [M, N] or None."""
     m, k = a.shape
     n = b.shape[0]
-    if m == 0 or n == 0:
-        return
-    if k == 0:
-        d.copy_(c if c is not None else torch.zeros_like(d))
+    if degenerate_gemm(m, n, k, d, c):
         return
     cfg = pick_1d1d(m, n, get_num_sms())
     sk = ceil_div(k, BLOCK_K)

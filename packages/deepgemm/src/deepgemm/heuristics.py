@@ -92,7 +92,7 @@ class GemmConfig:
 
     @property
     def num_threads(self) -> int:
-        return 128 * (self.num_math_warpgroups + 1)  # + one TMA producer warpgroup
+        return warp_specialized_threads(self.block_m)
 
     @property
     def smem_bytes(self) -> int:
@@ -176,11 +176,22 @@ def smem_bytes(kind: str, block_m: int, block_n: int, stages: int, epilogue_byte
     return stages * stage_bytes(kind, block_m, block_n) + epilogue_bytes + barriers + SMEM_SLACK
 
 
-def max_stages(kind: str, block_m: int, block_n: int, epilogue_bytes: int = 0) -> int:
-    s = MAX_STAGES
-    while s > 2 and smem_bytes(kind, block_m, block_n, s, epilogue_bytes) > SMEM_CAPACITY:
+def most_stages(smem_of, most: int = MAX_STAGES) -> int:
+    """The deepest pipeline, from `most` down to 2 stages, whose shared memory `smem_of(stages)` fits
+    one CTA (2 when none does: the caller's tile is then too large for any pipeline)."""
+    s = most
+    while s > 2 and smem_of(s) > SMEM_CAPACITY:
         s -= 1
     return s
+
+
+def warp_specialized_threads(block_m: int) -> int:
+    """Threads of a warp-specialized sm_90 CTA: one math warpgroup per 64 rows + one TMA producer warpgroup."""
+    return 128 * (block_m // 64 + 1)
+
+
+def max_stages(kind: str, block_m: int, block_n: int, epilogue_bytes: int = 0) -> int:
+    return most_stages(lambda s: smem_bytes(kind, block_m, block_n, s, epilogue_bytes))
 
 
 def tile_cost(block_m: int, block_n: int, overlap: bool = False) -> float:

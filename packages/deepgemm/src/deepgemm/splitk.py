@@ -23,7 +23,7 @@ import tilehal
 import torch
 from tilehal.tma import encode_tiled
 
-from .heuristics import SMEM_CAPACITY, SMEM_SLACK, pick_config, tile_cost, waves
+from .heuristics import SMEM_SLACK, most_stages, pick_config, tile_cost, warp_specialized_threads, waves
 from .utils import ceil_div
 
 log = logging.getLogger("deepgemm")
@@ -56,7 +56,7 @@ class SplitKConfig:
 
     @property
     def num_threads(self) -> int:
-        return 128 * (self.block_m // 64 + 1)
+        return warp_specialized_threads(self.block_m)
 
     @property
     def smem_bytes(self) -> int:
@@ -71,10 +71,7 @@ def smem_bytes(block_m: int, block_n: int, stages: int) -> int:
 
 
 def max_stages(block_m: int, block_n: int) -> int:
-    s = MAX_STAGES
-    while s > 2 and smem_bytes(block_m, block_n, s) > SMEM_CAPACITY:
-        s -= 1
-    return s
+    return most_stages(lambda s: smem_bytes(block_m, block_n, s), MAX_STAGES)
 
 
 def effective_splits(num_k_blocks: int, splits: int) -> int:

@@ -79,6 +79,17 @@ get_m_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
 get_k_alignment_for_contiguous_layout = get_mk_alignment_for_contiguous_layout
 
 
+def degenerate_gemm(m: int, n: int, k: int, d: torch.Tensor, c: torch.Tensor | None) -> bool:
+    """Answer the shapes no kernel runs for: an empty D (M or N = 0) is left as it is, K = 0 gives
+    D = C (or 0). True when the call is answered, so the caller returns."""
+    if m == 0 or n == 0:
+        return True
+    if k == 0:
+        d.copy_(c if c is not None else torch.zeros_like(d))
+        return True
+    return False
+
+
 def _check_2d_or_3d(x: Any, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise ShapeError(f"{name}: expected a torch tensor, got {type(x).__name__}")
