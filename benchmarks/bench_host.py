@@ -44,17 +44,7 @@ ROWS: list[dict] = []
 
 
 def host_us(fn, batches: int = 20, per: int = 50) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    xs = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(per):
-            fn()
-        xs.append((time.perf_counter() - t0) / per)
-        torch.cuda.synchronize()
-    return statistics.median(xs) * 1e6
+    return tilehal.bench_host(fn, warmup=10, batches=batches, per=per).median_us
 
 
 def e2e_us(fn, n: int = 200) -> float:

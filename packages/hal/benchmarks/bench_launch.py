@@ -21,8 +21,6 @@ import argparse
 import ctypes
 import datetime
 import json
-import statistics
-import time
 from pathlib import Path
 
 import tilehal
@@ -40,17 +38,7 @@ extern "C" __global__ void k10(float* a, float* b, float* c, float* d, int n0, i
 
 def host_us(fn, batches: int = 30, per: int = 100) -> float:
     """Median per-call host time of `fn` over `batches` runs of `per` back-to-back calls."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    xs = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(per):
-            fn()
-        xs.append((time.perf_counter() - t0) / per)
-        torch.cuda.synchronize()
-    return statistics.median(xs) * 1e6
+    return tilehal.bench_host(fn, warmup=20, batches=batches, per=per).median_us
 
 
 def main() -> None:

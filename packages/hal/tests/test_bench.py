@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from tilehal import ShapeError, bench, calc_diff
+from tilehal import ArgumentError, ShapeError, bench, bench_host, calc_diff
 
 
 def test_calc_diff_identical_is_zero_and_scale_sensitive():
@@ -63,3 +63,19 @@ def test_bench_graph_times_the_replay():
     assert r.timer == "cuda_events" and r.median_s > 0 and len(eager) == 2
     torch.cuda.synchronize()
     assert x[0].item() == 1 + 2 + r.iters  # the eager call, then every replay (capturing runs nothing)
+
+
+def test_bench_host_times_batches_of_back_to_back_calls():
+    calls = []
+
+    def work():
+        calls.append(1)
+        np.linalg.norm(np.ones(1000))
+
+    r = bench_host(work, warmup=3, batches=4, per=5)
+    assert len(calls) == 3 + 4 * 5 and r.iters == 4 and len(r.times_s) == 4
+    assert 0 < r.min_s <= r.median_s <= r.max_s and r.host_s == r.median_s
+    assert r.timer == "host"
+    for bad in ({"per": 0}, {"batches": 0}, {"warmup": -1}, {"per": 1.5}):
+        with pytest.raises(ArgumentError, match=next(iter(bad))):
+            bench_host(work, **bad)

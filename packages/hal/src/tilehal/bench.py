@@ -21,7 +21,7 @@ class BenchResult:
     p20_s: float
     p80_s: float
     iters: int
-    timer: str  # "cuda_events" or "perf_counter"
+    timer: str  # "cuda_events", "perf_counter" or "host" (bench_host)
     host_s: float = 0.0  # median host time of one call (launch overhead on CUDA)
     times_s: tuple[float, ...] = ()  # every timed call, in order (means and quantiles of callers)
 
@@ -130,6 +130,43 @@ def bench(
     return BenchResult(median_s=statistics.median(times), min_s=min(times), max_s=max(times),
                        p20_s=_percentile(times, 20), p80_s=_percentile(times, 80), iters=len(times), timer=timer,
                        host_s=statistics.median(host_times) if host_times else 0.0, times_s=tuple(times))
+
+
+def bench_host(fn: Callable[[], Any], *, warmup: int = 10, batches: int = 20, per: int = 50) -> BenchResult:
+    """Host time of one call of `fn` (what the caller's thread spends; the GPU runs on asynchronously):
+    `warmup` calls, then `batches` runs of `per` back-to-back calls, each timed with perf_counter as a
+    whole and divided by `per`. With torch and a GPU the device is synchronized after the warm-up and
+    after every batch (outside the timing), so the launch queue never fills and blocks the host.
+    times_s holds the per-call time of each batch; median_s is their median (timer "host")."""
+    _check_bench_args(fn, warmup, 1, "auto", 0.0)
+    from .errors import ArgumentError
+
+    for arg, value in (("batches", batches), ("per", per)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= MAX_ITERS:
+            raise ArgumentError(f"{arg}: expected an integer in [1, {MAX_ITERS}], got {value!r}")
+    sync = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            sync = torch.cuda.synchronize
+    except ImportError:
+        pass
+    for _ in range(warmup):
+        fn()
+    if sync is not None:
+        sync()
+    times: list[float] = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(per):
+            fn()
+        times.append((time.perf_counter() - t0) / per)
+        if sync is not None:
+            sync()
+    med = statistics.median(times)
+    return BenchResult(median_s=med, min_s=min(times), max_s=max(times), p20_s=_percentile(times, 20),
+                       p80_s=_percentile(times, 80), iters=len(times), timer="host", host_s=med, times_s=tuple(times))
 
 
 def bench_graph(fn: Callable[[], Any], **bench_kwargs: Any) -> BenchResult:

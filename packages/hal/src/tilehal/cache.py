@@ -78,6 +78,16 @@ def _check_owned(st: os.stat_result, what: str, fd: int | None = None) -> None:
         os.fchmod(fd, (st.st_mode & 0o700) if stat.S_ISREG(st.st_mode) else 0o700)
 
 
+def _owned_fd(fd: int, what: str) -> int:
+    """fd after _check_owned on it; closed when the check raises."""
+    try:
+        _check_owned(os.fstat(fd), what, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _root_path() -> Path:
     return Path(os.environ.get("TILESTACK_CACHE_DIR") or Path.home() / ".cache" / "tilestack")
 
@@ -89,12 +99,7 @@ def _open_root() -> int:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         raise CacheError(f"TILESTACK_CACHE_DIR: cannot use {root} as the compile cache: {e}") from e
-    try:
-        _check_owned(os.fstat(fd), f"compile cache root {root}", fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _owned_fd(fd, f"compile cache root {root}")
 
 
 def cache_dir() -> Path:
@@ -126,12 +131,7 @@ def _open_subdir(parent_fd: int, name: str, where: str) -> int:
                 raise CacheError(f"{where}/{name}: cannot open cache directory: {e}") from e
             _remove_planted(parent_fd, name, where)
             continue
-        try:
-            _check_owned(os.fstat(fd), f"{where}/{name}", fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return _owned_fd(fd, f"{where}/{name}")
     raise AssertionError("unreachable")
 
 
