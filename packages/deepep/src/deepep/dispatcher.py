@@ -51,6 +51,23 @@ class DispatchInput:
         return self.x.shape[0]
 
 
+class HandleTuple:
+    """A handle that also reads as DeepEP's handle tuple: `as_tuple()` (each handle's own) builds it;
+    indexing and iteration go through it. `_TUPLE_LEN` (the tuple's length) answers len() without
+    building the tuple, which may launch kernels."""
+
+    _TUPLE_LEN: int
+
+    def __getitem__(self, i: int) -> object:
+        return self.as_tuple()[i]
+
+    def __iter__(self):
+        return iter(self.as_tuple())
+
+    def __len__(self) -> int:
+        return self._TUPLE_LEN
+
+
 @dataclass
 class DispatchOutput:
     recv_x: torch.Tensor

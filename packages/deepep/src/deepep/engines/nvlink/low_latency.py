@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from tilehal import Arg, ShapeError
 
+from ...dispatcher import HandleTuple
 from ...event import EventOverlap
 from .context import NvlinkContext
 from .memory import ROW_ALIGN, SharedRegion, addr, align_up
@@ -38,7 +39,9 @@ class LLArgs(ctypes.Structure):
 
 
 @dataclass
-class NvlinkLowLatencyHandle:
+class NvlinkLowLatencyHandle(HandleTuple):
+    _TUPLE_LEN = 5  # as_tuple()'s length
+
     num_tokens: int
     hidden: int
     num_experts: int
@@ -64,15 +67,6 @@ class NvlinkLowLatencyHandle:
         begin = torch.where(count > 0, begin, torch.zeros_like(begin))
         layout = ((begin << 32) | count).view(e_l, r)
         return (self.recv_src_info, layout, self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)
-
-    def __getitem__(self, i: int) -> object:
-        return self.as_tuple()[i]
-
-    def __iter__(self):
-        return iter(self.as_tuple())
-
-    def __len__(self) -> int:
-        return 5
 
 
 def scale_pad(rows: int) -> int:

@@ -19,7 +19,7 @@ import torch
 from tilehal import Arg, ShapeError
 
 from ...config import Config, default_combine_config, default_dispatch_config
-from ...dispatcher import DTYPE_CODES, DispatchInput, DispatchOutput, EngineOptions, align_counts
+from ...dispatcher import DTYPE_CODES, DispatchInput, DispatchOutput, EngineOptions, HandleTuple, align_counts
 from ...layout import Layout, check_topk_idx, compute_layout
 from ...waits import spin_until
 from .context import NvlinkContext
@@ -114,7 +114,9 @@ def launch_layout(module: tilehal.CudaModule, err_ptr: int, scratch: LayoutScrat
 
 
 @dataclass
-class NvlinkHandle:
+class NvlinkHandle(HandleTuple):
+    _TUPLE_LEN = 6  # as_tuple()'s length
+
     num_tokens: int
     hidden: int
     is_token_in_rank: torch.Tensor
@@ -139,15 +141,6 @@ class NvlinkHandle:
         sent = self.is_token_in_rank.sum(0).to(torch.int32).view(r, 1)
         return (prefix, sent, self.recv_counts.to(torch.int32).view(r, 1), self.recv_src_idx, self.is_token_in_rank,
                 self.send_pos)
-
-    def __getitem__(self, i: int) -> object:
-        return self.as_tuple()[i]
-
-    def __iter__(self):
-        return iter(self.as_tuple())
-
-    def __len__(self) -> int:
-        return 6
 
 
 class NvlinkDispatcher:

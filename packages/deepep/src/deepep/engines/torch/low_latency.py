@@ -12,18 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
+from ...dispatcher import HandleTuple
 from ...fp8 import pack_ue8m0, per_token_cast_to_fp8
 from ...packing import RowFormat
 from ...transport.torch_dist import TorchDistTransport
 
 
 @dataclass
-class LowLatencyHandle:
+class LowLatencyHandle(HandleTuple):
     """What low_latency_combine needs. Indexable like DeepEP's handle tuple:
     (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts), where
     src_info [local_experts, ranks * max_tokens] int32 is each received row's token index on its
     source rank and layout_range [local_experts, ranks] int64 is (first row << 32) | row count per
     source rank (valid once the dispatch's receive has finished)."""
+    _TUPLE_LEN = 5  # as_tuple()'s length
 
     num_tokens: int
     hidden: int
@@ -43,15 +45,6 @@ class LowLatencyHandle:
 
     def as_tuple(self) -> tuple:
         return (self.src_info, self.layout_range, self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)
-
-    def __getitem__(self, i: int) -> object:
-        return self.as_tuple()[i]
-
-    def __iter__(self):
-        return iter(self.as_tuple())
-
-    def __len__(self) -> int:
-        return 5
 
 
 class LowLatencyBuffers:

@@ -17,6 +17,7 @@ from ...dispatcher import (
     DispatchInput,
     DispatchOutput,
     EngineOptions,
+    HandleTuple,
     align_counts,
     check_combine_meta,
     check_meta,
@@ -36,8 +37,9 @@ if TYPE_CHECKING:
     from ...config import Config
 
 @dataclass
-class TorchHandle:
+class TorchHandle(HandleTuple):
     """What combine (and a cached dispatch) needs to repeat a dispatch's layout."""
+    _TUPLE_LEN = 6  # as_tuple()'s length
 
     num_tokens: int
     hidden: int
@@ -72,15 +74,6 @@ class TorchHandle:
         head = torch.cumsum(self.is_token_in_rank.to(torch.int32), 0) - 1
         head = torch.where(self.is_token_in_rank, head, torch.full_like(head, -1)).to(torch.int32)
         return rank_prefix, chan, recv_chan, self.recv_src_idx, self.is_token_in_rank, head
-
-    def __getitem__(self, i: int) -> object:
-        return self.as_tuple()[i]
-
-    def __iter__(self):
-        return iter(self.as_tuple())
-
-    def __len__(self) -> int:
-        return 6
 
 
 class TorchDispatcher:
