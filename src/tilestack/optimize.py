@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,24 +116,33 @@ def moe_skip_reason(parts: Any, backend: str, fp8: bool) -> str | None:
 FP8_ERROR_BUDGET = 0.08
 
 
-def _capture_linear_inputs(model: torch.nn.Module, include: Sequence[str] | None, calibration: tuple
-                           ) -> dict[str, torch.Tensor]:
-    """The first input each candidate nn.Linear receives in one forward on `calibration`."""
-    seen: dict[str, torch.Tensor] = {}
+def capture_first_inputs(model: torch.nn.Module, wanted: Callable[[str, torch.nn.Module], bool], inputs: tuple,
+                         accept: Callable[[tuple, dict], bool] = lambda args, kwargs: True) -> dict[str, tuple]:
+    """(args, kwargs) of the first call of each wanted submodule (wanted(name, module)) that `accept`
+    takes, in one forward model(*inputs) under no_grad; the hooks are removed after, even on error."""
+    captured: dict[str, tuple] = {}
     hooks = []
     for name, mod in model.named_modules():
-        if type(mod) is torch.nn.Linear and _matches(name, include):
-            def hook(m, args, name=name):
-                if name not in seen and args and isinstance(args[0], torch.Tensor):
-                    seen[name] = args[0].detach()
-            hooks.append(mod.register_forward_pre_hook(hook))
+        if wanted(name, mod):
+            def hook(m, args, kwargs, name=name):
+                if name not in captured and accept(args, kwargs):
+                    captured[name] = (args, kwargs)
+            hooks.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         with torch.no_grad():
-            model(*calibration)
+            model(*inputs)
     finally:
         for h in hooks:
             h.remove()
-    return seen
+    return captured
+
+
+def _capture_linear_inputs(model: torch.nn.Module, include: Sequence[str] | None, calibration: tuple
+                           ) -> dict[str, torch.Tensor]:
+    """The first input each candidate nn.Linear receives in one forward on `calibration`."""
+    seen = capture_first_inputs(model, lambda name, mod: type(mod) is torch.nn.Linear and _matches(name, include),
+                                calibration, lambda args, kwargs: bool(args) and isinstance(args[0], torch.Tensor))
+    return {name: args[0].detach() for name, (args, _) in seen.items()}
 
 
 def _auto_precision(name: str, linear: torch.nn.Linear, x: torch.Tensor | None, backend: str, budget: float,

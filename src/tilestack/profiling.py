@@ -119,17 +119,6 @@ def _label_modules(model: torch.nn.Module) -> list[Any]:
     return handles
 
 
-def _capture_inputs(model: torch.nn.Module, names: set[str]) -> tuple[list[Any], dict[str, tuple]]:
-    captured: dict[str, tuple] = {}
-    handles = []
-    for name, mod in model.named_modules():
-        if name in names:
-            def hook(m, args, kwargs, name=name):
-                captured.setdefault(name, (args, kwargs))
-            handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
-    return handles, captured
-
-
 def _time(fn, device: torch.device, iters: int) -> float:
     import tilehal
 
@@ -194,7 +183,7 @@ def profile(model: torch.nn.Module, inputs: Any, out: str | Path | None = None, 
     copy (backend defaults to "cuda" on an sm_90 GPU, else "cpu"); `optimize=False` skips that part.
     out: markdown path (None: no file; the text is in `.markdown`). The model is not modified.
     """
-    from .optimize import _cuda_unavailable_reason, register_optimizations
+    from .optimize import _cuda_unavailable_reason, capture_first_inputs, register_optimizations
 
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
@@ -264,13 +253,7 @@ def profile(model: torch.nn.Module, inputs: Any, out: str | Path | None = None, 
         rep.optimization = str(report)
         rep.skipped = [(d.name, d.reason) for d in report.skipped]
         names = {d.name for d in report.swapped}
-        hooks, captured = _capture_inputs(model, names)
-        try:
-            with torch.no_grad():
-                model(*inputs)
-        finally:
-            for h in hooks:
-                h.remove()
+        captured = capture_first_inputs(model, lambda name, mod: name in names, inputs)
         originals = dict(model.named_modules())
         swapped = dict(twin.named_modules())
         with torch.no_grad():
