@@ -363,6 +363,9 @@ def test_thread_loops_have_constant_trip_counts():
                            target="cuda").get_kernel_source()
     assert not re.search(r"for \(int _e\d+ = _tx;", src)
     assert re.search(r"for \(int _j\d+ = 0; _j\d+ < 8; \+\+_j\d+\)", src)  # B: 256 rows x 8 chunks / 256
+    # the chunk column comes from _tx alone, the row moves by threads / 8 per step
+    assert re.search(r"const int _c\d+ = _tx % 8;", src) and re.search(r"= \(_tx / 8\) \+ _j\d+ \* 32;", src)
+    assert "desc_advance(_da, " in src and "desc_advance(_db, " in src  # 32-bit descriptor steps
     odd = tilelang.compile(_gemm_program(96, 80, 96, 64, 64, 32, "float16", "float32", False, False, 2, 96,
                                          "Square"), out_idx=[2], target="cuda").get_kernel_source()
     assert re.search(r"if \(_e\d+ >= \d+\) break;", odd)

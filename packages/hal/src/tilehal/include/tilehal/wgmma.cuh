@@ -30,6 +30,14 @@ TILEHAL_DEVICE u64 make_smem_desc(const void* tile, SmemSwizzle swizzle, u32 lea
   return desc;
 }
 
+// `desc` moved on by `units` 16-byte units (a step along K, another m64 block, ...). Only the
+// start-address field (bits 0-13: shared address >> 4, below 2^14 for any address in shared memory)
+// changes and a sum that stays inside shared memory cannot carry out of it, so this is one 32-bit add
+// on the low word: no 64-bit add and carry between consecutive wgmma issues.
+TILEHAL_DEVICE u64 desc_advance(u64 desc, u32 units) {
+  return (desc & 0xFFFFFFFF00000000ull) | static_cast<u32>(static_cast<u32>(desc) + units);
+}
+
 TILEHAL_DEVICE u64 make_smem_desc_k128b(const void* tile) {
   return make_smem_desc(tile, SmemSwizzle::k128B, 16, 1024);
 }

@@ -665,14 +665,42 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
                 trips, j = -(-n // self.threads), self.fresh("j")
                 self.emit("#pragma unroll")
                 self.open(f"for (int {j} = 0; {j} < {trips}; ++{j})")
-                self.emit(f"const int {e} = _tx + {j} * {self.threads};")
+                # Trailing dims that the thread count steps over whole take their index from _tx alone
+                # (the same for every j) and the leading one moves by a constant per j: nvcc then sees
+                # each element's address as one base plus an immediate (e = _tx + j*T, T % E == 0:
+                # e % E = _tx % E, e / E = _tx / E + j * (T / E)).
+                ints = [int(x) for x in extents]
+                rest, step, i, split = "_tx", self.threads, len(names) - 1, []
+                while i > 0 and step % ints[i] == 0:
+                    split.append(f"const int {names[i]} = {rest} % {ints[i]};")
+                    rest, step, i = f"({rest} / {ints[i]})", step // ints[i], i - 1
+                if n % self.threads or not split:
+                    self.emit(f"const int {e} = _tx + {j} * {self.threads};")
                 if n % self.threads:
                     self.emit(f"if ({e} >= {n}) break;")
+                for line in split:
+                    self.emit(line)
+                if split:
+                    if i == 0:
+                        self.emit(f"const int {names[0]} = {rest} + {j} * {step};")
+                    else:  # general split of what is left: the leading dims' flat index
+                        lead = self.fresh("q")
+                        self.emit(f"const int {lead} = {rest} + {j} * {step};")
+                        self._split_index(lead, ints[:i + 1], names[:i + 1])
+                    body()
+                    self.close()
+                    return
             else:
                 self.open(f"for (int {e} = _tx; {e} < {n}; {e} += {self.threads})")
         else:
             self.open(f"for (int {e} = _tx; {e} < {total}; {e} += {self.threads})")
-        rest = e
+        self._split_index(e, extents, names)
+        body()
+        self.close()
+
+    def _split_index(self, flat: str, extents: list, names: list[str]) -> None:
+        """`names` (row-major over `extents`) from the flat index `flat`."""
+        rest = flat
         for i in range(len(names) - 1, -1, -1):
             if i == 0:
                 self.emit(f"const int {names[i]} = {rest};")
@@ -681,8 +709,6 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
                 nr = self.fresh("q")
                 self.emit(f"const int {nr} = {rest} / ({extents[i]});")
                 rest = nr
-        body()
-        self.close()
 
     def par_body(self, s: Stmt, ctx: ParCtx) -> None:
         saved = self.par

@@ -33,25 +33,27 @@ class WgmmaRules:
         return " + ".join(terms) or "0"
 
     def _wg_operand(self, r: Region, major: str, row0: str, kk: str) -> tuple[str, str, int, int]:
-        """(base pointer, byte offset of the k16 step `kk` for the 64 (A) or N (B) rows / columns starting at
-        `row0`, swizzle mode, descriptor leading / stride bytes) of a wgmma operand in shared memory."""
+        """(base pointer, offset in 16-byte units (the descriptor's address unit) of the k16 step `kk` for
+        the 64 (A) or N (B) rows / columns starting at `row0`, swizzle mode, descriptor leading / stride
+        bytes) of a wgmma operand in shared memory. Every term is a whole number of units, so each is
+        scaled separately: after unrolling, a loop-invariant part plus a constant per instruction."""
         b = r.buffer
         rows, cols = b.static_shape()
         es = esize(b.dtype)
         row_bytes = cols * es
         base = f"&{b.name}[{self.smem_offset(b, ['0', '0'])}]"
         ke = 32 // es  # elements of one k step: 32 bytes (k16 of 16-bit types, k32 of fp8)
-        if major == "K":
+        if major == "K":  # a k step is 32 bytes: 2 units
             if row_bytes % 128 == 0:
                 atom = 128 // es
-                off = (f"(({kk}) * {ke} / {atom}) * {rows * 128} + ({row0}) * 128 + ((({kk}) * {ke}) % {atom}) * {es}"
-                       if row_bytes > 128 else f"({row0}) * 128 + ({kk}) * 32")
+                off = (f"(({kk}) * {ke} / {atom}) * {rows * 8} + ({row0}) * 8 + ((({kk}) * {ke}) % {atom}) / {ke} * 2"
+                       if row_bytes > 128 else f"({row0}) * 8 + ({kk}) * 2")
                 return base, off, 1, 1024
             if row_bytes == 64:
-                return base, f"({row0}) * 64 + ({kk}) * 32", 2, 512
-            return base, f"({row0}) * 32", 3, 256
+                return base, f"({row0}) * 4 + ({kk}) * 2", 2, 512
+            return base, f"({row0}) * 2", 3, 256
         # MN-major: 64-element atoms along the contiguous (M or N) dim, `rows` K-rows each
-        off = f"(({row0}) / 64) * {rows * 128} + ({kk}) * {16 * 128}"
+        off = f"(({row0}) / 64) * {rows * 8} + ({kk}) * 128"
         return base, off, 1, 1024
 
     def gemm_wgmma(self, s: Gemm, plan: GemmPlan) -> None:
@@ -101,11 +103,11 @@ class WgmmaRules:
         self.emit("#pragma unroll")
         self.open(f"for (int _ni = 0; _ni < {NI}; ++_ni)")
         creg = self._wg_reg(fc, "_mi", f"_ni * {NINST // 8}", "0", "0")
-        bdesc = f"_db + (tilehal::u64)(({boff}) >> 4)"
+        bdesc = f"tilehal::desc_advance(_db, {boff})"
         if plan.a_major == "reg":
             self.emit(f"tilehal::Wgmma16<{NINST}>::rs<{tb}>({tag}, &{c}[{creg}], _a, {bdesc}, {scale});")
         else:
-            adesc = f"_da + (tilehal::u64)(({aoff}) >> 4)"
+            adesc = f"tilehal::desc_advance(_da, {aoff})"
             if s.A.buffer.dtype == "float8_e4m3":  # K-major A and B (fp8 wgmma has no transpose)
                 self.emit(f"tilehal::WgmmaE4M3<{NINST}>::mma(&{c}[{creg}], {adesc}, {bdesc}, {scale});")
             else:
