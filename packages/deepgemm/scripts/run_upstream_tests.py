@@ -11,7 +11,18 @@ recorded kernels in parallel processes, then runs the tests for real, so compile
 in parallel, instead of serially inside the timed loops. Each function's stdout is kept; a function
 that raises stops at its first failing case (as the upstream file would). The JSON has, per function,
 the number of cases that passed (their "> Perf" lines), the failure if any, and the geo-mean speedup
-line the test prints.
+line the test prints (or, for a function cut before that line, the geo-mean of the "x cuBLAS" ratios of
+its cases so far, marked partial). Each function's log is written line by line while it runs, so a run
+killed by a time limit keeps every case that finished.
+
+--correctness-only sets DG_USE_NVIDIA_TOOLS=1, DeepGEMM's own switch under which bench_kineto returns 1
+without profiling (deepgemm.testing honours it the same way): every correctness assert of the files runs,
+no timing does, and no speedup is recorded. Such runs may share the GPU with each other; figures come
+only from runs without it, on a GPU nothing else uses.
+
+Seeds: torch/random are seeded once per test module, before its first selected function, with the
+value its `__main__` block uses (0 for test_fp8_fp4/test_bf16, 1 for test_layout), so functions of one
+file selected in their file order see the random stream the file itself would give them.
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ import contextlib
 import importlib
 import io
 import json
+import math
+import os
 import random
 import re
 import sys
@@ -83,9 +96,15 @@ def _resolve(spec: str):
     return mod, getattr(mod, fn_name)
 
 
-def _seed() -> None:
-    torch.manual_seed(0)  # as the files' __main__ blocks do
-    random.seed(0)
+_MAIN_SEED = re.compile(r"^if __name__ == .__main__.:.*?torch\.manual_seed\((\d+)\)", re.S | re.M)
+
+
+def _seed(mod) -> None:
+    """Seed as the module's __main__ block does (torch.manual_seed(N); random.seed(N)); 0 if it names none."""
+    m = _MAIN_SEED.search(Path(mod.__file__).read_text())
+    seed = int(m.group(1)) if m else 0
+    torch.manual_seed(seed)
+    random.seed(seed)
 
 
 def prewarm(specs: list[str], jobs: int) -> dict:
@@ -101,7 +120,7 @@ def prewarm(specs: list[str], jobs: int) -> dict:
             saved = {n: getattr(mod, n) for n in ("calc_diff", "bench_kineto") if hasattr(mod, n)}
             for n in saved:
                 setattr(mod, n, getattr(testing, n))
-            _seed()
+            _seed(mod)
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
                     fn()
@@ -125,29 +144,66 @@ def prewarm(specs: list[str], jobs: int) -> dict:
 
 PERF = re.compile(r"^ > Perf")
 AVG = re.compile(r"Average .*speedup.*?([0-9.]+)x")
+RATIO = re.compile(r"\| +([0-9.]+)x cuBLAS\s*$")
 
 
-def run(specs: list[str], log_dir: Path | None, save=None) -> dict:
+class _Tee(io.TextIOBase):
+    """stdout of one test function: kept in memory and written through to its log file line by line."""
+
+    def __init__(self, path: Path | None):
+        self.buf = io.StringIO()
+        self.file = open(path, "w") if path is not None else None  # noqa: SIM115 - closed by close()
+
+    def write(self, text: str) -> int:
+        self.buf.write(text)
+        if self.file is not None:
+            self.file.write(text)
+            self.file.flush()
+        return len(text)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        super().close()
+
+
+def summarize(out: str, err: str | None, correctness_only: bool) -> dict:
+    """Cases passed ("> Perf" lines), the failure, and the geo-mean speedup vs cuBLAS of one function's log."""
+    lines = out.splitlines()
+    res = {"cases_passed": sum(1 for line in lines if PERF.match(line)), "failure": err}
+    if correctness_only:
+        res["geomean_vs_cublas"] = None  # bench_kineto returned the constant 1: no timing in this run
+        return res
+    avg = [float(m.group(1)) for line in lines if (m := AVG.search(line))]
+    ratios = [float(m.group(1)) for line in lines if PERF.match(line) and (m := RATIO.search(line))]
+    ratios = [r for r in ratios if r > 0]
+    res["geomean_vs_cublas"] = avg[0] if avg else None
+    if not avg and ratios:  # cut before the test printed its average: the cases that finished
+        res["geomean_vs_cublas_partial"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        res["geomean_cases"] = len(ratios)
+    return res
+
+
+def run(specs: list[str], log_dir: Path | None, save=None, correctness_only: bool = False) -> dict:
     results = {}
+    seeded = set()
     for spec in specs:
-        _, fn = _resolve(spec)
-        _seed()
-        buf = io.StringIO()
+        mod, fn = _resolve(spec)
+        if mod.__name__ not in seeded:
+            _seed(mod)
+            seeded.add(mod.__name__)
+        tee = _Tee(log_dir / f"{spec}.log" if log_dir is not None else None)
         t0 = time.time()
         err = None
         try:
-            with contextlib.redirect_stdout(buf):
+            with contextlib.redirect_stdout(tee):
                 fn()
         except Exception as e:  # noqa: BLE001 - recorded: this is the result being measured
             err = "".join(traceback.format_exception_only(type(e), e)).strip()[:2000]
-        out = buf.getvalue()
-        lines = out.splitlines()
-        avg = [float(m.group(1)) for line in lines if (m := AVG.search(line))]
-        results[spec] = {"cases_passed": sum(1 for line in lines if PERF.match(line)), "failure": err,
-                         "geomean_vs_cublas": avg[0] if avg else None, "seconds": time.time() - t0}
+            tee.write("\n" + err + "\n")
+        tee.close()
+        results[spec] = {**summarize(tee.buf.getvalue(), err, correctness_only), "seconds": time.time() - t0}
         print(f"{spec}: {results[spec]}", flush=True)
-        if log_dir is not None:
-            (log_dir / f"{spec}.log").write_text(out + ("\n" + err if err else ""))
         if save is not None:
             save(results)  # after every function: a run cut by a time limit keeps what finished
     return results
@@ -160,12 +216,17 @@ def main() -> None:
     ap.add_argument("--prewarm", action="store_true")
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="JSON results (logs go next to it)")
+    ap.add_argument("--correctness-only", action="store_true",
+                    help="DG_USE_NVIDIA_TOOLS=1: DeepGEMM's switch that makes bench_kineto skip profiling")
     args = ap.parse_args()
+    if args.correctness_only:
+        os.environ["DG_USE_NVIDIA_TOOLS"] = "1"
     install_alias()
     sys.path.insert(0, str(args.tests.resolve()))
     specs = [s.strip() for s in args.run.split(",") if s.strip()]
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__}
+    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__,
+              "correctness_only": args.correctness_only, "specs": specs}
     if args.prewarm:
         report["prewarm"] = prewarm(specs, args.jobs)
         print(f"prewarm: {report['prewarm']}", flush=True)
@@ -176,7 +237,7 @@ def main() -> None:
             args.out.write_text(json.dumps({**report, "results": results}, indent=1))
 
     save({})
-    report["results"] = run(specs, log_dir, save)
+    report["results"] = run(specs, log_dir, save, args.correctness_only)
 
 
 if __name__ == "__main__":
