@@ -227,3 +227,92 @@ def nvlink_compat(rank: int, world: int) -> dict:
     assert torch.allclose(out.float(), expect, rtol=2**-6, atol=1e-2)
     buf.destroy()
     return {"recv": int(recv.shape[0])}
+
+
+def _ll_round(buf: Buffer, rank: int, world: int, seed: int, dead_set: set[int], t: int, hidden: int, experts: int,
+              k: int) -> None:
+    """One low-latency dispatch + combine (identity experts) checked against a reference that drops the
+    ranks in dead_set: their tokens are not received, their experts' outputs count as zeros."""
+    epr = experts // world
+    idx = _routing(seed * 10 + rank, t, experts, k)
+    x = _ll_x(rank, t, hidden)
+    w = torch.rand(t, k, generator=torch.Generator().manual_seed(seed * 100 + rank))
+    recv, cnt, h, _, _ = buf.low_latency_dispatch(x, idx, t, experts, use_fp8=False)
+    ref = _ll_reference(rank, world, seed, t, hidden, experts, k, masked=tuple(dead_set))
+    assert cnt.tolist() == [len(v) for v in ref], (seed, cnt.tolist(), [len(v) for v in ref])
+    for le in range(epr):
+        got = sorted(zip(recv[le, : len(ref[le]), 0].tolist(), recv[le, : len(ref[le]), -1].tolist()))
+        assert got == sorted((float(s - 8), float(tok)) for s, tok in ref[le]), (seed, le)
+    combined, _, _ = buf.low_latency_combine(recv, idx, w, h)
+    owner = torch.where(idx >= 0, idx // epr, -1)
+    alive = (idx >= 0) & ~torch.isin(owner, torch.tensor(sorted(dead_set) or [-2]))
+    expect = x.float() * (w * alive).sum(1, keepdim=True)
+    torch.testing.assert_close(combined.float(), expect, rtol=1e-2, atol=1e-2)
+
+
+def shrink_auto(rank: int, world: int, mode: str, timeout_s: float = 2.0) -> dict:
+    """Shrink mode without an explicit mask: the last rank takes part in a first round, then fails (mode
+    'die': the process exits before its second dispatch; 'die_at_combine': after its second dispatch,
+    before the combine; 'stall': it sleeps past everyone's deadline, then calls again). The others must
+    finish the second round with it masked (results as if its contributions were dropped) and a third
+    round without waiting on it; the stalled one, back, finds everyone else masked."""
+    import os
+    import time
+
+    t, hidden, experts, k = 8, 256, 3 * world, 2
+    dead = world - 1
+    buf = Buffer(None, 0, 0, True, experts // world, enable_shrink=True, transport="torch", timeout_s=timeout_s)
+    status = torch.zeros(world, dtype=torch.int32)
+    _ll_round(buf, rank, world, 1, set(), t, hidden, experts, k)  # everyone alive
+    if rank == dead:
+        if mode == "die":
+            os._exit(3)
+        if mode == "die_at_combine":
+            idx = _routing(20 + rank, t, experts, k)
+            buf.low_latency_dispatch(_ll_x(rank, t, hidden), idx, t, experts, use_fp8=False)
+            os._exit(3)
+        time.sleep(3 * timeout_s)
+        t0 = time.monotonic()
+        x = _ll_x(rank, t, hidden)
+        buf.low_latency_dispatch(x, _routing(20 + rank, t, experts, k), t, experts, use_fp8=False)
+        buf.low_latency_query_mask_buffer(status)
+        return {"masked": status.tolist(), "seconds": time.monotonic() - t0}
+    t0 = time.monotonic()
+    if mode == "die_at_combine":
+        # The dead rank sent its dispatch: its tokens arrive; only the combine misses it.
+        epr = experts // world
+        idx = _routing(20 + rank, t, experts, k)
+        x = _ll_x(rank, t, hidden)
+        w = torch.ones(t, k)
+        recv, cnt, h, _, _ = buf.low_latency_dispatch(x, idx, t, experts, use_fp8=False)
+        assert cnt.tolist() == [len(v) for v in _ll_reference(rank, world, 2, t, hidden, experts, k)]
+        combined, _, _ = buf.low_latency_combine(recv, idx, w, h)
+        alive = (idx >= 0) & (idx // epr != dead)
+        assert torch.equal(combined.float(), x.float() * alive.sum(1, keepdim=True))
+    else:
+        _ll_round(buf, rank, world, 2, {dead}, t, hidden, experts, k)
+    second = time.monotonic() - t0
+    buf.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [1 if r == dead else 0 for r in range(world)], status
+    t0 = time.monotonic()
+    _ll_round(buf, rank, world, 3, {dead}, t, hidden, experts, k)
+    return {"masked": status.tolist(), "second_s": second, "third_s": time.monotonic() - t0}
+
+
+def shrink_off_timeout(rank: int, world: int, timeout_s: float = 2.0) -> dict:
+    """Without enable_shrink a silent rank is an error: CommTimeoutError naming it, nothing masked."""
+    import time
+
+    from tilehal import CommTimeoutError
+
+    t, hidden, experts, k = 8, 256, 2 * world, 2
+    dead = world - 1
+    buf = Buffer(None, 0, 0, True, experts // world, transport="torch", timeout_s=timeout_s)
+    if rank == dead:
+        time.sleep(3 * timeout_s)
+        return {"dead": True}
+    try:
+        buf.low_latency_dispatch(_ll_x(rank, t, hidden), _routing(rank, t, experts, k), t, experts, use_fp8=False)
+    except CommTimeoutError as e:
+        return {"peer": e.peer, "stage": e.stage}
+    raise AssertionError("a silent rank without enable_shrink did not raise")

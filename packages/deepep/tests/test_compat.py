@@ -100,3 +100,23 @@ def test_nvlink_low_latency_handle_tuple_from_tok_rows():
     begin, count = (layout >> 32).tolist(), (layout & 0xFFFFFFFF).tolist()
     assert count == [[2, 1], [0, 2]]
     assert begin[0] == [0, 2] and begin[1][1] == 0
+
+
+@pytest.mark.parametrize("world, mode", [(3, "die"), (3, "stall"), (4, "die_at_combine")])
+def test_shrink_masks_a_failed_rank_on_its_own(world, mode):
+    """enable_shrink on Gloo (two-rank groups per peer): a rank that dies or stalls is masked by the others
+    when a low-latency wait on it passes timeout_s (2 s here); they finish that call and the next with
+    results that drop its contributions (checked against a reference without it), the next call fast."""
+    dead = world - 1
+    out = run_on_ranks(world, WORKERS, "shrink_auto", timeout_s=150, allow_missing={dead} if "die" in mode else set(),
+                       mode=mode)
+    for r in range(dead):
+        assert out[r]["masked"] == [1 if q == dead else 0 for q in range(world)]
+        assert out[r]["second_s"] < 2.0 + 5.0 and out[r]["third_s"] < 1.5, out[r]
+    if mode == "stall":  # back after everyone's deadline: it finds the others gone from its view
+        assert out[dead]["masked"] == [0 if q == dead else 1 for q in range(world)], out[dead]
+
+
+def test_no_shrink_a_silent_rank_is_a_comm_timeout():
+    out = run_on_ranks(3, WORKERS, "shrink_off_timeout", timeout_s=120)
+    assert [o.get("peer") for o in out[:2]] == [2, 2] and out[2] == {"dead": True}

@@ -350,3 +350,133 @@ def test_num_worst_tokens_overflow_is_reported_at_the_next_call():
         with pytest.raises(ValueError, match="num_worst_tokens"):
             d.check()
         d.check()  # reported once
+
+
+def _masked_round(lls, streams, seed: int, world: int, dispatchers: set[int], combiners: set[int],
+                  gone_at_dispatch: set[int], gone_at_combine: set[int] = frozenset(), hidden: int = 256,
+                  experts_per_rank: int = 4, k: int = 3, max_tokens: int = 16) -> float:
+    """One low-latency dispatch (ranks in `dispatchers`) and combine (ranks in `combiners`) on emulated ranks,
+    bf16 rows, checked on the live ranks against a reference that drops the ranks gone at dispatch (their
+    tokens are not received) and at either point (their experts' outputs count as zeros): DeepEP's shrink
+    semantics. -> seconds spent in the two kernels (launch to synchronize)."""
+    import time
+
+    dropped = set(gone_at_dispatch) | set(gone_at_combine)
+    experts = experts_per_rank * world
+    epr = experts_per_rank
+    ins = [_inputs(seed, r, 9 + 2 * r, hidden, experts, k) for r in range(world)]
+    dev_in = [(x.cuda(), idx.cuda(), w.cuda()) for x, idx, w in ins]
+    torch.cuda.synchronize()
+    outs = {}
+    t0 = time.monotonic()
+    for r in sorted(dispatchers):
+        with torch.cuda.stream(streams[r]):
+            outs[r] = lls[r].dispatch(dev_in[r][0], dev_in[r][1], max_tokens, experts, False, False)
+    torch.cuda.synchronize()
+    spent = time.monotonic() - t0
+    live = sorted(combiners)
+    ys = {}
+    for r in live:
+        recv_x, recv_count, handle, _, _ = outs[r]
+        kept = [s if s not in gone_at_dispatch else None for s in range(world)]
+        expect = _expected_ll_rows([ins[s] if kept[s] is not None else (ins[s][0][:0], ins[s][1][:0], None)
+                                    for s in range(world)], r, world, epr)
+        assert recv_count.cpu().tolist() == [len(v) for v in expect], (r, recv_count.tolist())
+        got = recv_x.float().cpu()
+        for e in range(epr):
+            if expect[e]:
+                assert torch.equal(got[e, :len(expect[e])], torch.stack(expect[e]).float())
+        scale = torch.arange(r * epr + 1, (r + 1) * epr + 1, dtype=torch.float32).view(epr, 1, 1)
+        ys[r] = (got * scale).to(torch.bfloat16).cuda()
+    torch.cuda.synchronize()
+    results = {}
+    t0 = time.monotonic()
+    for r in live:
+        with torch.cuda.stream(streams[r]):
+            results[r] = lls[r].combine(ys[r], dev_in[r][1], dev_in[r][2], outs[r][2], False, None)
+    torch.cuda.synchronize()
+    spent += time.monotonic() - t0
+    for r in live:
+        lls[r].ctx.check()  # shrink mode: a peer past its deadline is a mask, not an error
+        x, idx, w = ins[r]
+        ref = torch.zeros(x.shape[0], hidden)
+        for t in range(x.shape[0]):
+            for j, e in enumerate(idx[t].tolist()):
+                if e >= 0 and e // epr not in dropped:
+                    ref[t] += w[t, j] * (x[t].float() * (e + 1)).to(torch.bfloat16).float()
+        torch.testing.assert_close(results[r][0].float().cpu(), ref, rtol=2 ** -7, atol=1e-2)
+    return spent
+
+
+def _shrink_ranks(world: int, timeout_s: float, shrink: bool = True):
+    from deepep.engines.nvlink.low_latency import NvlinkLowLatency
+
+    regions = EmulatedRegions(world)
+    lls = [NvlinkLowLatency(emulated_context(regions, r, sms=120 // world, timeout_s=timeout_s), enable_shrink=shrink)
+           for r in range(world)]
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    for ll in lls:  # the mask's indexing kernels load now, not while a peer's kernel spins
+        ll.update_mask(0, False)
+    torch.cuda.synchronize()
+    return lls, streams
+
+
+def test_low_latency_explicit_mask_emulated():
+    """Issue 18, DeepEP's low_latency_update_mask_buffer on the NVLink kernels: the live ranks mask rank 2,
+    which never launches; dispatch sends it nothing and waits for nothing from it, combine counts its
+    experts as zeros, no wait times out (timeout 30 s: the round takes milliseconds)."""
+
+    world, dead = 3, 2
+    lls, streams = _shrink_ranks(world, timeout_s=30.0)
+    for r in (0, 1):
+        lls[r].update_mask(dead, True)
+    for seed in (1, 2):  # both parities
+        assert _masked_round(lls, streams, seed, world, {0, 1}, {0, 1}, {dead}) < 5.0
+    status = torch.zeros(world, dtype=torch.int32, device="cuda")
+    lls[0].query_mask(status)
+    assert status.tolist() == [0, 0, 1]
+    lls[0].clean_mask()
+    lls[0].query_mask(status)
+    assert status.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("when", ["dispatch", "combine"])
+def test_low_latency_timeout_masks_the_peer_emulated(when):
+    """Shrink mode: rank 2 stops (before its dispatch, or after it, before the combine); the live ranks' waits
+    on it pass the 0.3 s deadline, the kernels mask it (the device mask, as DeepEP's atomicExch) and finish
+    the call for the live ranks with its contributions dropped; the next round does not wait at all."""
+    world, dead = 3, 2
+    lls, streams = _shrink_ranks(world, timeout_s=0.3)
+    _masked_round(lls, streams, 5, world, {0, 1, 2}, {0, 1, 2}, set())  # all alive first
+    if when == "dispatch":
+        spent = _masked_round(lls, streams, 6, world, {0, 1}, {0, 1}, {dead})
+    else:
+        spent = _masked_round(lls, streams, 6, world, {0, 1, 2}, {0, 1}, set(), {dead})
+    assert spent >= 0.3  # the deadline was waited out once
+    for r in (0, 1):
+        status = torch.zeros(world, dtype=torch.int32, device="cuda")
+        lls[r].query_mask(status)
+        assert status.tolist() == [0, 0, 1], (r, status.tolist())
+    assert _masked_round(lls, streams, 7, world, {0, 1}, {0, 1}, {dead}) < 0.2  # nothing waited out
+
+
+def test_low_latency_timeout_without_shrink_names_the_peer_emulated():
+    """Without enable_shrink the same silent rank is an error: the kernels record (stage, peer) and the next
+    call raises CommTimeoutError naming rank 2; nothing is masked."""
+    from tilehal import CommTimeoutError
+
+    world = 3
+    lls, streams = _shrink_ranks(world, timeout_s=0.3, shrink=False)
+    experts, k, hidden = 12, 3, 256
+    ins = [_inputs(9, r, 8, hidden, experts, k) for r in range(world)]
+    dev_in = [(x.cuda(), idx.cuda()) for x, idx, _ in ins]
+    torch.cuda.synchronize()
+    for r in (0, 1):
+        with torch.cuda.stream(streams[r]):
+            lls[r].dispatch(dev_in[r][0], dev_in[r][1], 16, experts, False, False)
+    torch.cuda.synchronize()
+    for r in (0, 1):
+        with pytest.raises(CommTimeoutError) as e:
+            lls[r].ctx.check()
+        assert e.value.peer == 2, e.value
+        assert lls[r].mask.sum().item() == 0

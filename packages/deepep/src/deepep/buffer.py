@@ -118,6 +118,7 @@ class Buffer:
 
     def _setup(self) -> None:
         self._destroyed = False
+        self._shrink_auto = False  # set below where the transport can drop a silent peer
         self._ll_bufs = LowLatencyBuffers()
         self._comm_stream = None
         if self._local:
@@ -132,13 +133,15 @@ class Buffer:
                                                                       self.num_nvl_bytes))
             return
         self._transport = TorchDistTransport(self.group, self.timeout_s)
+        # Shrink mode on Gloo: low-latency exchanges over two-rank groups, so a silent peer can be dropped.
+        self._shrink_auto = self.enable_shrink and self._transport.enable_pair_groups()
         self.num_ranks_per_node = self._num_ranks_per_node_arg or self._detect_ranks_per_node()
         if self.group_size % self.num_ranks_per_node:
             raise ArgumentError(f"num_ranks_per_node: expected a divisor of the group size {self.group_size}, "
                              f"got {self.num_ranks_per_node}")
         self.transport = self._choose_transport()
         options = EngineOptions(self.group, self.timeout_s, self.num_ranks_per_node, self.num_max_tokens_per_rank,
-                                self.num_nvl_bytes)
+                                self.num_nvl_bytes, self.enable_shrink)
         if self.transport == "nvlink":
             from .engines.nvlink import NvlinkDispatcher
 
@@ -219,28 +222,51 @@ class Buffer:
         if not self.enable_shrink:
             raise RuntimeError(f"{api}: expected a Buffer made with enable_shrink=True")
 
+    def _nvlink_ll(self) -> Any:
+        """The NVLink low-latency engine (it keeps the rank mask on the device), or None."""
+        return self._backend.low_latency() if self.transport == "nvlink" else None
+
+    def _sync_mask_from_device(self) -> None:
+        """Ranks the NVLink kernels masked on their own (shrink mode) join the host's set (one D2H copy)."""
+        ll = self._nvlink_ll()
+        if ll is not None and self.enable_shrink:
+            self._masked |= {int(r) for r in ll.mask.nonzero().flatten().tolist()}
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (mask=True) or unmask a rank: low-latency dispatch/combine then neither send to nor wait for
-        it; tokens routed to its experts are dropped (they combine as zeros), and the others go on."""
+        it; tokens routed to its experts are dropped (they combine as zeros), and the others go on.
+
+        With enable_shrink a rank is also masked on its own when a low-latency wait on it passes
+        timeout_s: by the NVLink kernels (in the device mask; no sync) and by the torch engine over Gloo
+        (two-rank groups per peer; see docs/deepep.md). The call then finishes for the live ranks."""
         self._need_shrink("low_latency_update_mask_buffer")
         expect(0 <= rank_to_mask < self.group_size and rank_to_mask != self.rank, "rank_to_mask",
                f"another rank of the group (0..{self.group_size - 1}, not {self.rank})", rank_to_mask)
         (self._masked.add if mask else self._masked.discard)(rank_to_mask)
+        ll = self._nvlink_ll()
+        if ll is not None:
+            ll.update_mask(rank_to_mask, bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Write the mask of every rank (1 = masked) into mask_status (int32 [num_ranks])."""
+        """Write the mask of every rank (1 = masked) into mask_status (int32 [num_ranks]): the ranks masked
+        by the caller and those masked after a timeout."""
         self._need_shrink("low_latency_query_mask_buffer")
         expect(isinstance(mask_status, torch.Tensor) and tuple(mask_status.shape) == (self.group_size,)
                and mask_status.dtype == torch.int32, "mask_status", f"an int32 tensor [{self.group_size}]",
                _shape(mask_status))
+        self._sync_mask_from_device()
         m = torch.zeros(self.group_size, dtype=torch.int32)
         m[sorted(self._masked)] = 1
         mask_status.copy_(m)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank."""
+        """Unmask every rank. (On Gloo, a peer dropped after a timeout stays unreachable: its two-rank
+        group closed; the next call that needs it masks it again.)"""
         self._need_shrink("low_latency_clean_mask_buffer")
         self._masked.clear()
+        ll = self._nvlink_ll()
+        if ll is not None:
+            ll.clean_mask()
 
     # ------------------------------------------------------------------ config
 
@@ -521,14 +547,13 @@ class Buffer:
         why = None
         if not self.allow_nvlink_for_low_latency_mode:
             why = "allow_nvlink_for_low_latency_mode=False"
-        elif self._masked:
-            why = f"ranks {sorted(self._masked)} are masked (the kernels wait for every rank)"
         elif round_scale or use_ue8m0:
             why = "round_scale/use_ue8m0 (the kernels quantize with exact amax / 448 scales)"
         elif wait_stats:
             why = "wait-cost statistics (timed per peer by the torch engine)"
         if why:
             log.debug("low-latency mode on the torch.distributed engine instead of the NVLink kernels: %s", why)
+            self._sync_mask_from_device()  # the torch engine skips what the kernels masked
             return "torch"
         return "nvlink"
 
@@ -595,14 +620,21 @@ class Buffer:
             return (*result[:4], hook_and_count)
         masked = frozenset(self._masked)
         wait_cpu = torch.zeros(self.group_size, dtype=torch.int64) if wait is not None else None
-        finish, handle = ll_dispatch(self._transport, self._ll_bufs, x.contiguous(), topk_idx,
-                                     num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
-                                     masked, wait_cpu)
+        lost: set[int] | None = set() if self._shrink_auto else None
+        try:
+            finish, handle = ll_dispatch(self._transport, self._ll_bufs, x.contiguous(), topk_idx,
+                                         num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                                         use_ue8m0, masked, wait_cpu, lost)
+        finally:
+            self._masked |= lost or set()
         box: list[tuple] = []
 
         def receive() -> tuple[XTensor, torch.Tensor]:
             if not box:
-                box.append(finish())
+                try:
+                    box.append(finish())
+                finally:
+                    self._masked |= lost or set()
                 if stats is not None:
                     stats.add_(box[0][1])
                 if wait is not None:
@@ -679,10 +711,14 @@ class Buffer:
                    "a tensor")
             return engine_ll.combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)
         wait_cpu = torch.zeros(self.group_size, dtype=torch.int64) if wait is not None else None
-        finish = ll_combine(self._transport, x, topk_weights, handle, out, wait_cpu, frozenset(self._masked))
+        lost: set[int] | None = set() if self._shrink_auto else None
+        finish = ll_combine(self._transport, x, topk_weights, handle, out, wait_cpu, frozenset(self._masked), lost)
 
         def done() -> torch.Tensor:
-            res = finish()
+            try:
+                res = finish()
+            finally:
+                self._masked |= lost or set()
             if wait is not None:
                 wait.add_(wait_cpu.to(wait.device))
             return res

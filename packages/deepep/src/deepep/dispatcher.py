@@ -30,6 +30,8 @@ class EngineOptions:
     engine, or an emulated NVLink context that carries its own rank). timeout_s bounds every wait
     on a peer. num_ranks_per_node: ranks per host (the hierarchical engine's node size).
     num_max_tokens_per_rank and num_nvl_bytes size the NVLink engine's receive regions.
+    enable_shrink: the low-latency kernels mask a peer whose wait times out and go on (DeepEP's
+    shrink mode) instead of recording the timeout.
     """
 
     group: Any
@@ -37,6 +39,7 @@ class EngineOptions:
     num_ranks_per_node: int = 1
     num_max_tokens_per_rank: int = 4096
     num_nvl_bytes: int = 0
+    enable_shrink: bool = False
 
 
 @dataclass

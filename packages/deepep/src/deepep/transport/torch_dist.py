@@ -3,6 +3,13 @@
 Counts go first (a tiny all-to-all), then one `all_to_all_single` of packed byte rows with split
 sizes. Where the backend lacks all-to-all (older Gloo), paired send/recv does the same job.
 Every wait is bounded (see waits.wait_work).
+
+Shrink mode (`enable_pair_groups`, Gloo): the low-latency exchanges run over one two-rank Gloo group
+per peer, so a peer that stops answering can be dropped without breaking the others. A Gloo
+`wait(timeout)` that expires closes every pair of the group it ran on ("Application timeout caused
+pair closure"); on a two-rank group that is the one pair with the silent peer. The exchange then
+records the peer in `lost` (a set the caller passes), zero-fills what it would have received from
+it, and finishes with the live ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +26,10 @@ from ..waits import comm_error, wait_work
 
 log = logging.getLogger("deepep.transport")
 
+# Two-rank Gloo groups by (global rank, global rank): made once per process (their names are a hash of
+# the ranks, so a second Buffer reuses them; a pair closed by a timeout stays closed).
+_PAIR_GROUPS: dict[tuple[int, int], dist.ProcessGroup] = {}
+
 
 class TorchDistTransport:
     def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
@@ -31,6 +42,35 @@ class TorchDistTransport:
         # NCCL moves only CUDA tensors; Gloo only CPU ones (its CUDA support is partial).
         self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in self.backend else torch.device("cpu")
         self._use_p2p = False
+        self.pairs: dict[int, dist.ProcessGroup] | None = None  # group rank -> two-rank group (shrink mode)
+
+    def enable_pair_groups(self) -> bool:
+        """Shrink mode on Gloo: one two-rank group per peer for the low-latency exchanges. Collective over
+        the whole world (dist.new_group is: every process makes every pair's group, in one order), so it
+        needs this group to be the world; False (and nothing made) otherwise, and on other backends:
+        NCCL cannot drop one peer of a communicator (its timeouts abort the whole communicator); there
+        the NVLink kernels mask on their own and the torch engine takes explicit masks only."""
+        if "gloo" not in self.backend or self.num_ranks < 2:
+            return False
+        world = dist.get_world_size()
+        if self.num_ranks != world:
+            log.debug("shrink mode: automatic masking on Gloo needs the Buffer's group to be the world "
+                      "(%d of %d ranks); explicit masks only", self.num_ranks, world)
+            return False
+        ranks = [dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
+                 for r in range(self.num_ranks)]
+        pairs = {}
+        for i in range(self.num_ranks):
+            for j in range(i + 1, self.num_ranks):
+                key = (ranks[i], ranks[j])
+                if key not in _PAIR_GROUPS:
+                    _PAIR_GROUPS[key] = dist.new_group(list(key), backend="gloo",
+                                                       timeout=datetime.timedelta(seconds=max(self.timeout_s, 120.0)))
+                if self.rank in (i, j):
+                    pairs[j if i == self.rank else i] = _PAIR_GROUPS[key]
+        self.pairs = pairs
+        log.debug("rank %d: shrink mode over %d two-rank Gloo groups", self.global_rank, len(pairs))
+        return True
 
     # ------------------------------------------------------------------ primitives
 
@@ -39,13 +79,16 @@ class TorchDistTransport:
         self._a2a_start(out, inp, out_splits, in_splits, stage)()
 
     def _a2a_start(self, out, inp, out_splits, in_splits, stage, masked: frozenset[int] = frozenset(),
-                   wait_ns: torch.Tensor | None = None, name_peer: bool = False) -> Callable[[], None]:
+                   wait_ns: torch.Tensor | None = None, name_peer: bool = False,
+                   lost: set[int] | None = None) -> Callable[[], None]:
         """Issue the all-to-all; the returned callable waits for it (bounded).
 
         `masked` peers take no part (nothing is sent to or received from them: their slices of `out`
         are left as they are), so the others go on without a failed rank. `wait_ns` (int64 [R]) gets
         the nanoseconds spent waiting for each peer's data added. Both use paired send/recv, as does
         `name_peer` on Gloo (one work per peer: a timeout names the peer that did not answer)."""
+        if lost is not None and self.pairs is not None:
+            return self._pair_a2a(out, inp, out_splits, in_splits, stage, masked, wait_ns, lost)
         if masked or wait_ns is not None or (name_peer and "gloo" in self.backend):
             return self._p2p_a2a(out, inp, out_splits, in_splits, stage, masked, wait_ns)
         if not self._use_p2p:
@@ -106,6 +149,53 @@ class TorchDistTransport:
                     wait_ns[peer] += time.perf_counter_ns() - t0
         return finish
 
+    def _pair_a2a(self, out, inp, out_splits, in_splits, stage, masked: frozenset[int], wait_ns: torch.Tensor | None,
+                  lost: set[int]) -> Callable[[], None]:
+        """All-to-all over the two-rank groups (shrink mode): a peer that fails or passes the deadline goes
+        into `lost` (group rank), its receive slice is zero-filled, and the exchange goes on."""
+        n = self.num_ranks
+        rows_in = in_splits if in_splits is not None else [inp.shape[0] // n] * n
+        rows_out = out_splits if out_splits is not None else [out.shape[0] // n] * n
+        sends, recvs = torch.split(inp, rows_in), torch.split(out, rows_out)
+        works: list[tuple[int, object, bool]] = []  # (peer, work, is_recv)
+
+        def drop(peer: int, why: str) -> None:
+            if peer not in lost:
+                log.warning("deepep rank %d: stage '%s': rank %d dropped (masked): %s", self.global_rank, stage,
+                            peer, why[:200])
+            lost.add(peer)
+            recvs[peer].zero_()
+
+        for peer in range(n):
+            if peer == self.rank:
+                recvs[peer].copy_(sends[peer])
+                continue
+            if peer in masked or peer in lost:
+                continue
+            g = self.pairs[peer]
+            pg = dist.get_global_rank(g, 1 - dist.get_rank(g))  # the other member's global rank
+            try:
+                if rows_in[peer]:
+                    works.append((peer, dist.isend(sends[peer].contiguous(), pg, group=g), False))
+                if rows_out[peer]:
+                    works.append((peer, dist.irecv(recvs[peer], pg, group=g), True))
+            except RuntimeError as e:  # its connection closed already: a dead peer
+                drop(peer, f"{type(e).__name__}: {e}")
+
+        def finish() -> None:
+            deadline = time.monotonic() + self.timeout_s  # one deadline for all of this exchange's works
+            for peer, w, _ in works:
+                if peer in lost:
+                    continue
+                t0 = time.perf_counter_ns()
+                try:
+                    w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+                except RuntimeError as e:  # passed the deadline (its pair is closed now) or the peer died
+                    drop(peer, f"{type(e).__name__}: {e}")
+                if wait_ns is not None:
+                    wait_ns[peer] += time.perf_counter_ns() - t0
+        return finish
+
     def _wait_p2p(self, work: object, stage: str, deadline: float, peer: int | None) -> None:
         left = max(deadline - time.monotonic(), 1e-3)
         if "gloo" not in self.backend:
@@ -120,13 +210,14 @@ class TorchDistTransport:
 
     # ------------------------------------------------------------------ public
 
-    def exchange_counts(self, counts: torch.Tensor, stage: str, masked: frozenset[int] = frozenset()) -> torch.Tensor:
+    def exchange_counts(self, counts: torch.Tensor, stage: str, masked: frozenset[int] = frozenset(),
+                        lost: set[int] | None = None) -> torch.Tensor:
         """counts [R, C] int64 (row r = what I send to rank r) -> [R, C] on the CPU (row r = from r; zeros
-        for masked peers)."""
+        for masked peers, and for peers put into `lost` in shrink mode)."""
         send = counts.to(device=self.device, dtype=torch.int64).contiguous()
         recv = torch.zeros_like(send)
         # The first exchange of a call: where a dead or absent peer shows; name it where the backend can.
-        self._a2a_start(recv, send, None, None, stage, masked, name_peer=True)()
+        self._a2a_start(recv, send, None, None, stage, masked, name_peer=True, lost=lost)()
         return recv.cpu()
 
     def gather_counts(self, counts: torch.Tensor, stage: str) -> torch.Tensor:
@@ -144,18 +235,20 @@ class TorchDistTransport:
 
     def exchange_rows_start(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
                             stage: str, masked: frozenset[int] = frozenset(),
-                            wait_ns: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
-        """Issue the row exchange now; the returned callable waits (bounded) and yields the rows."""
+                            wait_ns: torch.Tensor | None = None, lost: set[int] | None = None
+                            ) -> Callable[[], torch.Tensor]:
+        """Issue the row exchange now; the returned callable waits (bounded) and yields the rows (those of a
+        peer put into `lost` in shrink mode are zeros)."""
         width = rows.shape[1]
         dev = rows.device
         send = rows if rows.device == self.device else rows.to(self.device)
-        alloc = torch.zeros if masked else torch.empty  # rows of masked peers never arrive: zeros
+        alloc = torch.zeros if masked or lost is not None else torch.empty  # rows of masked peers never arrive: zeros
         out = alloc(sum(recv_counts), width, dtype=rows.dtype, device=self.device)
         if send.shape[0] == 0 and out.shape[0] == 0:
             # Still a collective: every rank must take part even when nothing moves anywhere.
             send = torch.empty(0, width, dtype=rows.dtype, device=self.device)
         finish = self._a2a_start(out.view(-1), send.reshape(-1), [c * width for c in recv_counts],
-                                 [c * width for c in send_counts], stage, masked, wait_ns)
+                                 [c * width for c in send_counts], stage, masked, wait_ns, lost=lost)
 
         def result() -> torch.Tensor:
             finish()

@@ -31,10 +31,11 @@ class LLArgs(ctypes.Structure):
     """Mirror of deepep::LLArgs (kernels/low_latency.cu); tests compare every offset."""
 
     _fields_ = [(n, P) for n in ("x", "topk_idx", "topk_w", "y", "tok_rows", "src_tokens", "recv_x", "recv_scales",
-                                  "recv_src", "recv_count", "out", "peer_data", "peer_sig", "state", "err")] + [
+                                  "recv_src", "recv_count", "out", "peer_data", "peer_sig", "state", "err", "mask",
+                                  "call_mask")] + [
         ("timeout_ns", ctypes.c_uint64)] + [
         (n, ctypes.c_int32) for n in ("T", "k", "H", "R", "me", "E", "epr", "M", "use_fp8", "phases", "row_bytes",
-                                      "payload_bytes", "sig_tokens", "sig_msg", "scale_pad")] + [
+                                      "payload_bytes", "sig_tokens", "sig_msg", "scale_pad", "shrink")] + [
         ("data_rows", ctypes.c_int64)]
 
 
@@ -49,6 +50,7 @@ class NvlinkLowLatencyHandle(HandleTuple):
     tok_rows: torch.Tensor  # [R, M, k] int32: recv_x row of each received (source, token, j), or -1
     src_tokens: torch.Tensor  # [R] int32: tokens each source had
     recv_src_info: torch.Tensor  # [E_l, R * M] int32: source token of each received row
+    call_mask: torch.Tensor | None = None  # [R] int32: ranks the dispatch left out (masked or timed out)
 
     def as_tuple(self) -> tuple:
         """DeepEP's low-latency handle: (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
@@ -98,14 +100,22 @@ def size_hint(R: int, M: int, H: int, E: int) -> int:
 
 
 class NvlinkLowLatency:
-    """Owns the fixed outputs and the device-side epochs; module, regions, error word, timeout and
-    SMs come from the NvlinkContext it shares with the normal mode."""
+    """Owns the fixed outputs, the device-side epochs and the rank mask; module, regions, error word,
+    timeout and SMs come from the NvlinkContext it shares with the normal mode.
+
+    Rank masking (DeepEP's shrink mode, kernels/low_latency.cu): `mask` (int32 [R] on the device,
+    1 = masked) is read by every call's kernels: a masked rank is sent nothing and waited for by
+    nobody. With `enable_shrink` a wait that passes its deadline masks that peer there and the call
+    finishes for the live ranks (query the mask to see who was dropped); without it the timeout is
+    recorded and the next call raises CommTimeoutError naming the peer."""
 
     handle_type = NvlinkLowLatencyHandle
 
-    def __init__(self, ctx: NvlinkContext) -> None:
+    def __init__(self, ctx: NvlinkContext, enable_shrink: bool = False) -> None:
         self.ctx = ctx
         self.rank, self.num_ranks = ctx.rank, ctx.num_ranks
+        self.enable_shrink = bool(enable_shrink)
+        self.mask = torch.zeros(ctx.num_ranks, dtype=torch.int32, device="cuda")
         self.state = torch.zeros(2, 2, dtype=torch.int32, device="cuda")  # [dispatch|combine][epoch, blocks done]
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.parity = 0  # the output set the next dispatch fills: two sets, so two results are live at once
@@ -128,8 +138,22 @@ class NvlinkLowLatency:
             self.outputs[k] = t
         return t
 
+    # ------------------------------------------------------------------ rank mask (stream-ordered, graph-safe)
+
+    def update_mask(self, rank: int, mask: bool) -> None:
+        """Mask (unmask) `rank` for the calls queued after this on the current stream."""
+        self.mask[rank] = 1 if mask else 0
+
+    def query_mask(self, out: torch.Tensor) -> None:
+        """Copy the mask (1 = masked) into `out` (int32 [R]) on the current stream."""
+        out.copy_(self.mask)
+
+    def clean_mask(self) -> None:
+        self.mask.zero_()
+
     def _args(self, **kw: Any) -> LLArgs:
-        a = LLArgs(err=self.ctx.err.device, timeout_ns=self.ctx.timeout_ns, R=self.num_ranks, me=self.rank)
+        a = LLArgs(err=self.ctx.err.device, timeout_ns=self.ctx.timeout_ns, R=self.num_ranks, me=self.rank,
+                   mask=addr(self.mask) if self.enable_shrink else 0, shrink=int(self.enable_shrink))
         for key, v in kw.items():
             setattr(a, key, v)
         return a
@@ -194,13 +218,15 @@ class NvlinkLowLatency:
         # every entry the combine reads.
         tok_rows = torch.empty(R, M, k, dtype=torch.int32, device=x.device)
         src_tokens = torch.empty(R, dtype=torch.int32, device=x.device)
+        call_mask = torch.zeros(R, dtype=torch.int32, device=x.device)
         a = self._args(x=addr(x), topk_idx=addr(topk_idx), tok_rows=addr(tok_rows), src_tokens=addr(src_tokens),
+                       call_mask=addr(call_mask),
                        recv_x=addr(rx), recv_scales=addr(rs), recv_src=addr(recv_src), recv_count=addr(recv_count),
                        peer_data=addr(reg.peer_data), peer_sig=addr(reg.peer_sig), state=addr(self.state[0]),
                        T=T, k=k, H=H, E=num_experts, epr=epr, M=M, use_fp8=int(use_fp8), row_bytes=row_bytes,
                        payload_bytes=payload, sig_tokens=sig_tokens, sig_msg=sig_msg, scale_pad=scale_pad(cap))
         hook = self._launch("deepep_ll_dispatch", a, return_recv_hook, (x, topk_idx), smem_bytes=smem)
-        handle = NvlinkLowLatencyHandle(T, H, num_experts, M, tok_rows, src_tokens, recv_src)
+        handle = NvlinkLowLatencyHandle(T, H, num_experts, M, tok_rows, src_tokens, recv_src, call_mask)
         return recv_x, recv_count, handle, EventOverlap.capture(x.device), hook
 
     def combine(self, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -221,7 +247,7 @@ class NvlinkLowLatency:
         # Converted copies stay referenced until the launch is queued.
         idx, w, y = topk_idx.to(torch.int64).contiguous(), topk_weights.float().contiguous(), y.contiguous()
         a = self._args(topk_idx=addr(idx), topk_w=addr(w), y=addr(y), tok_rows=addr(handle.tok_rows),
-                       src_tokens=addr(handle.src_tokens), out=addr(out), peer_data=addr(reg.peer_data), peer_sig=addr(reg.peer_sig),
+                       src_tokens=addr(handle.src_tokens), call_mask=addr(handle.call_mask), out=addr(out), peer_data=addr(reg.peer_data), peer_sig=addr(reg.peer_sig),
                        state=addr(self.state[1]), T=T, k=k, H=H, E=E, epr=E // R, M=M, row_bytes=row_bytes,
                        sig_tokens=R, data_rows=data_rows)
         hook = self._launch("deepep_ll_combine", a, return_recv_hook, (idx, w, y, out))

@@ -202,7 +202,7 @@ class NvlinkDispatcher:
 
     def low_latency(self) -> LowLatencyEngine:
         if self._ll is None:
-            self._ll = NvlinkLowLatency(self.ctx)
+            self._ll = NvlinkLowLatency(self.ctx, enable_shrink=self.options.enable_shrink)
         return self._ll
 
     def destroy(self) -> None:

@@ -77,9 +77,13 @@ class LowLatencyBuffers:
 
 def ll_dispatch(t: TorchDistTransport, bufs: LowLatencyBuffers, x: torch.Tensor, topk_idx: torch.Tensor,
                 max_tokens: int, num_experts: int, use_fp8: bool, round_scale: bool = False, use_ue8m0: bool = False,
-                masked: frozenset[int] = frozenset(), wait_ns: torch.Tensor | None = None
-                ) -> tuple[Callable[[], tuple], LowLatencyHandle]:
-    """Issue the exchange; the returned `finish()` waits and fills the fixed buffers (of this call's slot)."""
+                masked: frozenset[int] = frozenset(), wait_ns: torch.Tensor | None = None,
+                lost: set[int] | None = None) -> tuple[Callable[[], tuple], LowLatencyHandle]:
+    """Issue the exchange; the returned `finish()` waits and fills the fixed buffers (of this call's slot).
+
+    `lost` (shrink mode, a set the caller owns): peers that fail or pass the deadline during this call
+    are added to it and left out like masked ones (nothing from them is received; the combine of this
+    handle skips them too)."""
     r = t.num_ranks
     epr = num_experts // r
     num_tokens, k = topk_idx.shape
@@ -109,8 +113,9 @@ def ll_dispatch(t: TorchDistTransport, bufs: LowLatencyBuffers, x: torch.Tensor,
     rows = fmt.pack(parts, pair.numel(), x.device)
 
     counts = torch.tensor(send_counts, dtype=torch.int64).view(r, 1)
-    recv_counts = t.exchange_counts(counts, "low_latency_dispatch/counts", masked)[:, 0].tolist()
-    get_rows = t.exchange_rows_start(rows, send_counts, recv_counts, "low_latency_dispatch/data", masked, wait_ns)
+    recv_counts = t.exchange_counts(counts, "low_latency_dispatch/counts", masked, lost)[:, 0].tolist()
+    get_rows = t.exchange_rows_start(rows, send_counts, recv_counts, "low_latency_dispatch/data", masked, wait_ns,
+                                     lost)
     empty = torch.empty(0, dtype=torch.int64, device=x.device)  # filled in by finish()
     handle = LowLatencyHandle(num_tokens, hidden, num_experts, max_tokens, pair_token, pair_slot, send_counts,
                               recv_counts, empty, empty, empty, empty, masked)
@@ -119,10 +124,15 @@ def ll_dispatch(t: TorchDistTransport, bufs: LowLatencyBuffers, x: torch.Tensor,
 
     def finish() -> tuple:
         got = get_rows()
-        meta = fmt.unpack(got, "meta")
-        expert, src_token = meta[:, 0], meta[:, 1]
         src_rank = torch.repeat_interleave(torch.arange(r, device=got.device),
                                            torch.tensor(recv_counts, device=got.device))
+        if lost:  # a peer that stopped after its counts: its (zero-filled) rows are not received
+            handle.masked = masked | frozenset(lost)
+            live = ~torch.isin(src_rank, torch.tensor(sorted(lost), device=got.device))
+            got, src_rank = got[live], src_rank[live]
+            handle.recv_counts = [0 if q in lost else c for q, c in enumerate(recv_counts)]
+        meta = fmt.unpack(got, "meta")
+        expert, src_token = meta[:, 0], meta[:, 1]
         # Rows arrive grouped by source rank; a stable sort by expert keeps that order inside an expert.
         by_expert = torch.sort(expert, stable=True)[1]
         recv_count = torch.bincount(expert, minlength=epr)
@@ -163,14 +173,15 @@ def ll_dispatch(t: TorchDistTransport, bufs: LowLatencyBuffers, x: torch.Tensor,
 
 def ll_combine(t: TorchDistTransport, x: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                out: torch.Tensor | None, wait_ns: torch.Tensor | None = None,
-               masked: frozenset[int] = frozenset()) -> Callable[[], torch.Tensor]:
+               masked: frozenset[int] = frozenset(), lost: set[int] | None = None) -> Callable[[], torch.Tensor]:
     """Issue the return trip; `finish()` waits and takes each token's weighted sum. Rows of ranks masked at
-    dispatch or now (`masked`) do not come back: they count as zeros."""
+    dispatch or now (`masked`), or lost during this call (shrink mode), do not come back: they count as
+    zeros."""
     rows_back = x[handle.recv_expert, handle.recv_slot]
     fmt = RowFormat([("x", x.dtype, handle.hidden)])
     rows = fmt.pack({"x": rows_back}, rows_back.shape[0], x.device)
     get_rows = t.exchange_rows_start(rows, handle.recv_counts, handle.send_counts, "low_latency_combine/data",
-                                     handle.masked | masked, wait_ns)
+                                     handle.masked | masked, wait_ns, lost)
 
     def finish() -> torch.Tensor:
         got = fmt.unpack(get_rows(), "x").float()

@@ -13,6 +13,14 @@
 //
 // Every call owns one of two parities of each region (chosen by the epoch kept on the device,
 // so graph replays alternate too); flags carry the epoch and are never reset.
+//
+// Rank masking (DeepEP's shrink mode): `mask` [R] (device int32, 1 = masked) is read when a call
+// starts. A masked rank is sent nothing and waited for by nobody: its tokens are not received
+// and its experts' outputs count as zeros in the combine. With `shrink` set, a wait on a peer that
+// passes its deadline masks that peer (atomicExch, as DeepEP's kernels do) and the call finishes
+// for the live ranks; without it the kernel records (stage, peer) and stops, and the host raises.
+// `call_mask` [R] (zeroed per dispatch) records the ranks a dispatch left out; its combine leaves
+// them out too (it sent them nothing, so they have nothing to return).
 #include "sync.cuh"
 
 namespace deepep {
@@ -33,6 +41,8 @@ struct LLArgs {
   const u64* peer_sig;        // [2 * R]
   unsigned* state;            // [0] epoch, [1] blocks done
   volatile int* err;
+  int* mask;                  // [R] or null: 1 = masked (see the top of this file)
+  int* call_mask;             // [R]: the ranks the dispatch left out (dispatch writes, combine reads)
   u64 timeout_ns;
   int T, k, H, R, me, E, epr, M, use_fp8;
   int phases;                 // kSend | kReceive: both in one launch, or one each (return_recv_hook)
@@ -41,6 +51,7 @@ struct LLArgs {
   int sig_tokens;             // u64 offset of the per-token flags [R][M]
   int sig_msg;                // u64 offset of the counts messages (dispatch, int32 [R][epr])
   int scale_pad;              // dispatch fp8: R * M rounded up to 4 (a TMA-aligned column of scales)
+  int shrink;                 // 1: a peer past its deadline is masked and the call goes on
   long long data_rows;        // combine: byte offset of the partial rows (after the weights [R][M][k])
 };
 
@@ -55,6 +66,22 @@ __device__ __forceinline__ u64* sig_of(const LLArgs& a, int par, int rank) {
 __device__ __forceinline__ char* data_of(const LLArgs& a, int par, int rank) {
   return reinterpret_cast<char*>(a.peer_data[par * a.R + rank]);
 }
+
+__device__ __forceinline__ bool ll_masked(const LLArgs& a, int r) {
+  return a.mask != nullptr && *reinterpret_cast<volatile int*>(a.mask + r) != 0;
+}
+// A peer missed its deadline: with shrink, mask it (and note it for this call's combine); true
+// means the call goes on without it, false that the kernel must stop (error recorded by wait_flag).
+__device__ __forceinline__ bool ll_drop_peer(const LLArgs& a, int r) {
+  if (!a.shrink || a.mask == nullptr) return false;
+  atomicExch(a.mask + r, 1);
+  a.call_mask[r] = 1;
+  a.err[0] = 0;  // wait_flag recorded the timeout; in shrink mode it is a mask, not an error
+  __threadfence_system();
+  return true;
+}
+// Send-side view of the mask: masked now, or left out by the dispatch this combine answers.
+__device__ __forceinline__ bool ll_skip(const LLArgs& a, int r) { return ll_masked(a, r) || a.call_mask[r] != 0; }
 
 // The last block to finish publishes the new epoch (graph replays then keep counting on device).
 __device__ __forceinline__ void ll_finish(const LLArgs& a, u32 epoch) {
@@ -107,11 +134,12 @@ __device__ void ll_send_counts(const LLArgs& a, u32 epoch, int par, int* cnt) {
   __syncthreads();
   for (int e = tid; e < a.E; e += blockDim.x) {
     const int d = e / a.epr;
+    if (ll_masked(a, d)) continue;
     int* msg = reinterpret_cast<int*>(sig_of(a, par, d) + a.sig_msg);
     msg[a.me * a.epr + e % a.epr] = cnt[e];
   }
   __syncthreads();
-  if (tid < a.R) {
+  if (tid < a.R && !ll_masked(a, tid)) {
     __threadfence_system();
     st_release(sig_of(a, par, tid) + a.me, tagged(epoch, u32(a.T)));
   }
@@ -136,9 +164,9 @@ __device__ void ll_send_token(const LLArgs& a, u32 epoch, int par, int t, long l
       if (tok_e[j] == e) atomicAdd(&tok_slot[j], 1);
   }
   __syncthreads();
-  unsigned mask = 0;  // destination ranks, the same in every thread
+  unsigned mask = 0;  // destination ranks, the same in every thread (masked ranks get nothing)
   for (int j = 0; j < a.k; ++j)
-    if (tok_e[j] >= 0) mask |= 1u << int(tok_e[j] / a.epr);
+    if (tok_e[j] >= 0 && !ll_masked(a, int(tok_e[j] / a.epr))) mask |= 1u << int(tok_e[j] / a.epr);
   if (tid < a.k && tok_e[tid] >= 0)  // a token listing an expert twice gets two rows
     for (int j = 0; j < tid; ++j)
       if (tok_e[j] == tok_e[tid]) ++tok_slot[tid];
@@ -198,7 +226,7 @@ __device__ void ll_send_token(const LLArgs& a, u32 epoch, int par, int t, long l
       meta[a.k + tid] = tok_slot[tid];
     }
   __syncthreads();  // every row of token t is written
-  if (tid < a.R) {
+  if (tid < a.R && !ll_masked(a, tid)) {
     __threadfence_system();
     st_release(sig_of(a, par, tid) + a.sig_tokens + a.me * a.M + t, tagged(epoch, (mask >> tid) & 1u));
   }
@@ -234,7 +262,12 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_dispatch(LLArgs a) {
   const u64* sig = sig_of(a, par, a.me);
   if (tid < a.R) {
     u32 n = 0;
-    if (!wait_flag(sig + tid, epoch, deadline, a.err, kLLDispatchCounts, tid, &n)) abort_flag = 1;
+    if (ll_masked(a, tid)) {  // a masked source: nothing from it (its flag is not waited for)
+      a.call_mask[tid] = 1;
+    } else if (!wait_flag(sig + tid, epoch, deadline, a.err, kLLDispatchCounts, tid, &n)) {
+      n = 0;
+      if (!ll_drop_peer(a, tid)) abort_flag = 1;
+    }
     src_T[tid] = int(n);
   }
   __syncthreads();
@@ -248,9 +281,16 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_dispatch(LLArgs a) {
     int run = 0;
     for (int s = 0; s < a.R; ++s) {
       base[le * (a.R + 1) + s] = run;
-      run += __ldcg(msg + s * a.epr + le);
+      if (src_T[s] > 0) run += __ldcg(msg + s * a.epr + le);  // a left-out source's message is stale
     }
     base[le * (a.R + 1) + a.R] = run;
+  }
+  // Entries of tok_rows no item writes (tokens a source did not have, left-out sources) read as
+  // "no row" in the handle's layout.
+  for (long long q = (long long)blockIdx.x * blockDim.x + tid; q < (long long)a.R * a.M * a.k;
+       q += (long long)gridDim.x * blockDim.x) {
+    const int s = int(q / ((long long)a.M * a.k)), t = int(q / a.k % a.M);
+    if (t >= src_T[s]) a.tok_rows[q] = -1;
   }
   __syncthreads();
   for (int le = blockIdx.x * blockDim.x + tid; le < a.epr; le += gridDim.x * blockDim.x)
@@ -266,8 +306,14 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_dispatch(LLArgs a) {
     item_of(i, src_T, a.R, &s, &t);
     if (tid == 0) {
       u32 v = 0;
-      if (t >= a.M || !wait_flag(sig + a.sig_tokens + s * a.M + t, epoch, deadline, a.err, kLLDispatch, s, &v))
+      if (t >= a.M) {
         abort_flag = 1;
+      } else if (!wait_flag(sig + a.sig_tokens + s * a.M + t, epoch, deadline, a.err, kLLDispatch, s, &v)) {
+        // The source sent its counts, then stopped: with shrink this token is dropped (its rows stay
+        // counted but unwritten in this call) and the source masked for the next calls.
+        v = 0;
+        if (!ll_drop_peer(a, s)) abort_flag = 1;
+      }
       item_sent = int(v);
     }
     __syncthreads();
@@ -352,7 +398,7 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_combine(LLArgs a) {
   __shared__ int rows[32], src_T[DEEPEP_MAX_RANKS];
   __shared__ float wts[32];
   __shared__ unsigned need;
-  __shared__ int abort_flag, have_w;
+  __shared__ int abort_flag, have_w, dead_w;
   const u32 epoch = ll_epoch(a);
   const int par = epoch & 1;
   const u64 deadline = now_ns() + a.timeout_ns;
@@ -360,16 +406,18 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_combine(LLArgs a) {
   if (tid == 0) {
     abort_flag = 0;
     have_w = 0;
+    dead_w = 0;
   }
-  if (tid < a.R) src_T[tid] = tid == a.me ? 0 : a.src_tokens[tid];
+  // Masked peers (now, or left out by the dispatch) neither get our weights nor partial sums.
+  if (tid < a.R) src_T[tid] = (tid == a.me || ll_skip(a, tid)) ? 0 : a.src_tokens[tid];
   if ((a.phases & kSend) && blockIdx.x == 0 && a.R > 1) {
     for (int d = 0; d < a.R; ++d) {
-      if (d == a.me) continue;
+      if (d == a.me || ll_skip(a, d)) continue;
       float* dst = reinterpret_cast<float*>(data_of(a, par, d)) + (long long)a.me * a.M * a.k;
       for (int i = tid; i < a.T * a.k; i += blockDim.x) dst[i] = a.topk_w[i];
     }
     __syncthreads();
-    if (tid < a.R && tid != a.me) {
+    if (tid < a.R && tid != a.me && !ll_skip(a, tid)) {
       __threadfence_system();
       st_release(sig_of(a, par, tid) + a.me, tagged(epoch, u32(a.T)));
     }
@@ -386,15 +434,20 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_combine(LLArgs a) {
     if (i < remote) {  // (1) partial sum for a peer's token
       int s = 0, t = 0;
       item_of(i, src_T, a.R, &s, &t);
-      if (tid == 0 && !((have_w >> s) & 1)) {
-        if (!wait_flag(sig + s, epoch, deadline, a.err, kLLCombineWeights, s, nullptr)) abort_flag = 1;
-        have_w |= 1 << s;
+      if (tid == 0 && !(((have_w | dead_w) >> s) & 1)) {
+        if (wait_flag(sig + s, epoch, deadline, a.err, kLLCombineWeights, s, nullptr)) have_w |= 1 << s;
+        else if (ll_drop_peer(a, s)) dead_w |= 1 << s;  // it stopped: no partial sums for it
+        else abort_flag = 1;
       }
       if (tid < a.k) {
         rows[tid] = a.tok_rows[((long long)s * a.M + t) * a.k + tid];
       }
       __syncthreads();
       if (abort_flag) break;
+      if ((dead_w >> s) & 1) {
+        __syncthreads();
+        continue;
+      }
       if (tid < a.k)
         wts[tid] = rows[tid] >= 0 ? __ldcg(reinterpret_cast<const float*>(mine) + ((long long)s * a.M + t) * a.k + tid)
                                   : 0.f;
@@ -424,12 +477,15 @@ extern "C" __global__ void __launch_bounds__(512) deepep_ll_combine(LLArgs a) {
         const bool local = ok && e >= lo && e < lo + a.epr;
         rows[tid] = local ? a.tok_rows[((long long)a.me * a.M + t) * a.k + tid] : -1;
         wts[tid] = local ? a.topk_w[(long long)t * a.k + tid] : 0.f;
-        if (ok && !local) atomicOr(&need, 1u << int(e / a.epr));
+        // Experts of a left-out rank count as zeros: nothing is waited for from it.
+        if (ok && !local && !ll_skip(a, int(e / a.epr))) atomicOr(&need, 1u << int(e / a.epr));
       }
       __syncthreads();
       if (tid < a.R && ((need >> tid) & 1u) &&
-          !wait_flag(sig + a.sig_tokens + tid * a.M + t, epoch, deadline, a.err, kLLCombine, tid, nullptr))
-        abort_flag = 1;
+          !wait_flag(sig + a.sig_tokens + tid * a.M + t, epoch, deadline, a.err, kLLCombine, tid, nullptr)) {
+        if (ll_drop_peer(a, tid)) atomicAnd(&need, ~(1u << tid));  // its partial sum counts as zero
+        else abort_flag = 1;
+      }
       __syncthreads();
       if (abort_flag) break;
       int4* dst = reinterpret_cast<int4*>(a.out) + (long long)t * h16;
