@@ -737,4 +737,15 @@ class Buffer:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int = 0, hidden: int = 0,
                                  num_experts: int = 0) -> None:
-        """Kept for DeepEP compatibility; our low-latency buffers need no cleaning between calls."""
+        """Our low-latency buffers need no cleaning between calls. In shrink mode on Gloo it is, as DeepEP's,
+        also a barrier of the live ranks in which a rank that does not arrive within timeout_s is masked
+        (one int exchanged with every unmasked peer over the two-rank groups)."""
+        self._alive()
+        if not self._shrink_auto:
+            return
+        lost: set[int] = set()
+        try:
+            self._transport.exchange_counts(torch.zeros(self.group_size, 1, dtype=torch.int64),
+                                            "clean_low_latency_buffer/barrier", frozenset(self._masked), lost)
+        finally:
+            self._masked |= lost
