@@ -119,23 +119,20 @@ def sec_cast() -> None:
     import deepgemm
     from deepgemm import cuda_cast
 
-    fused_tok, fused_blk = cuda_cast.per_token, cuda_cast.per_block
-    for shape in ((128, 7168), (4096, 4096), (4096, 14336)):
-        x = torch.randn(shape, device="cuda").bfloat16()
-        row("cast", f"per_token fused {shape}", lambda x=x: deepgemm.per_token_cast_to_fp8(x), gpu=True)
-        try:
-            cuda_cast.per_token = lambda *a, **kw: None
-            row("cast", f"per_token torch ops {shape}", lambda x=x: deepgemm.per_token_cast_to_fp8(x), gpu=True)
-        finally:
-            cuda_cast.per_token = fused_tok
-    for shape in ((7168, 2048), (14336, 4096)):
-        x = torch.randn(shape, device="cuda").bfloat16()
-        row("cast", f"per_block fused {shape}", lambda x=x: deepgemm.per_block_cast_to_fp8(x), gpu=True)
-        try:
-            cuda_cast.per_block = lambda *a, **kw: None
-            row("cast", f"per_block torch ops {shape}", lambda x=x: deepgemm.per_block_cast_to_fp8(x), gpu=True)
-        finally:
-            cuda_cast.per_block = fused_blk
+    # (cuda_cast hook of the fused kernel, public cast, shapes); the torch-op rows run while the hook
+    # answers None (what deepgemm does without the fused kernel)
+    casts = (("per_token", deepgemm.per_token_cast_to_fp8, ((128, 7168), (4096, 4096), (4096, 14336))),
+             ("per_block", deepgemm.per_block_cast_to_fp8, ((7168, 2048), (14336, 4096))))
+    for name, cast, shapes in casts:
+        fused = getattr(cuda_cast, name)
+        for shape in shapes:
+            x = torch.randn(shape, device="cuda").bfloat16()
+            row("cast", f"{name} fused {shape}", lambda x=x, cast=cast: cast(x), gpu=True)
+            try:
+                setattr(cuda_cast, name, lambda *a, **kw: None)
+                row("cast", f"{name} torch ops {shape}", lambda x=x, cast=cast: cast(x), gpu=True)
+            finally:
+                setattr(cuda_cast, name, fused)
 
 
 def sec_kvpool() -> None:

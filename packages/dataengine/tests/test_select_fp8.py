@@ -70,6 +70,17 @@ def _paged(seed, B=2, Hq=8, Hkv=2, D=16, bs=4, lens=(37, 21), num_blocks=40, nee
     return q, keys, kmin, kmax, fmin.view(FP8), fmax.view(FP8), table, torch.tensor(lens, dtype=torch.int32), pos_out
 
 
+def _assert_bounds_block_maxima(q, keys, bound) -> None:
+    """bound [B, 2 kv heads, blocks of 4] is at least each block's true max score over its group's q heads
+    (float64 q . k, tolerance 1e-4 relative)."""
+    for b, k in enumerate(keys):
+        Hq, D = q.shape[1:]
+        s = torch.einsum("hgd,nhd->hgn", q[b].reshape(2, Hq // 2, D).double(), k.double()).amax(1)
+        for lb in range(-(-k.shape[0] // 4)):
+            blk = s[:, lb * 4:(lb + 1) * 4].amax(-1)
+            assert bool((bound[b, :, lb].double() >= blk - 1e-4 * (1 + blk.abs())).all())
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), scale=st.sampled_from([1e-3, 1.0, 30.0]))
 def test_fp8_bound_upper_bounds_every_key_and_the_exact_bound(seed, scale):
@@ -79,12 +90,7 @@ def test_fp8_bound_upper_bounds_every_key_and_the_exact_bound(seed, scale):
     assert torch.equal(torch.isfinite(bound), torch.isfinite(exact))
     fin = torch.isfinite(exact)
     assert bool((bound[fin].double() >= exact[fin].double() - 1e-5 * (1 + exact[fin].abs().double())).all())
-    for b, k in enumerate(keys):
-        Hq, D = q.shape[1:]
-        s = torch.einsum("hgd,nhd->hgn", q[b].reshape(2, Hq // 2, D).double(), k.double()).amax(1)
-        for lb in range(-(-k.shape[0] // 4)):
-            blk = s[:, lb * 4:(lb + 1) * 4].amax(-1)
-            assert bool((bound[b, :, lb].double() >= blk - 1e-4 * (1 + blk.abs())).all())
+    _assert_bounds_block_maxima(q, keys, bound)
 
 
 @settings(max_examples=40, deadline=None)
@@ -178,12 +184,7 @@ def test_int4_bound_upper_bounds_every_key(seed):
     bound = quest_scores(q, lo, hi, table, lens, block_size=4)
     exact = quest_scores(q, kmin, kmax, table, lens, block_size=4)
     assert torch.equal(torch.isfinite(bound), torch.isfinite(exact))
-    for b, k in enumerate(keys):
-        Hq, D = q.shape[1:]
-        s = torch.einsum("hgd,nhd->hgn", q[b].reshape(2, Hq // 2, D).double(), k.double()).amax(1)
-        for lb in range(-(-k.shape[0] // 4)):
-            blk = s[:, lb * 4:(lb + 1) * 4].amax(-1)
-            assert bool((bound[b, :, lb].double() >= blk - 1e-4 * (1 + blk.abs())).all())
+    _assert_bounds_block_maxima(q, keys, bound)
 
 
 @settings(max_examples=30, deadline=None)

@@ -61,15 +61,7 @@ def test_low_latency_kernels_emulated_ranks(world, tokens, use_fp8):
             owners[r].check()
             recv_x, recv_count, handle, _, _ = outs[r]
             got = per_token_cast_back(*recv_x).cpu() if use_fp8 else recv_x.float().cpu()
-            expect: list[list[torch.Tensor]] = [[] for _ in range(epr)]
-            srcs: list[list[int]] = [[] for _ in range(epr)]
-            for s in range(world):
-                xs, ids, _ = ins[s]
-                for t in range(xs.shape[0]):
-                    for e in ids[t].tolist():
-                        if r * epr <= e < (r + 1) * epr:
-                            expect[e - r * epr].append(xs[t])
-                            srcs[e - r * epr].append(t)
+            expect, srcs = _expected_ll_rows(ins, r, world, epr, with_sources=True)
             assert recv_count.cpu().tolist() == [len(v) for v in expect]
             for e in range(epr):
                 n = len(expect[e])
@@ -108,16 +100,19 @@ def test_low_latency_kernels_emulated_ranks(world, tokens, use_fp8):
             torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
 
 
-def _expected_ll_rows(ins, r: int, world: int, epr: int) -> list[list[torch.Tensor]]:
-    """The rows each local expert of rank r receives, packed by source rank then token."""
+def _expected_ll_rows(ins, r: int, world: int, epr: int, with_sources: bool = False):
+    """The rows each local expert of rank r receives, packed by source rank then token; with_sources:
+    also each row's token index on its source rank, as (rows, sources)."""
     expect: list[list[torch.Tensor]] = [[] for _ in range(epr)]
+    srcs: list[list[int]] = [[] for _ in range(epr)]
     for s in range(world):
         xs, ids, _ = ins[s]
         for t in range(xs.shape[0]):
             for e in ids[t].tolist():
                 if r * epr <= e < (r + 1) * epr:
                     expect[e - r * epr].append(xs[t])
-    return expect
+                    srcs[e - r * epr].append(t)
+    return (expect, srcs) if with_sources else expect
 
 
 def test_low_latency_two_live_results_and_column_major_scales():

@@ -300,12 +300,17 @@ def stalled_rank(rank: int, world: int, comm_timeout_s: float) -> dict | None:
     if rank == world - 1:
         time.sleep(comm_timeout_s + 3)  # alive, but never joins
         return None
+    return _dispatch_until_timeout(buf, x, in_rank, per_expert, idx, "dispatch")
+
+
+def _dispatch_until_timeout(buf, x, in_rank, per_expert, idx, what: str) -> dict:
+    """A dispatch that a stalled peer must end with CommTimeoutError: how long it took and what the error names."""
     t0 = time.monotonic()
     try:
         buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
     except CommTimeoutError as e:
         return {"elapsed": time.monotonic() - t0, "rank": e.rank, "stage": e.stage, "msg": str(e), "peer": e.peer}
-    raise AssertionError("dispatch with a stalled peer returned")
+    raise AssertionError(f"{what} with a stalled peer returned")
 
 
 # ----------------------------------------------------------------------------- DDP hooks
@@ -393,12 +398,7 @@ def nvlink_stalled_peer(rank: int, world: int, comm_timeout_s: float) -> dict | 
     if rank != 0:
         time.sleep(comm_timeout_s + 4)
         return None
-    t0 = time.monotonic()
-    try:
-        buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
-    except CommTimeoutError as e:
-        return {"elapsed": time.monotonic() - t0, "rank": e.rank, "stage": e.stage, "msg": str(e), "peer": e.peer}
-    raise AssertionError("NVLink dispatch with a stalled peer returned")
+    return _dispatch_until_timeout(buf, x, in_rank, per_expert, idx, "NVLink dispatch")
 
 
 def nvlink_layout(rank: int, world: int) -> int:

@@ -152,6 +152,18 @@ class _Patched:
         cuda_gemm._kernel = self.orig
 
 
+def _write(out: Path | None, name: str, rows: list[dict], timing: str | None = None) -> None:
+    """rows as out/name (JSON: date, device, torch, timing when given, rows); nothing without out."""
+    if out is None:
+        return
+    doc = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if timing is not None:
+        doc["timing"] = timing
+    doc["rows"] = rows
+    (out / name).write_text(json.dumps(doc, indent=1))
+
+
 def shares(out: Path | None, only: str | None = None) -> list[dict]:
     rows = []
     for case in CASES:
@@ -174,12 +186,8 @@ def shares(out: Path | None, only: str | None = None) -> list[dict]:
             r[f"{label}_saves_pct"] = 100 * (1 - r[f"{label}_us"] / r["full_us"])
         print(json.dumps(r), flush=True)
         rows.append(r)
-    if out is not None:
-        doc = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "timing": "tilehal.bench median of 20, L2 flushed; *_graph_us: CUDA-graph replay, L2 flushed",
-               "rows": rows}
-        (out / "deepgemm_stage_shares.json").write_text(json.dumps(doc, indent=1))
+    _write(out, "deepgemm_stage_shares.json", rows,
+           timing="tilehal.bench median of 20, L2 flushed; *_graph_us: CUDA-graph replay, L2 flushed")
     return rows
 
 
@@ -198,12 +206,8 @@ def decode_peers(out: Path | None) -> list[dict]:
                 r[f"{label}_graph_us"] = tilehal.bench_graph(fn, warmup=3, iters=30, flush_l2=True).median_s * 1e6
             print(json.dumps(r), flush=True)
             rows.append(r)
-    if out is not None:
-        doc = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "timing": "tilehal.bench median of 30, L2 flushed; *_graph_us: CUDA-graph replay, L2 flushed",
-               "rows": rows}
-        (out / "deepgemm_decode_peers.json").write_text(json.dumps(doc, indent=1))
+    _write(out, "deepgemm_decode_peers.json", rows,
+           timing="tilehal.bench median of 30, L2 flushed; *_graph_us: CUDA-graph replay, L2 flushed")
     return rows
 
 
@@ -239,10 +243,7 @@ def contig_overlap_ab(out: Path | None) -> list[dict]:
                 res["identical_results"] = bool(torch.equal(d, out_d[0]))
         print(json.dumps(res), flush=True)
         rows.append(res)
-    if out is not None:
-        (out / "deepgemm_contig_overlap_ab.json").write_text(json.dumps(
-            {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-             "device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    _write(out, "deepgemm_contig_overlap_ab.json", rows)
     return rows
 
 

@@ -66,8 +66,17 @@ def check_compiled(mod, exprs, forbidden=("serialized",)) -> None:
         assert text not in mod.log, mod.log
 
 
+def check_compiled_batches(compile_kernels, keys, size: int = 8, forbidden=("serialized",)) -> None:
+    """check_compiled over `keys` (objects with .expression) compiled `size` at a time by
+    compile_kernels(batch, extra_options), as the split-K and 1D1D modules build them."""
+    for i in range(0, len(keys), size):
+        batch = keys[i:i + size]
+        check_compiled(compile_kernels(batch, ("--ptxas-options=-v",)), [k.expression for k in batch], forbidden)
+
+
 @pytest.fixture
 def h():
     """The helpers above, for test modules (importlib mode forbids importing conftest)."""
     return SimpleNamespace(fp8_operands=fp8_operands, dequant_a=dequant_a, dequant_b=dequant_b,
-                           oracle_fp8=oracle_fp8, check_compiled=check_compiled)
+                           oracle_fp8=oracle_fp8, check_compiled=check_compiled,
+                           check_compiled_batches=check_compiled_batches)

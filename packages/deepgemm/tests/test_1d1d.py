@@ -44,10 +44,7 @@ def test_pick_1d1d_fits_shared_memory_and_aligns_scale_tiles():
 def test_1d1d_kernels_compile_without_spills(h):
     keys = kernel_keys()
     assert len(keys) >= 12
-    for i in range(0, len(keys), 8):
-        batch = keys[i:i + 8]
-        mod = gemm_1d1d.compile_kernels(batch, ("--ptxas-options=-v",))
-        h.check_compiled(mod, [k.expression for k in batch])
+    h.check_compiled_batches(gemm_1d1d.compile_kernels, keys)
 
 
 def test_packed_ue8m0_scales_name_the_sm100_format_on_cuda_only():

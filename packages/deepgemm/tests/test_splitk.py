@@ -90,10 +90,7 @@ def _keys():
 def test_splitk_kernels_compile_without_spills(h):
     keys = _keys()
     assert len(keys) >= 12
-    for i in range(0, len(keys), 8):
-        batch = keys[i:i + 8]
-        mod = splitk.compile_kernels(batch, ("--ptxas-options=-v",))
-        h.check_compiled(mod, [k.expression for k in batch])
+    h.check_compiled_batches(splitk.compile_kernels, keys)
 
 
 def test_cpu_path_unchanged_by_splitk():
