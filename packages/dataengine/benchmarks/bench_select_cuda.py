@@ -24,7 +24,6 @@ Writes docs/benchmarks/dataengine_select_cuda_kernels.{json,png}.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -34,6 +33,7 @@ import tilehal
 import torch
 from _common import out_dir, write_json
 from dataengine import cuda_select, select
+from tilehal.testing import environ
 
 HQ, H, D, BS, B, TOP = 32, 8, 128, 16, 8, 64
 CTX_MAX = 128 * 1024
@@ -96,20 +96,6 @@ def int4_summaries(kmin: torch.Tensor, kmax: torch.Tensor) -> tuple[torch.Tensor
         lo[s:s + 8192] = int4_encode(kmin[s:s + 8192].float(), up=False)
         hi[s:s + 8192] = int4_encode(kmax[s:s + 8192].float(), up=True)
     return lo, hi
-
-
-@contextlib.contextmanager
-def _env(values: dict):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main() -> None:
@@ -180,7 +166,7 @@ def main() -> None:
             for chunk in ([None, "128", "256", "512"] if ctx == max(contexts) else [None]):
                 env = {"DATAENGINE_SELECT_STREAM": "on", **({"DATAENGINE_STREAM_CHUNK": chunk} if chunk else {})}
                 sfx = f"_c{chunk}" if chunk else ""
-                with _env(env):
+                with environ(env):
                     if cuda_select.stream_reason(q, lo, TOP) is not None:
                         r["stream"] = cuda_select.stream_reason(q, lo, TOP)
                         break

@@ -44,3 +44,18 @@ def test_bad_arguments_raise_the_stacks_errors(name):
     fn, kwargs = CASES[name]()
     fn(**kwargs)  # the baseline is valid
     assert probe_arguments(fn, kwargs, fresh=CASES[name]) == []
+
+
+def test_environ_sets_unsets_and_restores(monkeypatch):
+    import os
+
+    from tilehal.testing import environ
+
+    monkeypatch.setenv("TILESTACK_T_A", "old")
+    monkeypatch.delenv("TILESTACK_T_B", raising=False)
+    with environ({"TILESTACK_T_A": None, "TILESTACK_T_B": "new"}):
+        assert "TILESTACK_T_A" not in os.environ and os.environ["TILESTACK_T_B"] == "new"
+    assert os.environ["TILESTACK_T_A"] == "old" and "TILESTACK_T_B" not in os.environ
+    with pytest.raises(KeyError), environ({"TILESTACK_T_B": "x"}):
+        raise KeyError("inside")
+    assert "TILESTACK_T_B" not in os.environ  # restored after an error too

@@ -96,23 +96,13 @@ def test_get_dtype_returns_a_row_or_names_dtype(x):
 @pytest.fixture(scope="module")
 def summer(tmp_path_factory):
     pytest.importorskip("cffi")
-    import os
-
     from tilehal import compile_c
+    from tilehal.testing import environ
 
     root = tmp_path_factory.mktemp("fuzzcache")
-    old = {k: os.environ.get(k) for k in ("TILESTACK_CACHE_DIR", "TILESTACK_CACHE_KEY_FILE")}
-    os.environ["TILESTACK_CACHE_DIR"] = str(root / "cache")
-    os.environ["TILESTACK_CACHE_KEY_FILE"] = str(root / "cache.key")
-    try:
+    with environ({"TILESTACK_CACHE_DIR": str(root / "cache"), "TILESTACK_CACHE_KEY_FILE": str(root / "cache.key")}):
         yield compile_c("double total(const double *x, long n) { double s = 0; for (long i = 0; i < n; i++) s += x[i];"
                         " return s; }", "double total(const double *x, long n);", name="fuzz_total")
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @FUZZ

@@ -1,4 +1,4 @@
-"""Test helpers shared by the packages' test suites (argument-handling probes).
+"""Test helpers shared by the packages' test suites and benchmarks (argument-handling probes, environment).
 
 `probe_arguments(fn, kwargs)` calls `fn(**kwargs)` once per (argument, bad value) pair with that one
 argument replaced, and returns every call that ended in something other than success or a
@@ -9,10 +9,12 @@ that bad input raises a TileStackError naming the argument before any work runs.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import TileStackError
@@ -79,3 +81,23 @@ def probe_arguments(fn: Callable, kwargs: dict[str, Any], skip: dict[str, set[st
                     signal.alarm(0)
                     signal.signal(signal.SIGALRM, old)
     return failures
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str | None]) -> Iterator[None]:
+    """Set the environment variables of `values` (None: unset) for the block, then put back what was
+    there before (set or unset), also when the block raises."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
