@@ -37,37 +37,14 @@ def round_outward(x: torch.Tensor, up: bool) -> torch.Tensor:
     return codes.to(torch.uint8).view(FP8)
 
 
-def _paged(seed, B=2, Hq=8, Hkv=2, D=16, bs=4, lens=(37, 21), num_blocks=40, needle=None, key_scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, D, generator=g)
-    max_blocks = max(-(-n // bs) for n in lens)
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.full((B, max_blocks), -1, dtype=torch.int32)
-    kmin = torch.full((num_blocks, Hkv, D), float("inf"))
-    kmax = torch.full((num_blocks, Hkv, D), float("-inf"))
-    keys, pos_out, used = [], [], 0
-    for b, n in enumerate(lens):
-        k = key_scale * torch.randn(n, Hkv, D, generator=g)
-        if needle is not None:
-            k = k.clamp(-3.0, 3.0)
-            pos = int(torch.randint(0, n, (1,), generator=g))
-            qg = q[b].reshape(Hkv, Hq // Hkv, D)
-            # any other block's exact bound for q head h is at most 3 * |q_h|_1
-            c = needle * 3.0 * qg.abs().sum(-1).amax(-1) / qg[:, 0].square().sum(-1)
-            k[pos] = c[:, None] * qg[:, 0]
-            pos_out.append(pos)
-        keys.append(k)
-        for lb in range(-(-n // bs)):
-            phys = int(perm[used])
-            used += 1
-            table[b, lb] = phys
-            chunk = k[lb * bs:(lb + 1) * bs]
-            kmin[phys], kmax[phys] = chunk.amin(0), chunk.amax(0)
+def _fp8_paged(paged, seed, **kw):
+    """conftest's paged_summaries (unwritten blocks: inf / -inf, kvpool's fresh summaries) plus their fp8 codes."""
+    q, keys, kmin, kmax, table, lens, pos = paged(seed, unwritten=float("inf"), **kw)
     fmin = round_outward(kmin, up=False).view(torch.uint8)
     fmax = round_outward(kmax, up=True).view(torch.uint8)
     fmin[kmin == float("inf")] = 0x7F  # nothing written
     fmax[kmax == float("-inf")] = 0xFF
-    return q, keys, kmin, kmax, fmin.view(FP8), fmax.view(FP8), table, torch.tensor(lens, dtype=torch.int32), pos_out
+    return q, keys, kmin, kmax, fmin.view(FP8), fmax.view(FP8), table, lens, pos
 
 
 def _assert_bounds_block_maxima(q, keys, bound) -> None:
@@ -83,8 +60,8 @@ def _assert_bounds_block_maxima(q, keys, bound) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), scale=st.sampled_from([1e-3, 1.0, 30.0]))
-def test_fp8_bound_upper_bounds_every_key_and_the_exact_bound(seed, scale):
-    q, keys, kmin, kmax, fmin, fmax, table, lens, _ = _paged(seed, key_scale=scale)
+def test_fp8_bound_upper_bounds_every_key_and_the_exact_bound(paged, seed, scale):
+    q, keys, kmin, kmax, fmin, fmax, table, lens, _ = _fp8_paged(paged, seed, key_scale=scale)
     exact = quest_scores(q, kmin, kmax, table, lens, block_size=4)
     bound = quest_scores(q, fmin, fmax, table, lens, block_size=4)
     assert torch.equal(torch.isfinite(bound), torch.isfinite(exact))
@@ -95,8 +72,8 @@ def test_fp8_bound_upper_bounds_every_key_and_the_exact_bound(seed, scale):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6))
-def test_fp8_needle_block_always_selected(seed):
-    q, keys, kmin, kmax, fmin, fmax, table, lens, pos = _paged(seed, needle=2.0)
+def test_fp8_needle_block_always_selected(paged, seed):
+    q, keys, kmin, kmax, fmin, fmax, table, lens, pos = _fp8_paged(paged, seed, needle=2.0)
     sel = select_blocks(q, fmin, fmax, table, lens, top_k=3, sink_blocks=1, local_blocks=1)
     for b, k in enumerate(keys):
         Hq, D = q.shape[1:]
@@ -106,8 +83,8 @@ def test_fp8_needle_block_always_selected(seed):
             assert pos[b] // 4 in sel[b, h].tolist()
 
 
-def test_open_ends():
-    q, keys, kmin, kmax, fmin, fmax, table, lens, _ = _paged(1)
+def test_open_ends(paged):
+    q, keys, kmin, kmax, fmin, fmax, table, lens, _ = _fp8_paged(paged, 1)
     q = q.abs()  # every q channel positive: kmax decides the bound
     raw_max, raw_min = fmax.view(torch.uint8), fmin.view(torch.uint8)
     big, dead = int(table[0, 2]), int(table[0, 5])
@@ -176,8 +153,8 @@ def encode_int4_dyadic(x: torch.Tensor, up: bool) -> torch.Tensor:
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10**6))
-def test_int4_bound_upper_bounds_every_key(seed):
-    q, keys, kmin, kmax, _, _, table, lens, _ = _paged(seed, D=64)
+def test_int4_bound_upper_bounds_every_key(paged, seed):
+    q, keys, kmin, kmax, _, _, table, lens, _ = _fp8_paged(paged, seed, D=64)
     lo, hi = encode_int4_dyadic(kmin, False), encode_int4_dyadic(kmax, True)
     assert lo.shape[-1] == int4_row_bytes(64)
     assert bool((decode_int4_summary(lo, 64) <= torch.where(torch.isinf(kmin), float("inf"), kmin)).all())
@@ -189,10 +166,10 @@ def test_int4_bound_upper_bounds_every_key(seed):
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10**6))
-def test_int4_needle_block_always_selected(seed):
+def test_int4_needle_block_always_selected(paged, seed):
     # other keys in [-3, 3]: a group's step is at most 6 / 15 rounded up to 1/8 (0.5), so another
     # block's int4 bound is at most 3.5 |q|_1 while the needle (margin 2) scores 6 |q|_1
-    q, keys, kmin, kmax, _, _, table, lens, pos = _paged(seed, D=64, needle=2.0)
+    q, keys, kmin, kmax, _, _, table, lens, pos = _fp8_paged(paged, seed, D=64, needle=2.0)
     lo, hi = encode_int4_dyadic(kmin, False), encode_int4_dyadic(kmax, True)
     sel = select_blocks(q, lo, hi, table, lens, top_k=3, sink_blocks=1, local_blocks=1)
     for b in range(len(keys)):
