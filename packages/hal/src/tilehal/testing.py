@@ -87,17 +87,16 @@ def probe_arguments(fn: Callable, kwargs: dict[str, Any], skip: dict[str, set[st
 def environ(values: dict[str, str | None]) -> Iterator[None]:
     """Set the environment variables of `values` (None: unset) for the block, then put back what was
     there before (set or unset), also when the block raises."""
+    def put(settings: dict[str, str | None]) -> None:
+        for k, v in settings.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
     old = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        put(values)
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        put(old)
