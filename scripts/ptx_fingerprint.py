@@ -198,6 +198,9 @@ def cases():
         }
         for label, key in keys.items():
             out.append((f"deepgemm_{label}", lambda key=key: dg.compile_kernel(key)))
+        from deepgemm import cuda_cast
+
+        out.append(("deepgemm_fp8_cast", lambda: cuda_cast.compile_module()))  # every cast / silu_mul kernel
         from deepgemm import gemm_1d1d as g1
         from deepgemm import splitk as sk
 

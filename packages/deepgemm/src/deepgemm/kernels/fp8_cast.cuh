@@ -92,6 +92,20 @@ __device__ __forceinline__ void store8(unsigned char* row, int col, int k, const
 
 constexpr int kWarpCols = 256;  // columns one warp covers: 32 lanes x 8
 
+// The row kernels' work split: one warp per (row, kWarpCols columns) of a [rows, cols] matrix, warps
+// numbered across the grid (8 per CTA). Sets the warp's row, the lane's first column (8 consecutive
+// per lane) and the lane; false for the warps past the last task.
+TILEHAL_DEVICE bool warp_row_task(int rows, int cols, int& row, int& col, int& lane) {
+  const int chunks = (cols + kWarpCols - 1) / kWarpCols;
+  const long long task = static_cast<long long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (task >= static_cast<long long>(rows) * chunks) return false;
+  row = static_cast<int>(task / chunks);
+  const int chunk = static_cast<int>(task % chunks);
+  lane = threadIdx.x & 31;
+  col = chunk * kWarpCols + lane * 8;
+  return true;
+}
+
 // Per token: x [rows, k] (row stride ldx elements) -> q [rows, k] (row stride k) and
 // sf[row * sf_rs + kb * sf_cs]. One warp per (row, 256 columns); each lane holds 8 consecutive
 // elements, GRAN_K / 8 lanes share one scale.
@@ -100,12 +114,8 @@ __global__ void __launch_bounds__(256) per_token_cast(const T* __restrict__ x, u
                                                       float* __restrict__ sf, int rows, int k, long long ldx,
                                                       long long sf_rs, long long sf_cs, bool ue8m0) {
   static_assert(GRAN_K == 32 || GRAN_K == 64 || GRAN_K == 128, "GRAN_K is 32, 64 or 128");
-  const int chunks = (k + kWarpCols - 1) / kWarpCols;
-  const long long task = static_cast<long long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-  if (task >= static_cast<long long>(rows) * chunks) return;
-  const int row = static_cast<int>(task / chunks), chunk = static_cast<int>(task % chunks);
-  const int lane = threadIdx.x & 31;
-  const int col = chunk * kWarpCols + lane * 8;
+  int row, col, lane;
+  if (!warp_row_task(rows, k, row, col, lane)) return;
   float v[8];
   load8<T, VEC>(x + row * ldx, col, k, v);
   const float a = group_amax<GRAN_K / 8>(abs_max8(v));
@@ -174,12 +184,8 @@ template <typename T, bool FP8, bool VEC>
 __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ x, void* __restrict__ out,
                                                 float* __restrict__ sf, int rows, int f, long long ldx,
                                                 long long sf_rs, long long sf_cs, bool ue8m0) {
-  const int chunks = (f + kWarpCols - 1) / kWarpCols;
-  const long long task = static_cast<long long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-  if (task >= static_cast<long long>(rows) * chunks) return;
-  const int row = static_cast<int>(task / chunks), chunk = static_cast<int>(task % chunks);
-  const int lane = threadIdx.x & 31;
-  const int col = chunk * kWarpCols + lane * 8;
+  int row, col, lane;
+  if (!warp_row_task(rows, f, row, col, lane)) return;
   float g[8], u[8], y[8];
   load8<T, VEC>(x + row * ldx, col, f, g);
   load8<T, VEC>(x + row * ldx + f, col, f, u);
