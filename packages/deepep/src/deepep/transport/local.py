@@ -11,8 +11,10 @@ from collections.abc import Callable
 import torch
 from tilehal import ShapeError
 
+from .base import RowTransport
 
-class LocalTransport:
+
+class LocalTransport(RowTransport):
     rank = 0
     num_ranks = 1
     global_rank = 0
@@ -30,10 +32,6 @@ class LocalTransport:
 
     def gather_counts(self, counts: torch.Tensor, stage: str) -> torch.Tensor:
         return counts.to("cpu", torch.int64).unsqueeze(0).clone()
-
-    def exchange_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
-                      stage: str) -> torch.Tensor:
-        return self.exchange_rows_start(rows, send_counts, recv_counts, stage)()
 
     def exchange_rows_start(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
                             stage: str, masked: frozenset[int] = frozenset(),

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..waits import comm_error, wait_work
+from .base import RowTransport
 
 log = logging.getLogger("deepep.transport")
 
@@ -31,7 +32,7 @@ log = logging.getLogger("deepep.transport")
 _PAIR_GROUPS: dict[tuple[int, int], dist.ProcessGroup] = {}
 
 
-class TorchDistTransport:
+class TorchDistTransport(RowTransport):
     def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
@@ -227,11 +228,6 @@ class TorchDistTransport:
         work = dist.all_gather(out, send, group=self.group, async_op=True)
         wait_work(work, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)
         return torch.stack(out).cpu()
-
-    def exchange_rows(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
-                      stage: str) -> torch.Tensor:
-        """rows [N, B] uint8 grouped by destination -> [sum(recv_counts), B] grouped by source."""
-        return self.exchange_rows_start(rows, send_counts, recv_counts, stage)()
 
     def exchange_rows_start(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
                             stage: str, masked: frozenset[int] = frozenset(),
