@@ -404,15 +404,20 @@ def _masked_round(lls, streams, seed: int, world: int, dispatchers: set[int], co
 
 
 def _shrink_ranks(world: int, timeout_s: float, shrink: bool = True):
+    """Emulated ranks after one all-alive round with a 10 s deadline (kernels loaded, the allocator's blocks
+    cached: nothing serializes the ranks' launches later), then `timeout_s` for the calls that follow."""
     from deepep.engines.nvlink.low_latency import NvlinkLowLatency
 
     regions = EmulatedRegions(world)
-    lls = [NvlinkLowLatency(emulated_context(regions, r, sms=120 // world, timeout_s=timeout_s), enable_shrink=shrink)
+    lls = [NvlinkLowLatency(emulated_context(regions, r, sms=120 // world, timeout_s=10.0), enable_shrink=shrink)
            for r in range(world)]
     streams = [torch.cuda.Stream() for _ in range(world)]
     for ll in lls:  # the mask's indexing kernels load now, not while a peer's kernel spins
         ll.update_mask(0, False)
     torch.cuda.synchronize()
+    _masked_round(lls, streams, 4, world, set(range(world)), set(range(world)), set())
+    for ll in lls:
+        ll.ctx.timeout_s = timeout_s
     return lls, streams
 
 
@@ -442,7 +447,7 @@ def test_low_latency_timeout_masks_the_peer_emulated(when):
     the call for the live ranks with its contributions dropped; the next round does not wait at all."""
     world, dead = 3, 2
     lls, streams = _shrink_ranks(world, timeout_s=0.3)
-    _masked_round(lls, streams, 5, world, {0, 1, 2}, {0, 1, 2}, set())  # all alive first
+    _masked_round(lls, streams, 5, world, {0, 1, 2}, {0, 1, 2}, set())  # all alive, short deadline
     if when == "dispatch":
         spent = _masked_round(lls, streams, 6, world, {0, 1}, {0, 1}, {dead})
     else:
@@ -462,8 +467,8 @@ def test_low_latency_timeout_without_shrink_names_the_peer_emulated():
 
     world = 3
     lls, streams = _shrink_ranks(world, timeout_s=0.3, shrink=False)
-    experts, k, hidden = 12, 3, 256
-    ins = [_inputs(9, r, 8, hidden, experts, k) for r in range(world)]
+    experts, k, hidden = 12, 3, 256  # as _masked_round's defaults
+    ins = [_inputs(9, r, 9 + 2 * r, hidden, experts, k) for r in range(world)]
     dev_in = [(x.cuda(), idx.cuda()) for x, idx, _ in ins]
     torch.cuda.synchronize()
     for r in (0, 1):
