@@ -13,6 +13,20 @@ def test_ceil_div_and_alignment():
     assert deepgemm.get_tma_aligned_size(64, 4) == 64
 
 
+def test_ceil_div_and_align_take_integer_tensors():
+    """DeepGEMM's test generators call align() on elements of an int32 tensor (psum layouts): element-wise,
+    no sync; float tensors and non-positive divisors stay ArgumentErrors."""
+    from tilehal import ArgumentError
+
+    t = torch.tensor([0, 1, 128, 9884], dtype=torch.int32)
+    assert deepgemm.ceil_div(t, 128).tolist() == [0, 1, 1, 78]
+    assert deepgemm.align(t[3], 128).item() == 9984 and deepgemm.align(t[3], 128).dtype == torch.int32
+    with pytest.raises(ArgumentError, match="ceil_div"):
+        deepgemm.ceil_div(torch.tensor([1.5]), 128)
+    with pytest.raises(ArgumentError, match="ceil_div"):
+        deepgemm.ceil_div(t, 0)
+
+
 def test_num_sms_roundtrip():
     old = deepgemm.get_num_sms()
     try:
