@@ -60,6 +60,11 @@ def issue_configs():
         keys.add(kernel_key(cfg, n, k, "masked", 1, torch.bfloat16, False))
     cfg = pick_config("bf16", 128, 7168, 2048, num_sms=132)
     keys.add(kernel_key(cfg, 7168, 2048, "normal", 1, torch.float32, True))
+    # bf16 accumulation into bf16 (DeepGEMM's c.dtype == d.dtype): the staged epilogue reads the bf16 C in place
+    for m in (128, 4096):
+        for n, k in DENSE_NK:
+            cfg = pick_config("bf16", m, n, k, num_sms=132, staged_store=4)
+            keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, True, c_bf16=True))
     return sorted(keys, key=lambda k: k.expression)
 
 

@@ -276,9 +276,13 @@ def test_fp8_nn_stored_scales_on_gpu():
     assert calc_diff(d, reference.fp8_gemm_nt(a8, sfa, b8, sfb, None)) < 1e-5
 
 
-def test_bf16_accumulate_into_bf16_on_gpu():
-    a, b = _operands(128, 2112, 7168, seed=41)
-    d = (torch.randn(128, 2112, device="cuda") * 32).bfloat16()
+@pytest.mark.parametrize("m,n,k", [(128, 2112, 7168), (4096, 576, 7168), (1000, 200, 272), (4096, 32768, 512),
+                                   (300, 129, 256)])
+def test_bf16_accumulate_into_bf16_on_gpu(m, n, k):
+    """bf16 C into bf16 D (DeepGEMM's acc=1 rows): read in place by the persistent kernel's staged epilogue
+    (N % 8 == 0), else by the tile kernel; in place (c is d) as DeepGEMM's test calls it."""
+    a, b = _operands(m, n, k, seed=41)
+    d = (torch.randn(m, n, device="cuda") * 32).bfloat16()
     ref = d.float() + a.float() @ b.float().T
     deepgemm.bf16_gemm_nt(a, b, d, c=d)
     assert calc_diff(d, ref) < 1e-5

@@ -57,6 +57,7 @@ class KernelKey:
     multicast_on_a: bool = False
     overlap_promotion: bool = False  # fp8: two partial-sum sets, promotion overlaps the next wgmma
     bias: bool = False  # `c` holds an fp32 bias [N], added in the TMA-store epilogue
+    c_bf16: bool = False  # `c` is bf16 (bf16 accumulation), read in place by the staged copy-out epilogue
 
     @property
     def expression(self) -> str:
@@ -68,7 +69,8 @@ class KernelKey:
         return (f"deepgemm::gemm_sm90<{self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
                 f"{KIND_IDS[self.grouping]}, {self.num_groups}, {b(self.fp8)}, {out}, {b(self.has_c)}, "
                 f"{b(self.tma_store)}, {self.d_swizzle}, {self.multicast}, {b(self.multicast_on_a)}, "
-                f"{b(self.overlap_promotion)}{', true' if self.bias else ''}>")
+                f"{b(self.overlap_promotion)}{', true' if self.bias else ''}"
+                f"{f', {b(self.bias)}, true' if self.c_bf16 else ''}>")
 
 
 def kernel_source() -> str:
@@ -88,11 +90,12 @@ def _kernel(key: KernelKey) -> tilehal.Kernel:
 
 
 def kernel_key(cfg: GemmConfig, n: int, k: int, grouping: str, num_groups: int, out_dtype: torch.dtype,
-               has_c: bool, bias: bool = False) -> KernelKey:
+               has_c: bool, bias: bool = False, c_bf16: bool = False) -> KernelKey:
     return KernelKey(n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages, grouping=grouping,
                      num_groups=num_groups, fp8=cfg.kind == "fp8", out_bf16=out_dtype == torch.bfloat16,
                      has_c=has_c, tma_store=cfg.tma_store, d_swizzle=cfg.d_swizzle, multicast=cfg.multicast,
-                     multicast_on_a=cfg.multicast_on_a, overlap_promotion=cfg.overlap_promotion, bias=bias)
+                     multicast_on_a=cfg.multicast_on_a, overlap_promotion=cfg.overlap_promotion, bias=bias,
+                     c_bf16=c_bf16)
 
 
 def use_tma_store(d: torch.Tensor, n: int, has_c: bool, grouping: str) -> bool:
@@ -297,11 +300,12 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
                                      or (config is None and splitk_allowed())):
         # Small M: too few output tiles for the SMs; split K instead (None when not clearly faster).
         sk = config if config is not None else splitk.pick_splitk(m, n, k, get_num_sms())
-        if sk is None and config is None and c is not None and c.dtype == torch.bfloat16:
-            # bf16 accumulation: the tile kernel reads the bf16 C in place; the persistent kernel would
-            # need it widened to fp32 first (an extra M x N x 6-byte pass; H200, M = 4096: 1.0-1.8x faster).
+        if (sk is None and config is None and c is not None and c.dtype == torch.bfloat16
+                and not (d.dtype == torch.bfloat16 and staged_store(d.dtype, n, True, False))):
+            # bf16 accumulation where the persistent kernel's staged epilogue cannot read the bf16 C (N not a
+            # multiple of 8): the tile kernel reads it in place (widening C to fp32 would cost an extra pass).
             sk = splitk.pick_tiles(m, n, k, get_num_sms())
-            log.debug("bf16 %dx%dx%d with a bf16 C: tile kernel (reads C as bf16)", m, n, k)
+            log.debug("bf16 %dx%dx%d with a bf16 C, N %% 8 != 0: tile kernel (reads C as bf16)", m, n, k)
         if sk is not None:
             log.debug("bf16 %dx%dx%d: split-K kernel, %dx%d tiles, %d splits", m, n, k, sk.block_m, sk.block_n,
                       sk.splits)
@@ -309,19 +313,24 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
             return
     elif not fp8 and config is None and bias is None:
         log.debug("split-K not used: DEEPGEMM_SPLITK=0")
-    if c is not None and c.dtype != torch.float32:
-        # The persistent kernel adds C in fp32 from an fp32 buffer: a bf16 C is widened once.
-        log.debug("c: bf16 accumulation; widening C to fp32 for the kernel's epilogue")
-        c = c.float()
     cfg = config or pick_config("fp8" if fp8 else "bf16", m, n, k, **epilogue(d, n, c is not None, "normal"),
                                 max_multicast=max_multicast(), overlap=overlap_allowed())
+    # bf16 accumulation into a bf16 D: the staged copy-out epilogue reads the bf16 C in place (C_BF16).
+    c_bf16 = (c is not None and c.dtype == torch.bfloat16 and d.dtype == torch.bfloat16 and not cfg.tma_store
+              and cfg.d_swizzle == 1)
+    if c_bf16:
+        log.debug("bf16 %dx%dx%d with a bf16 C: persistent kernel, C read in place by the staged epilogue", m, n, k)
+    if c is not None and c.dtype != torch.float32 and not c_bf16:
+        # The direct-store epilogue adds C in fp32 from an fp32 buffer: such a C is widened once.
+        log.debug("c: %s accumulation without the staged epilogue; widening C to fp32", c.dtype)
+        c = c.float()
     sfa_t = _sfa_layout(sfa) if fp8 else None
     sfb_c = sfb.contiguous() if fp8 else None
     descs = _descriptors(a, b, sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
     if bias is not None and not cfg.tma_store:
         raise ShapeError("bias: expected the TMA-store epilogue (bf16 d, no C, N % 8 == 0); the caller adds it "
                          "otherwise")
-    key = kernel_key(cfg, n, k, "normal", 1, d.dtype, c is not None, bias is not None)
+    key = kernel_key(cfg, n, k, "normal", 1, d.dtype, c is not None, bias is not None, c_bf16)
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
     _launch(key, cfg, tiles, descs, _d_descriptor(d, cfg), sfb_c, d, bias if bias is not None else c, None, m)
 

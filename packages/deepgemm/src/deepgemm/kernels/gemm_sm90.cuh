@@ -204,9 +204,12 @@ struct StagedStore {
     }
   }
 
-  template <int SHAPE_N, typename OutT, bool HAS_C>
+  // C_BF16: `c` points at bf16 values (bf16 accumulation into bf16, DeepGEMM's c.dtype == d.dtype), read
+  // in place as 16-byte segments like D's; else fp32.
+  template <int SHAPE_N, typename OutT, bool HAS_C, bool C_BF16 = false>
   static TILEHAL_DEVICE void copy_out(const unsigned char* s, int tid, int threads, OutT* d, const float* c, u64 row_base,
                                       int m0, int row_limit, int n0) {
+    static_assert(!C_BF16 || (HAS_C && sizeof(OutT) == 2), "a bf16 C goes with a bf16 D");
     constexpr int kVec = 16 / static_cast<int>(sizeof(OutT));  // D columns per 16-byte segment
     constexpr int kUnits = BLOCK_N / kVec;
     for (int u = tid; u < BLOCK_M * kUnits; u += threads) {
@@ -224,7 +227,15 @@ struct StagedStore {
           const float4 t = *reinterpret_cast<const float4*>(src + i * 4);
           v[i] = t.x, v[i + 1] = t.y, v[i + 2] = t.z, v[i + 3] = t.w;
         }
-        if constexpr (HAS_C) {
+        if constexpr (HAS_C && C_BF16) {
+          const uint4 t = *reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(c) + off);
+          const unsigned w[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = bf16x2_to_float2(w[i]);
+            v[2 * i] += f.x, v[2 * i + 1] += f.y;
+          }
+        } else if constexpr (HAS_C) {
 #pragma unroll
           for (int i = 0; i < kVec; i += 4) {
             const float4 t = *reinterpret_cast<const float4*>(c + off + i);
@@ -246,7 +257,7 @@ struct StagedStore {
 
 template <int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int KIND, int NUM_GROUPS, bool FP8,
           typename OutT, bool HAS_C, bool TMA_STORE, int D_SWIZZLE, int MCAST, bool MCAST_ON_A, bool OVERLAP,
-          bool BIAS = false>
+          bool BIAS = false, bool C_BF16 = false>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
           const __grid_constant__ TmaDescriptor tma_sfa, const __grid_constant__ TmaDescriptor tma_d,
@@ -294,6 +305,8 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   // BIAS: `c` holds an fp32 bias [SHAPE_N] added to every row in the TMA-store epilogue (nn.Linear's bias,
   // one rounding to bf16 after it).
   static_assert(!BIAS || (TMA_STORE && !HAS_C), "the bias is added in the TMA-store epilogue, C not added");
+  // C_BF16: `c` holds bf16 [M, SHAPE_N], read by the staged copy-out (the direct store takes fp32 C only).
+  static_assert(!C_BF16 || (HAS_C && kStaged && sizeof(OutT) == 2), "bf16 C: staged epilogue, bf16 D");
   unsigned char* smem_d = smem;
   unsigned char* smem_a = smem_d + D_BYTES;
   unsigned char* smem_b = smem_a + STAGES * A_BYTES;
@@ -566,7 +579,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
         }
       }
       named_barrier_sync(1, NUM_MATH_THREADS);
-      Staged::template copy_out<SHAPE_N, OutT, HAS_C>(smem_d, tid, NUM_MATH_THREADS, d, c, row_base,
+      Staged::template copy_out<SHAPE_N, OutT, HAS_C, C_BF16>(smem_d, tid, NUM_MATH_THREADS, d, c, row_base,
                                                        m_block * BLOCK_M, row_limit, n0);
       continue;
     }
