@@ -148,22 +148,30 @@ RATIO = re.compile(r"\| +([0-9.]+)x cuBLAS\s*$")
 
 
 class _Tee(io.TextIOBase):
-    """stdout of one test function: kept in memory and written through to its log file line by line."""
+    """stdout of one test function: kept in memory and written through to its log file line by line; the
+    `.times` file next to it gets each completed line's seconds since the function started (where the
+    time of a slow file goes: one line per case)."""
 
     def __init__(self, path: Path | None):
         self.buf = io.StringIO()
         self.file = open(path, "w") if path is not None else None  # noqa: SIM115 - closed by close()
+        self.times = open(path.with_suffix(".times"), "w") if path is not None else None  # noqa: SIM115
+        self.t0 = time.time()
 
     def write(self, text: str) -> int:
         self.buf.write(text)
         if self.file is not None:
             self.file.write(text)
             self.file.flush()
+            for _ in range(text.count("\n")):
+                self.times.write(f"{time.time() - self.t0:.3f}\n")
+            self.times.flush()
         return len(text)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+            self.times.close()
         super().close()
 
 
