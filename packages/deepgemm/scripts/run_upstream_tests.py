@@ -224,6 +224,8 @@ def main() -> None:
     ap.add_argument("--prewarm", action="store_true")
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="JSON results (logs go next to it)")
+    ap.add_argument("--prewarm-only", action="store_true",
+                    help="record and compile the selected functions' kernels into the disk cache, run nothing")
     ap.add_argument("--correctness-only", action="store_true",
                     help="DG_USE_NVIDIA_TOOLS=1: DeepGEMM's switch that makes bench_kineto skip profiling")
     args = ap.parse_args()
@@ -235,9 +237,11 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__,
               "correctness_only": args.correctness_only, "specs": specs}
-    if args.prewarm:
+    if args.prewarm or args.prewarm_only:
         report["prewarm"] = prewarm(specs, args.jobs)
         print(f"prewarm: {report['prewarm']}", flush=True)
+        if args.prewarm_only:
+            return
     log_dir = args.out.parent if args.out else None
 
     def save(results: dict) -> None:
