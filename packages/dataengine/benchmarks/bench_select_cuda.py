@@ -142,6 +142,15 @@ def main() -> None:
                     row[f"sparse_decode_splits{ns}_us"] = us(bench(
                         lambda bt=bt, sl=sl, idx=idx, ns=ns: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, idx,
                                                                                             num_splits=ns)))
+                # split partials merged inside the kernel (KVPOOL_DECODE_COMBINE=ticket): one launch
+                row["sparse_decode_graph_us"] = us(bench_graph(sparse_only))
+                with _env({"KVPOOL_DECODE_COMBINE": "ticket"}):
+                    for ns in (2, 4, 8):
+                        row[f"sparse_decode_splits{ns}_ticket_us"] = us(bench(
+                            lambda bt=bt, sl=sl, idx=idx, ns=ns: cuda_decode.paged_decode_cuda(
+                                q, pool, 0, bt, sl, None, idx, num_splits=ns)))
+                    row["sparse_decode_ticket_us"] = us(bench(sparse_only))
+                    row["sparse_decode_ticket_graph_us"] = us(bench_graph(sparse_only))
             out_sparse = step()
             out_ref = kvpool.paged_decode_reference(q[:1], pool, 0, bt[:1], sl[:1], block_indices=idx[:1])
             t_sel, t_step = bench(sel), bench(step)
@@ -174,6 +183,9 @@ def main() -> None:
                     r[f"select_stream{sfx}_us"] = us(t_st)
                     r[f"select_stream{sfx}_equals_reference"] = bool(torch.equal(sel(), ref))
                     if chunk is None:
+                        with _env({"KVPOOL_DECODE_COMBINE": "ticket"}):
+                            r["sparse_step_stream_ticket_us"] = us(bench(step))
+                            r["sparse_step_stream_ticket_graph_us"] = us(bench_graph(step))
                         g_st, t_sst, g_sst = bench_graph(sel), bench(step), bench_graph(step)
                         r.update({"select_stream_graph_us": us(g_st), "sparse_step_stream_us": us(t_sst),
                                   "sparse_step_stream_graph_us": us(g_sst),

@@ -227,3 +227,50 @@ def test_host_tier_on_gpu_round_trip():
         gk, gv = pool.gather(layer, "b")
         torch.testing.assert_close(gk[:64], k[:64].bfloat16(), atol=0, rtol=0)
         torch.testing.assert_close(gv[:64], v[:64].bfloat16(), atol=0, rtol=0)
+
+
+def test_combine_variant_env(monkeypatch):
+    monkeypatch.delenv("KVPOOL_DECODE_COMBINE", raising=False)
+    assert cuda_decode.combine_variant() == cuda_decode.DEFAULT_COMBINE
+    monkeypatch.setenv("KVPOOL_DECODE_COMBINE", "ticket")
+    assert cuda_decode.combine_variant() == "ticket"
+    monkeypatch.setenv("KVPOOL_DECODE_COMBINE", "fused")
+    with pytest.raises(ValueError, match="KVPOOL_DECODE_COMBINE"):
+        cuda_decode.combine_variant()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [2, 5, 16])
+def test_ticket_combine_equals_combine_launch(splits, monkeypatch):
+    """The in-kernel merge of split partials (the last split CTA, ticket per (sequence, kv head))
+    gives the combine kernel's output bit for bit (same arithmetic), dense and sparse, call after
+    call (the tickets re-arm) and under CUDA-graph replay."""
+    cfg = cuda_decode.KernelConfig("mma", 64, 3)
+    lens = [2000, 513, 64, 0, 1]
+    pool = _gpu_pool(lens, seed=2)
+    ids = list(range(len(lens)))
+    bt, sl = pool.block_table(ids), pool.seq_lens(ids)
+    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    bi = torch.stack([torch.randperm(bt.shape[1], device="cuda", generator=g)[:24].sort().values.int()
+                      for _ in range(len(lens) * 8)]).reshape(len(lens), 8, 24)
+    for idx in (None, bi):
+        monkeypatch.setenv("KVPOOL_DECODE_COMBINE", "launch")
+        want = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, idx, num_splits=splits, config=cfg)
+        monkeypatch.setenv("KVPOOL_DECODE_COMBINE", "ticket")
+        for _ in range(3):
+            got = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, idx, num_splits=splits, config=cfg)
+            assert torch.equal(got, want)
+        ref = kvpool.paged_decode_reference(q, pool, 0, bt, sl, block_indices=idx)
+        assert tilehal.calc_diff(got, ref) < 1e-5
+    static_q = q.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_decode.paged_decode_cuda(static_q, pool, 0, bt, sl, None, bi, num_splits=splits, config=cfg)
+    for seed in range(2):
+        static_q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=g))
+        graph.replay()
+        monkeypatch.setenv("KVPOOL_DECODE_COMBINE", "launch")
+        want = cuda_decode.paged_decode_cuda(static_q, pool, 0, bt, sl, None, bi, num_splits=splits, config=cfg)
+        monkeypatch.setenv("KVPOOL_DECODE_COMBINE", "ticket")
+        assert torch.equal(out, want)

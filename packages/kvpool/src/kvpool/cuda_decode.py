@@ -192,7 +192,35 @@ def _launch_plan(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfi
         num_splits = choose_splits(batch, kv_heads, items * block_size, _device_sms(device_index), per_sm)
     if cfg.variant == "mma":  # a CTA's share of blocks must fit the kernel's shared table
         num_splits = max(num_splits, -(-items // MMA_MAX_ITEMS))
-    return main, combine, smem, num_splits
+    return main, combine, smem, num_splits, cfg.variant
+
+
+COMBINES = ("ticket", "launch")
+# "launch": split partials merged by paged_decode_combine (a second launch); "ticket": by the
+# (sequence, kv head)'s last split CTA inside the mma kernel (combine_if_last), one launch.
+DEFAULT_COMBINE = "launch"
+
+
+def combine_variant() -> str:
+    """KVPOOL_DECODE_COMBINE (default DEFAULT_COMBINE): how the mma kernel's split partials merge."""
+    v = os.environ.get("KVPOOL_DECODE_COMBINE") or DEFAULT_COMBINE
+    if v not in COMBINES:
+        raise tilehal.ArgumentError(f"KVPOOL_DECODE_COMBINE: expected one of {list(COMBINES)}, got {v!r}")
+    return v
+
+
+_TICKETS: dict[tuple, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """Per-(sequence, kv head) tickets of the in-kernel combine: zero between launches (the last
+    split CTA re-arms its ticket), one buffer per (device, stream)."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _TICKETS[key] = buf
+    return buf
 
 
 def _decode_dims(q: torch.Tensor, pool: KVPool, scale: float | None):
@@ -235,14 +263,17 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     table = block_table.contiguous()
     kc, vc = pool.layer_cache(layer)
     idx, n, idx_b_stride, idx_h_stride, items = _index_args(block_indices, table, H)
-    main, combine, smem, num_splits = _launch_plan(pool.dtype, d, group, cfg, pool.block_size, B, H, items,
-                                                   q.device.index or 0, num_splits)
+    main, combine, smem, num_splits, variant = _launch_plan(pool.dtype, d, group, cfg, pool.block_size, B, H,
+                                                            items, q.device.index or 0, num_splits)
     out = torch.empty_like(q)
     o_part, ml_part = _partials(q, num_splits)
-    main.launch((num_splits, H, B), THREADS,
-                [q, kc, vc, table, table.shape[1], seq_lens, idx, idx_b_stride, idx_h_stride, n, out, o_part,
-                 ml_part, scale_log2, pool.block_size], smem_bytes=smem)
-    if num_splits > 1:
+    args = [q, kc, vc, table, table.shape[1], seq_lens, idx, idx_b_stride, idx_h_stride, n, out, o_part,
+            ml_part, scale_log2, pool.block_size]
+    fused = variant == "mma" and num_splits > 1 and combine_variant() == "ticket"
+    if variant == "mma":
+        args.append(_tickets(q.device, B * H) if fused else None)
+    main.launch((num_splits, H, B), THREADS, args, smem_bytes=smem)
+    if num_splits > 1 and not fused:
         combine.launch(B * hq, d, [o_part, ml_part, out, num_splits])
     return out
 

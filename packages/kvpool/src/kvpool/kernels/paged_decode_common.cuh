@@ -76,4 +76,37 @@ __global__ void paged_decode_combine(const float* __restrict__ o_part, const flo
   out[head * D + d] = tilehal::from_float<T>(den > 0.f ? num / den : 0.f);
 }
 
+// Merge split partials inside the decode kernel: with `tickets` (one per (sequence, kv head), zero
+// between launches), the last of a (b, h)'s split CTAs to finish reads every split's partial (from
+// L2) and writes the normalized output of the group's G q heads, then re-arms the ticket: the same
+// arithmetic as paged_decode_combine, one launch fewer. Every thread of the CTA calls it.
+template <typename T, int D>
+__device__ __forceinline__ void combine_if_last(const float* __restrict__ o_part, const float* __restrict__ ml_part,
+                                                T* __restrict__ out, unsigned* __restrict__ tickets, int b, int h,
+                                                int H, int G, int splits) {
+  __shared__ bool s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(&tickets[b * H + h], 1u) == unsigned(splits - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
+    const int g = e / D, d = e % D;
+    const long long head = ((long long)b * H + h) * G + g;
+    const float* ml = ml_part + head * splits * 2;
+    float m = -INFINITY;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, __ldcg(&ml[2 * s]));
+    const float base = m == -INFINITY ? 0.f : m;
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float w = exp2f(__ldcg(&ml[2 * s]) - base);
+      den += w * __ldcg(&ml[2 * s + 1]);
+      num += w * __ldcg(&o_part[(head * splits + s) * D + d]);
+    }
+    out[head * D + d] = tilehal::from_float<T>(den > 0.f ? num / den : 0.f);
+  }
+  if (threadIdx.x == 0) tickets[b * H + h] = 0u;
+}
+
 }  // namespace kvpool

@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
     const int* __restrict__ block_table, int table_stride, const int* __restrict__ seq_lens,
     const int* __restrict__ block_idx, int idx_b_stride, int idx_h_stride, int num_idx,
     T* __restrict__ out, float* __restrict__ o_part, float* __restrict__ ml_part,
-    float scale_log2, int block_size) {
+    float scale_log2, int block_size, unsigned* __restrict__ tickets) {
   using S = DecodeSmemMma<T, D, STAGES>;
   using Tag = typename tilehal::MmaTag<T>::type;
   constexpr int kChunks = D / 8;                          // 16-byte chunks per K/V row
@@ -227,6 +227,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
     const long long head = (long long)b * H * G + h * G + g;
     store_channel<T, D>(out, o_part, ml_part, head, split, splits, d, acc, m, l);
   }
+  // tickets given (host): the last split merges the partials, no paged_decode_combine launch
+  if (splits > 1 && tickets != nullptr) combine_if_last<T, D>(o_part, ml_part, out, tickets, b, h, H, G, splits);
 }
 
 }  // namespace kvpool
