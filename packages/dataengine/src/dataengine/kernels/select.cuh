@@ -1139,25 +1139,38 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
     const int* rpos = cpos + (long long)row * n_all;
     const unsigned* rthr = cthr + (long long)row * chunks;
     const int r_need = (width + m_rank - 1) / m_rank;
-    const unsigned t_low = r_need <= chunks ? warp_kth(chunks, r_need, [&](int c) { return __ldcg(&rthr[c]); }) : 0u;
-    // compact the candidates >= t_low (in position order) into this warp's part of the stages
-    constexpr int kCap = STAGES * P::kStage / (8 * H);
+    constexpr int kCap = STAGES * P::kStage / (8 * H);  // list entries per warp (keys, positions)
     unsigned* lkey = reinterpret_cast<unsigned*>(stages) + warp * 2 * kCap;
     int* lpos = reinterpret_cast<int*>(lkey + kCap);
-    // 128 keys per warp step (one 16-byte load per lane: keys 4 * lane .. 4 * lane + 3), 8 steps
-    // of loads in flight; n_all is a multiple of 4 (the host pads each chunk's list to wc4).
-    int n_list = 0;
+    // 128 candidates per warp step (16-byte loads: entries 4 * lane .. 4 * lane + 3; n_all is a
+    // multiple of 4, the host pads each chunk's list to wc4), keys and positions of kBatch steps
+    // in flight; the first batch is issued before the chunk thresholds are read.
     constexpr int kBatch = 8;
-    for (int base = 0; base < n_all; base += 128 * kBatch) {
-      uint4 kv[kBatch];
+    uint4 kv[kBatch], pv[kBatch];
+    auto load_batch = [&](int base) {
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int i = base + 128 * u + 4 * lane;
-        kv[u] = i < n_all ? __ldcg(reinterpret_cast<const uint4*>(rkey + i)) : make_uint4(0u, 0u, 0u, 0u);
+        const bool in = i < n_all;
+        kv[u] = in ? __ldcg(reinterpret_cast<const uint4*>(rkey + i)) : make_uint4(0u, 0u, 0u, 0u);
+        pv[u] = in ? __ldcg(reinterpret_cast<const uint4*>(rpos + i)) : make_uint4(0u, 0u, 0u, 0u);
       }
+    };
+    load_batch(0);
+    // t_low: the r_need-th largest chunk threshold (staged in lkey first: one round trip)
+    const bool thr_fit = chunks <= kCap;
+    for (int c = lane; c < chunks && thr_fit; c += 32) lkey[c] = __ldcg(&rthr[c]);
+    __syncwarp();
+    const unsigned t_low = (r_need <= chunks && thr_fit) ? warp_kth(chunks, r_need, [&](int c) { return lkey[c]; }) : 0u;
+    __syncwarp();  // lkey is overwritten by the list below
+    // compact the candidates >= t_low, in position order, into this warp's part of the stages
+    int n_list = 0;
+    for (int base = 0; base < n_all; base += 128 * kBatch) {
+      if (base > 0) load_batch(base);
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const unsigned kk[4] = {kv[u].x, kv[u].y, kv[u].z, kv[u].w};
+        const int pp[4] = {int(pv[u].x), int(pv[u].y), int(pv[u].z), int(pv[u].w)};
         int c = 0;
 #pragma unroll
         for (int e = 0; e < 4; ++e) c += kk[e] >= t_low && kk[e] > kKeyNegInf;
@@ -1165,7 +1178,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           if (kk[e] >= t_low && kk[e] > kKeyNegInf) {
-            if (at < kCap) { lkey[at] = kk[e]; lpos[at] = __ldcg(&rpos[base + 128 * u + 4 * lane + e]); }
+            if (at < kCap) { lkey[at] = kk[e]; lpos[at] = pp[e]; }
             ++at;
           }
         }
@@ -1176,9 +1189,19 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
     const bool fits = n_list <= kCap;
     const int n = fits ? n_list : n_all;
     auto key_i = [&](int i) -> unsigned { return fits ? lkey[i] : __ldcg(&rkey[i]); };
-    const unsigned T = warp_kth(n, width, key_i);
+    unsigned T;
     int gt = 0;
-    for (int i = lane; i < n; i += 32) gt += key_i(i) > T;
+    if (n <= 256) {  // the usual case: the list in registers (8 per lane, 0-padded) for the search
+      unsigned k8[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) k8[j] = 32 * j + lane < n ? key_i(32 * j + lane) : 0u;
+      T = warp_kth_regs(k8, width);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) gt += k8[j] > T;
+    } else {
+      T = warp_kth(n, width, key_i);
+      for (int i = lane; i < n; i += 32) gt += key_i(i) > T;
+    }
     const int need = width - int(__reduce_add_sync(0xffffffffu, unsigned(gt)));
     int* orow = out + (long long)row * width;
     int eq_seen = 0, written = 0;
