@@ -22,7 +22,7 @@ BN = 64  # kPrefillBN: default kv tokens per pipeline stage (static_asserted at 
 # (warps per CTA, 16-row blocks per warp[, kv tokens per stage]): a CTA owns 16 * warps * row_blocks
 # query rows. The n32 variants halve the S tile: at d128 with two row blocks per warp the n64 kernel
 # spills 80 (w8x2) / 136 (w4x2) bytes (ptxas -v, NVRTC 13), the n32 ones do not.
-CONFIGS = ((8, 1), (4, 1), (4, 2), (8, 2), (8, 2, 32), (4, 2, 32))
+CONFIGS = ((8, 1), (4, 1), (4, 2), (8, 2), (8, 2, 32), (4, 2, 32), (8, 2, 32, 3), (4, 2, 32, 3))
 # w8x2 was fastest on every measured case (H200, 2026-12-01, docs/benchmarks/kvpool_prefill_run2.json:
 # 32K prompt 35.6 ms vs w8x1 44.1; 4K on a 28K prefix 8.6 vs 10.9; 8 x 4K 5.0 vs 6.0) despite
 # ptxas spilling ~100 bytes at d128: two 16-row blocks per warp halve the K/V shared-memory reads.
@@ -35,8 +35,13 @@ def config_bn(cfg: tuple[int, ...]) -> int:
     return cfg[2] if len(cfg) > 2 else BN
 
 
+def config_stages(cfg: tuple[int, ...]) -> int:
+    return cfg[3] if len(cfg) > 3 else 2
+
+
 def config_name(cfg: tuple[int, ...]) -> str:
-    return f"w{cfg[0]}x{cfg[1]}" + ("" if config_bn(cfg) == BN else f"n{config_bn(cfg)}")
+    return (f"w{cfg[0]}x{cfg[1]}" + ("" if config_bn(cfg) == BN else f"n{config_bn(cfg)}")
+            + ("" if config_stages(cfg) == 2 else f"s{config_stages(cfg)}"))
 
 
 def default_config() -> tuple[int, ...]:
@@ -51,7 +56,8 @@ def default_config() -> tuple[int, ...]:
 
 
 def kernel_name(dtype: torch.dtype, head_dim: int, cfg: tuple[int, ...]) -> str:
-    return f"kvpool::paged_prefill_kernel<{_CTYPES[dtype]}, {head_dim}, {cfg[0]}, {cfg[1]}, {config_bn(cfg)}>"
+    st = "" if config_stages(cfg) == 2 else f", {config_stages(cfg)}"
+    return f"kvpool::paged_prefill_kernel<{_CTYPES[dtype]}, {head_dim}, {cfg[0]}, {cfg[1]}, {config_bn(cfg)}{st}>"
 
 
 def rows_per_cta(cfg: tuple[int, ...]) -> int:
@@ -60,9 +66,9 @@ def rows_per_cta(cfg: tuple[int, ...]) -> int:
 
 def smem_bytes(dtype: torch.dtype, head_dim: int, cfg: tuple[int, ...]) -> int:
     """Dynamic shared memory of one CTA (PrefillSmem::kBytes, asserted at compile time): Q tile +
-    2 stages of K and of V."""
+    the stages of K and of V."""
     row = head_dim * dtype.itemsize
-    return rows_per_cta(cfg) * row + 4 * config_bn(cfg) * row
+    return rows_per_cta(cfg) * row + 2 * config_stages(cfg) * config_bn(cfg) * row
 
 
 @functools.cache
@@ -71,7 +77,7 @@ def compile_prefill(dtype: torch.dtype, head_dim: int, cfg: tuple[int, ...] = DE
     t, smem = _CTYPES[dtype], smem_bytes(dtype, head_dim, cfg)
     # The host's copies of the kernel's constants, held to the kernel's at compile time.
     checks = (f'static_assert(kvpool::kPrefillBN == {BN}, "kvpool.cuda_prefill.BN");\n'
-              f'static_assert(kvpool::PrefillSmem<{t}, {head_dim}, {cfg[0] * cfg[1]}, {config_bn(cfg)}>::kBytes == {smem}, '
+              f'static_assert(kvpool::PrefillSmem<{t}, {head_dim}, {cfg[0] * cfg[1]}, {config_bn(cfg)}, {config_stages(cfg)}>::kBytes == {smem}, '
               f'"kvpool.cuda_prefill.smem_bytes");\n')
     return tilehal.compile_cuda('#include "paged_prefill.cuh"\n' + checks, arch=arch,
                                 name=f"paged_prefill_{head_dim}_{config_name(cfg)}", include_dirs=[str(KERNEL_DIR)],

@@ -22,16 +22,17 @@ namespace kvpool {
 
 constexpr int kPrefillBN = 64;  // default kv tokens per pipeline stage
 
-template <typename T, int D, int W, int BN = kPrefillBN>
+template <typename T, int D, int W, int BN = kPrefillBN, int ST = 2>
 struct PrefillSmem {
   static constexpr int kRowBytes = D * int(sizeof(T));
   static constexpr int kQBytes = 16 * W * kRowBytes;  // W blocks of 16 query rows
   static constexpr int kKVBytes = BN * kRowBytes;  // one stage of K (or V)
-  static constexpr int kBytes = kQBytes + 4 * kKVBytes;    // Q, K x 2 stages, V x 2 stages
+  static constexpr int kBytes = kQBytes + 2 * ST * kKVBytes;  // Q, K x ST stages, V x ST stages
 };
 
 // BN: kv tokens per stage; 32 keeps the S tile of two row blocks (MR = 2) in registers at d128.
-template <typename T, int D, int W, int MR, int BN = kPrefillBN>
+// ST: pipeline stages (tiles in flight: ST - 1 ahead of the one computed).
+template <typename T, int D, int W, int MR, int BN = kPrefillBN, int ST = 2>
 __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
     const T* __restrict__ q,              // [total, Hq, D]
     const T* __restrict__ k_cache,        // [num_blocks, block_size, H, D] (one layer)
@@ -43,7 +44,8 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
     const int* __restrict__ tiles,        // [num_tiles, 2]: (b, first new-token row)
     T* __restrict__ out,                  // [total, Hq, D]
     int kv_heads, float scale_log2, int block_size) {
-  using S = PrefillSmem<T, D, W * MR, BN>;
+  using S = PrefillSmem<T, D, W * MR, BN, ST>;
+  static_assert(ST >= 2, "at least two stages");
   constexpr int kPrefillBN = BN;  // shadows the namespace default below
   using Tag = typename tilehal::MmaTag<T>::type;
   constexpr int kThreads = 32 * W;
@@ -62,8 +64,8 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
 
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* q_s = smem;
-  unsigned char* k_s = smem + S::kQBytes;                       // 2 stages
-  unsigned char* v_s = smem + S::kQBytes + 2 * S::kKVBytes;     // 2 stages
+  unsigned char* k_s = smem + S::kQBytes;                       // ST stages
+  unsigned char* v_s = smem + S::kQBytes + ST * S::kKVBytes;    // ST stages
   const unsigned q_sa = static_cast<unsigned>(__cvta_generic_to_shared(q_s));
   const unsigned k_sa = static_cast<unsigned>(__cvta_generic_to_shared(k_s));
   const unsigned v_sa = static_cast<unsigned>(__cvta_generic_to_shared(v_s));
@@ -115,7 +117,12 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
   };
   load_kv(0, 0);
   tilehal::cp_async_commit();
-  tilehal::cp_async_wait<1>();  // Q landed (tile 0 may still be in flight)
+#pragma unroll
+  for (int st = 1; st < ST - 1; ++st) {
+    if (st < num_kv_tiles) load_kv(st, st);
+    tilehal::cp_async_commit();
+  }
+  tilehal::cp_async_wait<ST - 1>();  // Q landed (tiles 0 .. ST - 2 may still be in flight)
   __syncthreads();
 
   // ---- Q fragments (A operand) of row block mr of this warp, k-step kk
@@ -147,13 +154,19 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
   const int v_tok = ((lane >> 3) & 1) * 8 + (lane & 7), v_half = lane >> 4;
 
   for (int t = 0; t < num_kv_tiles; ++t) {
-    const int stage = t & 1;
-    if (t + 1 < num_kv_tiles) {
-      load_kv(t + 1, stage ^ 1);
+    const int stage = ST == 2 ? (t & 1) : t % ST;
+    if constexpr (ST == 2) {
+      if (t + 1 < num_kv_tiles) {
+        load_kv(t + 1, stage ^ 1);
+        tilehal::cp_async_commit();
+        tilehal::cp_async_wait<1>();
+      } else {
+        tilehal::cp_async_wait<0>();
+      }
+    } else {  // refill the stage consumed at t - 1 (the loop's last barrier), one group per step
+      if (t + ST - 1 < num_kv_tiles) load_kv(t + ST - 1, (t + ST - 1) % ST);
       tilehal::cp_async_commit();
-      tilehal::cp_async_wait<1>();
-    } else {
-      tilehal::cp_async_wait<0>();
+      tilehal::cp_async_wait<ST - 1>();
     }
     __syncthreads();
     const unsigned ks = k_sa + stage * S::kKVBytes;
