@@ -19,7 +19,8 @@ shared memory, keeps per-head chunk candidates, the sequence's last CTA merges),
 per CTA.
 Floor: the selection reads the summaries, 2 * kv_heads * head_dim * 2 B (bf16) or 1 B (fp8) per
 block per sequence (268 / 134 MB at b8 x 128K) = 1/16 / 1/32 of what dense decode reads (K and V).
-Writes docs/benchmarks/dataengine_select_cuda_kernels.{json,png}.
+Writes docs/benchmarks/dataengine_select_cuda_kernels.{json,png}. BENCH_CONTEXTS=131072 limits the
+contexts; BENCH_TORCH_REFERENCE=0 skips timing the torch reference (~20 s at 128K).
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def main() -> None:
             for tv in ("fast", "plain"):
                 r[f"topk_{tv}_us"] = us(bench(lambda raw=raw, sl=sl, tv=tv: cuda_select.topk_rows(
                     raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant=tv)))
-            if ctx == max(contexts) and name == "bf16":
+            if ctx == max(contexts) and name == "bf16" and os.environ.get("BENCH_TORCH_REFERENCE", "1") == "1":
                 r["select_torch_reference_us"] = us(tilehal.bench(
                     lambda bt=bt, sl=sl, lo=lo, hi=hi: select.select_blocks_reference(q, lo, hi, bt, sl, TOP, 1, 1,
                                                                                       block_size=BS),
