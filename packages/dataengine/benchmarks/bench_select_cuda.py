@@ -34,9 +34,11 @@ import tilehal
 import torch
 from _common import out_dir, write_json
 from dataengine import cuda_select, select
+from kvpool import cuda_decode
 from tilehal.testing import environ
 
 HQ, H, D, BS, B, TOP = 32, 8, 128, 16, 8, 64
+CFG_MMA2 = cuda_decode.KernelConfig.parse("mma:64:2")  # the 2-stage mma decode kernel
 CTX_MAX = 128 * 1024
 
 
@@ -137,15 +139,22 @@ def main() -> None:
                 return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=idx)
 
             if name == "bf16":  # the sparse decode's split-K count (the kernel's heuristic vs fixed counts)
-                from kvpool import cuda_decode
-
                 for ns in (1, 2, 4, 8, 16):
                     row[f"sparse_decode_splits{ns}_us"] = us(bench(
                         lambda bt=bt, sl=sl, idx=idx, ns=ns: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, idx,
                                                                                             num_splits=ns)))
+                # the 2-stage mma kernel (less shared memory: 3 CTAs per SM) at more splits
+
+                for ns in (4, 6, 8):
+                    row[f"sparse_decode_mma2_splits{ns}_us"] = us(bench(
+                        lambda bt=bt, sl=sl, idx=idx, ns=ns: cuda_decode.paged_decode_cuda(
+                            q, pool, 0, bt, sl, None, idx, num_splits=ns, config=CFG_MMA2)))
+                row["sparse_decode_mma2_splits6_graph_us"] = us(bench_graph(
+                    lambda bt=bt, sl=sl, idx=idx: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, idx,
+                                                                                num_splits=6, config=CFG_MMA2)))
                 # split partials merged inside the kernel (KVPOOL_DECODE_COMBINE=ticket): one launch
                 row["sparse_decode_graph_us"] = us(bench_graph(sparse_only))
-                with _env({"KVPOOL_DECODE_COMBINE": "ticket"}):
+                with environ({"KVPOOL_DECODE_COMBINE": "ticket"}):
                     for ns in (2, 4, 8):
                         row[f"sparse_decode_splits{ns}_ticket_us"] = us(bench(
                             lambda bt=bt, sl=sl, idx=idx, ns=ns: cuda_decode.paged_decode_cuda(
@@ -184,7 +193,7 @@ def main() -> None:
                     r[f"select_stream{sfx}_us"] = us(t_st)
                     r[f"select_stream{sfx}_equals_reference"] = bool(torch.equal(sel(), ref))
                     if chunk is None:
-                        with _env({"KVPOOL_DECODE_COMBINE": "ticket"}):
+                        with environ({"KVPOOL_DECODE_COMBINE": "ticket"}):
                             r["sparse_step_stream_ticket_us"] = us(bench(step))
                             r["sparse_step_stream_ticket_graph_us"] = us(bench_graph(step))
                         g_st, t_sst, g_sst = bench_graph(sel), bench(step), bench_graph(step)

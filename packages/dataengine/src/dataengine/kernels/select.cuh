@@ -273,7 +273,9 @@ template <int D> struct Q4Row {
 // k-step (j, hh) uses channels 32j + 8t + 4hh + {0,1} as k rows 2t, 2t+1 and + {2,3} as 2t+8, 2t+9;
 // the A rows are blocks (r and r + 8 of the warp's 16), the B columns heads (n = r). The two
 // k-steps of j cover exactly channels 32j .. 32j + 31 (one int4 group).
-template <int D, int G, bool SUMS>
+// PAIRS4 (the streamed int4 kernel): word i of group (j, t) holds channels i and i + 4 instead of
+// 2i and 2i + 1, the order in which that kernel widens the codes.
+template <int D, int G, bool SUMS, bool PAIRS4 = false>
 struct MmaQ {
   static constexpr int kJ = D / 32;
   unsigned qp[kJ][4], qn[kJ][4];                    // B fragments: head r's q+ / q- at this lane's channels
@@ -285,7 +287,14 @@ struct MmaQ {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         unsigned w = 0u;
-        if (r < G) w = reinterpret_cast<const unsigned*>(q + (head0 + r) * D)[(32 * j + 8 * t) / 2 + i];
+        if constexpr (PAIRS4) {  // channels i (low half) and i + 4 (high half)
+          if (r < G) {
+            const unsigned* qw = reinterpret_cast<const unsigned*>(q + (head0 + r) * D) + (32 * j + 8 * t) / 2;
+            w = __byte_perm(qw[i / 2], qw[2 + i / 2], (i % 2) ? 0x7632u : 0x5410u);
+          }
+        } else {
+          if (r < G) w = reinterpret_cast<const unsigned*>(q + (head0 + r) * D)[(32 * j + 8 * t) / 2 + i];
+        }
         qp[j][i] = bf16x2_max0(w);
         qn[j][i] = bf16x2_min0(w);
         if constexpr (SUMS) {
@@ -963,6 +972,75 @@ __device__ __forceinline__ void smem_fill(Half<Q4, D>& X, const unsigned char* l
   }
 }
 
+// int4 rows in the streamed kernel: the 8 codes of a lane's word enter the MMA as 128 + code (bf16
+// exponent 2^7, the code in mantissa bits 3..6: exact), channels i and i + 4 sharing a word (one
+// shift and one LOP3 per word: bits 4i, 4i + 16 -> 3, 19), against MmaQ<PAIRS4> columns. Per
+// 32-channel group j: bound += step * A + (lo - 128 * step) * sum(q), A the MMA's group sum.
+struct Q4S {};
+template <int D> struct Half4S {
+  static constexpr int kJ = D / 32;
+  unsigned c[2][kJ], pr[2][kJ];  // code words, (lo, step) bf16 pairs; [0] row r, [1] row r + 8
+  static __device__ __forceinline__ void words(unsigned w, unsigned (&o)[4]) {
+    o[0] = ((w << 3) & 0x00780078u) | 0x43004300u;
+    o[1] = ((w >> 1) & 0x00780078u) | 0x43004300u;
+    o[2] = ((w >> 5) & 0x00780078u) | 0x43004300u;
+    o[3] = ((w >> 9) & 0x00780078u) | 0x43004300u;
+  }
+  template <bool IS_MAX, int G, bool S, bool P4>
+  __device__ __forceinline__ void mma(const MmaQ<D, G, S, P4>& Q, float (&acc)[4]) const {
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      unsigned al[4], ah[4];
+      words(c[0][j], al);
+      words(c[1][j], ah);
+      float a[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const tilehal::u32 av[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
+        const tilehal::u32 bq[2] = {IS_MAX ? Q.qp[j][2 * hh] : Q.qn[j][2 * hh],
+                                    IS_MAX ? Q.qp[j][2 * hh + 1] : Q.qn[j][2 * hh + 1]};
+        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, a, av, bq);
+      }
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const float2 ls = tilehal::bf16x2_to_float2(pr[s][j]);  // (lo, step)
+        const float c0 = fmaf(-128.f, ls.y, ls.x);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float Ssum = IS_MAX ? Q.sp[j][e] : Q.sn[j][e];
+          acc[2 * s + e] = fmaf(ls.y, a[2 * s + e], fmaf(c0, Ssum, acc[2 * s + e]));
+        }
+      }
+    }
+  }
+};
+template <int D>
+__device__ __forceinline__ void smem_fill(Half4S<D>& X, const unsigned char* lo, const unsigned char* hi, int t) {
+  const unsigned char* rows[2] = {lo, hi};
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) X.c[s][j] = *reinterpret_cast<const unsigned*>(rows[s] + 16 * j + 4 * t);
+    // the row's (lo, step) pairs: D / 32 words, 16-byte aligned (row pitch and code bytes are)
+    if constexpr (D == 128) {
+      const uint4 w = *reinterpret_cast<const uint4*>(rows[s] + Q4Row<D>::kCodeBytes);
+      X.pr[s][0] = w.x; X.pr[s][1] = w.y; X.pr[s][2] = w.z; X.pr[s][3] = w.w;
+    } else {
+      const uint2 w = *reinterpret_cast<const uint2*>(rows[s] + Q4Row<D>::kCodeBytes);
+      X.pr[s][0] = w.x; X.pr[s][1] = w.y;
+    }
+  }
+}
+// The streamed kernel's fragment types per summary type.
+template <typename TS, int D, int G> struct StreamFrag {
+  using Q = MmaQ<D, G, false>;
+  using Tile = Half<TS, D>;
+};
+template <int D, int G> struct StreamFrag<Q4, D, G> {
+  using Q = MmaQ<D, G, true, true>;
+  using Tile = Half4S<D>;
+};
+
 // The largest t with #{keys >= t} >= kth over the warp's register keys (0 when there are fewer).
 template <int K>
 __device__ __forceinline__ unsigned warp_kth_regs(const unsigned (&k)[K], int kth) {
@@ -1043,17 +1121,22 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
   const unsigned char* kmin = static_cast<const unsigned char*>(kmin_v);
   const unsigned char* kmax = static_cast<const unsigned char*>(kmax_v);
   const int n_stage = (n_here + kStreamBlocks - 1) / kStreamBlocks;
+  // One warp per (block, bound) copy (warp w: blocks w and w + 8 of the stage, kmax then kmin): the
+  // check and the row address once per copy, the lanes' 16-byte chunks contiguous.
   auto issue = [&](int s) {
     if (s < n_stage) {
       unsigned char* dst = stages + (s % STAGES) * P::kStage;
-      for (int idx = tid; idx < 2 * kStreamBlocks * P::kChunks16; idx += kScoreThreads) {
-        const int bound = idx / (kStreamBlocks * P::kChunks16);
-        const int rem = idx - bound * (kStreamBlocks * P::kChunks16);
-        const int blk = rem / P::kChunks16, c = rem - blk * P::kChunks16;
+#pragma unroll
+      for (int k = 0; k < 2 * kStreamBlocks / (kScoreThreads / 32); ++k) {
+        const int job = warp + (kScoreThreads / 32) * k;
+        const int bound = job / kStreamBlocks, blk = job % kStreamBlocks;
         const int i = s * kStreamBlocks + blk;
-        const bool ok = needed(i);
-        const unsigned char* src = (bound ? kmin : kmax) + (ok ? (long long)phys_s[i] * P::kBlock + 16 * c : 0);
-        if (ok) tilehal::cp_async_16(dst + (bound * kStreamBlocks + blk) * P::kPitch + 16 * c, src);
+        if (needed(i)) {
+          const unsigned char* src = (bound ? kmin : kmax) + (long long)phys_s[i] * P::kBlock;
+          unsigned char* d = dst + (bound * kStreamBlocks + blk) * P::kPitch;
+#pragma unroll
+          for (int c = lane; c < P::kChunks16; c += 32) tilehal::cp_async_16(d + 16 * c, src + 16 * c);
+        }
       }
     }
     tilehal::cp_async_commit();
@@ -1061,7 +1144,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
 
-  MmaQ<D, G, IsQ4<TS>::value> Q;
+  typename StreamFrag<TS, D, G>::Q Q;
   if (warp < H) Q.load(q, (long long)b * H * G + (long long)warp * G, r, t);
   for (int s = 0; s < n_stage; ++s) {
     issue(s + STAGES - 1);
@@ -1069,7 +1152,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
     __syncthreads();
     if (warp < H) {
       const unsigned char* st = stages + (s % STAGES) * P::kStage + warp * StreamRow<TS, D>::kBytes;
-      Half<TS, D> X, N;
+      typename StreamFrag<TS, D, G>::Tile X, N;
       smem_fill(X, st + r * P::kPitch, st + (r + 8) * P::kPitch, t);
       smem_fill(N, st + (kStreamBlocks + r) * P::kPitch, st + (kStreamBlocks + r + 8) * P::kPitch, t);
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
