@@ -445,21 +445,23 @@ def test_int4_kernels_compile_and_need_tensor_cores():
 
 
 # ----------------------------------------------------------------------------- streamed selection
-STREAM_CONFIGS = [(torch.uint8, 128, 4, 8, 256), (FP8, 128, 4, 8, 256), (torch.uint8, 64, 8, 8, 128),
-                  (FP8, 64, 1, 8, 512), (torch.bfloat16, 128, 4, 8, 256), (torch.uint8, 128, 8, 2, 128)]
+STREAM_CONFIGS = [(torch.uint8, 128, 4, 8, 256, 16), (FP8, 128, 4, 8, 256, 16), (torch.uint8, 64, 8, 8, 128, 16),
+                  (FP8, 64, 1, 8, 512, 16), (torch.bfloat16, 128, 4, 8, 256, 16), (torch.uint8, 128, 8, 2, 128, 16),
+                  (torch.uint8, 128, 4, 8, 256, 32), (FP8, 128, 4, 8, 256, 32)]
 
 
 @pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
-@pytest.mark.parametrize("s_dtype,head_dim,group,kv_heads,chunk", STREAM_CONFIGS)
-def test_stream_select_kernels_compile(s_dtype, head_dim, group, kv_heads, chunk):
-    m = cuda_select.compile_stream(s_dtype, head_dim, group, "max", kv_heads, chunk)
-    name = cuda_select.stream_kernel_name(s_dtype, head_dim, group, "max", kv_heads, chunk)
+@pytest.mark.parametrize("s_dtype,head_dim,group,kv_heads,chunk,sb", STREAM_CONFIGS)
+def test_stream_select_kernels_compile(s_dtype, head_dim, group, kv_heads, chunk, sb):
+    m = cuda_select.compile_stream(s_dtype, head_dim, group, "max", kv_heads, chunk, sb)
+    name = cuda_select.stream_kernel_name(s_dtype, head_dim, group, "max", kv_heads, chunk, sb)
     assert name in m.lowered_names
     row = head_dim // 2 + head_dim // 8 if s_dtype == torch.uint8 else head_dim * (1 if s_dtype == FP8 else 2)
-    # two CTAs per SM for int4 and fp8 rows at d128 x 8 kv heads (228 KB of shared memory per H200 SM)
-    smem = cuda_select.stream_smem_bytes(s_dtype, row, kv_heads, chunk)
+    # two CTAs per SM for int4 rows, and fp8 at 16 blocks per stage, at d128 x 8 kv heads (228 KB
+    # of shared memory per H200 SM)
+    smem = cuda_select.stream_smem_bytes(s_dtype, row, kv_heads, chunk, sb)
     assert smem <= 227 * 1024
-    if s_dtype != torch.bfloat16 and head_dim == 128 and chunk == 256:
+    if (s_dtype == torch.uint8 or (s_dtype == FP8 and sb == 16)) and head_dim == 128 and chunk == 256:
         assert 2 * (smem + 2048) <= 228 * 1024
 
 
@@ -490,6 +492,11 @@ def test_stream_reasons(monkeypatch):
     monkeypatch.setenv("DATAENGINE_STREAM_CHUNK", "300")
     with pytest.raises(ValueError, match="DATAENGINE_STREAM_CHUNK"):
         cuda_select.stream_chunk(torch.device("cpu"), 8, 8192)
+    monkeypatch.setenv("DATAENGINE_STREAM_SB", "32")
+    assert cuda_select.stream_sb(torch.uint8) == 32 and cuda_select.stream_sb(torch.bfloat16) == 16
+    monkeypatch.setenv("DATAENGINE_STREAM_SB", "8")
+    with pytest.raises(ValueError, match="DATAENGINE_STREAM_SB"):
+        cuda_select.stream_sb(torch.uint8)
 
 
 def _kth(keys, k):
@@ -558,11 +565,12 @@ def test_stream_merge_algorithm_is_exact():
 @pytest.mark.parametrize("D,Hq,Hkv,max_blocks", [(128, 32, 8, 300), (64, 8, 8, 1000), (128, 16, 2, 97),
                                                  (64, 12, 2, 2100)])
 @pytest.mark.parametrize("reduce", ["max", "mean"])
-@pytest.mark.parametrize("chunk", ["128", "512"])
-def test_stream_select_equals_reference(sdtype, D, Hq, Hkv, max_blocks, reduce, chunk, monkeypatch):
+@pytest.mark.parametrize("chunk,sb", [("128", "16"), ("512", "16"), ("256", "32")])
+def test_stream_select_equals_reference(sdtype, D, Hq, Hkv, max_blocks, reduce, chunk, sb, monkeypatch):
     monkeypatch.setenv("DATAENGINE_SELECT_STREAM", "on")
     monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
     monkeypatch.setenv("DATAENGINE_STREAM_CHUNK", chunk)
+    monkeypatch.setenv("DATAENGINE_STREAM_SB", sb)
     for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (256, 1, 1), (1, 4, 4),
                                                  (100, 0, 5), (600, 1, 1)]):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=max_blocks,
@@ -608,7 +616,9 @@ def test_stream_select_in_a_cuda_graph(monkeypatch):
 @pytest.mark.gpu
 def test_stream_select_gaussian_large(monkeypatch):
     """b8 x 8192 blocks (the benchmark's shape) on Gaussian fp8 / int4 summaries: the streamed kernel
-    and the two-launch path (same bounds: tensor-core arithmetic) pick the same blocks."""
+    and the two-launch path pick the same blocks (fp8: the same tensor-core arithmetic; int4: the
+    streamed kernel widens codes as 128 + code, so bounds differ by float32 rounding and a rounding
+    tie may swap a block in under 1 % of the rows)."""
     monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
     q, kmin, kmax, table, lens = _problem(9, B=8, max_blocks=8192, num_blocks=12000, integer=False,
                                           sdtype=torch.float32)
@@ -619,6 +629,11 @@ def test_stream_select_gaussian_large(monkeypatch):
         monkeypatch.setenv("DATAENGINE_SELECT_STREAM", "off")
         want = select.select_blocks(q, lo, hi, table, lens, 64, 1, 1, block_size=16)
         monkeypatch.setenv("DATAENGINE_SELECT_STREAM", "on")
-        for chunk in ("128", "256", "512"):
+        for chunk, sb in (("128", "16"), ("256", "16"), ("512", "16"), ("256", "32")):
             monkeypatch.setenv("DATAENGINE_STREAM_CHUNK", chunk)
-            assert torch.equal(select.select_blocks(q, lo, hi, table, lens, 64, 1, 1, block_size=16), want), chunk
+            monkeypatch.setenv("DATAENGINE_STREAM_SB", sb)
+            got = select.select_blocks(q, lo, hi, table, lens, 64, 1, 1, block_size=16)
+            if lo.dtype == torch.uint8:  # int4: the streamed kernel sums in another order (128 + code)
+                assert (got != want).any(-1).float().mean() < 0.01, (chunk, sb)
+            else:
+                assert torch.equal(got, want), (chunk, sb)

@@ -152,7 +152,10 @@ def select_fused(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
 
 # ----------------------------------------------------------------------------- streamed selection
 STREAM_CHUNKS = (512, 256, 128)  # table positions per CTA of quest_select_stream_kernel
-STREAM_STAGES = {torch.uint8: 4, FP8: 3, torch.bfloat16: 2}  # pipeline stages (shared memory per CTA)
+STREAM_SBS = (16, 32)  # blocks per pipeline stage (one / two MMA tiles per warp and stage)
+# pipeline stages per (summary dtype, blocks per stage): shared memory for 2 CTAs per SM where it fits
+STREAM_STAGES = {(torch.uint8, 16): 4, (torch.uint8, 32): 2, (FP8, 16): 3, (FP8, 32): 2, (torch.bfloat16, 16): 2}
+DEFAULT_STREAM_SB = 16
 STREAM_MAX_HEADS = 8  # one warp per kv head
 STREAM_VARIANTS = ("auto", "on", "off")
 DEFAULT_STREAM = "off"  # "auto" once the H200 round has checked it
@@ -194,29 +197,40 @@ def stream_reason(q: torch.Tensor, kmin: torch.Tensor, width: int) -> str | None
     return None
 
 
+def stream_sb(s_dtype: torch.dtype) -> int:
+    """Blocks per pipeline stage: DATAENGINE_STREAM_SB (16 or 32, for benchmarks), else
+    DEFAULT_STREAM_SB; 16 where the type has no 32-block configuration."""
+    env = os.environ.get("DATAENGINE_STREAM_SB")
+    if env and env not in {str(x) for x in STREAM_SBS}:
+        raise tilehal.ArgumentError(f"DATAENGINE_STREAM_SB: expected one of {list(STREAM_SBS)}, got {env!r}")
+    sb = int(env) if env else DEFAULT_STREAM_SB
+    return sb if (s_dtype, sb) in STREAM_STAGES else 16
+
+
 def stream_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
-                       chunk: int) -> str:
+                       chunk: int, sb: int = 16) -> str:
+    tail = "" if sb == 16 else f", {sb}"
     return (f"dataengine::quest_select_stream_kernel<{_S_CTYPES_MMA[s_dtype]}, {head_dim}, {group}, "
-            f"{_REDUCE[reduce]}, {kv_heads}, {chunk}, {STREAM_STAGES[s_dtype]}>")
+            f"{_REDUCE[reduce]}, {kv_heads}, {chunk}, {STREAM_STAGES[(s_dtype, sb)]}{tail}>")
 
 
 @functools.cache
 def compile_stream(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int, chunk: int,
-                   arch: str = "sm_90a") -> tilehal.CudaModule:
+                   sb: int = 16, arch: str = "sm_90a") -> tilehal.CudaModule:
     """The streamed one-launch selection for one configuration."""
     return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS, arch=arch,
-                                name=f"quest_select_stream_{head_dim}_{group}_{kv_heads}_{chunk}",
+                                name=f"quest_select_stream_{head_dim}_{group}_{kv_heads}_{chunk}_{sb}",
                                 include_dirs=[str(KERNEL_DIR)],
                                 name_expressions=[stream_kernel_name(s_dtype, head_dim, group, reduce, kv_heads,
-                                                                     chunk)])
+                                                                     chunk, sb)])
 
 
-def stream_smem_bytes(s_dtype: torch.dtype, row_bytes: int, kv_heads: int, chunk: int) -> int:
+def stream_smem_bytes(s_dtype: torch.dtype, row_bytes: int, kv_heads: int, chunk: int, sb: int = 16) -> int:
     """Dynamic shared memory of quest_select_stream_kernel (StreamPitch in select.cuh)."""
     quad = 4 if s_dtype == torch.uint8 else 8 * (1 if s_dtype == FP8 else 2)
     block = kv_heads * row_bytes
     pitch = -(-block // 128) * 128 + 4 * quad
-    return STREAM_STAGES[s_dtype] * 2 * 16 * pitch + kv_heads * chunk * 4
+    return STREAM_STAGES[(s_dtype, sb)] * 2 * sb * pitch + kv_heads * chunk * 4
 
 
 def stream_chunk(device: torch.device, batch: int, nb: int) -> int:
@@ -277,12 +291,13 @@ def select_stream(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
     n_c = B * H * chunks * wc4
     scratch = torch.empty(2 * n_c + B * H * chunks, dtype=torch.int32, device=q.device)
     ckey, cpos, cthr = scratch[:n_c], scratch[n_c:2 * n_c], scratch[2 * n_c:]
-    kern = compile_stream(kmin.dtype, D, group, reduce, H, chunk).get_kernel(
-        stream_kernel_name(kmin.dtype, D, group, reduce, H, chunk))
+    sb = stream_sb(kmin.dtype)
+    kern = compile_stream(kmin.dtype, D, group, reduce, H, chunk, sb).get_kernel(
+        stream_kernel_name(kmin.dtype, D, group, reduce, H, chunk, sb))
     kern.launch((chunks, B), SCORE_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], mode, nv, sl,
                                              int(block_size or 1), int(sink), int(local), int(width), int(m_rank),
                                              ckey, cpos, cthr, _tickets(q.device, B), out],
-                smem_bytes=stream_smem_bytes(kmin.dtype, _row_bytes(kmin), H, chunk))
+                smem_bytes=stream_smem_bytes(kmin.dtype, _row_bytes(kmin), H, chunk, sb))
     return out
 
 

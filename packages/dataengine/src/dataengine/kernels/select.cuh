@@ -941,7 +941,6 @@ template <typename TS, int D, int H> struct StreamPitch {
   static constexpr int kBlock = H * StreamRow<TS, D>::kBytes;
   static constexpr int kPitch = (kBlock + 127) / 128 * 128 + 4 * StreamRow<TS, D>::kQuad;
   static constexpr int kChunks16 = kBlock / 16;  // 16-byte copies per block and bound
-  static constexpr int kStage = 2 * kStreamBlocks * kPitch;
 };
 
 // Fill one bound's fragments of a tile from shared memory (rows lo / hi: the head's row start).
@@ -1078,7 +1077,8 @@ __device__ __forceinline__ int warp_exclusive_scan(int v) {
   return x - v;
 }
 
-template <typename TS, int D, int G, int REDUCE, int H, int CHUNK, int STAGES>
+// SB: blocks per pipeline stage (16: one tile per warp and stage, 32: two, independent MMA chains).
+template <typename TS, int D, int G, int REDUCE, int H, int CHUNK, int STAGES, int SB = kStreamBlocks>
 __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
     const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin_v, const void* __restrict__ kmax_v,
     const int* __restrict__ block_table, int table_stride, int num_blocks,
@@ -1088,11 +1088,13 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
   using P = StreamPitch<TS, D, H>;
   static_assert(H >= 1 && H <= kScoreThreads / 32, "stream select: one warp per kv head");
   static_assert(P::kBlock % 16 == 0, "stream select: a block's rows must be whole 16-byte copies");
-  static_assert(CHUNK % 32 == 0 && CHUNK % kStreamBlocks == 0, "stream select: CHUNK");
+  static_assert(CHUNK % 32 == 0 && CHUNK % SB == 0 && SB % 16 == 0, "stream select: CHUNK, SB");
+  constexpr int kStage = 2 * SB * P::kPitch;  // one stage: SB blocks' kmax, then their kmin
+  constexpr int kWarps = kScoreThreads / 32;
   constexpr int K = CHUNK / 32;  // keys per lane in the chunk's selection
   extern __shared__ __align__(16) unsigned char dsm[];
   unsigned char* stages = dsm;                                            // [STAGES][2][16][pitch]
-  float* score_s = reinterpret_cast<float*>(dsm + STAGES * P::kStage);    // [H][CHUNK]
+  float* score_s = reinterpret_cast<float*>(dsm + STAGES * kStage);      // [H][CHUNK]
   __shared__ int phys_s[CHUNK];
   __shared__ bool s_last;
   const int b = blockIdx.y, chunks = gridDim.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -1120,20 +1122,20 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
   };
   const unsigned char* kmin = static_cast<const unsigned char*>(kmin_v);
   const unsigned char* kmax = static_cast<const unsigned char*>(kmax_v);
-  const int n_stage = (n_here + kStreamBlocks - 1) / kStreamBlocks;
-  // One warp per (block, bound) copy (warp w: blocks w and w + 8 of the stage, kmax then kmin): the
-  // check and the row address once per copy, the lanes' 16-byte chunks contiguous.
+  const int n_stage = (n_here + SB - 1) / SB;
+  // One warp per (block, bound) copy (warp w: blocks w, w + 8, ... of the stage, kmax then kmin):
+  // the check and the row address once per copy, the lanes' 16-byte chunks contiguous.
   auto issue = [&](int s) {
     if (s < n_stage) {
-      unsigned char* dst = stages + (s % STAGES) * P::kStage;
+      unsigned char* dst = stages + (s % STAGES) * kStage;
 #pragma unroll
-      for (int k = 0; k < 2 * kStreamBlocks / (kScoreThreads / 32); ++k) {
-        const int job = warp + (kScoreThreads / 32) * k;
-        const int bound = job / kStreamBlocks, blk = job % kStreamBlocks;
-        const int i = s * kStreamBlocks + blk;
+      for (int k = 0; k < 2 * SB / kWarps; ++k) {
+        const int job = warp + kWarps * k;
+        const int bound = job / SB, blk = job % SB;
+        const int i = s * SB + blk;
         if (needed(i)) {
           const unsigned char* src = (bound ? kmin : kmax) + (long long)phys_s[i] * P::kBlock;
-          unsigned char* d = dst + (bound * kStreamBlocks + blk) * P::kPitch;
+          unsigned char* d = dst + (bound * SB + blk) * P::kPitch;
 #pragma unroll
           for (int c = lane; c < P::kChunks16; c += 32) tilehal::cp_async_16(d + 16 * c, src + 16 * c);
         }
@@ -1146,28 +1148,35 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
 
   typename StreamFrag<TS, D, G>::Q Q;
   if (warp < H) Q.load(q, (long long)b * H * G + (long long)warp * G, r, t);
+  // One barrier per stage: it publishes stage s and retires stage s - 1, whose buffer the issue
+  // after it refills (stages s + 1 .. s + STAGES - 1 in flight while s is scored).
   for (int s = 0; s < n_stage; ++s) {
-    issue(s + STAGES - 1);
-    tilehal::cp_async_wait<STAGES - 1>();
+    tilehal::cp_async_wait<STAGES - 2>();
     __syncthreads();
+    issue(s + STAGES - 1);
     if (warp < H) {
-      const unsigned char* st = stages + (s % STAGES) * P::kStage + warp * StreamRow<TS, D>::kBytes;
-      typename StreamFrag<TS, D, G>::Tile X, N;
-      smem_fill(X, st + r * P::kPitch, st + (r + 8) * P::kPitch, t);
-      smem_fill(N, st + (kStreamBlocks + r) * P::kPitch, st + (kStreamBlocks + r + 8) * P::kPitch, t);
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      X.template mma<true>(Q, acc);
-      N.template mma<false>(Q, acc);
-      float s_lo, s_hi;
-      reduce_heads<G, REDUCE>(acc, t, s_lo, s_hi);
-      const int i_lo = s * kStreamBlocks + r, i_hi = i_lo + 8;
-      if (t == 0) {
-        score_s[warp * CHUNK + i_lo] = phys_s[i_lo] >= 0 ? s_lo : -INFINITY;
-        score_s[warp * CHUNK + i_hi] = phys_s[i_hi] >= 0 ? s_hi : -INFINITY;
+      const unsigned char* st = stages + (s % STAGES) * kStage + warp * StreamRow<TS, D>::kBytes;
+#pragma unroll
+      for (int tt = 0; tt < SB / 16; ++tt) {
+        const unsigned char* sx = st + (16 * tt) * P::kPitch;
+        const unsigned char* sn = sx + SB * P::kPitch;
+        typename StreamFrag<TS, D, G>::Tile X, N;
+        smem_fill(X, sx + r * P::kPitch, sx + (r + 8) * P::kPitch, t);
+        smem_fill(N, sn + r * P::kPitch, sn + (r + 8) * P::kPitch, t);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        X.template mma<true>(Q, acc);
+        N.template mma<false>(Q, acc);
+        float s_lo, s_hi;
+        reduce_heads<G, REDUCE>(acc, t, s_lo, s_hi);
+        const int i_lo = s * SB + 16 * tt + r, i_hi = i_lo + 8;
+        if (t == 0) {
+          score_s[warp * CHUNK + i_lo] = phys_s[i_lo] >= 0 ? s_lo : -INFINITY;
+          score_s[warp * CHUNK + i_hi] = phys_s[i_hi] >= 0 ? s_hi : -INFINITY;
+        }
       }
     }
-    __syncthreads();  // the stage's buffer is refilled by the next iteration's issue
   }
+  __syncthreads();  // every warp's scores are in score_s
   tilehal::cp_async_wait<0>();
 
   // ---- the chunk's candidates, per head (warp h)
@@ -1222,7 +1231,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
     const int* rpos = cpos + (long long)row * n_all;
     const unsigned* rthr = cthr + (long long)row * chunks;
     const int r_need = (width + m_rank - 1) / m_rank;
-    constexpr int kCap = STAGES * P::kStage / (8 * H);  // list entries per warp (keys, positions)
+    constexpr int kCap = STAGES * kStage / (8 * H);  // list entries per warp (keys, positions)
     unsigned* lkey = reinterpret_cast<unsigned*>(stages) + warp * 2 * kCap;
     int* lpos = reinterpret_cast<int*>(lkey + kCap);
     // 128 candidates per warp step (16-byte loads: entries 4 * lane .. 4 * lane + 3; n_all is a
