@@ -20,7 +20,8 @@ per CTA.
 Floor: the selection reads the summaries, 2 * kv_heads * head_dim * 2 B (bf16) or 1 B (fp8) per
 block per sequence (268 / 134 MB at b8 x 128K) = 1/16 / 1/32 of what dense decode reads (K and V).
 Writes docs/benchmarks/dataengine_select_cuda_kernels.{json,png}. BENCH_CONTEXTS=131072 limits the
-contexts; BENCH_TORCH_REFERENCE=0 skips timing the torch reference (~20 s at 128K).
+contexts; BENCH_TORCH_REFERENCE=0 skips timing the torch reference (~20 s at 128K); BENCH_LEAN=1 times only the
+main rows (dense, default selection, streamed selection and their steps) below the largest context.
 """
 
 from __future__ import annotations
@@ -138,13 +139,13 @@ def main() -> None:
             def sparse_only(bt=bt, sl=sl, idx=idx):
                 return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=idx)
 
-            if name == "bf16":  # the sparse decode's split-K count (the kernel's heuristic vs fixed counts)
+            lean = os.environ.get("BENCH_LEAN") == "1" and ctx != max(contexts)  # the curve's points: main rows
+            if name == "bf16" and not lean:  # the sparse decode's split-K count (heuristic vs fixed counts)
                 for ns in (1, 2, 4, 8, 16):
                     row[f"sparse_decode_splits{ns}_us"] = us(bench(
                         lambda bt=bt, sl=sl, idx=idx, ns=ns: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, idx,
                                                                                             num_splits=ns)))
                 # the 2-stage mma kernel (less shared memory: 3 CTAs per SM) at more splits
-
                 for ns in (4, 6, 8):
                     row[f"sparse_decode_mma2_splits{ns}_us"] = us(bench(
                         lambda bt=bt, sl=sl, idx=idx, ns=ns: cuda_decode.paged_decode_cuda(
@@ -152,15 +153,7 @@ def main() -> None:
                 row["sparse_decode_mma2_splits6_graph_us"] = us(bench_graph(
                     lambda bt=bt, sl=sl, idx=idx: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, idx,
                                                                                 num_splits=6, config=CFG_MMA2)))
-                # split partials merged inside the kernel (KVPOOL_DECODE_COMBINE=ticket): one launch
                 row["sparse_decode_graph_us"] = us(bench_graph(sparse_only))
-                with environ({"KVPOOL_DECODE_COMBINE": "ticket"}):
-                    for ns in (2, 4, 8):
-                        row[f"sparse_decode_splits{ns}_ticket_us"] = us(bench(
-                            lambda bt=bt, sl=sl, idx=idx, ns=ns: cuda_decode.paged_decode_cuda(
-                                q, pool, 0, bt, sl, None, idx, num_splits=ns)))
-                    row["sparse_decode_ticket_us"] = us(bench(sparse_only))
-                    row["sparse_decode_ticket_graph_us"] = us(bench_graph(sparse_only))
             out_sparse = step()
             out_ref = kvpool.paged_decode_reference(q[:1], pool, 0, bt[:1], sl[:1], block_indices=idx[:1])
             t_sel, t_step = bench(sel), bench(step)
@@ -175,16 +168,16 @@ def main() -> None:
                  "floor_speedup_at_dense_bandwidth": round(kv_bytes / sbytes, 1),
                  "gpu_equals_reference": bool(torch.equal(idx, ref)), "mismatching_rows": int((idx != ref).any(-1).sum()),
                  "sparse_calc_diff_vs_reference": tilehal.calc_diff(out_sparse[:1], out_ref)}
-            try:  # the same selection in one launch (opt-in)
-                os.environ["DATAENGINE_SELECT_FUSED"] = "1"
-                r["select_fused_us"] = us(bench(sel))
-                r["select_fused_equals_reference"] = bool(torch.equal(sel(), ref))
-            finally:
-                os.environ.pop("DATAENGINE_SELECT_FUSED", None)
+            if not lean:
+                with environ({"DATAENGINE_SELECT_FUSED": "1"}):  # the same selection in one launch (opt-in)
+                    r["select_fused_us"] = us(bench(sel))
+                    r["select_fused_equals_reference"] = bool(torch.equal(sel(), ref))
             # the streamed one-launch selection (quest_select_stream_kernel), its chunk sizes at 128K
-            for chunk in ([None, "128", "256", "512"] if ctx == max(contexts) else [None]):
-                env = {"DATAENGINE_SELECT_STREAM": "on", **({"DATAENGINE_STREAM_CHUNK": chunk} if chunk else {})}
-                sfx = f"_c{chunk}" if chunk else ""
+            variants = [(None, None), ("128", None), ("256", None), ("512", None), ("256", "32")]
+            for chunk, sb in (variants if ctx == max(contexts) else variants[:1]):
+                env = {"DATAENGINE_SELECT_STREAM": "on", **({"DATAENGINE_STREAM_CHUNK": chunk} if chunk else {}),
+                       **({"DATAENGINE_STREAM_SB": sb} if sb else {})}
+                sfx = (f"_c{chunk}" if chunk else "") + (f"_sb{sb}" if sb else "")
                 with environ(env):
                     if cuda_select.stream_reason(q, lo, TOP) is not None:
                         r["stream"] = cuda_select.stream_reason(q, lo, TOP)
@@ -193,9 +186,6 @@ def main() -> None:
                     r[f"select_stream{sfx}_us"] = us(t_st)
                     r[f"select_stream{sfx}_equals_reference"] = bool(torch.equal(sel(), ref))
                     if chunk is None:
-                        with environ({"KVPOOL_DECODE_COMBINE": "ticket"}):
-                            r["sparse_step_stream_ticket_us"] = us(bench(step))
-                            r["sparse_step_stream_ticket_graph_us"] = us(bench_graph(step))
                         g_st, t_sst, g_sst = bench_graph(sel), bench(step), bench_graph(step)
                         r.update({"select_stream_graph_us": us(g_st), "sparse_step_stream_us": us(t_sst),
                                   "sparse_step_stream_graph_us": us(g_sst),
@@ -205,7 +195,7 @@ def main() -> None:
                                   if isinstance(g_sst, float) and isinstance(g_dense, float) else None})
             # the two launches apart: score kernel (each variant) and top-k
             raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max")
-            for variant in ("simt", "mma"):
+            for variant in (() if lean else ("simt", "mma")):
                 if (variant == "mma" and cuda_select.mma_reason(q, lo) is not None) or (
                         variant == "simt" and lo.dtype == torch.uint8):
                     continue
@@ -216,7 +206,7 @@ def main() -> None:
                 fin = torch.isfinite(raw)
                 r[f"score_{variant}_max_rel_diff_vs_default"] = float(
                     ((other[fin] - raw[fin]).abs() / (1 + raw[fin].abs())).max()) if bool(fin.any()) else 0.0
-            for tv in ("fast", "plain"):
+            for tv in (() if lean else ("fast", "plain")):
                 r[f"topk_{tv}_us"] = us(bench(lambda raw=raw, sl=sl, tv=tv: cuda_select.topk_rows(
                     raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant=tv)))
             if ctx == max(contexts) and name == "bf16" and os.environ.get("BENCH_TORCH_REFERENCE", "1") == "1":
