@@ -85,6 +85,10 @@ def test_split_choice_fills_waves():
     assert ctas / (math.ceil(ctas / 396) * 396) > 0.85
     assert cuda_decode.choose_splits(8, 8, 32768, 132, 3) > 4  # long sequences: split-K
     assert cuda_decode.choose_splits(1, 1, 100, 132, 3) == 1  # too short to split
+    # a sparse step's short rows (64 blocks x 16 tokens, b8 x 8 kv heads): 4 tiles per split allow
+    # 4 splits (256 of 396 CTA slots), 2 tiles per split 6 (384)
+    assert cuda_decode.choose_splits(8, 8, 1024, 132, 3) == 4
+    assert cuda_decode.choose_splits(8, 8, 1024, 132, 3, min_tiles=2) == 6
 
 
 def test_unsupported_reasons():

@@ -156,11 +156,12 @@ def compile_decode(dtype: torch.dtype, head_dim: int, group: int, arch: str = "s
                                 name_expressions=list(kernel_names(dtype, head_dim, group, cfg)))
 
 
-def choose_splits(batch: int, kv_heads: int, tokens_per_seq: int, num_sms: int, ctas_per_sm: int) -> int:
-    """Split each sequence's tokens so the grid fills whole waves; at least ~4 tiles per split."""
+def choose_splits(batch: int, kv_heads: int, tokens_per_seq: int, num_sms: int, ctas_per_sm: int,
+                  min_tiles: int = 4) -> int:
+    """Split each sequence's tokens so the grid fills whole waves; at least ~min_tiles tiles per split."""
     slots = num_sms * ctas_per_sm
     base = batch * kv_heads
-    max_splits = max(1, min(64, tokens_per_seq // (4 * TILE)))
+    max_splits = max(1, min(64, tokens_per_seq // (min_tiles * TILE)))
     best, best_score = 1, -1.0
     for s in range(1, max_splits + 1):
         ctas = base * s
@@ -176,9 +177,15 @@ def _device_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Sparse decode (block_indices given, no explicit config or KVPOOL_DECODE_KERNEL): the kernel config
+# and the minimum tiles per split for its short rows (None / 4: as dense).
+SPARSE_CONFIG: KernelConfig | None = None
+SPARSE_MIN_TILES = 4
+
+
 @functools.lru_cache(maxsize=256)
 def _launch_plan(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfig, block_size: int, batch: int,
-                 kv_heads: int, items: int, device_index: int, num_splits: int | None):
+                 kv_heads: int, items: int, device_index: int, num_splits: int | None, min_tiles: int = 4):
     """Kernels, shared memory and split count for one call shape, cached: a decode step calls
     this with the same shape every layer, and the Python around a ~100 us kernel matters."""
     if cfg.variant == "mma" and block_size & (block_size - 1):
@@ -189,7 +196,7 @@ def _launch_plan(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfi
     smem = smem_bytes(dtype, head_dim, group, cfg)
     if num_splits is None:
         per_sm = max(1, min(228 * 1024 // (smem + 1024), 2048 // THREADS))
-        num_splits = choose_splits(batch, kv_heads, items * block_size, _device_sms(device_index), per_sm)
+        num_splits = choose_splits(batch, kv_heads, items * block_size, _device_sms(device_index), per_sm, min_tiles)
     if cfg.variant == "mma":  # a CTA's share of blocks must fit the kernel's shared table
         num_splits = max(num_splits, -(-items // MMA_MAX_ITEMS))
     return main, combine, smem, num_splits, cfg.variant
@@ -258,13 +265,20 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     B, hq, d, H, group, scale_log2 = _decode_dims(q, pool, scale)
     if B == 0:
         return torch.empty_like(q)
-    cfg = default_config() if config is None else config
+    sparse = block_indices is not None
+    if config is not None:
+        cfg = config
+    elif sparse and SPARSE_CONFIG is not None and not os.environ.get("KVPOOL_DECODE_KERNEL"):
+        cfg = SPARSE_CONFIG
+    else:
+        cfg = default_config()
     q = q.contiguous()
     table = block_table.contiguous()
     kc, vc = pool.layer_cache(layer)
     idx, n, idx_b_stride, idx_h_stride, items = _index_args(block_indices, table, H)
     main, combine, smem, num_splits, variant = _launch_plan(pool.dtype, d, group, cfg, pool.block_size, B, H,
-                                                            items, q.device.index or 0, num_splits)
+                                                            items, q.device.index or 0, num_splits,
+                                                            SPARSE_MIN_TILES if sparse else 4)
     out = torch.empty_like(q)
     o_part, ml_part = _partials(q, num_splits)
     args = [q, kc, vc, table, table.shape[1], seq_lens, idx, idx_b_stride, idx_h_stride, n, out, o_part,
