@@ -186,6 +186,15 @@ def main() -> None:
                     r[f"select_stream{sfx}_us"] = us(t_st)
                     r[f"select_stream{sfx}_equals_reference"] = bool(torch.equal(sel(), ref))
                     if chunk is None:
+                        # the sparse decode on the 2-stage kernel with 2 tiles per split (more CTAs per SM)
+                        saved = cuda_decode.SPARSE_CONFIG, cuda_decode.SPARSE_MIN_TILES
+                        cuda_decode.SPARSE_CONFIG, cuda_decode.SPARSE_MIN_TILES = CFG_MMA2, 2
+                        try:
+                            r["sparse_step_stream_mma2_us"] = us(bench(step))
+                            r["sparse_step_stream_mma2_graph_us"] = us(bench_graph(step))
+                            r["sparse_decode_only_mma2_us"] = us(bench(sparse_only))
+                        finally:
+                            cuda_decode.SPARSE_CONFIG, cuda_decode.SPARSE_MIN_TILES = saved
                         g_st, t_sst, g_sst = bench_graph(sel), bench(step), bench_graph(step)
                         r.update({"select_stream_graph_us": us(g_st), "sparse_step_stream_us": us(t_sst),
                                   "sparse_step_stream_graph_us": us(g_sst),
