@@ -33,6 +33,47 @@ def test_negative_or_non_finite_scales_are_refused(bad, which):
         deepgemm.fp8_gemm_nt((a, sfa), (b, sfb), d)
 
 
+def test_scales_of_rows_a_grouped_gemm_never_reads_are_not_checked():
+    """DeepGEMM's grouped tests leave padding rows' scales as they come (the psum layout's gaps even
+    uninitialized): rows with m_indices -1, psum gaps and masked rows past masked_m may hold anything, and the
+    results of the rows that count match the float reference; a bad scale in a row that is read is still an
+    ArgumentError."""
+    g, n, k = 2, 64, 256
+    b = torch.randn(g, n, k)
+    b8 = torch.empty(g, n, k, dtype=torch.float8_e4m3fn)
+    sfb = torch.empty(g, n // 128 + 1, k // 128)
+    for i in range(g):
+        b8[i], sfb[i] = utils.per_block_cast_to_fp8(b[i])
+    # contiguous, psum layout: group 0 owns rows [0, 100), group 1 [128, 200); rows 100-127 and 200-255 are gaps
+    a8, sfa = utils.per_token_cast_to_fp8(torch.randn(256, k))
+    sfa[100:128] = math.nan
+    sfa[200:] = -1.0
+    ends = torch.tensor([100, 200], dtype=torch.int32)
+    d = torch.zeros(256, n, dtype=torch.bfloat16)
+    deepgemm.m_grouped_fp8_gemm_nt_contiguous((a8, sfa), (b8, sfb), d, ends, use_psum_layout=True)
+    deq_b = b8.float() * sfb.repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)
+    deq_a = a8.float() * sfa.repeat_interleave(128, 1)
+    for grp, (lo, hi) in enumerate(((0, 100), (128, 200))):
+        torch.testing.assert_close(d[lo:hi].float(), deq_a[lo:hi] @ deq_b[grp].T, rtol=1e-2, atol=1e-2)
+    sfa[5, 1] = math.inf  # a row group 0 reads
+    with pytest.raises(ArgumentError, match=r"sfa: expected finite scales >= 0, got inf at index \(5, 1\)"):
+        deepgemm.m_grouped_fp8_gemm_nt_contiguous((a8, sfa), (b8, sfb), d, ends, use_psum_layout=True)
+    # masked: rows past masked_m[g] are not read
+    a3 = torch.empty(g, 64, k, dtype=torch.float8_e4m3fn)
+    sfa3 = torch.empty(g, 64, k // 128)
+    for i in range(g):
+        a3[i], sfa3[i] = utils.per_token_cast_to_fp8(torch.randn(64, k))
+    masked_m = torch.tensor([10, 64], dtype=torch.int32)
+    sfa3[0, 10:] = math.nan
+    d3 = torch.zeros(g, 64, n, dtype=torch.bfloat16)
+    deepgemm.m_grouped_fp8_gemm_nt_masked((a3, sfa3), (b8, sfb), d3, masked_m, 32)
+    deq_a3 = a3.float() * sfa3.repeat_interleave(128, 2)
+    torch.testing.assert_close(d3[0, :10].float(), deq_a3[0, :10] @ deq_b[0].T, rtol=1e-2, atol=1e-2)
+    sfa3[1, 63, 0] = -2.0  # group 1 reads all 64 rows
+    with pytest.raises(ArgumentError, match=r"sfa: expected finite scales >= 0, got -2.0 at index \(1, 63, 0\)"):
+        deepgemm.m_grouped_fp8_gemm_nt_masked((a3, sfa3), (b8, sfb), d3, masked_m, 32)
+
+
 def test_zero_scales_are_a_zero_block():
     (a, sfa), (b, sfb) = _operands()
     sfa[3, 0] = 0.0

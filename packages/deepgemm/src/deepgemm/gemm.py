@@ -334,11 +334,13 @@ def _contiguous(a, sfa, b, sfb, d, grouped_layout, fp8: bool, *, use_psum_layout
     if m % align and not use_psum_layout:
         raise ShapeError(f"a: expected M_sum to be a multiple of {align} (the contiguous-layout alignment), got {m}")
     gran_k, gran_n = gran
+    m_indices = psum_to_m_indices(grouped_layout, m) if use_psum_layout else grouped_layout
     if fp8:
-        sfa = validate.sf(sfa, "sfa", m, k, 1, gran_k, None)
+        # Padding rows (-1) are never read: their scales may be anything (DeepGEMM's psum test leaves them
+        # uninitialized).
+        sfa = validate.sf(sfa, "sfa", m, k, 1, gran_k, None, rows_used=lambda: m_indices >= 0)
         sfb = validate.sf(sfb, "sfb", n, k, gran_n, gran_k, g)
     device = validate.same_device(a=a, sfa=sfa, b=b, sfb=sfb, d=d, grouped_layout=grouped_layout)
-    m_indices = psum_to_m_indices(grouped_layout, m) if use_psum_layout else grouped_layout
     if device.type == "cuda":
         from . import cuda_gemm
 
@@ -370,7 +372,9 @@ def _masked(a, sfa, b, sfb, d, masked_m, expected_m, fp8: bool, gran=(128, 128))
         raise ArgumentError(f"expected_m: expected a positive int (typical rows per group), got {expected_m!r}")
     gran_k, gran_n = gran
     if fp8:
-        sfa = validate.sf(sfa, "sfa", m_max, k, 1, gran_k, g)
+        # Rows past masked_m[g] are never read: their scales are not checked.
+        sfa = validate.sf(sfa, "sfa", m_max, k, 1, gran_k, g,
+                          rows_used=lambda: torch.arange(m_max, device=masked_m.device) < masked_m.view(-1, 1))
         sfb = validate.sf(sfb, "sfb", n, k, gran_n, gran_k, g)
     device = validate.same_device(a=a, sfa=sfa, b=b, sfb=sfb, d=d, masked_m=masked_m)
     if device.type == "cuda":

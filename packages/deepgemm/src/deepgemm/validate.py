@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,9 +101,13 @@ def recipe(r: Any) -> None:
                          f"got {t}")
 
 
-def sf(x: Any, name: str, rows: int, k: int, gran_rows: int, gran_k: int, groups: int | None) -> torch.Tensor:
+def sf(x: Any, name: str, rows: int, k: int, gran_rows: int, gran_k: int, groups: int | None,
+       rows_used: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
     """A scale tensor [(G,) ceil(rows/gran_rows), ceil(k/gran_k)] float32, or packed UE8M0 int32
-    [(G,) rows, ceil(ceil(k/gran_k)/4)] (gran_rows must be 1); returns the float32 logical tensor."""
+    [(G,) rows, ceil(ceil(k/gran_k)/4)] (gran_rows must be 1); returns the float32 logical tensor.
+    `rows_used()` (bool [(G,) rows], made only when values are checked): the rows the GEMM reads; the
+    others (padding of grouped layouts, which DeepGEMM leaves as they are, even uninitialized) are not
+    checked."""
     sk = ceil_div(k, gran_k)
     lead = () if groups is None else (groups,)
     if not isinstance(x, torch.Tensor):
@@ -122,7 +127,7 @@ def sf(x: Any, name: str, rows: int, k: int, gran_rows: int, gran_k: int, groups
         raise ShapeError(f"{name}: expected shape {want}, got {tuple(x.shape)} (scales are passed in the same "
                          f"stored orientation as their operand, as in DeepGEMM: transpose them with it)")
     shape(x, name, want)
-    scale_values(x, name)
+    scale_values(x, name, rows_used)
     return x
 
 
@@ -143,13 +148,16 @@ def _first(bad: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in bad.nonzero()[0].tolist())
 
 
-def scale_values(x: torch.Tensor, name: str) -> None:
+def scale_values(x: torch.Tensor, name: str, rows_used: Callable[[], torch.Tensor] | None = None) -> None:
     """Scales must be finite and >= 0: a NaN or Inf scale turns its whole block (up to 128 x 128 outputs'
     worth of products) into NaN, a negative one flips the block's sign. The cast helpers in deepgemm.utils
-    never produce them (an Inf or NaN input stays at its own position)."""
+    never produce them (an Inf or NaN input stays at its own position). `rows_used()`: bool over x's
+    leading dims, the rows to check (see sf)."""
     if x.numel() == 0 or not value_checks(x, name):
         return
     bad = ~torch.isfinite(x) | (x < 0)
+    if rows_used is not None:
+        bad &= rows_used().to(bad.device).unsqueeze(-1)
     if bool(bad.any()):
         at = _first(bad)
         raise ArgumentError(f"{name}: expected finite scales >= 0, got {float(x[at])} at index {at}")
