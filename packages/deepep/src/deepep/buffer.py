@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import logging
 import os
 import socket
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +21,7 @@ from .dispatcher import Dispatcher, DispatchInput, EngineOptions
 from .engines.torch import LowLatencyBuffers, LowLatencyHandle, TorchDispatcher, ll_combine, ll_dispatch
 from .event import EventOverlap
 from .layout import check_topk_idx, compute_layout
-from .transport.torch_dist import TorchDistTransport
+from .transport.torch_dist import TorchDistTransport, release_pair_groups
 
 log = logging.getLogger("deepep")
 
@@ -28,6 +31,25 @@ LAUNCHER_WORLD_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_
 DEFAULT_TIMEOUT_S = float(os.environ.get("DEEPEP_TIMEOUT_S", "60"))
 
 XTensor = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+# Buffers not destroyed yet: at interpreter exit (atexit, while Python is still whole) each is
+# destroyed, so no process group stays alive through deepep into interpreter finalization, where
+# its threads (Gloo's pt_gloo_runloop workers and gloo_tcp_loop, the TCPStore server's
+# pt_tcpstore_uv on rank 0) would be torn down with the interpreter half gone.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _destroy_live_buffers() -> None:
+    for buf in list(_LIVE):
+        try:
+            buf.destroy()
+        except Exception as e:  # exiting: release what can be released, say why not at debug
+            log.debug("atexit: Buffer.destroy failed: %s: %s", type(e).__name__, e)
+    release_pair_groups()  # the shrink mode's two-rank groups, shared by Buffers for the process's life
+    gc.collect()  # engine objects in reference cycles still hold groups: free them now
+
+
+atexit.register(_destroy_live_buffers)
 
 
 def _shape(t: Any) -> object:
@@ -58,19 +80,7 @@ class Buffer:
                  num_max_tokens_per_rank: int = 4096, hidden: int = 7168) -> None:
         if transport not in TRANSPORTS:
             raise ArgumentError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
-        self._local = transport == "local" or (group is None and comm is None and not dist.is_initialized())
-        if self._local:
-            self._check_local(group, transport)
-        elif group is None and comm is not None and not dist.is_initialized():
-            # DeepEP's `comm`: an mpi4py communicator instead of a group; it bootstraps torch.distributed.
-            from .mpi import init_from_mpi
-
-            init_from_mpi()
-        if not self._local and group is None and comm is not None and comm.Get_size() != dist.get_world_size():
-            raise ValueError(f"comm: expected a communicator of all {dist.get_world_size()} ranks (the default "
-                             f"group), got one of {comm.Get_size()}")
-        if timeout_s <= 0:
-            raise ArgumentError(f"timeout_s: expected > 0, got {timeout_s}")
+        self._group_arg = group  # None: the default group, looked up again by reset() (never pinned after destroy)
         if self._local:
             self.group, self.rank, self.group_size = group, 0, 1
         else:
@@ -119,6 +129,9 @@ class Buffer:
     def _setup(self) -> None:
         self._destroyed = False
         self._shrink_auto = False  # set below where the transport can drop a silent peer
+        if self.group is None and not self._local:
+            self.group = dist.group.WORLD
+        _LIVE.add(self)
         self._ll_bufs = LowLatencyBuffers()
         self._comm_stream = None
         if self._local:
@@ -192,7 +205,7 @@ class Buffer:
             self._local = self._requested_transport == "local"
             if self._local:
                 self._check_local(group, "local")
-            self.group = group
+            self.group = self._group_arg = group
             self.rank = dist.get_rank(group)
             self.group_size = dist.get_world_size(group)
             self._num_ranks_per_node_arg = min(self._num_ranks_per_node_arg or self.group_size, self.group_size)
@@ -200,12 +213,27 @@ class Buffer:
 
     def destroy(self) -> None:
         """Release the engine's resources now (DeepEP: required with explicitly_destroy=True; here always
-        allowed). Any later call on this Buffer raises RuntimeError until reset()."""
+        allowed). Any later call on this Buffer raises RuntimeError until reset().
+
+        Outstanding transfers (an async call whose event or hook was never used) are waited for,
+        within timeout_s; the groups deepep made itself (the NVLink engine's Gloo side group, the
+        hierarchical engine's Gloo node/rail groups) are destroyed; and the Buffer lets go of every
+        group it holds, the default group included (not one passed as `group`: that is the caller's).
+        So after `buffer.destroy()` and `dist.destroy_process_group()` no thread of those groups is
+        left. A Buffer still alive at interpreter exit is destroyed by an atexit hook."""
         backend = getattr(self, "_backend", None)
-        if backend is not None:
-            backend.destroy()
-        self._backend = None
+        transport = getattr(self, "_transport", None)
+        self._backend = self._transport = None
         self._destroyed = True
+        _LIVE.discard(self)
+        try:
+            if backend is not None:
+                backend.destroy()
+        finally:
+            if transport is not None and hasattr(transport, "close"):
+                transport.close()
+            if self._group_arg is None and not self._local:
+                self.group = None
 
     def _alive(self) -> None:
         if getattr(self, "_destroyed", False):

@@ -33,7 +33,7 @@ from ..dispatcher import (
 )
 from ..layout import Layout, compute_layout
 from ..packing import RowFormat
-from ..transport.torch_dist import TorchDistTransport
+from ..transport.torch_dist import TorchDistTransport, destroy_own_group
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -191,7 +191,11 @@ class HierarchicalDispatcher:
         return None  # the low-latency mode stays single level (Buffer's torch engine over the group)
 
     def destroy(self) -> None:
-        pass  # the node and rail groups are torch.distributed's to free
+        node, rail = self.node.group, self.rail.group
+        for t in (self.node, self.rail, self.flat):
+            t.close()
+        for g in (node, rail):  # made by this engine (_subgroups): freed with it
+            destroy_own_group(g)
 
     def combine(self, x: torch.Tensor, handle: HierarchicalHandle, topk_weights: torch.Tensor | None,
                 config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -10,6 +10,11 @@ per peer, so a peer that stops answering can be dropped without breaking the oth
 pair closure"); on a two-rank group that is the one pair with the silent peer. The exchange then
 records the peer in `lost` (a set the caller passes), zero-fills what it would have received from
 it, and finishes with the live ranks.
+
+Every work issued is tracked until it was waited for; `close()` waits (bounded) for the ones nobody
+waited for and lets go of the group, so the group's threads (Gloo's workers and its TCP loop, the
+TCPStore server on rank 0) end when the group is destroyed, not during interpreter shutdown (see
+Buffer.destroy; the shrink mode's pair groups are freed by `release_pair_groups` at exit).
 """
 
 from __future__ import annotations
@@ -31,6 +36,25 @@ log = logging.getLogger("deepep.transport")
 # the ranks, so a second Buffer reuses them; a pair closed by a timeout stays closed).
 _PAIR_GROUPS: dict[tuple[int, int], dist.ProcessGroup] = {}
 
+def destroy_own_group(group: dist.ProcessGroup | None) -> None:
+    """Free a Gloo group deepep made itself (dist.new_group) now, so its threads end here and not at
+    interpreter exit. Groups of other backends are left to dist.destroy_process_group(): destroying
+    an NCCL communicator is collective. A group already destroyed is fine."""
+    if group is None or not dist.is_initialized():
+        return
+    try:
+        if "gloo" in str(dist.get_backend(group)).lower():
+            dist.destroy_process_group(group)
+    except (ValueError, RuntimeError) as e:  # destroyed already (e.g. by destroy_process_group())
+        log.debug("destroy_own_group: %s", e)
+
+
+def release_pair_groups() -> None:
+    """Destroy the shrink mode's two-rank Gloo groups (kept for the whole process, shared by Buffers):
+    called at interpreter exit, after the live Buffers are destroyed, so their threads end there."""
+    for key in list(_PAIR_GROUPS):
+        destroy_own_group(_PAIR_GROUPS.pop(key))
+
 
 class TorchDistTransport(RowTransport):
     def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
@@ -44,6 +68,53 @@ class TorchDistTransport(RowTransport):
         self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in self.backend else torch.device("cpu")
         self._use_p2p = False
         self.pairs: dict[int, dist.ProcessGroup] | None = None  # group rank -> two-rank group (shrink mode)
+        # id(work) -> (work, stage, gloo send/recv?, abandoned?): issued and not yet waited for; a work
+        # whose bounded wait failed stays here as abandoned (close() does not wait for it again).
+        self._pending: dict[int, tuple[object, str, bool, bool]] = {}
+
+    # ------------------------------------------------------------------ outstanding works
+
+    def _track(self, works: list, stage: str, p2p: bool = False) -> None:
+        for w in works:
+            self._pending[id(w)] = (w, stage, p2p, False)
+
+    def _settled(self, works: list, ok: bool) -> None:
+        for w in works:
+            if ok:
+                self._pending.pop(id(w), None)
+            elif id(w) in self._pending:
+                self._pending[id(w)] = (*self._pending[id(w)][:3], True)
+
+    def _waited(self, works: list, wait: Callable[[], None]) -> None:
+        try:
+            wait()
+        except BaseException:
+            self._settled(works, ok=False)
+            raise
+        self._settled(works, ok=True)
+
+    def close(self) -> None:
+        """Wait for the works this transport issued that nobody waited for (an async call whose event
+        or hook was never used), all within one timeout_s, then let go of the group. Works whose wait
+        already failed (a dead or stuck peer) are not waited for again: they end with the group's own
+        timeout. Idempotent; the transport is unusable afterwards."""
+        deadline = time.monotonic() + self.timeout_s
+        for work, stage, p2p, abandoned in list(self._pending.values()):
+            if abandoned:
+                log.debug("rank %d: close: the '%s' transfer that timed out earlier is still pending",
+                          self.global_rank, stage)
+                continue
+            try:
+                if p2p:
+                    self._wait_p2p(work, stage, deadline, None)
+                else:
+                    wait_work(work, rank=self.global_rank, stage=stage,
+                              timeout_s=max(deadline - time.monotonic(), 1e-3))
+            except Exception as e:  # closing must release the rest; the failure is the peer's
+                log.warning("deepep rank %d: close: an outstanding '%s' transfer did not finish (%s)",
+                            self.global_rank, stage, e)
+        self._pending.clear()
+        self.group = self.pairs = None
 
     def enable_pair_groups(self) -> bool:
         """Shrink mode on Gloo: one two-rank group per peer for the low-latency exchanges. Collective over
@@ -102,7 +173,9 @@ class TorchDistTransport(RowTransport):
                           self.backend, e)
                 self._use_p2p = True
             else:
-                return lambda: wait_work(work, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)
+                self._track([work], stage)
+                return lambda: self._waited([work], lambda: wait_work(work, rank=self.global_rank, stage=stage,
+                                                                      timeout_s=self.timeout_s))
         return self._p2p_a2a(out, inp, out_splits, in_splits, stage)
 
     def _p2p_a2a(self, out, inp, out_splits, in_splits, stage, masked: frozenset[int] = frozenset(),
@@ -135,11 +208,14 @@ class TorchDistTransport(RowTransport):
                 try:
                     works.append(op.op(op.tensor, op.peer, group=op.group))
                 except RuntimeError as e:
+                    self._track(works, stage, p2p=True)
+                    self._settled(works, ok=False)  # issued before the failure: left to the group's timeout
                     raise comm_error(self.global_rank, stage, f"failed: {type(e).__name__}: {e}", g) from e
         else:
             works = dist.batch_isend_irecv(ops) if ops else []
+        self._track(works, stage, p2p="gloo" in self.backend)
 
-        def finish() -> None:
+        def waits() -> None:
             per_op = len(works) == len(owner)  # NCCL may coalesce the batch into one work
             deadline = time.monotonic() + self.timeout_s  # one deadline for all of this exchange's works
             for i, w in enumerate(works):
@@ -148,7 +224,7 @@ class TorchDistTransport(RowTransport):
                 self._wait_p2p(w, stage, deadline, peer_of[i] if per_op else None)
                 if wait_ns is not None and peer >= 0:
                     wait_ns[peer] += time.perf_counter_ns() - t0
-        return finish
+        return lambda: self._waited(works, waits)
 
     def _pair_a2a(self, out, inp, out_splits, in_splits, stage, masked: frozenset[int], wait_ns: torch.Tensor | None,
                   lost: set[int]) -> Callable[[], None]:
@@ -183,6 +259,8 @@ class TorchDistTransport(RowTransport):
             except RuntimeError as e:  # its connection closed already: a dead peer
                 drop(peer, f"{type(e).__name__}: {e}")
 
+        self._track([w for _, w, _ in works], stage, p2p=True)
+
         def finish() -> None:
             deadline = time.monotonic() + self.timeout_s  # one deadline for all of this exchange's works
             for peer, w, _ in works:
@@ -195,6 +273,8 @@ class TorchDistTransport(RowTransport):
                     drop(peer, f"{type(e).__name__}: {e}")
                 if wait_ns is not None:
                     wait_ns[peer] += time.perf_counter_ns() - t0
+            self._settled([w for p, w, _ in works if p not in lost], ok=True)
+            self._settled([w for p, w, _ in works if p in lost], ok=False)
         return finish
 
     def _wait_p2p(self, work: object, stage: str, deadline: float, peer: int | None) -> None:
@@ -226,7 +306,8 @@ class TorchDistTransport(RowTransport):
         send = counts.to(device=self.device, dtype=torch.int64).contiguous()
         out = [torch.empty_like(send) for _ in range(self.num_ranks)]
         work = dist.all_gather(out, send, group=self.group, async_op=True)
-        wait_work(work, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)
+        self._track([work], stage)
+        self._waited([work], lambda: wait_work(work, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s))
         return torch.stack(out).cpu()
 
     def exchange_rows_start(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
@@ -254,4 +335,5 @@ class TorchDistTransport(RowTransport):
     def barrier(self, stage: str) -> None:
         t = torch.zeros(1, device=self.device)
         work = dist.all_reduce(t, group=self.group, async_op=True)
-        wait_work(work, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s)
+        self._track([work], stage)
+        self._waited([work], lambda: wait_work(work, rank=self.global_rank, stage=stage, timeout_s=self.timeout_s))

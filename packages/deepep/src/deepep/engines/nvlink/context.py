@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tilehal import CommTimeoutError, ShapeError
 
 from ...dispatcher import check_meta
-from ...transport.torch_dist import TorchDistTransport
+from ...transport.torch_dist import TorchDistTransport, destroy_own_group
 from .memory import HostMapped, SharedRegion, cuda_driver
 
 log = logging.getLogger("deepep.nvlink")
@@ -159,6 +159,9 @@ class Agreement:
 
     def destroy(self) -> None:
         self.agreed.clear()
+        group = self.t.group
+        self.t.close()
+        destroy_own_group(group)  # the side group is this context's own: its Gloo threads end here
 
 
 class NvlinkContext:

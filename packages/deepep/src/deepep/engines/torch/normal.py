@@ -171,7 +171,7 @@ class TorchDispatcher:
         return None  # Buffer runs engines/torch/low_latency.py over the group
 
     def destroy(self) -> None:
-        pass  # nothing held beyond the group, which belongs to the caller
+        self.t.close()  # outstanding works waited for; the caller's group is let go
 
     def combine(self, x: torch.Tensor, handle: TorchHandle, topk_weights: torch.Tensor | None,
                 config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
