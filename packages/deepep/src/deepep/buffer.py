@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from tilehal import ArgumentError, expect
 
+from . import checks
 from .config import Config, default_combine_config, default_dispatch_config
 from .dispatcher import Dispatcher, DispatchInput, EngineOptions
 from .engines.torch import LowLatencyBuffers, LowLatencyHandle, TorchDispatcher, ll_combine, ll_dispatch
@@ -78,8 +79,33 @@ class Buffer:
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Any = None, *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, transport: str = "auto", num_ranks_per_node: int | None = None,
                  num_max_tokens_per_rank: int = 4096, hidden: int = 7168) -> None:
-        if transport not in TRANSPORTS:
+        if not isinstance(transport, str) or transport not in TRANSPORTS:
             raise ArgumentError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ArgumentError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        num_nvl_bytes = checks.check_int(num_nvl_bytes, "num_nvl_bytes", lo=0)
+        num_rdma_bytes = checks.check_int(num_rdma_bytes, "num_rdma_bytes", lo=0)
+        num_qps_per_rank = checks.check_int(num_qps_per_rank, "num_qps_per_rank", lo=0)
+        num_max_tokens_per_rank = checks.check_int(num_max_tokens_per_rank, "num_max_tokens_per_rank", lo=1)
+        hidden = checks.check_int(hidden, "hidden", lo=1)
+        if num_ranks_per_node is not None:
+            num_ranks_per_node = checks.check_int(num_ranks_per_node, "num_ranks_per_node", lo=1)
+        timeout_s = checks.positive_seconds(timeout_s, "timeout_s")
+        checks.flags(low_latency_mode=low_latency_mode, allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
+                     allow_mnnvl=allow_mnnvl, explicitly_destroy=explicitly_destroy, enable_shrink=enable_shrink)
+        self._local = transport == "local" or (group is None and comm is None and not dist.is_initialized())
+        if self._local:
+            self._check_local(group, transport)
+        elif group is None and comm is not None and not dist.is_initialized():
+            # DeepEP's `comm`: an mpi4py communicator instead of a group; it bootstraps torch.distributed.
+            from .mpi import init_from_mpi
+
+            init_from_mpi()
+        if not self._local and group is None and comm is not None and comm.Get_size() != dist.get_world_size():
+            raise ValueError(f"comm: expected a communicator of all {dist.get_world_size()} ranks (the default "
+                             f"group), got one of {comm.Get_size()}")
+        if timeout_s <= 0:
+            raise ArgumentError(f"timeout_s: expected > 0, got {timeout_s}")
         self._group_arg = group  # None: the default group, looked up again by reset() (never pinned after destroy)
         if self._local:
             self.group, self.rank, self.group_size = group, 0, 1
@@ -232,7 +258,7 @@ class Buffer:
         finally:
             if transport is not None and hasattr(transport, "close"):
                 transport.close()
-            if self._group_arg is None and not self._local:
+            if getattr(self, "_group_arg", None) is None and not getattr(self, "_local", True):
                 self.group = None
 
     def _alive(self) -> None:
@@ -380,6 +406,9 @@ class Buffer:
                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
         """-> (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] or None,
         num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)."""
+        num_experts = checks.check_int(num_experts, "num_experts", lo=1, hi=checks.INT32_MAX)
+        checks.tensor(topk_idx, "topk_idx", ndim=2, dtypes=(torch.int64,))
+        checks.flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
         result: list[EventOverlap] = []
         with self._comm_scope(topk_idx.device, previous_event, async_finish, result):
             lay = self._backend.layout(topk_idx, num_experts)
@@ -427,8 +456,14 @@ class Buffer:
         self._alive()
         inp = self._check_x(x)
         t, dev = inp.num_tokens, inp.x.device
-        expect(expert_alignment >= 1, "expert_alignment", ">= 1", expert_alignment)
-        expect(num_worst_tokens >= 0, "num_worst_tokens", ">= 0", num_worst_tokens)
+        expert_alignment = checks.check_int(expert_alignment, "expert_alignment", lo=1)
+        num_worst_tokens = checks.check_int(num_worst_tokens, "num_worst_tokens", lo=0, hi=checks.INT32_MAX)
+        checks.tensor(topk_idx, "topk_idx", optional=True)
+        checks.tensor(topk_weights, "topk_weights", optional=True)
+        checks.tensor(num_tokens_per_expert, "num_tokens_per_expert", ndim=1, optional=True,
+                      dtypes=(torch.int32, torch.int64))
+        checks.tensor(is_token_in_rank, "is_token_in_rank", ndim=2, optional=True)
+        checks.flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
         if topk_idx is not None:
             expect(topk_idx.dim() == 2 and topk_idx.shape[0] == t, "topk_idx", f"shape [{t}, k]", _shape(topk_idx))
             expect(topk_idx.dtype == torch.int64, "topk_idx.dtype", "torch.int64", topk_idx.dtype)
@@ -529,6 +564,8 @@ class Buffer:
         """
         self._alive()
         self._check_handle(handle, "handle")
+        checks.tensor(topk_weights, "topk_weights", optional=True)
+        checks.flags(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
         n = handle.num_recv_tokens
         expect(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] >= n and x.shape[1] == handle.hidden,
                "x", f"[>= {n}, {handle.hidden}] (the dispatch's received rows)", _shape(x))
@@ -605,6 +642,13 @@ class Buffer:
         The handle indexes like DeepEP's: (src_info, layout_range, max_tokens, hidden, num_experts).
         """
         self._alive()
+        num_max_dispatch_tokens_per_rank = checks.check_int(num_max_dispatch_tokens_per_rank,
+                                                            "num_max_dispatch_tokens_per_rank", lo=1,
+                                                            hi=checks.INT32_MAX // max(self.group_size, 1))
+        num_experts = checks.check_int(num_experts, "num_experts", lo=1, hi=checks.INT32_MAX)
+        checks.tensor(topk_idx, "topk_idx", ndim=2, dtypes=(torch.int64,))
+        checks.flags(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=async_finish,
+                     return_recv_hook=return_recv_hook)
         t = x.shape[0] if isinstance(x, torch.Tensor) else -1
         expect(isinstance(x, torch.Tensor) and x.dim() == 2, "x", "a 2-D tensor [T, H]", _shape(x))
         expect(x.dtype == torch.bfloat16 or not use_fp8 and x.dtype in (torch.float16, torch.float32), "x.dtype",
@@ -714,6 +758,10 @@ class Buffer:
         `combine_wait_recv_cost_stats` (int64 [num_ranks]): nanoseconds waited for each rank's rows.
         """
         self._alive()
+        checks.tensor(topk_idx, "topk_idx", ndim=2, dtypes=(torch.int64,))
+        checks.tensor(topk_weights, "topk_weights", ndim=2)
+        checks.flags(use_logfmt=use_logfmt, zero_copy=zero_copy, async_finish=async_finish,
+                     return_recv_hook=return_recv_hook)
         engine_ll = self._backend.low_latency()
         expect(isinstance(handle, (LowLatencyHandle,) + ((engine_ll.handle_type,) if engine_ll else ())), "handle",
                "the handle of low_latency_dispatch", type(handle).__name__)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tilehal import ShapeError
 
 FP8_MAX = 448.0
 GROUP = 128
@@ -20,8 +21,12 @@ def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False) -> tuple[t
 
     scale = amax(group) / 448 (rounded up to a power of two with `round_scale`), so x ~= x_fp8 * scale.
     """
+    from .checks import flag, tensor
+
+    tensor(x, "x")
+    flag(round_scale, "round_scale")
     if x.dim() != 2 or x.shape[1] % GROUP:
-        raise ValueError(f"x: expected [T, H] with H % {GROUP} == 0, got shape {tuple(x.shape)}")
+        raise ShapeError(f"x: expected [T, H] with H % {GROUP} == 0, got shape {tuple(x.shape)}")
     t, h = x.shape
     g = x.float().view(t, h // GROUP, GROUP)
     amax = g.abs().amax(dim=2).clamp(min=1e-4)
@@ -48,7 +53,16 @@ def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
 def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Inverse of `per_token_cast_to_fp8`: bf16 like DeepEP's (any leading dims). `scales` may also be
     packed UE8M0 (int32, four per word) as low-latency dispatch returns with use_ue8m0=True."""
+    from .checks import tensor
+
+    tensor(x_fp8, "x_fp8")
+    tensor(scales, "scales", dtypes=(torch.float32, torch.int32))
     h = x_fp8.shape[-1]
+    groups = -(-h // GROUP) // (4 if scales.dtype == torch.int32 else 1)
+    if x_fp8.dim() < 1 or h % GROUP or tuple(scales.shape) != (*x_fp8.shape[:-1], groups):
+        raise ShapeError(f"scales: expected shape {(*x_fp8.shape[:-1], groups)} for x_fp8 of shape "
+                         f"{tuple(x_fp8.shape)} (H % {GROUP} == 0; int32: UE8M0 packed four per word), got "
+                         f"{tuple(scales.shape)}")
     if scales.dtype == torch.int32:
         scales = unpack_ue8m0(scales)
     g = x_fp8.float().unflatten(-1, (h // GROUP, GROUP))
