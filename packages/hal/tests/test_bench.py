@@ -79,3 +79,19 @@ def test_bench_host_times_batches_of_back_to_back_calls():
     for bad in ({"per": 0}, {"batches": 0}, {"warmup": -1}, {"per": 1.5}):
         with pytest.raises(ArgumentError, match=next(iter(bad))):
             bench_host(work, **bad)
+
+
+def test_calc_diff_of_torch_tensors_matches_the_numpy_path():
+    """Torch tensors are compared on their device in float64 (DeepGEMM's helper does so on the GPU): the same
+    value as the numpy path, bf16 inputs included; shapes still checked."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 48, generator=g)
+    y = x + 0.01 * torch.randn(64, 48, generator=g)
+    assert calc_diff(x, y) == pytest.approx(calc_diff(x.numpy(), y.numpy()), rel=1e-12)
+    xb, yb = x.bfloat16(), y.bfloat16()
+    assert calc_diff(xb, yb) == pytest.approx(calc_diff(xb.float().numpy(), yb.float().numpy()), rel=1e-12)
+    assert calc_diff(torch.zeros(3), torch.zeros(3)) == 0.0
+    with pytest.raises(ShapeError, match="calc_diff"):
+        calc_diff(torch.zeros(2), torch.zeros(3))
