@@ -245,3 +245,17 @@ def test_bias_in_the_epilogue_on_the_gpu(m, n, k, monkeypatch):
         # (the fp32-out kernel may tile differently; the accumulation order along K is the same)
         torch.testing.assert_close(d.float(), ref32 + bias, rtol=2**-7, atol=1e-3, msg=f"fp8={fp8}")
         assert (d == (ref32 + bias).bfloat16()).float().mean().item() > 0.999
+
+
+def test_bf16_c_switch_sends_bf16_c_to_the_tile_kernel(fake_gpu, monkeypatch):
+    """DEEPGEMM_BF16_C=tile (A/B timing): a bf16 C goes to the tile kernel as before the persistent kernel
+    read it in place; by default the persistent kernel does (C_BF16)."""
+    launches, _ = fake_gpu
+    m, n, k = 256, 512, 512
+    a, b = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    c, d = torch.randn(m, n).bfloat16(), torch.empty(m, n, dtype=torch.bfloat16)
+    deepgemm.bf16_gemm_nt(a, b, d, c)
+    assert launches[-1][0].c_bf16
+    monkeypatch.setenv("DEEPGEMM_BF16_C", "tile")
+    deepgemm.bf16_gemm_nt(a, b, d, c)
+    assert "splitk" in launches[-1][0].expression

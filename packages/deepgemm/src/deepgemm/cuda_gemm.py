@@ -237,6 +237,12 @@ def overlap_allowed() -> bool:
     return os.environ.get("DEEPGEMM_FP8_OVERLAP", "1") != "0"
 
 
+def bf16_c_on_tiles() -> bool:
+    """DEEPGEMM_BF16_C=tile sends every bf16-C call to the tile kernel (the path before the persistent kernel
+    read a bf16 C in place; for A/B timing)."""
+    return os.environ.get("DEEPGEMM_BF16_C", "in_place") == "tile"
+
+
 def mn_major_in_place() -> bool:
     """DEEPGEMM_MN_MAJOR=copy copies MN-major bf16 operands K-major for the persistent kernel (A/B timing)."""
     return os.environ.get("DEEPGEMM_MN_MAJOR", "in_place") != "copy"
@@ -301,11 +307,13 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
         # Small M: too few output tiles for the SMs; split K instead (None when not clearly faster).
         sk = config if config is not None else splitk.pick_splitk(m, n, k, get_num_sms())
         if (sk is None and config is None and c is not None and c.dtype == torch.bfloat16
-                and not (d.dtype == torch.bfloat16 and staged_store(d.dtype, n, True, False))):
+                and (bf16_c_on_tiles() or not (d.dtype == torch.bfloat16 and staged_store(d.dtype, n, True, False)))):
             # bf16 accumulation where the persistent kernel's staged epilogue cannot read the bf16 C (N not a
-            # multiple of 8): the tile kernel reads it in place (widening C to fp32 would cost an extra pass).
+            # multiple of 8, or DEEPGEMM_BF16_C=tile): the tile kernel reads it in place (widening C to fp32
+            # would cost an extra pass).
             sk = splitk.pick_tiles(m, n, k, get_num_sms())
-            log.debug("bf16 %dx%dx%d with a bf16 C, N %% 8 != 0: tile kernel (reads C as bf16)", m, n, k)
+            log.debug("bf16 %dx%dx%d with a bf16 C (%s): tile kernel (reads C as bf16)", m, n, k,
+                      "DEEPGEMM_BF16_C=tile" if bf16_c_on_tiles() else "N % 8 != 0")
         if sk is not None:
             log.debug("bf16 %dx%dx%d: split-K kernel, %dx%d tiles, %d splits", m, n, k, sk.block_m, sk.block_n,
                       sk.splits)
