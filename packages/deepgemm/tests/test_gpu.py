@@ -326,3 +326,19 @@ def test_bench_kineto_sees_our_kernels():
     d = torch.empty(4096, 4096, dtype=torch.bfloat16, device="cuda")
     t = testing.bench_kineto(lambda: deepgemm.bf16_gemm_nt(a, b, d), "bf16_gemm", suppress_kineto_output=True)
     assert 0 < t < 0.01
+
+
+def test_bf16_grouped_contiguous_mn_major_b_on_gpu():
+    """DeepGEMM's SM90 bf16 m-grouped test passes an MN-major B ([G, K, N] storage seen as [G, N, K]) to the
+    nt entry point: accepted (copied K-major once), same result as the K-major B."""
+    g, n, k, rows = 4, 576, 384, 256
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(g * rows, k, generator=gen, device="cuda").bfloat16()
+    b = torch.randn(g, n, k, generator=gen, device="cuda").bfloat16()
+    b_mn = b.transpose(1, 2).contiguous().transpose(1, 2)  # same values, strides (K*N, 1, N)
+    m_idx = torch.arange(g, device="cuda", dtype=torch.int32).repeat_interleave(rows)
+    d_k, d_mn = (torch.empty(g * rows, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    deepgemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d_k, m_idx)
+    deepgemm.m_grouped_bf16_gemm_nt_contiguous(a, b_mn, d_mn, m_idx)
+    ref = torch.cat([a[i * rows:(i + 1) * rows].float() @ b[i].float().T for i in range(g)])
+    assert calc_diff(d_k, ref) < 1e-5 and torch.equal(d_k, d_mn)

@@ -259,3 +259,16 @@ def test_bf16_c_switch_sends_bf16_c_to_the_tile_kernel(fake_gpu, monkeypatch):
     monkeypatch.setenv("DEEPGEMM_BF16_C", "tile")
     deepgemm.bf16_gemm_nt(a, b, d, c)
     assert "splitk" in launches[-1][0].expression
+
+
+def test_mn_major_bf16_b_of_the_contiguous_grouped_gemm_is_taken(fake_gpu):
+    """An MN-major bf16 B for m_grouped_bf16_gemm_nt_contiguous (DeepGEMM's SM90 bf16 grouped tests pass one)
+    is copied K-major and launched, not refused."""
+    launches, _ = fake_gpu
+    g, n, k, rows = 2, 128, 256, 128
+    a = torch.randn(g * rows, k).bfloat16()
+    b = torch.randn(g, k, n).bfloat16().transpose(1, 2)  # [G, N, K] view, strides (K*N, 1, N)
+    d = torch.empty(g * rows, n, dtype=torch.bfloat16)
+    m_idx = torch.arange(g, dtype=torch.int32).repeat_interleave(rows)
+    deepgemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_idx)
+    assert launches and launches[-1][0].grouping == "contiguous"
