@@ -971,19 +971,21 @@ __device__ __forceinline__ void smem_fill(Half<Q4, D>& X, const unsigned char* l
   }
 }
 
-// int4 rows in the streamed kernel: the 8 codes of a lane's word enter the MMA as 128 + code (bf16
-// exponent 2^7, the code in mantissa bits 3..6: exact), channels i and i + 4 sharing a word (one
-// shift and one LOP3 per word: bits 4i, 4i + 16 -> 3, 19), against MmaQ<PAIRS4> columns. Per
-// 32-channel group j: bound += step * A + (lo - 128 * step) * sum(q), A the MMA's group sum.
+// int4 rows in the streamed kernel: the 8 codes of a lane's word enter the MMA as 16 + code (bf16
+// 0x4180 | code << 3: exponent 2^4, mantissa step 1/8 x 8 = 1: exact), channels i and i + 4
+// sharing a word (one shift and one LOP3 per word: bits 4i, 4i + 16 -> 3, 19), against
+// MmaQ<PAIRS4> columns. Per 32-channel group j: bound += step * A + (lo - 16 * step) * sum(q), A
+// the MMA's group sum (= 16 sum(q) + sum(q * code)). (R2 ran 0x4300, i.e. 128 + 8 * code, with a
+// 128 in the correction: wrong bounds, caught by the exactness test.)
 struct Q4S {};
 template <int D> struct Half4S {
   static constexpr int kJ = D / 32;
   unsigned c[2][kJ], pr[2][kJ];  // code words, (lo, step) bf16 pairs; [0] row r, [1] row r + 8
-  static __device__ __forceinline__ void words(unsigned w, unsigned (&o)[4]) {
-    o[0] = ((w << 3) & 0x00780078u) | 0x43004300u;
-    o[1] = ((w >> 1) & 0x00780078u) | 0x43004300u;
-    o[2] = ((w >> 5) & 0x00780078u) | 0x43004300u;
-    o[3] = ((w >> 9) & 0x00780078u) | 0x43004300u;
+  static __device__ __forceinline__ void words(unsigned w, unsigned (&o)[4]) {  // bf16 16 + code
+    o[0] = ((w << 3) & 0x00780078u) | 0x41804180u;
+    o[1] = ((w >> 1) & 0x00780078u) | 0x41804180u;
+    o[2] = ((w >> 5) & 0x00780078u) | 0x41804180u;
+    o[3] = ((w >> 9) & 0x00780078u) | 0x41804180u;
   }
   template <bool IS_MAX, int G, bool S, bool P4>
   __device__ __forceinline__ void mma(const MmaQ<D, G, S, P4>& Q, float (&acc)[4]) const {
@@ -1003,7 +1005,7 @@ template <int D> struct Half4S {
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
         const float2 ls = tilehal::bf16x2_to_float2(pr[s][j]);  // (lo, step)
-        const float c0 = fmaf(-128.f, ls.y, ls.x);
+        const float c0 = fmaf(-16.f, ls.y, ls.x);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float Ssum = IS_MAX ? Q.sp[j][e] : Q.sn[j][e];
