@@ -39,7 +39,6 @@ from kvpool import cuda_decode
 from tilehal.testing import environ
 
 HQ, H, D, BS, B, TOP = 32, 8, 128, 16, 8, 64
-CFG_MMA2 = cuda_decode.KernelConfig.parse("mma:64:2")  # the 2-stage mma decode kernel
 CTX_MAX = 128 * 1024
 
 
@@ -145,21 +144,21 @@ def main() -> None:
                     row[f"sparse_decode_splits{ns}_us"] = us(bench(
                         lambda bt=bt, sl=sl, idx=idx, ns=ns: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, idx,
                                                                                             num_splits=ns)))
-                # the 2-stage mma kernel (less shared memory: 3 CTAs per SM) at more splits
-                for ns in (4, 6, 8):
-                    row[f"sparse_decode_mma2_splits{ns}_us"] = us(bench(
-                        lambda bt=bt, sl=sl, idx=idx, ns=ns: cuda_decode.paged_decode_cuda(
-                            q, pool, 0, bt, sl, None, idx, num_splits=ns, config=CFG_MMA2)))
-                row["sparse_decode_mma2_splits6_graph_us"] = us(bench_graph(
-                    lambda bt=bt, sl=sl, idx=idx: cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, idx,
-                                                                                num_splits=6, config=CFG_MMA2)))
                 row["sparse_decode_graph_us"] = us(bench_graph(sparse_only))
+                with environ({"KVPOOL_DECODE_PREFETCH": "1"}):  # the shares' K/V lines into L2 up front
+                    row["sparse_decode_prefetch_us"] = us(bench(sparse_only))
+                    row["sparse_decode_prefetch_graph_us"] = us(bench_graph(sparse_only))
             out_sparse = step()
             out_ref = kvpool.paged_decode_reference(q[:1], pool, 0, bt[:1], sl[:1], block_indices=idx[:1])
             t_sel, t_step = bench(sel), bench(step)
             g_sel, g_step = bench_graph(sel), bench_graph(step)
+            with environ({"KVPOOL_DECODE_PREFETCH": "1"}):
+                t_pf, g_pf = bench(step), bench_graph(step)
             sbytes = 2 * B * nb * H * lo.shape[-1] * lo.element_size()
             r = {"select_us": us(t_sel), "select_graph_us": us(g_sel),
+                 "sparse_step_prefetch_us": us(t_pf), "sparse_step_prefetch_graph_us": us(g_pf),
+                 "step_speedup_prefetch": round(t_dense / t_pf, 2),
+                 "step_speedup_prefetch_graph": round(g_dense / g_pf, 2) if isinstance(g_pf, float) and isinstance(g_dense, float) else None,
                  "sparse_step_us": us(t_step), "sparse_step_graph_us": us(g_step),
                  "sparse_decode_only_us": us(bench(sparse_only)),
                  "step_speedup": round(t_dense / t_step, 2),
@@ -186,15 +185,9 @@ def main() -> None:
                     r[f"select_stream{sfx}_us"] = us(t_st)
                     r[f"select_stream{sfx}_equals_reference"] = bool(torch.equal(sel(), ref))
                     if chunk is None:
-                        # the sparse decode on the 2-stage kernel with 2 tiles per split (more CTAs per SM)
-                        saved = cuda_decode.SPARSE_CONFIG, cuda_decode.SPARSE_MIN_TILES
-                        cuda_decode.SPARSE_CONFIG, cuda_decode.SPARSE_MIN_TILES = CFG_MMA2, 2
-                        try:
-                            r["sparse_step_stream_mma2_us"] = us(bench(step))
-                            r["sparse_step_stream_mma2_graph_us"] = us(bench_graph(step))
-                            r["sparse_decode_only_mma2_us"] = us(bench(sparse_only))
-                        finally:
-                            cuda_decode.SPARSE_CONFIG, cuda_decode.SPARSE_MIN_TILES = saved
+                        with environ({"KVPOOL_DECODE_PREFETCH": "1"}):
+                            r["sparse_step_stream_prefetch_us"] = us(bench(step))
+                            r["sparse_step_stream_prefetch_graph_us"] = us(bench_graph(step))
                         g_st, t_sst, g_sst = bench_graph(sel), bench(step), bench_graph(step)
                         r.update({"select_stream_graph_us": us(g_st), "sparse_step_stream_us": us(t_sst),
                                   "sparse_step_stream_graph_us": us(g_sst),

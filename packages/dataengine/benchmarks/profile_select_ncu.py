@@ -35,8 +35,9 @@ def select_kernels() -> None:
     raw = cuda_select.quest_raw_scores(q, imin, imax, bt, "max", "mma")
     for lo, hi in ((kmin, kmax), (fmin, fmax), (imin, imax)):
         cuda_select.select_fused(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS)
-    for lo, hi in ((fmin, fmax), (imin, imax)):  # the streamed one-launch selection
-        cuda_select.select_stream(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS)
+    for lo, hi in ((fmin, fmax), (imin, imax)):  # the streamed one-launch selection; then without its merge
+        for merge in (True, False):
+            cuda_select.select_stream(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS, merge=merge)
     for tv in ("fast", "plain"):
         cuda_select.topk_rows(raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant=tv)
     torch.cuda.synchronize()

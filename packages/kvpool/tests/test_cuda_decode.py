@@ -278,3 +278,35 @@ def test_ticket_combine_equals_combine_launch(splits, monkeypatch):
         want = cuda_decode.paged_decode_cuda(static_q, pool, 0, bt, sl, None, bi, num_splits=splits, config=cfg)
         monkeypatch.setenv("KVPOOL_DECODE_COMBINE", "ticket")
         assert torch.equal(out, want)
+
+
+def test_prefetch_env(monkeypatch):
+    monkeypatch.delenv("KVPOOL_DECODE_PREFETCH", raising=False)
+    assert cuda_decode.prefetch_enabled() == (cuda_decode.DEFAULT_PREFETCH == "1")
+    monkeypatch.setenv("KVPOOL_DECODE_PREFETCH", "1")
+    assert cuda_decode.prefetch_enabled()
+    monkeypatch.setenv("KVPOOL_DECODE_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="KVPOOL_DECODE_PREFETCH"):
+        cuda_decode.prefetch_enabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_sparse_prefetch_changes_no_output(splits, monkeypatch):
+    """The L2 prefetch of a sparse share is a hint: the output is bit-identical with and without it."""
+    cfg = cuda_decode.KernelConfig("mma", 64, 3)
+    lens = [2000, 513, 64, 0]
+    pool = _gpu_pool(lens, seed=5)
+    ids = list(range(len(lens)))
+    bt, sl = pool.block_table(ids), pool.seq_lens(ids)
+    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    bi = torch.stack([torch.randperm(bt.shape[1], device="cuda", generator=g)[:24].sort().values.int()
+                      for _ in range(len(lens) * 8)]).reshape(len(lens), 8, 24)
+    bi[1, :, -3:] = -1
+    monkeypatch.setenv("KVPOOL_DECODE_PREFETCH", "0")
+    want = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, bi, num_splits=splits, config=cfg)
+    monkeypatch.setenv("KVPOOL_DECODE_PREFETCH", "1")
+    got = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, bi, num_splits=splits, config=cfg)
+    assert torch.equal(got, want)
+    assert tilehal.calc_diff(got, kvpool.paged_decode_reference(q, pool, 0, bt, sl, block_indices=bi)) < 1e-5

@@ -208,21 +208,21 @@ def stream_sb(s_dtype: torch.dtype) -> int:
 
 
 def stream_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
-                       chunk: int, sb: int = 16) -> str:
-    tail = "" if sb == 16 else f", {sb}"
+                       chunk: int, sb: int = 16, merge: bool = True) -> str:
+    tail = ("" if sb == 16 else f", {sb}") if merge else f", {sb}, false"
     return (f"dataengine::quest_select_stream_kernel<{_S_CTYPES_MMA[s_dtype]}, {head_dim}, {group}, "
             f"{_REDUCE[reduce]}, {kv_heads}, {chunk}, {STREAM_STAGES[(s_dtype, sb)]}{tail}>")
 
 
 @functools.cache
 def compile_stream(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int, chunk: int,
-                   sb: int = 16, arch: str = "sm_90a") -> tilehal.CudaModule:
-    """The streamed one-launch selection for one configuration."""
+                   sb: int = 16, arch: str = "sm_90a", merge: bool = True) -> tilehal.CudaModule:
+    """The streamed one-launch selection for one configuration (merge=False: profiling only)."""
     return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS, arch=arch,
                                 name=f"quest_select_stream_{head_dim}_{group}_{kv_heads}_{chunk}_{sb}",
                                 include_dirs=[str(KERNEL_DIR)],
                                 name_expressions=[stream_kernel_name(s_dtype, head_dim, group, reduce, kv_heads,
-                                                                     chunk, sb)])
+                                                                     chunk, sb, merge)])
 
 
 def stream_smem_bytes(s_dtype: torch.dtype, row_bytes: int, kv_heads: int, chunk: int, sb: int = 16) -> int:
@@ -257,9 +257,11 @@ def stream_ranks(width: int, chunks: int, chunk: int) -> int:
 
 def select_stream(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor, width: int,
                   sink: int, local: int, reduce: str, *, num_valid: torch.Tensor | None = None,
-                  seq_lens: torch.Tensor | None = None, block_size: int | None = None) -> torch.Tensor:
+                  seq_lens: torch.Tensor | None = None, block_size: int | None = None,
+                  merge: bool = True) -> torch.Tensor:
     """int32 [B, kv_heads, width]: select_blocks in one launch of quest_select_stream_kernel
-    (stream_reason must be None)."""
+    (stream_reason must be None). merge=False is for profiling only: the chunks' candidates are
+    computed, the merge skipped, the returned tensor left unwritten."""
     B, Hq, D = q.shape
     H = kmin.shape[1]
     group = Hq // H
@@ -292,8 +294,8 @@ def select_stream(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
     scratch = torch.empty(2 * n_c + B * H * chunks, dtype=torch.int32, device=q.device)
     ckey, cpos, cthr = scratch[:n_c], scratch[n_c:2 * n_c], scratch[2 * n_c:]
     sb = stream_sb(kmin.dtype)
-    kern = compile_stream(kmin.dtype, D, group, reduce, H, chunk, sb).get_kernel(
-        stream_kernel_name(kmin.dtype, D, group, reduce, H, chunk, sb))
+    kern = compile_stream(kmin.dtype, D, group, reduce, H, chunk, sb, merge=merge).get_kernel(
+        stream_kernel_name(kmin.dtype, D, group, reduce, H, chunk, sb, merge))
     kern.launch((chunks, B), SCORE_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], mode, nv, sl,
                                              int(block_size or 1), int(sink), int(local), int(width), int(m_rank),
                                              ckey, cpos, cthr, _tickets(q.device, B), out],

@@ -216,6 +216,18 @@ def combine_variant() -> str:
     return v
 
 
+DEFAULT_PREFETCH = "0"  # "1": sparse shares prefetch their K/V lines into L2 first (mma kernel)
+
+
+def prefetch_enabled() -> bool:
+    """KVPOOL_DECODE_PREFETCH (default DEFAULT_PREFETCH): "1" makes the mma kernel request every K/V
+    line of a sparse share (<= 2048 tokens) into L2 before its pipeline starts."""
+    v = os.environ.get("KVPOOL_DECODE_PREFETCH") or DEFAULT_PREFETCH
+    if v not in ("0", "1"):
+        raise tilehal.ArgumentError(f"KVPOOL_DECODE_PREFETCH: expected 0 or 1, got {v!r}")
+    return v == "1"
+
+
 _TICKETS: dict[tuple, torch.Tensor] = {}
 
 
@@ -285,7 +297,7 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
             ml_part, scale_log2, pool.block_size]
     fused = variant == "mma" and num_splits > 1 and combine_variant() == "ticket"
     if variant == "mma":
-        args.append(_tickets(q.device, B * H) if fused else None)
+        args += [_tickets(q.device, B * H) if fused else None, int(sparse and prefetch_enabled())]
     main.launch((num_splits, H, B), THREADS, args, smem_bytes=smem)
     if num_splits > 1 and not fused:
         combine.launch(B * hq, d, [o_part, ml_part, out, num_splits])

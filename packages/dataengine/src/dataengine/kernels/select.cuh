@@ -1080,7 +1080,10 @@ __device__ __forceinline__ int warp_exclusive_scan(int v) {
 }
 
 // SB: blocks per pipeline stage (16: one tile per warp and stage, 32: two, independent MMA chains).
-template <typename TS, int D, int G, int REDUCE, int H, int CHUNK, int STAGES, int SB = kStreamBlocks>
+// MERGE = false: profiling only (profile_select_ncu.py times the merge as the difference): the CTAs
+// write their chunk candidates and stop; `out` is not written.
+template <typename TS, int D, int G, int REDUCE, int H, int CHUNK, int STAGES, int SB = kStreamBlocks,
+          bool MERGE = true>
 __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
     const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin_v, const void* __restrict__ kmax_v,
     const int* __restrict__ block_table, int table_stride, int num_blocks,
@@ -1219,6 +1222,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
     if (lane == 0) cthr[(long long)row * chunks + blockIdx.x] = tm;
   }
 
+  if constexpr (!MERGE) return;
   // ---- the sequence's last CTA merges every head's candidates
   __threadfence();
   __syncthreads();

@@ -24,6 +24,7 @@ namespace kvpool {
 constexpr int kMmaWarps = kThreads / 32;  // cuda_decode.MMA_WARPS
 constexpr int kMmaStepTokens = 16;  // tokens per warp step: one MMA k-step of P @ V (cuda_decode.MMA_STEP)
 constexpr int kMmaMaxItems = 512;   // blocks one CTA may own; the host picks splits accordingly (MMA_MAX_ITEMS)
+constexpr int kPrefetchTokens = 2048;  // largest share whose K/V lines prefetch_l2 requests up front
 
 template <typename T, int D, int STAGES>
 struct DecodeSmemMma {
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
     const int* __restrict__ block_table, int table_stride, const int* __restrict__ seq_lens,
     const int* __restrict__ block_idx, int idx_b_stride, int idx_h_stride, int num_idx,
     T* __restrict__ out, float* __restrict__ o_part, float* __restrict__ ml_part,
-    float scale_log2, int block_size, unsigned* __restrict__ tickets) {
+    float scale_log2, int block_size, unsigned* __restrict__ tickets, int prefetch_l2) {
   using S = DecodeSmemMma<T, D, STAGES>;
   using Tag = typename tilehal::MmaTag<T>::type;
   constexpr int kChunks = D / 8;                          // 16-byte chunks per K/V row
@@ -88,6 +89,21 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
     const int i = t >> bs_shift, off = t & bs_mask;
     return off < ntok_s[i] ? ((long long)blk_s[i] << bs_shift) + off : -1;
   };
+
+  // prefetch_l2 (host: sparse shares of at most kPrefetchTokens tokens): every K/V line of the share
+  // is requested into L2 before the pipeline starts, so the shares' scattered blocks (and their
+  // page-table walks) are fetched at once instead of one pipeline step after another.
+  if (prefetch_l2 && num_tokens <= kPrefetchTokens) {
+    constexpr int kLines = (D * int(sizeof(T)) + 127) / 128;  // 128-byte lines per K (or V) row
+    for (int e = threadIdx.x; e < num_tokens * kLines; e += kThreads) {
+      const long long row = row_of(e / kLines);
+      if (row >= 0) {
+        const long long off = row * row_stride + (long long)h * D + (e % kLines) * (128 / int(sizeof(T)));
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(k_cache + off));
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(v_cache + off));
+      }
+    }
+  }
 
   const int num_steps = (num_tokens + kMmaStepTokens - 1) / kMmaStepTokens;
   const int my_steps = num_steps > warp ? (num_steps - warp + kMmaWarps - 1) / kMmaWarps : 0;
