@@ -321,13 +321,22 @@ def test_gemm_variant_gpu(name, path):
 
 
 ONE_BARRIER = {"cuda_wgmma_one_barrier": True}
+CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async instead of TMA (the sm_90a default)
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copies", ["tma", "cp.async"])
 @pytest.mark.parametrize("name", DEEP_WGMMA)
-def test_gemm_one_barrier_gpu(name):
-    _gemm_variant(name, "cuda", "cuda", ONE_BARRIER)
+def test_gemm_one_barrier_gpu(name, copies):
+    _gemm_variant(name, "cuda", "cuda", {**ONE_BARRIER, **(CP_ASYNC if copies == "cp.async" else {})})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(n for n in GEMM_VARIANTS if n.startswith("wg_")))
+def test_gemm_variant_cp_async_gpu(name):
+    """The wgmma forms with their pipelined copies on cp.async (the default puts them on TMA)."""
+    _gemm_variant(name, "cuda", "cuda", CP_ASYNC)
 
 
 def _main_loop(src: str) -> str:
@@ -343,12 +352,19 @@ def test_pipelined_wgmma_one_barrier():
     default refills stage k-1 (num_stages - 1 ahead) behind a second barrier. Fewer than 3 stages: the
     option cannot apply (logged) and the default code comes out."""
     prog = _gemm_program(*GEMM_VARIANTS["wg_nt_f16_2wg"])  # 3 stages
-    two = _main_loop(tilelang.compile(prog, out_idx=[2], target="cuda").get_kernel_source())
-    one = _main_loop(tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=ONE_BARRIER).get_kernel_source())
+
+    def loop(cfg):
+        return _main_loop(tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=cfg).get_kernel_source())
+
+    two, one = loop(CP_ASYNC), loop({**CP_ASYNC, **ONE_BARRIER})
     assert two.count("__syncthreads()") == 2 and "= k + 2;" in two and "cp_async_wait<1>" in two
     assert one.count("__syncthreads()") == 1 and "= k + 1;" in one and "cp_async_wait<0>" in one
     assert one.index("cp_async_16(") < one.rindex("wgmma_wait<1>") and one.index("wgmma_commit") < one.index(
         "cp_async_16(")
+    two, one = loop(None), loop(ONE_BARRIER)  # TMA: the same schedule, thread 0 issues the refill
+    assert two.count("__syncthreads()") == 2 and "= k + 2;" in two
+    assert one.count("__syncthreads()") == 1 and "= k + 1;" in one
+    assert one.index("wgmma_commit") < one.index("tma_load_2d(") < one.rindex("wgmma_wait<1>")
     shallow = _gemm_program(*GEMM_VARIANTS["wg_nt_bf16_k128"])  # 2 stages
     assert (tilelang.compile(shallow, out_idx=[2], target="cuda", pass_configs=ONE_BARRIER).get_kernel_source()
             == tilelang.compile(shallow, out_idx=[2], target="cuda").get_kernel_source())
@@ -359,15 +375,15 @@ def test_thread_loops_have_constant_trip_counts():
     """Copies spread over the block's threads loop a constant number of times (`_j < 4`, element
     `_tx + _j * threads`), not `e = _tx; e < n; e += threads` (a trip count that depends on _tx, which nvcc
     compiles to a runtime loop with a remainder); a count the threads do not divide stops early."""
-    src = tilelang.compile(_gemm_program(*GEMM_VARIANTS["wg_nt_f16_2wg"]), out_idx=[2],
-                           target="cuda").get_kernel_source()
+    src = tilelang.compile(_gemm_program(*GEMM_VARIANTS["wg_nt_f16_2wg"]), out_idx=[2], target="cuda",
+                           pass_configs=CP_ASYNC).get_kernel_source()
     assert not re.search(r"for \(int _e\d+ = _tx;", src)
     assert re.search(r"for \(int _j\d+ = 0; _j\d+ < 8; \+\+_j\d+\)", src)  # B: 256 rows x 8 chunks / 256
     # the chunk column comes from _tx alone, the row moves by threads / 8 per step
     assert re.search(r"const int _c\d+ = _tx % 8;", src) and re.search(r"= \(_tx / 8\) \+ _j\d+ \* 32;", src)
     assert "desc_advance(_da, " in src and "desc_advance(_db, " in src  # 32-bit descriptor steps
     odd = tilelang.compile(_gemm_program(96, 80, 96, 64, 64, 32, "float16", "float32", False, False, 2, 96,
-                                         "Square"), out_idx=[2], target="cuda").get_kernel_source()
+                                         "Square"), out_idx=[2], target="cuda", pass_configs=CP_ASYNC).get_kernel_source()
     assert re.search(r"if \(_e\d+ >= \d+\) break;", odd)
 
 
@@ -667,8 +683,11 @@ def test_tma_pipelined_copies(example):
     one load per 128-byte atom column, an mbarrier per stage); tl.disable_tma_lower and disable_tma keep
     cp.async; 4-D sources are flattened only where the value ranges prove the tile inside."""
     prog = _gemm_program(*GEMM_VARIANTS["wg_nt_bf16_k128"])
-    on = {"cuda_tma": True}  # experimental, off by default
-    assert "tma_load_2d" not in tilelang.compile(prog, out_idx=[2], target="cuda").get_kernel_source()
+    on = {"cuda_tma": True}  # the default on sm_90a
+    assert "tma_load_2d" not in tilelang.compile(prog, out_idx=[2], target="cuda",
+                                                 pass_configs={"cuda_tma": False}).get_kernel_source()
+    assert (tilelang.compile(prog, out_idx=[2], target="cuda").get_kernel_source()
+            == tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=on).get_kernel_source())
     k = tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=on)
     src = k.get_kernel_source()
     specs = next(iter(k._impl.tma.values()))

@@ -9,8 +9,8 @@ the tile never leaves; the column dim is zero-filled past its end by the hardwar
 the host at launch (tilehal.tma.encode_tiled) and passed as a `__grid_constant__` parameter.
 `T.copy(..., disable_tma=True)` keeps cp.async.
 
-Experimental: off unless pass_configs {"cuda_tma": True} (compile-tested; its first GPU smoke test,
-2026-12-02, timed out before it reported, so it is not verified on a GPU yet).
+On by default on sm_90a; pass_configs {"cuda_tma": False} or {"tl.disable_tma_lower": True} keep every
+pipelined copy on cp.async (first verified on the H200 2026-12-02: docs/tilelang.md).
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ class TmaRules:
         if not self.hopper:
             return None
         if not self.use_tma:
-            return no("TMA pipelines are experimental: pass_configs {'cuda_tma': True} turns them on "
-                      "(tl.disable_tma_lower keeps them off)")
+            return no("pass_configs cuda_tma=False or tl.disable_tma_lower")
         if c.options.get("disable_tma"):
             return no("disable_tma=True")
         if sb not in self.func.params:
