@@ -37,13 +37,14 @@ GEMM_SHAPES = [(8192, 8192, 8192), (4096, 7168, 2048), (4096, 2112, 7168), (4096
 # ("2b": refill the previous iteration's stage behind a second barrier; "1b": pass_configs
 # cuda_wgmma_one_barrier, refill the stage of two iterations back behind the only barrier).
 # N = 2112 is 11 tiles of 192 (352 tiles: 2.67 waves of 132 SMs) or 12 of 176 (384: 2.91 waves).
+# A sixth element "c_shared": the epilogue staged through shared memory (cuda_kernels.gemm_nt(c_shared=True)).
 _BIG = [(128, 256, 64, 4, 256)]
 GEMM_CONFIGS = {
     (8192, 8192, 8192): _BIG,
     (4096, 7168, 2048): _BIG,
     (4096, 2112, 7168): [(128, 192, 64, 4, 256), (128, 176, 64, 4, 256), (128, 192, 64, 5, 256),
-                         (128, 176, 64, 5, 256)],
-    (4096, 24576, 1536): _BIG + [(128, 128, 64, 3, 256)],
+                         (128, 176, 64, 5, 256), (128, 192, 64, 5, 256, "c_shared")],
+    (4096, 24576, 1536): _BIG + [(128, 128, 64, 3, 256), (128, 256, 64, 4, 256, "c_shared")],
 }
 VARIANTS = ("2b", "1b")
 MMA_GEMM_CONFIGS = [(128, 256, 64, 3, 256), (128, 128, 32, 4, 128)]  # ours_mma: the best two of 2026-12-01
@@ -113,8 +114,20 @@ def _compile_kw(impl: str, variant: str = "2b") -> dict:
     return {"pass_configs": _pass_configs(impl, variant)} if impl.startswith("ours") else {}
 
 
-def _configs(impl: str, shape: tuple, quick: bool) -> list[tuple[tuple, str]]:
+BEST: dict[tuple, tuple[tuple, str]] = {}  # --best-from: (impl, dtype, shape) -> (config, variant) to time alone
+
+
+def load_best(path: str) -> None:
+    """The best (config, refill variant) per (impl, dtype, shape) of an earlier run's JSON."""
+    for r in json.loads(Path(path).read_text())["rows"]:
+        if r.get("best") and r.get("kind") == "gemm" and "config" in r:
+            BEST[(r["impl"], r["dtype"], tuple(r["shape"]))] = (tuple(r["config"]), r.get("variant", "2b"))
+
+
+def _configs(impl: str, shape: tuple, quick: bool, dtype: str = "bfloat16") -> list[tuple[tuple, str]]:
     """(tile config, refill variant) pairs to try for one GEMM shape."""
+    if (impl, dtype, tuple(shape)) in BEST:
+        return [BEST[(impl, dtype, tuple(shape))]]
     if impl == "public":
         out = [(PUBLIC_GEMM_CONFIG, "-")]
     elif impl == "ours_mma":
@@ -143,10 +156,10 @@ def run_impl(impl: str, quick: bool) -> list[dict]:
             b = torch.randn(N, K, device="cuda", dtype=tdt)
             ref = (a.float() @ b.float().T)
             best = None
-            for cfg, variant in _configs(impl, (M, N, K), quick):
+            for cfg, variant in _configs(impl, (M, N, K), quick, dtype):
                 try:
                     t0 = time.perf_counter()
-                    func = ck.gemm_nt(M, N, K, *cfg, dtype)
+                    func = ck.gemm_nt(M, N, K, *cfg[:5], dtype, c_shared="c_shared" in cfg[5:])
                     k = tilelang.compile(func, out_idx=[-1], target="cuda", **_compile_kw(impl, variant))
                     cold = time.perf_counter() - t0  # parse + lower + NVRTC, empty cache
                     cached = _cached_compile(tilelang, impl, func, [-1], variant)
@@ -305,7 +318,8 @@ def compile_only(out: str | None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TILESTACK_CACHE_DIR"] = cache
-        cases = [(f"gemm_nt bf16 8192^3 {cfg}", lambda cfg=cfg: ck.gemm_nt(8192, 8192, 8192, *cfg, "bfloat16"), [-1])
+        cases = [(f"gemm_nt bf16 8192^3 {cfg}", lambda cfg=cfg: ck.gemm_nt(8192, 8192, 8192, *cfg[:5], "bfloat16"),
+                  [-1])
                  for cfg in GEMM_CONFIGS[(8192, 8192, 8192)]]
         cases += [(f"flashattn_bhsd fp16 b4 h32 s4096 d128 causal={c}",
                    lambda c=c: ck.flashattn_bhsd(*FA_SHAPE, c), [3]) for c in (False, True)]
@@ -341,8 +355,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile-only", action="store_true", help="no GPU: time cold/cached compiles only")
     ap.add_argument("--skip-cp", action="store_true", help="leave out the ours_cp rows (wgmma + cp.async)")
+    ap.add_argument("--best-from", default=None, help="JSON of an earlier run: time only its best config per shape")
     ap.add_argument("--skip-mma", action="store_true", help="leave out the ours_mma rows (mma.sync + cp.async)")
     args = ap.parse_args()
+    if args.best_from:
+        load_best(args.best_from)
     if args.compile_only:
         compile_only(args.out)
         return

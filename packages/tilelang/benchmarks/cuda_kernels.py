@@ -13,7 +13,9 @@ import tilelang
 import tilelang.language as T
 
 
-def gemm_nt(M, N, K, block_M=128, block_N=256, block_K=32, num_stages=3, threads=256, dtype="float16"):
+def gemm_nt(M, N, K, block_M=128, block_N=256, block_K=32, num_stages=3, threads=256, dtype="float16",
+            c_shared=False):
+    """C = A @ B.T; `c_shared`: the epilogue staged through a shared tile (16-byte stores to C)."""
     accum = "float"
 
     @T.prim_func
@@ -28,7 +30,12 @@ def gemm_nt(M, N, K, block_M=128, block_N=256, block_K=32, num_stages=3, threads
                 T.copy(A[by * block_M, k * block_K], A_shared)
                 T.copy(B[bx * block_N, k * block_K], B_shared)
                 T.gemm(A_shared, B_shared, C_local, transpose_B=True)
-            T.copy(C_local, C[by * block_M, bx * block_N])
+            if c_shared:
+                C_shared = T.alloc_shared((block_M, block_N), dtype)
+                T.copy(C_local, C_shared)
+                T.copy(C_shared, C[by * block_M, bx * block_N])
+            else:
+                T.copy(C_local, C[by * block_M, bx * block_N])
 
     return main
 

@@ -387,6 +387,34 @@ def test_thread_loops_have_constant_trip_counts():
     assert re.search(r"if \(_e\d+ >= \d+\) break;", odd)
 
 
+@needs_nvrtc
+def test_staged_epilogue_keeps_wgmma_async(tmp_path, monkeypatch):
+    """An fp32 accumulator pair stored to a 16-bit buffer is one packed conversion and one 32-bit store;
+    staged through shared memory the old per-element form made ptxas serialize every wgmma (C7514)."""
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))  # a fresh build: ptxas's log is kept
+
+    @T.prim_func
+    def main(A: T.Tensor((256, 512), "bfloat16"), B: T.Tensor((256, 512), "bfloat16"),
+             C: T.Tensor((256, 256), "bfloat16")):
+        with T.Kernel(1, 2, threads=256) as (bx, by):
+            As = T.alloc_shared((128, 64), "bfloat16")
+            Bs = T.alloc_shared((256, 64), "bfloat16")
+            Cf = T.alloc_fragment((128, 256), "float")
+            Cs = T.alloc_shared((128, 256), "bfloat16")
+            T.clear(Cf)
+            for k in T.Pipelined(8, num_stages=3):  # (the old form warned at this size: checked by hand)
+                T.copy(A[by * 128, k * 64], As)
+                T.copy(B[0, k * 64], Bs)
+                T.gemm(As, Bs, Cf, transpose_B=True)
+            T.copy(Cf, Cs)
+            T.copy(Cs, C[by * 128, 0])
+
+    k = tilelang.compile(main, out_idx=[2], target="cuda")
+    src = k.get_kernel_source()
+    assert "Wgmma" in src and "tilehal::from_float2<__nv_bfloat16>(Cf[" in src
+    assert not k._impl.module.cache_hit and "C7514" not in k._impl.module.log
+
+
 def test_high_level_schedules_onto_cuda():
     """@tile_kernel loop nests and tensor_contract build with the cuda backend (run on CPU threads here)."""
     from tilelang import tensor_contract, tile_kernel

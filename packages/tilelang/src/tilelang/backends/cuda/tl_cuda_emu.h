@@ -111,6 +111,12 @@ template <> inline __nv_fp8_e4m3 from_float<__nv_fp8_e4m3>(float x) {
   return __nv_fp8_e4m3{tl_fp8_encode(std::max(-448.0f, std::min(448.0f, x)), 4, 3, true)}; }
 template <> inline __nv_fp8_e5m2 from_float<__nv_fp8_e5m2>(float x) { return __nv_fp8_e5m2{tl_fp8_encode(x, 5, 2, false)}; }
 
+// two values rounded to T (16-bit) packed in 32 bits, the first in the low half (tilehal's convert.cuh)
+template <typename T> inline unsigned from_float2(float a, float b) {
+  T lo = from_float<T>(a), hi = from_float<T>(b);
+  return (unsigned)lo.x | ((unsigned)hi.x << 16);
+}
+
 template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
   T v[N];
   T& operator[](int i) { return v[i]; }

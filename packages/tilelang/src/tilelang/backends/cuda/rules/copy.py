@@ -202,6 +202,15 @@ class CopyRules:
                 vt = f"tilehal::Vec<{t}, {v}>"
                 tmp = self.fresh("v")
                 fd, od = fr.buffer.dtype, other.buffer.dtype
+                if fr is src and v == 2 and fd == "float32" and od in ("float16", "bfloat16"):
+                    # two fp32 registers -> one packed cvt and one 32-bit store (through tilehal::Vec the
+                    # pair became two conversions and a 16-bit pair store, and ptxas serialized every
+                    # wgmma of a kernel whose accumulators were staged that way through shared memory)
+                    conds = [c for c in (pred, lead) if c]
+                    line = (f"*reinterpret_cast<unsigned*>(&{oref}) = tilehal::from_float2<{t}>({fref}, "
+                            f"{fr.buffer.name}[{reg} + 1]);")
+                    self.emit(f"if ({' && '.join(conds)}) {line}" if conds else line)
+                    return
                 if fr is src:
                     self.emit(f"{vt} {tmp};")
                     self.emit("#pragma unroll")
