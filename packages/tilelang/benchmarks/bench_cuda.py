@@ -6,9 +6,9 @@
 Kernels: benchmarks/cuda_kernels.py (public TileLang style). GEMM NT fp16/bf16 at 8192^3 and
 M=4096 with (N, K) in (7168, 2048), (2112, 7168), (24576, 1536); flash attention forward bhsd
 fp16, b4 h32 s4096 d128, causal and not. Ours three times: "ours" (the sm_90a defaults: T.gemm on wgmma,
-pipelined copies on TMA), "ours_cp" (pass_configs tl.disable_tma_lower: the copies on cp.async; the
-best configuration per shape of the cp.async run of 2026-12-02 03:37 only) and "ours_mma" (pass_configs
-tl.disable_wgmma: ldmatrix + mma.sync + cp.async). Timing: 10 calls captured in a
+pipelined copies on cp.async), "ours_tma" (pass_configs cuda_tma: the copies on TMA, opt-in) and
+"ours_mma" (pass_configs tl.disable_wgmma: ldmatrix + mma.sync + cp.async); `--best-from JSON` times only
+the (config, refill) pairs a JSON marks best (several per shape allowed). Timing: 10 calls captured in a
 CUDA graph, replayed (median of 5 replays), so launch overhead is not measured for anyone. Compile:
 cold (parse + lower + NVRTC with an empty cache dir) and cached (a new JITKernel of the same prim_func:
 the kernel cache finds the generated CUDA by the program's structure, the cubin cache the binary)
@@ -48,12 +48,6 @@ GEMM_CONFIGS = {
 }
 VARIANTS = ("2b", "1b")
 MMA_GEMM_CONFIGS = [(128, 256, 64, 3, 256), (128, 128, 32, 4, 128)]  # ours_mma: the best two of 2026-12-01
-CP_GEMM_CONFIGS = {  # ours_cp: the best (config, refill) per shape on cp.async, 2026-12-02 03:37
-    (8192, 8192, 8192): [((128, 256, 64, 4, 256), "2b")],
-    (4096, 7168, 2048): [((128, 256, 64, 4, 256), "1b")],
-    (4096, 2112, 7168): [((128, 192, 64, 5, 256), "1b")],
-    (4096, 24576, 1536): [((128, 256, 64, 4, 256), "1b")],
-}
 PUBLIC_GEMM_CONFIG = (128, 256, 64, 3, 256)  # the configuration measured in ../shared/GPU.md
 FA_SHAPE = (4, 32, 4096, 128)
 
@@ -87,11 +81,11 @@ def graph_time_ms(fn, reps: int = 10, replays: int = 5) -> float:
 
 
 def _pass_configs(impl: str, variant: str = "2b") -> dict | None:
-    """ours: the sm_90a defaults (wgmma, TMA); ours_cp: copies on cp.async; ours_mma: mma.sync (issue 14's
+    """ours: the sm_90a defaults (wgmma, cp.async); ours_tma: copies on TMA; ours_mma: mma.sync (issue 14's
     generation)."""
     if impl == "ours_mma":
         return {"tl.disable_wgmma": True, "tl.disable_tma_lower": True}
-    cfg = {"tl.disable_tma_lower": True} if impl == "ours_cp" else {}
+    cfg = {"cuda_tma": True} if impl == "ours_tma" else {}
     if variant == "1b":
         cfg["cuda_wgmma_one_barrier"] = True
     return cfg or None
@@ -114,26 +108,25 @@ def _compile_kw(impl: str, variant: str = "2b") -> dict:
     return {"pass_configs": _pass_configs(impl, variant)} if impl.startswith("ours") else {}
 
 
-BEST: dict[tuple, tuple[tuple, str]] = {}  # --best-from: (impl, dtype, shape) -> (config, variant) to time alone
+BEST: dict[tuple, list[tuple[tuple, str]]] = {}  # --best-from: (impl, dtype, shape) -> (config, variant)s
 
 
 def load_best(path: str) -> None:
-    """The best (config, refill variant) per (impl, dtype, shape) of an earlier run's JSON."""
+    """The (config, refill variant) pairs marked best per (impl, dtype, shape) in an earlier run's JSON."""
     for r in json.loads(Path(path).read_text())["rows"]:
         if r.get("best") and r.get("kind") == "gemm" and "config" in r:
-            BEST[(r["impl"], r["dtype"], tuple(r["shape"]))] = (tuple(r["config"]), r.get("variant", "2b"))
+            BEST.setdefault((r["impl"], r["dtype"], tuple(r["shape"])), []).append(
+                (tuple(r["config"]), r.get("variant", "2b")))
 
 
 def _configs(impl: str, shape: tuple, quick: bool, dtype: str = "bfloat16") -> list[tuple[tuple, str]]:
     """(tile config, refill variant) pairs to try for one GEMM shape."""
     if (impl, dtype, tuple(shape)) in BEST:
-        return [BEST[(impl, dtype, tuple(shape))]]
+        return list(BEST[(impl, dtype, tuple(shape))])
     if impl == "public":
         out = [(PUBLIC_GEMM_CONFIG, "-")]
     elif impl == "ours_mma":
         out = [(c, "-") for c in MMA_GEMM_CONFIGS]
-    elif impl == "ours_cp":
-        out = list(CP_GEMM_CONFIGS[shape])
     else:
         out = [(c, v) for c in GEMM_CONFIGS[shape] for v in VARIANTS]
     return out[:1] if quick else out
@@ -243,8 +236,8 @@ def summarize(rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("best") and "tflops" in r:
             best[(r["impl"], *key(r))] = r
-    lines = ["| kernel | ours (wgmma + TMA) TFLOP/s | ours cp.async | ours mma.sync | peer (cuBLAS/SDPA) | ours/peer | "
-             "cp.async/peer | mma.sync/peer | public TileLang | ours/public | ours compile cold / cached | "
+    lines = ["| kernel | ours (wgmma + cp.async) TFLOP/s | ours TMA | ours mma.sync | peer (cuBLAS/SDPA) | ours/peer | "
+             "TMA/peer | mma.sync/peer | public TileLang | ours/public | ours compile cold / cached | "
              "ours: best config |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (impl, *k), r in sorted(best.items(), key=lambda x: str(x[0])):
@@ -253,7 +246,7 @@ def summarize(rows: list[dict]) -> list[str]:
         peer = best.get(("cublas" if k[0] == "gemm" else "sdpa", *k))
         pub = best.get(("public", *k))
         mma = best.get(("ours_mma", *k))
-        cp = best.get(("ours_cp", *k))
+        cp = best.get(("ours_tma", *k))
         name = (f"gemm {k[1]} {'x'.join(map(str, k[2]))}" if k[0] == "gemm" else
                 f"fa fp16 {'x'.join(map(str, k[2]))} {'causal' if k[3] else 'full'}")
         pt = f"{peer['tflops']:.0f}" if peer else "-"
@@ -283,7 +276,7 @@ def plot(rows: list[dict], path: Path) -> None:
         k = (r["kind"], r.get("dtype"), tuple(r.get("shape", [])), r.get("causal"))
         if k not in keys:
             keys.append(k)
-    impls = ["ours", "ours_cp", "ours_mma", "public", "cublas", "sdpa"]
+    impls = ["ours", "ours_tma", "ours_mma", "public", "cublas", "sdpa"]
     fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.14
     for i, impl in enumerate(impls):
@@ -300,7 +293,7 @@ def plot(rows: list[dict], path: Path) -> None:
               for k in keys]
     ax.set_xticks([j + 2.5 * width for j in range(len(keys))], labels, rotation=20, fontsize=8)
     ax.set_ylabel("TFLOP/s")
-    ax.set_title("tilelang CUDA backend (wgmma + TMA; cp.async; mma.sync) vs public TileLang 0.1.15, cuBLAS, SDPA — H200, "
+    ax.set_title("tilelang CUDA backend (wgmma + cp.async; + TMA; mma.sync) vs public TileLang 0.1.15, cuBLAS, SDPA — H200, "
                  + time.strftime("%Y-%m-%d"))
     ax.legend()
     fig.tight_layout()
@@ -354,7 +347,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="(child) write rows here")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile-only", action="store_true", help="no GPU: time cold/cached compiles only")
-    ap.add_argument("--skip-cp", action="store_true", help="leave out the ours_cp rows (wgmma + cp.async)")
+    ap.add_argument("--skip-tma", action="store_true", help="leave out the ours_tma rows (pass_configs cuda_tma)")
     ap.add_argument("--best-from", default=None, help="JSON of an earlier run: time only its best config per shape")
     ap.add_argument("--skip-mma", action="store_true", help="leave out the ours_mma rows (mma.sync + cp.async)")
     args = ap.parse_args()
@@ -385,8 +378,8 @@ def main() -> None:
         os.environ["TILESTACK_CACHE_DIR"] = cache  # cold compiles really are cold
         rows += run_impl("ours", args.quick)
         save(rows)
-        if not args.skip_cp:
-            rows += run_impl("ours_cp", args.quick)
+        if not args.skip_tma:
+            rows += run_impl("ours_tma", args.quick)
             save(rows)
         if not args.skip_mma:
             rows += run_impl("ours_mma", args.quick)

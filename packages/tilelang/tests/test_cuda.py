@@ -321,22 +321,32 @@ def test_gemm_variant_gpu(name, path):
 
 
 ONE_BARRIER = {"cuda_wgmma_one_barrier": True}
-CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async instead of TMA (the sm_90a default)
+CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async (the default; explicit for the checks)
+TMA = {"cuda_tma": True}  # opt-in TMA pipelines
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
+# wrong results with TMA on the H200 (2026-12-02 04:08, docs/benchmarks/tilelang_cuda_2026-12-02_0408_tma_gpu_tests.log);
+# the same programs on cp.async pass
+TMA_WRONG = {"wg_nt_f16_k32_sw64", "wg_tn_f16_mmajor"}
+
+
+def _tma_case(name):
+    mark = pytest.mark.xfail(strict=True, reason="wrong results with TMA on the H200 (open)")
+    return pytest.param(name, marks=mark) if name in TMA_WRONG else name
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("copies", ["tma", "cp.async"])
-@pytest.mark.parametrize("name", DEEP_WGMMA)
+@pytest.mark.parametrize("name,copies", [pytest.param(n, c, marks=pytest.mark.xfail(
+    strict=True, reason="wrong results with TMA on the H200 (open)")) if c == "tma" and n in TMA_WRONG else (n, c)
+    for n in DEEP_WGMMA for c in ("tma", "cp.async")])
 def test_gemm_one_barrier_gpu(name, copies):
-    _gemm_variant(name, "cuda", "cuda", {**ONE_BARRIER, **(CP_ASYNC if copies == "cp.async" else {})})
+    _gemm_variant(name, "cuda", "cuda", {**ONE_BARRIER, **(TMA if copies == "tma" else {})})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(n for n in GEMM_VARIANTS if n.startswith("wg_")))
-def test_gemm_variant_cp_async_gpu(name):
-    """The wgmma forms with their pipelined copies on cp.async (the default puts them on TMA)."""
-    _gemm_variant(name, "cuda", "cuda", CP_ASYNC)
+@pytest.mark.parametrize("name", [_tma_case(n) for n in sorted(GEMM_VARIANTS)])
+def test_gemm_variant_tma_gpu(name):
+    """Every gemm variant with its pipelined copies on TMA (pass_configs cuda_tma)."""
+    _gemm_variant(name, "cuda", "cuda", TMA)
 
 
 def _main_loop(src: str) -> str:
@@ -361,7 +371,7 @@ def test_pipelined_wgmma_one_barrier():
     assert one.count("__syncthreads()") == 1 and "= k + 1;" in one and "cp_async_wait<0>" in one
     assert one.index("cp_async_16(") < one.rindex("wgmma_wait<1>") and one.index("wgmma_commit") < one.index(
         "cp_async_16(")
-    two, one = loop(None), loop(ONE_BARRIER)  # TMA: the same schedule, thread 0 issues the refill
+    two, one = loop(TMA), loop({**TMA, **ONE_BARRIER})  # TMA: the same schedule, thread 0 issues the refill
     assert two.count("__syncthreads()") == 2 and "= k + 2;" in two
     assert one.count("__syncthreads()") == 1 and "= k + 1;" in one
     assert one.index("wgmma_commit") < one.index("tma_load_2d(") < one.rindex("wgmma_wait<1>")
@@ -711,11 +721,8 @@ def test_tma_pipelined_copies(example):
     one load per 128-byte atom column, an mbarrier per stage); tl.disable_tma_lower and disable_tma keep
     cp.async; 4-D sources are flattened only where the value ranges prove the tile inside."""
     prog = _gemm_program(*GEMM_VARIANTS["wg_nt_bf16_k128"])
-    on = {"cuda_tma": True}  # the default on sm_90a
-    assert "tma_load_2d" not in tilelang.compile(prog, out_idx=[2], target="cuda",
-                                                 pass_configs={"cuda_tma": False}).get_kernel_source()
-    assert (tilelang.compile(prog, out_idx=[2], target="cuda").get_kernel_source()
-            == tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=on).get_kernel_source())
+    on = {"cuda_tma": True}  # opt-in
+    assert "tma_load_2d" not in tilelang.compile(prog, out_idx=[2], target="cuda").get_kernel_source()
     k = tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=on)
     src = k.get_kernel_source()
     specs = next(iter(k._impl.tma.values()))
