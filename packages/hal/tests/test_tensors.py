@@ -46,3 +46,31 @@ def test_torch_views_share_memory():
         assert float(t[2].float()) == 1.0  # zero-copy: the write shows through
         back = from_numpy_like(a, t)
         assert back.dtype == dt and back.data_ptr() == t.data_ptr()
+
+
+def test_stream_buffer_checks_its_sizes():
+    pytest.importorskip("torch")
+    from tilehal import ArgumentError, stream_buffer
+
+    for bad in ({"numel": -1}, {"numel": 2.5}, {"min_numel": 0}, {"numel": True}):
+        kw = {"numel": 8, **bad}
+        with pytest.raises(ArgumentError, match=next(iter(bad))):
+            stream_buffer({}, None, **kw)
+
+
+@pytest.mark.gpu
+def test_stream_buffer_is_per_stream_zeroed_and_grows():
+    import torch
+    from tilehal import stream_buffer
+
+    cache: dict = {}
+    dev = torch.device("cuda", torch.cuda.current_device())
+    a = stream_buffer(cache, dev, 10)
+    assert a.dtype == torch.int32 and a.numel() == 256 and int(a.abs().sum()) == 0
+    assert stream_buffer(cache, dev, 200) is a  # big enough: the same buffer
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        b = stream_buffer(cache, dev, 10)
+    assert b is not a and len(cache) == 2  # another stream: its own buffer
+    c = stream_buffer(cache, dev, 1000, dtype=torch.int64)
+    assert c is not a and c.numel() == 1000 and c.dtype == torch.int64 and int(c.abs().sum()) == 0

@@ -105,12 +105,7 @@ _TICKETS: dict[tuple, torch.Tensor] = {}
 def _tickets(device: torch.device, rows: int) -> torch.Tensor:
     """Per-row tickets of the one-launch selection: zero between launches (the last CTA of a row
     resets its ticket), one buffer per (device, stream) so concurrent streams never share one."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    buf = _TICKETS.get(key)
-    if buf is None or buf.numel() < rows:
-        buf = torch.zeros(max(rows, 256), dtype=torch.int32, device=device)
-        _TICKETS[key] = buf
-    return buf
+    return tilehal.stream_buffer(_TICKETS, device, rows, min_numel=256)
 
 
 def select_fused(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor, width: int,

@@ -34,6 +34,7 @@ from .tensors import (
     from_numpy_like,
     is_contiguous,
     is_torch,
+    stream_buffer,
 )
 
 __all__ = [
@@ -42,5 +43,5 @@ __all__ = [
     "bench", "bench_graph", "bench_host", "c_compiler", "c_compiler_version", "cache_dir", "calc_diff", "check_choice", "check_int", "check_tensor", "compile_c",
     "compile_cuda", "compiler_versions", "cpu", "cuda_devices", "cuda_include_dirs", "cuda_unavailable_reason",
     "data_ptr", "device_of", "devices", "dtype_of", "ensure_context", "expect", "from_numpy_like", "get_dtype", "include_dir",
-    "is_contiguous", "is_torch", "to_numpy_dtype", "to_torch_dtype",
+    "is_contiguous", "is_torch", "stream_buffer", "to_numpy_dtype", "to_torch_dtype",
 ]

@@ -143,3 +143,22 @@ def _strides(x: Any) -> tuple[int, ...]:
     if is_torch(x):
         return tuple(x.stride())
     return tuple(s // x.itemsize for s in x.strides)
+
+
+def stream_buffer(cache: dict, device: Any, numel: int, dtype: Any = None, min_numel: int = 256) -> Any:
+    """A zero-filled torch buffer of at least `numel` elements (default dtype int32) for the current
+    stream of CUDA `device`, kept in `cache` under (device index, stream), so launches on different
+    streams never share one; a new, larger zero-filled buffer replaces one that is too small (at
+    least `min_numel` elements). What kernels use it for (tickets, counters) they leave zero again
+    before they finish, so it is zero between launches."""
+    import torch
+
+    for arg, value, lo in (("numel", numel, 0), ("min_numel", min_numel, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+            raise ArgumentError(f"{arg}: expected an integer >= {lo}, got {value!r}")
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = cache[key] = torch.zeros(max(numel, min_numel), dtype=torch.int32 if dtype is None else dtype,
+                                       device=device)
+    return buf

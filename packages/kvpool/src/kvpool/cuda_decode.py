@@ -234,12 +234,7 @@ _TICKETS: dict[tuple, torch.Tensor] = {}
 def _tickets(device: torch.device, n: int) -> torch.Tensor:
     """Per-(sequence, kv head) tickets of the in-kernel combine: zero between launches (the last
     split CTA re-arms its ticket), one buffer per (device, stream)."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    buf = _TICKETS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _TICKETS[key] = buf
-    return buf
+    return tilehal.stream_buffer(_TICKETS, device, n, min_numel=1024)
 
 
 def _decode_dims(q: torch.Tensor, pool: KVPool, scale: float | None):
