@@ -3,7 +3,7 @@ by rank 0) that exits the normal way (no os._exit), as a user's script does.
 
     python shutdown_worker.py RANK WORLD PORT MODE
 
-MODE "destroy": buffer.destroy(), then dist.destroy_process_group(). MODE "atexit":
+MODE "destroy": buffer.destroy(), then dist.destroy_process_group(), then gc.collect(). MODE "atexit":
 dist.destroy_process_group() only; the Buffer is still alive when the script ends (deepep's atexit
 hook destroys it). Prints `THREADS <checkpoint> <count> <names>` at each checkpoint: the last one
 from an atexit handler registered before deepep is imported, so it runs after deepep's hook and
@@ -11,6 +11,7 @@ before the interpreter tears down."""
 
 import atexit
 import datetime
+import gc
 import os
 import sys
 
@@ -61,4 +62,6 @@ if mode == "destroy":
     ll.destroy()
 dist.destroy_process_group()
 report("after_destroy_process_group")
+gc.collect()  # see test_shutdown: rank 0's TCPStore thread once outlived destroy_process_group() until here
+report("after_gc")
 print(f"rank {rank} done", flush=True)
