@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import socket
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,6 +39,29 @@ XTensor = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 # its threads (Gloo's pt_gloo_runloop workers and gloo_tcp_loop, the TCPStore server's
 # pt_tcpstore_uv on rank 0) would be torn down with the interpreter half gone.
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+# torch.distributed's thread names (Gloo workers, Gloo's TCP loop, the TCPStore server) and how long the
+# exit hook waits for them once every group is destroyed: Gloo's TCP loop and rank 0's TCPStore thread
+# were each seen (1 process in ~80 three-rank jobs) still running just after destroy_process_group().
+DIST_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
+EXIT_WAIT_S = 2.0
+
+
+def _dist_threads() -> list[str]:
+    """Names of this process's torch.distributed threads (Linux: /proc/self/task; elsewhere none)."""
+    names = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return names
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # ended meanwhile
+            continue
+        if name in DIST_THREADS:
+            names.append(name)
+    return names
 
 
 def _destroy_live_buffers() -> None:
@@ -48,6 +72,14 @@ def _destroy_live_buffers() -> None:
             log.debug("atexit: Buffer.destroy failed: %s: %s", type(e).__name__, e)
     release_pair_groups()  # the shrink mode's two-rank groups, shared by Buffers for the process's life
     gc.collect()  # engine objects in reference cycles still hold groups: free them now
+    if dist.is_available() and not dist.is_initialized():
+        # every group is destroyed: let the threads torch is still tearing down end before the interpreter does
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while _dist_threads() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        left = _dist_threads()
+        if left:
+            log.debug("atexit: torch.distributed threads still running after %.1f s: %s", EXIT_WAIT_S, left)
 
 
 atexit.register(_destroy_live_buffers)
