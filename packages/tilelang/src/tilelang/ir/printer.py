@@ -27,6 +27,18 @@ from .nodes import (
     While,
     register_rules,
 )
+from .thread import (
+    AsyncCommit,
+    AsyncCopy,
+    AsyncWait,
+    Barrier,
+    Intrinsic,
+    RegBuffer,
+    Shuffle,
+    ThreadFor,
+    ThreadIdx,
+    Uniform,
+)
 
 _PREC = {"or": 1, "and": 2, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 4, "!=": 4, "+": 5, "-": 5, "*": 6, "/": 6,
          "//": 6, "%": 6, "|": 3, "^": 3, "&": 3, "<<": 4, ">>": 4}
@@ -163,6 +175,59 @@ def _tile_op(lines: list[str], s: TileOp, ind: int) -> None:
 
 register_rules("print", {Seq: _seq, Kernel: _kernel, Alloc: _alloc, For: _for, Let: _let, Store: _store, If: _if,
                          While: _while, TileOp: _tile_op})
+
+
+# ---------------------------------------------------------------- thread-level IR (ir/thread.py)
+
+
+def _shuffle(e: Shuffle, prec: int) -> str:
+    width = f", width={e.width}" if e.width != 32 else ""
+    return f"T.shfl_{e.kind}({print_expr(e.value)}, {print_expr(e.lane)}{width})"
+
+
+register_rules("print", {ThreadIdx: lambda e, prec: "T.get_thread_binding()", Shuffle: _shuffle})
+
+
+def _element(b: Buffer, idx: list[Expr]) -> str:
+    return f"{b.name}[{', '.join(print_expr(i) for i in idx)}]"
+
+
+def _reg_buffer(lines: list[str], s: RegBuffer, ind: int) -> None:
+    layout = f", layout={s.fragment!r}" if s.fragment is not None else ""
+    lines.append(f"{'    ' * ind}{s.buffer.name} = T.alloc_reg({s.nregs}, {s.buffer.dtype!r}{layout})")
+
+
+def _async_copy(lines: list[str], s: AsyncCopy, ind: int) -> None:
+    pred = f", pred={print_expr(s.pred)}" if s.pred is not None else ""
+    lines.append(f"{'    ' * ind}T.cp_async({_element(s.dst, s.dst_idx)}, {_element(s.src, s.src_idx)}, {s.n}{pred})")
+
+
+def _intrinsic(lines: list[str], s: Intrinsic, ind: int) -> None:
+    outs = ", ".join(_element(o.buffer, o.indices) for o in s.outs)
+    args = "".join([f", {print_expr(i)}" for i in s.ins] + [f", {k}={v!r}" for k, v in s.attrs.items()])
+    lines.append(f"{'    ' * ind}{outs} = T.intrinsic({s.name!r}{args})")
+
+
+def _thread_for(lines: list[str], s: ThreadFor, ind: int) -> None:
+    lines.append(f"{'    ' * ind}for {s.var.name} in T.thread_for({s.trips}):")
+    _block(lines, s.body, ind + 1)
+
+
+def _uniform(lines: list[str], s: Uniform, ind: int) -> None:
+    lines.append(f"{'    ' * ind}with T.uniform():")
+    _block(lines, s.body, ind + 1)
+
+
+register_rules("print", {
+    RegBuffer: _reg_buffer,
+    Barrier: lambda lines, s, ind: lines.append(f"{'    ' * ind}T.sync_threads()"),
+    AsyncCopy: _async_copy,
+    AsyncCommit: lambda lines, s, ind: lines.append(f"{'    ' * ind}T.cp_async_commit()"),
+    AsyncWait: lambda lines, s, ind: lines.append(f"{'    ' * ind}T.cp_async_wait({s.n})"),
+    Intrinsic: _intrinsic,
+    ThreadFor: _thread_for,
+    Uniform: _uniform,
+})
 
 
 def _stmt(lines: list[str], s: Stmt, ind: int) -> None:

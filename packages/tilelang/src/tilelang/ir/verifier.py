@@ -30,6 +30,23 @@ from .nodes import (
     While,
     register_rules,
 )
+from .printer import print_expr
+from .thread import (
+    ASYNC_COPY_BYTES,
+    BARRIER_KINDS,
+    INTRINSICS,
+    SHUFFLE_KINDS,
+    AsyncCommit,
+    AsyncCopy,
+    AsyncWait,
+    Barrier,
+    Intrinsic,
+    RegBuffer,
+    Shuffle,
+    ThreadFor,
+    ThreadIdx,
+    Uniform,
+)
 from .visit import child_exprs, stmt_exprs
 
 MAX_BUFFER_BYTES = 2**48  # larger static buffers are a mistake (and their byte counts could wrap in C)
@@ -241,6 +258,74 @@ class _Verifier:
                                  f"shared or fragment buffer first")
 
 
+    # ---------------------------------------------------------------- thread-level IR (ir/thread.py)
+
+    def reg_buffer(self, s: RegBuffer, in_kernel: bool) -> None:
+        b = s.buffer
+        if b.scope != "local" or b.ndim != 1 or b.static_shape() is None or b.static_shape()[0] < 1:
+            self.fail(s.loc, f"T.alloc_reg {b.name}: expected a scope 'local' buffer of static shape (nregs,), got "
+                             f"scope {b.scope!r} shape {b.static_shape() or b.shape}")
+        if s.fragment is not None and s.fragment.nregs != s.nregs:
+            self.fail(s.loc, f"T.alloc_reg {b.name}: {s.nregs} registers but its fragment {s.fragment!r} has "
+                             f"{s.fragment.nregs} per thread")
+        self.visible[-1].add(b)
+
+    def barrier(self, s: Barrier, in_kernel: bool) -> None:
+        if s.kind not in BARRIER_KINDS:
+            self.fail(s.loc, f"barrier kind {s.kind!r}; expected one of {BARRIER_KINDS}")
+
+    def async_copy(self, s: AsyncCopy, in_kernel: bool) -> None:
+        if s.dst.scope != "shared" or s.src.scope != "global":
+            self.fail(s.loc, f"T.cp_async: copies global -> shared; got {s.src.name} ({s.src.scope}) -> "
+                             f"{s.dst.name} ({s.dst.scope})")
+        if s.dst.dtype != s.src.dtype:
+            self.fail(s.loc, f"T.cp_async: {s.src.name} is {s.src.dtype} but {s.dst.name} is {s.dst.dtype}")
+        if s.n < 1 or s.nbytes not in ASYNC_COPY_BYTES:
+            self.fail(s.loc, f"T.cp_async: {s.n} elements of {s.dst.dtype} are {s.nbytes} bytes; expected one of "
+                             f"{ASYNC_COPY_BYTES} bytes")
+        self.check_access(s.src, s.src_idx, s.loc, "cp.async from")
+        self.check_access(s.dst, s.dst_idx, s.loc, "cp.async to")
+        shape = s.dst.static_shape()
+        iv = _interval(s.dst_idx[-1], self.ranges) if shape is not None else None
+        if iv is not None and iv[1] + s.n > shape[-1]:
+            self.fail(s.loc, f"T.cp_async to {s.dst.name}: last index up to {iv[1]} + {s.n} elements passes the "
+                             f"dimension's size {shape[-1]} (out of bounds)")
+
+    def async_wait(self, s: AsyncWait, in_kernel: bool) -> None:
+        if s.n < 0:
+            self.fail(s.loc, f"T.cp_async_wait({s.n}): expected a group count >= 0")
+
+    def intrinsic(self, s: Intrinsic, in_kernel: bool) -> None:
+        spec = INTRINSICS.get(s.name)
+        if spec is None:
+            self.fail(s.loc, f"T.intrinsic {s.name!r}: unknown; expected one of {sorted(INTRINSICS)}")
+        if len(s.ins) != spec.n_in or len(s.outs) != spec.n_out:
+            self.fail(s.loc, f"T.intrinsic {s.name!r}: takes {spec.n_in} operands and {spec.n_out} results, got "
+                             f"{len(s.ins)} and {len(s.outs)}")
+        missing = [a for a in spec.attrs if a not in s.attrs]
+        if missing:
+            self.fail(s.loc, f"T.intrinsic {s.name!r}: missing attribute(s) {missing}")
+        for o in s.outs:
+            self.check_access(o.buffer, o.indices, s.loc, f"T.intrinsic {s.name!r} result")
+
+    def thread_for(self, s: ThreadFor, in_kernel: bool) -> None:
+        if s.trips < 1:
+            self.fail(s.loc, f"T.thread_for({s.trips}): expected a trip count >= 1")
+        self.defined.add(s.var)
+        self.bounds[s.var] = (0, s.trips - 1)
+        self.ranges[s.var] = (0, s.trips - 1)
+        self.stmt(s.body, True)
+        self.ranges.pop(s.var, None)
+
+    def uniform(self, s: Uniform, in_kernel: bool) -> None:
+        self.stmt(s.body, True)
+
+
+register_rules("verify", {RegBuffer: _Verifier.reg_buffer, Barrier: _Verifier.barrier, AsyncCopy: _Verifier.async_copy,
+                          AsyncWait: _Verifier.async_wait, Intrinsic: _Verifier.intrinsic,
+                          ThreadFor: _Verifier.thread_for, Uniform: _Verifier.uniform})
+
+
 register_rules("verify", {Seq: _Verifier.seq, Kernel: _Verifier.kernel, Alloc: _Verifier.alloc, For: _Verifier.for_,
                           Let: _Verifier.let, Store: _Verifier.store, While: _Verifier.nested, If: _Verifier.nested,
                           TileOp: _Verifier.tile_op, Gemm: _Verifier.gemm})
@@ -252,4 +337,97 @@ def verify(func: PrimFunc, allow_global_gemm: bool = False) -> PrimFunc:
     for p in func.params:
         v.check_size(p, func.loc)
     v.stmt(func.body, False)
+    return func
+
+
+# ---------------------------------------------------------------- thread-level programs
+
+
+class _ThreadChecks:
+    """What makes a program thread-level: no tile ops, registers only through T.alloc_reg, serial
+    loops on bounds every thread agrees on; barriers and shuffles where every thread of the block
+    (warp) reaches them; uniform regions free of per-thread values."""
+
+    def __init__(self, func: PrimFunc) -> None:
+        self.func = func
+        self.lane_vars: set[Var] = set()  # Let-bound variables whose value differs between threads
+        self.regs: set[Buffer] = set()
+        self.divergent: list[Expr] = []  # the enclosing per-thread conditions
+        self.uniform = 0
+        self.in_kernel = False
+
+    def fail(self, s: Stmt, msg: str) -> None:
+        raise CompileError(msg, s.loc or self.func.loc)
+
+    def per_thread(self, e: Expr) -> bool:
+        """True when `e` may differ between the threads of a block."""
+        for x in _walk(e):
+            if isinstance(x, (ThreadIdx, Shuffle)) or (isinstance(x, Var) and x in self.lane_vars) or \
+                    (isinstance(x, Load) and x.buffer in self.regs):
+                return True
+        return False
+
+    def exprs(self, s: Stmt) -> None:
+        for e in stmt_exprs(s):
+            for x in _walk(e):
+                if isinstance(x, ThreadIdx) and not self.in_kernel:
+                    self.fail(s, "T.get_thread_binding() outside `with T.Kernel(...)`")
+                if isinstance(x, Shuffle):
+                    if x.kind not in SHUFFLE_KINDS:
+                        self.fail(s, f"T.shfl_{x.kind}: expected a kind in {SHUFFLE_KINDS}")
+                    if x.width not in (1, 2, 4, 8, 16, 32):
+                        self.fail(s, f"T.shfl_{x.kind}(width={x.width}): expected a power of two <= 32")
+                    if self.divergent:
+                        self.fail(s, f"T.shfl_{x.kind} under a condition that differs between threads "
+                                     f"({print_expr(self.divergent[-1])}): every lane of the warp must take part")
+            if self.uniform and self.per_thread(e):
+                self.fail(s, f"T.uniform() region holds a per-thread value ({print_expr(e)})")
+
+    def stmt(self, s: Stmt) -> None:
+        self.exprs(s)
+        if isinstance(s, TileOp):
+            self.fail(s, f"tile op {type(s).__name__} in a thread-level program (lower it first)")
+        if isinstance(s, Kernel):
+            self.in_kernel = True
+            self.stmt(s.body)
+            self.in_kernel = False
+            return
+        if isinstance(s, Alloc) and s.buffer.scope in ("fragment", "local"):
+            self.fail(s, f"{s.buffer.name}: per-thread storage in a thread-level program is T.alloc_reg, not "
+                         f"alloc_{s.buffer.scope}")
+        if isinstance(s, RegBuffer):
+            self.regs.add(s.buffer)
+        if self.uniform and isinstance(s, (RegBuffer, Barrier, AsyncCopy, AsyncCommit, AsyncWait, ThreadFor, Intrinsic)):
+            self.fail(s, f"{type(s).__name__} inside a T.uniform() region (it holds scalar code only)")
+        if isinstance(s, Barrier) and self.divergent:
+            self.fail(s, f"T.sync_threads() under a condition that differs between threads "
+                         f"({print_expr(self.divergent[-1])}): the threads that skip it never arrive")
+        if isinstance(s, For):
+            if s.kind not in ("serial", "unroll"):
+                self.fail(s, f"T.{s.kind} loop in a thread-level program (lower it to serial loops / "
+                             f"T.thread_for)")
+            if self.per_thread(s.start) or self.per_thread(s.extent):
+                self.fail(s, "loop bounds differ between threads; use T.thread_for with a guard")
+        if isinstance(s, While) and self.per_thread(s.cond):
+            self.fail(s, "while condition differs between threads")
+        if isinstance(s, Let) and self.per_thread(s.value):
+            self.lane_vars.add(s.var)
+        cond = s.cond if isinstance(s, If) and self.per_thread(s.cond) else None
+        self.uniform += isinstance(s, Uniform)
+        if cond is not None:
+            self.divergent.append(cond)
+        try:
+            for c in s.children():
+                self.stmt(c)
+        finally:
+            self.uniform -= isinstance(s, Uniform)
+            if cond is not None:
+                self.divergent.pop()
+
+
+def verify_thread(func: PrimFunc) -> PrimFunc:
+    """`verify` plus the checks of a thread-level program (ir/thread.py); CompileError naming the
+    statement's location on the first problem; return func."""
+    verify(func)
+    _ThreadChecks(func).stmt(func.body)
     return func

@@ -1,0 +1,257 @@
+"""The thread-level interpreter: runs a thread-level program (ir/thread.py) with the block's threads
+as a numpy lane axis, so a lowering to threads is checked against the tile interpreter on the CPU.
+
+Blocks run one after another. Inside a block every thread runs in lock-step: a value that differs
+between threads is an array of shape (threads,), `T.get_thread_binding()` is `arange(threads)`, a
+register buffer is an array (threads, nregs), shared and global memory are common to all lanes,
+an `if` on a per-thread condition masks the lanes (as the tile interpreter's T.Parallel does). A
+shuffle permutes lanes inside each warp; a barrier is a no-op in lock-step (checked to be reached
+by all threads or none); a cp.async poisons its destination when issued (NaN for floats, all-ones
+bits for integers, as cuda_emu does) and lands when the AsyncWait that retires its group runs, so a
+missing wait reads poison. Lock-step lanes check index arithmetic, layouts and waits, not races
+(cuda_emu keeps that job).
+
+Rules live in the "thread.interp" table; a node without one runs its tile "interp" rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import tilehal
+
+from ..errors import CompileError
+from ..ir import dtypes as dt
+from ..ir.nodes import Alloc, Buffer, Expr, For, Kernel, PrimFunc, Stmt, TileOp, Var, register_rules
+from ..ir.thread import (
+    INTRINSICS,
+    AsyncCommit,
+    AsyncCopy,
+    AsyncWait,
+    Barrier,
+    Intrinsic,
+    RegBuffer,
+    Shuffle,
+    ThreadFor,
+    ThreadIdx,
+    Uniform,
+)
+from .interp import Interpreter, _compute, np_dtype
+
+WARP = 32
+
+
+def _poison(arr: np.ndarray, ids: tuple) -> None:
+    """Fill `arr[ids]` with all-ones bits (NaN for every float type, -1 for signed integers)."""
+    bits = arr.view(np.dtype(f"u{arr.dtype.itemsize}"))
+    bits[ids] = np.iinfo(bits.dtype).max
+
+
+class ThreadInterpreter(Interpreter):
+    # ------------------------------------------------------------ entry
+
+    def run(self, buffers: dict[Buffer, np.ndarray], dyn: dict[Var, int]) -> None:
+        self.threads = 0  # > 0 inside a kernel
+        self.regs: set[Buffer] = set()
+        self.in_uniform = 0
+        self.open: list[tuple] = []  # cp.async copies issued since the last commit
+        self.groups: list[list[tuple]] = []  # committed groups, oldest first
+        super().run(buffers, dyn)
+
+    def expr(self, e: Expr) -> Any:
+        rule = e.rule("thread.interp") or e.rule("interp")
+        if rule is None:
+            raise CompileError(f"thread interp: unknown expression {type(e).__name__}")
+        return rule(self, e)
+
+    def stmt(self, s: Stmt) -> None:
+        rule = s.rule("thread.interp") or s.rule("interp")
+        if rule is None:
+            raise CompileError(f"thread interp: unknown statement {type(s).__name__}", s.loc)
+        rule(self, s)
+
+    def lanes_of(self, v: Any, dtype: Any = None) -> np.ndarray:
+        """`v` (a scalar or a per-lane array) as an array of shape (threads,)."""
+        a = np.asarray(v) if dtype is None else np.asarray(v, dtype=dtype)
+        return np.broadcast_to(a, (self.threads,))
+
+    def active(self) -> np.ndarray:
+        return np.ones(self.threads, dtype=bool) if self.mask is None else self.lanes_of(self.mask, bool)
+
+    # ------------------------------------------------------------ memory: registers get the lane index first
+
+    def load(self, buf: Buffer, idx: list[Any]) -> Any:
+        if buf in self.regs:
+            idx = [np.arange(self.threads, dtype=np.int64), *idx]
+        return super().load(buf, idx)
+
+    def store(self, buf: Buffer, idx: list[Any], value: Any, loc: Any = None) -> None:
+        if buf in self.regs:
+            idx = [np.arange(self.threads, dtype=np.int64), *idx]
+        super().store(buf, idx, value, loc)
+
+    # ------------------------------------------------------------ rules (the "thread.interp" table)
+
+    def kernel(self, s: Kernel) -> None:
+        grid = [int(self.expr(g)) for g in s.grid]
+        threads = int(np.prod(s.threads))
+        for idx in itertools.product(*(range(n) for n in grid)):
+            for v, i in zip(s.block_vars, idx):
+                self.env[v] = i
+            self.threads, self.open, self.groups = threads, [], []
+            try:
+                self.stmt(s.body)
+            finally:
+                self.threads = 0  # copies still in flight at the block's end never land (nothing reads them)
+
+    def thread_idx(self, e: ThreadIdx) -> Any:
+        if not self.threads:
+            raise CompileError("thread interp: T.get_thread_binding() outside a kernel")
+        if self.in_uniform:
+            raise CompileError("thread interp: T.get_thread_binding() inside a T.uniform() region")
+        return np.arange(self.threads, dtype=np.int64)
+
+    def shuffle(self, e: Shuffle) -> Any:
+        val = self.lanes_of(self.expr(e.value))
+        arg = self.lanes_of(self.expr(e.lane), np.int64)
+        lane = np.arange(self.threads, dtype=np.int64)
+        seg, w = lane - lane % e.width, e.width
+        pos = lane % w
+        if e.kind == "xor":
+            src = pos ^ arg
+        elif e.kind == "down":
+            src = np.where(pos + arg < w, pos + arg, pos)
+        elif e.kind == "up":
+            src = np.where(pos - arg >= 0, pos - arg, pos)
+        else:  # idx
+            src = arg % w
+        src = seg + np.where((src >= 0) & (src < w), src, pos)
+        if (src >= self.threads).any():
+            raise tilehal.LaunchError(f"T.shfl_{e.kind}: a source lane past the block's {self.threads} threads "
+                                      f"(a partial warp)")
+        return val[src]
+
+    def alloc(self, s: Alloc) -> None:
+        if s.buffer.scope in ("fragment", "local"):
+            raise CompileError(f"thread interp: {s.buffer.name} is alloc_{s.buffer.scope}; per-thread storage is "
+                               f"T.alloc_reg", s.loc)
+        super().alloc(s)
+
+    def reg_buffer(self, s: RegBuffer) -> None:
+        self.bufs[s.buffer] = np.zeros((self.threads, s.nregs), dtype=np_dtype(s.buffer.dtype))
+        self.regs.add(s.buffer)
+
+    def barrier(self, s: Barrier) -> None:
+        arrived = self.active()
+        if arrived.any() and not arrived.all():
+            raise tilehal.LaunchError(f"{s.loc or ''}: T.sync_threads() reached by {int(arrived.sum())} of "
+                                      f"{self.threads} threads (the others never arrive)")
+
+    def async_copy(self, s: AsyncCopy) -> None:
+        dst, src = self.bufs[s.dst], self.bufs[s.src]
+        on = self.active()
+        if s.pred is not None:
+            pred = self.lanes_of(self.expr(s.pred), bool)
+        else:
+            pred = np.ones(self.threads, dtype=bool)
+        k = np.arange(s.n, dtype=np.int64)
+
+        def elems(idx: list[Expr]) -> list[np.ndarray]:
+            lanes = [self.lanes_of(self.expr(i), np.int64)[:, None] for i in idx]
+            lanes[-1] = lanes[-1] + k
+            return [np.broadcast_to(x, (self.threads, s.n)) for x in lanes]
+
+        d_idx, s_idx = elems(s.dst_idx), elems(s.src_idx)
+        d_sel = [x[on] for x in d_idx]
+        s_sel = [x[on & pred] for x in s_idx]
+        self._check_bounds(s.dst, d_sel, dst.shape, s.loc)
+        for d, (i, n) in enumerate(zip(s_sel, src.shape)):
+            if i.size and (i.min() < 0 or i.max() >= n):
+                raise tilehal.LaunchError(f"{s.loc or ''}: T.cp_async from {s.src.name}: index {d} out of bounds "
+                                          f"(range [{i.min()}, {i.max()}], size {n})")
+        item = dst.dtype.itemsize
+        for name, arr, sel in ((s.dst.name, dst, d_sel), (s.src.name, src, s_sel)):
+            if sel[0].size:
+                off = np.ravel_multi_index([x[:, 0] for x in sel], arr.shape) * item
+                if (off % s.nbytes).any():
+                    raise tilehal.LaunchError(f"{s.loc or ''}: T.cp_async of {s.nbytes} bytes: {name} address not "
+                                              f"{s.nbytes}-byte aligned (byte offset {int(off[off % s.nbytes][0])})")
+        _poison(dst, tuple(d_sel))
+        self.open.append((s.dst, d_idx, s.src, s_idx, on, pred))
+
+    def async_commit(self, s: AsyncCommit) -> None:
+        self.groups.append(self.open)
+        self.open = []
+
+    def async_wait(self, s: AsyncWait) -> None:
+        while len(self.groups) > s.n:
+            for dbuf, d_idx, sbuf, s_idx, on, pred in self.groups.pop(0):
+                dst, src = self.bufs[dbuf], self.bufs[sbuf]
+                got = on & pred
+                dst[tuple(x[got] for x in d_idx)] = src[tuple(x[got] for x in s_idx)]
+                zero = on & ~pred
+                dst[tuple(x[zero] for x in d_idx)] = 0
+
+    def intrinsic(self, s: Intrinsic) -> None:
+        fn = _INTRINSIC_RULES.get(s.name)
+        if fn is None or s.name not in INTRINSICS:
+            raise CompileError(f"thread interp: intrinsic {s.name!r} has no interpretation", s.loc)
+        outs = fn(self, [self.expr(i) for i in s.ins], s)
+        for o, v in zip(s.outs, outs):
+            self.store(o.buffer, [self.expr(i) for i in o.indices], v, s.loc)
+
+    def thread_for(self, s: ThreadFor) -> None:
+        for j in range(s.trips):
+            self.env[s.var] = j
+            self.stmt(s.body)
+        self.env.pop(s.var, None)
+
+    def uniform(self, s: Uniform) -> None:
+        self.in_uniform += 1
+        try:
+            self.stmt(s.body)
+        finally:
+            self.in_uniform -= 1
+
+    def loop(self, s: For) -> None:
+        if s.kind not in ("serial", "unroll"):
+            raise CompileError(f"thread interp: T.{s.kind} loop in a thread-level program (lower it first)", s.loc)
+        super().loop(s)
+
+    def tile_op(self, s: TileOp) -> None:
+        raise CompileError(f"thread interp: tile op {type(s).__name__} in a thread-level program (lower it first)",
+                           s.loc)
+
+
+def _fma(it: ThreadInterpreter, ins: list[Any], s: Intrinsic) -> list[Any]:
+    a, b, c = (np.asarray(x, dtype=np.float64) for x in ins)
+    # fp32 operands: the product is exact in float64 and the sum rounds there, then to float32 (the same
+    # as __fmaf_rn's single rounding but for rare double-rounding ties)
+    return [(a * b + c).astype(np.float32)]
+
+
+def _cvt(it: ThreadInterpreter, ins: list[Any], s: Intrinsic) -> list[Any]:
+    to = dt.canonical(s.attrs["dtype"])
+    v = np.asarray(ins[0])
+    if dt.is_int(to) and v.dtype.kind == "f":
+        v = np.rint(v)  # cvt.rni
+    return [_compute(v.astype(np_dtype(to)), to)]
+
+
+_INTRINSIC_RULES = {"fma": _fma, "cvt": _cvt}  # one per INTRINSICS entry
+
+register_rules("thread.interp", {
+    Kernel: ThreadInterpreter.kernel, ThreadIdx: ThreadInterpreter.thread_idx, Shuffle: ThreadInterpreter.shuffle,
+    Alloc: ThreadInterpreter.alloc, RegBuffer: ThreadInterpreter.reg_buffer, Barrier: ThreadInterpreter.barrier,
+    AsyncCopy: ThreadInterpreter.async_copy, AsyncCommit: ThreadInterpreter.async_commit,
+    AsyncWait: ThreadInterpreter.async_wait, Intrinsic: ThreadInterpreter.intrinsic,
+    ThreadFor: ThreadInterpreter.thread_for, Uniform: ThreadInterpreter.uniform, For: ThreadInterpreter.loop,
+    TileOp: ThreadInterpreter.tile_op,
+})
+
+
+def run_thread(func: PrimFunc, arrays: list[np.ndarray], dyn: dict[Var, int] | None = None) -> None:
+    """Run thread-level `func` on numpy `arrays` (its params, in order; written in place)."""
+    ThreadInterpreter(func).run(dict(zip(func.params, arrays)), dict(dyn or {}))
