@@ -132,16 +132,16 @@ def tile_warp_sum_program(blocks=3, threads=64, dtype="int32"):
     return PrimFunc("tile_warp_sum", [x, out], kernel(blocks, threads, body, bx), [])
 
 
-def pipeline_program(K=5, n=128, threads=32, wait=True, valid_rows=None, vec=4):
+def pipeline_program(K=5, n=128, threads=32, wait=True, valid_rows=None, vec=4, dtype="float32"):
     """out[t*vec + v] = sum over k < K of A[k, t*vec + v], A's rows streamed into a 2-stage shared
     ring with cp.async (prefetch k+1 while summing k): commit every iteration, wait(1), barrier.
     `valid_rows`: rows at or past it are predicated off (the copies write zeros). `wait=False`
     drops the waits (a bug the NaN poison shows)."""
-    A = gbuf("A", (K, n))
+    A = gbuf("A", (K, n), dtype)
     out = gbuf("out", (n,))
     bx, k, v = Var("bx"), Var("k"), Var("v")
     tx = ThreadIdx()
-    s = sbuf("s", (2, n))
+    s = sbuf("s", (2, n), dtype)
     acc = reg_buffer("acc", vec, "float32")
     col = binop("*", tx, vec)
 
@@ -234,12 +234,24 @@ def test_shuffle_lane_permutations_within_width_segments():
         np.testing.assert_array_equal(a, want[k] * 10, err_msg=k)
 
 
-def test_cp_async_pipeline_lands_at_its_waits():
+@pytest.mark.parametrize("dtype, vec, threads", [("float32", 4, 32), ("float16", 8, 16), ("bfloat16", 4, 32)])
+def test_cp_async_pipeline_lands_at_its_waits(dtype, vec, threads):
     K, n = 5, 128
-    a = np.random.default_rng(2).standard_normal((K, n)).astype(np.float32)
+    a = np.random.default_rng(2).standard_normal((K, n)).astype(tilehal.to_numpy_dtype(dtype))
     out = np.zeros(n, np.float32)
-    run_thread(verify_thread(pipeline_program(K, n)), [a, out])
-    np.testing.assert_allclose(out, a.sum(0), rtol=1e-6, atol=1e-6)
+    run_thread(verify_thread(pipeline_program(K, n, threads, vec=vec, dtype=dtype)), [a, out])
+    want = np.zeros(n, np.float32)
+    for row in a.astype(np.float32):  # fp32 accumulation in k order, as the registers do
+        want += row
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_missing_wait_reads_poison_in_16_bit_types(dtype):
+    a = np.ones((5, 128), tilehal.to_numpy_dtype(dtype))
+    out = np.zeros(128, np.float32)
+    run_thread(verify_thread(pipeline_program(5, 128, 32, wait=False, dtype=dtype)), [a, out])
+    assert np.isnan(out).all()
 
 
 def test_cp_async_predicated_off_rows_write_zeros():
@@ -361,8 +373,9 @@ def test_every_thread_node_has_print_verify_and_interp_rules():
     for cls in THREAD_NODES:
         assert cls.rule_for("print") is not None, cls.__name__
         assert cls.rule_for("thread.interp") is not None, cls.__name__
-        if not issubclass(cls, Expr) and cls not in (AsyncCommit,):  # AsyncCommit has nothing to check
-            assert cls.rule_for("verify") is not None, cls.__name__
+        if not issubclass(cls, Expr):  # statements: verify_thread's table (expressions: checked by it too)
+            assert cls.rule_for("thread.verify") is not None, cls.__name__
+            assert cls.rule_for("verify") is not None or cls is AsyncCommit, cls.__name__  # nothing local to check
 
 
 def test_walkers_and_rebuild_see_thread_nodes():

@@ -7,8 +7,8 @@ copies with their commit / wait groups, warp shuffles, intrinsics, the constant-
 loop and block-uniform regions. It holds no tile ops: those are lowered into it (step 2).
 
 Each class is `Ruled` like the tile ops: its structure (children / exprs / reads / writes /
-rebuild) lives here; its rules live where the tables are: "print" in ir/printer.py, "verify" in
-ir/verifier.py (plus `verify_thread`, the program-wide checks), "thread.interp" in
+rebuild) lives here; its rules live where the tables are: "print" in ir/printer.py, "verify" and
+"thread.verify" (`verify_thread`: the program-wide checks) in ir/verifier.py, "thread.interp" in
 backends/thread_interp.py (the block's threads as a numpy lane axis).
 """
 

@@ -385,44 +385,90 @@ class _ThreadChecks:
 
     def stmt(self, s: Stmt) -> None:
         self.exprs(s)
-        if isinstance(s, TileOp):
-            self.fail(s, f"tile op {type(s).__name__} in a thread-level program (lower it first)")
-        if isinstance(s, Kernel):
-            self.in_kernel = True
-            self.stmt(s.body)
-            self.in_kernel = False
-            return
-        if isinstance(s, Alloc) and s.buffer.scope in ("fragment", "local"):
+        rule = s.rule("thread.verify")
+        if rule is not None:
+            rule(self, s)
+        else:
+            self.children(s)
+
+    def children(self, s: Stmt) -> None:
+        for c in s.children():
+            self.stmt(c)
+
+    def scalar_only(self, s: Stmt) -> None:
+        if self.uniform:
+            self.fail(s, f"{type(s).__name__} inside a T.uniform() region (it holds scalar code only)")
+
+    # ---------------------------------------------------------------- rules (the "thread.verify" table)
+
+    def tile_op(self, s: TileOp) -> None:
+        self.fail(s, f"tile op {type(s).__name__} in a thread-level program (lower it first)")
+
+    def kernel(self, s: Kernel) -> None:
+        self.in_kernel = True
+        self.stmt(s.body)
+        self.in_kernel = False
+
+    def alloc(self, s: Alloc) -> None:
+        if s.buffer.scope in ("fragment", "local"):
             self.fail(s, f"{s.buffer.name}: per-thread storage in a thread-level program is T.alloc_reg, not "
                          f"alloc_{s.buffer.scope}")
-        if isinstance(s, RegBuffer):
-            self.regs.add(s.buffer)
-        if self.uniform and isinstance(s, (RegBuffer, Barrier, AsyncCopy, AsyncCommit, AsyncWait, ThreadFor, Intrinsic)):
-            self.fail(s, f"{type(s).__name__} inside a T.uniform() region (it holds scalar code only)")
-        if isinstance(s, Barrier) and self.divergent:
+
+    def reg_buffer(self, s: RegBuffer) -> None:
+        self.scalar_only(s)
+        self.regs.add(s.buffer)
+
+    def barrier(self, s: Barrier) -> None:
+        self.scalar_only(s)
+        if self.divergent:
             self.fail(s, f"T.sync_threads() under a condition that differs between threads "
                          f"({print_expr(self.divergent[-1])}): the threads that skip it never arrive")
-        if isinstance(s, For):
-            if s.kind not in ("serial", "unroll"):
-                self.fail(s, f"T.{s.kind} loop in a thread-level program (lower it to serial loops / "
-                             f"T.thread_for)")
-            if self.per_thread(s.start) or self.per_thread(s.extent):
-                self.fail(s, "loop bounds differ between threads; use T.thread_for with a guard")
-        if isinstance(s, While) and self.per_thread(s.cond):
+
+    def per_thread_op(self, s: Stmt) -> None:  # AsyncCopy / Commit / Wait, Intrinsic, ThreadFor
+        self.scalar_only(s)
+        self.children(s)
+
+    def for_(self, s: For) -> None:
+        if s.kind not in ("serial", "unroll"):
+            self.fail(s, f"T.{s.kind} loop in a thread-level program (lower it to serial loops / T.thread_for)")
+        if self.per_thread(s.start) or self.per_thread(s.extent):
+            self.fail(s, "loop bounds differ between threads; use T.thread_for with a guard")
+        self.children(s)
+
+    def while_(self, s: While) -> None:
+        if self.per_thread(s.cond):
             self.fail(s, "while condition differs between threads")
-        if isinstance(s, Let) and self.per_thread(s.value):
+        self.children(s)
+
+    def let(self, s: Let) -> None:
+        if self.per_thread(s.value):
             self.lane_vars.add(s.var)
-        cond = s.cond if isinstance(s, If) and self.per_thread(s.cond) else None
-        self.uniform += isinstance(s, Uniform)
-        if cond is not None:
-            self.divergent.append(cond)
+
+    def if_(self, s: If) -> None:
+        lane = self.per_thread(s.cond)
+        if lane:
+            self.divergent.append(s.cond)
         try:
-            for c in s.children():
-                self.stmt(c)
+            self.children(s)
         finally:
-            self.uniform -= isinstance(s, Uniform)
-            if cond is not None:
+            if lane:
                 self.divergent.pop()
+
+    def uniform_(self, s: Uniform) -> None:
+        self.uniform += 1
+        try:
+            self.children(s)
+        finally:
+            self.uniform -= 1
+
+
+register_rules("thread.verify", {
+    TileOp: _ThreadChecks.tile_op, Kernel: _ThreadChecks.kernel, Alloc: _ThreadChecks.alloc,
+    RegBuffer: _ThreadChecks.reg_buffer, Barrier: _ThreadChecks.barrier, AsyncCopy: _ThreadChecks.per_thread_op,
+    AsyncCommit: _ThreadChecks.per_thread_op, AsyncWait: _ThreadChecks.per_thread_op,
+    Intrinsic: _ThreadChecks.per_thread_op, ThreadFor: _ThreadChecks.per_thread_op, For: _ThreadChecks.for_,
+    While: _ThreadChecks.while_, Let: _ThreadChecks.let, If: _ThreadChecks.if_, Uniform: _ThreadChecks.uniform_,
+})
 
 
 def verify_thread(func: PrimFunc) -> PrimFunc:
