@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import tilehal
 from tilelang.backends.interp import Interpreter
-from tilelang.backends.thread_interp import ThreadInterpreter, run_thread
+from tilelang.backends.thread_interp import ThreadInterpreter, fragment_indices, run_thread, tile_of_registers
 from tilelang.errors import CompileError
-from tilelang.ir.layout import default_fragment
+from tilelang.ir.layout import default_fragment, mma_accumulator, replicated
 from tilelang.ir.nodes import (
     Alloc,
     Buffer,
@@ -506,3 +506,41 @@ def test_tile_interpreter_refuses_thread_nodes():
     f = warp_sum_program()
     with pytest.raises(CompileError, match="unknown statement RegBuffer"):
         Interpreter(f).run({p: np.zeros([int(d.value) for d in p.shape], np.int32) for p in f.params}, {})
+
+
+# ---------------------------------------------------------------- registers under a fragment layout
+
+
+def test_registers_of_the_copy_hold_the_tile_in_its_fragment_layout():
+    """The copy program's registers, written with hand index arithmetic (register j*4 + k holds
+    element (tx + 32 j) * 4 + k), read back through the RegBuffer's fragment give the tile."""
+    n = 256
+    f = verify_thread(copy_program(n))
+    a = np.random.default_rng(6).standard_normal(2 * n).astype(np.float32)
+    it = ThreadInterpreter(f)
+    it.run({f.params[0]: a, f.params[1]: np.zeros_like(a)}, {})
+    reg = next(s for s in walk_stmts(f.body) if isinstance(s, RegBuffer))
+    np.testing.assert_array_equal(tile_of_registers(it.bufs[reg.buffer], reg.fragment), a[n:])  # the last block's
+
+
+def test_fragment_indices_of_the_mma_accumulator():
+    """m16n8 accumulator, one warp: lane l holds rows l // 4 (+8) and columns 2 (l % 4) (+1)
+    (the PTX ISA's figure for mma.m16n8 C fragments)."""
+    frag = mma_accumulator(16, 8, 1, 1, 32)
+    idx = fragment_indices(frag)
+    lane = np.arange(32)
+    rows = np.stack([lane // 4, lane // 4, lane // 4 + 8, lane // 4 + 8], 1)
+    cols = np.stack([2 * (lane % 4), 2 * (lane % 4) + 1] * 2, 1)
+    np.testing.assert_array_equal(idx[..., 0], rows)
+    np.testing.assert_array_equal(idx[..., 1], cols)
+    tile = np.arange(128, dtype=np.float32).reshape(16, 8)
+    np.testing.assert_array_equal(tile_of_registers(tile[rows, cols], frag), tile)
+
+
+def test_tile_of_registers_checks_replicas_and_coverage():
+    frag = replicated((4,), 8)
+    regs = np.tile(np.arange(4, dtype=np.float32), (8, 1))
+    np.testing.assert_array_equal(tile_of_registers(regs, frag), np.arange(4))
+    regs[3, 1] = 7
+    with pytest.raises(tilehal.LaunchError, match="replicas"):
+        tile_of_registers(regs, frag)

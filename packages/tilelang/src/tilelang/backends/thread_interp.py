@@ -24,6 +24,7 @@ import tilehal
 
 from ..errors import CompileError
 from ..ir import dtypes as dt
+from ..ir.layout import Fragment
 from ..ir.nodes import Alloc, Buffer, Expr, For, Kernel, PrimFunc, Stmt, TileOp, Var, register_rules
 from ..ir.thread import (
     INTRINSICS,
@@ -250,6 +251,37 @@ register_rules("thread.interp", {
     ThreadFor: ThreadInterpreter.thread_for, Uniform: ThreadInterpreter.uniform, For: ThreadInterpreter.loop,
     TileOp: ThreadInterpreter.tile_op,
 })
+
+
+def fragment_indices(frag: Fragment) -> np.ndarray:
+    """(threads, nregs, ndim) int64: the tile index that each thread's register holds under `frag`
+    (entries past the tile's shape are padding)."""
+    tx = np.arange(frag.threads, dtype=np.int64)[:, None]
+    reg = np.arange(frag.nregs, dtype=np.int64)[None, :]
+    out = np.zeros((frag.threads, frag.nregs, len(frag.shape)), dtype=np.int64)
+    for d, axes in enumerate(frag.dims):
+        for a in axes:
+            v = (tx // a.tstride) % a.extent if a.kind == "t" else (reg // frag.reg_stride(d, a)) % a.extent
+            out[:, :, d] += v * a.coeff
+    return out
+
+
+def tile_of_registers(regs: np.ndarray, frag: Fragment) -> np.ndarray:
+    """The tile that register arrays (threads, nregs) hold under `frag`; LaunchError when two
+    replicas of an element differ or an element of the tile is held by no thread."""
+    idx = fragment_indices(frag)
+    inside = np.all(idx < np.asarray(frag.shape), axis=-1)
+    where, vals = idx[inside], regs[inside]
+    tile = np.zeros(frag.shape, dtype=regs.dtype)
+    tile[tuple(where.T)] = vals
+    seen = np.zeros(frag.shape, dtype=bool)
+    seen[tuple(where.T)] = True
+    if not seen.all():
+        raise tilehal.LaunchError(f"{frag!r}: {int((~seen).sum())} tile elements held by no thread")
+    same = (tile[tuple(where.T)] == vals) | (np.isnan(vals) if vals.dtype.kind == "f" else False)
+    if not same.all():
+        raise tilehal.LaunchError(f"{frag!r}: replicas of an element hold different values")
+    return tile
 
 
 def run_thread(func: PrimFunc, arrays: list[np.ndarray], dyn: dict[Var, int] | None = None) -> None:
