@@ -544,3 +544,7 @@ def test_tile_of_registers_checks_replicas_and_coverage():
     regs[3, 1] = 7
     with pytest.raises(tilehal.LaunchError, match="replicas"):
         tile_of_registers(regs, frag)
+    half = default_fragment((64,), 32, 1)  # 2 registers per thread; pretend the tile were larger
+    bigger = type(half)((96,), half.dims, half.reg_order, half.threads)
+    with pytest.raises(tilehal.LaunchError, match="32 tile elements held by no thread"):
+        tile_of_registers(np.zeros((32, 2), np.float32), bigger)
