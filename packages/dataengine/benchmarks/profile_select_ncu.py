@@ -7,9 +7,12 @@ the shapes: the profile is ncu's."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-B, HQ, H, D, BS, TOP, NB = 8, 32, 8, 128, 16, 64, 8192
+B, HQ, H, D, BS, TOP = 8, 32, 8, 128, 16, 64
+NB = int(os.environ.get("PROFILE_BLOCKS", "8192"))  # blocks per sequence (512: the 8K case)
 
 
 def select_kernels() -> None:
