@@ -1055,62 +1055,6 @@ __device__ __forceinline__ unsigned warp_kth_regs(const unsigned (&k)[K], int kt
   }
   return t;
 }
-// Two such searches in one pass (kA-th and kB-th largest): both counts in one 32-bit word (each
-// <= 32 * K <= 65535), one warp reduction per bit for both.
-template <int K>
-__device__ __forceinline__ void warp_kth2_regs(const unsigned (&k)[K], int kA, int kB, unsigned& tA, unsigned& tB) {
-  static_assert(32 * K < 65536, "packed counts");
-  unsigned a = 0u, b = 0u;
-  for (int bit = 31; bit >= 0; --bit) {
-    const unsigned ca = a | (1u << bit), cb = b | (1u << bit);
-    unsigned n = 0u;
-#pragma unroll
-    for (int i = 0; i < K; ++i) n += unsigned(k[i] >= ca) + (unsigned(k[i] >= cb) << 16);
-    const unsigned sum = __reduce_add_sync(0xffffffffu, n);
-    if (int(sum & 0xffffu) >= kA) a = ca;
-    if (int(sum >> 16) >= kB) b = cb;
-  }
-  tA = a;
-  tB = b;
-}
-// The search over register keys of which at least kth are valid (pads: valid = false), starting
-// below the bits every valid key shares (the answer is one of them, so it shares them too).
-template <int K>
-__device__ __forceinline__ unsigned warp_kth_regs_prefix(const unsigned (&k)[K], const bool (&valid)[K], int kth) {
-  unsigned an = 0xffffffffu, o = 0u;
-#pragma unroll
-  for (int i = 0; i < K; ++i) {
-    if (valid[i]) { an &= k[i]; o |= k[i]; }
-  }
-  an = __reduce_and_sync(0xffffffffu, an);
-  o = __reduce_or_sync(0xffffffffu, o);
-  const unsigned diff = an ^ o;
-  if (diff == 0u) return an;  // every valid key equal
-  const int hb = 31 - __clz(diff);
-  unsigned t = an & ~((2u << hb) - 1u);  // the shared prefix, zeros below (hb < 31 or the prefix is empty)
-  if (hb == 31) t = 0u;
-  for (int bit = hb; bit >= 0; --bit) {
-    const unsigned c = t | (1u << bit);
-    int n = 0;
-#pragma unroll
-    for (int i = 0; i < K; ++i) n += valid[i] && k[i] >= c;
-    if (int(__reduce_add_sync(0xffffffffu, unsigned(n))) >= kth) t = c;
-  }
-  return t;
-}
-// The r-th largest (1-based) of the values v held by lanes < n (n <= 32, 1 <= r <= n): each lane's
-// rank among them by 32 shuffles (no dependent reductions).
-__device__ __forceinline__ unsigned warp_rth_of_lanes(unsigned v, int n, int r) {
-  const int lane = threadIdx.x % 32;
-  int rank = 0;
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    const unsigned u = __shfl_sync(0xffffffffu, v, j);
-    rank += j < n && (u > v || (u == v && j < lane));
-  }
-  const unsigned ball = __ballot_sync(0xffffffffu, lane < n && rank == r - 1);
-  return __shfl_sync(0xffffffffu, v, __ffs(ball) - 1);
-}
 // The same over get(i), i in [0, n) (strided over the lanes).
 template <typename Get>
 __device__ __forceinline__ unsigned warp_kth(int n, int kth, Get get) {
@@ -1253,8 +1197,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
       if (i < n_here && p < n_valid) k = (p < sink || p >= n_valid - local) ? kKeyForced : float_key(score_s[warp * CHUNK + i]);
       key[j] = k;
     }
-    unsigned T, tm;  // the chunk's wc-th and m_rank-th largest keys, in one pass
-    warp_kth2_regs(key, wc, m_rank, T, tm);
+    const unsigned T = warp_kth_regs(key, wc);
     int gt = 0, eq = 0;
 #pragma unroll
     for (int j = 0; j < K; ++j) { gt += key[j] > T; eq += key[j] == T; }
@@ -1275,6 +1218,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
       if ((take >> j) & 1u) { ckey[cbase + slot] = key[j]; cpos[cbase + slot] = pos0 + lane * K + j; ++slot; }
     }
     for (int s2 = n_take + lane; s2 < wc4; s2 += 32) ckey[cbase + s2] = 0u;
+    const unsigned tm = warp_kth_regs(key, m_rank);
     if (lane == 0) cthr[(long long)row * chunks + blockIdx.x] = tm;
   }
 
@@ -1311,19 +1255,12 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
       }
     };
     load_batch(0);
-    // t_low: the r_need-th largest chunk threshold (<= 32 chunks: ranked by shuffles; more: staged
-    // in lkey and searched)
-    unsigned t_low = 0u;
-    if (chunks <= 32) {
-      const unsigned v = lane < chunks ? __ldcg(&rthr[lane]) : 0u;
-      if (r_need <= chunks) t_low = warp_rth_of_lanes(v, chunks, r_need);
-    } else {
-      const bool thr_fit = chunks <= kCap;
-      for (int c = lane; c < chunks && thr_fit; c += 32) lkey[c] = __ldcg(&rthr[c]);
-      __syncwarp();
-      if (r_need <= chunks && thr_fit) t_low = warp_kth(chunks, r_need, [&](int c) { return lkey[c]; });
-      __syncwarp();  // lkey is overwritten by the list below
-    }
+    // t_low: the r_need-th largest chunk threshold (staged in lkey first: one round trip)
+    const bool thr_fit = chunks <= kCap;
+    for (int c = lane; c < chunks && thr_fit; c += 32) lkey[c] = __ldcg(&rthr[c]);
+    __syncwarp();
+    const unsigned t_low = (r_need <= chunks && thr_fit) ? warp_kth(chunks, r_need, [&](int c) { return lkey[c]; }) : 0u;
+    __syncwarp();  // lkey is overwritten by the list below
     // compact the candidates >= t_low, in position order, into this warp's part of the stages
     int n_list = 0;
     for (int base = 0; base < n_all; base += 128 * kBatch) {
@@ -1354,14 +1291,9 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
     int gt = 0;
     if (n <= 256) {  // the usual case: the list in registers (8 per lane, 0-padded) for the search
       unsigned k8[8];
-      bool v8[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        v8[j] = 32 * j + lane < n;
-        k8[j] = v8[j] ? key_i(32 * j + lane) : 0u;
-      }
-      // n >= width: T is a list key (search below the list's shared prefix); else every key is taken
-      T = n >= width ? warp_kth_regs_prefix(k8, v8, width) : 0u;
+      for (int j = 0; j < 8; ++j) k8[j] = 32 * j + lane < n ? key_i(32 * j + lane) : 0u;
+      T = warp_kth_regs(k8, width);
 #pragma unroll
       for (int j = 0; j < 8; ++j) gt += k8[j] > T;
     } else {
