@@ -8,7 +8,8 @@ Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay):
   step_<s>_prefetch          the same with KVPOOL_DECODE_PREFETCH=1
   select_<s>_stream          DATAENGINE_SELECT_STREAM=on (quest_select_stream_kernel), and its step
 Equality of every variant's blocks with the default path's is printed too. Writes
-bench_step_quick.json into $DATAENGINE_BENCH_OUT (or docs/benchmarks with --record).
+bench_step_quick.json into $DATAENGINE_BENCH_OUT (or docs/benchmarks with --record). Written
+2026-12-02 for a device round that was cancelled: not yet run on a GPU.
 """
 
 from __future__ import annotations
