@@ -84,7 +84,7 @@ def test_bench_host_times_batches_of_back_to_back_calls():
 def test_calc_diff_of_torch_tensors_matches_the_numpy_path():
     """Torch tensors are compared on their device in float64 (DeepGEMM's helper does so on the GPU): the same
     value as the numpy path, bf16 inputs included; shapes still checked."""
-    import torch
+    torch = pytest.importorskip("torch")  # tilehal's isolation session has no torch
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 48, generator=g)
