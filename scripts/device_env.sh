@@ -7,7 +7,7 @@ if compgen -G "$_root/.whl/*.whl" > /dev/null; then
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 for _p in hal tilelang deepgemm deepep kvpool dataengine; do
-  PYTHONPATH="$_root/packages/$_p/src:$PYTHONPATH"
+  PYTHONPATH="$_root/packages/$_p/src${PYTHONPATH:+:$PYTHONPATH}"
 done
 export PYTHONPATH="$_root/src:$PYTHONPATH"
 export PYTHONUNBUFFERED=1
