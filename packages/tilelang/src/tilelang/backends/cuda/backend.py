@@ -39,23 +39,7 @@ class CudaKernel:
         self.func = func
         arch = options.get("arch", DEFAULT_ARCH)
         if generated is None:
-            # wgmma needs the arch-specific sm_90a target; pass_configs {"tl.disable_wgmma": True} keeps mma.sync
-            wgmma = arch == "sm_90a" and not options.get("tl.disable_wgmma")
-            if not wgmma:
-                log.debug("%s: wgmma off (arch %s, tl.disable_wgmma=%r): T.gemm uses mma.sync", func.name, arch,
-                          options.get("tl.disable_wgmma"))
-            # generated once under a placeholder name, then named by its content hash
-            tma: dict = {}
-            # pipelined tile copies through TMA on sm_90a with pass_configs cuda_tma=True (opt-in: two wgmma
-            # forms still compute wrong results with it on the H200, docs/tilelang.md)
-            use_tma = bool(options.get("cuda_tma", False)) and not options.get("tl.disable_tma_lower")
-            probe, kernels = generate_cuda(func, "tl_kernel", wgmma=wgmma, tma=tma, use_tma=use_tma,
-                                           one_barrier=bool(options.get("cuda_wgmma_one_barrier")))
-            digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
-            base = f"tl_{func.name}_{digest}"
-            self.cuda_source = probe.replace("tl_kernel_k", f"{base}_k")
-            self.kernels = [(name.replace("tl_kernel", base, 1), k, smem) for name, k, smem in kernels]
-            self.tma = {name.replace("tl_kernel", base, 1): specs for name, specs in tma.items()}
+            self.cuda_source, self.kernels, self.tma = generate_source(func, options)
         else:
             self.cuda_source, self.kernels, self.tma = generated
         self._descs: dict = {}
@@ -117,6 +101,30 @@ class CudaKernel:
                                             swizzle=spec.swizzle)
         self._descs[key] = (ptr, desc)
         return desc
+
+
+def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str, Kernel, int]], dict]:
+    """The CUDA source of lowered `func` under `options` (pass_configs and arch): (source, [(kernel name,
+    Kernel, smem bytes)], {kernel name: [TmaSpec]}), the kernels named by the source's content hash."""
+    arch = options.get("arch", DEFAULT_ARCH)
+    # wgmma needs the arch-specific sm_90a target; pass_configs {"tl.disable_wgmma": True} keeps mma.sync
+    wgmma = arch == "sm_90a" and not options.get("tl.disable_wgmma")
+    if not wgmma:
+        log.debug("%s: wgmma off (arch %s, tl.disable_wgmma=%r): T.gemm uses mma.sync", func.name, arch,
+                  options.get("tl.disable_wgmma"))
+    # generated once under a placeholder name, then named by its content hash
+    tma: dict = {}
+    # pipelined tile copies through TMA on sm_90a with pass_configs cuda_tma=True (opt-in: two wgmma
+    # forms still compute wrong results with it on the H200, docs/tilelang.md)
+    use_tma = bool(options.get("cuda_tma", False)) and not options.get("tl.disable_tma_lower")
+    probe, kernels = generate_cuda(func, "tl_kernel", wgmma=wgmma, tma=tma, use_tma=use_tma,
+                                   one_barrier=bool(options.get("cuda_wgmma_one_barrier")))
+    digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
+    base = f"tl_{func.name}_{digest}"
+    cuda_source = probe.replace("tl_kernel_k", f"{base}_k")
+    kernels_named = [(name.replace("tl_kernel", base, 1), k, smem) for name, k, smem in kernels]
+    tma_named = {name.replace("tl_kernel", base, 1): specs for name, specs in tma.items()}
+    return cuda_source, kernels_named, tma_named
 
 
 def compile_cuda_kernel(func: PrimFunc, options: dict, lower: Callable[[], PrimFunc]) -> CudaKernel:
