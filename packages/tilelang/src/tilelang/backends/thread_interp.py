@@ -32,9 +32,12 @@ from ..ir.thread import (
     AsyncCopy,
     AsyncWait,
     Barrier,
+    BreakIf,
     Intrinsic,
     RegBuffer,
+    Scope,
     Shuffle,
+    StridedFor,
     ThreadFor,
     ThreadIdx,
     Uniform,
@@ -59,6 +62,7 @@ class ThreadInterpreter(Interpreter):
         self.in_uniform = 0
         self.open: list[tuple] = []  # cp.async copies issued since the last commit
         self.groups: list[list[tuple]] = []  # committed groups, oldest first
+        self.breaks: list[np.ndarray] = []  # per enclosing ThreadFor: the lanes that left it
         super().run(buffers, dyn)
 
     def expr(self, e: Expr) -> Any:
@@ -204,10 +208,49 @@ class ThreadInterpreter(Interpreter):
             self.store(o.buffer, [self.expr(i) for i in o.indices], v, s.loc)
 
     def thread_for(self, s: ThreadFor) -> None:
-        for j in range(s.trips):
-            self.env[s.var] = j
-            self.stmt(s.body)
+        saved = self.mask
+        self.breaks.append(np.zeros(self.threads, dtype=bool))
+        try:
+            for j in range(s.trips):
+                self.env[s.var] = j
+                left = ~self.breaks[-1]
+                if not left.any():
+                    break
+                self.mask = left if saved is None else self.lanes_of(saved, bool) & left
+                self.stmt(s.body)
+        finally:
+            self.breaks.pop()
+            self.mask = saved
         self.env.pop(s.var, None)
+
+    def break_if(self, s: BreakIf) -> None:
+        if not self.breaks:
+            raise CompileError("thread interp: a break outside T.thread_for", s.loc)
+        leave = self.active() & self.lanes_of(self.expr(s.cond), bool)
+        self.breaks[-1] |= leave
+        self.mask = self.active() & ~leave
+
+    def strided_for(self, s: StridedFor) -> None:
+        saved = self.mask
+        start = self.lanes_of(self.expr(s.start), np.int64)
+        stop = self.lanes_of(self.expr(s.stop), np.int64)
+        try:
+            i = 0
+            while True:
+                v = start + i * s.step
+                on = (v < stop) & (np.ones(self.threads, dtype=bool) if saved is None else self.lanes_of(saved, bool))
+                if not on.any():
+                    break
+                self.env[s.var] = v
+                self.mask = on
+                self.stmt(s.body)
+                i += 1
+        finally:
+            self.mask = saved
+        self.env.pop(s.var, None)
+
+    def scope(self, s: Scope) -> None:
+        self.stmt(s.body)
 
     def uniform(self, s: Uniform) -> None:
         self.in_uniform += 1
@@ -249,6 +292,7 @@ register_rules("thread.interp", {
     AsyncCopy: ThreadInterpreter.async_copy, AsyncCommit: ThreadInterpreter.async_commit,
     AsyncWait: ThreadInterpreter.async_wait, Intrinsic: ThreadInterpreter.intrinsic,
     ThreadFor: ThreadInterpreter.thread_for, Uniform: ThreadInterpreter.uniform, For: ThreadInterpreter.loop,
+    Scope: ThreadInterpreter.scope, StridedFor: ThreadInterpreter.strided_for, BreakIf: ThreadInterpreter.break_if,
     TileOp: ThreadInterpreter.tile_op,
 })
 

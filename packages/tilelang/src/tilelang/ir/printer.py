@@ -32,9 +32,12 @@ from .thread import (
     AsyncCopy,
     AsyncWait,
     Barrier,
+    BreakIf,
     Intrinsic,
     RegBuffer,
+    Scope,
     Shuffle,
+    StridedFor,
     ThreadFor,
     ThreadIdx,
     Uniform,
@@ -218,7 +221,20 @@ def _uniform(lines: list[str], s: Uniform, ind: int) -> None:
     _block(lines, s.body, ind + 1)
 
 
+def _scope(lines: list[str], s: Scope, ind: int) -> None:
+    lines.append(f"{'    ' * ind}with T.scope():")
+    _block(lines, s.body, ind + 1)
+
+
+def _strided_for(lines: list[str], s: StridedFor, ind: int) -> None:
+    lines.append(f"{'    ' * ind}for {s.var.name} in T.strided({print_expr(s.start)}, {print_expr(s.stop)}, {s.step}):")
+    _block(lines, s.body, ind + 1)
+
+
 register_rules("print", {
+    Scope: _scope,
+    StridedFor: _strided_for,
+    BreakIf: lambda lines, s, ind: lines.append(f"{'    ' * ind}T.break_if({print_expr(s.cond)})"),
     RegBuffer: _reg_buffer,
     Barrier: lambda lines, s, ind: lines.append(f"{'    ' * ind}T.sync_threads()"),
     AsyncCopy: _async_copy,

@@ -220,8 +220,57 @@ class Uniform(Stmt):
         return Uniform(tr.stmt(self.body) or Seq([]), loc=self.loc)
 
 
+@dataclass(eq=False)
+class Scope(Stmt):
+    """A nested scope (`{ ... }` in C: names declared inside end with it); runs its body."""
+
+    body: Stmt
+
+    def children(self) -> list[Stmt]:
+        return [self.body]
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return Scope(tr.stmt(self.body) or Seq([]), loc=self.loc)
+
+
+@dataclass(eq=False)
+class StridedFor(Stmt):
+    """`for (var = start; var < stop; var += step)` where `start` may differ between threads (the
+    thread index): each thread runs its own trip count; a barrier or shuffle inside is an error."""
+
+    var: Var
+    start: Expr
+    stop: Expr
+    step: int
+    body: Stmt
+
+    def children(self) -> list[Stmt]:
+        return [self.body]
+
+    def exprs(self) -> list[Expr]:
+        return [self.start, self.stop]
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return StridedFor(self.var, tr.expr(self.start), tr.expr(self.stop), self.step,
+                          tr.stmt(self.body) or Seq([]), loc=self.loc)
+
+
+@dataclass(eq=False)
+class BreakIf(Stmt):
+    """`if (cond) break;` at the top level of a ThreadFor body: a thread whose cond holds leaves the
+    loop (skips the rest of this iteration and every later one)."""
+
+    cond: Expr
+
+    def exprs(self) -> list[Expr]:
+        return [self.cond]
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return BreakIf(tr.expr(self.cond), loc=self.loc)
+
+
 THREAD_NODES = (ThreadIdx, Shuffle, RegBuffer, Barrier, AsyncCopy, AsyncCommit, AsyncWait, Intrinsic, ThreadFor,
-                Uniform)
+                Uniform, Scope, StridedFor, BreakIf)
 
 
 def reg_buffer(name: str, nregs: int, dtype: str, fragment: Fragment | None = None) -> RegBuffer:

@@ -40,9 +40,12 @@ from .thread import (
     AsyncCopy,
     AsyncWait,
     Barrier,
+    BreakIf,
     Intrinsic,
     RegBuffer,
+    Scope,
     Shuffle,
+    StridedFor,
     ThreadFor,
     ThreadIdx,
     Uniform,
@@ -320,10 +323,23 @@ class _Verifier:
     def uniform(self, s: Uniform, in_kernel: bool) -> None:
         self.stmt(s.body, True)
 
+    def scope(self, s: Scope, in_kernel: bool) -> None:
+        self.stmt(s.body, in_kernel)
+
+    def strided_for(self, s: StridedFor, in_kernel: bool) -> None:
+        if s.step < 1:
+            self.fail(s.loc, f"strided loop {s.var.name}: expected a step >= 1, got {s.step}")
+        self.defined.add(s.var)
+        self.nested(s, in_kernel)
+
+    def break_if(self, s: BreakIf, in_kernel: bool) -> None:
+        pass  # its condition is checked with every statement's expressions
+
 
 register_rules("verify", {RegBuffer: _Verifier.reg_buffer, Barrier: _Verifier.barrier, AsyncCopy: _Verifier.async_copy,
                           AsyncWait: _Verifier.async_wait, Intrinsic: _Verifier.intrinsic,
-                          ThreadFor: _Verifier.thread_for, Uniform: _Verifier.uniform})
+                          ThreadFor: _Verifier.thread_for, Uniform: _Verifier.uniform, Scope: _Verifier.scope,
+                          StridedFor: _Verifier.strided_for, BreakIf: _Verifier.break_if})
 
 
 register_rules("verify", {Seq: _Verifier.seq, Kernel: _Verifier.kernel, Alloc: _Verifier.alloc, For: _Verifier.for_,
@@ -454,6 +470,15 @@ class _ThreadChecks:
             if lane:
                 self.divergent.pop()
 
+    def strided_for(self, s: StridedFor) -> None:  # each thread its own trip count: the body is divergent
+        self.scalar_only(s)
+        self.lane_vars.add(s.var)
+        self.divergent.append(s.start)
+        try:
+            self.children(s)
+        finally:
+            self.divergent.pop()
+
     def uniform_(self, s: Uniform) -> None:
         self.uniform += 1
         try:
@@ -468,6 +493,7 @@ register_rules("thread.verify", {
     AsyncCommit: _ThreadChecks.per_thread_op, AsyncWait: _ThreadChecks.per_thread_op,
     Intrinsic: _ThreadChecks.per_thread_op, ThreadFor: _ThreadChecks.per_thread_op, For: _ThreadChecks.for_,
     While: _ThreadChecks.while_, Let: _ThreadChecks.let, If: _ThreadChecks.if_, Uniform: _ThreadChecks.uniform_,
+    Scope: _ThreadChecks.children, StridedFor: _ThreadChecks.strided_for, BreakIf: _ThreadChecks.scalar_only,
 })
 
 

@@ -58,7 +58,9 @@ from ...ir.visit import (
 )
 from ..cexpr import CExprEmitter
 from .common import _LOW, ParCtx, SmemInfo, _nonneg, cuda_type, esize, float_literal, log, value_type
+from .emit import emit_body
 from .infer import LayoutInference, ParallelNest, infer_layouts
+from .lower_thread import ThreadBuilder
 from .rules import (
     IN_PARALLEL,
     UNIFORM,
@@ -95,7 +97,7 @@ TMA_PRELUDE = r"""#include <tilehal/mbarrier.cuh>
 
 
 
-class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, ReduceRules, CumSumRules,
+class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, ReduceRules, CumSumRules,
                     AtomicRules, PipelineRules, TmaRules):
     """Lowers one T.Kernel; statements are lowered by their rule in the "cuda" / "cuda.parallel"
     tables (registered below; the tile ops' rules are the mixins of rules/)."""
@@ -116,8 +118,7 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
                                f"at most 1024", kernel.loc)
         self.inf: LayoutInference = infer_layouts(kernel, allow_wgmma=wgmma)
         self.has_wgmma = any(p.kind == "wgmma" for p in self.inf.gemms.values())
-        self.lines: list[str] = []
-        self.ind = 1
+        self._builder_init()  # the thread-level body (lower_thread.py), printed by emit.py
         self.ids = itertools.count()
         self.smem: dict[Buffer, SmemInfo] = {}
         self.stage_expr: dict[Buffer, str] = {}
@@ -275,19 +276,8 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
 
     # ================================================================ emission helpers
 
-    def emit(self, line: str) -> None:
-        self.lines.append("  " * self.ind + line)
-
     def fresh(self, base: str) -> str:
         return f"_{base}{next(self.ids)}"
-
-    def open(self, head: str) -> None:
-        self.emit(head + " {")
-        self.ind += 1
-
-    def close(self) -> None:
-        self.ind -= 1
-        self.emit("}")
 
     def sync(self) -> None:
         if self.has_wgmma:  # shared memory written by ordinary / cp.async stores is read next by wgmma
@@ -933,7 +923,7 @@ class KernelCodegen(CExprEmitter, CopyRules, FillRules, GemmRules, WgmmaRules, R
         k = self.kernel
         self.place_smem()
         self.stmt(k.body)
-        body = self.lines
+        body = emit_body(self, self.body_root())
         smem_bytes, decls = self.plan_smem()
         params = []
         for p in self.func.params:
