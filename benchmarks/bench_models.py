@@ -318,18 +318,42 @@ def _moe_stack(env: Env):
     return stack, x, impl
 
 
+def _moe_peer_grouped_mm(stack: torch.nn.Module) -> torch.nn.Module | None:
+    """A copy of the stack whose experts run transformers' own "grouped_mm" implementation (torch's grouped
+    GEMM), a context row: the issue's peer is the block as built (its default experts code)."""
+    peer = copy.deepcopy(stack)
+    for blk in peer.blocks:
+        cfg = copy.copy(blk.experts.config)
+        cfg._experts_implementation = "grouped_mm"
+        blk.experts.config = cfg
+    return peer
+
+
 def sec_moe(env: Env) -> None:
     stack, x, impl = _moe_stack(env)
     with torch.no_grad():
         ref = stack(x)
         peer = env.bench(lambda st=stack: st(x)).median_s * 1e3
-        row("moe", "transformers", peer, peer, 0.0, f"{env.s['moe_tokens']} tokens, 2 layers, experts impl {impl}")
+        row("moe", "transformers", peer, peer, 0.0, f"{env.s['moe_tokens']} tokens, 2 layers, experts impl {impl}",
+            host_ms=_host_profile(env, lambda st=stack: st(x), "moe_transformers", reps=2))
+        if env.cuda:
+            try:
+                gm = _moe_peer_grouped_mm(stack)
+                out = gm(x)
+                t = env.bench(lambda gm=gm: gm(x)).median_s * 1e3
+                row("moe", "transformers grouped_mm", t, peer, tilehal.calc_diff(out - x, ref - x),
+                    "context row: transformers' experts_implementation='grouped_mm' (torch grouped GEMM)")
+                del gm
+            except Exception as e:
+                row("moe", "transformers grouped_mm", None, note=f"failed: {type(e).__name__}: {str(e)[:200]}")
+            _free()
         for name, fp8 in (("ExpertParallelMoE bf16", False), ("ExpertParallelMoE fp8", True)):
             try:
                 ours = copy.deepcopy(stack)
                 rep = register_optimizations(ours, backend=env.backend, fp8=fp8)
                 out = ours(x)
                 t = env.bench(lambda ours=ours: ours(x)).median_s * 1e3
+                host = _host_profile(env, lambda ours=ours: ours(x), f"moe_{'fp8' if fp8 else 'bf16'}", reps=2)
                 # One block on the same input separates arithmetic from routing: in the second layer a
                 # token whose top-2 is a near-tie may pick another expert after any rounding difference.
                 n0 = stack.norms[0](x)
@@ -339,16 +363,45 @@ def sec_moe(env: Env) -> None:
                 ti = g(stack.norms[1](x + r1))[2].sort(-1).values
                 to = g(stack.norms[1](x + o1))[2].sort(-1).values
                 flips = (ti != to).any(-1).float().mean().item()
+                top = _top_kernels(lambda ours=ours: ours(x), n=14) if env.cuda else []
                 row("moe", name, t, peer, tilehal.calc_diff(out - x, ref - x),
                     f"{len(rep.swapped)} blocks swapped; calc_diff of the MoE part (out - x); one block on the "
-                    f"same input {one:.1e}; tokens whose layer-2 top-2 differs {100 * flips:.2f} %",
-                    calc_diff_one_block=one, layer2_routing_flips=flips)
+                    f"same input {one:.1e}; tokens whose layer-2 top-2 differs {100 * flips:.2f} %; host "
+                    f"{host:.2f} ms/forward", calc_diff_one_block=one, layer2_routing_flips=flips, host_ms=host,
+                    top=top)
+                for k in top:
+                    print(f"    {k['us']:9.1f} us  x{k['calls']:<3d} {k['kernel']}", flush=True)
+                if env.cuda:
+                    _moe_graph_row(env, ours, x, peer, name)
                 del ours
             except Exception as e:
+                traceback.print_exc()
                 row("moe", name, None, note=f"failed: {type(e).__name__}: {str(e)[:200]}")
             _free()
     del stack
     _free()
+
+
+def _moe_graph_row(env: Env, ours: torch.nn.Module, x: torch.Tensor, peer: float, name: str) -> None:
+    """The optimized stack captured in a CUDA graph (its MoE path has no host synchronization)."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                ours(x)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gout = ours(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        tg = env.bench(graph.replay, hide_host=True).median_s * 1e3
+        row("moe_graph", name, tg, peer, tilehal.calc_diff(gout, ours(x)),
+            "CUDA graph replay vs the transformers block eager; calc_diff vs our eager output")
+        del graph
+    except Exception as e:
+        row("moe_graph", name, None, note=f"capture failed: {type(e).__name__}: {str(e)[:200]}")
 
 
 def sec_host(env: Env) -> None:
@@ -492,6 +545,22 @@ def _compile_one(args) -> float:
     return time.perf_counter() - t0
 
 
+def _compile_grouped(args) -> float:
+    """The contiguous grouped kernel ExpertParallelMoE's one-process path launches for M_sum = m (cuda_gemm's
+    grouped_contiguous picks it the same way)."""
+    from deepgemm import cuda_gemm
+    from deepgemm.heuristics import pick_config
+
+    kind, m, n, k, g = args
+    t0 = time.perf_counter()
+    d = torch.empty((m, n), dtype=torch.bfloat16)   # only its dtype and n matter to the epilogue choice
+    cfg = pick_config(kind, m, n, k, num_groups=g, grouping="contiguous", num_sms=132,
+                      **cuda_gemm.epilogue(d, n, False, "contiguous"), max_multicast=cuda_gemm.max_multicast(),
+                      overlap=cuda_gemm.overlap_allowed())
+    cuda_gemm.compile_kernel(cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False))
+    return time.perf_counter() - t0
+
+
 def precompile(env: Env, workers: int = 12, sections: tuple = ("prefill", "decode")) -> None:
     """NVRTC-compile the dense kernels the Llama rows will ask for, in parallel processes (the compile
     cache is shared on disk): a fresh GPU machine otherwise compiles them one by one inside the timed
@@ -508,9 +577,18 @@ def precompile(env: Env, workers: int = 12, sections: tuple = ("prefill", "decod
             for n, k in ((h, h), (kv, h), (f, h), (h, f), (v, h))]
     if "prefill" in sections or "decode" in sections:  # GemmSwiGLU's gate|up GEMM
         jobs += [(kind, m, 2 * f, h) for kind in ("bf16", "fp8") for m in ms]
+    grouped = []
+    if "moe" in sections:
+        mc = env.s["moe"]
+        h, f, e = mc["hidden_size"], mc["intermediate_size"], mc["num_local_experts"]
+        pairs = env.s["moe_tokens"] * mc["num_experts_per_tok"]
+        from tilestack.moe import local_layout_rows
+
+        m_cap = local_layout_rows(pairs, e, 128)
+        grouped = [(kind, m_cap, n, k, e) for kind in ("bf16", "fp8") for n, k in ((2 * f, h), (h, f))]
     t0 = time.perf_counter()
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(_compile_one, j) for j in jobs]
+        futs = [pool.submit(_compile_one, j) for j in jobs] + [pool.submit(_compile_grouped, j) for j in grouped]
         from deepgemm import cuda_cast
 
         bf16 = torch.bfloat16
@@ -519,7 +597,7 @@ def precompile(env: Env, workers: int = 12, sections: tuple = ("prefill", "decod
         futs += [pool.submit(cuda_cast.compile_module, (e,)) for e in used]
         for fu in futs:
             fu.result()
-    print(f"# precompiled {len(jobs)} GEMM kernels + the casts in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"# precompiled {len(jobs) + len(grouped)} GEMM kernels + the casts in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 SECTIONS = {"gemms": sec_gemms, "kernels": sec_kernels, "host": sec_host, "prefill": sec_prefill, "decode": sec_decode, "moe": sec_moe, "profile": sec_profile,

@@ -33,6 +33,8 @@ from tilestack.moe import (
     ExpertParallelMoE,
     ReferenceMoE,
     build_contiguous_layout,
+    build_local_layout,
+    local_layout_rows,
     moe_block_parts,
     softmax_topk,
 )
@@ -102,12 +104,52 @@ def test_contiguous_layout_rejects_inconsistent_counts():
         build_contiguous_layout(idx, [128], 2)
 
 
-def test_one_process_exchange_is_deepeps_local_engine():
-    """group=None: the tokens move through deepep's one-rank engine (Buffer(transport="local")), not a
-    copy of its semantics kept here."""
-    moe = ExpertParallelMoE.from_module(make_reference())
-    moe(make_inputs(8))
-    assert moe._buffer.transport == "local" and moe._buffer.group_size == 1
+def test_local_layout_groups_pairs_per_expert_with_static_size():
+    idx = torch.tensor([[2, 0], [0, -1], [2, 1], [-1, -1], [0, 2]])
+    lay = build_local_layout(idx, 3, alignment=4)
+    # 10 slots (the -1 ones are not known on the host) + 3 experts x (4 - 1) worst-case padding rows = 19,
+    # rounded up to 20: known without reading idx.
+    assert lay.m_cap == 20 == local_layout_rows(10, 3, 4)
+    want = torch.tensor([0, 0, 0, -1, 1, -1, -1, -1, 2, 2, 2] + [-1] * 9, dtype=torch.int32)
+    assert torch.equal(lay.m_indices, want)
+    # Token order inside a group; padding rows read token 0.
+    assert lay.src_rows.tolist() == [0, 1, 4, 0, 2, 0, 0, 0, 0, 2, 4] + [0] * 9
+    # Every (token, slot) names its row; -1 slots name the zero row m_cap.
+    assert lay.pair_rows.view(5, 2).tolist() == [[8, 0], [1, 20], [9, 4], [20, 20], [2, 10]]
+
+
+def test_local_layout_of_random_routing_is_a_consistent_permutation():
+    g = torch.Generator().manual_seed(5)
+    t, k, e, align = 300, 3, 7, 16
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    idx[torch.rand(t, k, generator=g) < 0.1] = -1
+    lay = build_local_layout(idx, e, alignment=align)
+    flat = idx.reshape(-1)
+    got = lay.pair_rows[flat >= 0]
+    assert got.unique().numel() == got.numel()                          # one row per pair
+    assert torch.equal(lay.m_indices[got].long(), flat[flat >= 0])       # the row's expert is the pair's
+    assert torch.equal(lay.src_rows[got], torch.arange(t * k)[flat >= 0] // k)
+    assert bool((lay.pair_rows[flat < 0] == lay.m_cap).all())
+    # Groups start on multiples of `align` (a block's first row names its expert) and ascend.
+    starts = [int((lay.m_indices == x).nonzero()[0]) for x in range(e) if bool((lay.m_indices == x).any())]
+    assert all(s % align == 0 for s in starts) and starts == sorted(starts)
+
+
+def test_one_process_needs_no_exchange_and_equals_deepeps_local_engine():
+    """group=None: every expert is local, so no tokens move (no deepep Buffer is made); the same block
+    through deepep's one-rank engine (buffer=Buffer(transport="local")) gives the same result."""
+    import deepep
+
+    ref = make_reference()
+    x = make_inputs(40)
+    for fp8 in (False, True):
+        moe = ExpertParallelMoE.from_module(ref, use_fp8=fp8)
+        y = moe(x)
+        assert moe._buffer is None
+        via = ExpertParallelMoE.from_module(ref, use_fp8=fp8, buffer=deepep.Buffer(None, transport="local", hidden=H))
+        assert via._buffer.transport == "local" and via._buffer.group_size == 1
+        # Same expert rows, same fp32 weighted sums in slot order: bitwise equal.
+        assert torch.equal(y, via(x))
 
 
 # ----------------------------------------------------------------------------- single process
@@ -290,3 +332,34 @@ def test_two_gloo_ranks_equal_single_process_reference():
 
 if __name__ == "__tilestack_moe_rank__":
     _rank_main(**RANK_ARGS)  # noqa: F821 (injected by run_ranks through runpy)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="deepgemm's kernels need an sm_90 GPU")
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_one_process_path_has_no_host_sync_and_captures_in_a_cuda_graph(use_fp8):
+    """The one-process path reads nothing back to the host (torch's sync debug mode raises on a sync), and
+    a CUDA graph of it replays to the eager result (bitwise: same kernels, same inputs)."""
+    ref = make_reference()
+    moe = ExpertParallelMoE.from_module(ref, use_fp8=use_fp8).cuda()
+    x = make_inputs(300).cuda()
+    want = moe(x)                                   # compiles the kernels (host work, before the check)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = moe(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe(x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    assert rel_err(out.cpu(), ref(x.cpu().double())) < (TOL_FP8 if use_fp8 else TOL_BF16)

@@ -10,9 +10,13 @@ The two peers never import each other; they meet here through tensors:
       -> un-permute, weighted by recv_topk_weights              (one row per received token)
       -> deepep combine                                         (rows back to their source, summed)
 
-With `group=None` the module runs on one process: deepep's local engine (`Buffer(transport="local")`,
-a group of one rank without torch.distributed) moves the tokens, so the layout and expert code is
-the same as with many ranks.
+With `group=None` (and no `buffer`) the module runs on one process and every expert is local, so no
+token moves: the (token, expert) pairs are sorted per expert on the device into a contiguous layout of
+static size (`build_local_layout`: every group padded to the alignment, the worst case known on the host),
+the rows are gathered, the grouped GEMMs run (padding blocks skipped by the kernels), and a weighted
+gather-sum in fp32 combines the k rows of each token. Nothing is read back to the host, so the step is
+CUDA-graph capturable. `buffer=deepep.Buffer(None, transport="local")` sends the same step through
+deepep's one-rank engine instead (the multi-rank code path; same result).
 Inference only: the GEMMs write into preallocated outputs and record no autograd graph.
 """
 
@@ -164,6 +168,69 @@ def build_contiguous_layout(recv_topk_idx: torch.Tensor, num_recv_tokens_per_exp
     gather_rows = torch.empty((n_recv * k,), dtype=torch.int64, device=dev)
     gather_rows[order] = dst
     return ContiguousLayout(m_indices[:m_sum], order // k, dst, gather_rows, n_recv, k)
+
+
+class LocalLayout:
+    """The one-process grouped layout of every (token, slot) pair, built on the device with a static size.
+
+    m_cap: rows of the layout, ceil((T * k + E * (align - 1)) / align) * align: enough for every expert's
+      group padded to `align` whatever the routing, so it is known on the host without reading device
+      data (no synchronization; CUDA-graph safe). Rows past the last group are padding.
+    m_indices: int32 [m_cap], the expert of each row, -1 on padding (whole padding blocks are skipped by
+      deepgemm's contiguous kernels).
+    src_rows: int64 [m_cap], the token each row reads (token 0 on padding rows: finite values whose
+      results are never read).
+    pair_rows: int64 [T * k], the row of every (token, slot), or m_cap (the zero row past the layout
+      that the combine reads) for a -1 slot.
+    """
+
+    def __init__(self, m_cap: int, m_indices: torch.Tensor, src_rows: torch.Tensor, pair_rows: torch.Tensor,
+                 num_tokens: int, top_k: int) -> None:
+        self.m_cap, self.m_indices, self.src_rows, self.pair_rows = m_cap, m_indices, src_rows, pair_rows
+        self.num_tokens, self.top_k = num_tokens, top_k
+
+
+def local_layout_rows(num_pairs: int, num_experts: int, alignment: int) -> int:
+    """Rows of the static one-process layout: every expert's group padded to `alignment`, worst case."""
+    return -(-(num_pairs + num_experts * (alignment - 1)) // alignment) * alignment if num_pairs else 0
+
+
+def build_local_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int | None = None) -> LocalLayout:
+    """Group every (token, slot) pair of topk_idx [T, k] (-1 = no expert) per expert, each group starting on
+    a multiple of `alignment`, in token order inside a group: one stable sort and scatters on the device,
+    no value read back (see LocalLayout)."""
+    align = alignment or deepgemm.get_m_alignment_for_contiguous_layout()
+    expect(topk_idx.dim() == 2, "topk_idx", "a 2-D tensor [T, k]", tuple(topk_idx.shape))
+    t, k = topk_idx.shape
+    e = num_experts
+    dev = topk_idx.device
+    n = t * k
+    m_cap = local_layout_rows(n, e, align)
+    flat = topk_idx.reshape(-1).to(torch.int64)
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, e))        # -1 slots sort after every expert
+    experts, order = torch.sort(key, stable=True)
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:e] + align - 1) // align * align
+    group_start = torch.cumsum(padded, 0) - padded                      # [E]: each group's first row
+    first_pair = torch.cumsum(counts, 0) - counts                       # [E + 1]: each expert's first sorted pair
+    valid = experts < e
+    rank_in_group = torch.arange(n, device=dev) - first_pair[experts]
+    dst = torch.where(valid, group_start[experts.clamp(max=e - 1)] + rank_in_group,
+                      torch.full_like(experts, m_cap))                  # -1 slots: the scratch row m_cap
+    m_indices = torch.full((m_cap + 1,), -1, dtype=torch.int32, device=dev)
+    m_indices.scatter_(0, dst, torch.where(valid, experts, torch.full_like(experts, -1)).to(torch.int32))
+    src_rows = torch.zeros((m_cap + 1,), dtype=torch.int64, device=dev)
+    src_rows.scatter_(0, dst, torch.where(valid, order // k, torch.zeros_like(order)))
+    pair_rows = torch.empty((n,), dtype=torch.int64, device=dev).scatter_(0, order, dst)
+    return LocalLayout(m_cap, m_indices[:m_cap], src_rows[:m_cap], pair_rows, t, k)
+
+
+def weighted_combine(y_ext: torch.Tensor, pair_rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * y_ext[pair_rows[t * k + j]] in fp32, j in slot order -> fp32 [T, H]
+    (a gather then a fixed-order sum: deterministic on GPUs, unlike index_add)."""
+    t, k = topk_weights.shape
+    rows = y_ext.index_select(0, pair_rows).view(t, k, y_ext.shape[1])
+    return (rows * topk_weights.float().unsqueeze(-1)).sum(dim=1)
 
 
 def _scatter_rows(src: torch.Tensor, layout: ContiguousLayout) -> torch.Tensor:
@@ -364,30 +431,53 @@ class ExpertParallelMoE(torch.nn.Module):
     def experts_forward(self, recv_x: XTensor, layout: ContiguousLayout) -> torch.Tensor:
         """The local experts on the grouped rows: [M_sum + 1, hidden] bf16, the last row zeros (what unpermute
         reads for -1 slots, so it needs no concatenated copy); padding rows unspecified."""
-        m, f, h = layout.m_sum, self.ffn_hidden, self.hidden
-        dev = self.w13.device
-        gate_up = torch.empty((m, 2 * f), dtype=torch.bfloat16, device=dev)
-        y_ext = torch.empty((m + 1, h), dtype=torch.bfloat16, device=dev)
-        y_ext[m].zero_()
-        y = y_ext[:m]
-        if m == 0:
-            return y_ext
         if self.use_fp8:
             x8, sx = recv_x if isinstance(recv_x, tuple) else deepgemm.per_token_cast_to_fp8(recv_x)
-            a = (_scatter_rows(x8, layout), _scatter_rows(sx, layout))
-            deepgemm.m_grouped_fp8_gemm_nt_contiguous(a, self._fp8_weight("w13"), gate_up, layout.m_indices)
+            a: XTensor = (_scatter_rows(x8, layout), _scatter_rows(sx, layout))
         else:
             expect(not isinstance(recv_x, tuple), "recv_x", "a bf16 tensor (use_fp8=False)", "an fp8 pair")
             a = _scatter_rows(recv_x.to(torch.bfloat16), layout)
-            deepgemm.m_grouped_bf16_gemm_nt_contiguous(a, self.w13, gate_up, layout.m_indices)
+        return self._grouped_experts(a, layout.m_indices)
+
+    def _grouped_experts(self, a: XTensor, m_indices: torch.Tensor) -> torch.Tensor:
+        """gate/up GEMM, silu(gate) * up, down GEMM on rows grouped per expert (m_indices, -1 on padding):
+        [M + 1, hidden] bf16 whose last row is zeros; padding rows unspecified."""
+        m, f, h = m_indices.numel(), self.ffn_hidden, self.hidden
+        dev = self.w13.device
+        y_ext = torch.empty((m + 1, h), dtype=torch.bfloat16, device=dev)
+        y_ext[m].zero_()
+        if m == 0:
+            return y_ext
+        y = y_ext[:m]
+        gate_up = torch.empty((m, 2 * f), dtype=torch.bfloat16, device=dev)
         # silu(gate) * up in fp32, rounded to bf16 or cast to fp8 per token: one fused kernel on CUDA (the fp32
         # product is never stored), the same values as the torch ops on CPU.
         if self.use_fp8:
+            deepgemm.m_grouped_fp8_gemm_nt_contiguous(a, self._fp8_weight("w13"), gate_up, m_indices)
             act8 = deepgemm.silu_mul_cast_to_fp8(gate_up, tma_aligned_sf=gate_up.is_cuda)
-            deepgemm.m_grouped_fp8_gemm_nt_contiguous(act8, self._fp8_weight("w2"), y, layout.m_indices)
+            deepgemm.m_grouped_fp8_gemm_nt_contiguous(act8, self._fp8_weight("w2"), y, m_indices)
         else:
-            deepgemm.m_grouped_bf16_gemm_nt_contiguous(deepgemm.silu_mul(gate_up), self.w2, y, layout.m_indices)
+            deepgemm.m_grouped_bf16_gemm_nt_contiguous(a, self.w13, gate_up, m_indices)
+            deepgemm.m_grouped_bf16_gemm_nt_contiguous(deepgemm.silu_mul(gate_up), self.w2, y, m_indices)
         return y_ext
+
+    def _routed_local(self, x2: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """One process, every expert local: no exchange. Pairs sorted per expert on the device into a layout
+        of static size (build_local_layout), rows gathered, the grouped GEMMs, a weighted gather-sum back:
+        no host synchronization, so the step is also CUDA-graph capturable."""
+        t = x2.shape[0]
+        if t == 0:
+            return x2.new_zeros((0, self.hidden), dtype=torch.bfloat16)
+        lay = build_local_layout(topk_idx, self.num_local_experts)
+        if self.use_fp8:
+            # Cast the T tokens once, then gather their bytes and scales (half the bytes of gathering bf16).
+            x8, sx = deepgemm.per_token_cast_to_fp8(x2.to(torch.bfloat16).contiguous())
+            a: XTensor = (x8.view(torch.uint8).index_select(0, lay.src_rows).view(torch.float8_e4m3fn),
+                          sx.index_select(0, lay.src_rows))
+        else:
+            a = x2.to(torch.bfloat16).index_select(0, lay.src_rows)
+        y_ext = self._grouped_experts(a, lay.m_indices)
+        return weighted_combine(y_ext, lay.pair_rows, topk_w).to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden] in x's dtype.
@@ -433,7 +523,10 @@ class ExpertParallelMoE(torch.nn.Module):
         return out.reshape(*lead, self.hidden)
 
     def _routed(self, x2: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        """Dispatch, the local experts, combine: x2 [T, hidden] -> bf16 [T, hidden] (routed experts only)."""
+        """Dispatch, the local experts, combine: x2 [T, hidden] -> bf16 [T, hidden] (routed experts only).
+        One process without a group or buffer: no exchange at all (_routed_local)."""
+        if self.group is None and self._buffer is None:
+            return self._routed_local(x2, topk_idx, topk_w)
         buf = self._exchange()
         align = deepgemm.get_m_alignment_for_contiguous_layout()
         per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, self.num_experts)
