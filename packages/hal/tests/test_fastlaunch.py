@@ -130,3 +130,12 @@ def test_plan_matches_ctypes_for_any_scalars(args):
     plan, rec = _plan(args)
     assert plan.go(args, -1, 0) == 0
     assert rec.calls[-1][1] == _expected(args)
+
+
+@given(st.integers(0, 232448), st.integers(0, 8192))
+def test_needs_smem_optin(dynamic, static):
+    """The opt-in is needed exactly when static + dynamic shared memory exceeds the default 48 KiB."""
+    from tilehal.jit.launch import needs_smem_optin
+
+    assert needs_smem_optin(dynamic, static) == (dynamic > 0 and dynamic + static > 48 * 1024)
+    assert needs_smem_optin(48 * 1024, 1024) and not needs_smem_optin(48 * 1024, 0)

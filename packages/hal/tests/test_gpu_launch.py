@@ -26,6 +26,15 @@ extern "C" __global__ void big_smem_copy(const float* a, float* c, int n) {
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += blockDim.x) c[i] = buf[n - 1 - i];
 }
+// Static shared memory next to a 1 KiB-aligned dynamic array: ptxas pads the static part to 1 KiB.
+extern "C" __global__ void static_and_48k_dynamic(const float* a, float* c, int n) {
+  __shared__ float first;
+  extern __shared__ __align__(1024) float dyn[];
+  if (threadIdx.x == 0) first = a[0];
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dyn[i] = a[i];
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) c[i] = dyn[n - 1 - i] + first;
+}
 """
 
 
@@ -167,3 +176,16 @@ def test_launch_plan_under_cuda_graph_capture(mod):
     g.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(c, 2 * a)
+
+
+def test_static_smem_plus_48k_dynamic(mod):
+    """48 KiB of dynamic shared memory in a kernel that also has static shared memory needs the opt-in (the
+    default limit covers static + dynamic): tilelang's TMA gemms with 48 KiB of stages failed to launch."""
+    k = mod.get_kernel("static_and_48k_dynamic")
+    assert k.attribute("SHARED_SIZE_BYTES") > 0
+    n = 48 * 1024 // 4
+    a = torch.randn(n, device="cuda")
+    c = torch.empty_like(a)
+    k.launch(1, 256, [a, c, n], smem_bytes=n * 4)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(c, a.flip(0) + a[0])

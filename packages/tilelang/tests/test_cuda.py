@@ -321,32 +321,44 @@ def test_gemm_variant_gpu(name, path):
 
 
 ONE_BARRIER = {"cuda_wgmma_one_barrier": True}
-CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async (the default; explicit for the checks)
-TMA = {"cuda_tma": True}  # opt-in TMA pipelines
+CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async
+TMA = {"cuda_tma": True}  # TMA pipelines (the default on sm_90a; explicit for the checks)
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
-# wrong results with TMA on the H200 (2026-12-02 04:08, docs/benchmarks/tilelang_cuda_2026-12-02_0408_tma_gpu_tests.log);
-# the same programs on cp.async pass
-TMA_WRONG = {"wg_nt_f16_k32_sw64", "wg_tn_f16_mmajor"}
-
-
-def _tma_case(name):
-    mark = pytest.mark.xfail(strict=True, reason="wrong results with TMA on the H200 (open)")
-    return pytest.param(name, marks=mark) if name in TMA_WRONG else name
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,copies", [pytest.param(n, c, marks=pytest.mark.xfail(
-    strict=True, reason="wrong results with TMA on the H200 (open)")) if c == "tma" and n in TMA_WRONG else (n, c)
-    for n in DEEP_WGMMA for c in ("tma", "cp.async")])
+@pytest.mark.parametrize("copies", ["tma", "cp.async"])
+@pytest.mark.parametrize("name", DEEP_WGMMA)
 def test_gemm_one_barrier_gpu(name, copies):
-    _gemm_variant(name, "cuda", "cuda", {**ONE_BARRIER, **(TMA if copies == "tma" else {})})
+    _gemm_variant(name, "cuda", "cuda", {**ONE_BARRIER, **(TMA if copies == "tma" else CP_ASYNC)})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [_tma_case(n) for n in sorted(GEMM_VARIANTS)])
-def test_gemm_variant_tma_gpu(name):
-    """Every gemm variant with its pipelined copies on TMA (pass_configs cuda_tma)."""
-    _gemm_variant(name, "cuda", "cuda", TMA)
+@pytest.mark.parametrize("name", sorted(GEMM_VARIANTS))
+def test_gemm_variant_cp_async_gpu(name):
+    """Every gemm variant with its pipelined copies on cp.async (tl.disable_tma_lower)."""
+    _gemm_variant(name, "cuda", "cuda", CP_ASYNC)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("name", ["wg_nt_f16_k32_sw64", "wg_tn_f16_mmajor", "wg_nt_bf16_k128"])
+def test_tma_mbarriers_in_dynamic_smem(name):
+    """The stages' mbarriers are planned in the dynamic shared memory, after the buffers: ptxas reports no
+    static shared memory for the kernel, and the launch size counts them. (As a static __shared__ array
+    they were padded to _tl_smem's 1 KiB alignment, and wg_nt_f16_k32_sw64 / wg_tn_f16_mmajor, whose
+    stages are exactly 48 KiB, asked for 49 KiB without the opt-in and did not launch on the H200.)"""
+    from tilehal import compile_cuda
+
+    c = GEMM_VARIANTS[name]
+    k = tilelang.compile(_gemm_program(*c), out_idx=[2], target="cuda")
+    src = k.get_kernel_source()
+    assert "tma_load_2d(" in src and src.count("__shared__") == 1, name  # only extern _tl_smem
+    (kname, _, smem), = k._impl.kernels
+    bm, bn, bk, dtype, ta, tb, stages = c[3], c[4], c[5], c[6], c[8], c[9], c[10]
+    stage_bytes = (bm * bk + bn * bk) * (2 if dtype in ("float16", "bfloat16") else 1)
+    assert smem == stages * stage_bytes + 8 * stages, (name, smem)
+    m = compile_cuda(src, arch="sm_90a", name=kname, options=["--ptxas-options=-v"])
+    assert "bytes smem" not in m.log, m.log  # no static shared memory
 
 
 def _main_loop(src: str) -> str:
@@ -721,8 +733,11 @@ def test_tma_pipelined_copies(example):
     one load per 128-byte atom column, an mbarrier per stage); tl.disable_tma_lower and disable_tma keep
     cp.async; 4-D sources are flattened only where the value ranges prove the tile inside."""
     prog = _gemm_program(*GEMM_VARIANTS["wg_nt_bf16_k128"])
-    on = {"cuda_tma": True}  # opt-in
-    assert "tma_load_2d" not in tilelang.compile(prog, out_idx=[2], target="cuda").get_kernel_source()
+    on = {}  # the default on sm_90a
+    assert "tma_load_2d" not in tilelang.compile(prog, out_idx=[2], target="cuda",
+                                                 pass_configs={"cuda_tma": False}).get_kernel_source()
+    assert "tma_load_2d" not in tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs={
+        "tl.disable_wgmma": True}).get_kernel_source()  # TMA pipelines come with the sm_90a (wgmma) path
     k = tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=on)
     src = k.get_kernel_source()
     specs = next(iter(k._impl.tma.values()))
@@ -737,6 +752,36 @@ def test_tma_pipelined_copies(example):
     bshd = m.flash_attention_fwd(4, 32, 4096, 128, True, 128, 128, 2, 256, "float16", layout="bshd")
     assert "tma_load_2d" not in tilelang.compile(bshd, out_idx=[3], target="cuda",
                                                  pass_configs=on).get_kernel_source()  # strided rows
+
+
+@needs_nvrtc
+def test_tma_disable_per_copy_logged(caplog, tmp_path, monkeypatch):
+    """T.copy(disable_tma=True) keeps that copy on cp.async while the other one of the stage goes through TMA;
+    both choices are logged at DEBUG (by the build that generates the code: an empty kernel cache)."""
+    import logging
+
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))
+
+    @T.prim_func
+    def main(A: T.Tensor((256, 256), "float16"), B: T.Tensor((256, 256), "float16"), C: T.Tensor((256, 256), "float32")):
+        with T.Kernel(2, 2, threads=128) as (bx, by):
+            As = T.alloc_shared((128, 64), "float16")
+            Bs = T.alloc_shared((128, 64), "float16")
+            Cf = T.alloc_fragment((128, 128), "float32")
+            T.clear(Cf)
+            for k in T.Pipelined(4, num_stages=3):
+                T.copy(A[by * 128, k * 64], As, disable_tma=True)
+                T.copy(B[bx * 128, k * 64], Bs)
+                T.gemm(As, Bs, Cf, transpose_B=True)
+            T.copy(Cf, C[by * 128, bx * 128])
+
+    with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
+        k = tilelang.compile(main, out_idx=[2], target="cuda")
+    src = k.get_kernel_source()
+    assert "tma_load_2d(&Bs" in src and "tma_load_2d(&As" not in src and "cp_async_16(&As" in src
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("A -> As on cp.async, not TMA: disable_tma=True" in m for m in msgs), msgs
+    assert any("B -> Bs through TMA: box 128x64, swizzle 128B" in m for m in msgs), msgs
 
 
 @needs_nvrtc

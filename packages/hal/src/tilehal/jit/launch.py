@@ -198,6 +198,16 @@ def _to_ctype(i: int, a: Any, device_index: int) -> Any:
     raise LaunchError(f"args[{i}]: cannot pass {type(a).__name__} to a kernel (tensor, int, float, numpy scalar or Arg)")
 
 
+DEFAULT_SMEM_LIMIT = 48 * 1024  # static + dynamic shared memory a block gets without the opt-in attribute
+
+
+def needs_smem_optin(dynamic_bytes: int, static_bytes: int) -> bool:
+    """Whether a launch with `dynamic_bytes` of dynamic shared memory must first raise the function's
+    MAX_DYNAMIC_SHARED_SIZE_BYTES: its default lets static + dynamic reach 48 KiB, so 48 KiB of dynamic
+    shared memory in a kernel that also has static shared memory needs it too."""
+    return dynamic_bytes > 0 and dynamic_bytes + static_bytes > DEFAULT_SMEM_LIMIT
+
+
 def _dims(v: int | Sequence[int], what: str) -> tuple[int, int, int]:
     t = (int(v),) if isinstance(v, (int, np.integer)) else tuple(int(x) for x in v)
     if not 1 <= len(t) <= 3 or any(x < 1 for x in t):
@@ -214,6 +224,7 @@ class Kernel:
     symbol: str  # mangled/lowered name in the cubin
     _functions: dict[int, Any] = field(default_factory=dict, repr=False)
     _smem_set: dict[int, int] = field(default_factory=dict, repr=False)
+    _static: dict[int, int] = field(default_factory=dict, repr=False)
     _plans: dict[tuple, list] = field(default_factory=dict, repr=False)
 
     def _function(self, device_index: int):
@@ -237,6 +248,16 @@ class Kernel:
         if hasattr(driver, "cuFuncLoad"):  # CUDA 12.4+; older drivers load at cuModuleGetFunction
             _check(driver, driver.cuFuncLoad(fn), f"loading kernel {self.name}")
 
+    def _static_smem(self, dev: int, fn: Any) -> int:
+        """Bytes of static shared memory of the function (ptxas pads it to the alignment of an extern
+        dynamic array), read once per device."""
+        got = self._static.get(dev)
+        if got is None:
+            driver = _driver()
+            a = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+            got = self._static[dev] = int(_check(driver, driver.cuFuncGetAttribute(a, fn), "attribute SHARED_SIZE_BYTES"))
+        return got
+
     def attribute(self, attr: str, device_index: int | None = None) -> int:
         """A CUfunction attribute, e.g. 'NUM_REGS', 'LOCAL_SIZE_BYTES', 'MAX_THREADS_PER_BLOCK'."""
         import torch
@@ -258,7 +279,8 @@ class Kernel:
         """Launch on `stream` (a torch.cuda.Stream or raw handle; default: torch's current stream).
 
         Tensors become device pointers, Python ints int32, floats float32; use `Arg` for other
-        C types. `smem_bytes` above 48 KiB is opted into automatically. `cluster` launches
+        C types. `smem_bytes` that with the kernel's static shared memory exceeds 48 KiB is opted into
+        automatically. `cluster` launches
         thread-block clusters (sm_90+).
 
         The first launch of a signature (grid, block, smem, cluster, device and the arguments'
@@ -306,7 +328,7 @@ class Kernel:
         params = [_to_ctype(i, a, dev) for i, a in enumerate(args)]
         fn = self._function(dev)
         driver = _driver()
-        if smem_bytes > 48 * 1024 and self._smem_set.get(dev, 0) < smem_bytes:
+        if needs_smem_optin(smem_bytes, self._static_smem(dev, fn)) and self._smem_set.get(dev, 0) < smem_bytes:
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _check(driver, driver.cuFuncSetAttribute(fn, attr, int(smem_bytes)),
                    f"kernel {self.name}: smem_bytes={smem_bytes} exceeds this device's opt-in limit")

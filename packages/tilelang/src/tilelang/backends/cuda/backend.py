@@ -114,9 +114,12 @@ def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str,
                   options.get("tl.disable_wgmma"))
     # generated once under a placeholder name, then named by its content hash
     tma: dict = {}
-    # pipelined tile copies through TMA on sm_90a with pass_configs cuda_tma=True (opt-in: two wgmma
-    # forms still compute wrong results with it on the H200, docs/tilelang.md)
-    use_tma = bool(options.get("cuda_tma", False)) and not options.get("tl.disable_tma_lower")
+    # pipelined tile copies through TMA on sm_90a by default; pass_configs tl.disable_tma_lower (or
+    # cuda_tma=False) keeps cp.async (each copy's choice is logged at DEBUG by rules/tma.py)
+    use_tma = bool(options.get("cuda_tma", True)) and not options.get("tl.disable_tma_lower")
+    if not use_tma:
+        log.debug("%s: TMA off (tl.disable_tma_lower=%r, cuda_tma=%r): pipelined copies use cp.async",
+                  func.name, options.get("tl.disable_tma_lower"), options.get("cuda_tma"))
     probe, kernels = generate_cuda(func, "tl_kernel", wgmma=wgmma, tma=tma, use_tma=use_tma,
                                    one_barrier=bool(options.get("cuda_wgmma_one_barrier")))
     digest = hashlib.sha256(probe.encode()).hexdigest()[:12]

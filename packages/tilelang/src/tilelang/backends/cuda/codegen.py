@@ -123,6 +123,7 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         self.smem: dict[Buffer, SmemInfo] = {}
         self.stage_expr: dict[Buffer, str] = {}
         self.scratch_bytes = 0
+        self.mbarriers = 0  # 8-byte mbarriers of TMA pipelines, after the buffers and scratch (plan_smem)
         self.par: ParCtx | None = None
         self.pending_w: set[Buffer] = set()
         self.pending_r: set[Buffer] = set()
@@ -905,10 +906,17 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         sizes = self.smem_sizes
         scratch_off = -(-self.smem_end // SMEM_ALIGN) * SMEM_ALIGN
         total = scratch_off + self.scratch_bytes
+        # the mbarriers live in the dynamic shared memory too: a static `__shared__` array would make ptxas
+        # pad the static part to the 1 KiB alignment of _tl_smem, and a kernel with up to 48 KiB of dynamic
+        # shared memory (no opt-in at launch) would then not launch (static + dynamic over 48 KiB)
+        mbar_off = -(-total // 8) * 8
+        if self.mbarriers:
+            total = mbar_off + 8 * self.mbarriers
         if total > SMEM_LIMIT:
             detail = ", ".join(f"{b.name}: {nb} B" for nb, b in sizes)
             raise CompileError(f"T.Kernel needs {total} bytes of shared memory ({detail}"
-                               f"{', scratch: ' + str(self.scratch_bytes) + ' B' if self.scratch_bytes else ''}); "
+                               f"{', scratch: ' + str(self.scratch_bytes) + ' B' if self.scratch_bytes else ''}"
+                               f"{', mbarriers: ' + str(8 * self.mbarriers) + ' B' if self.mbarriers else ''}); "
                                f"an sm_90 block can use at most {SMEM_LIMIT}", self.kernel.loc)
         decls = []
         for b, info in self.smem.items():
@@ -916,6 +924,8 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
                          f"{info.offset});")
         if self.scratch_bytes:
             decls.append(f"unsigned char* _tl_scratch = _tl_smem + {scratch_off};")
+        if self.mbarriers:
+            decls.append(f"tilehal::u64* _tl_mbar = reinterpret_cast<tilehal::u64*>(_tl_smem + {mbar_off});")
         return total, decls
 
     def generate(self) -> tuple[str, int]:

@@ -89,7 +89,8 @@ class PipelineRules:
         bar = None
         if tma:
             bar = self.fresh("bar")
-            self.emit(f"__shared__ __align__(8) tilehal::u64 {bar}[{n}];")
+            self.emit(f"tilehal::u64* {bar} = _tl_mbar + {self.mbarriers};  // {n} mbarriers in dynamic shared memory")
+            self.mbarriers += n
             self.emit(f"if (_tx == 0) {{ for (int _s = 0; _s < {n}; ++_s) tilehal::mbarrier_init(&{bar}[_s], 1); "
                       f"tilehal::fence_barrier_init(); }}")
             self.sync()

@@ -9,10 +9,11 @@ the tile never leaves; the column dim is zero-filled past its end by the hardwar
 the host at launch (tilehal.tma.encode_tiled) and passed as a `__grid_constant__` parameter.
 `T.copy(..., disable_tma=True)` keeps cp.async.
 
-Opt-in: pass_configs {"cuda_tma": True} ({"tl.disable_tma_lower": True} wins). On the H200 (2026-12-02)
-it is correct and fast on the GEMM / flash-attention forms of the benchmarks and most gemm variants
-of the tests, but two wgmma forms give wrong results with it (a 128x128x32 fp16 tile with 64-byte
-rows and two m64 blocks per warpgroup; an M-major A operand): tests/test_cuda.py marks them xfail.
+On by default on sm_90a; pass_configs {"tl.disable_tma_lower": True} (or {"cuda_tma": False}) keeps
+cp.async. The stages' mbarriers live in the dynamic shared memory (codegen.plan_smem): as a static
+`__shared__` array they made ptxas pad the static part to _tl_smem's 1 KiB alignment, so a kernel with
+exactly 48 KiB of dynamic shared memory (no opt-in at launch) asked for 49 KiB and did not launch: the
+two gemm variants that "failed with TMA only" on the H200 (2026-12-02) were those two.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ class TmaRules:
             return None
 
         if not self.hopper:
-            return None
+            return no("TMA is emitted for sm_90a with wgmma on (arch or tl.disable_wgmma)")
         if not self.use_tma:
-            return no("TMA pipelines are opt-in: pass_configs {'cuda_tma': True}")
+            return no("pass_configs tl.disable_tma_lower (or cuda_tma=False)")
         if c.options.get("disable_tma"):
             return no("disable_tma=True")
         if sb not in self.func.params:
@@ -101,6 +102,8 @@ class TmaRules:
         spec = TmaSpec(self.func.params.index(sb), sb.dtype, rows, box_cols, _SWIZZLE[sw])
         self.tma_specs.append(spec)
         self.tma_bufs.add(db)
+        log.debug("%s: T.copy %s -> %s through TMA: box %dx%d, swizzle %s, %d load(s) per stage", c.loc, sb.name,
+                  db.name, rows, box_cols, spec.swizzle, atoms)
         return {"index": len(self.tma_specs) - 1, "spec": spec, "atoms": atoms, "atom_elems": rows * box_cols,
                 "bytes": rows * cols * es, "copy": c}
 
