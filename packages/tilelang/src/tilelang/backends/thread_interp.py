@@ -145,7 +145,10 @@ class ThreadInterpreter(Interpreter):
         super().alloc(s)
 
     def reg_buffer(self, s: RegBuffer) -> None:
-        self.bufs[s.buffer] = np.zeros((self.threads, s.nregs), dtype=np_dtype(s.buffer.dtype))
+        regs = np.zeros((self.threads, s.nregs), dtype=np_dtype(s.buffer.dtype))
+        if s.init is not None:
+            regs[...] = np.asarray(self.lanes_of(self.expr(s.init)))[:, None]
+        self.bufs[s.buffer] = regs
         self.regs.add(s.buffer)
 
     def barrier(self, s: Barrier) -> None:
@@ -284,7 +287,7 @@ def _cvt(it: ThreadInterpreter, ins: list[Any], s: Intrinsic) -> list[Any]:
     return [_compute(v.astype(np_dtype(to)), to)]
 
 
-_INTRINSIC_RULES = {"fma": _fma, "cvt": _cvt}  # one per INTRINSICS entry
+_INTRINSIC_RULES = {"fma": _fma, "cvt": _cvt, "fence_proxy_async": lambda it, ins, s: []}  # one per INTRINSICS entry
 
 register_rules("thread.interp", {
     Kernel: ThreadInterpreter.kernel, ThreadIdx: ThreadInterpreter.thread_idx, Shuffle: ThreadInterpreter.shuffle,

@@ -68,13 +68,20 @@ class RegBuffer(Stmt):
 
     buffer: Buffer
     fragment: Fragment | None = None
+    init: Expr | None = None  # every register starts at this value (else zero)
+    scalar: bool = False  # one register, spelled as a C scalar (`float acc = 0;`) by the CUDA printer
+    unroll_init: bool = True  # the CUDA printer's `#pragma unroll` on the init loop
 
     @property
     def nregs(self) -> int:
         return int(self.buffer.shape[0].value)
 
+    def exprs(self) -> list[Expr]:
+        return [self.init] if self.init is not None else []
+
     def rebuild(self, tr: Any) -> Stmt:
-        return RegBuffer(self.buffer, self.fragment, loc=self.loc)
+        return RegBuffer(self.buffer, self.fragment, tr.expr(self.init) if self.init is not None else None, self.scalar,
+                         self.unroll_init, loc=self.loc)
 
 
 BARRIER_KINDS = ("block",)  # __syncthreads (named barriers: a later kind)
@@ -166,6 +173,9 @@ class IntrinsicSpec:
 INTRINSICS = {s.name: s for s in [
     IntrinsicSpec("fma", 3, 1),  # __fmaf_rn(a, b, c): a * b + c rounded once
     IntrinsicSpec("cvt", 1, 1, ("dtype",)),  # __float2half_rn & co: round to attrs["dtype"], back to compute type
+    # fence.proxy.async.shared::cta: shared memory written by threads / cp.async is next read by the async proxy
+    # (wgmma, TMA); no effect on values (the interpreter's memory has one proxy)
+    IntrinsicSpec("fence_proxy_async", 0, 0),
 ]}
 
 
@@ -243,6 +253,7 @@ class StridedFor(Stmt):
     stop: Expr
     step: int
     body: Stmt
+    one_line: bool = False  # the CUDA printer writes the (single-statement) body on the loop's line
 
     def children(self) -> list[Stmt]:
         return [self.body]
@@ -252,7 +263,7 @@ class StridedFor(Stmt):
 
     def rebuild(self, tr: Any) -> Stmt:
         return StridedFor(self.var, tr.expr(self.start), tr.expr(self.stop), self.step,
-                          tr.stmt(self.body) or Seq([]), loc=self.loc)
+                          tr.stmt(self.body) or Seq([]), self.one_line, loc=self.loc)
 
 
 @dataclass(eq=False)

@@ -18,7 +18,6 @@ multi-buffer pipeline; __syncthreads() inserted between statements with a shared
 from __future__ import annotations
 
 import itertools
-import math
 
 import numpy as np
 
@@ -59,7 +58,7 @@ from ...ir.visit import (
 from ..cexpr import CExprEmitter
 from .common import _LOW, ParCtx, SmemInfo, _nonneg, cuda_type, esize, float_literal, log, value_type
 from .emit import emit_body
-from .infer import LayoutInference, ParallelNest, infer_layouts
+from .infer import LayoutInference, infer_layouts
 from .lower_thread import ThreadBuilder
 from .rules import (
     IN_PARALLEL,
@@ -280,21 +279,6 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
     def fresh(self, base: str) -> str:
         return f"_{base}{next(self.ids)}"
 
-    def sync(self) -> None:
-        if self.has_wgmma:  # shared memory written by ordinary / cp.async stores is read next by wgmma
-            self.emit("tilehal::fence_proxy_async_shared();")
-        self.emit("__syncthreads();")
-        self.pending_w.clear()
-        self.pending_r.clear()
-
-    def thread_val(self, a: Axis) -> str:
-        ts, e = a.tstride, a.extent
-        if ts & (ts - 1) == 0 and e & (e - 1) == 0:
-            sh = int(math.log2(ts))
-            inner = f"(_tx >> {sh})" if sh else "_tx"
-            return f"({inner} & {e - 1})" if ts * e < self.threads else inner
-        return f"((_tx / {ts}) % {e})"
-
     def scratch(self, nbytes: int) -> str:
         self.scratch_bytes = max(self.scratch_bytes, nbytes)
         return "_tl_scratch"
@@ -340,102 +324,6 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
     def dim(self, s: Expr) -> str:
         return str(int(s.value)) if isinstance(s, Const) else s.name
 
-    def flat_index(self, buf: Buffer, idx: list[str]) -> str:
-        if not idx:
-            return "0"
-        wide = buf.static_shape() is None or int(np.prod(buf.static_shape(), dtype=np.int64)) >= 2**31
-        code = f"((long long)({idx[0]}))" if wide else f"({idx[0]})"
-        for d in range(1, buf.ndim):
-            code = f"({code} * {self.dim(buf.shape[d])} + ({idx[d]}))"
-        return code
-
-    def smem_offset(self, buf: Buffer, idx: list[str]) -> str:
-        shape = buf.static_shape()
-        swz = self.swizzled.get(buf)
-        if swz is None:
-            off = self.flat_index(buf, idx)
-        else:
-            sh, mask, lv, atom = swz
-            row = idx[0] if buf.ndim == 2 else "0"
-            if atom:
-                la = int(math.log2(atom))
-                col = idx[-1]
-                off = (f"(((({col}) >> {la}) * {shape[0] * atom}) + ({row}) * {atom} + "
-                       f"((({col}) & {atom - 1}) ^ (((({row}) >> {sh}) & {mask}) << {lv})))")
-            else:
-                off = f"(({row}) * {shape[-1]} + (({idx[-1]}) ^ (((({row}) >> {sh}) & {mask}) << {lv})))"
-        stage = self.stage_expr.get(buf)
-        if stage is not None and self.stages.get(buf, 1) > 1:
-            off = f"(({stage}) * {int(np.prod(shape))} + {off})"
-        return off
-
-    def ref(self, buf: Buffer, idx: list[Expr]) -> str:
-        """C lvalue of one element (uniform or inside the current T.Parallel context)."""
-        if buf.scope == "var":
-            return buf.name
-        if buf.scope == "fragment":
-            return f"{buf.name}[{self.frag_reg(buf, idx)}]"
-        cidx = [self.expr(i) for i in idx]
-        if buf.scope == "shared":
-            return f"{buf.name}[{self.smem_offset(buf, cidx)}]"
-        return f"{buf.name}[{self.flat_index(buf, cidx)}]"
-
-    def frag_reg(self, buf: Buffer, idx: list[Expr]) -> str:
-        f = self.inf.layouts.get(buf)
-        if f is None:
-            raise CompileError(f"fragment {buf.name}: no layout was inferred", self.kernel.loc)
-        terms = []
-        for d, ix in enumerate(idx):
-            axes = f.dims[d]
-            par = self.par
-            if (par is not None and par.layout is not None and isinstance(ix, Var) and ix in par.var_pos
-                    and set(par.layout.dims[par.var_pos[ix]]) == set(axes)):
-                p = par.var_pos[ix]
-                for dd, a in f.reg_order:
-                    if dd == d:
-                        terms.append(f"{par.regvars[(p, a)]} * {f.reg_stride(d, a)}")
-            elif f.register_only(d):
-                x = self.expr(ix)
-                for a in axes:
-                    terms.append(f"((({x}) / {a.coeff}) % {a.extent}) * {f.reg_stride(d, a)}")
-            else:
-                raise CompileError(f"fragment {buf.name}: element index {d} ({ix}) may be held by another thread "
-                                   f"(layout {f}); access fragments in T.Parallel loops over their own shape",
-                                   self.kernel.loc)
-        return " + ".join(terms) or "0"
-
-    def global_guard(self, buf: Buffer, idx: list[Expr]) -> str | None:
-        """C condition that an element access of a global tensor is in bounds (None when every index is
-        a constant inside its dim): element loads past the end read zero and stores are dropped, as on
-        the interpreter and the C backend, instead of touching other memory."""
-        conds = []
-        for i, n in zip(idx, buf.shape):
-            iv = self.interval(i)
-            if iv is not None and isinstance(n, Const) and 0 <= iv[0] and iv[1] < int(n.value):
-                continue
-            c = self.expr(i)
-            conds.append(f"({c}) < {self.dim(n)}")
-            if not _nonneg(i) and not (iv is not None and iv[0] >= 0):
-                conds.append(f"({c}) >= 0")
-        return " && ".join(conds) if conds else None
-
-    def load(self, e: Load) -> str:
-        ref = self.ref(e.buffer, e.indices)
-        if e.buffer.scope == "global":
-            g = self.global_guard(e.buffer, e.indices)
-            if g:
-                ref = f"(({g}) ? {ref} : {self.zero(e.buffer.dtype)})"
-        if e.buffer.dtype in _LOW:
-            return f"tilehal::to_float({ref})"
-        return ref
-
-    def store_value(self, buf: Buffer, value: Expr) -> str:
-        if buf.dtype in _LOW:
-            return f"tilehal::from_float<{cuda_type(buf.dtype)}>((float)({self.expr(value)}))"
-        if buf.dtype == "bool":
-            return f"(({self.expr(value)}) != 0)"
-        return self.cast_to(value, buf.dtype)
-
     def zero(self, dtype: str) -> str:
         return f"tilehal::from_float<{cuda_type(dtype)}>(0.0f)" if dtype in _LOW else "0"
 
@@ -474,90 +362,8 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
             return self.par_stmt(s)
         s.apply("cuda", self, "CUDA codegen: unsupported statement {op}")
 
-    # ---------------------------------------------------------------- rules (the "cuda" table)
-
-    def let(self, s: Let) -> None:
-        self.emit(f"const {value_type(s.var.dtype)} {s.var.name} = {self.expr(s.value)};")
-
-    def if_(self, s: If) -> None:
-        r, w = self.tracked(s)
-        if ((r | w) & self.pending_w) or (w & self.pending_r):
-            self.sync()
-        saved = (set(self.pending_r), set(self.pending_w))
-        self.open(f"if ({self.expr(s.cond)})")
-        self.stmt(s.then)
-        after_then = (self.pending_r, self.pending_w)
-        self.close()
-        self.pending_r, self.pending_w = set(saved[0]), set(saved[1])
-        if s.orelse is not None:
-            self.open("else")
-            self.stmt(s.orelse)
-            self.close()
-        self.pending_r |= after_then[0]
-        self.pending_w |= after_then[1]
-
-    def for_(self, s: For) -> None:
-        if s.kind == "parallel":
-            self.hazard(s)
-            return self.parallel(self.inf.nests[id(s)])
-        return self.serial_loop(s)
-
-    def store(self, s: Store) -> None:
-        self.hazard(s)
-        line = f"{self.ref(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};"
-        g = self.global_guard(s.buffer, s.indices) if s.buffer.scope == "global" else None
-        self.emit(f"if ({g}) {line}" if g else line)
-
-    def alloc(self, s: Alloc) -> None:
-        b = s.buffer
-        if b.scope == "shared":
-            if b in self.zero_init:  # read before fully written: zero, as the interpreter allocates
-                w = self.alias.get(b, {b})
-                if (w & self.pending_w) or (w & self.pending_r):
-                    self.sync()
-                self.pending_w |= w
-                n = int(np.prod(b.static_shape()))
-                e = self.fresh("z")
-                # every element (the swizzle only permutes them)
-                self.emit(f"for (int {e} = _tx; {e} < {n}; {e} += {self.threads}) {b.name}[{e}] = {self.zero(b.dtype)};")
-            return  # placed in the shared-memory arena
-        t = cuda_type(b.dtype)
-        if b.scope == "var":
-            init = self.store_value(b, s.init) if s.init is not None else self.zero(b.dtype)
-            self.emit(f"{t} {b.name} = {init};")
-            return
-        if b.scope == "fragment":
-            n = self.inf.layouts[b].nregs
-        else:
-            shape = b.static_shape()
-            if shape is None:
-                raise CompileError(f"local buffer {b.name} needs a static shape", s.loc)
-            n = int(np.prod(shape))
-        init = self.store_value(b, s.init) if s.init is not None else self.zero(b.dtype)
-        self.emit(f"{t} {b.name}[{n}];")
-        self.emit("#pragma unroll")
-        self.emit(f"for (int _i = 0; _i < {n}; ++_i) {b.name}[_i] = {init};")
-
-    def serial_loop(self, s: For) -> None:
-        r, w = self.tracked(s)
-        if (r | w) and (self.pending_r or self.pending_w):
-            self.sync()
-        if id(s) in self.pipes:
-            return self.pipelined(s)
-        start, ext = self.expr(s.start), self.expr(s.extent)
-        v = s.var.name
-        if s.kind == "unroll":
-            self.emit("#pragma unroll")
-        self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
-        self.stmt(s.body)
-        if w:
-            self.sync()
-        self.close()
-        if w:
-            self.pending_r.clear()
-            self.pending_w.clear()
-
-    # ---------------------------------------------------------------- T.Parallel
+    # ---------------------------------------------------------------- T.Parallel (the statement rules of the "cuda" and
+    # "cuda.parallel" tables, the memory references and the thread loops are in lower_thread.py: they build nodes)
 
     def reg_loops(self, f: Fragment, tag: str) -> dict[tuple[int, Axis], str]:
         names = {}
@@ -567,139 +373,6 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
             self.emit("#pragma unroll")
             self.open(f"for (int {nm} = 0; {nm} < {a.extent}; ++{nm})")
         return names
-
-    def dim_exprs(self, f: Fragment, regvars: dict[tuple[int, Axis], str]) -> list[str]:
-        out = []
-        for d, axes in enumerate(f.dims):
-            terms = []
-            for a in axes:
-                val = self.thread_val(a) if a.kind == "t" else regvars[(d, a)]
-                terms.append(f"{val} * {a.coeff}" if a.coeff != 1 else val)
-            out.append(" + ".join(terms) or "0")
-        return out
-
-    def lead_cond(self, f: Fragment) -> str | None:
-        conds = []
-        for ts, e in f.replication():
-            conds.append(f"((_tx / {ts}) % {e}) == 0")
-        return " && ".join(conds) if conds else None
-
-    def layout_loop(self, f: Fragment, names: list[str], body, bounds: list[int] | None = None,
-                    vec: tuple[int, Axis] | None = None) -> None:
-        """Run `body()` for every element of layout `f` this thread holds, with C ints `names` bound to
-        the element's index (elements past `bounds`, the padding of the layout, are skipped). With `vec`
-        (the innermost register axis), that axis is not looped: body() handles its elements as a vector."""
-        self.open("")
-        regvars = {}
-        for d, a in f.reg_order:
-            if vec is not None and (d, a) == vec:
-                regvars[(d, a)] = "0"
-                continue
-            nm = self.fresh("r")
-            regvars[(d, a)] = nm
-            self.emit("#pragma unroll")
-            self.open(f"for (int {nm} = 0; {nm} < {a.extent}; ++{nm})")
-        for nm, ex in zip(names, self.dim_exprs(f, regvars)):
-            self.emit(f"const int {nm} = {ex};")
-        bounds = list(f.shape) if bounds is None else bounds
-        conds = [f"{nm} < {n}" for d, (nm, n) in enumerate(zip(names, bounds)) if f.covered(d) > n]
-        if conds:
-            self.open(f"if ({' && '.join(conds)})")
-        body(regvars)
-        if conds:
-            self.close()
-        for _ in range(len(f.reg_order) - (vec is not None)):
-            self.close()
-        self.close()
-
-    def parallel(self, nest: ParallelNest) -> None:
-        names = [v.name for v in nest.vars]
-        if nest.layout is None:
-            return self.flat_loop([self._extent_expr(nest, i) for i in range(len(names))], names,
-                                  lambda: self.par_body(nest.body, ParCtx(None, {}, {}, None)))
-        f = nest.layout
-        lead = self.lead_cond(f)
-        self.open("")
-        if lead:
-            self.emit(f"const bool _lead = {lead};")
-
-        def body(regvars):
-            self.par_body(nest.body, ParCtx(f, {v: i for i, v in enumerate(nest.vars)}, regvars,
-                                            "_lead" if lead else None))
-
-        self.layout_loop(f, names, body)
-        self.close()
-
-    def _extent_expr(self, nest: ParallelNest, i: int) -> str:
-        e = nest.extents[i]
-        if e is not None:
-            return str(e)
-        s = nest.loop
-        for _ in range(i):
-            s = s.body if not isinstance(s.body, Seq) else s.body.body[0]
-        return self.expr(s.extent)
-
-    def flat_loop(self, extents: list[str], names: list[str], body, step: int = 1) -> None:
-        """Spread the index space `extents` over the block's threads, element by element."""
-        total = " * ".join(f"({e})" for e in extents) or "1"
-        static = all(e.isdigit() for e in extents)
-        e = self.fresh("e")
-        if static:
-            n = int(np.prod([int(x) for x in extents]))
-            if n <= self.threads:
-                self.open(f"if (_tx < {n})")
-                self.emit(f"const int {e} = _tx;")
-            elif -(-n // self.threads) <= 32:
-                # A constant trip count (not `e = _tx; e < n; e += threads`, whose count depends on
-                # _tx): nvcc unrolls it fully, each element's address is a base plus a constant and
-                # no remainder loop or branch sits between the pipeline's copies and the MMAs.
-                trips, j = -(-n // self.threads), self.fresh("j")
-                self.emit("#pragma unroll")
-                self.open(f"for (int {j} = 0; {j} < {trips}; ++{j})")
-                # Trailing dims that the thread count steps over whole take their index from _tx alone
-                # (the same for every j) and the leading one moves by a constant per j: nvcc then sees
-                # each element's address as one base plus an immediate (e = _tx + j*T, T % E == 0:
-                # e % E = _tx % E, e / E = _tx / E + j * (T / E)).
-                ints = [int(x) for x in extents]
-                rest, step, i, split = "_tx", self.threads, len(names) - 1, []
-                while i > 0 and step % ints[i] == 0:
-                    split.append(f"const int {names[i]} = {rest} % {ints[i]};")
-                    rest, step, i = f"({rest} / {ints[i]})", step // ints[i], i - 1
-                if n % self.threads or not split:
-                    self.emit(f"const int {e} = _tx + {j} * {self.threads};")
-                if n % self.threads:
-                    self.emit(f"if ({e} >= {n}) break;")
-                for line in split:
-                    self.emit(line)
-                if split:
-                    if i == 0:
-                        self.emit(f"const int {names[0]} = {rest} + {j} * {step};")
-                    else:  # general split of what is left: the leading dims' flat index
-                        lead = self.fresh("q")
-                        self.emit(f"const int {lead} = {rest} + {j} * {step};")
-                        self._split_index(lead, ints[:i + 1], names[:i + 1])
-                    body()
-                    self.close()
-                    return
-            else:
-                self.open(f"for (int {e} = _tx; {e} < {n}; {e} += {self.threads})")
-        else:
-            self.open(f"for (int {e} = _tx; {e} < {total}; {e} += {self.threads})")
-        self._split_index(e, extents, names)
-        body()
-        self.close()
-
-    def _split_index(self, flat: str, extents: list, names: list[str]) -> None:
-        """`names` (row-major over `extents`) from the flat index `flat`."""
-        rest = flat
-        for i in range(len(names) - 1, -1, -1):
-            if i == 0:
-                self.emit(f"const int {names[i]} = {rest};")
-            else:
-                self.emit(f"const int {names[i]} = {rest} % ({extents[i]});")
-                nr = self.fresh("q")
-                self.emit(f"const int {nr} = {rest} / ({extents[i]});")
-                rest = nr
 
     def par_body(self, s: Stmt, ctx: ParCtx) -> None:
         saved = self.par
@@ -711,46 +384,6 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
 
     def par_stmt(self, s: Stmt) -> None:
         s.apply("cuda.parallel", self, "{op} inside a T.Parallel loop is not supported on cuda")
-
-    # ---------------------------------------------------------------- rules (the "cuda.parallel" table)
-
-    def par_store(self, s: Store) -> None:
-        line = f"{self.ref(s.buffer, s.indices)} = {self.store_value(s.buffer, s.value)};"
-        conds = [self.par.lead] if s.buffer.scope in ("global", "shared") and self.par.lead else []
-        if s.buffer.scope == "global":
-            conds += [g for g in [self.global_guard(s.buffer, s.indices)] if g]
-        if conds:
-            line = f"if ({' && '.join(conds)}) {line}"
-        self.emit(line)
-
-    def par_if(self, s: If) -> None:
-        self.open(f"if ({self.expr(s.cond)})")
-        self.par_stmt(s.then)
-        self.close()
-        if s.orelse is not None:
-            self.open("else")
-            self.par_stmt(s.orelse)
-            self.close()
-
-    def par_for(self, s: For) -> None:
-        v = s.var.name
-        start, ext = self.expr(s.start), self.expr(s.extent)
-        if s.kind == "unroll":
-            self.emit("#pragma unroll")
-        self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
-        self.par_stmt(s.body)
-        self.close()
-
-    def par_alloc(self, s: Alloc) -> None:
-        b = s.buffer
-        t = cuda_type(b.dtype)
-        init = self.store_value(b, s.init) if s.init is not None else self.zero(b.dtype)
-        if b.scope == "var":
-            self.emit(f"{t} {b.name} = {init};")
-        else:
-            n = int(np.prod(b.static_shape()))
-            self.emit(f"{t} {b.name}[{n}];")
-            self.emit(f"for (int _i = 0; _i < {n}; ++_i) {b.name}[_i] = {init};")
 
     # ---------------------------------------------------------------- regions
 

@@ -21,15 +21,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...ir.nodes import BinOp, Expr, Seq, Stmt, register_rules
-from ...ir.thread import Scope
+import numpy as np
+
+from ...errors import CompileError
+from ...ir import dtypes as dt
+from ...ir.nodes import Alloc, Expr, For, If, Let, Load, Seq, Stmt, register_rules
+from ...ir.thread import Barrier, BreakIf, Intrinsic, RegBuffer, Scope, StridedFor, ThreadFor, ThreadIdx
+from ..interp import _compute, np_dtype
+from .common import cuda_type
 
 # ---------------------------------------------------------------- C-spelling nodes
 
 
+C_OPS = ("+", "-", "*", "/", "%", "<", "<=", ">", ">=", "==", "!=", "&&", "||", "&", "|", "^", "<<", ">>")
+
+
 @dataclass(eq=False)
-class Bare(BinOp):
-    """`a op b` printed without enclosing parentheses (a BinOp otherwise: same meaning)."""
+class Bare(Expr):
+    """`a op b` in C (`op` a C operator, C semantics: integer / and % truncate), printed without
+    enclosing parentheses: the index sums, products and conditions the lowering writes bare."""
+
+    op: str
+    a: Expr
+    b: Expr
+    dtype: str = dt.INDEX
+
+    def children(self) -> list[Expr]:
+        return [self.a, self.b]
 
     def rebuild(self, children: list[Expr]) -> Expr:
         return Bare(self.op, children[0], children[1], self.dtype)
@@ -50,6 +68,107 @@ class Paren(Expr):
 
     def rebuild(self, children: list[Expr]) -> Expr:
         return Paren(children[0])
+
+
+@dataclass(eq=False)
+class VerbatimExpr(Expr):
+    """A C expression written as text by a rule not yet lowered to nodes (e.g. a pipeline stage)."""
+
+    text: str
+    dtype: str = dt.INDEX
+
+
+@dataclass(eq=False)
+class Ref(Load):
+    """Element `indices[0]` of a thread-level buffer (flat: global tensors and shared buffers as
+    arrays of elements, registers as (nregs,)), as stored: `name[offset]` (a one-register scalar
+    prints `name`). Loading it gives the compute-type value, as Load does."""
+
+    scalar: bool = False
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return Ref(self.buffer, children, self.scalar)
+
+
+@dataclass(eq=False)
+class Zero(Expr):
+    """The zero of a storage type (`tilehal::from_float<__half>(0.0f)`, `0`)."""
+
+    dtype: str
+
+
+@dataclass(eq=False)
+class ToFloat(Expr):
+    """`tilehal::to_float(e)`: a 16/8-bit float element read as float (the compute value)."""
+
+    value: Expr
+
+    @property
+    def dtype(self) -> str:
+        return dt.compute_type(self.value.dtype)
+
+    def children(self) -> list[Expr]:
+        return [self.value]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return ToFloat(children[0])
+
+
+@dataclass(eq=False)
+class Stored(Expr):
+    """`value` converted for a store into a buffer of `to` (rounded to 16/8-bit floats, `!= 0` for bool)."""
+
+    to: str
+    value: Expr
+
+    @property
+    def dtype(self) -> str:
+        return dt.compute_type(self.to)
+
+    def children(self) -> list[Expr]:
+        return [self.value]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return Stored(self.to, children[0])
+
+
+@dataclass(eq=False)
+class Conv(Expr):
+    """A value stored as `src` converted to storage type `dst` (the codegen's `conv`)."""
+
+    src: str
+    to: str
+    value: Expr
+
+    @property
+    def dtype(self) -> str:
+        return dt.compute_type(self.to)
+
+    def children(self) -> list[Expr]:
+        return [self.value]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return Conv(self.src, self.to, children[0])
+
+
+@dataclass(eq=False)
+class TStore(Stmt):
+    """`ref = value;` on a thread-level buffer, under `cond` when given (`if (cond) ref = value;`:
+    a masked edge element, the lead replica)."""
+
+    ref: Ref
+    value: Expr
+    cond: Expr | None = None
+
+    def exprs(self) -> list[Expr]:
+        return [*self.ref.indices, self.value] + ([self.cond] if self.cond is not None else [])
+
+    def writes(self) -> set:
+        return {self.ref.buffer}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return TStore(Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices], self.ref.scalar), tr.expr(self.value),
+                      tr.expr(self.cond) if self.cond is not None else None, loc=self.loc)
 
 
 @dataclass(eq=False)
@@ -85,7 +204,7 @@ class VerbatimBlock(Stmt):
 
 class Emitter:
     """Prints statements through the "cuda.emit" table; `cx` prints expressions (the codegen, a
-    CExprEmitter)."""
+    CExprEmitter with the "cexpr" methods of ThreadBuilder)."""
 
     def __init__(self, cx: Any) -> None:
         self.cx = cx
@@ -105,6 +224,13 @@ class Emitter:
         self.stmt(body, ind + 1)
         self.line(ind, "}")
 
+    def one_line(self, s: Stmt) -> str:
+        sub = Emitter(self.cx)
+        sub.stmt(s, 0)
+        if len(sub.lines) != 1:
+            raise TypeError(f"cuda emit: a one-line loop body printed {len(sub.lines)} lines")
+        return sub.lines[0]
+
 
 def emit_body(cx: Any, body: Stmt, ind: int = 1) -> list[str]:
     """The CUDA lines of a kernel body."""
@@ -118,15 +244,154 @@ def _seq(em: Emitter, s: Seq, ind: int) -> None:
         em.stmt(c, ind)
 
 
+def _let(em: Emitter, s: Let, ind: int) -> None:
+    em.line(ind, f"const {em.cx.value_ctype(s.var.dtype)} {s.var.name} = {em.cx.expr(s.value)};")
+
+
+def _tstore(em: Emitter, s: TStore, ind: int) -> None:
+    line = f"{em.cx.expr(s.ref)} = {em.cx.expr(s.value)};"
+    em.line(ind, f"if ({em.cx.expr(s.cond)}) {line}" if s.cond is not None else line)
+
+
+def _if(em: Emitter, s: If, ind: int) -> None:
+    em.block(f"if ({em.cx.expr(s.cond)})", s.then, ind)
+    if s.orelse is not None:
+        em.block("else", s.orelse, ind)
+
+
+def _for(em: Emitter, s: For, ind: int) -> None:
+    v, cx = s.var.name, em.cx
+    if s.kind == "unroll":
+        em.line(ind, "#pragma unroll")
+    start, ext = cx.expr(s.start), cx.expr(s.extent)
+    stop = ext if s.annotations.get("c_extent_bound") else f"{start} + {ext}"
+    head = f"for (int {v} = {start}; {v} < {stop}; ++{v})"
+    if s.annotations.get("c_one_line"):
+        em.line(ind, f"{head} {em.one_line(s.body)}")
+    else:
+        em.block(head, s.body, ind)
+
+
+def _thread_for(em: Emitter, s: ThreadFor, ind: int) -> None:
+    em.line(ind, "#pragma unroll")
+    em.block(f"for (int {s.var.name} = 0; {s.var.name} < {s.trips}; ++{s.var.name})", s.body, ind)
+
+
+def _strided_for(em: Emitter, s: StridedFor, ind: int) -> None:
+    v = s.var.name
+    head = f"for (int {v} = {em.cx.expr(s.start)}; {v} < {em.cx.expr(s.stop)}; {v} += {s.step})"
+    if s.one_line:
+        em.line(ind, f"{head} {em.one_line(s.body)}")
+    else:
+        em.block(head, s.body, ind)
+
+
+def _reg_buffer(em: Emitter, s: RegBuffer, ind: int) -> None:
+    b, cx = s.buffer, em.cx
+    t = cuda_type(b.dtype)
+    init = cx.expr(s.init) if s.init is not None else cx.zero(b.dtype)
+    if s.scalar:
+        em.line(ind, f"{t} {b.name} = {init};")
+        return
+    em.line(ind, f"{t} {b.name}[{s.nregs}];")
+    if s.init is not None:
+        if s.unroll_init:
+            em.line(ind, "#pragma unroll")
+        em.line(ind, f"for (int _i = 0; _i < {s.nregs}; ++_i) {b.name}[_i] = {init};")
+
+
+# intrinsic -> its CUDA spelling (a format over the printed operands)
+INTRINSIC_SPELLING = {"fence_proxy_async": "tilehal::fence_proxy_async_shared();"}
+
+
+def _intrinsic(em: Emitter, s: Intrinsic, ind: int) -> None:
+    spelling = INTRINSIC_SPELLING.get(s.name)
+    if spelling is None:
+        raise TypeError(f"cuda emit: intrinsic {s.name!r} has no CUDA spelling")
+    em.line(ind, spelling.format(*[em.cx.expr(i) for i in s.ins], *[em.cx.expr(o) for o in s.outs]))
+
+
+def _alloc(em: Emitter, s: Alloc, ind: int) -> None:
+    if s.buffer.scope != "shared":  # shared buffers live in the kernel's arena (declared at its top)
+        raise TypeError(f"cuda emit: Alloc of a {s.buffer.scope} buffer in a thread-level program")
+
+
 register_rules("cuda.emit", {
     Seq: _seq,
     Verbatim: lambda em, s, ind: em.line(ind, s.text),
     VerbatimBlock: lambda em, s, ind: em.block(s.head, s.body, ind),
     Scope: lambda em, s, ind: em.block("", s.body, ind),
+    Let: _let, TStore: _tstore, If: _if, For: _for, ThreadFor: _thread_for, StridedFor: _strided_for,
+    BreakIf: lambda em, s, ind: em.line(ind, f"if ({em.cx.expr(s.cond)}) break;"),
+    Barrier: lambda em, s, ind: em.line(ind, "__syncthreads();"),
+    RegBuffer: _reg_buffer, Intrinsic: _intrinsic, Alloc: _alloc,
 })
 
+# expressions: the codegen's methods that print them (lower_thread.ThreadBuilder)
+register_rules("cexpr", {Bare: "bare", Paren: "paren", VerbatimExpr: "verbatim_expr", Ref: "ref_", Zero: "zero_",
+                         ToFloat: "to_float_", Stored: "stored_", Conv: "conv_", ThreadIdx: "thread_idx"})
 
-# the codegen's methods (lower_thread.ThreadBuilder) that print them
-register_rules("cexpr", {Bare: "bare", Paren: "paren"})
 
-__all__ = ["Bare", "Emitter", "Paren", "Verbatim", "VerbatimBlock", "emit_body"]
+# ---------------------------------------------------------------- the thread interpreter's rules for these nodes
+
+
+def _c_binop(op: str, a: Any, b: Any) -> Any:
+    a, b = np.asarray(a), np.asarray(b)
+    if op in ("&&", "||"):
+        return np.logical_and(a, b) if op == "&&" else np.logical_or(a, b)
+    cmp = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal, "==": np.equal,
+           "!=": np.not_equal}.get(op)
+    if cmp is not None:
+        return cmp(a, b)
+    if a.dtype.kind in "iub" and b.dtype.kind in "iub":
+        a, b = a.astype(np.int64), b.astype(np.int64)
+        if op == "/":
+            return (a - np.fmod(a, b)) // b  # C: truncate toward zero
+        if op == "%":
+            return np.fmod(a, b)
+    fn = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.divide, "&": np.bitwise_and, "|": np.bitwise_or,
+          "^": np.bitwise_xor, "<<": np.left_shift, ">>": np.right_shift}[op]
+    return fn(a, b)
+
+
+def _verbatim(it: Any, s: Any) -> None:
+    text = s.text if isinstance(s, (Verbatim, VerbatimExpr)) else s.head
+    raise CompileError(f"thread interp: CUDA text not lowered to thread-level nodes yet: {text.strip()!r}",
+                       getattr(s, "loc", None))
+
+
+def _storage(v: Any, to: str) -> Any:
+    """`v` stored as `to` and read back (rounded to 16/8-bit floats, truncated to integers)."""
+    a = np.asarray(v)
+    if dt.is_int(to) and a.dtype.kind == "f":
+        a = np.trunc(a)
+    if to == "bool":
+        return a != 0
+    out = _compute(a.astype(np_dtype(to)), to)
+    return out if out.ndim else out[()]
+
+
+def _tstore_interp(it: Any, s: TStore) -> None:
+    saved = it.mask
+    if s.cond is not None:
+        c = np.asarray(it.expr(s.cond), dtype=bool)
+        it.mask = c if saved is None else (np.asarray(saved) & c)
+    try:
+        it.store(s.ref.buffer, [it.expr(i) for i in s.ref.indices], it.expr(s.value), s.loc)
+    finally:
+        it.mask = saved
+
+
+register_rules("thread.interp", {
+    Bare: lambda it, e: _c_binop(e.op, it.expr(e.a), it.expr(e.b)),
+    Paren: lambda it, e: it.expr(e.value),
+    VerbatimExpr: _verbatim, Verbatim: _verbatim, VerbatimBlock: _verbatim,
+    Zero: lambda it, e: np_dtype(dt.compute_type(e.dtype)).type(0),
+    ToFloat: lambda it, e: it.expr(e.value),
+    Stored: lambda it, e: _storage(it.expr(e.value), e.to),
+    Conv: lambda it, e: _storage(it.expr(e.value), e.to),
+    TStore: _tstore_interp,
+})
+
+__all__ = ["Bare", "Conv", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
+           "VerbatimExpr", "Zero", "emit_body"]
