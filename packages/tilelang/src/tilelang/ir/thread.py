@@ -71,6 +71,7 @@ class RegBuffer(Stmt):
     init: Expr | None = None  # every register starts at this value (else zero)
     scalar: bool = False  # one register, spelled as a C scalar (`float acc = 0;`) by the CUDA printer
     unroll_init: bool = True  # the CUDA printer's `#pragma unroll` on the init loop
+    vec: bool = False  # a vector temporary, spelled `tilehal::Vec<T, nregs>` by the CUDA printer
 
     @property
     def nregs(self) -> int:
@@ -81,7 +82,7 @@ class RegBuffer(Stmt):
 
     def rebuild(self, tr: Any) -> Stmt:
         return RegBuffer(self.buffer, self.fragment, tr.expr(self.init) if self.init is not None else None, self.scalar,
-                         self.unroll_init, loc=self.loc)
+                         self.unroll_init, self.vec, loc=self.loc)
 
 
 BARRIER_KINDS = ("block",)  # __syncthreads (named barriers: a later kind)

@@ -387,72 +387,14 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
 
     # ---------------------------------------------------------------- regions
 
-    def region_idx(self, r: Region, coords: list[str]) -> list[str]:
-        """Buffer indices (C) of the tile element whose non-unit coordinates are `coords`."""
-        it = iter(coords)
-        out = []
-        for s, n in zip(r.starts, r.extents):
-            st = self.expr(s)
-            out.append(f"({st} + {next(it)})" if n != 1 else st)
-        return out
-
-    def in_bounds(self, r: Region, idx: list[str]) -> str | None:
-        if r.buffer.scope != "global":
-            return None
-        conds = []
-        for d, (i, n) in enumerate(zip(idx, r.buffer.shape)):
-            st = r.starts[d]
-            iv = self.interval(st)
-            if iv is not None and isinstance(n, Const) and iv[0] >= 0 and iv[1] + r.extents[d] <= int(n.value):
-                continue  # every element of the tile is inside the tensor
-            conds.append(f"({i}) < {self.dim(n)}")
-            if not _nonneg(st) and not (iv is not None and iv[0] >= 0):
-                conds.append(f"({i}) >= 0")
-        return " && ".join(conds) if conds else None
-
-    def mem_ref(self, buf: Buffer, idx: list[str]) -> str:
-        if buf.scope == "shared":
-            return f"{buf.name}[{self.smem_offset(buf, idx)}]"
-        if buf.scope == "var":
-            return buf.name
-        return f"{buf.name}[{self.flat_index(buf, idx)}]"
-
     # ---------------------------------------------------------------- helpers shared by the op rules
 
     def _full(self, r: Region) -> bool:
         return tuple(r.extents) == r.buffer.static_shape() and all(isinstance(x, Const) and x.value == 0
                                                                      for x in r.starts)
 
-    def _reg_by_axes(self, f: Fragment, driver: Fragment, regvars) -> str:
-        terms = []
-        for d, a in f.reg_order:
-            terms.append(f"{regvars[(d, a)]} * {f.reg_stride(d, a)}")
-        return " + ".join(terms) or "0"
-
     def _tile_names(self, r: Region) -> list[str]:
         return [self.fresh("c") for _ in (r.squeezed() or [1])]
-
-    def stage_fragment(self, buf: Buffer, to_scratch: bool, base: str) -> None:
-        """fragment <-> scratch (row-major, compute type): the way between two layouts."""
-        f = self.inf.layouts[buf]
-        names = [self.fresh("i") for _ in f.shape]
-        shape = list(f.shape)
-        ct = value_type(buf.dtype)
-
-        def body(regvars):
-            reg = self._reg_by_axes(f, f, regvars)
-            flat = names[0] if names else "0"
-            for d in range(1, len(names)):
-                flat = f"({flat}) * {shape[d]} + {names[d]}"
-            sref = f"(({ct}*){base})[{flat}]"
-            fref = f"{buf.name}[{reg}]"
-            if to_scratch:
-                val = f"tilehal::to_float({fref})" if buf.dtype in _LOW else fref
-                self.emit(f"{sref} = {val};")
-            else:
-                self.emit(f"{fref} = {self.conv(sref, dt.compute_type(buf.dtype), buf.dtype)};")
-
-        self.layout_loop(f, names, body)
 
     # ================================================================ the kernel
 

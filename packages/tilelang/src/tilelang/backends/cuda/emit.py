@@ -22,11 +22,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import tilehal
 
 from ...errors import CompileError
 from ...ir import dtypes as dt
-from ...ir.nodes import Alloc, Expr, For, If, Let, Load, Seq, Stmt, register_rules
-from ...ir.thread import Barrier, BreakIf, Intrinsic, RegBuffer, Scope, StridedFor, ThreadFor, ThreadIdx
+from ...ir.nodes import Alloc, Buffer, Expr, For, If, Let, Load, Seq, Stmt, register_rules
+from ...ir.thread import (
+    AsyncCommit,
+    AsyncCopy,
+    AsyncWait,
+    Barrier,
+    BreakIf,
+    Intrinsic,
+    RegBuffer,
+    Scope,
+    StridedFor,
+    ThreadFor,
+    ThreadIdx,
+)
 from ..interp import _compute, np_dtype
 from .common import cuda_type
 
@@ -199,6 +212,100 @@ class VerbatimBlock(Stmt):
         return VerbatimBlock(self.head, tr.stmt(self.body) or Seq([]), loc=self.loc)
 
 
+@dataclass(eq=False)
+class CSelect(Expr):
+    """`((cond) ? a : b)` as written (no conversions: both sides are already of the result's type)."""
+
+    cond: Expr
+    a: Expr
+    b: Expr
+
+    @property
+    def dtype(self) -> str:
+        return self.a.dtype
+
+    def children(self) -> list[Expr]:
+        return [self.cond, self.a, self.b]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return CSelect(*children)
+
+
+@dataclass(eq=False)
+class VecLoad(Stmt):
+    """`tmp = tilehal::load_vec<T, n>(&ref);`: `n` contiguous elements from `ref` into the vector
+    registers `tmp` (n registers). With `pred`: zeros where it is false (`if (pred) ... else for
+    (...) tmp[_u] = 0;`). With `decl`, `tmp` is declared here (`tilehal::Vec<T, n> tmp = ...`)."""
+
+    tmp: Buffer
+    ref: Ref
+    pred: Expr | None = None
+    decl: bool = False
+
+    side_effects = True
+
+    def exprs(self) -> list[Expr]:
+        return [*self.ref.indices] + ([self.pred] if self.pred is not None else [])
+
+    def reads(self) -> set:
+        return {self.ref.buffer}
+
+    def writes(self) -> set:
+        return {self.tmp}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return VecLoad(self.tmp, Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices]),
+                       tr.expr(self.pred) if self.pred is not None else None, self.decl, loc=self.loc)
+
+
+@dataclass(eq=False)
+class VecStore(Stmt):
+    """`tilehal::store_vec<T, n>(&ref, tmp);` (under `cond`): the vector registers `tmp` to `n`
+    contiguous elements from `ref`."""
+
+    ref: Ref
+    tmp: Buffer
+    cond: Expr | None = None
+
+    side_effects = True
+
+    def exprs(self) -> list[Expr]:
+        return [*self.ref.indices] + ([self.cond] if self.cond is not None else [])
+
+    def reads(self) -> set:
+        return {self.tmp}
+
+    def writes(self) -> set:
+        return {self.ref.buffer}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return VecStore(Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices]), self.tmp,
+                        tr.expr(self.cond) if self.cond is not None else None, loc=self.loc)
+
+
+@dataclass(eq=False)
+class PackedStore2(Stmt):
+    """Two fp32 values rounded to a 16-bit pair and stored with one 32-bit store at `ref` (and the
+    element after it): `*reinterpret_cast<unsigned*>(&ref) = tilehal::from_float2<T>(a, b);`."""
+
+    ref: Ref
+    a: Expr
+    b: Expr
+    cond: Expr | None = None
+
+    side_effects = True
+
+    def exprs(self) -> list[Expr]:
+        return [*self.ref.indices, self.a, self.b] + ([self.cond] if self.cond is not None else [])
+
+    def writes(self) -> set:
+        return {self.ref.buffer}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return PackedStore2(Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices]), tr.expr(self.a),
+                            tr.expr(self.b), tr.expr(self.cond) if self.cond is not None else None, loc=self.loc)
+
+
 # ---------------------------------------------------------------- the printer
 
 
@@ -293,6 +400,9 @@ def _reg_buffer(em: Emitter, s: RegBuffer, ind: int) -> None:
     if s.scalar:
         em.line(ind, f"{t} {b.name} = {init};")
         return
+    if s.vec:
+        em.line(ind, f"{_vec_type(b)} {b.name};")
+        return
     em.line(ind, f"{t} {b.name}[{s.nregs}];")
     if s.init is not None:
         if s.unroll_init:
@@ -311,6 +421,50 @@ def _intrinsic(em: Emitter, s: Intrinsic, ind: int) -> None:
     em.line(ind, spelling.format(*[em.cx.expr(i) for i in s.ins], *[em.cx.expr(o) for o in s.outs]))
 
 
+def _guarded(em: Emitter, cond: Expr | None, line: str) -> str:
+    return f"if ({em.cx.expr(cond)}) {line}" if cond is not None else line
+
+
+def _vec_type(b: Buffer) -> str:
+    return f"tilehal::Vec<{cuda_type(b.dtype)}, {int(b.shape[0].value)}>"
+
+
+def _vec_load(em: Emitter, s: VecLoad, ind: int) -> None:
+    t, n, tmp = cuda_type(s.tmp.dtype), int(s.tmp.shape[0].value), s.tmp.name
+    load = f"tilehal::load_vec<{t}, {n}>(&{em.cx.expr(s.ref)})"
+    if s.decl:
+        em.line(ind, f"{_vec_type(s.tmp)} {tmp} = {load};")
+    elif s.pred is not None:
+        em.line(ind, f"if ({em.cx.expr(s.pred)}) {tmp} = {load}; else for (int _u = 0; _u < {n}; ++_u) {tmp}[_u] = "
+                     f"{em.cx.zero(s.tmp.dtype)};")
+    else:
+        em.line(ind, f"{tmp} = {load};")
+
+
+def _vec_store(em: Emitter, s: VecStore, ind: int) -> None:
+    t, n = cuda_type(s.tmp.dtype), int(s.tmp.shape[0].value)
+    em.line(ind, _guarded(em, s.cond, f"tilehal::store_vec<{t}, {n}>(&{em.cx.expr(s.ref)}, {s.tmp.name});"))
+
+
+def _packed_store2(em: Emitter, s: PackedStore2, ind: int) -> None:
+    t = cuda_type(s.ref.buffer.dtype)
+    line = (f"*reinterpret_cast<unsigned*>(&{em.cx.expr(s.ref)}) = tilehal::from_float2<{t}>({em.cx.expr(s.a)}, "
+            f"{em.cx.expr(s.b)});")
+    em.line(ind, _guarded(em, s.cond, line))
+
+
+def _async_copy(em: Emitter, s: AsyncCopy, ind: int) -> None:
+    cx = em.cx
+    sref = f"&{s.src.name}[{cx.expr(s.src_idx[0])}]"
+    dref = f"&{s.dst.name}[{cx.expr(s.dst_idx[0])}]"
+    pred = ""
+    if s.pred is not None:
+        p = cx.expr(s.pred)
+        sref = f"(({p}) ? (const void*)({sref}) : (const void*){s.src.name})"
+        pred = ", " + p
+    em.line(ind, f"tilehal::cp_async_{s.nbytes}({dref}, {sref}{pred});")
+
+
 def _alloc(em: Emitter, s: Alloc, ind: int) -> None:
     if s.buffer.scope != "shared":  # shared buffers live in the kernel's arena (declared at its top)
         raise TypeError(f"cuda emit: Alloc of a {s.buffer.scope} buffer in a thread-level program")
@@ -324,12 +478,16 @@ register_rules("cuda.emit", {
     Let: _let, TStore: _tstore, If: _if, For: _for, ThreadFor: _thread_for, StridedFor: _strided_for,
     BreakIf: lambda em, s, ind: em.line(ind, f"if ({em.cx.expr(s.cond)}) break;"),
     Barrier: lambda em, s, ind: em.line(ind, "__syncthreads();"),
-    RegBuffer: _reg_buffer, Intrinsic: _intrinsic, Alloc: _alloc,
+    RegBuffer: _reg_buffer, Intrinsic: _intrinsic, Alloc: _alloc, VecLoad: _vec_load, VecStore: _vec_store,
+    PackedStore2: _packed_store2, AsyncCopy: _async_copy,
+    AsyncCommit: lambda em, s, ind: em.line(ind, "tilehal::cp_async_commit();"),
+    AsyncWait: lambda em, s, ind: em.line(ind, f"tilehal::cp_async_wait<{s.n}>();"),
 })
 
 # expressions: the codegen's methods that print them (lower_thread.ThreadBuilder)
 register_rules("cexpr", {Bare: "bare", Paren: "paren", VerbatimExpr: "verbatim_expr", Ref: "ref_", Zero: "zero_",
-                         ToFloat: "to_float_", Stored: "stored_", Conv: "conv_", ThreadIdx: "thread_idx"})
+                         ToFloat: "to_float_", Stored: "stored_", Conv: "conv_", ThreadIdx: "thread_idx",
+                         CSelect: "cselect"})
 
 
 # ---------------------------------------------------------------- the thread interpreter's rules for these nodes
@@ -382,7 +540,56 @@ def _tstore_interp(it: Any, s: TStore) -> None:
         it.mask = saved
 
 
+def _masked(it: Any, cond: Expr | None):
+    """The lanes a conditional statement writes: the active lanes where `cond` holds."""
+    on = it.active()
+    return on if cond is None else on & it.lanes_of(it.expr(cond), bool)
+
+
+def _elements(it: Any, ref: Ref, n: int) -> np.ndarray:
+    """(threads, n) flat element indices from `ref` on."""
+    return it.lanes_of(it.expr(ref.indices[0]), np.int64)[:, None] + np.arange(n, dtype=np.int64)
+
+
+def _vec_load_interp(it: Any, s: VecLoad) -> None:
+    n = int(s.tmp.shape[0].value)
+    if s.decl:
+        it.bufs[s.tmp] = np.zeros((it.threads, n), dtype=np_dtype(s.tmp.dtype))
+        it.regs.add(s.tmp)
+    on = it.active()
+    take = on & (it.lanes_of(it.expr(s.pred), bool) if s.pred is not None else True)
+    src = it.bufs[s.ref.buffer]
+    idx = _elements(it, s.ref, n)
+    regs = it.bufs[s.tmp]
+    if take.any():
+        sel = idx[take]
+        if sel.min() < 0 or sel.max() >= src.shape[0]:
+            raise tilehal.LaunchError(f"{s.loc or ''}: load_vec from {s.ref.buffer.name}: elements [{sel.min()}, "
+                                      f"{sel.max()}] outside its {src.shape[0]}")
+        regs[take] = src[sel]
+    regs[on & ~take] = 0
+
+
+def _vec_store_interp(it: Any, s: VecStore) -> None:
+    n = int(s.tmp.shape[0].value)
+    on = _masked(it, s.cond)
+    idx = _elements(it, s.ref, n)[on]
+    it._check_bounds(s.ref.buffer, [idx.ravel()], it.bufs[s.ref.buffer].shape, s.loc)
+    it.bufs[s.ref.buffer][idx] = it.bufs[s.tmp][on]
+
+
+def _packed_store2_interp(it: Any, s: PackedStore2) -> None:
+    on = _masked(it, s.cond)
+    dst = it.bufs[s.ref.buffer]
+    idx = _elements(it, s.ref, 2)[on]
+    it._check_bounds(s.ref.buffer, [idx.ravel()], dst.shape, s.loc)
+    vals = np.stack([it.lanes_of(it.expr(s.a)), it.lanes_of(it.expr(s.b))], axis=1)[on]
+    dst[idx] = vals.astype(dst.dtype)
+
+
 register_rules("thread.interp", {
+    CSelect: lambda it, e: np.where(it.expr(e.cond), it.expr(e.a), it.expr(e.b)),
+    VecLoad: _vec_load_interp, VecStore: _vec_store_interp, PackedStore2: _packed_store2_interp,
     Bare: lambda it, e: _c_binop(e.op, it.expr(e.a), it.expr(e.b)),
     Paren: lambda it, e: it.expr(e.value),
     VerbatimExpr: _verbatim, Verbatim: _verbatim, VerbatimBlock: _verbatim,
@@ -393,5 +600,5 @@ register_rules("thread.interp", {
     TStore: _tstore_interp,
 })
 
-__all__ = ["Bare", "Conv", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
+__all__ = ["Bare", "CSelect", "Conv", "PackedStore2", "VecLoad", "VecStore", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
            "VerbatimExpr", "Zero", "emit_body"]

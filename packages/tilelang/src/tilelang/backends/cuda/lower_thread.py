@@ -24,8 +24,21 @@ from ...ir import dtypes as dt
 from ...ir.layout import Axis, Fragment
 from ...ir.nodes import Alloc, Buffer, Const, Expr, For, If, Let, Load, Select, Seq, Stmt, Store, Var
 from ...ir.thread import Barrier, BreakIf, Intrinsic, RegBuffer, Scope, StridedFor, ThreadFor, ThreadIdx
-from .common import _LOW, ParCtx, cuda_type
-from .emit import Bare, Conv, Paren, Ref, Stored, ToFloat, TStore, Verbatim, VerbatimBlock, VerbatimExpr, Zero
+from .common import _LOW, ParCtx, cuda_type, value_type
+from .emit import (
+    Bare,
+    Conv,
+    CSelect,
+    Paren,
+    Ref,
+    Stored,
+    ToFloat,
+    TStore,
+    Verbatim,
+    VerbatimBlock,
+    VerbatimExpr,
+    Zero,
+)
 
 TX = ThreadIdx()
 
@@ -66,6 +79,7 @@ class ThreadBuilder:
         self._heads: list[str | None] = []
         self._vars: dict[str, Var] = {}  # C names the lowering made (fresh / loop / let) -> their Var
         self._tbufs: dict[Buffer, Buffer] = {}  # tile-level buffer -> its thread-level (flat / register) buffer
+        self._scratch_views: dict[tuple[str, str], Buffer] = {}
 
     # ------------------------------------------------------------ building nodes
 
@@ -136,6 +150,9 @@ class ThreadBuilder:
 
     def thread_idx(self, e: ThreadIdx) -> str:
         return "_tx"
+
+    def cselect(self, e: CSelect) -> str:
+        return f"(({self.expr(e.cond)}) ? {self.expr(e.a)} : {self.expr(e.b)})"
 
     # ------------------------------------------------------------ names and thread-level buffers
 
@@ -320,6 +337,111 @@ class ThreadBuilder:
 
     def init_x(self, b: Buffer, init: Expr | None) -> Expr:
         return self.store_value_x(b, init) if init is not None else Zero(b.dtype)
+
+    # ------------------------------------------------------------ regions (the tile ops' element references)
+
+    def region_idx_x(self, r, coords: list[Expr]) -> list[Expr]:
+        """Buffer indices of the tile element whose non-unit coordinates are `coords`."""
+        it = iter(coords)
+        out = []
+        for st, n in zip(r.starts, r.extents):
+            x = self.lower_expr(st)
+            out.append(P(B(x, "+", next(it))) if n != 1 else x)
+        return out
+
+    def region_idx(self, r, coords: list[str]) -> list[str]:
+        return [self.expr(x) for x in self.region_idx_x(r, [VerbatimExpr(c) for c in coords])]
+
+    def in_bounds_x(self, r, idx: list[Expr]) -> Expr | None:
+        """That element `idx` of tile `r` of a global tensor is inside it (None: every element is)."""
+        from .common import _nonneg
+
+        if r.buffer.scope != "global":
+            return None
+        conds: list[Expr] = []
+        for d, (i, n) in enumerate(zip(idx, r.buffer.shape)):
+            st = r.starts[d]
+            iv = self.interval(st)
+            if iv is not None and isinstance(n, Const) and iv[0] >= 0 and iv[1] + r.extents[d] <= int(n.value):
+                continue  # every element of the tile is inside the tensor
+            conds.append(B(P(i), "<", self.dim_x(n), "bool"))
+            if not _nonneg(st) and not (iv is not None and iv[0] >= 0):
+                conds.append(B(P(i), ">=", C(0), "bool"))
+        return conj(conds)
+
+    def in_bounds(self, r, idx: list[str]) -> str | None:
+        c = self.in_bounds_x(r, [VerbatimExpr(i) for i in idx])
+        return self.expr(c) if c is not None else None
+
+    def mem_ref_x(self, buf: Buffer, idx: list[Expr]) -> Ref:
+        """The element of a memory buffer at thread-level indices `idx`."""
+        tb = self.tbuf(buf)
+        if buf.scope == "shared":
+            return Ref(tb, [self.smem_offset_x(buf, idx)])
+        if buf.scope == "var":
+            return Ref(tb, [C(0)], True)
+        return Ref(tb, [self.flat_index_x(buf, idx)])
+
+    def mem_ref(self, buf: Buffer, idx: list[str]) -> str:
+        return self.expr(self.mem_ref_x(buf, [VerbatimExpr(i) for i in idx]))
+
+    def _reg_by_axes_x(self, f: Fragment, driver: Fragment, regvars) -> Expr:
+        return total([B(self.v(regvars[(d, a)]), "*", C(f.reg_stride(d, a))) for d, a in f.reg_order]) or C(0)
+
+    def _reg_by_axes(self, f: Fragment, driver: Fragment, regvars) -> str:
+        return self.expr(self._reg_by_axes_x(f, driver, regvars))
+
+    def reg_ref(self, buf: Buffer, reg: Expr) -> Ref:
+        """Register `reg` of fragment / local `buf`."""
+        return Ref(self.tbuf(buf), [reg])
+
+    def vec_temp(self, dtype: str, n: int) -> Buffer:
+        """A fresh vector temporary of `n` registers (`tilehal::Vec<T, n> _vK`)."""
+        return Buffer(self.fresh("v"), (C(n),), dtype, "local")
+
+    def scratch_buf(self, ctype_dtype: str, base: str) -> Buffer:
+        """The shared scratch area at C address `base` seen as elements of `ctype_dtype` (printed
+        `((float*)base)`: a staging area between two layouts)."""
+        key = (ctype_dtype, base)
+        tb = self._scratch_views.get(key)
+        if tb is None:
+            tb = self._scratch_views[key] = Buffer(f"(({value_type(ctype_dtype)}*){base})", (C(self.SMEM_LIMIT_ELEMS),),
+                                                   ctype_dtype, "shared")
+        return tb
+
+    SMEM_LIMIT_ELEMS = 232448 // 4
+
+    def stage_fragment(self, buf: Buffer, to_scratch: bool, base: str) -> None:
+        """fragment <-> scratch (row-major, compute type): the way between two layouts."""
+        f = self.inf.layouts[buf]
+        names = [self.fresh("i") for _ in f.shape]
+        shape = list(f.shape)
+        ct = dt.compute_type(buf.dtype)
+        sb = self.scratch_buf(ct, base)
+
+        def body(regvars):
+            reg = self._reg_by_axes_x(f, f, regvars)
+            flat: Expr = self.v(names[0]) if names else C(0)
+            for d in range(1, len(names)):
+                flat = B(B(P(flat), "*", C(shape[d])), "+", self.v(names[d]))
+            sref = Ref(sb, [flat])
+            fref = self.reg_ref(buf, reg)
+            if to_scratch:
+                self.add(TStore(sref, ToFloat(fref) if buf.dtype in _LOW else fref))
+            else:
+                self.add(TStore(fref, Conv(ct, buf.dtype, sref)))
+
+        self.layout_loop(f, names, body)
+
+    def loop_nest(self, names: list[str], extents: list[str], body) -> None:
+        """A scope of serial loops `for (int n = 0; n < e; ++n)` (every thread runs all of them) around `body()`."""
+        self.begin()
+        for _ in names:
+            self.begin()
+        body()
+        for n, e in reversed(list(zip(names, extents))):
+            self.add(For(self.v(n), C(0), self.v(e), "serial", self.end(), annotations={"c_extent_bound": True}))
+        self.add(Scope(self.end()))
 
     # ------------------------------------------------------------ statements (the "cuda" table's core rules)
 

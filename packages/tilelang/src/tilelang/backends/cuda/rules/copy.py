@@ -1,4 +1,5 @@
-"""CUDA lowering of T.copy: cp.async, 16-byte vectors, element-wise with masks, fragment <-> memory."""
+"""CUDA lowering of T.copy: cp.async, 16-byte vectors, element-wise with masks, fragment <-> memory
+(thread-level nodes: lower_thread.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import numpy as np
 
 from ....errors import CompileError
 from ....ir.layout import Axis, Fragment
-from ....ir.nodes import Const, Copy, Region
-from ..common import _LOW, _divisible, cuda_type, esize
+from ....ir.nodes import Const, Copy, Expr, For, If, Region
+from ....ir.thread import AsyncCommit, AsyncCopy, AsyncWait, Barrier, RegBuffer
+from ..common import _LOW, _divisible, esize
+from ..emit import Conv, CSelect, PackedStore2, Ref, TStore, VecLoad, VecStore, Zero
+from ..lower_thread import B, C, conj
 
 
 class CopyRules:
@@ -53,9 +57,10 @@ class CopyRules:
                 f = fb
 
                 def body(regvars):
-                    ra = self._reg_by_axes(fa, f, regvars)
-                    rb = self._reg_by_axes(fb, f, regvars)
-                    self.emit(f"{dst.buffer.name}[{rb}] = {self.conv(f'{src.buffer.name}[{ra}]', src.buffer.dtype, dst.buffer.dtype)};")
+                    ra = self._reg_by_axes_x(fa, f, regvars)
+                    rb = self._reg_by_axes_x(fb, f, regvars)
+                    self.add(TStore(self.reg_ref(dst.buffer, rb),
+                                    Conv(src.buffer.dtype, dst.buffer.dtype, self.reg_ref(src.buffer, ra))))
 
                 self.layout_loop(f, names, body)
                 return
@@ -66,33 +71,32 @@ class CopyRules:
             return self.copy_elementwise(s, uniform=True)
         if ss == "global" and ds == "shared" and self._async_copy_ok(s):
             self.copy_async(s)
-            self.emit("tilehal::cp_async_commit();")
-            self.emit("tilehal::cp_async_wait<0>();")
+            self.add(AsyncCommit())
+            self.add(AsyncWait(0))
             return
         v = self._vector_width(src, dst)
         if v > 1:
             return self.copy_vector(s, v)
         self.copy_elementwise(s)
 
+    def _vec_coords(self, names: list[str], v: int) -> list[Expr]:
+        """Tile coordinates of a vector's first element: the last one steps by `v`."""
+        return [self.v(n) for n in names[:-1]] + [B(self.v(names[-1]), "*", C(v))]
+
     def copy_async(self, s: Copy) -> None:
         src, dst = s.src, s.dst
         v = self._vector_width(src, dst)
-        nbytes = v * esize(src.buffer.dtype)
         ext = [str(x) for x in (src.squeezed() or [1])]
         ext_v = ext[:-1] + [str(int(ext[-1]) // v)]
         names = self._tile_names(src)
 
         def body():
-            coords = names[:-1] + [f"{names[-1]} * {v}"]
-            si = self.region_idx(src, coords if src.squeezed() else [])
-            di = self.region_idx(dst, coords if dst.squeezed() else [])
-            pred = self.in_bounds(src, si)
-            sref = f"&{src.buffer.name}[{self.flat_index(src.buffer, si)}]"
-            dref = f"&{dst.buffer.name}[{self.smem_offset(dst.buffer, di)}]"
-            if pred:
-                sref = f"(({pred}) ? (const void*)({sref}) : (const void*){src.buffer.name})"
-            fn = "cp_async_16" if nbytes == 16 else f"cp_async_{nbytes}"
-            self.emit(f"tilehal::{fn}({dref}, {sref}{', ' + pred if pred else ''});")
+            coords = self._vec_coords(names, v)
+            si = self.region_idx_x(src, coords if src.squeezed() else [])
+            di = self.region_idx_x(dst, coords if dst.squeezed() else [])
+            pred = self.in_bounds_x(src, si)
+            self.add(AsyncCopy(self.tbuf(dst.buffer), [self.smem_offset_x(dst.buffer, di)], self.tbuf(src.buffer),
+                               [self.flat_index_x(src.buffer, si)], v, pred, loc=s.loc))
 
         self.flat_loop(ext_v, names, body)
 
@@ -101,32 +105,27 @@ class CopyRules:
         ext = [str(x) for x in (src.squeezed() or [1])]
         ext_v = ext[:-1] + [str(int(ext[-1]) // v)]
         names = self._tile_names(src)
-        t = cuda_type(src.buffer.dtype)
 
         def body():
-            coords = names[:-1] + [f"{names[-1]} * {v}"]
-            si = self.region_idx(src, coords)
-            di = self.region_idx(dst, coords)
-            sp, dp = self.in_bounds(src, si), self.in_bounds(dst, di)
-            sref = f"&{self.mem_ref(src.buffer, si)}"
-            dref = f"&{self.mem_ref(dst.buffer, di)}"
-            vt = f"tilehal::Vec<{t}, {v}>"
-            tmp = self.fresh("v")
-            if sp:
-                self.emit(f"{vt} {tmp};")
-                self.open(f"if ({sp})")
-                self.emit(f"{tmp} = tilehal::load_vec<{t}, {v}>({sref});")
-                self.close()
-                self.open("else")
-                self.emit("#pragma unroll")
-                self.emit(f"for (int _k = 0; _k < {v}; ++_k) {tmp}[_k] = tilehal::from_float<{t}>(0.0f);"
-                          if t in ("__half", "__nv_bfloat16", "__nv_fp8_e4m3", "__nv_fp8_e5m2") else
-                          f"for (int _k = 0; _k < {v}; ++_k) {tmp}[_k] = 0;")
-                self.close()
+            coords = self._vec_coords(names, v)
+            si = self.region_idx_x(src, coords)
+            di = self.region_idx_x(dst, coords)
+            sp, dp = self.in_bounds_x(src, si), self.in_bounds_x(dst, di)
+            sref, dref = self.mem_ref_x(src.buffer, si), self.mem_ref_x(dst.buffer, di)
+            tmp = self.vec_temp(src.buffer.dtype, v)
+            if sp is not None:
+                self.add(RegBuffer(tmp, vec=True))
+                self.begin()
+                self.add(VecLoad(tmp, sref))
+                then = self.end()
+                k = self.v("_k")
+                self.begin()
+                self.add(For(k, C(0), C(v), "unroll", TStore(Ref(tmp, [k]), Zero(src.buffer.dtype)),
+                             annotations={"c_extent_bound": True, "c_one_line": True}))
+                self.add(If(sp, then, self.end()))
             else:
-                self.emit(f"{vt} {tmp} = tilehal::load_vec<{t}, {v}>({sref});")
-            st = f"tilehal::store_vec<{t}, {v}>({dref}, {tmp});"
-            self.emit(f"if ({dp}) {st}" if dp else st)
+                self.add(VecLoad(tmp, sref, decl=True))
+            self.add(VecStore(dref, tmp, dp))
 
         self.flat_loop(ext_v, names, body)
 
@@ -136,26 +135,23 @@ class CopyRules:
         names = self._tile_names(src)
 
         def body():
-            si = self.region_idx(src, names if src.squeezed() else [])
-            di = self.region_idx(dst, names if dst.squeezed() else [])
-            sp, dp = self.in_bounds(src, si), self.in_bounds(dst, di)
-            val = self.mem_ref(src.buffer, si)
-            if sp:
-                zero = self.conv("0", "int32", src.buffer.dtype) if src.buffer.dtype in _LOW else "0"
-                val = f"(({sp}) ? {val} : {zero})"
-            line = f"{self.mem_ref(dst.buffer, di)} = {self.conv(val, src.buffer.dtype, dst.buffer.dtype)};"
-            self.emit(f"if ({dp}) {line}" if dp else line)
+            coords = [self.v(n) for n in names]
+            si = self.region_idx_x(src, coords if src.squeezed() else [])
+            di = self.region_idx_x(dst, coords if dst.squeezed() else [])
+            sp, dp = self.in_bounds_x(src, si), self.in_bounds_x(dst, di)
+            val: Expr = self.mem_ref_x(src.buffer, si)
+            if sp is not None:
+                val = CSelect(sp, val, self._zero_of(src.buffer.dtype))
+            self.add(TStore(self.mem_ref_x(dst.buffer, di), Conv(src.buffer.dtype, dst.buffer.dtype, val), dp))
 
         if uniform:
-            self.open("")
-            for n, e in zip(names, ext):
-                self.open(f"for (int {n} = 0; {n} < {e}; ++{n})")
-            body()
-            for _ in names:
-                self.close()
-            self.close()
+            self.loop_nest(names, ext, body)
         else:
             self.flat_loop(ext, names, body)
+
+    def _zero_of(self, dtype: str) -> Expr:
+        """The `0` a masked element read gives (spelled as a conversion for 16/8-bit floats)."""
+        return Conv("int32", dtype, C(0)) if dtype in _LOW else C(0)
 
     def _frag_vector(self, f: Fragment, fr: Region, other: Region) -> tuple[int, Axis] | None:
         """The fragment's innermost register axis, when its elements are contiguous in `other` and every
@@ -187,60 +183,46 @@ class CopyRules:
                                f"fragment", s.loc)
         names = [self.fresh("i") for _ in f.shape]
         nonunit = [nm for nm, n in zip(names, f.shape) if n != 1]
-        lead = self.lead_cond(f) if fr is src and other.buffer.scope in ("global", "shared") else None
+        lead = self.lead_cond_x(f) if fr is src and other.buffer.scope in ("global", "shared") else None
         vec = self._frag_vector(f, fr, other)
 
         def body(regvars):
-            reg = self._reg_by_axes(f, f, regvars)
-            oi = self.region_idx(other, nonunit if other.squeezed() else [])
-            pred = self.in_bounds(other, oi)
-            oref = self.mem_ref(other.buffer, oi)
-            fref = f"{fr.buffer.name}[{reg}]"
+            reg = self._reg_by_axes_x(f, f, regvars)
+            oi = self.region_idx_x(other, [self.v(n) for n in nonunit] if other.squeezed() else [])
+            pred = self.in_bounds_x(other, oi)
+            oref = self.mem_ref_x(other.buffer, oi)
+            fref = self.reg_ref(fr.buffer, reg)
+            fd, od = fr.buffer.dtype, other.buffer.dtype
+            conds = conj([c for c in (pred, lead) if c is not None])
             if vec is not None:
                 v = vec[1].extent
-                t = cuda_type(other.buffer.dtype)
-                vt = f"tilehal::Vec<{t}, {v}>"
-                tmp = self.fresh("v")
-                fd, od = fr.buffer.dtype, other.buffer.dtype
+                tmp = self.vec_temp(od, v)  # named before the packed form too (names stay as they were)
                 if fr is src and v == 2 and fd == "float32" and od in ("float16", "bfloat16"):
                     # two fp32 registers -> one packed cvt and one 32-bit store (through tilehal::Vec the
                     # pair became two conversions and a 16-bit pair store, and ptxas serialized every
                     # wgmma of a kernel whose accumulators were staged that way through shared memory)
-                    conds = [c for c in (pred, lead) if c]
-                    line = (f"*reinterpret_cast<unsigned*>(&{oref}) = tilehal::from_float2<{t}>({fref}, "
-                            f"{fr.buffer.name}[{reg} + 1]);")
-                    self.emit(f"if ({' && '.join(conds)}) {line}" if conds else line)
+                    self.add(PackedStore2(oref, fref, self.reg_ref(fr.buffer, B(reg, "+", C(1))), conds))
                     return
+                u = self.v("_u")
+                self.add(RegBuffer(tmp, vec=True))
                 if fr is src:
-                    self.emit(f"{vt} {tmp};")
-                    self.emit("#pragma unroll")
-                    self.emit(f"for (int _u = 0; _u < {v}; ++_u) {tmp}[_u] = "
-                              f"{self.conv(f'{fr.buffer.name}[{reg} + _u]', fd, od)};")
-                    conds = [c for c in (pred, lead) if c]
-                    line = f"tilehal::store_vec<{t}, {v}>(&{oref}, {tmp});"
-                    self.emit(f"if ({' && '.join(conds)}) {line}" if conds else line)
+                    self.add(For(u, C(0), C(v), "unroll",
+                                 TStore(Ref(tmp, [u]), Conv(fd, od, self.reg_ref(fr.buffer, B(reg, "+", u)))),
+                                 annotations={"c_extent_bound": True, "c_one_line": True}))
+                    self.add(VecStore(oref, tmp, conds))
                 else:
-                    self.emit(f"{vt} {tmp};")
-                    load = f"{tmp} = tilehal::load_vec<{t}, {v}>(&{oref});"
-                    if pred:
-                        self.emit(f"if ({pred}) {load} else for (int _u = 0; _u < {v}; ++_u) {tmp}[_u] = "
-                                  f"{self.zero(od)};")
-                    else:
-                        self.emit(load)
-                    self.emit("#pragma unroll")
-                    self.emit(f"for (int _u = 0; _u < {v}; ++_u) {fr.buffer.name}[{reg} + _u] = "
-                              f"{self.conv(f'{tmp}[_u]', od, fd)};")
+                    self.add(VecLoad(tmp, oref, pred))
+                    self.add(For(u, C(0), C(v), "unroll",
+                                 TStore(self.reg_ref(fr.buffer, B(reg, "+", u)), Conv(od, fd, Ref(tmp, [u]))),
+                                 annotations={"c_extent_bound": True, "c_one_line": True}))
                 return
             if fr is src:
-                conds = [c for c in (pred, lead) if c]
-                line = f"{oref} = {self.conv(fref, fr.buffer.dtype, other.buffer.dtype)};"
-                self.emit(f"if ({' && '.join(conds)}) {line}" if conds else line)
+                self.add(TStore(oref, Conv(fd, od, fref), conds))
             else:
-                val = self.conv(oref, other.buffer.dtype, fr.buffer.dtype)
-                if pred:
-                    zero = self.conv("0", "int32", fr.buffer.dtype) if fr.buffer.dtype in _LOW else "0"
-                    val = f"(({pred}) ? {val} : {zero})"
-                self.emit(f"{fref} = {val};")
+                val: Expr = Conv(od, fd, oref)
+                if pred is not None:
+                    val = CSelect(pred, val, self._zero_of(fd))
+                self.add(TStore(fref, val))
 
         self.layout_loop(f, names, body, vec=vec)
 
@@ -250,8 +232,8 @@ class CopyRules:
             raise CompileError("T.copy between parts of fragments with different layouts is not supported", s.loc)
         n = int(np.prod(a.static_shape()))
         base = self.scratch(n * 8)
-        self.emit("__syncthreads();")
+        self.add(Barrier())
         self.stage_fragment(a, True, base)
-        self.emit("__syncthreads();")
+        self.add(Barrier())
         self.stage_fragment(b, False, base)
-        self.emit("__syncthreads();")
+        self.add(Barrier())
