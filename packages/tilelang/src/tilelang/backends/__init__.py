@@ -79,12 +79,21 @@ def _build_cuda_emu(func: PrimFunc, options: dict) -> Any:
     return build_emulated(func, options)
 
 
+def _build_cuda_threads(func: PrimFunc, options: dict) -> Any:
+    from .cuda.lower_thread import ThreadLoweredKernel
+
+    return ThreadLoweredKernel(func, options)
+
+
 BACKENDS: dict[str, Backend] = {
     "interp": Backend("interp", "cpu", _interp_passes, _build_interp),
     "cpu": Backend("cpu", "cpu", _cpu_passes, _build_cpu),
     "cuda": Backend("cuda", "cuda", _cuda_passes, _build_cuda, _compile_cuda),
     # testing: the cuda backend's code run on the CPU with a thread per CUDA thread (backends/cuda/emulate.py)
     "cuda_emu": Backend("cuda_emu", "cpu", _cuda_passes, _build_cuda_emu),
+    # testing: the cuda backend's thread-level program run by the thread interpreter (numpy lanes;
+    # backends/cuda/lower_thread.py), the CPU check of every lowering against the tile interpreter
+    "cuda_threads": Backend("cuda_threads", "cpu", _cuda_passes, _build_cuda_threads),
 }
 TARGET_ALIASES = {"c": "cpu", "llvm": "cpu", "host": "cpu", "numpy": "interp"}
 

@@ -36,6 +36,7 @@ from ...ir.thread import (
     Intrinsic,
     RegBuffer,
     Scope,
+    Shuffle,
     StridedFor,
     ThreadFor,
     ThreadIdx,
@@ -58,12 +59,13 @@ class Bare(Expr):
     a: Expr
     b: Expr
     dtype: str = dt.INDEX
+    tight: bool = False  # `a+b`: no spaces around the operator
 
     def children(self) -> list[Expr]:
         return [self.a, self.b]
 
     def rebuild(self, children: list[Expr]) -> Expr:
-        return Bare(self.op, children[0], children[1], self.dtype)
+        return Bare(self.op, children[0], children[1], self.dtype, self.tight)
 
 
 @dataclass(eq=False)
@@ -172,6 +174,7 @@ class TStore(Stmt):
     ref: Ref
     value: Expr
     cond: Expr | None = None
+    op: str | None = None  # `ref op= value;` (the element combined with value)
 
     def exprs(self) -> list[Expr]:
         return [*self.ref.indices, self.value] + ([self.cond] if self.cond is not None else [])
@@ -181,7 +184,7 @@ class TStore(Stmt):
 
     def rebuild(self, tr: Any) -> Stmt:
         return TStore(Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices], self.ref.scalar), tr.expr(self.value),
-                      tr.expr(self.cond) if self.cond is not None else None, loc=self.loc)
+                      tr.expr(self.cond) if self.cond is not None else None, self.op, loc=self.loc)
 
 
 @dataclass(eq=False)
@@ -306,6 +309,75 @@ class PackedStore2(Stmt):
                             tr.expr(self.b), tr.expr(self.cond) if self.cond is not None else None, loc=self.loc)
 
 
+@dataclass(eq=False)
+class Comment(Stmt):
+    """`// text` (what a lowered tile op was; no effect)."""
+
+    text: str
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return self
+
+
+@dataclass(eq=False)
+class IntLit(Expr):
+    """An integer printed as its digits whatever its type (an accumulator's start value)."""
+
+    value: int
+    dtype: str = dt.INDEX
+
+
+@dataclass(eq=False)
+class CastC(Expr):
+    """`((T)e)`: `e` converted to `to`'s C arithmetic type."""
+
+    to: str
+    value: Expr
+
+    @property
+    def dtype(self) -> str:
+        return dt.compute_type(self.to)
+
+    def children(self) -> list[Expr]:
+        return [self.value]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return CastC(self.to, children[0])
+
+
+@dataclass(eq=False)
+class MinMax(Expr):
+    """`tl_max<T>(a, b)` / `tl_min<T>(a, b)` (`op` max or min) in the arithmetic type of `dtype`."""
+
+    op: str
+    a: Expr
+    b: Expr
+    dtype: str
+
+    def children(self) -> list[Expr]:
+        return [self.a, self.b]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return MinMax(self.op, children[0], children[1], self.dtype)
+
+
+@dataclass(eq=False)
+class Abs(Expr):
+    """`fabsf(e)` (floats) / `abs(e)` (integers)."""
+
+    value: Expr
+
+    @property
+    def dtype(self) -> str:
+        return self.value.dtype
+
+    def children(self) -> list[Expr]:
+        return [self.value]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return Abs(children[0])
+
+
 # ---------------------------------------------------------------- the printer
 
 
@@ -356,7 +428,7 @@ def _let(em: Emitter, s: Let, ind: int) -> None:
 
 
 def _tstore(em: Emitter, s: TStore, ind: int) -> None:
-    line = f"{em.cx.expr(s.ref)} = {em.cx.expr(s.value)};"
+    line = f"{em.cx.expr(s.ref)} {s.op or ''}= {em.cx.expr(s.value)};"
     em.line(ind, f"if ({em.cx.expr(s.cond)}) {line}" if s.cond is not None else line)
 
 
@@ -482,12 +554,14 @@ register_rules("cuda.emit", {
     PackedStore2: _packed_store2, AsyncCopy: _async_copy,
     AsyncCommit: lambda em, s, ind: em.line(ind, "tilehal::cp_async_commit();"),
     AsyncWait: lambda em, s, ind: em.line(ind, f"tilehal::cp_async_wait<{s.n}>();"),
+    Comment: lambda em, s, ind: em.line(ind, f"// {s.text}"),
 })
 
 # expressions: the codegen's methods that print them (lower_thread.ThreadBuilder)
 register_rules("cexpr", {Bare: "bare", Paren: "paren", VerbatimExpr: "verbatim_expr", Ref: "ref_", Zero: "zero_",
                          ToFloat: "to_float_", Stored: "stored_", Conv: "conv_", ThreadIdx: "thread_idx",
-                         CSelect: "cselect"})
+                         CSelect: "cselect", IntLit: "int_lit", CastC: "cast_c", MinMax: "min_max", Abs: "abs_",
+                         Shuffle: "shuffle_"})
 
 
 # ---------------------------------------------------------------- the thread interpreter's rules for these nodes
@@ -535,7 +609,11 @@ def _tstore_interp(it: Any, s: TStore) -> None:
         c = np.asarray(it.expr(s.cond), dtype=bool)
         it.mask = c if saved is None else (np.asarray(saved) & c)
     try:
-        it.store(s.ref.buffer, [it.expr(i) for i in s.ref.indices], it.expr(s.value), s.loc)
+        idx = [it.expr(i) for i in s.ref.indices]
+        val = it.expr(s.value)
+        if s.op is not None:
+            val = _c_binop(s.op, it.load(s.ref.buffer, idx), val)
+        it.store(s.ref.buffer, idx, val, s.loc)
     finally:
         it.mask = saved
 
@@ -588,6 +666,11 @@ def _packed_store2_interp(it: Any, s: PackedStore2) -> None:
 
 
 register_rules("thread.interp", {
+    Comment: lambda it, s: None,
+    IntLit: lambda it, e: np_dtype(dt.compute_type(e.dtype)).type(e.value),
+    CastC: lambda it, e: _storage(it.expr(e.value), dt.compute_type(e.to)),
+    MinMax: lambda it, e: (np.maximum if e.op == "max" else np.minimum)(it.expr(e.a), it.expr(e.b)),
+    Abs: lambda it, e: np.abs(it.expr(e.value)),
     CSelect: lambda it, e: np.where(it.expr(e.cond), it.expr(e.a), it.expr(e.b)),
     VecLoad: _vec_load_interp, VecStore: _vec_store_interp, PackedStore2: _packed_store2_interp,
     Bare: lambda it, e: _c_binop(e.op, it.expr(e.a), it.expr(e.b)),
@@ -600,5 +683,5 @@ register_rules("thread.interp", {
     TStore: _tstore_interp,
 })
 
-__all__ = ["Bare", "CSelect", "Conv", "PackedStore2", "VecLoad", "VecStore", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
+__all__ = ["Abs", "Bare", "CSelect", "CastC", "Comment", "IntLit", "MinMax", "Conv", "PackedStore2", "VecLoad", "VecStore", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
            "VerbatimExpr", "Zero", "emit_body"]

@@ -22,13 +22,43 @@ import numpy as np
 from ...errors import CompileError
 from ...ir import dtypes as dt
 from ...ir.layout import Axis, Fragment
-from ...ir.nodes import Alloc, Buffer, Const, Expr, For, If, Let, Load, Select, Seq, Stmt, Store, Var
-from ...ir.thread import Barrier, BreakIf, Intrinsic, RegBuffer, Scope, StridedFor, ThreadFor, ThreadIdx
+from ...ir.nodes import (
+    Alloc,
+    Buffer,
+    Const,
+    Expr,
+    For,
+    If,
+    Kernel,
+    Let,
+    Load,
+    PrimFunc,
+    Select,
+    Seq,
+    Stmt,
+    Store,
+    Var,
+)
+from ...ir.thread import (
+    Barrier,
+    BreakIf,
+    Intrinsic,
+    RegBuffer,
+    Scope,
+    Shuffle,
+    StridedFor,
+    ThreadFor,
+    ThreadIdx,
+)
 from .common import _LOW, ParCtx, cuda_type, value_type
 from .emit import (
+    Abs,
     Bare,
+    CastC,
     Conv,
     CSelect,
+    IntLit,
+    MinMax,
     Paren,
     Ref,
     Stored,
@@ -96,6 +126,15 @@ class ThreadBuilder:
             raise RuntimeError("cuda lowering: end() closes an open() block")
         return Seq(self._blocks.pop())
 
+    def thread_kernel(self) -> Kernel:
+        """The kernel as a thread-level program (after `generate()`): its shared scratch views, the lets
+        of the enclosing function, then the body the CUDA text was printed from. (A T.use_swizzle block
+        remap is left out: the blocks run in grid order, each computing the same tile.)"""
+        k = self.kernel
+        head: list[Stmt] = [Alloc(b) for b in self._scratch_views.values()]
+        head += [Let(let.var, self.lower_expr(let.value)) for let in self.lets]
+        return Kernel(list(k.grid), list(k.block_vars), tuple(k.threads), Seq(head + [self.body_root()]), loc=k.loc)
+
     def body_root(self) -> Seq:
         """The kernel body built so far (the outermost block)."""
         if len(self._blocks) != 1:
@@ -121,7 +160,8 @@ class ThreadBuilder:
     # ------------------------------------------------------------ the C-spelling expressions ("cexpr" rules)
 
     def bare(self, e: Bare) -> str:
-        return f"{self.expr(e.a)} {e.op} {self.expr(e.b)}"
+        sep = "" if e.tight else " "
+        return f"{self.expr(e.a)}{sep}{e.op}{sep}{self.expr(e.b)}"
 
     def paren(self, e: Paren) -> str:
         return f"({self.expr(e.value)})"
@@ -150,6 +190,23 @@ class ThreadBuilder:
 
     def thread_idx(self, e: ThreadIdx) -> str:
         return "_tx"
+
+    def int_lit(self, e: IntLit) -> str:
+        return str(int(e.value))
+
+    def cast_c(self, e: CastC) -> str:
+        return f"(({value_type(e.to)}){self.expr(e.value)})"
+
+    def min_max(self, e: MinMax) -> str:
+        return f"tl_{e.op}<{value_type(e.dtype)}>({self.expr(e.a)}, {self.expr(e.b)})"
+
+    def abs_(self, e: Abs) -> str:
+        return f"{'abs' if dt.is_int(e.dtype) else 'fabsf'}({self.expr(e.value)})"
+
+    def shuffle_(self, e: Shuffle) -> str:
+        fn = {"xor": "__shfl_xor_sync", "down": "__shfl_down_sync", "up": "__shfl_up_sync", "idx": "__shfl_sync"}[e.kind]
+        width = f", {e.width}" if e.width != 32 else ""
+        return f"{fn}(0xffffffffu, {self.expr(e.value)}, {self.expr(e.lane)}{width})"
 
     def cselect(self, e: CSelect) -> str:
         return f"(({self.expr(e.cond)}) ? {self.expr(e.a)} : {self.expr(e.b)})"
@@ -395,6 +452,10 @@ class ThreadBuilder:
         """Register `reg` of fragment / local `buf`."""
         return Ref(self.tbuf(buf), [reg])
 
+    def reg_ref_b(self, tb: Buffer, reg: Expr) -> Ref:
+        """Register `reg` of thread-level register buffer `tb`."""
+        return Ref(tb, [reg])
+
     def vec_temp(self, dtype: str, n: int) -> Buffer:
         """A fresh vector temporary of `n` registers (`tilehal::Vec<T, n> _vK`)."""
         return Buffer(self.fresh("v"), (C(n),), dtype, "local")
@@ -520,7 +581,8 @@ class ThreadBuilder:
         if w:
             self.sync()
         body = self.end()
-        self.add(For(s.var, self.lower_expr(s.start), self.lower_expr(s.extent), s.kind, body, loc=s.loc))
+        kind = "unroll" if s.kind == "unroll" else "serial"  # T.Pipelined without a pipeline plan: a serial loop
+        self.add(For(s.var, self.lower_expr(s.start), self.lower_expr(s.extent), kind, body, loc=s.loc))
         if w:
             self.pending_r.clear()
             self.pending_w.clear()
@@ -710,4 +772,63 @@ class ThreadBuilder:
             self.add(RegBuffer(self.tbuf(b), None, init, unroll_init=False, loc=s.loc))
 
 
-__all__ = ["ThreadBuilder"]
+def lower_to_threads(func: PrimFunc, wgmma: bool = False, use_tma: bool = False,
+                     one_barrier: bool = False) -> PrimFunc:
+    """The thread-level program of lowered `func` (after the CUDA IR passes): the program the CUDA
+    source is printed from, its tensors flat (params in order, each a 1-D view). Defaults: the
+    mma.sync / cp.async path (the thread interpreter has no wgmma / TMA rules yet)."""
+    from .codegen import KernelCodegen
+
+    body = func.body.body if isinstance(func.body, Seq) else [func.body]
+    lets: list[Let] = []
+    kernels: list[Stmt] = []
+    shared: dict[Buffer, Buffer] = {}
+    for s in body:
+        if isinstance(s, Let):
+            lets.append(s)
+        elif isinstance(s, Kernel):
+            cg = KernelCodegen(func, s, f"tl_kernel_k{len(kernels)}", list(lets), wgmma=wgmma, tma=use_tma,
+                               one_barrier=one_barrier)
+            cg._tbufs = shared  # one flat buffer per tensor across the kernels
+            for p in func.params:
+                cg.tbuf(p)
+            cg.generate()
+            kernels.append(cg.thread_kernel())
+        elif isinstance(s, Seq) and not s.body:
+            continue
+        else:
+            raise CompileError(f"cuda: statements outside T.Kernel ({type(s).__name__}) are not supported", s.loc)
+    params = [shared[p] for p in func.params]
+    return PrimFunc(func.name, params, Seq(kernels), list(func.dynamic_vars), loc=func.loc)
+
+
+class ThreadLoweredKernel:
+    """Target "cuda_threads" (testing): the CUDA backend's thread-level program run by the thread
+    interpreter (backends/thread_interp.py: the block's threads as numpy lanes); `source()` is the CUDA
+    printed from that same program."""
+
+    device = "cpu"
+    compile_seconds = 0.0
+    cache_hit = False
+
+    def __init__(self, func: PrimFunc, options: dict) -> None:
+        from .codegen import generate_cuda
+
+        self.func = func
+        self.thread_program = lower_to_threads(func)
+        self.cuda_source = generate_cuda(func, f"tl_{func.name}", wgmma=False, use_tma=False)[0]
+
+    def source(self) -> str:
+        return self.cuda_source
+
+    def __call__(self, arrays: list[np.ndarray], dyn: dict[Var, int]) -> None:
+        from ..thread_interp import ThreadInterpreter
+
+        flat = [np.ascontiguousarray(a).reshape(-1) for a in arrays]
+        ThreadInterpreter(self.thread_program).run(dict(zip(self.thread_program.params, flat)), dict(dyn))
+        for a, f in zip(arrays, flat):
+            if not np.shares_memory(a, f):
+                a[...] = f.reshape(a.shape)
+
+
+__all__ = ["ThreadBuilder", "ThreadLoweredKernel", "lower_to_threads"]

@@ -1,4 +1,5 @@
-"""CUDA lowering of T.reduce_*: registers, then warp shuffles, then shared memory across warps."""
+"""CUDA lowering of T.reduce_*: registers, then warp shuffles, then shared memory across warps (thread-level
+nodes: lower_thread.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import numpy as np
 
 from ....errors import CompileError
 from ....ir import dtypes as dt
-from ....ir.nodes import REDUCE_OPS, Reduce
-from ..common import _LOW, float_literal, value_type
+from ....ir.nodes import REDUCE_OPS, Buffer, Const, Expr, For, Reduce
+from ....ir.thread import Barrier, RegBuffer, Scope, Shuffle
+from ..common import _LOW, float_literal
+from ..emit import Abs, CastC, Comment, Conv, IntLit, MinMax, Ref, ToFloat, TStore
+from ..lower_thread import TX, B, C, P, total
 
 
 class ReduceRules:
@@ -20,7 +24,6 @@ class ReduceRules:
                                f"({src.scope}) -> {dst.name} ({dst.scope})", s.loc)
         fs, fd = self.inf.layouts[src], self.inf.layouts[dst]
         acc_t = dt.compute_type(dst.dtype)
-        ct = value_type(dst.dtype)
         op, init = REDUCE_OPS[s.kind]
         if dt.is_int(acc_t) and math.isinf(init):
             info = np.iinfo(np.dtype(acc_t))
@@ -30,8 +33,10 @@ class ReduceRules:
         else:
             init_c = float_literal(init, acc_t)
 
-        def comb(a: str, b: str) -> str:
-            return f"({a} + {b})" if op == "+" else f"tl_{op}<{ct}>({a}, {b})"
+        init_x = IntLit(int(init_c), acc_t) if dt.is_int(acc_t) else Const(init, acc_t)
+
+        def comb(a: Expr, b: Expr) -> Expr:
+            return P(B(a, "+", b, acc_t)) if op == "+" else MinMax(op, a, b, acc_t)
 
         red_axes = list(fs.dims[s.dim])
         kept = [d for d in range(src.ndim) if d != s.dim]
@@ -49,78 +54,82 @@ class ReduceRules:
                 warp_ax.append((a.tstride, inner))
                 cross_ax.append((32, a.extent // inner))
         nd = fd.nregs
-        self.emit(f"// T.reduce_{s.kind}({src.name} -> {dst.name}, dim={s.dim})")
-        self.open("")
-        accs = self.fresh("acc")
-        self.emit(f"{ct} {accs}[{nd}];")
+        unroll = {"c_extent_bound": True}
+        one_line = {"c_extent_bound": True, "c_one_line": True}
+        self.add(Comment(f"T.reduce_{s.kind}({src.name} -> {dst.name}, dim={s.dim})", loc=s.loc))
+        self.begin()  # the scope
+        accs = Buffer(self.fresh("acc"), (C(nd),), acc_t, "local")
+        self.add(RegBuffer(accs))
         # registers of the kept dims (outer loops), then the reduced registers (inner loops)
         kept_regs = [(d, a) for d, a in fs.reg_order if d != s.dim]
         red_regs = [(d, a) for d, a in fs.reg_order if d == s.dim]
         names = {}
         for d, a in kept_regs:
-            nm = self.fresh("r")
-            names[(d, a)] = nm
-            self.emit("#pragma unroll")
-            self.open(f"for (int {nm} = 0; {nm} < {a.extent}; ++{nm})")
-        dreg = " + ".join(f"{names[(d, a)]} * {fd.reg_stride(dst_dim[d], a)}" for d, a in kept_regs) or "0"
-        acc = self.fresh("a")
-        self.emit(f"{ct} {acc} = {init_c};")
+            names[(d, a)] = self.fresh("r")
+            self.begin()
+        dreg = total([B(self.v(names[(d, a)]), "*", C(fd.reg_stride(dst_dim[d], a))) for d, a in kept_regs]) or C(0)
+        acc_b = Buffer(self.fresh("a"), (C(1),), acc_t, "local")
+        acc = Ref(acc_b, [C(0)], True)
+        self.add(RegBuffer(acc_b, None, init_x, scalar=True))
         for d, a in red_regs:
-            nm = self.fresh("r")
-            names[(d, a)] = nm
-            self.emit("#pragma unroll")
-            self.open(f"for (int {nm} = 0; {nm} < {a.extent}; ++{nm})")
-        sreg = " + ".join(f"{names[(d, a)]} * {fs.reg_stride(d, a)}" for d, a in fs.reg_order) or "0"
-        val = f"{src.name}[{sreg}]"
-        val = f"tilehal::to_float({val})" if src.dtype in _LOW else f"(({ct}){val})"
+            names[(d, a)] = self.fresh("r")
+            self.begin()
+        sreg = total([B(self.v(names[(d, a)]), "*", C(fs.reg_stride(d, a))) for d, a in fs.reg_order]) or C(0)
+        val: Expr = self.reg_ref(src, sreg)
+        val = ToFloat(val) if src.dtype in _LOW else CastC(acc_t, val)
         if s.kind in ("abssum", "absmax"):
-            val = f"fabsf({val})" if not dt.is_int(acc_t) else f"abs({val})"
+            val = Abs(val)
         # padding of the reduced dim holds no data
+        cond = None
         if fs.covered(s.dim) > fs.shape[s.dim]:
             terms = []
             for a in red_axes:
-                v = self.thread_val(a) if a.kind == "t" else names[(s.dim, a)]
-                terms.append(f"{v} * {a.coeff}")
-            self.emit(f"if (({' + '.join(terms)}) < {fs.shape[s.dim]}) {acc} = {comb(acc, val)};")
-        else:
-            self.emit(f"{acc} = {comb(acc, val)};")
-        for _ in red_regs:
-            self.close()
+                v = self.thread_val_x(a) if a.kind == "t" else self.v(names[(s.dim, a)])
+                terms.append(B(v, "*", C(a.coeff)))
+            cond = B(P(total(terms)), "<", C(fs.shape[s.dim]), "bool")
+        self.add(TStore(acc, comb(acc, val), cond))
+        for d, a in reversed(red_regs):
+            self.add(For(self.v(names[(d, a)]), C(0), C(a.extent), "unroll", self.end(), annotations=unroll))
         for ts, e in warp_ax:
             off = ts
             while off < ts * e:
-                self.emit(f"{acc} = {comb(acc, f'__shfl_xor_sync(0xffffffffu, {acc}, {off})')};")
+                self.add(TStore(acc, comb(acc, Shuffle("xor", acc, C(off)))))
                 off *= 2
-        self.emit(f"{accs}[{dreg}] = {acc};")
-        for _ in kept_regs:
-            self.close()
+        self.add(TStore(self.reg_ref_b(accs, dreg), acc))
+        for d, a in reversed(kept_regs):
+            self.add(For(self.v(names[(d, a)]), C(0), C(a.extent), "unroll", self.end(), annotations=unroll))
+        i = self.v("_i")
         if cross_ax:
-            base = self.scratch(nd * self.threads * 8)
-            sp = f"(({ct}*){base})"
-            self.emit("__syncthreads();")
-            self.emit(f"for (int _i = 0; _i < {nd}; ++_i) {sp}[_i * {self.threads} + _tx] = {accs}[_i];")
-            self.emit("__syncthreads();")
-            self.open(f"for (int _i = 0; _i < {nd}; ++_i)")
-            self.emit(f"{ct} _a = {init_c};")
-            base_t = "_tx"
+            sb = self.scratch_buf(acc_t, self.scratch(nd * self.threads * 8))
+            self.add(Barrier())
+            self.add(For(i, C(0), C(nd), "serial", TStore(Ref(sb, [B(B(i, "*", C(self.threads)), "+", TX)]),
+                                                          Ref(accs, [i])), annotations=one_line))
+            self.add(Barrier())
+            self.begin()
+            a_b = Buffer("_a", (C(1),), acc_t, "local")
+            a_ref = Ref(a_b, [C(0)], True)
+            self.add(RegBuffer(a_b, None, init_x, scalar=True))
+            base_t: Expr = TX
             for ts, e in cross_ax:
-                base_t = f"({base_t} - ((_tx / {ts}) % {e}) * {ts})"
-            loops = []
-            for k, (ts, e) in enumerate(cross_ax):
-                w = f"_w{k}"
-                loops.append(f"{w} * {ts}")
-                self.open(f"for (int {w} = 0; {w} < {e}; ++{w})")
-            self.emit(f"_a = {comb('_a', f'{sp}[_i * {self.threads} + {base_t} + {chr(43).join(loops)}]')};")
+                base_t = P(B(base_t, "-", B(P(B(P(B(TX, "/", C(ts))), "%", C(e))), "*", C(ts))))
+            ws = [self.v(f"_w{k}") for k in range(len(cross_ax))]
             for _ in cross_ax:
-                self.close()
-            self.emit(f"{accs}[_i] = _a;")
-            self.close()
-            self.emit("__syncthreads();")
-        self.emit("#pragma unroll")
+                self.begin()
+            lanes = None
+            for w, (ts, _e) in zip(ws, cross_ax):
+                t = B(w, "*", C(ts))
+                lanes = t if lanes is None else B(lanes, "+", t, tight=True)
+            self.add(TStore(a_ref, comb(a_ref, Ref(sb, [B(B(B(i, "*", C(self.threads)), "+", base_t), "+", lanes)]))))
+            for w, (_ts, e) in reversed(list(zip(ws, cross_ax))):
+                self.add(For(w, C(0), C(e), "serial", self.end(), annotations={"c_extent_bound": True}))
+            self.add(TStore(Ref(accs, [i]), a_ref))
+            self.add(For(i, C(0), C(nd), "serial", self.end(), annotations={"c_extent_bound": True}))
+            self.add(Barrier())
         if s.clear:
-            self.emit(f"for (int _i = 0; _i < {nd}; ++_i) {dst.name}[_i] = {self.conv(f'{accs}[_i]', acc_t, dst.dtype)};")
+            value: Expr = Conv(acc_t, dst.dtype, Ref(accs, [i]))
         else:
-            old = f"tilehal::to_float({dst.name}[_i])" if dst.dtype in _LOW else f"{dst.name}[_i]"
-            self.emit(f"for (int _i = 0; _i < {nd}; ++_i) {dst.name}[_i] = "
-                      f"{self.conv(comb(old, f'{accs}[_i]'), acc_t, dst.dtype)};")
-        self.close()
+            old: Expr = self.reg_ref(dst, i)
+            old = ToFloat(old) if dst.dtype in _LOW else old
+            value = Conv(acc_t, dst.dtype, comb(old, Ref(accs, [i])))
+        self.add(For(i, C(0), C(nd), "unroll", TStore(self.reg_ref(dst, i), value), annotations=one_line))
+        self.add(Scope(self.end()))
