@@ -70,6 +70,7 @@ def _args(argv):
     p.add_argument("--only", help="comma-separated sections: host,prefill,decode,moe,profile,compile,gemms,kernels "
                    "(default: all but gemms,kernels)")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--variants", default="bf16,fp8", help=f"optimized variants of the Llama rows: {','.join(VARIANTS)}")
     p.add_argument("--precompile", action="store_true", help="NVRTC-compile the Llama rows' kernels in parallel first")
     return p.parse_args(argv)
 
@@ -100,6 +101,10 @@ class Env:
         self.budget = args.budget_s
         self.s = _shapes(args.quick)
         self.out_dir = str(Path(args.json).parent) if args.json else "."
+        self.variants = [v for v in args.variants.split(",") if v]
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad:
+            raise SystemExit(f"--variants: unknown {bad}, expected some of {sorted(VARIANTS)}")
 
     def bench(self, fn, hide_host=False) -> tilehal.BenchResult:
         return tilehal.bench(fn, warmup=2 if self.quick else 3, iters=self.iters,
@@ -134,13 +139,24 @@ def _llama(env: Env) -> torch.nn.Module:
     return model.eval()
 
 
+VARIANTS = {"bf16": dict(fp8=False), "fp8": dict(fp8=True), "bf16_mlp": dict(fp8=False, fuse_mlp=True),
+            "fp8_mlp": dict(fp8=True, fuse_mlp=True)}
+
+
 def _variants(env: Env, base: torch.nn.Module):
-    """(name, model) for plain, bf16 swaps, fp8 swaps (each a deep copy of base, so weights are equal)."""
+    """(name, model) for plain and each of env.variants (register_optimizations keywords in VARIANTS; each a
+    deep copy of base, so weights are equal)."""
     yield "plain", base
-    for name, fp8 in (("tilestack_bf16", False), ("tilestack_fp8", True)):
+    for v in env.variants:
         m = copy.deepcopy(base)
-        rep = register_optimizations(m, backend=env.backend, fp8=fp8)
-        yield name + f" ({len(rep.swapped)} swapped)", m
+        kw = dict(VARIANTS[v])
+        if kw.get("fuse_mlp") and not env.cuda:
+            kw.pop("fuse_mlp")
+        rep = register_optimizations(m, backend=env.backend, **kw)
+        kinds = {}
+        for d in rep.swapped:
+            kinds[d.kind] = kinds.get(d.kind, 0) + 1
+        yield f"tilestack_{v} (" + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")", m
         del m
         _free()
 
@@ -625,6 +641,15 @@ def main(argv=None) -> int:
         print(f"# {name}: {time.perf_counter() - t0:.1f} s", flush=True)
         _free()
         _write(args, env)  # after every section: a run cut short keeps what it measured
+    from tilestack.layers import bf16_choice_table
+
+    table = bf16_choice_table()
+    if table:
+        row("bf16_choices", f"{len(table)} shapes", None, note="GemmLinear's measured bf16 GEMM choice per shape "
+            "(deepgemm vs cuBLAS, host time included)", table=table)
+        for t in table:
+            print(f"    bf16 {t['m']:6d} x {t['n']:6d} x {t['k']:6d}{' +bias' if t['bias'] else ''}: deepgemm "
+                  f"{t['deepgemm_us']:9.1f} us  cuBLAS {t['cublas_us']:9.1f} us  -> {t['choice']}", flush=True)
     _write(args, env)
     if args.json:
         print(f"wrote {args.json}")

@@ -1,7 +1,10 @@
 """Drop-in torch layers that run on deepgemm.
 
 `GemmLinear` replaces `nn.Linear` (same `weight [out, in]` / `bias [out]` parameters and
-state_dict keys): bf16 operands through `deepgemm.bf16_gemm_nt`, or with `fp8=True` e4m3
+state_dict keys): bf16 operands through `deepgemm.bf16_gemm_nt` or cuBLAS, per shape whichever measured
+faster on this GPU (`bf16_gemm_choice`: each new (M, N, K) is timed once, host time included; under
+torch.compile the choice is made while tracing, and a cuBLAS shape is traced as a plain linear that
+inductor treats as in the unmodified model; TILESTACK_BF16_GEMM=deepgemm|cublas forces one), or with `fp8=True` e4m3
 operands through `deepgemm.fp8_gemm_nt` (activations cast per token and 128 channels, the
 weight per 128x128 block, cached until the weight changes), or with `fp4=True` FP4 (e2m1) weights
 with 1 x 32 power-of-two block scales (`deepgemm.cast_weights_to_fp4`, cached the same way) and bf16
@@ -14,6 +17,7 @@ in fp32; the result comes back in the input's dtype. Inference only (no autograd
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import deepgemm
@@ -23,6 +27,84 @@ from tilehal import ArgumentError, ShapeError
 from . import _args, ops
 
 log = logging.getLogger("tilestack.layers")
+
+
+# ----------------------------------------------------------------------------- bf16: deepgemm or cuBLAS
+
+# (m, n, k, bias, device index) -> "deepgemm" | "cublas": which bf16 GEMM measured faster for that shape here.
+BF16_CHOICES: dict[tuple, str] = {}
+_BF16_TIMES: dict[tuple, tuple[float, float]] = {}
+
+
+def bf16_policy() -> str:
+    """TILESTACK_BF16_GEMM: "auto" (default: per shape, whichever measured faster), "deepgemm" or "cublas"."""
+    v = os.environ.get("TILESTACK_BF16_GEMM", "auto")
+    return v if v in ("auto", "deepgemm", "cublas") else "auto"
+
+
+def _measure_bf16(m: int, n: int, k: int, bias: bool, device: int) -> str:
+    """Time deepgemm.bf16_gemm_nt and cuBLAS (torch.nn.functional.linear) on random [m, k] x [n, k] bf16 operands,
+    host time included (an eager call pays both), median of 10 calls each; record and return the faster."""
+    import tilehal
+
+    key = (m, n, k, bias, device)
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - older torch
+        import contextlib
+
+        unset_fake_temporarily = contextlib.nullcontext
+    with unset_fake_temporarily(), torch.no_grad():
+        dev = torch.device("cuda", device)
+        g = torch.Generator(dev).manual_seed(0)
+        a = torch.randn((m, k), device=dev, generator=g).to(torch.bfloat16)
+        w = torch.randn((n, k), device=dev, generator=g).to(torch.bfloat16)
+        b16 = torch.randn((n,), device=dev, generator=g).to(torch.bfloat16) if bias else None
+        b32 = b16.float() if bias else None
+
+        def ours():
+            d = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
+            deepgemm.bf16_gemm_nt(a, w, d, bias=b32)
+            return d
+
+        t_dg = tilehal.bench(ours, warmup=2, iters=10, device="cuda", hide_host=False).median_s
+        t_cb = tilehal.bench(lambda: torch.nn.functional.linear(a, w, b16), warmup=2, iters=10, device="cuda",
+                             hide_host=False).median_s
+    choice = "deepgemm" if t_dg < t_cb else "cublas"
+    BF16_CHOICES[key], _BF16_TIMES[key] = choice, (t_dg, t_cb)
+    log.debug("bf16 GEMM %dx%dx%d%s: deepgemm %.1f us, cuBLAS %.1f us -> %s", m, n, k, " +bias" if bias else "",
+              t_dg * 1e6, t_cb * 1e6, choice)
+    return choice
+
+
+def bf16_gemm_choice(m: int, n: int, k: int, bias: bool, device: int) -> str:
+    """"deepgemm" or "cublas" for a bf16 GEMM [m, k] x [n, k]^T on CUDA device `device` (TILESTACK_BF16_GEMM;
+    "auto" measures each new shape once, outside CUDA-graph capture; during a capture an unmeasured shape
+    takes deepgemm)."""
+    policy = bf16_policy()
+    if policy != "auto":
+        return policy
+    key = (m, n, k, bias, device)
+    hit = BF16_CHOICES.get(key)
+    if hit is not None:
+        return hit
+    if m == 0 or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        log.debug("bf16 GEMM %dx%dx%d: not measured (%s), deepgemm", m, n, k,
+                  "empty" if m == 0 else "inside a CUDA-graph capture")
+        return "deepgemm"
+    return _measure_bf16(m, n, k, bias, device)
+
+
+@torch._dynamo.assume_constant_result
+def _traced_bf16_choice(m: int, n: int, k: int, bias: bool, device: int) -> str:
+    # Called by torch.compile while tracing (a constant of the graph): measures with real tensors.
+    return bf16_gemm_choice(m, n, k, bias, device)
+
+
+def bf16_choice_table() -> list[dict]:
+    """Every bf16 shape measured in this process: its times and the choice (for reports)."""
+    return [dict(m=k[0], n=k[1], k=k[2], bias=k[3], device=k[4], deepgemm_us=t[0] * 1e6, cublas_us=t[1] * 1e6,
+                 choice=BF16_CHOICES[k]) for k, t in _BF16_TIMES.items()]
 
 
 class GemmLinear(torch.nn.Module):
@@ -90,8 +172,13 @@ class GemmLinear(torch.nn.Module):
         two_d = x.dim() == 2
         x2 = x if two_d else x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
-            # One opaque node for torch.compile (tilestack.ops); its eager body is _forward_2d.
-            y = torch.ops.tilestack.gemm_linear(x2, self.weight, self.bias, self._tilestack_handle)
+            if self._cublas_when_traced(x2):
+                # cuBLAS measured faster for this shape: a plain linear, which inductor schedules (and fuses
+                # around) exactly as in the unmodified model.
+                y = torch.nn.functional.linear(x2, self.weight, self.bias)
+            else:
+                # One opaque node for torch.compile (tilestack.ops); its eager body is _forward_2d.
+                y = torch.ops.tilestack.gemm_linear(x2, self.weight, self.bias, self._tilestack_handle)
         else:
             y = self._forward_2d(x2)
         return y if two_d else y.view(*x.shape[:-1], self.out_features)
@@ -100,12 +187,26 @@ class GemmLinear(torch.nn.Module):
         super().__setstate__(state)
         ops.handle_of(self)      # a copy gets its own handle
 
+    def _bf16_eligible(self, x2: torch.Tensor) -> bool:
+        return (not self.fp8 and not self.fp4 and x2.is_cuda and x2.dtype is torch.bfloat16
+                and self._parameters["weight"].dtype is torch.bfloat16)
+
+    def _cublas_when_traced(self, x2: torch.Tensor) -> bool:
+        if not self._bf16_eligible(x2) or not isinstance(x2.shape[0], int):
+            return False   # fp8 / fp4, or a dynamic M: the op (whose eager body still picks per shape)
+        return _traced_bf16_choice(x2.shape[0], self.out_features, self.in_features,
+                                   self._parameters.get("bias") is not None, x2.get_device()) == "cublas"
+
     def _forward_2d(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, in] -> [M, out] in x2's dtype (eager: the cached weight operand, deepgemm's kernel)."""
         if not x2.is_cuda and not self._logged_cpu:
             log.debug("GemmLinear %dx%d: input on %s, running deepgemm's CPU reference (the sm_90a kernels need "
                       "CUDA tensors)", self.out_features, self.in_features, x2.device)
             self._logged_cpu = True
+        if self._bf16_eligible(x2) and x2.shape[0] and bf16_gemm_choice(
+                x2.shape[0], self.out_features, self.in_features, self._parameters.get("bias") is not None,
+                x2.get_device()) == "cublas":
+            return torch.nn.functional.linear(x2, self._parameters["weight"], self._parameters.get("bias"))
         # bf16 out for a bf16 caller (the bias, in fp32, added in the GEMM's epilogue before the one rounding),
         # fp32 otherwise (rounded once to the caller's dtype at the end).
         out_dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32
@@ -254,7 +355,11 @@ class GemmSwiGLU(torch.nn.Module):
                 deepgemm.fp8_gemm_nt(deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=True), self._gate_up_operand(), h)
                 y = self.down_proj._forward_cast(deepgemm.silu_mul_cast_to_fp8(h, tma_aligned_sf=True), m)
             else:
-                deepgemm.bf16_gemm_nt(x2, self._gate_up_operand(), h)
+                gu = self._gate_up_operand()
+                if bf16_gemm_choice(m, gu.shape[0], gu.shape[1], False, x2.get_device()) == "cublas":
+                    torch.mm(x2, gu.t(), out=h)
+                else:
+                    deepgemm.bf16_gemm_nt(x2, gu, h)
                 y = self.down_proj._forward_2d(deepgemm.silu_mul(h))
         else:
             y = torch.empty((0, self.down_proj.out_features), dtype=torch.bfloat16, device=x2.device)

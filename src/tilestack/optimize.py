@@ -27,6 +27,7 @@ from tilehal import ArgumentError, check_choice
 
 from .layers import GemmLinear, GemmSwiGLU, swiglu_skip_reason
 from .moe import ExpertParallelMoE, moe_block_parts
+from .norm import FusedRMSNorm, rmsnorm_skip_reason
 
 log = logging.getLogger("tilestack.optimize")
 
@@ -37,7 +38,7 @@ _LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @dataclass
 class Decision:
     name: str
-    kind: str              # "linear", "moe" or "module" (named by include, neither)
+    kind: str              # "linear", "mlp", "norm", "moe" or "module" (named by include, neither)
     replacement: str | None  # class name when swapped
     reason: str            # why skipped, or how the replacement runs
 
@@ -184,7 +185,8 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
                            include: Sequence[str] | None = None, *, moe_group: Any = None,
                            sparse_method: str = "magnitude", precision: str | None = None,
                            calibration: Any = None, error_budget: float = FP8_ERROR_BUDGET,
-                           timing_iters: int = 10, fuse_mlp: bool = False) -> OptimizationReport:
+                           timing_iters: int = 10, fuse_mlp: bool = False, fuse_norm: bool | None = None
+                           ) -> OptimizationReport:
     """Swap `model`'s qualifying modules in place for TileStack's; returns what was swapped and skipped.
 
     backend: "cuda" (deepgemm's sm_90a kernels; shape rules of TMA apply; needs a Hopper GPU) or
@@ -200,6 +202,9 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
     fuse_mlp: with backend="cuda", transformers' dense gated SiLU MLPs (Llama, Mistral, Qwen2/3) become
       GemmSwiGLU (gate and up as one GEMM, silu * up in one kernel; not with sparse_24 or precision="auto").
       Off by default until its GPU tests (tests/test_swiglu.py) have run on a Hopper GPU.
+    fuse_norm: transformers' RMSNorm modules (tilestack.norm.RMSNORM_CLASSES) become FusedRMSNorm (the same
+      formula in one kernel on CUDA bf16; the torch formula elsewhere and under torch.compile). Default: on
+      with backend="cuda".
     """
     if not isinstance(model, torch.nn.Module):
         raise ArgumentError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -235,6 +240,9 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
             from tilehal import DeviceError
 
             raise DeviceError(f"backend='cuda' is not usable here: {why} (use backend='cpu')")
+    if fuse_norm is None:
+        fuse_norm = backend == "cuda"
+    fuse_norm = check_choice(fuse_norm, "fuse_norm", (False, True))
     report = OptimizationReport(backend, fp8, sparse_24, precision)
     seen = _capture_linear_inputs(model, include, calibration) if precision == "auto" else {}
     replacements: dict[int, torch.nn.Module] = {}
@@ -255,6 +263,10 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
         if any(name == p or name.startswith(p + ".") for p in done):
             continue
         if not isinstance(module, torch.nn.Linear):
+            if fuse_norm and _matches(name, include) and rmsnorm_skip_reason(module) is None:
+                decide(name, "norm", FusedRMSNorm(module), "one kernel (bf16 on CUDA; the torch formula elsewhere "
+                       "and under torch.compile)", module)
+                continue
             if (fuse_mlp and backend == "cuda" and not sparse_24 and precision != "auto" and _matches(name, include)
                     and swiglu_skip_reason(module) is None):
                 whys = [linear_skip_reason(getattr(module, p), backend, fp8) for p in ("gate_proj", "up_proj",

@@ -1,0 +1,95 @@
+"""GemmLinear's bf16 GEMM: deepgemm or cuBLAS per shape, whichever measured faster (tilestack.layers).
+
+CPU: the policy plumbing (TILESTACK_BF16_GEMM, one measurement per shape, none during graph capture) with
+the measurement replaced. GPU: both paths against nn.Linear (cuBLAS: bitwise, it is the same call; deepgemm:
+calc_diff <= 1e-5, bf16 operands with fp32 accumulation in another order), and under torch.compile a shape
+measured for cuBLAS is traced as a plain linear (no tilestack op in the graph).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tilestack import layers
+from tilestack.layers import GemmLinear, bf16_gemm_choice
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv("TILESTACK_BF16_GEMM", raising=False)
+    saved = dict(layers.BF16_CHOICES)
+    layers.BF16_CHOICES.clear()
+    yield
+    layers.BF16_CHOICES.clear()
+    layers.BF16_CHOICES.update(saved)
+
+
+def test_policy_forces_and_auto_measures_once(monkeypatch):
+    calls = []
+
+    def fake(m, n, k, bias, device):
+        calls.append((m, n, k, bias, device))
+        layers.BF16_CHOICES[(m, n, k, bias, device)] = "cublas"
+        return "cublas"
+
+    monkeypatch.setattr(layers, "_measure_bf16", fake)
+    assert bf16_gemm_choice(64, 128, 256, False, 0) == "cublas"
+    assert bf16_gemm_choice(64, 128, 256, False, 0) == "cublas"
+    assert calls == [(64, 128, 256, False, 0)]                      # measured once
+    assert bf16_gemm_choice(0, 128, 256, False, 0) == "deepgemm"    # empty: nothing to measure
+    monkeypatch.setenv("TILESTACK_BF16_GEMM", "deepgemm")
+    assert bf16_gemm_choice(64, 128, 256, False, 0) == "deepgemm"
+    monkeypatch.setenv("TILESTACK_BF16_GEMM", "cublas")
+    assert bf16_gemm_choice(32, 8, 8, True, 0) == "cublas" and len(calls) == 1
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="deepgemm's kernels need an sm_90 GPU")
+def test_both_paths_agree_with_nn_linear(monkeypatch):
+    import tilehal
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(2048, 1024, bias=True, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    gl = GemmLinear.from_linear(lin)
+    x = torch.randn(3, 40, 2048, device="cuda").bfloat16()
+    with torch.no_grad():
+        want = lin(x)
+        gl(x)
+        assert (120, 1024, 2048, True, x.get_device()) in layers.BF16_CHOICES     # measured on first use
+        monkeypatch.setenv("TILESTACK_BF16_GEMM", "cublas")
+        assert torch.equal(gl(x), want)
+        monkeypatch.setenv("TILESTACK_BF16_GEMM", "deepgemm")
+        assert tilehal.calc_diff(gl(x), want) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="deepgemm's kernels need an sm_90 GPU")
+def test_compiled_cublas_shape_is_a_plain_linear():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 512, bias=False), torch.nn.Linear(512, 1024, bias=False))
+    model = model.to("cuda", torch.bfloat16).requires_grad_(False)
+    from tilestack import register_optimizations
+
+    register_optimizations(model, backend="cuda")
+    x = torch.randn(256, 1024, device="cuda").bfloat16()
+    dev = x.get_device()
+    layers.BF16_CHOICES[(256, 512, 1024, False, dev)] = "cublas"
+    layers.BF16_CHOICES[(256, 1024, 512, False, dev)] = "deepgemm"
+    targets: list[str] = []
+
+    def backend(gm, inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
+        want = model(x)
+    assert sum("tilestack.gemm_linear" in t for t in targets) == 1      # the deepgemm layer only
+    assert any("linear" in t and "tilestack" not in t for t in targets)
+    assert torch.equal(out, want)
