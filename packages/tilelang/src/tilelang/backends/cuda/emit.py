@@ -378,6 +378,54 @@ class Abs(Expr):
         return Abs(children[0])
 
 
+@dataclass(eq=False)
+class AtomicAdd(Stmt):
+    """`atomicAdd(&ref, value);` (under `cond`): value added to the element, every thread's add
+    counted (the interpreter accumulates lanes that hit one element one after another)."""
+
+    ref: Ref
+    value: Expr
+    cond: Expr | None = None
+
+    side_effects = True
+
+    def exprs(self) -> list[Expr]:
+        return [*self.ref.indices, self.value] + ([self.cond] if self.cond is not None else [])
+
+    def writes(self) -> set:
+        return {self.ref.buffer}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return AtomicAdd(Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices]), tr.expr(self.value),
+                         tr.expr(self.cond) if self.cond is not None else None, loc=self.loc)
+
+
+@dataclass(eq=False)
+class VecAtomicAdd(Stmt):
+    """`atomicAdd(reinterpret_cast<vt*>(&ref) + part, make((float)(v0), ...));`: one vector atomic
+    adding `values` to the elements from `ref + part * len(values)` on."""
+
+    ref: Ref
+    part: int
+    values: list[Expr]
+    vtype: str  # float2, float4, __half2, __nv_bfloat162
+    make: str  # its constructor from floats
+    cond: Expr | None = None
+
+    side_effects = True
+
+    def exprs(self) -> list[Expr]:
+        return [*self.ref.indices, *self.values] + ([self.cond] if self.cond is not None else [])
+
+    def writes(self) -> set:
+        return {self.ref.buffer}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return VecAtomicAdd(Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices]), self.part,
+                            [tr.expr(v) for v in self.values], self.vtype, self.make,
+                            tr.expr(self.cond) if self.cond is not None else None, loc=self.loc)
+
+
 # ---------------------------------------------------------------- the printer
 
 
@@ -537,6 +585,16 @@ def _async_copy(em: Emitter, s: AsyncCopy, ind: int) -> None:
     em.line(ind, f"tilehal::cp_async_{s.nbytes}({dref}, {sref}{pred});")
 
 
+def _atomic_add(em: Emitter, s: AtomicAdd, ind: int) -> None:
+    em.line(ind, _guarded(em, s.cond, f"atomicAdd(&{em.cx.expr(s.ref)}, {em.cx.expr(s.value)});"))
+
+
+def _vec_atomic_add(em: Emitter, s: VecAtomicAdd, ind: int) -> None:
+    vals = ", ".join(f"(float)({em.cx.expr(v)})" for v in s.values)
+    line = f"atomicAdd(reinterpret_cast<{s.vtype}*>(&{em.cx.expr(s.ref)}) + {s.part}, {s.make}({vals}));"
+    em.line(ind, _guarded(em, s.cond, line))
+
+
 def _alloc(em: Emitter, s: Alloc, ind: int) -> None:
     if s.buffer.scope != "shared":  # shared buffers live in the kernel's arena (declared at its top)
         raise TypeError(f"cuda emit: Alloc of a {s.buffer.scope} buffer in a thread-level program")
@@ -555,6 +613,7 @@ register_rules("cuda.emit", {
     AsyncCommit: lambda em, s, ind: em.line(ind, "tilehal::cp_async_commit();"),
     AsyncWait: lambda em, s, ind: em.line(ind, f"tilehal::cp_async_wait<{s.n}>();"),
     Comment: lambda em, s, ind: em.line(ind, f"// {s.text}"),
+    AtomicAdd: _atomic_add, VecAtomicAdd: _vec_atomic_add,
 })
 
 # expressions: the codegen's methods that print them (lower_thread.ThreadBuilder)
@@ -665,7 +724,20 @@ def _packed_store2_interp(it: Any, s: PackedStore2) -> None:
     dst[idx] = vals.astype(dst.dtype)
 
 
+def _atomic_interp(it: Any, ref: Ref, first: int, values: list[Any], cond: Expr | None, loc: Any) -> None:
+    on = _masked(it, cond)
+    arr = it.bufs[ref.buffer]
+    base = it.lanes_of(it.expr(ref.indices[0]), np.int64)[on]
+    for k, v in enumerate(values):
+        idx = base + first + k
+        it._check_bounds(ref.buffer, [idx], arr.shape, loc)
+        np.add.at(arr, idx, np.asarray(it.lanes_of(v))[on].astype(arr.dtype))
+
+
 register_rules("thread.interp", {
+    AtomicAdd: lambda it, s: _atomic_interp(it, s.ref, 0, [it.expr(s.value)], s.cond, s.loc),
+    VecAtomicAdd: lambda it, s: _atomic_interp(it, s.ref, s.part * len(s.values), [it.expr(v) for v in s.values],
+                                               s.cond, s.loc),
     Comment: lambda it, s: None,
     IntLit: lambda it, e: np_dtype(dt.compute_type(e.dtype)).type(e.value),
     CastC: lambda it, e: _storage(it.expr(e.value), dt.compute_type(e.to)),
@@ -683,5 +755,5 @@ register_rules("thread.interp", {
     TStore: _tstore_interp,
 })
 
-__all__ = ["Abs", "Bare", "CSelect", "CastC", "Comment", "IntLit", "MinMax", "Conv", "PackedStore2", "VecLoad", "VecStore", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
+__all__ = ["Abs", "AtomicAdd", "VecAtomicAdd", "Bare", "CSelect", "CastC", "Comment", "IntLit", "MinMax", "Conv", "PackedStore2", "VecLoad", "VecStore", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
            "VerbatimExpr", "Zero", "emit_body"]

@@ -1,4 +1,4 @@
-"""CUDA lowering of T.cumsum through shared memory."""
+"""CUDA lowering of T.cumsum through shared memory (thread-level nodes: lower_thread.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ import numpy as np
 
 from ....errors import CompileError
 from ....ir import dtypes as dt
-from ....ir.nodes import Buffer, CumSum
-from ..common import _LOW, value_type
+from ....ir.nodes import Buffer, Const, CumSum, Expr, For, Let, Seq
+from ....ir.thread import Barrier, RegBuffer, StridedFor
+from ..common import _LOW
+from ..emit import Comment, Conv, Ref, ToFloat, TStore
+from ..lower_thread import TX, B, C, P
 
 
 class CumSumRules:
@@ -15,46 +18,52 @@ class CumSumRules:
         src, dst = s.src, s.dst
         shape = src.static_shape()
         n = int(np.prod(shape))
-        ct = value_type(dst.dtype)
-        base = self.scratch(n * 8)
-        sp = f"(({ct}*){base})"
-        self.emit(f"// T.cumsum({src.name} -> {dst.name}, dim={s.dim}, reverse={s.reverse})")
-        self.emit("__syncthreads();")
-        self._to_from_scratch(src, sp, True)
-        self.emit("__syncthreads();")
+        acc_t = dt.compute_type(dst.dtype)
+        sb = self.scratch_buf(acc_t, self.scratch(n * 8))
+        self.add(Comment(f"T.cumsum({src.name} -> {dst.name}, dim={s.dim}, reverse={s.reverse})", loc=s.loc))
+        self.add(Barrier())
+        self._to_from_scratch(src, sb, True)
+        self.add(Barrier())
         rows = n // shape[s.dim]
         inner = int(np.prod(shape[s.dim + 1:]))
         L = shape[s.dim]
-        self.open(f"for (int _row = _tx; _row < {rows}; _row += {self.threads})")
-        self.emit(f"const int _base = (_row / {inner}) * {L * inner} + (_row % {inner});")
-        self.emit(f"{ct} _acc = 0;")
-        self.open(f"for (int _k = 0; _k < {L}; ++_k)")
-        kk = f"({L - 1} - _k)" if s.reverse else "_k"
-        self.emit(f"const int _o = _base + {kk} * {inner};")
-        self.emit(f"_acc += {sp}[_o];")
-        self.emit(f"{sp}[_o] = _acc;")
-        self.close()
-        self.close()
-        self.emit("__syncthreads();")
-        self._to_from_scratch(dst, sp, False)
-        self.emit("__syncthreads();")
+        row, base, k, o = self.v("_row"), self.v("_base"), self.v("_k"), self.v("_o")
+        acc_b = Buffer("_acc", (C(1),), acc_t, "local")
+        acc = Ref(acc_b, [C(0)], True)
+        self.begin()
+        self.add(Let(base, B(B(P(B(row, "/", C(inner))), "*", C(L * inner)), "+", P(B(row, "%", C(inner))))))
+        self.add(RegBuffer(acc_b, None, Const(0, dt.INDEX), scalar=True))
+        kk: Expr = P(B(C(L - 1), "-", k)) if s.reverse else k
+        step = [Let(o, B(base, "+", B(kk, "*", C(inner)))), TStore(acc, Ref(sb, [o]), op="+"),
+                TStore(Ref(sb, [o]), acc)]
+        self.add(For(k, C(0), C(L), "serial", Seq(step), annotations={"c_extent_bound": True}))
+        self.add(StridedFor(row, TX, C(rows), self.threads, self.end()))
+        self.add(Barrier())
+        self._to_from_scratch(dst, sb, False)
+        self.add(Barrier())
 
-    def _to_from_scratch(self, buf: Buffer, sp: str, to: bool) -> None:
+    def _to_from_scratch(self, buf: Buffer, sb: Buffer, to: bool) -> None:
+        ct = dt.compute_type(sb.dtype)
+
+        def flat_of(names: list[str], shape: list[int]) -> Expr:
+            flat: Expr = self.v(names[0])
+            for d in range(1, len(names)):
+                flat = B(B(P(flat), "*", C(shape[d])), "+", self.v(names[d]))
+            return flat
+
+        def move(ref: Ref, flat: Expr) -> None:
+            if to:
+                self.add(TStore(Ref(sb, [flat]), ToFloat(ref) if buf.dtype in _LOW else ref))
+            else:
+                self.add(TStore(ref, Conv(ct, buf.dtype, Ref(sb, [flat]))))
+
         if buf.scope == "fragment":
             f = self.inf.layouts[buf]
             names = [self.fresh("i") for _ in f.shape]
             shape = list(f.shape)
 
             def body(regvars):
-                reg = self._reg_by_axes(f, f, regvars)
-                flat = names[0]
-                for d in range(1, len(names)):
-                    flat = f"({flat}) * {shape[d]} + {names[d]}"
-                fref = f"{buf.name}[{reg}]"
-                if to:
-                    self.emit(f"{sp}[{flat}] = {'tilehal::to_float(' + fref + ')' if buf.dtype in _LOW else fref};")
-                else:
-                    self.emit(f"{fref} = {self.conv(f'{sp}[{flat}]', dt.compute_type(buf.dtype), buf.dtype)};")
+                move(self.reg_ref(buf, self._reg_by_axes_x(f, f, regvars)), flat_of(names, shape))
 
             self.layout_loop(f, names, body)
             return
@@ -62,14 +71,7 @@ class CumSumRules:
         names = [self.fresh("c") for _ in shape]
 
         def body2():
-            flat = names[0]
-            for d in range(1, len(names)):
-                flat = f"({flat}) * {shape[d]} + {names[d]}"
-            ref = self.mem_ref(buf, names)
-            if to:
-                self.emit(f"{sp}[{flat}] = {'tilehal::to_float(' + ref + ')' if buf.dtype in _LOW else ref};")
-            else:
-                self.emit(f"{ref} = {self.conv(f'{sp}[{flat}]', dt.compute_type(buf.dtype), buf.dtype)};")
+            move(self.mem_ref_x(buf, [self.v(n) for n in names]), flat_of(names, list(shape)))
 
         if buf.scope in ("local", "var"):
             raise CompileError(f"T.cumsum on a {buf.scope} buffer is not supported on cuda")
