@@ -45,13 +45,13 @@ GPU = pk.cases("gpu")
 SLOW_EMU = {"fa_mha_bshd_full", "fa_gqa_bshd_full", "fa_mha_bhsd_causal", "fa_gqa_bhsd_full"}
 
 
-def _compile(fac, args, target):
-    return tilelang.compile(fac.get_tir(*args), out_idx=fac.out_idx, target=target)
+def _compile(fac, args, target, pass_configs=None):
+    return tilelang.compile(fac.get_tir(*args), out_idx=fac.out_idx, target=target, pass_configs=pass_configs)
 
 
-def _run_case(name, spec, target, device):
+def _run_case(name, spec, target, device, pass_configs=None):
     fac, args, make, ref, tol = spec
-    k = _compile(fac, args, target)
+    k = _compile(fac, args, target, pass_configs)
     torch.manual_seed(0)
     inputs = make(device)
     keep = [x.clone() for x in inputs]
@@ -321,6 +321,7 @@ def test_gemm_variant_gpu(name, path):
 
 
 ONE_BARRIER = {"cuda_wgmma_one_barrier": True}
+WS = {"cuda_warp_specialize": True}  # a producer warpgroup feeds the TMA pipeline (opt-in)
 CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async
 TMA = {"cuda_tma": True}  # TMA pipelines (the default on sm_90a; explicit for the checks)
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
@@ -338,6 +339,45 @@ def test_gemm_one_barrier_gpu(name, copies):
 def test_gemm_variant_cp_async_gpu(name):
     """Every gemm variant with its pipelined copies on cp.async (tl.disable_tma_lower)."""
     _gemm_variant(name, "cuda", "cuda", CP_ASYNC)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GEMM_VARIANTS))
+def test_gemm_variant_ws_gpu(name):
+    """Every gemm variant warp-specialized where it can be (the others as by default)."""
+    _gemm_variant(name, "cuda", "cuda", WS)
+
+
+@needs_nvrtc
+def test_warp_specialized_codegen(caplog, tmp_path, monkeypatch, example):
+    """cuda_warp_specialize: a TMA pipeline gets a producer warpgroup (threads T..T+127, one issuing thread,
+    `empty` / `full` mbarriers per stage, setmaxnreg when T + 128 > 256) launched on top of the T.Kernel's
+    threads; the consumers' barriers are named barrier 1 over T threads; the choice is logged at DEBUG;
+    tl.disable_warp_specialized and a cp.async pipeline keep the plain form."""
+    import logging
+
+    from tilehal import compile_cuda
+
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))
+    prog = _gemm_program(*GEMM_VARIANTS["wg_nt_f16_2wg"])
+    with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
+        k = tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=WS)
+    assert any("warp-specialized: a producer warpgroup" in r.getMessage() for r in caplog.records)
+    src = k.get_kernel_source()
+    (name, _, _), = k._impl.kernels
+    assert k._impl.launch_threads == {name: 384} and "__launch_bounds__(384, 1)" in src
+    assert "setmaxnreg_dec<40>" in src and "setmaxnreg_inc<232>" in src and "if (_tx == 256)" in src
+    body = src[src.index("return;"):]
+    assert "__syncthreads" not in body and "mbarrier_arrive(&_empty" in body
+    assert src.count("tma_load_2d(") == 2  # the producer's loop only
+    assert "0 bytes spill stores" in compile_cuda(src, arch="sm_90a", name=name, options=["--ptxas-options=-v"]).log
+    for cfg in ({**WS, "tl.disable_warp_specialized": True}, {**WS, "tl.disable_tma_lower": True}):
+        k2 = tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=cfg)
+        assert not k2._impl.launch_threads and "setmaxnreg" not in k2.get_kernel_source()
+    m = example("flash_attention")
+    fa = tilelang.compile(m.flash_attention_fwd(4, 32, 4096, 128, True, 128, 128, 2, 256, "float16", layout="bhsd"),
+                          out_idx=[3], target="cuda", pass_configs=WS)
+    assert list(fa._impl.launch_threads.values()) == [384] and fa.get_kernel_source().count("tma_load_2d(") == 4
 
 
 @needs_nvrtc
@@ -537,6 +577,13 @@ def test_cuda_launch_needs_cuda_tensors():
 @pytest.mark.parametrize("name", sorted(GPU))
 def test_public_kernel_gpu(name):
     _run_case(name, GPU[name], "cuda", "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(n for n in GPU if n.startswith(("gemm", "fa_"))))
+def test_public_kernel_ws_gpu(name):
+    """The public-style GEMM and flash-attention kernels warp-specialized (pass_configs cuda_warp_specialize)."""
+    _run_case(name, GPU[name], "cuda", "cuda", WS)
 
 
 @pytest.mark.gpu

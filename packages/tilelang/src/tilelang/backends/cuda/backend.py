@@ -39,9 +39,9 @@ class CudaKernel:
         self.func = func
         arch = options.get("arch", DEFAULT_ARCH)
         if generated is None:
-            self.cuda_source, self.kernels, self.tma = generate_source(func, options)
+            self.cuda_source, self.kernels, self.tma, self.launch_threads = generate_source(func, options)
         else:
-            self.cuda_source, self.kernels, self.tma = generated
+            self.cuda_source, self.kernels, self.tma, self.launch_threads = generated
         self._descs: dict = {}
         t0 = time.perf_counter()
         opts = tuple(options.get("nvrtc_options", ()))
@@ -55,6 +55,7 @@ class CudaKernel:
             threads = 1
             for t in k.threads:
                 threads *= int(t)
+            threads = self.launch_threads.get(name, threads)  # + a producer warpgroup (warp specialization)
             self._static_grids.append((self.module.get_kernel(name), k, grid, threads, smem))
         log.debug("built %s (%d kernel(s)) in %.3fs (cache hit: %s)", self.kernels[0][0], len(self.kernels),
                   self.compile_seconds,
@@ -103,9 +104,11 @@ class CudaKernel:
         return desc
 
 
-def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str, Kernel, int]], dict]:
+def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str, Kernel, int]], dict, dict]:
     """The CUDA source of lowered `func` under `options` (pass_configs and arch): (source, [(kernel name,
-    Kernel, smem bytes)], {kernel name: [TmaSpec]}), the kernels named by the source's content hash."""
+    Kernel, smem bytes)], {kernel name: [TmaSpec]}, {kernel name: launch threads where they differ from the
+    T.Kernel's: warp-specialized kernels add a producer warpgroup}), the kernels named by the source's
+    content hash."""
     arch = options.get("arch", DEFAULT_ARCH)
     # wgmma needs the arch-specific sm_90a target; pass_configs {"tl.disable_wgmma": True} keeps mma.sync
     wgmma = arch == "sm_90a" and not options.get("tl.disable_wgmma")
@@ -120,14 +123,20 @@ def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str,
     if not use_tma:
         log.debug("%s: TMA off (tl.disable_tma_lower=%r, cuda_tma=%r): pipelined copies use cp.async",
                   func.name, options.get("tl.disable_tma_lower"), options.get("cuda_tma"))
+    # warp specialization of TMA pipelines (a producer warpgroup issues the loads): opt-in for now,
+    # pass_configs cuda_warp_specialize=True (tl.disable_warp_specialized wins)
+    ws = bool(options.get("cuda_warp_specialize")) and not options.get("tl.disable_warp_specialized")
+    launch: dict = {}
     probe, kernels = generate_cuda(func, "tl_kernel", wgmma=wgmma, tma=tma, use_tma=use_tma,
-                                   one_barrier=bool(options.get("cuda_wgmma_one_barrier")))
+                                   one_barrier=bool(options.get("cuda_wgmma_one_barrier")),
+                                   warp_specialize=ws and use_tma, launch=launch)
     digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
     base = f"tl_{func.name}_{digest}"
     cuda_source = probe.replace("tl_kernel_k", f"{base}_k")
     kernels_named = [(name.replace("tl_kernel", base, 1), k, smem) for name, k, smem in kernels]
     tma_named = {name.replace("tl_kernel", base, 1): specs for name, specs in tma.items()}
-    return cuda_source, kernels_named, tma_named
+    launch_named = {name.replace("tl_kernel", base, 1): t for name, t in launch.items()}
+    return cuda_source, kernels_named, tma_named, launch_named
 
 
 def compile_cuda_kernel(func: PrimFunc, options: dict, lower: Callable[[], PrimFunc]) -> CudaKernel:
@@ -142,7 +151,7 @@ def compile_cuda_kernel(func: PrimFunc, options: dict, lower: Callable[[], PrimF
 
     def build(work) -> bytes:
         built["k"] = k = build_cuda_kernel(lower(), options)
-        return pack(k.cuda_source, k.kernels, k.tma)
+        return pack(k.cuda_source, k.kernels, k.tma, k.launch_threads)
 
     art = cached_build("tilelang_cuda", key, "kernel.json", build)
     if "k" in built:

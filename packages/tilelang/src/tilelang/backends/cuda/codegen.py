@@ -104,7 +104,7 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
     TARGET = "CUDA"
 
     def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let], wgmma: bool = True,
-                 tma: bool = True, one_barrier: bool = False) -> None:
+                 tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False) -> None:
         self.func = func
         self.kernel = kernel
         self.name = name
@@ -138,6 +138,11 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         # pass_configs cuda_wgmma_one_barrier: a pipelined wgmma loop refills the stage read two iterations
         # back after its only barrier (rules/pipelined.py) instead of the previous one after a second barrier
         self.one_barrier = one_barrier
+        # pass_configs cuda_warp_specialize: a TMA pipeline gets a producer warpgroup (rules/pipelined.py)
+        self.warp_specialize = warp_specialize
+        self.ws_loop: For | None = None  # the pipelined loop the producer warpgroup feeds
+        self.ws_prologue: list[str] = []  # barrier init + the producer's branch, before the kernel body
+        self.launch_threads = 0  # threads + the producer warpgroup's 128 when warp-specialized
         self.tma_specs: list = []  # TmaSpec per descriptor parameter, in parameter order
         self.tma_bufs: set[Buffer] = set()
         self.tma_plans: dict[int, dict] = {}
@@ -510,6 +515,11 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         self.stmt(k.body)
         body = emit_body(self, self.body_root())
         smem_bytes, decls = self.plan_smem()
+        if self.ws_loop is not None:
+            # the consumers synchronize among themselves (named barrier 1): the producer warpgroup left
+            body = [ln.replace("__syncthreads();", f"tilehal::named_barrier_sync(1, {self.threads});")
+                    for ln in body]
+            body = self.ws_prologue + body
         params = []
         for p in self.func.params:
             params.append(f"{cuda_type(p.dtype)}* __restrict__ {p.name}")
@@ -523,12 +533,15 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         frag_regs = sum(f.nregs for b, f in self.inf.layouts.items() if b.scope == "fragment")
         frag_regs += sum(int(np.prod(a.buffer.static_shape() or (64,))) for a in self.all_stmts
                          if isinstance(a, Alloc) and a.buffer.scope == "local")
-        two = (self.threads <= 512 and 2 * (smem_bytes + 1024) <= SMEM_LIMIT + 1024 and
+        two = (self.ws_loop is None and self.threads <= 512 and 2 * (smem_bytes + 1024) <= SMEM_LIMIT + 1024 and
                frag_regs + 48 <= 65536 // (2 * self.threads))
         if two:
             log.debug("%s: __launch_bounds__(%d, 2): %d B of shared memory, %d fragment registers per thread",
                       self.name, self.threads, smem_bytes, frag_regs)
         bounds = f"{self.threads}, 2" if two else f"{self.threads}"
+        if self.ws_loop is not None:
+            self.launch_threads = self.threads + 128
+            bounds = f"{self.launch_threads}, 1"
         head = [f'extern "C" __global__ void __launch_bounds__({bounds}) {self.name}({", ".join(params)}) {{',
                 "  extern __shared__ __align__(1024) unsigned char _tl_smem[];",
                 "  const int _tx = threadIdx.x;"]
@@ -564,11 +577,14 @@ register_rules("cuda.parallel", {Seq: seq_rule, Store: KernelCodegen.par_store,
 
 
 def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict | None = None,
-                  use_tma: bool = True, one_barrier: bool = False) -> tuple[str, list[tuple[str, Kernel, int]]]:
+                  use_tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False,
+                  launch: dict | None = None) -> tuple[str, list[tuple[str, Kernel, int]]]:
     """CUDA source for every T.Kernel of `func`: (source, [(kernel name, Kernel node, smem bytes)]).
     `wgmma`: sm_90a features (T.gemm on wgmma, pipelined copies on TMA); otherwise mma.sync and cp.async
     only. `tma`, when given, receives {kernel name: [TmaSpec]} (the descriptors each kernel takes after
-    its tensor and size parameters). `one_barrier`: see KernelCodegen (pass_configs cuda_wgmma_one_barrier)."""
+    its tensor and size parameters). `one_barrier`: see KernelCodegen (pass_configs cuda_wgmma_one_barrier).
+    `warp_specialize`: TMA pipelines fed by a producer warpgroup; `launch`, when given, receives {kernel name:
+    launch threads} for the kernels that launch more threads than their T.Kernel (the producer's)."""
     body = func.body.body if isinstance(func.body, Seq) else [func.body]
     lets: list[Let] = []
     kernels = []
@@ -579,8 +595,11 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
             lets.append(s)
         elif isinstance(s, Kernel):
             name = f"{base_name}_k{len(kernels)}"
-            cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma, one_barrier=one_barrier)
+            cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma, one_barrier=one_barrier,
+                               warp_specialize=warp_specialize)
             src, smem = cg.generate()
+            if launch is not None and cg.launch_threads:
+                launch[name] = cg.launch_threads
             uses_wgmma |= cg.has_wgmma
             uses_tma |= bool(cg.tma_specs)
             if tma is not None:

@@ -30,7 +30,7 @@ from ...ir.nodes import Buffer, Kernel, PrimFunc, Seq, Var
 log = logging.getLogger("tilelang.backends.cuda")
 
 _SKIP = {"uid", "loc", "source", "parent"}
-_VERSION = "tilelang-cuda-kernel-v2"  # v2: entries carry TMA descriptor specs  # identity counters and source positions change no code
+_VERSION = "tilelang-cuda-kernel-v3"  # v2: entries carry TMA descriptor specs; v3: launch threads (warp specialization)
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
@@ -106,14 +106,15 @@ def top_kernels(func: PrimFunc) -> list[Kernel]:
     return [s for s in body if isinstance(s, Kernel)]
 
 
-def pack(source: str, kernels: list[tuple[str, Kernel, int]], tma: dict) -> bytes:
-    return json.dumps({"source": source, "kernels": [[name, smem, [t.as_list() for t in tma.get(name, ())]]
-                                                     for name, _, smem in kernels]}).encode()
+def pack(source: str, kernels: list[tuple[str, Kernel, int]], tma: dict, threads: dict) -> bytes:
+    return json.dumps({"source": source, "threads": threads,
+                       "kernels": [[name, smem, [t.as_list() for t in tma.get(name, ())]]
+                                   for name, _, smem in kernels]}).encode()
 
 
-def unpack(func: PrimFunc, data: bytes) -> tuple[str, list[tuple[str, Kernel, int]], dict] | None:
-    """(source, [(kernel name, Kernel of `func`, smem bytes)], {kernel name: [TmaSpec]}), or None when the
-    entry does not fit."""
+def unpack(func: PrimFunc, data: bytes) -> tuple[str, list[tuple[str, Kernel, int]], dict, dict] | None:
+    """(source, [(kernel name, Kernel of `func`, smem bytes)], {kernel name: [TmaSpec]}, {kernel name: launch
+    threads}), or None when the entry does not fit."""
     from .rules.tma import TmaSpec
 
     try:
@@ -122,13 +123,14 @@ def unpack(func: PrimFunc, data: bytes) -> tuple[str, list[tuple[str, Kernel, in
         tma = {str(n): [TmaSpec(int(p), str(d), int(r), int(c), str(w)) for p, d, r, c, w in specs]
                for n, _, specs in rec["kernels"]}
         source = str(rec["source"])
+        threads = {str(n): int(t) for n, t in rec["threads"].items()}
     except (ValueError, KeyError, TypeError) as e:
         log.debug("kernel cache entry unusable (%s)", e)
         return None
     ks = top_kernels(func)
     if len(ks) != len(names):
         return None
-    return source, [(n, k, s) for (n, s), k in zip(names, ks)], tma
+    return source, [(n, k, s) for (n, s), k in zip(names, ks)], tma, threads
 
 
 __all__ = ["cache_key", "pack", "structural_key", "top_kernels", "unpack"]

@@ -74,8 +74,81 @@ class PipelineRules:
             else:
                 log.debug("%s: T.Pipelined(num_stages=%d) has no global->shared copy to prefetch; runs serially",
                           loop.loc, n)
+        if self.warp_specialize:
+            self._plan_ws()
+
+    def _plan_ws(self) -> None:
+        """pass_configs cuda_warp_specialize: the kernel's one TMA pipeline is fed by a producer warpgroup
+        (threads T .. T+127; one thread issues every stage's loads as soon as the consumers released it on
+        the stage's `empty` mbarrier) while the T.Kernel's T threads (whole warpgroups) consume: wait for the
+        stage's `full` mbarrier, compute, release. No block-wide barrier per iteration is left; the
+        consumers' own barriers become named barrier 1 over T threads, and with T + 128 > 256 threads the
+        producer gives its registers to the consumers (setmaxnreg 40 / 232 or 240). The producer's loop runs
+        before the kernel body (it must not execute the body's thread-distributed statements), so the loop
+        bounds and the copies' coordinates may use only block indices, top-level lets and the loop index."""
+        k = self.kernel
+
+        def no(why: str) -> None:
+            log.debug("%s: no warp specialization: %s", k.loc, why)
+
+        loops = [lp for lp in self.all_stmts if isinstance(lp, For) and id(lp) in self.pipes]
+        if len(loops) != 1:
+            return no(f"{len(loops)} pipelined loops with prefetched copies (one is handled)")
+        loop = loops[0]
+        copies = self.pipes[id(loop)]
+        if any(id(c) not in self.tma_plans for c in copies):
+            return no("a pipelined copy is not on TMA")
+        if not self.has_wgmma:
+            return no("no wgmma in the kernel")
+        if self.threads % 128 or self.threads + 128 > 1024:
+            return no(f"threads={self.threads} is not whole warpgroups (or too many with a producer)")
+
+        def top(seq) -> bool:  # the loop sits in the kernel body's statement lists, under no if / loop
+            body = seq.body if isinstance(seq, Seq) else [seq]
+            return any(st is loop or (isinstance(st, Seq) and top(st)) for st in body)
+
+        if not top(k.body):
+            return no("the pipelined loop is nested in a loop or an if")
+        allowed = set(k.block_vars) | {lt.var for lt in self.lets} | set(self.func.dynamic_vars) | {loop.var}
+        # lets of the kernel body before the loop (`loop_range = T.min(...)`) are re-evaluated by the producer
+        top_lets: dict[Var, Let] = {}
+
+        def collect(seq) -> bool:
+            for st in (seq.body if isinstance(seq, Seq) else [seq]):
+                if st is loop:
+                    return True
+                if isinstance(st, Let):
+                    top_lets[st.var] = st
+                elif isinstance(st, Seq) and collect(st):
+                    return True
+            return False
+
+        collect(k.body)
+        need: list[Let] = []
+
+        def ok(e) -> bool:
+            for x in walk_expr(e):
+                if isinstance(x, Load):
+                    return False
+                if isinstance(x, Var) and x not in allowed:
+                    lt = top_lets.get(x)
+                    if lt is None or not ok(lt.value):
+                        return False
+                    allowed.add(x)
+                    need.append(lt)
+            return True
+
+        exprs = [loop.start, loop.extent] + [e for c in copies for e in c.src.starts]
+        if not all(ok(e) for e in exprs):
+            return no("the loop bounds or a copy's coordinates use values computed in the kernel")
+        self.ws_lets = need
+        log.debug("%s: warp-specialized: a producer warpgroup issues the TMA loads of T.Pipelined, %d consumer "
+                  "threads", loop.loc, self.threads)
+        self.ws_loop = loop
 
     def pipelined(self, s: For) -> None:
+        if s is self.ws_loop:
+            return self._pipelined_ws(s)
         copies = self.pipes[id(s)]
         n = int(s.annotations["num_stages"])
         start, ext = self.expr(s.start), self.expr(s.extent)
@@ -181,6 +254,96 @@ class PipelineRules:
         if cp:
             self.emit("tilehal::cp_async_wait<0>();")
         # the last iteration's accesses are still in flight for other threads
+        r, w = self.tracked(s)
+        self.pending_r |= r
+        self.pending_w |= w
+
+    def _pipelined_ws(self, s: For) -> None:
+        """The consumers' side of a warp-specialized TMA pipeline (the producer's is `ws_prologue`)."""
+        copies = self.pipes[id(s)]
+        n = int(s.annotations["num_stages"])
+        start, ext = self.expr(s.start), self.expr(s.extent)
+        v = s.var.name
+        plans = [self.tma_plans[id(c)] for c in copies]
+        nbytes = sum(p["bytes"] for p in plans)
+        T = self.threads
+        full, empty = self.fresh("full"), self.fresh("empty")
+        fo, eo = self.mbarriers, self.mbarriers + n
+        self.mbarriers += 2 * n
+        # producer: init both barrier arrays (all threads then meet at the kernel's only __syncthreads),
+        # then its warpgroup leaves the body; one thread loops over the stages
+        pro = [f"// T.Pipelined: {n} stages of {', '.join(c.dst.buffer.name for c in copies)}, warp-specialized "
+               f"(threads {T}..{T + 127} issue the TMA loads)",
+               f"tilehal::u64* {full} = _tl_mbar + {fo};  // stage landed (1 arrival + the TMA bytes)",
+               f"tilehal::u64* {empty} = _tl_mbar + {eo};  // stage free (one arrival per consumer warp)",
+               f"if (_tx == 0) {{ for (int _s = 0; _s < {n}; ++_s) {{ tilehal::mbarrier_init(&{full}[_s], 1); "
+               f"tilehal::mbarrier_init(&{empty}[_s], {T // 32}); }} tilehal::fence_barrier_init(); }}",
+               "__syncthreads();"]
+        self.begin()
+        self.open(f"if (_tx >= {T})")
+        for lt in self.ws_lets:
+            self.let(lt)
+        many = T + 128 > 256
+        if many:
+            self.emit("tilehal::setmaxnreg_dec<40>();")
+        self.open(f"if (_tx == {T})")
+        self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
+        self.emit(f"const int _s = ({v} - ({start})) % {n};")
+        self.emit(f"if ({v} - ({start}) >= {n}) tilehal::mbarrier_wait(&{empty}[_s], ((({v} - ({start})) / {n}) - 1) & 1);")
+        self.emit(f"tilehal::mbarrier_arrive_expect_tx(&{full}[_s], {nbytes});")
+        for p in plans:
+            size = int(np.prod(p["copy"].dst.buffer.static_shape()))
+            self.tma_issue(p, f"_s * {size}", f"&{full}[_s]")
+        self.close()
+        self.close()
+        self.emit("return;")
+        self.close()
+        if many:
+            # 65536 registers: 128 x 40 for the producer, the rest (multiple of 8, <= 256) for the consumers
+            regs = min(248, (65536 - 128 * 40) // T // 8 * 8)
+            self.emit(f"tilehal::setmaxnreg_inc<{regs}>();")
+        from ..emit import emit_body
+
+        self.ws_prologue = ["  " + ln for ln in pro] + emit_body(self, self.end())
+        # consumers
+        body = s.body.body if isinstance(s.body, Seq) else [s.body]
+        rest = [c for c in body if not any(c is x for x in copies)]
+        agemm = self._async_wgmma(rest, copies)
+        bufs = [c.dst.buffer for c in copies]
+        # shared memory other than the stages written in the loop: one consumer barrier per iteration orders
+        # an iteration's last accesses before the next one's first (the loop-carried hazards the block-wide
+        # barrier of the plain pipeline covered); buffers only read need the writes before the loop done
+        reads, writes = set(), set()
+        for c in rest:
+            r, w = self.tracked(c)
+            reads |= r
+            writes |= w
+        carried = bool(writes - set(bufs))
+        if not carried and ((reads | writes) & self.pending_w or writes & self.pending_r):
+            self.sync()
+        self.emit(f"// T.Pipelined: consumers wait for each stage on {full}, release it on {empty}")
+        self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
+        stage = self.fresh("stage")
+        self.emit(f"const int {stage} = ({v} - ({start})) % {n};")
+        self.emit(f"tilehal::mbarrier_wait(&{full}[{stage}], (({v} - ({start})) / {n}) & 1);")
+        if carried:
+            self.sync()
+        for b in bufs:
+            self.stage_expr[b] = stage
+        for c in rest:
+            self._wg_async = c if c is agemm else None
+            self.stmt(c)
+            self._wg_async = None
+        # release: with the wgmma of this iteration in flight (wgmma_wait<1>: the one of the previous
+        # iteration is done), the previous stage; otherwise this one (everything reading it is done)
+        if agemm is not None:
+            self.emit(f"if ({v} > {start} && (_tx & 31) == 0) tilehal::mbarrier_arrive(&{empty}[({stage} + {n - 1}) % {n}]);")
+        else:
+            self.emit(f"if ((_tx & 31) == 0) tilehal::mbarrier_arrive(&{empty}[{stage}]);")
+        self.close()
+        if agemm is not None:
+            self.emit("tilehal::wgmma_wait<0>();")
+            self.emit(f"tilehal::wgmma_fence_operands({agemm.C.buffer.name});")
         r, w = self.tracked(s)
         self.pending_r |= r
         self.pending_w |= w
