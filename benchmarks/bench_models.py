@@ -60,6 +60,7 @@ from tilestack import register_optimizations  # noqa: E402
 
 ROWS: list[dict] = []
 T0 = time.perf_counter()
+_SAVE: list = []   # [callable] set by main: rewrites the JSON after every row (a run cut short keeps them)
 
 
 def _args(argv):
@@ -123,6 +124,8 @@ def row(workload: str, variant: str, ms: float | None, peer_ms: float | None = N
     print(f"{workload:14s} {variant:22s} {ms if ms is not None else float('nan'):10.4f} ms  "
           f"peer {peer_ms if peer_ms is not None else float('nan'):10.4f} ms  {sp:>8s}  "
           f"calc_diff {diff if diff is not None else float('nan'):.2e}  {note}", flush=True)
+    for save in _SAVE:
+        save()
 
 
 def _free() -> None:
@@ -589,10 +592,10 @@ def precompile(env: Env, workers: int = 12, sections: tuple = ("prefill", "decod
     kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
     ms = [env.s["prefill"][0] * env.s["prefill"][1]] * ("prefill" in sections or "compile" in sections)
     ms += [env.s["decode"][0]] * ("decode" in sections)
-    jobs = [(kind, m, n, k) for kind in ("bf16", "fp8") for m in ms
-            for n, k in ((h, h), (kv, h), (f, h), (h, f), (v, h))]
-    if "prefill" in sections or "decode" in sections:  # GemmSwiGLU's gate|up GEMM
-        jobs += [(kind, m, 2 * f, h) for kind in ("bf16", "fp8") for m in ms]
+    kinds = sorted({"fp8" if VARIANTS[v].get("fp8") else "bf16" for v in env.variants})
+    jobs = [(kind, m, n, k) for kind in kinds for m in ms for n, k in ((h, h), (kv, h), (f, h), (h, f), (v, h))]
+    if ("prefill" in sections or "decode" in sections) and any(VARIANTS[v].get("fuse_mlp") for v in env.variants):
+        jobs += [(kind, m, 2 * f, h) for kind in kinds for m in ms]   # GemmSwiGLU's gate|up GEMM
     grouped = []
     if "moe" in sections:
         mc = env.s["moe"]
@@ -611,6 +614,11 @@ def precompile(env: Env, workers: int = 12, sections: tuple = ("prefill", "decod
         used = [cuda_cast.token_expression(bf16, 128, True), cuda_cast.block_expression(bf16, True),
                 cuda_cast.silu_expression(bf16, False, True), cuda_cast.silu_expression(bf16, True, True)]
         futs += [pool.submit(cuda_cast.compile_module, (e,)) for e in used]
+        from tilestack import norm
+
+        h = env.s["llama"]["hidden_size"]
+        futs.append(pool.submit(norm.compile_module, (norm.kernel_expression(-(-h // (norm.THREADS * norm.VEC)),
+                                                                             h % norm.VEC == 0),)))
         for fu in futs:
             fu.result()
     print(f"# precompiled {len(jobs) + len(grouped)} GEMM kernels + the casts in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -626,6 +634,7 @@ def main(argv=None) -> int:
     only = args.only.split(",") if args.only else [k for k in SECTIONS if k not in ("gemms", "kernels")]
     print(f"bench_models: device {env.device}, dtype {env.dtype}, budget {env.budget:.0f} s, sections {only}",
           flush=True)
+    _SAVE.append(lambda: _write(args, env))
     if args.precompile and env.cuda:
         precompile(env, sections=tuple(only))
     for name in only:
