@@ -363,3 +363,33 @@ def test_one_process_path_has_no_host_sync_and_captures_in_a_cuda_graph(use_fp8)
     torch.cuda.synchronize()
     assert torch.equal(out, want)
     assert rel_err(out.cpu(), ref(x.cpu().double())) < (TOL_FP8 if use_fp8 else TOL_BF16)
+
+
+def test_combine_kernel_compiles_for_sm90a():
+    from tilestack.moe import compile_combine
+
+    assert compile_combine() is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the kernel is built for sm_90a")
+@pytest.mark.parametrize("t, k, h", [(300, 2, 256), (77, 3, 100), (5, 1, 4096)])
+def test_combine_kernel_equals_the_torch_ops(t, k, h):
+    """The one-kernel weighted gather-sum against the torch ops it replaces (index_select, fp32 multiply, sum
+    over the k slots): bitwise for k <= 2 (same roundings in the same order); for k = 3 torch may sum in
+    another order, so within one bf16 ulp (2^-7 relative)."""
+    from tilestack.moe import weighted_combine
+
+    g = torch.Generator().manual_seed(9)
+    m = 512
+    y = torch.randn(m + 1, h, generator=g).bfloat16()
+    y[m] = 0
+    rows = torch.randint(0, m, (t * k,), generator=g)
+    rows[torch.rand(t * k, generator=g) < 0.1] = m                       # -1 slots read the zero row
+    w = torch.rand(t, k, generator=g)
+    want = weighted_combine(y, rows, w)                                   # CPU: the torch ops
+    got = weighted_combine(y.cuda(), rows.cuda(), w.cuda()).cpu()
+    if k <= 2:
+        assert torch.equal(got, want)
+    else:
+        assert bool(((got.float() - want.float()).abs() <= want.float().abs() * 2.0**-7 + 1e-30).all())

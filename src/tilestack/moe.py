@@ -22,6 +22,7 @@ Inference only: the GEMMs write into preallocated outputs and record no autograd
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -225,12 +226,105 @@ def build_local_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int 
     return LocalLayout(m_cap, m_indices[:m_cap], src_rows[:m_cap], pair_rows, t, k)
 
 
+COMBINE_SOURCE = r"""
+#include <tilehal/tilehal.cuh>
+
+namespace tilestack {
+
+// out[t, :] = bf16(sum_j w[t, j] * y[rows[t * K + j], :]), j = 0..K-1 in order, fp32 products and sums without
+// FMA contraction (the torch ops' roundings for K <= 2). One CTA per token; rows[] == skip_row (the zero row of
+// -1 slots) is not read. VEC: 16-byte loads/stores (h % 8 == 0, aligned bases).
+template <int THREADS, bool VEC>
+__global__ void __launch_bounds__(THREADS) moe_combine_bf16(const __nv_bfloat16* __restrict__ y,
+                                                            const long long* __restrict__ rows,
+                                                            const float* __restrict__ w,
+                                                            __nv_bfloat16* __restrict__ out, int tokens, int k,
+                                                            int h, long long skip_row) {
+  const int t = blockIdx.x;
+  if (t >= tokens) return;
+  for (int col = threadIdx.x * 8; col < h; col += THREADS * 8) {
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+    for (int j = 0; j < k; ++j) {
+      const long long r = rows[static_cast<long long>(t) * k + j];
+      if (r == skip_row) continue;
+      const float wj = w[static_cast<long long>(t) * k + j];
+      const __nv_bfloat16* src = y + r * h;
+      float v[8];
+      if (VEC && col + 7 < h) {
+        const uint4 pk = *reinterpret_cast<const uint4*>(src + col);
+        const unsigned bits[4] = {pk.x, pk.y, pk.z, pk.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = tilehal::bf16x2_to_float2(bits[i]);
+          v[2 * i] = f.x;
+          v[2 * i + 1] = f.y;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = col + i < h ? __bfloat162float(src[col + i]) : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(v[i], wj));
+    }
+    __nv_bfloat16* dst = out + static_cast<long long>(t) * h;
+    if (VEC && col + 7 < h) {
+      uint4 pk;
+      pk.x = tilehal::float2_to_bf16x2(acc[0], acc[1]);
+      pk.y = tilehal::float2_to_bf16x2(acc[2], acc[3]);
+      pk.z = tilehal::float2_to_bf16x2(acc[4], acc[5]);
+      pk.w = tilehal::float2_to_bf16x2(acc[6], acc[7]);
+      *reinterpret_cast<uint4*>(dst + col) = pk;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) if (col + i < h) dst[col + i] = __float2bfloat16_rn(acc[i]);
+    }
+  }
+}
+
+}  // namespace tilestack
+"""
+COMBINE_THREADS = 256
+
+
+def combine_expression(vec: bool) -> str:
+    return f"tilestack::moe_combine_bf16<{COMBINE_THREADS}, {'true' if vec else 'false'}>"
+
+
+def compile_combine(expressions: tuple[str, ...] | None = None):
+    """NVRTC module of the combine kernel (sm_90a; cached on disk by content, no GPU needed)."""
+    import tilehal
+
+    return tilehal.compile_cuda(COMBINE_SOURCE, arch="sm_90a", name="tilestack_moe_combine", options=("-std=c++17",),
+                                name_expressions=list(expressions or (combine_expression(True),
+                                                                      combine_expression(False))))
+
+
+@functools.lru_cache(maxsize=4)
+def _combine_kernel(vec: bool):
+    return compile_combine((combine_expression(vec),)).get_kernel(combine_expression(vec))
+
+
 def weighted_combine(y_ext: torch.Tensor, pair_rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * y_ext[pair_rows[t * k + j]] in fp32, j in slot order -> fp32 [T, H]
-    (a gather then a fixed-order sum: deterministic on GPUs, unlike index_add)."""
+    """out[t] = sum_j w[t, j] * y_ext[pair_rows[t * k + j]] in fp32, j in slot order, rounded to bf16 -> [T, H]
+    (a gather then a fixed-order sum: deterministic on GPUs, unlike index_add). The last row of y_ext is the
+    zero row of the -1 slots. CUDA bf16: one kernel (one read of each chosen row, one write); elsewhere the
+    torch ops (the same values for k <= 2)."""
     t, k = topk_weights.shape
-    rows = y_ext.index_select(0, pair_rows).view(t, k, y_ext.shape[1])
-    return (rows * topk_weights.float().unsqueeze(-1)).sum(dim=1)
+    h = y_ext.shape[1]
+    if y_ext.is_cuda and y_ext.dtype is torch.bfloat16 and y_ext.is_contiguous() and t:
+        import tilehal
+
+        w = topk_weights.float().contiguous()
+        rows = pair_rows.contiguous()
+        out = torch.empty((t, h), dtype=torch.bfloat16, device=y_ext.device)
+        vec = h % 8 == 0 and y_ext.data_ptr() % 16 == 0
+        _combine_kernel(vec).launch(t, COMBINE_THREADS, (y_ext, rows, w, out, t, k, h,
+                                                         tilehal.Arg.i64(y_ext.shape[0] - 1)))
+        return out
+    rows = y_ext.index_select(0, pair_rows).view(t, k, h)
+    return (rows * topk_weights.float().unsqueeze(-1)).sum(dim=1).to(torch.bfloat16)
 
 
 def _scatter_rows(src: torch.Tensor, layout: ContiguousLayout) -> torch.Tensor:
@@ -477,7 +571,7 @@ class ExpertParallelMoE(torch.nn.Module):
         else:
             a = x2.to(torch.bfloat16).index_select(0, lay.src_rows)
         y_ext = self._grouped_experts(a, lay.m_indices)
-        return weighted_combine(y_ext, lay.pair_rows, topk_w).to(torch.bfloat16)
+        return weighted_combine(y_ext, lay.pair_rows, topk_w)
 
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden] in x's dtype.
