@@ -93,3 +93,17 @@ def test_compiled_cublas_shape_is_a_plain_linear():
     assert sum("tilestack.gemm_linear" in t for t in targets) == 1      # the deepgemm layer only
     assert any("linear" in t and "tilestack" not in t for t in targets)
     assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="deepgemm's kernels need an sm_90 GPU")
+def test_a_cublas_signature_takes_the_fast_path_from_its_second_call():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 256, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    gl = GemmLinear.from_linear(lin)
+    x = torch.randn(4, 1, 512, device="cuda").bfloat16()
+    layers.BF16_CHOICES[(4, 256, 512, False, x.get_device())] = "cublas"
+    with torch.no_grad():
+        first = gl(x)
+        assert gl._routes == {(x.shape, x.dtype, x.device, torch.bfloat16): "cublas"}
+        assert torch.equal(gl(x), first) and torch.equal(first, lin(x))

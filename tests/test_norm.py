@@ -108,3 +108,17 @@ def test_kernel_matches_the_transformers_module(shape, h_view):
     diff = (got.float() - want.float()).abs()
     assert bool((diff <= ulp).all())
     assert float((diff > 0).float().mean()) < 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the kernel is built for sm_90a")
+def test_module_fast_path_gives_the_checked_result():
+    norm = _hf_norm("LlamaRMSNorm", 4096, torch.bfloat16).cuda()
+    fused = FusedRMSNorm(norm)
+    x = torch.randn(64, 1, 4096, device="cuda").bfloat16()
+    with torch.no_grad():
+        first = fused(x)
+        assert fused._ok is not None
+        assert torch.equal(fused(x), first) and torch.equal(first, rms_norm(x, norm.weight, norm.variance_epsilon))
+        y = torch.randn(3, 4096, device="cuda").bfloat16()                       # another signature: checked
+        assert torch.equal(fused(y), rms_norm(y, norm.weight, norm.variance_epsilon))

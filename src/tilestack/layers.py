@@ -128,6 +128,7 @@ class GemmLinear(torch.nn.Module):
         self._cache: tuple[Any, Any] | None = None
         self._bias_cache: tuple[Any, torch.Tensor] | None = None
         self._logged_cpu = False
+        self._routes: dict[tuple, str] = {}
         ops.handle_of(self)
 
     @classmethod
@@ -143,6 +144,7 @@ class GemmLinear(torch.nn.Module):
         out.weight = linear.weight
         out.bias = linear.bias
         out._cache, out._bias_cache, out._logged_cpu = None, None, False
+        out._routes = {}
         ops.handle_of(out)
         return out
 
@@ -163,6 +165,12 @@ class GemmLinear(torch.nn.Module):
         return self._cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Fast path of an input signature already routed to cuBLAS (bf16, policy "auto"): nn.Linear's own call.
+        if type(x) is torch.Tensor and self._routes and not torch.compiler.is_compiling() \
+                and os.environ.get("TILESTACK_BF16_GEMM", "auto") == "auto":
+            w = self._parameters["weight"]
+            if self._routes.get((x.shape, x.dtype, x.device, w.dtype)) == "cublas":
+                return torch.nn.functional.linear(x, w, self._parameters["bias"])
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ShapeError(f"x: expected a tensor [..., {self.in_features}], got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
@@ -180,7 +188,11 @@ class GemmLinear(torch.nn.Module):
                 # One opaque node for torch.compile (tilestack.ops); its eager body is _forward_2d.
                 y = torch.ops.tilestack.gemm_linear(x2, self.weight, self.bias, self._tilestack_handle)
         else:
+            self._to_cublas = False
             y = self._forward_2d(x2)
+            if self._to_cublas and bf16_policy() == "auto":
+                # This input signature takes cuBLAS from now on without the checks (the forward's first lines).
+                self._routes[(x.shape, x.dtype, x.device, self._parameters["weight"].dtype)] = "cublas"
         return y if two_d else y.view(*x.shape[:-1], self.out_features)
 
     def __setstate__(self, state: dict) -> None:
@@ -206,6 +218,7 @@ class GemmLinear(torch.nn.Module):
         if self._bf16_eligible(x2) and x2.shape[0] and bf16_gemm_choice(
                 x2.shape[0], self.out_features, self.in_features, self._parameters.get("bias") is not None,
                 x2.get_device()) == "cublas":
+            self._to_cublas = True
             return torch.nn.functional.linear(x2, self._parameters["weight"], self._parameters.get("bias"))
         # bf16 out for a bf16 caller (the bias, in fp32, added in the GEMM's epilogue before the one rounding),
         # fp32 otherwise (rounded once to the caller's dtype at the end).

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 
+import tilehal
 import torch
 
 log = logging.getLogger("tilestack.norm")
@@ -119,8 +120,6 @@ def all_expressions() -> list[str]:
 
 def compile_module(expressions: tuple[str, ...] | None = None):
     """NVRTC module (sm_90a; cached on disk by content, no GPU needed)."""
-    import tilehal
-
     return tilehal.compile_cuda(KERNEL_SOURCE, arch="sm_90a", name="tilestack_rms_norm", options=("-std=c++17",),
                                 name_expressions=list(expressions or all_expressions()))
 
@@ -168,8 +167,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if why is not None:
         log.debug("rms_norm: torch ops (%s)", why)
         return rms_norm_reference(x, weight, eps)
-    import tilehal
+    return _rms_norm_cuda(x, weight, eps)
 
+
+def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.shape[-1]
     x2 = x.reshape(-1, h)                   # a view whenever the leading dims collapse
     rows = x2.shape[0]
@@ -195,9 +196,15 @@ class FusedRMSNorm(torch.nn.Module):
         self.weight = norm.weight
         self.variance_epsilon = float(norm.variance_epsilon)
         self._logged: set[str] = set()
+        self._ok: tuple | None = None     # the last input signature the kernel took (skips the checks)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         w = self._parameters["weight"]
+        if self._ok is not None and not torch.compiler.is_compiling() and type(hidden_states) is torch.Tensor:
+            sig = (hidden_states.shape, hidden_states.stride(), hidden_states.dtype, hidden_states.device,
+                   w.data_ptr(), w.dtype, torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad))
+            if sig == self._ok:
+                return _rms_norm_cuda(hidden_states, w, self.variance_epsilon)
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (hidden_states.requires_grad
                                                                          or w.requires_grad)):
             # inductor fuses the formula itself; autograd needs the torch ops.
@@ -208,7 +215,9 @@ class FusedRMSNorm(torch.nn.Module):
                 self._logged.add(why)
                 log.debug("FusedRMSNorm: torch ops (%s)", why)
             return rms_norm_reference(hidden_states, w, self.variance_epsilon)
-        return rms_norm(hidden_states, w, self.variance_epsilon)
+        self._ok = (hidden_states.shape, hidden_states.stride(), hidden_states.dtype, hidden_states.device,
+                    w.data_ptr(), w.dtype, False)
+        return _rms_norm_cuda(hidden_states, w, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
