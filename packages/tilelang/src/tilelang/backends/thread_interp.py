@@ -287,7 +287,99 @@ def _cvt(it: ThreadInterpreter, ins: list[Any], s: Intrinsic) -> list[Any]:
     return [_compute(v.astype(np_dtype(to)), to)]
 
 
-_INTRINSIC_RULES = {"fma": _fma, "cvt": _cvt, "fence_proxy_async": lambda it, ins, s: []}  # one per INTRINSICS entry
+def _whole_warps(it: ThreadInterpreter, s: Intrinsic) -> None:
+    """A warp-collective instruction needs every lane of every warp (lock-step, no divergence)."""
+    if it.threads % WARP or not it.active().all():
+        raise tilehal.LaunchError(f"{s.loc or ''}: {s.name} reached by {int(it.active().sum())} of {it.threads} "
+                                  f"threads: it needs every lane of each warp")
+
+
+def _bits(v: Any, dtype: str) -> np.ndarray:
+    """The storage bits of per-lane values of `dtype` (compute type in, unsigned ints of its width out)."""
+    a = np.asarray(v).astype(np_dtype(dtype))
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def _values(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """Elements of `dtype` from their storage bits, in the compute type."""
+    t = np_dtype(dtype)
+    return _compute(np.ascontiguousarray(bits).view(t), dtype)
+
+
+def _ldmatrix(trans: bool):
+    def rule(it: ThreadInterpreter, ins: list[Any], s: Intrinsic) -> list[Any]:
+        _whole_warps(it, s)
+        ref = s.ins[0]
+        mem = it.bufs[ref.buffer]
+        byte = mem.view(np.uint8)
+        off = it.lanes_of(it.expr(ref.indices[0]), np.int64) * mem.dtype.itemsize  # each lane's row address
+        if (off % 16).any():
+            raise tilehal.LaunchError(f"{s.loc or ''}: {s.name}: a row address of {ref.buffer.name} is not 16-byte "
+                                      f"aligned (byte offset {int(off[off % 16 != 0][0])})")
+        if off.min() < 0 or off.max() + 16 > byte.size:
+            raise tilehal.LaunchError(f"{s.loc or ''}: {s.name}: row address outside {ref.buffer.name}")
+        rows = byte[off[:, None] + np.arange(16)].reshape(-1, 4, 8, 8, 2)  # (warps, matrix, row, b16 unit, byte)
+        lane = np.arange(WARP)
+        g, t = lane // 4, lane % 4
+        out = []
+        for i in range(4):
+            m = rows[:, i]  # (warps, 8 rows, 8 units, 2 bytes)
+            if not trans:
+                pair = np.stack([m[:, g, 2 * t], m[:, g, 2 * t + 1]], axis=2)  # (warps, lane, 2 units, 2 bytes)
+            else:
+                pair = np.stack([m[:, 2 * t, g], m[:, 2 * t + 1, g]], axis=2)
+            out.append(np.ascontiguousarray(pair).reshape(-1, 4).view(np.uint32).reshape(-1))
+        return out
+
+    return rule
+
+
+def _mma(k: int):
+    def rule(it: ThreadInterpreter, ins: list[Any], s: Intrinsic) -> list[Any]:
+        _whole_warps(it, s)
+        dtype = dt.canonical(s.attrs["dtype"])
+        per = 4 // np_dtype(dtype).itemsize  # elements per 32-bit register: 2 (16-bit) or 4 (8-bit)
+        nw = it.threads // WARP
+
+        def regs(vals: list[Any]) -> np.ndarray:  # (warps, lane, reg, element) in the compute type
+            words = np.stack([it.lanes_of(v).astype(np.uint32) for v in vals], axis=1)
+            return _values(words.view(np.uint8).reshape(len(words), -1), dtype).reshape(nw, WARP, len(vals), per)
+
+        a, b = regs(ins[0:4]), regs(ins[4:6])
+        lane = np.arange(WARP)
+        g, t = lane // 4, lane % 4
+        A = np.zeros((nw, 16, k), np.float64)
+        Bm = np.zeros((nw, k, 8), np.float64)
+        half = k // 2
+        for r, (row0, col0) in enumerate(((0, 0), (8, 0), (0, half), (8, half))):
+            for e in range(per):
+                A[:, g + row0, col0 + per * t + e] = a[:, :, r, e]
+        for r, k0 in enumerate((0, half)):
+            for e in range(per):
+                Bm[:, k0 + per * t + e, g] = b[:, :, r, e]
+        D = A @ Bm  # exact: products of 16/8-bit values and their sums fit fp64 (rounding to fp32 once)
+        c = np.stack([it.lanes_of(v) for v in ins[6:10]], axis=1).reshape(nw, WARP, 4)
+        acc_int = np.asarray(ins[6]).dtype.kind in "iu"
+        out = []
+        for r, (row0, col) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+            d = D[:, g + row0, 2 * t + col]
+            val = c[:, :, r].astype(np.float64) + d
+            out.append(val.astype(np.int32 if acc_int else np.float32).reshape(-1))
+        return out
+
+    return rule
+
+
+def _pack2_bits(it: ThreadInterpreter, ins: list[Any], s: Intrinsic) -> list[Any]:
+    dtype = dt.canonical(s.attrs["dtype"])
+    lo, hi = (_bits(it.lanes_of(v), dtype).astype(np.uint32) for v in ins)
+    return [lo | (hi << 16)]
+
+
+_INTRINSIC_RULES = {"fma": _fma, "cvt": _cvt, "fence_proxy_async": lambda it, ins, s: [],
+                    "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
+                    "mma_m16n8k16": _mma(16), "mma_m16n8k32": _mma(32),
+                    "pack2_bits": _pack2_bits}  # one per INTRINSICS entry
 
 register_rules("thread.interp", {
     Kernel: ThreadInterpreter.kernel, ThreadIdx: ThreadInterpreter.thread_idx, Shuffle: ThreadInterpreter.shuffle,

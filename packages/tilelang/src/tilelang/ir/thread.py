@@ -177,6 +177,18 @@ INTRINSICS = {s.name: s for s in [
     # fence.proxy.async.shared::cta: shared memory written by threads / cp.async is next read by the async proxy
     # (wgmma, TMA); no effect on values (the interpreter's memory has one proxy)
     IntrinsicSpec("fence_proxy_async", 0, 0),
+    # ldmatrix.sync.aligned.m8n8.x4.shared.b16 (.trans): in: the shared-memory element each lane addresses (lanes
+    # 8i..8i+7: the rows of matrix i); out: the lane's 4 32-bit registers, register i = matrix i's b16 pair
+    # (row lane / 4, units 2 (lane % 4), +1), or with .trans (rows 2 (lane % 4), +1 of unit lane / 4)
+    IntrinsicSpec("ldmatrix_x4", 1, 4),
+    IntrinsicSpec("ldmatrix_x4_trans", 1, 4),
+    # mma.sync.aligned.m16n8k16 (16-bit A/B) / m16n8k32 (8-bit A/B), row.col: in: A's 4 32-bit registers, B's 2,
+    # the 4 accumulators; out: the 4 accumulators + A @ B (fp32 or int32), in the PTX ISA's fragment layouts;
+    # attrs["dtype"]: the A / B element type
+    IntrinsicSpec("mma_m16n8k16", 10, 4, ("dtype",)),
+    IntrinsicSpec("mma_m16n8k32", 10, 4, ("dtype",)),
+    # two 16-bit values' bits packed into one 32-bit register (the first in the low half); attrs["dtype"]: their type
+    IntrinsicSpec("pack2_bits", 2, 1, ("dtype",)),
 ]}
 
 

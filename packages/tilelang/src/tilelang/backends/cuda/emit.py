@@ -106,6 +106,16 @@ class Ref(Load):
 
 
 @dataclass(eq=False)
+class NamedRef(Ref):
+    """A Ref printed through another name for the same memory (`(((float*)_tl_scratch) + 0)[i]`)."""
+
+    text: str = ""
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return NamedRef(self.buffer, children, self.scalar, self.text)
+
+
+@dataclass(eq=False)
 class Zero(Expr):
     """The zero of a storage type (`tilehal::from_float<__half>(0.0f)`, `0`)."""
 
@@ -426,6 +436,57 @@ class VecAtomicAdd(Stmt):
                             tr.expr(self.cond) if self.cond is not None else None, loc=self.loc)
 
 
+@dataclass(eq=False)
+class RegArray(Stmt):
+    """Per-thread registers of a C type (`tilehal::u32 _a[4][4];`: the packed operands of mma.sync);
+    `buffer` has the array's shape and the type of what the interpreter keeps in them (uint32)."""
+
+    buffer: Buffer
+    ctype: str
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return self
+
+
+@dataclass(eq=False)
+class ElemRef(Load):
+    """Element of a register array, C-indexed: `_a[_mi][2]`."""
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return ElemRef(self.buffer, children)
+
+    @property
+    def dtype(self) -> str:
+        return self.buffer.dtype
+
+
+@dataclass(eq=False)
+class Decl(Stmt):
+    """`const int a = x, b = y;`: lets in order, on one line."""
+
+    vars: list
+    values: list[Expr]
+
+    def exprs(self) -> list[Expr]:
+        return list(self.values)
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return Decl(list(self.vars), [tr.expr(v) for v in self.values], loc=self.loc)
+
+
+@dataclass(eq=False)
+class OneLine(Stmt):
+    """Statements printed on one line (`_b[0][0] = _t[0]; _b[0][1] = _t[1];`); they run in order."""
+
+    body: Stmt
+
+    def children(self) -> list[Stmt]:
+        return [self.body]
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return OneLine(tr.stmt(self.body) or Seq([]), loc=self.loc)
+
+
 # ---------------------------------------------------------------- the printer
 
 
@@ -530,15 +591,48 @@ def _reg_buffer(em: Emitter, s: RegBuffer, ind: int) -> None:
         em.line(ind, f"for (int _i = 0; _i < {s.nregs}; ++_i) {b.name}[_i] = {init};")
 
 
-# intrinsic -> its CUDA spelling (a format over the printed operands)
-INTRINSIC_SPELLING = {"fence_proxy_async": "tilehal::fence_proxy_async_shared();"}
+def _row(cx: Any, r: Load) -> str:
+    """The register row an mma operand names: `_a[_mi]` (an element's indices but the last), `_t`."""
+    return r.buffer.name + "".join(f"[{cx.expr(i)}]" for i in r.indices[:-1])
+
+
+def _ldmatrix(em: Emitter, s: Intrinsic) -> str:
+    return f"tilehal::{s.name}({_row(em.cx, s.outs[0])}, &{em.cx.expr(s.ins[0])});"
+
+
+def _mma(em: Emitter, s: Intrinsic) -> str:
+    cx = em.cx
+    return (f"tilehal::{s.name}(tilehal::{s.attrs['tag']}(), *reinterpret_cast<{s.attrs['acc_ctype']}(*)[4]>"
+            f"(&{cx.expr(s.outs[0])}), {_row(cx, s.ins[0])}, {_row(cx, s.ins[4])});")
+
+
+# intrinsic -> its CUDA spelling: a format over the printed operands, or a function of (emitter, node)
+INTRINSIC_SPELLING = {
+    "fence_proxy_async": "tilehal::fence_proxy_async_shared();",
+    "ldmatrix_x4": _ldmatrix, "ldmatrix_x4_trans": _ldmatrix, "mma_m16n8k16": _mma, "mma_m16n8k32": _mma,
+    "pack2_bits": lambda em, s: f"{em.cx.expr(s.outs[0])} = tilehal::pack2_bits({em.cx.expr(s.ins[0])}, "
+                                f"{em.cx.expr(s.ins[1])});",
+}
 
 
 def _intrinsic(em: Emitter, s: Intrinsic, ind: int) -> None:
     spelling = INTRINSIC_SPELLING.get(s.name)
     if spelling is None:
         raise TypeError(f"cuda emit: intrinsic {s.name!r} has no CUDA spelling")
+    if callable(spelling):
+        em.line(ind, spelling(em, s))
+        return
     em.line(ind, spelling.format(*[em.cx.expr(i) for i in s.ins], *[em.cx.expr(o) for o in s.outs]))
+
+
+def _decl(em: Emitter, s: Decl, ind: int) -> None:
+    parts = ", ".join(f"{v.name} = {em.cx.expr(x)}" for v, x in zip(s.vars, s.values))
+    em.line(ind, f"const {em.cx.value_ctype(s.vars[0].dtype)} {parts};")
+
+
+def _one_line(em: Emitter, s: OneLine, ind: int) -> None:
+    body = s.body.body if isinstance(s.body, Seq) else [s.body]
+    em.line(ind, " ".join(em.one_line(x) for x in body))
 
 
 def _guarded(em: Emitter, cond: Expr | None, line: str) -> str:
@@ -613,14 +707,16 @@ register_rules("cuda.emit", {
     AsyncCommit: lambda em, s, ind: em.line(ind, "tilehal::cp_async_commit();"),
     AsyncWait: lambda em, s, ind: em.line(ind, f"tilehal::cp_async_wait<{s.n}>();"),
     Comment: lambda em, s, ind: em.line(ind, f"// {s.text}"),
-    AtomicAdd: _atomic_add, VecAtomicAdd: _vec_atomic_add,
+    AtomicAdd: _atomic_add, VecAtomicAdd: _vec_atomic_add, Decl: _decl, OneLine: _one_line,
+    RegArray: lambda em, s, ind: em.line(ind, f"{s.ctype} {s.buffer.name}"
+                                              f"{''.join(f'[{int(d.value)}]' for d in s.buffer.shape)};"),
 })
 
 # expressions: the codegen's methods that print them (lower_thread.ThreadBuilder)
 register_rules("cexpr", {Bare: "bare", Paren: "paren", VerbatimExpr: "verbatim_expr", Ref: "ref_", Zero: "zero_",
                          ToFloat: "to_float_", Stored: "stored_", Conv: "conv_", ThreadIdx: "thread_idx",
                          CSelect: "cselect", IntLit: "int_lit", CastC: "cast_c", MinMax: "min_max", Abs: "abs_",
-                         Shuffle: "shuffle_"})
+                         Shuffle: "shuffle_", ElemRef: "elem_ref", NamedRef: "named_ref"})
 
 
 # ---------------------------------------------------------------- the thread interpreter's rules for these nodes
@@ -734,7 +830,19 @@ def _atomic_interp(it: Any, ref: Ref, first: int, values: list[Any], cond: Expr 
         np.add.at(arr, idx, np.asarray(it.lanes_of(v))[on].astype(arr.dtype))
 
 
+def _reg_array_interp(it: Any, s: RegArray) -> None:
+    it.bufs[s.buffer] = np.zeros((it.threads, *[int(d.value) for d in s.buffer.shape]), dtype=np_dtype(s.buffer.dtype))
+    it.regs.add(s.buffer)
+
+
+def _decl_interp(it: Any, s: Decl) -> None:
+    for v, x in zip(s.vars, s.values):
+        it.env[v] = it.expr(x)
+
+
 register_rules("thread.interp", {
+    RegArray: _reg_array_interp, Decl: _decl_interp, OneLine: lambda it, s: it.stmt(s.body),
+    ElemRef: lambda it, e: it.load(e.buffer, [it.expr(i) for i in e.indices]),
     AtomicAdd: lambda it, s: _atomic_interp(it, s.ref, 0, [it.expr(s.value)], s.cond, s.loc),
     VecAtomicAdd: lambda it, s: _atomic_interp(it, s.ref, s.part * len(s.values), [it.expr(v) for v in s.values],
                                                s.cond, s.loc),
@@ -755,5 +863,5 @@ register_rules("thread.interp", {
     TStore: _tstore_interp,
 })
 
-__all__ = ["Abs", "AtomicAdd", "VecAtomicAdd", "Bare", "CSelect", "CastC", "Comment", "IntLit", "MinMax", "Conv", "PackedStore2", "VecLoad", "VecStore", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
+__all__ = ["NamedRef", "Decl", "ElemRef", "OneLine", "RegArray", "Abs", "AtomicAdd", "VecAtomicAdd", "Bare", "CSelect", "CastC", "Comment", "IntLit", "MinMax", "Conv", "PackedStore2", "VecLoad", "VecStore", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
            "VerbatimExpr", "Zero", "emit_body"]

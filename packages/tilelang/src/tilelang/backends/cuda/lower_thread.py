@@ -57,6 +57,7 @@ from .emit import (
     CastC,
     Conv,
     CSelect,
+    ElemRef,
     IntLit,
     MinMax,
     Paren,
@@ -207,6 +208,12 @@ class ThreadBuilder:
         fn = {"xor": "__shfl_xor_sync", "down": "__shfl_down_sync", "up": "__shfl_up_sync", "idx": "__shfl_sync"}[e.kind]
         width = f", {e.width}" if e.width != 32 else ""
         return f"{fn}(0xffffffffu, {self.expr(e.value)}, {self.expr(e.lane)}{width})"
+
+    def named_ref(self, e) -> str:
+        return f"{e.text}[{self.expr(e.indices[0])}]"
+
+    def elem_ref(self, e: ElemRef) -> str:
+        return e.buffer.name + "".join(f"[{self.expr(i)}]" for i in e.indices)
 
     def cselect(self, e: CSelect) -> str:
         return f"(({self.expr(e.cond)}) ? {self.expr(e.a)} : {self.expr(e.b)})"

@@ -1,5 +1,5 @@
 """CUDA lowering of T.gemm: ldmatrix + mma.sync with swizzled shared operands, or FMA on CUDA cores
-(wgmma.mma_async: rules/wgmma.py)."""
+(wgmma.mma_async: rules/wgmma.py); thread-level nodes (lower_thread.py) with ldmatrix / mma.sync intrinsics."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import numpy as np
 from ....errors import CompileError
 from ....ir import dtypes as dt
 from ....ir.layout import Axis, Fragment
-from ....ir.nodes import Alloc, Buffer, Copy, Gemm, Region
+from ....ir.nodes import Alloc, Buffer, Cast, Const, Copy, Expr, For, Gemm, Region, Seq
+from ....ir.thread import Barrier, Intrinsic, RegBuffer, Scope
 from ..common import _LOW, _MMA_TAG, esize, log, value_type
+from ..emit import Comment, Conv, Decl, ElemRef, NamedRef, OneLine, Ref, RegArray, ToFloat, TStore
 from ..infer import GemmPlan
+from ..lower_thread import TX, B, C, P, total
 
 
 class GemmRules:
@@ -86,14 +89,15 @@ class GemmRules:
             return self.gemm_mma(s, plan)
         return self.gemm_simt(s, plan)
 
-    def _smem_addr(self, r: Region, row: str, col: str) -> str:
+    def _smem_addr(self, r: Region, row: Expr, col: Expr) -> Ref:
+        """The shared element at (row, col) of operand tile `r` (an ldmatrix row address)."""
         rd, cd = r.matrix_dims()
-        idx = [self.expr(x) for x in r.starts]
-        idx[rd] = f"({idx[rd]} + {row})"
-        idx[cd] = f"({idx[cd]} + {col})"
-        return f"&{r.buffer.name}[{self.smem_offset(r.buffer, idx)}]"
+        idx = [self.lower_expr(x) for x in r.starts]
+        idx[rd] = P(B(idx[rd], "+", row))
+        idx[cd] = P(B(idx[cd], "+", col))
+        return Ref(self.tbuf(r.buffer), [self.smem_offset_x(r.buffer, idx)])
 
-    def _mma_reg(self, f: Fragment, mi: str, nj: str, h: str, c: str) -> str:
+    def _mma_reg(self, f: Fragment, mi: Expr, nj: Expr, h: Expr, c: Expr) -> Expr:
         """Register of (m16 tile mi, n8 tile nj, half h, column c) in an mma-shaped layout."""
         want = {(0, 16): mi, (1, 8): nj, (0, 8): h, (1, 1): c}
         terms = []
@@ -101,8 +105,8 @@ class GemmRules:
             key = (d, a.coeff)
             if key not in want:
                 raise CompileError(f"layout {f} is not an mma.sync fragment", self.kernel.loc)
-            terms.append(f"({want[key]}) * {f.reg_stride(d, a)}")
-        return " + ".join(terms) or "0"
+            terms.append(B(P(want[key]), "*", C(f.reg_stride(d, a))))
+        return total(terms) or C(0)
 
     def gemm_mma(self, s: Gemm, plan: GemmPlan) -> None:
         m, n = s.C.as_2d()
@@ -113,64 +117,75 @@ class GemmRules:
         ks = plan.kstep
         tag = _MMA_TAG[s.A.buffer.dtype]
         fc = self.inf.layouts[s.C.buffer]
-        c = s.C.buffer.name
-        acc_t = "int" if s.C.buffer.dtype == "int32" else "float"
-        self.emit(f"// T.gemm {m}x{n}x{kdim} {s.A.buffer.dtype}: mma.sync m16n8k{ks}, warps {wm}x{wn}")
-        self.open("")
-        self.emit("const int _warp = _tx >> 5, _lane = _tx & 31;")
-        self.emit(f"const int _wm = (_warp / {wn}) % {wm} * {WM}, _wn = (_warp % {wn}) * {WN};")
+        c = s.C.buffer
+        acc_t = "int" if c.dtype == "int32" else "float"
+        unroll = {"c_extent_bound": True}
+        v = self.v
+        warp, lane, wm_, wn_, q, r8 = (v(x) for x in ("_warp", "_lane", "_wm", "_wn", "_q", "_r8"))
+        kk, mi, p, nj, i = v("_kk"), v("_mi"), v("_p"), v("_nj"), v("_i")
+        self.add(Comment(f"T.gemm {m}x{n}x{kdim} {s.A.buffer.dtype}: mma.sync m16n8k{ks}, warps {wm}x{wn}", loc=s.loc))
+        self.begin()  # the scope
+        self.add(Decl([warp, lane], [B(TX, ">>", C(5)), B(TX, "&", C(31))]))
+        self.add(Decl([wm_, wn_], [B(B(P(B(warp, "/", C(wn))), "%", C(wm)), "*", C(WM)), B(P(B(warp, "%", C(wn))), "*", C(WN))]))
         if s.clear_accum:
-            self.emit("#pragma unroll")
-            self.emit(f"for (int _i = 0; _i < {fc.nregs}; ++_i) {c}[_i] = 0;")
-        self.emit("const int _q = _lane >> 3, _r8 = _lane & 7;")
-        self.emit("#pragma unroll")
-        self.open(f"for (int _kk = 0; _kk < {kdim // ks}; ++_kk)")
-        self.emit(f"tilehal::u32 _a[{MI}][4];")
-        self.emit(f"tilehal::u32 _b[{NJ}][2];")
-        kcol = "(_q >> 1) * 8" if ks == 16 else "(_q >> 1) * 16"
+            self.add(For(i, C(0), C(fc.nregs), "unroll", TStore(self.reg_ref(c, i), C(0)),
+                         annotations={"c_extent_bound": True, "c_one_line": True}))
+        self.add(Decl([q, r8], [B(lane, ">>", C(3)), B(lane, "&", C(7))]))
+        self.begin()  # the k loop
+        ra = Buffer("_a", (C(MI), C(4)), "int32", "local")
+        rb = Buffer("_b", (C(NJ), C(2)), "int32", "local")
+        rt = Buffer("_t", (C(4),), "int32", "local")
+        self.add(RegArray(ra, "tilehal::u32"))
+        self.add(RegArray(rb, "tilehal::u32"))
+        kcol = B(P(B(q, ">>", C(1))), "*", C(8 if ks == 16 else 16))
+        a_regs = [ElemRef(ra, [mi, C(j)]) for j in range(4)]
         # A
-        self.emit("#pragma unroll")
-        self.open(f"for (int _mi = 0; _mi < {MI}; ++_mi)")
+        self.begin()
         if s.A.buffer.scope == "fragment":
             fa = self.inf.layouts[s.A.buffer]
-            an = s.A.buffer.name
-            regs = [self._mma_reg(fa, "_mi", f"2 * _kk + {j}", str(h), "0") for j, h in ((0, 0), (0, 1), (1, 0), (1, 1))]
-            for i, r in enumerate(regs):
-                self.emit(f"_a[_mi][{i}] = tilehal::pack2_bits({an}[{r}], {an}[{r} + {fa.reg_stride(1, Axis('r', 2, 1))}]);")
+            two = fa.reg_stride(1, Axis("r", 2, 1))
+            for j, (kj, h) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+                reg = self._mma_reg(fa, mi, B(B(C(2), "*", kk), "+", C(kj)), C(h), C(0))
+                self.add(Intrinsic("pack2_bits", [a_regs[j]], [self.reg_ref(s.A.buffer, reg),
+                                                              self.reg_ref(s.A.buffer, B(reg, "+", C(two)))],
+                                   {"dtype": s.A.buffer.dtype}))
         elif not s.transpose_A:
-            row = "_wm + _mi * 16 + (_q & 1) * 8 + _r8"
-            col = f"_kk * {ks} + {kcol}"
-            self.emit(f"tilehal::ldmatrix_x4(_a[_mi], {self._smem_addr(s.A, row, col)});")
+            row = B(B(B(wm_, "+", B(mi, "*", C(16))), "+", B(P(B(q, "&", C(1))), "*", C(8))), "+", r8)
+            col = B(B(kk, "*", C(ks)), "+", kcol)
+            self.add(Intrinsic("ldmatrix_x4", a_regs, [self._smem_addr(s.A, row, col)]))
         else:
-            row = "_kk * 16 + (_q >> 1) * 8 + _r8"
-            col = "_wm + _mi * 16 + (_q & 1) * 8"
-            self.emit(f"tilehal::ldmatrix_x4_trans(_a[_mi], {self._smem_addr(s.A, row, col)});")
-        self.close()
+            row = B(B(B(kk, "*", C(16)), "+", B(P(B(q, ">>", C(1))), "*", C(8))), "+", r8)
+            col = B(B(wm_, "+", B(mi, "*", C(16))), "+", B(P(B(q, "&", C(1))), "*", C(8)))
+            self.add(Intrinsic("ldmatrix_x4_trans", a_regs, [self._smem_addr(s.A, row, col)]))
+        self.add(For(mi, C(0), C(MI), "unroll", self.end(), annotations=unroll))
         # B, two n8 tiles per ldmatrix.x4
-        self.emit("#pragma unroll")
-        self.open(f"for (int _p = 0; _p < {NJ // 2}; ++_p)")
-        self.emit("tilehal::u32 _t[4];")
+        self.begin()
+        self.add(RegArray(rt, "tilehal::u32"))
+        t_regs = [ElemRef(rt, [C(j)]) for j in range(4)]
+        pair = B(P(B(p, "*", C(2))), "+", P(B(q, ">>", C(1))))
         if s.transpose_B:
-            row = "_wn + (_p * 2 + (_q >> 1)) * 8 + _r8"
-            col = f"_kk * {ks} + (_q & 1) * {ks // 2}"
-            self.emit(f"tilehal::ldmatrix_x4(_t, {self._smem_addr(s.B, row, col)});")
+            row = B(B(wn_, "+", B(P(B(B(p, "*", C(2)), "+", P(B(q, ">>", C(1))))), "*", C(8))), "+", r8)
+            col = B(B(kk, "*", C(ks)), "+", B(P(B(q, "&", C(1))), "*", C(ks // 2)))
+            self.add(Intrinsic("ldmatrix_x4", t_regs, [self._smem_addr(s.B, row, col)]))
         else:
-            row = "_kk * 16 + (_q & 1) * 8 + _r8"
-            col = "_wn + (_p * 2 + (_q >> 1)) * 8"
-            self.emit(f"tilehal::ldmatrix_x4_trans(_t, {self._smem_addr(s.B, row, col)});")
-        self.emit("_b[2 * _p][0] = _t[0]; _b[2 * _p][1] = _t[1]; _b[2 * _p + 1][0] = _t[2]; _b[2 * _p + 1][1] = _t[3];")
-        self.close()
-        self.emit("#pragma unroll")
-        self.open(f"for (int _mi = 0; _mi < {MI}; ++_mi)")
-        self.emit("#pragma unroll")
-        self.open(f"for (int _nj = 0; _nj < {NJ}; ++_nj)")
-        creg = self._mma_reg(fc, "_mi", "_nj", "0", "0")
+            row = B(B(B(kk, "*", C(16)), "+", B(P(B(q, "&", C(1))), "*", C(8))), "+", r8)
+            col = B(wn_, "+", B(P(B(B(p, "*", C(2)), "+", P(B(q, ">>", C(1))))), "*", C(8)))
+            self.add(Intrinsic("ldmatrix_x4_trans", t_regs, [self._smem_addr(s.B, row, col)]))
+        del pair
+        p2 = B(C(2), "*", p)
+        p21 = B(B(C(2), "*", p), "+", C(1))
+        self.add(OneLine(Seq([TStore(ElemRef(rb, [p2, C(0)]), t_regs[0]), TStore(ElemRef(rb, [p2, C(1)]), t_regs[1]),
+                              TStore(ElemRef(rb, [p21, C(0)]), t_regs[2]), TStore(ElemRef(rb, [p21, C(1)]), t_regs[3])])))
+        self.add(For(p, C(0), C(NJ // 2), "unroll", self.end(), annotations=unroll))
+        creg = self._mma_reg(fc, mi, nj, C(0), C(0))
         fn = "mma_m16n8k16" if ks == 16 else "mma_m16n8k32"
-        self.emit(f"tilehal::{fn}(tilehal::{tag}(), *reinterpret_cast<{acc_t}(*)[4]>(&{c}[{creg}]), _a[_mi], _b[_nj]);")
-        self.close()
-        self.close()
-        self.close()
-        self.close()
+        outs = [self.reg_ref(c, creg if k == 0 else B(creg, "+", C(k))) for k in range(4)]
+        ins = [ElemRef(ra, [mi, C(j)]) for j in range(4)] + [ElemRef(rb, [nj, C(j)]) for j in range(2)] + list(outs)
+        mma = Intrinsic(fn, outs, ins, {"dtype": s.A.buffer.dtype, "tag": tag, "acc_ctype": acc_t})
+        inner = For(nj, C(0), C(NJ), "unroll", mma, annotations=unroll)
+        self.add(For(mi, C(0), C(MI), "unroll", inner, annotations=unroll))
+        self.add(For(kk, C(0), C(kdim // ks), "unroll", self.end(), annotations=unroll))
+        self.add(Scope(self.end()))
         # the accumulator registers are in (mi, nj, h, c) order with (h, c) innermost: checked here
         for h, cc, k in ((0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)):
             try:
@@ -178,7 +193,7 @@ class GemmRules:
             except KeyError:
                 st = k
             if st != k:
-                raise CompileError(f"T.gemm accumulator {c}: registers not in mma order ({fc})", s.loc)
+                raise CompileError(f"T.gemm accumulator {c.name}: registers not in mma order ({fc})", s.loc)
 
     def gemm_simt(self, s: Gemm, plan: GemmPlan) -> None:
         cbuf = s.C.buffer
@@ -186,61 +201,61 @@ class GemmRules:
         m, n = s.C.as_2d()
         kdim = s.A.as_2d()[0] if s.transpose_A else s.A.as_2d()[1]
         acc_t = dt.compute_type(cbuf.dtype)
-        ct = value_type(acc_t)
-        self.emit(f"// T.gemm {m}x{n}x{kdim} on CUDA cores ({plan.reason})")
+        self.add(Comment(f"T.gemm {m}x{n}x{kdim} on CUDA cores ({plan.reason})", loc=s.loc))
         staged = {}
         off = 0
         for r in (s.A, s.B):
             if r.buffer.scope == "fragment" and r.buffer not in staged:
                 staged[r.buffer] = off
                 off += int(np.prod(r.buffer.static_shape()))
+        views = {}
         if staged:
             base = self.scratch(off * 8)
-            self.emit("__syncthreads();")
+            self.add(Barrier())
             for b, o in staged.items():
-                self.stage_fragment(b, True, f"((({value_type(b.dtype)}*){base}) + {o})")
-            self.emit("__syncthreads();")
+                at = f"((({value_type(b.dtype)}*){base}) + {o})"
+                self.stage_fragment(b, True, at)
+                views[b] = (self.scratch_buf(dt.compute_type(b.dtype), at), at)
+            self.add(Barrier())
+        k = self.v("_k")
 
-        def operand(r: Region, row: str, col: str) -> str:
+        def operand(r: Region, row: Expr, col: Expr) -> Expr:
             b = r.buffer
             rd, cd = r.matrix_dims()
+            idx = [self.lower_expr(x) for x in r.starts]
+            if rd >= 0:
+                idx[rd] = P(B(idx[rd], "+", row))
+            if cd >= 0:
+                idx[cd] = P(B(idx[cd], "+", col))
             if b in staged:
                 shape = b.static_shape()
-                idx = [self.expr(x) for x in r.starts]
-                if rd >= 0:
-                    idx[rd] = f"({idx[rd]} + {row})"
-                if cd >= 0:
-                    idx[cd] = f"({idx[cd]} + {col})"
                 flat = idx[0]
                 for d in range(1, len(idx)):
-                    flat = f"({flat}) * {shape[d]} + {idx[d]}"
-                return f"((({value_type(b.dtype)}*){base}) + {staged[b]})[{flat}]"
-            idx = [self.expr(x) for x in r.starts]
-            if rd >= 0:
-                idx[rd] = f"({idx[rd]} + {row})"
-            if cd >= 0:
-                idx[cd] = f"({idx[cd]} + {col})"
-            ref = self.mem_ref(b, idx)
-            return f"tilehal::to_float({ref})" if b.dtype in _LOW else ref
+                    flat = B(B(P(flat), "*", C(shape[d])), "+", idx[d])
+                view, at = views[b]
+                return NamedRef(view, [flat], text=at)
+            ref = self.mem_ref_x(b, idx)
+            return ToFloat(ref) if b.dtype in _LOW else ref
 
         names = [self.fresh("i"), self.fresh("j")]
-        cn = [nm for nm in names]
 
         def body(regvars):
-            reg = self._reg_by_axes(f, f, regvars)
-            i, j = cn
-            a = operand(s.A, "_k", i) if s.transpose_A else operand(s.A, i, "_k")
-            b = operand(s.B, j, "_k") if s.transpose_B else operand(s.B, "_k", j)
-            self.emit(f"{ct} _acc = 0;")
-            self.open(f"for (int _k = 0; _k < {kdim}; ++_k)")
-            self.emit(f"_acc += (({ct})({a})) * (({ct})({b}));")
-            self.close()
-            old = f"tilehal::to_float({cbuf.name}[{reg}])" if cbuf.dtype in _LOW else f"{cbuf.name}[{reg}]"
-            val = "_acc" if s.clear_accum else f"({old} + _acc)"
-            self.emit(f"{cbuf.name}[{reg}] = {self.conv(val, acc_t, cbuf.dtype)};")
+            reg = self._reg_by_axes_x(f, f, regvars)
+            i, j = (self.v(x) for x in names)
+            a = operand(s.A, k, i) if s.transpose_A else operand(s.A, i, k)
+            b = operand(s.B, j, k) if s.transpose_B else operand(s.B, k, j)
+            acc_b = Buffer("_acc", (C(1),), acc_t, "local")
+            acc = Ref(acc_b, [C(0)], True)
+            self.add(RegBuffer(acc_b, None, Const(0, dt.INDEX), scalar=True))
+            self.add(For(k, C(0), C(kdim), "serial", TStore(acc, B(Cast(a, acc_t), "*", Cast(b, acc_t), acc_t), op="+"),
+                         annotations={"c_extent_bound": True}))
+            old: Expr = self.reg_ref(cbuf, reg)
+            old = ToFloat(old) if cbuf.dtype in _LOW else old
+            val: Expr = acc if s.clear_accum else P(B(old, "+", acc, acc_t))
+            self.add(TStore(self.reg_ref(cbuf, reg), Conv(acc_t, cbuf.dtype, val)))
 
         if len(f.shape) != 2:
             raise CompileError(f"T.gemm accumulator {cbuf.name} must be 2-D", s.loc)
         self.layout_loop(f, names, body)
         if staged:
-            self.emit("__syncthreads();")
+            self.add(Barrier())
