@@ -7,7 +7,7 @@ Kernels: benchmarks/cuda_kernels.py (public TileLang style). GEMM NT fp16/bf16 a
 M=4096 with (N, K) in (7168, 2048), (2112, 7168), (24576, 1536); flash attention forward bhsd
 fp16, b4 h32 s4096 d128, causal and not. Ours up to four times: "ours" (the sm_90a defaults: T.gemm on
 wgmma, pipelined copies on TMA), "ours_ws" (pass_configs cuda_warp_specialize: a producer warpgroup issues
-the TMA loads), "ours_cp" (tl.disable_tma_lower: copies on cp.async) and "ours_mma" (tl.disable_wgmma:
+the TMA loads), "ours_wsp" (+ cuda_persistent: one block per SM loops over the tiles), "ours_cp" (tl.disable_tma_lower: copies on cp.async) and "ours_mma" (tl.disable_wgmma:
 ldmatrix + mma.sync + cp.async); `--best-from JSON` times only the (config, refill) pairs a JSON marks best
 (several per shape allowed); `--short` the short lists of SHORT_CONFIGS (a GPU round of ~100 s). Timing: 10 calls captured in a
 CUDA graph, replayed (median of 5 replays), so launch overhead is not measured for anyone. Compile:
@@ -59,6 +59,10 @@ SHORT_CONFIGS = {
                 (4096, 2112, 7168): [((128, 192, 64, 5, 256), "ws"), ((128, 192, 64, 5, 256, "c_shared"), "ws"),
                                      ((128, 176, 64, 5, 256, "c_shared"), "ws")],
                 (4096, 24576, 1536): [((128, 256, 64, 4, 256), "ws"), ((128, 256, 64, 4, 256, "c_shared"), "ws")]},
+    "ours_wsp": {(8192, 8192, 8192): [((128, 256, 64, 4, 256), "wsp")],
+                 (4096, 7168, 2048): [((128, 256, 64, 4, 256), "wsp"), ((128, 256, 64, 3, 256, "c_shared"), "wsp")],
+                 (4096, 2112, 7168): [((128, 192, 64, 5, 256), "wsp"), ((128, 192, 64, 4, 256, "c_shared"), "wsp")],
+                 (4096, 24576, 1536): [((128, 256, 64, 4, 256), "wsp"), ((128, 256, 64, 3, 256, "c_shared"), "wsp")]},
 }
 SHORT = False
 MMA_GEMM_CONFIGS = [(128, 256, 64, 3, 256), (128, 128, 32, 4, 128)]  # ours_mma: the best two of 2026-12-01
@@ -99,7 +103,9 @@ def _pass_configs(impl: str, variant: str = "2b") -> dict | None:
     cp.async; ours_mma: mma.sync (issue 14's generation)."""
     if impl == "ours_mma":
         return {"tl.disable_wgmma": True, "tl.disable_tma_lower": True}
-    cfg = {"cuda_warp_specialize": True} if impl == "ours_ws" else {}
+    cfg = {"cuda_warp_specialize": True} if impl in ("ours_ws", "ours_wsp") else {}
+    if impl == "ours_wsp":
+        cfg["cuda_persistent"] = True
     if impl == "ours_cp":
         cfg["tl.disable_tma_lower"] = True
     if variant == "1b":
@@ -145,8 +151,8 @@ def _configs(impl: str, shape: tuple, quick: bool, dtype: str = "bfloat16") -> l
         out = [(PUBLIC_GEMM_CONFIG, "-")]
     elif impl == "ours_mma":
         out = [(c, "-") for c in MMA_GEMM_CONFIGS]
-    elif impl == "ours_ws":
-        out = [(c, "ws") for c in GEMM_CONFIGS[shape]]
+    elif impl in ("ours_ws", "ours_wsp"):
+        out = [(c, impl[5:]) for c in GEMM_CONFIGS[shape]]
     else:
         out = [(c, v) for c in GEMM_CONFIGS[shape] for v in VARIANTS]
     return out[:1] if quick else out
@@ -304,19 +310,19 @@ def summarize(rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("best") and "tflops" in r:
             best[(r["impl"], *key(r))] = r
-    lines = ["| kernel | ours (wgmma + TMA) TFLOP/s | ours warp-specialized | ours cp.async | ours mma.sync | "
-             "peer (cuBLAS/SDPA) | best/peer | public TileLang | best/public | best: compile cold / cached | "
-             "best config |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| kernel | ours (wgmma + TMA) TFLOP/s | ours warp-specialized | ours WS + persistent | ours cp.async | "
+             "ours mma.sync | peer (cuBLAS/SDPA) | best/peer | public TileLang | best/public | "
+             "best: compile cold / cached | best config |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     kernels = sorted({tuple(k) for (impl, *k) in best if impl.startswith("ours")}, key=str)
 
     def t(r):
         return f"{r['tflops']:.0f}" if r else "-"
 
     for k in kernels:
-        mine = {i: best.get((i, *k)) for i in ("ours", "ours_ws", "ours_cp", "ours_mma")}
-        top = max((r for i, r in mine.items() if i in ("ours", "ours_ws") and r), key=lambda r: r["tflops"],
-                  default=None)
+        mine = {i: best.get((i, *k)) for i in ("ours", "ours_ws", "ours_wsp", "ours_cp", "ours_mma")}
+        top = max((r for i, r in mine.items() if i in ("ours", "ours_ws", "ours_wsp") and r),
+                  key=lambda r: r["tflops"], default=None)
         if top is None:
             continue
         peer = best.get(("cublas" if k[0] == "gemm" else "sdpa", *k))
@@ -325,7 +331,7 @@ def summarize(rows: list[dict]) -> list[str]:
                 f"fa fp16 {'x'.join(map(str, k[2]))} {'causal' if k[3] else 'full'}")
         ratio = f"{top['tflops'] / peer['tflops']:.2f}x" if peer else "-"
         pratio = f"{top['tflops'] / pub['tflops']:.2f}x" if pub else "-"
-        lines.append(f"| {name} | {t(mine['ours'])} | {t(mine['ours_ws'])} | {t(mine['ours_cp'])} | "
+        lines.append(f"| {name} | {t(mine['ours'])} | {t(mine['ours_ws'])} | {t(mine['ours_wsp'])} | {t(mine['ours_cp'])} | "
                      f"{t(mine['ours_mma'])} | {t(peer)} | {ratio} | {t(pub)} | {pratio} | "
                      f"{top['compile_cold_s']:.2f} s / {top['compile_cached_s'] * 1e3:.1f} ms | "
                      f"{top['impl']} {'x'.join(map(str, top.get('config', []))) or '-'} {top.get('variant', '')} |")
@@ -344,7 +350,7 @@ def plot(rows: list[dict], path: Path) -> None:
         k = (r["kind"], r.get("dtype"), tuple(r.get("shape", [])), r.get("causal"))
         if k not in keys:
             keys.append(k)
-    impls = ["ours", "ours_ws", "ours_cp", "ours_mma", "public", "cublas", "sdpa"]
+    impls = ["ours", "ours_ws", "ours_wsp", "ours_cp", "ours_mma", "public", "cublas", "sdpa"]
     fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.14
     for i, impl in enumerate(impls):
@@ -417,6 +423,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile-only", action="store_true", help="no GPU: time cold/cached compiles only")
     ap.add_argument("--skip-ws", action="store_true", help="leave out the ours_ws rows (cuda_warp_specialize)")
+    ap.add_argument("--with-wsp", action="store_true", help="add the ours_wsp rows (warp-specialized + persistent)")
     ap.add_argument("--with-cp", action="store_true", help="add the ours_cp rows (copies on cp.async)")
     ap.add_argument("--short", action="store_true", help="the short configuration lists (SHORT_CONFIGS)")
     ap.add_argument("--go-file", default=None, help="(child) precompile, then wait for this file before timing")
@@ -471,6 +478,9 @@ def main() -> None:
         save(rows)
         if not args.skip_ws:
             rows += run_impl("ours_ws", args.quick)
+            save(rows)
+        if args.with_wsp:
+            rows += run_impl("ours_wsp", args.quick)
             save(rows)
         if args.with_cp:
             rows += run_impl("ours_cp", args.quick)

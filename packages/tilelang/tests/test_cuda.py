@@ -322,6 +322,7 @@ def test_gemm_variant_gpu(name, path):
 
 ONE_BARRIER = {"cuda_wgmma_one_barrier": True}
 WS = {"cuda_warp_specialize": True}  # a producer warpgroup feeds the TMA pipeline (opt-in)
+WSP = {**WS, "cuda_persistent": True}  # ... and one block per SM loops over the grid's tiles (opt-in)
 CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async
 TMA = {"cuda_tma": True}  # TMA pipelines (the default on sm_90a; explicit for the checks)
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
@@ -342,10 +343,28 @@ def test_gemm_variant_cp_async_gpu(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ["ws", "wsp"])
 @pytest.mark.parametrize("name", sorted(GEMM_VARIANTS))
-def test_gemm_variant_ws_gpu(name):
-    """Every gemm variant warp-specialized where it can be (the others as by default)."""
-    _gemm_variant(name, "cuda", "cuda", WS)
+def test_gemm_variant_ws_gpu(name, cfg):
+    """Every gemm variant warp-specialized (and persistent) where it can be (the others as by default)."""
+    _gemm_variant(name, "cuda", "cuda", WS if cfg == "ws" else WSP)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gemm_persistent_many_tiles_gpu(stages):
+    """A persistent warp-specialized gemm with more tiles than SMs (16 x 24 = 384 on 132 SMs): every block
+    runs several tiles, the stage phases continue across them, and an edge row of tiles is partial."""
+    M, N, K = 2000, 3072, 320
+    k = tilelang.compile(_gemm_program(M, N, K, 128, 128, 64, "float16", "float32", False, True, stages, 256,
+                                       "Square"), out_idx=[2], target="cuda", pass_configs=WSP)
+    assert list(k._impl.launch_threads.values()) == [[384, 16 * 24]]
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(M, K, generator=g).half()
+    b = torch.randn(N, K, generator=g).half()
+    out = k(a.cuda(), b.cuda()).cpu().double()
+    ref = a.double() @ b.double().T
+    assert (out - ref).abs().max().item() <= 1e-3 * max(1.0, ref.abs().max().item())
 
 
 @needs_nvrtc
@@ -365,7 +384,7 @@ def test_warp_specialized_codegen(caplog, tmp_path, monkeypatch, example):
     assert any("warp-specialized: a producer warpgroup" in r.getMessage() for r in caplog.records)
     src = k.get_kernel_source()
     (name, _, _), = k._impl.kernels
-    assert k._impl.launch_threads == {name: 384} and "__launch_bounds__(384, 1)" in src
+    assert k._impl.launch_threads == {name: [384, 0]} and "__launch_bounds__(384, 1)" in src
     assert "setmaxnreg_dec<40>" in src and "setmaxnreg_inc<232>" in src and "if (_tx == 256)" in src
     body = src[src.index("return;"):]
     assert "__syncthreads" not in body and "mbarrier_arrive(&_empty" in body
@@ -377,7 +396,14 @@ def test_warp_specialized_codegen(caplog, tmp_path, monkeypatch, example):
     m = example("flash_attention")
     fa = tilelang.compile(m.flash_attention_fwd(4, 32, 4096, 128, True, 128, 128, 2, 256, "float16", layout="bhsd"),
                           out_idx=[3], target="cuda", pass_configs=WS)
-    assert list(fa._impl.launch_threads.values()) == [384] and fa.get_kernel_source().count("tma_load_2d(") == 4
+    assert list(fa._impl.launch_threads.values()) == [[384, 0]] and fa.get_kernel_source().count("tma_load_2d(") == 4
+    # persistent: the producer and the consumers loop over the 2 x 1 tiles of the grid, the stages share no bytes
+    kp = tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=WSP)
+    srcp = kp.get_kernel_source()
+    assert list(kp._impl.launch_threads.values()) == [[384, 1 * 2]]
+    assert srcp.count("for (int _tile = blockIdx.x; _tile < 2; _tile += gridDim.x)") == 2 and "_kb += " in srcp
+    logp = compile_cuda(srcp, arch="sm_90a", name=list(kp._impl.launch_threads)[0], options=["--ptxas-options=-v"]).log
+    assert re.findall(r"(\d+) bytes spill stores", logp) == ["0"], logp
 
 
 @needs_nvrtc
@@ -581,9 +607,11 @@ def test_public_kernel_gpu(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(n for n in GPU if n.startswith(("gemm", "fa_"))))
-def test_public_kernel_ws_gpu(name):
-    """The public-style GEMM and flash-attention kernels warp-specialized (pass_configs cuda_warp_specialize)."""
-    _run_case(name, GPU[name], "cuda", "cuda", WS)
+@pytest.mark.parametrize("cfg", ["ws", "wsp"])
+def test_public_kernel_ws_gpu(name, cfg):
+    """The public-style GEMM and flash-attention kernels warp-specialized (pass_configs cuda_warp_specialize),
+    and persistent (cuda_persistent)."""
+    _run_case(name, GPU[name], "cuda", "cuda", WS if cfg == "ws" else WSP)
 
 
 @pytest.mark.gpu

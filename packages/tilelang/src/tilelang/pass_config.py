@@ -63,7 +63,8 @@ HONORED_ON_CPU = {
     PassConfigKey.TIR_DISABLE_VECTORIZE.value: "the vectorize_hints pass is skipped",
 }
 # Our own keys (documented in docs/tilelang.md).
-OWN_KEYS = {"c_flags", "disable_passes", "cuda_tma", "cuda_wgmma_one_barrier", "cuda_warp_specialize"}  # docs/tilelang.md
+OWN_KEYS = {"c_flags", "disable_passes", "cuda_tma", "cuda_wgmma_one_barrier", "cuda_warp_specialize",
+            "cuda_persistent"}  # docs/tilelang.md
 _KNOWN = {k.value for k in PassConfigKey} | {"tir.disable_vectorize", "tir.noalias", "tir.disable_cse_tir"}
 
 

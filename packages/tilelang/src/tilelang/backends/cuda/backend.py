@@ -55,7 +55,9 @@ class CudaKernel:
             threads = 1
             for t in k.threads:
                 threads *= int(t)
-            threads = self.launch_threads.get(name, threads)  # + a producer warpgroup (warp specialization)
+            lt = self.launch_threads.get(name)  # [+ a producer warpgroup, persistent tiles]
+            if lt:
+                threads = lt[0]
             self._static_grids.append((self.module.get_kernel(name), k, grid, threads, smem))
         log.debug("built %s (%d kernel(s)) in %.3fs (cache hit: %s)", self.kernels[0][0], len(self.kernels),
                   self.compile_seconds,
@@ -75,7 +77,11 @@ class CudaKernel:
                                          f"address {a.data_ptr():#x} (a view with a storage offset?)")
         sizes = [int(dyn[v]) for v in self.func.dynamic_vars]
         for (kern, k, grid, threads, smem), (name, _, _) in zip(self._static_grids, self.kernels):
-            g = [x if x is not None else _eval(e, dyn) for x, e in zip(grid, k.grid)]
+            lt = self.launch_threads.get(name)
+            if lt and lt[1]:  # persistent: one block per SM (at most one per tile), looping over the tiles
+                g = [min(int(lt[1]), _sm_count())]
+            else:
+                g = [x if x is not None else _eval(e, dyn) for x, e in zip(grid, k.grid)]
             if any(x <= 0 for x in g):
                 continue
             descs = [self._descriptor(spec, args[spec.param]) for spec in self.tma.get(name, ())]
@@ -104,11 +110,23 @@ class CudaKernel:
         return desc
 
 
+_SMS: dict[int, int] = {}
+
+
+def _sm_count() -> int:
+    import torch
+
+    dev = torch.cuda.current_device()
+    if dev not in _SMS:
+        _SMS[dev] = int(torch.cuda.get_device_properties(dev).multi_processor_count)
+    return _SMS[dev]
+
+
 def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str, Kernel, int]], dict, dict]:
     """The CUDA source of lowered `func` under `options` (pass_configs and arch): (source, [(kernel name,
-    Kernel, smem bytes)], {kernel name: [TmaSpec]}, {kernel name: launch threads where they differ from the
-    T.Kernel's: warp-specialized kernels add a producer warpgroup}), the kernels named by the source's
-    content hash."""
+    Kernel, smem bytes)], {kernel name: [TmaSpec]}, {kernel name: [launch threads, persistent tiles] where the
+    launch differs from the T.Kernel's: warp-specialized kernels add a producer warpgroup, persistent ones
+    loop over their tiles}), the kernels named by the source's content hash."""
     arch = options.get("arch", DEFAULT_ARCH)
     # wgmma needs the arch-specific sm_90a target; pass_configs {"tl.disable_wgmma": True} keeps mma.sync
     wgmma = arch == "sm_90a" and not options.get("tl.disable_wgmma")
@@ -129,7 +147,8 @@ def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str,
     launch: dict = {}
     probe, kernels = generate_cuda(func, "tl_kernel", wgmma=wgmma, tma=tma, use_tma=use_tma,
                                    one_barrier=bool(options.get("cuda_wgmma_one_barrier")),
-                                   warp_specialize=ws and use_tma, launch=launch)
+                                   warp_specialize=ws and use_tma, launch=launch,
+                                   persistent=bool(options.get("cuda_persistent")))
     digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
     base = f"tl_{func.name}_{digest}"
     cuda_source = probe.replace("tl_kernel_k", f"{base}_k")

@@ -104,7 +104,8 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
     TARGET = "CUDA"
 
     def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let], wgmma: bool = True,
-                 tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False) -> None:
+                 tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False,
+                 persistent: bool = False) -> None:
         self.func = func
         self.kernel = kernel
         self.name = name
@@ -143,6 +144,8 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         self.ws_loop: For | None = None  # the pipelined loop the producer warpgroup feeds
         self.ws_prologue: list[str] = []  # barrier init + the producer's branch, before the kernel body
         self.launch_threads = 0  # threads + the producer warpgroup's 128 when warp-specialized
+        self.persistent = persistent  # pass_configs cuda_persistent (with warp specialization)
+        self.persistent_tiles = 0  # the grid's tiles a persistent kernel loops over
         self.tma_specs: list = []  # TmaSpec per descriptor parameter, in parameter order
         self.tma_bufs: set[Buffer] = set()
         self.tma_plans: dict[int, dict] = {}
@@ -442,6 +445,10 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
                         cur[0], cur[1] = min(cur[0], lo), max(cur[1], hi)
 
         uses(self.kernel.body, [])
+        if self.persistent_tiles:  # the producer refills the stages while the consumers finish a tile: they
+            whole = [min((v[0] for v in live.values()), default=0), max((v[1] for v in live.values()), default=0) + 1]
+            for c in self.pipes[id(self.ws_loop)]:  # share bytes with no other buffer
+                live[c.dst.buffer] = list(whole)
         placed: list[tuple[int, int, int, int]] = []  # (offset, end, live lo, live hi)
         sizes = []
         for a in allocs:
@@ -508,6 +515,51 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
             decls.append(f"tilehal::u64* _tl_mbar = reinterpret_cast<tilehal::u64*>(_tl_smem + {mbar_off});")
         return total, decls
 
+    def block_index_lines(self, tile: str | None) -> list[str]:
+        """The definitions of the T.Kernel's block indices: from blockIdx (tile None) or, in a persistent
+        kernel, from the linear tile index `tile` over the (constant) grid; through T.use_swizzle's panels."""
+        k = self.kernel
+        if tile is None:
+            axes = ["blockIdx.x", "blockIdx.y", "blockIdx.z"]
+            dims = ["gridDim.x", "gridDim.y", "gridDim.z"]
+        else:
+            g = [int(x.value) for x in k.grid] + [1, 1]
+            axes = [f"({tile} % {g[0]})", f"(({tile} / {g[0]}) % {g[1]})", f"({tile} / {g[0] * g[1]})"]
+            dims = [str(g[0]), str(g[1]), str(g[2])]
+        out = []
+        swz = k.attrs.get("swizzle")
+        if swz and swz[2] and len(k.block_vars) >= 2:
+            panel, order = int(swz[0]), swz[1]
+            gx, gy = (dims[0], dims[1]) if order == "row" else (dims[1], dims[0])
+            ix, iy = (axes[0], axes[1]) if order == "row" else (axes[1], axes[0])
+            bid = tile if tile is not None else f"{iy} * {gx} + {ix}"
+            out += [f"// T.use_swizzle(panel_size={panel}, order={order!r}): blocks walk panels of {panel} columns",
+                    f"const int _bid = {bid};",
+                    f"const int _panel = _bid / ({panel} * {gy});",
+                    f"const int _inpanel = _bid % ({panel} * {gy});",
+                    f"const int _pw = min({panel}, (int){gx} - _panel * {panel});",
+                    "const int _sx = _panel * " f"{panel} + _inpanel % _pw, _sy = _inpanel / _pw;"]
+            remap = {ix: "_sx", iy: "_sy"}
+            axes = [remap.get(a, a) for a in axes]
+        for v, a in zip(k.block_vars, axes):
+            out.append(f"const int {v.name} = {a};")
+        return out
+
+    def _persistent_body(self, body: list[str]) -> list[str]:
+        """pass_configs cuda_persistent: the consumers' part of the body (after the warp-specialized prologue)
+        loops over the tiles of the grid; the launch has min(tiles, SMs) blocks (backend.py)."""
+        n = len(self.ws_prologue)
+        pro, rest = body[:n], body[n:]
+        # the consumers start after the producer's branch: `setmaxnreg_inc` (if any) stays before the loop
+        keep = [ln for ln in rest[:1] if "setmaxnreg_inc" in ln]
+        rest = rest[len(keep):]
+        loop = [f"  for (int _tile = blockIdx.x; _tile < {self.persistent_tiles}; _tile += gridDim.x) {{"]
+        loop += ["    " + ln for ln in self.block_index_lines("_tile")]
+        loop += ["  " + ln for ln in rest]
+        loop += [f"    tilehal::named_barrier_sync(1, {self.threads});  // this tile's last reads before the next's writes",
+                 "  }"]
+        return pro + keep + ["  int _kb = 0;  // pipeline iterations of the tiles before this one"] + loop
+
     def generate(self) -> tuple[str, int]:
         self.written_globals = {b for b in self.writes(self.kernel.body) if b.scope == "global"}
         k = self.kernel
@@ -545,22 +597,10 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         head = [f'extern "C" __global__ void __launch_bounds__({bounds}) {self.name}({", ".join(params)}) {{',
                 "  extern __shared__ __align__(1024) unsigned char _tl_smem[];",
                 "  const int _tx = threadIdx.x;"]
-        axes = ["blockIdx.x", "blockIdx.y", "blockIdx.z"]
-        swz = k.attrs.get("swizzle")
-        if swz and swz[2] and len(k.block_vars) >= 2:
-            panel, order = int(swz[0]), swz[1]
-            gx, gy = ("gridDim.x", "gridDim.y") if order == "row" else ("gridDim.y", "gridDim.x")
-            ix, iy = ("blockIdx.x", "blockIdx.y") if order == "row" else ("blockIdx.y", "blockIdx.x")
-            head += [f"  // T.use_swizzle(panel_size={panel}, order={order!r}): blocks walk panels of {panel} columns",
-                     f"  const int _bid = {iy} * {gx} + {ix};",
-                     f"  const int _panel = _bid / ({panel} * {gy});",
-                     f"  const int _inpanel = _bid % ({panel} * {gy});",
-                     f"  const int _pw = min({panel}, (int){gx} - _panel * {panel});",
-                     f"  const int _sx = _panel * {panel} + _inpanel % _pw, _sy = _inpanel / _pw;"]
-            remap = {ix: "_sx", iy: "_sy"}
-            axes = [remap.get(a, a) for a in axes]
-        for v, a in zip(k.block_vars, axes):
-            head.append(f"  const int {v.name} = {a};")
+        if self.persistent_tiles:
+            body = self._persistent_body(body)
+        else:
+            head += ["  " + ln for ln in self.block_index_lines(None)]
         for let in self.lets:
             head.append(f"  const {value_type(let.var.dtype)} {let.var.name} = {self.expr(let.value)};")
         head += ["  " + d for d in decls]
@@ -578,13 +618,14 @@ register_rules("cuda.parallel", {Seq: seq_rule, Store: KernelCodegen.par_store,
 
 def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict | None = None,
                   use_tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False,
-                  launch: dict | None = None) -> tuple[str, list[tuple[str, Kernel, int]]]:
+                  launch: dict | None = None, persistent: bool = False) -> tuple[str, list[tuple[str, Kernel, int]]]:
     """CUDA source for every T.Kernel of `func`: (source, [(kernel name, Kernel node, smem bytes)]).
     `wgmma`: sm_90a features (T.gemm on wgmma, pipelined copies on TMA); otherwise mma.sync and cp.async
     only. `tma`, when given, receives {kernel name: [TmaSpec]} (the descriptors each kernel takes after
     its tensor and size parameters). `one_barrier`: see KernelCodegen (pass_configs cuda_wgmma_one_barrier).
-    `warp_specialize`: TMA pipelines fed by a producer warpgroup; `launch`, when given, receives {kernel name:
-    launch threads} for the kernels that launch more threads than their T.Kernel (the producer's)."""
+    `warp_specialize`: TMA pipelines fed by a producer warpgroup; `persistent`: such kernels loop over their
+    grid's tiles; `launch`, when given, receives {kernel name: [launch threads, persistent tiles or 0]} for the
+    kernels that launch otherwise than their T.Kernel says (+ the producer's threads; min(tiles, SMs) blocks)."""
     body = func.body.body if isinstance(func.body, Seq) else [func.body]
     lets: list[Let] = []
     kernels = []
@@ -596,10 +637,10 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
         elif isinstance(s, Kernel):
             name = f"{base_name}_k{len(kernels)}"
             cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma, one_barrier=one_barrier,
-                               warp_specialize=warp_specialize)
+                               warp_specialize=warp_specialize, persistent=persistent)
             src, smem = cg.generate()
             if launch is not None and cg.launch_threads:
-                launch[name] = cg.launch_threads
+                launch[name] = [cg.launch_threads, cg.persistent_tiles]
             uses_wgmma |= cg.has_wgmma
             uses_tma |= bool(cg.tma_specs)
             if tma is not None:

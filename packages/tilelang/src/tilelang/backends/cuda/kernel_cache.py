@@ -123,7 +123,7 @@ def unpack(func: PrimFunc, data: bytes) -> tuple[str, list[tuple[str, Kernel, in
         tma = {str(n): [TmaSpec(int(p), str(d), int(r), int(c), str(w)) for p, d, r, c, w in specs]
                for n, _, specs in rec["kernels"]}
         source = str(rec["source"])
-        threads = {str(n): int(t) for n, t in rec["threads"].items()}
+        threads = {str(n): [int(t), int(p)] for n, (t, p) in rec["threads"].items()}
     except (ValueError, KeyError, TypeError) as e:
         log.debug("kernel cache entry unusable (%s)", e)
         return None

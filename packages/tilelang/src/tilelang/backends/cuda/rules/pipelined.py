@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ....ir.nodes import Alloc, Buffer, Copy, For, Gemm, If, Kernel, Let, Load, Seq, Var
+from ....ir.nodes import Alloc, Buffer, Const, Copy, For, Gemm, If, Kernel, Let, Load, Seq, Var
 from ....ir.visit import walk_expr, walk_stmts
 from ..common import log
 
@@ -142,6 +142,13 @@ class PipelineRules:
         if not all(ok(e) for e in exprs):
             return no("the loop bounds or a copy's coordinates use values computed in the kernel")
         self.ws_lets = need
+        if self.persistent:
+            if all(isinstance(g, Const) for g in k.grid):
+                self.persistent_tiles = int(np.prod([int(g.value) for g in k.grid]))
+                log.debug("%s: persistent: min(%d tiles, SMs) blocks loop over the grid's tiles", k.loc,
+                          self.persistent_tiles)
+            else:
+                log.debug("%s: not persistent: the grid is not constant", k.loc)
         log.debug("%s: warp-specialized: a producer warpgroup issues the TMA loads of T.Pipelined, %d consumer "
                   "threads", loop.loc, self.threads)
         self.ws_loop = loop
@@ -279,22 +286,32 @@ class PipelineRules:
                f"if (_tx == 0) {{ for (int _s = 0; _s < {n}; ++_s) {{ tilehal::mbarrier_init(&{full}[_s], 1); "
                f"tilehal::mbarrier_init(&{empty}[_s], {T // 32}); }} tilehal::fence_barrier_init(); }}",
                "__syncthreads();"]
+        pt = self.persistent_tiles
+        it = f"(_kb + {v} - ({start}))" if pt else f"({v} - ({start}))"  # pipeline iteration (all tiles)
         self.begin()
         self.open(f"if (_tx >= {T})")
-        for lt in self.ws_lets:
-            self.let(lt)
         many = T + 128 > 256
         if many:
             self.emit("tilehal::setmaxnreg_dec<40>();")
         self.open(f"if (_tx == {T})")
+        if pt:
+            self.emit("int _kb = 0;")
+            self.open(f"for (int _tile = blockIdx.x; _tile < {pt}; _tile += gridDim.x)")
+            for ln in self.block_index_lines("_tile"):
+                self.emit(ln)
+        for lt in self.ws_lets:
+            self.let(lt)
         self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
-        self.emit(f"const int _s = ({v} - ({start})) % {n};")
-        self.emit(f"if ({v} - ({start}) >= {n}) tilehal::mbarrier_wait(&{empty}[_s], ((({v} - ({start})) / {n}) - 1) & 1);")
+        self.emit(f"const int _s = {it} % {n};")
+        self.emit(f"if ({it} >= {n}) tilehal::mbarrier_wait(&{empty}[_s], (({it} / {n}) - 1) & 1);")
         self.emit(f"tilehal::mbarrier_arrive_expect_tx(&{full}[_s], {nbytes});")
         for p in plans:
             size = int(np.prod(p["copy"].dst.buffer.static_shape()))
             self.tma_issue(p, f"_s * {size}", f"&{full}[_s]")
         self.close()
+        if pt:
+            self.emit(f"_kb += {ext};")
+            self.close()
         self.close()
         self.emit("return;")
         self.close()
@@ -324,8 +341,8 @@ class PipelineRules:
         self.emit(f"// T.Pipelined: consumers wait for each stage on {full}, release it on {empty}")
         self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
         stage = self.fresh("stage")
-        self.emit(f"const int {stage} = ({v} - ({start})) % {n};")
-        self.emit(f"tilehal::mbarrier_wait(&{full}[{stage}], (({v} - ({start})) / {n}) & 1);")
+        self.emit(f"const int {stage} = {it} % {n};")
+        self.emit(f"tilehal::mbarrier_wait(&{full}[{stage}], ({it} / {n}) & 1);")
         if carried:
             self.sync()
         for b in bufs:
@@ -344,6 +361,11 @@ class PipelineRules:
         if agemm is not None:
             self.emit("tilehal::wgmma_wait<0>();")
             self.emit(f"tilehal::wgmma_fence_operands({agemm.C.buffer.name});")
+            if pt:  # the last stage of this tile is free for the next tile's loads
+                self.emit(f"if (({ext}) > 0 && (_tx & 31) == 0) "
+                          f"tilehal::mbarrier_arrive(&{empty}[(_kb + ({ext}) - 1) % {n}]);")
+        if pt:
+            self.emit(f"_kb += {ext};")
         r, w = self.tracked(s)
         self.pending_r |= r
         self.pending_w |= w
