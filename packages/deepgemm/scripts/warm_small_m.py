@@ -1,5 +1,6 @@
 """Compile (NVRTC, no GPU needed) the bf16 kernels that DeepGEMM's test_bf16 `test_gemm` shapes, the
-split-K and 1D1D GPU tests and `benchmarks/bench_small_m.py` ask for, in parallel, into the tilehal cache.
+split-K and 1D1D GPU tests and `benchmarks/bench_small_m.py` ask for (and the fp8 split-K tests' and
+`benchmarks/bench_small_m_fp8.py`'s), in parallel, into the tilehal cache.
 
 Run it on the GPU machine before the tests (its NVRTC differs from the CPU machine's, and the cache
 key holds the version):  python packages/deepgemm/scripts/warm_small_m.py --jobs 16
@@ -94,6 +95,26 @@ def bench_keys(with_variants: bool = True) -> set:
     return keys
 
 
+def fp8_keys(with_variants: bool = True) -> set:
+    """fp8 split-K kernels of test_splitk.py and of benchmarks/bench_small_m_fp8.py (its persistent rows too)."""
+    sys.path.insert(0, str(HERE.parents[0] / "tests"))
+    sys.path.insert(0, str(HERE.parents[0] / "benchmarks"))
+    import bench_small_m_fp8
+    import test_splitk
+
+    keys = set(test_splitk.fp8_keys())
+    for m, n, k in bench_small_m_fp8.SHAPES:
+        sk = splitk.pick_splitk(m, n, k, SMS, "fp8")
+        if sk is not None:
+            keys.add(splitk.splitk_key(sk, n, k, torch.bfloat16, None, fp8=True))
+        cfg = pick_config("fp8", m, n, k, num_sms=SMS, tma_store=True)
+        keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))  # DEEPGEMM_SPLITK=0 / no split-K
+    for m, n, k in bench_small_m_fp8.VARIANT_SHAPES if with_variants else ():
+        for cfg in bench_small_m_fp8.variants(m, n, k):
+            keys.add(splitk.splitk_key(cfg, n, k, torch.bfloat16, None, fp8=True))
+    return keys
+
+
 def build(key):
     if isinstance(key, splitk.SplitKKey):
         return splitk.compile_kernels([key]).cache_hit
@@ -105,9 +126,10 @@ def build(key):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--only", choices=("all", "tests", "upstream", "bench", "first", "local"), default="all",
+    ap.add_argument("--only", choices=("all", "tests", "upstream", "bench", "first", "local", "fp8"), default="all",
                     help="first: the GPU tests' and the benchmark's kernels without its --variants; "
-                         "local: the GPU tests' and the benchmark's with --variants")
+                         "local: the GPU tests' and the benchmark's with --variants; fp8: the fp8 split-K "
+                         "tests' and bench_small_m_fp8's (with --variants)")
     args = ap.parse_args()
     set_num_sms(SMS)
     keys: set = set()
@@ -117,6 +139,8 @@ def main() -> None:
         keys |= test_keys()
     if args.only in ("all", "bench", "first", "local"):
         keys |= bench_keys(with_variants=args.only != "first")
+    if args.only in ("all", "fp8"):
+        keys |= fp8_keys()
     keys = sorted(keys, key=lambda k: k.expression)
     print(f"{len(keys)} kernels", flush=True)
     with cf.ProcessPoolExecutor(args.jobs) as ex:

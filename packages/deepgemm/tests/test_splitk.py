@@ -251,3 +251,126 @@ def test_mn_major_unaligned_stride_is_copied(caplog):
         deepgemm.bf16_gemm_nn(a, b.T.contiguous(), d)
     assert any("not readable in place" in r.getMessage() for r in caplog.records)
     torch.testing.assert_close(d, reference.bf16_gemm_nt(a, b, None), rtol=1e-4, atol=1e-2)
+
+
+# ----------------------------------------------------------------------------- fp8 split-K (1x128 / 128x128 scales)
+
+# DeepSeek's (N, K) shapes of issue 19 and DeepGEMM's test_fp8_fp4 forward rows.
+FP8_NK = [(2112, 7168), (576, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
+FP8_M = (1, 16, 64, 128)
+# Forced configs on odd shapes (K tails, N not a multiple of the tile, M across two m-blocks).
+FP8_ODD = [((1, 200, 272), (64, 64, 2)), ((5, 129, 1040), (64, 128, 3)), ((70, 2112, 1536), (64, 64, 4)),
+           ((130, 1000, 4104), (128, 128, 5)), ((33, 1000, 4104), (64, 128, 33))]
+
+
+def fp8_cfg(m, n, k, bm, bn, splits):
+    kb = -(-k // 128)
+    return SplitKConfig(block_m=bm, block_n=bn, splits=effective_splits(kb, min(splits, kb)),
+                        stages=splitk.max_stages(bm, bn), num_sms=132)
+
+
+def fp8_keys():
+    keys = set()
+    for m in FP8_M:
+        for n, k in FP8_NK:
+            cfg = pick_splitk(m, n, k, 132, "fp8")
+            if cfg is not None:
+                keys.add(splitk_key(cfg, n, k, torch.bfloat16, None, fp8=True))
+    for (m, n, k), (bm, bn, s) in FP8_ODD:
+        keys.add(splitk_key(fp8_cfg(m, n, k, bm, bn, s), n, k, torch.float32, torch.float32, fp8=True))
+    # fp32 D with fp32 C (DeepGEMM's fp32-output rows) and a bf16 C into bf16 D at one upstream shape
+    cfg = pick_splitk(1, 2112, 7168, 132, "fp8")
+    keys.add(splitk_key(cfg, 2112, 7168, torch.float32, torch.float32, fp8=True))
+    keys.add(splitk_key(cfg, 2112, 7168, torch.bfloat16, torch.bfloat16, fp8=True))
+    return sorted(keys, key=lambda x: x.expression)
+
+
+def test_fp8_pick_splitk_shapes():
+    # Few output tiles (N of a few thousand, M <= 128): split-K with 64/128-wide tiles that fit one wave.
+    for m, n, k in ((1, 2112, 7168), (1, 576, 7168), (1, 4096, 7168), (1, 7168, 16384), (64, 2112, 7168),
+                    (128, 576, 7168), (128, 2112, 7168)):
+        cfg = pick_splitk(m, n, k, 132, "fp8")
+        assert cfg is not None, (m, n, k)
+        gx, gy, gz = cfg.grid(m, n)
+        assert cfg.block_n in (64, 128) and gx * gy * gz <= 132 and gz >= 2
+        assert effective_splits(-(-k // 128), cfg.splits) == cfg.splits
+    # Enough tiles already (N = 24576 / 32768), M = 4096, or one K block: the persistent kernel.
+    for m, n, k in ((1, 24576, 1536), (128, 32768, 512), (4096, 2112, 7168), (1, 4096, 128)):
+        assert pick_splitk(m, n, k, 132, "fp8") is None, (m, n, k)
+
+
+@pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
+def test_fp8_splitk_kernels_compile_without_spills(h):
+    keys = fp8_keys()
+    assert len(keys) >= 10 and all(k.fp8 for k in keys)
+    h.check_compiled_batches(splitk.compile_kernels, keys)
+
+
+def test_fp8_splitk_config_must_divide_128():
+    a8, sfa, b8, sfb = deepgemm_fp8(1, 256, 256)
+    with pytest.raises(tilehal.ArgumentError, match="block_n"):
+        # checked before anything touches a device (the tensors here are on the CPU)
+        splitk.dense_fp8(a8, sfa, b8, sfb, torch.empty(1, 256), None, SplitKConfig(64, 256, 2, 4, 132))
+
+
+def deepgemm_fp8(m, n, k, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn((m, k), generator=g).bfloat16()
+    b = torch.randn((n, k), generator=g).bfloat16()
+    a8, sfa = deepgemm.per_token_cast_to_fp8(a)
+    b8, sfb = deepgemm.per_block_cast_to_fp8(b)
+    return tuple(t.to(device) for t in (a8, sfa, b8, sfb))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", FP8_M)
+@pytest.mark.parametrize("n,k", FP8_NK)
+def test_fp8_splitk_upstream_shapes(m, n, k, caplog):
+    a8, sfa, b8, sfb = deepgemm_fp8(m, n, k, "cuda", seed=m + n)
+    d = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+        deepgemm.fp8_gemm_nt((a8, sfa), (b8, sfb), d)
+    if pick_splitk(m, n, k, deepgemm.get_num_sms(), "fp8") is not None:
+        assert any("fp8" in r.getMessage() and "split-K kernel" in r.getMessage() for r in caplog.records)
+    ref = reference.fp8_gemm_nt(a8, sfa, b8, sfb, None)
+    assert deepgemm.testing.calc_diff(d, ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FP8_ODD, ids=[f"{m}x{n}x{k}" for (m, n, k), _ in FP8_ODD])
+def test_fp8_splitk_forced_odd_shapes_fp32_c(case):
+    from deepgemm import cuda_gemm
+
+    (m, n, k), (bm, bn, s) = case
+    a8, sfa, b8, sfb = deepgemm_fp8(m, n, k, "cuda", seed=9)
+    c = torch.randn(m, n, device="cuda")
+    d = torch.empty(m, n, device="cuda")
+    cuda_gemm.dense(a8, sfa, b8, sfb, d, c, config=fp8_cfg(m, n, k, bm, bn, s))
+    ref = reference.fp8_gemm_nt(a8, sfa, b8, sfb, c)
+    torch.testing.assert_close(d, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_fp8_splitk_deterministic_graph_and_in_place():
+    m, n, k = 1, 2112, 7168
+    a8, sfa, b8, sfb = deepgemm_fp8(m, n, k, "cuda", seed=2)
+    assert pick_splitk(m, n, k, deepgemm.get_num_sms(), "fp8") is not None
+    d1 = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    d2 = torch.empty_like(d1)
+    deepgemm.fp8_gemm_nt((a8, sfa), (b8, sfb), d1)
+    for _ in range(3):  # every launch leaves the tile counters zero
+        deepgemm.fp8_gemm_nt((a8, sfa), (b8, sfb), d2)
+        deepgemm.testing.assert_bitwise_equal(d1, d2, "fp8 split-K repeated")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            deepgemm.fp8_gemm_nt((a8, sfa), (b8, sfb), d2)
+    d2.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    deepgemm.testing.assert_bitwise_equal(d1, d2, "fp8 split-K graph replay")
+    c = torch.randn(m, n, device="cuda")  # fp32 C that is D (fp32 out)
+    want = reference.fp8_gemm_nt(a8, sfa, b8, sfb, c)
+    deepgemm.fp8_gemm_nt((a8, sfa), (b8, sfb), c, c=c)
+    torch.testing.assert_close(c, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

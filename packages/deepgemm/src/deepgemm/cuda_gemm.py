@@ -256,7 +256,7 @@ def _check_cuda_outputs(a: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None
 
 
 def splitk_allowed() -> bool:
-    """DEEPGEMM_SPLITK=0 keeps small-M bf16 GEMMs on the persistent kernel (for A/B timing)."""
+    """DEEPGEMM_SPLITK=0 keeps small-M bf16 and fp8 GEMMs on the persistent kernel (for A/B timing)."""
     return os.environ.get("DEEPGEMM_SPLITK", "1") != "0"
 
 
@@ -321,6 +321,16 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
             return
     elif not fp8 and config is None and bias is None:
         log.debug("split-K not used: DEEPGEMM_SPLITK=0")
+    if fp8 and bias is None and (isinstance(config, splitk.SplitKConfig) or (config is None and splitk_allowed())):
+        # Small M with few output tiles: split K over the SMs (None when the persistent kernel is expected as fast).
+        sk = config if config is not None else splitk.pick_splitk(m, n, k, get_num_sms(), "fp8")
+        if sk is not None:
+            log.debug("fp8 %dx%dx%d: split-K kernel, %dx%d tiles, %d splits", m, n, k, sk.block_m, sk.block_n,
+                      sk.splits)
+            splitk.dense_fp8(a, _sfa_layout(sfa), b, sfb.contiguous(), d, c, sk)
+            return
+    elif fp8 and config is None and bias is None:
+        log.debug("fp8 split-K not used: DEEPGEMM_SPLITK=0")
     cfg = config or pick_config("fp8" if fp8 else "bf16", m, n, k, **epilogue(d, n, c is not None, "normal"),
                                 max_multicast=max_multicast(), overlap=overlap_allowed())
     # bf16 accumulation into a bf16 D: the staged copy-out epilogue reads the bf16 C in place (C_BF16).

@@ -1,4 +1,5 @@
-"""Split-K bf16 GEMMs for shapes whose output tiles cannot fill the GPU (kernels/splitk_sm90.cuh).
+"""Split-K GEMMs (bf16, and fp8 with 1x128 / 128x128 scales) for shapes whose output tiles cannot fill
+the GPU (kernels/splitk_sm90.cuh).
 
 With M = 1 .. 128 and N of a few thousand, the persistent kernel has fewer output tiles than SMs
 unless it makes them very narrow (16 columns), and narrow tiles re-read A once per tile and keep
@@ -9,6 +10,10 @@ a tile that finishes last adds the partial sums in a fixed order (deterministic)
 `pick_splitk` compares the two plans with the persistent heuristic's cost model (waves x K blocks
 x tile cost) plus the split-K reduction (the last CTA reads the other splits' partial tiles from
 L2) and returns a config only when split-K is clearly cheaper; the reason is logged at DEBUG.
+fp8 uses the same model with 128-element K blocks (the same 128 bytes per row as bf16's 64, and the
+same wgmma time per block) and tiles of 64 or 128 columns (one weight-scale block per tile); the
+persistent plan it is compared with is the fp8 one (DeepGEMM's fp8 test at M = 1 measured 0.45-0.91x its
+cuBLAS baseline on the persistent kernel alone).
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ from .utils import ceil_div
 log = logging.getLogger("deepgemm")
 
 BLOCK_K = 64  # bf16 elements per 128-byte swizzle row
+FP8_BLOCK_K = 128  # fp8 elements per 128-byte swizzle row
 MAX_STAGES = 8
 MAX_SPLITS = 32
 BLOCK_N_CANDIDATES = (64, 128, 256)
+FP8_BLOCK_N_CANDIDATES = (64, 128)  # a divisor of 128: one 128x128 weight-scale block per tile (and registers:
+# the promoted sum and the K block's partial sum, BLOCK_N / 2 each)
 # Cost-model units per byte of partial sums moved through L2 by the reducing CTA, relative to
 # tile_cost's units per K block: a 128x128x64 bf16 wgmma block (~0.35 us at 6 TFLOP/s per SM) costs
 # 192 x 160 units, and an SM moves ~100 GB/s from L2, so one byte ~ 0.9 units.
@@ -44,6 +52,12 @@ FIXED_CTA_COST = 4.0 * 192 * 160  # prologue + epilogue of one CTA, in K-block u
 # 128x4096x7168 (model 0.71, measured 0.96) and 128x7168x16384 (0.81, measured 1.20) stay persistent.
 MIN_GAIN_SMALL_M = 0.85
 MIN_GAIN = 0.6
+# fp8: the persistent kernel's narrow small-M tiles are worse than the model says (DeepGEMM's fp8 test, H200
+# R2 2026-12-02: every M = 1 row 0.45-0.91x its cuBLAS baseline, 64x16..64x56 tiles with 7-57 KiB of B in
+# flight per SM; 128x16 tiles at M = 128 re-read A from L2 once per 2 KiB of B), so split-K is taken as soon
+# as the model has it no dearer (M <= 64) or at 0.85 of the persistent plan (M > 64).
+FP8_MIN_GAIN_SMALL_M = 1.0
+FP8_MIN_GAIN = 0.85
 
 
 @dataclass(frozen=True)
@@ -88,29 +102,34 @@ def splitk_cost(m: int, block_m: int, block_n: int, num_k_blocks: int, splits: i
     return per * (block_m + 64) * (block_n + 32) + reduce + FIXED_CTA_COST
 
 
-def persistent_cost(m: int, n: int, k: int, num_sms: int) -> float:
-    cfg = pick_config("bf16", m, n, k, num_sms=num_sms, tma_store=True)
-    return cfg.num_waves * ceil_div(k, BLOCK_K) * tile_cost(cfg.block_m, cfg.block_n) + FIXED_CTA_COST * cfg.num_waves
+def block_k(kind: str) -> int:
+    return FP8_BLOCK_K if kind == "fp8" else BLOCK_K
 
 
-def pick_splitk(m: int, n: int, k: int, num_sms: int) -> SplitKConfig | None:
-    """The split-K plan for a bf16 D[M, N] = A[M, K] @ B[N, K]^T, or None when the persistent kernel
-    is expected to be as fast (the reason is logged at DEBUG)."""
-    return _pick(m, n, k, num_sms)
+def persistent_cost(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> float:
+    cfg = pick_config(kind, m, n, k, num_sms=num_sms, tma_store=True)
+    per_block = tile_cost(cfg.block_m, cfg.block_n, cfg.overlap_promotion)
+    return cfg.num_waves * ceil_div(k, block_k(kind)) * per_block + FIXED_CTA_COST * cfg.num_waves
+
+
+def pick_splitk(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKConfig | None:
+    """The split-K plan for D[M, N] = A[M, K] @ B[N, K]^T (`kind` "bf16" or "fp8"), or None when the
+    persistent kernel is expected to be as fast (the reason is logged at DEBUG)."""
+    return _pick(m, n, k, num_sms, kind)
 
 
 @functools.lru_cache(maxsize=4096)
-def _pick(m: int, n: int, k: int, num_sms: int) -> SplitKConfig | None:
-    kb = ceil_div(k, BLOCK_K)
+def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKConfig | None:
+    kb = ceil_div(k, block_k(kind))
     if kb < 2:
-        log.debug("split-K not used for %dx%dx%d: K has one block", m, n, k)
+        log.debug("split-K not used for %s %dx%dx%d: K has one block", kind, m, n, k)
         return None
     # 64-row tiles also for M > 64: more tiles share the reduction (each tile's last CTA reads the
     # other splits' partials, so the tail shrinks with the tile).
     best = None
     for block_m in (64,) if m <= 64 else (64, 128):
         m_blocks = ceil_div(m, block_m)
-        for bn in BLOCK_N_CANDIDATES:
+        for bn in FP8_BLOCK_N_CANDIDATES if kind == "fp8" else BLOCK_N_CANDIDATES:
             tiles = m_blocks * ceil_div(n, bn)
             for s in range(2, min(kb, MAX_SPLITS) + 1):
                 se = effective_splits(kb, s)
@@ -120,13 +139,15 @@ def _pick(m: int, n: int, k: int, num_sms: int) -> SplitKConfig | None:
                 if best is None or key < best[0]:
                     best = (key, block_m, bn, se)
     if best is None:
-        log.debug("split-K not used for %dx%dx%d: %d tiles already fill %d SMs", m, n, k,
-                  ceil_div(m, 64) * ceil_div(n, BLOCK_N_CANDIDATES[-1]), num_sms)
+        widest = FP8_BLOCK_N_CANDIDATES[-1] if kind == "fp8" else BLOCK_N_CANDIDATES[-1]
+        log.debug("split-K not used for %s %dx%dx%d: %d tiles already fill %d SMs", kind, m, n, k,
+                  ceil_div(m, 64) * ceil_div(n, widest), num_sms)
         return None
     (cost, _, _, _), block_m, bn, se = best
-    base = persistent_cost(m, n, k, num_sms)
-    if cost > (MIN_GAIN_SMALL_M if m <= 64 else MIN_GAIN) * base:
-        log.debug("split-K not used for %dx%dx%d: estimated %.0f vs persistent %.0f", m, n, k, cost, base)
+    base = persistent_cost(m, n, k, num_sms, kind)
+    gains = (FP8_MIN_GAIN_SMALL_M, FP8_MIN_GAIN) if kind == "fp8" else (MIN_GAIN_SMALL_M, MIN_GAIN)
+    if cost > (gains[0] if m <= 64 else gains[1]) * base:
+        log.debug("split-K not used for %s %dx%dx%d: estimated %.0f vs persistent %.0f", kind, m, n, k, cost, base)
         return None
     return SplitKConfig(block_m=block_m, block_n=bn, splits=se, stages=max_stages(block_m, bn), num_sms=num_sms)
 
@@ -150,6 +171,7 @@ class SplitKKey:
     c_bf16: bool = False  # C read as bf16 (else fp32)
     a_mn: bool = False  # A read MN-major in place (stored [K, M])
     b_mn: bool = False  # B read MN-major in place (stored [K, N])
+    fp8: bool = False  # e4m3 operands with 1x128 / 128x128 scales (K-major)
 
     @property
     def expression(self) -> str:
@@ -159,15 +181,15 @@ class SplitKKey:
         def b(x: bool) -> str:
             return "true" if x else "false"
 
-        return (f"deepgemm::splitk_bf16_sm90<{self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
+        return (f"deepgemm::splitk_sm90<{b(self.fp8)}, {self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
                 f"{self.splits}, {out}, {b(self.has_c)}, {ct}, {b(self.a_mn)}, {b(self.b_mn)}>")
 
 
 def splitk_key(cfg: SplitKConfig, n: int, k: int, out_dtype: torch.dtype, c_dtype: torch.dtype | None,
-               a_mn: bool = False, b_mn: bool = False) -> SplitKKey:
+               a_mn: bool = False, b_mn: bool = False, fp8: bool = False) -> SplitKKey:
     return SplitKKey(n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages, splits=cfg.splits,
                      out_bf16=out_dtype == torch.bfloat16, has_c=c_dtype is not None,
-                     c_bf16=c_dtype == torch.bfloat16, a_mn=a_mn, b_mn=b_mn)
+                     c_bf16=c_dtype == torch.bfloat16, a_mn=a_mn, b_mn=b_mn, fp8=fp8)
 
 
 def pick_tiles(m: int, n: int, k: int, num_sms: int) -> SplitKConfig:
@@ -256,7 +278,8 @@ def _operand_descriptor(x: torch.Tensor, block_rows: int) -> bytes:
     if is_mn_major(x):  # stored [K, rows]: boxes of 64 K-rows x 64 elements (one 128-byte swizzled atom)
         k, rows = x.shape[1], x.shape[0]
         return _encode(x.data_ptr(), x.dtype, (k, rows), (x.stride(1), 1), (BLOCK_K, 64), "128B")
-    return _encode(x.data_ptr(), x.dtype, tuple(x.shape), tuple(x.stride()), (block_rows, BLOCK_K), "128B")
+    box_k = 128 // x.element_size()  # one 128-byte swizzle row: 64 bf16 or 128 fp8
+    return _encode(x.data_ptr(), x.dtype, tuple(x.shape), tuple(x.stride()), (block_rows, box_k), "128B")
 
 
 def dense_bf16(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None, cfg: SplitKConfig) -> None:
@@ -271,4 +294,23 @@ def dense_bf16(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tenso
     ws, counters = _workspace(a.device, cfg.splits * m * n if cfg.splits > 1 else 0, grid[0] * grid[1])
     da = _operand_descriptor(a, cfg.block_m)
     db = _operand_descriptor(b, cfg.block_n)
-    kern.launch(grid, cfg.num_threads, [da, db, d, c, ws, counters, m], smem_bytes=cfg.smem_bytes)
+    kern.launch(grid, cfg.num_threads, [da, db, d, c, ws, counters, m, None, None, 0], smem_bytes=cfg.smem_bytes)
+
+
+def dense_fp8(a: torch.Tensor, sfa_t: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
+              c: torch.Tensor | None, cfg: SplitKConfig) -> None:
+    """a [M, K], b [N, K] e4m3, K-major (checked by the caller); sfa_t [M, ceil(K/128)] fp32 MN-major with a
+    TMA-aligned column stride (`get_mn_major_tma_aligned_tensor`), sfb [ceil(N/128), ceil(K/128)] fp32
+    contiguous; d [M, N] contiguous, c (fp32 or bf16, contiguous) or None. cfg.block_n divides 128."""
+    m, k = a.shape
+    n = b.shape[0]
+    if 128 % cfg.block_n:
+        raise tilehal.ArgumentError(f"config.block_n: expected a divisor of 128 for fp8 split-K, got {cfg.block_n}")
+    key = splitk_key(cfg, n, k, d.dtype, None if c is None else c.dtype, fp8=True)
+    kern = _kernel(key)
+    grid = cfg.grid(m, n)
+    ws, counters = _workspace(a.device, cfg.splits * m * n if cfg.splits > 1 else 0, grid[0] * grid[1])
+    da = _operand_descriptor(a, cfg.block_m)
+    db = _operand_descriptor(b, cfg.block_n)
+    kern.launch(grid, cfg.num_threads, [da, db, d, c, ws, counters, m, sfa_t, sfb, sfa_t.stride(1)],
+                smem_bytes=cfg.smem_bytes)

@@ -1,4 +1,5 @@
-// Split-K bf16 GEMM for sm_90a, for shapes whose output tiles cannot fill the GPU: D = C + A @ B^T.
+// Split-K GEMM for sm_90a (bf16, or fp8 with DeepGEMM's 1x128 / 128x128 scales), for shapes whose
+// output tiles cannot fill the GPU: D = C + A @ B^T.
 //
 // The persistent kernel (gemm_sm90.cuh) gives each CTA whole output tiles. When M is small (decode
 // batches, M = 1 .. 128) and N is a few thousand, there are fewer tiles than SMs unless they are
@@ -24,6 +25,13 @@
 // flight when 4+ stages fit. For M = 1 .. 16 the 64-row wgmma does mostly zero rows (TMA
 // zero-fills rows past M without reading memory), which costs nothing: such GEMMs are bound by
 // reading B, and the deep ring keeps STAGES x BLOCK_N x 128 bytes of B in flight per SM.
+//
+// FP8 (e4m3 A and B, K-major): a K block is 128 elements (still one 128-byte swizzle row), run as
+// wgmma m64nBLOCK_Nk32 into a fresh partial-sum set and promoted as in gemm_sm90.cuh:
+// acc += part * (sfa[row, kb] * sfb[n0 / 128, kb]). BLOCK_N divides 128, so a tile has one weight-scale
+// block; the activation scales are read from global memory (MN-major, `sfa_ld` floats per K block)
+// before the stage's wait, so their latency hides behind it. A split's sum is its blocks' promoted
+// partials in K order; the splits are then added in split order as for bf16 (deterministic).
 #pragma once
 #include <tilehal/tilehal.cuh>
 #include <tilehal/mbarrier.cuh>
@@ -40,13 +48,16 @@ template <int NUM_MATH_WG> constexpr int kSplitKProducerRegs = 40;
 template <int NUM_MATH_WG> constexpr int kSplitKMathRegs = NUM_MATH_WG == 1 ? 256 : 232;
 
 // C (added when HAS_C) is read in its own dtype CT: fp32, or bf16 (DeepGEMM's bf16 accumulation).
-template <int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int SPLITS, typename OutT, bool HAS_C,
-          typename CT, bool A_MN, bool B_MN>
+// FP8: sfa (MN-major fp32, sfa_ld floats per K block) and sfb (fp32 [ceil(N/128), ceil(K/128)]) are read;
+// bf16 kernels take null pointers there.
+template <bool FP8, int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int SPLITS, typename OutT,
+          bool HAS_C, typename CT, bool A_MN, bool B_MN>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
-splitk_bf16_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
-                 OutT* d, const CT* c, float* __restrict__ ws, int* counters, int shape_m) {
-  constexpr int BLOCK_K = 64;  // one 128-byte swizzle row of bf16
-  constexpr int K_STEP = 16;   // K per wgmma instruction
+splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
+            OutT* d, const CT* c, float* __restrict__ ws, int* counters, int shape_m,
+            const float* __restrict__ sfa, const float* __restrict__ sfb, int sfa_ld) {
+  constexpr int BLOCK_K = FP8 ? 128 : 64;  // one 128-byte swizzle row
+  constexpr int K_STEP = FP8 ? 32 : 16;    // K per wgmma instruction (32 bytes)
   constexpr int NUM_K_BLOCKS = (SHAPE_K + BLOCK_K - 1) / BLOCK_K;
   constexpr int KB_PER_SPLIT = (NUM_K_BLOCKS + SPLITS - 1) / SPLITS;
   constexpr int NUM_MATH_WG = BLOCK_M / 64;
@@ -60,6 +71,7 @@ splitk_bf16_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_const
   // The host picks SPLITS so that every split owns at least one K block.
   static_assert(SPLITS >= 1 && (SPLITS - 1) * KB_PER_SPLIT < NUM_K_BLOCKS, "an empty split");
   static_assert(!B_MN || BLOCK_N % 64 == 0, "an MN-major B tile is whole 64-column atoms");
+  static_assert(!FP8 || (!A_MN && !B_MN && 128 % BLOCK_N == 0), "fp8: K-major operands, one weight-scale block per tile");
   constexpr int ATOM_BYTES = 64 * 128;  // one MN-major atom column: 64 K-rows of 128 bytes
   using Mma = Wgmma16<BLOCK_N>;  // bf16 wgmma with the transpose immediates (MN-major operands)
 
@@ -127,32 +139,60 @@ splitk_bf16_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_const
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
 
   const int num_kb = kb_end - kb_begin;
-  for (int it = 0; it < num_kb; ++it) {
-    const int s = it % STAGES;
-    mbarrier_wait(&full_bar[s], (it / STAGES) & 1);
-    // A warpgroup's 64 rows of A start 64 x 128 bytes in: 64 K-major rows, or one MN-major atom column.
-    const u64 desc_a = A_MN ? make_smem_desc_mn128b(smem_a + s * A_BYTES + wg * ATOM_BYTES, BLOCK_K)
-                            : make_smem_desc_k128b(smem_a + s * A_BYTES + wg * 64 * 128);
-    const u64 desc_b = B_MN ? make_smem_desc_mn128b(smem_b + s * B_BYTES, BLOCK_K) : make_smem_desc_k128b(smem_b + s * B_BYTES);
-    // One K step (16 elements): 32 bytes along a K-major row, or 16 rows of 128 bytes MN-major.
-    constexpr u64 kStepA = A_MN ? (K_STEP * 128) >> 4 : (K_STEP * 2) >> 4;
-    constexpr u64 kStepB = B_MN ? (K_STEP * 128) >> 4 : (K_STEP * 2) >> 4;
-    wgmma_fence_operands(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < BLOCK_K / K_STEP; ++k)
-      Mma::template ss<A_MN ? 1 : 0, B_MN ? 1 : 0>(WgBF16{}, acc, desc_a + k * kStepA, desc_b + k * kStepB, 1);
-    wgmma_commit();
-    wgmma_wait<kInFlight>();
-    wgmma_fence_operands(acc);
-    if (it >= kInFlight) {
+  if constexpr (FP8) {
+    constexpr int SF_K = (SHAPE_K + 127) / 128;
+    float part[ACC];
+    const float* sfb_row = sfb + (n_block * BLOCK_N / 128) * SF_K;
+    // Rows past M have zero A (TMA fill) and are never stored: read a valid row's scale for them.
+    const int ra = min(m_block * BLOCK_M + row_in_tile, shape_m - 1);
+    const int rb = min(m_block * BLOCK_M + row_in_tile + 8, shape_m - 1);
+    for (int it = 0; it < num_kb; ++it) {
+      const int s = it % STAGES;
+      const int kb = kb_begin + it;
+      const float sb = __ldg(sfb_row + kb);
+      const float s0 = __ldg(sfa + static_cast<u64>(kb) * sfa_ld + ra) * sb;
+      const float s1 = __ldg(sfa + static_cast<u64>(kb) * sfa_ld + rb) * sb;
+      mbarrier_wait(&full_bar[s], (it / STAGES) & 1);
+      wgmma_block_k128b_sync<WgmmaE4M3<BLOCK_N>, BLOCK_K / K_STEP>(part, smem_a + s * A_BYTES + wg * 64 * 128,
+                                                                   smem_b + s * B_BYTES);
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(&empty_bar[(it + STAGES - kInFlight) % STAGES]);
+      if (lane == 0) mbarrier_arrive(&empty_bar[s]);
+#pragma unroll
+      for (int j = 0; j < BLOCK_N / 8; ++j) {
+        acc[4 * j + 0] += part[4 * j + 0] * s0;
+        acc[4 * j + 1] += part[4 * j + 1] * s0;
+        acc[4 * j + 2] += part[4 * j + 2] * s1;
+        acc[4 * j + 3] += part[4 * j + 3] * s1;
+      }
     }
-  }
-  if constexpr (kInFlight) {
-    wgmma_wait<0>();
-    wgmma_fence_operands(acc);
+  } else {
+    for (int it = 0; it < num_kb; ++it) {
+      const int s = it % STAGES;
+      mbarrier_wait(&full_bar[s], (it / STAGES) & 1);
+      // A warpgroup's 64 rows of A start 64 x 128 bytes in: 64 K-major rows, or one MN-major atom column.
+      const u64 desc_a = A_MN ? make_smem_desc_mn128b(smem_a + s * A_BYTES + wg * ATOM_BYTES, BLOCK_K)
+                              : make_smem_desc_k128b(smem_a + s * A_BYTES + wg * 64 * 128);
+      const u64 desc_b = B_MN ? make_smem_desc_mn128b(smem_b + s * B_BYTES, BLOCK_K) : make_smem_desc_k128b(smem_b + s * B_BYTES);
+      // One K step (16 elements): 32 bytes along a K-major row, or 16 rows of 128 bytes MN-major.
+      constexpr u64 kStepA = A_MN ? (K_STEP * 128) >> 4 : (K_STEP * 2) >> 4;
+      constexpr u64 kStepB = B_MN ? (K_STEP * 128) >> 4 : (K_STEP * 2) >> 4;
+      wgmma_fence_operands(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < BLOCK_K / K_STEP; ++k)
+        Mma::template ss<A_MN ? 1 : 0, B_MN ? 1 : 0>(WgBF16{}, acc, desc_a + k * kStepA, desc_b + k * kStepB, 1);
+      wgmma_commit();
+      wgmma_wait<kInFlight>();
+      wgmma_fence_operands(acc);
+      if (it >= kInFlight) {
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&empty_bar[(it + STAGES - kInFlight) % STAGES]);
+      }
+    }
+    if constexpr (kInFlight) {
+      wgmma_wait<0>();
+      wgmma_fence_operands(acc);
+    }
   }
 
   // ---------------------------------------------------------------- epilogue
@@ -205,6 +245,7 @@ splitk_bf16_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_const
     const int total = rows * per_row;
     for (int base = tid; base < total; base += NUM_MATH_THREADS * UNROLL) {
       float sum[UNROLL][VEC];
+      [[maybe_unused]] float cv[UNROLL][VEC];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
@@ -212,6 +253,12 @@ splitk_bf16_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_const
         const int i = base + u * NUM_MATH_THREADS;
         if (i >= total) continue;
         const u64 off = static_cast<u64>(m0 + i / per_row) * SHAPE_N + n0 + (i % per_row) * VEC;
+        // C is loaded here, with the partials and before any store of D: c may be d, so a load after a
+        // store would wait for it (one HBM round trip per group instead of one for all of them).
+        if constexpr (HAS_C) {
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) cv[u][v] = to_float(c[off + v]);
+        }
 #pragma unroll
         for (int sp = 0; sp < SPLITS; ++sp) {
           const float* p = ws + sp * split_stride + off;
@@ -233,7 +280,7 @@ splitk_bf16_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_const
         const u64 off = static_cast<u64>(m0 + i / per_row) * SHAPE_N + n0 + (i % per_row) * VEC;
         if constexpr (HAS_C) {
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) sum[u][v] += to_float(c[off + v]);
+          for (int v = 0; v < VEC; ++v) sum[u][v] += cv[u][v];
         }
 #pragma unroll
         for (int v = 0; v < VEC; v += 2) {
