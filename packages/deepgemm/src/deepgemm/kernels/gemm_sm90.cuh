@@ -212,43 +212,66 @@ struct StagedStore {
     static_assert(!C_BF16 || (HAS_C && sizeof(OutT) == 2), "a bf16 C goes with a bf16 D");
     constexpr int kVec = 16 / static_cast<int>(sizeof(OutT));  // D columns per 16-byte segment
     constexpr int kUnits = BLOCK_N / kVec;
-    for (int u = tid; u < BLOCK_M * kUnits; u += threads) {
-      const int r = u / kUnits, col = (u % kUnits) * kVec;
-      const int row = m0 + r, gcol = n0 + col;
-      if (row >= row_limit || gcol >= SHAPE_N) continue;
-      const u64 off = (row_base + row) * static_cast<u64>(SHAPE_N) + gcol;
-      const unsigned char* src = s + r * kRow + col * kElem;
-      if constexpr (!F32) {  // bf16 staging, bf16 D, no C: a straight copy
-        *reinterpret_cast<uint4*>(d + off) = *reinterpret_cast<const uint4*>(src);
-      } else {
-        float v[kVec];
+    constexpr int kTotal = BLOCK_M * kUnits;
+    // With C, a thread first loads the C segments of kBatch of its units, then writes their D segments:
+    // c may be d, so a C load placed after a D store would issue only once that store's data arrived (one
+    // HBM round trip per unit: ~12 in a row for a 128 x 192 tile). Without C, one unit at a time.
+    constexpr int kBatch = HAS_C ? 4 : 1;
+    for (int u0 = tid; u0 < kTotal; u0 += threads * kBatch) {
+      [[maybe_unused]] float cadd[kBatch][kVec];
+      if constexpr (HAS_C) {
 #pragma unroll
-        for (int i = 0; i < kVec; i += 4) {
-          const float4 t = *reinterpret_cast<const float4*>(src + i * 4);
-          v[i] = t.x, v[i + 1] = t.y, v[i + 2] = t.z, v[i + 3] = t.w;
-        }
-        if constexpr (HAS_C && C_BF16) {
-          const uint4 t = *reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(c) + off);
-          const unsigned w[4] = {t.x, t.y, t.z, t.w};
+        for (int b = 0; b < kBatch; ++b) {
+          const int u = u0 + b * threads;
+          const int row = m0 + u / kUnits, gcol = n0 + (u % kUnits) * kVec;
+          if (u >= kTotal || row >= row_limit || gcol >= SHAPE_N) continue;
+          const u64 off = (row_base + row) * static_cast<u64>(SHAPE_N) + gcol;
+          if constexpr (C_BF16) {
+            const uint4 t = *reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(c) + off);
+            const unsigned w[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = bf16x2_to_float2(w[i]);
-            v[2 * i] += f.x, v[2 * i + 1] += f.y;
+            for (int i = 0; i < 4; ++i) {
+              const float2 f = bf16x2_to_float2(w[i]);
+              cadd[b][2 * i] = f.x, cadd[b][2 * i + 1] = f.y;
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < kVec; i += 4) {
+              const float4 t = *reinterpret_cast<const float4*>(c + off + i);
+              cadd[b][i] = t.x, cadd[b][i + 1] = t.y, cadd[b][i + 2] = t.z, cadd[b][i + 3] = t.w;
+            }
           }
-        } else if constexpr (HAS_C) {
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int u = u0 + b * threads;
+        const int r = u / kUnits, col = (u % kUnits) * kVec;
+        const int row = m0 + r, gcol = n0 + col;
+        if (u >= kTotal || row >= row_limit || gcol >= SHAPE_N) continue;
+        const u64 off = (row_base + row) * static_cast<u64>(SHAPE_N) + gcol;
+        const unsigned char* src = s + r * kRow + col * kElem;
+        if constexpr (!F32) {  // bf16 staging, bf16 D, no C: a straight copy
+          *reinterpret_cast<uint4*>(d + off) = *reinterpret_cast<const uint4*>(src);
+        } else {
+          float v[kVec];
 #pragma unroll
           for (int i = 0; i < kVec; i += 4) {
-            const float4 t = *reinterpret_cast<const float4*>(c + off + i);
-            v[i] += t.x, v[i + 1] += t.y, v[i + 2] += t.z, v[i + 3] += t.w;
+            const float4 t = *reinterpret_cast<const float4*>(src + i * 4);
+            v[i] = t.x, v[i + 1] = t.y, v[i + 2] = t.z, v[i + 3] = t.w;
           }
-        }
-        if constexpr (sizeof(OutT) == 2) {
-          uint4 o;
-          o.x = float2_to_bf16x2(v[0], v[1]), o.y = float2_to_bf16x2(v[2], v[3]);
-          o.z = float2_to_bf16x2(v[4], v[5]), o.w = float2_to_bf16x2(v[6], v[7]);
-          *reinterpret_cast<uint4*>(d + off) = o;
-        } else {
-          *reinterpret_cast<float4*>(d + off) = make_float4(v[0], v[1], v[2], v[3]);
+          if constexpr (HAS_C) {
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) v[i] += cadd[b][i];
+          }
+          if constexpr (sizeof(OutT) == 2) {
+            uint4 o;
+            o.x = float2_to_bf16x2(v[0], v[1]), o.y = float2_to_bf16x2(v[2], v[3]);
+            o.z = float2_to_bf16x2(v[4], v[5]), o.w = float2_to_bf16x2(v[6], v[7]);
+            *reinterpret_cast<uint4*>(d + off) = o;
+          } else {
+            *reinterpret_cast<float4*>(d + off) = make_float4(v[0], v[1], v[2], v[3]);
+          }
         }
       }
     }
