@@ -2,8 +2,10 @@
 """Small-M bf16 GEMMs (DeepGEMM test_bf16's M = 1 and M = 128 rows) vs cuBLAS, same run, one H200.
 
 For each shape: deepgemm's default dispatch (split-K where `splitk.pick_splitk` takes it), deepgemm
-with DEEPGEMM_SPLITK=0 (the persistent kernel alone), and cuBLAS (`torch.matmul` into a preallocated
-output, as DeepGEMM's test times `cublaslt_gemm_nt`). With --variants, forced split-K configs on a few
+with DEEPGEMM_SPLITK=0 (the persistent kernel alone), and cuBLAS as one GEMM kernel (`torch.mm` into the
+preallocated output; DeepGEMM's test times only the GEMM kernel of `cublaslt_gemm_nt`: until 2026-12-02 this
+script timed deepgemm.cublaslt_gemm_nt, matmul + a copy, which flattered us by the copy). --small-acc adds
+bf16 C = D rows (ours vs cuBLAS addmm_). With --variants, forced split-K configs on a few
 shapes (to check the heuristic's choice). Timing: tilehal.bench (CUDA events around a spin kernel, so
 host gaps are hidden for every contender), L2 flushed before each call, median of 30.
 
@@ -49,6 +51,21 @@ def variants(m: int, n: int, k: int) -> list[splitk.SplitKConfig]:
     return out
 
 
+def cublas_fn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, acc: bool = False):
+    """cuBLAS as one kernel, as DeepGEMM's test times it (bench_kineto counts only the GEMM kernel): torch.mm
+    into the preallocated bf16 d (acc: d.addmm_, beta = 1, C = d); fp32 d from bf16 inputs through mm's
+    out_dtype where torch has it, else matmul + copy (two kernels, noted in the row)."""
+    if acc:
+        return lambda: d.addmm_(a, b.T)
+    if d.dtype == torch.bfloat16:
+        return lambda: torch.mm(a, b.T, out=d)
+    try:
+        torch.mm(a[:1], b[:8].T, out_dtype=torch.float32)
+        return lambda: torch.mm(a, b.T, out_dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        return lambda: deepgemm.cublaslt_gemm_nt(a, b, d)
+
+
 def timed(fn) -> float:
     return tilehal.bench(fn, warmup=5, iters=30, flush_l2=True).median_s
 
@@ -64,7 +81,7 @@ def measure(m: int, n: int, k: int, with_variants: bool) -> dict:
     os.environ["DEEPGEMM_SPLITK"] = "0"
     persistent = timed(lambda: deepgemm.bf16_gemm_nt(a, b, d))
     del os.environ["DEEPGEMM_SPLITK"]
-    cublas = timed(lambda: deepgemm.cublaslt_gemm_nt(a, b, d))
+    cublas = timed(cublas_fn(a, b, d))
     ref = a.float() @ b.float().T
     deepgemm.bf16_gemm_nt(a, b, d)
     r = {"shape": [m, n, k], "out": str(out_dtype).replace("torch.", ""),
@@ -82,6 +99,26 @@ def measure(m: int, n: int, k: int, with_variants: bool) -> dict:
           f"persistent {r['persistent_us']:7.1f}  cuBLAS {r['cublas_us']:7.1f}  -> {r['ratio_vs_cublas']:.2f}x "
           f"(persistent {r['persistent_ratio_vs_cublas']:.2f}x) diff {r['calc_diff']:.1e}"
           + (f"\n    variants: {r['variants']}" if "variants" in r else ""), flush=True)
+    return r
+
+
+def measure_small_acc(m: int, n: int, k: int) -> dict:
+    """bf16 accumulation into a bf16 D at small M (DeepGEMM's acc=1 rows): ours (C = D, read in place) vs
+    cuBLAS d.addmm_ (one GEMM kernel with beta = 1)."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    d = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    d0 = d.clone()
+    deepgemm.bf16_gemm_nt(a, b, d, c=d)
+    diff = float(deepgemm.testing.calc_diff(d, a.float() @ b.float().T + d0.float()))
+    ours = timed(lambda: deepgemm.bf16_gemm_nt(a, b, d, c=d))
+    e = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
+    ours_no_c = timed(lambda: deepgemm.bf16_gemm_nt(a, b, e))
+    cublas = timed(cublas_fn(a, b, d, acc=True))
+    r = {"shape": [m, n, k], "ours_us": ours * 1e6, "ours_without_c_us": ours_no_c * 1e6, "cublas_addmm_us": cublas * 1e6,
+         "ratio_vs_cublas": cublas / ours, "calc_diff": diff}
+    print(f"acc {m}x{n}x{k}: ours {r['ours_us']:.1f} us (without C {r['ours_without_c_us']:.1f}), cuBLAS addmm "
+          f"{r['cublas_addmm_us']:.1f} -> {r['ratio_vs_cublas']:.2f}x, diff {diff:.1e}", flush=True)
     return r
 
 
@@ -109,10 +146,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--acc", action="store_true", help="also the M = 4096 bf16-accumulation rows")
+    ap.add_argument("--small-acc", action="store_true", help="also bf16 C = D rows at the small-M shapes (bf16 out)")
+    ap.add_argument("--m", default="1,128", help="comma-separated M values of the small-M rows")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    rows = [measure(m, n, k, args.variants and (m, n, k) in VARIANT_SHAPES) for m, n, k in SHAPES]
+    ms = {int(x) for x in args.m.split(",")}
+    shapes = [s for s in SHAPES if s[0] in ms]
+    rows = [measure(m, n, k, args.variants and (m, n, k) in VARIANT_SHAPES) for m, n, k in shapes]
     acc_rows = [measure_acc(m, n, k) for m, n, k in ACC_SHAPES] if args.acc else []
+    small_acc_rows = ([measure_small_acc(m, n, k) for m, n, k in shapes if (n, k) not in FP32_OUT]
+                      if args.small_acc else [])
     geo = math.exp(sum(math.log(r["ratio_vs_cublas"]) for r in rows) / len(rows))
     geo_p = math.exp(sum(math.log(r["persistent_ratio_vs_cublas"]) for r in rows) / len(rows))
     print(f"geo-mean vs cuBLAS: ours {geo:.3f}x, persistent only {geo_p:.3f}x")
@@ -122,7 +165,9 @@ def main() -> None:
                 "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                 "timing": "tilehal.bench median of 30, L2 flushed", "geomean_vs_cublas": geo,
                 "geomean_persistent_vs_cublas": geo_p}
-        (args.out / "deepgemm_small_m_h200.json").write_text(json.dumps({"meta": meta, "rows": rows, "acc_rows": acc_rows}, indent=1))
+        meta["cublas"] = "one GEMM kernel (torch.mm out= / out_dtype; addmm_ for C = D), as DeepGEMM's test times it"
+        (args.out / "deepgemm_small_m_h200.json").write_text(json.dumps(
+            {"meta": meta, "rows": rows, "acc_rows": acc_rows, "small_acc_rows": small_acc_rows}, indent=1))
 
 
 if __name__ == "__main__":

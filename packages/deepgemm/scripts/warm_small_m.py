@@ -126,20 +126,25 @@ def build(key):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--only", choices=("all", "tests", "upstream", "bench", "first", "local", "fp8"), default="all",
-                    help="first: the GPU tests' and the benchmark's kernels without its --variants; "
-                         "local: the GPU tests' and the benchmark's with --variants; fp8: the fp8 split-K "
-                         "tests' and bench_small_m_fp8's (with --variants)")
+    ap.add_argument("--only", default="all",
+                    help="comma-separated sets: all, tests, upstream, bench, first, local, fp8. first: the GPU tests' "
+                         "and the benchmark's kernels without its --variants; local: the GPU tests' and the "
+                         "benchmark's with --variants; fp8: the fp8 split-K tests' and bench_small_m_fp8's (with "
+                         "--variants)")
     args = ap.parse_args()
+    only = set(args.only.split(","))
+    bad = only - {"all", "tests", "upstream", "bench", "first", "local", "fp8"}
+    if bad:
+        ap.error(f"--only: unknown set(s) {sorted(bad)}")
     set_num_sms(SMS)
     keys: set = set()
-    if args.only in ("all", "upstream"):
+    if only & {"all", "upstream"}:
         keys |= upstream_test_gemm_keys()
-    if args.only in ("all", "tests", "first", "local"):
+    if only & {"all", "tests", "first", "local"}:
         keys |= test_keys()
-    if args.only in ("all", "bench", "first", "local"):
-        keys |= bench_keys(with_variants=args.only != "first")
-    if args.only in ("all", "fp8"):
+    if only & {"all", "bench", "first", "local"}:
+        keys |= bench_keys(with_variants="first" not in only)
+    if only & {"all", "fp8"}:
         keys |= fp8_keys()
     keys = sorted(keys, key=lambda k: k.expression)
     print(f"{len(keys)} kernels", flush=True)
