@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tilehal
 import tilelang
 import tilelang.language as T
 import torch
@@ -68,13 +69,11 @@ def _both(func, out_idx, inputs):
     return outs
 
 
-# the public-style kernels whose every tile op is lowered to thread-level nodes: all but the two pipelined
-# GEMMs (T.Pipelined(num_stages>=2)'s rule still writes text); flash attention runs 2-8 s each on the thread
-# interpreter, so CI runs two of the eight (the others: slow marker)
+# every public-style kernel (tests/public_kernels.py at its small sizes); flash attention runs 2-8 s each on
+# the thread interpreter, so CI runs two of the eight (the others: slow marker)
 SLOW = {"fa_mha_bhsd_full", "fa_mha_bshd_full", "fa_mha_bshd_causal", "fa_mha_bhsd_causal", "fa_gqa_bshd_full",
         "fa_gqa_bhsd_full"}
-THREAD_LOWERED = ["cumsum", "gemv", "layernorm", "topk", "gemm_splitk_atomic", "flash_decoding", "linear_attention",
-                  "fa_gqa_bhsd_causal", "fa_gqa_bshd_causal", *sorted(SLOW)]
+THREAD_LOWERED = sorted(SMALL)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in THREAD_LOWERED])
@@ -157,9 +156,40 @@ def test_thread_program_checks_the_lowering_waits_and_edges():
 
 
 def test_rules_still_writing_text_are_refused_by_name():
-    """A kernel with a statement whose CUDA rule still writes text (a cp.async T.Pipelined loop) is not run
-    silently: the thread interpreter names the text it cannot execute."""
-    fac, args, *_ = SMALL["gemm_nn_bias_relu"]
-    with pytest.raises(CompileError, match="not lowered to thread-level nodes yet: '// T.Pipelined"):
-        tilelang.compile(fac.get_tir(*args), out_idx=fac.out_idx, target="cuda_threads")(
-            torch.randn(100, 128).half(), torch.randn(128, 72).half(), torch.randn(72).half())
+    """The wgmma / TMA rules still write CUDA text (no thread-level nodes yet): their thread program is
+    not run silently; the thread interpreter names the text it cannot execute."""
+    tc = _load_module("tilelang_test_cuda", "test_cuda.py")
+    func = run_pipeline(tc._gemm_program(*tc.GEMM_VARIANTS["wg_nt_bf16_k128"]), "cuda")
+    tf = lower_to_threads(func, wgmma=True)
+    a = np.zeros((128, 256), np.float32).astype(tilehal.to_numpy_dtype("bfloat16"))
+    b = np.zeros((128, 256), a.dtype)
+    c = np.zeros((128, 128), np.float32)
+    with pytest.raises(CompileError, match="not lowered to thread-level nodes yet: .*[Ww]gmma"):
+        _run_program(tf, [a, b, c])
+
+
+# the gemm variants of test_cuda.py on the mma.sync path (the thread interpreter has no wgmma rules yet):
+# every dtype (fp16, bf16, fp8 e4m3 / e5m2, int8, fp32 on CUDA cores), transposes, warp policies, A in
+# registers, partial edge tiles, 1-3 pipeline stages, a dynamic M
+GEMM_VARIANTS = ["nn_f16_square_edges", "tn_f16", "tt_bf16_3stage", "nt_bf16_fullcol", "nt_e4m3", "nt_e5m2", "nt_int8",
+                 "a_in_registers_square", "a_in_registers_fullrow", "f32_cuda_cores", "dynamic_m"]
+_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8,
+          "float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+@pytest.mark.parametrize("name", GEMM_VARIANTS)
+def test_gemm_variant_thread_program_matches_tile_interp(name):
+    """ldmatrix (.trans) + mma.sync m16n8k16 / m16n8k32 (or FMA) as the thread interpreter runs them
+    (PTX fragment layouts per lane) vs the tile interpreter's matmul: fp32 accumulators within 1e-5
+    relative (the products are exact, the sums in another order), int32 exact."""
+    tc = _load_module("tilelang_test_cuda", "test_cuda.py")
+    c = tc.GEMM_VARIANTS[name]
+    M, N, K, _, _, _, dtype, _, ta, tb = c[:10]
+    g = torch.Generator().manual_seed(0)
+    shapes = ((K, M) if ta else (M, K)), ((N, K) if tb else (K, N))
+    if dtype == "int8":
+        inputs = [torch.randint(-8, 8, sh, dtype=torch.int8, generator=g) for sh in shapes]
+    else:
+        inputs = [torch.randn(sh, generator=g).to(_TORCH[dtype]) for sh in shapes]
+    want, got = _both(tc._gemm_program(*c), [2], inputs)
+    _close(name, got, want)

@@ -253,7 +253,14 @@ class ThreadInterpreter(Interpreter):
         self.env.pop(s.var, None)
 
     def scope(self, s: Scope) -> None:
-        self.stmt(s.body)
+        """Names declared inside end with the scope (a C block): a Let that shadows an outer variable
+        (a pipeline prologue's copy of the loop variable) does not leak out."""
+        saved = dict(self.env)
+        try:
+            self.stmt(s.body)
+        finally:
+            self.env.clear()
+            self.env.update(saved)
 
     def uniform(self, s: Uniform) -> None:
         self.in_uniform += 1

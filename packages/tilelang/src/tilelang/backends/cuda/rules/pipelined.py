@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ....ir.nodes import Alloc, Buffer, Const, Copy, For, Gemm, If, Kernel, Let, Load, Seq, Var
+from ....ir.nodes import Alloc, Buffer, Const, Copy, Expr, For, Gemm, If, Kernel, Let, Load, Seq, Var
+from ....ir.thread import AsyncCommit, AsyncWait, Scope
 from ....ir.visit import walk_expr, walk_stmts
 from ..common import log
+from ..emit import Comment
+from ..lower_thread import B, C, P
 
 
 class PipelineRules:
@@ -158,14 +161,16 @@ class PipelineRules:
             return self._pipelined_ws(s)
         copies = self.pipes[id(s)]
         n = int(s.annotations["num_stages"])
-        start, ext = self.expr(s.start), self.expr(s.extent)
+        start = self.expr(s.start)
+        start_x, ext_x = self.lower_expr(s.start), self.lower_expr(s.extent)
         v = s.var.name
         bufs = [c.dst.buffer for c in copies]
         tma = [self.tma_plans[id(c)] for c in copies if id(c) in self.tma_plans]
         on_tma = {id(p["copy"]) for p in tma}
         cp = [c for c in copies if id(c) not in on_tma]
-        self.emit(f"// T.Pipelined: {n} stages of {', '.join(b.name for b in bufs)} "
-                  f"({'TMA + mbarrier' if tma else ''}{', ' if tma and cp else ''}{'cp.async' if cp else ''})")
+        self.add(Comment(f"T.Pipelined: {n} stages of {', '.join(b.name for b in bufs)} "
+                         f"({'TMA + mbarrier' if tma else ''}{', ' if tma and cp else ''}{'cp.async' if cp else ''})",
+                         loc=s.loc))
         bar = None
         if tma:
             bar = self.fresh("bar")
@@ -176,11 +181,12 @@ class PipelineRules:
             self.sync()
         tma_bytes = sum(p["bytes"] for p in tma)
 
-        def issue(stage_c: str) -> None:
+        def issue(stage: Expr) -> None:
             for c in cp:
-                self.stage_expr[c.dst.buffer] = stage_c
+                self.stage_expr[c.dst.buffer] = stage
                 self.copy_async(c)
             if tma:
+                stage_c = self.expr(stage)
                 self.open("if (_tx == 0)")
                 self.emit(f"tilehal::mbarrier_arrive_expect_tx(&{bar}[{stage_c}], {tma_bytes});")
                 for p in tma:
@@ -199,26 +205,26 @@ class PipelineRules:
                       s.loc, n)
         ahead = n - 2 if lag else n - 1
         for st in range(ahead):
-            self.open("")
-            self.emit(f"const int {v} = {start} + {st};")
-            self.open(f"if ({st} < {ext})")
-            issue(str(st))
-            self.close()
+            self.begin()
+            self.add(Let(s.var, B(start_x, "+", C(st))))  # the loop variable of iteration st (a shadow in C)
+            self.begin()
+            issue(C(st))
+            self.add(If(B(C(st), "<", ext_x, "bool"), self.end()))
             if cp:
-                self.emit("tilehal::cp_async_commit();")
-            self.close()
+                self.add(AsyncCommit())
+            self.add(Scope(self.end()))
 
         def prefetch() -> None:
-            self.open("")
-            nxt = self.fresh("knext")
-            self.emit(f"const int {nxt} = {v} + {ahead};")
-            self.open(f"if ({nxt} < {start} + {ext})")
-            self.emit(f"const int {v} = {nxt};")
-            issue(f"(({nxt} - ({start})) % {n})")
-            self.close()
+            self.begin()
+            nxt = self.v(self.fresh("knext"))
+            self.add(Let(nxt, B(s.var, "+", C(ahead))))
+            self.begin()
+            self.add(Let(s.var, nxt))
+            issue(P(B(P(B(nxt, "-", P(start_x))), "%", C(n))))
+            self.add(If(B(nxt, "<", B(start_x, "+", ext_x), "bool"), self.end()))
             if cp:
-                self.emit("tilehal::cp_async_commit();")
-            self.close()
+                self.add(AsyncCommit())
+            self.add(Scope(self.end()))
 
         # one barrier per iteration: after it, stage k has landed for every thread and every thread is
         # done with stage k-1 (read in the previous iteration), which the prefetch then refills. With the
@@ -230,13 +236,13 @@ class PipelineRules:
         # iteration k-2: every warpgroup waited for its wgmma of k-2 (wgmma_wait<1> after issuing k-1)
         # before this iteration's barrier, so the second barrier is not needed; the refill is issued
         # before this iteration's wgmma_wait<1>, while the tensor cores work on k-1 and k.
-        self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
-        stage = self.fresh("stage")
-        self.emit(f"const int {stage} = ({v} - ({start})) % {n};")
+        self.begin()
+        stage = self.v(self.fresh("stage"))
+        self.add(Let(stage, B(P(B(s.var, "-", P(start_x))), "%", C(n))))
         if cp:
-            self.emit(f"tilehal::cp_async_wait<{ahead - 1}>();")
+            self.add(AsyncWait(ahead - 1))
         if tma:
-            self.emit(f"tilehal::mbarrier_wait(&{bar}[{stage}], (({v} - ({start})) / {n}) & 1);")
+            self.emit(f"tilehal::mbarrier_wait(&{bar}[{stage.name}], (({v} - ({start})) / {n}) & 1);")
         self.sync()
         if agemm is None:
             prefetch()
@@ -254,12 +260,12 @@ class PipelineRules:
         elif agemm is not None:
             self.sync()
             prefetch()
-        self.close()
+        self.add(For(s.var, start_x, ext_x, "serial", self.end(), loc=s.loc))
         if agemm is not None:
             self.emit("tilehal::wgmma_wait<0>();")
             self.emit(f"tilehal::wgmma_fence_operands({agemm.C.buffer.name});")
         if cp:
-            self.emit("tilehal::cp_async_wait<0>();")
+            self.add(AsyncWait(0))
         # the last iteration's accesses are still in flight for other threads
         r, w = self.tracked(s)
         self.pending_r |= r
