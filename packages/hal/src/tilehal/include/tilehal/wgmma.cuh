@@ -98,41 +98,47 @@ TILEHAL_DEVICE void wgmma_block_k128b_sync(float (&d)[R], const void* a_tile, co
 // first row), columns n0 + 8j + 2(l%4) and + 1. Rows >= row_limit and columns >= SHAPE_N are not
 // written; row r lies at d + (row_base + r) * SHAPE_N (row_base: a masked group's first row). HAS_C:
 // C, laid out as D, is added in fp32 first; VEC_C (fp32 C only): as one float2 load where both
-// columns are in range and N is even, else element by element. C is read kChunk column chunks at a
-// time, every load of a chunk before its stores: c may be d, so a load the compiler must keep behind a
-// store of D would wait for that store's data, one memory round trip per chunk instead of per 8 columns.
+// columns are in range and N is even, else element by element. C is read kChunk column chunks of both
+// rows at a time, every load of a chunk before its stores: c may be d, so a load the compiler must keep
+// behind a store of D would wait for that store's data (one memory round trip per 8 columns and row;
+// 32 in a row for a 128-wide tile, now 2).
 template <int SHAPE_N, int BLOCK_N, bool HAS_C, bool VEC_C, typename OutT, typename CT>
 TILEHAL_DEVICE void store_acc_direct(const float (&acc)[BLOCK_N / 2], OutT* d, const CT* c, u64 row_base, int r0,
                                      int row_limit, int n0, int lane) {
   static_assert(!VEC_C || sizeof(CT) == 4, "VEC_C reads C as float2");
   constexpr bool kEvenN = SHAPE_N % 2 == 0;
   constexpr int kJ = BLOCK_N / 8;
-  constexpr int kChunk = HAS_C ? (kJ < 8 ? kJ : 8) : 1;
+  constexpr int kChunk = HAS_C ? (kJ < 8 ? kJ : 8) : kJ;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = r0 + half * 8;
-    if (r >= row_limit) continue;
-    const u64 row_off = (row_base + r) * static_cast<u64>(SHAPE_N);
+  for (int j0 = 0; j0 < kJ; j0 += kChunk) {
+    [[maybe_unused]] float cx[2][kChunk], cy[2][kChunk];
+    if constexpr (HAS_C) {
 #pragma unroll
-    for (int j0 = 0; j0 < kJ; j0 += kChunk) {
-      [[maybe_unused]] float cx[kChunk], cy[kChunk];
-      if constexpr (HAS_C) {
+      for (int half = 0; half < 2; ++half) {
+        const int r = r0 + half * 8;
+        const u64 row_off = (row_base + r) * static_cast<u64>(SHAPE_N);
 #pragma unroll
         for (int jj = 0; jj < kChunk; ++jj) {
           const int col = n0 + (j0 + jj) * 8 + (lane % 4) * 2;
-          cx[jj] = cy[jj] = 0.f;
-          if (j0 + jj >= kJ || col >= SHAPE_N) continue;
+          cx[half][jj] = cy[half][jj] = 0.f;
+          if (r >= row_limit || j0 + jj >= kJ || col >= SHAPE_N) continue;
           const bool both = col + 1 < SHAPE_N;
           const CT* cp = c + row_off + col;
           if (VEC_C && both && kEvenN) {
             const float2 cv = *reinterpret_cast<const float2*>(cp);
-            cx[jj] = cv.x, cy[jj] = cv.y;
+            cx[half][jj] = cv.x, cy[half][jj] = cv.y;
           } else {
-            cx[jj] = to_float(cp[0]);
-            if (both) cy[jj] = to_float(cp[1]);
+            cx[half][jj] = to_float(cp[0]);
+            if (both) cy[half][jj] = to_float(cp[1]);
           }
         }
       }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + half * 8;
+      if (r >= row_limit) continue;
+      const u64 row_off = (row_base + r) * static_cast<u64>(SHAPE_N);
 #pragma unroll
       for (int jj = 0; jj < kChunk; ++jj) {
         const int j = j0 + jj;
@@ -140,7 +146,7 @@ TILEHAL_DEVICE void store_acc_direct(const float (&acc)[BLOCK_N / 2], OutT* d, c
         if (j >= kJ || col >= SHAPE_N) continue;
         const bool both = col + 1 < SHAPE_N;
         float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
-        if constexpr (HAS_C) x += cx[jj], y += cy[jj];
+        if constexpr (HAS_C) x += cx[half][jj], y += cy[half][jj];
         store_pair(d + row_off + col, x, y, both, kEvenN);
       }
     }
