@@ -91,7 +91,10 @@ def test_public_kernel_thread_program_matches_tile_interp(name):
     ("softmax", "softmax", (37, 96, 8, "float32"), torch.float32),
     ("softmax", "softmax", (37, 96, 8, "bfloat16"), torch.bfloat16),
     ("rmsnorm", "rms_norm", (13, 80), torch.float32),
-], ids=["elementwise_add", "softmax_f32", "softmax_bf16", "rmsnorm"])
+    ("gemm", "matmul", (100, 72, 40, 64, 64, 32), torch.float32),
+    ("gemm_relu", "matmul_relu", (96, 80, 64), torch.float16),
+    ("flash_attention", "flashattn", (1, 2, 100, 32, True), torch.float16),
+], ids=["elementwise_add", "softmax_f32", "softmax_bf16", "rmsnorm", "gemm_f32", "gemm_relu_f16", "flash_attention"])
 def test_example_thread_program_matches_tile_interp(example, mod, fn, args, dtype):
     f = getattr(example(mod), fn)
     func = f.get_tir(*args)
