@@ -102,7 +102,7 @@ def fp8_keys(with_variants: bool = True) -> set:
     import bench_small_m_fp8
     import test_splitk
 
-    keys = set(test_splitk.fp8_keys())
+    keys = set(test_splitk.fp8_keys()) | set(test_splitk.mcast_keys())
     for m, n, k in bench_small_m_fp8.SHAPES:
         sk = splitk.pick_splitk(m, n, k, SMS, "fp8")
         if sk is not None:

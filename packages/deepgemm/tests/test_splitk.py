@@ -374,3 +374,75 @@ def test_fp8_splitk_deterministic_graph_and_in_place():
     want = reference.fp8_gemm_nt(a8, sfa, b8, sfb, c)
     deepgemm.fp8_gemm_nt((a8, sfa), (b8, sfb), c, c=c)
     torch.testing.assert_close(c, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+# ----------------------------------------------------------------------------- multicast A (2-CTA clusters)
+
+# (fp8, (M, N, K), (block_m, block_n, splits), C / D dtype): odd n-block counts (a phantom CTA), M = 1 (the
+# second A half is all outside the tensor), M across two m-blocks, K tails.
+MCAST_CASES = [(False, (128, 2112, 7168), (128, 64, 4), torch.bfloat16), (False, (1, 576, 7168), (64, 64, 14), None),
+               (False, (70, 1000, 4104), (64, 128, 5), torch.float32), (True, (128, 2112, 7168), (128, 64, 2), None),
+               (True, (1, 4096, 7168), (64, 128, 4), torch.float32), (True, (130, 1000, 4104), (64, 64, 3), None),
+               (True, (5, 129, 1040), (64, 128, 3), torch.float32)]
+
+
+def mcast_cfg(fp8, m, n, k, bm, bn, splits):
+    kb = -(-k // (128 if fp8 else 64))
+    return SplitKConfig(block_m=bm, block_n=bn, splits=effective_splits(kb, min(splits, kb)),
+                        stages=splitk.max_stages(bm, bn), num_sms=132, multicast=2)
+
+
+def mcast_keys():
+    keys = []
+    for fp8, (m, n, k), (bm, bn, s), cd in MCAST_CASES:
+        out = cd or torch.bfloat16
+        keys.append(splitk_key(mcast_cfg(fp8, m, n, k, bm, bn, s), n, k, out, cd, fp8=fp8))
+    return keys
+
+
+def test_mcast_grid_pads_to_whole_clusters():
+    cfg = mcast_cfg(False, 128, 2112, 7168, 128, 64, 4)
+    assert cfg.grid(128, 2112) == (34, 1, 4)  # 33 n-blocks + one phantom
+    assert splitk_key(cfg, 2112, 7168, torch.bfloat16, None).expression.endswith(", 2>")
+    assert not splitk_key(dataclasses_replace(cfg, multicast=1), 2112, 7168, torch.bfloat16, None).expression.endswith(
+        ", 2>")
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+@pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
+def test_mcast_splitk_kernels_compile_without_spills(h):
+    keys = mcast_keys()
+    h.check_compiled_batches(splitk.compile_kernels, keys)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MCAST_CASES, ids=[f"{'fp8' if c[0] else 'bf16'}-{c[1][0]}x{c[1][1]}x{c[1][2]}"
+                                                   for c in MCAST_CASES])
+def test_mcast_splitk_matches_reference(case):
+    from deepgemm import cuda_gemm
+
+    fp8, (m, n, k), (bm, bn, s), cd = case
+    cfg = mcast_cfg(fp8, m, n, k, bm, bn, s)
+    if fp8:
+        a8, sfa, b8, sfb = deepgemm_fp8(m, n, k, "cuda", seed=21)
+        c = None if cd is None else torch.randn(m, n, device="cuda").to(cd)
+        d = torch.empty(m, n, dtype=cd or torch.bfloat16, device="cuda")
+        cuda_gemm.dense(a8, sfa, b8, sfb, d, c, config=cfg)
+        ref = reference.fp8_gemm_nt(a8, sfa, b8, sfb, None if c is None else c.float())
+        again = torch.empty_like(d)
+        cuda_gemm.dense(a8, sfa, b8, sfb, again, c, config=cfg)
+    else:
+        a, b = _ab(m, n, k, seed=21)
+        c = None if cd is None else torch.randn(m, n, device="cuda").to(cd)
+        d = torch.empty(m, n, dtype=cd or torch.bfloat16, device="cuda")
+        cuda_gemm.dense(a, None, b, None, d, c, config=cfg)
+        ref = reference.bf16_gemm_nt(a, b, None if c is None else c.float())
+        again = torch.empty_like(d)
+        cuda_gemm.dense(a, None, b, None, again, c, config=cfg)
+    assert deepgemm.testing.calc_diff(d, ref) < 1e-5
+    deepgemm.testing.assert_bitwise_equal(d, again, "multicast split-K repeated")

@@ -67,6 +67,7 @@ class SplitKConfig:
     splits: int
     stages: int
     num_sms: int
+    multicast: int = 1  # 2: 2-CTA clusters along N sharing the A tile (kernels/splitk_sm90.cuh MCAST)
 
     @property
     def num_threads(self) -> int:
@@ -77,7 +78,9 @@ class SplitKConfig:
         return smem_bytes(self.block_m, self.block_n, self.stages)
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
-        return ceil_div(n, self.block_n), ceil_div(m, self.block_m), self.splits
+        """(n-blocks, m-blocks, splits); with multicast the n-blocks are a whole number of clusters (an odd
+        count gets a phantom CTA)."""
+        return ceil_div(ceil_div(n, self.block_n), self.multicast) * self.multicast, ceil_div(m, self.block_m), self.splits
 
 
 def smem_bytes(block_m: int, block_n: int, stages: int) -> int:
@@ -172,6 +175,7 @@ class SplitKKey:
     a_mn: bool = False  # A read MN-major in place (stored [K, M])
     b_mn: bool = False  # B read MN-major in place (stored [K, N])
     fp8: bool = False  # e4m3 operands with 1x128 / 128x128 scales (K-major)
+    multicast: int = 1  # CTAs per cluster sharing the A tile
 
     @property
     def expression(self) -> str:
@@ -182,14 +186,15 @@ class SplitKKey:
             return "true" if x else "false"
 
         return (f"deepgemm::splitk_sm90<{b(self.fp8)}, {self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
-                f"{self.splits}, {out}, {b(self.has_c)}, {ct}, {b(self.a_mn)}, {b(self.b_mn)}>")
+                f"{self.splits}, {out}, {b(self.has_c)}, {ct}, {b(self.a_mn)}, {b(self.b_mn)}"
+                f"{f', {self.multicast}' if self.multicast > 1 else ''}>")
 
 
 def splitk_key(cfg: SplitKConfig, n: int, k: int, out_dtype: torch.dtype, c_dtype: torch.dtype | None,
                a_mn: bool = False, b_mn: bool = False, fp8: bool = False) -> SplitKKey:
     return SplitKKey(n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages, splits=cfg.splits,
                      out_bf16=out_dtype == torch.bfloat16, has_c=c_dtype is not None,
-                     c_bf16=c_dtype == torch.bfloat16, a_mn=a_mn, b_mn=b_mn, fp8=fp8)
+                     c_bf16=c_dtype == torch.bfloat16, a_mn=a_mn, b_mn=b_mn, fp8=fp8, multicast=cfg.multicast)
 
 
 def pick_tiles(m: int, n: int, k: int, num_sms: int) -> SplitKConfig:
@@ -288,13 +293,24 @@ def dense_bf16(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tenso
     m, k = a.shape
     n = b.shape[0]
     a_mn, b_mn = is_mn_major(a), is_mn_major(b)
+    if cfg.multicast > 1 and a_mn:
+        raise tilehal.ArgumentError("config.multicast: expected 1 with an MN-major A (multicast shares a K-major A tile)")
     key = splitk_key(cfg, n, k, d.dtype, None if c is None else c.dtype, a_mn, b_mn)
+    _launch(key, cfg, m, n, a, b, [d, c], [None, None, 0])
+
+
+def _launch(key: SplitKKey, cfg: SplitKConfig, m: int, n: int, a: torch.Tensor, b: torch.Tensor, out_args: list,
+            scale_args: list) -> None:
+    if cfg.multicast not in (1, 2):
+        raise tilehal.ArgumentError(f"config.multicast: expected 1 or 2, got {cfg.multicast}")
     kern = _kernel(key)
     grid = cfg.grid(m, n)
     ws, counters = _workspace(a.device, cfg.splits * m * n if cfg.splits > 1 else 0, grid[0] * grid[1])
-    da = _operand_descriptor(a, cfg.block_m)
+    da = _operand_descriptor(a, cfg.block_m // cfg.multicast)  # with multicast each CTA loads half of A's tile
     db = _operand_descriptor(b, cfg.block_n)
-    kern.launch(grid, cfg.num_threads, [da, db, d, c, ws, counters, m, None, None, 0], smem_bytes=cfg.smem_bytes)
+    cluster = (cfg.multicast, 1, 1) if cfg.multicast > 1 else None
+    kern.launch(grid, cfg.num_threads, [da, db, *out_args, ws, counters, m, *scale_args], smem_bytes=cfg.smem_bytes,
+                cluster=cluster)
 
 
 def dense_fp8(a: torch.Tensor, sfa_t: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
@@ -307,10 +323,4 @@ def dense_fp8(a: torch.Tensor, sfa_t: torch.Tensor, b: torch.Tensor, sfb: torch.
     if 128 % cfg.block_n:
         raise tilehal.ArgumentError(f"config.block_n: expected a divisor of 128 for fp8 split-K, got {cfg.block_n}")
     key = splitk_key(cfg, n, k, d.dtype, None if c is None else c.dtype, fp8=True)
-    kern = _kernel(key)
-    grid = cfg.grid(m, n)
-    ws, counters = _workspace(a.device, cfg.splits * m * n if cfg.splits > 1 else 0, grid[0] * grid[1])
-    da = _operand_descriptor(a, cfg.block_m)
-    db = _operand_descriptor(b, cfg.block_n)
-    kern.launch(grid, cfg.num_threads, [da, db, d, c, ws, counters, m, sfa_t, sfb, sfa_t.stride(1)],
-                smem_bytes=cfg.smem_bytes)
+    _launch(key, cfg, m, n, a, b, [d, c], [sfa_t, sfb, sfa_t.stride(1)])

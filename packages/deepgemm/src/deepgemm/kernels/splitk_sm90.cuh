@@ -32,6 +32,14 @@
 // block; the activation scales are read from global memory (MN-major, `sfa_ld` floats per K block)
 // before the stage's wait, so their latency hides behind it. A split's sum is its blocks' promoted
 // partials in K order; the splits are then added in split order as for bf16 (deterministic).
+//
+// MCAST = 2 (K-major A): 2-CTA clusters along the grid's n-blocks. Both CTAs of a cluster have the same
+// m-block and split, so the same A slices: each loads half of the A tile (BLOCK_M / 2 rows) and multicasts
+// it into both, halving A's L2 -> SM traffic (at M = 128 every n-block re-reads the whole A panel: for
+// 128 x 2112 x 7168 bf16 with 64-wide tiles that is 60 MB of A against 30 MB of weights). A stage is
+// refilled only when the consumers of both CTAs released it (lane i of each math warp arrives in CTA i),
+// and each producer waits for the last releases before its CTA exits (no remote arrival may target an
+// exited CTA). An odd n-block count gets one phantom CTA (n0 >= N: TMA zero-fills its B, it writes nothing).
 #pragma once
 #include <tilehal/tilehal.cuh>
 #include <tilehal/mbarrier.cuh>
@@ -51,7 +59,7 @@ template <int NUM_MATH_WG> constexpr int kSplitKMathRegs = NUM_MATH_WG == 1 ? 25
 // FP8: sfa (MN-major fp32, sfa_ld floats per K block) and sfb (fp32 [ceil(N/128), ceil(K/128)]) are read;
 // bf16 kernels take null pointers there.
 template <bool FP8, int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int SPLITS, typename OutT,
-          bool HAS_C, typename CT, bool A_MN, bool B_MN>
+          bool HAS_C, typename CT, bool A_MN, bool B_MN, int MCAST = 1>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
             OutT* d, const CT* c, float* __restrict__ ws, int* counters, int shape_m,
@@ -72,6 +80,7 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
   static_assert(SPLITS >= 1 && (SPLITS - 1) * KB_PER_SPLIT < NUM_K_BLOCKS, "an empty split");
   static_assert(!B_MN || BLOCK_N % 64 == 0, "an MN-major B tile is whole 64-column atoms");
   static_assert(!FP8 || (!A_MN && !B_MN && 128 % BLOCK_N == 0), "fp8: K-major operands, one weight-scale block per tile");
+  static_assert(MCAST == 1 || (MCAST == 2 && !A_MN), "multicast: 2-CTA clusters sharing a K-major A");
   constexpr int ATOM_BYTES = 64 * 128;  // one MN-major atom column: 64 K-rows of 128 bytes
   using Mma = Wgmma16<BLOCK_N>;  // bf16 wgmma with the transpose immediates (MN-major operands)
 
@@ -94,16 +103,22 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(&full_bar[s], 1);
-      mbarrier_init(&empty_bar[s], NUM_MATH_WG * 4);  // lane 0 of every math warp
+      mbarrier_init(&empty_bar[s], MCAST * NUM_MATH_WG * 4);  // lane 0 of every math warp (of every CTA)
     }
     fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (MCAST > 1) {
+    cluster_sync();  // the peer's multicast and remote arrivals need our barriers initialised
+  } else {
+    __syncthreads();
+  }
+  [[maybe_unused]] const int rank = MCAST > 1 ? static_cast<int>(cluster_ctarank()) : 0;
 
   if (tid >= NUM_MATH_THREADS) {
     // ---------------------------------------------------------------- producer warpgroup
     setmaxnreg_dec<kSplitKProducerRegs<NUM_MATH_WG>>();
     if (tid != NUM_MATH_THREADS) return;
+    const int num_kb_total = kb_end - kb_begin;
     for (int kb = kb_begin, it = 0; kb < kb_end; ++kb, ++it) {
       const int s = it % STAGES;
       mbarrier_wait(&empty_bar[s], ((it / STAGES) & 1) ^ 1);
@@ -114,7 +129,12 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
           tma_load_2d(smem_a + s * A_BYTES + i * ATOM_BYTES, &tma_a, &full_bar[s], m_block * BLOCK_M + i * 64,
                       kb * BLOCK_K);
       } else {
-        tma_load_2d(smem_a + s * A_BYTES, &tma_a, &full_bar[s], kb * BLOCK_K, m_block * BLOCK_M);
+        if constexpr (MCAST > 1) {
+          tma_load_2d_multicast(smem_a + s * A_BYTES + rank * (A_BYTES / 2), &tma_a, &full_bar[s], kb * BLOCK_K,
+                                m_block * BLOCK_M + rank * (BLOCK_M / 2), 0x3);
+        } else {
+          tma_load_2d(smem_a + s * A_BYTES, &tma_a, &full_bar[s], kb * BLOCK_K, m_block * BLOCK_M);
+        }
       }
       if constexpr (B_MN) {
 #pragma unroll
@@ -125,6 +145,10 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
         tma_load_2d(smem_b + s * B_BYTES, &tma_b, &full_bar[s], kb * BLOCK_K, n_block * BLOCK_N);
       }
     }
+    if constexpr (MCAST > 1) {
+      // Stay alive until both CTAs' consumers released every stage of this CTA.
+      for (int i = 0, it = num_kb_total; i < STAGES; ++i, ++it) mbarrier_wait(&empty_bar[it % STAGES], ((it / STAGES) & 1) ^ 1);
+    }
     return;
   }
 
@@ -134,6 +158,14 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
   const int warp = (tid % 128) / 32;
   const int lane = tid % 32;
   const int row_in_tile = wg * 64 + warp * 16 + lane / 4;  // and +8
+  // Hand stage s back to the producer(s): lane i of each warp arrives in CTA i of the cluster.
+  auto release = [&](int s) {
+    if constexpr (MCAST == 1) {
+      if (lane == 0) mbarrier_arrive(&empty_bar[s]);
+    } else {
+      if (lane < MCAST) mbarrier_arrive_cluster(&empty_bar[s], lane);
+    }
+  };
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
@@ -142,7 +174,8 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
   if constexpr (FP8) {
     constexpr int SF_K = (SHAPE_K + 127) / 128;
     float part[ACC];
-    const float* sfb_row = sfb + (n_block * BLOCK_N / 128) * SF_K;
+    constexpr int SF_N = (SHAPE_N + 127) / 128;
+    const float* sfb_row = sfb + min(n_block * BLOCK_N / 128, SF_N - 1) * SF_K;  // (a phantom CTA reads the last)
     // Rows past M have zero A (TMA fill) and are never stored: read a valid row's scale for them.
     const int ra = min(m_block * BLOCK_M + row_in_tile, shape_m - 1);
     const int rb = min(m_block * BLOCK_M + row_in_tile + 8, shape_m - 1);
@@ -156,7 +189,7 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
       wgmma_block_k128b_sync<WgmmaE4M3<BLOCK_N>, BLOCK_K / K_STEP>(part, smem_a + s * A_BYTES + wg * 64 * 128,
                                                                    smem_b + s * B_BYTES);
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(&empty_bar[s]);
+      release(s);
 #pragma unroll
       for (int j = 0; j < BLOCK_N / 8; ++j) {
         acc[4 * j + 0] += part[4 * j + 0] * s0;
@@ -186,17 +219,22 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
       wgmma_fence_operands(acc);
       if (it >= kInFlight) {
         __syncwarp();
-        if (lane == 0) mbarrier_arrive(&empty_bar[(it + STAGES - kInFlight) % STAGES]);
+        release((it + STAGES - kInFlight) % STAGES);
       }
     }
     if constexpr (kInFlight) {
       wgmma_wait<0>();
       wgmma_fence_operands(acc);
+      if constexpr (MCAST > 1) {  // the producers' exit drain waits for every release
+        __syncwarp();
+        release((num_kb - 1) % STAGES);
+      }
     }
   }
 
   // ---------------------------------------------------------------- epilogue
   const int n0 = n_block * BLOCK_N;
+  if (MCAST > 1 && n0 >= SHAPE_N) return;  // a phantom CTA (odd n-block count): nothing to write
   const int r0 = m_block * BLOCK_M + row_in_tile;
   constexpr bool kEvenN = SHAPE_N % 2 == 0;
   const u64 split_stride = static_cast<u64>(shape_m) * SHAPE_N;
