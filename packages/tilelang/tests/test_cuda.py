@@ -323,6 +323,8 @@ def test_gemm_variant_gpu(name, path):
 ONE_BARRIER = {"cuda_wgmma_one_barrier": True}
 WS = {"cuda_warp_specialize": True}  # a producer warpgroup feeds the TMA pipeline (opt-in)
 WSP = {**WS, "cuda_persistent": True}  # ... and one block per SM loops over the grid's tiles (opt-in)
+WSPP = {**WS, "cuda_ws_pingpong": True}  # ... the two consumer warpgroups take turns (opt-in)
+_WS_CFG = {"default": None, "ws": WS, "wsp": WSP, "pp": WSPP, "ppp": {**WSP, **WSPP}}
 CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async
 TMA = {"cuda_tma": True}  # TMA pipelines (the default on sm_90a; explicit for the checks)
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
@@ -404,6 +406,13 @@ def test_warp_specialized_codegen(caplog, tmp_path, monkeypatch, example):
     assert srcp.count("for (int _tile = blockIdx.x; _tile < 2; _tile += gridDim.x)") == 2 and "_kb += " in srcp
     logp = compile_cuda(srcp, arch="sm_90a", name=list(kp._impl.launch_threads)[0], options=["--ptxas-options=-v"]).log
     assert re.findall(r"(\d+) bytes spill stores", logp) == ["0"], logp
+    # pingpong: flash attention's two consumer warpgroups take turns issuing S = Q K^T (named barriers 2, 3)
+    fa_pp = m.flash_attention_fwd(4, 32, 4096, 128, False, 128, 128, 2, 256, "float16", layout="bhsd")
+    src_pp = tilelang.compile(fa_pp, out_idx=[3], target="cuda", pass_configs=WSPP).get_kernel_source()
+    assert src_pp.count("named_barrier_sync(2 + (_tx >> 7), 256)") == 1
+    assert src_pp.count("named_barrier_arrive(3 - (_tx >> 7), 256)") == 1 and "named_barrier_arrive(2, 256)" in src_pp
+    assert "named_barrier_sync(2" not in tilelang.compile(prog, out_idx=[2], target="cuda",
+                                                          pass_configs=WSPP).get_kernel_source()  # wgmma in flight
 
 
 @needs_nvrtc
@@ -606,12 +615,38 @@ def test_public_kernel_gpu(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(n for n in GPU if n.startswith(("gemm", "fa_"))))
+@pytest.mark.parametrize("name", sorted(n for n in GPU if n.startswith("gemm")))  # their FA cases have 1 stage
 @pytest.mark.parametrize("cfg", ["ws", "wsp"])
 def test_public_kernel_ws_gpu(name, cfg):
-    """The public-style GEMM and flash-attention kernels warp-specialized (pass_configs cuda_warp_specialize),
-    and persistent (cuda_persistent)."""
-    _run_case(name, GPU[name], "cuda", "cuda", WS if cfg == "ws" else WSP)
+    """The public-style GEMM and flash-attention kernels with pass_configs cuda_warp_specialize (and
+    cuda_persistent): the pipelined ones are warp-specialized, the others as by default."""
+    _run_case(name, GPU[name], "cuda", "cuda", _WS_CFG[cfg])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ["default", "ws", "wsp", "pp", "ppp"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa_pipelined_ws_gpu(example, causal, cfg):
+    """Flash attention at the benchmark's tiles (128 x 128, 2 stages, 256 threads; bhsd, so K / V go through
+    TMA: seq a multiple of the tile, else the flattened rows could not be proven inside a head), GQA 8 / 2: the
+    default, warp-specialized, persistent (2 x 8 x 12 = 192 tiles on 132 SMs: some blocks run two), pingpong and
+    persistent + pingpong forms vs SDPA in float32."""
+    m = example("flash_attention")
+    b, h, s, d, groups = 2, 8, 1536, 128, 4
+    func = m.flash_attention_fwd(b, h, s, d, causal, 128, 128, 2, 256, "float16", groups=groups, layout="bhsd")
+    k = tilelang.compile(func, out_idx=[3], target="cuda", pass_configs=_WS_CFG.get(cfg))
+    src = k.get_kernel_source()
+    assert "tma_load_2d" in src and (cfg == "default") == (not k._impl.launch_threads)
+    assert ("named_barrier_sync(2 +" in src) == (cfg in ("pp", "ppp"))
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(b, h, s, d, generator=g).half().cuda()
+    kk = torch.randn(b, h // groups, s, d, generator=g).half().cuda()
+    v = torch.randn(b, h // groups, s, d, generator=g).half().cuda()
+    out = k(q, kk, v).float()
+    rep = h // groups
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), kk.float().repeat_interleave(rep, 1),
+                                                           v.float().repeat_interleave(rep, 1), is_causal=causal)
+    assert (out - ref).abs().max().item() <= 2e-2
 
 
 @pytest.mark.gpu

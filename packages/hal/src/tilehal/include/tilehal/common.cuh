@@ -34,6 +34,12 @@ TILEHAL_DEVICE void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
+// bar.arrive: count this thread towards named barrier `id` without waiting (the producer side of a
+// bar.sync / bar.arrive pair, e.g. warpgroups taking turns on the tensor cores).
+TILEHAL_DEVICE void named_barrier_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
 // Persistent-kernel tile order: tile t of a grid of num_m x NUM_N tiles -> (m, n), walking bands of
 // BAND columns (n) and the m tiles inside a band, so the CTAs running together share operand panels
 // in L2. The last band holds the NUM_N % BAND remaining columns.

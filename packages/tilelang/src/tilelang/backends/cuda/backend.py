@@ -148,7 +148,8 @@ def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str,
     probe, kernels = generate_cuda(func, "tl_kernel", wgmma=wgmma, tma=tma, use_tma=use_tma,
                                    one_barrier=bool(options.get("cuda_wgmma_one_barrier")),
                                    warp_specialize=ws and use_tma, launch=launch,
-                                   persistent=bool(options.get("cuda_persistent")))
+                                   persistent=bool(options.get("cuda_persistent")),
+                                   pingpong=bool(options.get("cuda_ws_pingpong")))
     digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
     base = f"tl_{func.name}_{digest}"
     cuda_source = probe.replace("tl_kernel_k", f"{base}_k")

@@ -105,7 +105,7 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
 
     def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let], wgmma: bool = True,
                  tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False,
-                 persistent: bool = False) -> None:
+                 persistent: bool = False, pingpong: bool = False) -> None:
         self.func = func
         self.kernel = kernel
         self.name = name
@@ -129,6 +129,8 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         self.pending_r: set[Buffer] = set()
         self._wg_async: Stmt | None = None  # the wgmma T.Pipelined leaves in flight (rules/pipelined.py)
         self._wg_defer_wait = False  # ... and waits for itself, after the refill (cuda_wgmma_one_barrier)
+        self._wg_after_commit: Stmt | None = None  # a wgmma followed by `_wg_after_commit_line` (pingpong)
+        self._wg_after_commit_line = ""
         self.dyn_names = {v.name for v in func.dynamic_vars}
         self._rw: dict[int, tuple[frozenset[Buffer], frozenset[Buffer]]] = {}
         self._index_rw(kernel.body)
@@ -145,6 +147,7 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         self.ws_prologue: list[str] = []  # barrier init + the producer's branch, before the kernel body
         self.launch_threads = 0  # threads + the producer warpgroup's 128 when warp-specialized
         self.persistent = persistent  # pass_configs cuda_persistent (with warp specialization)
+        self.ws_pingpong = pingpong  # pass_configs cuda_ws_pingpong: consumer warpgroups take turns
         self.persistent_tiles = 0  # the grid's tiles a persistent kernel loops over
         self.tma_specs: list = []  # TmaSpec per descriptor parameter, in parameter order
         self.tma_bufs: set[Buffer] = set()
@@ -618,7 +621,8 @@ register_rules("cuda.parallel", {Seq: seq_rule, Store: KernelCodegen.par_store,
 
 def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict | None = None,
                   use_tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False,
-                  launch: dict | None = None, persistent: bool = False) -> tuple[str, list[tuple[str, Kernel, int]]]:
+                  launch: dict | None = None, persistent: bool = False,
+                  pingpong: bool = False) -> tuple[str, list[tuple[str, Kernel, int]]]:
     """CUDA source for every T.Kernel of `func`: (source, [(kernel name, Kernel node, smem bytes)]).
     `wgmma`: sm_90a features (T.gemm on wgmma, pipelined copies on TMA); otherwise mma.sync and cp.async
     only. `tma`, when given, receives {kernel name: [TmaSpec]} (the descriptors each kernel takes after
@@ -637,7 +641,7 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
         elif isinstance(s, Kernel):
             name = f"{base_name}_k{len(kernels)}"
             cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma, one_barrier=one_barrier,
-                               warp_specialize=warp_specialize, persistent=persistent)
+                               warp_specialize=warp_specialize, persistent=persistent, pingpong=pingpong)
             src, smem = cg.generate()
             if launch is not None and cg.launch_threads:
                 launch[name] = [cg.launch_threads, cg.persistent_tiles]

@@ -271,6 +271,34 @@ class PipelineRules:
         self.pending_r |= r
         self.pending_w |= w
 
+    def _ws_pingpong(self, rest: list, agemm) -> Gemm | None:
+        """The gemm two consumer warpgroups take turns on (the loop body's first statement that is a wgmma
+        T.gemm), when the loop has two consumer warpgroups, each owning its own rows in every wgmma
+        (warpgroups split M), no wgmma left in flight across iterations, and no consumer barrier in the body
+        (found by emitting the body once on the side: a barrier there would deadlock the turns)."""
+        if not self.ws_pingpong or self.threads != 256 or agemm is not None:
+            return None
+        gemms = [c for c in rest if isinstance(c, Gemm)]
+        if not gemms or any(self.inf.gemms[id(g)].kind != "wgmma" or self.inf.gemms[id(g)].warps_m != 2
+                            for g in gemms):
+            log.debug("%s: no pingpong: not every gemm of the loop is a wgmma split over 2 warpgroups' rows",
+                      self.kernel.loc)
+            return None
+        from ..emit import emit_body
+
+        saved = (set(self.pending_r), set(self.pending_w), self.scratch_bytes)
+        self.begin()
+        for c in rest:
+            self.stmt(c)
+        trial = "\n".join(emit_body(self, self.end()))
+        self.pending_r, self.pending_w, self.scratch_bytes = saved
+        if "__syncthreads" in trial:
+            log.debug("%s: no pingpong: the loop body has a consumer barrier", self.kernel.loc)
+            return None
+        first = next(c for c in rest if isinstance(c, Gemm))
+        log.debug("%s: pingpong: the two consumer warpgroups take turns issuing %s", first.loc, "T.gemm")
+        return first
+
     def _pipelined_ws(self, s: For) -> None:
         """The consumers' side of a warp-specialized TMA pipeline (the producer's is `ws_prologue`)."""
         copies = self.pipes[id(s)]
@@ -344,6 +372,12 @@ class PipelineRules:
         carried = bool(writes - set(bufs))
         if not carried and ((reads | writes) & self.pending_w or writes & self.pending_r):
             self.sync()
+        pingpong = self._ws_pingpong(rest, agemm)
+        if pingpong is not None:
+            # the two consumer warpgroups take turns issuing the loop's first gemm (named barriers 2 and 3):
+            # one's softmax-like middle part then runs while the other's gemms use the tensor cores. Warpgroup 1
+            # lets warpgroup 0 go first; it does not arrive after its last turn (the counts balance per loop).
+            self.emit(f"if ((_tx >> 7) == 1) tilehal::named_barrier_arrive(2, {T});  // pingpong: warpgroup 0 first")
         self.emit(f"// T.Pipelined: consumers wait for each stage on {full}, release it on {empty}")
         self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
         stage = self.fresh("stage")
@@ -355,8 +389,14 @@ class PipelineRules:
             self.stage_expr[b] = stage
         for c in rest:
             self._wg_async = c if c is agemm else None
+            if c is pingpong:
+                self.emit(f"tilehal::named_barrier_sync(2 + (_tx >> 7), {T});  // pingpong: this warpgroup's turn")
+                self._wg_after_commit = c
+                self._wg_after_commit_line = (f"if ((_tx >> 7) == 0 || {v} + 1 < {start} + {ext}) "
+                                              f"tilehal::named_barrier_arrive(3 - (_tx >> 7), {T});  // the other's turn")
             self.stmt(c)
             self._wg_async = None
+            self._wg_after_commit = None
         # release: with the wgmma of this iteration in flight (wgmma_wait<1>: the one of the previous
         # iteration is done), the previous stage; otherwise this one (everything reading it is done)
         if agemm is not None:

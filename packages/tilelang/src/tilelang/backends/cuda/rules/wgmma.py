@@ -116,6 +116,8 @@ class WgmmaRules:
         self.close()
         self.close()
         self.emit("tilehal::wgmma_commit();")
+        if self._wg_after_commit is s:  # the pingpong turn of a warp-specialized loop (rules/pipelined.py)
+            self.emit(self._wg_after_commit_line)
         if self._wg_async is s:  # T.Pipelined keeps one group in flight (rules/pipelined.py)
             if not self._wg_defer_wait:  # else the pipeline waits after issuing its refill
                 self.emit("tilehal::wgmma_wait<1>();")
