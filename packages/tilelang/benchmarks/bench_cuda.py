@@ -8,7 +8,8 @@ M=4096 with (N, K) in (7168, 2048), (2112, 7168), (24576, 1536); flash attention
 fp16, b4 h32 s4096 d128, causal and not. Ours up to four times: "ours" (the sm_90a defaults: T.gemm on
 wgmma, pipelined copies on TMA), "ours_ws" (pass_configs cuda_warp_specialize: a producer warpgroup issues
 the TMA loads), "ours_wsp" (+ cuda_persistent: one block per SM loops over the tiles), "ours_pp" (flash attention
-with cuda_ws_pingpong: the two consumer warpgroups take turns on the tensor cores), "ours_cp" (tl.disable_tma_lower: copies on cp.async) and "ours_mma" (tl.disable_wgmma:
+with cuda_ws_pingpong: the two consumer warpgroups take turns on the tensor cores; "ours_ppp" also
+persistent), "ours_cp" (tl.disable_tma_lower: copies on cp.async) and "ours_mma" (tl.disable_wgmma:
 ldmatrix + mma.sync + cp.async); `--best-from JSON` times only the (config, refill) pairs a JSON marks best
 (several per shape allowed); `--short` the short lists of SHORT_CONFIGS (a GPU round of ~100 s). Timing: 10 calls captured in a
 CUDA graph, replayed (median of 5 replays), so launch overhead is not measured for anyone. Compile:
@@ -61,7 +62,8 @@ SHORT_CONFIGS = {
                                      ((128, 176, 64, 5, 256, "c_shared"), "ws")],
                 (4096, 24576, 1536): [((128, 256, 64, 4, 256), "ws"), ((128, 256, 64, 4, 256, "c_shared"), "ws")]},
     "ours_pp": {shape: [] for shape in GEMM_SHAPES},  # flash attention only (the GEMMs have no turns to take)
-    "ours_wsp": {(8192, 8192, 8192): [((128, 256, 64, 4, 256), "wsp")],
+    "ours_ppp": {shape: [] for shape in GEMM_SHAPES},  # ... and persistent
+    "ours_wsp": {(8192, 8192, 8192): [((128, 256, 64, 4, 256), "wsp"), ((128, 256, 64, 3, 256, "c_shared"), "wsp")],
                  (4096, 7168, 2048): [((128, 256, 64, 4, 256), "wsp"), ((128, 256, 64, 3, 256, "c_shared"), "wsp")],
                  (4096, 2112, 7168): [((128, 192, 64, 5, 256), "wsp"), ((128, 192, 64, 4, 256, "c_shared"), "wsp")],
                  (4096, 24576, 1536): [((128, 256, 64, 4, 256), "wsp"), ((128, 256, 64, 3, 256, "c_shared"), "wsp")]},
@@ -105,10 +107,10 @@ def _pass_configs(impl: str, variant: str = "2b") -> dict | None:
     cp.async; ours_mma: mma.sync (issue 14's generation)."""
     if impl == "ours_mma":
         return {"tl.disable_wgmma": True, "tl.disable_tma_lower": True}
-    cfg = {"cuda_warp_specialize": True} if impl in ("ours_ws", "ours_wsp", "ours_pp") else {}
-    if impl == "ours_pp":
+    cfg = {"cuda_warp_specialize": True} if impl in ("ours_ws", "ours_wsp", "ours_pp", "ours_ppp") else {}
+    if impl in ("ours_pp", "ours_ppp"):
         cfg["cuda_ws_pingpong"] = True
-    if impl == "ours_wsp":
+    if impl in ("ours_wsp", "ours_ppp"):
         cfg["cuda_persistent"] = True
     if impl == "ours_cp":
         cfg["tl.disable_tma_lower"] = True
@@ -315,17 +317,18 @@ def summarize(rows: list[dict]) -> list[str]:
         if r.get("best") and "tflops" in r:
             best[(r["impl"], *key(r))] = r
     lines = ["| kernel | ours (wgmma + TMA) TFLOP/s | ours warp-specialized | ours WS + persistent | ours WS + pingpong | "
-             "ours cp.async | ours mma.sync | peer (cuBLAS/SDPA) | best/peer | public TileLang | best/public | "
-             "best: compile cold / cached | best config |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "ours WS + pingpong + persistent | ours cp.async | ours mma.sync | peer (cuBLAS/SDPA) | best/peer | "
+             "public TileLang | best/public | best: compile cold / cached | best config |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     kernels = sorted({tuple(k) for (impl, *k) in best if impl.startswith("ours")}, key=str)
 
     def t(r):
         return f"{r['tflops']:.0f}" if r else "-"
 
     for k in kernels:
-        mine = {i: best.get((i, *k)) for i in ("ours", "ours_ws", "ours_wsp", "ours_pp", "ours_cp", "ours_mma")}
-        top = max((r for i, r in mine.items() if i in ("ours", "ours_ws", "ours_wsp", "ours_pp") and r),
+        mine = {i: best.get((i, *k)) for i in ("ours", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp", "ours_cp",
+                                                  "ours_mma")}
+        top = max((r for i, r in mine.items() if i in ("ours", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp") and r),
                   key=lambda r: r["tflops"], default=None)
         if top is None:
             continue
@@ -336,7 +339,7 @@ def summarize(rows: list[dict]) -> list[str]:
         ratio = f"{top['tflops'] / peer['tflops']:.2f}x" if peer else "-"
         pratio = f"{top['tflops'] / pub['tflops']:.2f}x" if pub else "-"
         lines.append(f"| {name} | {t(mine['ours'])} | {t(mine['ours_ws'])} | {t(mine['ours_wsp'])} | "
-                     f"{t(mine['ours_pp'])} | {t(mine['ours_cp'])} | "
+                     f"{t(mine['ours_pp'])} | {t(mine['ours_ppp'])} | {t(mine['ours_cp'])} | "
                      f"{t(mine['ours_mma'])} | {t(peer)} | {ratio} | {t(pub)} | {pratio} | "
                      f"{top['compile_cold_s']:.2f} s / {top['compile_cached_s'] * 1e3:.1f} ms | "
                      f"{top['impl']} {'x'.join(map(str, top.get('config', []))) or '-'} {top.get('variant', '')} |")
@@ -355,7 +358,7 @@ def plot(rows: list[dict], path: Path) -> None:
         k = (r["kind"], r.get("dtype"), tuple(r.get("shape", [])), r.get("causal"))
         if k not in keys:
             keys.append(k)
-    impls = ["ours", "ours_ws", "ours_wsp", "ours_pp", "ours_cp", "ours_mma", "public", "cublas", "sdpa"]
+    impls = ["ours", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp", "ours_cp", "ours_mma", "public", "cublas", "sdpa"]
     fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.14
     for i, impl in enumerate(impls):
@@ -506,6 +509,8 @@ def main() -> None:
             save(rows)
         if args.with_pp:
             rows += run_impl("ours_pp", args.quick)
+            save(rows)
+            rows += run_impl("ours_ppp", args.quick)
             save(rows)
         if args.with_cp:
             rows += run_impl("ours_cp", args.quick)
