@@ -865,3 +865,41 @@ register_rules("thread.interp", {
 
 __all__ = ["NamedRef", "Decl", "ElemRef", "OneLine", "RegArray", "Abs", "AtomicAdd", "VecAtomicAdd", "Bare", "CSelect", "CastC", "Comment", "IntLit", "MinMax", "Conv", "PackedStore2", "VecLoad", "VecStore", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
            "VerbatimExpr", "Zero", "emit_body"]
+
+
+# ---------------------------------------------------------------- verifier rules for these nodes ("verify": structure,
+# "thread.verify": the thread-level checks of verify_thread)
+
+
+def _verify_decl(v: Any, s: Decl, in_kernel: bool) -> None:
+    for var, x in zip(s.vars, s.values):
+        v.let(Let(var, x), in_kernel)
+
+
+def _verify_children(v: Any, s: Stmt, in_kernel: bool) -> None:
+    for c in s.children():
+        v.stmt(c, in_kernel)
+
+
+def _verify_regs(v: Any, s: RegArray, in_kernel: bool) -> None:
+    v.visible[-1].add(s.buffer)
+
+
+def _thread_decl(c: Any, s: Decl) -> None:
+    for var, x in zip(s.vars, s.values):
+        c.let(Let(var, x))
+
+
+def _thread_regs(c: Any, s: RegArray) -> None:
+    c.scalar_only(s)
+    c.regs.add(s.buffer)
+
+
+def _thread_verbatim(c: Any, s: Stmt) -> None:
+    text = s.text if isinstance(s, Verbatim) else s.head
+    c.fail(s, f"CUDA text not lowered to thread-level nodes yet: {text.strip()!r}")
+
+
+register_rules("verify", {Decl: _verify_decl, OneLine: _verify_children, RegArray: _verify_regs})
+register_rules("thread.verify", {Decl: _thread_decl, RegArray: _thread_regs, Verbatim: _thread_verbatim,
+                                 VerbatimBlock: _thread_verbatim})

@@ -819,10 +819,13 @@ class ThreadLoweredKernel:
     cache_hit = False
 
     def __init__(self, func: PrimFunc, options: dict) -> None:
+        from ...ir.verifier import verify_thread
         from .codegen import generate_cuda
 
         self.func = func
-        self.thread_program = lower_to_threads(func)
+        # verified as a thread-level program: no barrier or shuffle under a per-thread condition, loop bounds
+        # every thread agrees on, no per-thread storage but registers (ir/verifier.py verify_thread)
+        self.thread_program = verify_thread(lower_to_threads(func))
         self.cuda_source = generate_cuda(func, f"tl_{func.name}", wgmma=False, use_tma=False)[0]
 
     def source(self) -> str:
