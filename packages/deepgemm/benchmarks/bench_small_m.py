@@ -15,6 +15,7 @@ host gaps are hidden for every contender), L2 flushed before each call, median o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -31,14 +32,16 @@ NK = [(2112, 7168), (576, 7168), (24576, 1536), (32768, 512), (7168, 16384), (40
       (256, 7168), (129280, 7168)]
 FP32_OUT = {(256, 7168), (129280, 7168)}
 SHAPES = [(m, n, k) for m in (1, 128) for n, k in NK]
-VARIANT_SHAPES = [(1, 2112, 7168), (128, 2112, 7168), (1, 4096, 7168), (128, 4096, 7168), (128, 576, 7168)]
+VARIANT_SHAPES = [(1, 2112, 7168), (128, 2112, 7168), (1, 4096, 7168), (128, 4096, 7168), (128, 576, 7168),
+                  (128, 7168, 16384)]
 # bf16 accumulation (c = d, bf16) at M = 4096: the persistent kernel (C widened to fp32, direct epilogue)
 # vs the tile kernel (splits = 1, reads bf16 C) vs cuBLAS.
 ACC_SHAPES = [(4096, 2112, 7168), (4096, 7168, 2048), (4096, 32768, 512)]
 
 
 def variants(m: int, n: int, k: int) -> list[splitk.SplitKConfig]:
-    """A few split-K configs around the heuristic's choice (every one fits a single wave)."""
+    """A few split-K configs around the heuristic's choice (every one fits a single wave), and for M > 64 the
+    same with A multicast in 2-CTA clusters (the planned config's too)."""
     kb = -(-k // 64)
     out = []
     for bm in (64,) if m <= 64 else (64, 128):
@@ -48,6 +51,8 @@ def variants(m: int, n: int, k: int) -> list[splitk.SplitKConfig]:
                 se = splitk.effective_splits(kb, s)
                 if tiles * se <= 132:
                     out.append(splitk.SplitKConfig(bm, bn, se, splitk.max_stages(bm, bn), 132))
+    if m > 64:
+        out += [dataclasses.replace(c, multicast=2) for c in out if c.block_n < 256]
     return out
 
 
@@ -94,7 +99,7 @@ def measure(m: int, n: int, k: int, with_variants: bool) -> dict:
         r["variants"] = {}
         for cfg in variants(m, n, k):
             t = timed(lambda cfg=cfg: cuda_gemm.dense(a, None, b, None, d, None, config=cfg))
-            r["variants"][f"bm{cfg.block_m}_bn{cfg.block_n}_s{cfg.splits}"] = t * 1e6
+            r["variants"][f"bm{cfg.block_m}_bn{cfg.block_n}_s{cfg.splits}{'_mc2' if cfg.multicast > 1 else ''}"] = t * 1e6
     print(f"{m:4d}x{n:6d}x{k:5d} plan={r['plan']} ours {r['ours_us']:7.1f} us ({r['ours_gbps']:5.0f} GB/s)  "
           f"persistent {r['persistent_us']:7.1f}  cuBLAS {r['cublas_us']:7.1f}  -> {r['ratio_vs_cublas']:.2f}x "
           f"(persistent {r['persistent_ratio_vs_cublas']:.2f}x) diff {r['calc_diff']:.1e}"

@@ -10,12 +10,13 @@ kernel alone), `_scaled_mm` per-row (scale_a [M, 1], scale_b [1, N]) and per-ten
 as a CUDA-graph replay (tilehal.bench_graph, L2 flushed too). With --variants, forced split-K configs on
 VARIANT_SHAPES (to check the heuristic's choice).
 
-    python packages/deepgemm/benchmarks/bench_small_m_fp8.py [--variants] [--iters 30] [--out DIR]
+    python packages/deepgemm/benchmarks/bench_small_m_fp8.py [--variants [--mcast]] [--iters 30] [--m 1,64,128] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -35,8 +36,9 @@ VARIANT_SHAPES = [(1, 2112, 7168), (1, 7168, 16384), (1, 7168, 2048), (64, 2112,
 ITERS = 30
 
 
-def variants(m: int, n: int, k: int) -> list[splitk.SplitKConfig]:
-    """fp8 split-K configs around the heuristic's choice (every one fits a single wave)."""
+def variants(m: int, n: int, k: int, mcast: bool = False) -> list[splitk.SplitKConfig]:
+    """fp8 split-K configs around the heuristic's choice (every one fits a single wave); with `mcast` also each
+    with A multicast in 2-CTA clusters (M >= 64)."""
     kb = -(-k // 128)
     out = []
     for bm in (64,) if m <= 64 else (64, 128):
@@ -47,6 +49,8 @@ def variants(m: int, n: int, k: int) -> list[splitk.SplitKConfig]:
                 cfg = splitk.SplitKConfig(bm, bn, se, splitk.max_stages(bm, bn), 132)
                 if tiles * se <= 132 and se >= 2 and cfg not in out:
                     out.append(cfg)
+    if mcast and m >= 64:  # A multicast in 2-CTA clusters: every n-block re-reads the A panel
+        out += [dataclasses.replace(c, multicast=2) for c in out]
     return out
 
 
@@ -63,6 +67,9 @@ def inputs(m: int, n: int, k: int):
     b8, sfb = deepgemm.per_block_cast_to_fp8(b)
     # MN-major activation scales, as the fused cast writes them (else every call transposes them)
     return a8, sfa, deepgemm.get_mn_major_tma_aligned_tensor(sfa), b8, sfb
+
+
+MCAST = False  # --mcast
 
 
 def measure(m: int, n: int, k: int, with_variants: bool) -> dict:
@@ -91,9 +98,9 @@ def measure(m: int, n: int, k: int, with_variants: bool) -> dict:
          "persistent_ratio_vs_rowwise": rowwise / persistent, "calc_diff": calc}
     if with_variants:
         r["variants"] = {}
-        for cfg in variants(m, n, k):
+        for cfg in variants(m, n, k, MCAST):
             t, _ = timed(lambda cfg=cfg: cuda_gemm.dense(a8, sfa_t, b8, sfb, d, None, config=cfg))
-            r["variants"][f"bm{cfg.block_m}_bn{cfg.block_n}_s{cfg.splits}"] = t * 1e6
+            r["variants"][f"bm{cfg.block_m}_bn{cfg.block_n}_s{cfg.splits}{'_mc2' if cfg.multicast > 1 else ''}"] = t * 1e6
     print(f"{m:4d}x{n:6d}x{k:5d} plan={r['plan']} ours {r['ours_us']:6.1f} us (graph {r['ours_graph_us']:6.1f}, "
           f"{r['ours_gbps']:5.0f} GB/s) persistent {r['persistent_us']:6.1f}  scaled_mm row {r['scaled_mm_rowwise_us']:6.1f} "
           f"(graph {r['scaled_mm_rowwise_graph_us']:6.1f}) tensor {r['scaled_mm_tensorwise_us']:6.1f} -> "
@@ -109,14 +116,15 @@ def geo(xs) -> float:
 
 
 def main() -> None:
-    global ITERS
+    global ITERS, MCAST
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--mcast", action="store_true", help="with --variants: also the multicast-A variants")
     ap.add_argument("--iters", type=int, default=ITERS)
     ap.add_argument("--m", default="1,64,128", help="comma-separated M values")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    ITERS = args.iters
+    ITERS, MCAST = args.iters, args.mcast
     ms = {int(x) for x in args.m.split(",")}
     rows = [measure(m, n, k, args.variants and (m, n, k) in VARIANT_SHAPES) for m, n, k in SHAPES if m in ms]
     summary = {}

@@ -100,9 +100,10 @@ def fp8_keys(with_variants: bool = True) -> set:
     sys.path.insert(0, str(HERE.parents[0] / "tests"))
     sys.path.insert(0, str(HERE.parents[0] / "benchmarks"))
     import bench_small_m_fp8
+    import bench_splitk_mcast
     import test_splitk
 
-    keys = set(test_splitk.fp8_keys()) | set(test_splitk.mcast_keys())
+    keys = set(test_splitk.fp8_keys()) | set(test_splitk.mcast_keys()) | set(bench_splitk_mcast.keys())
     for m, n, k in bench_small_m_fp8.SHAPES:
         sk = splitk.pick_splitk(m, n, k, SMS, "fp8")
         if sk is not None:
@@ -110,7 +111,7 @@ def fp8_keys(with_variants: bool = True) -> set:
         cfg = pick_config("fp8", m, n, k, num_sms=SMS, tma_store=True)
         keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))  # DEEPGEMM_SPLITK=0 / no split-K
     for m, n, k in bench_small_m_fp8.VARIANT_SHAPES if with_variants else ():
-        for cfg in bench_small_m_fp8.variants(m, n, k):
+        for cfg in bench_small_m_fp8.variants(m, n, k, mcast=True):
             keys.add(splitk.splitk_key(cfg, n, k, torch.bfloat16, None, fp8=True))
     return keys
 
