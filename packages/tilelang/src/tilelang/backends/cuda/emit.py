@@ -42,6 +42,7 @@ from ...ir.thread import (
     ThreadIdx,
 )
 from ..interp import _compute, np_dtype
+from ..thread_interp import _poison
 from .common import cuda_type
 
 # ---------------------------------------------------------------- C-spelling nodes
@@ -487,6 +488,112 @@ class OneLine(Stmt):
         return OneLine(tr.stmt(self.body) or Seq([]), loc=self.loc)
 
 
+# ---------------------------------------------------------------- mbarriers and TMA (sm_90)
+
+
+@dataclass(eq=False)
+class MbarArray(Stmt):
+    """`n` mbarriers at mbarrier slot `offset` of the kernel's dynamic shared memory (`buffer`: shape (n,))."""
+
+    buffer: Buffer
+    offset: int
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return self
+
+
+@dataclass(eq=False)
+class MbarInitAll(Stmt):
+    """Thread 0 initializes every mbarrier of `buffer` to expect `count` arrivals (then fences the init)."""
+
+    buffer: Buffer
+    count: int = 1
+
+    side_effects = True
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return self
+
+
+@dataclass(eq=False)
+class MbarRef(Expr):
+    """`&bar[index]`: one mbarrier (an address operand)."""
+
+    buffer: Buffer
+    index: Expr
+    dtype: str = dt.INDEX
+
+    def children(self) -> list[Expr]:
+        return [self.index]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return MbarRef(self.buffer, children[0])
+
+
+@dataclass(eq=False)
+class MbarArriveExpectTx(Stmt):
+    """Each executing thread arrives on `bar` and adds `nbytes` to the bytes its phase waits for."""
+
+    bar: MbarRef
+    nbytes: int
+
+    side_effects = True
+
+    def exprs(self) -> list[Expr]:
+        return [self.bar]
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return MbarArriveExpectTx(tr.expr(self.bar), self.nbytes, loc=self.loc)
+
+
+@dataclass(eq=False)
+class MbarWait(Stmt):
+    """Wait until the phase of `bar` with parity `parity` has completed (all arrivals, all bytes)."""
+
+    bar: MbarRef
+    parity: Expr
+
+    side_effects = True
+
+    def exprs(self) -> list[Expr]:
+        return [self.bar, self.parity]
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return MbarWait(tr.expr(self.bar), tr.expr(self.parity), loc=self.loc)
+
+
+@dataclass(eq=False)
+class TmaLoad(Stmt):
+    """`cp.async.bulk.tensor.2d` by the executing thread: the box (spec.box_rows x spec.box_cols) at
+    (`row`, `col`) of the 2-D view of tensor `src` (leading dims as rows; zeros past its edges), into
+    shared memory from `dst` on, in the descriptor's swizzle mode; its bytes complete on `bar`.
+    `desc` is the index of the kernel's descriptor parameter."""
+
+    dst: Ref
+    desc: int
+    spec: Any  # rules.tma.TmaSpec
+    src: Buffer
+    cols: int  # the tensor's last dim
+    bar: Expr
+    col: Expr
+    row: Expr
+
+    side_effects = True
+
+    def exprs(self) -> list[Expr]:
+        return [*self.dst.indices, self.bar, self.col, self.row]
+
+    def reads(self) -> set:
+        return {self.src}
+
+    def writes(self) -> set:
+        return {self.dst.buffer}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return TmaLoad(Ref(self.dst.buffer, [tr.expr(i) for i in self.dst.indices]), self.desc, self.spec, self.src,
+                       self.cols, tr.expr(self.bar), tr.expr(self.col), tr.expr(self.row), loc=self.loc)
+
+
 # ---------------------------------------------------------------- the printer
 
 
@@ -689,6 +796,23 @@ def _vec_atomic_add(em: Emitter, s: VecAtomicAdd, ind: int) -> None:
     em.line(ind, _guarded(em, s.cond, line))
 
 
+def _mbar_array(em: Emitter, s: MbarArray, ind: int) -> None:
+    n = int(s.buffer.shape[0].value)
+    em.line(ind, f"tilehal::u64* {s.buffer.name} = _tl_mbar + {s.offset};  // {n} mbarriers in dynamic shared memory")
+
+
+def _mbar_init_all(em: Emitter, s: MbarInitAll, ind: int) -> None:
+    n, bar = int(s.buffer.shape[0].value), s.buffer.name
+    em.line(ind, f"if (_tx == 0) {{ for (int _s = 0; _s < {n}; ++_s) tilehal::mbarrier_init(&{bar}[_s], {s.count}); "
+                 f"tilehal::fence_barrier_init(); }}")
+
+
+def _tma_load(em: Emitter, s: TmaLoad, ind: int) -> None:
+    cx = em.cx
+    em.line(ind, f"tilehal::tma_load_2d(&{cx.expr(s.dst)}, &_tma{s.desc}, {cx.expr(s.bar)}, {cx.expr(s.col)}, "
+                 f"{cx.expr(s.row)});")
+
+
 def _alloc(em: Emitter, s: Alloc, ind: int) -> None:
     if s.buffer.scope != "shared":  # shared buffers live in the kernel's arena (declared at its top)
         raise TypeError(f"cuda emit: Alloc of a {s.buffer.scope} buffer in a thread-level program")
@@ -708,6 +832,10 @@ register_rules("cuda.emit", {
     AsyncWait: lambda em, s, ind: em.line(ind, f"tilehal::cp_async_wait<{s.n}>();"),
     Comment: lambda em, s, ind: em.line(ind, f"// {s.text}"),
     AtomicAdd: _atomic_add, VecAtomicAdd: _vec_atomic_add, Decl: _decl, OneLine: _one_line,
+    MbarArray: _mbar_array, MbarInitAll: _mbar_init_all, TmaLoad: _tma_load,
+    MbarArriveExpectTx: lambda em, s, ind: em.line(ind, f"tilehal::mbarrier_arrive_expect_tx({em.cx.expr(s.bar)}, "
+                                                        f"{s.nbytes});"),
+    MbarWait: lambda em, s, ind: em.line(ind, f"tilehal::mbarrier_wait({em.cx.expr(s.bar)}, {em.cx.expr(s.parity)});"),
     RegArray: lambda em, s, ind: em.line(ind, f"{s.ctype} {s.buffer.name}"
                                               f"{''.join(f'[{int(d.value)}]' for d in s.buffer.shape)};"),
 })
@@ -716,7 +844,7 @@ register_rules("cuda.emit", {
 register_rules("cexpr", {Bare: "bare", Paren: "paren", VerbatimExpr: "verbatim_expr", Ref: "ref_", Zero: "zero_",
                          ToFloat: "to_float_", Stored: "stored_", Conv: "conv_", ThreadIdx: "thread_idx",
                          CSelect: "cselect", IntLit: "int_lit", CastC: "cast_c", MinMax: "min_max", Abs: "abs_",
-                         Shuffle: "shuffle_", ElemRef: "elem_ref", NamedRef: "named_ref"})
+                         Shuffle: "shuffle_", ElemRef: "elem_ref", NamedRef: "named_ref", MbarRef: "mbar_ref"})
 
 
 # ---------------------------------------------------------------- the thread interpreter's rules for these nodes
@@ -840,7 +968,99 @@ def _decl_interp(it: Any, s: Decl) -> None:
         it.env[v] = it.expr(x)
 
 
+class _Mbar:
+    """One mbarrier's state: arrivals and transaction bytes of its current phase, the TMA copies that
+    complete on it (landing when a wait completes the phase), the phase count."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.arrived, self.expect, self.phase, self.copies = count, 0, 0, 0, []
+
+
+def _one_lane(it: Any, e: Expr, what: str, loc: Any) -> int:
+    """The value of `e` in the executing lanes (they must agree)."""
+    on = it.active()
+    vals = np.unique(it.lanes_of(it.expr(e), np.int64)[on])
+    if vals.size != 1:
+        raise tilehal.LaunchError(f"{loc or ''}: {what}: the executing threads disagree ({vals.tolist()})")
+    return int(vals[0])
+
+
+def _mbar(it: Any, ref: Expr, loc: Any) -> _Mbar:
+    if not isinstance(ref, MbarRef):
+        _verbatim(it, ref)
+    states = it.bufs[ref.buffer]
+    i = _one_lane(it, ref.index, f"mbarrier {ref.buffer.name}", loc)
+    if not 0 <= i < len(states) or states[i] is None:
+        raise tilehal.LaunchError(f"{loc or ''}: mbarrier {ref.buffer.name}[{i}] used before its init")
+    return states[i]
+
+
+def _mbar_arrive_interp(it: Any, s: MbarArriveExpectTx) -> None:
+    n = int(it.active().sum())
+    if n:
+        st = _mbar(it, s.bar, s.loc)
+        st.arrived += n
+        st.expect += n * s.nbytes
+
+
+_SWZ_BITS = {"none": 0, "32B": 1, "64B": 2, "128B": 3}
+
+
+def _tma_load_interp(it: Any, s: TmaLoad) -> None:
+    on = it.active()
+    for _ in range(int(on.sum())):  # each executing thread issues one copy
+        st = _mbar(it, s.bar, s.loc)
+        src, dst = it.bufs[s.src], it.bufs[s.dst.buffer]
+        rows, cols = src.size // s.cols, s.cols
+        view = src.reshape(rows, cols)
+        r0, c0 = _one_lane(it, s.row, "tma row", s.loc), _one_lane(it, s.col, "tma col", s.loc)
+        br, bc = s.spec.box_rows, s.spec.box_cols
+        box = np.zeros((br, bc), dtype=src.dtype)
+        rr, cc = np.arange(r0, r0 + br), np.arange(c0, c0 + bc)
+        ri, ci = (rr >= 0) & (rr < rows), (cc >= 0) & (cc < cols)
+        box[np.ix_(ri, ci)] = view[np.ix_(rr[ri], cc[ci])]
+        es = dst.dtype.itemsize
+        base = _one_lane(it, s.dst.indices[0], "tma destination", s.loc) * es
+        bits = _SWZ_BITS[s.spec.swizzle]
+        if bits and base % 1024:
+            raise tilehal.LaunchError(f"{s.loc or ''}: tma_load_2d into {s.dst.buffer.name}: a {s.spec.swizzle} "
+                                      f"swizzled destination at byte {base} (not 1024-byte aligned)")
+        addr = base + (np.arange(br)[:, None] * (bc * es) + np.arange(bc)[None, :] * es)
+        if bits:  # the hardware's swizzle: 16-byte chunk bits [4, 4 + bits) ^= address bits [7, 7 + bits)
+            addr = addr ^ (((addr >> 7) & ((1 << bits) - 1)) << 4)
+        if addr.min() < 0 or addr.max() + es > dst.size * es:
+            raise tilehal.LaunchError(f"{s.loc or ''}: tma_load_2d box outside {s.dst.buffer.name}")
+        elem = (addr // es).ravel()
+        _poison(dst, (elem,))
+        st.copies.append((dst, elem, box.ravel().copy(), br * bc * es))
+
+
+def _mbar_wait_interp(it: Any, s: MbarWait) -> None:
+    if not it.active().any():
+        return
+    st = _mbar(it, s.bar, s.loc)
+    parity = _one_lane(it, s.parity, "mbarrier wait parity", s.loc)
+    if st.phase % 2 != parity:
+        return  # that phase has completed
+    got = sum(c[3] for c in st.copies)
+    if st.arrived < st.count or got != st.expect:
+        raise tilehal.LaunchError(f"{s.loc or ''}: mbarrier_wait on {s.bar.buffer.name} (phase {st.phase}) never "
+                                  f"returns: {st.arrived} of {st.count} arrivals, {got} of {st.expect} bytes issued")
+    for dst, elem, vals, _ in st.copies:
+        dst[elem] = vals
+    st.arrived, st.expect, st.copies, st.phase = 0, 0, [], st.phase + 1
+
+
+def _mbar_init_interp(it: Any, s: MbarInitAll) -> None:
+    states = it.bufs[s.buffer]
+    for i in range(len(states)):
+        states[i] = _Mbar(s.count)
+
+
 register_rules("thread.interp", {
+    MbarArray: lambda it, s: it.bufs.__setitem__(s.buffer, [None] * int(s.buffer.shape[0].value)),
+    MbarInitAll: _mbar_init_interp, MbarRef: lambda it, e: it.expr(e.index), MbarArriveExpectTx: _mbar_arrive_interp,
+    TmaLoad: _tma_load_interp, MbarWait: _mbar_wait_interp,
     RegArray: _reg_array_interp, Decl: _decl_interp, OneLine: lambda it, s: it.stmt(s.body),
     ElemRef: lambda it, e: it.load(e.buffer, [it.expr(i) for i in e.indices]),
     AtomicAdd: lambda it, s: _atomic_interp(it, s.ref, 0, [it.expr(s.value)], s.cond, s.loc),
@@ -863,7 +1083,7 @@ register_rules("thread.interp", {
     TStore: _tstore_interp,
 })
 
-__all__ = ["NamedRef", "Decl", "ElemRef", "OneLine", "RegArray", "Abs", "AtomicAdd", "VecAtomicAdd", "Bare", "CSelect", "CastC", "Comment", "IntLit", "MinMax", "Conv", "PackedStore2", "VecLoad", "VecStore", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
+__all__ = ["MbarArray", "MbarArriveExpectTx", "MbarInitAll", "MbarRef", "MbarWait", "TmaLoad", "NamedRef", "Decl", "ElemRef", "OneLine", "RegArray", "Abs", "AtomicAdd", "VecAtomicAdd", "Bare", "CSelect", "CastC", "Comment", "IntLit", "MinMax", "Conv", "PackedStore2", "VecLoad", "VecStore", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
            "VerbatimExpr", "Zero", "emit_body"]
 
 

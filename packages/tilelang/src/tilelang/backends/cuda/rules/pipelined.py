@@ -8,8 +8,8 @@ from ....ir.nodes import Alloc, Buffer, Const, Copy, Expr, For, Gemm, If, Kernel
 from ....ir.thread import AsyncCommit, AsyncWait, Scope
 from ....ir.visit import walk_expr, walk_stmts
 from ..common import log
-from ..emit import Comment
-from ..lower_thread import B, C, P
+from ..emit import Comment, MbarArray, MbarArriveExpectTx, MbarInitAll, MbarRef, MbarWait
+from ..lower_thread import TX, B, C, P
 
 
 class PipelineRules:
@@ -161,9 +161,7 @@ class PipelineRules:
             return self._pipelined_ws(s)
         copies = self.pipes[id(s)]
         n = int(s.annotations["num_stages"])
-        start = self.expr(s.start)
         start_x, ext_x = self.lower_expr(s.start), self.lower_expr(s.extent)
-        v = s.var.name
         bufs = [c.dst.buffer for c in copies]
         tma = [self.tma_plans[id(c)] for c in copies if id(c) in self.tma_plans]
         on_tma = {id(p["copy"]) for p in tma}
@@ -172,12 +170,11 @@ class PipelineRules:
                          f"({'TMA + mbarrier' if tma else ''}{', ' if tma and cp else ''}{'cp.async' if cp else ''})",
                          loc=s.loc))
         bar = None
-        if tma:
-            bar = self.fresh("bar")
-            self.emit(f"tilehal::u64* {bar} = _tl_mbar + {self.mbarriers};  // {n} mbarriers in dynamic shared memory")
+        if tma:  # the stages' mbarriers (thread 0 initializes them; everyone waits on them)
+            bar = Buffer(self.fresh("bar"), (C(n),), "int64", "shared")
+            self.add(MbarArray(bar, self.mbarriers))
             self.mbarriers += n
-            self.emit(f"if (_tx == 0) {{ for (int _s = 0; _s < {n}; ++_s) tilehal::mbarrier_init(&{bar}[_s], 1); "
-                      f"tilehal::fence_barrier_init(); }}")
+            self.add(MbarInitAll(bar, 1))
             self.sync()
         tma_bytes = sum(p["bytes"] for p in tma)
 
@@ -186,13 +183,12 @@ class PipelineRules:
                 self.stage_expr[c.dst.buffer] = stage
                 self.copy_async(c)
             if tma:
-                stage_c = self.expr(stage)
-                self.open("if (_tx == 0)")
-                self.emit(f"tilehal::mbarrier_arrive_expect_tx(&{bar}[{stage_c}], {tma_bytes});")
+                self.begin()
+                self.add(MbarArriveExpectTx(MbarRef(bar, stage), tma_bytes))
                 for p in tma:
                     size = int(np.prod(p["copy"].dst.buffer.static_shape()))
-                    self.tma_issue(p, f"({stage_c}) * {size}", f"&{bar}[{stage_c}]")
-                self.close()
+                    self.tma_issue(p, B(P(stage), "*", C(size)), MbarRef(bar, stage))
+                self.add(If(B(TX, "==", C(0), "bool"), self.end()))
 
         body = s.body.body if isinstance(s.body, Seq) else [s.body]
         rest = [c for c in body if not any(c is x for x in copies)]
@@ -242,7 +238,7 @@ class PipelineRules:
         if cp:
             self.add(AsyncWait(ahead - 1))
         if tma:
-            self.emit(f"tilehal::mbarrier_wait(&{bar}[{stage.name}], (({v} - ({start})) / {n}) & 1);")
+            self.add(MbarWait(MbarRef(bar, stage), B(P(B(P(B(s.var, "-", P(start_x))), "/", C(n))), "&", C(1))))
         self.sync()
         if agemm is None:
             prefetch()

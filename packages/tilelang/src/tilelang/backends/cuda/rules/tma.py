@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ....ir.nodes import Const, Copy
+from ....ir.nodes import Const, Copy, Expr
 from ..common import esize, log
+from ..emit import Ref, TmaLoad, VerbatimExpr
+from ..lower_thread import B, C, P
 
 _SWIZZLE = {0: "none", 128: "128B", 64: "64B", 32: "32B"}
 
@@ -107,22 +109,23 @@ class TmaRules:
         return {"index": len(self.tma_specs) - 1, "spec": spec, "atoms": atoms, "atom_elems": rows * box_cols,
                 "bytes": rows * cols * es, "copy": c}
 
-    def tma_issue(self, plan: dict, stage_off: str, bar: str) -> None:
-        """The TMA loads of one pipelined copy into the stage at element offset `stage_off` (thread 0)."""
+    def tma_issue(self, plan: dict, stage_off: str | Expr, bar: str | Expr) -> None:
+        """The TMA loads of one pipelined copy into the stage at element offset `stage_off` (thread 0),
+        completing on mbarrier `bar` (node expressions, or C text from the warp-specialized path)."""
         c: Copy = plan["copy"]
         src, dst = c.src, c.dst
         sb = src.buffer
-        col0 = self.expr(src.starts[-1])
-        if sb.ndim == 2:
-            row = self.expr(src.starts[0])
-        else:  # flattened leading dims (proven in bounds)
-            row = self.expr(src.starts[0])
-            for d in range(1, sb.ndim - 1):
-                row = f"(({row}) * {self.dim(sb.shape[d])} + ({self.expr(src.starts[d])}))"
+        col0 = self.lower_expr(src.starts[-1])
+        row = self.lower_expr(src.starts[0])
+        for d in range(1, sb.ndim - 1):  # flattened leading dims (proven in bounds)
+            row = P(B(B(P(row), "*", self.dim_x(sb.shape[d])), "+", P(self.lower_expr(src.starts[d]))))
+        so = VerbatimExpr(stage_off) if isinstance(stage_off, str) else stage_off
+        bar_x = VerbatimExpr(bar) if isinstance(bar, str) else bar
         for a in range(plan["atoms"]):
-            col = f"({col0}) + {a * plan['spec'].box_cols}" if a else col0
-            dref = f"&{dst.buffer.name}[({stage_off}) + {a * plan['atom_elems']}]"
-            self.emit(f"tilehal::tma_load_2d({dref}, &_tma{plan['index']}, {bar}, {col}, {row});")
+            col = B(P(col0), "+", C(a * plan["spec"].box_cols)) if a else col0
+            dref = Ref(self.tbuf(dst.buffer), [B(P(so), "+", C(a * plan["atom_elems"]))])
+            self.add(TmaLoad(dref, plan["index"], plan["spec"], self.tbuf(sb), int(sb.shape[-1].value), bar_x, col, row,
+                             loc=c.loc))
 
 
 def tma_param_shape(shape: tuple[int, ...]) -> tuple[int, int]:
