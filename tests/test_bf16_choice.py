@@ -30,12 +30,13 @@ def test_policy_forces_and_auto_measures_once(monkeypatch):
 
     def fake(m, n, k, bias, device):
         calls.append((m, n, k, bias, device))
-        layers.BF16_CHOICES[(m, n, k, bias, device)] = "cublas"
+        layers.BF16_CHOICES[(layers.m_bucket(m), n, k, bias, device)] = "cublas"
         return "cublas"
 
     monkeypatch.setattr(layers, "_measure_bf16", fake)
     assert bf16_gemm_choice(64, 128, 256, False, 0) == "cublas"
     assert bf16_gemm_choice(64, 128, 256, False, 0) == "cublas"
+    assert bf16_gemm_choice(40, 128, 256, False, 0) == "cublas"      # same M bucket (33..64)
     assert calls == [(64, 128, 256, False, 0)]                      # measured once
     assert bf16_gemm_choice(0, 128, 256, False, 0) == "deepgemm"    # empty: nothing to measure
     monkeypatch.setenv("TILESTACK_BF16_GEMM", "deepgemm")
@@ -60,7 +61,7 @@ def test_both_paths_agree_with_nn_linear(monkeypatch):
     with torch.no_grad():
         want = lin(x)
         gl(x)
-        assert (120, 1024, 2048, True, x.get_device()) in layers.BF16_CHOICES     # measured on first use
+        assert (128, 1024, 2048, True, x.get_device()) in layers.BF16_CHOICES     # measured on first use (M bucket)
         monkeypatch.setenv("TILESTACK_BF16_GEMM", "cublas")
         assert torch.equal(gl(x), want)
         monkeypatch.setenv("TILESTACK_BF16_GEMM", "deepgemm")
@@ -102,7 +103,7 @@ def test_a_cublas_signature_takes_the_fast_path_from_its_second_call():
     lin = torch.nn.Linear(512, 256, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
     gl = GemmLinear.from_linear(lin)
     x = torch.randn(4, 1, 512, device="cuda").bfloat16()
-    layers.BF16_CHOICES[(4, 256, 512, False, x.get_device())] = "cublas"
+    layers.BF16_CHOICES[(layers.m_bucket(4), 256, 512, False, x.get_device())] = "cublas"
     with torch.no_grad():
         first = gl(x)
         assert gl._routes == {(x.shape, x.dtype, x.device, torch.bfloat16): "cublas"}

@@ -31,9 +31,9 @@ log = logging.getLogger("tilestack.layers")
 
 # ----------------------------------------------------------------------------- bf16: deepgemm or cuBLAS
 
-# (m, n, k, bias, device index) -> "deepgemm" | "cublas": which bf16 GEMM measured faster for that shape here.
+# (M bucket, n, k, bias, device index) -> "deepgemm" | "cublas": which bf16 GEMM measured faster here.
 BF16_CHOICES: dict[tuple, str] = {}
-_BF16_TIMES: dict[tuple, tuple[float, float]] = {}
+_BF16_TIMES: dict[tuple, tuple[float, float, int]] = {}
 
 
 def bf16_policy() -> str:
@@ -47,7 +47,7 @@ def _measure_bf16(m: int, n: int, k: int, bias: bool, device: int) -> str:
     host time included (an eager call pays both), median of 10 calls each; record and return the faster."""
     import tilehal
 
-    key = (m, n, k, bias, device)
+    key = (m_bucket(m), n, k, bias, device)
     try:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
     except ImportError:  # pragma: no cover - older torch
@@ -71,20 +71,26 @@ def _measure_bf16(m: int, n: int, k: int, bias: bool, device: int) -> str:
         t_cb = tilehal.bench(lambda: torch.nn.functional.linear(a, w, b16), warmup=2, iters=10, device="cuda",
                              hide_host=False).median_s
     choice = "deepgemm" if t_dg < t_cb else "cublas"
-    BF16_CHOICES[key], _BF16_TIMES[key] = choice, (t_dg, t_cb)
+    BF16_CHOICES[key], _BF16_TIMES[key] = choice, (t_dg, t_cb, m)
     log.debug("bf16 GEMM %dx%dx%d%s: deepgemm %.1f us, cuBLAS %.1f us -> %s", m, n, k, " +bias" if bias else "",
               t_dg * 1e6, t_cb * 1e6, choice)
     return choice
 
 
+def m_bucket(m: int) -> int:
+    """The M a choice is kept for: the next power of two (the first M seen in a bucket decides for it, so a
+    workload of many M values measures a few)."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
 def bf16_gemm_choice(m: int, n: int, k: int, bias: bool, device: int) -> str:
     """"deepgemm" or "cublas" for a bf16 GEMM [m, k] x [n, k]^T on CUDA device `device` (TILESTACK_BF16_GEMM;
-    "auto" measures each new shape once, outside CUDA-graph capture; during a capture an unmeasured shape
-    takes deepgemm)."""
+    "auto" measures the first shape of each (M bucket, N, K) once, outside CUDA-graph capture; during a
+    capture an unmeasured shape takes deepgemm)."""
     policy = bf16_policy()
     if policy != "auto":
         return policy
-    key = (m, n, k, bias, device)
+    key = (m_bucket(m), n, k, bias, device)
     hit = BF16_CHOICES.get(key)
     if hit is not None:
         return hit
@@ -103,8 +109,8 @@ def _traced_bf16_choice(m: int, n: int, k: int, bias: bool, device: int) -> str:
 
 def bf16_choice_table() -> list[dict]:
     """Every bf16 shape measured in this process: its times and the choice (for reports)."""
-    return [dict(m=k[0], n=k[1], k=k[2], bias=k[3], device=k[4], deepgemm_us=t[0] * 1e6, cublas_us=t[1] * 1e6,
-                 choice=BF16_CHOICES[k]) for k, t in _BF16_TIMES.items()]
+    return [dict(m=t[2], m_bucket=k[0], n=k[1], k=k[2], bias=k[3], device=k[4], deepgemm_us=t[0] * 1e6,
+                 cublas_us=t[1] * 1e6, choice=BF16_CHOICES[k]) for k, t in _BF16_TIMES.items()]
 
 
 class GemmLinear(torch.nn.Module):

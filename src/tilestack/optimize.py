@@ -177,6 +177,10 @@ def _auto_precision(name: str, linear: torch.nn.Linear, x: torch.Tensor | None, 
     return fp8, f"fp8 e4m3: within budget and faster; {facts}"
 
 
+_BF16_REASON = ("bf16: deepgemm or cuBLAS per (M, N, K), whichever measured faster on this GPU "
+                "(tilestack.layers.bf16_gemm_choice; CPU tensors: deepgemm's reference)")
+
+
 def _matches(name: str, include: Sequence[str] | None) -> bool:
     return include is None or any(fnmatch.fnmatchcase(name, pat) for pat in include)
 
@@ -314,7 +318,8 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
             new, why = _auto_precision(name, module, seen.get(name), backend, float(error_budget), timing_iters)
             decide(name, "linear", new, why, module)
         else:
-            decide(name, "linear", GemmLinear.from_linear(module, fp8=fp8), "fp8 e4m3" if fp8 else "bf16", module)
+            decide(name, "linear", GemmLinear.from_linear(module, fp8=fp8), "fp8 e4m3" if fp8 else _BF16_REASON,
+                   module)
 
     if id(model) in replacements:
         # The root cannot be replaced in place; the caller holds the reference.
