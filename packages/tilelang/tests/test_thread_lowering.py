@@ -20,9 +20,12 @@ import tilelang.language as T
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tilelang.backends.cuda.codegen import KernelCodegen
+from tilelang.backends.cuda.emit import Verbatim
 from tilelang.backends.cuda.lower_thread import lower_to_threads
 from tilelang.backends.thread_interp import ThreadInterpreter
 from tilelang.errors import CompileError
+from tilelang.ir.nodes import Kernel, Seq
 from tilelang.ir.thread import AsyncCopy, AsyncWait
 from tilelang.ir.visit import map_stmt, walk_stmts
 from tilelang.passes.pipeline import run_pipeline
@@ -60,11 +63,11 @@ def _close(name, got, want):
         assert err <= tol, f"{name}: |thread - tile| = {err} > {tol}"
 
 
-def _both(func, out_idx, inputs):
+def _both(func, out_idx, inputs, pass_configs=None):
     """(tile interpreter's outputs, thread program's outputs) on copies of `inputs`."""
     outs = []
-    for target in ("interp", "cuda_threads"):
-        k = tilelang.compile(func, out_idx=out_idx, target=target)
+    for target, cfg in (("interp", None), ("cuda_threads", pass_configs)):
+        k = tilelang.compile(func, out_idx=out_idx, target=target, pass_configs=cfg)
         outs.append(k(*[x.clone() for x in inputs]))
     return outs
 
@@ -76,12 +79,17 @@ SLOW = {"fa_mha_bhsd_full", "fa_mha_bshd_full", "fa_mha_bshd_causal", "fa_mha_bh
 THREAD_LOWERED = sorted(SMALL)
 
 
+# the two code paths: mma.sync + cp.async (cuda_emu's), and sm_90a's wgmma + TMA pipelines (target "cuda"'s default)
+PATHS = {"mma": None, "wgmma_tma": {"cuda_tma": True}}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in THREAD_LOWERED])
-def test_public_kernel_thread_program_matches_tile_interp(name):
+def test_public_kernel_thread_program_matches_tile_interp(name, path):
     fac, args, make, ref, tol = SMALL[name]
     torch.manual_seed(0)
     inputs = make("cpu")
-    want, got = _both(fac.get_tir(*args), fac.out_idx, inputs)
+    want, got = _both(fac.get_tir(*args), fac.out_idx, inputs, PATHS[path])
     _close(name, got, want)
     pk.check(name, got, ref(*inputs), tol)  # and the reference, as the GPU test checks it
 
@@ -159,16 +167,22 @@ def test_thread_program_checks_the_lowering_waits_and_edges():
 
 
 def test_rules_still_writing_text_are_refused_by_name():
-    """The wgmma / TMA rules still write CUDA text (no thread-level nodes yet): their thread program is
-    not run silently; the thread interpreter names the text it cannot execute."""
+    """The warp-specialized pipelines (opt-in cuda_warp_specialize) still write CUDA text (their named
+    barriers, producer loop): a thread program holding text is not run silently; the thread interpreter
+    names the text it cannot execute."""
     tc = _load_module("tilelang_test_cuda", "test_cuda.py")
     func = run_pipeline(tc._gemm_program(*tc.GEMM_VARIANTS["wg_nt_bf16_k128"]), "cuda")
-    tf = lower_to_threads(func, wgmma=True)
-    a = np.zeros((128, 256), np.float32).astype(tilehal.to_numpy_dtype("bfloat16"))
-    b = np.zeros((128, 256), a.dtype)
-    c = np.zeros((128, 128), np.float32)
-    with pytest.raises(CompileError, match="not lowered to thread-level nodes yet: .*[Ww]gmma"):
-        _run_program(tf, [a, b, c])
+
+    kernel = next(s for s in func.body.body if isinstance(s, Kernel))
+    cg = KernelCodegen(func, kernel, "k", [], wgmma=True, tma=True)
+    cg.generate()
+    body = cg.thread_kernel()
+    # what the warp-specialized path adds as text (a named barrier), in front of the lowered kernel body
+    body.body = Seq([Verbatim("tilehal::named_barrier_sync(1, 256);"), body.body])
+    prog = type(func)(func.name, [cg.tbuf(p) for p in func.params], body, [])
+    a = np.zeros((128, 256), tilehal.to_numpy_dtype("bfloat16"))
+    with pytest.raises(CompileError, match="not lowered to thread-level nodes yet: 'tilehal::named_barrier_sync"):
+        _run_program(prog, [a, a.copy(), np.zeros((128, 128), np.float32)])
 
 
 # the gemm variants of test_cuda.py on the mma.sync path (the thread interpreter has no wgmma rules yet):
@@ -176,16 +190,24 @@ def test_rules_still_writing_text_are_refused_by_name():
 # registers, partial edge tiles, 1-3 pipeline stages, a dynamic M
 GEMM_VARIANTS = ["nn_f16_square_edges", "tn_f16", "tt_bf16_3stage", "nt_bf16_fullcol", "nt_e4m3", "nt_e5m2", "nt_int8",
                  "a_in_registers_square", "a_in_registers_fullrow", "f32_cuda_cores", "dynamic_m"]
+# the wgmma forms (sm_90a): 128-byte-swizzled K-major operands in atom columns, M-major A, 64-byte swizzle, two
+# m64 blocks per warpgroup, warpgroups along N, A in registers (rs), fp8 e4m3; each with TMA and with cp.async
+WG_VARIANTS = ["wg_nt_f16_2wg", "wg_nn_bf16_natoms", "wg_tn_f16_mmajor", "wg_nt_bf16_k128", "wg_nt_f16_k32_sw64",
+               "wg_nt_f16_n_split", "wg_a_regs_bf16", "wg_nt_e4m3_k128"]
+WG_PATHS = {"wgmma_tma": {"cuda_tma": True}, "wgmma_cp_async": {"cuda_tma": True, "tl.disable_tma_lower": True}}
 _TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8,
           "float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
-@pytest.mark.parametrize("name", GEMM_VARIANTS)
-def test_gemm_variant_thread_program_matches_tile_interp(name):
-    """ldmatrix (.trans) + mma.sync m16n8k16 / m16n8k32 (or FMA) as the thread interpreter runs them
-    (PTX fragment layouts per lane) vs the tile interpreter's matmul: fp32 accumulators within 1e-5
-    relative (the products are exact, the sums in another order), int32 exact."""
+@pytest.mark.parametrize("name,path", [(n, "mma") for n in GEMM_VARIANTS] +
+                         [(n, p) for n in WG_VARIANTS for p in sorted(WG_PATHS)])
+def test_gemm_variant_thread_program_matches_tile_interp(name, path):
+    """ldmatrix (.trans) + mma.sync m16n8k16 / m16n8k32 (or FMA), or wgmma on descriptor-addressed swizzled
+    tiles (TMA- or cp.async-filled), as the thread interpreter runs them (PTX fragment and canonical smem
+    layouts per lane / warpgroup) vs the tile interpreter's matmul: fp32 accumulators within 1e-5 relative
+    (the products are exact, the sums in another order), int32 exact."""
     tc = _load_module("tilelang_test_cuda", "test_cuda.py")
+    cfg = WG_PATHS.get(path)
     c = tc.GEMM_VARIANTS[name]
     M, N, K, _, _, _, dtype, _, ta, tb = c[:10]
     g = torch.Generator().manual_seed(0)
@@ -194,7 +216,11 @@ def test_gemm_variant_thread_program_matches_tile_interp(name):
         inputs = [torch.randint(-8, 8, sh, dtype=torch.int8, generator=g) for sh in shapes]
     else:
         inputs = [torch.randn(sh, generator=g).to(_TORCH[dtype]) for sh in shapes]
-    want, got = _both(tc._gemm_program(*c), [2], inputs)
+    func = tc._gemm_program(*c)
+    if cfg is not None:
+        src = tilelang.compile(func, out_idx=[2], target="cuda_threads", pass_configs=cfg).get_kernel_source()
+        assert "Wgmma" in src and (path == "wgmma_tma" or "tma_load_2d" not in src), (name, path)
+    want, got = _both(func, [2], inputs, cfg)
     _close(name, got, want)
 
 

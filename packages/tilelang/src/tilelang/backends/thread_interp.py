@@ -386,7 +386,9 @@ def _pack2_bits(it: ThreadInterpreter, ins: list[Any], s: Intrinsic) -> list[Any
 _INTRINSIC_RULES = {"fma": _fma, "cvt": _cvt, "fence_proxy_async": lambda it, ins, s: [],
                     "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
                     "mma_m16n8k16": _mma(16), "mma_m16n8k32": _mma(32),
-                    "pack2_bits": _pack2_bits}  # one per INTRINSICS entry
+                    "pack2_bits": _pack2_bits, "wgmma_fence": lambda it, ins, s: [], "wgmma_commit": lambda it, ins, s: [],
+                    "wgmma_wait": lambda it, ins, s: [], "wgmma_fence_operands": lambda it, ins, s: []}
+# (one per INTRINSICS entry; the wgmma instruction itself is the Wgmma node of backends/cuda/emit.py)
 
 register_rules("thread.interp", {
     Kernel: ThreadInterpreter.kernel, ThreadIdx: ThreadInterpreter.thread_idx, Shuffle: ThreadInterpreter.shuffle,

@@ -189,6 +189,12 @@ INTRINSICS = {s.name: s for s in [
     IntrinsicSpec("mma_m16n8k32", 10, 4, ("dtype",)),
     # two 16-bit values' bits packed into one 32-bit register (the first in the low half); attrs["dtype"]: their type
     IntrinsicSpec("pack2_bits", 2, 1, ("dtype",)),
+    # wgmma.fence / commit_group / wait_group n and the compiler fence on accumulators: ordering only (the
+    # interpreter runs each wgmma when issued, so they change no value)
+    IntrinsicSpec("wgmma_fence", 0, 0),
+    IntrinsicSpec("wgmma_commit", 0, 0),
+    IntrinsicSpec("wgmma_wait", 0, 0, ("n",)),
+    IntrinsicSpec("wgmma_fence_operands", 0, 0, ("buffer",)),
 ]}
 
 

@@ -26,7 +26,7 @@ import tilehal
 
 from ...errors import CompileError
 from ...ir import dtypes as dt
-from ...ir.nodes import Alloc, Buffer, Expr, For, If, Let, Load, Seq, Stmt, register_rules
+from ...ir.nodes import Alloc, Buffer, Expr, For, If, Let, Load, Seq, Stmt, Var, register_rules
 from ...ir.thread import (
     AsyncCommit,
     AsyncCopy,
@@ -594,6 +594,77 @@ class TmaLoad(Stmt):
                        self.cols, tr.expr(self.bar), tr.expr(self.col), tr.expr(self.row), loc=self.loc)
 
 
+# ---------------------------------------------------------------- wgmma (sm_90)
+
+
+@dataclass(eq=False)
+class SmemDesc(Stmt):
+    """`var` = the shared-memory matrix descriptor of the operand tile at `ref` (swizzle mode 1 / 2 / 3 =
+    128 / 64 / 32-byte, leading and stride byte offsets: tilehal::make_smem_desc)."""
+
+    var: Var
+    ref: Ref
+    swizzle: int
+    lbo: int
+    sbo: int
+
+    def exprs(self) -> list[Expr]:
+        return [*self.ref.indices]
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return SmemDesc(self.var, Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices]), self.swizzle, self.lbo,
+                        self.sbo, loc=self.loc)
+
+
+@dataclass(eq=False)
+class DescAdvance(Expr):
+    """Descriptor `desc` with its start address moved on by `units` 16-byte units (tilehal::desc_advance)."""
+
+    desc: Var
+    units: Expr
+    dtype: str = "int64"
+
+    def children(self) -> list[Expr]:
+        return [self.desc, self.units]
+
+    def rebuild(self, children: list[Expr]) -> Expr:
+        return DescAdvance(children[0], children[1])
+
+
+@dataclass(eq=False)
+class Wgmma(Stmt):
+    """One wgmma.mma_async m64n{n}k16 (k32 for fp8) of the executing warpgroup: acc (the warpgroup's
+    m64 x n accumulator block from register `acc` on, in the wgmma D layout) = A @ B + (scale ? acc : 0).
+    A: descriptor `a` (`ta` 1: MN-major) or the registers `a_regs` (each warp's m16n8k16 A fragment);
+    B: descriptor `b` (`tb` 1: MN-major). `form`: ss, rs, e4m3 (both K-major)."""
+
+    form: str
+    n: int
+    ta: int
+    tb: int
+    tag: str
+    dtype: str
+    acc: Ref
+    a: Expr | None
+    a_regs: Buffer | None
+    b: Expr
+    scale: Expr
+
+    side_effects = True
+
+    def exprs(self) -> list[Expr]:
+        return [*self.acc.indices, *([self.a] if self.a is not None else []), self.b, self.scale]
+
+    def writes(self) -> set:
+        return {self.acc.buffer}
+
+    def rebuild(self, tr: Any) -> Stmt:
+        return Wgmma(self.form, self.n, self.ta, self.tb, self.tag, self.dtype,
+                     Ref(self.acc.buffer, [tr.expr(i) for i in self.acc.indices]),
+                     tr.expr(self.a) if self.a is not None else None, self.a_regs, tr.expr(self.b), tr.expr(self.scale),
+                     loc=self.loc)
+
+
 # ---------------------------------------------------------------- the printer
 
 
@@ -715,6 +786,9 @@ def _mma(em: Emitter, s: Intrinsic) -> str:
 
 # intrinsic -> its CUDA spelling: a format over the printed operands, or a function of (emitter, node)
 INTRINSIC_SPELLING = {
+    "wgmma_fence": "tilehal::wgmma_fence();", "wgmma_commit": "tilehal::wgmma_commit();",
+    "wgmma_wait": lambda em, s: f"tilehal::wgmma_wait<{s.attrs['n']}>();",
+    "wgmma_fence_operands": lambda em, s: f"tilehal::wgmma_fence_operands({s.attrs['buffer']});",
     "fence_proxy_async": "tilehal::fence_proxy_async_shared();",
     "ldmatrix_x4": _ldmatrix, "ldmatrix_x4_trans": _ldmatrix, "mma_m16n8k16": _mma, "mma_m16n8k32": _mma,
     "pack2_bits": lambda em, s: f"{em.cx.expr(s.outs[0])} = tilehal::pack2_bits({em.cx.expr(s.ins[0])}, "
@@ -813,6 +887,22 @@ def _tma_load(em: Emitter, s: TmaLoad, ind: int) -> None:
                  f"{cx.expr(s.row)});")
 
 
+def _smem_desc(em: Emitter, s: SmemDesc, ind: int) -> None:
+    em.line(ind, f"const tilehal::u64 {s.var.name} = tilehal::make_smem_desc(&{em.cx.expr(s.ref)}, "
+                 f"tilehal::SmemSwizzle({s.swizzle}), {s.lbo}, {s.sbo});")
+
+
+def _wgmma(em: Emitter, s: Wgmma, ind: int) -> None:
+    cx = em.cx
+    acc, b, scale = f"&{cx.expr(s.acc)}", cx.expr(s.b), cx.expr(s.scale)
+    if s.form == "rs":
+        em.line(ind, f"tilehal::Wgmma16<{s.n}>::rs<{s.tb}>({s.tag}, {acc}, {s.a_regs.name}, {b}, {scale});")
+    elif s.form == "e4m3":
+        em.line(ind, f"tilehal::WgmmaE4M3<{s.n}>::mma({acc}, {cx.expr(s.a)}, {b}, {scale});")
+    else:
+        em.line(ind, f"tilehal::Wgmma16<{s.n}>::ss<{s.ta}, {s.tb}>({s.tag}, {acc}, {cx.expr(s.a)}, {b}, {scale});")
+
+
 def _alloc(em: Emitter, s: Alloc, ind: int) -> None:
     if s.buffer.scope != "shared":  # shared buffers live in the kernel's arena (declared at its top)
         raise TypeError(f"cuda emit: Alloc of a {s.buffer.scope} buffer in a thread-level program")
@@ -832,7 +922,7 @@ register_rules("cuda.emit", {
     AsyncWait: lambda em, s, ind: em.line(ind, f"tilehal::cp_async_wait<{s.n}>();"),
     Comment: lambda em, s, ind: em.line(ind, f"// {s.text}"),
     AtomicAdd: _atomic_add, VecAtomicAdd: _vec_atomic_add, Decl: _decl, OneLine: _one_line,
-    MbarArray: _mbar_array, MbarInitAll: _mbar_init_all, TmaLoad: _tma_load,
+    MbarArray: _mbar_array, MbarInitAll: _mbar_init_all, TmaLoad: _tma_load, SmemDesc: _smem_desc, Wgmma: _wgmma,
     MbarArriveExpectTx: lambda em, s, ind: em.line(ind, f"tilehal::mbarrier_arrive_expect_tx({em.cx.expr(s.bar)}, "
                                                         f"{s.nbytes});"),
     MbarWait: lambda em, s, ind: em.line(ind, f"tilehal::mbarrier_wait({em.cx.expr(s.bar)}, {em.cx.expr(s.parity)});"),
@@ -844,7 +934,8 @@ register_rules("cuda.emit", {
 register_rules("cexpr", {Bare: "bare", Paren: "paren", VerbatimExpr: "verbatim_expr", Ref: "ref_", Zero: "zero_",
                          ToFloat: "to_float_", Stored: "stored_", Conv: "conv_", ThreadIdx: "thread_idx",
                          CSelect: "cselect", IntLit: "int_lit", CastC: "cast_c", MinMax: "min_max", Abs: "abs_",
-                         Shuffle: "shuffle_", ElemRef: "elem_ref", NamedRef: "named_ref", MbarRef: "mbar_ref"})
+                         Shuffle: "shuffle_", ElemRef: "elem_ref", NamedRef: "named_ref", MbarRef: "mbar_ref",
+                         DescAdvance: "desc_advance"})
 
 
 # ---------------------------------------------------------------- the thread interpreter's rules for these nodes
@@ -1057,7 +1148,91 @@ def _mbar_init_interp(it: Any, s: MbarInitAll) -> None:
         states[i] = _Mbar(s.count)
 
 
+class _Desc:
+    """A shared-memory matrix descriptor as the interpreter keeps it: the tile's buffer, its start (bytes,
+    per lane), swizzle mode, leading and stride byte offsets."""
+
+    def __init__(self, buffer: Buffer, start: np.ndarray, swizzle: int, lbo: int, sbo: int) -> None:
+        self.buffer, self.start, self.swizzle, self.lbo, self.sbo = buffer, start, swizzle, lbo, sbo
+
+
+_DESC_SWZ = {1: (3, 128), 2: (2, 64), 3: (1, 32)}  # mode -> (swizzle bits, K-major row pitch in bytes)
+
+
+def _smem_desc_interp(it: Any, s: SmemDesc) -> None:
+    mem = it.bufs[s.ref.buffer]
+    start = it.lanes_of(it.expr(s.ref.indices[0]), np.int64) * mem.dtype.itemsize
+    it.env[s.var] = _Desc(s.ref.buffer, start, s.swizzle, s.lbo, s.sbo)
+
+
+def _desc_advance_interp(it: Any, e: DescAdvance) -> _Desc:
+    d = it.expr(e.desc)
+    units = it.lanes_of(it.expr(e.units), np.int64)
+    return _Desc(d.buffer, d.start + 16 * units, d.swizzle, d.lbo, d.sbo)
+
+
+def _operand(it: Any, d: _Desc, lane: int, rows: int, kbytes: int, mn_major: bool, dtype: str, loc: Any) -> np.ndarray:
+    """The (rows x K) operand a descriptor names (rows along M or N), in the compute type."""
+    if d.swizzle not in _DESC_SWZ:
+        raise tilehal.LaunchError(f"{loc or ''}: wgmma descriptor without a swizzle mode is not interpreted")
+    bits, pitch = _DESC_SWZ[d.swizzle]
+    es = np_dtype(dtype).itemsize
+    start = int(d.start[lane])
+    if start % 16:
+        raise tilehal.LaunchError(f"{loc or ''}: wgmma descriptor start {start} not 16-byte aligned")
+    r = np.arange(rows)[:, None]
+    k = np.arange(kbytes // es)[None, :]
+    if mn_major:
+        addr = start + (r // 64) * d.lbo + (k // 8) * d.sbo + (k % 8) * 128 + (r % 64) * es
+    else:
+        addr = start + (r // 8) * d.sbo + (r % 8) * pitch + k * es
+    addr = addr ^ (((addr >> 7) & ((1 << bits) - 1)) << 4)
+    byt = it.bufs[d.buffer].view(np.uint8)
+    if addr.min() < 0 or addr.max() + es > byt.size:
+        raise tilehal.LaunchError(f"{loc or ''}: wgmma operand outside {d.buffer.name}")
+    raw = byt[addr[..., None] + np.arange(es)]
+    return _compute(np.ascontiguousarray(raw).view(np_dtype(dtype))[..., 0], dtype).astype(np.float64)
+
+
+def _wgmma_interp(it: Any, s: Wgmma) -> None:
+    if it.threads % 128 or not it.active().all():
+        raise tilehal.LaunchError(f"{s.loc or ''}: wgmma needs every thread of whole warpgroups")
+    es = np_dtype(s.dtype).itemsize
+    kbytes = 32  # k16 of 16-bit types, k32 of fp8
+    K = kbytes // es
+    regs = it.bufs[s.acc.buffer]
+    base = it.lanes_of(it.expr(s.acc.indices[0]), np.int64)
+    scale = it.lanes_of(it.expr(s.scale), bool)
+    da = it.expr(s.a) if s.a is not None else None
+    db = it.expr(s.b)
+    lane = np.arange(128)
+    w, g, t = lane // 32, (lane % 32) // 4, lane % 4
+    for grp in range(it.threads // 128):
+        l0 = grp * 128
+        B = _operand(it, db, l0, s.n, kbytes, bool(s.tb), s.dtype, s.loc)  # (n, K)
+        if da is not None:
+            A = _operand(it, da, l0, 64, kbytes, bool(s.ta), s.dtype, s.loc)  # (64, K)
+        else:  # each warp's m16n8k16 A fragment in 4 packed registers
+            words = it.bufs[s.a_regs][l0:l0 + 128].astype(np.uint32)  # (128, 4)
+            vals = _compute(np.ascontiguousarray(words).view(np_dtype(s.dtype)), s.dtype).reshape(128, 4, 2)
+            A = np.zeros((64, K))
+            for r, (row0, col0) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                for e in range(2):
+                    A[16 * w + g + row0, col0 + 2 * t + e] = vals[:, r, e]
+        D = A @ B.T  # (64, n), exact in fp64
+        sel = slice(l0, l0 + 128)
+        b0 = base[sel]
+        keep = scale[sel]
+        for j in range(s.n // 8):
+            for q, (row0, col) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+                idx = b0 + 4 * j + q
+                old = regs[sel][lane, idx].astype(np.float64)
+                val = np.where(keep, old, 0.0) + D[16 * w + g + row0, 8 * j + 2 * t + col]
+                regs[l0 + lane, idx] = val.astype(regs.dtype)
+
+
 register_rules("thread.interp", {
+    SmemDesc: _smem_desc_interp, DescAdvance: _desc_advance_interp, Wgmma: _wgmma_interp,
     MbarArray: lambda it, s: it.bufs.__setitem__(s.buffer, [None] * int(s.buffer.shape[0].value)),
     MbarInitAll: _mbar_init_interp, MbarRef: lambda it, e: it.expr(e.index), MbarArriveExpectTx: _mbar_arrive_interp,
     TmaLoad: _tma_load_interp, MbarWait: _mbar_wait_interp,
@@ -1083,7 +1258,7 @@ register_rules("thread.interp", {
     TStore: _tstore_interp,
 })
 
-__all__ = ["MbarArray", "MbarArriveExpectTx", "MbarInitAll", "MbarRef", "MbarWait", "TmaLoad", "NamedRef", "Decl", "ElemRef", "OneLine", "RegArray", "Abs", "AtomicAdd", "VecAtomicAdd", "Bare", "CSelect", "CastC", "Comment", "IntLit", "MinMax", "Conv", "PackedStore2", "VecLoad", "VecStore", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
+__all__ = ["DescAdvance", "SmemDesc", "Wgmma", "MbarArray", "MbarArriveExpectTx", "MbarInitAll", "MbarRef", "MbarWait", "TmaLoad", "NamedRef", "Decl", "ElemRef", "OneLine", "RegArray", "Abs", "AtomicAdd", "VecAtomicAdd", "Bare", "CSelect", "CastC", "Comment", "IntLit", "MinMax", "Conv", "PackedStore2", "VecLoad", "VecStore", "Emitter", "Paren", "Ref", "Stored", "TStore", "ToFloat", "Verbatim", "VerbatimBlock",
            "VerbatimExpr", "Zero", "emit_body"]
 
 
@@ -1120,6 +1295,15 @@ def _thread_verbatim(c: Any, s: Stmt) -> None:
     c.fail(s, f"CUDA text not lowered to thread-level nodes yet: {text.strip()!r}")
 
 
-register_rules("verify", {Decl: _verify_decl, OneLine: _verify_children, RegArray: _verify_regs})
+def _verify_desc(v: Any, s: SmemDesc, in_kernel: bool) -> None:
+    v.defined.add(s.var)
+
+
+def _thread_desc(c: Any, s: SmemDesc) -> None:
+    c.scalar_only(s)
+    c.lane_vars.add(s.var)  # each warpgroup's own tile
+
+
+register_rules("verify", {Decl: _verify_decl, OneLine: _verify_children, RegArray: _verify_regs, SmemDesc: _verify_desc})
 register_rules("thread.verify", {Decl: _thread_decl, RegArray: _thread_regs, Verbatim: _thread_verbatim,
-                                 VerbatimBlock: _thread_verbatim})
+                                 VerbatimBlock: _thread_verbatim, SmemDesc: _thread_desc})

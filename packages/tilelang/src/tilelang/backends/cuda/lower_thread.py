@@ -209,6 +209,9 @@ class ThreadBuilder:
         width = f", {e.width}" if e.width != 32 else ""
         return f"{fn}(0xffffffffu, {self.expr(e.value)}, {self.expr(e.lane)}{width})"
 
+    def desc_advance(self, e) -> str:
+        return f"tilehal::desc_advance({self.expr(e.desc)}, {self.expr(e.units)})"
+
     def mbar_ref(self, e) -> str:
         return f"&{e.buffer.name}[{self.expr(e.index)}]"
 
@@ -826,13 +829,14 @@ class ThreadLoweredKernel:
         from .codegen import generate_cuda
 
         self.func = func
-        # the mma.sync / cp.async path (cuda_emu's); pass_configs {"cuda_tma": True}: the sm_90a path with TMA
-        # pipelines (a T.gemm there is wgmma, whose rule still writes text: such a kernel is refused)
-        hopper = bool(options.get("cuda_tma"))
+        # the mma.sync / cp.async path (cuda_emu's) by default; pass_configs {"cuda_tma": True}: sm_90a's wgmma
+        # and TMA pipelines (what target "cuda" builds), with "tl.disable_tma_lower": wgmma and cp.async
+        wgmma = bool(options.get("cuda_tma"))
+        tma = wgmma and not options.get("tl.disable_tma_lower")
         # verified as a thread-level program: no barrier or shuffle under a per-thread condition, loop bounds
         # every thread agrees on, no per-thread storage but registers (ir/verifier.py verify_thread)
-        self.thread_program = verify_thread(lower_to_threads(func, wgmma=hopper, use_tma=hopper))
-        self.cuda_source = generate_cuda(func, f"tl_{func.name}", wgmma=hopper, use_tma=hopper)[0]
+        self.thread_program = verify_thread(lower_to_threads(func, wgmma=wgmma, use_tma=tma))
+        self.cuda_source = generate_cuda(func, f"tl_{func.name}", wgmma=wgmma, use_tma=tma)[0]
 
     def source(self) -> str:
         return self.cuda_source

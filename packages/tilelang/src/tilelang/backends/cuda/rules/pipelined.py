@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ....ir.nodes import Alloc, Buffer, Const, Copy, Expr, For, Gemm, If, Kernel, Let, Load, Seq, Var
-from ....ir.thread import AsyncCommit, AsyncWait, Scope
+from ....ir.thread import AsyncCommit, AsyncWait, Intrinsic, Scope
 from ....ir.visit import walk_expr, walk_stmts
 from ..common import log
 from ..emit import Comment, MbarArray, MbarArriveExpectTx, MbarInitAll, MbarRef, MbarWait
@@ -252,14 +252,14 @@ class PipelineRules:
             self._wg_defer_wait = False
         if lag:
             prefetch()
-            self.emit("tilehal::wgmma_wait<1>();")
+            self.add(Intrinsic("wgmma_wait", [], [], {"n": 1}))
         elif agemm is not None:
             self.sync()
             prefetch()
         self.add(For(s.var, start_x, ext_x, "serial", self.end(), loc=s.loc))
         if agemm is not None:
-            self.emit("tilehal::wgmma_wait<0>();")
-            self.emit(f"tilehal::wgmma_fence_operands({agemm.C.buffer.name});")
+            self.add(Intrinsic("wgmma_wait", [], [], {"n": 0}))
+            self.add(Intrinsic("wgmma_fence_operands", [], [], {"buffer": agemm.C.buffer.name}))
         if cp:
             self.add(AsyncWait(0))
         # the last iteration's accesses are still in flight for other threads
