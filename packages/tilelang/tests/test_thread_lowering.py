@@ -194,7 +194,8 @@ GEMM_VARIANTS = ["nn_f16_square_edges", "tn_f16", "tt_bf16_3stage", "nt_bf16_ful
 # m64 blocks per warpgroup, warpgroups along N, A in registers (rs), fp8 e4m3; each with TMA and with cp.async
 WG_VARIANTS = ["wg_nt_f16_2wg", "wg_nn_bf16_natoms", "wg_tn_f16_mmajor", "wg_nt_bf16_k128", "wg_nt_f16_k32_sw64",
                "wg_nt_f16_n_split", "wg_a_regs_bf16", "wg_nt_e4m3_k128"]
-WG_PATHS = {"wgmma_tma": {"cuda_tma": True}, "wgmma_cp_async": {"cuda_tma": True, "tl.disable_tma_lower": True}}
+WG_PATHS = {"wgmma_tma": {"cuda_tma": True}, "wgmma_cp_async": {"cuda_tma": True, "tl.disable_tma_lower": True},
+            "wgmma_tma_one_barrier": {"cuda_tma": True, "cuda_wgmma_one_barrier": True}}
 _TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8,
           "float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
@@ -219,7 +220,7 @@ def test_gemm_variant_thread_program_matches_tile_interp(name, path):
     func = tc._gemm_program(*c)
     if cfg is not None:
         src = tilelang.compile(func, out_idx=[2], target="cuda_threads", pass_configs=cfg).get_kernel_source()
-        assert "Wgmma" in src and (path == "wgmma_tma" or "tma_load_2d" not in src), (name, path)
+        assert "Wgmma" in src and ("tma" in path or "tma_load_2d" not in src), (name, path)
     want, got = _both(func, [2], inputs, cfg)
     _close(name, got, want)
 
@@ -282,3 +283,34 @@ def test_tma_mbarrier_waits_and_bytes_are_checked():
 
     with pytest.raises(tilehal.LaunchError, match="never returns"):
         run(map_stmt(tf.body, more_bytes))
+
+
+def test_wgmma_in_flight_operands_and_accumulators_are_checked():
+    """A pipelined wgmma GEMM keeps one wgmma group in flight across iterations; the stage it reads is
+    refilled only after the group retires (wgmma_wait<1>). Without that wait the thread interpreter sees
+    the refill overwrite an in-flight wgmma's operand tile, and an accumulator read before wgmma_wait<0>."""
+    from tilelang.ir.thread import Intrinsic
+
+    tc = _load_module("tilelang_test_cuda", "test_cuda.py")
+    c = (128, 256, 384) + tc.GEMM_VARIANTS["wg_nt_f16_2wg"][3:]  # 6 k-steps of 64 through 3 stages: refills
+    M, N, K = c[:3]
+    func = run_pipeline(tc._gemm_program(*c), "cuda", {"cuda_tma": True})
+    tf = lower_to_threads(func, wgmma=True, use_tma=True)
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(sh).astype(np.float16) for sh in ((M, K), (N, K)))
+
+    def run(body):
+        out = np.zeros((M, N), np.float32)
+        _run_program(type(tf)(tf.name, tf.params, body, tf.dynamic_vars), [a, b, out])
+        return out
+
+    want = a.astype(np.float64) @ b.astype(np.float64).T
+    np.testing.assert_allclose(run(tf.body), want, rtol=1e-4, atol=1e-3)
+
+    def no_wait(n):
+        return lambda s: None if isinstance(s, Intrinsic) and s.name == "wgmma_wait" and s.attrs["n"] == n else s
+
+    with pytest.raises(tilehal.LaunchError, match="while a wgmma reading it is in flight"):
+        run(map_stmt(tf.body, no_wait(1)))
+    with pytest.raises(tilehal.LaunchError, match="accumulator .* while a wgmma on it is in flight"):
+        run(map_stmt(tf.body, no_wait(0)))

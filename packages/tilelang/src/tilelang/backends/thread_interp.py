@@ -63,6 +63,8 @@ class ThreadInterpreter(Interpreter):
         self.open: list[tuple] = []  # cp.async copies issued since the last commit
         self.groups: list[list[tuple]] = []  # committed groups, oldest first
         self.breaks: list[np.ndarray] = []  # per enclosing ThreadFor: the lanes that left it
+        self.wg_open: list[tuple] = []  # wgmma issued since the last commit: (accumulator, [(buffer, elements)])
+        self.wg_groups: list[list[tuple]] = []  # committed wgmma groups still in flight, oldest first
         super().run(buffers, dyn)
 
     def expr(self, e: Expr) -> Any:
@@ -89,13 +91,33 @@ class ThreadInterpreter(Interpreter):
 
     def load(self, buf: Buffer, idx: list[Any]) -> Any:
         if buf in self.regs:
+            self.wgmma_hazard(buf, None, "read", None)
             idx = [np.arange(self.threads, dtype=np.int64), *idx]
         return super().load(buf, idx)
 
     def store(self, buf: Buffer, idx: list[Any], value: Any, loc: Any = None) -> None:
         if buf in self.regs:
+            self.wgmma_hazard(buf, None, "written", loc)
             idx = [np.arange(self.threads, dtype=np.int64), *idx]
+        elif buf.scope == "shared" and self.wg_open + [op for g in self.wg_groups for op in g]:
+            flat = [np.asarray(i, dtype=np.int64).ravel() for i in idx]
+            if len(flat) == 1:
+                self.wgmma_hazard(buf, flat[0], "written", loc)
         super().store(buf, idx, value, loc)
+
+    def wgmma_hazard(self, buf: Buffer, elems: np.ndarray | None, what: str, loc: Any) -> None:
+        """LaunchError when `buf` (its elements `elems`; None: the accumulator registers) is touched by
+        ordinary code while a wgmma that uses it is in flight (issued, not yet retired by a wgmma_wait):
+        the tensor cores read the operands and own the accumulators until then."""
+        for acc, operands in self.wg_open + [op for g in self.wg_groups for op in g]:
+            if elems is None and buf is acc:
+                raise tilehal.LaunchError(f"{loc or ''}: accumulator {buf.name} {what} while a wgmma on it is in "
+                                          f"flight (wgmma_wait first)")
+            if elems is not None:
+                for b, used in operands:
+                    if b is buf and np.isin(elems, used).any():
+                        raise tilehal.LaunchError(f"{loc or ''}: shared {buf.name} {what} while a wgmma reading it "
+                                                  f"is in flight (the stage is refilled too early)")
 
     # ------------------------------------------------------------ rules (the "thread.interp" table)
 
@@ -106,6 +128,7 @@ class ThreadInterpreter(Interpreter):
             for v, i in zip(s.block_vars, idx):
                 self.env[v] = i
             self.threads, self.open, self.groups = threads, [], []
+            self.wg_open, self.wg_groups = [], []
             try:
                 self.stmt(s.body)
             finally:
@@ -186,6 +209,8 @@ class ThreadInterpreter(Interpreter):
                 if (off % s.nbytes).any():
                     raise tilehal.LaunchError(f"{s.loc or ''}: T.cp_async of {s.nbytes} bytes: {name} address not "
                                               f"{s.nbytes}-byte aligned (byte offset {int(off[off % s.nbytes][0])})")
+        if len(d_sel) == 1:
+            self.wgmma_hazard(s.dst, d_sel[0].ravel(), "overwritten by cp.async", s.loc)
         _poison(dst, tuple(d_sel))
         self.open.append((s.dst, d_idx, s.src, s_idx, on, pred))
 
@@ -377,6 +402,18 @@ def _mma(k: int):
     return rule
 
 
+def _wgmma_commit(it: ThreadInterpreter, ins: list[Any], s: Intrinsic) -> list[Any]:
+    it.wg_groups.append(it.wg_open)
+    it.wg_open = []
+    return []
+
+
+def _wgmma_wait(it: ThreadInterpreter, ins: list[Any], s: Intrinsic) -> list[Any]:
+    while len(it.wg_groups) > int(s.attrs["n"]):
+        it.wg_groups.pop(0)
+    return []
+
+
 def _pack2_bits(it: ThreadInterpreter, ins: list[Any], s: Intrinsic) -> list[Any]:
     dtype = dt.canonical(s.attrs["dtype"])
     lo, hi = (_bits(it.lanes_of(v), dtype).astype(np.uint32) for v in ins)
@@ -386,8 +423,8 @@ def _pack2_bits(it: ThreadInterpreter, ins: list[Any], s: Intrinsic) -> list[Any
 _INTRINSIC_RULES = {"fma": _fma, "cvt": _cvt, "fence_proxy_async": lambda it, ins, s: [],
                     "ldmatrix_x4": _ldmatrix(False), "ldmatrix_x4_trans": _ldmatrix(True),
                     "mma_m16n8k16": _mma(16), "mma_m16n8k32": _mma(32),
-                    "pack2_bits": _pack2_bits, "wgmma_fence": lambda it, ins, s: [], "wgmma_commit": lambda it, ins, s: [],
-                    "wgmma_wait": lambda it, ins, s: [], "wgmma_fence_operands": lambda it, ins, s: []}
+                    "pack2_bits": _pack2_bits, "wgmma_fence": lambda it, ins, s: [], "wgmma_commit": _wgmma_commit,
+                    "wgmma_wait": _wgmma_wait, "wgmma_fence_operands": lambda it, ins, s: []}
 # (one per INTRINSICS entry; the wgmma instruction itself is the Wgmma node of backends/cuda/emit.py)
 
 register_rules("thread.interp", {

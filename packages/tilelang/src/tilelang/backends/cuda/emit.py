@@ -1122,6 +1122,7 @@ def _tma_load_interp(it: Any, s: TmaLoad) -> None:
         if addr.min() < 0 or addr.max() + es > dst.size * es:
             raise tilehal.LaunchError(f"{s.loc or ''}: tma_load_2d box outside {s.dst.buffer.name}")
         elem = (addr // es).ravel()
+        it.wgmma_hazard(s.dst.buffer, elem, "overwritten by TMA", s.loc)
         _poison(dst, (elem,))
         st.copies.append((dst, elem, box.ravel().copy(), br * bc * es))
 
@@ -1171,8 +1172,10 @@ def _desc_advance_interp(it: Any, e: DescAdvance) -> _Desc:
     return _Desc(d.buffer, d.start + 16 * units, d.swizzle, d.lbo, d.sbo)
 
 
-def _operand(it: Any, d: _Desc, lane: int, rows: int, kbytes: int, mn_major: bool, dtype: str, loc: Any) -> np.ndarray:
-    """The (rows x K) operand a descriptor names (rows along M or N), in the compute type."""
+def _operand(it: Any, d: _Desc, lane: int, rows: int, kbytes: int, mn_major: bool, dtype: str, loc: Any,
+             used: list | None = None) -> np.ndarray:
+    """The (rows x K) operand a descriptor names (rows along M or N), in the compute type (its elements
+    appended to `used`: what the in-flight wgmma reads)."""
     if d.swizzle not in _DESC_SWZ:
         raise tilehal.LaunchError(f"{loc or ''}: wgmma descriptor without a swizzle mode is not interpreted")
     bits, pitch = _DESC_SWZ[d.swizzle]
@@ -1191,6 +1194,9 @@ def _operand(it: Any, d: _Desc, lane: int, rows: int, kbytes: int, mn_major: boo
     if addr.min() < 0 or addr.max() + es > byt.size:
         raise tilehal.LaunchError(f"{loc or ''}: wgmma operand outside {d.buffer.name}")
     raw = byt[addr[..., None] + np.arange(es)]
+    if used is not None:
+        itemsize = it.bufs[d.buffer].dtype.itemsize
+        used.append((d.buffer, np.unique(addr // itemsize)))
     return _compute(np.ascontiguousarray(raw).view(np_dtype(dtype))[..., 0], dtype).astype(np.float64)
 
 
@@ -1207,11 +1213,12 @@ def _wgmma_interp(it: Any, s: Wgmma) -> None:
     db = it.expr(s.b)
     lane = np.arange(128)
     w, g, t = lane // 32, (lane % 32) // 4, lane % 4
+    used: list = []
     for grp in range(it.threads // 128):
         l0 = grp * 128
-        B = _operand(it, db, l0, s.n, kbytes, bool(s.tb), s.dtype, s.loc)  # (n, K)
+        B = _operand(it, db, l0, s.n, kbytes, bool(s.tb), s.dtype, s.loc, used)  # (n, K)
         if da is not None:
-            A = _operand(it, da, l0, 64, kbytes, bool(s.ta), s.dtype, s.loc)  # (64, K)
+            A = _operand(it, da, l0, 64, kbytes, bool(s.ta), s.dtype, s.loc, used)  # (64, K)
         else:  # each warp's m16n8k16 A fragment in 4 packed registers
             words = it.bufs[s.a_regs][l0:l0 + 128].astype(np.uint32)  # (128, 4)
             vals = _compute(np.ascontiguousarray(words).view(np_dtype(s.dtype)), s.dtype).reshape(128, 4, 2)
@@ -1229,6 +1236,8 @@ def _wgmma_interp(it: Any, s: Wgmma) -> None:
                 old = regs[sel][lane, idx].astype(np.float64)
                 val = np.where(keep, old, 0.0) + D[16 * w + g + row0, 8 * j + 2 * t + col]
                 regs[l0 + lane, idx] = val.astype(regs.dtype)
+    # in flight until a wgmma_wait retires its group: its accumulators and operand tiles are the tensor cores'
+    it.wg_open.append((s.acc.buffer, used))
 
 
 register_rules("thread.interp", {

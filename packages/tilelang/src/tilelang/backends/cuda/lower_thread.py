@@ -835,8 +835,9 @@ class ThreadLoweredKernel:
         tma = wgmma and not options.get("tl.disable_tma_lower")
         # verified as a thread-level program: no barrier or shuffle under a per-thread condition, loop bounds
         # every thread agrees on, no per-thread storage but registers (ir/verifier.py verify_thread)
-        self.thread_program = verify_thread(lower_to_threads(func, wgmma=wgmma, use_tma=tma))
-        self.cuda_source = generate_cuda(func, f"tl_{func.name}", wgmma=wgmma, use_tma=tma)[0]
+        one = bool(options.get("cuda_wgmma_one_barrier"))
+        self.thread_program = verify_thread(lower_to_threads(func, wgmma=wgmma, use_tma=tma, one_barrier=one))
+        self.cuda_source = generate_cuda(func, f"tl_{func.name}", wgmma=wgmma, use_tma=tma, one_barrier=one)[0]
 
     def source(self) -> str:
         return self.cuda_source
