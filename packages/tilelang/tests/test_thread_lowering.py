@@ -9,6 +9,7 @@ differ in its last fp32 bits).
 """
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -314,3 +315,19 @@ def test_wgmma_in_flight_operands_and_accumulators_are_checked():
         run(map_stmt(tf.body, no_wait(1)))
     with pytest.raises(tilehal.LaunchError, match="accumulator .* while a wgmma on it is in flight"):
         run(map_stmt(tf.body, no_wait(0)))
+
+
+@pytest.mark.parametrize("name,cfg,marks", [
+    ("wg_nt_f16_2wg", {"wgmma": True, "use_tma": True}, ["T.tma_load(", "T.mbarrier_wait(", "T.wgmma_ss(", "T.smem_desc("]),
+    ("wg_a_regs_bf16", {"wgmma": True}, ["T.wgmma_rs(", "T.cp_async("]),
+    ("nt_e4m3", {}, ["T.intrinsic('ldmatrix_x4'", "T.intrinsic('mma_m16n8k32'"]),
+    ("tn_f16", {}, ["T.intrinsic('ldmatrix_x4_trans'", "T.intrinsic('mma_m16n8k16'"]),
+])
+def test_lowered_program_prints(name, cfg, marks):
+    """Item 2: the thread-level program the CUDA is printed from is also printed by the IR printer
+    (`script()`), every node readable (no `<Node>` placeholder)."""
+    tc = _load_module("tilelang_test_cuda", "test_cuda.py")
+    text = lower_to_threads(run_pipeline(tc._gemm_program(*tc.GEMM_VARIANTS[name]), "cuda"), **cfg).script()
+    assert "T.get_thread_binding()" in text and not re.findall(r"<[A-Z]\w*>", text), text
+    for m in marks:
+        assert m in text, (m, text)

@@ -208,7 +208,7 @@ def _async_copy(lines: list[str], s: AsyncCopy, ind: int) -> None:
 def _intrinsic(lines: list[str], s: Intrinsic, ind: int) -> None:
     outs = ", ".join(_element(o.buffer, o.indices) for o in s.outs)
     args = "".join([f", {print_expr(i)}" for i in s.ins] + [f", {k}={v!r}" for k, v in s.attrs.items()])
-    lines.append(f"{'    ' * ind}{outs} = T.intrinsic({s.name!r}{args})")
+    lines.append(f"{'    ' * ind}{outs + ' = ' if outs else ''}T.intrinsic({s.name!r}{args})")
 
 
 def _thread_for(lines: list[str], s: ThreadFor, ind: int) -> None:

@@ -1316,3 +1316,87 @@ def _thread_desc(c: Any, s: SmemDesc) -> None:
 register_rules("verify", {Decl: _verify_decl, OneLine: _verify_children, RegArray: _verify_regs, SmemDesc: _verify_desc})
 register_rules("thread.verify", {Decl: _thread_decl, RegArray: _thread_regs, Verbatim: _thread_verbatim,
                                  VerbatimBlock: _thread_verbatim, SmemDesc: _thread_desc})
+
+
+# ---------------------------------------------------------------- the IR printer's rules for these nodes (ir/printer.py:
+# the thread-level program as readable text, `PrimFunc.script()`; CUDA text is printed as T.cuda(...))
+
+
+def _p(e: Expr) -> str:
+    from ...ir.printer import print_expr
+
+    return print_expr(e)
+
+
+def _pl(lines: list[str], ind: int, text: str, cond: Expr | None = None) -> None:
+    lines.append("    " * ind + (f"if {_p(cond)}: {text}" if cond is not None else text))
+
+
+def _print_block(lines: list[str], head: str, body: Stmt, ind: int) -> None:
+    from ...ir.printer import _block
+
+    lines.append("    " * ind + head)
+    _block(lines, body, ind + 1)
+
+
+def _print_one_line(lines: list[str], s: OneLine, ind: int) -> None:
+    from ...ir.printer import _stmt
+
+    sub: list[str] = []
+    for c in (s.body.body if isinstance(s.body, Seq) else [s.body]):
+        _stmt(sub, c, 0)
+    lines.append("    " * ind + "; ".join(sub))
+
+
+def _print_wgmma(lines: list[str], s: Wgmma, ind: int) -> None:
+    a = s.a_regs.name if s.a_regs is not None else _p(s.a)
+    _pl(lines, ind, f"T.wgmma_{s.form}({_p(s.acc)}, {a}, {_p(s.b)}, n={s.n}, trans_a={s.ta}, trans_b={s.tb}, "
+                    f"dtype={s.dtype!r}, scale={_p(s.scale)})")
+
+
+def _print_tma(lines: list[str], s: TmaLoad, ind: int) -> None:
+    _pl(lines, ind, f"T.tma_load({_p(s.dst)}, {s.src.name}, row={_p(s.row)}, col={_p(s.col)}, box=({s.spec.box_rows}, "
+                    f"{s.spec.box_cols}), swizzle={s.spec.swizzle!r}, mbarrier={_p(s.bar)}, desc={s.desc})")
+
+
+register_rules("print", {
+    Bare: lambda e, prec: f"({_p(e.a)} {e.op} {_p(e.b)})" if prec else f"{_p(e.a)} {e.op} {_p(e.b)}",
+    Paren: lambda e, prec: f"({_p(e.value)})",
+    VerbatimExpr: lambda e, prec: f"T.cuda({e.text!r})",
+    Zero: lambda e, prec: f"T.zero({e.dtype!r})",
+    ToFloat: lambda e, prec: f"T.to_float({_p(e.value)})",
+    Stored: lambda e, prec: f"T.stored({_p(e.value)}, {e.to!r})",
+    Conv: lambda e, prec: f"T.conv({_p(e.value)}, {e.src!r}, {e.to!r})",
+    CSelect: lambda e, prec: f"T.if_then_else({_p(e.cond)}, {_p(e.a)}, {_p(e.b)})",
+    IntLit: lambda e, prec: str(int(e.value)),
+    CastC: lambda e, prec: f"T.cast({_p(e.value)}, {e.to!r})",
+    MinMax: lambda e, prec: f"T.{e.op}({_p(e.a)}, {_p(e.b)})",
+    Abs: lambda e, prec: f"T.abs({_p(e.value)})",
+    MbarRef: lambda e, prec: f"{e.buffer.name}[{_p(e.index)}]",
+    DescAdvance: lambda e, prec: f"T.desc_advance({e.desc.name}, {_p(e.units)})",
+    Verbatim: lambda lines, s, ind: _pl(lines, ind, f"T.cuda({s.text!r})"),
+    VerbatimBlock: lambda lines, s, ind: _print_block(lines, f"with T.cuda({s.head!r}):", s.body, ind),
+    TStore: lambda lines, s, ind: _pl(lines, ind, f"{_p(s.ref)} {s.op or ''}= {_p(s.value)}", s.cond),
+    VecLoad: lambda lines, s, ind: _pl(lines, ind, f"{s.tmp.name}[:] = T.load_vec({_p(s.ref)}, "
+                                                   f"{int(s.tmp.shape[0].value)}" +
+                                       (f", pred={_p(s.pred)})" if s.pred is not None else ")")),
+    VecStore: lambda lines, s, ind: _pl(lines, ind, f"T.store_vec({_p(s.ref)}, {s.tmp.name})", s.cond),
+    PackedStore2: lambda lines, s, ind: _pl(lines, ind, f"T.store_pair({_p(s.ref)}, {_p(s.a)}, {_p(s.b)})", s.cond),
+    AtomicAdd: lambda lines, s, ind: _pl(lines, ind, f"T.atomic_add({_p(s.ref)}, {_p(s.value)})", s.cond),
+    VecAtomicAdd: lambda lines, s, ind: _pl(lines, ind, f"T.atomic_add_vec({_p(s.ref)}, {s.part}, "
+                                                        f"[{', '.join(_p(v) for v in s.values)}])", s.cond),
+    Comment: lambda lines, s, ind: _pl(lines, ind, f"# {s.text}"),
+    RegArray: lambda lines, s, ind: _pl(lines, ind, f"{s.buffer.name} = T.alloc_reg(("
+                                                    f"{', '.join(_p(d) for d in s.buffer.shape)},), 'uint32')"),
+    Decl: lambda lines, s, ind: _pl(lines, ind, "; ".join(f"{v.name} = {_p(x)}" for v, x in zip(s.vars, s.values))),
+    OneLine: _print_one_line,
+    MbarArray: lambda lines, s, ind: _pl(lines, ind, f"{s.buffer.name} = T.alloc_mbarriers("
+                                                     f"{int(s.buffer.shape[0].value)}, slot={s.offset})"),
+    MbarInitAll: lambda lines, s, ind: _pl(lines, ind, f"T.mbarrier_init({s.buffer.name}, {s.count})"),
+    MbarArriveExpectTx: lambda lines, s, ind: _pl(lines, ind, f"T.mbarrier_arrive_expect_tx({_p(s.bar)}, {s.nbytes})"),
+    MbarWait: lambda lines, s, ind: _pl(lines, ind, f"T.mbarrier_wait({_p(s.bar)}, parity={_p(s.parity)})"),
+    TmaLoad: _print_tma,
+    SmemDesc: lambda lines, s, ind: _pl(lines, ind, f"{s.var.name} = T.smem_desc({_p(s.ref)}, swizzle={s.swizzle}, "
+                                                    f"lbo={s.lbo}, sbo={s.sbo})"),
+    Wgmma: _print_wgmma,
+})
