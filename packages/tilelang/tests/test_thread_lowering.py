@@ -331,3 +331,44 @@ def test_lowered_program_prints(name, cfg, marks):
     assert "T.get_thread_binding()" in text and not re.findall(r"<[A-Z]\w*>", text), text
     for m in marks:
         assert m in text, (m, text)
+
+
+def _bench_kernels():
+    spec = importlib.util.spec_from_file_location("tilelang_bench_cuda_kernels",
+                                                  Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# the tile configurations bench_cuda.py measures on the H200 (docs/tilelang.md), at CPU-sized problems: 8-10
+# k-steps through 4-5 stages (every refill path runs), two column tiles, T.use_swizzle's block remap
+BENCH_GEMMS = [((128, 256, 64, 4, 256), "2b"), ((128, 256, 64, 4, 256), "1b"), ((128, 192, 64, 5, 256, "c_shared"), "1b"),
+               ((128, 176, 64, 4, 256), "2b"), ((128, 256, 64, 4, 256, "c_shared"), "1b")]
+
+
+@pytest.mark.parametrize("cfg,variant", BENCH_GEMMS, ids=[f"{'x'.join(map(str, c[:5]))}{'-cs' if len(c) > 5 else ''}-{v}"
+                                                          for c, v in BENCH_GEMMS])
+def test_benchmark_gemm_configs_thread_program_matches_tile_interp(cfg, variant):
+    """The benchmark's GEMM NT (bf16, wgmma + TMA, both refill schemes, epilogue direct or staged through
+    shared memory) as the thread interpreter runs it == the tile interpreter; with the wgmma asynchrony
+    and TMA phase checks on (a stage refilled under an in-flight wgmma would raise)."""
+    bm, bn, bk, stages, threads = cfg[:5]
+    M, N, K = 128, 2 * bn, 10 * bk
+    func = _bench_kernels().gemm_nt(M, N, K, bm, bn, bk, stages, threads, "bfloat16", c_shared=len(cfg) > 5)
+    pc = {"cuda_tma": True, **({"cuda_wgmma_one_barrier": True} if variant == "1b" else {})}
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(sh, generator=g).bfloat16() for sh in ((M, K), (N, K))]
+    want, got = _both(func, [2], inputs, pc)
+    _close(f"bench gemm {cfg} {variant}", got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_benchmark_flash_attention_config_thread_program_matches_tile_interp(causal):
+    """The benchmark's flash attention (bhsd, d128, 128x128 tiles, 256 threads, wgmma + TMA) at one head of
+    256 tokens on the thread interpreter == the tile interpreter (fp16 output, 1e-2)."""
+    func = _bench_kernels().flashattn_bhsd(1, 1, 256, 128, causal)
+    torch.manual_seed(0)
+    inputs = [torch.randn(1, 1, 256, 128).half() for _ in range(3)]
+    want, got = _both(func, [3], inputs, {"cuda_tma": True})
+    _close("bench flash attention", got, want)
