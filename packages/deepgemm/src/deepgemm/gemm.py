@@ -686,6 +686,10 @@ def _cublaslt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor
     if a.dtype == validate.FP8 and a.is_cuda:
         one = torch.ones((), dtype=torch.float32, device=a.device)
         acc = torch._scaled_mm(la.contiguous(), lb.contiguous().T, scale_a=one, scale_b=one, out_dtype=d.dtype)
+    elif a.is_cuda and d.dtype == torch.float32:
+        # An fp32 D keeps cuBLAS's fp32 accumulator: a bf16 result rounded then widened misses the
+        # upstream test's bar (calc_diff < 6e-7) by bf16 rounding alone.
+        acc = torch.mm(la, lb.T, out_dtype=torch.float32)
     elif a.is_cuda:
         acc = la @ lb.T  # cuBLAS: fp32 accumulation, bf16 result
     else:
