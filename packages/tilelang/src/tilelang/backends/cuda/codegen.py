@@ -23,7 +23,6 @@ import numpy as np
 
 from ...errors import CompileError
 from ...ir import dtypes as dt
-from ...ir.layout import Axis, Fragment
 from ...ir.nodes import (
     Alloc,
     BinOp,
@@ -375,15 +374,6 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
 
     # ---------------------------------------------------------------- T.Parallel (the statement rules of the "cuda" and
     # "cuda.parallel" tables, the memory references and the thread loops are in lower_thread.py: they build nodes)
-
-    def reg_loops(self, f: Fragment, tag: str) -> dict[tuple[int, Axis], str]:
-        names = {}
-        for d, a in f.reg_order:
-            nm = self.fresh(tag)
-            names[(d, a)] = nm
-            self.emit("#pragma unroll")
-            self.open(f"for (int {nm} = 0; {nm} < {a.extent}; ++{nm})")
-        return names
 
     def par_body(self, s: Stmt, ctx: ParCtx) -> None:
         saved = self.par
