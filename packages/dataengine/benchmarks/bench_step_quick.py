@@ -1,27 +1,30 @@
 # requires: cuda, kvpool
-"""The sparse decode step at b8 x 128K in a few seconds of device time: dense paged decode (the
-peer) vs select + sparse decode, default path vs the opt-in variants, same run.
+"""Selection and the sparse decode step at b8 x 128K in a few seconds of device time: dense paged
+decode (the peer) vs select + sparse decode, every selection path, same run.
 
-Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay):
-  dense                      kvpool.paged_decode over all 8192 blocks
-  step_<s>                   select_blocks (default path) + sparse paged_decode, summaries s
-  step_<s>_prefetch          the same with KVPOOL_DECODE_PREFETCH=1
-  select_<s>_stream          DATAENGINE_SELECT_STREAM=on (quest_select_stream_kernel), and its step
-Equality of every variant's blocks with the default path's is printed too. Writes
-bench_step_quick.json into $DATAENGINE_BENCH_OUT (or docs/benchmarks with --record). Written
-2026-12-02 for a device round that was cancelled: not yet run on a GPU.
+Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay), per summary type s:
+  dense                    kvpool.paged_decode over all 8192 blocks
+  <s>.two_<m>              select_blocks in two launches (scores, topk_fast_kernel); for fp8 the
+                           score kernel m: "bf16" (codes decoded in registers) or "f16" (rings, f16 MMA)
+  <s>.fused_<m>            DATAENGINE_SELECT_FUSED=1: one launch of quest_select_chunk_kernel
+  <s>.score_<m> / topk     the two launches apart
+  <s>.step_<path>          that selection + sparse paged_decode, and its speedup over dense
+Every path's blocks are compared with the torch reference's (same summaries). BENCH_CONTEXTS
+(default 131072) adds shorter contexts (the first blocks of each sequence) for the fused fp8 path.
+Writes dataengine_step_quick.json into $DATAENGINE_BENCH_OUT (or docs/benchmarks with --record).
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import kvpool
 import tilehal
 import torch
 from _common import out_dir, write_json
 from bench_select_cuda import BS, HQ, TOP, B, H, build_pool, fp8_summaries, int4_summaries
-from dataengine import select
+from dataengine import cuda_select, select
 from tilehal.testing import environ
 
 
@@ -36,40 +39,83 @@ def bench_graph(fn):
         return f"capture failed: {type(e).__name__}: {e}"[:200]
 
 
+def paths(dtype: torch.dtype) -> list[tuple[str, dict]]:
+    """(name, environment) of every selection path for one summary type."""
+    mmas = ("f16", "bf16") if dtype == torch.float8_e4m3fn else ("",)
+    out = []
+    for m in mmas:
+        sfx = f"_{m}" if m else ""
+        base = {"DATAENGINE_FP8_MMA": m} if m else {}
+        out.append((f"two{sfx}", {**base, "DATAENGINE_SELECT_FUSED": "0", "DATAENGINE_SELECT_STREAM": "off"}))
+        out.append((f"fused{sfx}", {**base, "DATAENGINE_SELECT_FUSED": "1", "DATAENGINE_SELECT_STREAM": "off"}))
+    return out
+
+
 def main() -> None:
     pool = build_pool()
-    bt = pool.block_table(list(range(B)))
-    sl = pool.seq_lens(list(range(B)))
+    bt_full = pool.block_table(list(range(B)))
     kmin, kmax = pool.key_summary(0)
     q = torch.randn(B, HQ, 128, device="cuda", dtype=torch.bfloat16)
-    res = {"config": {"batch": B, "q_heads": HQ, "kv_heads": H, "context": int(sl[0]), "top_k": TOP}}
-    dense = lambda: kvpool.paged_decode(q, pool, 0, bt, sl)  # noqa: E731
-    res["dense_us"], res["dense_graph_us"] = bench(dense), bench_graph(dense)
-    for name, (lo, hi) in (("fp8", fp8_summaries(kmin, kmax)), ("int4", int4_summaries(kmin, kmax))):
-        def sel(lo=lo, hi=hi):
-            return select.select_blocks(q, lo, hi, bt, sl, TOP, 1, 1, block_size=BS)
+    contexts = [int(x) for x in os.environ.get("BENCH_CONTEXTS", "131072").split(",")]
+    res = {"config": {"batch": B, "q_heads": HQ, "kv_heads": H, "block_size": BS, "top_k": TOP, "sink": 1, "local": 1},
+           "timer": "tilehal.bench: CUDA events, median of 20 after 3 warm-up, L2 flushed", "contexts": {}}
+    summaries = {"fp8": fp8_summaries(kmin, kmax), "int4": int4_summaries(kmin, kmax), "bf16": (kmin, kmax)}
+    for ctx in sorted(contexts, reverse=True):
+        nb = ctx // BS
+        bt = bt_full[:, :nb].contiguous()
+        sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+        dense = lambda bt=bt, sl=sl: kvpool.paged_decode(q, pool, 0, bt, sl)  # noqa: E731
+        row = {"dense_us": bench(dense), "dense_graph_us": bench_graph(dense)}
+        for name, (lo, hi) in summaries.items():
+            if ctx != max(contexts) and name != "fp8":
+                continue
+            ref = select.select_blocks_reference(q, lo, hi, bt, sl, TOP, 1, 1, block_size=BS)
+            sbytes = 2 * B * nb * H * lo.shape[-1] * lo.element_size()
+            r = {"summary_bytes": sbytes, "floor_us_at_4TBps": round(sbytes / 4.0e12 * 1e6, 2)}
 
-        def step(sel=sel):
-            return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=sel())
+            def sel(bt=bt, sl=sl, lo=lo, hi=hi):
+                return select.select_blocks(q, lo, hi, bt, sl, TOP, 1, 1, block_size=BS)
 
-        want, out = sel(), step()
-        r = {"select_us": bench(sel), "step_us": bench(step), "step_graph_us": bench_graph(step)}
-        with environ({"KVPOOL_DECODE_PREFETCH": "1"}):
-            r["prefetch_equal"] = bool(torch.equal(step(), out))
-            r["step_prefetch_us"], r["step_prefetch_graph_us"] = bench(step), bench_graph(step)
-        with environ({"DATAENGINE_SELECT_STREAM": "on"}):
-            r["stream_equals_default_rows"] = float((sel() == want).all(-1).float().mean())
-            r["select_stream_us"], r["select_stream_graph_us"] = bench(sel), bench_graph(sel)
-            r["step_stream_us"] = bench(step)
-            with environ({"KVPOOL_DECODE_PREFETCH": "1"}):
-                r["step_stream_prefetch_us"], r["step_stream_prefetch_graph_us"] = bench(step), bench_graph(step)
-        for k in [k for k in r if k.startswith("step") and k.endswith("_us")]:
-            g = "dense_graph_us" if "graph" in k else "dense_us"
-            if isinstance(r[k], float) and isinstance(res[g], float):
-                r["speedup_" + k[:-3]] = round(res[g] / r[k], 2)
-        res[name] = r
-        print(name, json.dumps(r), flush=True)
-    print("dense", res["dense_us"], res["dense_graph_us"])
+            def step(bt=bt, sl=sl, sel=sel):
+                return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=sel())
+
+            for pname, env in paths(lo.dtype):
+                if ctx != max(contexts) and not pname.startswith("fused_f16"):
+                    continue
+                with environ(env):
+                    try:
+                        got = sel()
+                    except Exception as e:  # a failed path is a row that says so, not a lost run
+                        r[pname] = f"failed: {type(e).__name__}: {e}"[:300]
+                        continue
+                    r[f"{pname}_equals_reference"] = bool(torch.equal(got, ref))
+                    r[f"{pname}_mismatching_rows"] = int((got != ref).any(-1).sum())
+                    r[f"select_{pname}_us"] = bench(sel)
+                    r[f"select_{pname}_graph_us"] = bench_graph(sel)
+                    r[f"select_{pname}_GBps"] = round(sbytes / r[f"select_{pname}_us"] / 1e3)
+                    r[f"step_{pname}_us"] = bench(step)
+                    r[f"step_{pname}_graph_us"] = bench_graph(step)
+                    r[f"speedup_{pname}"] = round(row["dense_us"] / r[f"step_{pname}_us"], 2)
+                    g = r[f"step_{pname}_graph_us"]
+                    if isinstance(g, float) and isinstance(row["dense_graph_us"], float):
+                        r[f"speedup_{pname}_graph"] = round(row["dense_graph_us"] / g, 2)
+                    if pname.startswith("two") and ctx == max(contexts):  # the two launches apart
+                        ring = lo.dtype == torch.float8_e4m3fn and env.get("DATAENGINE_FP8_MMA") == "f16"
+                        t = bench(lambda bt=bt, lo=lo, hi=hi: cuda_select.quest_raw_scores(q, lo, hi, bt, "max"))
+                        r[f"score_{pname[4:] or 'mma'}{'_ring' if ring else ''}_us"] = t
+                        raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max")
+                        r["topk_fast_us"] = bench(lambda raw=raw, sl=sl: cuda_select.topk_rows(
+                            raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant="fast"))
+            idx = ref
+
+            def sparse_only(bt=bt, sl=sl, idx=idx):
+                return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=idx)
+
+            r["sparse_decode_only_us"] = bench(sparse_only)
+            row[name] = r
+            print(ctx, name, json.dumps(r), flush=True)
+        res["contexts"][str(ctx)] = row
+        print(ctx, "dense", row["dense_us"], row["dense_graph_us"], flush=True)
     if out_dir() is not None:
         write_json("step_quick", res)
 

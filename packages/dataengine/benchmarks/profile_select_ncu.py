@@ -2,7 +2,8 @@
 #   ncu --kernel-name regex:"quest|topk" --section SpeedOfLight --section MemoryWorkloadAnalysis \
 #       --section Occupancy --section WarpStateStats python profile_select_ncu.py
 """One launch of each kernel of the selection (score on CUDA cores / tensor cores, bf16 / fp8
-summaries; top-k fast / plain; the one-launch selections: fused bf16 / fp8 / int4, streamed fp8 / int4) at b8 x 128K, GQA 32/8, d128, 8192 blocks, top 64. Prints only
+summaries, fp8 through the rings; top-k fast / plain; the one-launch selections: chunked bf16 / fp8 (f16 rings
+and bf16 decode) / int4, streamed fp8 / int4; PROFILE_ONLY=new: the chunked ones, int4 scores and the fast top-k) at b8 x 128K, GQA 32/8, d128, 8192 blocks, top 64. Prints only
 the shapes: the profile is ncu's."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+from tilehal.testing import environ
 
 B, HQ, H, D, BS, TOP = 8, 32, 8, 128, 16, 64
 NB = int(os.environ.get("PROFILE_BLOCKS", "8192"))  # blocks per sequence (512: the 8K case)
@@ -31,17 +33,24 @@ def select_kernels() -> None:
     bt = torch.randperm(B * NB, device="cuda", generator=g).to(torch.int32).reshape(B, NB)
     sl = torch.full((B,), NB * BS, dtype=torch.int32, device="cuda")
     print(f"select: b{B} x {NB} blocks, GQA {HQ}/{H}, d{D}, top {TOP}", flush=True)
+    only = os.environ.get("PROFILE_ONLY", "all")  # "new": the chunked kernels and the fast top-k only
     raw = None
-    for lo, hi in ((kmin, kmax), (fmin, fmax)):
-        for v in ("simt", "mma"):
-            raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max", v)
+    if only == "all":
+        for lo, hi in ((kmin, kmax), (fmin, fmax)):
+            for v in ("simt", "mma"):
+                raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max", v)
     raw = cuda_select.quest_raw_scores(q, imin, imax, bt, "max", "mma")
-    for lo, hi in ((kmin, kmax), (fmin, fmax), (imin, imax)):
-        cuda_select.select_fused(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS)
-    for lo, hi in ((fmin, fmax), (imin, imax)):  # the streamed one-launch selection; then without its merge
-        for merge in (True, False):
-            cuda_select.select_stream(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS, merge=merge)
-    for tv in ("fast", "plain"):
+    with environ({"DATAENGINE_FP8_MMA": "f16"}):  # fp8 scores through the rings (quest_select_chunk_kernel)
+        cuda_select.quest_raw_scores(q, fmin, fmax, bt, "max", "mma")
+        cuda_select.select_fused(q, fmin, fmax, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS)
+    for lo, hi in ((kmin, kmax), (fmin, fmax), (imin, imax)) if only == "all" else ((imin, imax),):
+        with environ({"DATAENGINE_FP8_MMA": "bf16"}):
+            cuda_select.select_fused(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS)
+    if only == "all":
+        for lo, hi in ((fmin, fmax), (imin, imax)):  # the streamed one-launch selection; then without its merge
+            for merge in (True, False):
+                cuda_select.select_stream(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS, merge=merge)
+    for tv in ("fast", "plain") if only == "all" else ("fast",):
         cuda_select.topk_rows(raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant=tv)
     torch.cuda.synchronize()
 

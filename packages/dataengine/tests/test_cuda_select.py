@@ -280,12 +280,15 @@ def _to_fp8_summaries(kmin: torch.Tensor, kmax: torch.Tensor):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["simt", "mma"])
+@pytest.mark.parametrize("variant", ["simt", "mma", "mma-f16"])
 @pytest.mark.parametrize("sdtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (64, 8, 8), (128, 16, 2), (64, 12, 2)])
 @pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
 def test_select_exact_fp8_and_mma(variant, sdtype, D, Hq, Hkv, reduce, monkeypatch):
-    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", variant)
+    if variant == "mma-f16" and sdtype != FP8:
+        pytest.skip("the f16 path is for fp8 summaries")
+    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", variant[:4].rstrip("-"))
+    monkeypatch.setenv("DATAENGINE_FP8_MMA", "f16" if variant == "mma-f16" else "bf16")
     for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (500, 1, 1)]):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, dtype=torch.bfloat16,
                                               sdtype=torch.float32, holes=seed % 2 == 1, unwritten=0.05)
@@ -315,63 +318,135 @@ def test_mma_gaussian_scores_within_rounding(sdtype, monkeypatch):
     else:
         args[1], args[2] = args[1].to(sdtype), args[2].to(sdtype)
     ref = select.quest_scores_reference(*_cpu(*args))
-    for variant in ("simt", "mma"):
+    for variant, fp8_mma in (("simt", "bf16"), ("mma", "bf16"), ("mma", "f16")):
         monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", variant)
+        monkeypatch.setenv("DATAENGINE_FP8_MMA", fp8_mma)
         got = select.quest_scores(*args).cpu()
         fin = torch.isfinite(ref)
-        assert torch.equal(fin, torch.isfinite(got)), variant
+        assert torch.equal(fin, torch.isfinite(got)), (variant, fp8_mma)
         torch.testing.assert_close(got[fin], ref[fin], rtol=1e-5, atol=1e-3)
 
 
 # ----------------------------------------------------------------------------- one-launch selection
+CHUNK_CONFIGS = [(FP8, 128, 4, True, True), (FP8, 64, 8, True, True), (FP8, 128, 1, False, True),
+                 (FP8, 64, 2, False, True), (FP8, 128, 4, True, False), (torch.bfloat16, 128, 4, True, False),
+                 (torch.bfloat16, 64, 8, True, False), (torch.uint8, 128, 4, True, False)]
+
+
 @pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
-@pytest.mark.parametrize("s_dtype", [torch.bfloat16, FP8])
-@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 8)])
-def test_fused_select_kernels_compile(s_dtype, head_dim, group):
-    m = cuda_select.compile_select(s_dtype, head_dim, group, "max")
-    assert cuda_select.select_kernel_name(s_dtype, head_dim, group, "max") in m.lowered_names
+@pytest.mark.parametrize("s_dtype,head_dim,group,fused,ring", CHUNK_CONFIGS)
+def test_chunk_select_kernels_compile(s_dtype, head_dim, group, fused, ring):
+    m = cuda_select.compile_chunk(s_dtype, head_dim, group, "max", fused, ring)
+    assert cuda_select.chunk_kernel_name(s_dtype, head_dim, group, "max", fused, ring) in m.lowered_names
+    # two CTAs per H200 SM (228 KB of shared memory, 1 KB reserved per CTA): the rings, the block
+    # table entries, the scores (fused) and the top-k scratch
+    static = 4 * cuda_select.CHUNK_MAX * (2 if fused else 1) + 1024
+    assert 2 * (cuda_select.chunk_smem_bytes(head_dim, fused, ring) + static + 1024) <= 228 * 1024
 
 
-def test_fused_reasons(monkeypatch):
+def test_fused_and_fp8_variant_reasons(monkeypatch):
     monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
+    monkeypatch.setattr(cuda_select, "fused_chunk", lambda device, rows, nb: min(nb, cuda_select.CHUNK_MAX))
     q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
     s = torch.zeros(4, 8, 128, dtype=FP8)
-    assert "FUSED=0" in cuda_select.fused_reason(q, s, 64)  # off by default (measured slower)
-    monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
-    assert cuda_select.fused_reason(q, s, 64) is None
-    assert "budget" in cuda_select.fused_reason(q, s, 300)
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "0")
-    assert "FUSED=0" in cuda_select.fused_reason(q, s, 64)
+    assert "FUSED=0" in cuda_select.fused_reason(q, s, 64, 8192)
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
+    assert cuda_select.fused_reason(q, s, 64, 8192) is None
+    assert cuda_select.fused_reason(q, s, 512, 8192) is None  # 4 chunks x 512 candidates
+    assert "merge candidates" in cuda_select.fused_reason(q, s, 600, 8192)
+    assert "bf16" in cuda_select.fused_reason(q.half(), s, 64, 8192)
+    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "simt")
+    assert "simt" in cuda_select.fused_reason(q, s, 64, 8192)
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "yes")
     with pytest.raises(ValueError, match="DATAENGINE_SELECT_FUSED"):
-        cuda_select.fused_reason(q, s, 64)
+        cuda_select.fused_reason(q, s, 64, 8192)
+    monkeypatch.setenv("DATAENGINE_FP8_MMA", "f32")
+    with pytest.raises(ValueError, match="DATAENGINE_FP8_MMA"):
+        cuda_select.fp8_mma_variant()
+    monkeypatch.delenv("DATAENGINE_FP8_MMA")
+    assert cuda_select.fp8_mma_variant() == cuda_select.DEFAULT_FP8_MMA
+
+
+def _summaries(sdtype, kmin, kmax, open_ends=False):
+    """Integer-valued float32 summaries as `sdtype` (FP8: exact codes, unwritten rows and, with
+    open_ends, some keys above 448 as the NaN codes; uint8: dyadic int4 rows)."""
+    if sdtype == FP8:
+        lo, hi = _to_fp8_summaries(kmin, kmax)
+        if open_ends:
+            big = torch.rand(hi.shape[0], device=hi.device) < 0.02  # some blocks with a key above 448
+            hi.view(torch.uint8)[big, :, 0] = 0x7F
+        return lo, hi
+    if sdtype == torch.uint8:
+        return _int4_rows(kmin, False).cuda(), _int4_rows(kmax, True).cuda()
+    return kmin.to(sdtype), kmax.to(sdtype)
+
+
+SELECT_CASES = [(64, 1, 1), (7, 0, 0), (3, 2, 3), (256, 1, 1), (1, 4, 4), (100, 0, 5), (512, 1, 1)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sdtype", [torch.bfloat16, FP8])
-@pytest.mark.parametrize("D,Hq,Hkv,max_blocks", [(128, 32, 8, 300), (64, 8, 8, 1000), (128, 16, 2, 97), (64, 12, 2, 512)])
+@pytest.mark.parametrize("sdtype,fp8_mma", [(torch.bfloat16, "bf16"), (FP8, "f16"), (FP8, "bf16"), (torch.uint8, "f16")],
+                         ids=["bf16", "fp8-f16", "fp8-bf16", "int4"])
+@pytest.mark.parametrize("D,Hq,Hkv,max_blocks", [(128, 32, 8, 300), (64, 8, 8, 1000), (128, 16, 2, 97), (64, 12, 2, 512),
+                                                 (128, 32, 8, 2100)])
 @pytest.mark.parametrize("reduce", ["max", "mean"])
-def test_fused_select_equals_reference(sdtype, D, Hq, Hkv, max_blocks, reduce, monkeypatch):
+def test_fused_select_equals_reference(sdtype, fp8_mma, D, Hq, Hkv, max_blocks, reduce, monkeypatch):
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
     monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
-    for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (256, 1, 1), (1, 4, 4),
-                                                 (100, 0, 5)]):
+    monkeypatch.setenv("DATAENGINE_FP8_MMA", fp8_mma)
+    for seed, (top_k, sink, local) in enumerate(SELECT_CASES):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=max_blocks,
                                               num_blocks=max(2000, 3 * max_blocks), dtype=torch.bfloat16,
-                                              sdtype=torch.float32, unwritten=0.05)
-        kmin, kmax = _to_fp8_summaries(kmin, kmax) if sdtype == FP8 else (kmin.to(sdtype), kmax.to(sdtype))
+                                              sdtype=torch.float32, unwritten=0.05, holes=seed == 4)
+        kmin, kmax = _summaries(sdtype, kmin, kmax, open_ends=seed % 2 == 1)
         if seed == 2:
             kmin.view(torch.uint8)[:] = kmin.view(torch.uint8)[:1]  # every block alike: positions decide
             kmax.view(torch.uint8)[:] = kmax.view(torch.uint8)[:1]
         args = (q, kmin, kmax, table, lens)
         width = min(max(top_k, sink + local), max_blocks)
-        assert cuda_select.fused_reason(q, kmin, width) is None
+        fused = cuda_select.fused_reason(q, kmin, width, max_blocks) is None
+        assert fused or top_k == 512, cuda_select.fused_reason(q, kmin, width, max_blocks)
         got = select.select_blocks(*args, top_k, sink, local, block_size=16, reduce=reduce)
         want = select.select_blocks_reference(*_cpu(*args), top_k, sink, local, block_size=16, reduce=reduce)
-        assert torch.equal(got.cpu(), want), (seed, top_k, sink, local)
+        assert torch.equal(got.cpu(), want), (seed, top_k, sink, local, fused)
         for _ in range(2):  # the row tickets are back at zero after every launch
             assert torch.equal(select.select_blocks(*args, top_k, sink, local, block_size=16, reduce=reduce).cpu(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (64, 8, 8), (128, 16, 2), (64, 12, 2)])
+@pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
+def test_fp8_f16_scores_exact(D, Hq, Hkv, reduce, monkeypatch):
+    """The f16 path of fp8 summaries: exact bounds on integer inputs (q scaled up and down by
+    powers of two too), with unwritten blocks, open ends (0x7F), holes, ids out of range; and a q
+    head with an element too small for f16 (the bf16 path) within float32 rounding."""
+    monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "mma")
+    monkeypatch.setenv("DATAENGINE_FP8_MMA", "f16")
+    for seed, qscale in enumerate([1.0, 2.0 ** 20, 2.0 ** -30, 1.0]):
+        q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=700, num_blocks=3000,
+                                              dtype=torch.float32, sdtype=torch.float32, unwritten=0.05,
+                                              holes=seed % 2 == 1)
+        q = (q * qscale).to(torch.bfloat16)
+        kmin, kmax = _summaries(FP8, kmin, kmax, open_ends=True)
+        args = (q, kmin, kmax, table, lens)
+        got = select.quest_scores(*args, reduce=reduce).cpu()
+        want = select.quest_scores_reference(*_cpu(*args), reduce=reduce)
+        assert torch.equal(got, want), (seed, qscale)
+        if seed == 3:  # ids >= num_blocks score -inf (zero rows in the ring, never read)
+            bad = table.clone()
+            bad[2, :5] = kmin.shape[0] + 5
+            assert bool(torch.isneginf(select.quest_scores(q, kmin, kmax, bad, lens, reduce=reduce)[2, :, :5]).all())
+        assert torch.equal(select.select_blocks(*args, 64, 1, 1, reduce=reduce).cpu(),
+                           select.select_blocks_reference(*_cpu(*args), 64, 1, 1, reduce=reduce))
+    q2 = q.clone()
+    q2[:, ::3, 5] = 2.0 ** -40  # some groups hold an element f16 cannot: those CTAs take the bf16 path
+    args = (q2, kmin, kmax, table, lens)
+    got = select.quest_scores(*args, reduce=reduce).cpu()
+    want = select.quest_scores_reference(*_cpu(*args), reduce=reduce)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu
@@ -430,10 +505,7 @@ def test_int4_select_equals_reference(D, Hq, Hkv, reduce, fused, monkeypatch):
         assert torch.equal(sc.cpu(), select.quest_scores_reference(*_cpu(*args), reduce=reduce))
 
 
-@pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
-def test_int4_kernels_compile_and_need_tensor_cores():
-    m = cuda_select.compile_select(torch.uint8, 128, 4, "max")
-    assert cuda_select.select_kernel_name(torch.uint8, 128, 4, "max") in m.lowered_names
+def test_int4_rows_need_tensor_cores():
     rows = torch.zeros(4, 8, 80, dtype=torch.uint8)
     assert cuda_select.mma_reason(torch.zeros(2, 8, 128, dtype=torch.bfloat16), rows) is None
     assert "bf16" in cuda_select.mma_reason(torch.zeros(2, 8, 128, dtype=torch.float16), rows)

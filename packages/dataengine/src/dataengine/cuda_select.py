@@ -62,40 +62,84 @@ def compile_score(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, gro
                                                                     variant)])
 
 
-def select_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str) -> str:
-    return f"dataengine::quest_select_mma_kernel<{_S_CTYPES_MMA[s_dtype]}, {head_dim}, {group}, {_REDUCE[reduce]}>"
+CHUNK_MAX = 2048  # kChunkMax: table positions per CTA of quest_select_chunk_kernel (8 keys per thread)
+CHUNK_THREADS = SCORE_THREADS
+FP8_STAGES = 3  # kFp8Stages: 16-block tiles in each warp's cp.async ring
+FP8_MMA_VARIANTS = ("f16", "bf16")
+DEFAULT_FP8_MMA = "bf16"  # "f16" once the H200 round has checked it
+
+
+def fp8_mma_variant() -> str:
+    """DATAENGINE_FP8_MMA (default DEFAULT_FP8_MMA): how the tensor-core kernels score fp8
+    summaries. "f16": codes straight into an f16 MMA (one cvt per two codes) against q scaled by a
+    power of two, tiles streamed through per-warp cp.async rings, an exact bf16 recomputation for
+    tiles holding the NaN codes (quest_select_chunk_kernel, RING); "bf16": codes decoded to bf16
+    in registers (quest_score_mma_kernel's path)."""
+    v = os.environ.get("DATAENGINE_FP8_MMA") or DEFAULT_FP8_MMA
+    if v not in FP8_MMA_VARIANTS:
+        raise tilehal.ArgumentError(f"DATAENGINE_FP8_MMA: expected one of {list(FP8_MMA_VARIANTS)}, got {v!r}")
+    return v
+
+
+def _ring(s_dtype: torch.dtype) -> bool:
+    return s_dtype == FP8 and fp8_mma_variant() == "f16"
+
+
+def chunk_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, fused: bool, ring: bool) -> str:
+    return (f"dataengine::quest_select_chunk_kernel<{_S_CTYPES_MMA[s_dtype]}, {head_dim}, {group}, {_REDUCE[reduce]}, "
+            f"{str(fused).lower()}, {str(ring).lower()}>")
 
 
 @functools.cache
-def compile_select(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str,
-                   arch: str = "sm_90a") -> tilehal.CudaModule:
-    """The one-launch selection (tensor-core scores + two-level top-k) for one configuration."""
-    return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS, arch=arch, name=f"quest_select_{head_dim}_{group}",
+def compile_chunk(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, fused: bool, ring: bool,
+                  arch: str = "sm_90a") -> tilehal.CudaModule:
+    """quest_select_chunk_kernel for one configuration (fused: the whole selection; else the scores)."""
+    return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS + _CHUNK_CHECKS, arch=arch,
+                                name=f"quest_select_chunk_{head_dim}_{group}_{int(fused)}{int(ring)}",
                                 include_dirs=[str(KERNEL_DIR)],
-                                name_expressions=[select_kernel_name(s_dtype, head_dim, group, reduce)])
+                                name_expressions=[chunk_kernel_name(s_dtype, head_dim, group, reduce, fused, ring)])
 
 
-def fused_enabled() -> bool:
-    """DATAENGINE_SELECT_FUSED=1 turns the one-launch selection on. Off by default: measured slower
-    than two launches on the H200 (b8 x 8192 blocks, top 64: 122 vs 108 us on bf16 summaries, 109
-    vs 82 us on fp8; its per-CTA top-k stalls the score stream)."""
+_CHUNK_CHECKS = (f'static_assert(dataengine::kChunkMax == {CHUNK_MAX}, "dataengine.cuda_select.CHUNK_MAX");\n'
+                 f'static_assert(dataengine::kFp8Stages == {FP8_STAGES}, "dataengine.cuda_select.FP8_STAGES");\n')
+
+
+def chunk_smem_bytes(head_dim: int, fused: bool, ring: bool) -> int:
+    """Dynamic shared memory of quest_select_chunk_kernel: the warps' rings (ring), at least the
+    top-k histogram (fused)."""
+    ring_bytes = (CHUNK_THREADS // 32) * FP8_STAGES * 2 * 16 * head_dim if ring else 0
+    return max(ring_bytes, 4 * 4096 if fused else 0)
+
+
+def fused_variant() -> str:
+    """DATAENGINE_SELECT_FUSED (default "0"): "1" runs select_blocks in one launch of
+    quest_select_chunk_kernel (scores, per-chunk top-k, the row's last CTA merges) where
+    `fused_reason` allows; "0" never."""
     v = os.environ.get("DATAENGINE_SELECT_FUSED", "0")
     if v not in ("0", "1"):
         raise tilehal.ArgumentError(f"DATAENGINE_SELECT_FUSED: expected 0 or 1, got {v!r}")
-    return v == "1"
+    return v
 
 
-def fused_reason(q: torch.Tensor, kmin: torch.Tensor, width: int) -> str | None:
+def fused_chunk(device: torch.device, rows: int, nb: int) -> int:
+    return mma_chunk(device, rows, nb, CHUNK_MAX)
+
+
+def fused_reason(q: torch.Tensor, kmin: torch.Tensor, width: int, nb: int) -> str | None:
     """Why select_fused cannot serve this call (None: it can)."""
-    if not fused_enabled():
+    if fused_variant() == "0":
         return "DATAENGINE_SELECT_FUSED=0"
     if score_variant() == "simt":
         return "DATAENGINE_SCORE_KERNEL=simt"
     reason = mma_reason(q, kmin)
     if reason is not None:
         return reason
-    if width > SCORE_CHUNK:
-        return f"budget {width} > {SCORE_CHUNK} blocks"
+    if nb == 0:
+        return None
+    chunk = fused_chunk(q.device, q.shape[0] * kmin.shape[1], nb)
+    n_cand = -(-nb // chunk) * min(width, chunk)
+    if n_cand > CHUNK_MAX:
+        return f"{n_cand} merge candidates per row (budget {width}, chunks of {chunk}) > {CHUNK_MAX}"
     return None
 
 
@@ -103,26 +147,18 @@ _TICKETS: dict[tuple, torch.Tensor] = {}
 
 
 def _tickets(device: torch.device, rows: int) -> torch.Tensor:
-    """Per-row tickets of the one-launch selection: zero between launches (the last CTA of a row
+    """Per-row tickets of the one-launch selections: zero between launches (the last CTA of a row
     resets its ticket), one buffer per (device, stream) so concurrent streams never share one."""
     return tilehal.stream_buffer(_TICKETS, device, rows, min_numel=256)
 
 
-def select_fused(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor, width: int,
-                 sink: int, local: int, reduce: str, *, num_valid: torch.Tensor | None = None,
-                 seq_lens: torch.Tensor | None = None, block_size: int | None = None) -> torch.Tensor:
-    """int32 [B, kv_heads, width]: select_blocks in one launch (fused_reason must be None)."""
-    B, Hq, D = q.shape
-    H = kmin.shape[1]
-    group = Hq // H
+def _prepare(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor, local: int,
+             num_valid: torch.Tensor | None, seq_lens: torch.Tensor | None, block_size: int | None):
+    """The one-launch selections' inputs: contiguous, 16-byte aligned summaries (copied, said at
+    DEBUG, when a view is not), 4-byte aligned q, int32 table, and the n_valid mode (0: the table
+    width, 1: num_valid, 2: ceil(seq_lens / block_size)) with its tensor."""
     table = _i32(block_table)
     nb = table.shape[1]
-    out = torch.empty((B, H, width), dtype=torch.int32, device=q.device)
-    if B == 0 or width == 0:
-        return out
-    if nb == 0:
-        return out.fill_(-1)
-    chunks = -(-nb // SCORE_CHUNK)
     kmin, kmax = kmin.contiguous(), kmax.contiguous()
     if not _aligned(kmin, kmax):
         log.debug("select: summaries not 16-byte aligned; copying them")
@@ -137,11 +173,34 @@ def select_fused(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
         mode, sl = 2, _i32(seq_lens)
     else:
         mode = 0
-    cand = torch.empty((B * H, chunks, width, 2), dtype=torch.int32, device=q.device)
-    kern = compile_select(kmin.dtype, D, group, reduce).get_kernel(select_kernel_name(kmin.dtype, D, group, reduce))
-    kern.launch((chunks, H, B), SCORE_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], mode, nv, sl,
+    return q, kmin, kmax, table, mode, nv, sl
+
+
+def select_fused(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor, width: int,
+                 sink: int, local: int, reduce: str, *, num_valid: torch.Tensor | None = None,
+                 seq_lens: torch.Tensor | None = None, block_size: int | None = None) -> torch.Tensor:
+    """int32 [B, kv_heads, width]: select_blocks in one launch (fused_reason must be None)."""
+    B, Hq, D = q.shape
+    H = kmin.shape[1]
+    group = Hq // H
+    nb = block_table.shape[1]
+    out = torch.empty((B, H, width), dtype=torch.int32, device=q.device)
+    if B == 0 or width == 0:
+        return out
+    if nb == 0:
+        return out.fill_(-1)
+    q, kmin, kmax, table, mode, nv, sl = _prepare(q, kmin, kmax, block_table, local, num_valid, seq_lens, block_size)
+    chunk = fused_chunk(q.device, B * H, nb)
+    chunks = -(-nb // chunk)
+    wc = min(width, chunk)
+    cand = torch.empty((B * H * chunks * wc, 2), dtype=torch.int32, device=q.device)
+    ring = _ring(kmin.dtype)
+    kern = compile_chunk(kmin.dtype, D, group, reduce, True, ring).get_kernel(
+        chunk_kernel_name(kmin.dtype, D, group, reduce, True, ring))
+    kern.launch((chunks, H, B), CHUNK_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], chunk, None, mode, nv, sl,
                                                 int(block_size or 1), int(sink), int(local), int(width), cand,
-                                                _tickets(q.device, B * H), out])
+                                                _tickets(q.device, B * H), out],
+                smem_bytes=chunk_smem_bytes(D, True, ring))
     return out
 
 
@@ -260,27 +319,13 @@ def select_stream(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
     B, Hq, D = q.shape
     H = kmin.shape[1]
     group = Hq // H
-    table = _i32(block_table)
-    nb = table.shape[1]
+    nb = block_table.shape[1]
     out = torch.empty((B, H, width), dtype=torch.int32, device=q.device)
     if B == 0 or width == 0:
         return out
     if nb == 0:
         return out.fill_(-1)
-    kmin, kmax = kmin.contiguous(), kmax.contiguous()
-    if not _aligned(kmin, kmax):
-        log.debug("select: summaries not 16-byte aligned; copying them")
-        kmin, kmax = kmin.clone(), kmax.clone()
-    q = q.contiguous()
-    if q.data_ptr() % 4:
-        q = q.clone()
-    nv = sl = None
-    if num_valid is not None:
-        mode, nv = 1, _i32(num_valid.clamp(min=-1, max=nb + local + 1))
-    elif seq_lens is not None and block_size is not None:
-        mode, sl = 2, _i32(seq_lens)
-    else:
-        mode = 0
+    q, kmin, kmax, table, mode, nv, sl = _prepare(q, kmin, kmax, block_table, local, num_valid, seq_lens, block_size)
     chunk = stream_chunk(q.device, B, nb)
     chunks = -(-nb // chunk)
     wc4 = -(-min(width, chunk) // 4) * 4  # each chunk's candidate list, padded to 16-byte rows
@@ -380,13 +425,13 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def mma_chunk(device: torch.device, rows: int, nb: int) -> int:
-    """Table positions per CTA of the tensor-core score kernel: about one wave of CTAs (long-lived
-    CTAs keep loads in flight), a multiple of 128 (8 warps x 16-block tiles), at most 4096."""
+def mma_chunk(device: torch.device, rows: int, nb: int, max_chunk: int = MMA_MAX_CHUNK) -> int:
+    """Table positions per CTA of the tensor-core score kernels: about one wave of CTAs (long-lived
+    CTAs keep loads in flight), a multiple of 128 (8 warps x 16-block tiles), at most max_chunk."""
     slots = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * MMA_CTAS_PER_SM
     chunks = max(1, slots // max(rows, 1))
     chunk = -(-nb // chunks)
-    return max(128, min(MMA_MAX_CHUNK, -(-chunk // 128) * 128))
+    return max(128, min(max_chunk, -(-chunk // 128) * 128))
 
 
 def _pick_variant(q: torch.Tensor, kmin: torch.Tensor, variant: str | None) -> str:
@@ -421,8 +466,10 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     if B == 0 or nb == 0:
         return raw
     variant = _pick_variant(q, kmin, variant)
-    kern = compile_score(q.dtype, kmin.dtype, D, group, reduce, variant=variant).get_kernel(
-        score_kernel_name(q.dtype, kmin.dtype, D, group, reduce, variant))
+    ring = variant == "mma" and _ring(kmin.dtype)
+    if not ring:
+        kern = compile_score(q.dtype, kmin.dtype, D, group, reduce, variant=variant).get_kernel(
+            score_kernel_name(q.dtype, kmin.dtype, D, group, reduce, variant))
     chunks = -(-nb // SCORE_CHUNK)
     kmin, kmax = kmin.contiguous(), kmax.contiguous()
     if not _aligned(kmin, kmax):  # a copy, said out loud, rather than a misaligned load
@@ -431,7 +478,14 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     q = q.contiguous()
     if q.data_ptr() % 4:  # the mma kernel reads q as 32-bit words
         q = q.clone()
-    if variant == "mma":
+    if ring:
+        chunk = mma_chunk(q.device, B * H, nb, CHUNK_MAX)
+        kern = compile_chunk(kmin.dtype, D, group, reduce, False, True).get_kernel(
+            chunk_kernel_name(kmin.dtype, D, group, reduce, False, True))
+        kern.launch((-(-nb // chunk), H, B), CHUNK_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], chunk, raw, 0,
+                                                             None, None, 1, 0, 0, 0, None, None, None],
+                    smem_bytes=chunk_smem_bytes(D, False, True))
+    elif variant == "mma":
         chunk = mma_chunk(q.device, B * H, nb)
         kern.launch((-(-nb // chunk), H, B), SCORE_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], raw, chunk])
     else:

@@ -326,7 +326,7 @@ def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
             return cuda_select.select_stream(q, kmin, kmax, block_table, width, sink, local, reduce,
                                              seq_lens=seq_lens, block_size=block_size)
         log.debug("select_blocks: streamed kernel not used (%s)", why)
-        why = cuda_select.fused_reason(q, kmin, width)
+        why = cuda_select.fused_reason(q, kmin, width, nb)
         if why is None:
             return cuda_select.select_fused(q, kmin, kmax, block_table, width, sink, local, reduce,
                                             seq_lens=seq_lens, block_size=block_size)

@@ -704,71 +704,61 @@ __global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
 }
 
 // ----------------------------------------------------------------------------- fast top-k
-// topk_fast_kernel<ITEMS>  grid (rows), 1024 threads, N <= 1024 * ITEMS: the same rows as
-//   topk_select_kernel (same modes, same tie rule), faster. Thread t holds positions
-//   t*ITEMS .. t*ITEMS + ITEMS - 1 in registers (one load). Forced blocks are counted, not ranked:
-//   min(n_valid, sink + local) of them, taken first by position (up to width). Among the free
-//   (valid, not forced) keys the radix select skips the bits all of them share (AND / OR over the
-//   row) and takes 12-bit digits (4096-bin histograms): two passes for scores within a factor of
-//   two of each other, three at most. The walk ranks forced blocks and keys == T in position order
-//   with one packed scan.
+// cta_topk<THREADS, ITEMS>: the `width` largest keys of a CTA's THREADS x ITEMS keys in registers
+//   (thread t holds positions t*ITEMS .. t*ITEMS + ITEMS - 1, in position order), by the total
+//   order key descending, then position ascending. Keys: 0 invalid (never taken), kKeyForced
+//   forced (taken first, by position), others order keys (float_key); keys <= kKeyNegInf (-inf,
+//   NaN) are never taken. Forced and invalid keys are counted, not ranked; among the free keys
+//   the radix select skips the bits all of them share (AND / OR over the CTA) and takes 12-bit
+//   digits (kFastBins-bin histograms): two passes for scores within a factor of two of each other,
+//   three at most. The walk ranks forced keys and keys == T in position order with one packed
+//   scan. Returns the bit mask of the taken items; `slot` gets the output slot of the thread's
+//   first taken item, `total` the count (every thread). `hist`: kFastBins ints of shared memory.
+//   Used by topk_fast_kernel and by the chunked selection kernel (per chunk, then the merge).
 constexpr int kFastThreads = 1024;
 constexpr int kFastBins = 4096;
 
-template <int ITEMS>
-__global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
-    const float* __restrict__ scores, int N, int rows_per_b, int mode, const int* __restrict__ nv,
-    const int* __restrict__ seq_lens, const int* __restrict__ table, int block_size,
-    int sink, int local, int width, int* __restrict__ out) {
-  __shared__ int hist[kFastBins];
-  __shared__ int warp_sums[kFastThreads / 32];
-  __shared__ unsigned red_and[kFastThreads / 32], red_or[kFastThreads / 32];
-  __shared__ int s_digit, s_need;
-  __shared__ long long s_nvalid;
-  const int row = blockIdx.x, b = row / rows_per_b, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const float* srow = scores + (long long)row * N;
-  int* orow = out + (long long)row * width;
+template <int THREADS> struct TopkScratch {
+  int warp_sums[THREADS / 32];
+  unsigned red_and[THREADS / 32], red_or[THREADS / 32];
+  unsigned red_cnt[THREADS / 32];
+  int digit, need;
+};
 
-  // n_valid may exceed N (mode 1): the forced suffix then starts past it
-  const long long n_valid = row_n_valid<kFastThreads>(N, b, mode, nv, seq_lens, table, block_size, warp_sums, s_nvalid);
-  // key 0: invalid; kKeyForced: forced (no score maps to either: float_key >= -inf's key, NaN -> -inf)
-  unsigned key[ITEMS];
-  const int p0 = tid * ITEMS;
+template <int THREADS, int ITEMS>
+__device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int width, int* hist,
+                                             TopkScratch<THREADS>& sc, int& slot, int& total) {
+  static_assert(ITEMS <= 32 && THREADS * ITEMS <= 32768, "cta_topk: packed 16-bit counts, 32-bit take mask");
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  constexpr int kWarps = THREADS / 32;
+  // ---- counts (forced << 16 | free) and the bits every free key shares, one CTA reduction
+  unsigned a = 0xffffffffu, o = 0u, cnt = 0u;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
-    const int p = p0 + i;
-    const float sc = p < N ? srow[p] : 0.f;
-    const bool valid = p < n_valid;
-    const bool forced = valid && (p < sink || p >= n_valid - local);
-    key[i] = !valid ? 0u : (forced ? kKeyForced : float_key(sc));
+    const bool forced = key[i] == kKeyForced, free_ = key[i] != 0u && !forced;
+    cnt += (forced ? 1u << 16 : 0u) + unsigned(free_);
+    if (free_) { a &= key[i]; o |= key[i]; }
   }
-  // forced positions: [0, min(sink, V)) and [max(n_valid - local, 0), V), V = clamp(n_valid, 0, N)
-  const long long V = min(max(n_valid, 0ll), (long long)N);
-  const long long pre = min((long long)sink, V), suf0 = max(n_valid - local, 0ll);
-  const long long suf = max(V - suf0, 0ll), overlap = max(pre - suf0, 0ll);
-  const int n_forced = int(pre + suf - min(overlap, suf));
-  const int n_free = int(V) - n_forced;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    a &= __shfl_xor_sync(0xffffffffu, a, off);
+    o |= __shfl_xor_sync(0xffffffffu, o, off);
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, off);
+  }
+  if (lane == 0) { sc.red_and[warp] = a; sc.red_or[warp] = o; sc.red_cnt[warp] = cnt; }
+  __syncthreads();
+  a = 0xffffffffu;
+  o = 0u;
+  cnt = 0u;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) { a &= sc.red_and[w]; o |= sc.red_or[w]; cnt += sc.red_cnt[w]; }
+  const int n_forced = int(cnt >> 16), n_free = int(cnt & 0xffffu);
   const int need_free = max(width - n_forced, 0);
 
   // ---- T: the need_free-th largest free key (need: how many keys == T to take)
   unsigned T = 0u;
   int need = 0;
   if (need_free > 0 && need_free < n_free) {
-    unsigned a = 0xffffffffu, o = 0u;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (key[i] != 0u && key[i] != kKeyForced) { a &= key[i]; o |= key[i]; }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      a &= __shfl_xor_sync(0xffffffffu, a, off);
-      o |= __shfl_xor_sync(0xffffffffu, o, off);
-    }
-    if (lane == 0) { red_and[warp] = a; red_or[warp] = o; }
-    __syncthreads();
-    a = 0xffffffffu;
-    o = 0u;
-    for (int w = 0; w < kFastThreads / 32; ++w) { a &= red_and[w]; o |= red_or[w]; }
     const unsigned diff = a ^ o;
     unsigned prefix = a & o, mask = ~diff;  // bits every free key shares
     need = need_free;
@@ -777,7 +767,7 @@ __global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
       const int width_bits = min(12, top + 1);
       const int shift = top + 1 - width_bits;
       const unsigned dmask = (1u << width_bits) - 1u;
-      for (int i = tid; i < kFastBins; i += kFastThreads) hist[i] = 0;
+      for (int i = tid; i < kFastBins; i += THREADS) hist[i] = 0;
       __syncthreads();
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
@@ -785,24 +775,25 @@ __global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
           atomicAdd(&hist[(key[i] >> shift) & dmask], 1);
       }
       __syncthreads();
-      // thread j owns bins 4095 - 4j .. 4092 - 4j (descending digits)
-      int c[4], sum = 0;
+      // thread j owns bins kFastBins - 1 - kPer * j .. (descending digits)
+      constexpr int kPer = kFastBins / THREADS;
+      int c[kPer], sum = 0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) { c[i] = hist[kFastBins - 1 - 4 * tid - i]; sum += c[i]; }
-      int total;
-      const int excl = block_exclusive_scan(sum, warp_sums, total);
+      for (int i = 0; i < kPer; ++i) { c[i] = hist[kFastBins - 1 - kPer * tid - i]; sum += c[i]; }
+      int tot;
+      const int excl = block_exclusive_scan(sum, sc.warp_sums, tot);
       if (excl < need && need <= excl + sum) {
         int cum = excl;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          if (cum + c[i] >= need) { s_digit = kFastBins - 1 - 4 * tid - i; s_need = need - cum; break; }
+        for (int i = 0; i < kPer; ++i) {
+          if (cum + c[i] >= need) { sc.digit = kFastBins - 1 - kPer * tid - i; sc.need = need - cum; break; }
           cum += c[i];
         }
       }
       __syncthreads();
-      prefix |= unsigned(s_digit) << shift;
+      prefix |= unsigned(sc.digit) << shift;
       mask |= dmask << shift;
-      need = s_need;
+      need = sc.need;
       top = shift - 1;
       __syncthreads();
     }
@@ -816,9 +807,9 @@ __global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
   for (int i = 0; i < ITEMS; ++i)
     packed += (key[i] == kKeyForced ? 1 << 16 : 0) + (key[i] != kKeyForced && key[i] != 0u && !all_free && key[i] == T);
   int packed_total;
-  const int before = block_exclusive_scan(packed, warp_sums, packed_total);
+  const int before = block_exclusive_scan(packed, sc.warp_sums, packed_total);
   int f_rank = before >> 16, e_rank = before & 0xffff;
-  unsigned take = 0u;  // bit i: position p0 + i is chosen
+  unsigned take = 0u;  // bit i: position t*ITEMS + i is taken
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     bool tk = false;
@@ -832,78 +823,363 @@ __global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
     }
     take |= unsigned(tk) << i;
   }
-  int out_total;
-  int slot = block_exclusive_scan(__popc(take), warp_sums, out_total);
+  slot = block_exclusive_scan(__popc(take), sc.warp_sums, total);
+  return take;
+}
+
+// topk_fast_kernel<ITEMS>  grid (rows), 1024 threads, N <= 1024 * ITEMS: the same rows as
+//   topk_select_kernel (same modes, same tie rule), faster: the keys in registers (one load),
+//   cta_topk.
+template <int ITEMS>
+__global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
+    const float* __restrict__ scores, int N, int rows_per_b, int mode, const int* __restrict__ nv,
+    const int* __restrict__ seq_lens, const int* __restrict__ table, int block_size,
+    int sink, int local, int width, int* __restrict__ out) {
+  __shared__ int hist[kFastBins];
+  __shared__ TopkScratch<kFastThreads> sc;
+  __shared__ long long s_nvalid;
+  const int row = blockIdx.x, b = row / rows_per_b, tid = threadIdx.x;
+  const float* srow = scores + (long long)row * N;
+  int* orow = out + (long long)row * width;
+
+  // n_valid may exceed N (mode 1): the forced suffix then starts past it
+  const long long n_valid = row_n_valid<kFastThreads>(N, b, mode, nv, seq_lens, table, block_size, sc.warp_sums,
+                                                      s_nvalid);
+  unsigned key[ITEMS];
+  const int p0 = tid * ITEMS;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int p = p0 + i;
+    const float s = p < N ? srow[p] : 0.f;
+    const bool valid = p < n_valid && p < N;
+    const bool forced = valid && (p < sink || p >= n_valid - local);
+    key[i] = !valid ? 0u : (forced ? kKeyForced : float_key(s));
+  }
+  int slot, total;
+  const unsigned take = cta_topk<kFastThreads, ITEMS>(key, width, hist, sc, slot, total);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     if ((take >> i) & 1u) orow[slot++] = p0 + i;
   }
-  for (int s2 = out_total + tid; s2 < width; s2 += kFastThreads) orow[s2] = -1;
+  for (int s2 = total + tid; s2 < width; s2 += kFastThreads) orow[s2] = -1;
 }
 
-// ----------------------------------------------------------------------------- fused selection
-// Selection in one launch: the tensor-core scores of a CTA's 256 positions go to shared memory,
-// the CTA keeps its local top-`width` (block_topk: every global winner is a winner of its chunk,
-// the tie order being total) as (key, position) candidates, ascending by position; the row's last
-// CTA to finish (a ticket per row, reset by that CTA for the next launch) merges the row's
-// chunks x width candidates, which lie in position order, with the same block_topk: exactly the
-// rows topk_select_kernel (mode 0/1/2) gives for the same scores. width <= kScoreChunk (host).
-// n_valid: mode 0 N, 1 nv[b], 2 ceil(seq_lens[b] / block_size).
-template <typename TS, int D, int G, int REDUCE>
-__global__ void __launch_bounds__(kScoreThreads, 2) quest_select_mma_kernel(
+// ----------------------------------------------------------------------------- fp8 scores on f16 tensor cores
+// fp8 (e4m3) summaries enter an f16 MMA as they are: one cvt.rn.f16x2.e4m3x2 per two codes
+// (e4m3 -> f16 is exact, subnormals included). q is bf16, so the warp scales the group's q by a
+// power of two 2^s (max |q| * 2^s in [2^14, 2^15)) and checks that every scaled value is an f16
+// normal (or zero) holding it exactly; the products are then 2^s times the bf16 ones, exact in
+// fp32, and the accumulators times 2^-s are the bounds. Where the check fails (a q element below
+// 2^-28 of the head's largest, NaN, inf), or a tile holds one of the NaN codes (the open ends /
+// unwritten blocks: the f16 MMA turns them into NaN rows, seen after the MMAs), the tile is
+// recomputed exactly like quest_score_mma_kernel: codes decoded by role to bf16 (2^100, +-inf),
+// bf16 q, bf16 MMA.
+// Tiles stream through a per-warp cp.async ring in shared memory (kFp8Stages 16-block tiles of
+// both bounds, no CTA barrier): rows of D bytes, the 16-byte chunks of odd rows XOR-swizzled by 4
+// (D 128) so that a quarter warp's reads (rows r, r + 1, four lanes each) hit 32 distinct banks.
+// Lane (r, t) of k-step (j, m) (j < D/64, m < 4) holds channels 64j + 16t + 4m + {0,1} (k 2t, 2t+1)
+// and + {2,3} (k 2t + 8, 2t + 9): word m of its 16-byte chunk 4j + t.
+constexpr int kFp8Stages = 3;
+
+template <int D> struct Fp8Ring {
+  static constexpr int kBound = 16 * D, kTile = 2 * kBound, kChunks = D / 16;
+  static constexpr int kWarpBytes = kFp8Stages * kTile;
+  static __device__ __forceinline__ int chunk_at(int row, int c) { return D == 128 ? (c ^ (4 * (row & 1))) : c; }
+};
+
+TILEHAL_DEVICE unsigned e4m3x2_to_f16x2(unsigned short w) {
+  unsigned d;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(w));
+  return d;
+}
+// Two codes (low 16 bits of w) -> bf16x2, by role, the NaN codes as the open ends (exact).
+__device__ __forceinline__ unsigned e4m3x2_to_bf16x2_role(unsigned w, bool is_max) {
+  float2 f = e4m3x2_to_float2(w, 0);
+  const unsigned b0 = w & 0xffu, b1 = (w >> 8) & 0xffu;
+  if ((b0 & 0x7fu) == 0x7fu) f.x = e4m3_summary(b0, is_max);
+  if ((b1 & 0x7fu) == 0x7fu) f.y = e4m3_summary(b1, is_max);
+  return tilehal::float2_to_bf16x2(f.x, f.y);
+}
+
+// The group's q as f16 B fragments, scaled by 2^s (see above); ok: warp-uniform, false when the
+// scaled values are not all exact f16 normals (then every tile takes the bf16 path).
+template <int D, int G> struct Fp8Q {
+  static constexpr int kJ = D / 64;
+  unsigned qp[kJ][8], qn[kJ][8];
+  float inv;  // 2^-s
+  bool ok;
+  __device__ __forceinline__ void load(const __nv_bfloat16* q, long long head0, int r, int t) {
+    unsigned w[kJ][8];
+    float mx = 0.f;
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        w[j][i] = r < G ? reinterpret_cast<const unsigned*>(q + (head0 + r) * D)[32 * j + 8 * t + i] : 0u;
+        const float2 f = tilehal::bf16x2_to_float2(w[j][i]);
+        mx = fmaxf(mx, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const int e = int((__float_as_uint(mx) >> 23) & 0xffu);
+    const int s = mx == 0.f ? 0 : 141 - e;  // mx * 2^s in [2^14, 2^15)
+    bool good = mx == 0.f || (e != 0 && e != 255 && s >= -100 && s <= 100);
+    const int sc = good ? s : 0;
+    const float scale = __uint_as_float(unsigned(127 + sc) << 23);
+    inv = __uint_as_float(unsigned(127 - sc) << 23);
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float2 f = tilehal::bf16x2_to_float2(w[j][i]);
+        const float x0 = f.x * scale, x1 = f.y * scale;
+        const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
+        good = good && __half2float(h0) == x0 && __half2float(h1) == x1 &&
+               (f.x == 0.f || fabsf(x0) >= 6.103515625e-05f) && (f.y == 0.f || fabsf(x1) >= 6.103515625e-05f);
+        const __half2 hh = __halves2half2(h0, h1);
+        const __half2 z = __float2half2_rn(0.f);
+        const __half2 p = __hmax2(hh, z), n = __hmin2(hh, z);
+        qp[j][i] = *reinterpret_cast<const unsigned*>(&p);
+        qn[j][i] = *reinterpret_cast<const unsigned*>(&n);
+      }
+    }
+    ok = __all_sync(0xffffffffu, good);
+  }
+};
+
+// acc += the tile's bounds (slot: kmax rows, then kmin rows) on f16 tensor cores, q scaled.
+template <int D, int G>
+__device__ __forceinline__ void fp8_tile_f16(const Fp8Q<D, G>& Q, const unsigned char* slot, int r, int t,
+                                             float (&acc)[4]) {
+  using R = Fp8Ring<D>;
+#pragma unroll
+  for (int bound = 0; bound < 2; ++bound) {
+    const unsigned char* base = slot + bound * R::kBound;
+#pragma unroll
+    for (int j = 0; j < D / 64; ++j) {
+      const uint4 lo = *reinterpret_cast<const uint4*>(base + r * D + 16 * R::chunk_at(r, 4 * j + t));
+      const uint4 hi = *reinterpret_cast<const uint4*>(base + (r + 8) * D + 16 * R::chunk_at(r + 8, 4 * j + t));
+      const unsigned wl[4] = {lo.x, lo.y, lo.z, lo.w}, wh[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const tilehal::u32 a[4] = {e4m3x2_to_f16x2((unsigned short)wl[m]), e4m3x2_to_f16x2((unsigned short)wh[m]),
+                                   e4m3x2_to_f16x2((unsigned short)(wl[m] >> 16)),
+                                   e4m3x2_to_f16x2((unsigned short)(wh[m] >> 16))};
+        const tilehal::u32 bq[2] = {bound == 0 ? Q.qp[j][2 * m] : Q.qn[j][2 * m],
+                                    bound == 0 ? Q.qp[j][2 * m + 1] : Q.qn[j][2 * m + 1]};
+        tilehal::mma_m16n8k16(tilehal::MmaF16{}, acc, a, bq);
+      }
+    }
+  }
+}
+
+// The same tile exactly as quest_score_mma_kernel computes it (codes decoded by role, bf16 q
+// read again: the rare path).
+template <int D, int G>
+__device__ __noinline__ void fp8_tile_bf16(const __nv_bfloat16* __restrict__ q, long long head0,
+                                           const unsigned char* slot, int r, int t, float (&acc)[4]) {
+  using R = Fp8Ring<D>;
+  const unsigned* qw = reinterpret_cast<const unsigned*>(q + (head0 + r) * D);
+#pragma unroll 1
+  for (int bound = 0; bound < 2; ++bound) {
+    const unsigned char* base = slot + bound * R::kBound;
+#pragma unroll
+    for (int j = 0; j < D / 64; ++j) {
+      const uint4 lo = *reinterpret_cast<const uint4*>(base + r * D + 16 * R::chunk_at(r, 4 * j + t));
+      const uint4 hi = *reinterpret_cast<const uint4*>(base + (r + 8) * D + 16 * R::chunk_at(r + 8, 4 * j + t));
+      const unsigned wl[4] = {lo.x, lo.y, lo.z, lo.w}, wh[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const bool mx = bound == 0;
+        const tilehal::u32 a[4] = {e4m3x2_to_bf16x2_role(wl[m], mx), e4m3x2_to_bf16x2_role(wh[m], mx),
+                                   e4m3x2_to_bf16x2_role(wl[m] >> 16, mx), e4m3x2_to_bf16x2_role(wh[m] >> 16, mx)};
+        const unsigned q0 = r < G ? qw[32 * j + 8 * t + 2 * m] : 0u, q1 = r < G ? qw[32 * j + 8 * t + 2 * m + 1] : 0u;
+        const tilehal::u32 bq[2] = {mx ? bf16x2_max0(q0) : bf16x2_min0(q0), mx ? bf16x2_max0(q1) : bf16x2_min0(q1)};
+        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
+      }
+    }
+  }
+}
+
+// Scores of the CTA's positions from fp8 summaries: dst(i, score) for i in [0, n_here); `ring`:
+// this CTA's kScoreThreads / 32 warps x Fp8Ring<D>::kWarpBytes of shared memory.
+template <int D, int G, int REDUCE, typename Dst>
+__device__ __forceinline__ void fp8_ring_scores(const __nv_bfloat16* __restrict__ q, const unsigned char* __restrict__ kmin,
+                                                const unsigned char* __restrict__ kmax, const int* phys_s, int n_here,
+                                                unsigned char* ring_all, Dst dst) {
+  static_assert(D == 64 || D == 128, "fp8 ring scores: head_dim 64 or 128");
+  static_assert(G >= 1 && G <= 8, "fp8 ring scores: at most 8 q heads per kv head");
+  using R = Fp8Ring<D>;
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, t = lane % 4;
+  const int stride = (blockDim.x / 32) * 16;
+  const int first = warp * 16;
+  const int n_tiles = first < n_here ? (n_here - first + stride - 1) / stride : 0;
+  if (n_tiles == 0) return;
+  unsigned char* ring = ring_all + warp * R::kWarpBytes;
+  const long long row_stride = (long long)H * D, head_off = (long long)h * D;
+  const long long head0 = (long long)b * H * G + (long long)h * G;
+  constexpr int kRowsPer = 32 / R::kChunks;  // rows one pass of the warp copies (4 / 8)
+  const int c = lane % R::kChunks, i0 = lane / R::kChunks;
+  auto issue = [&](int k) {
+    if (k < n_tiles) {
+      unsigned char* slot = ring + (k % kFp8Stages) * R::kTile;
+      const int tile = first + k * stride;
+#pragma unroll
+      for (int u = 0; u < 16 / kRowsPer; ++u) {
+        const int i = i0 + kRowsPer * u;
+        const int p = tile + i < n_here ? phys_s[tile + i] : -1;
+        const long long off = (long long)max(p, 0) * row_stride + head_off + 16 * c;
+        const int d = i * D + 16 * R::chunk_at(i, c);
+        tilehal::cp_async_16(slot + d, kmax + off, p >= 0);  // zero rows for ids scored -inf
+        tilehal::cp_async_16(slot + R::kBound + d, kmin + off, p >= 0);
+      }
+    }
+    tilehal::cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < kFp8Stages - 1; ++k) issue(k);
+  Fp8Q<D, G> Q;
+  Q.load(q, head0, r, t);
+  for (int k = 0; k < n_tiles; ++k) {
+    tilehal::cp_async_wait<kFp8Stages - 2>();
+    __syncwarp();  // tile k visible to the warp; tile k - 1's slot free
+    issue(k + kFp8Stages - 1);
+    const unsigned char* slot = ring + (k % kFp8Stages) * R::kTile;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    bool slow = !Q.ok;
+    if (Q.ok) {
+      fp8_tile_f16<D, G>(Q, slot, r, t, acc);
+      slow = __any_sync(0xffffffffu, !(finite(acc[0]) && finite(acc[1]) && finite(acc[2]) && finite(acc[3])));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] *= Q.inv;
+    }
+    if (slow) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] = 0.f;
+      fp8_tile_bf16<D, G>(q, head0, slot, r, t, acc);
+    }
+    float s_lo, s_hi;
+    reduce_heads<G, REDUCE>(acc, t, s_lo, s_hi);
+    const int tile = first + k * stride;
+    if (t == 0) {
+      const int i_lo = tile + r, i_hi = tile + r + 8;
+      if (i_lo < n_here) dst(i_lo, phys_s[i_lo] >= 0 ? s_lo : -INFINITY);
+      if (i_hi < n_here) dst(i_hi, phys_s[i_hi] >= 0 ? s_hi : -INFINITY);
+    }
+  }
+  tilehal::cp_async_wait<0>();
+}
+
+// True on every thread of the CTA that arrives last of `count` CTAs sharing tickets[idx] (their
+// global writes before the call visible to it); that CTA resets the ticket for the next launch.
+__device__ __forceinline__ bool last_cta(unsigned* tickets, long long idx, int count, bool& s_flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const bool last = atomicAdd(&tickets[idx], 1u) == unsigned(count - 1);
+    if (last) tickets[idx] = 0u;
+    s_flag = last;
+  }
+  __syncthreads();
+  if (s_flag) __threadfence();
+  return s_flag;
+}
+
+// ----------------------------------------------------------------------------- chunked selection
+// quest_select_chunk_kernel  grid (ceil(table_stride / chunk), kv_heads, B), 256 threads, chunk <=
+//   kChunkMax positions per CTA (the host sizes the grid to about one wave: long-lived CTAs).
+//   Scores: fp8 summaries (RING) through fp8_ring_scores, else mma_scores (bf16, fp8, int4 rows).
+//   FUSED = false: the scores go to raw[b, h, :] (the score launch of the two-launch path).
+//   FUSED = true: they stay in shared memory; the CTA's top-min(width, chunk) keys (keys as in
+//   topk_select_kernel; cta_topk over 8 keys per thread) go out as (key, position) candidates, in
+//   position order, key 0 padded; the row's last CTA (last_cta) merges the row's chunks x wc
+//   candidates (<= kChunkMax, the host checks) with cta_topk again. Every global winner is a winner
+//   of its chunk (the order is total) and the candidates lie in position order, so the rows equal
+//   topk_select_kernel's (modes 0-2: n_valid N, nv[b], ceil(seq_lens[b] / block_size)).
+constexpr int kChunkMax = 2048;
+constexpr int kChunkItems = kChunkMax / kScoreThreads;
+
+template <typename TS, int D, int G, int REDUCE, bool FUSED, bool RING>
+__global__ void __launch_bounds__(kScoreThreads, 2) quest_select_chunk_kernel(
     const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin, const void* __restrict__ kmax,
-    const int* __restrict__ block_table, int table_stride, int num_blocks,
+    const int* __restrict__ block_table, int table_stride, int num_blocks, int chunk, float* __restrict__ raw,
     int mode, const int* __restrict__ nv, const int* __restrict__ seq_lens, int block_size, int sink, int local,
     int width, uint2* __restrict__ cand, unsigned* __restrict__ tickets, int* __restrict__ out) {
-  __shared__ int phys_s[kScoreChunk];
-  __shared__ float score_s[kScoreChunk];
-  __shared__ int hist[256];
-  __shared__ int warp_sums[kScoreThreads / 32];
-  __shared__ int s_digit, s_need;
+  static_assert(!RING || sizeof(TS) == 1, "the ring scorer is for fp8 summaries");
+  extern __shared__ __align__(16) unsigned char dsm[];  // RING: the warps' rings; FUSED: also the histogram
+  __shared__ int phys_s[kChunkMax];
+  __shared__ float score_s[FUSED ? kChunkMax : 1];
+  __shared__ TopkScratch<kScoreThreads> sc;
   __shared__ bool s_last;
-  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y, chunks = gridDim.x;
-  const int tid = threadIdx.x;
-  const int pos0 = blockIdx.x * kScoreChunk;
-  const int n_here = min(kScoreChunk, table_stride - pos0);
-  stage_table(phys_s, block_table + (long long)b * table_stride, pos0, n_here, num_blocks);
-  using P = typename Rows<TS, D>::ptr;
-  mma_scores<TS, D, G, REDUCE>(q, static_cast<P>(kmin), static_cast<P>(kmax), phys_s, n_here,
-                               [&](int i, float s) { score_s[i] = s; });
+  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y, chunks = gridDim.x, tid = threadIdx.x;
+  const int pos0 = blockIdx.x * chunk;
+  const int n_here = min(chunk, table_stride - pos0);
+  const int* table = block_table + (long long)b * table_stride;
+  for (int i = tid; i < n_here; i += kScoreThreads) {
+    const int p = max(table[pos0 + i], 0);  // holes read block 0 like the reference's clamp
+    phys_s[i] = p < num_blocks ? p : -1;
+  }
   __syncthreads();
-
-  long long n_valid = table_stride;
-  if (mode == 1) n_valid = nv[b];
-  if (mode == 2) n_valid = ((long long)seq_lens[b] + block_size - 1) / block_size;
-  auto key_local = [&](int i) -> unsigned {
-    const int p = pos0 + i;
-    if (i >= n_here || p >= n_valid) return 0u;
-    if (p < sink || p >= n_valid - local) return kKeyForced;
-    return float_key(score_s[i]);
+  float* rrow = raw + ((long long)b * H + h) * table_stride + pos0;
+  auto dst = [&](int i, float s) {
+    if constexpr (FUSED) score_s[i] = s;
+    else rrow[i] = s;
   };
-  const int row = b * H + h;
-  uint2* crow = cand + ((long long)row * chunks + blockIdx.x) * width;
-  const int n_local = block_topk<kScoreThreads, 1>(
-      kScoreChunk, width, key_local, [&](int slot, int i) { crow[slot] = make_uint2(key_local(i), unsigned(pos0 + i)); },
-      hist, warp_sums, s_digit, s_need);
-  for (int s2 = n_local + tid; s2 < width; s2 += kScoreThreads) crow[s2] = make_uint2(0u, 0x7fffffffu);
-
-  // ---- the row's last chunk merges
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) s_last = atomicAdd(&tickets[row], 1u) == unsigned(chunks - 1);
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  const uint2* call = cand + (long long)row * chunks * width;
-  const int Nc = chunks * width;
-  auto key_c = [&](int i) -> unsigned { return __ldcg(&call[i].x); };
-  int* orow = out + (long long)row * width;
-  const int n_out = block_topk<kScoreThreads, 8>(
-      Nc, width, key_c, [&](int slot, int i) { orow[slot] = int(__ldcg(&call[i].y)); }, hist, warp_sums, s_digit, s_need);
-  for (int s2 = n_out + tid; s2 < width; s2 += kScoreThreads) orow[s2] = -1;
-  if (tid == 0) tickets[row] = 0u;
+  if constexpr (RING) {
+    fp8_ring_scores<D, G, REDUCE>(q, static_cast<const unsigned char*>(kmin), static_cast<const unsigned char*>(kmax),
+                                  phys_s, n_here, dsm, dst);
+  } else {
+    using P = typename Rows<TS, D>::ptr;
+    mma_scores<TS, D, G, REDUCE>(q, static_cast<P>(kmin), static_cast<P>(kmax), phys_s, n_here, dst);
+  }
+  if constexpr (FUSED) {
+    __syncthreads();  // every warp's scores in score_s; the rings are free for the histogram
+    int* hist = reinterpret_cast<int*>(dsm);
+    long long n_valid = table_stride;
+    if (mode == 1) n_valid = nv[b];
+    if (mode == 2) n_valid = ((long long)seq_lens[b] + block_size - 1) / block_size;
+    const int wc = min(width, chunk);
+    unsigned key[kChunkItems];
+#pragma unroll
+    for (int i = 0; i < kChunkItems; ++i) {
+      const int li = tid * kChunkItems + i;
+      const long long p = pos0 + li;
+      unsigned k = 0u;
+      if (li < n_here && p < n_valid) k = (p < sink || p >= n_valid - local) ? kKeyForced : float_key(score_s[li]);
+      key[i] = k;
+    }
+    int slot, total;
+    unsigned take = cta_topk<kScoreThreads, kChunkItems>(key, wc, hist, sc, slot, total);
+    const long long row = (long long)b * H + h;
+    uint2* crow = cand + (row * chunks + blockIdx.x) * wc;
+#pragma unroll
+    for (int i = 0; i < kChunkItems; ++i) {
+      if ((take >> i) & 1u) crow[slot++] = make_uint2(key[i], unsigned(pos0 + tid * kChunkItems + i));
+    }
+    for (int s2 = total + tid; s2 < wc; s2 += kScoreThreads) crow[s2] = make_uint2(0u, 0u);
+    if (!last_cta(tickets, row, chunks, s_last)) return;
+    // ---- merge: the row's chunks x wc candidates, in position order
+    const uint2* call = cand + row * chunks * wc;
+    const int n_all = chunks * wc;
+    unsigned pos[kChunkItems];
+#pragma unroll
+    for (int i = 0; i < kChunkItems; ++i) {
+      const int ci = tid * kChunkItems + i;
+      const uint2 kp = ci < n_all ? __ldcg(&call[ci]) : make_uint2(0u, 0u);
+      key[i] = kp.x;
+      pos[i] = kp.y;
+    }
+    take = cta_topk<kScoreThreads, kChunkItems>(key, width, hist, sc, slot, total);
+    int* orow = out + row * width;
+#pragma unroll
+    for (int i = 0; i < kChunkItems; ++i) {
+      if ((take >> i) & 1u) orow[slot++] = int(pos[i]);
+    }
+    for (int s2 = total + tid; s2 < width; s2 += kScoreThreads) orow[s2] = -1;
+  }
 }
-
 
 // ----------------------------------------------------------------------------- streamed selection
 // quest_select_stream_kernel  grid (ceil(table_stride / CHUNK), B), 256 threads, one CTA per
@@ -1224,12 +1500,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
 
   if constexpr (!MERGE) return;
   // ---- the sequence's last CTA merges every head's candidates
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) s_last = atomicAdd(&tickets[b], 1u) == unsigned(chunks - 1);
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+  if (!last_cta(tickets, b, chunks, s_last)) return;
   if (warp < H) {
     const int row = b * H + warp;
     const int n_all = chunks * wc4;
@@ -1316,7 +1587,6 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
     }
     for (int s2 = written + lane; s2 < width; s2 += 32) orow[s2] = -1;
   }
-  if (tid == 0) tickets[b] = 0u;
 }
 
 }  // namespace dataengine
