@@ -4,13 +4,14 @@ decode (the peer) vs select + sparse decode, every selection path, same run.
 
 Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay), per summary type s:
   dense                    kvpool.paged_decode over all 8192 blocks
-  <s>.two_<m>              select_blocks in two launches (scores, topk_fast_kernel); for fp8 the
-                           score kernel m: "bf16" (codes decoded in registers) or "f16" (rings, f16 MMA)
-  <s>.fused_<m>            DATAENGINE_SELECT_FUSED=1: one launch of quest_select_chunk_kernel
-  <s>.score_<m> / topk     the two launches apart
+  <s>.two[_ring]           select_blocks in two launches (scores, topk_fast_kernel); _ring: the fp8 /
+                           int4 scores through per-warp rings (DATAENGINE_RING_SCORES=on; fp8 on f16
+                           tensor cores), else the register path (fp8 codes decoded to bf16)
+  <s>.fused[_ring]         DATAENGINE_SELECT_FUSED=1: one launch of quest_select_chunk_kernel
+  <s>.score[_ring] / topk  the two launches apart
   <s>.step_<path>          that selection + sparse paged_decode, and its speedup over dense
 Every path's blocks are compared with the torch reference's (same summaries). BENCH_CONTEXTS
-(default 131072) adds shorter contexts (the first blocks of each sequence) for the fused fp8 path.
+(default 131072) adds shorter contexts (the first blocks of each sequence) for the fused fp8 ring path.
 Writes dataengine_step_quick.json into $DATAENGINE_BENCH_OUT (or docs/benchmarks with --record).
 """
 
@@ -41,13 +42,13 @@ def bench_graph(fn):
 
 def paths(dtype: torch.dtype) -> list[tuple[str, dict]]:
     """(name, environment) of every selection path for one summary type."""
-    mmas = ("f16", "bf16") if dtype == torch.float8_e4m3fn else ("",)
+    rings = ("on", "off") if dtype in (torch.float8_e4m3fn, torch.uint8) else ("off",)
     out = []
-    for m in mmas:
-        sfx = f"_{m}" if m else ""
-        base = {"DATAENGINE_FP8_MMA": m} if m else {}
-        out.append((f"two{sfx}", {**base, "DATAENGINE_SELECT_FUSED": "0", "DATAENGINE_SELECT_STREAM": "off"}))
-        out.append((f"fused{sfx}", {**base, "DATAENGINE_SELECT_FUSED": "1", "DATAENGINE_SELECT_STREAM": "off"}))
+    for ring in rings:
+        sfx = "_ring" if ring == "on" else ""
+        base = {"DATAENGINE_RING_SCORES": ring, "DATAENGINE_SELECT_STREAM": "off"}
+        out.append((f"two{sfx}", {**base, "DATAENGINE_SELECT_FUSED": "0"}))
+        out.append((f"fused{sfx}", {**base, "DATAENGINE_SELECT_FUSED": "1"}))
     return out
 
 
@@ -80,7 +81,7 @@ def main() -> None:
                 return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=sel())
 
             for pname, env in paths(lo.dtype):
-                if ctx != max(contexts) and not pname.startswith("fused_f16"):
+                if ctx != max(contexts) and pname != "fused_ring":
                     continue
                 with environ(env):
                     try:
@@ -100,9 +101,8 @@ def main() -> None:
                     if isinstance(g, float) and isinstance(row["dense_graph_us"], float):
                         r[f"speedup_{pname}_graph"] = round(row["dense_graph_us"] / g, 2)
                     if pname.startswith("two") and ctx == max(contexts):  # the two launches apart
-                        ring = lo.dtype == torch.float8_e4m3fn and env.get("DATAENGINE_FP8_MMA") == "f16"
                         t = bench(lambda bt=bt, lo=lo, hi=hi: cuda_select.quest_raw_scores(q, lo, hi, bt, "max"))
-                        r[f"score_{pname[4:] or 'mma'}{'_ring' if ring else ''}_us"] = t
+                        r[f"score_{pname[4:] or 'mma'}_us"] = t
                         raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max")
                         r["topk_fast_us"] = bench(lambda raw=raw, sl=sl: cuda_select.topk_rows(
                             raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant="fast"))

@@ -2,8 +2,8 @@
 #   ncu --kernel-name regex:"quest|topk" --section SpeedOfLight --section MemoryWorkloadAnalysis \
 #       --section Occupancy --section WarpStateStats python profile_select_ncu.py
 """One launch of each kernel of the selection (score on CUDA cores / tensor cores, bf16 / fp8
-summaries, fp8 through the rings; top-k fast / plain; the one-launch selections: chunked bf16 / fp8 (f16 rings
-and bf16 decode) / int4, streamed fp8 / int4; PROFILE_ONLY=new: the chunked ones, int4 scores and the fast top-k) at b8 x 128K, GQA 32/8, d128, 8192 blocks, top 64. Prints only
+summaries, fp8 / int4 through the rings; top-k fast / plain; the one-launch selections: chunked bf16 / fp8 / int4 (rings
+and register paths), streamed fp8 / int4; PROFILE_ONLY=new: the chunked ones, int4 scores and the fast top-k) at b8 x 128K, GQA 32/8, d128, 8192 blocks, top 64. Prints only
 the shapes: the profile is ncu's."""
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ def select_kernels() -> None:
             for v in ("simt", "mma"):
                 raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max", v)
     raw = cuda_select.quest_raw_scores(q, imin, imax, bt, "max", "mma")
-    with environ({"DATAENGINE_FP8_MMA": "f16"}):  # fp8 scores through the rings (quest_select_chunk_kernel)
-        cuda_select.quest_raw_scores(q, fmin, fmax, bt, "max", "mma")
-        cuda_select.select_fused(q, fmin, fmax, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS)
+    with environ({"DATAENGINE_RING_SCORES": "on"}):  # scores through the rings (quest_select_chunk_kernel)
+        for lo, hi in ((fmin, fmax), (imin, imax)):
+            cuda_select.quest_raw_scores(q, lo, hi, bt, "max", "mma")
+            cuda_select.select_fused(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS)
     for lo, hi in ((kmin, kmax), (fmin, fmax), (imin, imax)) if only == "all" else ((imin, imax),):
-        with environ({"DATAENGINE_FP8_MMA": "bf16"}):
+        with environ({"DATAENGINE_RING_SCORES": "off"}):
             cuda_select.select_fused(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS)
     if only == "all":
         for lo, hi in ((fmin, fmax), (imin, imax)):  # the streamed one-launch selection; then without its merge

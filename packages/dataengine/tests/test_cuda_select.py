@@ -280,15 +280,15 @@ def _to_fp8_summaries(kmin: torch.Tensor, kmax: torch.Tensor):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["simt", "mma", "mma-f16"])
+@pytest.mark.parametrize("variant", ["simt", "mma", "mma-ring"])
 @pytest.mark.parametrize("sdtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (64, 8, 8), (128, 16, 2), (64, 12, 2)])
 @pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
 def test_select_exact_fp8_and_mma(variant, sdtype, D, Hq, Hkv, reduce, monkeypatch):
-    if variant == "mma-f16" and sdtype != FP8:
-        pytest.skip("the f16 path is for fp8 summaries")
+    if variant == "mma-ring" and sdtype != FP8:
+        pytest.skip("the ring path is for fp8 summaries (and int4 rows)")
     monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", variant[:4].rstrip("-"))
-    monkeypatch.setenv("DATAENGINE_FP8_MMA", "f16" if variant == "mma-f16" else "bf16")
+    monkeypatch.setenv("DATAENGINE_RING_SCORES", "on" if variant == "mma-ring" else "off")
     for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (500, 1, 1)]):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, dtype=torch.bfloat16,
                                               sdtype=torch.float32, holes=seed % 2 == 1, unwritten=0.05)
@@ -318,19 +318,20 @@ def test_mma_gaussian_scores_within_rounding(sdtype, monkeypatch):
     else:
         args[1], args[2] = args[1].to(sdtype), args[2].to(sdtype)
     ref = select.quest_scores_reference(*_cpu(*args))
-    for variant, fp8_mma in (("simt", "bf16"), ("mma", "bf16"), ("mma", "f16")):
+    for variant, ring in (("simt", "off"), ("mma", "off"), ("mma", "on")):
         monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", variant)
-        monkeypatch.setenv("DATAENGINE_FP8_MMA", fp8_mma)
+        monkeypatch.setenv("DATAENGINE_RING_SCORES", ring)
         got = select.quest_scores(*args).cpu()
         fin = torch.isfinite(ref)
-        assert torch.equal(fin, torch.isfinite(got)), (variant, fp8_mma)
+        assert torch.equal(fin, torch.isfinite(got)), (variant, ring)
         torch.testing.assert_close(got[fin], ref[fin], rtol=1e-5, atol=1e-3)
 
 
 # ----------------------------------------------------------------------------- one-launch selection
 CHUNK_CONFIGS = [(FP8, 128, 4, True, True), (FP8, 64, 8, True, True), (FP8, 128, 1, False, True),
                  (FP8, 64, 2, False, True), (FP8, 128, 4, True, False), (torch.bfloat16, 128, 4, True, False),
-                 (torch.bfloat16, 64, 8, True, False), (torch.uint8, 128, 4, True, False)]
+                 (torch.bfloat16, 64, 8, True, False), (torch.uint8, 128, 4, True, False),
+                 (torch.uint8, 128, 4, True, True), (torch.uint8, 128, 8, False, True)]
 
 
 @pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
@@ -341,10 +342,10 @@ def test_chunk_select_kernels_compile(s_dtype, head_dim, group, fused, ring):
     # two CTAs per H200 SM (228 KB of shared memory, 1 KB reserved per CTA): the rings, the block
     # table entries, the scores (fused) and the top-k scratch
     static = 4 * cuda_select.CHUNK_MAX * (2 if fused else 1) + 1024
-    assert 2 * (cuda_select.chunk_smem_bytes(head_dim, fused, ring) + static + 1024) <= 228 * 1024
+    assert 2 * (cuda_select.chunk_smem_bytes(s_dtype, head_dim, fused, ring) + static + 1024) <= 228 * 1024
 
 
-def test_fused_and_fp8_variant_reasons(monkeypatch):
+def test_fused_and_ring_reasons(monkeypatch):
     monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
     monkeypatch.setattr(cuda_select, "fused_chunk", lambda device, rows, nb: min(nb, cuda_select.CHUNK_MAX))
     q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
@@ -361,11 +362,16 @@ def test_fused_and_fp8_variant_reasons(monkeypatch):
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "yes")
     with pytest.raises(ValueError, match="DATAENGINE_SELECT_FUSED"):
         cuda_select.fused_reason(q, s, 64, 8192)
-    monkeypatch.setenv("DATAENGINE_FP8_MMA", "f32")
-    with pytest.raises(ValueError, match="DATAENGINE_FP8_MMA"):
-        cuda_select.fp8_mma_variant()
-    monkeypatch.delenv("DATAENGINE_FP8_MMA")
-    assert cuda_select.fp8_mma_variant() == cuda_select.DEFAULT_FP8_MMA
+    monkeypatch.setenv("DATAENGINE_RING_SCORES", "yes")
+    with pytest.raises(ValueError, match="DATAENGINE_RING_SCORES"):
+        cuda_select.ring_variant()
+    monkeypatch.delenv("DATAENGINE_RING_SCORES")
+    assert cuda_select.ring_variant() == cuda_select.DEFAULT_RING
+    monkeypatch.setenv("DATAENGINE_RING_SCORES", "on")
+    assert cuda_select._ring(FP8, 64) and cuda_select._ring(torch.uint8, 128)
+    assert not cuda_select._ring(torch.uint8, 64) and not cuda_select._ring(torch.bfloat16, 128)
+    monkeypatch.setenv("DATAENGINE_RING_SCORES", "off")
+    assert not cuda_select._ring(FP8, 128)
 
 
 def _summaries(sdtype, kmin, kmax, open_ends=False):
@@ -386,15 +392,15 @@ SELECT_CASES = [(64, 1, 1), (7, 0, 0), (3, 2, 3), (256, 1, 1), (1, 4, 4), (100, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sdtype,fp8_mma", [(torch.bfloat16, "bf16"), (FP8, "f16"), (FP8, "bf16"), (torch.uint8, "f16")],
-                         ids=["bf16", "fp8-f16", "fp8-bf16", "int4"])
+@pytest.mark.parametrize("sdtype,ring", [(torch.bfloat16, "off"), (FP8, "on"), (FP8, "off"), (torch.uint8, "on"),
+                                        (torch.uint8, "off")], ids=["bf16", "fp8-ring", "fp8", "int4-ring", "int4"])
 @pytest.mark.parametrize("D,Hq,Hkv,max_blocks", [(128, 32, 8, 300), (64, 8, 8, 1000), (128, 16, 2, 97), (64, 12, 2, 512),
                                                  (128, 32, 8, 2100)])
 @pytest.mark.parametrize("reduce", ["max", "mean"])
-def test_fused_select_equals_reference(sdtype, fp8_mma, D, Hq, Hkv, max_blocks, reduce, monkeypatch):
+def test_fused_select_equals_reference(sdtype, ring, D, Hq, Hkv, max_blocks, reduce, monkeypatch):
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
     monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
-    monkeypatch.setenv("DATAENGINE_FP8_MMA", fp8_mma)
+    monkeypatch.setenv("DATAENGINE_RING_SCORES", ring)
     for seed, (top_k, sink, local) in enumerate(SELECT_CASES):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=max_blocks,
                                               num_blocks=max(2000, 3 * max_blocks), dtype=torch.bfloat16,
@@ -417,12 +423,12 @@ def test_fused_select_equals_reference(sdtype, fp8_mma, D, Hq, Hkv, max_blocks, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (64, 8, 8), (128, 16, 2), (64, 12, 2)])
 @pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
-def test_fp8_f16_scores_exact(D, Hq, Hkv, reduce, monkeypatch):
+def test_fp8_ring_scores_exact(D, Hq, Hkv, reduce, monkeypatch):
     """The f16 path of fp8 summaries: exact bounds on integer inputs (q scaled up and down by
     powers of two too), with unwritten blocks, open ends (0x7F), holes, ids out of range; and a q
     head with an element too small for f16 (the bf16 path) within float32 rounding."""
     monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "mma")
-    monkeypatch.setenv("DATAENGINE_FP8_MMA", "f16")
+    monkeypatch.setenv("DATAENGINE_RING_SCORES", "on")
     for seed, qscale in enumerate([1.0, 2.0 ** 20, 2.0 ** -30, 1.0]):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=700, num_blocks=3000,
                                               dtype=torch.float32, sdtype=torch.float32, unwritten=0.05,
@@ -490,8 +496,12 @@ def _int4_rows(x: torch.Tensor, up: bool) -> torch.Tensor:
 @pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (64, 8, 8), (128, 16, 2), (64, 12, 2)])
 @pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
 @pytest.mark.parametrize("fused", [True, False])
-def test_int4_select_equals_reference(D, Hq, Hkv, reduce, fused, monkeypatch):
+@pytest.mark.parametrize("ring", ["on", "off"])
+def test_int4_select_equals_reference(D, Hq, Hkv, reduce, fused, ring, monkeypatch):
+    if ring == "on" and D != 128:
+        pytest.skip("int4 rings: head_dim 128")
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1" if fused else "0")
+    monkeypatch.setenv("DATAENGINE_RING_SCORES", ring)
     for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (200, 1, 1)]):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, dtype=torch.bfloat16, sdtype=torch.float32,
                                               unwritten=0.05)

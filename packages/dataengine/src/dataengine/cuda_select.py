@@ -64,25 +64,30 @@ def compile_score(q_dtype: torch.dtype, s_dtype: torch.dtype, head_dim: int, gro
 
 CHUNK_MAX = 2048  # kChunkMax: table positions per CTA of quest_select_chunk_kernel (8 keys per thread)
 CHUNK_THREADS = SCORE_THREADS
-FP8_STAGES = 3  # kFp8Stages: 16-block tiles in each warp's cp.async ring
-FP8_MMA_VARIANTS = ("f16", "bf16")
-DEFAULT_FP8_MMA = "bf16"  # "f16" once the H200 round has checked it
+RING_STAGES = {FP8: 3, torch.uint8: 4}  # kFp8Stages / kQ4Stages: 16-block tiles in each warp's cp.async ring
+RING_VARIANTS = ("on", "off")
+DEFAULT_RING = "off"  # "on" once the H200 round has checked it
 
 
-def fp8_mma_variant() -> str:
-    """DATAENGINE_FP8_MMA (default DEFAULT_FP8_MMA): how the tensor-core kernels score fp8
-    summaries. "f16": codes straight into an f16 MMA (one cvt per two codes) against q scaled by a
-    power of two, tiles streamed through per-warp cp.async rings, an exact bf16 recomputation for
-    tiles holding the NaN codes (quest_select_chunk_kernel, RING); "bf16": codes decoded to bf16
-    in registers (quest_score_mma_kernel's path)."""
-    v = os.environ.get("DATAENGINE_FP8_MMA") or DEFAULT_FP8_MMA
-    if v not in FP8_MMA_VARIANTS:
-        raise tilehal.ArgumentError(f"DATAENGINE_FP8_MMA: expected one of {list(FP8_MMA_VARIANTS)}, got {v!r}")
+def ring_variant() -> str:
+    """DATAENGINE_RING_SCORES (default DEFAULT_RING): "on" scores fp8 summaries and int4 rows (head_dim
+    128) through per-warp cp.async rings in quest_select_chunk_kernel (fp8: codes straight into an
+    f16 MMA, one cvt per two codes, against q scaled by a power of two; an exact bf16 recomputation
+    for tiles holding the NaN codes; int4: the streamed kernel's arithmetic); "off": the register
+    path of quest_score_mma_kernel (fp8 codes decoded to bf16)."""
+    v = os.environ.get("DATAENGINE_RING_SCORES") or DEFAULT_RING
+    if v not in RING_VARIANTS:
+        raise tilehal.ArgumentError(f"DATAENGINE_RING_SCORES: expected one of {list(RING_VARIANTS)}, got {v!r}")
     return v
 
 
-def _ring(s_dtype: torch.dtype) -> bool:
-    return s_dtype == FP8 and fp8_mma_variant() == "f16"
+def _ring(s_dtype: torch.dtype, head_dim: int) -> bool:
+    if ring_variant() == "off" or s_dtype not in RING_STAGES:
+        return False
+    if s_dtype == torch.uint8 and head_dim != 128:
+        log.debug("ring scores: int4 rows of head_dim %d are not whole 16-byte chunks; register path", head_dim)
+        return False
+    return True
 
 
 def chunk_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, fused: bool, ring: bool) -> str:
@@ -101,13 +106,15 @@ def compile_chunk(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, 
 
 
 _CHUNK_CHECKS = (f'static_assert(dataengine::kChunkMax == {CHUNK_MAX}, "dataengine.cuda_select.CHUNK_MAX");\n'
-                 f'static_assert(dataengine::kFp8Stages == {FP8_STAGES}, "dataengine.cuda_select.FP8_STAGES");\n')
+                 f'static_assert(dataengine::kFp8Stages == {RING_STAGES[FP8]}, "dataengine.cuda_select.RING_STAGES");\n'
+                 f'static_assert(dataengine::kQ4Stages == {RING_STAGES[torch.uint8]}, "dataengine.cuda_select.RING_STAGES");\n')
 
 
-def chunk_smem_bytes(head_dim: int, fused: bool, ring: bool) -> int:
+def chunk_smem_bytes(s_dtype: torch.dtype, head_dim: int, fused: bool, ring: bool) -> int:
     """Dynamic shared memory of quest_select_chunk_kernel: the warps' rings (ring), at least the
     top-k histogram (fused)."""
-    ring_bytes = (CHUNK_THREADS // 32) * FP8_STAGES * 2 * 16 * head_dim if ring else 0
+    row = (head_dim // 2 + head_dim // 8) if s_dtype == torch.uint8 else head_dim
+    ring_bytes = (CHUNK_THREADS // 32) * RING_STAGES[s_dtype] * 2 * 16 * row if ring else 0
     return max(ring_bytes, 4 * 4096 if fused else 0)
 
 
@@ -194,13 +201,13 @@ def select_fused(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
     chunks = -(-nb // chunk)
     wc = min(width, chunk)
     cand = torch.empty((B * H * chunks * wc, 2), dtype=torch.int32, device=q.device)
-    ring = _ring(kmin.dtype)
+    ring = _ring(kmin.dtype, D)
     kern = compile_chunk(kmin.dtype, D, group, reduce, True, ring).get_kernel(
         chunk_kernel_name(kmin.dtype, D, group, reduce, True, ring))
     kern.launch((chunks, H, B), CHUNK_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], chunk, None, mode, nv, sl,
                                                 int(block_size or 1), int(sink), int(local), int(width), cand,
                                                 _tickets(q.device, B * H), out],
-                smem_bytes=chunk_smem_bytes(D, True, ring))
+                smem_bytes=chunk_smem_bytes(kmin.dtype, D, True, ring))
     return out
 
 
@@ -466,7 +473,7 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     if B == 0 or nb == 0:
         return raw
     variant = _pick_variant(q, kmin, variant)
-    ring = variant == "mma" and _ring(kmin.dtype)
+    ring = variant == "mma" and _ring(kmin.dtype, D)
     if not ring:
         kern = compile_score(q.dtype, kmin.dtype, D, group, reduce, variant=variant).get_kernel(
             score_kernel_name(q.dtype, kmin.dtype, D, group, reduce, variant))
@@ -484,7 +491,7 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
             chunk_kernel_name(kmin.dtype, D, group, reduce, False, True))
         kern.launch((-(-nb // chunk), H, B), CHUNK_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], chunk, raw, 0,
                                                              None, None, 1, 0, 0, 0, None, None, None],
-                    smem_bytes=chunk_smem_bytes(D, False, True))
+                    smem_bytes=chunk_smem_bytes(kmin.dtype, D, False, True))
     elif variant == "mma":
         chunk = mma_chunk(q.device, B * H, nb)
         kern.launch((-(-nb // chunk), H, B), SCORE_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], raw, chunk])

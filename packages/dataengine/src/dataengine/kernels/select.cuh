@@ -864,6 +864,67 @@ __global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
   for (int s2 = total + tid; s2 < width; s2 += kFastThreads) orow[s2] = -1;
 }
 
+// int4 rows in the ring / streamed kernels: the 8 codes of a lane's word enter the MMA as 16 + code (bf16
+// 0x4180 | code << 3: exponent 2^4, mantissa step 1/8 x 8 = 1: exact), channels i and i + 4
+// sharing a word (one shift and one LOP3 per word: bits 4i, 4i + 16 -> 3, 19), against
+// MmaQ<PAIRS4> columns. Per 32-channel group j: bound += step * A + (lo - 16 * step) * sum(q), A
+// the MMA's group sum (= 16 sum(q) + sum(q * code)). (R2 ran 0x4300, i.e. 128 + 8 * code, with a
+// 128 in the correction: wrong bounds, caught by the exactness test.)
+struct Q4S {};
+template <int D> struct Half4S {
+  static constexpr int kJ = D / 32;
+  unsigned c[2][kJ], pr[2][kJ];  // code words, (lo, step) bf16 pairs; [0] row r, [1] row r + 8
+  static __device__ __forceinline__ void words(unsigned w, unsigned (&o)[4]) {  // bf16 16 + code
+    o[0] = ((w << 3) & 0x00780078u) | 0x41804180u;
+    o[1] = ((w >> 1) & 0x00780078u) | 0x41804180u;
+    o[2] = ((w >> 5) & 0x00780078u) | 0x41804180u;
+    o[3] = ((w >> 9) & 0x00780078u) | 0x41804180u;
+  }
+  template <bool IS_MAX, int G, bool S, bool P4>
+  __device__ __forceinline__ void mma(const MmaQ<D, G, S, P4>& Q, float (&acc)[4]) const {
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      unsigned al[4], ah[4];
+      words(c[0][j], al);
+      words(c[1][j], ah);
+      float a[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const tilehal::u32 av[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
+        const tilehal::u32 bq[2] = {IS_MAX ? Q.qp[j][2 * hh] : Q.qn[j][2 * hh],
+                                    IS_MAX ? Q.qp[j][2 * hh + 1] : Q.qn[j][2 * hh + 1]};
+        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, a, av, bq);
+      }
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const float2 ls = tilehal::bf16x2_to_float2(pr[s][j]);  // (lo, step)
+        const float c0 = fmaf(-16.f, ls.y, ls.x);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float Ssum = IS_MAX ? Q.sp[j][e] : Q.sn[j][e];
+          acc[2 * s + e] = fmaf(ls.y, a[2 * s + e], fmaf(c0, Ssum, acc[2 * s + e]));
+        }
+      }
+    }
+  }
+};
+template <int D>
+__device__ __forceinline__ void smem_fill(Half4S<D>& X, const unsigned char* lo, const unsigned char* hi, int t) {
+  const unsigned char* rows[2] = {lo, hi};
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) X.c[s][j] = *reinterpret_cast<const unsigned*>(rows[s] + 16 * j + 4 * t);
+    // the row's (lo, step) pairs: D / 32 words, 16-byte aligned (row pitch and code bytes are)
+    if constexpr (D == 128) {
+      const uint4 w = *reinterpret_cast<const uint4*>(rows[s] + Q4Row<D>::kCodeBytes);
+      X.pr[s][0] = w.x; X.pr[s][1] = w.y; X.pr[s][2] = w.z; X.pr[s][3] = w.w;
+    } else {
+      const uint2 w = *reinterpret_cast<const uint2*>(rows[s] + Q4Row<D>::kCodeBytes);
+      X.pr[s][0] = w.x; X.pr[s][1] = w.y;
+    }
+  }
+}
 // ----------------------------------------------------------------------------- fp8 scores on f16 tensor cores
 // fp8 (e4m3) summaries enter an f16 MMA as they are: one cvt.rn.f16x2.e4m3x2 per two codes
 // (e4m3 -> f16 is exact, subnormals included). q is bf16, so the warp scales the group's q by a
@@ -874,18 +935,30 @@ __global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
 // unwritten blocks: the f16 MMA turns them into NaN rows, seen after the MMAs), the tile is
 // recomputed exactly like quest_score_mma_kernel: codes decoded by role to bf16 (2^100, +-inf),
 // bf16 q, bf16 MMA.
-// Tiles stream through a per-warp cp.async ring in shared memory (kFp8Stages 16-block tiles of
-// both bounds, no CTA barrier): rows of D bytes, the 16-byte chunks of odd rows XOR-swizzled by 4
-// (D 128) so that a quarter warp's reads (rows r, r + 1, four lanes each) hit 32 distinct banks.
+// Tiles stream through a per-warp cp.async ring in shared memory (Ring<TS, D>::kStages 16-block
+// tiles of both bounds, no CTA barrier): rows of D bytes, the 16-byte chunks of odd rows XOR-swizzled
+// by 4 (D 128) so that a quarter warp's reads (rows r, r + 1, four lanes each) hit 32 distinct banks.
 // Lane (r, t) of k-step (j, m) (j < D/64, m < 4) holds channels 64j + 16t + 4m + {0,1} (k 2t, 2t+1)
 // and + {2,3} (k 2t + 8, 2t + 9): word m of its 16-byte chunk 4j + t.
-constexpr int kFp8Stages = 3;
-
-template <int D> struct Fp8Ring {
-  static constexpr int kBound = 16 * D, kTile = 2 * kBound, kChunks = D / 16;
-  static constexpr int kWarpBytes = kFp8Stages * kTile;
+// int4 rows (D 128: 80 bytes) take the same rings (80-byte row pitch: the 32-bit code reads of a warp
+// hit 32 distinct banks, the parameter reads are broadcasts) and the streamed kernel's arithmetic
+// (Half4S, 16 + code against MmaQ<PAIRS4> columns).
+template <typename TS, int D> struct Ring;
+template <int D> struct Ring<__nv_fp8_e4m3, D> {
+  static constexpr int kRow = D, kStages = 3;
   static __device__ __forceinline__ int chunk_at(int row, int c) { return D == 128 ? (c ^ (4 * (row & 1))) : c; }
 };
+template <int D> struct Ring<Q4, D> {
+  static_assert(Q4Row<D>::kBytes % 16 == 0, "int4 rings: rows of whole 16-byte chunks (head_dim 128)");
+  static constexpr int kRow = Q4Row<D>::kBytes, kStages = 4;
+  static __device__ __forceinline__ int chunk_at(int, int c) { return c; }
+};
+template <typename TS, int D> struct RingSize {
+  static constexpr int kRow = Ring<TS, D>::kRow, kChunks = kRow / 16, kBound = 16 * kRow, kTile = 2 * kBound;
+  static constexpr int kWarpBytes = Ring<TS, D>::kStages * kTile;
+};
+constexpr int kFp8Stages = Ring<__nv_fp8_e4m3, 128>::kStages;
+constexpr int kQ4Stages = Ring<Q4, 128>::kStages;
 
 TILEHAL_DEVICE unsigned e4m3x2_to_f16x2(unsigned short w) {
   unsigned d;
@@ -952,10 +1025,10 @@ template <int D, int G> struct Fp8Q {
 template <int D, int G>
 __device__ __forceinline__ void fp8_tile_f16(const Fp8Q<D, G>& Q, const unsigned char* slot, int r, int t,
                                              float (&acc)[4]) {
-  using R = Fp8Ring<D>;
+  using R = Ring<__nv_fp8_e4m3, D>;
 #pragma unroll
   for (int bound = 0; bound < 2; ++bound) {
-    const unsigned char* base = slot + bound * R::kBound;
+    const unsigned char* base = slot + bound * RingSize<__nv_fp8_e4m3, D>::kBound;
 #pragma unroll
     for (int j = 0; j < D / 64; ++j) {
       const uint4 lo = *reinterpret_cast<const uint4*>(base + r * D + 16 * R::chunk_at(r, 4 * j + t));
@@ -979,11 +1052,11 @@ __device__ __forceinline__ void fp8_tile_f16(const Fp8Q<D, G>& Q, const unsigned
 template <int D, int G>
 __device__ __noinline__ void fp8_tile_bf16(const __nv_bfloat16* __restrict__ q, long long head0,
                                            const unsigned char* slot, int r, int t, float (&acc)[4]) {
-  using R = Fp8Ring<D>;
+  using R = Ring<__nv_fp8_e4m3, D>;
   const unsigned* qw = reinterpret_cast<const unsigned*>(q + (head0 + r) * D);
 #pragma unroll 1
   for (int bound = 0; bound < 2; ++bound) {
-    const unsigned char* base = slot + bound * R::kBound;
+    const unsigned char* base = slot + bound * RingSize<__nv_fp8_e4m3, D>::kBound;
 #pragma unroll
     for (int j = 0; j < D / 64; ++j) {
       const uint4 lo = *reinterpret_cast<const uint4*>(base + r * D + 16 * R::chunk_at(r, 4 * j + t));
@@ -1002,63 +1075,79 @@ __device__ __noinline__ void fp8_tile_bf16(const __nv_bfloat16* __restrict__ q, 
   }
 }
 
-// Scores of the CTA's positions from fp8 summaries: dst(i, score) for i in [0, n_here); `ring`:
-// this CTA's kScoreThreads / 32 warps x Fp8Ring<D>::kWarpBytes of shared memory.
-template <int D, int G, int REDUCE, typename Dst>
-__device__ __forceinline__ void fp8_ring_scores(const __nv_bfloat16* __restrict__ q, const unsigned char* __restrict__ kmin,
-                                                const unsigned char* __restrict__ kmax, const int* phys_s, int n_here,
-                                                unsigned char* ring_all, Dst dst) {
-  static_assert(D == 64 || D == 128, "fp8 ring scores: head_dim 64 or 128");
-  static_assert(G >= 1 && G <= 8, "fp8 ring scores: at most 8 q heads per kv head");
-  using R = Fp8Ring<D>;
+template <typename TS, int D, int G> struct RingQ { using type = Fp8Q<D, G>; };
+template <int D, int G> struct RingQ<Q4, D, G> { using type = MmaQ<D, G, true, true>; };
+
+// Scores of the CTA's positions from fp8 summaries or int4 rows through the rings: dst(i, score)
+// for i in [0, n_here); `ring_all`: kScoreThreads / 32 warps x RingSize<TS, D>::kWarpBytes of
+// shared memory.
+template <typename TS, int D, int G, int REDUCE, typename Dst>
+__device__ __forceinline__ void ring_scores(const __nv_bfloat16* __restrict__ q, const unsigned char* __restrict__ kmin,
+                                            const unsigned char* __restrict__ kmax, const int* phys_s, int n_here,
+                                            unsigned char* ring_all, Dst dst) {
+  static_assert(D == 64 || D == 128, "ring scores: head_dim 64 or 128");
+  static_assert(G >= 1 && G <= 8, "ring scores: at most 8 q heads per kv head");
+  using R = Ring<TS, D>;
+  using S = RingSize<TS, D>;
+  constexpr int kStages = R::kStages;
   const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, t = lane % 4;
   const int stride = (blockDim.x / 32) * 16;
   const int first = warp * 16;
   const int n_tiles = first < n_here ? (n_here - first + stride - 1) / stride : 0;
   if (n_tiles == 0) return;
-  unsigned char* ring = ring_all + warp * R::kWarpBytes;
-  const long long row_stride = (long long)H * D, head_off = (long long)h * D;
+  unsigned char* ring = ring_all + warp * S::kWarpBytes;
   const long long head0 = (long long)b * H * G + (long long)h * G;
-  constexpr int kRowsPer = 32 / R::kChunks;  // rows one pass of the warp copies (4 / 8)
-  const int c = lane % R::kChunks, i0 = lane / R::kChunks;
+  // 16 rows x kChunks 16-byte chunks per bound; copy e = (row, chunk) of both bounds
+  constexpr int kCopies = 16 * S::kChunks;
   auto issue = [&](int k) {
     if (k < n_tiles) {
-      unsigned char* slot = ring + (k % kFp8Stages) * R::kTile;
+      unsigned char* slot = ring + (k % kStages) * S::kTile;
       const int tile = first + k * stride;
 #pragma unroll
-      for (int u = 0; u < 16 / kRowsPer; ++u) {
-        const int i = i0 + kRowsPer * u;
-        const int p = tile + i < n_here ? phys_s[tile + i] : -1;
-        const long long off = (long long)max(p, 0) * row_stride + head_off + 16 * c;
-        const int d = i * D + 16 * R::chunk_at(i, c);
-        tilehal::cp_async_16(slot + d, kmax + off, p >= 0);  // zero rows for ids scored -inf
-        tilehal::cp_async_16(slot + R::kBound + d, kmin + off, p >= 0);
+      for (int u = 0; u < (kCopies + 31) / 32; ++u) {
+        const int e = lane + 32 * u;
+        if (kCopies % 32 == 0 || e < kCopies) {
+          const int i = e / S::kChunks, c = e % S::kChunks;
+          const int p = tile + i < n_here ? phys_s[tile + i] : -1;
+          const long long off = ((long long)max(p, 0) * H + h) * S::kRow + 16 * c;
+          const int d = i * S::kRow + 16 * R::chunk_at(i, c);
+          tilehal::cp_async_16(slot + d, kmax + off, p >= 0);  // zero rows for ids scored -inf
+          tilehal::cp_async_16(slot + S::kBound + d, kmin + off, p >= 0);
+        }
       }
     }
     tilehal::cp_async_commit();
   };
 #pragma unroll
-  for (int k = 0; k < kFp8Stages - 1; ++k) issue(k);
-  Fp8Q<D, G> Q;
+  for (int k = 0; k < kStages - 1; ++k) issue(k);
+  typename RingQ<TS, D, G>::type Q;
   Q.load(q, head0, r, t);
   for (int k = 0; k < n_tiles; ++k) {
-    tilehal::cp_async_wait<kFp8Stages - 2>();
+    tilehal::cp_async_wait<kStages - 2>();
     __syncwarp();  // tile k visible to the warp; tile k - 1's slot free
-    issue(k + kFp8Stages - 1);
-    const unsigned char* slot = ring + (k % kFp8Stages) * R::kTile;
+    issue(k + kStages - 1);
+    const unsigned char* slot = ring + (k % kStages) * S::kTile;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    bool slow = !Q.ok;
-    if (Q.ok) {
-      fp8_tile_f16<D, G>(Q, slot, r, t, acc);
-      slow = __any_sync(0xffffffffu, !(finite(acc[0]) && finite(acc[1]) && finite(acc[2]) && finite(acc[3])));
+    if constexpr (IsQ4<TS>::value) {
+      Half4S<D> X, N;
+      smem_fill(X, slot + r * S::kRow, slot + (r + 8) * S::kRow, t);
+      smem_fill(N, slot + S::kBound + r * S::kRow, slot + S::kBound + (r + 8) * S::kRow, t);
+      X.template mma<true>(Q, acc);
+      N.template mma<false>(Q, acc);
+    } else {
+      bool slow = !Q.ok;
+      if (Q.ok) {
+        fp8_tile_f16<D, G>(Q, slot, r, t, acc);
+        slow = __any_sync(0xffffffffu, !(finite(acc[0]) && finite(acc[1]) && finite(acc[2]) && finite(acc[3])));
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] *= Q.inv;
-    }
-    if (slow) {
+        for (int e = 0; e < 4; ++e) acc[e] *= Q.inv;
+      }
+      if (slow) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] = 0.f;
-      fp8_tile_bf16<D, G>(q, head0, slot, r, t, acc);
+        for (int e = 0; e < 4; ++e) acc[e] = 0.f;
+        fp8_tile_bf16<D, G>(q, head0, slot, r, t, acc);
+      }
     }
     float s_lo, s_hi;
     reduce_heads<G, REDUCE>(acc, t, s_lo, s_hi);
@@ -1090,7 +1179,8 @@ __device__ __forceinline__ bool last_cta(unsigned* tickets, long long idx, int c
 // ----------------------------------------------------------------------------- chunked selection
 // quest_select_chunk_kernel  grid (ceil(table_stride / chunk), kv_heads, B), 256 threads, chunk <=
 //   kChunkMax positions per CTA (the host sizes the grid to about one wave: long-lived CTAs).
-//   Scores: fp8 summaries (RING) through fp8_ring_scores, else mma_scores (bf16, fp8, int4 rows).
+//   Scores: RING (fp8 summaries, int4 rows at head_dim 128) through ring_scores, else mma_scores
+//   (bf16, fp8, int4 rows).
 //   FUSED = false: the scores go to raw[b, h, :] (the score launch of the two-launch path).
 //   FUSED = true: they stay in shared memory; the CTA's top-min(width, chunk) keys (keys as in
 //   topk_select_kernel; cta_topk over 8 keys per thread) go out as (key, position) candidates, in
@@ -1107,7 +1197,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_chunk_kernel(
     const int* __restrict__ block_table, int table_stride, int num_blocks, int chunk, float* __restrict__ raw,
     int mode, const int* __restrict__ nv, const int* __restrict__ seq_lens, int block_size, int sink, int local,
     int width, uint2* __restrict__ cand, unsigned* __restrict__ tickets, int* __restrict__ out) {
-  static_assert(!RING || sizeof(TS) == 1, "the ring scorer is for fp8 summaries");
+  static_assert(!RING || sizeof(TS) == 1 || IsQ4<TS>::value, "the ring scorer is for fp8 summaries and int4 rows");
   extern __shared__ __align__(16) unsigned char dsm[];  // RING: the warps' rings; FUSED: also the histogram
   __shared__ int phys_s[kChunkMax];
   __shared__ float score_s[FUSED ? kChunkMax : 1];
@@ -1128,7 +1218,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_chunk_kernel(
     else rrow[i] = s;
   };
   if constexpr (RING) {
-    fp8_ring_scores<D, G, REDUCE>(q, static_cast<const unsigned char*>(kmin), static_cast<const unsigned char*>(kmax),
+    ring_scores<TS, D, G, REDUCE>(q, static_cast<const unsigned char*>(kmin), static_cast<const unsigned char*>(kmax),
                                   phys_s, n_here, dsm, dst);
   } else {
     using P = typename Rows<TS, D>::ptr;
@@ -1247,67 +1337,6 @@ __device__ __forceinline__ void smem_fill(Half<Q4, D>& X, const unsigned char* l
   }
 }
 
-// int4 rows in the streamed kernel: the 8 codes of a lane's word enter the MMA as 16 + code (bf16
-// 0x4180 | code << 3: exponent 2^4, mantissa step 1/8 x 8 = 1: exact), channels i and i + 4
-// sharing a word (one shift and one LOP3 per word: bits 4i, 4i + 16 -> 3, 19), against
-// MmaQ<PAIRS4> columns. Per 32-channel group j: bound += step * A + (lo - 16 * step) * sum(q), A
-// the MMA's group sum (= 16 sum(q) + sum(q * code)). (R2 ran 0x4300, i.e. 128 + 8 * code, with a
-// 128 in the correction: wrong bounds, caught by the exactness test.)
-struct Q4S {};
-template <int D> struct Half4S {
-  static constexpr int kJ = D / 32;
-  unsigned c[2][kJ], pr[2][kJ];  // code words, (lo, step) bf16 pairs; [0] row r, [1] row r + 8
-  static __device__ __forceinline__ void words(unsigned w, unsigned (&o)[4]) {  // bf16 16 + code
-    o[0] = ((w << 3) & 0x00780078u) | 0x41804180u;
-    o[1] = ((w >> 1) & 0x00780078u) | 0x41804180u;
-    o[2] = ((w >> 5) & 0x00780078u) | 0x41804180u;
-    o[3] = ((w >> 9) & 0x00780078u) | 0x41804180u;
-  }
-  template <bool IS_MAX, int G, bool S, bool P4>
-  __device__ __forceinline__ void mma(const MmaQ<D, G, S, P4>& Q, float (&acc)[4]) const {
-#pragma unroll
-    for (int j = 0; j < kJ; ++j) {
-      unsigned al[4], ah[4];
-      words(c[0][j], al);
-      words(c[1][j], ah);
-      float a[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const tilehal::u32 av[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
-        const tilehal::u32 bq[2] = {IS_MAX ? Q.qp[j][2 * hh] : Q.qn[j][2 * hh],
-                                    IS_MAX ? Q.qp[j][2 * hh + 1] : Q.qn[j][2 * hh + 1]};
-        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, a, av, bq);
-      }
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const float2 ls = tilehal::bf16x2_to_float2(pr[s][j]);  // (lo, step)
-        const float c0 = fmaf(-16.f, ls.y, ls.x);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float Ssum = IS_MAX ? Q.sp[j][e] : Q.sn[j][e];
-          acc[2 * s + e] = fmaf(ls.y, a[2 * s + e], fmaf(c0, Ssum, acc[2 * s + e]));
-        }
-      }
-    }
-  }
-};
-template <int D>
-__device__ __forceinline__ void smem_fill(Half4S<D>& X, const unsigned char* lo, const unsigned char* hi, int t) {
-  const unsigned char* rows[2] = {lo, hi};
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-#pragma unroll
-    for (int j = 0; j < D / 32; ++j) X.c[s][j] = *reinterpret_cast<const unsigned*>(rows[s] + 16 * j + 4 * t);
-    // the row's (lo, step) pairs: D / 32 words, 16-byte aligned (row pitch and code bytes are)
-    if constexpr (D == 128) {
-      const uint4 w = *reinterpret_cast<const uint4*>(rows[s] + Q4Row<D>::kCodeBytes);
-      X.pr[s][0] = w.x; X.pr[s][1] = w.y; X.pr[s][2] = w.z; X.pr[s][3] = w.w;
-    } else {
-      const uint2 w = *reinterpret_cast<const uint2*>(rows[s] + Q4Row<D>::kCodeBytes);
-      X.pr[s][0] = w.x; X.pr[s][1] = w.y;
-    }
-  }
-}
 // The streamed kernel's fragment types per summary type.
 template <typename TS, int D, int G> struct StreamFrag {
   using Q = MmaQ<D, G, false>;
