@@ -10,6 +10,7 @@ Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay), p
   <s>.fused[_ring]         DATAENGINE_SELECT_FUSED=1: one launch of quest_select_chunk_kernel
   <s>.score[_ring] / topk  the two launches apart
   <s>.step_<path>          that selection + sparse paged_decode, and its speedup over dense
+                           (fused_ring also with KVPOOL_DECODE_PREFETCH=1)
 Every path's blocks are compared with the torch reference's (same summaries). BENCH_CONTEXTS
 (default 131072) adds shorter contexts (the first blocks of each sequence) for the fused fp8 ring path.
 Writes dataengine_step_quick.json into $DATAENGINE_BENCH_OUT (or docs/benchmarks with --record).
@@ -100,6 +101,10 @@ def main() -> None:
                     g = r[f"step_{pname}_graph_us"]
                     if isinstance(g, float) and isinstance(row["dense_graph_us"], float):
                         r[f"speedup_{pname}_graph"] = round(row["dense_graph_us"] / g, 2)
+                    if pname == "fused_ring":  # the sparse decode with its shares' K/V lines prefetched into L2
+                        with environ({"KVPOOL_DECODE_PREFETCH": "1"}):
+                            r[f"step_{pname}_prefetch_us"] = bench(step)
+                            r[f"step_{pname}_prefetch_graph_us"] = bench_graph(step)
                     if pname.startswith("two") and ctx == max(contexts):  # the two launches apart
                         t = bench(lambda bt=bt, lo=lo, hi=hi: cuda_select.quest_raw_scores(q, lo, hi, bt, "max"))
                         r[f"score_{pname[4:] or 'mma'}_us"] = t
@@ -112,6 +117,8 @@ def main() -> None:
                 return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=idx)
 
             r["sparse_decode_only_us"] = bench(sparse_only)
+            with environ({"KVPOOL_DECODE_PREFETCH": "1"}):
+                r["sparse_decode_only_prefetch_us"] = bench(sparse_only)
             row[name] = r
             print(ctx, name, json.dumps(r), flush=True)
         res["contexts"][str(ctx)] = row
