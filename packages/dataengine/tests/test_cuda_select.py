@@ -455,11 +455,21 @@ def test_fp8_ring_scores_exact(D, Hq, Hkv, reduce, monkeypatch):
     torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-6)
 
 
+GRAPH_PATHS = {"fused": {"DATAENGINE_SELECT_FUSED": "1", "DATAENGINE_RING_SCORES": "off"},
+               "fused-ring": {"DATAENGINE_SELECT_FUSED": "1", "DATAENGINE_RING_SCORES": "on"},
+               "stream": {"DATAENGINE_SELECT_STREAM": "on"}}
+
+
 @pytest.mark.gpu
-def test_fused_select_in_a_cuda_graph(monkeypatch):
-    monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
+@pytest.mark.parametrize("path,sdtype", [("fused", torch.bfloat16), ("fused-ring", FP8), ("fused-ring", torch.uint8),
+                                         ("stream", FP8)])
+def test_one_launch_selection_in_a_cuda_graph(path, sdtype, monkeypatch):
+    """The one-launch selections replay in a CUDA graph (row tickets re-armed), on new q each time."""
     monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "auto")
-    q, kmin, kmax, table, lens = _problem(5, max_blocks=600, num_blocks=4000)
+    for k, v in GRAPH_PATHS[path].items():
+        monkeypatch.setenv(k, v)
+    q, kmin, kmax, table, lens = _problem(5, max_blocks=600, num_blocks=4000, sdtype=torch.float32)
+    kmin, kmax = _summaries(sdtype, kmin, kmax)
     static_q = q.clone()
     select.select_blocks(static_q, kmin, kmax, table, lens, 32, 1, 1, block_size=16)
     graph = torch.cuda.CUDAGraph()
@@ -658,12 +668,7 @@ def test_stream_select_equals_reference(sdtype, D, Hq, Hkv, max_blocks, reduce, 
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=max_blocks,
                                               num_blocks=max(2000, 3 * max_blocks), dtype=torch.bfloat16,
                                               sdtype=torch.float32, unwritten=0.05, holes=seed == 4)
-        if sdtype == torch.uint8:
-            kmin, kmax = _int4_rows(kmin, False).cuda(), _int4_rows(kmax, True).cuda()
-        elif sdtype == FP8:
-            kmin, kmax = _to_fp8_summaries(kmin, kmax)
-        else:
-            kmin, kmax = kmin.to(sdtype), kmax.to(sdtype)
+        kmin, kmax = _summaries(sdtype, kmin, kmax)
         if seed == 2:
             kmin.view(torch.uint8)[:] = kmin.view(torch.uint8)[:1]  # every block alike: positions decide
             kmax.view(torch.uint8)[:] = kmax.view(torch.uint8)[:1]
@@ -675,24 +680,6 @@ def test_stream_select_equals_reference(sdtype, D, Hq, Hkv, max_blocks, reduce, 
         assert torch.equal(got.cpu(), want), (seed, top_k, sink, local)
         for _ in range(2):  # the tickets are back at zero after every launch
             assert torch.equal(select.select_blocks(*args, top_k, sink, local, block_size=16, reduce=reduce).cpu(), want)
-
-
-@pytest.mark.gpu
-def test_stream_select_in_a_cuda_graph(monkeypatch):
-    monkeypatch.setenv("DATAENGINE_SELECT_STREAM", "on")
-    q, kmin, kmax, table, lens = _problem(5, max_blocks=600, num_blocks=4000, sdtype=torch.float32)
-    kmin, kmax = _to_fp8_summaries(kmin, kmax)
-    static_q = q.clone()
-    select.select_blocks(static_q, kmin, kmax, table, lens, 32, 1, 1, block_size=16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = select.select_blocks(static_q, kmin, kmax, table, lens, 32, 1, 1, block_size=16)
-    for seed in range(3):
-        g = torch.Generator().manual_seed(300 + seed)
-        static_q.copy_(torch.randint(-3, 4, q.shape, generator=g).to(q.dtype))
-        graph.replay()
-        want = select.select_blocks_reference(*_cpu(static_q, kmin, kmax, table, lens), 32, 1, 1, block_size=16)
-        assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.gpu

@@ -243,6 +243,19 @@ def test_combine_variant_env(monkeypatch):
         cuda_decode.combine_variant()
 
 
+def _sparse_case(lens, seed):
+    """A GPU pool with `lens`, its table and lengths, bf16 q (GQA 32/8, d128) and 24 random selected
+    blocks per (sequence, kv head); the generator (seeded seed + 2) for more draws."""
+    pool = _gpu_pool(lens, seed=seed)
+    ids = list(range(len(lens)))
+    bt, sl = pool.block_table(ids), pool.seq_lens(ids)
+    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(seed + 2)
+    bi = torch.stack([torch.randperm(bt.shape[1], device="cuda", generator=g)[:24].sort().values.int()
+                      for _ in range(len(lens) * 8)]).reshape(len(lens), 8, 24)
+    return pool, bt, sl, q, bi, g
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [2, 5, 16])
 def test_ticket_combine_equals_combine_launch(splits, monkeypatch):
@@ -250,14 +263,7 @@ def test_ticket_combine_equals_combine_launch(splits, monkeypatch):
     gives the combine kernel's output bit for bit (same arithmetic), dense and sparse, call after
     call (the tickets re-arm) and under CUDA-graph replay."""
     cfg = cuda_decode.KernelConfig("mma", 64, 3)
-    lens = [2000, 513, 64, 0, 1]
-    pool = _gpu_pool(lens, seed=2)
-    ids = list(range(len(lens)))
-    bt, sl = pool.block_table(ids), pool.seq_lens(ids)
-    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(4)
-    bi = torch.stack([torch.randperm(bt.shape[1], device="cuda", generator=g)[:24].sort().values.int()
-                      for _ in range(len(lens) * 8)]).reshape(len(lens), 8, 24)
+    pool, bt, sl, q, bi, g = _sparse_case([2000, 513, 64, 0, 1], seed=2)
     for idx in (None, bi):
         monkeypatch.setenv("KVPOOL_DECODE_COMBINE", "launch")
         want = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, idx, num_splits=splits, config=cfg)
@@ -295,14 +301,7 @@ def test_prefetch_env(monkeypatch):
 def test_sparse_prefetch_changes_no_output(splits, monkeypatch):
     """The L2 prefetch of a sparse share is a hint: the output is bit-identical with and without it."""
     cfg = cuda_decode.KernelConfig("mma", 64, 3)
-    lens = [2000, 513, 64, 0]
-    pool = _gpu_pool(lens, seed=5)
-    ids = list(range(len(lens)))
-    bt, sl = pool.block_table(ids), pool.seq_lens(ids)
-    q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(6)
-    bi = torch.stack([torch.randperm(bt.shape[1], device="cuda", generator=g)[:24].sort().values.int()
-                      for _ in range(len(lens) * 8)]).reshape(len(lens), 8, 24)
+    pool, bt, sl, q, bi, _ = _sparse_case([2000, 513, 64, 0], seed=5)
     bi[1, :, -3:] = -1
     monkeypatch.setenv("KVPOOL_DECODE_PREFETCH", "0")
     want = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, bi, num_splits=splits, config=cfg)
