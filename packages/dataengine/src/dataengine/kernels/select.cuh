@@ -273,7 +273,7 @@ template <int D> struct Q4Row {
 // k-step (j, hh) uses channels 32j + 8t + 4hh + {0,1} as k rows 2t, 2t+1 and + {2,3} as 2t+8, 2t+9;
 // the A rows are blocks (r and r + 8 of the warp's 16), the B columns heads (n = r). The two
 // k-steps of j cover exactly channels 32j .. 32j + 31 (one int4 group).
-// PAIRS4 (the streamed int4 kernel): word i of group (j, t) holds channels i and i + 4 instead of
+// PAIRS4 (int4 rows): word i of group (j, t) holds channels i and i + 4 instead of
 // 2i and 2i + 1, the order in which that kernel widens the codes.
 template <int D, int G, bool SUMS, bool PAIRS4 = false>
 struct MmaQ {
@@ -350,19 +350,22 @@ template <typename TS, int D> struct Half {
   }
 };
 
-// 8 codes (one 32-bit word: channels 0..7 of the lane) -> 4 bf16x2 words of (16 + code) / 16,
-// exact in bf16: sum q * (1 + c / 16) = S + (sum q * c) / 16 with S = sum q.
-__device__ __forceinline__ void q4_words(unsigned w, unsigned (&o)[4]) {
-  const unsigned ev = (w << 3) & 0x78787878u, od = (w >> 1) & 0x78787878u;  // (even / odd code) << 3 per byte
-#pragma unroll
-  for (int i = 0; i < 4; ++i) o[i] = 0x3F803F80u | ((ev >> (8 * i)) & 0xffu) | (((od >> (8 * i)) & 0xffu) << 16);
-}
-
-// The same for int4 rows (o_lo / o_hi: byte offsets of the lane's rows): per group j the mma
-// gives A = sum q (1 + c/16) and the group adds lo * S + 16 * step * (A - S).
+// int4 rows (load: o_lo / o_hi byte offsets of the lane's rows; smem_fill: from shared memory): the
+// 8 codes of a lane's word enter the MMA as 16 + code (bf16 0x4180 | code << 3: exponent 2^4,
+// mantissa step 1/8 x 8 = 1: exact), channels i and i + 4
+// sharing a word (one shift and one LOP3 per word: bits 4i, 4i + 16 -> 3, 19), against
+// MmaQ<PAIRS4> columns. Per 32-channel group j: bound += step * A + (lo - 16 * step) * sum(q), A
+// the MMA's group sum (= 16 sum(q) + sum(q * code)). (An earlier version ran 0x4300, 128 + 8 * code,
+// with a 128 in the correction: wrong bounds, caught by the exactness test.)
 template <int D> struct Half<Q4, D> {
   static constexpr int kJ = D / 32;
   unsigned c[2][kJ], pr[2][kJ];  // code words, (lo, step) bf16 pairs; [0] row r, [1] row r + 8
+  static __device__ __forceinline__ void words(unsigned w, unsigned (&o)[4]) {  // bf16 16 + code
+    o[0] = ((w << 3) & 0x00780078u) | 0x41804180u;
+    o[1] = ((w >> 1) & 0x00780078u) | 0x41804180u;
+    o[2] = ((w >> 5) & 0x00780078u) | 0x41804180u;
+    o[3] = ((w >> 9) & 0x00780078u) | 0x41804180u;
+  }
   __device__ __forceinline__ void load(const unsigned char* __restrict__ p, long long o_lo, long long o_hi, int t) {
     const long long rows[2] = {o_lo, o_hi};
 #pragma unroll
@@ -374,13 +377,13 @@ template <int D> struct Half<Q4, D> {
       }
     }
   }
-  template <bool IS_MAX, int G, bool S>
-  __device__ __forceinline__ void mma(const MmaQ<D, G, S>& Q, float (&acc)[4]) const {
+  template <bool IS_MAX, int G, bool S, bool P4>
+  __device__ __forceinline__ void mma(const MmaQ<D, G, S, P4>& Q, float (&acc)[4]) const {
 #pragma unroll
     for (int j = 0; j < kJ; ++j) {
       unsigned al[4], ah[4];
-      q4_words(c[0][j], al);
-      q4_words(c[1][j], ah);
+      words(c[0][j], al);
+      words(c[1][j], ah);
       float a[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -392,17 +395,33 @@ template <int D> struct Half<Q4, D> {
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
         const float2 ls = tilehal::bf16x2_to_float2(pr[s][j]);  // (lo, step)
-        const float step16 = 16.f * ls.y;
+        const float c0 = fmaf(-16.f, ls.y, ls.x);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float Ssum = IS_MAX ? Q.sp[j][e] : Q.sn[j][e];
-          acc[2 * s + e] += ls.x * Ssum + step16 * (a[2 * s + e] - Ssum);
+          acc[2 * s + e] = fmaf(ls.y, a[2 * s + e], fmaf(c0, Ssum, acc[2 * s + e]));
         }
       }
     }
   }
 };
-
+template <int D>
+__device__ __forceinline__ void smem_fill(Half<Q4, D>& X, const unsigned char* lo, const unsigned char* hi, int t) {
+  const unsigned char* rows[2] = {lo, hi};
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) X.c[s][j] = *reinterpret_cast<const unsigned*>(rows[s] + 16 * j + 4 * t);
+    // the row's (lo, step) pairs: D / 32 words, 16-byte aligned (row pitch and code bytes are)
+    if constexpr (D == 128) {
+      const uint4 w = *reinterpret_cast<const uint4*>(rows[s] + Q4Row<D>::kCodeBytes);
+      X.pr[s][0] = w.x; X.pr[s][1] = w.y; X.pr[s][2] = w.z; X.pr[s][3] = w.w;
+    } else {
+      const uint2 w = *reinterpret_cast<const uint2*>(rows[s] + Q4Row<D>::kCodeBytes);
+      X.pr[s][0] = w.x; X.pr[s][1] = w.y;
+    }
+  }
+}
 // Summary element pointers / row offsets per summary type.
 template <typename TS, int D> struct Rows {
   using ptr = const TS*;
@@ -451,7 +470,7 @@ __device__ __forceinline__ void mma_scores(const __nv_bfloat16* __restrict__ q, 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, t = lane % 4;
   const int stride = (blockDim.x / 32) * 16;
-  MmaQ<D, G, IsQ4<TS>::value> Q;
+  MmaQ<D, G, IsQ4<TS>::value, IsQ4<TS>::value> Q;
   Q.load(q, (long long)b * H * G + (long long)h * G, r, t);
   int tile = warp * 16;
   if (tile >= n_here) return;
@@ -864,67 +883,6 @@ __global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
   for (int s2 = total + tid; s2 < width; s2 += kFastThreads) orow[s2] = -1;
 }
 
-// int4 rows in the ring / streamed kernels: the 8 codes of a lane's word enter the MMA as 16 + code (bf16
-// 0x4180 | code << 3: exponent 2^4, mantissa step 1/8 x 8 = 1: exact), channels i and i + 4
-// sharing a word (one shift and one LOP3 per word: bits 4i, 4i + 16 -> 3, 19), against
-// MmaQ<PAIRS4> columns. Per 32-channel group j: bound += step * A + (lo - 16 * step) * sum(q), A
-// the MMA's group sum (= 16 sum(q) + sum(q * code)). (R2 ran 0x4300, i.e. 128 + 8 * code, with a
-// 128 in the correction: wrong bounds, caught by the exactness test.)
-struct Q4S {};
-template <int D> struct Half4S {
-  static constexpr int kJ = D / 32;
-  unsigned c[2][kJ], pr[2][kJ];  // code words, (lo, step) bf16 pairs; [0] row r, [1] row r + 8
-  static __device__ __forceinline__ void words(unsigned w, unsigned (&o)[4]) {  // bf16 16 + code
-    o[0] = ((w << 3) & 0x00780078u) | 0x41804180u;
-    o[1] = ((w >> 1) & 0x00780078u) | 0x41804180u;
-    o[2] = ((w >> 5) & 0x00780078u) | 0x41804180u;
-    o[3] = ((w >> 9) & 0x00780078u) | 0x41804180u;
-  }
-  template <bool IS_MAX, int G, bool S, bool P4>
-  __device__ __forceinline__ void mma(const MmaQ<D, G, S, P4>& Q, float (&acc)[4]) const {
-#pragma unroll
-    for (int j = 0; j < kJ; ++j) {
-      unsigned al[4], ah[4];
-      words(c[0][j], al);
-      words(c[1][j], ah);
-      float a[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const tilehal::u32 av[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
-        const tilehal::u32 bq[2] = {IS_MAX ? Q.qp[j][2 * hh] : Q.qn[j][2 * hh],
-                                    IS_MAX ? Q.qp[j][2 * hh + 1] : Q.qn[j][2 * hh + 1]};
-        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, a, av, bq);
-      }
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const float2 ls = tilehal::bf16x2_to_float2(pr[s][j]);  // (lo, step)
-        const float c0 = fmaf(-16.f, ls.y, ls.x);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float Ssum = IS_MAX ? Q.sp[j][e] : Q.sn[j][e];
-          acc[2 * s + e] = fmaf(ls.y, a[2 * s + e], fmaf(c0, Ssum, acc[2 * s + e]));
-        }
-      }
-    }
-  }
-};
-template <int D>
-__device__ __forceinline__ void smem_fill(Half4S<D>& X, const unsigned char* lo, const unsigned char* hi, int t) {
-  const unsigned char* rows[2] = {lo, hi};
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-#pragma unroll
-    for (int j = 0; j < D / 32; ++j) X.c[s][j] = *reinterpret_cast<const unsigned*>(rows[s] + 16 * j + 4 * t);
-    // the row's (lo, step) pairs: D / 32 words, 16-byte aligned (row pitch and code bytes are)
-    if constexpr (D == 128) {
-      const uint4 w = *reinterpret_cast<const uint4*>(rows[s] + Q4Row<D>::kCodeBytes);
-      X.pr[s][0] = w.x; X.pr[s][1] = w.y; X.pr[s][2] = w.z; X.pr[s][3] = w.w;
-    } else {
-      const uint2 w = *reinterpret_cast<const uint2*>(rows[s] + Q4Row<D>::kCodeBytes);
-      X.pr[s][0] = w.x; X.pr[s][1] = w.y;
-    }
-  }
-}
 // ----------------------------------------------------------------------------- fp8 scores on f16 tensor cores
 // fp8 (e4m3) summaries enter an f16 MMA as they are: one cvt.rn.f16x2.e4m3x2 per two codes
 // (e4m3 -> f16 is exact, subnormals included). q is bf16, so the warp scales the group's q by a
@@ -942,7 +900,7 @@ __device__ __forceinline__ void smem_fill(Half4S<D>& X, const unsigned char* lo,
 // and + {2,3} (k 2t + 8, 2t + 9): word m of its 16-byte chunk 4j + t.
 // int4 rows (D 128: 80 bytes) take the same rings (80-byte row pitch: the 32-bit code reads of a warp
 // hit 32 distinct banks, the parameter reads are broadcasts) and the streamed kernel's arithmetic
-// (Half4S, 16 + code against MmaQ<PAIRS4> columns).
+// (Half<Q4>: 16 + code against MmaQ<PAIRS4> columns).
 template <typename TS, int D> struct Ring;
 template <int D> struct Ring<__nv_fp8_e4m3, D> {
   static constexpr int kRow = D, kStages = 3;
@@ -1130,7 +1088,7 @@ __device__ __forceinline__ void ring_scores(const __nv_bfloat16* __restrict__ q,
     const unsigned char* slot = ring + (k % kStages) * S::kTile;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     if constexpr (IsQ4<TS>::value) {
-      Half4S<D> X, N;
+      Half<Q4, D> X, N;
       smem_fill(X, slot + r * S::kRow, slot + (r + 8) * S::kRow, t);
       smem_fill(N, slot + S::kBound + r * S::kRow, slot + S::kBound + (r + 8) * S::kRow, t);
       X.template mma<true>(Q, acc);
@@ -1324,28 +1282,7 @@ __device__ __forceinline__ void smem_fill(Half<TS, D>& X, const unsigned char* l
     }
   }
 }
-template <int D>
-__device__ __forceinline__ void smem_fill(Half<Q4, D>& X, const unsigned char* lo, const unsigned char* hi, int t) {
-  const unsigned char* rows[2] = {lo, hi};
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-#pragma unroll
-    for (int j = 0; j < D / 32; ++j) {
-      X.c[s][j] = *reinterpret_cast<const unsigned*>(rows[s] + 16 * j + 4 * t);
-      X.pr[s][j] = *reinterpret_cast<const unsigned*>(rows[s] + Q4Row<D>::kCodeBytes + 4 * j);
-    }
-  }
-}
 
-// The streamed kernel's fragment types per summary type.
-template <typename TS, int D, int G> struct StreamFrag {
-  using Q = MmaQ<D, G, false>;
-  using Tile = Half<TS, D>;
-};
-template <int D, int G> struct StreamFrag<Q4, D, G> {
-  using Q = MmaQ<D, G, true, true>;
-  using Tile = Half4S<D>;
-};
 
 // The largest t with #{keys >= t} >= kth over the warp's register keys (0 when there are fewer).
 template <int K>
@@ -1456,7 +1393,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
 
-  typename StreamFrag<TS, D, G>::Q Q;
+  MmaQ<D, G, IsQ4<TS>::value, IsQ4<TS>::value> Q;
   if (warp < H) Q.load(q, (long long)b * H * G + (long long)warp * G, r, t);
   // One barrier per stage: it publishes stage s and retires stage s - 1, whose buffer the issue
   // after it refills (stages s + 1 .. s + STAGES - 1 in flight while s is scored).
@@ -1470,7 +1407,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
       for (int tt = 0; tt < SB / 16; ++tt) {
         const unsigned char* sx = st + (16 * tt) * P::kPitch;
         const unsigned char* sn = sx + SB * P::kPitch;
-        typename StreamFrag<TS, D, G>::Tile X, N;
+        Half<TS, D> X, N;
         smem_fill(X, sx + r * P::kPitch, sx + (r + 8) * P::kPitch, t);
         smem_fill(N, sn + r * P::kPitch, sn + (r + 8) * P::kPitch, t);
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
