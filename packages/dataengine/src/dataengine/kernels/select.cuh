@@ -534,6 +534,21 @@ __device__ __forceinline__ unsigned float_key(float s) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// The order key of position p of a row with n_valid valid positions: 0 past them (never taken),
+// kKeyForced for the first `sink` and last `local` ones (taken first), else the score's order key.
+__device__ __forceinline__ unsigned select_key(long long p, long long n_valid, int sink, int local, float s) {
+  if (p >= n_valid) return 0u;
+  if (p < sink || p >= n_valid - local) return kKeyForced;
+  return float_key(s);
+}
+// n_valid of batch entry b, modes 0-2: 0 N; 1 nv[b]; 2 ceil(seq_lens[b] / block_size).
+__device__ __forceinline__ long long mode_n_valid(int mode, int b, int N, const int* __restrict__ nv,
+                                                  const int* __restrict__ seq_lens, int block_size) {
+  if (mode == 1) return nv[b];
+  if (mode == 2) return ((long long)seq_lens[b] + block_size - 1) / block_size;
+  return N;
+}
+
 // Exclusive prefix sum over the CTA; `total` gets the sum. Contains two __syncthreads.
 __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int& total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
@@ -570,10 +585,7 @@ __device__ __forceinline__ long long row_n_valid(int N, int b, int mode, const i
     block_exclusive_scan(c, warp_sums, total);
     if (tid == 0) s_nvalid = seq_lens[b] > 0 ? total : 0;
   } else if (tid == 0) {
-    long long n = N;
-    if (mode == 1) n = nv[b];
-    if (mode == 2) n = ((long long)seq_lens[b] + block_size - 1) / block_size;
-    s_nvalid = n;
+    s_nvalid = mode_n_valid(mode, b, N, nv, seq_lens, block_size);
   }
   __syncthreads();
   return s_nvalid;
@@ -702,11 +714,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
   int* orow = out + (long long)row * width;
 
   const long long n_valid = row_n_valid<kTopkThreads>(N, b, mode, nv, seq_lens, table, block_size, warp_sums, s_nvalid);
-  auto key_of = [&](int p) -> unsigned {
-    if (p >= n_valid) return 0u;
-    if (p < sink || p >= n_valid - local) return kKeyForced;
-    return float_key(srow[p]);
-  };
+  auto key_of = [&](int p) -> unsigned { return p >= n_valid ? 0u : select_key(p, n_valid, sink, local, srow[p]); };
   if constexpr (STAGED) {
 #pragma unroll 4
     for (int p = tid; p < N; p += kTopkThreads) keys_s[p] = key_of(p);
@@ -869,10 +877,7 @@ __global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const int p = p0 + i;
-    const float s = p < N ? srow[p] : 0.f;
-    const bool valid = p < n_valid && p < N;
-    const bool forced = valid && (p < sink || p >= n_valid - local);
-    key[i] = !valid ? 0u : (forced ? kKeyForced : float_key(s));
+    key[i] = p < N ? select_key(p, n_valid, sink, local, srow[p]) : 0u;
   }
   int slot, total;
   const unsigned take = cta_topk<kFastThreads, ITEMS>(key, width, hist, sc, slot, total);
@@ -979,10 +984,10 @@ template <int D, int G> struct Fp8Q {
   }
 };
 
-// acc += the tile's bounds (slot: kmax rows, then kmin rows) on f16 tensor cores, q scaled.
-template <int D, int G>
-__device__ __forceinline__ void fp8_tile_f16(const Fp8Q<D, G>& Q, const unsigned char* slot, int r, int t,
-                                             float (&acc)[4]) {
+// The fp8 tile's fragments from a ring slot (kmax rows, then kmin rows): f(bound, j, m, wl, wh)
+// for every k-step (j, m), wl / wh the words of rows r / r + 8 (word m: codes of k 2t, 2t+1 low, 2t+8, 2t+9 high).
+template <int D, typename F>
+__device__ __forceinline__ void fp8_tile_walk(const unsigned char* slot, int r, int t, F f) {
   using R = Ring<__nv_fp8_e4m3, D>;
 #pragma unroll
   for (int bound = 0; bound < 2; ++bound) {
@@ -993,16 +998,22 @@ __device__ __forceinline__ void fp8_tile_f16(const Fp8Q<D, G>& Q, const unsigned
       const uint4 hi = *reinterpret_cast<const uint4*>(base + (r + 8) * D + 16 * R::chunk_at(r + 8, 4 * j + t));
       const unsigned wl[4] = {lo.x, lo.y, lo.z, lo.w}, wh[4] = {hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const tilehal::u32 a[4] = {e4m3x2_to_f16x2((unsigned short)wl[m]), e4m3x2_to_f16x2((unsigned short)wh[m]),
-                                   e4m3x2_to_f16x2((unsigned short)(wl[m] >> 16)),
-                                   e4m3x2_to_f16x2((unsigned short)(wh[m] >> 16))};
-        const tilehal::u32 bq[2] = {bound == 0 ? Q.qp[j][2 * m] : Q.qn[j][2 * m],
-                                    bound == 0 ? Q.qp[j][2 * m + 1] : Q.qn[j][2 * m + 1]};
-        tilehal::mma_m16n8k16(tilehal::MmaF16{}, acc, a, bq);
-      }
+      for (int m = 0; m < 4; ++m) f(bound, j, m, wl[m], wh[m]);
     }
   }
+}
+
+// acc += the tile's bounds on f16 tensor cores, q scaled.
+template <int D, int G>
+__device__ __forceinline__ void fp8_tile_f16(const Fp8Q<D, G>& Q, const unsigned char* slot, int r, int t,
+                                             float (&acc)[4]) {
+  fp8_tile_walk<D>(slot, r, t, [&](int bound, int j, int m, unsigned wl, unsigned wh) {
+    const tilehal::u32 a[4] = {e4m3x2_to_f16x2((unsigned short)wl), e4m3x2_to_f16x2((unsigned short)wh),
+                               e4m3x2_to_f16x2((unsigned short)(wl >> 16)), e4m3x2_to_f16x2((unsigned short)(wh >> 16))};
+    const tilehal::u32 bq[2] = {bound == 0 ? Q.qp[j][2 * m] : Q.qn[j][2 * m],
+                                bound == 0 ? Q.qp[j][2 * m + 1] : Q.qn[j][2 * m + 1]};
+    tilehal::mma_m16n8k16(tilehal::MmaF16{}, acc, a, bq);
+  });
 }
 
 // The same tile exactly as quest_score_mma_kernel computes it (codes decoded by role, bf16 q
@@ -1010,27 +1021,15 @@ __device__ __forceinline__ void fp8_tile_f16(const Fp8Q<D, G>& Q, const unsigned
 template <int D, int G>
 __device__ __noinline__ void fp8_tile_bf16(const __nv_bfloat16* __restrict__ q, long long head0,
                                            const unsigned char* slot, int r, int t, float (&acc)[4]) {
-  using R = Ring<__nv_fp8_e4m3, D>;
   const unsigned* qw = reinterpret_cast<const unsigned*>(q + (head0 + r) * D);
-#pragma unroll 1
-  for (int bound = 0; bound < 2; ++bound) {
-    const unsigned char* base = slot + bound * RingSize<__nv_fp8_e4m3, D>::kBound;
-#pragma unroll
-    for (int j = 0; j < D / 64; ++j) {
-      const uint4 lo = *reinterpret_cast<const uint4*>(base + r * D + 16 * R::chunk_at(r, 4 * j + t));
-      const uint4 hi = *reinterpret_cast<const uint4*>(base + (r + 8) * D + 16 * R::chunk_at(r + 8, 4 * j + t));
-      const unsigned wl[4] = {lo.x, lo.y, lo.z, lo.w}, wh[4] = {hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const bool mx = bound == 0;
-        const tilehal::u32 a[4] = {e4m3x2_to_bf16x2_role(wl[m], mx), e4m3x2_to_bf16x2_role(wh[m], mx),
-                                   e4m3x2_to_bf16x2_role(wl[m] >> 16, mx), e4m3x2_to_bf16x2_role(wh[m] >> 16, mx)};
-        const unsigned q0 = r < G ? qw[32 * j + 8 * t + 2 * m] : 0u, q1 = r < G ? qw[32 * j + 8 * t + 2 * m + 1] : 0u;
-        const tilehal::u32 bq[2] = {mx ? bf16x2_max0(q0) : bf16x2_min0(q0), mx ? bf16x2_max0(q1) : bf16x2_min0(q1)};
-        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
-      }
-    }
-  }
+  fp8_tile_walk<D>(slot, r, t, [&](int bound, int j, int m, unsigned wl, unsigned wh) {
+    const bool mx = bound == 0;
+    const tilehal::u32 a[4] = {e4m3x2_to_bf16x2_role(wl, mx), e4m3x2_to_bf16x2_role(wh, mx),
+                               e4m3x2_to_bf16x2_role(wl >> 16, mx), e4m3x2_to_bf16x2_role(wh >> 16, mx)};
+    const unsigned q0 = r < G ? qw[32 * j + 8 * t + 2 * m] : 0u, q1 = r < G ? qw[32 * j + 8 * t + 2 * m + 1] : 0u;
+    const tilehal::u32 bq[2] = {mx ? bf16x2_max0(q0) : bf16x2_min0(q0), mx ? bf16x2_max0(q1) : bf16x2_min0(q1)};
+    tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
+  });
 }
 
 template <typename TS, int D, int G> struct RingQ { using type = Fp8Q<D, G>; };
@@ -1185,18 +1184,13 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_chunk_kernel(
   if constexpr (FUSED) {
     __syncthreads();  // every warp's scores in score_s; the rings are free for the histogram
     int* hist = reinterpret_cast<int*>(dsm);
-    long long n_valid = table_stride;
-    if (mode == 1) n_valid = nv[b];
-    if (mode == 2) n_valid = ((long long)seq_lens[b] + block_size - 1) / block_size;
+    const long long n_valid = mode_n_valid(mode, b, table_stride, nv, seq_lens, block_size);
     const int wc = min(width, chunk);
     unsigned key[kChunkItems];
 #pragma unroll
     for (int i = 0; i < kChunkItems; ++i) {
       const int li = tid * kChunkItems + i;
-      const long long p = pos0 + li;
-      unsigned k = 0u;
-      if (li < n_here && p < n_valid) k = (p < sink || p >= n_valid - local) ? kKeyForced : float_key(score_s[li]);
-      key[i] = k;
+      key[i] = li < n_here ? select_key(pos0 + li, n_valid, sink, local, score_s[li]) : 0u;
     }
     int slot, total;
     unsigned take = cta_topk<kScoreThreads, kChunkItems>(key, wc, hist, sc, slot, total);
@@ -1348,9 +1342,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
   const int r = lane / 4, t = lane % 4;
   const int pos0 = blockIdx.x * CHUNK;
   const int n_here = min(CHUNK, table_stride - pos0);
-  long long n_valid = table_stride;
-  if (mode == 1) n_valid = nv[b];
-  if (mode == 2) n_valid = ((long long)seq_lens[b] + block_size - 1) / block_size;
+  const long long n_valid = mode_n_valid(mode, b, table_stride, nv, seq_lens, block_size);
   const int* table = block_table + (long long)b * table_stride;
   for (int i = tid; i < CHUNK; i += kScoreThreads) {
     const long long p = pos0 + i;
@@ -1434,10 +1426,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_stream_kernel(
 #pragma unroll
     for (int j = 0; j < K; ++j) {
       const int i = lane * K + j;
-      const long long p = pos0 + i;
-      unsigned k = 0u;
-      if (i < n_here && p < n_valid) k = (p < sink || p >= n_valid - local) ? kKeyForced : float_key(score_s[warp * CHUNK + i]);
-      key[j] = k;
+      key[j] = i < n_here ? select_key(pos0 + i, n_valid, sink, local, score_s[warp * CHUNK + i]) : 0u;
     }
     const unsigned T = warp_kth_regs(key, wc);
     int gt = 0, eq = 0;
