@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import types
 from pathlib import Path
 
 import tilehal
@@ -159,13 +160,19 @@ def _tickets(device: torch.device, rows: int) -> torch.Tensor:
     return tilehal.stream_buffer(_TICKETS, device, rows, min_numel=256)
 
 
-def _prepare(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor, local: int,
-             num_valid: torch.Tensor | None, seq_lens: torch.Tensor | None, block_size: int | None):
-    """The one-launch selections' inputs: contiguous, 16-byte aligned summaries (copied, said at
-    DEBUG, when a view is not), 4-byte aligned q, int32 table, and the n_valid mode (0: the table
-    width, 1: num_valid, 2: ceil(seq_lens / block_size)) with its tensor."""
+def _prepare(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor, width: int,
+             local: int, num_valid: torch.Tensor | None, seq_lens: torch.Tensor | None, block_size: int | None):
+    """The one-launch selections' output (int32 [B, kv_heads, width], unwritten) and inputs, or
+    (out, None) when nothing is left to compute (out already final). Inputs: contiguous, 16-byte
+    aligned summaries (copied, said at DEBUG, when a view is not), 4-byte aligned q, int32 table,
+    and the n_valid mode (0: the table width, 1: num_valid, 2: ceil(seq_lens / block_size)) with
+    its tensor."""
+    B, Hq, D = q.shape
+    H, nb = kmin.shape[1], block_table.shape[1]
+    out = torch.empty((B, H, width), dtype=torch.int32, device=q.device)
+    if out.numel() == 0 or nb == 0:
+        return out.fill_(-1), None
     table = _i32(block_table)
-    nb = table.shape[1]
     kmin, kmax = kmin.contiguous(), kmax.contiguous()
     if not _aligned(kmin, kmax):
         log.debug("select: summaries not 16-byte aligned; copying them")
@@ -180,23 +187,19 @@ def _prepare(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_tabl
         mode, sl = 2, _i32(seq_lens)
     else:
         mode = 0
-    return q, kmin, kmax, table, mode, nv, sl
+    return out, types.SimpleNamespace(B=B, H=H, D=D, group=Hq // H, nb=nb, q=q, kmin=kmin, kmax=kmax, table=table,
+                                      mode=mode, nv=nv, sl=sl)
 
 
 def select_fused(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_table: torch.Tensor, width: int,
                  sink: int, local: int, reduce: str, *, num_valid: torch.Tensor | None = None,
                  seq_lens: torch.Tensor | None = None, block_size: int | None = None) -> torch.Tensor:
     """int32 [B, kv_heads, width]: select_blocks in one launch (fused_reason must be None)."""
-    B, Hq, D = q.shape
-    H = kmin.shape[1]
-    group = Hq // H
-    nb = block_table.shape[1]
-    out = torch.empty((B, H, width), dtype=torch.int32, device=q.device)
-    if B == 0 or width == 0:
+    out, a = _prepare(q, kmin, kmax, block_table, width, local, num_valid, seq_lens, block_size)
+    if a is None:
         return out
-    if nb == 0:
-        return out.fill_(-1)
-    q, kmin, kmax, table, mode, nv, sl = _prepare(q, kmin, kmax, block_table, local, num_valid, seq_lens, block_size)
+    B, H, D, group, nb, q, kmin, kmax = a.B, a.H, a.D, a.group, a.nb, a.q, a.kmin, a.kmax
+    table, mode, nv, sl = a.table, a.mode, a.nv, a.sl
     chunk = fused_chunk(q.device, B * H, nb)
     chunks = -(-nb // chunk)
     wc = min(width, chunk)
@@ -323,16 +326,11 @@ def select_stream(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
     """int32 [B, kv_heads, width]: select_blocks in one launch of quest_select_stream_kernel
     (stream_reason must be None). merge=False is for profiling only: the chunks' candidates are
     computed, the merge skipped, the returned tensor left unwritten."""
-    B, Hq, D = q.shape
-    H = kmin.shape[1]
-    group = Hq // H
-    nb = block_table.shape[1]
-    out = torch.empty((B, H, width), dtype=torch.int32, device=q.device)
-    if B == 0 or width == 0:
+    out, a = _prepare(q, kmin, kmax, block_table, width, local, num_valid, seq_lens, block_size)
+    if a is None:
         return out
-    if nb == 0:
-        return out.fill_(-1)
-    q, kmin, kmax, table, mode, nv, sl = _prepare(q, kmin, kmax, block_table, local, num_valid, seq_lens, block_size)
+    B, H, D, group, nb, q, kmin, kmax = a.B, a.H, a.D, a.group, a.nb, a.q, a.kmin, a.kmax
+    table, mode, nv, sl = a.table, a.mode, a.nv, a.sl
     chunk = stream_chunk(q.device, B, nb)
     chunks = -(-nb // chunk)
     wc4 = -(-min(width, chunk) // 4) * 4  # each chunk's candidate list, padded to 16-byte rows

@@ -319,6 +319,20 @@ struct MmaQ {
   }
 };
 
+// The two k-steps of 32-channel group j: acc += [A rows r / r + 8: words al / ah] x the bound's q
+// columns (q+ for kmax, q- for kmin).
+template <bool IS_MAX, typename QF>
+__device__ __forceinline__ void mma_group(const QF& Q, int j, const unsigned (&al)[4], const unsigned (&ah)[4],
+                                          float (&acc)[4]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
+    const tilehal::u32 bq[2] = {IS_MAX ? Q.qp[j][2 * hh] : Q.qn[j][2 * hh],
+                                IS_MAX ? Q.qp[j][2 * hh + 1] : Q.qn[j][2 * hh + 1]};
+    tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
+  }
+}
+
 // One bound (kmax or kmin) of one 16-block tile, loaded raw: the lane's rows r (lo) and r + 8 (hi).
 // Loading and computing are separate so the next tile's loads go out while this one computes.
 template <typename TS, int D> struct Half {
@@ -339,13 +353,7 @@ template <typename TS, int D> struct Half {
       unsigned al[4], ah[4];
       l[j].template words<IS_MAX>(al);
       h[j].template words<IS_MAX>(ah);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const tilehal::u32 a[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
-        const tilehal::u32 bq[2] = {IS_MAX ? Q.qp[j][2 * hh] : Q.qn[j][2 * hh],
-                                    IS_MAX ? Q.qp[j][2 * hh + 1] : Q.qn[j][2 * hh + 1]};
-        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
-      }
+      mma_group<IS_MAX>(Q, j, al, ah, acc);
     }
   }
 };
@@ -385,13 +393,7 @@ template <int D> struct Half<Q4, D> {
       words(c[0][j], al);
       words(c[1][j], ah);
       float a[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const tilehal::u32 av[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
-        const tilehal::u32 bq[2] = {IS_MAX ? Q.qp[j][2 * hh] : Q.qn[j][2 * hh],
-                                    IS_MAX ? Q.qp[j][2 * hh + 1] : Q.qn[j][2 * hh + 1]};
-        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, a, av, bq);
-      }
+      mma_group<IS_MAX>(Q, j, al, ah, a);
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
         const float2 ls = tilehal::bf16x2_to_float2(pr[s][j]);  // (lo, step)
