@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import kvpool
 import tilehal
@@ -38,33 +39,20 @@ from dataengine import cuda_select, select
 from kvpool import cuda_decode
 from tilehal.testing import environ
 
+# kvpool's decode benchmark (the consumer's side of the step): its pool builder and timers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kvpool" / "benchmarks"))
+import bench_decode as kv_bench  # noqa: E402
+
+bench, bench_graph = kv_bench.bench, kv_bench.bench_graph
+
 HQ, H, D, BS, B, TOP = 32, 8, 128, 16, 8, 64
 CTX_MAX = 128 * 1024
 
 
-def bench(fn) -> float:
-    return tilehal.bench(fn, warmup=5, iters=30, flush_l2=True).median_s
-
-
-def bench_graph(fn) -> float | str:
-    """GPU time without Python launch overhead (the call captured in a CUDA graph, replayed), or
-    why it could not be captured: the JSON says so instead of hiding it."""
-    try:
-        return tilehal.bench_graph(fn, warmup=5, iters=30, flush_l2=True).median_s
-    except Exception as e:
-        return f"capture failed: {type(e).__name__}: {e}"[:300]
-
-
 def build_pool() -> kvpool.KVPool:
-    pool = kvpool.KVPool(1, H, D, B * CTX_MAX // BS, block_size=BS, dtype=torch.bfloat16, device="cuda",
-                         prefix_caching=False, watermark=0.0)
-    for b in range(B):
-        pool.add_sequence(b, [0])
-    for _ in range(CTX_MAX // (BS * 64)):
-        for b in range(B):
-            pool.append(b, BS * 64)
-    pool.k_cache.normal_()
-    pool.v_cache.normal_()
+    """kvpool's decode-benchmark pool (B sequences of CTX_MAX tokens, blocks interleaved, random
+    K/V) with the summaries of its keys."""
+    pool = kv_bench.build_pool(B, CTX_MAX, chunk_blocks=64)
     kmin, kmax = pool.key_summary(0)
     k = pool.k_cache[0].view(-1, BS, H, D)
     for s in range(0, k.shape[0], 8192):  # summaries of the random keys, as writes would leave them

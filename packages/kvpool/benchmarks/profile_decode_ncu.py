@@ -15,17 +15,10 @@ B, HQ, H, D, BS, CTX, TOP = 8, 32, 8, 128, 16, 128 * 1024, 64
 
 def main() -> None:
     import kvpool
+    from bench_decode import build_pool
     from kvpool import cuda_decode
 
-    pool = kvpool.KVPool(1, H, D, B * CTX // BS, block_size=BS, dtype=torch.bfloat16, device="cuda",
-                         prefix_caching=False, watermark=0.0)
-    for b in range(B):
-        pool.add_sequence(b, [0])
-    for _ in range(CTX // (BS * 64)):
-        for b in range(B):
-            pool.append(b, BS * 64)
-    pool.k_cache.normal_()
-    pool.v_cache.normal_()
+    pool = build_pool(B, CTX, chunk_blocks=64)
     ids = list(range(B))
     bt, sl = pool.block_table(ids), pool.seq_lens(ids)
     nb = CTX // BS
