@@ -11,17 +11,16 @@ Shapes from issue 15: b8, GQA 32/8, head_dim 128, bf16, 16-token blocks; selecti
 Summaries: bf16 (kvpool's default), fp8 e4m3 rounded outward (KVPool(summary_dtype=
 torch.float8_e4m3fn)) and int4 rows (summary_dtype="int4": 80 B per block and head at d128), each timed end to end and split into its two launches (score kernel on CUDA
 cores and on tensor cores; top-k fast (1024 threads, 12-bit digits) and plain). select_us is the
-default path (score kernel, then top-k); select_fused_us the opt-in one-launch selection
-(DATAENGINE_SELECT_FUSED=1: tensor-core scores + per-chunk top-k + merge by the row's last CTA);
-select_stream*_us / sparse_step_stream*_us the streamed one-launch selection
-(DATAENGINE_SELECT_STREAM=on: each CTA streams all kv heads' summaries of a chunk of blocks through
-shared memory, keeps per-head chunk candidates, the sequence's last CTA merges), _cN: N positions
-per CTA.
-Floor: the selection reads the summaries, 2 * kv_heads * head_dim * 2 B (bf16) or 1 B (fp8) per
-block per sequence (268 / 134 MB at b8 x 128K) = 1/16 / 1/32 of what dense decode reads (K and V).
+default path; select_<path>_us every path (PATHS): two launches or one (DATAENGINE_SELECT_FUSED=1:
+quest_select_chunk_kernel, scores + per-chunk top-k + merge by the row's last CTA), scores on the
+register path or through per-warp cp.async rings (DATAENGINE_RING_SCORES=on: fp8 on f16 tensor
+cores, int4 rows), with their steps at 128K.
+Floor: the selection reads the summaries, 2 * kv_heads * row bytes per block per sequence: 2 * 8 *
+256 / 128 / 80 B for bf16 / fp8 / int4 at d128 = 268 / 134 / 84 MB at b8 x 128K, 1/16 / 1/32 / 1/51
+of what dense decode reads (K and V): 67 / 34 / 21 us at 4.0 TB/s.
 Writes docs/benchmarks/dataengine_select_cuda_kernels.{json,png}. BENCH_CONTEXTS=131072 limits the
 contexts; BENCH_TORCH_REFERENCE=0 skips timing the torch reference (~20 s at 128K); BENCH_LEAN=1 times only the
-main rows (dense, default selection, streamed selection and their steps) below the largest context.
+main rows (dense, default selection and its step, the other paths' selection) below the largest context.
 """
 
 from __future__ import annotations
@@ -46,6 +45,13 @@ import bench_decode as kv_bench  # noqa: E402
 bench, bench_graph = kv_bench.bench, kv_bench.bench_graph
 
 HQ, H, D, BS, B, TOP = 32, 8, 128, 16, 8, 64
+# the selection paths besides the default (select_us): two launches (scores, top-k) or one
+# (quest_select_chunk_kernel), scores on the register path or through the rings (fp8 on f16
+# tensor cores, int4)
+PATHS = [("two", {"DATAENGINE_SELECT_FUSED": "0", "DATAENGINE_RING_SCORES": "off"}),
+         ("two_ring", {"DATAENGINE_SELECT_FUSED": "0", "DATAENGINE_RING_SCORES": "on"}),
+         ("fused", {"DATAENGINE_SELECT_FUSED": "1", "DATAENGINE_RING_SCORES": "off"}),
+         ("fused_ring", {"DATAENGINE_SELECT_FUSED": "1", "DATAENGINE_RING_SCORES": "on"})]
 CTX_MAX = 128 * 1024
 
 
@@ -155,34 +161,18 @@ def main() -> None:
                  "floor_speedup_at_dense_bandwidth": round(kv_bytes / sbytes, 1),
                  "gpu_equals_reference": bool(torch.equal(idx, ref)), "mismatching_rows": int((idx != ref).any(-1).sum()),
                  "sparse_calc_diff_vs_reference": tilehal.calc_diff(out_sparse[:1], out_ref)}
-            if not lean:
-                with environ({"DATAENGINE_SELECT_FUSED": "1"}):  # the same selection in one launch (opt-in)
-                    r["select_fused_us"] = us(bench(sel))
-                    r["select_fused_equals_reference"] = bool(torch.equal(sel(), ref))
-            # the streamed one-launch selection (quest_select_stream_kernel), its chunk sizes at 128K
-            variants = [(None, None), ("128", None), ("256", None), ("512", None), ("256", "32")]
-            for chunk, sb in (variants if ctx == max(contexts) else variants[:1]):
-                env = {"DATAENGINE_SELECT_STREAM": "on", **({"DATAENGINE_STREAM_CHUNK": chunk} if chunk else {}),
-                       **({"DATAENGINE_STREAM_SB": sb} if sb else {})}
-                sfx = (f"_c{chunk}" if chunk else "") + (f"_sb{sb}" if sb else "")
+            # every other selection path: two launches / one (fused), register / ring scores
+            for pname, env in PATHS:
+                if pname.endswith("_ring") and lo.dtype == torch.bfloat16:
+                    continue  # rings: fp8 and int4 summaries
                 with environ(env):
-                    if cuda_select.stream_reason(q, lo, TOP) is not None:
-                        r["stream"] = cuda_select.stream_reason(q, lo, TOP)
-                        break
-                    t_st = bench(sel)
-                    r[f"select_stream{sfx}_us"] = us(t_st)
-                    r[f"select_stream{sfx}_equals_reference"] = bool(torch.equal(sel(), ref))
-                    if chunk is None:
-                        with environ({"KVPOOL_DECODE_PREFETCH": "1"}):
-                            r["sparse_step_stream_prefetch_us"] = us(bench(step))
-                            r["sparse_step_stream_prefetch_graph_us"] = us(bench_graph(step))
-                        g_st, t_sst, g_sst = bench_graph(sel), bench(step), bench_graph(step)
-                        r.update({"select_stream_graph_us": us(g_st), "sparse_step_stream_us": us(t_sst),
-                                  "sparse_step_stream_graph_us": us(g_sst),
-                                  "select_stream_summary_GBps": round(sbytes / t_st / 1e9),
-                                  "step_speedup_stream": round(t_dense / t_sst, 2),
-                                  "step_speedup_stream_graph": round(g_dense / g_sst, 2)
-                                  if isinstance(g_sst, float) and isinstance(g_dense, float) else None})
+                    r[f"select_{pname}_us"] = us(bench(sel))
+                    r[f"select_{pname}_equals_reference"] = bool(torch.equal(sel(), ref))
+                    if not lean:
+                        r[f"select_{pname}_graph_us"] = us(bench_graph(sel))
+                        t_p, g_p = bench(step), bench_graph(step)
+                        r[f"sparse_step_{pname}_us"], r[f"sparse_step_{pname}_graph_us"] = us(t_p), us(g_p)
+                        r[f"step_speedup_{pname}"] = round(t_dense / t_p, 2)
             # the two launches apart: score kernel (each variant) and top-k
             raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max")
             for variant in (() if lean else ("simt", "mma")):

@@ -47,7 +47,7 @@ def paths(dtype: torch.dtype) -> list[tuple[str, dict]]:
     out = []
     for ring in rings:
         sfx = "_ring" if ring == "on" else ""
-        base = {"DATAENGINE_RING_SCORES": ring, "DATAENGINE_SELECT_STREAM": "off"}
+        base = {"DATAENGINE_RING_SCORES": ring}
         out.append((f"two{sfx}", {**base, "DATAENGINE_SELECT_FUSED": "0"}))
         out.append((f"fused{sfx}", {**base, "DATAENGINE_SELECT_FUSED": "1"}))
     return out

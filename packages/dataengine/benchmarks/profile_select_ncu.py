@@ -3,7 +3,7 @@
 #       --section Occupancy --section WarpStateStats python profile_select_ncu.py
 """One launch of each kernel of the selection (score on CUDA cores / tensor cores, bf16 / fp8
 summaries, fp8 / int4 through the rings; top-k fast / plain; the one-launch selections: chunked bf16 / fp8 / int4 (rings
-and register paths), streamed fp8 / int4; PROFILE_ONLY=new: the chunked ones, int4 scores and the fast top-k) at b8 x 128K, GQA 32/8, d128, 8192 blocks, top 64. Prints only
+and register paths); PROFILE_ONLY=new: the chunked ones, int4 scores and the fast top-k) at b8 x 128K, GQA 32/8, d128, 8192 blocks, top 64. Prints only
 the shapes: the profile is ncu's."""
 
 from __future__ import annotations
@@ -47,10 +47,6 @@ def select_kernels() -> None:
     for lo, hi in ((kmin, kmax), (fmin, fmax), (imin, imax)) if only == "all" else ((imin, imax),):
         with environ({"DATAENGINE_RING_SCORES": "off"}):
             cuda_select.select_fused(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS)
-    if only == "all":
-        for lo, hi in ((fmin, fmax), (imin, imax)):  # the streamed one-launch selection; then without its merge
-            for merge in (True, False):
-                cuda_select.select_stream(q, lo, hi, bt, TOP, 1, 1, "max", seq_lens=sl, block_size=BS, merge=merge)
     for tv in ("fast", "plain") if only == "all" else ("fast",):
         cuda_select.topk_rows(raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant=tv)
     torch.cuda.synchronize()

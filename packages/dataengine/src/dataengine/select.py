@@ -321,11 +321,6 @@ def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
     width = min(budget, nb)
     sink, local = min(sink_blocks, nb + 1), min(local_blocks, nb + 1)
     if block_size is not None:
-        why = cuda_select.stream_reason(q, kmin, width)
-        if why is None:
-            return cuda_select.select_stream(q, kmin, kmax, block_table, width, sink, local, reduce,
-                                             seq_lens=seq_lens, block_size=block_size)
-        log.debug("select_blocks: streamed kernel not used (%s)", why)
         why = cuda_select.fused_reason(q, kmin, width, nb)
         if why is None:
             return cuda_select.select_fused(q, kmin, kmax, block_table, width, sink, local, reduce,
