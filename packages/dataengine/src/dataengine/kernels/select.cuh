@@ -1197,6 +1197,15 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_chunk_kernel(
     int slot, total;
     unsigned take = cta_topk<kScoreThreads, kChunkItems>(key, wc, hist, sc, slot, total);
     const long long row = (long long)b * H + h;
+    int* orow = out + row * width;
+    if (chunks == 1) {  // the row in one chunk: its top-width is the answer (wc == width)
+#pragma unroll
+      for (int i = 0; i < kChunkItems; ++i) {
+        if ((take >> i) & 1u) orow[slot++] = pos0 + tid * kChunkItems + i;
+      }
+      for (int s2 = total + tid; s2 < width; s2 += kScoreThreads) orow[s2] = -1;
+      return;
+    }
     uint2* crow = cand + (row * chunks + blockIdx.x) * wc;
 #pragma unroll
     for (int i = 0; i < kChunkItems; ++i) {
@@ -1216,7 +1225,6 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_chunk_kernel(
       pos[i] = kp.y;
     }
     take = cta_topk<kScoreThreads, kChunkItems>(key, width, hist, sc, slot, total);
-    int* orow = out + row * width;
 #pragma unroll
     for (int i = 0; i < kChunkItems; ++i) {
       if ((take >> i) & 1u) orow[slot++] = int(pos[i]);
