@@ -67,6 +67,35 @@ def test_cpu_dispatch_is_the_reference():
                        select.topk_blocks_reference(s, 5, sink_blocks=1, local_blocks=2))
 
 
+def _top(keys, width, neg_inf=0x007FFFFF):
+    """Positions of the `width` largest keys (key desc, position asc), keys > -inf's only, ascending
+    (topk_select_kernel's answer for one row of keys: 0 invalid, 0xFFFFFFFF forced)."""
+    order = sorted(range(len(keys)), key=lambda i: (-keys[i][0], keys[i][1]))[:width]
+    return sorted(keys[i][1] for i in order if keys[i][0] > neg_inf)
+
+
+def test_chunked_selection_algorithm_is_exact():
+    """quest_select_chunk_kernel's two levels (each chunk's top-min(width, chunk) as candidates in
+    position order, then the top-width of all candidates), emulated on the host, equal the one-level
+    top-k on random and tie-heavy rows with -inf, forced and invalid keys, for any chunk size."""
+    neg_inf = 0x007FFFFF
+    g = torch.Generator().manual_seed(0)
+    for trial in range(80):
+        n = int(torch.randint(1, 900, (1,), generator=g))
+        chunk = (128, 256, 384, 2048)[trial % 4]
+        width = int(torch.randint(1, 300, (1,), generator=g))
+        hi = (3, 50, 1 << 32)[trial % 3]
+        raw = [int(x) % (1 << 32) for x in torch.randint(0, hi, (n,), generator=g).tolist()]
+        keys = [(neg_inf if x == 1 else 0xFFFFFFFF if x == 2 else x, p) for p, x in enumerate(raw)]
+        want = _top(keys, width)
+        cand = []
+        for c in range(0, n, chunk):
+            won = set(_top(keys[c:c + chunk], min(width, chunk), neg_inf))
+            cand += [(k, p) for k, p in keys[c:c + chunk] if p in won]
+        assert [p for k, p in cand] == sorted(p for k, p in cand)  # the merge's input: position order
+        assert _top(cand, width) == want, (trial, n, chunk, width)
+
+
 # ----------------------------------------------------------------------------- GPU
 def _problem(seed, B=6, Hq=32, Hkv=8, D=128, max_blocks=300, num_blocks=2000, dtype=torch.bfloat16,
              sdtype=None, integer=True, holes=False, unwritten=0.0):
