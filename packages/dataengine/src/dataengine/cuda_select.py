@@ -119,11 +119,14 @@ def chunk_smem_bytes(s_dtype: torch.dtype, head_dim: int, fused: bool, ring: boo
     return max(ring_bytes, 4 * 4096 if fused else 0)
 
 
+DEFAULT_FUSED = "0"  # "1" once the H200 round has checked it
+
+
 def fused_variant() -> str:
-    """DATAENGINE_SELECT_FUSED (default "0"): "1" runs select_blocks in one launch of
+    """DATAENGINE_SELECT_FUSED (default DEFAULT_FUSED): "1" runs select_blocks in one launch of
     quest_select_chunk_kernel (scores, per-chunk top-k, the row's last CTA merges) where
     `fused_reason` allows; "0" never."""
-    v = os.environ.get("DATAENGINE_SELECT_FUSED", "0")
+    v = os.environ.get("DATAENGINE_SELECT_FUSED") or DEFAULT_FUSED
     if v not in ("0", "1"):
         raise tilehal.ArgumentError(f"DATAENGINE_SELECT_FUSED: expected 0 or 1, got {v!r}")
     return v
