@@ -7,6 +7,7 @@ dtype, whether C is added); M stays a runtime argument so MoE batches of any siz
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -282,6 +283,9 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
             if degenerate_gemm(m, n, k, d, c):
                 return
             cfg = config or splitk.pick_tiles(m, n, k, get_num_sms())
+            if cfg.multicast > 1 and splitk.is_mn_major(a):
+                log.debug("split-K: no A multicast for an MN-major A (multicast shares K-major A tiles)")
+                cfg = dataclasses.replace(cfg, multicast=1)
             log.debug("bf16 %dx%dx%d: MN-major %s read in place (%dx%d tiles, %d splits)", m, n, k,
                       "+".join(x for x, t in (("a", a), ("b", b)) if splitk.is_mn_major(t)), cfg.block_m,
                       cfg.block_n, cfg.splits)

@@ -58,6 +58,11 @@ MIN_GAIN = 0.6
 # as the model has it no dearer (M <= 64) or at 0.85 of the persistent plan (M > 64).
 FP8_MIN_GAIN_SMALL_M = 1.0
 FP8_MIN_GAIN = 0.85
+# Multicast of the A tile (2-CTA clusters along N) is a candidate for M >= MCAST_MIN_M (None: never) with two
+# or more n-blocks whose grid, padded to whole clusters, fits one wave; such a plan costs MCAST_COST of the same
+# plan without it (A's L2 reads halve).
+MCAST_MIN_M: int | None = None
+MCAST_COST = 1.0
 
 
 @dataclass(frozen=True)
@@ -130,29 +135,36 @@ def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKCon
     # 64-row tiles also for M > 64: more tiles share the reduction (each tile's last CTA reads the
     # other splits' partials, so the tail shrinks with the tile).
     best = None
+    mcasts = (1, 2) if MCAST_MIN_M is not None and m >= MCAST_MIN_M else (1,)
     for block_m in (64,) if m <= 64 else (64, 128):
         m_blocks = ceil_div(m, block_m)
         for bn in FP8_BLOCK_N_CANDIDATES if kind == "fp8" else BLOCK_N_CANDIDATES:
-            tiles = m_blocks * ceil_div(n, bn)
+            n_blocks = ceil_div(n, bn)
             for s in range(2, min(kb, MAX_SPLITS) + 1):
                 se = effective_splits(kb, s)
-                if tiles * se > num_sms:
+                if m_blocks * n_blocks * se > num_sms:
                     break
-                key = (splitk_cost(m, block_m, bn, kb, se), -tiles * se, -bn, -block_m)
-                if best is None or key < best[0]:
-                    best = (key, block_m, bn, se)
+                for mc in mcasts:
+                    padded = m_blocks * ceil_div(n_blocks, mc) * mc
+                    if (mc > 1 and n_blocks < 2) or padded * se > num_sms:
+                        continue
+                    cost = splitk_cost(m, block_m, bn, kb, se) * (MCAST_COST if mc > 1 else 1.0)
+                    key = (cost, -padded * se, -bn, -block_m, mc)
+                    if best is None or key < best[0]:
+                        best = (key, block_m, bn, se, mc)
     if best is None:
         widest = FP8_BLOCK_N_CANDIDATES[-1] if kind == "fp8" else BLOCK_N_CANDIDATES[-1]
         log.debug("split-K not used for %s %dx%dx%d: %d tiles already fill %d SMs", kind, m, n, k,
                   ceil_div(m, 64) * ceil_div(n, widest), num_sms)
         return None
-    (cost, _, _, _), block_m, bn, se = best
+    (cost, *_), block_m, bn, se, mc = best
     base = persistent_cost(m, n, k, num_sms, kind)
     gains = (FP8_MIN_GAIN_SMALL_M, FP8_MIN_GAIN) if kind == "fp8" else (MIN_GAIN_SMALL_M, MIN_GAIN)
     if cost > (gains[0] if m <= 64 else gains[1]) * base:
         log.debug("split-K not used for %s %dx%dx%d: estimated %.0f vs persistent %.0f", kind, m, n, k, cost, base)
         return None
-    return SplitKConfig(block_m=block_m, block_n=bn, splits=se, stages=max_stages(block_m, bn), num_sms=num_sms)
+    return SplitKConfig(block_m=block_m, block_n=bn, splits=se, stages=max_stages(block_m, bn), num_sms=num_sms,
+                        multicast=mc)
 
 
 # ----------------------------------------------------------------------------- compile / launch
