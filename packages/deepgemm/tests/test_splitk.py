@@ -287,15 +287,16 @@ def fp8_keys():
 
 def test_fp8_pick_splitk_shapes():
     # Few output tiles (N of a few thousand, M <= 128): split-K with 64/128-wide tiles that fit one wave.
-    for m, n, k in ((1, 2112, 7168), (1, 576, 7168), (1, 4096, 7168), (1, 7168, 16384), (64, 2112, 7168),
-                    (128, 576, 7168), (128, 2112, 7168)):
+    for m, n, k in ((1, 2112, 7168), (1, 576, 7168), (1, 4096, 7168), (1, 7168, 16384), (16, 2112, 7168)):
         cfg = pick_splitk(m, n, k, 132, "fp8")
         assert cfg is not None, (m, n, k)
         gx, gy, gz = cfg.grid(m, n)
         assert cfg.block_n in (64, 128) and gx * gy * gz <= 132 and gz >= 2
         assert effective_splits(-(-k // 128), cfg.splits) == cfg.splits
-    # Enough tiles already (N = 24576 / 32768), M = 4096, or one K block: the persistent kernel.
-    for m, n, k in ((1, 24576, 1536), (128, 32768, 512), (4096, 2112, 7168), (1, 4096, 128)):
+    # Enough tiles already (N = 24576 / 32768), M above FP8_MAX_M, or one K block: the persistent kernel; and
+    # 1 x 7168 x 2048, where split-K measured 13.0 vs 12.3 us on the H200 (model 0.93 of the persistent plan).
+    for m, n, k in ((1, 24576, 1536), (128, 32768, 512), (4096, 2112, 7168), (1, 4096, 128), (64, 2112, 7168),
+                    (1, 7168, 2048)):
         assert pick_splitk(m, n, k, 132, "fp8") is None, (m, n, k)
 
 
