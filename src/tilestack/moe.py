@@ -198,8 +198,9 @@ def local_layout_rows(num_pairs: int, num_experts: int, alignment: int) -> int:
 
 def build_local_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int | None = None) -> LocalLayout:
     """Group every (token, slot) pair of topk_idx [T, k] (-1 = no expert) per expert, each group starting on
-    a multiple of `alignment`, in token order inside a group: one stable sort and scatters on the device,
-    no value read back (see LocalLayout)."""
+    a multiple of `alignment`, in token order inside a group, without a sort: a pair's rank inside its expert
+    is a running count (cumsum over the [T*k, E+1] one-hot of the experts), and its row is its group's start
+    plus that rank. A dozen small device ops, no value read back (see LocalLayout)."""
     align = alignment or deepgemm.get_m_alignment_for_contiguous_layout()
     expect(topk_idx.dim() == 2, "topk_idx", "a 2-D tensor [T, k]", tuple(topk_idx.shape))
     t, k = topk_idx.shape
@@ -207,23 +208,18 @@ def build_local_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int 
     dev = topk_idx.device
     n = t * k
     m_cap = local_layout_rows(n, e, align)
-    flat = topk_idx.reshape(-1).to(torch.int64)
-    key = torch.where(flat >= 0, flat, torch.full_like(flat, e))        # -1 slots sort after every expert
-    experts, order = torch.sort(key, stable=True)
-    counts = torch.zeros(e + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts[:e] + align - 1) // align * align
-    group_start = torch.cumsum(padded, 0) - padded                      # [E]: each group's first row
-    first_pair = torch.cumsum(counts, 0) - counts                       # [E + 1]: each expert's first sorted pair
-    valid = experts < e
-    rank_in_group = torch.arange(n, device=dev) - first_pair[experts]
-    dst = torch.where(valid, group_start[experts.clamp(max=e - 1)] + rank_in_group,
-                      torch.full_like(experts, m_cap))                  # -1 slots: the scratch row m_cap
-    m_indices = torch.full((m_cap + 1,), -1, dtype=torch.int32, device=dev)
-    m_indices.scatter_(0, dst, torch.where(valid, experts, torch.full_like(experts, -1)).to(torch.int32))
-    src_rows = torch.zeros((m_cap + 1,), dtype=torch.int64, device=dev)
-    src_rows.scatter_(0, dst, torch.where(valid, order // k, torch.zeros_like(order)))
-    pair_rows = torch.empty((n,), dtype=torch.int64, device=dev).scatter_(0, order, dst)
-    return LocalLayout(m_cap, m_indices[:m_cap], src_rows[:m_cap], pair_rows, t, k)
+    flat = topk_idx.reshape(-1)
+    key = torch.where(flat >= 0, flat, e)                                  # -1 slots: the extra column e
+    running = (key.unsqueeze(1) == torch.arange(e + 1, device=dev)).cumsum(0, dtype=torch.int32)  # [n, E+1]
+    rank = running.gather(1, key.unsqueeze(1)).squeeze(1) - 1             # earlier pairs of the same expert
+    counts = running[-1, :e] if n else torch.zeros(e, dtype=torch.int32, device=dev)
+    padded = (counts + (align - 1)) // align * align
+    start = torch.cat([torch.cumsum(padded, 0) - padded, padded.new_full((1,), m_cap)])   # [E + 1]
+    dst = torch.where(key < e, start[key] + rank, m_cap).to(torch.int64)  # -1 slots: the scratch row m_cap
+    m_indices = torch.full((m_cap + 1,), -1, dtype=torch.int32, device=dev).scatter_(0, dst, key.to(torch.int32))
+    src_rows = torch.zeros((m_cap + 1,), dtype=torch.int64, device=dev).scatter_(
+        0, dst, torch.arange(n, device=dev) // k)
+    return LocalLayout(m_cap, m_indices[:m_cap], src_rows[:m_cap], dst, t, k)
 
 
 COMBINE_SOURCE = r"""
