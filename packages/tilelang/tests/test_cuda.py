@@ -643,7 +643,7 @@ def test_fa_pipelined_ws_gpu(example, causal, cfg):
     kk = torch.randn(b, h // groups, s, d, generator=g).half().cuda()
     v = torch.randn(b, h // groups, s, d, generator=g).half().cuda()
     out = k(q, kk, v).float()
-    rep = h // groups
+    rep = groups  # query heads per KV head
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), kk.float().repeat_interleave(rep, 1),
                                                            v.float().repeat_interleave(rep, 1), is_causal=causal)
     assert (out - ref).abs().max().item() <= 2e-2
