@@ -114,6 +114,8 @@ def _pass_configs(impl: str, variant: str = "2b") -> dict | None:
         cfg["cuda_persistent"] = True
     if impl == "ours_cp":
         cfg["tl.disable_tma_lower"] = True
+    if impl == "ours_tma":  # TMA pipelines with every thread in one role, whatever the default
+        cfg["cuda_warp_specialize"] = False
     if variant == "1b":
         cfg["cuda_wgmma_one_barrier"] = True
     return cfg or None
@@ -281,6 +283,102 @@ def run_impl(impl: str, quick: bool, pre: dict | None = None) -> list[dict]:
     return rows
 
 
+# --ab: the candidates of the 2026-12-02 R1 run per kernel, timed interleaved with the peer
+AB_GEMM = {
+    (8192, 8192, 8192): [("ours_tma", (128, 256, 64, 4, 256), "1b"), ("ours_ws", (128, 256, 64, 4, 256), "ws"),
+                         ("ours_wsp", (128, 256, 64, 4, 256), "wsp")],
+    (4096, 7168, 2048): [("ours_tma", (128, 256, 64, 4, 256), "1b"),
+                         ("ours_ws", (128, 256, 64, 4, 256, "c_shared"), "ws"),
+                         ("ours_wsp", (128, 256, 64, 3, 256, "c_shared"), "wsp")],
+    (4096, 2112, 7168): [("ours_tma", (128, 192, 64, 5, 256, "c_shared"), "1b"),
+                         ("ours_ws", (128, 176, 64, 5, 256, "c_shared"), "ws"),
+                         ("ours_wsp", (128, 192, 64, 4, 256, "c_shared"), "wsp")],
+    (4096, 24576, 1536): [("ours_tma", (128, 256, 64, 4, 256, "c_shared"), "1b"),
+                          ("ours_ws", (128, 256, 64, 4, 256, "c_shared"), "ws"),
+                          ("ours_wsp", (128, 256, 64, 3, 256, "c_shared"), "wsp")],
+}
+AB_FA = ["ours_tma", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp"]
+
+
+def run_ab(rounds: int) -> list[dict]:
+    """Every candidate of AB_GEMM / AB_FA and its peer (cuBLAS / SDPA), built first, then timed in `rounds`
+    rounds that each time every kernel's contenders back to back (the order rotating per round), so clock and
+    temperature drift hit all of them alike; each row's time is the median over the rounds."""
+    sys.path.insert(0, str(HERE))
+    import cuda_kernels as ck
+    import tilelang
+
+    items = []  # (row, fn)
+    for dtype in ("float16", "bfloat16"):
+        tdt = getattr(torch, dtype)
+        for M, N, K in GEMM_SHAPES:
+            if dtype == "float16" and (M, N, K) != GEMM_SHAPES[0]:
+                continue
+            a = torch.randn(M, K, device="cuda", dtype=tdt)
+            b = torch.randn(N, K, device="cuda", dtype=tdt)
+            ref = a.float() @ b.float().T
+            group = [({"impl": "cublas", "kind": "gemm", "dtype": dtype, "shape": [M, N, K]},
+                      functools.partial(torch.matmul, a, b.T))]
+            for impl, cfg, variant in AB_GEMM[(M, N, K)]:
+                row = {"impl": impl, "kind": "gemm", "dtype": dtype, "shape": [M, N, K], "config": list(cfg),
+                       "variant": variant}
+                try:
+                    t0 = time.perf_counter()
+                    func = ck.gemm_nt(M, N, K, *cfg[:5], dtype, c_shared="c_shared" in cfg[5:])
+                    k = tilelang.compile(func, out_idx=[-1], target="cuda", **_compile_kw(impl, variant))
+                    row["compile_cold_s"] = time.perf_counter() - t0
+                    row["compile_cached_s"] = _cached_compile(tilelang, impl, func, [-1], variant)
+                    c = k(a, b)
+                    row["rel_err"] = ((c.float() - ref).norm() / ref.norm()).item()
+                except Exception as e:
+                    print(f"[{impl}] gemm {dtype} {M}x{N}x{K} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                group.append((row, functools.partial(k, a, b)))
+            items.append(group)
+    b_, h, s_, d = FA_SHAPE
+    for causal in (False, True):
+        q, kk, v = (torch.randn(b_, h, s_, d, device="cuda", dtype=torch.float16) for _ in range(3))
+        ref = torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=causal)
+        group = [({"impl": "sdpa", "kind": "fa", "causal": causal, "shape": list(FA_SHAPE)},
+                  functools.partial(torch.nn.functional.scaled_dot_product_attention, q, kk, v, is_causal=causal))]
+        for impl in AB_FA:
+            row = {"impl": impl, "kind": "fa", "causal": causal, "shape": list(FA_SHAPE)}
+            try:
+                t0 = time.perf_counter()
+                func = ck.flashattn_bhsd(b_, h, s_, d, causal)
+                k = tilelang.compile(func, out_idx=[3], target="cuda", **_compile_kw(impl))
+                row["compile_cold_s"] = time.perf_counter() - t0
+                row["compile_cached_s"] = _cached_compile(tilelang, impl, func, [3])
+                row["max_abs_err"] = (k(q, kk, v).float() - ref.float()).abs().max().item()
+            except Exception as e:
+                print(f"[{impl}] fa causal={causal}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            group.append((row, functools.partial(k, q, kk, v)))
+        items.append(group)
+    print(f"ab: built {sum(len(g) for g in items)} contenders", flush=True)
+    for r in range(rounds):
+        for group in items:
+            order = group[r % len(group):] + group[:r % len(group)]
+            for row, fn in order:
+                row.setdefault("round_ms", []).append(graph_time_ms(fn))
+    rows = []
+    for group in items:
+        for row, _ in group:
+            ms = sorted(row["round_ms"])[len(row["round_ms"]) // 2]
+            if row["kind"] == "gemm":
+                M, N, K = row["shape"]
+                flops = 2 * M * N * K
+            else:
+                b_, h, s_, d = row["shape"]
+                flops = 4 * b_ * h * s_ * s_ * d * (0.5 if row["causal"] else 1.0)
+            row.update({"ms": ms, "tflops": flops / ms / 1e9, "best": True})
+            print(f"[{row['impl']}] {row['kind']} {row.get('dtype', '')} {row['shape']} {row.get('causal', '')} "
+                  f"{row.get('config', '')} {row.get('variant', '')}: {ms:.3f} ms {row['tflops']:.0f} TFLOP/s "
+                  f"rounds {[round(x, 3) for x in row['round_ms']]}", flush=True)
+            rows.append(row)
+    return rows
+
+
 def run_peers(quick: bool) -> list[dict]:
     rows = []
     shapes = GEMM_SHAPES[:2] if quick else GEMM_SHAPES
@@ -326,8 +424,9 @@ def summarize(rows: list[dict]) -> list[str]:
         return f"{r['tflops']:.0f}" if r else "-"
 
     for k in kernels:
-        mine = {i: best.get((i, *k)) for i in ("ours", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp", "ours_cp",
-                                                  "ours_mma")}
+        mine = {i: best.get((i, *k)) for i in ("ours", "ours_tma", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp",
+                                                  "ours_cp", "ours_mma")}
+        mine["ours"] = mine["ours"] or mine["ours_tma"]
         top = max((r for i, r in mine.items() if i in ("ours", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp") and r),
                   key=lambda r: r["tflops"], default=None)
         if top is None:
@@ -431,6 +530,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile-only", action="store_true", help="no GPU: time cold/cached compiles only")
     ap.add_argument("--skip-ws", action="store_true", help="leave out the ours_ws rows (cuda_warp_specialize)")
+    ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
+                    help="time the AB_GEMM / AB_FA candidates and the peers interleaved over ROUNDS rounds (only)")
     ap.add_argument("--with-wsp", action="store_true", help="add the ours_wsp rows (warp-specialized + persistent)")
     ap.add_argument("--with-pp", action="store_true", help="add the ours_pp flash-attention rows (WS + pingpong)")
     ap.add_argument("--with-cp", action="store_true", help="add the ours_cp rows (copies on cp.async)")
@@ -479,6 +580,19 @@ def main() -> None:
         if args.public_early:
             cmd += ["--go-file", str(go)]
             child = subprocess.Popen(cmd, env=env)
+    if args.ab:
+        meta["timing"] += f"; --ab: contenders of a kernel back to back, {args.ab} rounds, median"
+        with tempfile.TemporaryDirectory() as cache:
+            os.environ["TILESTACK_CACHE_DIR"] = cache
+            rows = run_ab(args.ab)
+        table = save(rows)
+        print("\n".join(table))
+        if args.out:
+            try:
+                plot(rows, Path(args.out) / "tilelang_cuda.png")
+            except Exception as e:
+                print(f"no plot: {e}")
+        return
     rows = run_peers(args.quick)
     save(rows)
 

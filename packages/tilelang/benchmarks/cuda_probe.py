@@ -37,7 +37,11 @@ GEMM_CASES = [("float16", (8192, 8192, 8192), (128, 256, 64, 3, 256)),
 
 def build(kind: str, path: str, causal: bool = False, dtype: str = "float16", shape=(8192, 8192, 8192),
           cfg=(128, 256, 64, 3, 256)):
-    cfgs = NO_WGMMA if path == "mma" else None
+    """path: "mma" (mma.sync + cp.async), "wgmma" (the defaults) or a bench_cuda impl suffix (tma, ws, wsp,
+    pp, ppp: bench_cuda._pass_configs("ours_" + path))."""
+    from bench_cuda import _pass_configs
+
+    cfgs = NO_WGMMA if path == "mma" else None if path == "wgmma" else _pass_configs("ours_" + path)
     t0 = time.perf_counter()
     if kind == "gemm":
         M, N, K = shape
@@ -169,13 +173,16 @@ def sass(names: list[str], out: str) -> None:
 
 
 def ncu_target(names: list[str]) -> None:
-    """Run each kernel once, in order (profile with `ncu -k regex:tl_ -c <len(names)>`)."""
+    """Run each kernel once, in order (profile with `ncu -k regex:tl_ -c <len(names)>`). NAME: kind_path with
+    kind gemm16 / fa / facausal and path as for build()."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     qkv = tuple(torch.randn(4, 32, 4096, 128, device="cuda", dtype=torch.float16) for _ in range(3))
     for name in names:
         kind, path = name.replace("gemm16", "gemm").split("_")
-        k, _ = build(kind, path)
+        causal = kind == "facausal"
+        kind = "fa" if causal else kind
+        k, _ = build(kind, path, causal)
         k(*((a, b) if kind == "gemm" else qkv))
         torch.cuda.synchronize()
         print(f"{name}: ran kernel {k._impl.kernels[0][0]}", flush=True)
