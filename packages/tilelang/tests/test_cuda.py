@@ -257,7 +257,7 @@ def test_gemm_variant_compiles(name):
     src = tilelang.compile(_gemm_program(*GEMM_VARIANTS[name]), out_idx=[2], target="cuda").get_kernel_source()
     assert "__global__" in src
     if name.startswith("wg_"):
-        assert "Wgmma" in src and "fence_proxy_async_shared" in src, name
+        assert "Wgmma" in src and ("fence_proxy_async_shared" in src or "mbarrier_wait(&_full" in src), name
 
 
 @needs_nvrtc
@@ -326,7 +326,7 @@ WSP = {**WS, "cuda_persistent": True}  # ... and one block per SM loops over the
 WSPP = {**WS, "cuda_ws_pingpong": True}  # ... the two consumer warpgroups take turns (opt-in)
 _WS_CFG = {"default": None, "ws": WS, "wsp": WSP, "pp": WSPP, "ppp": {**WSP, **WSPP}}
 CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async
-TMA = {"cuda_tma": True}  # TMA pipelines (the default on sm_90a; explicit for the checks)
+TMA = {"cuda_tma": True, "tl.disable_warp_specialized": True}  # TMA pipelines, every thread in one role
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
 
 
@@ -335,6 +335,13 @@ DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VAR
 @pytest.mark.parametrize("name", DEEP_WGMMA)
 def test_gemm_one_barrier_gpu(name, copies):
     _gemm_variant(name, "cuda", "cuda", {**ONE_BARRIER, **(TMA if copies == "tma" else CP_ASYNC)})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GEMM_VARIANTS))
+def test_gemm_variant_tma_plain_gpu(name):
+    """Every gemm variant with its pipelined copies on TMA, not warp-specialized (tl.disable_warp_specialized)."""
+    _gemm_variant(name, "cuda", "cuda", TMA)
 
 
 @pytest.mark.gpu
@@ -425,7 +432,7 @@ def test_tma_mbarriers_in_dynamic_smem(name):
     from tilehal import compile_cuda
 
     c = GEMM_VARIANTS[name]
-    k = tilelang.compile(_gemm_program(*c), out_idx=[2], target="cuda")
+    k = tilelang.compile(_gemm_program(*c), out_idx=[2], target="cuda", pass_configs=TMA)
     src = k.get_kernel_source()
     assert "tma_load_2d(" in src and src.count("__shared__") == 1, name  # only extern _tl_smem
     (kname, _, smem), = k._impl.kernels
@@ -843,7 +850,7 @@ def test_tma_pipelined_copies(example):
     one load per 128-byte atom column, an mbarrier per stage); tl.disable_tma_lower and disable_tma keep
     cp.async; 4-D sources are flattened only where the value ranges prove the tile inside."""
     prog = _gemm_program(*GEMM_VARIANTS["wg_nt_bf16_k128"])
-    on = {}  # the default on sm_90a
+    on = {"tl.disable_warp_specialized": True}  # TMA in every thread's program (warp-specialized: tests below)
     assert "tma_load_2d" not in tilelang.compile(prog, out_idx=[2], target="cuda",
                                                  pass_configs={"cuda_tma": False}).get_kernel_source()
     assert "tma_load_2d" not in tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs={

@@ -141,9 +141,12 @@ def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str,
     if not use_tma:
         log.debug("%s: TMA off (tl.disable_tma_lower=%r, cuda_tma=%r): pipelined copies use cp.async",
                   func.name, options.get("tl.disable_tma_lower"), options.get("cuda_tma"))
-    # warp specialization of TMA pipelines (a producer warpgroup issues the loads): opt-in for now,
-    # pass_configs cuda_warp_specialize=True (tl.disable_warp_specialized wins)
-    ws = bool(options.get("cuda_warp_specialize")) and not options.get("tl.disable_warp_specialized")
+    # warp specialization of TMA pipelines (a producer warpgroup issues the loads) by default on sm_90a;
+    # pass_configs tl.disable_warp_specialized (or cuda_warp_specialize=False) keeps the single-role pipeline
+    ws = bool(options.get("cuda_warp_specialize", True)) and not options.get("tl.disable_warp_specialized")
+    if not ws:
+        log.debug("%s: warp specialization off (tl.disable_warp_specialized=%r, cuda_warp_specialize=%r)",
+                  func.name, options.get("tl.disable_warp_specialized"), options.get("cuda_warp_specialize"))
     launch: dict = {}
     probe, kernels = generate_cuda(func, "tl_kernel", wgmma=wgmma, tma=tma, use_tma=use_tma,
                                    one_barrier=bool(options.get("cuda_wgmma_one_barrier")),
