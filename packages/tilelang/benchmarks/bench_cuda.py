@@ -297,10 +297,10 @@ AB_GEMM = {
                           ("ours_ws", (128, 256, 64, 4, 256, "c_shared"), "ws"),
                           ("ours_wsp", (128, 256, 64, 3, 256, "c_shared"), "wsp")],
 }
-AB_FA = ["ours_tma", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp"]
+AB_FA = ["ours_tma", "ours_ws", "ours_pp", "ours_ppp"]
 
 
-def run_ab(rounds: int) -> list[dict]:
+def run_ab(rounds: int, save=None) -> list[dict]:
     """Every candidate of AB_GEMM / AB_FA and its peer (cuBLAS / SDPA), built first, then timed in `rounds`
     rounds that each time every kernel's contenders back to back (the order rotating per round), so clock and
     temperature drift hit all of them alike; each row's time is the median over the rounds."""
@@ -356,26 +356,37 @@ def run_ab(rounds: int) -> list[dict]:
             group.append((row, functools.partial(k, q, kk, v)))
         items.append(group)
     print(f"ab: built {sum(len(g) for g in items)} contenders", flush=True)
+
+    def table_rows() -> list[dict]:
+        rows = []
+        for group in items:
+            for row, _ in group:
+                if not row.get("round_ms"):
+                    continue
+                ms = sorted(row["round_ms"])[len(row["round_ms"]) // 2]
+                if row["kind"] == "gemm":
+                    M, N, K = row["shape"]
+                    flops = 2 * M * N * K
+                else:
+                    b_, h, s_, d = row["shape"]
+                    flops = 4 * b_ * h * s_ * s_ * d * (0.5 if row["causal"] else 1.0)
+                row.update({"ms": ms, "tflops": flops / ms / 1e9, "best": True})
+                rows.append(row)
+        return rows
+
     for r in range(rounds):
         for group in items:
             order = group[r % len(group):] + group[:r % len(group)]
             for row, fn in order:
                 row.setdefault("round_ms", []).append(graph_time_ms(fn))
-    rows = []
-    for group in items:
-        for row, _ in group:
-            ms = sorted(row["round_ms"])[len(row["round_ms"]) // 2]
-            if row["kind"] == "gemm":
-                M, N, K = row["shape"]
-                flops = 2 * M * N * K
-            else:
-                b_, h, s_, d = row["shape"]
-                flops = 4 * b_ * h * s_ * s_ * d * (0.5 if row["causal"] else 1.0)
-            row.update({"ms": ms, "tflops": flops / ms / 1e9, "best": True})
-            print(f"[{row['impl']}] {row['kind']} {row.get('dtype', '')} {row['shape']} {row.get('causal', '')} "
-                  f"{row.get('config', '')} {row.get('variant', '')}: {ms:.3f} ms {row['tflops']:.0f} TFLOP/s "
-                  f"rounds {[round(x, 3) for x in row['round_ms']]}", flush=True)
-            rows.append(row)
+        if save is not None:  # a run cut short keeps the rounds it finished
+            save(table_rows())
+        print(f"ab: round {r + 1} done", flush=True)
+    rows = table_rows()
+    for row in rows:
+        print(f"[{row['impl']}] {row['kind']} {row.get('dtype', '')} {row['shape']} {row.get('causal', '')} "
+              f"{row.get('config', '')} {row.get('variant', '')}: {row['ms']:.3f} ms {row['tflops']:.0f} TFLOP/s "
+              f"rounds {[round(x, 3) for x in row['round_ms']]}", flush=True)
     return rows
 
 
@@ -457,7 +468,8 @@ def plot(rows: list[dict], path: Path) -> None:
         k = (r["kind"], r.get("dtype"), tuple(r.get("shape", [])), r.get("causal"))
         if k not in keys:
             keys.append(k)
-    impls = ["ours", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp", "ours_cp", "ours_mma", "public", "cublas", "sdpa"]
+    impls = ["ours", "ours_tma", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp", "ours_cp", "ours_mma", "public", "cublas",
+             "sdpa"]
     fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.14
     for i, impl in enumerate(impls):
@@ -584,7 +596,7 @@ def main() -> None:
         meta["timing"] += f"; --ab: contenders of a kernel back to back, {args.ab} rounds, median"
         with tempfile.TemporaryDirectory() as cache:
             os.environ["TILESTACK_CACHE_DIR"] = cache
-            rows = run_ab(args.ab)
+            rows = run_ab(args.ab, save)
         table = save(rows)
         print("\n".join(table))
         if args.out:
