@@ -420,6 +420,7 @@ class ExpertParallelMoE(torch.nn.Module):
         if scoring == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device))
         self._fp8_cache: dict[str, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._router_cache: tuple[Any, torch.Tensor] | None = None
         self.reset_parameters()
         ops.handle_of(self)
 
@@ -485,7 +486,7 @@ class ExpertParallelMoE(torch.nn.Module):
         `weights_in_input_dtype` (Qwen-MoE).
         """
         if self.router_in_input_dtype:
-            logits = F.linear(x, self.router_weight.to(x.dtype)).float()
+            logits = F.linear(x, self._router_in(x.dtype)).float()
         else:
             logits = x.float() @ self.router_weight.float().T
         if self.scoring == "softmax":
@@ -498,6 +499,17 @@ class ExpertParallelMoE(torch.nn.Module):
         if self.weights_in_input_dtype:
             w = w.to(x.dtype).float()
         return idx, w
+
+    def _router_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """router_weight in `dtype`, cast once per weight version (not on every call)."""
+        w = self.router_weight
+        if torch.compiler.is_compiling():
+            return w.to(dtype)
+        key = (w.data_ptr(), w._version, w.device, dtype)
+        hit = self._router_cache
+        if hit is None or hit[0] != key:
+            hit = self._router_cache = (key, w.detach().to(dtype))
+        return hit[1]
 
     def _exchange(self) -> Any:
         if self._buffer is None:
@@ -561,9 +573,12 @@ class ExpertParallelMoE(torch.nn.Module):
         lay = build_local_layout(topk_idx, self.num_local_experts)
         if self.use_fp8:
             # Cast the T tokens once, then gather their bytes and scales (half the bytes of gathering bf16).
-            x8, sx = deepgemm.per_token_cast_to_fp8(x2.to(torch.bfloat16).contiguous())
+            # The scales are gathered along the rows of their transpose, which leaves them MN-major with an
+            # aligned stride (m_cap is a multiple of 128): the layout the kernels read, no copy in the GEMM.
+            xb = x2.to(torch.bfloat16).contiguous()
+            x8, sx = deepgemm.per_token_cast_to_fp8(xb, tma_aligned_sf=xb.is_cuda)
             a: XTensor = (x8.view(torch.uint8).index_select(0, lay.src_rows).view(torch.float8_e4m3fn),
-                          sx.index_select(0, lay.src_rows))
+                          sx.t().index_select(1, lay.src_rows).t())
         else:
             a = x2.to(torch.bfloat16).index_select(0, lay.src_rows)
         y_ext = self._grouped_experts(a, lay.m_indices)
