@@ -377,6 +377,31 @@ def test_gemm_persistent_many_tiles_gpu(stages):
 
 
 @needs_nvrtc
+def test_longest_blocks_first(example):
+    """Causal flash attention's KV loop runs ~bx + 1 iterations: bx is dispatched from its largest value down
+    (plain and persistent forms); the non-causal loop and a GEMM keep the hardware order."""
+    m = example("flash_attention")
+
+    def src(causal, cfg=None):
+        func = m.flash_attention_fwd(4, 32, 4096, 128, causal, 128, 128, 2, 256, "float16", layout="bhsd")
+        return tilelang.compile(func, out_idx=[3], target="cuda", pass_configs=cfg).get_kernel_source()
+
+    assert "const int bx = (gridDim.x - 1 - blockIdx.x);" in src(True)
+    assert "const int bx = (32 - 1 - (_tile % 32));" in src(True, WSP)
+    assert "const int bx = blockIdx.x;" in src(False)
+    gemm = tilelang.compile(_gemm_program(*GEMM_VARIANTS["wg_nt_f16_2wg"]), out_idx=[2], target="cuda")
+    assert "gridDim.x - 1" not in gemm.get_kernel_source()
+    # the reversed order computes the same attention (CPU threads: cp.async pipeline, 4 query blocks)
+    k = tilelang.compile(m.flash_attention_fwd(1, 2, 256, 64, True, 64, 64, 2, 128, "float16", layout="bhsd"),
+                         out_idx=[3], target="cuda_emu")
+    assert "gridDim.x - 1 - blockIdx.x" in k.get_kernel_source()
+    g = torch.Generator().manual_seed(3)
+    q, kk, v = (torch.randn(1, 2, 256, 64, generator=g).half() for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), kk.float(), v.float(), is_causal=True)
+    assert (k(q, kk, v).float() - ref).abs().max().item() <= 2e-2
+
+
+@needs_nvrtc
 def test_warp_specialized_codegen(caplog, tmp_path, monkeypatch, example):
     """cuda_warp_specialize: a TMA pipeline gets a producer warpgroup (threads T..T+127, one issuing thread,
     `empty` / `full` mbarriers per stage, setmaxnreg when T + 128 > 256) launched on top of the T.Kernel's

@@ -519,6 +519,9 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
             g = [int(x.value) for x in k.grid] + [1, 1]
             axes = [f"({tile} % {g[0]})", f"(({tile} / {g[0]}) % {g[1]})", f"({tile} / {g[0] * g[1]})"]
             dims = [str(g[0]), str(g[1]), str(g[2])]
+        if getattr(self, "block_reverse", None) is not None:  # longest blocks first (rules/pipelined.py)
+            r = self.block_reverse
+            axes[r] = f"({dims[r]} - 1 - {axes[r]})"
         out = []
         swz = k.attrs.get("swizzle")
         if swz and swz[2] and len(k.block_vars) >= 2:

@@ -77,8 +77,63 @@ class PipelineRules:
             else:
                 log.debug("%s: T.Pipelined(num_stages=%d) has no global->shared copy to prefetch; runs serially",
                           loop.loc, n)
+        self._plan_block_order()
         if self.warp_specialize:
             self._plan_ws()
+
+    def _plan_block_order(self) -> None:
+        """Longest blocks first: when the trip count of a pipelined loop at the top of the kernel body grows
+        with a block index (causal attention: query block bx runs ~bx + 1 KV blocks), that index is dispatched
+        from its largest value down, so the long blocks start in the first waves and the short ones fill the
+        tail. Blocks are independent, so any order gives the same result; evaluated with the interpreter at
+        the index's two ends (the other block indices 0, the top-level lets before the loop computed)."""
+        self.block_reverse: int | None = None
+        k = self.kernel
+        if not all(isinstance(g, Const) for g in k.grid) or not k.block_vars:
+            return
+        from ...interp import Interpreter
+
+        seq: list = []
+
+        def flat(x) -> None:
+            for st in (x.body if isinstance(x, Seq) else [x]):
+                if isinstance(st, Seq):
+                    flat(st)
+                else:
+                    seq.append(st)
+
+        flat(k.body)
+
+        def trips(env: dict, loop: For):
+            it = Interpreter.__new__(Interpreter)
+            it.env = dict(env)
+            it.bufs = {}
+            try:
+                for st in seq:
+                    if st is loop:
+                        return int(it.expr(loop.extent))
+                    if isinstance(st, Let):
+                        it.env[st.var] = it.expr(st.value)
+            except Exception:  # a value the interpreter cannot compute without the kernel's data
+                return None
+            return None
+
+        best = (0, None)
+        for loop in seq:
+            if not (isinstance(loop, For) and id(loop) in self.pipes):
+                continue
+            for i, (v, g) in enumerate(zip(k.block_vars, k.grid)):
+                n = int(g.value)
+                if n < 2:
+                    continue
+                base = {b: 0 for b in k.block_vars} | {lt.var: 0 for lt in self.lets}
+                lo, hi = trips({**base, v: 0}, loop), trips({**base, v: n - 1}, loop)
+                if lo is not None and hi is not None and hi - lo > best[0]:
+                    best = (hi - lo, i)
+        if best[1] is not None:
+            self.block_reverse = best[1]
+            log.debug("%s: block index %s dispatched from its largest value down (the pipelined loop runs %d more "
+                      "iterations at its end than at 0)", k.loc, k.block_vars[best[1]].name, best[0])
 
     def _plan_ws(self) -> None:
         """pass_configs cuda_warp_specialize: the kernel's one TMA pipeline is fed by a producer warpgroup
