@@ -401,3 +401,23 @@ def test_random_pipelined_gemms_thread_program_matches_tile_interp(x):
                                                                          ((N, K) if tb else (K, N)))]
     want, got = _both(tc._gemm_program(*cfg), [2], inputs, GEMM_PATHS[path])
     _close(f"{cfg} {path}", got, want)
+
+
+@pytest.mark.parametrize("name", ["cumsum", "gemm_nn_bias_relu", "gemv", "flash_decoding", "gemm_splitk_atomic"])
+def test_missing_barrier_is_a_race(name):
+    """Lock-step lanes hide races, so the thread interpreter tracks shared-memory accesses between barriers:
+    with the lowering's barriers removed, an element written by one thread is read (or overwritten) by
+    another with no __syncthreads() between, and that is reported (with them, nothing is)."""
+    from tilelang.ir.thread import Barrier
+
+    fac, args, make, _, _ = SMALL[name]
+    torch.manual_seed(0)
+    inputs = make("cpu")
+    func = run_pipeline(fac.get_tir(*args), "cuda")
+    tf = lower_to_threads(func)
+    outs = [np.zeros([int(d.value) for d in p.shape], tilehal.to_numpy_dtype(p.dtype)) for p in func.params[len(inputs):]]
+    arrays = [x.numpy() for x in inputs] + outs
+    _run_program(tf, [a.copy() for a in arrays])
+    no_sync = map_stmt(tf.body, lambda s: None if isinstance(s, Barrier) else s)
+    with pytest.raises(tilehal.LaunchError, match="no __syncthreads"):
+        _run_program(type(tf)(tf.name, tf.params, no_sync, tf.dynamic_vars), [a.copy() for a in arrays])

@@ -65,6 +65,8 @@ class ThreadInterpreter(Interpreter):
         self.breaks: list[np.ndarray] = []  # per enclosing ThreadFor: the lanes that left it
         self.wg_open: list[tuple] = []  # wgmma issued since the last commit: (accumulator, [(buffer, elements)])
         self.wg_groups: list[list[tuple]] = []  # committed wgmma groups still in flight, oldest first
+        # shared-memory accesses since the last barrier, per buffer: (writer, reader) per element (see `track`)
+        self.races: dict[Buffer, tuple[np.ndarray, np.ndarray]] = {}
         super().run(buffers, dyn)
 
     def expr(self, e: Expr) -> Any:
@@ -93,17 +95,109 @@ class ThreadInterpreter(Interpreter):
         if buf in self.regs:
             self.wgmma_hazard(buf, None, "read", None)
             idx = [np.arange(self.threads, dtype=np.int64), *idx]
+        elif buf.scope == "shared" and len(idx) == 1 and self.threads:
+            self.track(buf, idx[0], False, None)
         return super().load(buf, idx)
 
     def store(self, buf: Buffer, idx: list[Any], value: Any, loc: Any = None) -> None:
         if buf in self.regs:
             self.wgmma_hazard(buf, None, "written", loc)
             idx = [np.arange(self.threads, dtype=np.int64), *idx]
-        elif buf.scope == "shared" and self.wg_open + [op for g in self.wg_groups for op in g]:
-            flat = [np.asarray(i, dtype=np.int64).ravel() for i in idx]
-            if len(flat) == 1:
-                self.wgmma_hazard(buf, flat[0], "written", loc)
+        elif buf.scope == "shared" and len(idx) == 1 and self.threads:
+            if self.wg_open or self.wg_groups:
+                self.wgmma_hazard(buf, np.asarray(idx[0], dtype=np.int64).ravel(), "written", loc)
+            self.track(buf, idx[0], True, loc, uniform_value=np.ndim(value) == 0, values=value)
         super().store(buf, idx, value, loc)
+
+    def track(self, buf: Buffer, idx: Any, write: bool, loc: Any, lanes: np.ndarray | None = None,
+              uniform_value: bool = False, values: Any = None) -> None:
+        """Record the executing threads' accesses to elements `idx` of shared `buf` since the last barrier and
+        raise LaunchError on a race the lock-step lanes would hide: an element written by one thread and read
+        or written by another with no __syncthreads() between. Per element: the writer (0 none, lane + 1, -1
+        every thread stored one value: uniform code) and the reader (-1 none, a lane, -2 several). `idx`: a
+        scalar (every executing thread: uniform code) or per lane (leading axis = threads); `lanes` (same
+        shape as `idx`) names the threads when the access is not the executing lanes' (a cp.async landing).
+        Several threads storing one value to one element (the replicas of a fragment) is no race."""
+        n = int(np.prod(self.bufs[buf].shape))
+        st = self.races.get(buf)
+        if st is None:
+            st = self.races[buf] = (np.zeros(n, np.int64), np.full(n, -1, np.int64))
+        wr, rd = st
+        i = np.asarray(idx, dtype=np.int64)
+        if lanes is not None:
+            lane, elem = np.asarray(lanes, dtype=np.int64).ravel(), i.ravel()
+        else:
+            on = self.active()
+            if i.ndim == 0:
+                who = np.nonzero(on)[0]
+                if who.size == 0:
+                    return
+                if who.size > 1 and (not write or uniform_value):  # uniform code: every thread, one value
+                    if 0 <= i < n:
+                        if write and (wr[i] > 0 or rd[i] >= 0 or rd[i] == -2):
+                            self._race(buf, int(i), "stored by every thread after one thread accessed it", loc)
+                        if not write and wr[i] > 0:
+                            self._race(buf, int(i), f"read by every thread, written by thread {int(wr[i]) - 1}", loc)
+                        if write:
+                            wr[i] = -1
+                        elif rd[i] != -2:
+                            rd[i] = -2
+                    return
+                lane, elem = who, np.full(who.shape, int(i))
+            else:
+                if i.shape[0] != self.threads:
+                    i = np.broadcast_to(i, (self.threads,) + i.shape)
+                shape = (-1,) + (1,) * (i.ndim - 1)
+                sel = np.broadcast_to(on.reshape(shape), i.shape)
+                lane = np.broadcast_to(np.arange(self.threads).reshape(shape), i.shape)[sel]
+                vals = np.broadcast_to(np.asarray(values), i.shape)[sel] if values is not None else None
+                elem = i[sel]
+        if lanes is not None or i.ndim == 0:
+            vals = None
+        ok = (elem >= 0) & (elem < n)  # out-of-bounds accesses report themselves
+        lane, elem = lane[ok], elem[ok]
+        if elem.size == 0:
+            return
+        pairs = np.unique(elem * self.threads + lane)
+        e_u, n_lanes = np.unique(pairs // self.threads, return_counts=True)
+        shared_here = e_u[n_lanes > 1]  # elements several threads touch in this one access
+        w = wr[elem]
+        if write:
+            same = np.zeros(elem.shape, dtype=bool)
+            if shared_here.size:
+                if vals is None:
+                    self._race(buf, int(shared_here[0]), "written by two threads at once", loc)
+                multi = np.isin(elem, shared_here)
+                v = np.asarray(vals)[ok][multi]
+                order = np.argsort(elem[multi], kind="stable")
+                es, vs = elem[multi][order], v[order]
+                starts = np.r_[0, np.nonzero(np.diff(es))[0] + 1]
+                differ = np.maximum.reduceat(vs, starts) != np.minimum.reduceat(vs, starts)
+                if differ.any():
+                    self._race(buf, int(es[starts[np.nonzero(differ)[0][0]]]), "written by two threads at once "
+                                                                              "(different values)", loc)
+                same = multi
+            r = rd[elem]
+            bad = ((w > 0) & (w != lane + 1)) | (w == -1) | ((r >= 0) & (r != lane)) | (r == -2)
+            if bad.any():
+                k = int(np.nonzero(bad)[0][0])
+                other = int(w[k]) - 1 if w[k] > 0 else ("every thread" if w[k] == -1 else
+                                                        (int(r[k]) if r[k] >= 0 else "several threads"))
+                self._race(buf, int(elem[k]), f"written by thread {int(lane[k])} after {other} accessed it", loc)
+            wr[elem] = np.where(same, -1, lane + 1)
+        else:
+            bad = (w > 0) & (w != lane + 1)
+            if bad.any():
+                k = int(np.nonzero(bad)[0][0])
+                self._race(buf, int(elem[k]), f"read by thread {int(lane[k])}, written by thread {int(w[k]) - 1}", loc)
+            r = rd[elem]
+            rd[elem] = np.where((r == -1) | (r == lane), lane, -2)
+            if shared_here.size:
+                rd[shared_here] = -2
+
+    def _race(self, buf: Buffer, elem: int, what: str, loc: Any) -> None:
+        raise tilehal.LaunchError(f"{loc or ''}: shared {buf.name}[{elem}] {what} with no __syncthreads() between "
+                                  f"(a race on the GPU)")
 
     def wgmma_hazard(self, buf: Buffer, elems: np.ndarray | None, what: str, loc: Any) -> None:
         """LaunchError when `buf` (its elements `elems`; None: the accumulator registers) is touched by
@@ -129,6 +223,7 @@ class ThreadInterpreter(Interpreter):
                 self.env[v] = i
             self.threads, self.open, self.groups = threads, [], []
             self.wg_open, self.wg_groups = [], []
+            self.races = {}
             try:
                 self.stmt(s.body)
             finally:
@@ -175,6 +270,7 @@ class ThreadInterpreter(Interpreter):
         self.regs.add(s.buffer)
 
     def barrier(self, s: Barrier) -> None:
+        self.races = {}
         arrived = self.active()
         if arrived.any() and not arrived.all():
             raise tilehal.LaunchError(f"{s.loc or ''}: T.sync_threads() reached by {int(arrived.sum())} of "
@@ -226,6 +322,9 @@ class ThreadInterpreter(Interpreter):
                 dst[tuple(x[got] for x in d_idx)] = src[tuple(x[got] for x in s_idx)]
                 zero = on & ~pred
                 dst[tuple(x[zero] for x in d_idx)] = 0
+                if len(d_idx) == 1 and dbuf.scope == "shared":  # the issuing thread's bytes, once landed
+                    lanes = np.broadcast_to(np.arange(self.threads)[:, None], d_idx[0].shape)
+                    self.track(dbuf, d_idx[0][on], True, s.loc, lanes=lanes[on])
 
     def intrinsic(self, s: Intrinsic) -> None:
         fn = _INTRINSIC_RULES.get(s.name)
@@ -351,6 +450,9 @@ def _ldmatrix(trans: bool):
         if off.min() < 0 or off.max() + 16 > byte.size:
             raise tilehal.LaunchError(f"{s.loc or ''}: {s.name}: row address outside {ref.buffer.name}")
         rows = byte[off[:, None] + np.arange(16)].reshape(-1, 4, 8, 8, 2)  # (warps, matrix, row, b16 unit, byte)
+        per = 16 // mem.dtype.itemsize
+        elems = off[:, None] // mem.dtype.itemsize + np.arange(per)
+        it.track(ref.buffer, elems, False, s.loc, lanes=np.broadcast_to(np.arange(it.threads)[:, None], elems.shape))
         lane = np.arange(WARP)
         g, t = lane // 4, lane % 4
         out = []

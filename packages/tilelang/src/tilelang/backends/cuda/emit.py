@@ -194,7 +194,7 @@ class TStore(Stmt):
         return {self.ref.buffer}
 
     def rebuild(self, tr: Any) -> Stmt:
-        return TStore(Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices], self.ref.scalar), tr.expr(self.value),
+        return TStore(tr.expr(self.ref), tr.expr(self.value),
                       tr.expr(self.cond) if self.cond is not None else None, self.op, loc=self.loc)
 
 
@@ -268,7 +268,7 @@ class VecLoad(Stmt):
         return {self.tmp}
 
     def rebuild(self, tr: Any) -> Stmt:
-        return VecLoad(self.tmp, Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices]),
+        return VecLoad(self.tmp, tr.expr(self.ref),
                        tr.expr(self.pred) if self.pred is not None else None, self.decl, loc=self.loc)
 
 
@@ -293,7 +293,7 @@ class VecStore(Stmt):
         return {self.ref.buffer}
 
     def rebuild(self, tr: Any) -> Stmt:
-        return VecStore(Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices]), self.tmp,
+        return VecStore(tr.expr(self.ref), self.tmp,
                         tr.expr(self.cond) if self.cond is not None else None, loc=self.loc)
 
 
@@ -316,7 +316,7 @@ class PackedStore2(Stmt):
         return {self.ref.buffer}
 
     def rebuild(self, tr: Any) -> Stmt:
-        return PackedStore2(Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices]), tr.expr(self.a),
+        return PackedStore2(tr.expr(self.ref), tr.expr(self.a),
                             tr.expr(self.b), tr.expr(self.cond) if self.cond is not None else None, loc=self.loc)
 
 
@@ -407,7 +407,7 @@ class AtomicAdd(Stmt):
         return {self.ref.buffer}
 
     def rebuild(self, tr: Any) -> Stmt:
-        return AtomicAdd(Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices]), tr.expr(self.value),
+        return AtomicAdd(tr.expr(self.ref), tr.expr(self.value),
                          tr.expr(self.cond) if self.cond is not None else None, loc=self.loc)
 
 
@@ -432,7 +432,7 @@ class VecAtomicAdd(Stmt):
         return {self.ref.buffer}
 
     def rebuild(self, tr: Any) -> Stmt:
-        return VecAtomicAdd(Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices]), self.part,
+        return VecAtomicAdd(tr.expr(self.ref), self.part,
                             [tr.expr(v) for v in self.values], self.vtype, self.make,
                             tr.expr(self.cond) if self.cond is not None else None, loc=self.loc)
 
@@ -590,7 +590,7 @@ class TmaLoad(Stmt):
         return {self.dst.buffer}
 
     def rebuild(self, tr: Any) -> Stmt:
-        return TmaLoad(Ref(self.dst.buffer, [tr.expr(i) for i in self.dst.indices]), self.desc, self.spec, self.src,
+        return TmaLoad(tr.expr(self.dst), self.desc, self.spec, self.src,
                        self.cols, tr.expr(self.bar), tr.expr(self.col), tr.expr(self.row), loc=self.loc)
 
 
@@ -612,7 +612,7 @@ class SmemDesc(Stmt):
         return [*self.ref.indices]
 
     def rebuild(self, tr: Any) -> Stmt:
-        return SmemDesc(self.var, Ref(self.ref.buffer, [tr.expr(i) for i in self.ref.indices]), self.swizzle, self.lbo,
+        return SmemDesc(self.var, tr.expr(self.ref), self.swizzle, self.lbo,
                         self.sbo, loc=self.loc)
 
 
@@ -660,7 +660,7 @@ class Wgmma(Stmt):
 
     def rebuild(self, tr: Any) -> Stmt:
         return Wgmma(self.form, self.n, self.ta, self.tb, self.tag, self.dtype,
-                     Ref(self.acc.buffer, [tr.expr(i) for i in self.acc.indices]),
+                     tr.expr(self.acc),
                      tr.expr(self.a) if self.a is not None else None, self.a_regs, tr.expr(self.b), tr.expr(self.scale),
                      loc=self.loc)
 
@@ -1018,6 +1018,8 @@ def _vec_load_interp(it: Any, s: VecLoad) -> None:
         if sel.min() < 0 or sel.max() >= src.shape[0]:
             raise tilehal.LaunchError(f"{s.loc or ''}: load_vec from {s.ref.buffer.name}: elements [{sel.min()}, "
                                       f"{sel.max()}] outside its {src.shape[0]}")
+        if s.ref.buffer.scope == "shared":
+            it.track(s.ref.buffer, sel, False, s.loc, lanes=np.broadcast_to(np.nonzero(take)[0][:, None], sel.shape))
         regs[take] = src[sel]
     regs[on & ~take] = 0
 
@@ -1027,6 +1029,8 @@ def _vec_store_interp(it: Any, s: VecStore) -> None:
     on = _masked(it, s.cond)
     idx = _elements(it, s.ref, n)[on]
     it._check_bounds(s.ref.buffer, [idx.ravel()], it.bufs[s.ref.buffer].shape, s.loc)
+    if s.ref.buffer.scope == "shared":
+        it.track(s.ref.buffer, idx, True, s.loc, lanes=np.broadcast_to(np.nonzero(on)[0][:, None], idx.shape))
     it.bufs[s.ref.buffer][idx] = it.bufs[s.tmp][on]
 
 
@@ -1035,6 +1039,8 @@ def _packed_store2_interp(it: Any, s: PackedStore2) -> None:
     dst = it.bufs[s.ref.buffer]
     idx = _elements(it, s.ref, 2)[on]
     it._check_bounds(s.ref.buffer, [idx.ravel()], dst.shape, s.loc)
+    if s.ref.buffer.scope == "shared":
+        it.track(s.ref.buffer, idx, True, s.loc, lanes=np.broadcast_to(np.nonzero(on)[0][:, None], idx.shape))
     vals = np.stack([it.lanes_of(it.expr(s.a)), it.lanes_of(it.expr(s.b))], axis=1)[on]
     dst[idx] = vals.astype(dst.dtype)
 
@@ -1140,6 +1146,10 @@ def _mbar_wait_interp(it: Any, s: MbarWait) -> None:
                                   f"returns: {st.arrived} of {st.count} arrivals, {got} of {st.expect} bytes issued")
     for dst, elem, vals, _ in st.copies:
         dst[elem] = vals
+        for buf, (wr, rd) in it.races.items():  # the box was written asynchronously since the last barrier
+            if it.bufs[buf] is dst and ((wr[elem] != 0) | (rd[elem] != -1)).any():
+                k = int(np.nonzero((wr[elem] != 0) | (rd[elem] != -1))[0][0])
+                it._race(buf, int(elem[k]), "overwritten by a TMA load while threads accessed it", s.loc)
     st.arrived, st.expect, st.copies, st.phase = 0, 0, [], st.phase + 1
 
 
