@@ -376,6 +376,39 @@ def test_gemm_persistent_many_tiles_gpu(stages):
     assert (out - ref).abs().max().item() <= 1e-3 * max(1.0, ref.abs().max().item())
 
 
+FA_LAYOUT_FALLBACK = [(1, 2, 256, 32, False, 128, 128, 2, 128), (1, 2, 256, 32, True, 64, 64, 2, 256)]
+
+
+@needs_nvrtc
+def test_wgmma_layout_conflict_falls_back_to_mma(example, caplog, tmp_path, monkeypatch):
+    """Flash attention with two m64 blocks per warpgroup (128 rows, 128 threads) or 64 rows on 256 threads:
+    the wgmma accumulator layouts of its two gemms cannot be inferred together, so the kernel keeps mma.sync
+    (logged at DEBUG) instead of failing to compile (reported by tlthread, 2026-12-02)."""
+    import logging
+
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))
+    m = example("flash_attention")
+    for args in FA_LAYOUT_FALLBACK:
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
+            k = tilelang.compile(m.flash_attention_fwd(*args, "float16", layout="bhsd"), out_idx=[3], target="cuda")
+        src = k.get_kernel_source()
+        assert "Wgmma" not in src and "mma_m16n8k16" in src, args
+        assert any("T.gemm on mma.sync in this kernel" in r.getMessage() for r in caplog.records), args
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("args", FA_LAYOUT_FALLBACK)
+def test_wgmma_layout_conflict_fallback_gpu(example, args):
+    m = example("flash_attention")
+    k = tilelang.compile(m.flash_attention_fwd(*args, "float16", layout="bhsd"), out_idx=[3], target="cuda")
+    b, h, s_, d, causal = args[:5]
+    g = torch.Generator().manual_seed(4)
+    q, kk, v = (torch.randn(b, h, s_, d, generator=g).half().cuda() for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), kk.float(), v.float(), is_causal=causal)
+    assert (k(q, kk, v).float() - ref).abs().max().item() <= 2e-2
+
+
 @needs_nvrtc
 def test_longest_blocks_first(example):
     """Causal flash attention's KV loop runs ~bx + 1 iterations: bx is dispatched from its largest value down

@@ -115,7 +115,16 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         if self.threads % 32 or self.threads > 1024:
             raise CompileError(f"T.Kernel threads={self.threads}: the CUDA backend needs a multiple of 32 threads, "
                                f"at most 1024", kernel.loc)
-        self.inf: LayoutInference = infer_layouts(kernel, allow_wgmma=wgmma)
+        try:
+            self.inf: LayoutInference = infer_layouts(kernel, allow_wgmma=wgmma)
+        except CompileError as e:
+            if not wgmma or "cannot infer a layout" not in str(e):
+                raise
+            # the wgmma accumulator layouts (m64 blocks per warpgroup) can conflict where mma.sync's do not
+            # (two gemms whose row vectors meet in one T.Parallel loop): the kernel keeps mma.sync
+            log.debug("%s: wgmma layouts cannot be inferred together (%s); T.gemm on mma.sync in this kernel",
+                      kernel.loc, str(e).splitlines()[0])
+            self.inf = infer_layouts(kernel, allow_wgmma=False)
         self.has_wgmma = any(p.kind == "wgmma" for p in self.inf.gemms.values())
         self._builder_init()  # the thread-level body (lower_thread.py), printed by emit.py
         self.ids = itertools.count()
