@@ -81,7 +81,8 @@ SLOW = {"fa_mha_bhsd_full", "fa_mha_bshd_full", "fa_mha_bshd_causal", "fa_mha_bh
 THREAD_LOWERED = sorted(SMALL)
 
 
-# the two code paths: mma.sync + cp.async (cuda_emu's), and sm_90a's wgmma + TMA pipelines (target "cuda"'s default)
+# the two code paths: mma.sync + cp.async (cuda_emu's), and sm_90a's wgmma + single-role TMA pipelines (target
+# "cuda" warp-specializes those by default; that form is still text)
 PATHS = {"mma": None, "wgmma_tma": {"cuda_tma": True}}
 
 

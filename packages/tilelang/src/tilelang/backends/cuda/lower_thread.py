@@ -830,7 +830,8 @@ class ThreadLoweredKernel:
 
         self.func = func
         # the mma.sync / cp.async path (cuda_emu's) by default; pass_configs {"cuda_tma": True}: sm_90a's wgmma
-        # and TMA pipelines (what target "cuda" builds), with "tl.disable_tma_lower": wgmma and cp.async
+        # and single-role TMA pipelines (target "cuda" warp-specializes them by default: that form is still
+        # text), with "tl.disable_tma_lower": wgmma and cp.async
         wgmma = bool(options.get("cuda_tma"))
         tma = wgmma and not options.get("tl.disable_tma_lower")
         # verified as a thread-level program: no barrier or shuffle under a per-thread condition, loop bounds
