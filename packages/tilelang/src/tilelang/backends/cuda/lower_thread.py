@@ -50,6 +50,7 @@ from ...ir.thread import (
     ThreadFor,
     ThreadIdx,
 )
+from ..interp import np_dtype
 from .common import _LOW, ParCtx, cuda_type, value_type
 from .emit import (
     Abs,
@@ -132,6 +133,8 @@ class ThreadBuilder:
         of the enclosing function, then the body the CUDA text was printed from. (A T.use_swizzle block
         remap is left out: the blocks run in grid order, each computing the same tile.)"""
         k = self.kernel
+        for b in self._scratch_views.values():  # a view holds at most the scratch area's bytes
+            b.shape = (C(max(1, self.scratch_bytes // np.dtype(np_dtype(b.dtype)).itemsize)),)
         head: list[Stmt] = [Alloc(b) for b in self._scratch_views.values()]
         head += [Let(let.var, self.lower_expr(let.value)) for let in self.lets]
         return Kernel(list(k.grid), list(k.block_vars), tuple(k.threads), Seq(head + [self.body_root()]), loc=k.loc)
@@ -478,12 +481,10 @@ class ThreadBuilder:
         `((float*)base)`: a staging area between two layouts)."""
         key = (ctype_dtype, base)
         tb = self._scratch_views.get(key)
-        if tb is None:
-            tb = self._scratch_views[key] = Buffer(f"(({value_type(ctype_dtype)}*){base})", (C(self.SMEM_LIMIT_ELEMS),),
-                                                   ctype_dtype, "shared")
+        if tb is None:  # sized to the kernel's scratch area by thread_kernel() (its size is known after lowering)
+            tb = self._scratch_views[key] = Buffer(f"(({value_type(ctype_dtype)}*){base})", (C(1),), ctype_dtype,
+                                                   "shared")
         return tb
-
-    SMEM_LIMIT_ELEMS = 232448 // 4
 
     def stage_fragment(self, buf: Buffer, to_scratch: bool, base: str) -> None:
         """fragment <-> scratch (row-major, compute type): the way between two layouts."""
