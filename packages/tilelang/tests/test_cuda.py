@@ -409,6 +409,26 @@ def test_wgmma_layout_conflict_fallback_gpu(example, args):
     assert (k(q, kk, v).float() - ref).abs().max().item() <= 2e-2
 
 
+@pytest.mark.parametrize("causal,seq", [(True, 256), (True, 200), (False, 200)])
+def test_masked_fill_unswitched(example, causal, seq):
+    """The causal / partial-tile mask fill of flash attention is unswitched: one uniform test of the tile's
+    corner (`bx * bm - k * bn - (bn - 1) >= 0` for causal) stores zeros for the whole tile, else the per-element
+    select; the result is the same (CPU threads, cp.async pipeline, vs SDPA in float32)."""
+    m = example("flash_attention")
+    k = tilelang.compile(m.flash_attention_fwd(1, 2, seq, 64, causal, 64, 64, 2, 128, "float16", layout="bhsd"),
+                         out_idx=[3], target="cuda_emu")
+    src = k.get_kernel_source()
+    assert "else {" in src and ("-INFINITY" in src)
+    if causal:
+        assert "+ -63) >= 0)) {" in src
+    g = torch.Generator().manual_seed(5)
+    q, kk, v = (torch.randn(1, 2, seq, 64, generator=g).half() for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), kk.float(), v.float(), is_causal=causal)
+    assert (k(q, kk, v).float() - ref).abs().max().item() <= 2e-2
+    full = m.flash_attention_fwd(1, 2, 256, 64, False, 64, 64, 2, 128, "float16", layout="bhsd")  # T.clear: nothing
+    assert "else {" not in tilelang.compile(full, out_idx=[3], target="cuda_emu").get_kernel_source()
+
+
 @needs_nvrtc
 def test_longest_blocks_first(example):
     """Causal flash attention's KV loop runs ~bx + 1 iterations: bx is dispatched from its largest value down

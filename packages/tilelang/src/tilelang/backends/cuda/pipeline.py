@@ -10,6 +10,7 @@ from __future__ import annotations
 from ...passes.checks import check_shapes
 from ...passes.dce import dce
 from ...passes.simplify import simplify
+from .unswitch import unswitch_masks
 
 # (pass, why) — run by passes.pipeline.run_pipeline
 IR_PASSES = [
@@ -20,6 +21,10 @@ IR_PASSES = [
                    "verify of this list (a second one after dce cost ~10% of a cached compile, and dce only "
                    "removes code)"),
     (dce, "drop dead buffers before layout inference, so they constrain no layout and take no smem"),
+    (unswitch_masks, "after the checks (the rewritten nest is well-formed by construction) and before layout "
+                     "inference (both branches' stores then get the fragment's layout): a masked T.Parallel "
+                     "fill whose condition holds on the whole tile stores the plain value (causal attention "
+                     "off the diagonal)"),
 ]
 
 # the lowering steps KernelCodegen runs, in order (documentation of the code path; see codegen.py)
