@@ -426,7 +426,16 @@ def test_masked_fill_unswitched(example, causal, seq):
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), kk.float(), v.float(), is_causal=causal)
     assert (k(q, kk, v).float() - ref).abs().max().item() <= 2e-2
     full = m.flash_attention_fwd(1, 2, 256, 64, False, 64, 64, 2, 128, "float16", layout="bhsd")  # T.clear: nothing
-    assert "else {" not in tilelang.compile(full, out_idx=[3], target="cuda_emu").get_kernel_source()
+    kf = tilelang.compile(full, out_idx=[3], target="cuda_emu")
+    assert "else {" not in kf.get_kernel_source()
+    # ... and its T.clear(acc_s) before the S gemm is the gemm's clear_accum (fold_clears): same attention
+    src_full = tilelang.compile(m.flash_attention_fwd(4, 32, 4096, 128, False, 128, 128, 2, 256, "float16",
+                                                      layout="bhsd"), out_idx=[3], target="cuda").get_kernel_source()
+    loop = src_full[src_full.index("mbarrier_wait(&_full"):]
+    assert "(_kk > 0)" in loop[:loop.index("reduce_max")] and "acc_s[_i] = 0.0f" not in loop[:loop.index("reduce_max")]
+    q, kk, v = (torch.randn(1, 2, 256, 64, generator=g).half() for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), kk.float(), v.float())
+    assert (kf(q, kk, v).float() - ref).abs().max().item() <= 2e-2
 
 
 @needs_nvrtc

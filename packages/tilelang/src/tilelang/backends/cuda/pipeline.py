@@ -10,7 +10,7 @@ from __future__ import annotations
 from ...passes.checks import check_shapes
 from ...passes.dce import dce
 from ...passes.simplify import simplify
-from .unswitch import unswitch_masks
+from .unswitch import fold_clears, unswitch_masks
 
 # (pass, why) — run by passes.pipeline.run_pipeline
 IR_PASSES = [
@@ -25,6 +25,8 @@ IR_PASSES = [
                      "inference (both branches' stores then get the fragment's layout): a masked T.Parallel "
                      "fill whose condition holds on the whole tile stores the plain value (causal attention "
                      "off the diagonal)"),
+    (fold_clears, "with the masks unswitched: a T.clear right before a T.gemm into the whole accumulator "
+                  "becomes the gemm's clear_accum (the first MMA step ignores C; no per-iteration zeroing)"),
 ]
 
 # the lowering steps KernelCodegen runs, in order (documentation of the code path; see codegen.py)

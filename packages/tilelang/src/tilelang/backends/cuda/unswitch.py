@@ -9,11 +9,15 @@ the diagonal, so those iterations store zeros like `T.clear` and only the diagon
 the same for a partial last KV tile (`k * bn + j < seq_len`). The minimum of an affine form over the tile
 is at a corner, so the test is one comparison of the uniform part with a constant. Same results: the
 fast path runs only where every element's condition is true.
+
+`fold_clears`: `T.clear(C)` (a fill of the whole accumulator with 0) right before a `T.gemm` into the whole
+of C becomes `clear_accum=True` on the gemm (the tensor cores' first k step then ignores C: no register
+zeroing per iteration; flash attention's non-causal S tile).
 """
 
 from __future__ import annotations
 
-from ...ir.nodes import BinOp, Const, Expr, For, If, PrimFunc, Select, Seq, Stmt, Store, Var
+from ...ir.nodes import BinOp, Const, Expr, Fill, For, Gemm, If, PrimFunc, Select, Seq, Stmt, Store, Var
 from ...ir.visit import walk_expr
 from .common import log
 
@@ -123,4 +127,36 @@ def unswitch_masks(func: PrimFunc) -> PrimFunc:
     return dataclasses.replace(func, body=_Top().stmt(func.body))
 
 
-__all__ = ["unswitch_masks"]
+def _whole(r, b) -> bool:
+    shape = b.static_shape()
+    return (shape is not None and tuple(int(x) for x in r.extents) == tuple(shape)
+            and all(isinstance(x, Const) and x.value == 0 for x in r.starts))
+
+
+def fold_clears(func: PrimFunc) -> PrimFunc:
+    import dataclasses
+
+    from ...ir.visit import Transformer
+
+    class _Fold(Transformer):
+        def stmt(self, s: Stmt) -> Stmt | None:
+            s = super().stmt(s)
+            if not isinstance(s, Seq):
+                return s
+            out: list[Stmt] = []
+            for st in s.body:
+                prev = out[-1] if out else None
+                if (isinstance(st, Gemm) and not st.clear_accum and isinstance(prev, Fill)
+                        and prev.dst.buffer is st.C.buffer and st.C.buffer.scope == "fragment"
+                        and isinstance(prev.value, Const) and prev.value.value == 0
+                        and _whole(prev.dst, prev.dst.buffer) and _whole(st.C, st.C.buffer)):
+                    log.debug("%s: T.clear(%s) folded into the next T.gemm (clear_accum)", prev.loc, st.C.buffer.name)
+                    out[-1] = dataclasses.replace(st, clear_accum=True)
+                    continue
+                out.append(st)
+            return dataclasses.replace(s, body=out) if len(out) != len(s.body) else s
+
+    return dataclasses.replace(func, body=_Fold().stmt(func.body))
+
+
+__all__ = ["fold_clears", "unswitch_masks"]
