@@ -95,7 +95,7 @@ class ThreadInterpreter(Interpreter):
         if buf in self.regs:
             self.wgmma_hazard(buf, None, "read", None)
             idx = [np.arange(self.threads, dtype=np.int64), *idx]
-        elif buf.scope == "shared" and len(idx) == 1 and self.threads:
+        elif buf.scope in ("shared", "global") and len(idx) == 1 and self.threads:
             self.track(buf, idx[0], False, None)
         return super().load(buf, idx)
 
@@ -103,15 +103,16 @@ class ThreadInterpreter(Interpreter):
         if buf in self.regs:
             self.wgmma_hazard(buf, None, "written", loc)
             idx = [np.arange(self.threads, dtype=np.int64), *idx]
-        elif buf.scope == "shared" and len(idx) == 1 and self.threads:
-            if self.wg_open or self.wg_groups:
+        elif buf.scope in ("shared", "global") and len(idx) == 1 and self.threads:
+            if buf.scope == "shared" and (self.wg_open or self.wg_groups):
                 self.wgmma_hazard(buf, np.asarray(idx[0], dtype=np.int64).ravel(), "written", loc)
             self.track(buf, idx[0], True, loc, uniform_value=np.ndim(value) == 0, values=value)
         super().store(buf, idx, value, loc)
 
     def track(self, buf: Buffer, idx: Any, write: bool, loc: Any, lanes: np.ndarray | None = None,
               uniform_value: bool = False, values: Any = None) -> None:
-        """Record the executing threads' accesses to elements `idx` of shared `buf` since the last barrier and
+        """Record the executing threads' accesses to elements `idx` of `buf` (shared memory, or a global tensor:
+        within a block) since the last barrier and
         raise LaunchError on a race the lock-step lanes would hide: an element written by one thread and read
         or written by another with no __syncthreads() between. Per element: the writer (0 none, lane + 1, -1
         every thread stored one value: uniform code) and the reader (-1 none, a lane, -2 several). `idx`: a

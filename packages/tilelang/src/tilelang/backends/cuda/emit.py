@@ -1018,7 +1018,7 @@ def _vec_load_interp(it: Any, s: VecLoad) -> None:
         if sel.min() < 0 or sel.max() >= src.shape[0]:
             raise tilehal.LaunchError(f"{s.loc or ''}: load_vec from {s.ref.buffer.name}: elements [{sel.min()}, "
                                       f"{sel.max()}] outside its {src.shape[0]}")
-        if s.ref.buffer.scope == "shared":
+        if s.ref.buffer.scope in ("shared", "global"):
             it.track(s.ref.buffer, sel, False, s.loc, lanes=np.broadcast_to(np.nonzero(take)[0][:, None], sel.shape))
         regs[take] = src[sel]
     regs[on & ~take] = 0
@@ -1029,7 +1029,7 @@ def _vec_store_interp(it: Any, s: VecStore) -> None:
     on = _masked(it, s.cond)
     idx = _elements(it, s.ref, n)[on]
     it._check_bounds(s.ref.buffer, [idx.ravel()], it.bufs[s.ref.buffer].shape, s.loc)
-    if s.ref.buffer.scope == "shared":
+    if s.ref.buffer.scope in ("shared", "global"):
         it.track(s.ref.buffer, idx, True, s.loc, lanes=np.broadcast_to(np.nonzero(on)[0][:, None], idx.shape))
     it.bufs[s.ref.buffer][idx] = it.bufs[s.tmp][on]
 
@@ -1039,7 +1039,7 @@ def _packed_store2_interp(it: Any, s: PackedStore2) -> None:
     dst = it.bufs[s.ref.buffer]
     idx = _elements(it, s.ref, 2)[on]
     it._check_bounds(s.ref.buffer, [idx.ravel()], dst.shape, s.loc)
-    if s.ref.buffer.scope == "shared":
+    if s.ref.buffer.scope in ("shared", "global"):
         it.track(s.ref.buffer, idx, True, s.loc, lanes=np.broadcast_to(np.nonzero(on)[0][:, None], idx.shape))
     vals = np.stack([it.lanes_of(it.expr(s.a)), it.lanes_of(it.expr(s.b))], axis=1)[on]
     dst[idx] = vals.astype(dst.dtype)
