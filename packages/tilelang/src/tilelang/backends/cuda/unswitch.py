@@ -17,7 +17,7 @@ zeroing per iteration; flash attention's non-causal S tile).
 
 from __future__ import annotations
 
-from ...ir.nodes import BinOp, Const, Expr, Fill, For, Gemm, If, PrimFunc, Select, Seq, Stmt, Store, Var
+from ...ir.nodes import BinOp, Const, Expr, Fill, For, Gemm, If, Load, PrimFunc, Select, Seq, Stmt, Store, Var
 from ...ir.visit import walk_expr
 from .common import log
 
@@ -109,6 +109,8 @@ def unswitch_masks(func: PrimFunc) -> PrimFunc:
         extents = {lp.var: int(lp.extent.value) for lp in loops}
         if any(isinstance(x, Var) and x in extents for e in (v.a, v.b) for x in walk_expr(e)):
             return None  # the stored values vary over the tile: nothing uniform to hoist
+        if any(isinstance(x, Load) for x in walk_expr(v.cond)):
+            return None  # a loaded value may differ between threads: the branch must stay uniform
         test = _all_true(v.cond, extents)
         if test is None:
             return None
