@@ -13,6 +13,12 @@ T.gemm through ldmatrix + mma.sync (fp16/bf16/fp8/int8) with swizzled shared ope
 on CUDA cores for the other types; T.reduce_* as register reduction + warp shuffles + shared
 memory across warps; T.cumsum through shared memory; T.Pipelined(num_stages>=2) as a cp.async
 multi-buffer pipeline; __syncthreads() inserted between statements with a shared/global hazard.
+
+The kernel body is built as a thread-level program (ir/thread.py nodes, with lower_thread.py's
+ThreadBuilder: the memory references, core statements and T.Parallel loops live there, the tile
+ops' rules in rules/) and printed by emit.py; the same program runs on the thread interpreter
+(target "cuda_threads"). The kernel head (parameters, block indices, the shared-memory arena) and the
+warp-specialized pipelines are still written as text here.
 """
 
 from __future__ import annotations

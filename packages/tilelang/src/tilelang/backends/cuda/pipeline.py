@@ -39,7 +39,8 @@ LOWERING_STEPS = [
     ("swizzle planning", "shared operands of mma get an XOR swizzle so ldmatrix rows hit distinct banks"),
     ("pipeline planning", "T.Pipelined(num_stages>=2): global->shared copies that depend only on the loop index "
                           "become cp.async prefetches into num_stages buffers"),
-    ("lower tile ops + barriers", "copies/fills/reductions/gemms become per-thread code; __syncthreads() between "
+    ("lower tile ops + barriers", "copies/fills/reductions/gemms become a thread-level program (lower_thread.py: "
+                                  "the one emit.py prints and the thread interpreter runs); __syncthreads() between "
                                   "statements with a shared (or written global) hazard"),
     ("shared memory planning", "after lowering, since reductions and staging add scratch: buffers with disjoint "
                                "live ranges share bytes; over 227 KiB is a CompileError"),
