@@ -32,13 +32,16 @@ IR_PASSES = [
 # the lowering steps KernelCodegen runs, in order (documentation of the code path; see codegen.py)
 LOWERING_STEPS = [
     ("check threads", "threads a multiple of 32 (whole warps) and <= 1024: every later step assumes warps"),
-    ("plan gemms", "each T.gemm picks mma.sync (warp grid from its policy) or CUDA cores; fixes accumulator "
-                   "layouts, which everything else then follows"),
+    ("plan gemms", "each T.gemm picks wgmma (sm_90a, warpgroups), mma.sync (warp grid from its policy) or CUDA "
+                   "cores; fixes accumulator layouts, which everything else then follows (a kernel whose wgmma "
+                   "layouts conflict keeps mma.sync)"),
     ("layout inference", "fragments used as scalars replicate; T.Parallel loops, reductions and fragment copies "
                          "propagate to a fixed point; defaults for the rest"),
     ("swizzle planning", "shared operands of mma get an XOR swizzle so ldmatrix rows hit distinct banks"),
     ("pipeline planning", "T.Pipelined(num_stages>=2): global->shared copies that depend only on the loop index "
-                          "become cp.async prefetches into num_stages buffers"),
+                          "become prefetches into num_stages buffers: TMA + mbarrier on sm_90a (warp-specialized: a "
+                          "producer warpgroup; opt-in persistent / pingpong), else cp.async; a block index that "
+                          "lengthens the loop is dispatched longest first"),
     ("lower tile ops + barriers", "copies/fills/reductions/gemms become a thread-level program (lower_thread.py: "
                                   "the one emit.py prints and the thread interpreter runs); __syncthreads() between "
                                   "statements with a shared (or written global) hazard"),
