@@ -422,3 +422,34 @@ def test_missing_barrier_is_a_race(name):
     no_sync = map_stmt(tf.body, lambda s: None if isinstance(s, Barrier) else s)
     with pytest.raises(tilehal.LaunchError, match="no __syncthreads"):
         _run_program(type(tf)(tf.name, tf.params, no_sync, tf.dynamic_vars), [a.copy() for a in arrays])
+
+
+def test_shared_memory_starts_as_garbage_and_buffers_share_the_arena():
+    """The thread program's shared buffers are views of one poisoned byte arena at the planner's offsets (as
+    the GPU's dynamic shared memory: garbage until written): a buffer read before it is fully written is
+    zero-initialized by the lowering (its zero loop removed, the read sees poison), and two buffers the
+    planner places on the same bytes (disjoint live ranges) really share them."""
+    from tilelang.ir.thread import StridedFor
+
+    @T.prim_func
+    def main(A: T.Tensor((64,), "float32"), B: T.Tensor((64,), "float32"), C: T.Tensor((64,), "float32")):
+        with T.Kernel(1, threads=64) as bx:
+            s = T.alloc_shared((64,), "float32")
+            T.copy(A[0:10], s[0:10])  # s[10:] is read below before any write: zero
+            T.copy(s, B[0:64])
+            t = T.alloc_shared((64,), "float32")  # live after s is dead: the planner may reuse s's bytes
+            T.copy(A[0:64], t)
+            T.copy(t, C[0:64])
+
+    a = np.arange(64, dtype=np.float32)
+    tf = lower_to_threads(run_pipeline(main, "cuda"))
+    offsets = {x.buffer.name: x.options["arena_offset"] for x in walk_stmts(tf.body) if type(x).__name__ == "Alloc"}
+    assert offsets["s"] == offsets["t"], offsets  # the planner reused s's bytes for t
+    out = [np.zeros(64, np.float32), np.zeros(64, np.float32)]
+    _run_program(tf, [a, *out])
+    np.testing.assert_array_equal(out[0], np.r_[a[:10], np.zeros(54, np.float32)])
+    np.testing.assert_array_equal(out[1], a)
+    no_zero = map_stmt(tf.body, lambda s: None if isinstance(s, StridedFor) and s.one_line else s)
+    out = [np.zeros(64, np.float32), np.zeros(64, np.float32)]
+    _run_program(type(tf)(tf.name, tf.params, no_zero, tf.dynamic_vars), [a, *out])
+    assert np.isnan(out[0][10:]).all() and (out[0][:10] == a[:10]).all()

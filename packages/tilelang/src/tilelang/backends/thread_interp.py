@@ -67,6 +67,7 @@ class ThreadInterpreter(Interpreter):
         self.wg_groups: list[list[tuple]] = []  # committed wgmma groups still in flight, oldest first
         # shared-memory accesses since the last barrier, per buffer: (writer, reader) per element (see `track`)
         self.races: dict[Buffer, tuple[np.ndarray, np.ndarray]] = {}
+        self.arena: np.ndarray | None = None  # the block's shared-memory bytes (thread programs of the CUDA lowering)
         super().run(buffers, dyn)
 
     def expr(self, e: Expr) -> Any:
@@ -223,6 +224,10 @@ class ThreadInterpreter(Interpreter):
             for v, i in zip(s.block_vars, idx):
                 self.env[v] = i
             self.threads, self.open, self.groups = threads, [], []
+            # the block's dynamic shared memory: garbage on the GPU, poison here (all-ones bytes: NaN, -1), so a read
+            # before any write (a missing zero-initialization) shows
+            arena = s.attrs.get("smem_arena_bytes")
+            self.arena = np.full(int(arena), 0xFF, np.uint8) if arena is not None else None
             self.wg_open, self.wg_groups = [], []
             self.races = {}
             try:
@@ -261,6 +266,15 @@ class ThreadInterpreter(Interpreter):
         if s.buffer.scope in ("fragment", "local"):
             raise CompileError(f"thread interp: {s.buffer.name} is alloc_{s.buffer.scope}; per-thread storage is "
                                f"T.alloc_reg", s.loc)
+        off = s.options.get("arena_offset")
+        if off is not None and self.arena is not None:  # a view of the block's shared-memory bytes
+            t = np_dtype(s.buffer.dtype)
+            nbytes = int(np.prod(s.buffer.static_shape())) * t.itemsize
+            if off < 0 or off + nbytes > self.arena.size:
+                raise tilehal.LaunchError(f"{s.loc or ''}: shared {s.buffer.name} at bytes [{off}, {off + nbytes}) "
+                                          f"outside the kernel's {self.arena.size} bytes of shared memory")
+            self.bufs[s.buffer] = self.arena[off:off + nbytes].view(t)
+            return
         super().alloc(s)
 
     def reg_buffer(self, s: RegBuffer) -> None:

@@ -112,6 +112,7 @@ class ThreadBuilder:
         self._vars: dict[str, Var] = {}  # C names the lowering made (fresh / loop / let) -> their Var
         self._tbufs: dict[Buffer, Buffer] = {}  # tile-level buffer -> its thread-level (flat / register) buffer
         self._scratch_views: dict[tuple[str, str], Buffer] = {}
+        self._scratch_offsets: dict[str, int] = {}  # a scratch view's base text -> its byte offset in the scratch area
 
     # ------------------------------------------------------------ building nodes
 
@@ -132,12 +133,18 @@ class ThreadBuilder:
         """The kernel as a thread-level program (after `generate()`): its shared scratch views, the lets
         of the enclosing function, then the body the CUDA text was printed from. (A T.use_swizzle block
         remap is left out: the blocks run in grid order, each computing the same tile.)"""
+        from .codegen import SMEM_ALIGN
+
         k = self.kernel
-        for b in self._scratch_views.values():  # a view holds at most the scratch area's bytes
-            b.shape = (C(max(1, self.scratch_bytes // np.dtype(np_dtype(b.dtype)).itemsize)),)
-        head: list[Stmt] = [Alloc(b) for b in self._scratch_views.values()]
+        scratch_off = -(-self.smem_end // SMEM_ALIGN) * SMEM_ALIGN  # where plan_smem puts _tl_scratch
+        head: list[Stmt] = []
+        for (_, base), b in self._scratch_views.items():  # a view holds at most the scratch area's bytes
+            off = self._scratch_offsets.get(base, 0)
+            b.shape = (C(max(1, (self.scratch_bytes - off) // np.dtype(np_dtype(b.dtype)).itemsize)),)
+            head.append(Alloc(b, options={"arena_offset": scratch_off + off}))
         head += [Let(let.var, self.lower_expr(let.value)) for let in self.lets]
-        return Kernel(list(k.grid), list(k.block_vars), tuple(k.threads), Seq(head + [self.body_root()]), loc=k.loc)
+        return Kernel(list(k.grid), list(k.block_vars), tuple(k.threads), Seq(head + [self.body_root()]),
+                      attrs={"smem_arena_bytes": scratch_off + self.scratch_bytes}, loc=k.loc)
 
     def body_root(self) -> Seq:
         """The kernel body built so far (the outermost block)."""
@@ -564,7 +571,9 @@ class ThreadBuilder:
     def alloc(self, s: Alloc) -> None:
         b = s.buffer
         if b.scope == "shared":
-            self.add(Alloc(self.tbuf(b), loc=s.loc))  # placed in the shared-memory arena: prints nothing
+            # placed in the shared-memory arena (prints nothing; the thread interpreter views the arena's bytes at
+            # the planned offset, so buffers the planner lets share bytes share them there too)
+            self.add(Alloc(self.tbuf(b), options={"arena_offset": self.smem[b].offset}, loc=s.loc))
             if b in self.zero_init:  # read before fully written: zero, as the interpreter allocates
                 w = self.alias.get(b, {b})
                 if (w & self.pending_w) or (w & self.pending_r):

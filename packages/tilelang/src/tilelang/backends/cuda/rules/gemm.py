@@ -214,6 +214,7 @@ class GemmRules:
             self.add(Barrier())
             for b, o in staged.items():
                 at = f"((({value_type(b.dtype)}*){base}) + {o})"
+                self._scratch_offsets[at] = o * esize(dt.compute_type(b.dtype))
                 self.stage_fragment(b, True, at)
                 views[b] = (self.scratch_buf(dt.compute_type(b.dtype), at), at)
             self.add(Barrier())
