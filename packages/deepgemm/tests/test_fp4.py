@@ -184,6 +184,32 @@ def test_plan_covers_k_and_fills_the_gpu():
             assert 0.5 * 132 <= ctas <= resident  # one wave (wide token tiles: at most 4 splits, see plan)
 
 
+def test_wgmma_plan_covers_k_in_one_wave_of_clusters():
+    from deepgemm import cuda_fp4
+
+    for m in (1, 5, 16, 37, 64, 128, 300):
+        for n, k in ((7168, 2048), (2112, 7168), (4096, 7168), (200, 256)):
+            p = cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=132)
+            assert p.splits * p.chunks_per_split >= k // 128 > (p.splits - 1) * p.chunks_per_split
+            assert p.row_blocks * p.key.rows >= n and p.m_blocks * p.key.tokens >= min(m, 128)
+            assert p.m_blocks * p.key.tokens >= m and p.key.tokens <= 128
+            assert 1 <= p.splits <= cuda_fp4.MAX_CLUSTER_SPLITS and p.grid[1] == p.splits
+            assert p.cluster == ((1, p.splits, 1) if p.splits > 1 else None)
+            assert p.key.min_blocks * (p.key.smem_bytes + 1024) <= cuda_fp4.SM_SMEM
+            assert p.row_blocks * p.splits * p.m_blocks <= 132 * p.key.min_blocks or p.splits == 1
+
+
+def test_kernel_choice_env(monkeypatch):
+    from deepgemm import cuda_fp4
+
+    assert cuda_fp4.kernel_choice() == "auto"
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "mma")
+    assert cuda_fp4.kernel_choice() == "mma"
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "tensor")
+    with pytest.raises(deepgemm.validate.ArgumentError, match="DEEPGEMM_FP4_KERNEL"):
+        cuda_fp4.kernel_choice()
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -246,3 +272,65 @@ def test_gpu_grouped_masked(fp8):
                                 32).cpu()
             assert deepgemm.testing.calc_diff(d[gi, :r].float().cpu(), ref.float()) < 1e-4
         assert bool((d[gi, r:] == 3.0).all())
+
+
+WGMMA_SHAPES = [(1, 4096, 7168), (8, 64, 256), (33, 2112, 2048), (64, 7168, 2048), (100, 200, 1024), (128, 2112, 7168)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ue8m0", [True, False])
+@pytest.mark.parametrize("m,n,k", WGMMA_SHAPES)
+def test_gpu_wgmma_kernel_matches_reference(m, n, k, ue8m0):
+    """bf16 activations (the wgmma kernel): power-of-two scales take the folded path, fp32 ones (ue8m0=False)
+    the exact slow path; both must give the reference up to fp32 summation order."""
+    g = torch.Generator().manual_seed(m + n)
+    a = torch.randn((m, k), generator=g).to(torch.bfloat16).cuda()
+    w = torch.randn((n, k), generator=g).cuda() * 0.05
+    packed, sf = deepgemm.cast_weights_to_fp4(w, gran_k=32, use_ue8m0=ue8m0)
+    if not ue8m0:
+        assert not torch.equal(sf, torch.exp2(torch.round(torch.log2(sf))))  # the slow path really runs
+    ref = fp4.reference(a, None, packed, sf, 32).cpu()
+    d32 = torch.empty(m, n, device="cuda")
+    deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d32)
+    assert rel_err(d32, ref.numpy()) < 1e-4
+    d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)
+    assert deepgemm.testing.calc_diff(d.float().cpu(), ref.float()) < 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_wgmma_mixed_scales_c_and_graph_replay():
+    """Half the rows with fp32 scales (slow-path chunks next to folded ones in one CTA), C, a cluster
+    split-K launch replayed from a CUDA graph."""
+    m, n, k = 16, 2112, 7168
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn((m, k), generator=g).to(torch.bfloat16).cuda()
+    w = torch.randn((n, k), generator=g).cuda() * 0.05
+    packed, sf = deepgemm.cast_weights_to_fp4(w, gran_k=32)
+    _, sf_fp32 = deepgemm.cast_weights_to_fp4(w, gran_k=32, use_ue8m0=False)
+    sf[::2] = sf_fp32[::2] * 1.0  # fp32 scales on even rows: their codes were cast for ue8m0, still valid
+    c = torch.randn(m, n, device="cuda")
+    ref = fp4.reference(a, None, packed, sf, 32, c).cpu()
+    d = torch.empty(m, n, device="cuda")
+    deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d, c=c)
+    assert rel_err(d, ref.numpy()) < 1e-4
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d, c=c)
+    for _ in range(3):
+        d.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(d, ref.numpy()) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 7168, 2048), (64, 2112, 7168)])
+def test_gpu_bf16_mma_kernel_still_matches(m, n, k, monkeypatch):
+    """DEEPGEMM_FP4_KERNEL=mma keeps bf16 activations on the mma.sync kernel (A/B timing)."""
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "mma")
+    act, b, a_ref, sfa_ref, packed, sf = operands(m, n, k, 32, False, device="cuda")
+    d = torch.empty(m, n, device="cuda")
+    deepgemm.bf16_fp4_gemm_nt(act, b, d)
+    ref = fp4.reference(*cuda(a_ref, sfa_ref, packed, sf), 32).cpu()
+    assert rel_err(d, ref.numpy()) < 1e-4

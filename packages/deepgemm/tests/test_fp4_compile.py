@@ -22,6 +22,30 @@ def configs():
 CONFIGS = configs()
 
 
+def wgmma_configs():
+    keys = set()
+    for m in (1, 16, 64, 128):
+        for n, k in ((7168, 2048), (2112, 7168), (4096, 7168)):
+            keys.add(cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=132).key)
+    keys.add(cuda_fp4.plan_wgmma(37, 136, 1152, 1, False, True, False, num_sms=132).key)  # fp32 out + C
+    keys.add(cuda_fp4.plan_wgmma(33, 2112, 2048, 1, True, False, False, num_sms=132).key)  # 64 tokens, 2 WGs
+    return sorted(keys, key=lambda k: k.expression)
+
+
+WGMMA_CONFIGS = wgmma_configs()
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_fp4_wgmma_kernel_configs_compile(half, h):
+    """The wgmma kernel: no spills and no serialized wgmma (ptxas C7510-C7515 warnings) at any planned config."""
+    batch = WGMMA_CONFIGS[half::2]
+    exprs = [k.expression for k in batch]
+    mod = tilehal.compile_cuda(cuda_fp4.kernel_source(), arch="sm_90a", name="deepgemm_fp4_wgmma_compile_check",
+                               options=cuda_fp4.OPTIONS + ("--ptxas-options=-v",), name_expressions=exprs)
+    assert len(mod.cubin) > 1000
+    h.check_compiled(mod, exprs, forbidden=("serialized",))
+
+
 @pytest.mark.parametrize("half", [0, 1])
 def test_fp4_kernel_configs_compile(half, h):
     batch = CONFIGS[half::2]

@@ -162,18 +162,124 @@ def plan(m: int, n: int, k: int, groups: int, act_fp8: bool, out_bf16: bool, has
                    groups=groups)
 
 
+MAX_CLUSTER_SPLITS = 8  # the wgmma kernel's K splits are one thread-block cluster (portable size)
+WG_MAX_TOKEN_TILES = 16  # 128 tokens: the wgmma N of one CTA (M = 128 decodes its weights once)
+
+
+@dataclass(frozen=True)
+class Fp4WgKey:
+    """The wgmma kernel (bf16 activations): NT n8 token tiles = the wgmma N, NWG consumer warpgroups."""
+
+    nt: int
+    nwg: int
+    out_bf16: bool
+    has_c: bool
+    masked: bool
+    stages: int
+    act_fp8: bool = False
+
+    @property
+    def expression(self) -> str:
+        def b(x: bool) -> str:
+            return "true" if x else "false"
+
+        out = "__nv_bfloat16" if self.out_bf16 else "float"
+        return (f"deepgemm::fp4::fp4_wgmma_sm90<{self.nt}, {self.nwg}, {out}, {b(self.has_c)}, {b(self.masked)}, "
+                f"{self.stages}>")
+
+    @property
+    def wn(self) -> int:
+        return 4 * self.nwg
+
+    @property
+    def rows(self) -> int:
+        return 64 * self.nwg
+
+    @property
+    def tokens(self) -> int:
+        return 8 * self.nt
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.nwg + 32
+
+    @property
+    def min_blocks(self) -> int:
+        return wgmma_min_blocks(self.nt)
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.nt, self.wn, False, self.stages)
+
+
+def wgmma_min_blocks(nt: int) -> int:
+    """CTAs per SM of the wgmma kernel (its kWgMinBlocks)."""
+    return 3 if nt <= 2 else 2 if nt <= 4 else 1
+
+
+@dataclass(frozen=True)
+class Fp4WgPlan:
+    key: Fp4WgKey
+    m_blocks: int
+    row_blocks: int
+    splits: int  # = the cluster size along grid y
+    chunks_per_split: int
+    groups: int = 1
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.row_blocks, self.splits, self.m_blocks * self.groups
+
+    @property
+    def cluster(self) -> tuple[int, int, int] | None:
+        return (1, self.splits, 1) if self.splits > 1 else None
+
+
+def kernel_choice() -> str:
+    """DEEPGEMM_FP4_KERNEL: 'auto' (default: bf16 activations take the wgmma kernel), 'mma' or 'wgmma' (A/B)."""
+    v = os.environ.get("DEEPGEMM_FP4_KERNEL", "auto")
+    if v not in ("auto", "mma", "wgmma"):
+        raise validate.ArgumentError(f"DEEPGEMM_FP4_KERNEL: expected auto, mma or wgmma, got {v!r}")
+    return v
+
+
+def plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
+               num_sms: int | None = None, expected_m: int | None = None) -> Fp4WgPlan:
+    """Token tile, warpgroups, cluster split-K and ring depth of the wgmma kernel for one problem."""
+    sms = num_sms or get_num_sms()
+    nt, mm = 1, expected_m or m
+    while nt < WG_MAX_TOKEN_TILES and 8 * nt < mm:
+        nt *= 2
+    nwg = 2 if nt >= 8 else 1  # wide token tiles: 128 weight rows share one activation tile
+    blocks = wgmma_min_blocks(nt)
+    m_blocks = ceil_div(m, 8 * nt)
+    row_blocks = ceil_div(n, 64 * nwg)
+    chunks = k // 128
+    tiles = row_blocks * groups * (ceil_div(expected_m, 8 * nt) if masked and expected_m else m_blocks)
+    splits = max(1, min(blocks * sms // max(1, tiles), chunks // MIN_CHUNKS_PER_CTA, MAX_CLUSTER_SPLITS))
+    cps = ceil_div(chunks, splits)
+    splits = ceil_div(chunks, cps)
+    budget = min(SM_SMEM // blocks - 1024, 227 * 1024)
+    stages = min(MAX_STAGES, max(2, cps))
+    while stages > 2 and smem_bytes(nt, 4 * nwg, False, stages) > budget:
+        stages -= 1
+    key = Fp4WgKey(nt=nt, nwg=nwg, out_bf16=out_bf16, has_c=has_c, masked=masked, stages=stages)
+    return Fp4WgPlan(key=key, m_blocks=m_blocks, row_blocks=row_blocks, splits=splits, chunks_per_split=cps,
+                     groups=groups)
+
+
 def kernel_source() -> str:
     return (KERNEL_DIR / "fp4_gemm_sm90.cuh").read_text()
 
 
-def compile_kernel(key: Fp4Key, extra_options: tuple[str, ...] = ()) -> tilehal.CudaModule:
+def compile_kernel(key: Fp4Key | Fp4WgKey, extra_options: tuple[str, ...] = ()) -> tilehal.CudaModule:
     """NVRTC-compile one instantiation for sm_90a (no GPU needed; cached on disk by content)."""
     return tilehal.compile_cuda(kernel_source(), arch="sm_90a", name="deepgemm_fp4_gemm_sm90",
                                 options=OPTIONS + extra_options, name_expressions=[key.expression])
 
 
 @functools.lru_cache(maxsize=128)
-def _kernel(key: Fp4Key) -> tilehal.Kernel:
+def _kernel(key: Fp4Key | Fp4WgKey) -> tilehal.Kernel:
     return compile_kernel(key).get_kernel(key.expression)
 
 
@@ -252,6 +358,21 @@ def _launch(p: Fp4Plan, a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int) 
                                               p.chunks_per_split], smem_bytes=key.smem_bytes)
 
 
+def _launch_wgmma(p: Fp4WgPlan, a, b, sfb, d, c, masked_m, m: int, n: int, k: int) -> None:
+    key = p.key
+    g = p.groups
+    a2 = a.reshape(-1, k) if a.dim() == 3 else a
+    from .cuda_gemm import _encode as encode_tiled  # cached per (pointer, shape, box)
+
+    da = encode_tiled(a2.data_ptr(), torch.bfloat16, (a2.shape[0], k), (a2.stride(0), 1), (key.tokens, 64), "128B")
+    db = encode_tiled(b.data_ptr(), torch.uint8, (g * n, k // 2), (k // 2, 1), (key.rows, 64), "64B")
+    dsfb = encode_tiled(sfb.data_ptr(), torch.float32, (g * n, k // 32), (k // 32, 1), (key.rows, 4), "none")
+    log.debug("fp4 wgmma gemm %dx%dx%d (groups %d): %s grid %s cluster %s, %d chunks per split", m, n, k, g,
+              key.expression, p.grid, p.cluster, p.chunks_per_split)
+    _kernel(key).launch(p.grid, key.threads, [db, dsfb, da, d, c, masked_m, m, n, k, p.m_blocks, p.chunks_per_split],
+                        smem_bytes=key.smem_bytes, cluster=p.cluster)
+
+
 def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor, gran: int, d: torch.Tensor,
           c: torch.Tensor | None) -> None:
     """a [M, K] (e4m3 + sfa, or bf16), b packed [N, K/2], sfb fp32 [N, K/gran]; d = c + a @ W^T."""
@@ -264,6 +385,12 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     if c is not None and c.dtype != torch.float32:
         log.debug("c: bf16 accumulation; widening C to fp32 for the FP4 kernel's epilogue")
         c = c.float()
+    if sfa is None and kernel_choice() != "mma":
+        pw = plan_wgmma(m, n, k, 1, d.dtype == torch.bfloat16, c is not None, False)
+        _launch_wgmma(pw, a, b, sfb, d, c, None, m, n, k)
+        return
+    if sfa is None:
+        log.debug("bf16 activations: DEEPGEMM_FP4_KERNEL=mma, the mma.sync kernel instead of the wgmma one")
     p = plan(m, n, k, 1, sfa is not None, d.dtype == torch.bfloat16, c is not None, False)
     _launch(p, a, sfa, b, sfb, d, c, None, m, n, k)
 
