@@ -2,9 +2,10 @@
 """FP4 weights vs bf16 cuBLAS (and deepgemm fp8) at decode shapes, one H200, same run.
 
 Issue 19's target: >= 1.5x bf16 cuBLAS geo-mean at M in {1, 16, 64, 128}, (N, K) in {(7168, 2048),
-(2112, 7168), (4096, 7168)}. Contenders: deepgemm fp8_fp4_gemm_nt (e4m3 activations, 1 x 128 scales),
-bf16_fp4_gemm_nt (bf16 activations), torch.matmul (cuBLAS bf16), deepgemm fp8_gemm_nt (128x128 weight
-scales). Timing: tilehal.bench with the L2 flushed before every call (median), and a CUDA-graph replay
+(2112, 7168), (4096, 7168)}. Contenders: deepgemm fp8_fp4_gemm_nt (e4m3 activations, 1 x 128 scales) on
+the mma.sync kernel (default) and on the wgmma one (fp8_fp4_wgmma: DEEPGEMM_FP4_KERNEL=wgmma),
+bf16_fp4_gemm_nt (bf16 activations) on the wgmma kernel (default) and on the mma.sync one (bf16_fp4_mma),
+torch.matmul (cuBLAS bf16), deepgemm fp8_gemm_nt (128x128 weight scales). Timing: tilehal.bench with the L2 flushed before every call (median), and a CUDA-graph replay
 (tilehal.bench_graph, L2 flushed too); both reported. GB/s counts the weight bytes (codes + scales) and
 the activations once.
 
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import math
+import os
 import platform
 from pathlib import Path
 
@@ -34,6 +37,24 @@ def timed(fn, iters: int) -> tuple[float, float]:
     return t, tg
 
 
+OURS = ("fp8_fp4", "fp8_fp4_wgmma", "bf16_fp4", "bf16_fp4_mma")
+
+
+def with_kernel(kind: str, fn):
+    """fn with DEEPGEMM_FP4_KERNEL=kind for the call (read per call; a graph captures the launch it made)."""
+    def run():
+        old = os.environ.get("DEEPGEMM_FP4_KERNEL")
+        os.environ["DEEPGEMM_FP4_KERNEL"] = kind
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["DEEPGEMM_FP4_KERNEL"]
+            else:
+                os.environ["DEEPGEMM_FP4_KERNEL"] = old
+    return run
+
+
 def case(m: int, n: int, k: int, iters: int, only: str | None = None) -> dict:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
@@ -45,7 +66,9 @@ def case(m: int, n: int, k: int, iters: int, only: str | None = None) -> dict:
     contenders = {
         # MN-major activation scales, as GemmLinear's fused cast writes them (else each call transposes them)
         "fp8_fp4": lambda: deepgemm.fp8_fp4_gemm_nt((a8, sfa_t), (packed, sf), d),
+        "fp8_fp4_wgmma": with_kernel("wgmma", lambda: deepgemm.fp8_fp4_gemm_nt((a8, sfa_t), (packed, sf), d)),
         "bf16_fp4": lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d),
+        "bf16_fp4_mma": with_kernel("mma", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
         "cublas_bf16": lambda: torch.matmul(a, w.T),
         "deepgemm_fp8": lambda: deepgemm.fp8_gemm_nt((a8, sfa_t), (b8, sfb), d),
     }
@@ -53,10 +76,12 @@ def case(m: int, n: int, k: int, iters: int, only: str | None = None) -> dict:
         contenders = {k2: v for k2, v in contenders.items() if k2 in only.split(",")}
     # correctness of ours in the same run (float64 reference on the GPU)
     r = {"m": m, "n": n, "k": k}
-    for name, a_ref, sfa_ref in (("fp8_fp4", a8, sfa), ("bf16_fp4", a, None)):
+    refs = {"fp8": deepgemm.fp4.reference(a8, sfa, packed, sf, 32), "bf16": deepgemm.fp4.reference(a, None, packed, sf, 32)}
+    for name in OURS:
         if name in contenders:
+            d.zero_()
             contenders[name]()
-            ref = deepgemm.fp4.reference(a_ref, sfa_ref, packed, sf, 32)
+            ref = refs[name.split("_")[0]]
             r[f"calc_diff_{name}"] = deepgemm.testing.calc_diff(d.float(), ref.float())
     weight_bytes = packed.numel() + sf.numel() * 4
     for name, fn in contenders.items():
@@ -64,7 +89,7 @@ def case(m: int, n: int, k: int, iters: int, only: str | None = None) -> dict:
         r[f"{name}_us"], r[f"{name}_graph_us"] = t * 1e6, tg * 1e6
     if "fp8_fp4" in contenders:
         r["fp4_weight_gbps"] = (weight_bytes + a8.numel()) / (r["fp8_fp4_us"] * 1e-6) / 1e9
-    for ours in ("fp8_fp4", "bf16_fp4"):
+    for ours in OURS:
         if ours in contenders and "cublas_bf16" in contenders:
             r[f"{ours}_vs_cublas_bf16"] = r["cublas_bf16_us"] / r[f"{ours}_us"]
             r[f"{ours}_vs_cublas_bf16_graph"] = r["cublas_bf16_graph_us"] / r[f"{ours}_graph_us"]
@@ -84,17 +109,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ncu-launch", action="store_true", help="one launch of a few FP4 cases (for ncu), then exit")
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: 1,16,64,128)")
-    ap.add_argument("--only", default=None, help="comma-separated contenders (default: all four)")
+    ap.add_argument("--only", default=None, help="comma-separated contenders (default: all six)")
     args = ap.parse_args()
     if args.ncu_launch:
-        for m, n, k, fp8 in ((1, 4096, 7168, True), (16, 2112, 7168, False), (128, 4096, 7168, True)):
+        # M = 64 / 128 on both kernels and both activation kinds, and M = 1 (the fixed cost), one launch each
+        for m, n, k, fp8, kind in ((64, 4096, 7168, False, "wgmma"), (128, 4096, 7168, False, "wgmma"),
+                                   (128, 4096, 7168, True, "wgmma"), (128, 4096, 7168, True, "mma"),
+                                   (64, 4096, 7168, True, "mma"), (1, 4096, 7168, False, "wgmma")):
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             packed, sf = deepgemm.cast_weights_to_fp4(torch.randn(n, k, device="cuda") * 0.05)
             d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            if fp8:
-                deepgemm.fp8_fp4_gemm_nt(deepgemm.per_token_cast_to_fp8(a), (packed, sf), d)
-            else:
-                deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)
+            act = deepgemm.per_token_cast_to_fp8(a) if fp8 else a
+            fn = deepgemm.fp8_fp4_gemm_nt if fp8 else deepgemm.bf16_fp4_gemm_nt
+            with_kernel(kind, functools.partial(fn, act, (packed, sf), d))()
             torch.cuda.synchronize()
         return
     iters = 10 if args.quick else 30
@@ -107,17 +134,16 @@ def main() -> None:
             if args.only:
                 print(json.dumps(r), flush=True)
                 continue
-            print(f"M={m:4d} N={n:5d} K={k:5d}  fp8_fp4 {r['fp8_fp4_us']:6.1f} us ({r['fp8_fp4_graph_us']:6.1f} graph) "
-                  f"bf16_fp4 {r['bf16_fp4_us']:6.1f}  cublas_bf16 {r['cublas_bf16_us']:6.1f} "
-                  f"deepgemm_fp8 {r['deepgemm_fp8_us']:6.1f}  x{r['fp8_fp4_vs_cublas_bf16']:.2f} / "
-                  f"x{r['bf16_fp4_vs_cublas_bf16']:.2f} vs cuBLAS bf16  {r['fp4_weight_gbps']:.0f} GB/s  "
-                  f"diff {r['calc_diff_fp8_fp4']:.1e}/{r['calc_diff_bf16_fp4']:.1e}", flush=True)
+            ours = "  ".join(f"{o} {r[f'{o}_us']:5.1f} ({r[f'{o}_graph_us']:5.1f}) x{r[f'{o}_vs_cublas_bf16']:.2f}"
+                             for o in OURS)
+            print(f"M={m:4d} N={n:5d} K={k:5d}  {ours}  cublas_bf16 {r['cublas_bf16_us']:5.1f} "
+                  f"({r['cublas_bf16_graph_us']:5.1f})  deepgemm_fp8 {r['deepgemm_fp8_us']:5.1f}  "
+                  "diff " + " ".join(f"{r['calc_diff_' + o]:.1e}" for o in OURS), flush=True)
     if args.only:
         return
     summary = {f"geomean_{o}_vs_cublas_bf16{s}": geomean(r[f"{o}_vs_cublas_bf16{s}"] for r in rows)
-               for o in ("fp8_fp4", "bf16_fp4") for s in ("", "_graph")}
-    summary.update({f"geomean_{o}_vs_deepgemm_fp8": geomean(r[f"{o}_vs_deepgemm_fp8"] for r in rows)
-                    for o in ("fp8_fp4", "bf16_fp4")})
+               for o in OURS for s in ("", "_graph")}
+    summary.update({f"geomean_{o}_vs_deepgemm_fp8": geomean(r[f"{o}_vs_deepgemm_fp8"] for r in rows) for o in OURS})
     print(json.dumps(summary, indent=1))
     if args.out:
         doc = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -140,11 +166,13 @@ def plot(rows, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4))
     labels = [f"{r['m']}x{r['n']}x{r['k']}" for r in rows]
     x = range(len(rows))
-    for i, name in enumerate(("fp8_fp4", "bf16_fp4", "deepgemm_fp8")):
-        ax.bar([v + 0.27 * i for v in x], [r["cublas_bf16_us"] / r[f"{name}_us"] for r in rows], 0.27, label=name)
+    names = (*OURS, "deepgemm_fp8")
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar([v + width * i for v in x], [r["cublas_bf16_us"] / r[f"{name}_us"] for r in rows], width, label=name)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(1.5, color="r", lw=0.8, ls="--", label="target 1.5x")
-    ax.set_xticks([v + 0.27 for v in x])
+    ax.set_xticks([v + 0.4 for v in x])
     ax.set_xticklabels(labels, rotation=60, fontsize=7)
     ax.set_ylabel("speed vs cuBLAS bf16 (L2 flushed)")
     ax.legend(fontsize=7)

@@ -1,5 +1,5 @@
-"""Compile (NVRTC, no GPU) every FP4 kernel that tests/test_fp4.py and benchmarks/bench_fp4.py use, in
-parallel, into the tilehal compile cache (run it on the GPU machine before the tests: ~4 s per kernel).
+"""Compile (NVRTC, no GPU) every FP4 kernel (mma.sync and wgmma) that tests/test_fp4.py and
+benchmarks/bench_fp4.py use, in parallel, into the tilehal compile cache (run it on the GPU machine before the tests: ~4 s per kernel).
 
     python packages/deepgemm/scripts/warm_fp4.py [--jobs 8] [--list]
 """
@@ -17,7 +17,24 @@ BENCH_M = (1, 16, 64, 128)
 BENCH_NK = [(7168, 2048), (2112, 7168), (4096, 7168)]
 
 
-def all_keys() -> list[cuda_fp4.Fp4Key]:
+def wgmma_keys() -> list[cuda_fp4.Fp4WgKey]:
+    keys = set()
+    shapes = [*TEST_SHAPES, (8, 64, 256), (33, 2112, 2048), (64, 7168, 2048), (100, 200, 1024), (128, 2112, 7168),
+              (1, 4096, 7168), (16, 2112, 7168)] + [(m, n, k) for m in BENCH_M for n, k in BENCH_NK]
+    for m, n, k in shapes:
+        for fp8 in (True, False):
+            for out_bf16 in (True, False):
+                keys.add(cuda_fp4.plan_wgmma(m, n, k, 1, out_bf16, False, False, num_sms=SMS, act_fp8=fp8).key)
+    for fp8 in (True, False):
+        keys.add(cuda_fp4.plan_wgmma(16, 2112, 7168, 1, False, True, False, num_sms=SMS, act_fp8=fp8).key)  # with C
+    return sorted(keys, key=lambda k: k.expression)
+
+
+def all_keys() -> list:
+    return mma_keys() + wgmma_keys()
+
+
+def mma_keys() -> list[cuda_fp4.Fp4Key]:
     keys = set()
     for m, n, k in TEST_SHAPES:
         for fp8 in (True, False):
@@ -32,7 +49,7 @@ def all_keys() -> list[cuda_fp4.Fp4Key]:
     return sorted(keys, key=lambda k: k.expression)
 
 
-def _compile(key: cuda_fp4.Fp4Key) -> str:
+def _compile(key) -> str:
     cuda_fp4.compile_kernel(key)
     return key.expression
 

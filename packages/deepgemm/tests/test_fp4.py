@@ -1,6 +1,8 @@
 """FP4 (e2m1) weights: the cast, the reference against an independent numpy decoding, the API on CPU
 tensors, argument errors, and (GPU) the sm_90 kernel against the reference."""
 
+import itertools
+
 import deepgemm
 import ml_dtypes
 import numpy as np
@@ -187,16 +189,16 @@ def test_plan_covers_k_and_fills_the_gpu():
 def test_wgmma_plan_covers_k_in_one_wave_of_clusters():
     from deepgemm import cuda_fp4
 
-    for m in (1, 5, 16, 37, 64, 128, 300):
-        for n, k in ((7168, 2048), (2112, 7168), (4096, 7168), (200, 256)):
-            p = cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=132)
-            assert p.splits * p.chunks_per_split >= k // 128 > (p.splits - 1) * p.chunks_per_split
-            assert p.row_blocks * p.key.rows >= n and p.m_blocks * p.key.tokens >= min(m, 128)
-            assert p.m_blocks * p.key.tokens >= m and p.key.tokens <= 128
-            assert 1 <= p.splits <= cuda_fp4.MAX_CLUSTER_SPLITS and p.grid[1] == p.splits
-            assert p.cluster == ((1, p.splits, 1) if p.splits > 1 else None)
-            assert p.key.min_blocks * (p.key.smem_bytes + 1024) <= cuda_fp4.SM_SMEM
-            assert p.row_blocks * p.splits * p.m_blocks <= 132 * p.key.min_blocks or p.splits == 1
+    shapes = ((7168, 2048), (2112, 7168), (4096, 7168), (200, 256))
+    for m, (n, k), fp8 in itertools.product((1, 5, 16, 37, 64, 128, 300), shapes, (False, True)):
+        p = cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=132, act_fp8=fp8)
+        assert p.key.act_fp8 == fp8 and p.key.nt <= (8 if fp8 else 16)
+        assert p.splits * p.chunks_per_split >= k // 128 > (p.splits - 1) * p.chunks_per_split
+        assert p.row_blocks * p.key.rows >= n and p.m_blocks * p.key.tokens >= m
+        assert 1 <= p.splits <= cuda_fp4.MAX_CLUSTER_SPLITS and p.grid[1] == p.splits
+        assert p.cluster == ((1, p.splits, 1) if p.splits > 1 else None)
+        assert p.key.min_blocks * (p.key.smem_bytes + 1024) <= cuda_fp4.SM_SMEM  # they fit
+        assert p.row_blocks * p.splits * p.m_blocks <= 132 * p.key.min_blocks or p.splits == 1  # one wave
 
 
 def test_kernel_choice_env(monkeypatch):
@@ -334,3 +336,29 @@ def test_gpu_bf16_mma_kernel_still_matches(m, n, k, monkeypatch):
     deepgemm.bf16_fp4_gemm_nt(act, b, d)
     ref = fp4.reference(*cuda(a_ref, sfa_ref, packed, sf), 32).cpu()
     assert rel_err(d, ref.numpy()) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["ue8m0", "fp32", "spread"])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 7168), (16, 2112, 7168), (64, 7168, 2048), (128, 4096, 7168),
+                                   (37, 136, 1152)])
+def test_gpu_fp8_wgmma_kernel_matches_reference(m, n, k, scales, monkeypatch):
+    """e4m3 activations on the wgmma kernel (DEEPGEMM_FP4_KERNEL=wgmma): folded chunks (ue8m0), the slow path
+    (fp32 scales; a row whose scales spread over more than 5 binades inside a chunk)."""
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "wgmma")
+    g = torch.Generator().manual_seed(m * 3 + k)
+    a = torch.randn((m, k), generator=g).to(torch.bfloat16).cuda()
+    w = torch.randn((n, k), generator=g).cuda() * 0.05
+    if scales == "spread":
+        w[:, 32:64] *= 2.0 ** -9  # group 1 of chunk 0: 9 binades below the rest of its row
+    packed, sf = deepgemm.cast_weights_to_fp4(w, gran_k=32, use_ue8m0=scales != "fp32")
+    a8, sfa = deepgemm.per_token_cast_to_fp8(a)
+    ref = fp4.reference(a8, sfa, packed, sf, 32).cpu()
+    d32 = torch.empty(m, n, device="cuda")
+    deepgemm.fp8_fp4_gemm_nt((a8, sfa), (packed, sf), d32)
+    err = rel_err(d32, ref.numpy())
+    # fp32 sums, but Hopper's e4m3 wgmma adds 4 x 32 products inside the tensor core before the promotion
+    assert err < 1e-3, err
+    d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    deepgemm.fp8_fp4_gemm_nt((a8, sfa), (packed, sf), d)
+    assert deepgemm.testing.calc_diff(d.float().cpu(), ref.float()) < 1e-4

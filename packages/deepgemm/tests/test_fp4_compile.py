@@ -29,16 +29,20 @@ def wgmma_configs():
             keys.add(cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=132).key)
     keys.add(cuda_fp4.plan_wgmma(37, 136, 1152, 1, False, True, False, num_sms=132).key)  # fp32 out + C
     keys.add(cuda_fp4.plan_wgmma(33, 2112, 2048, 1, True, False, False, num_sms=132).key)  # 64 tokens, 2 WGs
+    for m in (1, 16, 64, 128):  # e4m3 activations (DEEPGEMM_FP4_KERNEL=wgmma)
+        for n, k in ((7168, 2048), (2112, 7168), (4096, 7168)):
+            keys.add(cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=132, act_fp8=True).key)
+    keys.add(cuda_fp4.plan_wgmma(37, 136, 1152, 1, False, True, False, num_sms=132, act_fp8=True).key)
     return sorted(keys, key=lambda k: k.expression)
 
 
 WGMMA_CONFIGS = wgmma_configs()
 
 
-@pytest.mark.parametrize("half", [0, 1])
-def test_fp4_wgmma_kernel_configs_compile(half, h):
-    """The wgmma kernel: no spills and no serialized wgmma (ptxas C7510-C7515 warnings) at any planned config."""
-    batch = WGMMA_CONFIGS[half::2]
+@pytest.mark.parametrize("part", [0, 1, 2])
+def test_fp4_wgmma_kernel_configs_compile(part, h):
+    """The wgmma kernels: no spills and no serialized wgmma (ptxas C7510-C7515 warnings) at any planned config."""
+    batch = WGMMA_CONFIGS[part::3]
     exprs = [k.expression for k in batch]
     mod = tilehal.compile_cuda(cuda_fp4.kernel_source(), arch="sm_90a", name="deepgemm_fp4_wgmma_compile_check",
                                options=cuda_fp4.OPTIONS + ("--ptxas-options=-v",), name_expressions=exprs)
@@ -59,3 +63,9 @@ def test_fp4_kernel_configs_compile(half, h):
 def test_configs_cover_both_activation_kinds_and_token_tiles():
     assert {k.act_fp8 for k in CONFIGS} == {True, False}
     assert {k.nt for k in CONFIGS} >= {1, 2, 8} and any(k.masked for k in CONFIGS) and any(k.has_c for k in CONFIGS)
+
+
+def test_wgmma_configs_cover_both_activation_kinds():
+    assert {k.act_fp8 for k in WGMMA_CONFIGS} == {True, False}
+    assert {k.nwg for k in WGMMA_CONFIGS} == {1, 2} and any(k.has_c for k in WGMMA_CONFIGS)
+    assert max(k.nt for k in WGMMA_CONFIGS if k.act_fp8) <= cuda_fp4.WG_FP8_MAX_TOKEN_TILES

@@ -164,11 +164,12 @@ def plan(m: int, n: int, k: int, groups: int, act_fp8: bool, out_bf16: bool, has
 
 MAX_CLUSTER_SPLITS = 8  # the wgmma kernel's K splits are one thread-block cluster (portable size)
 WG_MAX_TOKEN_TILES = 16  # 128 tokens: the wgmma N of one CTA (M = 128 decodes its weights once)
+WG_FP8_MAX_TOKEN_TILES = 8  # e4m3: accumulators, the chunk's partial sums and the A fragments in 168 registers
 
 
 @dataclass(frozen=True)
 class Fp4WgKey:
-    """The wgmma kernel (bf16 activations): NT n8 token tiles = the wgmma N, NWG consumer warpgroups."""
+    """The wgmma kernels (bf16 or e4m3 activations): NT n8 token tiles = the wgmma N, NWG consumer warpgroups."""
 
     nt: int
     nwg: int
@@ -184,7 +185,8 @@ class Fp4WgKey:
             return "true" if x else "false"
 
         out = "__nv_bfloat16" if self.out_bf16 else "float"
-        return (f"deepgemm::fp4::fp4_wgmma_sm90<{self.nt}, {self.nwg}, {out}, {b(self.has_c)}, {b(self.masked)}, "
+        name = "fp4_wgmma_fp8_sm90" if self.act_fp8 else "fp4_wgmma_sm90"
+        return (f"deepgemm::fp4::{name}<{self.nt}, {self.nwg}, {out}, {b(self.has_c)}, {b(self.masked)}, "
                 f"{self.stages}>")
 
     @property
@@ -209,7 +211,7 @@ class Fp4WgKey:
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.nt, self.wn, False, self.stages)
+        return smem_bytes(self.nt, self.wn, self.act_fp8, self.stages)
 
 
 def wgmma_min_blocks(nt: int) -> int:
@@ -236,7 +238,8 @@ class Fp4WgPlan:
 
 
 def kernel_choice() -> str:
-    """DEEPGEMM_FP4_KERNEL: 'auto' (default: bf16 activations take the wgmma kernel), 'mma' or 'wgmma' (A/B)."""
+    """DEEPGEMM_FP4_KERNEL: 'auto' (default: bf16 activations take the wgmma kernel, e4m3 ones the mma.sync
+    kernel), 'mma' or 'wgmma' (both activation kinds; A/B timing)."""
     v = os.environ.get("DEEPGEMM_FP4_KERNEL", "auto")
     if v not in ("auto", "mma", "wgmma"):
         raise validate.ArgumentError(f"DEEPGEMM_FP4_KERNEL: expected auto, mma or wgmma, got {v!r}")
@@ -244,11 +247,12 @@ def kernel_choice() -> str:
 
 
 def plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
-               num_sms: int | None = None, expected_m: int | None = None) -> Fp4WgPlan:
-    """Token tile, warpgroups, cluster split-K and ring depth of the wgmma kernel for one problem."""
+               num_sms: int | None = None, expected_m: int | None = None, act_fp8: bool = False) -> Fp4WgPlan:
+    """Token tile, warpgroups, cluster split-K and ring depth of a wgmma kernel for one problem."""
     sms = num_sms or get_num_sms()
     nt, mm = 1, expected_m or m
-    while nt < WG_MAX_TOKEN_TILES and 8 * nt < mm:
+    top = WG_FP8_MAX_TOKEN_TILES if act_fp8 else WG_MAX_TOKEN_TILES
+    while nt < top and 8 * nt < mm:
         nt *= 2
     nwg = 2 if nt >= 8 else 1  # wide token tiles: 128 weight rows share one activation tile
     blocks = wgmma_min_blocks(nt)
@@ -261,9 +265,9 @@ def plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool,
     splits = ceil_div(chunks, cps)
     budget = min(SM_SMEM // blocks - 1024, 227 * 1024)
     stages = min(MAX_STAGES, max(2, cps))
-    while stages > 2 and smem_bytes(nt, 4 * nwg, False, stages) > budget:
+    while stages > 2 and smem_bytes(nt, 4 * nwg, act_fp8, stages) > budget:
         stages -= 1
-    key = Fp4WgKey(nt=nt, nwg=nwg, out_bf16=out_bf16, has_c=has_c, masked=masked, stages=stages)
+    key = Fp4WgKey(nt=nt, nwg=nwg, out_bf16=out_bf16, has_c=has_c, masked=masked, stages=stages, act_fp8=act_fp8)
     return Fp4WgPlan(key=key, m_blocks=m_blocks, row_blocks=row_blocks, splits=splits, chunks_per_split=cps,
                      groups=groups)
 
@@ -358,18 +362,28 @@ def _launch(p: Fp4Plan, a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int) 
                                               p.chunks_per_split], smem_bytes=key.smem_bytes)
 
 
-def _launch_wgmma(p: Fp4WgPlan, a, b, sfb, d, c, masked_m, m: int, n: int, k: int) -> None:
+def _launch_wgmma(p: Fp4WgPlan, a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int) -> None:
     key = p.key
     g = p.groups
     a2 = a.reshape(-1, k) if a.dim() == 3 else a
     from .cuda_gemm import _encode as encode_tiled  # cached per (pointer, shape, box)
+    from .cuda_gemm import _sfa_layout
 
-    da = encode_tiled(a2.data_ptr(), torch.bfloat16, (a2.shape[0], k), (a2.stride(0), 1), (key.tokens, 64), "128B")
     db = encode_tiled(b.data_ptr(), torch.uint8, (g * n, k // 2), (k // 2, 1), (key.rows, 64), "64B")
     dsfb = encode_tiled(sfb.data_ptr(), torch.float32, (g * n, k // 32), (k // 32, 1), (key.rows, 4), "none")
+    if key.act_fp8:
+        da = encode_tiled(a2.data_ptr(), torch.uint8, (a2.shape[0], k), (a2.stride(0), 1), (key.tokens, 128), "128B")
+        sfa_t = _sfa_layout(sfa)
+        dsfa = encode_tiled(sfa_t.data_ptr(), torch.float32, (g * (k // 128), m), (get_tma_aligned_size(m, 4), 1),
+                            (1, key.tokens), "none")
+        descs = [db, dsfb, da, dsfa]
+    else:
+        da = encode_tiled(a2.data_ptr(), torch.bfloat16, (a2.shape[0], k), (a2.stride(0), 1), (key.tokens, 64),
+                          "128B")
+        descs = [db, dsfb, da]
     log.debug("fp4 wgmma gemm %dx%dx%d (groups %d): %s grid %s cluster %s, %d chunks per split", m, n, k, g,
               key.expression, p.grid, p.cluster, p.chunks_per_split)
-    _kernel(key).launch(p.grid, key.threads, [db, dsfb, da, d, c, masked_m, m, n, k, p.m_blocks, p.chunks_per_split],
+    _kernel(key).launch(p.grid, key.threads, [*descs, d, c, masked_m, m, n, k, p.m_blocks, p.chunks_per_split],
                         smem_bytes=key.smem_bytes, cluster=p.cluster)
 
 
@@ -385,12 +399,13 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     if c is not None and c.dtype != torch.float32:
         log.debug("c: bf16 accumulation; widening C to fp32 for the FP4 kernel's epilogue")
         c = c.float()
-    if sfa is None and kernel_choice() != "mma":
-        pw = plan_wgmma(m, n, k, 1, d.dtype == torch.bfloat16, c is not None, False)
-        _launch_wgmma(pw, a, b, sfb, d, c, None, m, n, k)
+    choice = kernel_choice()
+    if choice == "wgmma" or (choice == "auto" and sfa is None):
+        pw = plan_wgmma(m, n, k, 1, d.dtype == torch.bfloat16, c is not None, False, act_fp8=sfa is not None)
+        _launch_wgmma(pw, a, sfa, b, sfb, d, c, None, m, n, k)
         return
-    if sfa is None:
-        log.debug("bf16 activations: DEEPGEMM_FP4_KERNEL=mma, the mma.sync kernel instead of the wgmma one")
+    log.debug("fp4 gemm: the mma.sync kernel (DEEPGEMM_FP4_KERNEL=%s, %s activations)", choice,
+              "e4m3" if sfa is not None else "bf16")
     p = plan(m, n, k, 1, sfa is not None, d.dtype == torch.bfloat16, c is not None, False)
     _launch(p, a, sfa, b, sfb, d, c, None, m, n, k)
 

@@ -58,9 +58,20 @@ TILEHAL_DEVICE void sign_masks(u32 w, u32& lo, u32& hi) {
   hi = prmt(w, w4, 0xBFAE) & 0x80808080u;
 }
 
+// e4m3 bytes of the e2m1 magnitudes 0, .5, 1, 1.5 | 2, 3, 4, 6.
+constexpr u32 kE4M3T0 = 0x3C383000u, kE4M3T1 = 0x4C484440u;
+
+// 8 e2m1 codes through a magnitude table (t0, t1: bytes of magnitudes 0..3 | 4..7) -> 8 e4m3 bytes.
+TILEHAL_DEVICE void decode_e4m3_tab(u32 w, u32 t0, u32 t1, u32& lo, u32& hi) {
+  u32 s_lo, s_hi;
+  sign_masks(w, s_lo, s_hi);
+  lo = prmt(t0, t1, w & 0x7777u) | s_lo;
+  hi = prmt(t0, t1, (w >> 16) & 0x7777u) | s_hi;
+}
+
 // 8 e2m1 codes (low nibble first) -> 8 e4m3 bytes: lo = codes 0..3, hi = codes 4..7. Exact.
 TILEHAL_DEVICE void decode_e4m3(u32 w, u32& lo, u32& hi) {
-  constexpr u32 T0 = 0x3C383000u, T1 = 0x4C484440u;  // e4m3 of 0, .5, 1, 1.5 | 2, 3, 4, 6
+  constexpr u32 T0 = kE4M3T0, T1 = kE4M3T1;
   u32 s_lo, s_hi;
   sign_masks(w, s_lo, s_hi);
   lo = prmt(T0, T1, w & 0x7777u) | s_lo;
@@ -531,6 +542,76 @@ TILEHAL_DEVICE u32 gather_codes_k16(const unsigned char* row_unit, int q) {
   return prmt(prmt(u.x, u.y, sel), prmt(u.z, u.w, sel), 0x5410);
 }
 
+// The wgmma kernels' epilogue: the partial tile -> shared memory [TOKENS][ROWS] over the drained ring
+// (acc[4j + i]: row 16 warp + g + 8 (i / 2), token 8j + 2q + i % 2, the mma.sync kernel's layout), then
+// the cluster's split-K reduction through distributed shared memory (CTA r sums slice r in split order)
+// and D (+ C) in row-major [M, N]. Every thread of the CTA calls it.
+template <int NT, int WN, typename OutT, bool HAS_C>
+TILEHAL_DEVICE void cluster_epilogue(const float (&acc)[NT * 4], float* red, int warp, OutT* d, const float* c,
+                                     int group, int shape_m, int shape_n, int m0, int rows_m, int n_cta) {
+  constexpr int ROWS = 16 * WN, TOKENS = 8 * NT;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, q = lane % 4;
+  __syncthreads();
+  if (warp < WN) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = warp * 16 + g + 8 * (i / 2);
+        const int t = j * 8 + 2 * q + (i % 2);
+        red[t * ROWS + r] = acc[4 * j + i];
+      }
+    }
+  }
+  constexpr int THREADS = 32 * WN + 32;
+  const int splits = gridDim.y;
+  const int valid4 = min(TOKENS, rows_m - m0) * ROWS / 4;
+  const float4* red4 = reinterpret_cast<const float4*>(red);
+  int e_begin = 0, e_end = valid4;
+  if (splits > 1) {
+    cluster_sync();  // every split's partial tile is in its CTA's shared memory
+    const int rank = static_cast<int>(cluster_ctarank());
+    const int per = (valid4 + splits - 1) / splits;
+    e_begin = min(valid4, rank * per);
+    e_end = min(valid4, e_begin + per);
+  } else {
+    __syncthreads();
+  }
+  OutT* d_g = d + static_cast<size_t>(group) * shape_m * shape_n;
+  const float* c_g = HAS_C ? c + static_cast<size_t>(group) * shape_m * shape_n : nullptr;
+  for (int e = e_begin + static_cast<int>(threadIdx.x); e < e_end; e += THREADS) {
+    float4 v;
+    if (splits == 1) {
+      v = red4[e];
+    } else {
+      v = ld_cluster_f4(red4 + e, 0);
+      for (int sp = 1; sp < splits; ++sp) {  // in split order: the same sum whichever CTA reduces
+        const float4 t = ld_cluster_f4(red4 + e, sp);
+        v.x += t.x, v.y += t.y, v.z += t.z, v.w += t.w;
+      }
+    }
+    const int t = (4 * e) / ROWS, r = (4 * e) % ROWS;
+    const int m = m0 + t;
+    if (m >= rows_m) continue;
+    const float vals[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int n = n_cta + r + u;
+      if (n >= shape_n) break;
+      const size_t off = static_cast<size_t>(m) * shape_n + n;
+      float x = vals[u];
+      if constexpr (HAS_C) x += c_g[off];
+      if constexpr (sizeof(OutT) == 2) {
+        d_g[off] = __float2bfloat16_rn(x);
+      } else {
+        d_g[off] = x;
+      }
+    }
+  }
+  if (splits > 1) cluster_sync();  // no CTA leaves while a peer still reads its shared memory
+}
+
 // kMinBlocks of the wgmma kernel (cuda_fp4.wgmma_min_blocks mirrors it).
 template <int NT> constexpr int kWgMinBlocks = NT <= 2 ? 3 : NT <= 4 ? 2 : 1;
 
@@ -721,64 +802,222 @@ fp4_wgmma_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constan
     if (pending >= 0) release(pending);
   }
 
-  // Partial tile -> shared memory [TOKENS][ROWS] over the drained ring (acc[4j + i]: row 16 warp + g +
-  // 8 (i / 2), token 8j + 2q + i % 2, the mma.sync kernel's layout).
+  cluster_epilogue<NT, WN, OutT, HAS_C>(acc, red, warp, d, c, group, shape_m, shape_n, m0, rows_m, n_cta);
+}
+
+// The 16 codes of 32-wide group `gg` that thread q needs for an m64nNk32 e4m3 A fragment: bytes 2q, 2q + 1
+// (K 4q .. 4q + 3) and 8 + 2q, 9 + 2q (K 16 + 4q ..) of the row's 16-byte unit, as one word of 8 codes.
+TILEHAL_DEVICE u32 gather_codes_k32(const unsigned char* row_unit, int q) {
+  const uint4 u = *reinterpret_cast<const uint4*>(row_unit);
+  const u32 x = (q & 2) ? u.y : u.x, y = (q & 2) ? u.w : u.z;
+  return prmt(x, y, (q & 1) ? 0x7632u : 0x5410u);
+}
+
+// ==================================================================================================
+// wgmma variant for e4m3 activations: m64nNk32 e4m3 with the decoded weights as register A.
+//
+// Per 128-wide chunk one fresh partial P (4 chained wgmmas) is promoted once: acc += P * 2^E[row] * sa[token].
+// The per-32 weight scales are folded into the decoded e4m3 weights relative to the row's largest scale
+// of the chunk (2^E): a power-of-two scale 2^(E - d) with d <= 5 moves every nonzero table byte down by
+// 8d (the e4m3 exponent field), exact since the smallest magnitude (.5, field 6) stays normal. A chunk
+// where some thread's scale is not such (fp32 scales, a spread over 5 binades, a sign) runs the exact
+// slow path: a fresh P per 32-wide group promoted with that group's scale. The next chunk's decode runs
+// while the current chunk's wgmmas do (double-buffered A fragments). NT <= 8 (registers: acc, P, A).
+// ==================================================================================================
+template <int NT, int NWG, typename OutT, bool HAS_C, bool MASKED, int STAGES>
+__global__ void __launch_bounds__(128 * NWG + 32, kWgMinBlocks<NT>)
+fp4_wgmma_fp8_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant__ TmaDescriptor tma_sfb,
+                   const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_sfa,
+                   OutT* __restrict__ d, const float* __restrict__ c, const int* __restrict__ masked_m, int shape_m,
+                   int shape_n, int shape_k, int m_blocks, int chunks_per_split) {
+  constexpr int WN = 4 * NWG;
+  using St = Fp4Stage<NT, WN, true>;
+  constexpr int TOKENS = St::kTokens;
+  constexpr int NUM_CONSUMERS = 128 * NWG;
+  constexpr int R = TOKENS / 2;
+  using Mma = WgmmaRsE4M3<TOKENS>;
+
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int g = lane / 4, q = lane % 4;
+
+  const int group = blockIdx.z / m_blocks;
+  const int m_block = blockIdx.z % m_blocks;
+  int rows_m = shape_m;
+  if constexpr (MASKED) rows_m = min(max(__ldg(masked_m + group), 0), shape_m);
+  const int m0 = m_block * TOKENS;
+  if (m0 >= rows_m) return;  // the whole cluster (one tile) returns together
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  float* red = reinterpret_cast<float*>(smem);
+  u64* full_bar = reinterpret_cast<u64*>(smem + fp4_ring_bytes<NT, WN, true, STAGES>());
+  u64* empty_bar = full_bar + STAGES;
+
+  const int n_cta = blockIdx.x * St::kRows;
+  const int num_chunks = shape_k / 128;
+  const int c_begin = blockIdx.y * chunks_per_split;
+  const int c_end = min(c_begin + chunks_per_split, num_chunks);
+
+  if (threadIdx.x == NUM_CONSUMERS) {
+    tma_prefetch_descriptor(&tma_b);
+    tma_prefetch_descriptor(&tma_sfb);
+    tma_prefetch_descriptor(&tma_a);
+    tma_prefetch_descriptor(&tma_sfa);
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) {
+      mbarrier_init(&full_bar[i], 1);
+      mbarrier_init(&empty_bar[i], WN);
+    }
+    fence_barrier_init();
+  }
   __syncthreads();
-  if (warp < WN) {
+
+  float acc[R];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = warp * 16 + g + 8 * (i / 2);
-        const int t = j * 8 + 2 * q + (i % 2);
-        red[t * ROWS + r] = acc[4 * j + i];
+  for (int i = 0; i < R; ++i) acc[i] = 0.f;
+
+  if (warp == WN) {
+    if (lane == 0) {
+      const int b_row = group * shape_n + n_cta;
+      const int a_row = group * shape_m + m0;
+      const int sf_k = shape_k / 128;
+      for (int ch = c_begin, i = 0; ch < c_end; ++ch, ++i) {
+        const int s = i % STAGES;
+        mbarrier_wait(&empty_bar[s], ((i / STAGES) & 1) ^ 1);
+        unsigned char* st = smem + s * St::kBytes;
+        mbarrier_arrive_expect_tx(&full_bar[s], St::kA + St::kW + St::kSfb + St::kSfa);
+        tma_load_2d(st + St::kOffW, &tma_b, &full_bar[s], ch * 64, b_row);
+        tma_load_2d(st + St::kOffSfb, &tma_sfb, &full_bar[s], ch * 4, b_row);
+        tma_load_2d(st, &tma_a, &full_bar[s], ch * 128, a_row);
+        tma_load_2d(st + St::kOffSfa, &tma_sfa, &full_bar[s], m0, group * sf_k + ch);
       }
     }
-  }
-  constexpr int THREADS = NUM_CONSUMERS + 32;
-  const int splits = gridDim.y;
-  const int valid4 = min(TOKENS, rows_m - m0) * ROWS / 4;
-  const float4* red4 = reinterpret_cast<const float4*>(red);
-  int e_begin = 0, e_end = valid4;
-  if (splits > 1) {
-    cluster_sync();  // every split's partial tile is in its CTA's shared memory
-    const int rank = static_cast<int>(cluster_ctarank());
-    const int per = (valid4 + splits - 1) / splits;
-    e_begin = min(valid4, rank * per);
-    e_end = min(valid4, e_begin + per);
   } else {
-    __syncthreads();
-  }
-  OutT* d_g = d + static_cast<size_t>(group) * shape_m * shape_n;
-  const float* c_g = HAS_C ? c + static_cast<size_t>(group) * shape_m * shape_n : nullptr;
-  for (int e = e_begin + static_cast<int>(threadIdx.x); e < e_end; e += THREADS) {
-    float4 v = red4[e];
-    if (splits > 1) {
-      v = ld_cluster_f4(red4 + e, 0);
-      for (int sp = 1; sp < splits; ++sp) {  // in split order: the same sum whichever CTA reduces
-        const float4 t = ld_cluster_f4(red4 + e, sp);
-        v.x += t.x, v.y += t.y, v.z += t.z, v.w += t.w;
-      }
-    }
-    const int t = (4 * e) / ROWS, r = (4 * e) % ROWS;
-    const int m = m0 + t;
-    if (m >= rows_m) continue;
-    const float vals[4] = {v.x, v.y, v.z, v.w};
+    const int wg = warp / 4;
+    const int r0 = warp * 16 + g;
+    u32 afr[2][16];  // A fragments of two chunks: [group][a0..a3]
+    float P[R];      // the chunk's partial sums: written by wgmma only
+    float rs[2][2];  // per buffer: 2^E of rows r0 and r0 + 8 (the folded chunk's row factor)
+    const int n_ch = c_end - c_begin;
+
+    auto scales = [&](const unsigned char* st, float (&sc)[2][4]) {
+      const float4 sb0 = *reinterpret_cast<const float4*>(st + St::kOffSfb + r0 * 16);
+      const float4 sb1 = *reinterpret_cast<const float4*>(st + St::kOffSfb + (r0 + 8) * 16);
+      sc[0][0] = sb0.x, sc[0][1] = sb0.y, sc[0][2] = sb0.z, sc[0][3] = sb0.w;
+      sc[1][0] = sb1.x, sc[1][1] = sb1.y, sc[1][2] = sb1.z, sc[1][3] = sb1.w;
+    };
+
+    // Wait for chunk i, vote, and (folded) decode it into buffer BUF. Returns whether it folded.
+    auto prep = [&](auto buf_c, int i) -> bool {
+      constexpr int BUF = decltype(buf_c)::value;
+      const int s = i % STAGES;
+      mbarrier_wait(&full_bar[s], (i / STAGES) & 1);
+      const unsigned char* st = smem + s * St::kBytes;
+      float sc[2][4];
+      scales(st, sc);
+      bool ok = true;
+      u32 ex[2][4], emax[2];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int n = n_cta + r + u;
-      if (n >= shape_n) break;
-      const size_t off = static_cast<size_t>(m) * shape_n + n;
-      float x = vals[u];
-      if constexpr (HAS_C) x += c_g[off];
-      if constexpr (sizeof(OutT) == 2) {
-        d_g[off] = __float2bfloat16_rn(x);
-      } else {
-        d_g[off] = x;
+      for (int h = 0; h < 2; ++h) {
+        emax[h] = 0;
+#pragma unroll
+        for (int gg = 0; gg < 4; ++gg) {
+          const u32 b = __float_as_uint(sc[h][gg]);
+          ex[h][gg] = b >> 23;  // sign bit included: a negative scale fails the range check below
+          ok = ok && (b & 0x7FFFFFu) == 0 && ex[h][gg] >= 1 && ex[h][gg] <= 254;
+          emax[h] = max(emax[h], ex[h][gg]);
+        }
+#pragma unroll
+        for (int gg = 0; gg < 4; ++gg) ok = ok && emax[h] - ex[h][gg] <= 5;
+        rs[BUF][h] = __uint_as_float(min(max(emax[h], 1u), 254u) << 23);
       }
+      const bool fold = warpgroup_all(ok, wg);
+      if (fold) {
+#pragma unroll
+        for (int gg = 0; gg < 4; ++gg) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const u32 w = gather_codes_k32(st + St::kOffW + swz<64>(r0 + 8 * h, gg), q);
+            const u32 dl = (emax[h] - ex[h][gg]) * 8;  // e4m3 exponent field steps
+            u32 lo, hi;
+            decode_e4m3_tab(w, kE4M3T0 - dl * 0x01010100u, kE4M3T1 - dl * 0x01010101u, lo, hi);
+            afr[BUF][gg * 4 + h] = lo;       // a0 / a1: rows r0 / r0 + 8, K 4q .. 4q + 3
+            afr[BUF][gg * 4 + 2 + h] = hi;   // a2 / a3: K 16 + 4q ..
+          }
+        }
+      }
+      return fold;
+    };
+
+    auto release = [&](int s) {
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&empty_bar[s]);
+    };
+
+    // acc += P * (row factor * sa[token]) with the stage's activation scales.
+    auto promote = [&](const unsigned char* st, float f0, float f1) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float2 sa = *reinterpret_cast<const float2*>(st + St::kOffSfa + (j * 8 + 2 * q) * 4);
+        acc[4 * j + 0] += P[4 * j + 0] * (f0 * sa.x);
+        acc[4 * j + 1] += P[4 * j + 1] * (f0 * sa.y);
+        acc[4 * j + 2] += P[4 * j + 2] * (f1 * sa.x);
+        acc[4 * j + 3] += P[4 * j + 3] * (f1 * sa.y);
+      }
+    };
+
+    // Run chunk i (prepared in BUF, folded or not); prepare chunk i + 1 meanwhile; returns its fold flag.
+    auto run = [&](auto buf_c, int i, bool fold) -> bool {
+      constexpr int BUF = decltype(buf_c)::value;
+      const int s = i % STAGES;
+      const unsigned char* st = smem + s * St::kBytes;
+      const u64 desc = make_smem_desc_k128b(st);
+      bool next = false;
+      if (fold) {
+        wgmma_fence_operands(P);
+        wgmma_fence();
+#pragma unroll
+        for (int gg = 0; gg < 4; ++gg) Mma::mma(P, &afr[BUF][gg * 4], desc + gg * 2, gg > 0);
+        wgmma_commit();
+        if (i + 1 < n_ch) next = prep(IntC<BUF ^ 1>{}, i + 1);
+        wgmma_wait<0>();
+        fence_regs(afr[BUF]);
+        wgmma_fence_operands(P);
+        promote(st, rs[BUF][0], rs[BUF][1]);
+      } else {
+        float sc[2][4];
+        scales(st, sc);
+#pragma unroll
+        for (int gg = 0; gg < 4; ++gg) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const u32 w = gather_codes_k32(st + St::kOffW + swz<64>(r0 + 8 * h, gg), q);
+            decode_e4m3(w, afr[BUF][h], afr[BUF][2 + h]);
+          }
+          wgmma_fence_operands(P);
+          wgmma_fence();
+          Mma::mma(P, &afr[BUF][0], desc + gg * 2, 0);
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_regs(afr[BUF]);
+          wgmma_fence_operands(P);
+          promote(st, sc[0][gg], sc[1][gg]);
+        }
+        if (i + 1 < n_ch) next = prep(IntC<BUF ^ 1>{}, i + 1);
+      }
+      release(s);
+      return next;
+    };
+
+    bool f = n_ch > 0 ? prep(IntC<0>{}, 0) : false;
+    for (int i = 0; i < n_ch; i += 2) {
+      f = run(IntC<0>{}, i, f);
+      if (i + 1 < n_ch) f = run(IntC<1>{}, i + 1, f);
     }
   }
-  if (splits > 1) cluster_sync();  // no CTA leaves while a peer still reads its shared memory
+
+  cluster_epilogue<NT, WN, OutT, HAS_C>(acc, red, warp, d, c, group, shape_m, shape_n, m0, rows_m, n_cta);
 }
 
 }  // namespace fp4
