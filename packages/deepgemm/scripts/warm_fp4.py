@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import os
 
 from deepgemm import cuda_fp4
 
@@ -27,6 +28,13 @@ def wgmma_keys() -> list[cuda_fp4.Fp4WgKey]:
                 keys.add(cuda_fp4.plan_wgmma(m, n, k, 1, out_bf16, False, False, num_sms=SMS, act_fp8=fp8).key)
     for fp8 in (True, False):
         keys.add(cuda_fp4.plan_wgmma(16, 2112, 7168, 1, False, True, False, num_sms=SMS, act_fp8=fp8).key)  # with C
+    os.environ["DEEPGEMM_FP4_WG_NWG"] = "1"  # the bench's A/B of one warpgroup per CTA at M = 64 / 128
+    try:
+        for m in (64, 128):
+            for n, k in BENCH_NK:
+                keys.add(cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=SMS).key)
+    finally:
+        del os.environ["DEEPGEMM_FP4_WG_NWG"]
     return sorted(keys, key=lambda k: k.expression)
 
 

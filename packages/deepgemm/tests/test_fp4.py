@@ -210,6 +210,12 @@ def test_kernel_choice_env(monkeypatch):
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "tensor")
     with pytest.raises(deepgemm.validate.ArgumentError, match="DEEPGEMM_FP4_KERNEL"):
         cuda_fp4.kernel_choice()
+    assert cuda_fp4.plan_wgmma(128, 4096, 7168, 1, True, False, False, num_sms=132).key.nwg == 2
+    monkeypatch.setenv("DEEPGEMM_FP4_WG_NWG", "1")
+    assert cuda_fp4.plan_wgmma(128, 4096, 7168, 1, True, False, False, num_sms=132).key.nwg == 1
+    monkeypatch.setenv("DEEPGEMM_FP4_WG_NWG", "3")
+    with pytest.raises(deepgemm.validate.ArgumentError, match="DEEPGEMM_FP4_WG_NWG"):
+        cuda_fp4.plan_wgmma(128, 4096, 7168, 1, True, False, False, num_sms=132)
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -255,6 +255,11 @@ def plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool,
     while nt < top and 8 * nt < mm:
         nt *= 2
     nwg = 2 if nt >= 8 else 1  # wide token tiles: 128 weight rows share one activation tile
+    forced = os.environ.get("DEEPGEMM_FP4_WG_NWG")  # A/B timing only
+    if forced is not None:
+        if forced not in ("1", "2"):
+            raise validate.ArgumentError(f"DEEPGEMM_FP4_WG_NWG: expected 1 or 2, got {forced!r}")
+        nwg = int(forced)
     blocks = wgmma_min_blocks(nt)
     m_blocks = ceil_div(m, 8 * nt)
     row_blocks = ceil_div(n, 64 * nwg)
