@@ -35,6 +35,14 @@ def wgmma_keys() -> list[cuda_fp4.Fp4WgKey]:
                 keys.add(cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=SMS).key)
     finally:
         del os.environ["DEEPGEMM_FP4_WG_NWG"]
+    for cap in ("2", "4"):  # and of fewer cluster splits at M = 1 / 16
+        os.environ["DEEPGEMM_FP4_WG_MAX_SPLITS"] = cap
+        try:
+            for m in (1, 16):
+                for n, k in BENCH_NK:
+                    keys.add(cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=SMS).key)
+        finally:
+            del os.environ["DEEPGEMM_FP4_WG_MAX_SPLITS"]
     return sorted(keys, key=lambda k: k.expression)
 
 

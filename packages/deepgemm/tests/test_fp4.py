@@ -216,6 +216,12 @@ def test_kernel_choice_env(monkeypatch):
     monkeypatch.setenv("DEEPGEMM_FP4_WG_NWG", "3")
     with pytest.raises(deepgemm.validate.ArgumentError, match="DEEPGEMM_FP4_WG_NWG"):
         cuda_fp4.plan_wgmma(128, 4096, 7168, 1, True, False, False, num_sms=132)
+    monkeypatch.delenv("DEEPGEMM_FP4_WG_NWG")
+    monkeypatch.setenv("DEEPGEMM_FP4_WG_MAX_SPLITS", "2")
+    assert cuda_fp4.plan_wgmma(1, 4096, 7168, 1, True, False, False, num_sms=132).splits == 2
+    monkeypatch.setenv("DEEPGEMM_FP4_WG_MAX_SPLITS", "9")
+    with pytest.raises(deepgemm.validate.ArgumentError, match="DEEPGEMM_FP4_WG_MAX_SPLITS"):
+        cuda_fp4.plan_wgmma(1, 4096, 7168, 1, True, False, False, num_sms=132)
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -265,7 +265,13 @@ def plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool,
     row_blocks = ceil_div(n, 64 * nwg)
     chunks = k // 128
     tiles = row_blocks * groups * (ceil_div(expected_m, 8 * nt) if masked and expected_m else m_blocks)
-    splits = max(1, min(blocks * sms // max(1, tiles), chunks // MIN_CHUNKS_PER_CTA, MAX_CLUSTER_SPLITS))
+    most = MAX_CLUSTER_SPLITS
+    cap = os.environ.get("DEEPGEMM_FP4_WG_MAX_SPLITS")  # A/B timing only
+    if cap is not None:
+        if cap not in ("1", "2", "3", "4", "5", "6", "7", "8"):
+            raise validate.ArgumentError(f"DEEPGEMM_FP4_WG_MAX_SPLITS: expected 1..8, got {cap!r}")
+        most = int(cap)
+    splits = max(1, min(blocks * sms // max(1, tiles), chunks // MIN_CHUNKS_PER_CTA, most))
     cps = ceil_div(chunks, splits)
     splits = ceil_div(chunks, cps)
     budget = min(SM_SMEM // blocks - 1024, 227 * 1024)
