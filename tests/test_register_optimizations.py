@@ -258,3 +258,21 @@ def test_gemm_linear_fp4_weights_cpu(fp8):
     assert (w4 - lin.weight.detach()).abs().max() <= sf.max()
     with pytest.raises(ValueError, match="in_features: expected a multiple of 128"):
         GemmLinear(200, 8, fp4=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 128])
+def test_gemm_linear_fp4_weights_gpu(m):
+    """GemmLinear(fp4=True) on the GPU (bf16 activations: deepgemm's wgmma FP4 kernel) against the float64 value
+    of x @ W_fp4^T + b for the dequantized weight."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(2048, 4096).cuda()
+    g = GemmLinear.from_linear(lin, fp4=True)
+    x = torch.randn(m, 2048, device="cuda")
+    packed, sf = deepgemm.cast_weights_to_fp4(lin.weight.detach(), gran_k=32)
+    want = deepgemm.fp4.reference(x.to(torch.bfloat16), None, packed, sf, 32) + lin.bias.double()
+    with torch.no_grad():
+        y = g(x)
+    assert deepgemm.testing.calc_diff(y.double(), want) < 1e-5
