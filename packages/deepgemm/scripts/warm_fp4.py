@@ -28,6 +28,8 @@ def wgmma_keys() -> list[cuda_fp4.Fp4WgKey]:
                 keys.add(cuda_fp4.plan_wgmma(m, n, k, 1, out_bf16, False, False, num_sms=SMS, act_fp8=fp8).key)
     for fp8 in (True, False):
         keys.add(cuda_fp4.plan_wgmma(16, 2112, 7168, 1, False, True, False, num_sms=SMS, act_fp8=fp8).key)  # with C
+        keys.add(cuda_fp4.plan_wgmma(64, 2112, 2048, 4, True, False, True, num_sms=SMS, expected_m=16,
+                                     act_fp8=fp8).key)  # grouped masked
     os.environ["DEEPGEMM_FP4_WG_NWG"] = "1"  # the bench's A/B of one warpgroup per CTA at M = 64 / 128
     try:
         for m in (64, 128):

@@ -270,8 +270,10 @@ def test_gpu_c_and_graph_replay():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["auto", "mma", "wgmma"])
 @pytest.mark.parametrize("fp8", [True, False])
-def test_gpu_grouped_masked(fp8):
+def test_gpu_grouped_masked(fp8, kernel, monkeypatch):
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", kernel)
     g, m_max, n, k = 4, 64, 2112, 2048
     act, b, a_ref, sfa_ref, packed, sf = operands(m_max, n, k, 32, fp8, groups=g, device="cuda")
     masked = torch.tensor([64, 0, 17, 1], dtype=torch.int32, device="cuda")

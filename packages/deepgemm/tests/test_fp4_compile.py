@@ -33,6 +33,8 @@ def wgmma_configs():
         for n, k in ((7168, 2048), (2112, 7168), (4096, 7168)):
             keys.add(cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=132, act_fp8=True).key)
     keys.add(cuda_fp4.plan_wgmma(37, 136, 1152, 1, False, True, False, num_sms=132, act_fp8=True).key)
+    for fp8 in (True, False):  # grouped masked
+        keys.add(cuda_fp4.plan_wgmma(64, 2112, 2048, 4, True, False, True, num_sms=132, expected_m=16, act_fp8=fp8).key)
     return sorted(keys, key=lambda k: k.expression)
 
 
@@ -68,4 +70,5 @@ def test_configs_cover_both_activation_kinds_and_token_tiles():
 def test_wgmma_configs_cover_both_activation_kinds():
     assert {k.act_fp8 for k in WGMMA_CONFIGS} == {True, False}
     assert {k.nwg for k in WGMMA_CONFIGS} == {1, 2} and any(k.has_c for k in WGMMA_CONFIGS)
+    assert {k.act_fp8 for k in WGMMA_CONFIGS if k.masked} == {True, False}
     assert max(k.nt for k in WGMMA_CONFIGS if k.act_fp8) <= cuda_fp4.WG_FP8_MAX_TOKEN_TILES

@@ -248,15 +248,21 @@ def kernel_choice() -> str:
 
 def plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
                num_sms: int | None = None, expected_m: int | None = None, act_fp8: bool = False) -> Fp4WgPlan:
-    """Token tile, warpgroups, cluster split-K and ring depth of a wgmma kernel for one problem."""
-    sms = num_sms or get_num_sms()
+    """Token tile, warpgroups, cluster split-K and ring depth of a wgmma kernel for one problem (memoized:
+    the host path of a decode step should not re-plan every call)."""
+    return _plan_wgmma(m, n, k, groups, out_bf16, has_c, masked, num_sms or get_num_sms(), expected_m, act_fp8,
+                       os.environ.get("DEEPGEMM_FP4_WG_NWG"), os.environ.get("DEEPGEMM_FP4_WG_MAX_SPLITS"))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool, sms: int,
+                expected_m: int | None, act_fp8: bool, forced: str | None, cap: str | None) -> Fp4WgPlan:
     nt, mm = 1, expected_m or m
     top = WG_FP8_MAX_TOKEN_TILES if act_fp8 else WG_MAX_TOKEN_TILES
     while nt < top and 8 * nt < mm:
         nt *= 2
     nwg = 2 if nt >= 8 else 1  # wide token tiles: 128 weight rows share one activation tile
-    forced = os.environ.get("DEEPGEMM_FP4_WG_NWG")  # A/B timing only
-    if forced is not None:
+    if forced is not None:  # DEEPGEMM_FP4_WG_NWG: A/B timing only
         if forced not in ("1", "2"):
             raise validate.ArgumentError(f"DEEPGEMM_FP4_WG_NWG: expected 1 or 2, got {forced!r}")
         nwg = int(forced)
@@ -266,8 +272,7 @@ def plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool,
     chunks = k // 128
     tiles = row_blocks * groups * (ceil_div(expected_m, 8 * nt) if masked and expected_m else m_blocks)
     most = MAX_CLUSTER_SPLITS
-    cap = os.environ.get("DEEPGEMM_FP4_WG_MAX_SPLITS")  # A/B timing only
-    if cap is not None:
+    if cap is not None:  # DEEPGEMM_FP4_WG_MAX_SPLITS: A/B timing only
         if cap not in ("1", "2", "3", "4", "5", "6", "7", "8"):
             raise validate.ArgumentError(f"DEEPGEMM_FP4_WG_MAX_SPLITS: expected 1..8, got {cap!r}")
         most = int(cap)
@@ -430,6 +435,12 @@ def grouped_masked(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, s
         return
     sfb = _scales_32(sfb, gran)
     _check(a, b, sfb, d, None)
+    choice = kernel_choice()
+    if choice == "wgmma" or (choice == "auto" and sfa is None):
+        pw = plan_wgmma(m_max, n, k, g, d.dtype == torch.bfloat16, False, True, expected_m=min(expected_m, m_max),
+                        act_fp8=sfa is not None)
+        _launch_wgmma(pw, a, sfa, b, sfb, d, None, masked_m.contiguous(), m_max, n, k)
+        return
     p = plan(m_max, n, k, g, sfa is not None, d.dtype == torch.bfloat16, False, True,
              expected_m=min(expected_m, m_max))
     # Every (group, m-block) gets a grid slice; blocks past masked_m[g] return at once.
