@@ -26,7 +26,7 @@ from .utils import ceil_div, get_num_sms, get_tma_aligned_size
 log = logging.getLogger("deepgemm")
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-OPTIONS = ("-std=c++17", "-lineinfo")
+OPTIONS = ("-std=c++17", "-lineinfo", "-default-device")  # -default-device: the kernels' lambdas are device code (NVRTC < 13.5 refuses them otherwise)
 MIN_CHUNKS_PER_CTA = 2  # 128-wide K chunks: fewer and the ring has nothing to overlap
 MAX_STAGES = 8
 MAX_WIDE_SPLITS = 4  # K splits of a tile with more than 16 tokens (its fp32 partial tile is 8-32 KiB)

@@ -386,8 +386,8 @@ fp4_gemm_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant
 // accumulators (an FFMA on them would make ptxas serialize the wgmmas). Either way D is the
 // reference's value up to fp32 summation order (every product exact).
 //
-// Double-buffered A fragments: chunk i's decode overlaps chunk i-1's wgmmas (wait_group 1), whose stage
-// is released once they retire.
+// A fragments in two half-chunk buffers: each half's decode overlaps the other half's wgmmas (wait_group
+// 1); a chunk's stage is released once its last wgmmas retire.
 //
 // Split-K across the CTAs of a thread-block cluster (gridDim.y = cluster size = splits, <= 8): every
 // CTA leaves its fp32 partial tile in its own shared memory, the cluster syncs, and CTA r sums slice r
@@ -521,6 +521,12 @@ template <int R>
 TILEHAL_DEVICE void fence_regs(u32 (&a)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// The same for 16 registers of a larger fragment array (a + 0 .. a + 15, constant indices after unrolling).
+TILEHAL_DEVICE void fence_regs16(u32* a) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
 
 TILEHAL_DEVICE float4 ld_cluster_f4(const void* p, u32 rank) {
@@ -688,16 +694,18 @@ fp4_wgmma_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constan
     // ---------------------------------------------------------------- consumer warpgroups
     const int wg = warp / 4;
     const int r0 = warp * 16 + g;  // rows r0 and r0 + 8 of the CTA
-    u32 afr[2][32];                // A fragments of two chunks: [group][k16 step][a0..a3]
-    int pending = -1;              // stage whose wgmmas are still in flight (fast path)
+    // A fragments of a chunk in two halves (unit u = groups 2u, 2u + 1: [group & 1][k16 step][a0..a3]):
+    // unit 1 is decoded while unit 0's wgmmas run, and the next chunk's unit 0 while unit 1's do.
+    // 32 registers: with 64 accumulators (128 tokens) the kernel stays within 168 without serializing.
+    u32 afr[32];
+    int pending = -1;  // stage whose last wgmmas are still in flight (fast path)
 
     auto release = [&](int s) {
       __syncwarp();
       if (lane == 0) mbarrier_arrive(&empty_bar[s]);
     };
 
-    auto chunk = [&](auto buf_c, int i) {
-      constexpr int BUF = decltype(buf_c)::value;
+    for (int i = 0, n_ch = c_end - c_begin; i < n_ch; ++i) {
       const int s = i % STAGES;
       mbarrier_wait(&full_bar[s], (i / STAGES) & 1);
       const unsigned char* st = smem + s * St::kBytes;
@@ -714,44 +722,48 @@ fp4_wgmma_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constan
       const u64 desc1 = make_smem_desc_k128b(st + TOKENS * 128);
 
       if (fold) {
-        // decode (scaled) into this chunk's buffer while the previous chunk's wgmmas run
 #pragma unroll
-        for (int gg = 0; gg < 4; ++gg) {
+        for (int u = 0; u < 2; ++u) {
+          // unit u's buffer is free: its previous wgmmas retired at the wait after the other unit's issue
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const u32 w = gather_codes_k16(st + St::kOffW + swz<64>(r0 + 8 * h, gg), q);
-            u32 v[4];
-            decode_bf16(w, v);
-            const u32 sbits = __float_as_uint(sc[h][gg]);
-            const u32 s2 = prmt(sbits, 0u, 0x3232);  // bf16x2 (s, s): exact for a power of two
-            // [gg][step][a0 a1 a2 a3]: a0 / a2 = row r0, K pairs 2q / 8 + 2q; a1 / a3 = row r0 + 8
-            afr[BUF][gg * 8 + 0 + h] = bf16x2_mul(v[0], s2);
-            afr[BUF][gg * 8 + 2 + h] = bf16x2_mul(v[1], s2);
-            afr[BUF][gg * 8 + 4 + h] = bf16x2_mul(v[2], s2);
-            afr[BUF][gg * 8 + 6 + h] = bf16x2_mul(v[3], s2);
+          for (int g2 = 0; g2 < 2; ++g2) {
+            const int gg = 2 * u + g2;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const u32 w = gather_codes_k16(st + St::kOffW + swz<64>(r0 + 8 * h, gg), q);
+              u32 v[4];
+              decode_bf16(w, v);
+              const u32 s2 = prmt(__float_as_uint(sc[h][gg]), 0u, 0x3232);  // bf16x2 (s, s): exact, a power of two
+              // [step][a0 a1 a2 a3]: a0 / a2 = row r0, K pairs 2q / 8 + 2q; a1 / a3 = row r0 + 8
+              u32* f = afr + 16 * u + 8 * g2;
+              f[0 + h] = bf16x2_mul(v[0], s2);
+              f[2 + h] = bf16x2_mul(v[1], s2);
+              f[4 + h] = bf16x2_mul(v[2], s2);
+              f[6 + h] = bf16x2_mul(v[3], s2);
+            }
           }
-        }
-        wgmma_fence_operands(acc);
-        wgmma_fence();
+          wgmma_fence_operands(acc);
+          wgmma_fence();
 #pragma unroll
-        for (int gg = 0; gg < 4; ++gg) {
-          const u64 dsc = (gg < 2 ? desc0 : desc1) + (gg & 1) * 4;
-          Mma::mma(acc, &afr[BUF][gg * 8], dsc, 1);
-          Mma::mma(acc, &afr[BUF][gg * 8 + 4], dsc + 2, 1);
+          for (int g2 = 0; g2 < 2; ++g2) {
+            const u64 dsc = (u == 0 ? desc0 : desc1) + g2 * 4;  // groups 2u + g2: half u, 64 bytes in per group
+            Mma::mma(acc, afr + 16 * u + 8 * g2, dsc, 1);
+            Mma::mma(acc, afr + 16 * u + 8 * g2 + 4, dsc + 2, 1);
+          }
+          wgmma_commit();
+          wgmma_wait<1>();  // the other unit's wgmmas (previous chunk's unit 1, or this chunk's unit 0) are done
+          fence_regs16(afr + 16 * (1 - u));
+          wgmma_fence_operands(acc);
+          if (u == 0 && pending >= 0) release(pending);  // the previous chunk is fully consumed
         }
-        wgmma_commit();
-        wgmma_wait<1>();  // the previous chunk's wgmmas are done: its A buffer and stage are free
-        fence_regs(afr[BUF ^ 1]);
-        wgmma_fence_operands(acc);
-        if (pending >= 0) release(pending);
         pending = s;
       } else {
         // Exact slow path (a scale that is not a power of two): split every scale into 4 pieces of at
         // most 6 significant bits (s = s0 + s1 + s2 + s3 exactly), so e2m1 * piece (<= 8 bits) is an exact
         // bf16; the 4 piece-weighted wgmmas of a group sum exactly the products e2m1 * s * a in fp32.
         wgmma_wait<0>();
-        fence_regs(afr[0]);
-        fence_regs(afr[1]);
+        fence_regs16(afr);
+        fence_regs16(afr + 16);
         wgmma_fence_operands(acc);
         if (pending >= 0) release(pending);
         pending = -1;
@@ -768,10 +780,10 @@ fp4_wgmma_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constan
               const float piece = __uint_as_float(__float_as_uint(rest) & 0xFFFC0000u);  // top 6 bits
               rest -= piece;                                                            // exact
               const u32 s2 = prmt(__float_as_uint(piece), 0u, 0x3232);
-              afr[BUF][pc * 8 + 0 + h] = bf16x2_mul(v[0], s2);
-              afr[BUF][pc * 8 + 2 + h] = bf16x2_mul(v[1], s2);
-              afr[BUF][pc * 8 + 4 + h] = bf16x2_mul(v[2], s2);
-              afr[BUF][pc * 8 + 6 + h] = bf16x2_mul(v[3], s2);
+              afr[pc * 8 + 0 + h] = bf16x2_mul(v[0], s2);
+              afr[pc * 8 + 2 + h] = bf16x2_mul(v[1], s2);
+              afr[pc * 8 + 4 + h] = bf16x2_mul(v[2], s2);
+              afr[pc * 8 + 6 + h] = bf16x2_mul(v[3], s2);
             }
           }
           const u64 dsc = (gg < 2 ? desc0 : desc1) + (gg & 1) * 4;
@@ -779,25 +791,21 @@ fp4_wgmma_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constan
           wgmma_fence();
 #pragma unroll
           for (int pc = 0; pc < 4; ++pc) {
-            Mma::mma(acc, &afr[BUF][pc * 8], dsc, 1);
-            Mma::mma(acc, &afr[BUF][pc * 8 + 4], dsc + 2, 1);
+            Mma::mma(acc, afr + pc * 8, dsc, 1);
+            Mma::mma(acc, afr + pc * 8 + 4, dsc + 2, 1);
           }
           wgmma_commit();
           wgmma_wait<0>();
-          fence_regs(afr[BUF]);
+          fence_regs16(afr);
+          fence_regs16(afr + 16);
           wgmma_fence_operands(acc);
         }
         release(s);
       }
-    };
-
-    for (int i = 0, n = c_end - c_begin; i < n; i += 2) {
-      chunk(IntC<0>{}, i);
-      if (i + 1 < n) chunk(IntC<1>{}, i + 1);
     }
     wgmma_wait<0>();
-    fence_regs(afr[0]);
-    fence_regs(afr[1]);
+    fence_regs16(afr);
+    fence_regs16(afr + 16);
     wgmma_fence_operands(acc);
     if (pending >= 0) release(pending);
   }
