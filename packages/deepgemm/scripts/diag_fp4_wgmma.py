@@ -47,8 +47,25 @@ def one(m, n, k, fp8, ue8m0=True):
         print("   d[0, :8]", d[0, :8].tolist(), "\n   ref[0, :8]", ref[0, :8].tolist())
 
 
+def clusters() -> None:
+    """The driver's resident-cluster count against the GPC model, at the benchmark's plans."""
+    from deepgemm import cuda_fp4
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for fp8 in (False, True):
+        for m in (1, 16, 64, 128):
+            for n, k in ((7168, 2048), (2112, 7168), (4096, 7168)):
+                p = cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, act_fp8=fp8)
+                if p.splits > 1:
+                    have = cuda_fp4._max_active_clusters(p.key, p.splits, 0)
+                    model = cuda_fp4.cluster_capacity(sms, p.key.min_blocks, p.splits)
+                    print(f"clusters {'e4m3' if fp8 else 'bf16'} m={m} n={n} k={k}: {p.tiles_all} of {p.splits} CTAs; "
+                          f"driver holds {have}, model {model}", flush=True)
+
+
 def main() -> None:
     os.environ["DEEPGEMM_FP4_KERNEL"] = "wgmma"
+    clusters()
     for fp8 in (False, True):
         for m, n, k in CASES:
             one(m, n, k, fp8)

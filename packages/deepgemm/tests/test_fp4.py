@@ -198,7 +198,17 @@ def test_wgmma_plan_covers_k_in_one_wave_of_clusters():
         assert 1 <= p.splits <= cuda_fp4.MAX_CLUSTER_SPLITS and p.grid[1] == p.splits
         assert p.cluster == ((1, p.splits, 1) if p.splits > 1 else None)
         assert p.key.min_blocks * (p.key.smem_bytes + 1024) <= cuda_fp4.SM_SMEM  # they fit
-        assert p.row_blocks * p.splits * p.m_blocks <= 132 * p.key.min_blocks or p.splits == 1  # one wave
+        clusters = p.row_blocks * p.m_blocks  # one wave of clusters (by the GPC model) where one wave can hold them
+        if p.splits > 1 and m <= 128:  # decode sizes: every cluster resident at once
+            assert clusters <= cuda_fp4.cluster_capacity(132, p.key.min_blocks, p.splits)
+
+
+def test_cluster_capacity_model():
+    from deepgemm import cuda_fp4
+
+    # 132 SMs = 66 TPCs over 8 GPCs: two of 18 SMs, six of 16
+    assert [cuda_fp4.cluster_capacity(132, 1, s) for s in (2, 3, 4, 7, 8)] == [66, 42, 32, 16, 16]
+    assert cuda_fp4.cluster_capacity(132, 3, 8) == 48
 
 
 def test_kernel_choice_env(monkeypatch):

@@ -236,6 +236,10 @@ class Fp4WgPlan:
     def cluster(self) -> tuple[int, int, int] | None:
         return (1, self.splits, 1) if self.splits > 1 else None
 
+    @property
+    def tiles_all(self) -> int:
+        return self.row_blocks * self.m_blocks * self.groups
+
 
 def kernel_choice() -> str:
     """DEEPGEMM_FP4_KERNEL: 'auto' (default: bf16 activations take the wgmma kernel, e4m3 ones the mma.sync
@@ -246,12 +250,26 @@ def kernel_choice() -> str:
     return v
 
 
+WG_CTA_FIXED_CHUNKS = 3
+GPCS = 8  # sm_90 parts: 8 GPCs (the H100 / H200 SXM's 132 SMs: two GPCs of 18, six of 16)
+
+
+def cluster_capacity(sms: int, blocks: int, size: int) -> int:
+    """Clusters of `size` CTAs (`blocks` per SM) resident at once, by a GPC model (a cluster lives on one GPC):
+    SMs in pairs (TPCs) spread over GPCS GPCs. The launch checks the driver's figure (_fit_clusters)."""
+    tpcs = sms // 2
+    per_gpc = [2 * (tpcs // GPCS + (1 if i < tpcs % GPCS else 0)) for i in range(GPCS)]
+    return sum(g * blocks // size for g in per_gpc)
+
+
 def plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
-               num_sms: int | None = None, expected_m: int | None = None, act_fp8: bool = False) -> Fp4WgPlan:
+               num_sms: int | None = None, expected_m: int | None = None, act_fp8: bool = False,
+               max_splits: int | None = None) -> Fp4WgPlan:
     """Token tile, warpgroups, cluster split-K and ring depth of a wgmma kernel for one problem (memoized:
     the host path of a decode step should not re-plan every call)."""
+    cap = os.environ.get("DEEPGEMM_FP4_WG_MAX_SPLITS") if max_splits is None else str(max_splits)
     return _plan_wgmma(m, n, k, groups, out_bf16, has_c, masked, num_sms or get_num_sms(), expected_m, act_fp8,
-                       os.environ.get("DEEPGEMM_FP4_WG_NWG"), os.environ.get("DEEPGEMM_FP4_WG_MAX_SPLITS"))
+                       os.environ.get("DEEPGEMM_FP4_WG_NWG"), cap)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -276,7 +294,16 @@ def _plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool
         if cap not in ("1", "2", "3", "4", "5", "6", "7", "8"):
             raise validate.ArgumentError(f"DEEPGEMM_FP4_WG_MAX_SPLITS: expected 1..8, got {cap!r}")
         most = int(cap)
-    splits = max(1, min(blocks * sms // max(1, tiles), chunks // MIN_CHUNKS_PER_CTA, most))
+    # Split count: every tile is one cluster of `splits` CTAs and a cluster must fit on one GPC, so the cost
+    # is (waves of clusters) x (chunks per CTA + a CTA's fixed cost, ~3 chunks: ring fill, epilogue); the
+    # fewest splits among the cheapest (less reduction).
+    best = None
+    for sp in range(1, max(1, min(chunks // MIN_CHUNKS_PER_CTA, most)) + 1):
+        cap_sp = cluster_capacity(sms, blocks, sp) if sp > 1 else blocks * sms
+        cost = ceil_div(tiles, max(1, cap_sp)) * (ceil_div(chunks, sp) + WG_CTA_FIXED_CHUNKS)
+        if best is None or cost < best[0]:
+            best = (cost, sp)
+    splits = best[1]
     cps = ceil_div(chunks, splits)
     splits = ceil_div(chunks, cps)
     budget = min(SM_SMEM // blocks - 1024, 227 * 1024)
@@ -378,6 +405,40 @@ def _launch(p: Fp4Plan, a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int) 
                                               p.chunks_per_split], smem_bytes=key.smem_bytes)
 
 
+@functools.lru_cache(maxsize=256)
+def _max_active_clusters(key: Fp4WgKey, size: int, device_index: int) -> int | None:
+    """The driver's count of `size`-CTA clusters of this kernel resident at once (None if it cannot say)."""
+    try:
+        from tilehal.jit.launch import _cluster_config, ensure_context
+
+        kern = _kernel(key)
+        driver = ensure_context(device_index)
+        fn = kern._function(device_index)
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        if int(driver.cuFuncSetAttribute(fn, attr, key.smem_bytes)[0]) != 0:
+            return None
+        cfg = _cluster_config(driver, (1, size, 1), (key.threads, 1, 1), key.smem_bytes, (1, size, 1),
+                              driver.CUstream(0))
+        err, count = driver.cuOccupancyMaxActiveClusters(fn, cfg)
+        return int(count) if int(err) == 0 else None
+    except Exception as e:  # an older driver or binding: the GPC model's plan stands
+        log.debug("fp4 wgmma: cuOccupancyMaxActiveClusters unavailable (%s); keeping the modelled split count", e)
+        return None
+
+
+def _fit_clusters(p: Fp4WgPlan, device: torch.device, replan) -> Fp4WgPlan:
+    """Fewer splits while the driver says the plan's clusters would not all be resident at once (a cluster
+    left for a second wave doubles the time)."""
+    while p.splits > 1:
+        have = _max_active_clusters(p.key, p.splits, device.index if device.index is not None else 0)
+        if have is None or have >= p.tiles_all:
+            return p
+        log.debug("fp4 wgmma: %d clusters of %d CTAs, the device holds %d at once: fewer splits", p.tiles_all,
+                  p.splits, have)
+        p = replan(p.splits - 1)
+    return p
+
+
 def _launch_wgmma(p: Fp4WgPlan, a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int) -> None:
     key = p.key
     g = p.groups
@@ -417,7 +478,11 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
         c = c.float()
     choice = kernel_choice()
     if choice == "wgmma" or (choice == "auto" and sfa is None):
-        pw = plan_wgmma(m, n, k, 1, d.dtype == torch.bfloat16, c is not None, False, act_fp8=sfa is not None)
+        def replan(most=None):
+            return plan_wgmma(m, n, k, 1, d.dtype == torch.bfloat16, c is not None, False, act_fp8=sfa is not None,
+                              max_splits=most)
+
+        pw = _fit_clusters(replan(), a.device, replan)
         _launch_wgmma(pw, a, sfa, b, sfb, d, c, None, m, n, k)
         return
     log.debug("fp4 gemm: the mma.sync kernel (DEEPGEMM_FP4_KERNEL=%s, %s activations)", choice,
@@ -437,8 +502,11 @@ def grouped_masked(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, s
     _check(a, b, sfb, d, None)
     choice = kernel_choice()
     if choice == "wgmma" or (choice == "auto" and sfa is None):
-        pw = plan_wgmma(m_max, n, k, g, d.dtype == torch.bfloat16, False, True, expected_m=min(expected_m, m_max),
-                        act_fp8=sfa is not None)
+        def replan(most=None):
+            return plan_wgmma(m_max, n, k, g, d.dtype == torch.bfloat16, False, True,
+                              expected_m=min(expected_m, m_max), act_fp8=sfa is not None, max_splits=most)
+
+        pw = _fit_clusters(replan(), a.device, replan)
         _launch_wgmma(pw, a, sfa, b, sfb, d, None, masked_m.contiguous(), m_max, n, k)
         return
     p = plan(m_max, n, k, g, sfa is not None, d.dtype == torch.bfloat16, False, True,
