@@ -241,9 +241,20 @@ class Fp4WgPlan:
         return self.row_blocks * self.m_blocks * self.groups
 
 
+# What DEEPGEMM_FP4_KERNEL=auto (the default) runs, per activation kind: (bf16, e4m3).
+AUTO_KERNELS = {"bf16": "wgmma", "e4m3": "mma"}
+
+
+def use_wgmma(act_fp8: bool) -> bool:
+    """Whether this call takes the wgmma kernel (DEEPGEMM_FP4_KERNEL, else AUTO_KERNELS)."""
+    choice = kernel_choice()
+    if choice == "auto":
+        choice = AUTO_KERNELS["e4m3" if act_fp8 else "bf16"]
+    return choice == "wgmma"
+
+
 def kernel_choice() -> str:
-    """DEEPGEMM_FP4_KERNEL: 'auto' (default: bf16 activations take the wgmma kernel, e4m3 ones the mma.sync
-    kernel), 'mma' or 'wgmma' (both activation kinds; A/B timing)."""
+    """DEEPGEMM_FP4_KERNEL: 'auto' (default: AUTO_KERNELS), 'mma' or 'wgmma' (both activation kinds; A/B timing)."""
     v = os.environ.get("DEEPGEMM_FP4_KERNEL", "auto")
     if v not in ("auto", "mma", "wgmma"):
         raise validate.ArgumentError(f"DEEPGEMM_FP4_KERNEL: expected auto, mma or wgmma, got {v!r}")
@@ -476,8 +487,7 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     if c is not None and c.dtype != torch.float32:
         log.debug("c: bf16 accumulation; widening C to fp32 for the FP4 kernel's epilogue")
         c = c.float()
-    choice = kernel_choice()
-    if choice == "wgmma" or (choice == "auto" and sfa is None):
+    if use_wgmma(sfa is not None):
         def replan(most=None):
             return plan_wgmma(m, n, k, 1, d.dtype == torch.bfloat16, c is not None, False, act_fp8=sfa is not None,
                               max_splits=most)
@@ -485,7 +495,7 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
         pw = _fit_clusters(replan(), a.device, replan)
         _launch_wgmma(pw, a, sfa, b, sfb, d, c, None, m, n, k)
         return
-    log.debug("fp4 gemm: the mma.sync kernel (DEEPGEMM_FP4_KERNEL=%s, %s activations)", choice,
+    log.debug("fp4 gemm: the mma.sync kernel (DEEPGEMM_FP4_KERNEL=%s, %s activations)", kernel_choice(),
               "e4m3" if sfa is not None else "bf16")
     p = plan(m, n, k, 1, sfa is not None, d.dtype == torch.bfloat16, c is not None, False)
     _launch(p, a, sfa, b, sfb, d, c, None, m, n, k)
@@ -500,8 +510,7 @@ def grouped_masked(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, s
         return
     sfb = _scales_32(sfb, gran)
     _check(a, b, sfb, d, None)
-    choice = kernel_choice()
-    if choice == "wgmma" or (choice == "auto" and sfa is None):
+    if use_wgmma(sfa is not None):
         def replan(most=None):
             return plan_wgmma(m_max, n, k, g, d.dtype == torch.bfloat16, False, True,
                               expected_m=min(expected_m, m_max), act_fp8=sfa is not None, max_splits=most)
