@@ -386,3 +386,46 @@ def test_gpu_fp8_wgmma_kernel_matches_reference(m, n, k, scales, monkeypatch):
     d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     deepgemm.fp8_fp4_gemm_nt((a8, sfa), (packed, sf), d)
     assert deepgemm.testing.calc_diff(d.float().cpu(), ref.float()) < 1e-4
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_wgmma_launch_arguments_cpu(fp8, monkeypatch):
+    """The wgmma kernels' host launch without a GPU (descriptors and the kernel stubbed): the argument list
+    matches the kernel's parameters, the grid and cluster are the plan's, and the boxes are the kernel's tiles."""
+    from deepgemm import cuda_fp4, cuda_gemm
+
+    boxes, launches = [], []
+    monkeypatch.setattr(cuda_gemm, "_encode", lambda ptr, dt, shape, strides, box, swz: boxes.append((box, swz)) or
+                        bytes(128))
+
+    class Stub:
+        def launch(self, grid, threads, args, smem_bytes=0, cluster=None):
+            launches.append((grid, threads, args, smem_bytes, cluster))
+
+    monkeypatch.setattr(cuda_fp4, "_kernel", lambda key: Stub())
+    m, n, k = 16, 2112, 7168
+    act, (packed, sf), *_ = operands(m, n, k, 32, fp8)
+    a, sfa = act if fp8 else (act, None)
+    d = torch.empty(m, n, dtype=torch.bfloat16)
+    p = cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=132, act_fp8=fp8)
+    cuda_fp4._launch_wgmma(p, a, sfa, packed, sf, d, None, None, m, n, k)
+    (grid, threads, args, smem, cluster), = launches
+    assert grid == p.grid and threads == p.key.threads and smem == p.key.smem_bytes and cluster == p.cluster
+    assert len(args) == (12 if fp8 else 11) and args[-5:] == [m, n, k, p.m_blocks, p.chunks_per_split]
+    assert (p.key.rows, 64) in [b for b, _ in boxes] and (p.key.rows, 4) in [b for b, _ in boxes]
+    assert ((p.key.tokens, 128), "128B") in boxes if fp8 else ((p.key.tokens, 64), "128B") in boxes
+
+
+def test_fit_clusters_takes_fewer_splits_when_the_driver_holds_fewer(monkeypatch):
+    from deepgemm import cuda_fp4
+
+    def replan(most=None):
+        return cuda_fp4.plan_wgmma(64, 4096, 7168, 1, True, False, False, num_sms=132, max_splits=most)
+
+    p = replan()
+    assert p.splits == 4 and p.tiles_all == 32
+    monkeypatch.setattr(cuda_fp4, "_max_active_clusters", lambda key, size, dev: {4: 30, 3: 40}.get(size, 99))
+    q = cuda_fp4._fit_clusters(p, torch.device("cpu"), replan)
+    assert q.splits == 3 and q.splits * q.chunks_per_split >= 56
+    monkeypatch.setattr(cuda_fp4, "_max_active_clusters", lambda key, size, dev: None)  # no driver figure
+    assert cuda_fp4._fit_clusters(p, torch.device("cpu"), replan) is p
