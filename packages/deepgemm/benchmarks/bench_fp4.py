@@ -139,13 +139,13 @@ def main() -> None:
             print(f"M={m:4d} N={n:5d} K={k:5d}  {ours}  cublas_bf16 {r['cublas_bf16_us']:5.1f} "
                   f"({r['cublas_bf16_graph_us']:5.1f})  deepgemm_fp8 {r['deepgemm_fp8_us']:5.1f}  "
                   "diff " + " ".join(f"{r['calc_diff_' + o]:.1e}" for o in OURS), flush=True)
-    if args.only:
-        return
+    present = [o for o in OURS if rows and f"{o}_vs_cublas_bf16" in rows[0]]
     summary = {f"geomean_{o}_vs_cublas_bf16{s}": geomean(r[f"{o}_vs_cublas_bf16{s}"] for r in rows)
-               for o in OURS for s in ("", "_graph")}
-    summary.update({f"geomean_{o}_vs_deepgemm_fp8": geomean(r[f"{o}_vs_deepgemm_fp8"] for r in rows) for o in OURS})
+               for o in present for s in ("", "_graph")}
+    summary.update({f"geomean_{o}_vs_deepgemm_fp8": geomean(r[f"{o}_vs_deepgemm_fp8"] for r in rows)
+                    for o in present if f"{o}_vs_deepgemm_fp8" in rows[0]})
     print(json.dumps(summary, indent=1))
-    if args.out:
+    if args.out and (not args.only or present):
         doc = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
                "timing": "tilehal.bench median, L2 flushed before each call; *_graph_us: CUDA-graph replay (L2 "
@@ -166,7 +166,7 @@ def plot(rows, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4))
     labels = [f"{r['m']}x{r['n']}x{r['k']}" for r in rows]
     x = range(len(rows))
-    names = (*OURS, "deepgemm_fp8")
+    names = [o for o in (*OURS, "deepgemm_fp8") if f"{o}_us" in rows[0]]
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         ax.bar([v + width * i for v in x], [r["cublas_bf16_us"] / r[f"{name}_us"] for r in rows], width, label=name)

@@ -3,11 +3,12 @@
 float64 reference, printing the relative error and, where it is wrong, where: the first bad (token, row)
 pairs and the error per token-tile / 16-row slice (a fragment-layout or split-K mistake shows as a pattern).
 
-    python packages/deepgemm/scripts/diag_fp4_wgmma.py
+    python packages/deepgemm/scripts/diag_fp4_wgmma.py [--kind bf16|e4m3|both]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import deepgemm
@@ -64,9 +65,15 @@ def clusters() -> None:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kind", choices=("bf16", "e4m3", "both"), default="both")
+    args = ap.parse_args()
     os.environ["DEEPGEMM_FP4_KERNEL"] = "wgmma"
-    clusters()
+    if args.kind != "e4m3":
+        clusters()
     for fp8 in (False, True):
+        if args.kind != "both" and fp8 != (args.kind == "e4m3"):
+            continue
         for m, n, k in CASES:
             one(m, n, k, fp8)
         one(16, 128, 1024, fp8, ue8m0=False)
