@@ -306,9 +306,10 @@ WGMMA_SHAPES = [(1, 4096, 7168), (8, 64, 256), (33, 2112, 2048), (64, 7168, 2048
 @pytest.mark.gpu
 @pytest.mark.parametrize("ue8m0", [True, False])
 @pytest.mark.parametrize("m,n,k", WGMMA_SHAPES)
-def test_gpu_wgmma_kernel_matches_reference(m, n, k, ue8m0):
+def test_gpu_wgmma_kernel_matches_reference(m, n, k, ue8m0, monkeypatch):
     """bf16 activations (the wgmma kernel): power-of-two scales take the folded path, fp32 ones (ue8m0=False)
     the exact slow path; both must give the reference up to fp32 summation order."""
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "wgmma")
     g = torch.Generator().manual_seed(m + n)
     a = torch.randn((m, k), generator=g).to(torch.bfloat16).cuda()
     w = torch.randn((n, k), generator=g).cuda() * 0.05
@@ -325,9 +326,10 @@ def test_gpu_wgmma_kernel_matches_reference(m, n, k, ue8m0):
 
 
 @pytest.mark.gpu
-def test_gpu_wgmma_mixed_scales_c_and_graph_replay():
+def test_gpu_wgmma_mixed_scales_c_and_graph_replay(monkeypatch):
     """Half the rows with fp32 scales (slow-path chunks next to folded ones in one CTA), C, a cluster
     split-K launch replayed from a CUDA graph."""
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "wgmma")
     m, n, k = 16, 2112, 7168
     g = torch.Generator().manual_seed(7)
     a = torch.randn((m, k), generator=g).to(torch.bfloat16).cuda()
