@@ -68,6 +68,8 @@ class ThreadInterpreter(Interpreter):
         # shared-memory accesses since the last barrier, per buffer: (writer, reader) per element (see `track`)
         self.races: dict[Buffer, tuple[np.ndarray, np.ndarray]] = {}
         self.arena: np.ndarray | None = None  # the block's shared-memory bytes (thread programs of the CUDA lowering)
+        self.arena_views: dict[Buffer, tuple[int, int]] = {}  # shared buffer -> (byte offset in the arena, itemsize)
+        self.arena_key = Buffer("shared memory (bytes)", (), "uint8", "shared")  # the arena in `bufs` and `races`
         super().run(buffers, dyn)
 
     def expr(self, e: Expr) -> Any:
@@ -119,7 +121,24 @@ class ThreadInterpreter(Interpreter):
         every thread stored one value: uniform code) and the reader (-1 none, a lane, -2 several). `idx`: a
         scalar (every executing thread: uniform code) or per lane (leading axis = threads); `lanes` (same
         shape as `idx`) names the threads when the access is not the executing lanes' (a cp.async landing).
-        Several threads storing one value to one element (the replicas of a fragment) is no race."""
+        Several threads storing one value to one element (the replicas of a fragment) is no race.
+        Shared buffers that are views of the block's arena are tracked by byte there, so two buffers the
+        planner placed on the same bytes count as one memory."""
+        view = self.arena_views.get(buf)
+        if view is not None:
+            off, isz = view
+            i = np.asarray(idx, dtype=np.int64)
+            if i.ndim == 0 and lanes is None:  # uniform code: byte by byte (each a scalar access)
+                for k in range(isz):
+                    self.track(self.arena_key, off + int(i) * isz + k, write, loc, None, uniform_value, None)
+                return
+            b = off + i[..., None] * isz + np.arange(isz)
+            if lanes is not None:
+                lanes = np.broadcast_to(np.asarray(lanes, dtype=np.int64)[..., None], b.shape)
+            if values is not None:
+                v = np.asarray(values)
+                values = np.broadcast_to(v[..., None] if v.ndim else v, b.shape)
+            return self.track(self.arena_key, b, write, loc, lanes, uniform_value, values)
         n = int(np.prod(self.bufs[buf].shape))
         st = self.races.get(buf)
         if st is None:
@@ -197,6 +216,18 @@ class ThreadInterpreter(Interpreter):
             if shared_here.size:
                 rd[shared_here] = -2
 
+    def accessed(self, buf: Buffer, elems: np.ndarray) -> int | None:
+        """An element of `elems` some thread accessed since the last barrier (None: none)."""
+        view = self.arena_views.get(buf)
+        key, idx = buf, np.asarray(elems, dtype=np.int64).ravel()
+        if view is not None:
+            key, idx = self.arena_key, (view[0] + idx[:, None] * view[1] + np.arange(view[1])).ravel()
+        st = self.races.get(key)
+        if st is None:
+            return None
+        hit = (st[0][idx] != 0) | (st[1][idx] != -1)
+        return int(np.asarray(elems).ravel()[np.nonzero(hit)[0][0] // (view[1] if view else 1)]) if hit.any() else None
+
     def _race(self, buf: Buffer, elem: int, what: str, loc: Any) -> None:
         raise tilehal.LaunchError(f"{loc or ''}: shared {buf.name}[{elem}] {what} with no __syncthreads() between "
                                   f"(a race on the GPU)")
@@ -228,6 +259,9 @@ class ThreadInterpreter(Interpreter):
             # before any write (a missing zero-initialization) shows
             arena = s.attrs.get("smem_arena_bytes")
             self.arena = np.full(int(arena), 0xFF, np.uint8) if arena is not None else None
+            self.arena_views = {}
+            if self.arena is not None:
+                self.bufs[self.arena_key] = self.arena
             self.wg_open, self.wg_groups = [], []
             self.races = {}
             try:
@@ -274,6 +308,7 @@ class ThreadInterpreter(Interpreter):
                 raise tilehal.LaunchError(f"{s.loc or ''}: shared {s.buffer.name} at bytes [{off}, {off + nbytes}) "
                                           f"outside the kernel's {self.arena.size} bytes of shared memory")
             self.bufs[s.buffer] = self.arena[off:off + nbytes].view(t)
+            self.arena_views[s.buffer] = (int(off), t.itemsize)
             return
         super().alloc(s)
 

@@ -1130,7 +1130,7 @@ def _tma_load_interp(it: Any, s: TmaLoad) -> None:
         elem = (addr // es).ravel()
         it.wgmma_hazard(s.dst.buffer, elem, "overwritten by TMA", s.loc)
         _poison(dst, (elem,))
-        st.copies.append((dst, elem, box.ravel().copy(), br * bc * es))
+        st.copies.append((s.dst.buffer, dst, elem, box.ravel().copy(), br * bc * es))
 
 
 def _mbar_wait_interp(it: Any, s: MbarWait) -> None:
@@ -1140,16 +1140,15 @@ def _mbar_wait_interp(it: Any, s: MbarWait) -> None:
     parity = _one_lane(it, s.parity, "mbarrier wait parity", s.loc)
     if st.phase % 2 != parity:
         return  # that phase has completed
-    got = sum(c[3] for c in st.copies)
+    got = sum(c[4] for c in st.copies)
     if st.arrived < st.count or got != st.expect:
         raise tilehal.LaunchError(f"{s.loc or ''}: mbarrier_wait on {s.bar.buffer.name} (phase {st.phase}) never "
                                   f"returns: {st.arrived} of {st.count} arrivals, {got} of {st.expect} bytes issued")
-    for dst, elem, vals, _ in st.copies:
+    for buf, dst, elem, vals, _ in st.copies:
         dst[elem] = vals
-        for buf, (wr, rd) in it.races.items():  # the box was written asynchronously since the last barrier
-            if it.bufs[buf] is dst and ((wr[elem] != 0) | (rd[elem] != -1)).any():
-                k = int(np.nonzero((wr[elem] != 0) | (rd[elem] != -1))[0][0])
-                it._race(buf, int(elem[k]), "overwritten by a TMA load while threads accessed it", s.loc)
+        hit = it.accessed(buf, elem)  # the box was written asynchronously: no thread may have touched it since
+        if hit is not None:              # the last barrier
+            it._race(buf, hit, "overwritten by a TMA load while threads accessed it", s.loc)
     st.arrived, st.expect, st.copies, st.phase = 0, 0, [], st.phase + 1
 
 
