@@ -8,7 +8,7 @@ set -uo pipefail; source scripts/device_env.sh
 O=$JOB_OUT; T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 if [ -f cache.tgz ]; then mkdir -p $TILESTACK_CACHE_DIR && tar xzf cache.tgz -C $TILESTACK_CACHE_DIR; el "cache unpacked"; fi
-timeout 12 python3 benchmarks/bench_models.py --only moe --budget-s 11 --json $O/bench_moe.json > $O/bench_moe.log 2>&1
+timeout 16 python3 benchmarks/bench_models.py --only moe --budget-s 15 --json $O/bench_moe.json > $O/bench_moe.log 2>&1
 el "moe rc=$?"; grep -vE "^\[transformers\]|Warning|warn" $O/bench_moe.log | cut -c1-330 | head -40
 ( timeout 18 python3 benchmarks/bench_models.py --precompile --only compile,prefill,decode --variants bf16,bf16_mlp \
   --budget-s 1 > $O/warm.log 2>&1 ) &
