@@ -7,12 +7,13 @@ Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay), p
   <s>.two[_ring]           select_blocks in two launches (scores, topk_fast_kernel); _ring: the fp8 /
                            int4 scores through per-warp rings (DATAENGINE_RING_SCORES=on; fp8 on f16
                            tensor cores), else the register path (fp8 codes decoded to bf16)
+  <s>.two_ring_heads       the same with DATAENGINE_RING_GRID=heads (quest_score_heads_kernel)
   <s>.fused[_ring]         DATAENGINE_SELECT_FUSED=1: one launch of quest_select_chunk_kernel
   <s>.score[_ring] / topk  the two launches apart
   <s>.step_<path>          that selection + sparse paged_decode, and its speedup over dense
-                           (fused_ring also with KVPOOL_DECODE_PREFETCH=1)
+  <s>.default              the defaults (no variable set); the only path at the shorter contexts
 Every path's blocks are compared with the torch reference's (same summaries). BENCH_CONTEXTS
-(default 131072) adds shorter contexts (the first blocks of each sequence) for the fused fp8 ring path.
+(default 131072) adds shorter contexts (the first blocks of each sequence) for the default fp8 path.
 Writes dataengine_step_quick.json into $DATAENGINE_BENCH_OUT (or docs/benchmarks with --record).
 """
 
@@ -42,13 +43,15 @@ def bench_graph(fn):
 
 
 def paths(dtype: torch.dtype) -> list[tuple[str, dict]]:
-    """(name, environment) of every selection path for one summary type."""
+    """(name, environment) of every selection path for one summary type; "default" sets nothing."""
     rings = ("on", "off") if dtype in (torch.float8_e4m3fn, torch.uint8) else ("off",)
-    out = []
+    out = [("default", {})]
     for ring in rings:
         sfx = "_ring" if ring == "on" else ""
-        base = {"DATAENGINE_RING_SCORES": ring}
+        base = {"DATAENGINE_RING_SCORES": ring, "DATAENGINE_RING_GRID": "chunk"}
         out.append((f"two{sfx}", {**base, "DATAENGINE_SELECT_FUSED": "0"}))
+        if ring == "on":
+            out.append(("two_ring_heads", {**base, "DATAENGINE_SELECT_FUSED": "0", "DATAENGINE_RING_GRID": "heads"}))
         out.append((f"fused{sfx}", {**base, "DATAENGINE_SELECT_FUSED": "1"}))
     return out
 
@@ -82,7 +85,7 @@ def main() -> None:
                 return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=sel())
 
             for pname, env in paths(lo.dtype):
-                if ctx != max(contexts) and pname != "fused_ring":
+                if ctx != max(contexts) and pname != "default":
                     continue
                 with environ(env):
                     try:
@@ -101,13 +104,9 @@ def main() -> None:
                     g = r[f"step_{pname}_graph_us"]
                     if isinstance(g, float) and isinstance(row["dense_graph_us"], float):
                         r[f"speedup_{pname}_graph"] = round(row["dense_graph_us"] / g, 2)
-                    if pname == "fused_ring":  # the sparse decode with its shares' K/V lines prefetched into L2
-                        with environ({"KVPOOL_DECODE_PREFETCH": "1"}):
-                            r[f"step_{pname}_prefetch_us"] = bench(step)
-                            r[f"step_{pname}_prefetch_graph_us"] = bench_graph(step)
                     if pname.startswith("two") and ctx == max(contexts):  # the two launches apart
                         t = bench(lambda bt=bt, lo=lo, hi=hi: cuda_select.quest_raw_scores(q, lo, hi, bt, "max"))
-                        r[f"score_{pname[4:] or 'mma'}_us"] = t
+                        r[f"score_{pname[4:] or 'mma'}_us"] = t  # score_mma / score_ring / score_ring_heads
                         raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max")
                         r["topk_fast_us"] = bench(lambda raw=raw, sl=sl: cuda_select.topk_rows(
                             raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant="fast"))
@@ -117,8 +116,6 @@ def main() -> None:
                 return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=idx)
 
             r["sparse_decode_only_us"] = bench(sparse_only)
-            with environ({"KVPOOL_DECODE_PREFETCH": "1"}):
-                r["sparse_decode_only_prefetch_us"] = bench(sparse_only)
             row[name] = r
             print(ctx, name, json.dumps(r), flush=True)
         res["contexts"][str(ctx)] = row

@@ -452,12 +452,14 @@ def test_fused_select_equals_reference(sdtype, ring, D, Hq, Hkv, max_blocks, red
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (64, 8, 8), (128, 16, 2), (64, 12, 2)])
 @pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
-def test_fp8_ring_scores_exact(D, Hq, Hkv, reduce, monkeypatch):
+@pytest.mark.parametrize("grid", ["chunk", "heads"])
+def test_fp8_ring_scores_exact(D, Hq, Hkv, reduce, grid, monkeypatch):
     """The f16 path of fp8 summaries: exact bounds on integer inputs (q scaled up and down by
     powers of two too), with unwritten blocks, open ends (0x7F), holes, ids out of range; and a q
     head with an element too small for f16 (the bf16 path) within float32 rounding."""
     monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "mma")
     monkeypatch.setenv("DATAENGINE_RING_SCORES", "on")
+    monkeypatch.setenv("DATAENGINE_RING_GRID", grid)
     for seed, qscale in enumerate([1.0, 2.0 ** 20, 2.0 ** -30, 1.0]):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=700, num_blocks=3000,
                                               dtype=torch.float32, sdtype=torch.float32, unwritten=0.05,
@@ -550,6 +552,42 @@ def test_int4_select_equals_reference(D, Hq, Hkv, reduce, fused, ring, monkeypat
         assert torch.equal(got.cpu(), want), (seed, top_k, sink, local)
         sc = select.quest_scores(*args, reduce=reduce)
         assert torch.equal(sc.cpu(), select.quest_scores_reference(*_cpu(*args), reduce=reduce))
+
+
+@pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
+@pytest.mark.parametrize("s_dtype,head_dim,group,kv_heads", [(FP8, 128, 4, 8), (FP8, 64, 6, 2), (torch.uint8, 128, 4, 8),
+                                                            (torch.uint8, 128, 8, 1)])
+def test_heads_kernels_compile(s_dtype, head_dim, group, kv_heads):
+    m = cuda_select.compile_heads(s_dtype, head_dim, group, "max", kv_heads)
+    assert cuda_select.heads_kernel_name(s_dtype, head_dim, group, "max", kv_heads) in m.lowered_names
+
+
+def test_ring_grid_env(monkeypatch):
+    monkeypatch.delenv("DATAENGINE_RING_GRID", raising=False)
+    assert cuda_select.ring_grid() == cuda_select.DEFAULT_RING_GRID
+    monkeypatch.setenv("DATAENGINE_RING_GRID", "rows")
+    with pytest.raises(ValueError, match="DATAENGINE_RING_GRID"):
+        cuda_select.ring_grid()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (128, 16, 2), (128, 8, 1)])
+@pytest.mark.parametrize("reduce", ["max", "mean"])
+def test_int4_heads_grid_scores_exact(D, Hq, Hkv, reduce, monkeypatch):
+    """int4 rows through quest_score_heads_kernel: the reference's bounds exactly (dyadic grids), then
+    the reference's blocks."""
+    monkeypatch.setenv("DATAENGINE_RING_SCORES", "on")
+    monkeypatch.setenv("DATAENGINE_RING_GRID", "heads")
+    monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "0")
+    for seed in range(3):
+        q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=900, num_blocks=3000,
+                                              sdtype=torch.float32, unwritten=0.05, holes=seed == 1)
+        lo, hi = _summaries(torch.uint8, kmin, kmax)
+        args = (q, lo, hi, table, lens)
+        assert torch.equal(select.quest_scores(*args, reduce=reduce).cpu(),
+                           select.quest_scores_reference(*_cpu(*args), reduce=reduce))
+        assert torch.equal(select.select_blocks(*args, 64, 1, 1, block_size=16, reduce=reduce).cpu(),
+                           select.select_blocks_reference(*_cpu(*args), 64, 1, 1, block_size=16, reduce=reduce))
 
 
 def test_int4_rows_need_tensor_cores():

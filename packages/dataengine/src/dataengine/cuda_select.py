@@ -1,6 +1,7 @@
 """GPU block selection: compilation (tilehal.compile_cuda) and launch of kernels/select.cuh.
 
-Two launches per call (Quest scores, then the per-row top-k), no host synchronization, so a
+One launch per call where it applies (quest_select_chunk_kernel: scores, per-chunk top-k, the row's
+last CTA merges), else two (Quest scores, then the per-row top-k); no host synchronization, so a
 decode step that selects and attends can be captured in a CUDA graph. select.py decides when
 these run; the torch reference in select.py is the oracle they are tested against.
 """
@@ -67,7 +68,7 @@ CHUNK_MAX = 2048  # kChunkMax: table positions per CTA of quest_select_chunk_ker
 CHUNK_THREADS = SCORE_THREADS
 RING_STAGES = {FP8: 3, torch.uint8: 4}  # kFp8Stages / kQ4Stages: 16-block tiles in each warp's cp.async ring
 RING_VARIANTS = ("on", "off")
-DEFAULT_RING = "off"  # "on" once the H200 round has checked it
+DEFAULT_RING = "on"  # H200 (2026-12-02 R1): score 50.4 vs 56.7 us fp8, 49.5 vs 55.8 us int4 at b8 x 128K
 
 
 def ring_variant() -> str:
@@ -80,6 +81,44 @@ def ring_variant() -> str:
     if v not in RING_VARIANTS:
         raise tilehal.ArgumentError(f"DATAENGINE_RING_SCORES: expected one of {list(RING_VARIANTS)}, got {v!r}")
     return v
+
+
+RING_GRIDS = ("chunk", "heads")
+DEFAULT_RING_GRID = "chunk"
+
+
+def ring_grid() -> str:
+    """DATAENGINE_RING_GRID (default DEFAULT_RING_GRID), for the two-launch path's ring scores:
+    "chunk" (quest_select_chunk_kernel: a CTA per (chunk, kv head, sequence), its warps splitting
+    the chunk) or "heads" (quest_score_heads_kernel: a CTA per (chunk, sequence), warp h = kv head
+    h over the whole chunk, so a block's kv-head rows are read together; <= 8 kv heads)."""
+    v = os.environ.get("DATAENGINE_RING_GRID") or DEFAULT_RING_GRID
+    if v not in RING_GRIDS:
+        raise tilehal.ArgumentError(f"DATAENGINE_RING_GRID: expected one of {list(RING_GRIDS)}, got {v!r}")
+    return v
+
+
+def heads_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int) -> str:
+    return (f"dataengine::quest_score_heads_kernel<{_S_CTYPES_MMA[s_dtype]}, {head_dim}, {group}, {_REDUCE[reduce]}, "
+            f"{kv_heads}>")
+
+
+@functools.cache
+def compile_heads(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
+                  arch: str = "sm_90a") -> tilehal.CudaModule:
+    """quest_score_heads_kernel for one configuration."""
+    return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS + _CHUNK_CHECKS, arch=arch,
+                                name=f"quest_score_heads_{head_dim}_{group}_{kv_heads}", include_dirs=[str(KERNEL_DIR)],
+                                name_expressions=[heads_kernel_name(s_dtype, head_dim, group, reduce, kv_heads)])
+
+
+def heads_chunk(device: torch.device, batch: int, nb: int) -> int:
+    """Positions per CTA of quest_score_heads_kernel: about one wave (2 CTAs per SM), a multiple
+    of 16, at most CHUNK_MAX."""
+    slots = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * MMA_CTAS_PER_SM
+    chunks = max(1, slots // max(batch, 1))
+    per = -(-nb // chunks)
+    return max(16, min(CHUNK_MAX, -(-per // 16) * 16))
 
 
 def _ring(s_dtype: torch.dtype, head_dim: int) -> bool:
@@ -119,7 +158,7 @@ def chunk_smem_bytes(s_dtype: torch.dtype, head_dim: int, fused: bool, ring: boo
     return max(ring_bytes, 4 * 4096 if fused else 0)
 
 
-DEFAULT_FUSED = "0"  # "1" once the H200 round has checked it
+DEFAULT_FUSED = "1"  # H200 (2026-12-02 R1): fp8 65.6 / int4 62.0 / bf16 88.6 us vs two launches 71.6 / 71.6 / 93.2
 
 
 def fused_variant() -> str:
@@ -352,7 +391,12 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     q = q.contiguous()
     if q.data_ptr() % 4:  # the mma kernel reads q as 32-bit words
         q = q.clone()
-    if ring:
+    if ring and ring_grid() == "heads" and H <= 8:
+        chunk = heads_chunk(q.device, B, nb)
+        kern = compile_heads(kmin.dtype, D, group, reduce, H).get_kernel(heads_kernel_name(kmin.dtype, D, group, reduce, H))
+        kern.launch((-(-nb // chunk), B), 32 * H, [q, kmin, kmax, table, nb, kmin.shape[0], chunk, raw],
+                    smem_bytes=chunk_smem_bytes(kmin.dtype, D, False, True) * H // (CHUNK_THREADS // 32))
+    elif ring:
         chunk = mma_chunk(q.device, B * H, nb, CHUNK_MAX)
         kern = compile_chunk(kmin.dtype, D, group, reduce, False, True).get_kernel(
             chunk_kernel_name(kmin.dtype, D, group, reduce, False, True))

@@ -32,8 +32,8 @@ codes rounded outward by the writer (`decode_int4_summary`): 5/16 of bf16's byte
 reference's to float32 rounding (exactly on dyadic inputs), like bf16 summaries on Gaussian data.
 
 On CUDA tensors of bf16/fp16/fp32 (summaries also fp8) with head_dim 64/128/256, `select_blocks`, `quest_scores` and
-`topk_blocks` run the kernels of cuda_select.py (kernels/select.cuh): two launches, no host
-synchronization, CUDA-graph capturable. Checks that would need the tensors' values on the host
+`topk_blocks` run the kernels of cuda_select.py (kernels/select.cuh): one launch (select_blocks,
+where it applies) or two, no host synchronization, CUDA-graph capturable. Checks that would need the tensors' values on the host
 (block ids < num_blocks, NaN scores) are skipped there unless `validate=True`: the kernels never
 read out of bounds (an id >= num_blocks scores -inf) and never choose a NaN score. The torch
 functions (`*_reference`) serve CPU tensors and are the oracle of the kernels' tests.
@@ -297,9 +297,10 @@ def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
     last `local_blocks`, which are always kept (the budget grows to sink + local when smaller).
     n = min(budget, max_blocks); a sequence with fewer valid blocks than the budget gets all of
     them. `block_size`, when given, counts valid blocks from seq_lens instead of the table.
-    On CUDA: two launches (scores, top-k; DATAENGINE_SELECT_FUSED=1: one, when `block_size` is
-    given, q is bf16, head_dim 64/128, <= 8 q heads per kv head, budget <= 256), no host sync
-    (`validate=True` adds the host check of block ids).
+    On CUDA: one launch when `block_size` is given, q is bf16, head_dim 64/128, <= 8 q heads per kv
+    head and the row's merge candidates fit (quest_select_chunk_kernel; DATAENGINE_SELECT_FUSED=0
+    turns it off), else two (scores, top-k); no host sync (`validate=True` adds the host check of
+    block ids).
     """
     top_k, sink_blocks, local_blocks = _check_select_args(top_k, sink_blocks, local_blocks)
     _check_reduce(reduce)

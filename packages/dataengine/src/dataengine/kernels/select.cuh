@@ -562,14 +562,17 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int& 
   }
   if (lane == 31) warp_sums[warp] = x;
   __syncthreads();
-  int before = 0, all = 0;
-  for (int w = 0; w < nw; ++w) {
-    const int s = warp_sums[w];
-    before += w < warp ? s : 0;
-    all += s;
+  // every warp scans the (<= 32) warp sums itself: one load per lane, five shuffles
+  const int ws = lane < nw ? warp_sums[lane] : 0;
+  int inc = ws;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, inc, off);
+    if (lane >= off) inc += y;
   }
+  const int before = __shfl_sync(0xffffffffu, inc - ws, warp);
+  total = __shfl_sync(0xffffffffu, inc, nw - 1);
   __syncthreads();  // warp_sums is reused by the next scan
-  total = all;
   return before + x - v;
 }
 
@@ -775,12 +778,18 @@ __device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int w
     cnt += __shfl_xor_sync(0xffffffffu, cnt, off);
   }
   if (lane == 0) { sc.red_and[warp] = a; sc.red_or[warp] = o; sc.red_cnt[warp] = cnt; }
+  for (int i = tid; i < kFastBins; i += THREADS) hist[i] = 0;  // each pass leaves the bins zero again
   __syncthreads();
-  a = 0xffffffffu;
-  o = 0u;
-  cnt = 0u;
+  // every warp reduces the (<= 32) warp results itself
+  a = lane < kWarps ? sc.red_and[lane] : 0xffffffffu;
+  o = lane < kWarps ? sc.red_or[lane] : 0u;
+  cnt = lane < kWarps ? sc.red_cnt[lane] : 0u;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) { a &= sc.red_and[w]; o |= sc.red_or[w]; cnt += sc.red_cnt[w]; }
+  for (int off = 16; off > 0; off >>= 1) {
+    a &= __shfl_xor_sync(0xffffffffu, a, off);
+    o |= __shfl_xor_sync(0xffffffffu, o, off);
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, off);
+  }
   const int n_forced = int(cnt >> 16), n_free = int(cnt & 0xffffu);
   const int need_free = max(width - n_forced, 0);
 
@@ -796,19 +805,21 @@ __device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int w
       const int width_bits = min(12, top + 1);
       const int shift = top + 1 - width_bits;
       const unsigned dmask = (1u << width_bits) - 1u;
-      for (int i = tid; i < kFastBins; i += THREADS) hist[i] = 0;
-      __syncthreads();
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
         if (key[i] != 0u && key[i] != kKeyForced && (key[i] & mask) == prefix)
           atomicAdd(&hist[(key[i] >> shift) & dmask], 1);
       }
       __syncthreads();
-      // thread j owns bins kFastBins - 1 - kPer * j .. (descending digits)
+      // thread j owns bins kFastBins - 1 - kPer * j .. (descending digits): reads them, zeroes them
       constexpr int kPer = kFastBins / THREADS;
       int c[kPer], sum = 0;
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) { c[i] = hist[kFastBins - 1 - kPer * tid - i]; sum += c[i]; }
+      for (int i = 0; i < kPer; ++i) {
+        c[i] = hist[kFastBins - 1 - kPer * tid - i];
+        hist[kFastBins - 1 - kPer * tid - i] = 0;
+        sum += c[i];
+      }
       int tot;
       const int excl = block_exclusive_scan(sum, sc.warp_sums, tot);
       if (excl < need && need <= excl + sum) {
@@ -820,11 +831,11 @@ __device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int w
         }
       }
       __syncthreads();
+      // (the next pass writes sc.digit / sc.need only after two more barriers)
       prefix |= unsigned(sc.digit) << shift;
       mask |= dmask << shift;
       need = sc.need;
       top = shift - 1;
-      __syncthreads();
     }
     T = prefix;
   }
@@ -1040,19 +1051,19 @@ template <int D, int G> struct RingQ<Q4, D, G> { using type = MmaQ<D, G, true, t
 // Scores of the CTA's positions from fp8 summaries or int4 rows through the rings: dst(i, score)
 // for i in [0, n_here); `ring_all`: kScoreThreads / 32 warps x RingSize<TS, D>::kWarpBytes of
 // shared memory.
+// This warp scores kv head h of sequence b (H kv heads) at the CTA's positions first, first +
+// stride, ... (16-block tiles).
 template <typename TS, int D, int G, int REDUCE, typename Dst>
 __device__ __forceinline__ void ring_scores(const __nv_bfloat16* __restrict__ q, const unsigned char* __restrict__ kmin,
                                             const unsigned char* __restrict__ kmax, const int* phys_s, int n_here,
-                                            unsigned char* ring_all, Dst dst) {
+                                            unsigned char* ring_all, Dst dst, int h, int b, int H, int first,
+                                            int stride) {
   static_assert(D == 64 || D == 128, "ring scores: head_dim 64 or 128");
   static_assert(G >= 1 && G <= 8, "ring scores: at most 8 q heads per kv head");
   using R = Ring<TS, D>;
   using S = RingSize<TS, D>;
   constexpr int kStages = R::kStages;
-  const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, t = lane % 4;
-  const int stride = (blockDim.x / 32) * 16;
-  const int first = warp * 16;
   const int n_tiles = first < n_here ? (n_here - first + stride - 1) / stride : 0;
   if (n_tiles == 0) return;
   unsigned char* ring = ring_all + warp * S::kWarpBytes;
@@ -1178,7 +1189,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_chunk_kernel(
   };
   if constexpr (RING) {
     ring_scores<TS, D, G, REDUCE>(q, static_cast<const unsigned char*>(kmin), static_cast<const unsigned char*>(kmax),
-                                  phys_s, n_here, dsm, dst);
+                                  phys_s, n_here, dsm, dst, h, b, H, (tid / 32) * 16, (kScoreThreads / 32) * 16);
   } else {
     using P = typename Rows<TS, D>::ptr;
     mma_scores<TS, D, G, REDUCE>(q, static_cast<P>(kmin), static_cast<P>(kmax), phys_s, n_here, dst);
@@ -1231,6 +1242,33 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_chunk_kernel(
     }
     for (int s2 = total + tid; s2 < width; s2 += kScoreThreads) orow[s2] = -1;
   }
+}
+
+// ----------------------------------------------------------------------------- heads-per-CTA ring scores
+// quest_score_heads_kernel  grid (ceil(table_stride / chunk), B), 32 * H threads (H <= 8 kv heads),
+//   chunk <= kChunkMax: warp h scores kv head h at every position of the CTA's chunk through its
+//   ring (ring_scores), so the H rows of a block (one record of H * row bytes in the pool) are
+//   requested by the CTA's warps at about the same time, instead of by H CTAs of the chunk kernel.
+//   Writes raw[b, h, :] like quest_select_chunk_kernel<..., FUSED = false, RING = true>.
+template <typename TS, int D, int G, int REDUCE, int H>
+__global__ void __launch_bounds__(32 * H, 16 / H) quest_score_heads_kernel(
+    const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin, const void* __restrict__ kmax,
+    const int* __restrict__ block_table, int table_stride, int num_blocks, int chunk, float* __restrict__ raw) {
+  static_assert(H >= 1 && H <= 8, "heads kernel: one warp per kv head, at most 8");
+  extern __shared__ __align__(16) unsigned char dsm[];
+  __shared__ int phys_s[kChunkMax];
+  const int b = blockIdx.y, h = threadIdx.x / 32;
+  const int pos0 = blockIdx.x * chunk;
+  const int n_here = min(chunk, table_stride - pos0);
+  const int* table = block_table + (long long)b * table_stride;
+  for (int i = threadIdx.x; i < n_here; i += 32 * H) {
+    const int p = max(table[pos0 + i], 0);  // holes read block 0 like the reference's clamp
+    phys_s[i] = p < num_blocks ? p : -1;
+  }
+  __syncthreads();
+  float* rrow = raw + ((long long)b * H + h) * table_stride + pos0;
+  ring_scores<TS, D, G, REDUCE>(q, static_cast<const unsigned char*>(kmin), static_cast<const unsigned char*>(kmax),
+                                phys_s, n_here, dsm, [&](int i, float v) { rrow[i] = v; }, h, b, H, 0, 16);
 }
 
 }  // namespace dataengine
