@@ -1032,8 +1032,9 @@ __device__ __forceinline__ void fp8_tile_f16(const Fp8Q<D, G>& Q, const unsigned
 // The same tile exactly as quest_score_mma_kernel computes it (codes decoded by role, bf16 q
 // read again: the rare path).
 template <int D, int G>
-__device__ __noinline__ void fp8_tile_bf16(const __nv_bfloat16* __restrict__ q, long long head0,
-                                           const unsigned char* slot, int r, int t, float (&acc)[4]) {
+__device__ __noinline__ float4 fp8_tile_bf16(const __nv_bfloat16* __restrict__ q, long long head0,
+                                             const unsigned char* slot, int r, int t) {
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
   const unsigned* qw = reinterpret_cast<const unsigned*>(q + (head0 + r) * D);
   fp8_tile_walk<D>(slot, r, t, [&](int bound, int j, int m, unsigned wl, unsigned wh) {
     const bool mx = bound == 0;
@@ -1043,6 +1044,7 @@ __device__ __noinline__ void fp8_tile_bf16(const __nv_bfloat16* __restrict__ q, 
     const tilehal::u32 bq[2] = {mx ? bf16x2_max0(q0) : bf16x2_min0(q0), mx ? bf16x2_max0(q1) : bf16x2_min0(q1)};
     tilehal::mma_m16n8k16(tilehal::MmaBF16{}, acc, a, bq);
   });
+  return make_float4(acc[0], acc[1], acc[2], acc[3]);
 }
 
 template <typename TS, int D, int G> struct RingQ { using type = Fp8Q<D, G>; };
@@ -1068,36 +1070,51 @@ __device__ __forceinline__ void ring_scores(const __nv_bfloat16* __restrict__ q,
   if (n_tiles == 0) return;
   unsigned char* ring = ring_all + warp * S::kWarpBytes;
   const long long head0 = (long long)b * H * G + (long long)h * G;
-  // 16 rows x kChunks 16-byte chunks per bound; copy e = (row, chunk) of both bounds
-  constexpr int kCopies = 16 * S::kChunks;
+  // 16 rows x kChunks 16-byte chunks per bound; copy e = lane + 32 u = (row, chunk) of both bounds.
+  // Per lane, everything but the rows' block ids is fixed: the rows, the chunk, the ring offsets.
+  // Source rows in 16-byte units (32-bit: pools up to 64 GB of summaries per bound).
+  constexpr int kCopies = 16 * S::kChunks, kU = (kCopies + 31) / 32, kRow16 = S::kRow / 16;
+  const unsigned blk16 = unsigned(H) * kRow16, head16 = unsigned(h) * kRow16;
+  int row_u[kU], dst_u[kU];
+  unsigned chunk_u[kU];
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int e = lane + 32 * u, i = e / S::kChunks, c = e % S::kChunks;
+    row_u[u] = (kCopies % 32 == 0 || e < kCopies) ? i : -1;
+    dst_u[u] = i * S::kRow + 16 * R::chunk_at(i, c);
+    chunk_u[u] = head16 + unsigned(c);
+  }
+  const uint4* kmax16 = reinterpret_cast<const uint4*>(kmax);
+  const uint4* kmin16 = reinterpret_cast<const uint4*>(kmin);
+  int issue_slot = 0;  // ring slot of the next tile issued (k % kStages, kept incrementally)
   auto issue = [&](int k) {
     if (k < n_tiles) {
-      unsigned char* slot = ring + (k % kStages) * S::kTile;
+      unsigned char* slot = ring + issue_slot * S::kTile;
       const int tile = first + k * stride;
 #pragma unroll
-      for (int u = 0; u < (kCopies + 31) / 32; ++u) {
-        const int e = lane + 32 * u;
-        if (kCopies % 32 == 0 || e < kCopies) {
-          const int i = e / S::kChunks, c = e % S::kChunks;
-          const int p = tile + i < n_here ? phys_s[tile + i] : -1;
-          const long long off = ((long long)max(p, 0) * H + h) * S::kRow + 16 * c;
-          const int d = i * S::kRow + 16 * R::chunk_at(i, c);
-          tilehal::cp_async_16(slot + d, kmax + off, p >= 0);  // zero rows for ids scored -inf
-          tilehal::cp_async_16(slot + S::kBound + d, kmin + off, p >= 0);
+      for (int u = 0; u < kU; ++u) {
+        if (row_u[u] >= 0) {
+          const int p = tile + row_u[u] < n_here ? phys_s[tile + row_u[u]] : -1;
+          const unsigned o = unsigned(max(p, 0)) * blk16 + chunk_u[u];
+          tilehal::cp_async_16(slot + dst_u[u], kmax16 + o, p >= 0);  // zero rows for ids scored -inf
+          tilehal::cp_async_16(slot + S::kBound + dst_u[u], kmin16 + o, p >= 0);
         }
       }
     }
+    issue_slot = issue_slot == kStages - 1 ? 0 : issue_slot + 1;
     tilehal::cp_async_commit();
   };
 #pragma unroll
   for (int k = 0; k < kStages - 1; ++k) issue(k);
   typename RingQ<TS, D, G>::type Q;
   Q.load(q, head0, r, t);
+  int read_slot = 0;
   for (int k = 0; k < n_tiles; ++k) {
     tilehal::cp_async_wait<kStages - 2>();
     __syncwarp();  // tile k visible to the warp; tile k - 1's slot free
     issue(k + kStages - 1);
-    const unsigned char* slot = ring + (k % kStages) * S::kTile;
+    const unsigned char* slot = ring + read_slot * S::kTile;
+    read_slot = read_slot == kStages - 1 ? 0 : read_slot + 1;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     if constexpr (IsQ4<TS>::value) {
       Half<Q4, D> X, N;
@@ -1114,9 +1131,8 @@ __device__ __forceinline__ void ring_scores(const __nv_bfloat16* __restrict__ q,
         for (int e = 0; e < 4; ++e) acc[e] *= Q.inv;
       }
       if (slow) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[e] = 0.f;
-        fp8_tile_bf16<D, G>(q, head0, slot, r, t, acc);
+        const float4 a = fp8_tile_bf16<D, G>(q, head0, slot, r, t);
+        acc[0] = a.x; acc[1] = a.y; acc[2] = a.z; acc[3] = a.w;
       }
     }
     float s_lo, s_hi;
