@@ -121,8 +121,14 @@ def heads_chunk(device: torch.device, batch: int, nb: int) -> int:
     return max(16, min(CHUNK_MAX, -(-per // 16) * 16))
 
 
-def _ring(s_dtype: torch.dtype, head_dim: int) -> bool:
+RING_MAX_BYTES = 1 << 36  # the rings address summaries in 32-bit units of 16 bytes
+
+
+def _ring(s_dtype: torch.dtype, head_dim: int, nbytes: int = 0) -> bool:
     if ring_variant() == "off" or s_dtype not in RING_STAGES:
+        return False
+    if nbytes >= RING_MAX_BYTES:
+        log.debug("ring scores: %d bytes of summaries exceed 32-bit 16-byte offsets; register path", nbytes)
         return False
     if s_dtype == torch.uint8 and head_dim != 128:
         log.debug("ring scores: int4 rows of head_dim %d are not whole 16-byte chunks; register path", head_dim)
@@ -246,7 +252,7 @@ def select_fused(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
     chunks = -(-nb // chunk)
     wc = min(width, chunk)
     cand = torch.empty((B * H * chunks * wc, 2), dtype=torch.int32, device=q.device)
-    ring = _ring(kmin.dtype, D)
+    ring = _ring(kmin.dtype, D, kmin.numel() * kmin.element_size())
     kern = compile_chunk(kmin.dtype, D, group, reduce, True, ring).get_kernel(
         chunk_kernel_name(kmin.dtype, D, group, reduce, True, ring))
     kern.launch((chunks, H, B), CHUNK_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], chunk, None, mode, nv, sl,
@@ -379,7 +385,7 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     if B == 0 or nb == 0:
         return raw
     variant = _pick_variant(q, kmin, variant)
-    ring = variant == "mma" and _ring(kmin.dtype, D)
+    ring = variant == "mma" and _ring(kmin.dtype, D, kmin.numel() * kmin.element_size())
     if not ring:
         kern = compile_score(q.dtype, kmin.dtype, D, group, reduce, variant=variant).get_kernel(
             score_kernel_name(q.dtype, kmin.dtype, D, group, reduce, variant))
