@@ -381,6 +381,9 @@ def test_fused_and_ring_reasons(monkeypatch):
     s = torch.zeros(4, 8, 128, dtype=FP8)
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "0")
     assert "FUSED=0" in cuda_select.fused_reason(q, s, 64, 8192)
+    monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "auto")
+    assert cuda_select.fused_reason(q, s, 64, 2048) is None
+    assert "two launches" in cuda_select.fused_reason(q, s, 64, 2049)
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
     assert cuda_select.fused_reason(q, s, 64, 8192) is None
     assert cuda_select.fused_reason(q, s, 512, 8192) is None  # 4 chunks x 512 candidates

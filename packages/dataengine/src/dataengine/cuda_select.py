@@ -84,7 +84,7 @@ def ring_variant() -> str:
 
 
 RING_GRIDS = ("chunk", "heads")
-DEFAULT_RING_GRID = "chunk"
+DEFAULT_RING_GRID = "heads"  # H200 R2: fp8 57.4 vs 58.2 us, int4 58.9 vs 60.3 us (two launches, 128K)
 
 
 def ring_grid() -> str:
@@ -164,16 +164,17 @@ def chunk_smem_bytes(s_dtype: torch.dtype, head_dim: int, fused: bool, ring: boo
     return max(ring_bytes, 4 * 4096 if fused else 0)
 
 
-DEFAULT_FUSED = "1"  # H200 (2026-12-02 R1): fp8 65.6 / int4 62.0 / bf16 88.6 us vs two launches 71.6 / 71.6 / 93.2
+DEFAULT_FUSED = "auto"  # H200 R2 (2026-12-02, b8 x 128K fp8): one launch 62.9 us vs two launches (ring, heads grid) 57.4
 
 
 def fused_variant() -> str:
-    """DATAENGINE_SELECT_FUSED (default DEFAULT_FUSED): "1" runs select_blocks in one launch of
-    quest_select_chunk_kernel (scores, per-chunk top-k, the row's last CTA merges) where
-    `fused_reason` allows; "0" never."""
+    """DATAENGINE_SELECT_FUSED (default DEFAULT_FUSED): "auto" runs select_blocks in one launch of
+    quest_select_chunk_kernel where a row fits one CTA (<= CHUNK_MAX blocks: no merge), "1" also
+    for longer rows (chunks, the row's last CTA merges), both where `fused_reason` allows; "0"
+    never."""
     v = os.environ.get("DATAENGINE_SELECT_FUSED") or DEFAULT_FUSED
-    if v not in ("0", "1"):
-        raise tilehal.ArgumentError(f"DATAENGINE_SELECT_FUSED: expected 0 or 1, got {v!r}")
+    if v not in ("auto", "0", "1"):
+        raise tilehal.ArgumentError(f"DATAENGINE_SELECT_FUSED: expected auto, 0 or 1, got {v!r}")
     return v
 
 
@@ -189,8 +190,12 @@ def fused_chunk(device: torch.device, rows: int, nb: int) -> int:
 
 def fused_reason(q: torch.Tensor, kmin: torch.Tensor, width: int, nb: int) -> str | None:
     """Why select_fused cannot serve this call (None: it can)."""
-    if fused_variant() == "0":
+    variant = fused_variant()
+    if variant == "0":
         return "DATAENGINE_SELECT_FUSED=0"
+    if variant == "auto" and nb > CHUNK_MAX:
+        return (f"{nb} blocks per row > {CHUNK_MAX} (DATAENGINE_SELECT_FUSED=auto: longer rows take two launches, "
+                "faster than the one-launch merge on the H200)")
     if score_variant() == "simt":
         return "DATAENGINE_SCORE_KERNEL=simt"
     reason = mma_reason(q, kmin)

@@ -298,9 +298,9 @@ def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
     n = min(budget, max_blocks); a sequence with fewer valid blocks than the budget gets all of
     them. `block_size`, when given, counts valid blocks from seq_lens instead of the table.
     On CUDA: one launch when `block_size` is given, q is bf16, head_dim 64/128, <= 8 q heads per kv
-    head and the row's merge candidates fit (quest_select_chunk_kernel; DATAENGINE_SELECT_FUSED=0
-    turns it off), else two (scores, top-k); no host sync (`validate=True` adds the host check of
-    block ids).
+    head and a row has at most 2048 blocks (quest_select_chunk_kernel; DATAENGINE_SELECT_FUSED=1
+    also for longer rows, =0 never), else two (scores, top-k); no host sync (`validate=True` adds
+    the host check of block ids).
     """
     top_k, sink_blocks, local_blocks = _check_select_args(top_k, sink_blocks, local_blocks)
     _check_reduce(reduce)
