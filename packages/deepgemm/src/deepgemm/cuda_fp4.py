@@ -242,7 +242,7 @@ class Fp4WgPlan:
 
 
 # What DEEPGEMM_FP4_KERNEL=auto (the default) runs, per activation kind: (bf16, e4m3).
-AUTO_KERNELS = {"bf16": "mma", "e4m3": "mma"}  # the wgmma kernels: opt-in until measured on the H200
+AUTO_KERNELS = {"bf16": "wgmma", "e4m3": "mma"}
 
 
 def use_wgmma(act_fp8: bool) -> bool:
