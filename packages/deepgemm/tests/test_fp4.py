@@ -215,6 +215,8 @@ def test_kernel_choice_env(monkeypatch):
     from deepgemm import cuda_fp4
 
     assert cuda_fp4.kernel_choice() == "auto"
+    assert [cuda_fp4.use_wgmma(False, m) for m in (1, 16, 17, 128)] == [False, False, True, True]
+    assert not any(cuda_fp4.use_wgmma(True, m) for m in (1, 128))  # e4m3: opt-in
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "mma")
     assert cuda_fp4.kernel_choice() == "mma"
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "tensor")

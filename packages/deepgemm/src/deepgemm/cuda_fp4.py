@@ -241,20 +241,24 @@ class Fp4WgPlan:
         return self.row_blocks * self.m_blocks * self.groups
 
 
-# What DEEPGEMM_FP4_KERNEL=auto (the default) runs, per activation kind: (bf16, e4m3).
-AUTO_KERNELS = {"bf16": "wgmma", "e4m3": "mma"}
+# What DEEPGEMM_FP4_KERNEL=auto (the default) runs: the wgmma kernel from this many tokens on, per activation
+# kind (None: never). H200, 2026-12-02 (docs/deepgemm.md): bf16 wgmma is 1.13-1.45x the mma.sync kernel at
+# M = 64 / 128 and 0.74-0.92x at M = 1 / 16; e4m3 wgmma is as fast or faster at M >= 16 but promotes per 128 K
+# (Hopper's fp8 accumulation inside a chunk: max error 1.3e-4 of max |D| against 1e-4), so it stays opt-in.
+AUTO_WGMMA_MIN_M = {"bf16": 17, "e4m3": None}
 
 
-def use_wgmma(act_fp8: bool) -> bool:
-    """Whether this call takes the wgmma kernel (DEEPGEMM_FP4_KERNEL, else AUTO_KERNELS)."""
+def use_wgmma(act_fp8: bool, m: int) -> bool:
+    """Whether a call with m tokens (per group) takes the wgmma kernel (DEEPGEMM_FP4_KERNEL, else AUTO_WGMMA_MIN_M)."""
     choice = kernel_choice()
     if choice == "auto":
-        choice = AUTO_KERNELS["e4m3" if act_fp8 else "bf16"]
+        low = AUTO_WGMMA_MIN_M["e4m3" if act_fp8 else "bf16"]
+        return low is not None and m >= low
     return choice == "wgmma"
 
 
 def kernel_choice() -> str:
-    """DEEPGEMM_FP4_KERNEL: 'auto' (default: AUTO_KERNELS), 'mma' or 'wgmma' (both activation kinds; A/B timing)."""
+    """DEEPGEMM_FP4_KERNEL: 'auto' (default: AUTO_WGMMA_MIN_M), 'mma' or 'wgmma' (both activation kinds; A/B)."""
     v = os.environ.get("DEEPGEMM_FP4_KERNEL", "auto")
     if v not in ("auto", "mma", "wgmma"):
         raise validate.ArgumentError(f"DEEPGEMM_FP4_KERNEL: expected auto, mma or wgmma, got {v!r}")
@@ -487,7 +491,7 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     if c is not None and c.dtype != torch.float32:
         log.debug("c: bf16 accumulation; widening C to fp32 for the FP4 kernel's epilogue")
         c = c.float()
-    if use_wgmma(sfa is not None):
+    if use_wgmma(sfa is not None, m):
         def replan(most=None):
             return plan_wgmma(m, n, k, 1, d.dtype == torch.bfloat16, c is not None, False, act_fp8=sfa is not None,
                               max_splits=most)
@@ -510,7 +514,7 @@ def grouped_masked(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, s
         return
     sfb = _scales_32(sfb, gran)
     _check(a, b, sfb, d, None)
-    if use_wgmma(sfa is not None):
+    if use_wgmma(sfa is not None, min(expected_m, m_max)):
         def replan(most=None):
             return plan_wgmma(m_max, n, k, g, d.dtype == torch.bfloat16, False, True,
                               expected_m=min(expected_m, m_max), act_fp8=sfa is not None, max_splits=most)
