@@ -46,7 +46,7 @@ def variants(m: int, n: int, k: int, mcast: bool = False) -> list[splitk.SplitKC
             tiles = -(-m // bm) * -(-n // bn)
             for s in (2, 3, 4, 7, 8, 14):
                 se = splitk.effective_splits(kb, min(s, kb))
-                cfg = splitk.SplitKConfig(bm, bn, se, splitk.max_stages(bm, bn), 132)
+                cfg = splitk.SplitKConfig(bm, bn, se, splitk.max_stages(bm, bn, True), 132, fp8=True)
                 if tiles * se <= 132 and se >= 2 and cfg not in out:
                     out.append(cfg)
     if mcast and m >= 64:  # A multicast in 2-CTA clusters: every n-block re-reads the A panel

@@ -40,7 +40,8 @@ def configs(fp8: bool, m: int, n: int, k: int, base) -> list[splitk.SplitKConfig
     kb = -(-k // (128 if fp8 else 64))
     out = []
     for bm, bn, s in base:
-        cfg = splitk.SplitKConfig(bm, bn, splitk.effective_splits(kb, min(s, kb)), splitk.max_stages(bm, bn), 132)
+        cfg = splitk.SplitKConfig(bm, bn, splitk.effective_splits(kb, min(s, kb)), splitk.max_stages(bm, bn, fp8), 132,
+                                  fp8=fp8)
         out += [cfg, dataclasses.replace(cfg, multicast=2)]
     return out
 

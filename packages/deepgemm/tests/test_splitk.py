@@ -266,7 +266,7 @@ FP8_ODD = [((1, 200, 272), (64, 64, 2)), ((5, 129, 1040), (64, 128, 3)), ((70, 2
 def fp8_cfg(m, n, k, bm, bn, splits):
     kb = -(-k // 128)
     return SplitKConfig(block_m=bm, block_n=bn, splits=effective_splits(kb, min(splits, kb)),
-                        stages=splitk.max_stages(bm, bn), num_sms=132)
+                        stages=splitk.max_stages(bm, bn, fp8=True), num_sms=132, fp8=True)
 
 
 def fp8_keys():
@@ -311,7 +311,13 @@ def test_fp8_splitk_config_must_divide_128():
     a8, sfa, b8, sfb = deepgemm_fp8(1, 256, 256)
     with pytest.raises(tilehal.ArgumentError, match="block_n"):
         # checked before anything touches a device (the tensors here are on the CPU)
-        splitk.dense_fp8(a8, sfa, b8, sfb, torch.empty(1, 256), None, SplitKConfig(64, 256, 2, 4, 132))
+        splitk.dense_fp8(a8, sfa, b8, sfb, torch.empty(1, 256), None, SplitKConfig(64, 256, 2, 4, 132, fp8=True))
+    with pytest.raises(tilehal.ArgumentError, match="config.fp8"):
+        splitk.dense_fp8(a8, sfa, b8, sfb, torch.empty(1, 256), None, SplitKConfig(64, 128, 2, 8, 132))
+    # fp8 stages hold the activation scales too: never more shared memory than a CTA has
+    for bm in (64, 128):
+        for bn in (64, 128):
+            assert splitk.smem_bytes(bm, bn, splitk.max_stages(bm, bn, fp8=True), fp8=True) <= 232448
 
 
 def deepgemm_fp8(m, n, k, device="cpu", seed=0):
@@ -390,7 +396,7 @@ MCAST_CASES = [(False, (128, 2112, 7168), (128, 64, 4), torch.bfloat16), (False,
 def mcast_cfg(fp8, m, n, k, bm, bn, splits):
     kb = -(-k // (128 if fp8 else 64))
     return SplitKConfig(block_m=bm, block_n=bn, splits=effective_splits(kb, min(splits, kb)),
-                        stages=splitk.max_stages(bm, bn), num_sms=132, multicast=2)
+                        stages=splitk.max_stages(bm, bn, fp8), num_sms=132, multicast=2, fp8=fp8)
 
 
 def mcast_keys():

@@ -79,6 +79,7 @@ class SplitKConfig:
     stages: int
     num_sms: int
     multicast: int = 1  # 2: 2-CTA clusters along N sharing the A tile (kernels/splitk_sm90.cuh MCAST)
+    fp8: bool = False  # an fp8 plan: each stage also holds BLOCK_M activation scales
 
     @property
     def num_threads(self) -> int:
@@ -86,7 +87,7 @@ class SplitKConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.block_m, self.block_n, self.stages)
+        return smem_bytes(self.block_m, self.block_n, self.stages, self.fp8)
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
         """(n-blocks, m-blocks, splits); with multicast the n-blocks are a whole number of clusters (an odd
@@ -94,12 +95,13 @@ class SplitKConfig:
         return ceil_div(ceil_div(n, self.block_n), self.multicast) * self.multicast, ceil_div(m, self.block_m), self.splits
 
 
-def smem_bytes(block_m: int, block_n: int, stages: int) -> int:
-    return stages * (block_m + block_n) * 128 + 2 * 8 * stages + 16 + SMEM_SLACK
+def smem_bytes(block_m: int, block_n: int, stages: int, fp8: bool = False) -> int:
+    stage = (block_m + block_n) * 128 + (block_m * 4 if fp8 else 0)  # A, B (and the fp8 activation scales)
+    return stages * stage + 2 * 8 * stages + 16 + SMEM_SLACK
 
 
-def max_stages(block_m: int, block_n: int) -> int:
-    return most_stages(lambda s: smem_bytes(block_m, block_n, s), MAX_STAGES)
+def max_stages(block_m: int, block_n: int, fp8: bool = False) -> int:
+    return most_stages(lambda s: smem_bytes(block_m, block_n, s, fp8), MAX_STAGES)
 
 
 def effective_splits(num_k_blocks: int, splits: int) -> int:
@@ -172,8 +174,9 @@ def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKCon
     if cost > (gains[0] if m <= 64 else gains[1]) * base:
         log.debug("split-K not used for %s %dx%dx%d: estimated %.0f vs persistent %.0f", kind, m, n, k, cost, base)
         return None
-    return SplitKConfig(block_m=block_m, block_n=bn, splits=se, stages=max_stages(block_m, bn), num_sms=num_sms,
-                        multicast=mc)
+    fp8 = kind == "fp8"
+    return SplitKConfig(block_m=block_m, block_n=bn, splits=se, stages=max_stages(block_m, bn, fp8), num_sms=num_sms,
+                        multicast=mc, fp8=fp8)
 
 
 # ----------------------------------------------------------------------------- compile / launch
@@ -316,12 +319,17 @@ def dense_bf16(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tenso
     a_mn, b_mn = is_mn_major(a), is_mn_major(b)
     if cfg.multicast > 1 and a_mn:
         raise tilehal.ArgumentError("config.multicast: expected 1 with an MN-major A (multicast shares a K-major A tile)")
+    if cfg.fp8:
+        raise tilehal.ArgumentError("config.fp8: expected False for a bf16 GEMM, got True")
     key = splitk_key(cfg, n, k, d.dtype, None if c is None else c.dtype, a_mn, b_mn)
-    _launch(key, cfg, m, n, a, b, [d, c], [None, None, 0])
+    _launch(key, cfg, m, n, a, b, _NULL_DESC, [d, c], [None])
 
 
-def _launch(key: SplitKKey, cfg: SplitKConfig, m: int, n: int, a: torch.Tensor, b: torch.Tensor, out_args: list,
-            scale_args: list) -> None:
+_NULL_DESC = bytes(128)  # the bf16 kernels' unused activation-scale descriptor
+
+
+def _launch(key: SplitKKey, cfg: SplitKConfig, m: int, n: int, a: torch.Tensor, b: torch.Tensor, sfa_desc: bytes,
+            out_args: list, scale_args: list) -> None:
     if cfg.multicast not in (1, 2):
         raise tilehal.ArgumentError(f"config.multicast: expected 1 or 2, got {cfg.multicast}")
     kern = _kernel(key)
@@ -330,8 +338,8 @@ def _launch(key: SplitKKey, cfg: SplitKConfig, m: int, n: int, a: torch.Tensor, 
     da = _operand_descriptor(a, cfg.block_m // cfg.multicast)  # with multicast each CTA loads half of A's tile
     db = _operand_descriptor(b, cfg.block_n)
     cluster = (cfg.multicast, 1, 1) if cfg.multicast > 1 else None
-    kern.launch(grid, cfg.num_threads, [da, db, *out_args, ws, counters, m, *scale_args], smem_bytes=cfg.smem_bytes,
-                cluster=cluster)
+    kern.launch(grid, cfg.num_threads, [da, db, sfa_desc, *out_args, ws, counters, m, *scale_args],
+                smem_bytes=cfg.smem_bytes, cluster=cluster)
 
 
 def dense_fp8(a: torch.Tensor, sfa_t: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, d: torch.Tensor,
@@ -343,5 +351,10 @@ def dense_fp8(a: torch.Tensor, sfa_t: torch.Tensor, b: torch.Tensor, sfb: torch.
     n = b.shape[0]
     if 128 % cfg.block_n:
         raise tilehal.ArgumentError(f"config.block_n: expected a divisor of 128 for fp8 split-K, got {cfg.block_n}")
+    if not cfg.fp8:
+        raise tilehal.ArgumentError("config.fp8: expected True for an fp8 GEMM (its stages hold the activation scales "
+                                    "too: build it with max_stages(..., fp8=True)), got False")
     key = splitk_key(cfg, n, k, d.dtype, None if c is None else c.dtype, fp8=True)
-    _launch(key, cfg, m, n, a, b, [d, c], [sfa_t, sfb, sfa_t.stride(1)])
+    sk = sfa_t.shape[1]
+    sfa_desc = _encode(sfa_t.data_ptr(), torch.float32, (sk, m), (sfa_t.stride(1), 1), (1, cfg.block_m), "none")
+    _launch(key, cfg, m, n, a, b, sfa_desc, [d, c], [sfb])

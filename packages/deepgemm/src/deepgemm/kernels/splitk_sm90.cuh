@@ -29,9 +29,12 @@
 // FP8 (e4m3 A and B, K-major): a K block is 128 elements (still one 128-byte swizzle row), run as
 // wgmma m64nBLOCK_Nk32 into a fresh partial-sum set and promoted as in gemm_sm90.cuh:
 // acc += part * (sfa[row, kb] * sfb[n0 / 128, kb]). BLOCK_N divides 128, so a tile has one weight-scale
-// block; the activation scales are read from global memory (MN-major, `sfa_ld` floats per K block)
-// before the stage's wait, so their latency hides behind it. A split's sum is its blocks' promoted
-// partials in K order; the splits are then added in split order as for bf16 (deterministic).
+// block. The producer loads each K block's activation scales (BLOCK_M fp32 of the MN-major sfa) with TMA into
+// the stage next to A and B, and each math warp holds 32 K blocks' weight scales one per lane (read ahead,
+// broadcast with a shuffle): no global load sits on a K block's critical path. (The first version read
+// both from global memory per K block: at M = 64 / 128 each K block then waited ~1 us for its scales and the
+// kernel lost to the persistent one, H200 R1 2026-12-02.) A split's sum is its blocks' promoted partials in K
+// order; the splits are then added in split order as for bf16 (deterministic).
 //
 // MCAST = 2 (K-major A): 2-CTA clusters along the grid's n-blocks. Both CTAs of a cluster have the same
 // m-block and split, so the same A slices: each loads half of the A tile (BLOCK_M / 2 rows) and multicasts
@@ -56,14 +59,14 @@ template <int NUM_MATH_WG> constexpr int kSplitKProducerRegs = 40;
 template <int NUM_MATH_WG> constexpr int kSplitKMathRegs = NUM_MATH_WG == 1 ? 256 : 232;
 
 // C (added when HAS_C) is read in its own dtype CT: fp32, or bf16 (DeepGEMM's bf16 accumulation).
-// FP8: sfa (MN-major fp32, sfa_ld floats per K block) and sfb (fp32 [ceil(N/128), ceil(K/128)]) are read;
-// bf16 kernels take null pointers there.
+// FP8: tma_sfa describes the MN-major sfa as [ceil(K/128), M] fp32 (boxes of 1 x BLOCK_M), sfb is fp32
+// [ceil(N/128), ceil(K/128)]; bf16 kernels take a zero descriptor and a null pointer there.
 template <bool FP8, int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int SPLITS, typename OutT,
           bool HAS_C, typename CT, bool A_MN, bool B_MN, int MCAST = 1>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
-            OutT* d, const CT* c, float* __restrict__ ws, int* counters, int shape_m,
-            const float* __restrict__ sfa, const float* __restrict__ sfb, int sfa_ld) {
+            const __grid_constant__ TmaDescriptor tma_sfa, OutT* d, const CT* c, float* __restrict__ ws,
+            int* counters, int shape_m, const float* __restrict__ sfb) {
   constexpr int BLOCK_K = FP8 ? 128 : 64;  // one 128-byte swizzle row
   constexpr int K_STEP = FP8 ? 32 : 16;    // K per wgmma instruction (32 bytes)
   constexpr int NUM_K_BLOCKS = (SHAPE_K + BLOCK_K - 1) / BLOCK_K;
@@ -72,6 +75,7 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
   constexpr int NUM_MATH_THREADS = NUM_MATH_WG * 128;
   constexpr int A_BYTES = BLOCK_M * 128;
   constexpr int B_BYTES = BLOCK_N * 128;
+  constexpr int SFA_BYTES = FP8 ? BLOCK_M * 4 : 0;  // one activation scale per row and K block
   constexpr int ACC = BLOCK_N / 2;
   constexpr int kInFlight = STAGES >= 4 ? 1 : 0;
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups");
@@ -88,7 +92,8 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   unsigned char* smem_a = smem;
   unsigned char* smem_b = smem_a + STAGES * A_BYTES;
-  u64* full_bar = reinterpret_cast<u64*>(smem_b + STAGES * B_BYTES);
+  float* smem_sfa = reinterpret_cast<float*>(smem_b + STAGES * B_BYTES);
+  u64* full_bar = reinterpret_cast<u64*>(smem_b + STAGES * (B_BYTES + SFA_BYTES));
   u64* empty_bar = full_bar + STAGES;
   int* last_flag = reinterpret_cast<int*>(empty_bar + STAGES);
 
@@ -100,6 +105,7 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
   if (tid == NUM_MATH_THREADS) {
     tma_prefetch_descriptor(&tma_a);
     tma_prefetch_descriptor(&tma_b);
+    if constexpr (FP8) tma_prefetch_descriptor(&tma_sfa);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(&full_bar[s], 1);
@@ -122,7 +128,8 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
     for (int kb = kb_begin, it = 0; kb < kb_end; ++kb, ++it) {
       const int s = it % STAGES;
       mbarrier_wait(&empty_bar[s], ((it / STAGES) & 1) ^ 1);
-      mbarrier_arrive_expect_tx(&full_bar[s], A_BYTES + B_BYTES);
+      mbarrier_arrive_expect_tx(&full_bar[s], A_BYTES + B_BYTES + SFA_BYTES);
+      if constexpr (FP8) tma_load_2d(smem_sfa + s * BLOCK_M, &tma_sfa, &full_bar[s], m_block * BLOCK_M, kb);
       if constexpr (A_MN) {
 #pragma unroll
         for (int i = 0; i < BLOCK_M / 64; ++i)
@@ -176,18 +183,27 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
     float part[ACC];
     constexpr int SF_N = (SHAPE_N + 127) / 128;
     const float* sfb_row = sfb + min(n_block * BLOCK_N / 128, SF_N - 1) * SF_K;  // (a phantom CTA reads the last)
-    // Rows past M have zero A (TMA fill) and are never stored: read a valid row's scale for them.
-    const int ra = min(m_block * BLOCK_M + row_in_tile, shape_m - 1);
-    const int rb = min(m_block * BLOCK_M + row_in_tile + 8, shape_m - 1);
+    // Lane l holds the weight scale of K block kb_begin + 32c + l of chunk c (the current chunk and the next,
+    // read one chunk ahead); iteration it takes lane it % 32's with a shuffle.
+    auto sfb_chunk = [&](int chunk) {
+      const int kb = kb_begin + chunk * 32 + lane;
+      return kb < kb_end ? __ldg(sfb_row + kb) : 0.f;
+    };
+    float sfb_cur = sfb_chunk(0);
+    float sfb_next = sfb_chunk(1);
     for (int it = 0; it < num_kb; ++it) {
       const int s = it % STAGES;
-      const int kb = kb_begin + it;
-      const float sb = __ldg(sfb_row + kb);
-      const float s0 = __ldg(sfa + static_cast<u64>(kb) * sfa_ld + ra) * sb;
-      const float s1 = __ldg(sfa + static_cast<u64>(kb) * sfa_ld + rb) * sb;
+      if (it > 0 && it % 32 == 0) {  // warp-uniform
+        sfb_cur = sfb_next;
+        sfb_next = sfb_chunk(it / 32 + 1);
+      }
+      const float sb = __shfl_sync(0xffffffffu, sfb_cur, it % 32);
       mbarrier_wait(&full_bar[s], (it / STAGES) & 1);
       wgmma_block_k128b_sync<WgmmaE4M3<BLOCK_N>, BLOCK_K / K_STEP>(part, smem_a + s * A_BYTES + wg * 64 * 128,
                                                                    smem_b + s * B_BYTES);
+      // Rows past M have zero A and zero scales (TMA fill) and are never stored.
+      const float s0 = smem_sfa[s * BLOCK_M + row_in_tile] * sb;
+      const float s1 = smem_sfa[s * BLOCK_M + row_in_tile + 8] * sb;
       __syncwarp();
       release(s);
 #pragma unroll
