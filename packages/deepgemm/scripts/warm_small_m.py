@@ -84,6 +84,8 @@ def bench_keys(with_variants: bool = True) -> set:
     keys = set()
     for m, n, k in bench_small_m.SHAPES:
         keys.add(planned_key(m, n, k, torch.bfloat16, None))
+        if (n, k) not in bench_small_m.FP32_OUT:  # --small-acc: bf16 C = D
+            keys.add(planned_key(m, n, k, torch.bfloat16, torch.bfloat16))
         cfg = pick_config("bf16", m, n, k, num_sms=SMS, tma_store=True)
         keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))  # DEEPGEMM_SPLITK=0
     for m, n, k in bench_small_m.ACC_SHAPES if with_variants else ():
