@@ -32,6 +32,8 @@ CASES = [
     (True, 128, 4096, 7168, [(128, 64, 2), (128, 128, 4)]),
     (True, 128, 7168, 16384, [(128, 128, 2)]),
     (True, 64, 2112, 7168, [(64, 64, 4), (64, 128, 7)]),
+    (False, 128, 7168, 16384, [(128, 128, 2)]),
+    (True, 128, 7168, 2048, [(128, 128, 2)]),
 ]
 ITERS = 20
 
@@ -42,7 +44,15 @@ def configs(fp8: bool, m: int, n: int, k: int, base) -> list[splitk.SplitKConfig
     for bm, bn, s in base:
         cfg = splitk.SplitKConfig(bm, bn, splitk.effective_splits(kb, min(s, kb)), splitk.max_stages(bm, bn, fp8), 132,
                                   fp8=fp8)
-        out += [cfg, dataclasses.replace(cfg, multicast=2)]
+        out.append(cfg)
+        # the multicast twin with the most splits whose padded grid (whole clusters) still fits one wave
+        for s2 in range(cfg.splits, 1, -1):
+            mc = dataclasses.replace(cfg, multicast=2, splits=splitk.effective_splits(kb, s2))
+            gx, gy, gz = mc.grid(m, n)
+            if gx * gy * gz <= 132:
+                if mc not in out:
+                    out.append(mc)
+                break
     return out
 
 
