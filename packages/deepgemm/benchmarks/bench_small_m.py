@@ -71,6 +71,18 @@ def cublas_fn(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, acc: bool = Fal
         return lambda: deepgemm.cublaslt_gemm_nt(a, b, d)
 
 
+def mcast_candidate(m: int, n: int, k: int) -> splitk.SplitKConfig | None:
+    """What pick_splitk would choose with A multicast allowed (MCAST_MIN_M = 64, MCAST_COST = 0.85)."""
+    saved = splitk.MCAST_MIN_M, splitk.MCAST_COST
+    try:
+        splitk.MCAST_MIN_M, splitk.MCAST_COST = 64, 0.85
+        splitk._pick.cache_clear()
+        return splitk.pick_splitk(m, n, k, 132)
+    finally:
+        splitk.MCAST_MIN_M, splitk.MCAST_COST = saved
+        splitk._pick.cache_clear()
+
+
 def timed(fn) -> float:
     return tilehal.bench(fn, warmup=5, iters=30, flush_l2=True).median_s
 
@@ -95,6 +107,11 @@ def measure(m: int, n: int, k: int, with_variants: bool) -> dict:
          "ours_gbps": nbytes / ours / 1e9, "ours_tflops": flops / ours / 1e12,
          "ratio_vs_cublas": cublas / ours, "persistent_ratio_vs_cublas": cublas / persistent,
          "calc_diff": float(deepgemm.testing.calc_diff(d, ref))}
+    cand = mcast_candidate(m, n, k)
+    if cand is not None and cand != plan:
+        t = timed(lambda: cuda_gemm.dense(a, None, b, None, d, None, config=cand))
+        r["mcast_candidate"] = {"plan": [cand.block_m, cand.block_n, cand.splits, cand.stages, cand.multicast],
+                                "us": t * 1e6}
     if with_variants:
         r["variants"] = {}
         for cfg in variants(m, n, k):
@@ -103,6 +120,7 @@ def measure(m: int, n: int, k: int, with_variants: bool) -> dict:
     print(f"{m:4d}x{n:6d}x{k:5d} plan={r['plan']} ours {r['ours_us']:7.1f} us ({r['ours_gbps']:5.0f} GB/s)  "
           f"persistent {r['persistent_us']:7.1f}  cuBLAS {r['cublas_us']:7.1f}  -> {r['ratio_vs_cublas']:.2f}x "
           f"(persistent {r['persistent_ratio_vs_cublas']:.2f}x) diff {r['calc_diff']:.1e}"
+          + (f"\n    mcast candidate: {r['mcast_candidate']}" if "mcast_candidate" in r else "")
           + (f"\n    variants: {r['variants']}" if "variants" in r else ""), flush=True)
     return r
 

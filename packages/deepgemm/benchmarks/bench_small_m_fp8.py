@@ -54,6 +54,24 @@ def variants(m: int, n: int, k: int, mcast: bool = False) -> list[splitk.SplitKC
     return out
 
 
+def candidates(m: int, n: int, k: int) -> dict[str, splitk.SplitKConfig]:
+    """What pick_splitk would choose for fp8 without its M limit (FP8_MAX_M), and with A multicast allowed
+    (MCAST_MIN_M = 64, MCAST_COST = 0.85): the plans a heuristic change would put in production."""
+    saved = splitk.FP8_MAX_M, splitk.MCAST_MIN_M, splitk.MCAST_COST
+    out = {}
+    try:
+        for name, (mm, mc, cost) in {"no_m_limit": (1 << 30, None, 1.0), "mcast": (1 << 30, 64, 0.85)}.items():
+            splitk.FP8_MAX_M, splitk.MCAST_MIN_M, splitk.MCAST_COST = mm, mc, cost
+            splitk._pick.cache_clear()
+            cfg = splitk.pick_splitk(m, n, k, 132, "fp8")
+            if cfg is not None:
+                out[name] = cfg
+    finally:
+        splitk.FP8_MAX_M, splitk.MCAST_MIN_M, splitk.MCAST_COST = saved
+        splitk._pick.cache_clear()
+    return out
+
+
 def timed(fn, graph: bool = False) -> tuple[float, float | None]:
     t = tilehal.bench(fn, warmup=3, iters=ITERS, flush_l2=True).median_s
     tg = tilehal.bench_graph(fn, warmup=3, iters=ITERS, flush_l2=True).median_s if graph else None
@@ -96,6 +114,13 @@ def measure(m: int, n: int, k: int, with_variants: bool) -> dict:
          "ours_tflops": 2 * m * n * k / ours / 1e12, "ratio_vs_rowwise": rowwise / ours,
          "ratio_vs_rowwise_graph": rowwise_g / ours_g, "ratio_vs_tensorwise": tensorwise / ours,
          "persistent_ratio_vs_rowwise": rowwise / persistent, "calc_diff": calc}
+    r["candidates"] = {}
+    for name, cfg in candidates(m, n, k).items():
+        if plan is not None and cfg == plan:
+            continue
+        t, _ = timed(lambda cfg=cfg: cuda_gemm.dense(a8, sfa_t, b8, sfb, d, None, config=cfg))
+        r["candidates"][name] = {"plan": [cfg.block_m, cfg.block_n, cfg.splits, cfg.stages, cfg.multicast],
+                                 "us": t * 1e6}
     if with_variants:
         r["variants"] = {}
         for cfg in variants(m, n, k, MCAST):
@@ -106,6 +131,7 @@ def measure(m: int, n: int, k: int, with_variants: bool) -> dict:
           f"(graph {r['scaled_mm_rowwise_graph_us']:6.1f}) tensor {r['scaled_mm_tensorwise_us']:6.1f} -> "
           f"{r['ratio_vs_rowwise']:.2f}x row ({r['ratio_vs_rowwise_graph']:.2f}x graph), {r['ratio_vs_tensorwise']:.2f}x "
           f"tensor; persistent {r['persistent_ratio_vs_rowwise']:.2f}x; diff {calc:.1e}"
+          + (f"\n    candidates: {r['candidates']}" if r["candidates"] else "")
           + (f"\n    variants: {r['variants']}" if "variants" in r else ""), flush=True)
     return r
 

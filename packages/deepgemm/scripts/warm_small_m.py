@@ -88,6 +88,10 @@ def bench_keys(with_variants: bool = True) -> set:
             keys.add(planned_key(m, n, k, torch.bfloat16, torch.bfloat16))
         cfg = pick_config("bf16", m, n, k, num_sms=SMS, tma_store=True)
         keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))  # DEEPGEMM_SPLITK=0
+        cand = bench_small_m.mcast_candidate(m, n, k)
+        if cand is not None:
+            keys.add(splitk.splitk_key(cand, n, k, torch.float32 if (n, k) in bench_small_m.FP32_OUT else torch.bfloat16,
+                                       None))
     for m, n, k in bench_small_m.ACC_SHAPES if with_variants else ():
         keys.add(splitk.splitk_key(splitk.pick_tiles(m, n, k, SMS), n, k, torch.bfloat16, torch.bfloat16))
         keys.add(planned_key(m, n, k, torch.bfloat16, torch.bfloat16))
@@ -112,6 +116,8 @@ def fp8_keys(with_variants: bool = True) -> set:
             keys.add(splitk.splitk_key(sk, n, k, torch.bfloat16, None, fp8=True))
         cfg = pick_config("fp8", m, n, k, num_sms=SMS, tma_store=True)
         keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))  # DEEPGEMM_SPLITK=0 / no split-K
+        for cand in bench_small_m_fp8.candidates(m, n, k).values():
+            keys.add(splitk.splitk_key(cand, n, k, torch.bfloat16, None, fp8=True))
     for m, n, k in bench_small_m_fp8.VARIANT_SHAPES if with_variants else ():
         for cfg in bench_small_m_fp8.variants(m, n, k, mcast=True):
             keys.add(splitk.splitk_key(cfg, n, k, torch.bfloat16, None, fp8=True))
