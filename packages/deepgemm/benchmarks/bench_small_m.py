@@ -109,9 +109,11 @@ def measure(m: int, n: int, k: int, with_variants: bool) -> dict:
          "calc_diff": float(deepgemm.testing.calc_diff(d, ref))}
     cand = mcast_candidate(m, n, k)
     if cand is not None and cand != plan:
+        cuda_gemm.dense(a, None, b, None, d, None, config=cand)
+        cand_diff = float(deepgemm.testing.calc_diff(d, ref))
         t = timed(lambda: cuda_gemm.dense(a, None, b, None, d, None, config=cand))
         r["mcast_candidate"] = {"plan": [cand.block_m, cand.block_n, cand.splits, cand.stages, cand.multicast],
-                                "us": t * 1e6}
+                                "us": t * 1e6, "calc_diff": cand_diff}
     if with_variants:
         r["variants"] = {}
         for cfg in variants(m, n, k):

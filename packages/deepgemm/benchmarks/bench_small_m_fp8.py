@@ -115,12 +115,15 @@ def measure(m: int, n: int, k: int, with_variants: bool) -> dict:
          "ratio_vs_rowwise_graph": rowwise_g / ours_g, "ratio_vs_tensorwise": tensorwise / ours,
          "persistent_ratio_vs_rowwise": rowwise / persistent, "calc_diff": calc}
     r["candidates"] = {}
+    ref = reference.fp8_gemm_nt(a8, sfa, b8, sfb, None)
     for name, cfg in candidates(m, n, k).items():
         if plan is not None and cfg == plan:
             continue
+        cuda_gemm.dense(a8, sfa_t, b8, sfb, d, None, config=cfg)
+        diff = float(deepgemm.testing.calc_diff(d, ref))
         t, _ = timed(lambda cfg=cfg: cuda_gemm.dense(a8, sfa_t, b8, sfb, d, None, config=cfg))
         r["candidates"][name] = {"plan": [cfg.block_m, cfg.block_n, cfg.splits, cfg.stages, cfg.multicast],
-                                 "us": t * 1e6}
+                                 "us": t * 1e6, "calc_diff": diff}
     if with_variants:
         r["variants"] = {}
         for cfg in variants(m, n, k, MCAST):
