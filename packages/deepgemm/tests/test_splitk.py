@@ -453,3 +453,29 @@ def test_mcast_splitk_matches_reference(case):
         cuda_gemm.dense(a, None, b, None, again, c, config=cfg)
     assert deepgemm.testing.calc_diff(d, ref) < 1e-5
     deepgemm.testing.assert_bitwise_equal(d, again, "multicast split-K repeated")
+
+
+def test_mcast_heuristic_fits_one_wave_padded(monkeypatch):
+    shapes = [(m, n, k) for m in (1, 64, 128) for n, k in UPSTREAM_NK + FP8_NK]
+    try:
+        monkeypatch.setattr(splitk, "MCAST_MIN_M", 64)
+        monkeypatch.setattr(splitk, "MCAST_COST", 0.8)
+        monkeypatch.setattr(splitk, "FP8_MAX_M", 128)
+        splitk._pick.cache_clear()
+        seen = 0
+        for m, n, k in shapes:
+            for kind in ("bf16", "fp8"):
+                cfg = pick_splitk(m, n, k, 132, kind)
+                if cfg is None:
+                    continue
+                gx, gy, gz = cfg.grid(m, n)
+                assert gx * gy * gz <= 132 and gx % cfg.multicast == 0
+                assert cfg.multicast == 1 or (m >= 64 and -(-n // cfg.block_n) >= 2)
+                assert cfg.fp8 == (kind == "fp8")
+                seen += cfg.multicast > 1
+        assert seen > 0
+    finally:
+        monkeypatch.undo()
+        splitk._pick.cache_clear()
+    # the default: no multicast anywhere
+    assert all((c := pick_splitk(m, n, k, 132)) is None or c.multicast == 1 for m, n, k in shapes)
