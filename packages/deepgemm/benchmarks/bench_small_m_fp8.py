@@ -55,19 +55,23 @@ def variants(m: int, n: int, k: int, mcast: bool = False) -> list[splitk.SplitKC
 
 
 def candidates(m: int, n: int, k: int) -> dict[str, splitk.SplitKConfig]:
-    """What pick_splitk would choose for fp8 without its M limit (FP8_MAX_M), and with A multicast allowed
-    (MCAST_MIN_M = 64, MCAST_COST = 0.85): the plans a heuristic change would put in production."""
-    saved = splitk.FP8_MAX_M, splitk.MCAST_MIN_M, splitk.MCAST_COST
+    """What pick_splitk would choose for fp8 if it took every split the model prefers to the persistent plan
+    (both FP8 gains 1.0), and that with A multicast allowed (MCAST_MIN_M = 64, MCAST_COST = 0.85): the plans a
+    heuristic change would put in production, timed in the same run."""
+    names = ("FP8_MIN_GAIN_SMALL_M", "FP8_MIN_GAIN", "MCAST_MIN_M", "MCAST_COST")
+    saved = tuple(getattr(splitk, x) for x in names)
     out = {}
     try:
-        for name, (mm, mc, cost) in {"no_m_limit": (1 << 30, None, 1.0), "mcast": (1 << 30, 64, 0.85)}.items():
-            splitk.FP8_MAX_M, splitk.MCAST_MIN_M, splitk.MCAST_COST = mm, mc, cost
+        for name, values in {"gain_1.0": (1.0, 1.0, None, 1.0), "mcast": (1.0, 1.0, 64, 0.85)}.items():
+            for x, v in zip(names, values):
+                setattr(splitk, x, v)
             splitk._pick.cache_clear()
             cfg = splitk.pick_splitk(m, n, k, 132, "fp8")
             if cfg is not None:
                 out[name] = cfg
     finally:
-        splitk.FP8_MAX_M, splitk.MCAST_MIN_M, splitk.MCAST_COST = saved
+        for x, v in zip(names, saved):
+            setattr(splitk, x, v)
         splitk._pick.cache_clear()
     return out
 

@@ -56,17 +56,19 @@ MIN_GAIN = 0.6
 # R2 2026-12-02: every M = 1 row 0.45-0.91x its cuBLAS baseline, 64x16..64x56 tiles with 7-57 KiB of B in
 # flight per SM; 128x16 tiles at M = 128 re-read A from L2 once per 2 KiB of B), so split-K is taken as soon
 # as the model has it no dearer (M <= 64) or at 0.85 of the persistent plan (M > 64).
+# fp8, calibrated on the H200 (2026-12-02, docs/benchmarks/deepgemm_small_m_fp8_h200_r2.json): up to
+# FP8_SMALL_M rows split-K beat the persistent kernel 1.6-2.1x where the model put it at <= 0.89 of the persistent
+# cost (1 x 7168 x 2048, model 0.93: a wash, 12.0 vs 12.3 us); above, every fp8 split reduces BLOCK_M-row partials
+# (~4-5 us per call at M = 64) and won only where the model says <= 0.68 (N = 576: 12.8 vs 13.9 us at M = 64,
+# 13.1 vs 15.5 at M = 128); at 0.74-0.93 it lost 3-10 % (64 / 128 x 2112 / 4096 x 7168, 128 x 7168 x 16384).
 FP8_MIN_GAIN_SMALL_M = 0.9
-FP8_MIN_GAIN = 0.85
-# fp8 split-K only up to this M for now. H200 R1 (2026-12-02, docs/benchmarks/deepgemm_small_m_fp8_h200_r1.json):
-# at M = 1 split-K beat the persistent kernel 1.6-2.0x where the model put it at <= 0.89 of the persistent cost
-# (and lost 6 % at 7168 x 2048, model 0.93); at M = 64 / 128 it lost (e.g. 64 x 7168 x 16384: 59.4 vs 41.1 us):
-# that kernel read the activation scales from global memory per K block, which at M >= 64 exposed an L2 round
-# trip per block.
-FP8_MAX_M = 32
+FP8_MIN_GAIN = 0.7
+FP8_SMALL_M = 32
 # Multicast of the A tile (2-CTA clusters along N) is a candidate for M >= MCAST_MIN_M (None: never) with two
 # or more n-blocks whose grid, padded to whole clusters, fits one wave; such a plan costs MCAST_COST of the same
-# plan without it (A's L2 reads halve).
+# plan without it (A's L2 reads halve). Off: on the H200 (R2, docs/benchmarks/deepgemm_splitk_mcast_h200_r2.json)
+# every multicast plan was 1.1-1.9x SLOWER than the same plan without it (bf16 128 x 2112 x 7168: 40.8 us with,
+# 21.7 without), as the persistent kernel's multicast was.
 MCAST_MIN_M: int | None = None
 MCAST_COST = 1.0
 
@@ -137,9 +139,6 @@ def pick_splitk(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> Spl
 @functools.lru_cache(maxsize=4096)
 def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKConfig | None:
     kb = ceil_div(k, block_k(kind))
-    if kind == "fp8" and m > FP8_MAX_M:
-        log.debug("fp8 split-K not used for %dx%dx%d: M > %d", m, n, k, FP8_MAX_M)
-        return None
     if kb < 2:
         log.debug("split-K not used for %s %dx%dx%d: K has one block", kind, m, n, k)
         return None
@@ -170,8 +169,11 @@ def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKCon
         return None
     (cost, *_), block_m, bn, se, mc = best
     base = persistent_cost(m, n, k, num_sms, kind)
-    gains = (FP8_MIN_GAIN_SMALL_M, FP8_MIN_GAIN) if kind == "fp8" else (MIN_GAIN_SMALL_M, MIN_GAIN)
-    if cost > (gains[0] if m <= 64 else gains[1]) * base:
+    if kind == "fp8":
+        gain = FP8_MIN_GAIN_SMALL_M if m <= FP8_SMALL_M else FP8_MIN_GAIN
+    else:
+        gain = MIN_GAIN_SMALL_M if m <= 64 else MIN_GAIN
+    if cost > gain * base:
         log.debug("split-K not used for %s %dx%dx%d: estimated %.0f vs persistent %.0f", kind, m, n, k, cost, base)
         return None
     fp8 = kind == "fp8"
