@@ -68,7 +68,7 @@ def test_dense_kvpool_equals_transformers_default(arch):
     ids, mask = prompts([37, 20, 5])  # left padding, a partial last block, a sequence under one block
     ref_tok, ref_logits = greedy(model, ids, mask)
     cache = th.enable_kvpool(model, num_blocks=32, block_size=8)
-    tok, logits = greedy(model, ids, mask, cache=cache)
+    tok, logits = greedy(model, ids, mask, **th.cache_kwargs(model, cache))
     assert torch.equal(tok, ref_tok)
     assert (logits - ref_logits).abs().max().item() < 1e-4
     cache.pool.check_invariants()
@@ -91,7 +91,7 @@ def test_past_key_values_keyword_and_forward_loop():
     assert start == 16  # the first request's full block is shared (the last prompt token is never cached)
     x, toks = ids[:, start:], []
     for _ in range(4):
-        logits = model(x, cache=cache).logits[:, -1]
+        logits = model(x, **th.cache_kwargs(model, cache)).logits[:, -1]
         x = logits.argmax(-1, keepdim=True)
         toks.append(x)
     assert torch.equal(torch.cat(toks, 1), ref_tok)
@@ -101,14 +101,14 @@ def test_sparse_with_every_block_equals_dense_and_small_budget_attends_less():
     model = tiny("llama")
     ids, mask = prompts([70, 41])
     cache = th.enable_kvpool(model, num_blocks=64, block_size=8)
-    dense_tok, dense_logits = greedy(model, ids, mask, n=8, cache=cache)
+    dense_tok, dense_logits = greedy(model, ids, mask, n=8, **th.cache_kwargs(model, cache))
     cache = th.enable_kvpool(model, num_blocks=64, block_size=8, sparse=th.SparseConfig(top_k=64))
-    tok, logits = greedy(model, ids, mask, n=8, cache=cache)
+    tok, logits = greedy(model, ids, mask, n=8, **th.cache_kwargs(model, cache))
     assert torch.equal(tok, dense_tok)
     assert (logits - dense_logits).abs().max().item() < 1e-5
     assert cache.stats()["attended_fraction"] == 1.0
     cache = th.enable_kvpool(model, num_blocks=64, block_size=8, sparse=th.SparseConfig(top_k=3))
-    greedy(model, ids, mask, n=8, cache=cache)
+    greedy(model, ids, mask, n=8, **th.cache_kwargs(model, cache))
     s = cache.stats()
     assert s["sparse_decode_steps"] == 7 and 0 < s["attended_fraction"] < 0.5
     cache.pool.check_invariants()
@@ -121,10 +121,10 @@ def test_sparse_on_fp8_summaries_with_every_block_equals_dense():
     cfg = th.SparseConfig(top_k=64, summary_dtype=torch.float8_e4m3fn)
     cache = th.enable_kvpool(model, num_blocks=64, block_size=8, sparse=cfg)
     assert cache.pool.key_summary(0)[0].dtype == torch.float8_e4m3fn
-    tok, logits = greedy(model, ids, mask, n=8, cache=cache)
+    tok, logits = greedy(model, ids, mask, n=8, **th.cache_kwargs(model, cache))
     assert torch.equal(tok, dense_tok) and (logits - dense_logits).abs().max().item() < 1e-5
     cache = th.enable_kvpool(model, num_blocks=64, block_size=8, sparse=th.SparseConfig(3, summary_dtype=cfg.summary_dtype))
-    greedy(model, ids, mask, n=8, cache=cache)
+    greedy(model, ids, mask, n=8, **th.cache_kwargs(model, cache))
     assert 0 < cache.stats()["attended_fraction"] < 0.5
     cache.pool.check_invariants()
     with pytest.raises(ValueError, match="summary_dtype"):
@@ -139,9 +139,9 @@ def test_prefix_cached_second_request_equals_cold_and_skips_the_prefix():
     second = torch.cat([prefix, torch.randint(1, VOCAB, (1, 12), generator=g)], 1)
     cold_tok, cold_logits = greedy(model, second, torch.ones_like(second))
     cache = th.enable_kvpool(model, num_blocks=64, block_size=16)
-    greedy(model, first, torch.ones_like(first), cache=cache)
+    greedy(model, first, torch.ones_like(first), **th.cache_kwargs(model, cache))
     before = cache.stats()
-    tok, logits = greedy(model, second, torch.ones_like(second), cache=cache)
+    tok, logits = greedy(model, second, torch.ones_like(second), **th.cache_kwargs(model, cache))
     after = cache.stats()
     assert torch.equal(tok, cold_tok)
     assert (logits - cold_logits).abs().max().item() < 1e-4
@@ -164,8 +164,8 @@ def test_batched_rows_with_different_hits_and_padding():
         ids[b, S - len(r):], mask[b, S - len(r):] = r, 1
     ref_tok, ref_logits = greedy(model, ids, mask, n=5)
     cache = th.enable_kvpool(model, num_blocks=64, block_size=8)
-    greedy(model, prefix[None], torch.ones(1, 40, dtype=torch.long), n=2, cache=cache)
-    tok, logits = greedy(model, ids, mask, n=5, cache=cache)
+    greedy(model, prefix[None], torch.ones(1, 40, dtype=torch.long), n=2, **th.cache_kwargs(model, cache))
+    tok, logits = greedy(model, ids, mask, n=5, **th.cache_kwargs(model, cache))
     assert torch.equal(tok, ref_tok)
     assert (logits - ref_logits).abs().max().item() < 1e-4
     assert cache.stats()["prompt_tokens_cached"] == 40 + 16
@@ -180,7 +180,7 @@ def test_parallel_sampling_forks_share_the_prompt():
     ref = model.generate(ids, **kw)
     cache = th.enable_kvpool(model, num_blocks=32, block_size=8)
     torch.manual_seed(123)
-    out = model.generate(ids, cache=cache, **kw)
+    out = model.generate(ids, **th.cache_kwargs(model, cache), **kw)
     assert torch.equal(out, ref)
     s = cache.stats()
     assert s["forks"] == 2 and s["cow_copies"] >= 2  # the shared partial block was copied on the first append
@@ -195,7 +195,7 @@ def test_beam_search_reorders_through_forks():
     kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, num_beams=3)
     ref = model.generate(ids, **kw)
     cache = th.enable_kvpool(model, num_blocks=64, block_size=8)
-    out = model.generate(ids, cache=cache, **kw)
+    out = model.generate(ids, **th.cache_kwargs(model, cache), **kw)
     assert torch.equal(out, ref)
     cache.pool.check_invariants()
 
@@ -211,7 +211,7 @@ def test_pool_exhausted_mid_generation_keeps_the_pool_consistent():
     ids, mask = prompts([30, 30])
     cache = th.enable_kvpool(model, num_blocks=9, block_size=8)  # prompts: 2 x 4 blocks; the 9th lasts 2 rows x 2
     with pytest.raises(th.PoolExhaustedError, match="exhausted"):
-        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=20, do_sample=False)
+        model.generate(ids, attention_mask=mask, **th.cache_kwargs(model, cache), max_new_tokens=20, do_sample=False)
     pool = cache.pool
     pool.check_invariants()
     lens = [pool.num_tokens(s) for s in cache.seq_ids]
@@ -227,19 +227,19 @@ def test_sequence_longer_than_the_pool_or_window():
     ids, mask = prompts([70])
     cache = th.enable_kvpool(model, num_blocks=4, block_size=16)
     with pytest.raises(th.SequenceTooLongError, match="the pool holds 64 tokens"):
-        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=2)
+        model.generate(ids, attention_mask=mask, **th.cache_kwargs(model, cache), max_new_tokens=2)
     assert len(cache.pool) == 0
     cache.pool.check_invariants()
     ids, mask = prompts([60])
     with pytest.raises(th.SequenceTooLongError, match="row 0: 65 tokens"):
-        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=8)
+        model.generate(ids, attention_mask=mask, **th.cache_kwargs(model, cache), max_new_tokens=8)
     cache.pool.check_invariants()
     assert cache.pool.num_tokens(cache.seq_ids[0]) == 64
     windowed = tiny("mistral", sliding_window=32)
     cache = th.enable_kvpool(windowed, num_blocks=16, block_size=8)
     ids, mask = prompts([30])
     with pytest.raises(th.SequenceTooLongError, match="attention window is 32"):
-        windowed.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=8)
+        windowed.generate(ids, attention_mask=mask, **th.cache_kwargs(windowed, cache), max_new_tokens=8)
 
 
 def test_another_cache_on_a_kvpool_model_is_refused():
@@ -272,10 +272,10 @@ def test_gpu_bf16_kvpool_matches_transformers_within_tolerance():
 
     def forced_logits(cache):
         start = cache.new_request(ids, mask)
-        out = [model(ids[:, start:], attention_mask=mask, cache=cache,
+        out = [model(ids[:, start:], attention_mask=mask, **th.cache_kwargs(model, cache),
                      position_ids=(mask.cumsum(1) - 1).clamp(min=0)[:, start:]).logits[:, -1]]
         for i in range(ids.shape[1], forced.shape[1] - 1):
-            out.append(model(forced[:, i:i + 1], cache=cache, position_ids=(fmask[:, :i + 1].sum(1, keepdim=True) - 1)
+            out.append(model(forced[:, i:i + 1], **th.cache_kwargs(model, cache), position_ids=(fmask[:, :i + 1].sum(1, keepdim=True) - 1)
                              ).logits[:, -1])
         return torch.stack(out, 1).float()
 
@@ -296,22 +296,22 @@ def test_static_decode_steps_equal_ordinary_steps():
     ref_tok, _ = greedy(model, ids, mask, n=5)
     cache = th.enable_kvpool(model, num_blocks=32, block_size=8)
     start = cache.new_request(ids, mask)
-    x = model(ids[:, start:], cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+    x = model(ids[:, start:], **th.cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
     toks = [x]
     cache.begin_static_decode(max_blocks=8)
     with pytest.raises(th.CacheMismatchError, match="prepare_static_step"):
         cache.prepare_static_step()
-        model(x, cache=cache)
-        model(x, cache=cache)  # a second forward without its prepare_static_step
+        model(x, **th.cache_kwargs(model, cache))
+        model(x, **th.cache_kwargs(model, cache))  # a second forward without its prepare_static_step
     cache.reset()
     start = cache.new_request(ids, mask)
-    x = model(ids[:, start:], cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+    x = model(ids[:, start:], **th.cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
     cache.begin_static_decode(max_blocks=8)
     toks = [x]
     for i in range(4):
         cache.prepare_static_step()
         pos = torch.full((2, 1), 40 + i)
-        x = model(x, cache=cache, position_ids=pos).logits[:, -1].argmax(-1, keepdim=True)
+        x = model(x, **th.cache_kwargs(model, cache), position_ids=pos).logits[:, -1].argmax(-1, keepdim=True)
         toks.append(x)
     assert torch.equal(torch.cat(toks, 1), ref_tok)
     cache.end_static_decode()
@@ -324,15 +324,15 @@ def test_a_chat_turn_reuses_the_previous_answer():
     g = torch.Generator().manual_seed(3)
     turn1 = torch.randint(1, VOCAB, (1, 40), generator=g)
     cache = th.enable_kvpool(model, num_blocks=64, block_size=8)
-    out1 = model.generate(turn1, attention_mask=torch.ones_like(turn1), cache=cache, max_new_tokens=30,
+    out1 = model.generate(turn1, attention_mask=torch.ones_like(turn1), **th.cache_kwargs(model, cache), max_new_tokens=30,
                           do_sample=False)
     turn2 = torch.cat([out1, torch.randint(1, VOCAB, (1, 6), generator=g)], 1)
     th.disable_kvpool(model)
     cold_tok, cold_logits = greedy(model, turn2, torch.ones_like(turn2), n=4)
     cache = th.enable_kvpool(model, num_blocks=64, block_size=8)
-    model.generate(turn1, attention_mask=torch.ones_like(turn1), cache=cache, max_new_tokens=30, do_sample=False)
+    model.generate(turn1, attention_mask=torch.ones_like(turn1), **th.cache_kwargs(model, cache), max_new_tokens=30, do_sample=False)
     before = cache.stats()["prompt_tokens_cached"]
-    tok, logits = greedy(model, turn2, torch.ones_like(turn2), n=4, cache=cache)
+    tok, logits = greedy(model, turn2, torch.ones_like(turn2), n=4, **th.cache_kwargs(model, cache))
     # The pool holds turn 1's prompt and 29 of its 30 answers (the last was never fed back): 8 full blocks.
     assert cache.stats()["prompt_tokens_cached"] - before == 64
     assert torch.equal(tok, cold_tok)
@@ -345,7 +345,7 @@ def test_a_forward_failing_midway_is_reported_at_the_next_step():
     ids, mask = prompts([20, 20])
     cache = th.enable_kvpool(model, num_blocks=16, block_size=8)
     start = cache.new_request(ids, mask)
-    model(ids[:, start:], cache=cache)
+    model(ids[:, start:], **th.cache_kwargs(model, cache))
     layer1 = model.model.layers[1].self_attn
 
     def boom(*a, **k):
@@ -354,13 +354,13 @@ def test_a_forward_failing_midway_is_reported_at_the_next_step():
     layer1.forward = boom
     x = torch.ones(2, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="simulated"):
-        model(x, cache=cache)
+        model(x, **th.cache_kwargs(model, cache))
     del layer1.forward
     cache.pool.check_invariants()
     assert [cache.pool.num_tokens(s) for s in cache.seq_ids] == [21, 21]  # kept, not freed
     with pytest.raises(th.CacheMismatchError, match="layers 0..0 of 2"):
-        model(x, cache=cache)
-    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=2, do_sample=False)
+        model(x, **th.cache_kwargs(model, cache))
+    out = model.generate(ids, attention_mask=mask, **th.cache_kwargs(model, cache), max_new_tokens=2, do_sample=False)
     assert out.shape == (2, 22)  # a new request starts clean
     cache.pool.check_invariants()
 
@@ -376,7 +376,7 @@ def test_a_narrower_pool_dtype_stays_close(dtype, tol):
     ref_tok, ref_logits = greedy(model, ids, mask)
     cache = th.enable_kvpool(model, num_blocks=32, block_size=8, dtype=dtype)
     assert cache.pool.dtype == dtype
-    tok, logits = greedy(model, ids, mask, cache=cache)
+    tok, logits = greedy(model, ids, mask, **th.cache_kwargs(model, cache))
     assert (logits - ref_logits).abs().max().item() < tol
     cache.pool.check_invariants()
 
@@ -386,8 +386,8 @@ def test_prefix_caching_off_prefills_every_request():
     ids, mask = prompts([37, 20])
     ref_tok, _ = greedy(model, ids, mask)
     cache = th.enable_kvpool(model, num_blocks=32, block_size=8, prefix_caching=False)
-    greedy(model, ids, mask, cache=cache)
-    tok, _ = greedy(model, ids, mask, cache=cache)
+    greedy(model, ids, mask, **th.cache_kwargs(model, cache))
+    tok, _ = greedy(model, ids, mask, **th.cache_kwargs(model, cache))
     assert torch.equal(tok, ref_tok)
     assert cache.stats()["prompt_tokens_cached"] == 0
 
@@ -410,23 +410,23 @@ def test_gpu_cuda_graph_decode_matches_eager():
         cache = th.enable_kvpool(model, num_blocks=64, block_size=16, sparse=sparse)
         with torch.no_grad():
             start = cache.new_request(ids)
-            x = model(ids[:, start:], cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+            x = model(ids[:, start:], **th.cache_kwargs(model, cache)).logits[:, -1].argmax(-1, keepdim=True)
             tokens, eager = [x], []
             for i in range(steps):
-                logits = model(x, cache=cache, position_ids=torch.full((B, 1), S + i, device="cuda")).logits[:, -1]
+                logits = model(x, **th.cache_kwargs(model, cache), position_ids=torch.full((B, 1), S + i, device="cuda")).logits[:, -1]
                 eager.append(logits.float())
                 x = logits.argmax(-1, keepdim=True)
                 tokens.append(x)
             start = cache.new_request(ids)  # the same prompts again: served by the prefix cache
             assert start == 96
-            model(ids[:, start:], cache=cache)
+            model(ids[:, start:], **th.cache_kwargs(model, cache))
             cache.begin_static_decode(max_blocks=16)
             x_static = tokens[0].clone()
             pos = torch.full((B, 1), S, device="cuda")
             graph = torch.cuda.CUDAGraph()
             cache.prepare_static_step()
             with torch.cuda.graph(graph):
-                out = model(x_static, cache=cache, position_ids=pos)
+                out = model(x_static, **th.cache_kwargs(model, cache), position_ids=pos)
             got = []
             for i in range(steps):
                 if i:
@@ -459,14 +459,14 @@ def test_the_step_block_tables_are_the_pools_through_forks_and_growth():
 
     cache.observer = check
     torch.manual_seed(0)  # parallel sampling: forks, then copy-on-write of the shared partial block
-    model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=9, do_sample=True, num_return_sequences=3)
-    model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, num_beams=2, do_sample=False)  # reorders
+    model.generate(ids, attention_mask=mask, **th.cache_kwargs(model, cache), max_new_tokens=9, do_sample=True, num_return_sequences=3)
+    model.generate(ids, attention_mask=mask, **th.cache_kwargs(model, cache), max_new_tokens=6, num_beams=2, do_sample=False)  # reorders
     sid = cache.seq_ids[0]
     slots = cache.pool.append(sid, 3)  # the pool used directly: the next step rebuilds its table
     for layer in range(2):
         cache.pool.write(layer, slots, torch.zeros(3, 2, 16), torch.zeros(3, 2, 16))
     n = cache.pool.num_tokens(sid)
-    model(torch.ones(len(cache.seq_ids), 1, dtype=torch.long), cache=cache,
+    model(torch.ones(len(cache.seq_ids), 1, dtype=torch.long), **th.cache_kwargs(model, cache),
           position_ids=torch.tensor([[cache.pool.num_tokens(s)] for s in cache.seq_ids]))
     assert cache.pool.num_tokens(sid) == n + 1
     assert len(seen) >= 8 + 5 + 1 and max(seen) >= 8

@@ -115,6 +115,25 @@ def enable_kvpool(model, *, num_blocks: int, block_size: int = 16, dtype: torch.
     return cache
 
 
+def cache_kwargs(model, cache) -> dict:
+    """`{keyword: cache}` for `model(...)` / `model.generate(...)` under the installed transformers.
+
+    transformers 5 renamed the forward's `past_key_values` to `cache` (the old name deprecated, not
+    removed); an older 5.x takes an unknown `cache=` into **kwargs, so the model runs without it and
+    the paged attention refuses the step (CacheMismatchError). Code meant to run on any release
+    tilestack[hf] allows passes `**cache_kwargs(model, cache)`.
+    """
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_type: type) -> str:
+    import inspect
+
+    params = inspect.signature(model_type.forward).parameters  # follows deprecate_kwarg's __wrapped__
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def disable_kvpool(model) -> None:
     """Give the model its own attention back (the implementation it had before enable_kvpool)."""
     state = getattr(model, _STATE, None)
@@ -132,5 +151,6 @@ def disable_kvpool(model) -> None:
 
 __all__ = [
     "CacheMismatchError", "KVPoolCache", "KVPoolCacheError", "PoolExhaustedError", "SequenceTooLongError",
-    "SparseConfig", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "disable_kvpool", "enable_kvpool",
+    "SparseConfig", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "cache_kwargs", "disable_kvpool",
+    "enable_kvpool",
 ]

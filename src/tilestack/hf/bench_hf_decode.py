@@ -142,18 +142,20 @@ def graph_step(model, timer, prepare, x, pos, cache, iters):
     """Capture one decode step of the whole model; time prepare + replay and replay alone."""
     import torch
 
+    import tilestack.hf as th
+
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s), torch.no_grad():
         for _ in range(2):
             prepare()
-            model(x, cache=cache, position_ids=pos)
+            model(x, **th.cache_kwargs(model, cache), position_ids=pos)
             pos.add_(1)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     prepare()
     with torch.cuda.graph(g), torch.no_grad():
-        model(x, cache=cache, position_ids=pos)
+        model(x, **th.cache_kwargs(model, cache), position_ids=pos)
     g.replay()  # capturing ran nothing: run the captured step once
 
     def step():
@@ -247,7 +249,7 @@ def run_context(args, model, cfg, dtype, device, L, timer, th, results, columns)
             del k, v
         cache.attach(sids)
         with torch.no_grad():
-            logits = model(x, cache=cache, position_ids=pos_at(L)).logits[:, -1].float()
+            logits = model(x, **th.cache_kwargs(model, cache), position_ids=pos_at(L)).logits[:, -1].float()
         if ref_logits is not None:
             d = (logits - ref_logits).abs().max().item()
             res["kv_dense_vs_hf_max_abs_logit_diff"] = d
@@ -263,7 +265,7 @@ def run_context(args, model, cfg, dtype, device, L, timer, th, results, columns)
 
             def kv_step(n=n):
                 with torch.no_grad():
-                    model(x, cache=cache, position_ids=pos_at(n[0]))
+                    model(x, **th.cache_kwargs(model, cache), position_ids=pos_at(n[0]))
                 n[0] += 1
 
             try:
@@ -330,7 +332,7 @@ def run_ttft(args, model, cfg, device, timer, th, out):
         def request(ids):
             start = cache.new_request(ids)
             with torch.no_grad():
-                model(ids[:, start:], cache=cache, logits_to_keep=1)
+                model(ids[:, start:], **th.cache_kwargs(model, cache), logits_to_keep=1)
             return start
 
         request(prompt()[:, :1024])  # warm-up (kernels, allocator)
