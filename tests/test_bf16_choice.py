@@ -108,3 +108,14 @@ def test_a_cublas_signature_takes_the_fast_path_from_its_second_call():
         first = gl(x)
         assert gl._routes == {(x.shape, x.dtype, x.device, torch.bfloat16): "cublas"}
         assert torch.equal(gl(x), first) and torch.equal(first, lin(x))
+
+
+def test_the_cublas_fast_path_of_a_layer_built_without_bias():
+    # GemmLinear(bias=False) keeps `bias` as a plain None attribute, not a registered parameter: the routed
+    # fast path must not index _parameters["bias"] (KeyError on the H200, 2026-12-02 07:50).
+    torch.manual_seed(0)
+    gl = GemmLinear(64, 32, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+    x = torch.randn(3, 64).bfloat16()
+    gl._routes[(x.shape, x.dtype, x.device, torch.bfloat16)] = "cublas"
+    with torch.no_grad():
+        assert torch.equal(gl(x), torch.nn.functional.linear(x, gl.weight))

@@ -176,7 +176,7 @@ class GemmLinear(torch.nn.Module):
                 and os.environ.get("TILESTACK_BF16_GEMM", "auto") == "auto":
             w = self._parameters["weight"]
             if self._routes.get((x.shape, x.dtype, x.device, w.dtype)) == "cublas":
-                return torch.nn.functional.linear(x, w, self._parameters["bias"])
+                return torch.nn.functional.linear(x, w, self._parameters.get("bias"))
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ShapeError(f"x: expected a tensor [..., {self.in_features}], got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
