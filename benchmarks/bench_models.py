@@ -143,7 +143,9 @@ def _llama(env: Env) -> torch.nn.Module:
 
 
 VARIANTS = {"bf16": dict(fp8=False), "fp8": dict(fp8=True), "bf16_mlp": dict(fp8=False, fuse_mlp=True),
-            "fp8_mlp": dict(fp8=True, fuse_mlp=True)}
+            "fp8_mlp": dict(fp8=True, fuse_mlp=True), "bf16_norm": dict(fp8=False, fuse_norm=True),
+            "bf16_norm_mlp": dict(fp8=False, fuse_norm=True, fuse_mlp=True),
+            "fp8_norm": dict(fp8=True, fuse_norm=True)}
 
 
 def _variants(env: Env, base: torch.nn.Module):
@@ -153,8 +155,8 @@ def _variants(env: Env, base: torch.nn.Module):
     for v in env.variants:
         m = copy.deepcopy(base)
         kw = dict(VARIANTS[v])
-        if kw.get("fuse_mlp") and not env.cuda:
-            kw.pop("fuse_mlp")
+        if not env.cuda:
+            kw.pop("fuse_mlp", None)
         rep = register_optimizations(m, backend=env.backend, **kw)
         kinds = {}
         for d in rep.swapped:

@@ -198,9 +198,12 @@ def local_layout_rows(num_pairs: int, num_experts: int, alignment: int) -> int:
 
 def build_local_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int | None = None) -> LocalLayout:
     """Group every (token, slot) pair of topk_idx [T, k] (-1 = no expert) per expert, each group starting on
-    a multiple of `alignment`, in token order inside a group, without a sort: a pair's rank inside its expert
-    is a running count (cumsum over the [T*k, E+1] one-hot of the experts), and its row is its group's start
-    plus that rank. A dozen small device ops, no value read back (see LocalLayout)."""
+    a multiple of `alignment`, in token order inside a group: one stable sort and scatters on the device,
+    no value read back (see LocalLayout).
+
+    (A sort-free variant, a running count over the [T*k, E+1] one-hot of the experts with cumsum along
+    dim 0, measured 1.3 ms per layer on the H200 at T*k = 8192, E = 8 (torch's outer-dim scan runs one
+    thread per column), against 0.07 ms for this sort: not used.)"""
     align = alignment or deepgemm.get_m_alignment_for_contiguous_layout()
     expect(topk_idx.dim() == 2, "topk_idx", "a 2-D tensor [T, k]", tuple(topk_idx.shape))
     t, k = topk_idx.shape
@@ -208,18 +211,23 @@ def build_local_layout(topk_idx: torch.Tensor, num_experts: int, alignment: int 
     dev = topk_idx.device
     n = t * k
     m_cap = local_layout_rows(n, e, align)
-    flat = topk_idx.reshape(-1)
-    key = torch.where(flat >= 0, flat, e)                                  # -1 slots: the extra column e
-    running = (key.unsqueeze(1) == torch.arange(e + 1, device=dev)).cumsum(0, dtype=torch.int32)  # [n, E+1]
-    rank = running.gather(1, key.unsqueeze(1)).squeeze(1) - 1             # earlier pairs of the same expert
-    counts = running[-1, :e] if n else torch.zeros(e, dtype=torch.int32, device=dev)
-    padded = (counts + (align - 1)) // align * align
-    start = torch.cat([torch.cumsum(padded, 0) - padded, padded.new_full((1,), m_cap)])   # [E + 1]
-    dst = torch.where(key < e, start[key] + rank, m_cap).to(torch.int64)  # -1 slots: the scratch row m_cap
-    m_indices = torch.full((m_cap + 1,), -1, dtype=torch.int32, device=dev).scatter_(0, dst, key.to(torch.int32))
-    src_rows = torch.zeros((m_cap + 1,), dtype=torch.int64, device=dev).scatter_(
-        0, dst, torch.arange(n, device=dev) // k)
-    return LocalLayout(m_cap, m_indices[:m_cap], src_rows[:m_cap], dst, t, k)
+    flat = topk_idx.reshape(-1).to(torch.int64)
+    key = torch.where(flat >= 0, flat, torch.full_like(flat, e))        # -1 slots sort after every expert
+    experts, order = torch.sort(key, stable=True)
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:e] + align - 1) // align * align
+    group_start = torch.cumsum(padded, 0) - padded                      # [E]: each group's first row
+    first_pair = torch.cumsum(counts, 0) - counts                       # [E + 1]: each expert's first sorted pair
+    valid = experts < e
+    rank_in_group = torch.arange(n, device=dev) - first_pair[experts]
+    dst = torch.where(valid, group_start[experts.clamp(max=e - 1)] + rank_in_group,
+                      torch.full_like(experts, m_cap))                  # -1 slots: the scratch row m_cap
+    m_indices = torch.full((m_cap + 1,), -1, dtype=torch.int32, device=dev)
+    m_indices.scatter_(0, dst, torch.where(valid, experts, torch.full_like(experts, -1)).to(torch.int32))
+    src_rows = torch.zeros((m_cap + 1,), dtype=torch.int64, device=dev)
+    src_rows.scatter_(0, dst, torch.where(valid, order // k, torch.zeros_like(order)))
+    pair_rows = torch.empty((n,), dtype=torch.int64, device=dev).scatter_(0, order, dst)
+    return LocalLayout(m_cap, m_indices[:m_cap], src_rows[:m_cap], pair_rows, t, k)
 
 
 COMBINE_SOURCE = r"""
@@ -573,12 +581,9 @@ class ExpertParallelMoE(torch.nn.Module):
         lay = build_local_layout(topk_idx, self.num_local_experts)
         if self.use_fp8:
             # Cast the T tokens once, then gather their bytes and scales (half the bytes of gathering bf16).
-            # The scales are gathered along the rows of their transpose, which leaves them MN-major with an
-            # aligned stride (m_cap is a multiple of 128): the layout the kernels read, no copy in the GEMM.
-            xb = x2.to(torch.bfloat16).contiguous()
-            x8, sx = deepgemm.per_token_cast_to_fp8(xb, tma_aligned_sf=xb.is_cuda)
+            x8, sx = deepgemm.per_token_cast_to_fp8(x2.to(torch.bfloat16).contiguous())
             a: XTensor = (x8.view(torch.uint8).index_select(0, lay.src_rows).view(torch.float8_e4m3fn),
-                          sx.t().index_select(1, lay.src_rows).t())
+                          sx.index_select(0, lay.src_rows))
         else:
             a = x2.to(torch.bfloat16).index_select(0, lay.src_rows)
         y_ext = self._grouped_experts(a, lay.m_indices)

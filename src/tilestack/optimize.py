@@ -207,8 +207,8 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
       GemmSwiGLU (gate and up as one GEMM, silu * up in one kernel; not with sparse_24 or precision="auto").
       Off by default until its GPU tests (tests/test_swiglu.py) have run on a Hopper GPU.
     fuse_norm: transformers' RMSNorm modules (tilestack.norm.RMSNORM_CLASSES) become FusedRMSNorm (the same
-      formula in one kernel on CUDA bf16; the torch formula elsewhere and under torch.compile). Default: on
-      with backend="cuda".
+      formula in one kernel on CUDA bf16; the torch formula elsewhere and under torch.compile). Off by
+      default (None = False) until its GPU tests (tests/test_norm.py) have run on a Hopper GPU.
     """
     if not isinstance(model, torch.nn.Module):
         raise ArgumentError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -245,7 +245,7 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
 
             raise DeviceError(f"backend='cuda' is not usable here: {why} (use backend='cpu')")
     if fuse_norm is None:
-        fuse_norm = backend == "cuda"
+        fuse_norm = False   # opt-in until tests/test_norm.py's GPU tests have passed on an H200
     fuse_norm = check_choice(fuse_norm, "fuse_norm", (False, True))
     report = OptimizationReport(backend, fp8, sparse_24, precision)
     seen = _capture_linear_inputs(model, include, calibration) if precision == "auto" else {}
