@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tilelang.backends.cuda.codegen import KernelCodegen
 from tilelang.backends.cuda.emit import Verbatim
-from tilelang.backends.cuda.lower_thread import lower_to_threads
+from tilelang.backends.cuda.thread_target import lower_to_threads
 from tilelang.backends.thread_interp import ThreadInterpreter
 from tilelang.errors import CompileError
 from tilelang.ir.nodes import Kernel, Seq

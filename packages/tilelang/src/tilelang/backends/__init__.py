@@ -80,7 +80,7 @@ def _build_cuda_emu(func: PrimFunc, options: dict) -> Any:
 
 
 def _build_cuda_threads(func: PrimFunc, options: dict) -> Any:
-    from .cuda.lower_thread import ThreadLoweredKernel
+    from .cuda.thread_target import ThreadLoweredKernel
 
     return ThreadLoweredKernel(func, options)
 

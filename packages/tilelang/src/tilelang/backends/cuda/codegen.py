@@ -61,7 +61,18 @@ from ...ir.visit import (
     walk_stmts,
 )
 from ..cexpr import CExprEmitter
-from .common import _LOW, ParCtx, SmemInfo, _nonneg, cuda_type, esize, float_literal, log, value_type
+from .common import (
+    _LOW,
+    SMEM_ALIGN,
+    ParCtx,
+    SmemInfo,
+    _nonneg,
+    cuda_type,
+    esize,
+    float_literal,
+    log,
+    value_type,
+)
 from .emit import emit_body
 from .infer import LayoutInference, infer_layouts
 from .lower_thread import ThreadBuilder
@@ -80,7 +91,6 @@ from .rules import (
 from .rules.tma import TmaRules
 
 SMEM_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90 (227 KiB)
-SMEM_ALIGN = 128
 
 PRELUDE = r"""
 #include <tilehal/tilehal.cuh>

@@ -16,6 +16,9 @@ from ...ir.nodes import BinOp, Cast, Const, Expr, Var
 
 log = logging.getLogger("tilelang.backends.cuda")
 
+# alignment of every shared-memory buffer the planner places (and of the scratch area after them)
+SMEM_ALIGN = 128
+
 _LOW = ("float16", "bfloat16", "float8_e4m3", "float8_e5m2")
 _MMA_TAG = {"float16": "MmaF16", "bfloat16": "MmaBF16", "float8_e4m3": "MmaE4M3", "float8_e5m2": "MmaE5M2",
             "int8": "MmaS8"}
