@@ -44,7 +44,7 @@ from pathlib import Path
 
 import deepgemm
 import torch
-from deepgemm import cuda_gemm, gemm_1d1d, plans, splitk, testing, utils
+from deepgemm import cuda_gemm, gemm_1d1d, gemv, plans, splitk, testing, utils
 
 
 def install_alias() -> None:
@@ -67,8 +67,9 @@ class _Recorder:
 
 @contextlib.contextmanager
 def recording():
-    saved = (cuda_gemm._kernel, splitk._kernel, gemm_1d1d._kernel, testing.calc_diff, testing.bench_kineto)
-    cuda_gemm._kernel = splitk._kernel = gemm_1d1d._kernel = _Recorder
+    saved = (cuda_gemm._kernel, splitk._kernel, gemm_1d1d._kernel, gemv._kernel, testing.calc_diff,
+             testing.bench_kineto)
+    cuda_gemm._kernel = splitk._kernel = gemm_1d1d._kernel = gemv._kernel = _Recorder
     testing.calc_diff = lambda x, y: 0.0
 
     def fake_bench(fn, kernel_names, *args, **kwargs):
@@ -79,7 +80,8 @@ def recording():
     try:
         yield
     finally:
-        cuda_gemm._kernel, splitk._kernel, gemm_1d1d._kernel, testing.calc_diff, testing.bench_kineto = saved
+        (cuda_gemm._kernel, splitk._kernel, gemm_1d1d._kernel, gemv._kernel, testing.calc_diff,
+         testing.bench_kineto) = saved
 
 
 def build(key) -> bool:
@@ -87,6 +89,8 @@ def build(key) -> bool:
         return splitk.compile_kernels([key]).cache_hit
     if isinstance(key, gemm_1d1d.Key1D1D):
         return gemm_1d1d.compile_kernels([key]).cache_hit
+    if isinstance(key, gemv.GemvKey):
+        return gemv.compile_kernels([key]).cache_hit
     return cuda_gemm.compile_kernel(key).cache_hit
 
 
@@ -136,7 +140,7 @@ def prewarm(specs: list[str], jobs: int) -> dict:
     t1 = time.time()
     with cf.ProcessPoolExecutor(jobs) as ex:
         hits = list(ex.map(build, keys))
-    for f in (cuda_gemm._kernel, splitk._kernel, gemm_1d1d._kernel):
+    for f in (cuda_gemm._kernel, splitk._kernel, gemm_1d1d._kernel, gemv._kernel):
         f.cache_clear()
     return {"kernels": len(keys), "cached": sum(hits), "record_s": t1 - t0, "compile_s": time.time() - t1,
             "record_errors": errors}

@@ -7,7 +7,7 @@ import deepgemm
 import pytest
 import tilehal
 import torch
-from deepgemm import reference, splitk
+from deepgemm import gemv, reference, splitk
 from deepgemm.splitk import SplitKConfig, effective_splits, pick_splitk, splitk_key
 
 # DeepGEMM's test_bf16 forward shapes (N, K); the last two have fp32 outputs there.
@@ -125,7 +125,9 @@ def test_splitk_upstream_shapes(m, n, k, acc, caplog):
     with caplog.at_level(logging.DEBUG, logger="deepgemm"):
         deepgemm.bf16_gemm_nt(a, b, d, c=c)
     msgs = [r.getMessage() for r in caplog.records]
-    if pick_splitk(m, n, k, deepgemm.get_num_sms()) is not None:
+    if m == 1 and gemv.allowed():  # the GEMV kernel takes M = 1 (tests/test_gemv.py)
+        assert any("GEMV kernel" in t for t in msgs), msgs
+    elif pick_splitk(m, n, k, deepgemm.get_num_sms()) is not None:
         assert any("split-K kernel" in t for t in msgs)
     elif acc and out == torch.bfloat16:  # a bf16 C: the persistent kernel's staged epilogue reads it in place
         assert any("C read in place by the staged epilogue" in t for t in msgs), msgs
@@ -167,8 +169,9 @@ def test_splitk_deterministic_repeated_and_in_place():
 
 @pytest.mark.gpu
 def test_splitk_in_a_cuda_graph():
-    a, b = _ab(1, 4096, 7168, seed=4)
-    d = torch.empty(1, 4096, dtype=torch.bfloat16, device="cuda")
+    a, b = _ab(2, 4096, 7168, seed=4)  # M = 2: split-K (M = 1 is the GEMV kernel's)
+    assert pick_splitk(2, 4096, 7168, deepgemm.get_num_sms()) is not None
+    d = torch.empty(2, 4096, dtype=torch.bfloat16, device="cuda")
     deepgemm.bf16_gemm_nt(a, b, d)  # compile outside the capture
     want = d.clone()
     s = torch.cuda.Stream()
@@ -186,8 +189,8 @@ def test_splitk_in_a_cuda_graph():
 @pytest.mark.gpu
 def test_splitk_off_switch(monkeypatch, caplog):
     monkeypatch.setenv("DEEPGEMM_SPLITK", "0")
-    a, b = _ab(1, 576, 7168, seed=5)
-    d = torch.empty(1, 576, dtype=torch.bfloat16, device="cuda")
+    a, b = _ab(2, 576, 7168, seed=5)
+    d = torch.empty(2, 576, dtype=torch.bfloat16, device="cuda")
     with caplog.at_level(logging.DEBUG, logger="deepgemm"):
         deepgemm.bf16_gemm_nt(a, b, d)
     assert any("DEEPGEMM_SPLITK=0" in r.getMessage() for r in caplog.records)
@@ -481,3 +484,79 @@ def test_mcast_heuristic_fits_one_wave_padded(monkeypatch):
         splitk._pick.cache_clear()
     # the default: no multicast anywhere
     assert all((c := pick_splitk(m, n, k, 132)) is None or c.multicast == 1 for m, n, k in shapes)
+
+
+# ----------------------------------------------------------------------------- every split reduces a slice (par_reduce)
+
+# (fp8, (m, n, k), (bm, bn, splits), C/D dtype or None for bf16 D without C): tiles with N and K not multiples of
+# the block, C accumulation (fp32 and bf16), fp32 out, M = 1 .. 130
+PAR_CASES = [(False, (128, 2112, 7168), (128, 128, 7), None), (False, (128, 576, 7168), (128, 64, 14), torch.bfloat16),
+             (False, (130, 1000, 4104), (128, 128, 5), torch.float32), (False, (1, 200, 272), (64, 64, 3), torch.float32),
+             (False, (33, 129, 1040), (64, 256, 16), torch.bfloat16), (True, (128, 2112, 7168), (128, 64, 4), None),
+             (True, (64, 576, 7168), (64, 64, 7), torch.float32), (True, (5, 129, 1040), (64, 128, 3), torch.float32)]
+
+
+def par_cfg(fp8, m, n, k, bm, bn, splits, par=True):
+    kb = -(-k // (128 if fp8 else 64))
+    return SplitKConfig(block_m=bm, block_n=bn, splits=effective_splits(kb, min(splits, kb)),
+                        stages=splitk.max_stages(bm, bn, fp8), num_sms=132, fp8=fp8, par_reduce=par)
+
+
+def par_keys():
+    keys = []
+    for fp8, (m, n, k), (bm, bn, s), cd in PAR_CASES:
+        keys.append(splitk_key(par_cfg(fp8, m, n, k, bm, bn, s), n, k, cd or torch.bfloat16, cd, fp8=fp8))
+    return keys
+
+
+def test_par_reduce_key_and_one_split():
+    cfg = par_cfg(False, 128, 2112, 7168, 128, 128, 7)
+    assert splitk_key(cfg, 2112, 7168, torch.bfloat16, None).expression.endswith(", 1, true>")
+    one = dataclasses_replace(cfg, splits=1)  # one split: nothing to reduce, the plain kernel
+    assert not splitk_key(one, 2112, 7168, torch.bfloat16, None).par_reduce
+
+
+@pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
+def test_par_reduce_kernels_compile_without_spills(h):
+    h.check_compiled_batches(splitk.compile_kernels, par_keys())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PAR_CASES, ids=[f"{'fp8' if c[0] else 'bf16'}-{c[1][0]}x{c[1][1]}x{c[1][2]}"
+                                                 for c in PAR_CASES])
+def test_par_reduce_matches_reference_and_last_cta_bitwise(case):
+    from deepgemm import cuda_gemm
+
+    fp8, (m, n, k), (bm, bn, s), cd = case
+    cfg = par_cfg(fp8, m, n, k, bm, bn, s)
+    last = dataclasses_replace(cfg, par_reduce=False)
+    c = None if cd is None else torch.randn(m, n, device="cuda").to(cd)
+    d = torch.empty(m, n, dtype=cd or torch.bfloat16, device="cuda")
+    outs = []
+    if fp8:
+        a8, sfa, b8, sfb = deepgemm_fp8(m, n, k, "cuda", seed=23)
+        ref = reference.fp8_gemm_nt(a8, sfa, b8, sfb, None if c is None else c.float())
+        for conf in (cfg, cfg, last):  # twice: the counters are back to 0 after a launch
+            cuda_gemm.dense(a8, sfa, b8, sfb, d, c, config=conf)
+            outs.append(d.clone())
+    else:
+        a, b = _ab(m, n, k, seed=23)
+        ref = reference.bf16_gemm_nt(a, b, None if c is None else c.float())
+        for conf in (cfg, cfg, last):
+            cuda_gemm.dense(a, None, b, None, d, c, config=conf)
+            outs.append(d.clone())
+    assert deepgemm.testing.calc_diff(outs[0], ref) < 1e-5
+    deepgemm.testing.assert_bitwise_equal(outs[0], outs[1], "par_reduce repeated")
+    # the same partials summed in the same split order: the last-CTA reduction's bits
+    deepgemm.testing.assert_bitwise_equal(outs[0], outs[2], "par_reduce vs last-CTA")
+
+
+@pytest.mark.gpu
+def test_par_reduce_refuses_a_grid_past_one_wave():
+    from deepgemm import cuda_gemm
+
+    a, b = _ab(128, 4096, 1024, seed=2)
+    cfg = SplitKConfig(block_m=128, block_n=64, splits=4, stages=4, num_sms=132, par_reduce=True)  # 64 x 4 CTAs
+    d = torch.empty(128, 4096, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(tilehal.ArgumentError, match="par_reduce"):
+        cuda_gemm.dense(a, None, b, None, d, None, config=cfg)

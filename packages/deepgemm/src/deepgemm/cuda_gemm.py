@@ -19,7 +19,7 @@ import torch
 from tilehal import ShapeError
 from tilehal.tma import encode_tiled
 
-from . import plans, splitk, validate
+from . import gemv, plans, splitk, validate
 from .heuristics import GemmConfig, epilogue_passes, pick_config
 from .utils import (
     ceil_div,
@@ -306,6 +306,12 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
             d += bias
         return
     fp8 = sfa is not None
+    if not fp8 and bias is None and config is None and m == 1:
+        why = gemv.why_not(a, b, d, c) if gemv.allowed() else "DEEPGEMM_GEMV is off"
+        if why is None:
+            gemv.gemv_bf16(a, b, d, c, get_num_sms())
+            return
+        log.debug("bf16 1x%dx%d: no GEMV kernel (%s)", n, k, why)
     if not fp8 and bias is None and (isinstance(config, splitk.SplitKConfig)
                                      or (config is None and splitk_allowed())):
         # Small M: too few output tiles for the SMs; split K instead (None when not clearly faster).

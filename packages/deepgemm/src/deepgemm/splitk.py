@@ -82,6 +82,7 @@ class SplitKConfig:
     num_sms: int
     multicast: int = 1  # 2: 2-CTA clusters along N sharing the A tile (kernels/splitk_sm90.cuh MCAST)
     fp8: bool = False  # an fp8 plan: each stage also holds BLOCK_M activation scales
+    par_reduce: bool = False  # every split reduces a slice of its tile (kernels/splitk_sm90.cuh PAR_REDUCE)
 
     @property
     def num_threads(self) -> int:
@@ -202,6 +203,7 @@ class SplitKKey:
     b_mn: bool = False  # B read MN-major in place (stored [K, N])
     fp8: bool = False  # e4m3 operands with 1x128 / 128x128 scales (K-major)
     multicast: int = 1  # CTAs per cluster sharing the A tile
+    par_reduce: bool = False  # every split reduces a slice of the tile (one co-resident wave)
 
     @property
     def expression(self) -> str:
@@ -213,14 +215,16 @@ class SplitKKey:
 
         return (f"deepgemm::splitk_sm90<{b(self.fp8)}, {self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
                 f"{self.splits}, {out}, {b(self.has_c)}, {ct}, {b(self.a_mn)}, {b(self.b_mn)}"
-                f"{f', {self.multicast}' if self.multicast > 1 else ''}>")
+                f"{f', {self.multicast}' if self.multicast > 1 or self.par_reduce else ''}"
+                f"{', true' if self.par_reduce else ''}>")
 
 
 def splitk_key(cfg: SplitKConfig, n: int, k: int, out_dtype: torch.dtype, c_dtype: torch.dtype | None,
                a_mn: bool = False, b_mn: bool = False, fp8: bool = False) -> SplitKKey:
     return SplitKKey(n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages, splits=cfg.splits,
                      out_bf16=out_dtype == torch.bfloat16, has_c=c_dtype is not None,
-                     c_bf16=c_dtype == torch.bfloat16, a_mn=a_mn, b_mn=b_mn, fp8=fp8, multicast=cfg.multicast)
+                     c_bf16=c_dtype == torch.bfloat16, a_mn=a_mn, b_mn=b_mn, fp8=fp8, multicast=cfg.multicast,
+                     par_reduce=cfg.par_reduce and cfg.splits > 1)
 
 
 def pick_tiles(m: int, n: int, k: int, num_sms: int) -> SplitKConfig:
@@ -327,6 +331,11 @@ def dense_bf16(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tenso
     _launch(key, cfg, m, n, a, b, _NULL_DESC, [d, c], [None])
 
 
+@functools.lru_cache(maxsize=16)
+def _device_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 _NULL_DESC = bytes(128)  # the bf16 kernels' unused activation-scale descriptor
 
 
@@ -334,9 +343,13 @@ def _launch(key: SplitKKey, cfg: SplitKConfig, m: int, n: int, a: torch.Tensor, 
             out_args: list, scale_args: list) -> None:
     if cfg.multicast not in (1, 2):
         raise tilehal.ArgumentError(f"config.multicast: expected 1 or 2, got {cfg.multicast}")
-    kern = _kernel(key)
     grid = cfg.grid(m, n)
-    ws, counters = _workspace(a.device, cfg.splits * m * n if cfg.splits > 1 else 0, grid[0] * grid[1])
+    if key.par_reduce and grid[0] * grid[1] * grid[2] > _device_sms(a.device):
+        raise tilehal.ArgumentError(f"config.par_reduce: expected a grid of at most {_device_sms(a.device)} CTAs "
+                                    f"(one per SM: every split waits for the others), got {grid}")
+    kern = _kernel(key)
+    # Two counters per tile: arrivals, and (par_reduce) slices done.
+    ws, counters = _workspace(a.device, cfg.splits * m * n if cfg.splits > 1 else 0, 2 * grid[0] * grid[1])
     da = _operand_descriptor(a, cfg.block_m // cfg.multicast)  # with multicast each CTA loads half of A's tile
     db = _operand_descriptor(b, cfg.block_n)
     cluster = (cfg.multicast, 1, 1) if cfg.multicast > 1 else None

@@ -14,6 +14,12 @@
 //     to 0 for the next launch.
 // The sum order never depends on which CTA finishes last, so results are deterministic. The
 // counters are zero-initialized once on the host; every launch leaves them zero again.
+// PAR_REDUCE: every CTA of a tile reduces 1/SPLITS of it instead (same split order, same sums): each
+// waits on the tile's counter until all SPLITS partials are written, sums its slice and D is written by
+// all of them at once; a second counter per tile counts the slices done and the last resets both. The
+// last-CTA scheme moves SPLITS x BLOCK_M x BLOCK_N x 4 bytes through one SM after the main loop (at
+// M = 128 that tail is a few us); here each SM moves 1/SPLITS of it. The wait needs every CTA of the
+// grid resident at once: the host launches it only when the grid is one wave (grid <= SMs x CTAs/SM).
 //
 // Operands may be MN-major (A_MN: A stored [K, M]; B_MN: B stored [K, N], i.e. DeepGEMM's "t" A /
 // "n" B): such a tile is loaded as BLOCK/64 TMA boxes of 64 MN-elements x 64 K-rows (128-byte
@@ -58,11 +64,18 @@ using namespace tilehal;
 template <int NUM_MATH_WG> constexpr int kSplitKProducerRegs = 40;
 template <int NUM_MATH_WG> constexpr int kSplitKMathRegs = NUM_MATH_WG == 1 ? 256 : 232;
 
+// A relaxed-poll with acquire semantics at GPU scope (the split-K tile counters).
+TILEHAL_DEVICE int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // C (added when HAS_C) is read in its own dtype CT: fp32, or bf16 (DeepGEMM's bf16 accumulation).
 // FP8: tma_sfa describes the MN-major sfa as [ceil(K/128), M] fp32 (boxes of 1 x BLOCK_M), sfb is fp32
 // [ceil(N/128), ceil(K/128)]; bf16 kernels take a zero descriptor and a null pointer there.
 template <bool FP8, int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int SPLITS, typename OutT,
-          bool HAS_C, typename CT, bool A_MN, bool B_MN, int MCAST = 1>
+          bool HAS_C, typename CT, bool A_MN, bool B_MN, int MCAST = 1, bool PAR_REDUCE = false>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
             const __grid_constant__ TmaDescriptor tma_sfa, OutT* d, const CT* c, float* __restrict__ ws,
@@ -275,15 +288,26 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
     }
     __threadfence();  // our partial is visible device-wide before the counter says so
     named_barrier_sync(1, NUM_MATH_THREADS);
-    if (tid == 0) {
-      int* counter = counters + m_block * gridDim.x + n_block;
-      const int arrived = atomicAdd(counter, 1);
-      const int last = arrived == SPLITS - 1;
-      if (last) *counter = 0;  // every split has arrived: ready for the next launch
-      *last_flag = last;
+    int* counter = counters + m_block * gridDim.x + n_block;
+    [[maybe_unused]] int* done = counter + gridDim.x * gridDim.y;
+    if constexpr (PAR_REDUCE) {
+      // Every split waits for the tile's other splits (the grid is one co-resident wave: the host checks it),
+      // then reduces its own slice of the tile.
+      if (tid == 0) {
+        atomicAdd(counter, 1);
+        while (ld_acquire_gpu(counter) < SPLITS) __nanosleep(32);
+      }
+      named_barrier_sync(1, NUM_MATH_THREADS);
+    } else {
+      if (tid == 0) {
+        const int arrived = atomicAdd(counter, 1);
+        const int last = arrived == SPLITS - 1;
+        if (last) *counter = 0;  // every split has arrived: ready for the next launch
+        *last_flag = last;
+      }
+      named_barrier_sync(1, NUM_MATH_THREADS);
+      if (!*last_flag) return;
     }
-    named_barrier_sync(1, NUM_MATH_THREADS);
-    if (!*last_flag) return;
     __threadfence();  // acquire side: the other splits' partials are read after their arrivals
     // The last CTA sums every split's partial (its own too: read back, the value it wrote) in split
     // order, element-parallel over all its math threads: consecutive threads take consecutive VEC-wide
@@ -296,8 +320,12 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
     const int m0 = m_block * BLOCK_M;
     const int rows = min(BLOCK_M, shape_m - m0);
     const int per_row = (min(BLOCK_N, SHAPE_N - n0) + VEC - 1) / VEC;
-    const int total = rows * per_row;
-    for (int base = tid; base < total; base += NUM_MATH_THREADS * UNROLL) {
+    const int all = rows * per_row;
+    // PAR_REDUCE: split z sums elements [z * per, (z + 1) * per) of the tile; else the last CTA sums all.
+    const int per = PAR_REDUCE ? (all + SPLITS - 1) / SPLITS : all;
+    const int first = PAR_REDUCE ? min(all, split * per) : 0;
+    const int total = min(all, first + per);
+    for (int base = first + tid; base < total; base += NUM_MATH_THREADS * UNROLL) {
       float sum[UNROLL][VEC];
       [[maybe_unused]] float cv[UNROLL][VEC];
 #pragma unroll
@@ -344,6 +372,15 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
             store_pair(d + off + v, sum[u][v], sum[u][v + 1], true, true);
           }
         }
+      }
+    }
+    if constexpr (PAR_REDUCE) {
+      // The last split out of its slice resets both counters for the next launch (every split has passed its
+      // wait by then).
+      named_barrier_sync(1, NUM_MATH_THREADS);
+      if (tid == 0 && atomicAdd(done, 1) == SPLITS - 1) {
+        *counter = 0;
+        *done = 0;
       }
     }
     return;

@@ -1,0 +1,302 @@
+# requires: cuda
+"""bf16 small-M sweep (issue 18's M = 1 and M = 128 rows) vs cuBLAS, same run, one H200: for each shape
+cuBLAS (one GEMM kernel: torch.mm into the preallocated D, addmm_ for C = D), deepgemm's default dispatch,
+and forced plans: at M = 1 the GEMV kernel and the split-K plan; at M = 128 the split-K plan with the
+last-CTA reduction and with every split reducing a slice (par_reduce), and par_reduce tiles of 128 rows x
+64 / 128 / 256 columns with as many splits as fit one wave. Timing: tilehal.bench (L2 flushed, median) and,
+with --graph, a CUDA-graph replay (L2 flushed). Every kernel is compiled first, in parallel (--jobs), from one pass with launches recorded.
+
+    python packages/deepgemm/benchmarks/sweep_small_m.py [--graph] [--jobs 16] [--m 1,128] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import datetime as dt
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import deepgemm
+import tilehal
+import torch
+from deepgemm import cuda_gemm, gemv, heuristics, reference, splitk
+from deepgemm.heuristics import pick_config
+
+NK = [(2112, 7168), (576, 7168), (4096, 7168), (256, 7168), (7168, 2048), (24576, 1536), (32768, 512),
+      (7168, 16384)]
+FP32_OUT = {(256, 7168)}
+SMS = 132
+GRAPH = False
+
+
+def timed(fn) -> dict:
+    r = {"us": tilehal.bench(fn, warmup=5, iters=30, flush_l2=True).median_s * 1e6}
+    if GRAPH:
+        r["graph_us"] = tilehal.bench_graph(fn, warmup=3, iters=30, flush_l2=True).median_s * 1e6
+    return r
+
+
+def plans_for(m: int, n: int, k: int) -> dict[str, object]:
+    """name -> a SplitKConfig or "gemv"; "default" is the dispatch itself (not listed)."""
+    out: dict[str, object] = {}
+    if m == 1:
+        out["gemv"] = "gemv"
+    base = splitk.pick_splitk(m, n, k, SMS)
+    if base is not None:
+        out["plan_last_cta"] = dataclasses.replace(base, par_reduce=False)
+        out["plan_par"] = dataclasses.replace(base, par_reduce=True)
+    if m == 128:
+        kb = -(-k // 64)
+        for bn in (64, 128, 256):
+            tiles = -(-n // bn)
+            s = SMS // tiles
+            if s < 2:
+                continue
+            se = splitk.effective_splits(kb, min(s, splitk.MAX_SPLITS, kb))
+            out[f"par_bm128_bn{bn}_s{se}"] = splitk.SplitKConfig(128, bn, se, splitk.max_stages(128, bn), SMS,
+                                                                 par_reduce=True)
+    return out
+
+
+class _Recorder:
+    """Stands in for a compiled kernel while the runs are recorded: keeps the key, launches nothing."""
+
+    keys: dict = {}
+
+    def __init__(self, key):
+        _Recorder.keys[key.expression] = key
+
+    def launch(self, *args, **kwargs) -> None:
+        return None
+
+
+def _compile(key) -> str:
+    if isinstance(key, splitk.SplitKKey):
+        splitk.compile_kernels([key])
+    elif isinstance(key, gemv.GemvKey):
+        gemv.compile_kernels([key])
+    else:
+        cuda_gemm.compile_kernel(key)
+    return key.expression
+
+
+def prewarm(cases: list, fp8_cases: list, jobs: int) -> int:
+    """Every deepgemm kernel the runs use, compiled in parallel: one pass with launches recorded, not run."""
+    mods = (cuda_gemm, splitk, gemv)
+    saved = [mod._kernel for mod in mods]
+    for mod in mods:
+        mod._kernel = _Recorder
+    try:
+        for cs in cases:
+            for fn in runs_of(*operands(*cs)).values():
+                fn()
+        for m, n, k in fp8_cases:
+            for fn in fp8_runs_of(*fp8_operands(m, n, k)).values():
+                fn()
+    finally:
+        for mod, f in zip(mods, saved):
+            mod._kernel = f
+    deepgemm.plans.clear()  # plans made in the recording pass would replay recorders
+    with cf.ProcessPoolExecutor(jobs) as ex:
+        list(ex.map(_compile, _Recorder.keys.values()))
+    for f in saved:
+        f.cache_clear()
+    return len(_Recorder.keys)
+
+
+def operands(m: int, n: int, k: int, acc: bool):
+    out_dtype = torch.float32 if (n, k) in FP32_OUT else torch.bfloat16
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    d = torch.randn(m, n, device="cuda", dtype=out_dtype)
+    return m, n, k, a, b, d, d if acc else None
+
+
+def runs_of(m, n, k, a, b, d, c) -> dict:
+    runs = {"default": lambda: deepgemm.bf16_gemm_nt(a, b, d, c=c)}
+    for name, cfg in plans_for(m, n, k).items():
+        if cfg == "gemv":
+            runs[name] = lambda: gemv.gemv_bf16(a, b, d, c, SMS)
+        else:
+            runs[name] = lambda cfg=cfg: cuda_gemm.dense(a, None, b, None, d, c, config=cfg)
+    return runs
+
+
+FP8_NK = [(24576, 1536), (32768, 512), (7168, 16384), (7168, 2048), (2112, 7168), (576, 7168), (4096, 7168)]
+
+
+def fp8_plans(m: int, n: int, k: int) -> dict[str, object]:
+    """fp8 at small M: persistent tiles of other widths than the heuristic's (block_n x N tiles over the SMs),
+    and split-K with every split reducing a slice (128 x 64 / 128 tiles, as many splits as fit one wave)."""
+    out: dict[str, object] = {}
+    base = pick_config("fp8", m, n, k, num_sms=SMS, tma_store=True)
+    for bn in (32, 64, 96, 112, 128, 160):
+        if bn != base.block_n and bn * 2 >= base.block_n and bn <= 2 * base.block_n:
+            out[f"persistent_bn{bn}"] = dataclasses.replace(
+                base, block_n=bn, stages=heuristics.max_stages("fp8", base.block_m, bn, base.block_m * bn * 2))
+    kb = -(-k // 128)
+    for bn in (64, 128):
+        s = SMS // (-(-n // bn) * -(-m // 128))
+        if s >= 2:
+            se = splitk.effective_splits(kb, min(s, kb))
+            out[f"par_bm128_bn{bn}_s{se}"] = splitk.SplitKConfig(128, bn, se, splitk.max_stages(128, bn, True), SMS,
+                                                                 fp8=True, par_reduce=True)
+    sk = splitk.pick_splitk(m, n, k, SMS, "fp8")
+    if sk is not None:
+        out["plan_par"] = dataclasses.replace(sk, par_reduce=True)
+    return out
+
+
+def fp8_operands(m: int, n: int, k: int):
+    # random e4m3 operands and positive scales (no cast kernel to compile: the scales' values do not change the time)
+    a8 = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b8 = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    sfa = torch.rand(m, -(-k // 128), device="cuda") + 0.5
+    sfb = torch.rand(-(-n // 128), -(-k // 128), device="cuda") + 0.5
+    d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    return m, n, k, a8, sfa, deepgemm.get_mn_major_tma_aligned_tensor(sfa), b8, sfb, d
+
+
+def fp8_runs_of(m, n, k, a8, sfa, sfa_t, b8, sfb, d) -> dict:
+    runs = {"default": lambda: deepgemm.fp8_gemm_nt((a8, sfa_t), (b8, sfb), d)}
+    for name, cfg in fp8_plans(m, n, k).items():
+        runs[name] = lambda cfg=cfg: cuda_gemm.dense(a8, sfa_t, b8, sfb, d, None, config=cfg)
+    return runs
+
+
+def run_fp8_shape(m: int, n: int, k: int) -> dict:
+    ops = fp8_operands(m, n, k)
+    _, _, _, a8, sfa, sfa_t, b8, sfb, d = ops
+    one_a, one_b = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    row_t = timed(lambda: torch._scaled_mm(a8, b8.T, scale_a=one_a, scale_b=one_b, out_dtype=torch.bfloat16))
+    ref = reference.fp8_gemm_nt(a8, sfa, b8, sfb, None)
+    row = {"shape": [m, n, k], "kind": "fp8", "scaled_mm_rowwise": row_t, "runs": {}}
+    for name, fn in fp8_runs_of(*ops).items():
+        fn()
+        t = timed(fn)
+        t["calc_diff"] = float(deepgemm.testing.calc_diff(d, ref))
+        t["vs_rowwise"] = row_t["us"] / t["us"]
+        if GRAPH:
+            t["graph_vs_rowwise"] = row_t["graph_us"] / t["graph_us"]
+        row["runs"][name] = t
+    best = min(row["runs"].items(), key=lambda kv: kv[1]["us"])
+    print(f"fp8 {m}x{n}x{k}: _scaled_mm row {row_t['us']:.1f} us; "
+          + "; ".join(f"{nm} {t['us']:.1f} {t['vs_rowwise']:.2f}x{' BAD' if t['calc_diff'] > 1e-5 else ''}"
+                      for nm, t in row["runs"].items()) + f" | best {best[0]}", flush=True)
+    return row
+
+
+def run_shape(m: int, n: int, k: int, acc: bool) -> dict:
+    m, n, k, a, b, d, c = operands(m, n, k, acc)
+    out_dtype = d.dtype
+    d0 = d.float().clone()
+    ref = a.float() @ b.float().T + (d0 if acc else 0)
+    if acc:
+        cub = timed(lambda: d.addmm_(a, b.T))
+    elif out_dtype == torch.bfloat16:
+        cub = timed(lambda: torch.mm(a, b.T, out=d))
+    else:
+        cub = timed(lambda: torch.mm(a, b.T, out_dtype=torch.float32))
+    row = {"shape": [m, n, k], "out": str(out_dtype).replace("torch.", ""), "acc": acc, "cublas": cub, "runs": {}}
+
+    def check(fn) -> float:
+        d.copy_(d0)
+        fn()
+        v = float(deepgemm.testing.calc_diff(d, ref))
+        d.copy_(d0)
+        return v
+
+    for name, fn in runs_of(m, n, k, a, b, d, c).items():
+        diff = check(fn)
+        t = timed(fn)
+        t["calc_diff"] = diff
+        t["vs_cublas"] = cub["us"] / t["us"]
+        if GRAPH:
+            t["graph_vs_cublas"] = cub["graph_us"] / t["graph_us"]
+        row["runs"][name] = t
+    best = min(row["runs"].items(), key=lambda kv: kv[1]["us"])
+    nbytes = (n * k + m * k) * 2 + m * n * d.element_size() * (2 if acc else 1)
+    row["byte_floor_us_at_4tbps"] = nbytes / 4.0e12 * 1e6
+    print(f"{m}x{n}x{k}{' acc' if acc else ''} ({row['out']}): cuBLAS {cub['us']:.1f} us"
+          + (f" (graph {cub['graph_us']:.1f})" if GRAPH else "") + f", floor {row['byte_floor_us_at_4tbps']:.1f}; "
+          + "; ".join(f"{nm} {t['us']:.1f}" + (f"/{t['graph_us']:.1f}" if GRAPH else "")
+                      + f" {t['vs_cublas']:.2f}x{' BAD' if t['calc_diff'] > 1e-5 else ''}"
+                      for nm, t in row["runs"].items())
+          + f" | best {best[0]}", flush=True)
+    return row
+
+
+def main() -> None:
+    global GRAPH
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--graph", action="store_true")
+    ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--m", default="1,128")
+    ap.add_argument("--acc", default="0,1", help="C = D rows too (1), plain (0)")
+    ap.add_argument("--nk", default=None, help="only these N x K, e.g. 2112x7168,576x7168")
+    ap.add_argument("--acc-nk", default=None, help="the C = D rows only for these N x K")
+    ap.add_argument("--fp8-m", default="", help="fp8 rows at these M (vs _scaled_mm per-row), e.g. 128")
+    ap.add_argument("--fp8-nk", default=None, help="only these fp8 N x K")
+    ap.add_argument("--prewarm-only", action="store_true")
+    ap.add_argument("--once", action="store_true", help="one launch of each contender (under ncu), no timing")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    GRAPH = args.graph
+    nks = NK if args.nk is None else [tuple(int(v) for v in s.split("x")) for s in args.nk.split(",")]
+    acc_nks = nks if args.acc_nk is None else [tuple(int(v) for v in s.split("x")) for s in args.acc_nk.split(",")]
+    cases = [(m, n, k, bool(int(acc))) for m in (int(x) for x in args.m.split(",") if x) for n, k in nks
+             for acc in args.acc.split(",") if not (int(acc) and ((n, k) in FP32_OUT or (n, k) not in acc_nks))]
+    fp8_cases = [(m, n, k) for m in (int(x) for x in args.fp8_m.split(",") if x) for n, k in FP8_NK
+                 if args.fp8_nk is None or f"{n}x{k}" in args.fp8_nk.split(",")]
+    t0 = time.time()
+    print(f"prewarm: {prewarm(cases, fp8_cases, args.jobs)} kernels in {time.time() - t0:.1f} s", flush=True)
+    if args.prewarm_only:
+        return
+    if args.once:  # one launch of every contender, for ncu (no timing, no checks)
+        for cs in cases:
+            m, n, k, a, b, d, c = operands(*cs)
+            if c is not None:
+                d.addmm_(a, b.T)
+            elif d.dtype == torch.bfloat16:
+                torch.mm(a, b.T, out=d)
+            else:
+                torch.mm(a, b.T, out_dtype=torch.float32)
+            for fn in runs_of(m, n, k, a, b, d, c).values():
+                fn()
+        for m, n, k in fp8_cases:
+            ops = fp8_operands(m, n, k)
+            a8, b8 = ops[3], ops[6]
+            torch._scaled_mm(a8, b8.T, scale_a=torch.ones(m, 1, device="cuda"), scale_b=torch.ones(1, n, device="cuda"),
+                             out_dtype=torch.bfloat16)
+            for fn in fp8_runs_of(*ops).values():
+                fn()
+        torch.cuda.synchronize()
+        print("once: done", flush=True)
+        return
+    rows = [run_shape(*cs) for cs in cases]
+    fp8_rows = [run_fp8_shape(*cs) for cs in fp8_cases]
+    best = {}
+    for r in rows:
+        for nm, t in r["runs"].items():
+            best.setdefault(nm, []).append(t["vs_cublas"])
+    geo = {nm: math.exp(sum(map(math.log, v)) / len(v)) for nm, v in best.items() if len(v) == len(rows)}
+    print("geo-mean vs cuBLAS (rows where every variant ran):", geo)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+                "timing": "tilehal.bench median of 30, L2 flushed" + ("; graph: tilehal.bench_graph, L2 flushed"
+                                                                      if GRAPH else ""),
+                "cublas": "torch.mm out= (bf16), out_dtype=float32 (fp32), d.addmm_ (C = D)",
+                "env": {k: v for k, v in os.environ.items() if k.startswith("DEEPGEMM_")}}
+        (args.out / "sweep_small_m.json").write_text(json.dumps({"meta": meta, "rows": rows, "fp8_rows": fp8_rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
