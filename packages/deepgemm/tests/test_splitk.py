@@ -560,3 +560,12 @@ def test_par_reduce_refuses_a_grid_past_one_wave():
     d = torch.empty(128, 4096, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(tilehal.ArgumentError, match="par_reduce"):
         cuda_gemm.dense(a, None, b, None, d, None, config=cfg)
+
+
+def test_par_reduce_refuses_multicast_before_any_launch():
+    a = torch.zeros(128, 1024, dtype=torch.bfloat16)
+    b = torch.zeros(256, 1024, dtype=torch.bfloat16)
+    d = torch.empty(128, 256, dtype=torch.bfloat16)
+    cfg = SplitKConfig(block_m=128, block_n=64, splits=4, stages=4, num_sms=132, multicast=2, par_reduce=True)
+    with pytest.raises(tilehal.ArgumentError, match="par_reduce: expected multicast 1"):
+        splitk.dense_bf16(a, b, d, None, cfg)

@@ -344,6 +344,8 @@ def _launch(key: SplitKKey, cfg: SplitKConfig, m: int, n: int, a: torch.Tensor, 
     if cfg.multicast not in (1, 2):
         raise tilehal.ArgumentError(f"config.multicast: expected 1 or 2, got {cfg.multicast}")
     grid = cfg.grid(m, n)
+    if key.par_reduce and cfg.multicast > 1:  # clusters may not all be resident at once: the waits could hang
+        raise tilehal.ArgumentError("config.par_reduce: expected multicast 1 (clusters are not guaranteed co-resident)")
     if key.par_reduce and grid[0] * grid[1] * grid[2] > _device_sms(a.device):
         raise tilehal.ArgumentError(f"config.par_reduce: expected a grid of at most {_device_sms(a.device)} CTAs "
                                     f"(one per SM: every split waits for the others), got {grid}")
