@@ -34,6 +34,11 @@ class PipelineRules:
         log.debug("%s: T.gemm on wgmma stays in flight across T.Pipelined iterations (one group)", g.loc)
         return g
 
+    def _read_only_global(self, buf: Buffer) -> bool:
+        """A global tensor no statement of the kernel writes."""
+        return buf.scope == "global" and not any(buf in self.writes(st) for st in self.all_stmts
+                                                 if not isinstance(st, (Seq, For, If, Kernel)))
+
     def _plan_pipelines(self) -> None:
         self.pipes: dict[int, list[Copy]] = {}
         self.stages: dict[Buffer, int] = {}
@@ -48,17 +53,26 @@ class PipelineRules:
             inside = set(map(id, walk_stmts(loop.body)))
             local_vars = {st.var for st in walk_stmts(loop.body) if isinstance(st, (Let, For))}
             chosen = []
-            for i, c in enumerate(body):
+            candidates = []
+            for c in body:
                 if not (isinstance(c, Copy) and self._async_copy_ok(c)):
                     continue
-                buf = c.dst.buffer
                 free = {x for e in c.src.starts for x in walk_expr(e) if isinstance(x, (Var, Load))}
-                if any(isinstance(x, Load) for x in free) or (free & local_vars):
+                # a load from a global tensor the kernel never writes (a page table) is the same value when the
+                # prefetch evaluates it for a later iteration: allowed, its indices checked with the rest
+                if any(isinstance(x, Load) and not self._read_only_global(x.buffer) for x in free) \
+                        or (free & local_vars):
                     log.debug("%s: T.copy into %s not pipelined: its source depends on values computed in the loop",
-                              c.loc, buf.name)
+                              c.loc, c.dst.buffer.name)
                     continue
+                candidates.append(c)
+            for i, c in enumerate(body):
+                if not any(c is x for x in candidates):
+                    continue
+                buf = c.dst.buffer
+                # several copies of this loop may fill parts of one buffer (a KV tile gathered page by page)
                 others = [st for st in all_stmts if st is not c and not isinstance(st, (Seq, For, If, Kernel))
-                          and (buf in self.writes(st))]
+                          and not any(st is x for x in candidates) and (buf in self.writes(st))]
                 outside = [st for st in all_stmts if id(st) not in inside and not isinstance(st, (Seq, For, If, Kernel))
                            and not isinstance(st, Alloc) and (buf in self.reads(st) or buf in self.writes(st))]
                 before = [st for st in body[:i] if buf in self.reads(st)]
