@@ -36,10 +36,12 @@ import torch.nn.functional as F
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FP8_SHAPES = [(4096, 7168, 2048), (4096, 2112, 7168), (4096, 24576, 1536)]
-# (block_M, block_N, num_stages, threads, swizzle panel)
-FP8_CONFIGS = [(128, 128, 4, 256, 8), (128, 128, 4, 128, 8), (128, 64, 6, 256, 8)]
-# (num_split, block_N, num_stages)
-DECODE_CONFIGS = [(1, 64, 2), (2, 64, 2), (1, 64, 3), (2, 128, 2)]
+# fp8: (block_M, block_N, num_stages, threads, swizzle panel[, pass_configs])
+FP8_CONFIGS = [(128, 128, 4, 256, 8), (128, 128, 5, 256, 8), (128, 128, 5, 256, 8, {"cuda_persistent": True}),
+               (128, 128, 5, 256, 0)]
+# decode: (num_split, block_N, num_stages)
+DECODE_CONFIGS = [(1, 64, 2), (1, 64, 3), (2, 64, 3), (1, 128, 2)]
+TUNE_WITH_AUTOTUNER = True  # --no-autotune: skip the autotuner pass of the fp8 rows
 
 
 def load(name: str):
@@ -86,52 +88,65 @@ def bench_fp8(configs) -> list[dict]:
 
 
 def _fp8_shape(deepgemm, ex, m, n, k, configs) -> dict:
-    if True:
-        torch.manual_seed(0)
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        a8, sfa = ex.per_token_cast_to_fp8(a)
-        b8, sfb = ex.per_block_cast_to_fp8(b)
-        sfa_t = sfa.T.contiguous()
-        ref = ex.reference(a8, sfa, b8, sfb)  # float32, dequantized operands
-        flops = 2 * m * n * k
-        cands = {}
-        for cfg in configs:
-            name = "x".join(map(str, cfg))
-            try:
-                t0 = time.perf_counter()
-                kern = tilelang.compile(ex.fp8_gemm_program(m, n, k, *cfg), out_idx=[-1], target="cuda")
-                compile_s = time.perf_counter() - t0
-                d = kern(a8, b8, sfa_t, sfb)
-                diff = ex.calc_diff(d.float(), ref)
-                s = timed(lambda kern=kern: kern(a8, b8, sfa_t, sfb))
-                cands[name] = {"s": s, "tflops": flops / s / 1e12, "calc_diff": diff, "correct": diff < 1e-4,
-                               "compile_s": compile_s}
-            except Exception as e:
-                cands[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            print(f"  fp8 {m}x{n}x{k} ours {name}: {cands[name]}", flush=True)
-        best, t_ours = pick(cands)
-        d_dg = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        sfa_dg = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
-        deepgemm.fp8_gemm_nt((a8, sfa_dg), (b8, sfb), d_dg)
-        peers = {"deepgemm": try_time(lambda: deepgemm.fp8_gemm_nt((a8, sfa_dg), (b8, sfb), d_dg)),
-                 "scaled_mm_blockwise": try_time(lambda: torch._scaled_mm(a8, b8.T, scale_a=sfa, scale_b=sfb.T,
-                                                                          out_dtype=torch.bfloat16))}
-        one_a, one_b = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
-        peers["scaled_mm_rowwise"] = try_time(lambda: torch._scaled_mm(a8, b8.T, scale_a=one_a, scale_b=one_b,
-                                                                       out_dtype=torch.bfloat16))
-        row = {"kind": "fp8_gemm", "shape": [m, n, k], "candidates": cands, "best_config": best,
-               "deepgemm_calc_diff_vs_reference": ex.calc_diff(d_dg.float(), ref)}
-        if t_ours:
-            row |= {"ours_us": t_ours * 1e6, "ours_tflops": flops / t_ours / 1e12}
-        for p, t in peers.items():
-            if isinstance(t, str):
-                row[f"{p}_error"] = t
-            else:
-                row[f"{p}_us"], row[f"{p}_tflops"] = t * 1e6, flops / t / 1e12
-                if t_ours:
-                    row[f"ratio_vs_{p}"] = t / t_ours
-        return row
+    torch.manual_seed(0)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    a8, sfa = ex.per_token_cast_to_fp8(a)
+    b8, sfb = ex.per_block_cast_to_fp8(b)
+    sfa_t = sfa.T.contiguous()
+    ref = ex.reference(a8, sfa, b8, sfb)  # float32, dequantized operands
+    flops = 2 * m * n * k
+    cands = {}
+    for cfg in configs:
+        tiles, pcfg = (cfg[:-1], cfg[-1]) if isinstance(cfg[-1], dict) else (cfg, None)
+        name = "x".join(map(str, tiles)) + ("_" + "_".join(pcfg) if pcfg else "")
+        try:
+            t0 = time.perf_counter()
+            kern = tilelang.compile(ex.fp8_gemm_program(m, n, k, *tiles), out_idx=[-1], target="cuda",
+                                    pass_configs=pcfg)
+            compile_s = time.perf_counter() - t0
+            d = kern(a8, b8, sfa_t, sfb)
+            diff = ex.calc_diff(d.float(), ref)
+            s = timed(lambda kern=kern: kern(a8, b8, sfa_t, sfb))
+            cands[name] = {"s": s, "tflops": flops / s / 1e12, "calc_diff": diff, "correct": diff < 1e-4,
+                           "compile_s": compile_s}
+        except Exception as e:
+            cands[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"  fp8 {m}x{n}x{k} ours {name}: {cands[name]}", flush=True)
+    best, t_ours = pick(cands)
+    tuned = None
+    if TUNE_WITH_AUTOTUNER and (m, n, k) == FP8_SHAPES[0]:  # the example's @tilelang.autotune entry: pick, timings
+        try:
+            t0 = time.perf_counter()
+            kt = ex.fp8_gemm_tuned.tune(m, n, k)
+            res = ex.fp8_gemm_tuned.last_result
+            tuned = {"config": kt.config, "do_bench_ms": res.timings, "tune_s": time.perf_counter() - t0,
+                     "us": timed(lambda: kt(a8, b8, sfa_t, sfb)) * 1e6,
+                     "calc_diff": ex.calc_diff(kt(a8, b8, sfa_t, sfb).float(), ref)}
+        except Exception as e:
+            tuned = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"  fp8 {m}x{n}x{k} autotune: {tuned}", flush=True)
+    d_dg = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    sfa_dg = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
+    deepgemm.fp8_gemm_nt((a8, sfa_dg), (b8, sfb), d_dg)
+    peers = {"deepgemm": try_time(lambda: deepgemm.fp8_gemm_nt((a8, sfa_dg), (b8, sfb), d_dg)),
+             "scaled_mm_blockwise": try_time(lambda: torch._scaled_mm(a8, b8.T, scale_a=sfa, scale_b=sfb.T,
+                                                                      out_dtype=torch.bfloat16))}
+    one_a, one_b = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    peers["scaled_mm_rowwise"] = try_time(lambda: torch._scaled_mm(a8, b8.T, scale_a=one_a, scale_b=one_b,
+                                                                   out_dtype=torch.bfloat16))
+    row = {"kind": "fp8_gemm", "shape": [m, n, k], "candidates": cands, "best_config": best, "autotune": tuned,
+           "deepgemm_calc_diff_vs_reference": ex.calc_diff(d_dg.float(), ref)}
+    if t_ours:
+        row |= {"ours_us": t_ours * 1e6, "ours_tflops": flops / t_ours / 1e12}
+    for p, t in peers.items():
+        if isinstance(t, str):
+            row[f"{p}_error"] = t
+        else:
+            row[f"{p}_us"], row[f"{p}_tflops"] = t * 1e6, flops / t / 1e12
+            if t_ours:
+                row[f"ratio_vs_{p}"] = t / t_ours
+    return row
 
 
 # ---------------------------------------------------------------- paged decode
@@ -206,26 +221,25 @@ def bench_rmsnorm_fp8(configs_unused) -> list[dict]:
 
 
 def _rmsnorm_shape(ex, m, n) -> dict:
-    if True:
-        torch.manual_seed(0)
-        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        kern = tilelang.compile(ex.rmsnorm_fp8_program(m, n), out_idx=[-2, -1], target="cuda")
-        q, s = kern(x, w)
-        rq, rs = ex.reference(x, w)
-        deq, rdeq = ex.dequantize(q, s), ex.dequantize(rq, rs)
-        err = ((deq - rdeq).abs().max() / rdeq.abs().max()).item()
-        t_ours = timed(lambda: kern(x, w))
-        t_torch = try_time(lambda: ex.reference(x, w))
-        nbytes = m * n * 2 + n * 2 + m * n + m * (n // 128) * 4
-        row = {"kind": "rmsnorm_fp8", "shape": [m, n], "ours_us": t_ours * 1e6, "ours_GBps": nbytes / t_ours / 1e9,
-               "max_rel_err_dequantized": err, "scale_max_rel_err": ((s - rs).abs() / rs).max().item()}
-        if isinstance(t_torch, str):
-            row["torch_error"] = t_torch
-        else:
-            row |= {"torch_us": t_torch * 1e6, "torch_GBps": nbytes / t_torch / 1e9, "ratio_vs_torch": t_torch / t_ours}
-        print(f"  rmsnorm_fp8 {m}x{n}: {row}", flush=True)
-        return row
+    torch.manual_seed(0)
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    kern = tilelang.compile(ex.rmsnorm_fp8_program(m, n), out_idx=[-2, -1], target="cuda")
+    q, s = kern(x, w)
+    rq, rs = ex.reference(x, w)
+    deq, rdeq = ex.dequantize(q, s), ex.dequantize(rq, rs)
+    err = ((deq - rdeq).abs().max() / rdeq.abs().max()).item()
+    t_ours = timed(lambda: kern(x, w))
+    t_torch = try_time(lambda: ex.reference(x, w))
+    nbytes = m * n * 2 + n * 2 + m * n + m * (n // 128) * 4
+    row = {"kind": "rmsnorm_fp8", "shape": [m, n], "ours_us": t_ours * 1e6, "ours_GBps": nbytes / t_ours / 1e9,
+           "max_rel_err_dequantized": err, "scale_max_rel_err": ((s - rs).abs() / rs).max().item()}
+    if isinstance(t_torch, str):
+        row["torch_error"] = t_torch
+    else:
+        row |= {"torch_us": t_torch * 1e6, "torch_GBps": nbytes / t_torch / 1e9, "ratio_vs_torch": t_torch / t_ours}
+    print(f"  rmsnorm_fp8 {m}x{n}: {row}", flush=True)
+    return row
 
 
 # ---------------------------------------------------------------- GQA flash attention
@@ -238,25 +252,24 @@ def bench_gqa(configs_unused) -> list[dict]:
 
 def _gqa_case(ex, causal) -> dict:
     b, hq, hk, s, d = 4, 32, 8, 4096, 128
-    if True:
-        torch.manual_seed(0)
-        q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.float16)
-        k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
-        v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
-        kern = tilelang.compile(ex.flash_attention_fwd(b, hq, s, d, causal, 128, 128, 2, 256, "float16", hq // hk,
-                                                       "bhsd"), out_idx=[3], target="cuda")
-        o = kern(q, k, v)
-        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-        err = (o.float() - ref.float()).abs().max().item()
-        flops = 4 * b * hq * s * s * d * (0.5 if causal else 1.0)
-        t_ours = timed(lambda: kern(q, k, v))
-        t_sdpa = try_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
-        row = {"kind": "gqa_flash_attention", "case": f"b{b} h{hq}/{hk} s{s} d{d} fp16 causal={causal}",
-               "ours_us": t_ours * 1e6, "ours_tflops": flops / t_ours / 1e12, "max_abs_err_vs_sdpa": err}
-        if not isinstance(t_sdpa, str):
-            row |= {"sdpa_us": t_sdpa * 1e6, "sdpa_tflops": flops / t_sdpa / 1e12, "ratio_vs_sdpa": t_sdpa / t_ours}
-        print(f"  gqa {row}", flush=True)
-        return row
+    torch.manual_seed(0)
+    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.float16)
+    k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
+    v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
+    kern = tilelang.compile(ex.flash_attention_fwd(b, hq, s, d, causal, 128, 128, 2, 256, "float16", hq // hk,
+                                                   "bhsd"), out_idx=[3], target="cuda")
+    o = kern(q, k, v)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    err = (o.float() - ref.float()).abs().max().item()
+    flops = 4 * b * hq * s * s * d * (0.5 if causal else 1.0)
+    t_ours = timed(lambda: kern(q, k, v))
+    t_sdpa = try_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
+    row = {"kind": "gqa_flash_attention", "case": f"b{b} h{hq}/{hk} s{s} d{d} fp16 causal={causal}",
+           "ours_us": t_ours * 1e6, "ours_tflops": flops / t_ours / 1e12, "max_abs_err_vs_sdpa": err}
+    if not isinstance(t_sdpa, str):
+        row |= {"sdpa_us": t_sdpa * 1e6, "sdpa_tflops": flops / t_sdpa / 1e12, "ratio_vs_sdpa": t_sdpa / t_ours}
+    print(f"  gqa {row}", flush=True)
+    return row
 
 
 BENCHES = {"fp8": (bench_fp8, FP8_CONFIGS), "decode": (bench_decode, DECODE_CONFIGS),
@@ -268,7 +281,10 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset of " + ",".join(BENCHES))
     ap.add_argument("--configs", choices=["all", "default"], default="all")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--no-autotune", action="store_true", help="skip the fp8 rows' @tilelang.autotune pass")
     args = ap.parse_args()
+    global TUNE_WITH_AUTOTUNER
+    TUNE_WITH_AUTOTUNER = not args.no_autotune
     if not torch.cuda.is_available():
         raise SystemExit("bench_examples needs a CUDA GPU")
     result = {"benchmark": "tilelang examples vs peers", "date": datetime.datetime.now(datetime.timezone.utc)

@@ -7,8 +7,8 @@ accumulator; the partial sum is then promoted into the main accumulator with tha
 scales (sfa[row] * sfb), as DeepGEMM does, so the fp8 MMA's limited accumulation precision
 never spans more than 128 products. Written in the public TileLang's tile style.
 
-block_N divides 128 or is a multiple of it only through its scale block: one CTA's columns must
-share one sfb row, so block_N <= 128 and 128 % block_N == 0.
+A tile whose columns share one weight-scale row (128 % block_N == 0) multiplies by one scalar; wider
+tiles (block_N = 192, 256: fewer operand bytes per FLOP) read the scale of each column's 128-block.
 """
 
 import tilelang
@@ -24,11 +24,12 @@ def fp8_gemm_program(M, N, K, block_M=128, block_N=128, num_stages=4, threads=25
     f32 -> D [M, N] out_dtype. M, N, K need not be multiples of the tiles (edges are masked)."""
     block_K = GROUP
     k_blocks = T.ceildiv(K, GROUP)
+    n_blocks = T.ceildiv(N, GROUP)
     in_dtype, accum = "float8_e4m3", "float"
 
     @T.prim_func
     def main(A: T.Tensor((M, K), in_dtype), B: T.Tensor((N, K), in_dtype),
-             sfa_t: T.Tensor((k_blocks, M), "float32"), sfb: T.Tensor((T.ceildiv(N, GROUP), k_blocks), "float32"),
+             sfa_t: T.Tensor((k_blocks, M), "float32"), sfb: T.Tensor((n_blocks, k_blocks), "float32"),
              D: T.Tensor((M, N), out_dtype)):
         with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), threads=threads) as (bx, by):
             A_shared = T.alloc_shared((block_M, block_K), in_dtype)
@@ -45,9 +46,14 @@ def fp8_gemm_program(M, N, K, block_M=128, block_N=128, num_stages=4, threads=25
                 T.copy(B[bx * block_N, k * block_K], B_shared)
                 T.copy(sfa_t[k:k + 1, by * block_M:(by + 1) * block_M], a_scale)  # rides the pipeline with A and B
                 T.gemm(A_shared, B_shared, partial, transpose_B=True, clear_accum=True)
-                b_scale = sfb[bx * block_N // GROUP, k]
-                for i, j in T.Parallel(block_M, block_N):  # promotion: fp32 FMA with this K block's scales
-                    acc[i, j] += partial[i, j] * (a_scale[0, i] * b_scale)
+                if GROUP % block_N == 0:  # the tile's columns share one weight scale
+                    b_scale = sfb[bx * block_N // GROUP, k]
+                    for i, j in T.Parallel(block_M, block_N):  # promotion: fp32 FMA with this K block's scales
+                        acc[i, j] += partial[i, j] * (a_scale[0, i] * b_scale)
+                else:  # wider tiles (or ones straddling a 128-column block): the weight scale of each column
+                    for i, j in T.Parallel(block_M, block_N):
+                        acc[i, j] += partial[i, j] * (a_scale[0, i] * sfb[T.min((bx * block_N + j) // GROUP,
+                                                                                n_blocks - 1), k])
             T.copy(acc, D_shared)
             T.copy(D_shared, D[by * block_M, bx * block_N])
 
@@ -55,6 +61,21 @@ def fp8_gemm_program(M, N, K, block_M=128, block_N=128, num_stages=4, threads=25
 
 
 fp8_gemm = tilelang.jit(out_idx=[-1])(fp8_gemm_program)
+
+# Autotuned entry point: the candidates `fp8_gemm_tuned.tune(M, N, K)` times on the GPU (best cached on disk
+# per shape and device), and the default a first call builds without tuning.
+TUNE_CONFIGS = [{"block_M": 128, "block_N": 128, "num_stages": s, "threads": 256, "swizzle": p}
+                for s in (4, 5) for p in (8, 0)] + [{"block_M": 128, "block_N": 64, "num_stages": 8, "threads": 256,
+                                                     "swizzle": 8}]
+DEFAULTS = {"*": TUNE_CONFIGS[0]}
+
+
+def _tuning_reference(A, B, sfa_t, sfb):
+    return reference(A, sfa_t.T, B, sfb).to(A.device)
+
+
+fp8_gemm_tuned = tilelang.autotune(configs=TUNE_CONFIGS, defaults=DEFAULTS, ref_prog=_tuning_reference, atol=0.1,
+                                   rtol=2e-2)(tilelang.jit(out_idx=[-1], target="cuda")(fp8_gemm_program))
 
 
 # ---------------------------------------------------------------- the recipe's casts and an independent reference

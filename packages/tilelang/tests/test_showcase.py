@@ -203,3 +203,19 @@ def test_rmsnorm_fp8_gpu(example):
     k = tilelang.compile(m.rmsnorm_fp8_program(1000, 7168), out_idx=[-2, -1], target="cuda")
     q, s = k(x, w)
     _check_rmsnorm_fp8(m, q, s, x, w)
+
+
+@pytest.mark.gpu
+def test_fp8_gemm_autotune_gpu(example, tmp_path, monkeypatch):
+    """The example's autotuned entry: a first call builds the default config (no timing); .tune times the
+    candidates on the GPU, checks each against the dequantized reference and caches the winner."""
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))
+    m = example("fp8_gemm")
+    k = m.fp8_gemm_tuned(1024, 1024, 1024)
+    assert m.fp8_gemm_tuned.last_result.source == "default" and k.config == m.DEFAULTS["*"]
+    k = m.fp8_gemm_tuned.tune(1024, 1024, 1024)
+    res = m.fp8_gemm_tuned.last_result
+    assert res.source == "tuned" and k.config in m.TUNE_CONFIGS and len(res.timings) >= 1
+    assert len(list((tmp_path / "tilelang_autotune").glob("*.json"))) == 1
+    a, sfa, b, sfb = _fp8_case(m, 1024, 1024, 1024, "cuda")
+    assert m.calc_diff(k(a, b, sfa.T.contiguous(), sfb).float(), m.reference(a, sfa, b, sfb)) < 1e-4

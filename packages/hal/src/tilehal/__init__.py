@@ -25,6 +25,7 @@ from .errors import (
 from .jit.c import CLibrary, c_compiler, c_compiler_version, compile_c
 from .jit.cuda import compile_cuda, compiler_versions, cuda_include_dirs, include_dir
 from .jit.launch import Arg, CudaModule, Kernel, ensure_context
+from .progress import progress
 from .tensors import (
     as_numpy,
     check_tensor,
@@ -40,7 +41,7 @@ from .tensors import (
 __all__ = [
     "__version__", "Arg", "ArgumentError", "BenchResult", "CacheError", "CLibrary", "CPUDevice", "CUDADevice", "CommTimeoutError", "CompileError",
     "CudaModule", "DType", "DeviceError", "Kernel", "LaunchError", "ShapeError", "TileStackError", "as_numpy",
-    "bench", "bench_graph", "bench_host", "c_compiler", "c_compiler_version", "cache_dir", "calc_diff", "check_choice", "check_int", "check_tensor", "compile_c",
+    "bench", "bench_graph", "bench_host", "c_compiler", "c_compiler_version", "cache_dir", "calc_diff", "progress", "check_choice", "check_int", "check_tensor", "compile_c",
     "compile_cuda", "compiler_versions", "cpu", "cuda_devices", "cuda_include_dirs", "cuda_unavailable_reason",
     "data_ptr", "device_of", "devices", "dtype_of", "ensure_context", "expect", "from_numpy_like", "get_dtype", "include_dir",
     "is_contiguous", "is_torch", "stream_buffer", "to_numpy_dtype", "to_torch_dtype",

@@ -1,5 +1,11 @@
 """@tilelang.autotune(configs=[...]) stacked on @tilelang.jit: compile candidates in parallel, time them,
-keep the best per (kernel, arguments, configs, target, machine) in a JSON cache under tilehal.cache_dir()."""
+keep the best per (kernel, arguments, configs, target, machine) in a JSON cache under tilehal.cache_dir().
+
+Which config a call gets, in order: the tunables the caller passed (no tuning); the one tuned before (the
+cache); the `defaults` table's entry for these arguments (no tuning: a first call is fast) unless tuning is
+asked for (`tuner.tune(...)` or TILELANG_AUTOTUNE=1); else tuning now. TILELANG_AUTOTUNE=0 never tunes
+(the default entry, else the first config). A cache entry that is unreadable, for another key, or names a
+config outside `configs` is never used: it is logged (WARNING) and replaced by a fresh tuning."""
 
 from __future__ import annotations
 
@@ -8,9 +14,10 @@ import hashlib
 import inspect
 import json
 import logging
+import math
 import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,14 +28,21 @@ from ..errors import CompileError
 from .kernel import JITFactory, JITKernel, _hashable, compile
 
 log = logging.getLogger("tilelang.autotune")
+CACHE_FORMAT = 2  # bumped when the record or the key changes: older records are then simply not found
+ENV = "TILELANG_AUTOTUNE"  # "1": tune even where a default config exists; "0": never tune
 
 
 @dataclass
 class AutotuneResult:
     config: dict
-    latency_ms: float
+    latency_ms: float  # nan for a default config (not timed)
     from_cache: bool
     timings: dict[str, float]
+    source: str = "tuned"  # "tuned", "cache" or "default"
+
+
+def _canon(cfg: Any) -> str:
+    return json.dumps(cfg, sort_keys=True, default=str)
 
 
 def autotune_cache_dir() -> Path:
@@ -60,7 +74,7 @@ def _machine(target: str = "cpu") -> str:
 class AutoTuner:
     def __init__(self, factory: JITFactory, configs: Sequence[dict] | Callable[..., Sequence[dict]], warmup: int,
                  rep: int, max_workers: int | None, ref_prog: Callable | None, atol: float, rtol: float,
-                 use_cache: bool, progress: bool) -> None:
+                 use_cache: bool, progress: bool, defaults: Mapping | Callable[..., dict | None] | None = None) -> None:
         from .eager import EagerJIT
 
         if not isinstance(factory, (JITFactory, EagerJIT)):
@@ -74,6 +88,10 @@ class AutoTuner:
         self.ref_prog, self.atol, self.rtol = ref_prog, atol, rtol
         self.use_cache = use_cache
         self.progress = progress
+        if defaults is not None and not (callable(defaults) or isinstance(defaults, Mapping)):
+            raise tilehal.ArgumentError(f"autotune: defaults must be a dict (positional arguments -> config) or a "
+                                        f"callable of the factory arguments, got {type(defaults).__name__}")
+        self.defaults = defaults
         self._kernels: dict[Any, JITKernel] = {}
         self.last_result: AutotuneResult | None = None
         functools.update_wrapper(self, factory.fn)
@@ -84,9 +102,58 @@ class AutoTuner:
             src = inspect.getsource(fn)
         except OSError:
             src = fn.__qualname__
-        payload = repr((fn.__module__, fn.__qualname__, src, _hashable(_shapes(args)), _hashable(_shapes(kwargs)),
-                        [_hashable(c) for c in configs], self.factory.target, _machine(self.factory.target)))
+        from .. import __version__
+
+        payload = repr((CACHE_FORMAT, __version__, fn.__module__, fn.__qualname__, src, _hashable(_shapes(args)),
+                        _hashable(_shapes(kwargs)), [_hashable(c) for c in configs], self.factory.target,
+                        _machine(self.factory.target)))
         return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+    def default_config(self, args: tuple, kwargs: dict, configs: list[dict]) -> dict | None:
+        """The defaults table's config for this call (None: no entry). Dict tables are keyed by the tuple of
+        positional arguments (tensors by (shape, dtype)), with "*" as the entry for any call."""
+        d = self.defaults
+        if d is None:
+            return None
+        if callable(d):
+            cfg = d(*args, **kwargs)
+        else:
+            key = tuple(_shapes(a) for a in args)
+            cfg = d.get(key, d.get(key[0] if len(key) == 1 else None, d.get("*")))
+        if cfg is None:
+            return None
+        names = {k for c in configs for k in c}
+        if not isinstance(cfg, dict) or not set(cfg) <= names:
+            raise tilehal.ArgumentError(f"autotune {self.factory.fn.__name__}: default config for {args!r} must be a "
+                                        f"dict of tunable parameters {sorted(names)}, got {cfg!r}")
+        return cfg
+
+    def _read_cache(self, path: Path, key: str, configs: list[dict]) -> dict | None:
+        """The cache record at `path` if it is valid for `key` and names one of `configs`; None if there is none.
+        A record that exists but fails a check is reported (WARNING) and None returned: it is re-tuned and
+        overwritten, never used."""
+        if not path.exists():
+            return None
+        try:
+            rec = json.loads(path.read_text())
+            if not isinstance(rec, dict):
+                raise ValueError(f"not a JSON object ({type(rec).__name__})")
+            if rec.get("format") != CACHE_FORMAT or rec.get("key") != key:
+                raise ValueError(f"written for another key or format ({rec.get('key')!r}, {rec.get('format')!r})")
+            cfg = rec.get("config")
+            if not isinstance(cfg, dict) or _canon(cfg) not in {_canon(c) for c in configs}:
+                raise ValueError(f"config {cfg!r} is not one of the {len(configs)} candidates")
+            lat = rec.get("latency_ms")
+            if not isinstance(lat, (int, float)) or not math.isfinite(lat) or lat < 0:
+                raise ValueError(f"latency_ms {lat!r} is not a finite non-negative number")
+            if not isinstance(rec.get("timings", {}), dict):
+                raise ValueError("timings is not an object")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            log.warning("autotune cache entry %s is unusable (%s); tuning again and replacing it", path, e)
+            return None
+        # the candidate list's own object (equal by value), so the kernel gets exactly a listed config
+        rec["config"] = next(c for c in configs if _canon(c) == _canon(rec["config"]))
+        return rec
 
     def _compile(self, args: tuple, kwargs: dict, cfg: dict) -> JITKernel:
         if self.eager:
@@ -109,6 +176,11 @@ class AutoTuner:
         """The tuned (or, with tunables given, the directly built) kernel, without running it."""
         return self._tune(args, kwargs)
 
+    def tune(self, *args: Any, **kwargs: Any) -> JITKernel:
+        """Tune for these arguments now (even where a default config exists or a record is cached) and
+        cache the winner; later calls with the same arguments get it."""
+        return self._tune(args, kwargs, force=True)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         kernel = self._tune(args, kwargs)
         if not self.eager:
@@ -118,46 +190,85 @@ class AutoTuner:
         _, tensors, _ = self.factory.split(args, kwargs)
         return run(kernel, [tensors[n] for n in self.factory.tensor_names])
 
-    def _tune(self, args: tuple, kwargs: dict) -> JITKernel:
+    def _tune(self, args: tuple, kwargs: dict, force: bool = False) -> JITKernel:
         configs = list(self.configs(*args, **kwargs) if callable(self.configs) else self.configs)
         if not configs:
             raise tilehal.ArgumentError("autotune: configs is empty")
+        if not all(isinstance(c, dict) for c in configs):
+            raise tilehal.ArgumentError(f"autotune: every config must be a dict of factory keyword arguments, got "
+                                        f"{[c for c in configs if not isinstance(c, dict)][:3]!r}")
         given = self._given_tunables(args, kwargs, configs)
         if given:  # as in the public TileLang: explicitly passed tunables mean no tuning
             log.info("autotune %s: tunable parameter(s) %s passed explicitly; building that config without tuning",
                      self.factory.fn.__name__, given)
             return self._compile(args, kwargs, {})
         key = self._key(args, kwargs, configs)
-        if key in self._kernels:
+        if key in self._kernels and not force:
             return self._kernels[key]
-        path = autotune_cache_dir() / f"{key}.json"
-        if self.use_cache and path.exists():
-            try:
-                rec = json.loads(path.read_text())
-                kernel = self._compile(args, kwargs, rec["config"])
-                kernel.config, kernel.latency = rec["config"], rec["latency_ms"]
-                self.last_result = AutotuneResult(rec["config"], rec["latency_ms"], True, rec.get("timings", {}))
-                self._kernels[key] = kernel
-                log.debug("autotune cache hit %s -> %s", path.name, rec["config"])
-                return kernel
-            except (OSError, ValueError, KeyError) as e:
-                log.debug("autotune cache entry %s unusable (%s); re-tuning", path, e)
-        from tqdm.auto import tqdm
-
         name = self.factory.fn.__name__
+        path = autotune_cache_dir() / f"{key}.json"
+        if self.use_cache and not force:
+            rec = self._read_cache(path, key, configs)
+            if rec is not None:
+                try:
+                    kernel = self._compile(args, kwargs, rec["config"])
+                except (CompileError, tilehal.TileStackError, ValueError) as e:
+                    log.warning("autotune %s: cached config %s no longer compiles (%s); tuning again", name,
+                                rec["config"], e)
+                else:
+                    kernel.config, kernel.latency = rec["config"], rec["latency_ms"]
+                    self.last_result = AutotuneResult(rec["config"], rec["latency_ms"], True, rec.get("timings", {}),
+                                                      "cache")
+                    self._kernels[key] = kernel
+                    log.debug("autotune cache hit %s -> %s", path.name, rec["config"])
+                    return kernel
+        mode = os.environ.get(ENV, "")
+        if not force and mode != "1":
+            cfg = self.default_config(args, kwargs, configs)
+            if cfg is None and mode == "0":
+                cfg = configs[0]
+                log.info("autotune %s: %s=0 and no default config for %r: building the first config %s", name, ENV,
+                         args, cfg)
+            if cfg is not None:
+                kernel = self._compile(args, kwargs, cfg)
+                kernel.config, kernel.latency = cfg, float("nan")
+                self.last_result = AutotuneResult(cfg, float("nan"), False, {}, "default")
+                self._kernels[key] = kernel
+                log.debug("autotune %s: default config %s for %r (not tuned; tuner.tune(...) or %s=1 tunes)", name,
+                          cfg, args, ENV)
+                return kernel
+        kernel = self._search(args, kwargs, configs, name)
+        ms, cfg = kernel.latency, kernel.config
+        rec = {"format": CACHE_FORMAT, "key": key, "config": cfg, "latency_ms": ms, "timings": self.last_result.timings,
+               "kernel": self.factory.fn.__qualname__, "args": repr(args), "target": kernel.target,
+               "machine": _machine(self.factory.target)}
+        if self.use_cache:
+            tmp = path.with_suffix(f".{os.getpid()}.{id(self)}.tmp")
+            tmp.write_text(json.dumps(rec, indent=1, default=str))
+            os.replace(tmp, path)  # atomic: a reader sees the old record or the new one, never half of one
+        self._kernels[key] = kernel
+        return kernel
+
+    def _search(self, args: tuple, kwargs: dict, configs: list[dict], name: str) -> JITKernel:
+        """Compile every candidate (threads: NVRTC and the C compiler release the GIL), check and time each;
+        the fastest correct one, with last_result set."""
         compiled: list[tuple[dict, JITKernel | None, str]] = []
         with ThreadPoolExecutor(self.max_workers) as pool:
-            futs = [(cfg, pool.submit(self._compile, args, kwargs, cfg)) for cfg in configs]
-            for cfg, fut in tqdm(futs, desc=f"autotune {name}: compile", disable=not self.progress, leave=False):
+            futs = {pool.submit(self._compile, args, kwargs, cfg): i for i, cfg in enumerate(configs)}
+            done: dict[int, tuple[dict, JITKernel | None, str]] = {}
+            for fut in tilehal.progress(as_completed(futs), desc=f"autotune {name}: compile", total=len(futs),
+                                        disable=not self.progress, unit="config"):
+                cfg = configs[futs[fut]]
                 try:
-                    compiled.append((cfg, fut.result(), ""))
+                    done[futs[fut]] = (cfg, fut.result(), "")
                 except (CompileError, tilehal.TileStackError, ValueError) as e:
                     log.debug("autotune: config %s failed to compile: %s", cfg, e)
-                    compiled.append((cfg, None, str(e)))
+                    done[futs[fut]] = (cfg, None, str(e))
+            compiled = [done[i] for i in range(len(configs))]
         best: tuple[float, dict, JITKernel] | None = None
         timings: dict[str, float] = {}
-        for cfg, kernel, _err in tqdm(compiled, desc=f"autotune {name}: bench", disable=not self.progress,
-                                     leave=False):
+        for cfg, kernel, _err in tilehal.progress(compiled, desc=f"autotune {name}: bench", disable=not self.progress,
+                                                  unit="config"):
             if kernel is None:
                 continue
             prof = kernel.get_profiler()
@@ -168,7 +279,7 @@ class AutoTuner:
                     log.debug("autotune: config %s gave wrong results: %s", cfg, e)
                     continue
             ms = prof.do_bench(warmup=self.warmup, rep=self.rep)  # time budgets in ms
-            timings[json.dumps(cfg, sort_keys=True, default=str)] = ms
+            timings[_canon(cfg)] = ms
             if best is None or ms < best[0]:
                 best = (ms, cfg, kernel)
         if best is None:
@@ -176,27 +287,25 @@ class AutoTuner:
             raise CompileError(f"autotune {name}: no config compiled and passed ({errs})")
         ms, cfg, kernel = best
         kernel.config, kernel.latency = cfg, ms
-        rec = {"config": cfg, "latency_ms": ms, "timings": timings, "kernel": self.factory.fn.__qualname__,
-               "args": repr(args), "target": kernel.target}
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(rec, indent=1, default=str))
-        os.replace(tmp, path)
-        self.last_result = AutotuneResult(cfg, ms, False, timings)
-        self._kernels[key] = kernel
+        self.last_result = AutotuneResult(cfg, ms, False, timings, "tuned")
         return kernel
 
 
 def autotune(configs: Sequence[dict] | Callable[..., Sequence[dict]], warmup: float = 5, rep: float = 20,
              max_workers: int | None = None, ref_prog: Callable | None = None, atol: float = 1e-2,
-             rtol: float = 1e-2, cache: bool = True, progress: bool = True, **_: Any) -> Callable[[JITFactory],
-                                                                                                  AutoTuner]:
+             rtol: float = 1e-2, cache: bool = True, progress: bool = True,
+             defaults: Mapping | Callable[..., dict | None] | None = None,
+             **_: Any) -> Callable[[JITFactory], AutoTuner]:
     """Decorator: pick the fastest of `configs` (dicts of factory keyword arguments) per call signature.
 
     `warmup` and `rep` are per-candidate time budgets in ms (as in do_bench). When the caller passes
-    any tunable parameter explicitly, that configuration is built directly, without tuning."""
+    any tunable parameter explicitly, that configuration is built directly, without tuning. `defaults`
+    (a dict from the tuple of positional arguments, or "*", to a config; or a callable of the factory
+    arguments returning a config or None) gives a first call its config without tuning (see the module
+    docstring for the order)."""
 
     def wrap(factory: Any) -> AutoTuner:
-        return AutoTuner(factory, configs, warmup, rep, max_workers, ref_prog, atol, rtol, cache, progress)
+        return AutoTuner(factory, configs, warmup, rep, max_workers, ref_prog, atol, rtol, cache, progress, defaults)
 
     return wrap
 
