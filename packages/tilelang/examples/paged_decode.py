@@ -118,15 +118,15 @@ def paged_decode_program(batch, q_heads, kv_heads, head_dim, num_blocks, block_s
 paged_decode_kernel = tilelang.jit(out_idx=[-1])(paged_decode_program)
 
 
-def paged_decode(q, k_cache, v_cache, block_table, seq_lens, num_split=1, block_N=64, num_stages=2, scale=None,
-                 target="auto"):
-    """Run the example on kvpool-layout tensors: q [B, Hq, D] -> [B, Hq, D]."""
+def paged_decode(q, k_cache, v_cache, block_table, seq_lens, num_split=1, block_N=64, num_stages=2, threads=128,
+                 scale=None):
+    """Run the example on kvpool-layout tensors: q [B, Hq, D] -> [B, Hq, D] (target: where the tensors are)."""
     import torch
 
     B, hq, d = q.shape
     num_blocks, bs, hk, _ = k_cache.shape
     kernel = paged_decode_kernel(B, hq, hk, d, num_blocks, bs, block_table.shape[1], num_split, block_N,
-                                 max(16, hq // hk), num_stages, 128, _dtype_name(q.dtype), scale)
+                                 max(16, hq // hk), num_stages, threads, _dtype_name(q.dtype), scale)
     lse = torch.empty(B, hq, num_split, dtype=torch.float32, device=q.device)
     o_part = torch.empty(B, hq, num_split, d, dtype=torch.float32, device=q.device)
     return kernel(q, k_cache, v_cache, block_table, seq_lens, lse, o_part)

@@ -71,12 +71,12 @@ def test_fp8_gemm_main(example):
 LENS = [100, 37, 256, 0]  # partial last block, short, full, empty
 
 
-@pytest.mark.parametrize("num_split,block_N,stages", [(1, 32, 2), (3, 64, 3)])
-def test_paged_decode(example, target, num_split, block_N, stages):
+@pytest.mark.parametrize("num_split,block_N,stages,threads", [(1, 32, 2, 128), (3, 64, 3, 128), (5, 16, 2, 32)])
+def test_paged_decode(example, target, num_split, block_N, stages, threads):
     m = example("paged_decode")
     q, k, v, table, lens = m.random_cache(4, 8, 2, 64, 16, LENS)
     kern = tilelang.compile(m.paged_decode_program(4, 8, 2, 64, k.shape[0], 16, table.shape[1], num_split, block_N,
-                                                   16, stages, 128), out_idx=[-1], target=target)
+                                                   16, stages, threads), out_idx=[-1], target=target)
     out = kern(q, k, v, table, lens, torch.empty(4, 8, num_split), torch.empty(4, 8, num_split, 64))
     ref = m.reference(q, k, v, table, lens)
     assert (out.float() - ref.float()).abs().max().item() <= 2e-2
@@ -187,9 +187,9 @@ def test_paged_decode_gpu(example):
     m = example("paged_decode")
     lens = [4096, 1000, 17, 0, 2048, 4095]
     q, k, v, table, sl = m.random_cache(6, 32, 8, 128, 16, lens, device="cuda")
-    for ns, bn, st in ((1, 64, 2), (4, 128, 3)):
+    for ns, bn, st, th in ((1, 64, 2, 128), (8, 32, 3, 32)):
         kern = tilelang.compile(m.paged_decode_program(6, 32, 8, 128, k.shape[0], 16, table.shape[1], ns, bn, 16, st,
-                                                       128), out_idx=[-1], target="cuda")
+                                                       th), out_idx=[-1], target="cuda")
         out = kern(q, k, v, table, sl, torch.empty(6, 32, ns, device="cuda"),
                    torch.empty(6, 32, ns, 128, device="cuda"))
         assert (out.float() - m.reference(q, k, v, table, sl).float()).abs().max().item() <= 2e-2
