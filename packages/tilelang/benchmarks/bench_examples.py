@@ -38,7 +38,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FP8_SHAPES = [(4096, 7168, 2048), (4096, 2112, 7168), (4096, 24576, 1536)]
 # fp8: (block_M, block_N, num_stages, threads, swizzle panel[, pass_configs])
 FP8_CONFIGS = [(128, 128, 4, 256, 8), (128, 128, 5, 256, 8), (128, 128, 5, 256, 8, {"cuda_persistent": True}),
-               (128, 128, 5, 256, 0)]
+               (128, 64, 8, 256, 8)]  # N=2112: 33 x 32 = 1056 tiles, exactly 8 waves of 132
 # decode: (num_split, block_N, num_stages, threads); 32 threads: one warp per CTA, no cross-warp softmax reductions
 DECODE_CONFIGS = [(1, 64, 2, 128), (1, 64, 3, 128), (4, 64, 2, 32), (8, 32, 3, 32), (8, 64, 2, 32)]
 TUNE_WITH_AUTOTUNER = True  # --no-autotune: skip the autotuner pass of the fp8 rows
