@@ -73,6 +73,9 @@ def _args(argv):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--variants", default="bf16,fp8", help=f"optimized variants of the Llama rows: {','.join(VARIANTS)}")
     p.add_argument("--precompile", action="store_true", help="NVRTC-compile the Llama rows' kernels in parallel first")
+    p.add_argument("--warm-only", action="store_true", help="with --precompile: only compile (no GPU needed; e.g. "
+                   "with the GPU machine's NVRTC, to carry the cache there), then exit")
+    p.add_argument("--workers", type=int, default=12, help="compile processes of --precompile")
     return p.parse_args(argv)
 
 
@@ -145,25 +148,36 @@ def _llama(env: Env) -> torch.nn.Module:
 VARIANTS = {"bf16": dict(fp8=False), "fp8": dict(fp8=True), "bf16_mlp": dict(fp8=False, fuse_mlp=True),
             "fp8_mlp": dict(fp8=True, fuse_mlp=True), "bf16_norm": dict(fp8=False, fuse_norm=True),
             "bf16_norm_mlp": dict(fp8=False, fuse_norm=True, fuse_mlp=True),
-            "fp8_norm": dict(fp8=True, fuse_norm=True)}
+            "fp8_norm": dict(fp8=True, fuse_norm=True), "fp8_norm_mlp": dict(fp8=True, fuse_norm=True, fuse_mlp=True)}
 
 
 def _variants(env: Env, base: torch.nn.Module):
-    """(name, model) for plain and each of env.variants (register_optimizations keywords in VARIANTS; each a
-    deep copy of base, so weights are equal)."""
+    """(name, model or the exception that building it raised) for plain and each of env.variants
+    (register_optimizations keywords in VARIANTS; each a deep copy of base, so weights are equal)."""
     yield "plain", base
     for v in env.variants:
-        m = copy.deepcopy(base)
-        kw = dict(VARIANTS[v])
-        if not env.cuda:
-            kw.pop("fuse_mlp", None)
-        rep = register_optimizations(m, backend=env.backend, **kw)
+        try:
+            m = copy.deepcopy(base)
+            kw = dict(VARIANTS[v])
+            if not env.cuda:
+                kw.pop("fuse_mlp", None)
+            rep = register_optimizations(m, backend=env.backend, **kw)
+        except Exception as e:   # a variant that cannot be built is a result, recorded by the caller
+            traceback.print_exc()
+            yield f"tilestack_{v}", e
+            continue
         kinds = {}
         for d in rep.swapped:
             kinds[d.kind] = kinds.get(d.kind, 0) + 1
         yield f"tilestack_{v} (" + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")", m
         del m
         _free()
+
+
+def _failed(workload: str, name: str, e: BaseException) -> None:
+    if not isinstance(e, Exception):
+        raise e
+    row(workload, name, None, note=f"failed: {type(e).__name__}: {str(e)[:200]}")
 
 
 # ----------------------------------------------------------------------------- sections
@@ -177,8 +191,15 @@ def sec_prefill(env: Env) -> None:
         ref = base(ids).logits
         peer = None
         for name, m in _variants(env, base):
-            out = m(ids).logits
-            t = env.bench(lambda m=m: m(ids)).median_s * 1e3
+            try:
+                if isinstance(m, Exception):
+                    raise m
+                out = m(ids).logits
+                t = env.bench(lambda m=m: m(ids)).median_s * 1e3
+            except Exception as e:
+                traceback.print_exc()
+                _failed("prefill", name, e)
+                continue
             if peer is None:
                 peer = t
             row("prefill", name, t, peer, tilehal.calc_diff(out, ref), f"{b}x{s} eager")
@@ -244,10 +265,17 @@ def sec_decode(env: Env) -> None:
     with torch.no_grad():
         peer_e = peer_g = ref = ref_g = None
         for name, m in _variants(env, base):
-            step = _static_decode(env, m, b, ctx)
-            out = step().float()
+            try:
+                if isinstance(m, Exception):
+                    raise m
+                step = _static_decode(env, m, b, ctx)
+                out = step().float()
+                t = env.bench(step).median_s * 1e3
+            except Exception as e:
+                traceback.print_exc()
+                _failed("decode_eager", name, e)
+                continue
             ref = out if ref is None else ref
-            t = env.bench(step).median_s * 1e3
             peer_e = t if peer_e is None else peer_e
             row("decode_eager", name, t, peer_e, tilehal.calc_diff(out, ref), f"b{b}, {ctx} cached, StaticCache",
                 host_ms=_host_profile(env, step, f"decode_eager_{name.split()[0]}"))
@@ -295,6 +323,8 @@ def sec_compile(env: Env) -> None:
             torch._dynamo.reset()
             t0 = time.perf_counter()
             try:
+                if isinstance(m, Exception):
+                    raise m
                 cm = torch.compile(m, fullgraph=True, backend=backend)
                 out = cm(ids).logits
             except Exception as e:
@@ -487,6 +517,9 @@ def sec_kernels(env: Env) -> None:
     ids = torch.randint(0, base.config.vocab_size, (b, s), device=env.device)
     with torch.no_grad():
         for name, m in _variants(env, base):
+            if isinstance(m, Exception):
+                _failed("kernels", "prefill " + name, m)
+                continue
             top = _top_kernels(lambda m=m: m(ids))
             row("kernels", "prefill " + name, sum(k["us"] for k in top) / 1e3, None, None,
                 "top kernels (ms of GPU time per forward, the 12 largest)", top=top)
@@ -555,14 +588,27 @@ def sec_profile(env: Env) -> None:
     _free()
 
 
-def _compile_one(args) -> float:
-    from deepgemm import cuda_gemm
+def dense_kernel_key(kind: str, m: int, n: int, k: int, num_sms: int = 132):
+    """The kernel deepgemm's dense path launches for a bias-free [m, k] x [n, k]^T GEMM with a bf16 D (as
+    cuda_gemm.dense picks it: the split-K / tile kernel where pick_splitk takes the shape, else the persistent
+    kernel), and the function that compiles it."""
+    from deepgemm import cuda_gemm, splitk
     from deepgemm.heuristics import pick_config
 
+    sk = splitk.pick_splitk(m, n, k, num_sms, kind) if cuda_gemm.splitk_allowed() else None
+    if sk is not None:
+        return splitk.splitk_key(sk, n, k, torch.bfloat16, None, fp8=kind == "fp8"), splitk.compile_kernels
+    d = torch.empty((0, n), dtype=torch.bfloat16)   # only its dtype matters to the epilogue choice
+    cfg = pick_config(kind, m, n, k, num_sms=num_sms, **cuda_gemm.epilogue(d, n, False, "normal"),
+                      max_multicast=cuda_gemm.max_multicast(), overlap=cuda_gemm.overlap_allowed())
+    return cuda_gemm.kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False), lambda keys: cuda_gemm.compile_kernel(keys[0])
+
+
+def _compile_one(args) -> float:
     kind, m, n, k = args
     t0 = time.perf_counter()
-    cfg = pick_config(kind, m, n, k, num_sms=132, tma_store=True)
-    cuda_gemm.compile_kernel(cuda_gemm.kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False))
+    key, build = dense_kernel_key(kind, m, n, k)
+    build([key])
     return time.perf_counter() - t0
 
 
@@ -637,8 +683,10 @@ def main(argv=None) -> int:
     print(f"bench_models: device {env.device}, dtype {env.dtype}, budget {env.budget:.0f} s, sections {only}",
           flush=True)
     _SAVE.append(lambda: _write(args, env))
-    if args.precompile and env.cuda:
-        precompile(env, sections=tuple(only))
+    if args.precompile and (env.cuda or args.warm_only):
+        precompile(env, workers=args.workers, sections=tuple(only))
+    if args.warm_only:
+        return 0
     for name in only:
         if env.left() < 10:
             row(name, "-", None, note="skipped: time budget")
