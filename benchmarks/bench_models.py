@@ -148,7 +148,9 @@ def _llama(env: Env) -> torch.nn.Module:
 VARIANTS = {"bf16": dict(fp8=False), "fp8": dict(fp8=True), "bf16_mlp": dict(fp8=False, fuse_mlp=True),
             "fp8_mlp": dict(fp8=True, fuse_mlp=True), "bf16_norm": dict(fp8=False, fuse_norm=True),
             "bf16_norm_mlp": dict(fp8=False, fuse_norm=True, fuse_mlp=True),
-            "fp8_norm": dict(fp8=True, fuse_norm=True), "fp8_norm_mlp": dict(fp8=True, fuse_norm=True, fuse_mlp=True)}
+            "fp8_norm": dict(fp8=True, fuse_norm=True), "fp8_norm_mlp": dict(fp8=True, fuse_norm=True, fuse_mlp=True),
+            "bf16_all": dict(fp8=False, fuse_norm=True, fuse_mlp=True, fuse_qkv=True),
+            "fp8_all": dict(fp8=True, fuse_norm=True, fuse_mlp=True, fuse_qkv=True)}
 
 
 def _variants(env: Env, base: torch.nn.Module):
@@ -644,6 +646,8 @@ def precompile(env: Env, workers: int = 12, sections: tuple = ("prefill", "decod
     jobs = [(kind, m, n, k) for kind in kinds for m in ms for n, k in ((h, h), (kv, h), (f, h), (h, f), (v, h))]
     if ("prefill" in sections or "decode" in sections) and any(VARIANTS[v].get("fuse_mlp") for v in env.variants):
         jobs += [(kind, m, 2 * f, h) for kind in kinds for m in ms]   # GemmSwiGLU's gate|up GEMM
+    if ("prefill" in sections or "decode" in sections) and any(VARIANTS[v].get("fuse_qkv") for v in env.variants):
+        jobs += [(kind, m, h + 2 * kv, h) for kind in kinds for m in ms]   # ProjectionGroup's q|k|v GEMM
     grouped = []
     if "moe" in sections:
         mc = env.s["moe"]

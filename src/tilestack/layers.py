@@ -135,6 +135,7 @@ class GemmLinear(torch.nn.Module):
         self._bias_cache: tuple[Any, torch.Tensor] | None = None
         self._logged_cpu = False
         self._routes: dict[tuple, str] = {}
+        self._group: ProjectionGroup | None = None
         ops.handle_of(self)
 
     @classmethod
@@ -151,6 +152,7 @@ class GemmLinear(torch.nn.Module):
         out.bias = linear.bias
         out._cache, out._bias_cache, out._logged_cpu = None, None, False
         out._routes = {}
+        out._group = None
         ops.handle_of(out)
         return out
 
@@ -171,6 +173,11 @@ class GemmLinear(torch.nn.Module):
         return self._cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self._group
+        if group is not None and not torch.compiler.is_compiling():
+            y = group.output(self, x)
+            if y is not None:
+                return y
         # Fast path of an input signature already routed to cuBLAS (bf16, policy "auto"): nn.Linear's own call.
         if type(x) is torch.Tensor and self._routes and not torch.compiler.is_compiling() \
                 and os.environ.get("TILESTACK_BF16_GEMM", "auto") == "auto":
@@ -273,7 +280,113 @@ class GemmLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fp8={self.fp8}, fp4={self.fp4}")
+                f"fp8={self.fp8}, fp4={self.fp4}" + (", grouped" if self._group is not None else ""))
+
+
+# ----------------------------------------------------------------------------- sibling projections, one GEMM
+
+# Sibling Linears that read the same input in transformers' blocks: the attention projections (Llama, Mistral,
+# Qwen2/3, Mixtral, Qwen-MoE, ...). The first one listed is the one the forward calls first.
+PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"),)
+
+
+def projection_group_skip_reason(members: list[torch.nn.Module]) -> str | None:
+    """Why these GemmLinears cannot share one GEMM, or None."""
+    if not all(type(m) is GemmLinear and m._group is None for m in members):
+        return "not all of them are (ungrouped) GemmLinears"
+    ws = [m._parameters["weight"] for m in members]
+    if len({(m.in_features, m.fp8, m.fp4) for m in members}) != 1 or any(m.fp4 for m in members):
+        return "their in_features or precisions differ (or FP4 weights)"
+    if len({(w.dtype, w.device) for w in ws}) != 1:
+        return "their weights' dtypes or devices differ"
+    biases = [m._parameters.get("bias") for m in members]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return "some have a bias and some do not"
+    if members[0].fp8 and any(m.out_features % 128 for m in members[:-1]):
+        return "fp8: every output block but the last must be a multiple of 128 rows (128x128 weight scales)"
+    return None
+
+
+class ProjectionGroup:
+    """GemmLinears that read the same input (an attention block's q/k/v projections) computed as ONE GEMM on
+    their concatenated weight (and bias): the first member's forward computes every member's output and keeps
+    them; each other member, called with the same input tensor (same storage, shape, strides and version:
+    nothing written to it since), returns its slice (a view of the one output; non-contiguous, rows of
+    sum(out_features)). A member called with another input, or before the first, computes alone. The members'
+    parameters become views of the concatenated tensors (nothing copied is kept; state_dict keys and values are
+    unchanged); if one is replaced (load_state_dict with assign, .to()), the concatenation is rebuilt on the next
+    call. Eager only: under torch.compile each member runs on its own.
+
+    Eager host work for q/k/v: one GEMM launch (fp8: and one activation cast) instead of three."""
+
+    def __init__(self, members: list[GemmLinear]) -> None:
+        why = projection_group_skip_reason(members)
+        if why is not None:
+            raise ArgumentError(f"members: expected GemmLinears that can share one GEMM, got {why}")
+        self.members = list(members)
+        self.sizes = [m.out_features for m in members]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(members))]
+        self.fused: GemmLinear | None = None
+        self._pending: tuple | None = None     # (input signature, outputs, members taken, the input kept alive)
+        self._fuse_storage()
+        for i, m in enumerate(members):
+            m._group, m._group_index = self, i
+
+    def _fuse_storage(self) -> None:
+        ws = [m._parameters["weight"] for m in self.members]
+        bs = [m._parameters.get("bias") for m in self.members]
+        with torch.no_grad():
+            w = torch.cat([x.detach() for x in ws])
+            b = torch.cat([x.detach() for x in bs]) if bs[0] is not None else None
+            for i, x in enumerate(ws):
+                x.data = w[self.offsets[i]: self.offsets[i] + self.sizes[i]]
+            if b is not None:
+                for i, x in enumerate(bs):
+                    x.data = b[self.offsets[i]: self.offsets[i] + self.sizes[i]]
+        lin = torch.nn.Linear(1, 1, bias=b is not None, device="meta")
+        lin.in_features, lin.out_features = w.shape[1], w.shape[0]
+        lin.weight = torch.nn.Parameter(w, requires_grad=ws[0].requires_grad)
+        if b is not None:
+            lin.bias = torch.nn.Parameter(b, requires_grad=bs[0].requires_grad)
+        self.fused = GemmLinear.from_linear(lin, fp8=self.members[0].fp8)
+        self._pending = None
+
+    def _views_intact(self) -> bool:
+        fw, fb = self.fused._parameters["weight"], self.fused._parameters.get("bias")
+        for i, m in enumerate(self.members):
+            w, b = m._parameters["weight"], m._parameters.get("bias")
+            step = self.offsets[i] * fw.shape[1] * fw.element_size()
+            if w.dtype != fw.dtype or w.data_ptr() != fw.data_ptr() + step or w.shape[0] != self.sizes[i]:
+                return False
+            if fb is not None and (b is None or b.dtype != fb.dtype
+                                   or b.data_ptr() != fb.data_ptr() + self.offsets[i] * fb.element_size()):
+                return False
+        return True
+
+    def output(self, member: GemmLinear, x: torch.Tensor) -> torch.Tensor | None:
+        """`member`'s output for x from the group's GEMM, or None (the member computes alone)."""
+        if type(x) is not torch.Tensor or x.dim() < 1 or x.shape[-1] != member.in_features or (
+                torch.is_grad_enabled() and (x.requires_grad or member._parameters["weight"].requires_grad)):
+            return None
+        i = member._group_index
+        sig = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version)
+        p = self._pending
+        if p is not None and p[0] == sig and i not in p[2]:
+            p[2].add(i)
+            if len(p[2]) == len(self.members):
+                self._pending = None           # every member served: drop the outputs and the input
+            return p[1][i]
+        if i != 0:
+            return None
+        if not self._views_intact():
+            self._fuse_storage()
+        x2 = x if x.dim() == 2 else x.reshape(-1, member.in_features)
+        y = self.fused._forward_2d(x2)
+        lead = x.shape[:-1]
+        outs = [y[:, o: o + n] if x.dim() == 2 else y[:, o: o + n].view(*lead, n)
+                for o, n in zip(self.offsets, self.sizes)]
+        self._pending = (sig, outs, {0}, x)
+        return outs[0]
 
 
 FP4_GRAN_K = 32  # K width of one FP4 weight scale (DeepGEMM's MXFP4 block)

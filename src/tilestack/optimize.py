@@ -25,7 +25,14 @@ from typing import Any
 import torch
 from tilehal import ArgumentError, check_choice
 
-from .layers import GemmLinear, GemmSwiGLU, swiglu_skip_reason
+from .layers import (
+    PROJECTION_GROUPS,
+    GemmLinear,
+    GemmSwiGLU,
+    ProjectionGroup,
+    projection_group_skip_reason,
+    swiglu_skip_reason,
+)
 from .moe import ExpertParallelMoE, moe_block_parts
 from .norm import FusedRMSNorm, rmsnorm_skip_reason
 
@@ -189,8 +196,8 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
                            include: Sequence[str] | None = None, *, moe_group: Any = None,
                            sparse_method: str = "magnitude", precision: str | None = None,
                            calibration: Any = None, error_budget: float = FP8_ERROR_BUDGET,
-                           timing_iters: int = 10, fuse_mlp: bool = False, fuse_norm: bool | None = None
-                           ) -> OptimizationReport:
+                           timing_iters: int = 10, fuse_mlp: bool = False, fuse_norm: bool | None = None,
+                           fuse_qkv: bool = False) -> OptimizationReport:
     """Swap `model`'s qualifying modules in place for TileStack's; returns what was swapped and skipped.
 
     backend: "cuda" (deepgemm's sm_90a kernels; shape rules of TMA apply; needs a Hopper GPU) or
@@ -209,6 +216,9 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
     fuse_norm: transformers' RMSNorm modules (tilestack.norm.RMSNORM_CLASSES) become FusedRMSNorm (the same
       formula in one kernel on CUDA bf16; the torch formula elsewhere and under torch.compile). Off by
       default (None = False) until its GPU tests (tests/test_norm.py) have run on a Hopper GPU.
+    fuse_qkv: sibling projections that read the same input (an attention block's q_proj / k_proj / v_proj,
+      all swapped for GemmLinears of one precision) become a tilestack.layers.ProjectionGroup: one GEMM on
+      their concatenated weight per forward (fp8: one activation cast), each projection returning its slice.
     """
     if not isinstance(model, torch.nn.Module):
         raise ArgumentError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -247,6 +257,7 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
     if fuse_norm is None:
         fuse_norm = False   # opt-in until tests/test_norm.py's GPU tests have passed on an H200
     fuse_norm = check_choice(fuse_norm, "fuse_norm", (False, True))
+    fuse_qkv = check_choice(fuse_qkv, "fuse_qkv", (False, True))
     report = OptimizationReport(backend, fp8, sparse_24, precision)
     seen = _capture_linear_inputs(model, include, calibration) if precision == "auto" else {}
     replacements: dict[int, torch.nn.Module] = {}
@@ -331,4 +342,30 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
         for child_name, child in list(parent._modules.items()):
             if child is not None and id(child) in replacements:
                 setattr(parent, child_name, replacements[id(child)])
+    if fuse_qkv:
+        _group_projections(model, include, report)
     return report
+
+
+def _group_projections(model: torch.nn.Module, include: Sequence[str] | None, report: OptimizationReport) -> None:
+    """ProjectionGroups over each module's sibling projections (PROJECTION_GROUPS) that were all swapped."""
+    for name, parent in model.named_modules():
+        if isinstance(parent, GemmSwiGLU):
+            continue
+        for names in PROJECTION_GROUPS:
+            members = [parent._modules.get(n) for n in names]
+            if any(m is None for m in members):
+                continue
+            label = f"{name}.{{{','.join(names)}}}" if name else "{" + ",".join(names) + "}"
+            if not all(_matches(f"{name}.{n}" if name else n, include) for n in names):
+                continue
+            why = projection_group_skip_reason(members)
+            if why is not None:
+                log.debug("%s not grouped: %s", label, why)
+                report.skipped.append(Decision(label, "qkv", None, why))
+                continue
+            ProjectionGroup(members)
+            report.swapped.append(Decision(label, "qkv", "ProjectionGroup",
+                                           f"one {'fp8' if members[0].fp8 else 'bf16'} GEMM on the concatenated "
+                                           f"weight ({sum(m.out_features for m in members)} rows), each projection "
+                                           "its slice"))
