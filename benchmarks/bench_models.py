@@ -669,8 +669,9 @@ def precompile(env: Env, workers: int = 12, sections: tuple = ("prefill", "decod
         from tilestack import norm
 
         h = env.s["llama"]["hidden_size"]
-        futs.append(pool.submit(norm.compile_module, (norm.kernel_expression(-(-h // (norm.THREADS * norm.VEC)),
-                                                                             h % norm.VEC == 0),)))
+        chunks = -(-h // (norm.THREADS * norm.VEC))
+        futs += [pool.submit(norm.compile_module, (norm.kernel_expression(chunks, h % norm.VEC == 0, f),))
+                 for f in (False, True)[: 1 + (h % 128 == 0)]]
         for fu in futs:
             fu.result()
     print(f"# precompiled {len(jobs) + len(grouped)} GEMM kernels + the casts in {time.perf_counter() - t0:.1f} s", flush=True)

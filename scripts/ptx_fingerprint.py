@@ -224,6 +224,13 @@ def cases():
             key = sk.splitk_key(cfg, 4096, 7168, out_dt, c_dt, a_mn, b_mn)
             out.append((f"deepgemm_splitk_{bm}x{bn}_s{splits}_{str(out_dt)[6:]}_{str(c_dt)[6:]}_{int(a_mn)}{int(b_mn)}",
                         lambda key=key: sk.compile_kernels([key])))
+    try:
+        from tilestack import norm as tnorm
+    except ImportError:
+        tnorm = None
+    if tnorm is not None:   # the bf16 RMSNorm kernels (every row width and access mode)
+        out.append(("tilestack_rms_norm", lambda: tnorm.compile_module(tuple(
+            tnorm.kernel_expression(c, v) for c in range(1, tnorm.MAX_CHUNKS + 1) for v in (True, False)))))
     return out
 
 

@@ -122,3 +122,56 @@ def test_module_fast_path_gives_the_checked_result():
         assert torch.equal(fused(x), first) and torch.equal(first, rms_norm(x, norm.weight, norm.variance_epsilon))
         y = torch.randn(3, 4096, device="cuda").bfloat16()                       # another signature: checked
         assert torch.equal(fused(y), rms_norm(y, norm.weight, norm.variance_epsilon))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the kernel is built for sm_90a")
+@pytest.mark.parametrize("rows, h", [(4096, 4096), (64, 4096), (5, 384), (1, 128)])
+def test_fp8_output_is_the_cast_of_the_output(rows, h):
+    """rms_norm_fp8: the bf16 output, and bit for bit what deepgemm's per-token cast makes of it."""
+    import deepgemm
+
+    from tilestack.norm import precast_fp8, rms_norm_fp8
+
+    norm = _hf_norm("LlamaRMSNorm", h, torch.bfloat16, eps=1e-5).cuda()
+    x = (torch.randn(rows, h, generator=torch.Generator().manual_seed(7)) * 3).bfloat16().cuda()
+    x[0, :3] = torch.tensor([0.0, 1e4, -1e4]).bfloat16()                     # a wide block: its scale moves
+    with torch.no_grad():
+        y, (q, sf) = rms_norm_fp8(x, norm.weight, norm.variance_epsilon)
+        assert torch.equal(y, rms_norm(x, norm.weight, norm.variance_epsilon))
+        q_ref, sf_ref = deepgemm.per_token_cast_to_fp8(y, tma_aligned_sf=True)
+    assert q.shape == q_ref.shape and sf.shape == sf_ref.shape and sf.stride() == sf_ref.stride()
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(sf, sf_ref)
+    got = precast_fp8(y.view(-1, h))
+    assert got is not None and got[0] is q                                   # the next fp8 GEMM's operand
+    y.add_(0)                                                                # written since: not reused
+    assert precast_fp8(y) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="deepgemm's kernels need an sm_90 GPU")
+def test_fp8_llama_with_fused_norm_casts_stays_close():
+    import copy
+
+    import transformers
+    from tilehal import calc_diff
+
+    from tilestack import register_optimizations
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).bfloat16().eval()
+    ref, plain_fp8 = copy.deepcopy(model), copy.deepcopy(model)
+    ids = torch.randint(0, 512, (4, 64), device="cuda")
+    with torch.no_grad():
+        want = ref(ids).logits
+        register_optimizations(plain_fp8, backend="cuda", fp8=True)
+        register_optimizations(model, backend="cuda", fp8=True, fuse_norm=True, fuse_mlp=True, fuse_qkv=True)
+        base = plain_fp8(ids).logits
+        for _ in range(2):
+            got = model(ids).logits
+    # The same e4m3 operands up to the fused norm's ulp differences: as close to the fp8 swap as to bf16.
+    assert calc_diff(got.float(), want.float()) < 3e-2
+    assert calc_diff(got.float(), base.float()) < 3e-2

@@ -1,7 +1,7 @@
 #!/bin/bash
 # hf17 (issue 17) R1 on the H200. The tree is copied to /tmp/hf17_tree and the kernel cache warmed there on the
 # CPU machine (NVRTC 13.0, same header paths, its HMAC key carried as hf17_cache.key) is unpacked first, so the
-# timed rows compile nothing. 1. bench_models prefill + decode: plain vs bf16 / + fuse_norm / + fuse_mlp / fp8
+# timed rows compile nothing. 1. bench_models prefill + decode: plain vs bf16 / +fuse_norm / all fusions / fp8 / fp8 all
 # 2. the umbrella GPU tests (FusedRMSNorm, GemmSwiGLU, the bf16 choice, GemmLinear) 3. the cache back to $JOB_OUT.
 set -uo pipefail
 O=$JOB_OUT; T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
@@ -15,12 +15,12 @@ el "cache unpacked: $(find /tmp/hf17_cache -name '*.pack' | wc -l) kernels"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 F="^\[transformers\]|Warning|warn"
-timeout 40 python3 benchmarks/bench_models.py --only prefill,decode --variants bf16,bf16_norm,bf16_norm_mlp,fp8,fp8_norm_mlp \
+timeout 40 python3 benchmarks/bench_models.py --only prefill,decode --variants bf16,bf16_norm,bf16_all,fp8,fp8_all \
   --budget-s 38 --json $O/bench_prefill_decode.json > $O/bench_prefill_decode.log 2>&1
 el "prefill/decode rc=$?"; grep -vE "$F" $O/bench_prefill_decode.log | cut -c1-300 | head -40
 LEFT=$(( 64 - $(date +%s) + T0 ))
 [ $LEFT -gt 6 ] && timeout $LEFT python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu -rfE tests/test_norm.py \
-  tests/test_swiglu.py tests/test_bf16_choice.py tests/test_register_optimizations.py -k "not fp4" > $O/gpu_tests.log 2>&1
+  tests/test_swiglu.py tests/test_projection_group.py tests/test_bf16_choice.py tests/test_register_optimizations.py -k "not fp4" > $O/gpu_tests.log 2>&1
 el "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed|Error" $O/gpu_tests.log | head -20
 tar czf $O/hf17_cache_r1.tgz -C /tmp/hf17_cache . && el "cache saved: $(du -h $O/hf17_cache_r1.tgz | cut -f1), $(find /tmp/hf17_cache -name '*.pack' | wc -l) kernels"
 el end

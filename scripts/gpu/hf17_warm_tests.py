@@ -15,9 +15,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_models  # noqa: E402
 
-# tests/test_swiglu.py's GPU model: hidden 1024, ffn 2816, 4 heads of 256 (2 kv), vocab 512; 4 x 64 tokens and
+# tests/test_swiglu.py's (and test_projection_group.py's, test_norm.py's) GPU model: hidden 1024, ffn 2816, 4 heads
+# of 256 (2 kv), vocab 512; 4 x 64 tokens and
 # the 3 x 5 MLP input.
-SWIGLU_NK = [(1024, 1024), (512, 1024), (2816, 1024), (1024, 2816), (5632, 1024)]
+SWIGLU_NK = [(1024, 1024), (512, 1024), (2816, 1024), (1024, 2816), (5632, 1024), (2048, 1024)]  # + fused q|k|v
 
 
 def jobs() -> list[tuple]:

@@ -24,7 +24,7 @@ import deepgemm
 import torch
 from tilehal import ArgumentError, ShapeError
 
-from . import _args, ops
+from . import _args, norm, ops
 
 log = logging.getLogger("tilestack.layers")
 
@@ -111,6 +111,13 @@ def bf16_choice_table() -> list[dict]:
     """Every bf16 shape measured in this process: its times and the choice (for reports)."""
     return [dict(m=t[2], m_bucket=k[0], n=k[1], k=k[2], bias=k[3], device=k[4], deepgemm_us=t[0] * 1e6,
                  cublas_us=t[1] * 1e6, choice=BF16_CHOICES[k]) for k, t in _BF16_TIMES.items()]
+
+
+def cast_tokens(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=x2.is_cuda), or the cast a FusedRMSNorm(emit_fp8=True)
+    already made of this very tensor (tilestack.norm.precast_fp8: same values, bit for bit)."""
+    pre = norm.precast_fp8(x2) if x2.is_cuda else None
+    return pre if pre is not None else deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=x2.is_cuda)
 
 
 class GemmLinear(torch.nn.Module):
@@ -250,9 +257,9 @@ class GemmLinear(torch.nn.Module):
                 if bias is not None:
                     d.copy_(dd + bias)
             elif self.fp8:
-                # On CUDA one fused cast kernel, scales written in the layout the GEMM reads (no transpose).
-                deepgemm.fp8_gemm_nt(deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=x2.is_cuda), self._gemm_weight(),
-                                     d, bias=bias)
+                # On CUDA one fused cast kernel (or none: the RMSNorm before cast it), scales written in the layout
+                # the GEMM reads (no transpose).
+                deepgemm.fp8_gemm_nt(cast_tokens(x2), self._gemm_weight(), d, bias=bias)
             else:
                 a = x2 if x2.dtype is torch.bfloat16 and x2.is_contiguous() else x2.to(torch.bfloat16).contiguous()
                 deepgemm.bf16_gemm_nt(a, self._gemm_weight(), d, bias=bias)
@@ -484,7 +491,7 @@ class GemmSwiGLU(torch.nn.Module):
         h = torch.empty((m, 2 * self.gate_proj.out_features), dtype=torch.bfloat16, device=x2.device)
         if m:
             if self.fp8:
-                deepgemm.fp8_gemm_nt(deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=True), self._gate_up_operand(), h)
+                deepgemm.fp8_gemm_nt(cast_tokens(x2), self._gate_up_operand(), h)
                 y = self.down_proj._forward_cast(deepgemm.silu_mul_cast_to_fp8(h, tma_aligned_sf=True), m)
             else:
                 gu = self._gate_up_operand()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 import tilehal
 import torch
@@ -41,11 +42,16 @@ namespace tilestack {
 
 // One CTA per row. CHUNKS 16-byte chunks per thread cover the row (h <= THREADS * 8 * CHUNKS); VEC: 16-byte
 // loads and stores (h % 8 == 0, row strides % 8 == 0, 16-byte aligned bases), else element by element.
-template <int THREADS, int CHUNKS, bool VEC>
+// FP8 (VEC, h % 128 == 0): the bf16 output is also cast to e4m3 per token and 128 columns, exactly as
+// deepgemm's per_token_cast of that output (q [rows, h] contiguous, sf[row * sf_rs + kb * sf_cs]).
+template <int THREADS, int CHUNKS, bool VEC, bool FP8>
 __global__ void __launch_bounds__(THREADS) rms_norm_bf16(const __nv_bfloat16* __restrict__ x,
                                                          const __nv_bfloat16* __restrict__ w,
                                                          __nv_bfloat16* __restrict__ y, int rows, int h,
-                                                         long long ldx, long long ldy, float eps) {
+                                                         long long ldx, long long ldy, float eps,
+                                                         unsigned char* __restrict__ q, float* __restrict__ sf,
+                                                         long long sf_rs, long long sf_cs) {
+  static_assert(!FP8 || VEC, "the fp8 output needs the 16-byte path");
   __shared__ float scratch[THREADS / 32];
   const int row = blockIdx.x;
   if (row >= rows) return;
@@ -55,20 +61,7 @@ __global__ void __launch_bounds__(THREADS) rms_norm_bf16(const __nv_bfloat16* __
   float ss = 0.f;
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
-    const int col = (c * THREADS + threadIdx.x) * 8;
-    if (VEC && col + 7 < h) {
-      const uint4 pk = *reinterpret_cast<const uint4*>(xr + col);
-      const unsigned bits[4] = {pk.x, pk.y, pk.z, pk.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = tilehal::bf16x2_to_float2(bits[i]);
-        v[c][2 * i] = f.x;
-        v[c][2 * i + 1] = f.y;
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[c][i] = col + i < h ? __bfloat162float(xr[col + i]) : 0.f;
-    }
+    tilehal::load8<__nv_bfloat16, VEC>(xr, (c * THREADS + threadIdx.x) * 8, h, v[c]);
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss += v[c][i] * v[c][i];
   }
@@ -77,30 +70,20 @@ __global__ void __launch_bounds__(THREADS) rms_norm_bf16(const __nv_bfloat16* __
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     const int col = (c * THREADS + threadIdx.x) * 8;
-    if (col >= h) continue;
-    float o[8];
-    if (VEC && col + 7 < h) {
-      const uint4 pk = *reinterpret_cast<const uint4*>(w + col);
-      const unsigned bits[4] = {pk.x, pk.y, pk.z, pk.w};
+    if (!FP8 && col >= h) continue;  // (FP8: every lane reaches the scale's shuffles; past h all values are 0)
+    float wv[8], o[8];
+    tilehal::load8<__nv_bfloat16, VEC>(w, col, h, wv);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = tilehal::bf16x2_to_float2(bits[i]);
-        o[2 * i] = __bfloat162float(__float2bfloat16_rn(v[c][2 * i] * r)) * f.x;
-        o[2 * i + 1] = __bfloat162float(__float2bfloat16_rn(v[c][2 * i + 1] * r)) * f.y;
-      }
-      uint4 out;
-      out.x = tilehal::float2_to_bf16x2(o[0], o[1]);
-      out.y = tilehal::float2_to_bf16x2(o[2], o[3]);
-      out.z = tilehal::float2_to_bf16x2(o[4], o[5]);
-      out.w = tilehal::float2_to_bf16x2(o[6], o[7]);
-      *reinterpret_cast<uint4*>(yr + col) = out;
-    } else {
+    for (int i = 0; i < 8; ++i) o[i] = __bfloat162float(__float2bfloat16_rn(v[c][i] * r)) * wv[i];
+    tilehal::store8<__nv_bfloat16, VEC>(yr, col, h, o);
+    if constexpr (FP8) {
+      float yb[8];   // the bf16 output as the cast would read it
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (col + i < h) {
-          const float n = __bfloat162float(__float2bfloat16_rn(v[c][i] * r));
-          yr[col + i] = __float2bfloat16_rn(n * __bfloat162float(w[col + i]));
-        }
+      for (int i = 0; i < 8; ++i) yb[i] = __bfloat162float(__float2bfloat16_rn(o[i]));
+      const float s = tilehal::scale_of(tilehal::group_amax<16>(tilehal::abs_max8(yb)), false);
+      if (col < h) {
+        tilehal::store8(q + static_cast<long long>(row) * h, col, h, yb, 1.0f / s, true);
+        if (threadIdx.x % 16 == 0) sf[row * sf_rs + static_cast<long long>(col / 128) * sf_cs] = s;
       }
     }
   }
@@ -110,12 +93,14 @@ __global__ void __launch_bounds__(THREADS) rms_norm_bf16(const __nv_bfloat16* __
 """
 
 
-def kernel_expression(chunks: int, vec: bool) -> str:
-    return f"tilestack::rms_norm_bf16<{THREADS}, {chunks}, {'true' if vec else 'false'}>"
+def kernel_expression(chunks: int, vec: bool, fp8: bool = False) -> str:
+    b = {True: "true", False: "false"}
+    return f"tilestack::rms_norm_bf16<{THREADS}, {chunks}, {b[vec]}, {b[fp8]}>"
 
 
 def all_expressions() -> list[str]:
-    return [kernel_expression(c, v) for c in range(1, MAX_CHUNKS + 1) for v in (True, False)]
+    return [kernel_expression(c, v, f) for c in range(1, MAX_CHUNKS + 1) for v, f in ((True, False), (False, False),
+                                                                                      (True, True))]
 
 
 def compile_module(expressions: tuple[str, ...] | None = None):
@@ -159,6 +144,24 @@ def why_not_fused(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 
 _PLANS: dict[tuple, tuple] = {}
 
+# The last fp8 output of a FusedRMSNorm(emit_fp8=True): (the bf16 output [rows, h], kept alive so its address
+# names it, its signature, (q, sf)). An fp8 GemmLinear whose input is that output (same storage, shape, strides
+# and version) takes (q, sf) instead of casting it again (precast_fp8).
+_PRECAST: list = [None]
+
+
+def _signature(x2: torch.Tensor) -> tuple:
+    return (x2.data_ptr(), x2.shape, x2.stride(), x2._version, x2.dtype, x2.device)
+
+
+def precast_fp8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q, sf) as deepgemm.per_token_cast_to_fp8(x2, tma_aligned_sf=True) would return them, where x2 is the
+    last FusedRMSNorm(emit_fp8=True) output unchanged since (that kernel cast it already), else None."""
+    hit = _PRECAST[0]
+    if hit is not None and hit[1] == _signature(x2):
+        return hit[2]
+    return None
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm of x [..., H] with weight [H]: one kernel where `why_not_fused` is None, else
@@ -170,41 +173,89 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms_norm_cuda(x, weight, eps)
 
 
-def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(rms_norm(x, weight, eps), its per-token fp8 cast (q [rows, H] e4m3, sf [rows, H / 128] fp32, MN-major
+    and TMA-aligned: what deepgemm.per_token_cast_to_fp8(y2, tma_aligned_sf=True) returns for the 2-D output
+    y2, bit for bit)) from one kernel, or (the output, None) where the kernel's fp8 mode does not apply
+    (`why_not_fp8`)."""
+    why = why_not_fused(x, weight) or why_not_fp8(x, weight)
+    if why is not None:
+        log.debug("rms_norm_fp8: no fused cast (%s)", why)
+        return rms_norm(x, weight, eps), None
+    return _rms_norm_cuda(x, weight, eps, fp8=True)
+
+
+def why_not_fp8(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why the kernel's fp8 output mode does not take (x, weight) (checked after why_not_fused), or None."""
+    h = x.shape[-1]
+    if h % 128:
+        return f"hidden size {h} is not a multiple of 128 (the scale blocks)"
+    x2 = x.reshape(-1, h)
+    ldx = x2.stride(0) if x2.shape[0] > 1 else h
+    if ldx % VEC or x2.data_ptr() % 16 or weight.data_ptr() % 16:
+        return "rows not 16-byte aligned (the fp8 output takes the 16-byte path only)"
+    return None
+
+
+def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: bool = False) -> Any:
     h = x.shape[-1]
     x2 = x.reshape(-1, h)                   # a view whenever the leading dims collapse
     rows = x2.shape[0]
     y = torch.empty((rows, h), dtype=torch.bfloat16, device=x.device)
+    if fp8:
+        from deepgemm.utils import get_tma_aligned_size
+
+        lds = get_tma_aligned_size(rows, 4)
+        q = torch.empty((rows, h), dtype=torch.float8_e4m3fn, device=x.device)
+        sf = torch.empty_strided((rows, h // 128), (1, lds), dtype=torch.float32, device=x.device)
+        tail = (q, sf, tilehal.Arg.i64(1), tilehal.Arg.i64(lds))
+    else:
+        tail = (None, None, tilehal.Arg.i64(0), tilehal.Arg.i64(0))
     if rows:
         ldx = x2.stride(0) if rows > 1 else h
-        key = (h, ldx, x2.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+        key = (h, ldx, x2.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0, fp8)
         plan = _PLANS.get(key)
         if plan is None:
             chunks = -(-h // (THREADS * VEC))
             vec = h % VEC == 0 and ldx % VEC == 0 and key[2]
-            plan = _PLANS[key] = (_kernel(kernel_expression(chunks, vec)),)
+            plan = _PLANS[key] = (_kernel(kernel_expression(chunks, vec, fp8)),)
         plan[0].launch(rows, THREADS, (x2, weight, y, rows, h, tilehal.Arg.i64(ldx), tilehal.Arg.i64(h),
-                                       tilehal.Arg.f32(float(eps))))
-    return y.view(x.shape)
+                                       tilehal.Arg.f32(float(eps)), *tail))
+    if not fp8:
+        return y.view(x.shape)
+    _PRECAST[0] = (y, _signature(y), (q, sf))
+    return y.view(x.shape), (q, sf)
 
 
 class FusedRMSNorm(torch.nn.Module):
-    """A transformers RMSNorm (see RMSNORM_CLASSES) on one kernel; `weight` is the original's parameter."""
+    """A transformers RMSNorm (see RMSNORM_CLASSES) on one kernel; `weight` is the original's parameter.
 
-    def __init__(self, norm: torch.nn.Module) -> None:
+    emit_fp8=True (register_optimizations with fp8=True and fuse_norm): the kernel also writes its output's
+    per-token e4m3 cast, which the fp8 GemmLinears reading that output take instead of casting it again
+    (tilestack.norm.precast_fp8); the module's output is the same bf16 tensor either way."""
+
+    def __init__(self, norm: torch.nn.Module, emit_fp8: bool = False) -> None:
         super().__init__()
         self.weight = norm.weight
         self.variance_epsilon = float(norm.variance_epsilon)
+        self.emit_fp8 = bool(emit_fp8)
         self._logged: set[str] = set()
         self._ok: tuple | None = None     # the last input signature the kernel took (skips the checks)
+
+    def _run(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self._ok[-1]:
+            return _rms_norm_cuda(x, w, self.variance_epsilon, fp8=True)[0]
+        return _rms_norm_cuda(x, w, self.variance_epsilon)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         w = self._parameters["weight"]
         if self._ok is not None and not torch.compiler.is_compiling() and type(hidden_states) is torch.Tensor:
             sig = (hidden_states.shape, hidden_states.stride(), hidden_states.dtype, hidden_states.device,
-                   w.data_ptr(), w.dtype, torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad))
-            if sig == self._ok:
-                return _rms_norm_cuda(hidden_states, w, self.variance_epsilon)
+                   w.data_ptr(), w.dtype, torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad),
+                   hidden_states.data_ptr() % 16 == 0)
+            if sig == self._ok[:-1]:
+                return self._run(hidden_states, w)
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (hidden_states.requires_grad
                                                                          or w.requires_grad)):
             # inductor fuses the formula itself; autograd needs the torch ops.
@@ -215,12 +266,16 @@ class FusedRMSNorm(torch.nn.Module):
                 self._logged.add(why)
                 log.debug("FusedRMSNorm: torch ops (%s)", why)
             return rms_norm_reference(hidden_states, w, self.variance_epsilon)
+        fp8 = self.emit_fp8 and why_not_fp8(hidden_states, w) is None
+        if self.emit_fp8 and not fp8 and "fp8" not in self._logged:
+            self._logged.add("fp8")
+            log.debug("FusedRMSNorm: no fused fp8 cast (%s)", why_not_fp8(hidden_states, w))
         self._ok = (hidden_states.shape, hidden_states.stride(), hidden_states.dtype, hidden_states.device,
-                    w.data_ptr(), w.dtype, False)
-        return _rms_norm_cuda(hidden_states, w, self.variance_epsilon)
+                    w.data_ptr(), w.dtype, False, hidden_states.data_ptr() % 16 == 0, fp8)
+        return self._run(hidden_states, w)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}" + (", emit_fp8" if self.emit_fp8 else "")
 
 
 def rmsnorm_skip_reason(module: torch.nn.Module) -> str | None:

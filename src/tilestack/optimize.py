@@ -279,8 +279,10 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
             continue
         if not isinstance(module, torch.nn.Linear):
             if fuse_norm and _matches(name, include) and rmsnorm_skip_reason(module) is None:
-                decide(name, "norm", FusedRMSNorm(module), "one kernel (bf16 on CUDA; the torch formula elsewhere "
-                       "and under torch.compile)", module)
+                decide(name, "norm", FusedRMSNorm(module, emit_fp8=fp8), "one kernel (bf16 on CUDA; the torch "
+                       "formula elsewhere and under torch.compile)" + ("; its output also cast per token to fp8 in "
+                                                                       "that kernel for the fp8 GEMMs reading it"
+                                                                       if fp8 else ""), module)
                 continue
             if (fuse_mlp and backend == "cuda" and not sparse_24 and precision != "auto" and _matches(name, include)
                     and swiglu_skip_reason(module) is None):

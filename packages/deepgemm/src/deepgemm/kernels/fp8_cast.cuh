@@ -15,80 +15,13 @@ namespace deepgemm {
 
 using tilehal::u64;
 
-constexpr float kFp8Max = 448.0f;
-
-// |v| where v is finite, else 0: non-finite values take no part in a block's amax.
-__device__ __forceinline__ float finite_abs(float v) {
-  const float a = fabsf(v);
-  return a <= 3.402823466e+38f ? a : 0.f;
-}
-
-template <int WIDTH>
-__device__ __forceinline__ float group_amax(float v) {
-#pragma unroll
-  for (int offset = WIDTH / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
-__device__ __forceinline__ float scale_of(float amax, bool ue8m0) {
-  amax = fmaxf(amax, 1e-4f);
-  float sf = amax / kFp8Max;
-  if (ue8m0) {
-    const unsigned bits = __float_as_uint(fabsf(sf));
-    int e = static_cast<int>((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0u ? 1 : 0);
-    e = e < 1 ? 1 : (e > 254 ? 254 : e);
-    sf = __uint_as_float(static_cast<unsigned>(e) << 23);
-  }
-  return sf;
-}
-
-__device__ __forceinline__ unsigned char to_e4m3(float v) {
-  return static_cast<unsigned char>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
-
-// Eight consecutive elements starting at column `col` of a row (zeros past `k`): one 16-byte load
-// per lane for 2-byte types (two for fp32) when VEC (the host checks k, the row stride and the base
-// address are multiples of 8 elements / 16 bytes), element by element otherwise.
-template <typename T, bool VEC>
-__device__ __forceinline__ void load8(const T* row, int col, int k, float (&v)[8]) {
-  if (VEC && col + 7 < k) {
-    if constexpr (sizeof(T) == 4) {
-      const float4 f0 = *reinterpret_cast<const float4*>(row + col);
-      const float4 f1 = *reinterpret_cast<const float4*>(row + col + 4);
-      v[0] = f0.x, v[1] = f0.y, v[2] = f0.z, v[3] = f0.w, v[4] = f1.x, v[5] = f1.y, v[6] = f1.z, v[7] = f1.w;
-    } else {
-      const uint4 u = *reinterpret_cast<const uint4*>(row + col);
-      const T* h = reinterpret_cast<const T*>(&u);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = tilehal::to_float(h[i]);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = col + i < k ? tilehal::to_float(row[col + i]) : 0.f;
-  }
-}
-
-__device__ __forceinline__ float abs_max8(const float (&v)[8]) {
-  float a = finite_abs(v[0]);
-#pragma unroll
-  for (int i = 1; i < 8; ++i) a = fmaxf(a, finite_abs(v[i]));
-  return a;
-}
-
-__device__ __forceinline__ void store8(unsigned char* row, int col, int k, const float (&v)[8], float inv, bool vec) {
-  unsigned char q[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) q[i] = to_e4m3(v[i] * inv);
-  if (vec && col + 7 < k) {
-    uint2 w;
-    w.x = q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<unsigned>(q[3]) << 24);
-    w.y = q[4] | (q[5] << 8) | (q[6] << 16) | (static_cast<unsigned>(q[7]) << 24);
-    *reinterpret_cast<uint2*>(row + col) = w;
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) if (col + i < k) row[col + i] = q[i];
-  }
-}
+// The e4m3 recipe and the 8-element row accesses live in tilehal (fp8.cuh, convert.cuh), shared with
+// tilestack's RMSNorm + cast kernel.
+using tilehal::abs_max8;
+using tilehal::group_amax;
+using tilehal::load8;
+using tilehal::scale_of;
+using tilehal::store8;
 
 constexpr int kWarpCols = 256;  // columns one warp covers: 32 lanes x 8
 

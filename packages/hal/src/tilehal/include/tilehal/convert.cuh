@@ -46,6 +46,46 @@ template <typename T> TILEHAL_DEVICE unsigned from_float2(float a, float b);
 template <> TILEHAL_DEVICE unsigned from_float2<__nv_bfloat16>(float a, float b) { return float2_to_bf16x2(a, b); }
 template <> TILEHAL_DEVICE unsigned from_float2<__half>(float a, float b) { return float2_to_half2(a, b); }
 
+// Eight consecutive elements starting at column `col` of a row (zeros past `k`), as fp32: one 16-byte load
+// for 2-byte types (two for fp32) when VEC and all eight are in range (the host checks k, the row stride
+// and the base address are multiples of 8 elements / 16 bytes), element by element otherwise.
+template <typename T, bool VEC>
+TILEHAL_DEVICE void load8(const T* row, int col, int k, float (&v)[8]) {
+  if (VEC && col + 7 < k) {
+    if constexpr (sizeof(T) == 4) {
+      const float4 f0 = *reinterpret_cast<const float4*>(row + col);
+      const float4 f1 = *reinterpret_cast<const float4*>(row + col + 4);
+      v[0] = f0.x, v[1] = f0.y, v[2] = f0.z, v[3] = f0.w, v[4] = f1.x, v[5] = f1.y, v[6] = f1.z, v[7] = f1.w;
+    } else {
+      const uint4 u = *reinterpret_cast<const uint4*>(row + col);
+      const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = to_float(h[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = col + i < k ? to_float(row[col + i]) : 0.f;
+  }
+}
+
+// Eight fp32 values rounded to T (bf16 or fp16, nearest even) at row[col..col+7] (those below k): one
+// 16-byte store when VEC and all eight are in range, element by element otherwise.
+template <typename T, bool VEC>
+TILEHAL_DEVICE void store8(T* row, int col, int k, const float (&v)[8]) {
+  static_assert(sizeof(T) == 2, "store8 writes bf16 or fp16");
+  if (VEC && col + 7 < k) {
+    uint4 pk;
+    pk.x = from_float2<T>(v[0], v[1]);
+    pk.y = from_float2<T>(v[2], v[3]);
+    pk.z = from_float2<T>(v[4], v[5]);
+    pk.w = from_float2<T>(v[6], v[7]);
+    *reinterpret_cast<uint4*>(row + col) = pk;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) if (col + i < k) row[col + i] = from_float<T>(v[i]);
+  }
+}
+
 // Two adjacent epilogue outputs (OutT is __nv_bfloat16 or float): one 4- / 8-byte store when both
 // are wanted and the address allows it, else element by element (odd N, the last column).
 template <typename OutT>
