@@ -2,8 +2,8 @@
 """bf16 small-M sweep (issue 18's M = 1 and M = 128 rows) vs cuBLAS, same run, one H200: for each shape
 cuBLAS (one GEMM kernel: torch.mm into the preallocated D, addmm_ for C = D), deepgemm's default dispatch,
 and forced plans: at M = 1 the GEMV kernel and the split-K plan; at M = 128 the split-K plan with the
-last-CTA reduction and with every split reducing a slice (par_reduce), and par_reduce tiles of 128 rows x
-64 / 128 / 256 columns with as many splits as fit one wave. Timing: tilehal.bench (L2 flushed, median) and,
+last-CTA reduction, with every split reducing a slice (par_reduce) and through the cluster's shared memory
+(cluster_reduce), and such tiles of 128 rows x 64 / 128 / 256 columns with as many splits as fit one wave. Timing: tilehal.bench (L2 flushed, median) and,
 with --graph, a CUDA-graph replay (L2 flushed). Every kernel is compiled first, in parallel (--jobs), from one pass with launches recorded.
 
     python packages/deepgemm/benchmarks/sweep_small_m.py [--graph] [--jobs 16] [--m 1,128] [--out DIR]
@@ -33,6 +33,7 @@ NK = [(2112, 7168), (576, 7168), (4096, 7168), (256, 7168), (7168, 2048), (24576
 FP32_OUT = {(256, 7168)}
 SMS = 132
 GRAPH = False
+CLUSTER = "all"  # --cluster: "no" leaves the cluster_reduce plans out, "only" times only them (and cuBLAS)
 
 
 def timed(fn) -> dict:
@@ -51,6 +52,8 @@ def plans_for(m: int, n: int, k: int) -> dict[str, object]:
     if base is not None:
         out["plan_last_cta"] = dataclasses.replace(base, par_reduce=False)
         out["plan_par"] = dataclasses.replace(base, par_reduce=True)
+    if base is not None and base.splits <= 8:
+        out["plan_cluster"] = dataclasses.replace(base, cluster_reduce=True)
     if m == 128:
         kb = -(-k // 64)
         for bn in (64, 128, 256):
@@ -61,7 +64,31 @@ def plans_for(m: int, n: int, k: int) -> dict[str, object]:
             se = splitk.effective_splits(kb, min(s, splitk.MAX_SPLITS, kb))
             out[f"par_bm128_bn{bn}_s{se}"] = splitk.SplitKConfig(128, bn, se, splitk.max_stages(128, bn), SMS,
                                                                  par_reduce=True)
-    return out
+            for cs in sorted({min(s, 8), 4}):  # a tile's splits as one cluster (<= 8: portable size)
+                if 2 <= cs <= s:
+                    ce = splitk.effective_splits(kb, cs)
+                    out[f"cluster_bm128_bn{bn}_s{ce}"] = splitk.SplitKConfig(128, bn, ce, splitk.max_stages(128, bn),
+                                                                             SMS, cluster_reduce=True)
+    return _cluster_filter(out)
+
+
+def _cluster_filter(plans: dict) -> dict:
+    if CLUSTER == "all":
+        return plans
+    keep = CLUSTER == "only"
+    return {k: v for k, v in plans.items() if getattr(v, "cluster_reduce", False) == keep}
+
+
+def clusters_info(m: int, n: int, cfg, key_fn) -> dict | None:
+    """For a cluster_reduce plan: its clusters and how many the driver holds at once (a second wave is fatal)."""
+    if not getattr(cfg, "cluster_reduce", False):
+        return None
+    gx, gy, gz = cfg.grid(m, n)
+    try:
+        have = splitk._kernel(key_fn(cfg)).max_active_clusters(cfg.num_threads, cfg.smem_bytes, (1, 1, cfg.splits))
+    except Exception as e:  # noqa: BLE001 - informational only
+        have = f"{type(e).__name__}: {e}"[:120]
+    return {"clusters": gx * gy, "size": cfg.splits, "max_active": have}
 
 
 class _Recorder:
@@ -119,7 +146,7 @@ def operands(m: int, n: int, k: int, acc: bool):
 
 
 def runs_of(m, n, k, a, b, d, c) -> dict:
-    runs = {"default": lambda: deepgemm.bf16_gemm_nt(a, b, d, c=c)}
+    runs = {} if CLUSTER == "only" else {"default": lambda: deepgemm.bf16_gemm_nt(a, b, d, c=c)}
     for name, cfg in plans_for(m, n, k).items():
         if cfg == "gemv":
             runs[name] = lambda: gemv.gemv_bf16(a, b, d, c, SMS)
@@ -147,10 +174,16 @@ def fp8_plans(m: int, n: int, k: int) -> dict[str, object]:
             se = splitk.effective_splits(kb, min(s, kb))
             out[f"par_bm128_bn{bn}_s{se}"] = splitk.SplitKConfig(128, bn, se, splitk.max_stages(128, bn, True), SMS,
                                                                  fp8=True, par_reduce=True)
+    for bn in (64, 128):
+        s = SMS // (-(-n // bn) * -(-m // 128))
+        if s >= 4:
+            ce = splitk.effective_splits(kb, min(s, 8, kb))
+            out[f"cluster_bm128_bn{bn}_s{ce}"] = splitk.SplitKConfig(128, bn, ce, splitk.max_stages(128, bn, True),
+                                                                     SMS, fp8=True, cluster_reduce=True)
     sk = splitk.pick_splitk(m, n, k, SMS, "fp8")
     if sk is not None:
         out["plan_par"] = dataclasses.replace(sk, par_reduce=True)
-    return out
+    return _cluster_filter(out)
 
 
 def fp8_operands(m: int, n: int, k: int):
@@ -164,7 +197,7 @@ def fp8_operands(m: int, n: int, k: int):
 
 
 def fp8_runs_of(m, n, k, a8, sfa, sfa_t, b8, sfb, d) -> dict:
-    runs = {"default": lambda: deepgemm.fp8_gemm_nt((a8, sfa_t), (b8, sfb), d)}
+    runs = {} if CLUSTER == "only" else {"default": lambda: deepgemm.fp8_gemm_nt((a8, sfa_t), (b8, sfb), d)}
     for name, cfg in fp8_plans(m, n, k).items():
         runs[name] = lambda cfg=cfg: cuda_gemm.dense(a8, sfa_t, b8, sfb, d, None, config=cfg)
     return runs
@@ -185,7 +218,7 @@ def run_fp8_shape(m: int, n: int, k: int) -> dict:
         if GRAPH:
             t["graph_vs_rowwise"] = row_t["graph_us"] / t["graph_us"]
         row["runs"][name] = t
-    best = min(row["runs"].items(), key=lambda kv: kv[1]["us"])
+    best = min(row["runs"].items(), key=lambda kv: kv[1]["us"], default=("none", None))
     print(f"fp8 {m}x{n}x{k}: _scaled_mm row {row_t['us']:.1f} us; "
           + "; ".join(f"{nm} {t['us']:.1f} {t['vs_rowwise']:.2f}x{' BAD' if t['calc_diff'] > 1e-5 else ''}"
                       for nm, t in row["runs"].items()) + f" | best {best[0]}", flush=True)
@@ -212,15 +245,20 @@ def run_shape(m: int, n: int, k: int, acc: bool) -> dict:
         d.copy_(d0)
         return v
 
+    cfgs = plans_for(m, n, k)
     for name, fn in runs_of(m, n, k, a, b, d, c).items():
         diff = check(fn)
         t = timed(fn)
         t["calc_diff"] = diff
+        info = clusters_info(m, n, cfgs.get(name), lambda cfg: splitk.splitk_key(cfg, n, k, d.dtype,
+                                                                                  None if c is None else c.dtype))
+        if info:
+            t["clusters"] = info
         t["vs_cublas"] = cub["us"] / t["us"]
         if GRAPH:
             t["graph_vs_cublas"] = cub["graph_us"] / t["graph_us"]
         row["runs"][name] = t
-    best = min(row["runs"].items(), key=lambda kv: kv[1]["us"])
+    best = min(row["runs"].items(), key=lambda kv: kv[1]["us"], default=("none", None))
     nbytes = (n * k + m * k) * 2 + m * n * d.element_size() * (2 if acc else 1)
     row["byte_floor_us_at_4tbps"] = nbytes / 4.0e12 * 1e6
     print(f"{m}x{n}x{k}{' acc' if acc else ''} ({row['out']}): cuBLAS {cub['us']:.1f} us"
@@ -233,7 +271,7 @@ def run_shape(m: int, n: int, k: int, acc: bool) -> dict:
 
 
 def main() -> None:
-    global GRAPH
+    global GRAPH, CLUSTER
     ap = argparse.ArgumentParser()
     ap.add_argument("--graph", action="store_true")
     ap.add_argument("--jobs", type=int, default=8)
@@ -244,10 +282,14 @@ def main() -> None:
     ap.add_argument("--fp8-m", default="", help="fp8 rows at these M (vs _scaled_mm per-row), e.g. 128")
     ap.add_argument("--fp8-nk", default=None, help="only these fp8 N x K")
     ap.add_argument("--prewarm-only", action="store_true")
+    ap.add_argument("--cluster", choices=("all", "no", "only"), default="all",
+                    help="the cluster_reduce plans too / not / only (a run of its own: a cluster plan that hangs)")
+    ap.add_argument("--name", default="sweep_small_m.json", help="the JSON's file name in --out")
     ap.add_argument("--once", action="store_true", help="one launch of each contender (under ncu), no timing")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     GRAPH = args.graph
+    CLUSTER = args.cluster
     nks = NK if args.nk is None else [tuple(int(v) for v in s.split("x")) for s in args.nk.split(",")]
     acc_nks = nks if args.acc_nk is None else [tuple(int(v) for v in s.split("x")) for s in args.acc_nk.split(",")]
     cases = [(m, n, k, bool(int(acc))) for m in (int(x) for x in args.m.split(",") if x) for n, k in nks
@@ -279,23 +321,31 @@ def main() -> None:
         torch.cuda.synchronize()
         print("once: done", flush=True)
         return
-    rows = [run_shape(*cs) for cs in cases]
-    fp8_rows = [run_fp8_shape(*cs) for cs in fp8_cases]
+    meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+            "timing": "tilehal.bench median of 30, L2 flushed" + ("; graph: tilehal.bench_graph, L2 flushed"
+                                                                  if GRAPH else ""),
+            "cublas": "torch.mm out= (bf16), out_dtype=float32 (fp32), d.addmm_ (C = D)", "cluster": CLUSTER,
+            "env": {k: v for k, v in os.environ.items() if k.startswith("DEEPGEMM_")}}
+    rows, fp8_rows = [], []
+
+    def save() -> None:  # after every row: a run cut short keeps what it measured
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / args.name).write_text(json.dumps({"meta": meta, "rows": rows, "fp8_rows": fp8_rows}, indent=1))
+
+    for cs in cases:
+        rows.append(run_shape(*cs))
+        save()
+    for cs in fp8_cases:
+        fp8_rows.append(run_fp8_shape(*cs))
+        save()
     best = {}
     for r in rows:
         for nm, t in r["runs"].items():
             best.setdefault(nm, []).append(t["vs_cublas"])
     geo = {nm: math.exp(sum(map(math.log, v)) / len(v)) for nm, v in best.items() if len(v) == len(rows)}
     print("geo-mean vs cuBLAS (rows where every variant ran):", geo)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-                "timing": "tilehal.bench median of 30, L2 flushed" + ("; graph: tilehal.bench_graph, L2 flushed"
-                                                                      if GRAPH else ""),
-                "cublas": "torch.mm out= (bf16), out_dtype=float32 (fp32), d.addmm_ (C = D)",
-                "env": {k: v for k, v in os.environ.items() if k.startswith("DEEPGEMM_")}}
-        (args.out / "sweep_small_m.json").write_text(json.dumps({"meta": meta, "rows": rows, "fp8_rows": fp8_rows}, indent=1))
 
 
 if __name__ == "__main__":

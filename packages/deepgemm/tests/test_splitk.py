@@ -496,24 +496,31 @@ PAR_CASES = [(False, (128, 2112, 7168), (128, 128, 7), None), (False, (128, 576,
              (True, (64, 576, 7168), (64, 64, 7), torch.float32), (True, (5, 129, 1040), (64, 128, 3), torch.float32)]
 
 
-def par_cfg(fp8, m, n, k, bm, bn, splits, par=True):
+def par_cfg(fp8, m, n, k, bm, bn, splits, par=True, cluster=False):
     kb = -(-k // (128 if fp8 else 64))
-    return SplitKConfig(block_m=bm, block_n=bn, splits=effective_splits(kb, min(splits, kb)),
-                        stages=splitk.max_stages(bm, bn, fp8), num_sms=132, fp8=fp8, par_reduce=par)
+    return SplitKConfig(block_m=bm, block_n=bn, splits=effective_splits(kb, min(splits if not cluster else min(splits, 8),
+                                                                                 kb)),
+                        stages=splitk.max_stages(bm, bn, fp8), num_sms=132, fp8=fp8, par_reduce=par and not cluster,
+                        cluster_reduce=cluster)
 
 
 def par_keys():
     keys = []
     for fp8, (m, n, k), (bm, bn, s), cd in PAR_CASES:
-        keys.append(splitk_key(par_cfg(fp8, m, n, k, bm, bn, s), n, k, cd or torch.bfloat16, cd, fp8=fp8))
+        for cluster in (False, True):
+            cfg = par_cfg(fp8, m, n, k, bm, bn, s, cluster=cluster)
+            keys.append(splitk_key(cfg, n, k, cd or torch.bfloat16, cd, fp8=fp8))
     return keys
 
 
 def test_par_reduce_key_and_one_split():
     cfg = par_cfg(False, 128, 2112, 7168, 128, 128, 7)
-    assert splitk_key(cfg, 2112, 7168, torch.bfloat16, None).expression.endswith(", 1, true>")
+    assert splitk_key(cfg, 2112, 7168, torch.bfloat16, None).expression.endswith(", 1, 1>")
     one = dataclasses_replace(cfg, splits=1)  # one split: nothing to reduce, the plain kernel
-    assert not splitk_key(one, 2112, 7168, torch.bfloat16, None).par_reduce
+    assert splitk_key(one, 2112, 7168, torch.bfloat16, None).reduce == 0
+    clu = dataclasses_replace(cfg, par_reduce=False, cluster_reduce=True)
+    assert splitk_key(clu, 2112, 7168, torch.bfloat16, None).expression.endswith(", 1, 2>")
+    assert clu.smem_bytes >= 128 * 136 * 4
 
 
 @pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
@@ -524,12 +531,13 @@ def test_par_reduce_kernels_compile_without_spills(h):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", PAR_CASES, ids=[f"{'fp8' if c[0] else 'bf16'}-{c[1][0]}x{c[1][1]}x{c[1][2]}"
                                                  for c in PAR_CASES])
-def test_par_reduce_matches_reference_and_last_cta_bitwise(case):
+@pytest.mark.parametrize("cluster", [False, True], ids=["par", "cluster"])
+def test_par_reduce_matches_reference_and_last_cta_bitwise(case, cluster):
     from deepgemm import cuda_gemm
 
     fp8, (m, n, k), (bm, bn, s), cd = case
-    cfg = par_cfg(fp8, m, n, k, bm, bn, s)
-    last = dataclasses_replace(cfg, par_reduce=False)
+    cfg = par_cfg(fp8, m, n, k, bm, bn, s, cluster=cluster)
+    last = dataclasses_replace(cfg, par_reduce=False, cluster_reduce=False)
     c = None if cd is None else torch.randn(m, n, device="cuda").to(cd)
     d = torch.empty(m, n, dtype=cd or torch.bfloat16, device="cuda")
     outs = []
@@ -546,9 +554,9 @@ def test_par_reduce_matches_reference_and_last_cta_bitwise(case):
             cuda_gemm.dense(a, None, b, None, d, c, config=conf)
             outs.append(d.clone())
     assert deepgemm.testing.calc_diff(outs[0], ref) < 1e-5
-    deepgemm.testing.assert_bitwise_equal(outs[0], outs[1], "par_reduce repeated")
+    deepgemm.testing.assert_bitwise_equal(outs[0], outs[1], "reduction repeated")
     # the same partials summed in the same split order: the last-CTA reduction's bits
-    deepgemm.testing.assert_bitwise_equal(outs[0], outs[2], "par_reduce vs last-CTA")
+    deepgemm.testing.assert_bitwise_equal(outs[0], outs[2], "par / cluster reduction vs last-CTA")
 
 
 @pytest.mark.gpu
@@ -560,6 +568,15 @@ def test_par_reduce_refuses_a_grid_past_one_wave():
     d = torch.empty(128, 4096, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(tilehal.ArgumentError, match="par_reduce"):
         cuda_gemm.dense(a, None, b, None, d, None, config=cfg)
+
+
+def test_cluster_reduce_refuses_more_than_8_splits_before_any_launch():
+    a = torch.zeros(128, 7168, dtype=torch.bfloat16)
+    b = torch.zeros(256, 7168, dtype=torch.bfloat16)
+    d = torch.empty(128, 256, dtype=torch.bfloat16)
+    cfg = SplitKConfig(block_m=128, block_n=64, splits=14, stages=4, num_sms=132, cluster_reduce=True)
+    with pytest.raises(tilehal.ArgumentError, match="cluster_reduce: expected multicast 1 and at most 8 splits"):
+        splitk.dense_bf16(a, b, d, None, cfg)
 
 
 def test_par_reduce_refuses_multicast_before_any_launch():

@@ -82,7 +82,8 @@ class SplitKConfig:
     num_sms: int
     multicast: int = 1  # 2: 2-CTA clusters along N sharing the A tile (kernels/splitk_sm90.cuh MCAST)
     fp8: bool = False  # an fp8 plan: each stage also holds BLOCK_M activation scales
-    par_reduce: bool = False  # every split reduces a slice of its tile (kernels/splitk_sm90.cuh PAR_REDUCE)
+    par_reduce: bool = False  # every split reduces a slice of its tile (kernels/splitk_sm90.cuh REDUCE = 1)
+    cluster_reduce: bool = False  # a tile's splits are one cluster, reduced through shared memory (REDUCE = 2)
 
     @property
     def num_threads(self) -> int:
@@ -90,7 +91,17 @@ class SplitKConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.block_m, self.block_n, self.stages, self.fp8)
+        ring = smem_bytes(self.block_m, self.block_n, self.stages, self.fp8)
+        if self.cluster_reduce and self.splits > 1:  # the fp32 partial tile (padded rows) over the drained ring
+            return max(ring, self.block_m * (self.block_n + 8) * 4 + SMEM_SLACK)
+        return ring
+
+    @property
+    def reduce(self) -> int:
+        """The kernel's REDUCE: 0 last CTA, 1 every split a slice (par_reduce), 2 through the cluster."""
+        if self.splits <= 1:
+            return 0
+        return 2 if self.cluster_reduce else 1 if self.par_reduce else 0
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
         """(n-blocks, m-blocks, splits); with multicast the n-blocks are a whole number of clusters (an odd
@@ -203,7 +214,7 @@ class SplitKKey:
     b_mn: bool = False  # B read MN-major in place (stored [K, N])
     fp8: bool = False  # e4m3 operands with 1x128 / 128x128 scales (K-major)
     multicast: int = 1  # CTAs per cluster sharing the A tile
-    par_reduce: bool = False  # every split reduces a slice of the tile (one co-resident wave)
+    reduce: int = 0  # 0 last CTA, 1 every split reduces a slice (one co-resident wave), 2 cluster shared memory
 
     @property
     def expression(self) -> str:
@@ -215,8 +226,8 @@ class SplitKKey:
 
         return (f"deepgemm::splitk_sm90<{b(self.fp8)}, {self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
                 f"{self.splits}, {out}, {b(self.has_c)}, {ct}, {b(self.a_mn)}, {b(self.b_mn)}"
-                f"{f', {self.multicast}' if self.multicast > 1 or self.par_reduce else ''}"
-                f"{', true' if self.par_reduce else ''}>")
+                f"{f', {self.multicast}' if self.multicast > 1 or self.reduce else ''}"
+                f"{f', {self.reduce}' if self.reduce else ''}>")
 
 
 def splitk_key(cfg: SplitKConfig, n: int, k: int, out_dtype: torch.dtype, c_dtype: torch.dtype | None,
@@ -224,7 +235,7 @@ def splitk_key(cfg: SplitKConfig, n: int, k: int, out_dtype: torch.dtype, c_dtyp
     return SplitKKey(n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages, splits=cfg.splits,
                      out_bf16=out_dtype == torch.bfloat16, has_c=c_dtype is not None,
                      c_bf16=c_dtype == torch.bfloat16, a_mn=a_mn, b_mn=b_mn, fp8=fp8, multicast=cfg.multicast,
-                     par_reduce=cfg.par_reduce and cfg.splits > 1)
+                     reduce=cfg.reduce)
 
 
 def pick_tiles(m: int, n: int, k: int, num_sms: int) -> SplitKConfig:
@@ -344,9 +355,12 @@ def _launch(key: SplitKKey, cfg: SplitKConfig, m: int, n: int, a: torch.Tensor, 
     if cfg.multicast not in (1, 2):
         raise tilehal.ArgumentError(f"config.multicast: expected 1 or 2, got {cfg.multicast}")
     grid = cfg.grid(m, n)
-    if key.par_reduce and cfg.multicast > 1:  # clusters may not all be resident at once: the waits could hang
+    if key.reduce == 1 and cfg.multicast > 1:  # clusters may not all be resident at once: the waits could hang
         raise tilehal.ArgumentError("config.par_reduce: expected multicast 1 (clusters are not guaranteed co-resident)")
-    if key.par_reduce and grid[0] * grid[1] * grid[2] > _device_sms(a.device):
+    if key.reduce == 2 and (cfg.multicast > 1 or cfg.splits > 8):
+        raise tilehal.ArgumentError(f"config.cluster_reduce: expected multicast 1 and at most 8 splits (one portable "
+                                    f"cluster per tile), got multicast {cfg.multicast}, {cfg.splits} splits")
+    if key.reduce == 1 and grid[0] * grid[1] * grid[2] > _device_sms(a.device):
         raise tilehal.ArgumentError(f"config.par_reduce: expected a grid of at most {_device_sms(a.device)} CTAs "
                                     f"(one per SM: every split waits for the others), got {grid}")
     kern = _kernel(key)
@@ -354,7 +368,7 @@ def _launch(key: SplitKKey, cfg: SplitKConfig, m: int, n: int, a: torch.Tensor, 
     ws, counters = _workspace(a.device, cfg.splits * m * n if cfg.splits > 1 else 0, 2 * grid[0] * grid[1])
     da = _operand_descriptor(a, cfg.block_m // cfg.multicast)  # with multicast each CTA loads half of A's tile
     db = _operand_descriptor(b, cfg.block_n)
-    cluster = (cfg.multicast, 1, 1) if cfg.multicast > 1 else None
+    cluster = (cfg.multicast, 1, 1) if cfg.multicast > 1 else (1, 1, cfg.splits) if key.reduce == 2 else None
     kern.launch(grid, cfg.num_threads, [da, db, sfa_desc, *out_args, ws, counters, m, *scale_args],
                 smem_bytes=cfg.smem_bytes, cluster=cluster)
 

@@ -7,19 +7,22 @@
 // rate. Here the K loop is split instead: the grid is (n-blocks, m-blocks, SPLITS), CTA (x, y, z)
 // computes tile (y, x) over K blocks [z * KB_PER_SPLIT, (z + 1) * KB_PER_SPLIT), and the partial
 // sums of a tile are combined by whichever of its CTAs finishes last:
-//   - every CTA writes its fp32 partial tile (only rows < M) to the workspace `ws`,
+//   - (REDUCE = 0) every CTA writes its fp32 partial tile (only rows < M) to the workspace `ws`,
 //     __threadfence(), then one thread increments the tile's counter;
 //   - the CTA that sees SPLITS - 1 adds the partials in split order 0 .. SPLITS - 1 (its own read
 //     back too: the same value it wrote), adds C, converts and stores D, and resets the counter
 //     to 0 for the next launch.
 // The sum order never depends on which CTA finishes last, so results are deterministic. The
 // counters are zero-initialized once on the host; every launch leaves them zero again.
-// PAR_REDUCE: every CTA of a tile reduces 1/SPLITS of it instead (same split order, same sums): each
+// REDUCE = 1 (PAR_REDUCE): every CTA of a tile reduces 1/SPLITS of it instead (same split order, same sums): each
 // waits on the tile's counter until all SPLITS partials are written, sums its slice and D is written by
 // all of them at once; a second counter per tile counts the slices done and the last resets both. The
 // last-CTA scheme moves SPLITS x BLOCK_M x BLOCK_N x 4 bytes through one SM after the main loop (at
 // M = 128 that tail is a few us); here each SM moves 1/SPLITS of it. The wait needs every CTA of the
 // grid resident at once: the host launches it only when the grid is one wave (grid <= SMs x CTAs/SM).
+// REDUCE = 2: the SPLITS CTAs of a tile are one thread-block cluster (1, 1, SPLITS <= 8): partials stay in each
+// CTA's shared memory and CTA r sums slice r of the tile over the cluster through distributed shared memory
+// (split order), then writes D; no fp32 partials go through L2 at all (gang scheduling: no wait can hang).
 //
 // Operands may be MN-major (A_MN: A stored [K, M]; B_MN: B stored [K, N], i.e. DeepGEMM's "t" A /
 // "n" B): such a tile is loaded as BLOCK/64 TMA boxes of 64 MN-elements x 64 K-rows (128-byte
@@ -71,11 +74,24 @@ TILEHAL_DEVICE int ld_acquire_gpu(const int* p) {
   return v;
 }
 
+// The shared::cluster address of `p` (this CTA's shared memory) in CTA `rank` of the cluster, and a 16-byte load there.
+TILEHAL_DEVICE u32 mapa_shared(const void* p, u32 rank) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+  return remote;
+}
+TILEHAL_DEVICE float4 ld_shared_cluster_f4(u32 addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr) : "memory");
+  return v;
+}
+
 // C (added when HAS_C) is read in its own dtype CT: fp32, or bf16 (DeepGEMM's bf16 accumulation).
 // FP8: tma_sfa describes the MN-major sfa as [ceil(K/128), M] fp32 (boxes of 1 x BLOCK_M), sfb is fp32
 // [ceil(N/128), ceil(K/128)]; bf16 kernels take a zero descriptor and a null pointer there.
 template <bool FP8, int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int SPLITS, typename OutT,
-          bool HAS_C, typename CT, bool A_MN, bool B_MN, int MCAST = 1, bool PAR_REDUCE = false>
+          bool HAS_C, typename CT, bool A_MN, bool B_MN, int MCAST = 1, int REDUCE = 0>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
             const __grid_constant__ TmaDescriptor tma_sfa, OutT* d, const CT* c, float* __restrict__ ws,
@@ -98,6 +114,11 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
   static_assert(!B_MN || BLOCK_N % 64 == 0, "an MN-major B tile is whole 64-column atoms");
   static_assert(!FP8 || (!A_MN && !B_MN && 128 % BLOCK_N == 0), "fp8: K-major operands, one weight-scale block per tile");
   static_assert(MCAST == 1 || (MCAST == 2 && !A_MN), "multicast: 2-CTA clusters sharing a K-major A");
+  constexpr bool PAR_REDUCE = REDUCE == 1;
+  constexpr bool CLUSTER_REDUCE = REDUCE == 2 && SPLITS > 1;
+  static_assert(REDUCE >= 0 && REDUCE <= 2 && (!CLUSTER_REDUCE || (MCAST == 1 && SPLITS <= 8)),
+                "reduce: 0 last CTA, 1 every split a slice, 2 through the cluster's shared memory (<= 8 splits)");
+  constexpr int RED_STRIDE = BLOCK_N + 8;  // fp32 partial tile rows in shared memory (padded: 2-way stores)
   constexpr int ATOM_BYTES = 64 * 128;  // one MN-major atom column: 64 K-rows of 128 bytes
   using Mma = Wgmma16<BLOCK_N>;  // bf16 wgmma with the transpose immediates (MN-major operands)
 
@@ -136,38 +157,44 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
   if (tid >= NUM_MATH_THREADS) {
     // ---------------------------------------------------------------- producer warpgroup
     setmaxnreg_dec<kSplitKProducerRegs<NUM_MATH_WG>>();
-    if (tid != NUM_MATH_THREADS) return;
-    const int num_kb_total = kb_end - kb_begin;
-    for (int kb = kb_begin, it = 0; kb < kb_end; ++kb, ++it) {
-      const int s = it % STAGES;
-      mbarrier_wait(&empty_bar[s], ((it / STAGES) & 1) ^ 1);
-      mbarrier_arrive_expect_tx(&full_bar[s], A_BYTES + B_BYTES + SFA_BYTES);
-      if constexpr (FP8) tma_load_2d(smem_sfa + s * BLOCK_M, &tma_sfa, &full_bar[s], m_block * BLOCK_M, kb);
-      if constexpr (A_MN) {
+    if (tid == NUM_MATH_THREADS) {
+      const int num_kb_total = kb_end - kb_begin;
+      for (int kb = kb_begin, it = 0; kb < kb_end; ++kb, ++it) {
+        const int s = it % STAGES;
+        mbarrier_wait(&empty_bar[s], ((it / STAGES) & 1) ^ 1);
+        mbarrier_arrive_expect_tx(&full_bar[s], A_BYTES + B_BYTES + SFA_BYTES);
+        if constexpr (FP8) tma_load_2d(smem_sfa + s * BLOCK_M, &tma_sfa, &full_bar[s], m_block * BLOCK_M, kb);
+        if constexpr (A_MN) {
 #pragma unroll
-        for (int i = 0; i < BLOCK_M / 64; ++i)
-          tma_load_2d(smem_a + s * A_BYTES + i * ATOM_BYTES, &tma_a, &full_bar[s], m_block * BLOCK_M + i * 64,
-                      kb * BLOCK_K);
-      } else {
-        if constexpr (MCAST > 1) {
-          tma_load_2d_multicast(smem_a + s * A_BYTES + rank * (A_BYTES / 2), &tma_a, &full_bar[s], kb * BLOCK_K,
-                                m_block * BLOCK_M + rank * (BLOCK_M / 2), 0x3);
+          for (int i = 0; i < BLOCK_M / 64; ++i)
+            tma_load_2d(smem_a + s * A_BYTES + i * ATOM_BYTES, &tma_a, &full_bar[s], m_block * BLOCK_M + i * 64,
+                        kb * BLOCK_K);
         } else {
-          tma_load_2d(smem_a + s * A_BYTES, &tma_a, &full_bar[s], kb * BLOCK_K, m_block * BLOCK_M);
+          if constexpr (MCAST > 1) {
+            tma_load_2d_multicast(smem_a + s * A_BYTES + rank * (A_BYTES / 2), &tma_a, &full_bar[s], kb * BLOCK_K,
+                                  m_block * BLOCK_M + rank * (BLOCK_M / 2), 0x3);
+          } else {
+            tma_load_2d(smem_a + s * A_BYTES, &tma_a, &full_bar[s], kb * BLOCK_K, m_block * BLOCK_M);
+          }
+        }
+        if constexpr (B_MN) {
+#pragma unroll
+          for (int i = 0; i < BLOCK_N / 64; ++i)
+            tma_load_2d(smem_b + s * B_BYTES + i * ATOM_BYTES, &tma_b, &full_bar[s], n_block * BLOCK_N + i * 64,
+                        kb * BLOCK_K);
+        } else {
+          tma_load_2d(smem_b + s * B_BYTES, &tma_b, &full_bar[s], kb * BLOCK_K, n_block * BLOCK_N);
         }
       }
-      if constexpr (B_MN) {
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 64; ++i)
-          tma_load_2d(smem_b + s * B_BYTES + i * ATOM_BYTES, &tma_b, &full_bar[s], n_block * BLOCK_N + i * 64,
-                      kb * BLOCK_K);
-      } else {
-        tma_load_2d(smem_b + s * B_BYTES, &tma_b, &full_bar[s], kb * BLOCK_K, n_block * BLOCK_N);
+      if constexpr (MCAST > 1) {
+        // Stay alive until both CTAs' consumers released every stage of this CTA.
+        for (int i = 0, it = num_kb_total; i < STAGES; ++i, ++it) mbarrier_wait(&empty_bar[it % STAGES], ((it / STAGES) & 1) ^ 1);
       }
     }
-    if constexpr (MCAST > 1) {
-      // Stay alive until both CTAs' consumers released every stage of this CTA.
-      for (int i = 0, it = num_kb_total; i < STAGES; ++i, ++it) mbarrier_wait(&empty_bar[it % STAGES], ((it / STAGES) & 1) ^ 1);
+    if constexpr (CLUSTER_REDUCE) {  // the whole warpgroup takes part in the epilogue's two cluster barriers
+      __syncwarp();
+      cluster_sync();  // the partial tiles are in shared memory
+      cluster_sync();  // every CTA has read its slice from the others
     }
     return;
   }
@@ -267,6 +294,64 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
   const int r0 = m_block * BLOCK_M + row_in_tile;
   constexpr bool kEvenN = SHAPE_N % 2 == 0;
   const u64 split_stride = static_cast<u64>(shape_m) * SHAPE_N;
+  if constexpr (CLUSTER_REDUCE) {
+    // The splits of a tile are one cluster: each CTA leaves its fp32 partial tile in its own shared memory
+    // (over the drained ring), and CTA r sums slice r of the tile over all splits in split order
+    // (deterministic) through distributed shared memory, adds C and writes D: no workspace, no counters.
+    named_barrier_sync(1, NUM_MATH_THREADS);  // every warpgroup's wgmmas are done with the ring
+    float* red = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int j = 0; j < BLOCK_N / 8; ++j)
+        *reinterpret_cast<float2*>(red + (row_in_tile + half * 8) * RED_STRIDE + j * 8 + (lane % 4) * 2) =
+            make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+    }
+    __syncwarp();
+    cluster_sync();
+    const u32 rank = cluster_ctarank();
+    constexpr int G = BLOCK_N / 4;  // float4 groups per row
+    const int m0 = m_block * BLOCK_M;
+    const int rows = min(BLOCK_M, shape_m - m0);
+    const int all = rows * G;
+    const int per = (all + SPLITS - 1) / SPLITS;
+    const int first = min(all, static_cast<int>(rank) * per);
+    const int last = min(all, first + per);
+    constexpr bool kVec = SHAPE_N % 4 == 0;
+    u32 peer[SPLITS];
+#pragma unroll
+    for (int sp = 0; sp < SPLITS; ++sp) peer[sp] = mapa_shared(red, sp);
+    for (int i = first + tid; i < last; i += NUM_MATH_THREADS) {
+      const int r = i / G, g = i % G;
+      const int col = n0 + g * 4;
+      if (col >= SHAPE_N) continue;
+      const u32 off = static_cast<u32>((r * RED_STRIDE + g * 4) * 4);
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);  // 0 + split 0 + split 1 ...: the other reductions' exact sums
+#pragma unroll
+      for (int sp = 0; sp < SPLITS; ++sp) {
+        const float4 t = ld_shared_cluster_f4(peer[sp] + off);
+        v.x += t.x, v.y += t.y, v.z += t.z, v.w += t.w;
+      }
+      float x[4] = {v.x, v.y, v.z, v.w};
+      const u64 goff = static_cast<u64>(m0 + r) * SHAPE_N + col;
+      if constexpr (HAS_C) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (kVec || col + u < SHAPE_N) x[u] += to_float(c[goff + u]);
+      }
+      if (kVec) {
+        store_pair(d + goff, x[0], x[1], true, true);
+        store_pair(d + goff + 2, x[2], x[3], true, true);
+      } else {
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (col + u < SHAPE_N) store_pair(d + goff + u, x[u], 0.f, false, false);
+      }
+    }
+    __syncwarp();
+    cluster_sync();  // no CTA leaves while a peer still reads its shared memory
+    return;
+  }
   if constexpr (SPLITS > 1) {
     float* mine = ws + split * split_stride;
 #pragma unroll

@@ -267,6 +267,25 @@ class Kernel:
         a = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attr}")
         return int(_check(driver, driver.cuFuncGetAttribute(a, self._function(dev)), f"attribute {attr}"))
 
+    def max_active_clusters(self, block: Any, smem_bytes: int, cluster: Sequence[int],
+                            device_index: int | None = None) -> int:
+        """The driver's count (cuOccupancyMaxActiveClusters) of `cluster`-shaped thread-block clusters of this
+        kernel, `block` threads and `smem_bytes` of dynamic shared memory per CTA, resident on the device at
+        once: a grid of more clusters runs in waves (sm_90+; raises LaunchError where the driver cannot say)."""
+        import torch
+
+        dev = torch.cuda.current_device() if device_index is None else device_index
+        driver = ensure_context(dev)
+        fn = self._function(dev)
+        if needs_smem_optin(smem_bytes, self._static_smem(dev, fn)) and self._smem_set.get(dev, 0) < smem_bytes:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(driver, driver.cuFuncSetAttribute(fn, attr, int(smem_bytes)),
+                   f"kernel {self.name}: smem_bytes={smem_bytes} exceeds this device's opt-in limit")
+            self._smem_set[dev] = smem_bytes
+        c = _dims(cluster, "cluster")
+        cfg = _cluster_config(driver, c, _dims(block, "block"), smem_bytes, c, driver.CUstream(0))
+        return int(_check(driver, driver.cuOccupancyMaxActiveClusters(fn, cfg), f"max active clusters of {self.name}"))
+
     def launch(
         self,
         grid: int | Sequence[int],
