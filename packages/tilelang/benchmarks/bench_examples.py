@@ -37,8 +37,9 @@ import torch.nn.functional as F
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FP8_SHAPES = [(4096, 7168, 2048), (4096, 2112, 7168), (4096, 24576, 1536)]
 # fp8: (block_M, block_N, num_stages, threads, swizzle panel[, pass_configs])
-FP8_CONFIGS = [(128, 128, 4, 256, 8), (128, 128, 5, 256, 8), (128, 128, 5, 256, 8, {"cuda_persistent": True}),
-               (128, 64, 8, 256, 8)]  # N=2112: 33 x 32 = 1056 tiles, exactly 8 waves of 132
+PERSISTENT = {"cuda_persistent": True}  # one CTA per SM loops over tiles: the next tile's loads overlap the epilogue
+FP8_CONFIGS = [(128, 128, 4, 256, 8), (128, 128, 4, 256, 8, PERSISTENT), (128, 128, 5, 256, 8, PERSISTENT),
+               (128, 64, 8, 256, 8, PERSISTENT)]  # 128x64: N=2112 in 33 x 32 = 1056 tiles, exactly 8 waves of 132
 # decode: (num_split, block_N, num_stages, threads); 32 threads: one warp per CTA, no cross-warp softmax reductions
 DECODE_CONFIGS = [(1, 64, 2, 128), (1, 64, 3, 128), (4, 64, 2, 32), (8, 32, 3, 32), (8, 64, 2, 32)]
 TUNE_WITH_AUTOTUNER = True  # --no-autotune: skip the autotuner pass of the fp8 rows
@@ -130,7 +131,8 @@ def _fp8_shape(deepgemm, ex, m, n, k, configs) -> dict:
     sfa_dg = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
     deepgemm.fp8_gemm_nt((a8, sfa_dg), (b8, sfb), d_dg)
     peers = {"deepgemm": try_time(lambda: deepgemm.fp8_gemm_nt((a8, sfa_dg), (b8, sfb), d_dg)),
-             "scaled_mm_blockwise": try_time(lambda: torch._scaled_mm(a8, b8.T, scale_a=sfa, scale_b=sfb.T,
+             # cuBLAS's blockwise recipe wants the activation scales MN-major (deepgemm's layout), sfb.T for B
+             "scaled_mm_blockwise": try_time(lambda: torch._scaled_mm(a8, b8.T, scale_a=sfa_dg, scale_b=sfb.T,
                                                                       out_dtype=torch.bfloat16))}
     one_a, one_b = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
     peers["scaled_mm_rowwise"] = try_time(lambda: torch._scaled_mm(a8, b8.T, scale_a=one_a, scale_b=one_b,
@@ -152,20 +154,31 @@ def _fp8_shape(deepgemm, ex, m, n, k, configs) -> dict:
 # ---------------------------------------------------------------- paged decode
 
 
-def bench_decode(configs, batch=64, seq_len=4096) -> list[dict]:
-    import kvpool
+DECODE_SHAPE = (32, 8, 128, 16)  # q heads, kv heads, head_dim, block_size
 
-    ex = load("paged_decode")
-    HQ, H, D, BS = 32, 8, 128, 16
+
+def build_pool(kvpool, batch, seq_len):
+    """A bf16 KVPool holding `batch` sequences of `seq_len` random tokens, appended round-robin in chunks of 8
+    blocks (the sequences' blocks interleave in the pool, as in serving)."""
+    _, H, D, BS = DECODE_SHAPE
     pool = kvpool.KVPool(1, H, D, batch * seq_len // BS, block_size=BS, dtype=torch.bfloat16, device="cuda",
                          prefix_caching=False, watermark=0.0)
     for b in range(batch):
         pool.add_sequence(b, [0])
-    for _ in range(seq_len // (BS * 8)):  # appended round-robin: sequences' blocks interleave in the pool
+    for _ in range(seq_len // (BS * 8)):
         for b in range(batch):
             pool.append(b, BS * 8)
     pool.k_cache.normal_()
     pool.v_cache.normal_()
+    return pool
+
+
+def bench_decode(configs, batch=64, seq_len=4096) -> list[dict]:
+    import kvpool
+
+    ex = load("paged_decode")
+    HQ, H, D, BS = DECODE_SHAPE
+    pool = build_pool(kvpool, batch, seq_len)
     ids = list(range(batch))
     bt, sl = pool.block_table(ids), pool.seq_lens(ids)
     kc, vc = pool.layer_cache(0)
@@ -233,7 +246,8 @@ def _rmsnorm_shape(ex, m, n) -> dict:
     t_torch = try_time(lambda: ex.reference(x, w))
     nbytes = m * n * 2 + n * 2 + m * n + m * (n // 128) * 4
     row = {"kind": "rmsnorm_fp8", "shape": [m, n], "ours_us": t_ours * 1e6, "ours_GBps": nbytes / t_ours / 1e9,
-           "max_rel_err_dequantized": err, "scale_max_rel_err": ((s - rs).abs() / rs).max().item()}
+           "max_rel_err_dequantized": err, "scale_max_rel_err": ((s - rs).abs() / rs).max().item(),
+           "fp8_codes_differing": (q.float() != rq.float()).float().mean().item()}
     if isinstance(t_torch, str):
         row["torch_error"] = t_torch
     else:
@@ -272,6 +286,58 @@ def _gqa_case(ex, causal) -> dict:
     return row
 
 
+# ---------------------------------------------------------------- one launch of each, for ncu
+
+
+def ncu_launch(best_json: Path) -> None:
+    """Launch once each: our fastest fp8 GEMM (first shape) and paged decode of `best_json` (a JSON this
+    script wrote), deepgemm's and kvpool's kernels on the same inputs. Run under
+    `ncu --clock-control none -k regex:'tl_main|gemm|paged_decode' ...`."""
+    import deepgemm
+    import kvpool
+
+    rows = json.loads(best_json.read_text())["rows"]
+    fp8, pd = load("fp8_gemm"), load("paged_decode")
+    m, n, k = FP8_SHAPES[0]
+    best = next(r["best_config"] for r in rows["fp8"] if r.get("shape") == [m, n, k])
+    tiles = [int(x) for x in best.split("_")[0].split("x")]
+    pcfg = PERSISTENT if "cuda_persistent" in best else None
+    a8, sfa = fp8.per_token_cast_to_fp8(torch.randn(m, k, device="cuda"))
+    b8, sfb = fp8.per_block_cast_to_fp8(torch.randn(n, k, device="cuda"))
+    kern = tilelang.compile(fp8.fp8_gemm_program(m, n, k, *tiles), out_idx=[-1], target="cuda", pass_configs=pcfg)
+    d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    sfa_dg = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
+    deepgemm.fp8_gemm_nt((a8, sfa_dg), (b8, sfb), d)  # JIT compile before the profiled launches
+    torch.cuda.synchronize()
+    print("ncu launch: ours fp8", best, flush=True)
+    kern(a8, b8, sfa.T.contiguous(), sfb)
+    torch.cuda.synchronize()
+    print("ncu launch: deepgemm fp8", flush=True)
+    deepgemm.fp8_gemm_nt((a8, sfa_dg), (b8, sfb), d)
+    torch.cuda.synchronize()
+    best = rows["decode"][0]["best_config"]  # split{ns}_n{bn}_s{st}_t{th}
+    ns, bn, st, th = (int(x[1:] if x[0] in "nst" and not x.startswith("split") else x[5:])
+                      for x in best.split("_"))
+    batch, seq_len = 64, 4096
+    HQ, H, D, BS = DECODE_SHAPE
+    pool = build_pool(kvpool, batch, seq_len)
+    ids = list(range(batch))
+    bt, sl = pool.block_table(ids), pool.seq_lens(ids)
+    kc, vc = pool.layer_cache(0)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    kern = tilelang.compile(pd.paged_decode_program(batch, HQ, H, D, kc.shape[0], BS, bt.shape[1], ns, bn, 16, st, th),
+                            out_idx=[-1], target="cuda")
+    lse, op = torch.empty(batch, HQ, ns, device="cuda"), torch.empty(batch, HQ, ns, D, device="cuda")
+    kvpool.paged_decode(q, pool, 0, bt, sl)
+    torch.cuda.synchronize()
+    print("ncu launch: ours decode", best, flush=True)
+    kern(q, kc, vc, bt, sl, lse, op)
+    torch.cuda.synchronize()
+    print("ncu launch: kvpool decode", flush=True)
+    kvpool.paged_decode(q, pool, 0, bt, sl)
+    torch.cuda.synchronize()
+
+
 BENCHES = {"fp8": (bench_fp8, FP8_CONFIGS), "decode": (bench_decode, DECODE_CONFIGS),
            "rmsnorm_fp8": (bench_rmsnorm_fp8, None), "gqa": (bench_gqa, None)}
 
@@ -282,7 +348,11 @@ def main() -> None:
     ap.add_argument("--configs", choices=["all", "default"], default="all")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--no-autotune", action="store_true", help="skip the fp8 rows' @tilelang.autotune pass")
+    ap.add_argument("--ncu-launch", type=Path, default=None, metavar="JSON",
+                    help="launch the fastest configs of JSON once each (and the peers), for ncu; no timing")
     args = ap.parse_args()
+    if args.ncu_launch:
+        return ncu_launch(args.ncu_launch)
     global TUNE_WITH_AUTOTUNER
     TUNE_WITH_AUTOTUNER = not args.no_autotune
     if not torch.cuda.is_available():

@@ -275,6 +275,7 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         interpreter's allocation semantics); the others are left as they are (no wasted pass)."""
         self.zero_init: set[Buffer] = set()
         first: dict[Buffer, bool] = {}
+        rows: dict[Buffer, set[int]] = {}  # dim-0 indices written so far by unconditional full-row copies
 
         def visit(s: Stmt, cond: bool) -> None:
             if isinstance(s, (Seq, Kernel)):
@@ -300,9 +301,16 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
                     continue
                 full = False
                 if b in writes and b not in reads and not cond and isinstance(s, (Copy, Fill)):
-                    r = s.dst
-                    full = tuple(r.extents) == b.static_shape() and all(isinstance(x, Const) and x.value == 0
-                                                                         for x in r.starts)
+                    r, shape = s.dst, b.static_shape()
+                    full = tuple(r.extents) == shape and all(isinstance(x, Const) and x.value == 0 for x in r.starts)
+                    # copies of consecutive row blocks (a KV tile gathered page by page) fill it together
+                    if not full and shape and all(isinstance(x, Const) for x in r.starts) \
+                            and tuple(r.extents[1:]) == shape[1:] and all(x.value == 0 for x in r.starts[1:]):
+                        got = rows.setdefault(b, set())
+                        got.update(range(r.starts[0].value, r.starts[0].value + int(r.extents[0])))
+                        if len(got) < shape[0]:
+                            continue  # not decided yet: the next statements may write the other rows
+                        full = True
                 first[b] = full
         visit(self.kernel.body, False)
         self.zero_init = {b for b, full in first.items() if not full}
