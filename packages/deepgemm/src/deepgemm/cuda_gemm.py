@@ -86,8 +86,8 @@ def compile_kernel(key: KernelKey, extra_options: tuple[str, ...] = ()) -> tileh
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel(key: KernelKey) -> tilehal.Kernel:
-    return compile_kernel(key).get_kernel(key.expression)
+def _kernel(key: KernelKey, extra_options: tuple[str, ...] = ()) -> tilehal.Kernel:
+    return compile_kernel(key, extra_options).get_kernel(key.expression)
 
 
 def kernel_key(cfg: GemmConfig, n: int, k: int, grouping: str, num_groups: int, out_dtype: torch.dtype,
@@ -216,8 +216,9 @@ def grid_size(cfg: GemmConfig, tiles: int) -> int:
     return max(mc, min(cfg.num_sms, ceil_div(tiles, mc) * mc) // mc * mc)
 
 
-def _launch(key: KernelKey, cfg: GemmConfig, tiles: int, descs, d_desc, sfb, d, c, group_info, shape_m: int) -> None:
-    kern = _kernel(key)
+def _launch(key: KernelKey, cfg: GemmConfig, tiles: int, descs, d_desc, sfb, d, c, group_info, shape_m: int,
+            extra_options: tuple[str, ...] = ()) -> None:
+    kern = _kernel(key, extra_options)
     if cfg.kind == "fp8" and not cfg.overlap_promotion and log.isEnabledFor(logging.DEBUG):
         log.debug("fp8 promotion not overlapped with the next wgmma: %s",
                   "DEEPGEMM_FP8_OVERLAP=0" if not cfg.allow_overlap else
@@ -363,7 +364,10 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     _launch(key, cfg, tiles, descs, _d_descriptor(d, cfg), sfb_c, d, bias if bias is not None else c, None, m)
 
 
-def grouped_contiguous(a, sfa, b, sfb, d, m_indices) -> None:
+def grouped_contiguous(a, sfa, b, sfb, d, m_indices, config: GemmConfig | None = None,
+                       extra_options: tuple[str, ...] = ()) -> None:
+    """m-grouped contiguous GEMM. `config` overrides the heuristic and `extra_options` are added to the kernel's
+    NVRTC options (-D switches of kernels/gemm_sm90.cuh): the benchmarks' A/B of variants."""
     if sfa is None and b.dim() == 3 and b.stride(-1) != 1:
         # bf16 B stored MN-major ([G, K, N] seen as [G, N, K]: DeepGEMM's SM90 bf16 grouped tests pass it to
         # the nt entry point): the grouped kernel reads K-major tiles, so B is copied once (logged).
@@ -375,14 +379,15 @@ def grouped_contiguous(a, sfa, b, sfb, d, m_indices) -> None:
     if m == 0 or n == 0:
         return
     fp8 = sfa is not None
-    cfg = pick_config("fp8" if fp8 else "bf16", m, n, k, num_groups=g, grouping="contiguous",
-                      **epilogue(d, n, False, "contiguous"), max_multicast=max_multicast(), overlap=overlap_allowed())
+    cfg = config or pick_config("fp8" if fp8 else "bf16", m, n, k, num_groups=g, grouping="contiguous",
+                                **epilogue(d, n, False, "contiguous"), max_multicast=max_multicast(),
+                                overlap=overlap_allowed())
     sfa_t = _sfa_layout(sfa) if fp8 else None
     descs = _descriptors(a, b.view(g * n, k), sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
     key = kernel_key(cfg, n, k, "contiguous", g, d.dtype, False)
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
     _launch(key, cfg, tiles, descs, _d_descriptor(d, cfg), sfb.contiguous() if fp8 else None,
-            d, None, m_indices.contiguous(), m)
+            d, None, m_indices.contiguous(), m, extra_options)
 
 
 def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int) -> None:

@@ -73,12 +73,14 @@ class GemmConfig:
     allow_overlap: bool = True  # fp8: overlap promotion with the next wgmma where registers allow
     grouping: str = "normal"  # "normal", "contiguous" or "masked"
     staged_store: int = 0  # without TMA store: bytes per element of the staged copy-out tile (2, 4) or 0 (direct)
+    contiguous_overlap: bool = False  # fp8 contiguous: the overlapped promotion too (A/B timing; see overlaps())
 
     @property
     def overlap_promotion(self) -> bool:
         """Whether the kernel keeps two fp8 partial-sum sets (derived, so replacing block_n stays valid)."""
         # fp32 staging (C or fp32 D) next to three partial-sum sets spills (ptxas): serial promotion there
-        return self.allow_overlap and self.staged_store != 4 and overlaps(self.kind, self.block_n, self.grouping)
+        grouping = "normal" if self.contiguous_overlap and self.grouping == "contiguous" else self.grouping
+        return self.allow_overlap and self.staged_store != 4 and overlaps(self.kind, self.block_n, grouping)
 
     @property
     def d_swizzle(self) -> int:

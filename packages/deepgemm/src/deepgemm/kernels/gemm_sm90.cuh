@@ -47,7 +47,11 @@ template <int NUM_MATH_WG> constexpr int kProducerRegs = 40;
 template <int NUM_MATH_WG> constexpr int kMathRegs = NUM_MATH_WG == 1 ? 256 : 232;
 // The contiguous grouped kernel with the overlapped promotion needs 8 more math registers (its expert
 // lookup): a 24-register producer leaves them (24 x 128 + 240 x 256 = 168 x 384).
-template <int KIND, bool OVERLAP> constexpr bool kLeanProducer = KIND == kGroupedContiguous && OVERLAP;
+#ifndef DEEPGEMM_CONTIG_LEAN_PRODUCER  // -DDEEPGEMM_CONTIG_LEAN_PRODUCER=0: the 40 / 232 split there too (A/B timing)
+#define DEEPGEMM_CONTIG_LEAN_PRODUCER 1
+#endif
+template <int KIND, bool OVERLAP>
+constexpr bool kLeanProducer = DEEPGEMM_CONTIG_LEAN_PRODUCER && KIND == kGroupedContiguous && OVERLAP;
 constexpr int kOverlapGroup = 8;  // fp8 K blocks per drained group of the overlapped promotion
 
 // Which output tile a CTA does next. Producer and consumers run identical copies, and so do the

@@ -1,0 +1,182 @@
+# requires: cuda
+"""deepgemm's m-grouped fp8 GEMMs (contiguous and masked) on one H200, kernel variants side by side.
+
+Contiguous: the issue-19 shapes (4 x 8192 rows at N, K = 4096, 7168; 8 x 4096 at 7168, 2048) and the two
+Mixtral-8x7B MoE GEMMs of bench_models' MoE row (8 experts, the 9216-row static layout of 4096 tokens x
+top-2: gate|up N = 28672, K = 4096; down N = 4096, K = 14336). Each is timed with the heuristic's kernel
+and with the variants given by --variants:
+  serial        the heuristic's pick (serial promotion: wait_group 0 per K block)
+  overlap_lean  overlapped promotion, 24-register producer, 240-register math warpgroups
+  overlap_wide  overlapped promotion, 40 / 232 registers (ptxas spills 12 bytes)
+Every variant's output is compared with the first variant's (calc_diff). Masked: 1 x 1024, 2 x 512,
+4 x 256 at both (N, K), all groups full. Peer: one per-row torch._scaled_mm per group.
+Timing: tilehal.bench (CUDA events, L2 flushed, median of 30) and a CUDA-graph replay.
+
+    python packages/deepgemm/benchmarks/bench_grouped.py [--variants serial,overlap_lean] [--out FILE.json]
+    python packages/deepgemm/benchmarks/bench_grouped.py --compile   # NVRTC only, no GPU (warm the cache)
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import datetime as dt
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from deepgemm import cuda_gemm
+from deepgemm.heuristics import pick_config
+from deepgemm.utils import ceil_div
+
+CONTIGUOUS = [(4, 8192, 4096, 7168), (8, 4096, 7168, 2048), (8, 1152, 28672, 4096), (8, 1152, 4096, 14336)]
+MASKED = [(g, m, n, k) for n, k in ((4096, 7168), (7168, 2048)) for g, m in ((1, 1024), (2, 512), (4, 256))]
+VARIANTS = {
+    "serial": (dict(), ()),
+    "overlap_lean": (dict(contiguous_overlap=True), ()),
+    "overlap_wide": (dict(contiguous_overlap=True), ("-DDEEPGEMM_CONTIG_LEAN_PRODUCER=0",)),
+}
+SMS = 132
+
+
+def contiguous_config(g, rows, n, k, variant, num_sms=SMS):
+    cfg = pick_config("fp8", g * rows, n, k, num_groups=g, grouping="contiguous", num_sms=num_sms, tma_store=True)
+    fields, opts = VARIANTS[variant]
+    return dataclasses.replace(cfg, **fields), opts
+
+
+def masked_config(g, m, n, k, num_sms=SMS):
+    return pick_config("fp8", m, n, k, num_groups=g, grouping="masked", num_sms=num_sms,
+                       staged_store=cuda_gemm.staged_store(torch.bfloat16, n, False, False))
+
+
+def _compile(job):
+    key, opts = job
+    cuda_gemm.compile_kernel(key, opts)
+    return key.expression
+
+
+def compile_all(variants, jobs=4) -> None:
+    work = []
+    for g, rows, n, k in CONTIGUOUS:
+        for v in variants:
+            cfg, opts = contiguous_config(g, rows, n, k, v)
+            work.append((cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False), opts))
+    for g, m, n, k in MASKED:
+        work.append((cuda_gemm.kernel_key(masked_config(g, m, n, k), n, k, "masked", g, torch.bfloat16, False), ()))
+    t0 = time.perf_counter()
+    with cf.ProcessPoolExecutor(jobs) as pool:
+        for e in pool.map(_compile, work):
+            print("compiled", e[:120], flush=True)
+    print(f"# compiled {len(work)} kernels in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def _weights(g, n, k):
+    import deepgemm
+
+    b8 = torch.empty(g, n, k, device="cuda", dtype=torch.float8_e4m3fn)
+    sfb = torch.empty(g, ceil_div(n, 128), ceil_div(k, 128), device="cuda")
+    for i in range(g):
+        b8[i], sfb[i] = deepgemm.per_block_cast_to_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    return b8, sfb
+
+
+def _times(fn):
+    import tilehal
+
+    fn()
+    torch.cuda.synchronize()
+    t = tilehal.bench(fn, warmup=5, iters=30, flush_l2=True).median_s
+    tg = tilehal.bench_graph(fn, warmup=3, iters=30, flush_l2=True).median_s
+    return t, tg
+
+
+def bench_contiguous(g, rows, n, k, variants) -> dict:
+    import deepgemm
+    import tilehal
+
+    m = g * rows
+    a8, sfa = deepgemm.per_token_cast_to_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    sfa = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
+    b8, sfb = _weights(g, n, k)
+    idx = torch.arange(m, device="cuda", dtype=torch.int32) // rows
+    flops = 2 * m * n * k
+    res = {"kind": "fp8_grouped_contiguous", "shape": [g, rows, n, k]}
+    ref = None
+    for v in variants:
+        cfg, opts = contiguous_config(g, rows, n, k, v)
+        d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+        def fn(cfg=cfg, opts=opts, d=d):
+            cuda_gemm.grouped_contiguous(a8, sfa, b8, sfb, d, idx, config=cfg, extra_options=opts)
+
+        t, tg = _times(fn)
+        res[v] = {"us": t * 1e6, "graph_us": tg * 1e6, "tflops": flops / t / 1e12, "graph_tflops": flops / tg / 1e12,
+                  "block_n": cfg.block_n, "stages": cfg.stages, "overlap": cfg.overlap_promotion}
+        if ref is None:
+            ref = d.clone()
+        else:
+            res[v]["calc_diff_vs_first"] = float(tilehal.calc_diff(d, ref))
+        print(f"contiguous {g}x{rows}x{n}x{k} {v:13s} {t * 1e6:9.1f} us {flops / t / 1e12:7.0f} TFLOPS "
+              f"(graph {flops / tg / 1e12:6.0f}) {res[v].get('calc_diff_vs_first', '')}", flush=True)
+    return res
+
+
+def bench_masked(g, m, n, k, peer: bool) -> dict:
+    import deepgemm
+
+    a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
+    a8 = torch.empty(g, m, k, device="cuda", dtype=torch.float8_e4m3fn)
+    sfa = torch.empty(g, m, ceil_div(k, 128), device="cuda")
+    for i in range(g):
+        a8[i], sfa[i] = deepgemm.per_token_cast_to_fp8(a[i])
+    sfa = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
+    b8, sfb = _weights(g, n, k)
+    masked_m = torch.full((g,), m, device="cuda", dtype=torch.int32)
+    d = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * g * m * n * k
+    t, tg = _times(lambda: deepgemm.m_grouped_fp8_gemm_nt_masked((a8, sfa), (b8, sfb), d, masked_m, m))
+    res = {"kind": "fp8_grouped_masked", "shape": [g, m, n, k], "us": t * 1e6, "graph_us": tg * 1e6,
+           "tflops": flops / t / 1e12, "graph_tflops": flops / tg / 1e12}
+    if peer:
+        ones_a, ones_b = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+
+        def loop():
+            for i in range(g):
+                torch._scaled_mm(a8[i], b8[i].T, scale_a=ones_a, scale_b=ones_b, out_dtype=torch.bfloat16)
+
+        pt, _ = _times(loop)
+        res["scaled_mm_rowwise_loop_tflops"] = flops / pt / 1e12
+    print(f"masked {g}x{m}x{n}x{k} {t * 1e6:9.1f} us {res['tflops']:7.0f} TFLOPS (graph {res['graph_tflops']:6.0f})"
+          f" peer {res.get('scaled_mm_rowwise_loop_tflops', 0):6.0f}", flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="serial,overlap_lean,overlap_wide")
+    ap.add_argument("--compile", action="store_true", help="NVRTC-compile every kernel (no GPU) and exit")
+    ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--no-masked", action="store_true")
+    ap.add_argument("--peer", action="store_true", help="also time the masked peer (per-group _scaled_mm)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    if args.compile:
+        compile_all(variants, args.jobs)
+        return
+    rows = [bench_contiguous(*s, variants) for s in CONTIGUOUS]
+    if not args.no_masked:
+        rows += [bench_masked(*s, args.peer) for s in MASKED]
+    if args.out:
+        meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
+                "timer": "tilehal.bench, CUDA events, L2 flushed, median of 30; graph_*: CUDA-graph replay"}
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
