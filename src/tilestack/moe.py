@@ -39,6 +39,13 @@ log = logging.getLogger("tilestack.moe")
 XTensor = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
+def _fused_swiglu_allowed() -> bool:
+    """TILESTACK_MOE_SWIGLU=0 keeps the fp8 experts on the unfused gate|up GEMM + silu_mul cast (A/B timing)."""
+    import os
+
+    return os.environ.get("TILESTACK_MOE_SWIGLU", "1") != "0"
+
+
 # ----------------------------------------------------------------------------- routing
 
 
@@ -529,14 +536,29 @@ class ExpertParallelMoE(torch.nn.Module):
                 self._buffer = deepep.Buffer(self.group, hidden=self.hidden)
         return self._buffer
 
-    def _fp8_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fp8_weight(self, name: str, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3, 128 x 128 scales) of a weight, cast once per weight version; `swiglu`: w13's gate|up rows
+        interleaved first (deepgemm.swiglu_interleave), what the SwiGLU-epilogue GEMM reads."""
         w = getattr(self, name)
         key = (w.data_ptr(), w._version, w.device)
-        hit = self._fp8_cache.get(name)
+        slot = f"{name}_swiglu" if swiglu else name
+        hit = self._fp8_cache.get(slot)
         if hit is None or hit[0] != key:
-            hit = (key, deepgemm.per_block_cast_to_fp8(w.detach()))
-            self._fp8_cache[name] = hit
+            src = deepgemm.swiglu_interleave(w.detach()) if swiglu else w.detach()
+            hit = (key, deepgemm.per_block_cast_to_fp8(src))
+            self._fp8_cache[slot] = hit
         return hit[1]
+
+    def _swiglu_epilogue(self) -> bool:
+        """Whether the fp8 gate|up GEMM takes SwiGLU into its epilogue (ffn_hidden a multiple of 64, CUDA weights:
+        the CPU keeps the unfused ops, which round gate|up to bf16 as transformers does)."""
+        f = self.ffn_hidden
+        if not self.w13.is_cuda or f % deepgemm.SWIGLU_INTERLEAVE or not _fused_swiglu_allowed():
+            log.debug("fp8 experts: unfused silu_mul (%s)", "CPU weights" if not self.w13.is_cuda else
+                      f"ffn_hidden {f} % {deepgemm.SWIGLU_INTERLEAVE}" if f % deepgemm.SWIGLU_INTERLEAVE else
+                      "TILESTACK_MOE_SWIGLU=0")
+            return False
+        return True
 
     def experts_forward(self, recv_x: XTensor, layout: ContiguousLayout) -> torch.Tensor:
         """The local experts on the grouped rows: [M_sum + 1, hidden] bf16, the last row zeros (what unpermute
@@ -559,14 +581,22 @@ class ExpertParallelMoE(torch.nn.Module):
         if m == 0:
             return y_ext
         y = y_ext[:m]
-        gate_up = torch.empty((m, 2 * f), dtype=torch.bfloat16, device=dev)
         # silu(gate) * up in fp32, rounded to bf16 or cast to fp8 per token: one fused kernel on CUDA (the fp32
         # product is never stored), the same values as the torch ops on CPU.
-        if self.use_fp8:
+        if self.use_fp8 and self._swiglu_epilogue():
+            # silu(gate) * up in the gate|up GEMM's epilogue (fp32 accumulators -> bf16 [M, F]: no [M, 2F]
+            # intermediate), then one per-token cast for the down GEMM.
+            act = torch.empty((m, f), dtype=torch.bfloat16, device=dev)
+            deepgemm.m_grouped_fp8_gemm_nt_contiguous_swiglu(a, self._fp8_weight("w13", swiglu=True), act, m_indices)
+            act8 = deepgemm.per_token_cast_to_fp8(act, tma_aligned_sf=act.is_cuda)
+            deepgemm.m_grouped_fp8_gemm_nt_contiguous(act8, self._fp8_weight("w2"), y, m_indices)
+        elif self.use_fp8:
+            gate_up = torch.empty((m, 2 * f), dtype=torch.bfloat16, device=dev)
             deepgemm.m_grouped_fp8_gemm_nt_contiguous(a, self._fp8_weight("w13"), gate_up, m_indices)
             act8 = deepgemm.silu_mul_cast_to_fp8(gate_up, tma_aligned_sf=gate_up.is_cuda)
             deepgemm.m_grouped_fp8_gemm_nt_contiguous(act8, self._fp8_weight("w2"), y, m_indices)
         else:
+            gate_up = torch.empty((m, 2 * f), dtype=torch.bfloat16, device=dev)
             deepgemm.m_grouped_bf16_gemm_nt_contiguous(a, self.w13, gate_up, m_indices)
             deepgemm.m_grouped_bf16_gemm_nt_contiguous(deepgemm.silu_mul(gate_up), self.w2, y, m_indices)
         return y_ext

@@ -8,7 +8,9 @@ and with the variants given by --variants:
   serial        the heuristic's pick (serial promotion: wait_group 0 per K block)
   overlap_lean  overlapped promotion, 24-register producer, 240-register math warpgroups
   overlap_wide  overlapped promotion, 40 / 232 registers (ptxas spills 12 bytes)
-Every variant's output is compared with the first variant's (calc_diff). Masked: 1 x 1024, 2 x 512,
+Every variant's output is compared with the first variant's (calc_diff). SwiGLU: the MoE gate|up step
+unfused (GEMM -> [M, 2F] bf16 -> silu_mul_cast_to_fp8) vs fused (SwiGLU-epilogue GEMM -> [M, F] bf16 ->
+per_token_cast_to_fp8), each timed as a whole and GEMM alone. Masked: 1 x 1024, 2 x 512,
 4 x 256 at both (N, K), all groups full. Peer: one per-row torch._scaled_mm per group.
 Timing: tilehal.bench (CUDA events, L2 flushed, median of 30) and a CUDA-graph replay.
 
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 from deepgemm import cuda_gemm
-from deepgemm.heuristics import pick_config
+from deepgemm.heuristics import pick_config, swiglu_config
 from deepgemm.utils import ceil_div
 
 CONTIGUOUS = [(4, 8192, 4096, 7168), (8, 4096, 7168, 2048), (8, 1152, 28672, 4096), (8, 1152, 4096, 14336)]
@@ -39,6 +41,7 @@ VARIANTS = {
     "overlap_lean": (dict(contiguous_overlap=True), ()),
     "overlap_wide": (dict(contiguous_overlap=True), ("-DDEEPGEMM_CONTIG_LEAN_PRODUCER=0",)),
 }
+SWIGLU = (8, 1152, 28672, 4096)  # Mixtral's gate|up GEMM on the 9216-row layout
 SMS = 132
 
 
@@ -67,6 +70,9 @@ def compile_all(variants, jobs=4) -> None:
             work.append((cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False), opts))
     for g, m, n, k in MASKED:
         work.append((cuda_gemm.kernel_key(masked_config(g, m, n, k), n, k, "masked", g, torch.bfloat16, False), ()))
+    g, rows, n, k = SWIGLU
+    cfg = swiglu_config(contiguous_config(g, rows, n, k, "serial")[0], g * rows, n)
+    work.append((cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False), ()))
     t0 = time.perf_counter()
     with cf.ProcessPoolExecutor(jobs) as pool:
         for e in pool.map(_compile, work):
@@ -125,6 +131,53 @@ def bench_contiguous(g, rows, n, k, variants) -> dict:
     return res
 
 
+def bench_swiglu(g, rows, n, k) -> dict:
+    import deepgemm
+    import tilehal
+
+    m, f = g * rows, n // 2
+    a8, sfa = deepgemm.per_token_cast_to_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    sfa = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
+    w = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    w8, sfw = deepgemm.per_block_cast_to_fp8(w)
+    wi8, sfwi = deepgemm.per_block_cast_to_fp8(deepgemm.swiglu_interleave(w))
+    del w
+    idx = torch.arange(m, device="cuda", dtype=torch.int32) // rows
+    gate_up = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    act = torch.empty(m, f, device="cuda", dtype=torch.bfloat16)
+    out = {}
+
+    def unfused_gemm():
+        deepgemm.m_grouped_fp8_gemm_nt_contiguous((a8, sfa), (w8, sfw), gate_up, idx)
+
+    def unfused():
+        unfused_gemm()
+        out["unfused"] = deepgemm.silu_mul_cast_to_fp8(gate_up, tma_aligned_sf=True)
+
+    def fused_gemm():
+        deepgemm.m_grouped_fp8_gemm_nt_contiguous_swiglu((a8, sfa), (wi8, sfwi), act, idx)
+
+    def fused():
+        fused_gemm()
+        out["fused"] = deepgemm.per_token_cast_to_fp8(act, tma_aligned_sf=True)
+
+    res = {"kind": "moe_gate_up_swiglu", "shape": [g, rows, n, k]}
+    flops = 2 * m * n * k
+    for name, fn in (("unfused", unfused), ("unfused_gemm", unfused_gemm), ("fused", fused), ("fused_gemm", fused_gemm)):
+        t, tg = _times(fn)
+        res[name] = {"us": t * 1e6, "graph_us": tg * 1e6, "gemm_tflops": flops / t / 1e12}
+        print(f"swiglu {g}x{rows}x{n}x{k} {name:13s} {t * 1e6:9.1f} us (graph {tg * 1e6:8.1f}) "
+              f"{flops / t / 1e12:7.0f} TFLOPS-equivalent", flush=True)
+
+    def deq(pair):
+        q, sf = pair
+        return q.float() * sf.repeat_interleave(128, dim=1)[:, :f]
+
+    res["calc_diff_fused_vs_unfused"] = float(tilehal.calc_diff(deq(out["fused"]), deq(out["unfused"])))
+    print(f"swiglu calc_diff fused vs unfused {res['calc_diff_fused_vs_unfused']:.2e}", flush=True)
+    return res
+
+
 def bench_masked(g, m, n, k, peer: bool) -> dict:
     import deepgemm
 
@@ -168,7 +221,8 @@ def main() -> None:
     if args.compile:
         compile_all(variants, args.jobs)
         return
-    rows = [bench_contiguous(*s, variants) for s in CONTIGUOUS]
+    rows = [bench_swiglu(*SWIGLU)]
+    rows += [bench_contiguous(*s, variants) for s in CONTIGUOUS]
     if not args.no_masked:
         rows += [bench_masked(*s, args.peer) for s in MASKED]
     if args.out:

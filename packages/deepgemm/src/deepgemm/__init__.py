@@ -10,6 +10,7 @@ from . import testing, utils
 from .__about__ import __version__
 from .fp4 import bf16_fp4_gemm_nt, cast_weights_to_fp4, m_grouped_bf16_fp4_gemm_nt_masked
 from .gemm import (
+    SWIGLU_INTERLEAVE,
     bf16_gemm_nn,
     bf16_gemm_nt,
     bf16_gemm_tn,
@@ -42,10 +43,13 @@ from .gemm import (
     m_grouped_fp8_fp4_gemm_nt_masked,
     m_grouped_fp8_gemm_nn_contiguous,
     m_grouped_fp8_gemm_nt_contiguous,
+    m_grouped_fp8_gemm_nt_contiguous_swiglu,
     m_grouped_fp8_gemm_nt_masked,
     m_grouped_gemm_fp8_fp8_bf16_nt_contiguous,
     m_grouped_gemm_fp8_fp8_bf16_nt_masked,
     psum_to_m_indices,
+    swiglu_deinterleave,
+    swiglu_interleave,
     wgrad_gemm_fp8_fp8_fp32_nt,
 )
 from .heuristics import GemmConfig, pick_config
@@ -94,10 +98,10 @@ __all__ = [
     "k_grouped_fp8_gemm_nt_contiguous", "k_grouped_fp8_gemm_tn_contiguous", "k_grouped_wgrad_gemm_fp8_fp8_fp32_nt", "m_grouped_bf16_fp4_gemm_nt_masked",
     "m_grouped_bf16_gemm_nn_contiguous", "m_grouped_bf16_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked",
     "m_grouped_fp8_fp4_gemm_nn_contiguous", "m_grouped_fp8_fp4_gemm_nt_contiguous", "m_grouped_fp8_fp4_gemm_nt_masked",
-    "m_grouped_fp8_gemm_nn_contiguous", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
+    "m_grouped_fp8_gemm_nn_contiguous", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_contiguous_swiglu", "m_grouped_fp8_gemm_nt_masked",
     "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous", "m_grouped_gemm_fp8_fp8_bf16_nt_masked", "pack_ue8m0_to_int",
     "per_block_cast_to_fp8", "per_channel_cast_to_fp8", "per_custom_dims_cast_to_fp8", "per_token_cast_to_fp4",
     "per_token_cast_to_fp8", "pick_config", "psum_to_m_indices", "set_mk_alignment_for_contiguous_layout",
-    "set_num_sms", "silu_mul", "silu_mul_cast_to_fp8", "testing", "transform_sf_into_required_layout", "transpose_packed_fp4", "unpack_ue8m0_from_int",
+    "set_num_sms", "silu_mul", "silu_mul_cast_to_fp8", "SWIGLU_INTERLEAVE", "swiglu_deinterleave", "swiglu_interleave", "testing", "transform_sf_into_required_layout", "transpose_packed_fp4", "unpack_ue8m0_from_int",
     "utils", "wgrad_gemm_fp8_fp8_fp32_nt",
 ]

@@ -20,7 +20,7 @@ from tilehal import ShapeError
 from tilehal.tma import encode_tiled
 
 from . import gemv, plans, splitk, validate
-from .heuristics import GemmConfig, epilogue_passes, pick_config
+from .heuristics import GemmConfig, epilogue_passes, pick_config, swiglu_config
 from .utils import (
     ceil_div,
     degenerate_gemm,
@@ -59,6 +59,7 @@ class KernelKey:
     overlap_promotion: bool = False  # fp8: two partial-sum sets, promotion overlaps the next wgmma
     bias: bool = False  # `c` holds an fp32 bias [N], added in the TMA-store epilogue
     c_bf16: bool = False  # `c` is bf16 (bf16 accumulation), read in place by the staged copy-out epilogue
+    swiglu: bool = False  # epilogue writes silu(gate) * up (B interleaved in blocks of BLOCK_N / 2)
 
     @property
     def expression(self) -> str:
@@ -70,8 +71,15 @@ class KernelKey:
         return (f"deepgemm::gemm_sm90<{self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
                 f"{KIND_IDS[self.grouping]}, {self.num_groups}, {b(self.fp8)}, {out}, {b(self.has_c)}, "
                 f"{b(self.tma_store)}, {self.d_swizzle}, {self.multicast}, {b(self.multicast_on_a)}, "
-                f"{b(self.overlap_promotion)}{', true' if self.bias else ''}"
-                f"{f', {b(self.bias)}, true' if self.c_bf16 else ''}>")
+                f"{b(self.overlap_promotion)}{self._tail()}>")
+
+    def _tail(self) -> str:
+        # The defaulted template parameters (BIAS, C_BF16, SWIGLU): spelled only up to the last one set, so every
+        # other kernel keeps its name (and its cache entry).
+        flags = [self.bias, self.c_bf16, self.swiglu]
+        while flags and not flags[-1]:
+            flags.pop()
+        return "".join(", true" if f else ", false" for f in flags)
 
 
 def kernel_source() -> str:
@@ -96,7 +104,7 @@ def kernel_key(cfg: GemmConfig, n: int, k: int, grouping: str, num_groups: int, 
                      num_groups=num_groups, fp8=cfg.kind == "fp8", out_bf16=out_dtype == torch.bfloat16,
                      has_c=has_c, tma_store=cfg.tma_store, d_swizzle=cfg.d_swizzle, multicast=cfg.multicast,
                      multicast_on_a=cfg.multicast_on_a, overlap_promotion=cfg.overlap_promotion, bias=bias,
-                     c_bf16=c_bf16)
+                     c_bf16=c_bf16, swiglu=cfg.swiglu)
 
 
 def use_tma_store(d: torch.Tensor, n: int, has_c: bool, grouping: str) -> bool:
@@ -186,7 +194,7 @@ def _d_descriptor(d2d: torch.Tensor, cfg: GemmConfig) -> bytes:
     if not cfg.tma_store:
         return _NULL_DESC
     sw = cfg.d_swizzle
-    box_n = sw // d2d.element_size() if sw else cfg.block_n // epilogue_passes(cfg.block_n)
+    box_n = sw // d2d.element_size() if sw else cfg.out_block_n // epilogue_passes(cfg.out_block_n)
     return _encode(d2d.data_ptr(), d2d.dtype, tuple(d2d.shape), tuple(d2d.stride()), (cfg.block_m, box_n),
                    f"{sw}B" if sw else "none")
 
@@ -218,7 +226,7 @@ def grid_size(cfg: GemmConfig, tiles: int) -> int:
 
 def _launch(key: KernelKey, cfg: GemmConfig, tiles: int, descs, d_desc, sfb, d, c, group_info, shape_m: int,
             extra_options: tuple[str, ...] = ()) -> None:
-    kern = _kernel(key, extra_options)
+    kern = _kernel(key, extra_options) if extra_options else _kernel(key)
     if cfg.kind == "fp8" and not cfg.overlap_promotion and log.isEnabledFor(logging.DEBUG):
         log.debug("fp8 promotion not overlapped with the next wgmma: %s",
                   "DEEPGEMM_FP8_OVERLAP=0" if not cfg.allow_overlap else
@@ -365,9 +373,10 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
 
 
 def grouped_contiguous(a, sfa, b, sfb, d, m_indices, config: GemmConfig | None = None,
-                       extra_options: tuple[str, ...] = ()) -> None:
+                       extra_options: tuple[str, ...] = (), swiglu: bool = False) -> None:
     """m-grouped contiguous GEMM. `config` overrides the heuristic and `extra_options` are added to the kernel's
-    NVRTC options (-D switches of kernels/gemm_sm90.cuh): the benchmarks' A/B of variants."""
+    NVRTC options (-D switches of kernels/gemm_sm90.cuh): the benchmarks' A/B of variants. `swiglu`: b holds
+    gate|up rows interleaved in blocks of 64 (swiglu_interleave) and d [M, N/2] gets bf16(silu(gate) * up)."""
     if sfa is None and b.dim() == 3 and b.stride(-1) != 1:
         # bf16 B stored MN-major ([G, K, N] seen as [G, N, K]: DeepGEMM's SM90 bf16 grouped tests pass it to
         # the nt entry point): the grouped kernel reads K-major tiles, so B is copied once (logged).
@@ -382,6 +391,8 @@ def grouped_contiguous(a, sfa, b, sfb, d, m_indices, config: GemmConfig | None =
     cfg = config or pick_config("fp8" if fp8 else "bf16", m, n, k, num_groups=g, grouping="contiguous",
                                 **epilogue(d, n, False, "contiguous"), max_multicast=max_multicast(),
                                 overlap=overlap_allowed())
+    if swiglu and not cfg.swiglu:
+        cfg = swiglu_config(cfg, m, n)
     sfa_t = _sfa_layout(sfa) if fp8 else None
     descs = _descriptors(a, b.view(g * n, k), sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
     key = kernel_key(cfg, n, k, "contiguous", g, d.dtype, False)

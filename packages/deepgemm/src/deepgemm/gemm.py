@@ -307,10 +307,16 @@ def psum_to_m_indices(grouped_layout: torch.Tensor, m: int, alignment: int | Non
 
 
 def _contiguous(a, sfa, b, sfb, d, grouped_layout, fp8: bool, *, use_psum_layout=False, ensure_zero_padding=True,
-                expected_m_for_psum_layout=None, gran=(128, 128)) -> None:
+                expected_m_for_psum_layout=None, gran=(128, 128), swiglu=False) -> None:
     g, n, k = _grouped_operands(a, b, d, fp8, 2)
     m = a.shape[0]
-    validate.shape(d, "d", (m, n))
+    if swiglu:
+        if n % (2 * SWIGLU_INTERLEAVE):
+            raise ShapeError(f"b: expected N (gate|up rows) to be a multiple of {2 * SWIGLU_INTERLEAVE} for the "
+                             f"SwiGLU epilogue, got {n}")
+        if d.dtype != torch.bfloat16:
+            raise ArgumentError(f"d: expected bfloat16 for the SwiGLU epilogue, got {d.dtype}")
+    validate.shape(d, "d", (m, n // 2 if swiglu else n))
     validate.flag(use_psum_layout, "use_psum_layout")
     validate.flag(ensure_zero_padding, "ensure_zero_padding")
     validate.tensor(grouped_layout, "grouped_layout", (torch.int32,), 1)
@@ -353,7 +359,13 @@ def _contiguous(a, sfa, b, sfb, d, grouped_layout, fp8: bool, *, use_psum_layout
                                             f"gran_k = {gran_k}")
         if use_psum_layout:
             log.debug("use_psum_layout: group ends converted to per-row indices on the device")
-        cuda_gemm.grouped_contiguous(a, sfa, b, sfb, d, m_indices)
+        cuda_gemm.grouped_contiguous(a, sfa, b, sfb, d, m_indices, swiglu=swiglu)
+    elif swiglu:
+        full = torch.zeros((m, n), dtype=torch.float32, device=d.device)
+        reference.grouped_contiguous(a, b, m_indices, full, sfa, sfb, gran_k, gran_n)
+        gate, up = swiglu_deinterleave(full)
+        written = (reference.effective_groups(m_indices, g) >= 0).to(d.device)
+        d[written] = (torch.nn.functional.silu(gate) * up)[written].to(d.dtype)
     else:
         reference.grouped_contiguous(a, b, m_indices, d, sfa, sfb, gran_k, gran_n)
     if use_psum_layout and ensure_zero_padding:
@@ -448,6 +460,42 @@ def m_grouped_fp8_fp4_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tens
         return
     a_, sfa, b_, sfb, gran = _grouped_fp8_args(a, b, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast)
     _masked(a_, sfa, b_, sfb, d, masked_m, expected_m, True, gran)
+
+
+SWIGLU_INTERLEAVE = 64  # gate / up rows per block of swiglu_interleave's layout (half the kernel's 128-wide tile)
+
+
+def swiglu_interleave(w: torch.Tensor, block: int = SWIGLU_INTERLEAVE) -> torch.Tensor:
+    """[..., 2F, K] weights (F gate rows, then F up rows) -> the same rows interleaved in blocks of `block`:
+    gate 0..63, up 0..63, gate 64..127, up 64..127, ... (what the SwiGLU-epilogue GEMM reads). Also takes
+    128 x 128 block scales [..., 2F/128, K/128] when block = 64 is not needed: quantize after interleaving."""
+    if w.dim() < 2 or w.shape[-2] % (2 * block):
+        raise ShapeError(f"w: expected [..., 2F, K] with F a multiple of {block}, got {tuple(w.shape)}")
+    f, k = w.shape[-2] // 2, w.shape[-1]
+    lead = w.shape[:-2]
+    gate = w[..., :f, :].reshape(*lead, f // block, block, k)
+    up = w[..., f:, :].reshape(*lead, f // block, block, k)
+    return torch.stack((gate, up), dim=-3).reshape(*lead, 2 * f, k)
+
+
+def swiglu_deinterleave(x: torch.Tensor, block: int = SWIGLU_INTERLEAVE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns of x [..., 2F] in swiglu_interleave's order -> (gate [..., F], up [..., F])."""
+    f = x.shape[-1] // 2
+    v = x.reshape(*x.shape[:-1], f // block, 2, block)
+    return v[..., 0, :].reshape(*x.shape[:-1], f), v[..., 1, :].reshape(*x.shape[:-1], f)
+
+
+def m_grouped_fp8_gemm_nt_contiguous_swiglu(a, b, d: torch.Tensor, grouped_layout: torch.Tensor,
+                                            recipe=None) -> None:
+    """m_grouped_fp8_gemm_nt_contiguous with SwiGLU fused into the epilogue: d [M_sum, F] =
+    bf16(silu(A @ B_gate^T) * (A @ B_up^T)), from the fp32 accumulators (no [M_sum, 2F] intermediate).
+
+    b = (b [G, 2F, K] e4m3, sfb [G, 2F/128, ceil(K/128)]) holds each expert's gate and up rows interleaved by
+    swiglu_interleave (quantize after interleaving); F a multiple of 64. grouped_layout: int32 [M_sum] per-row
+    experts as for the plain GEMM (blocks that start with padding are not written). On CUDA silu uses a fast
+    exp / division (a few fp32 ulp before the bf16 rounding); the CPU path computes it with torch."""
+    a_, sfa, b_, sfb, gran = _grouped_fp8_args(a, b, recipe, None, None, "nk", False)
+    _contiguous(a_, sfa, b_, sfb, d, grouped_layout, True, gran=gran, swiglu=True)
 
 
 m_grouped_fp8_gemm_nt_contiguous = m_grouped_fp8_fp4_gemm_nt_contiguous

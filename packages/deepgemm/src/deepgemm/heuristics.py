@@ -23,6 +23,7 @@ preferring the operand with the larger tile.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ class GemmConfig:
     grouping: str = "normal"  # "normal", "contiguous" or "masked"
     staged_store: int = 0  # without TMA store: bytes per element of the staged copy-out tile (2, 4) or 0 (direct)
     contiguous_overlap: bool = False  # fp8 contiguous: the overlapped promotion too (A/B timing; see overlaps())
+    swiglu: bool = False  # epilogue writes silu(gate) * up: a BLOCK_M x BLOCK_N/2 output tile (swiglu_config)
 
     @property
     def overlap_promotion(self) -> bool:
@@ -85,8 +87,13 @@ class GemmConfig:
     @property
     def d_swizzle(self) -> int:
         if self.tma_store:
-            return d_swizzle(self.block_n)
+            return d_swizzle(self.out_block_n)
         return 1 if self.staged_store else 0  # 1: the kernel's staged copy-out epilogue
+
+    @property
+    def out_block_n(self) -> int:
+        """Output columns of one tile (half the tile with the SwiGLU epilogue)."""
+        return self.block_n // 2 if self.swiglu else self.block_n
 
     @property
     def num_math_warpgroups(self) -> int:
@@ -102,7 +109,7 @@ class GemmConfig:
 
     @property
     def epilogue_bytes(self) -> int:
-        return epilogue_bytes(self.block_m, self.block_n, self.tma_store, self.staged_store)
+        return epilogue_bytes(self.block_m, self.out_block_n, self.tma_store, self.staged_store)
 
 
 def block_n_candidates(kind: str, grouping: str = "normal") -> tuple[int, ...]:
@@ -270,3 +277,18 @@ def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms
                       stages=max_stages(kind, bm, bn, epilogue), multicast=multicast, num_waves=w,
                       last_wave_util=util, num_sms=sms, tma_store=tma_store, multicast_on_a=on_a,
                       allow_overlap=overlap, grouping=grouping, staged_store=staged_store)
+
+
+SWIGLU_BLOCK_N = 128  # tile of the SwiGLU epilogue: 64 gate + 64 up columns (deepgemm.SWIGLU_INTERLEAVE = 64)
+
+
+def swiglu_config(cfg: GemmConfig, m: int, n: int) -> GemmConfig:
+    """`cfg` turned into the SwiGLU-epilogue kernel's: SWIGLU_BLOCK_N-wide tiles (the weight interleave's
+    granularity fixes the width), the deepest ring that fits next to the half-width staging tile."""
+    if not cfg.tma_store:
+        raise ArgumentError("swiglu_config: expected a TMA-store config (the SwiGLU epilogue stages bf16 tiles)")
+    bn = SWIGLU_BLOCK_N
+    w, util = waves(ceil_div(m, cfg.block_m) * ceil_div(n, bn), cfg.num_sms)
+    return dataclasses.replace(cfg, block_n=bn, swiglu=True, num_waves=w, last_wave_util=util, multicast=1,
+                               multicast_on_a=False,
+                               stages=max_stages(cfg.kind, cfg.block_m, bn, epilogue_bytes(cfg.block_m, bn // 2, True)))

@@ -159,6 +159,10 @@ TILEHAL_DEVICE void overlapped_group(int kb0, float (&part)[PART], float (&part2
   }
 }
 
+// silu(g) * u of the SwiGLU epilogue, in fp32: exp through ex2.approx and a fast division (a few fp32 ulp,
+// far below the bf16 rounding that follows); g < -87 gives exp(-g) = inf and a zero (sign of g) result.
+TILEHAL_DEVICE float swiglu(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
+
 // std::conditional without <type_traits> (NVRTC ships no C++ standard library).
 template <bool C, typename T, typename F> struct Select { using type = T; };
 template <typename T, typename F> struct Select<false, T, F> { using type = F; };
@@ -284,7 +288,7 @@ struct StagedStore {
 
 template <int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int KIND, int NUM_GROUPS, bool FP8,
           typename OutT, bool HAS_C, bool TMA_STORE, int D_SWIZZLE, int MCAST, bool MCAST_ON_A, bool OVERLAP,
-          bool BIAS = false, bool C_BF16 = false>
+          bool BIAS = false, bool C_BF16 = false, bool SWIGLU = false>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
           const __grid_constant__ TmaDescriptor tma_sfa, const __grid_constant__ TmaDescriptor tma_d,
@@ -324,8 +328,14 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   // below is a multiple of 1024 bytes up to the activation scales.
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   // TMA-store staging passes (heuristics.epilogue_passes: 2 for 256-wide tiles) and their width.
-  constexpr int kEpiPasses = TMA_STORE && BLOCK_N == 256 ? 2 : 1;
-  constexpr int kPassN = BLOCK_N / kEpiPasses;
+  constexpr int kEpiPasses = TMA_STORE && BLOCK_N == 256 && !SWIGLU ? 2 : 1;
+  // SWIGLU: the tile's first BLOCK_N/2 columns are gate rows of B, the rest the matching up rows (the host
+  // interleaves B in blocks of BLOCK_N/2: deepgemm.swiglu_interleave); the epilogue writes
+  // bf16(silu(gate) * up) of fp32 accumulators, a BLOCK_M x BLOCK_N/2 tile of D [M, SHAPE_N/2].
+  static_assert(!SWIGLU || (TMA_STORE && !HAS_C && !BIAS && BLOCK_N % 32 == 0 && SHAPE_N % BLOCK_N == 0),
+                "SwiGLU epilogue: TMA store, whole gate|up tile pairs, no C / bias");
+  constexpr int kPassN = SWIGLU ? BLOCK_N / 2 : BLOCK_N / kEpiPasses;
+  constexpr int kOutN = SWIGLU ? SHAPE_N / 2 : SHAPE_N;  // columns of D
   constexpr int D_BYTES = TMA_STORE ? BLOCK_M * kPassN * static_cast<int>(sizeof(OutT)) : kStaged ? Staged::kBytes : 0;
   static_assert(!TMA_STORE || (KIND != kGroupedMasked && !HAS_C), "TMA store would write rows/values it must not");
   static_assert(!TMA_STORE || sizeof(OutT) == 2, "the staging tile holds bf16");
@@ -559,7 +569,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
         named_barrier_sync(1, NUM_MATH_THREADS);
 #pragma unroll
         for (int jj = 0; jj < kPassN / 8; ++jj) {
-          const int j = pass * (kPassN / 8) + jj;
+          const int j = pass * (kPassN / 8) + jj;  // SWIGLU: gate columns j, up columns j + kPassN / 8
           [[maybe_unused]] float bias0 = 0.f, bias1 = 0.f;
           if constexpr (BIAS) {
             const int col = n0 + j * 8 + (lane % 4) * 2;  // columns past N are clipped by the store: read none
@@ -571,6 +581,10 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
             const int off = staging_offset<BLOCK_M, kPassN, D_SWIZZLE>(row_in_tile + 8 * half, jj, lane % 4);
             float x = acc[4 * j + 2 * half], y = acc[4 * j + 2 * half + 1];
             if constexpr (BIAS) x += bias0, y += bias1;  // (no `+ 0.f` otherwise: it would turn -0 into +0)
+            if constexpr (SWIGLU) {
+              x = swiglu(x, acc[4 * (j + kPassN / 8) + 2 * half]);
+              y = swiglu(y, acc[4 * (j + kPassN / 8) + 2 * half + 1]);
+            }
             *reinterpret_cast<unsigned*>(smem_d + off) = float2_to_bf16x2(x, y);
           }
         }
@@ -580,8 +594,8 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
         if (tid == 0 && m0 < shape_m) {  // phantom tiles (past M or N) store nothing
 #pragma unroll
           for (int b = 0; b < kPassN / kBoxN; ++b) {
-            const int col = n0 + pass * kPassN + b * kBoxN;
-            if (col < SHAPE_N) tma_store_2d(&tma_d, smem_d + b * BLOCK_M * kBoxN * 2, col, m0);
+            const int col = (SWIGLU ? n0 / 2 : n0) + pass * kPassN + b * kBoxN;
+            if (col < kOutN) tma_store_2d(&tma_d, smem_d + b * BLOCK_M * kBoxN * 2, col, m0);
           }
           tma_store_commit();
         }
