@@ -1,19 +1,25 @@
 #!/bin/bash
-# grouped (issues 19 + 17) R1 on the H200: the contiguous fp8 kernel's promotion variants (serial / overlapped with
-# a 24- or 40-register producer) at the issue-19 and Mixtral MoE shapes, the masked shapes, then bench_models' MoE
-# row (baseline of this session). Kernels compile in parallel first. Files -> $JOB_OUT.
+# grouped (issues 19 + 17) R1 on the H200. Kernel cache warmed off the device (NVRTC 13.0, scripts/gpu/grouped_warm.py)
+# from /tmp/grouped_tree with the carried key (.kkey: a key made for this cache only), so the tree runs from there.
+# 1. bench_grouped: SwiGLU-epilogue A/B at Mixtral's gate|up, contiguous promotion variants, masked shapes.
+# 2. bench_models' MoE row (fp8 experts now on the SwiGLU epilogue). 3. GPU tests of the new paths. Files -> $JOB_OUT.
 set -uo pipefail; source scripts/device_env.sh
-[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 O=$JOB_OUT; T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 pwd; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-( timeout 22 python3 benchmarks/bench_models.py --precompile --only moe --budget-s 1 > $O/moe_warm.log 2>&1 ) &
-WARM=$!
-timeout 20 python3 packages/deepgemm/benchmarks/bench_grouped.py --compile --jobs 8 > $O/grouped_compile.log 2>&1
-el "grouped compile rc=$? $(tail -1 $O/grouped_compile.log)"
-timeout 16 python3 packages/deepgemm/benchmarks/bench_grouped.py --out $O/bench_grouped.json > $O/bench_grouped.log 2>&1
-el "grouped bench rc=$?"; cat $O/bench_grouped.log | cut -c1-200 | tail -30
-wait $WARM; el "moe warm rc=$? $(grep precompiled $O/moe_warm.log)"
-LEFT=$(( 58 - $(date +%s) + T0 ))
-timeout $LEFT python3 benchmarks/bench_models.py --only moe --budget-s $LEFT --json $O/bench_moe.json > $O/bench_moe.log 2>&1
+rm -rf /tmp/grouped_tree /tmp/grouped_key; mkdir -p /tmp/grouped_tree /tmp/grouped_key; chmod 700 /tmp/grouped_key
+cp -a . /tmp/grouped_tree/; cp .kkey/cache.key /tmp/grouped_key/cache.key; chmod 600 /tmp/grouped_key/cache.key
+cd /tmp/grouped_tree && source scripts/device_env.sh
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
+export TILESTACK_CACHE_DIR=/tmp/grouped_tree/.kcache TILESTACK_CACHE_KEY_FILE=/tmp/grouped_key/cache.key
+el "tree at $(pwd), cache $(ls $TILESTACK_CACHE_DIR | head -3 | tr '\n' ' ')"
+timeout 18 python3 packages/deepgemm/benchmarks/bench_grouped.py --out $O/bench_grouped.json > $O/bench_grouped.log 2>&1
+el "grouped bench rc=$?"; grep -vE "Warning|warn" $O/bench_grouped.log | cut -c1-200 | tail -32
+timeout 24 python3 benchmarks/bench_models.py --only moe --budget-s 22 --json $O/bench_moe.json > $O/bench_moe.log 2>&1
 el "moe rc=$?"; grep -vE "^\[transformers\]|Warning|warn" $O/bench_moe.log | cut -c1-300 | head -50
+LEFT=$(( 68 - $(date +%s) + T0 ))
+if [ $LEFT -gt 5 ]; then
+  timeout $LEFT python3 -m pytest -q -n 3 -p no:cacheprovider -m gpu -rfE packages/deepgemm/tests/test_swiglu_epilogue.py \
+    tests/test_moe.py > $O/gpu_tests.log 2>&1
+  el "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed|Error" $O/gpu_tests.log | head -20
+fi
 el end
