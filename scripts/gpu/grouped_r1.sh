@@ -2,7 +2,7 @@
 # grouped (issues 19 + 17) R1 on the H200. Kernel cache warmed off the device (NVRTC 13.0, scripts/gpu/grouped_warm.py)
 # from /tmp/grouped_tree with the carried key (.kkey: a key made for this cache only), so the tree runs from there.
 # 1. bench_grouped: SwiGLU-epilogue A/B at Mixtral's gate|up, contiguous promotion variants, masked shapes.
-# 2. bench_models' MoE row (fp8 experts now on the SwiGLU epilogue). 3. GPU tests of the new paths. Files -> $JOB_OUT.
+# 2. bench_models' MoE row (fp8 experts on the SwiGLU epilogue, layout from the one-CTA kernel). 3. GPU tests of the new paths. Files -> $JOB_OUT.
 set -uo pipefail; source scripts/device_env.sh
 O=$JOB_OUT; T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 pwd; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
@@ -19,7 +19,7 @@ el "moe rc=$?"; grep -vE "^\[transformers\]|Warning|warn" $O/bench_moe.log | cut
 LEFT=$(( 68 - $(date +%s) + T0 ))
 if [ $LEFT -gt 5 ]; then
   timeout $LEFT python3 -m pytest -q -n 3 -p no:cacheprovider -m gpu -rfE packages/deepgemm/tests/test_swiglu_epilogue.py \
-    tests/test_moe.py > $O/gpu_tests.log 2>&1
+    tests/test_moe_layout_kernel.py tests/test_moe.py > $O/gpu_tests.log 2>&1
   el "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed|Error" $O/gpu_tests.log | head -20
 fi
 el end

@@ -41,6 +41,7 @@ def moe_kernels() -> None:
         futs = [pool.submit(cuda_gemm.compile_kernel, k) for k in keys]
         futs += [pool.submit(cuda_cast.compile_module, (c,)) for c in casts]
         futs.append(pool.submit(moe.compile_combine, (moe.combine_expression(True),)))
+        futs.append(pool.submit(moe.compile_layout))
         for fu in futs:
             fu.result()
     print(f"moe: {len(keys)} GEMM kernels + casts + combine", flush=True)
