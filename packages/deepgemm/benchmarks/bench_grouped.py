@@ -8,6 +8,9 @@ and with the variants given by --variants:
   serial        the heuristic's pick (serial promotion: wait_group 0 per K block)
   overlap_lean  overlapped promotion, 24-register producer, 240-register math warpgroups
   overlap_wide  overlapped promotion, 40 / 232 registers (ptxas spills 12 bytes)
+  info          the producer hands each tile's coordinates to the math warps through shared memory
+                (DEEPGEMM_TILE_INFO=1: no m_indices load in the math warps), serial promotion
+  info_overlap  the same with the overlapped promotion, 40 / 232 registers
 Every variant's output is compared with the first variant's (calc_diff). SwiGLU: the MoE gate|up step
 unfused (GEMM -> [M, 2F] bf16 -> silu_mul_cast_to_fp8) vs fused (SwiGLU-epilogue GEMM -> [M, F] bf16 ->
 per_token_cast_to_fp8), each timed as a whole and GEMM alone. Masked: 1 x 1024, 2 x 512,
@@ -40,7 +43,10 @@ VARIANTS = {
     "serial": (dict(), ()),
     "overlap_lean": (dict(contiguous_overlap=True), ()),
     "overlap_wide": (dict(contiguous_overlap=True), ("-DDEEPGEMM_CONTIG_LEAN_PRODUCER=0",)),
+    "info": (dict(), ("-DDEEPGEMM_TILE_INFO=1",)),
+    "info_overlap": (dict(contiguous_overlap=True), ("-DDEEPGEMM_TILE_INFO=1", "-DDEEPGEMM_CONTIG_LEAN_PRODUCER=0")),
 }
+MASKED_VARIANTS = {"default": (), "info": ("-DDEEPGEMM_TILE_INFO=1",)}
 SWIGLU = (8, 1152, 28672, 4096)  # Mixtral's gate|up GEMM on the 9216-row layout
 SMS = 132
 
@@ -69,7 +75,9 @@ def compile_all(variants, jobs=4) -> None:
             cfg, opts = contiguous_config(g, rows, n, k, v)
             work.append((cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False), opts))
     for g, m, n, k in MASKED:
-        work.append((cuda_gemm.kernel_key(masked_config(g, m, n, k), n, k, "masked", g, torch.bfloat16, False), ()))
+        for opts in MASKED_VARIANTS.values():
+            work.append((cuda_gemm.kernel_key(masked_config(g, m, n, k), n, k, "masked", g, torch.bfloat16, False),
+                         opts))
     g, rows, n, k = SWIGLU
     cfg = swiglu_config(contiguous_config(g, rows, n, k, "serial")[0], g * rows, n)
     work.append((cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False), ()))
@@ -180,6 +188,7 @@ def bench_swiglu(g, rows, n, k) -> dict:
 
 def bench_masked(g, m, n, k, peer: bool) -> dict:
     import deepgemm
+    import tilehal
 
     a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
     a8 = torch.empty(g, m, k, device="cuda", dtype=torch.float8_e4m3fn)
@@ -189,11 +198,21 @@ def bench_masked(g, m, n, k, peer: bool) -> dict:
     sfa = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
     b8, sfb = _weights(g, n, k)
     masked_m = torch.full((g,), m, device="cuda", dtype=torch.int32)
-    d = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
     flops = 2 * g * m * n * k
-    t, tg = _times(lambda: deepgemm.m_grouped_fp8_gemm_nt_masked((a8, sfa), (b8, sfb), d, masked_m, m))
-    res = {"kind": "fp8_grouped_masked", "shape": [g, m, n, k], "us": t * 1e6, "graph_us": tg * 1e6,
-           "tflops": flops / t / 1e12, "graph_tflops": flops / tg / 1e12}
+    res = {"kind": "fp8_grouped_masked", "shape": [g, m, n, k]}
+    ref = None
+    for v, opts in MASKED_VARIANTS.items():
+        d = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
+        t, tg = _times(lambda d=d, opts=opts: cuda_gemm.grouped_masked(a8, sfa, b8, sfb, d, masked_m, m,
+                                                                       extra_options=opts))
+        res[v] = {"us": t * 1e6, "graph_us": tg * 1e6, "tflops": flops / t / 1e12, "graph_tflops": flops / tg / 1e12}
+        if ref is None:
+            ref = d.clone()
+        else:
+            res[v]["calc_diff_vs_first"] = float(tilehal.calc_diff(d, ref))
+        print(f"masked {g}x{m}x{n}x{k} {v:8s} {t * 1e6:9.1f} us {flops / t / 1e12:7.0f} TFLOPS "
+              f"(graph {flops / tg / 1e12:6.0f}) {res[v].get('calc_diff_vs_first', '')}", flush=True)
+    res.update({k2: res["default"][k2] for k2 in ("us", "graph_us", "tflops", "graph_tflops")})
     if peer:
         ones_a, ones_b = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
 
@@ -203,14 +222,14 @@ def bench_masked(g, m, n, k, peer: bool) -> dict:
 
         pt, _ = _times(loop)
         res["scaled_mm_rowwise_loop_tflops"] = flops / pt / 1e12
-    print(f"masked {g}x{m}x{n}x{k} {t * 1e6:9.1f} us {res['tflops']:7.0f} TFLOPS (graph {res['graph_tflops']:6.0f})"
-          f" peer {res.get('scaled_mm_rowwise_loop_tflops', 0):6.0f}", flush=True)
+    if peer:
+        print(f"masked {g}x{m}x{n}x{k} peer {res['scaled_mm_rowwise_loop_tflops']:6.0f} TFLOPS", flush=True)
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="serial,overlap_lean,overlap_wide")
+    ap.add_argument("--variants", default="serial,overlap_lean,overlap_wide,info,info_overlap")
     ap.add_argument("--compile", action="store_true", help="NVRTC-compile every kernel (no GPU) and exit")
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--no-masked", action="store_true")

@@ -401,7 +401,7 @@ def grouped_contiguous(a, sfa, b, sfb, d, m_indices, config: GemmConfig | None =
             d, None, m_indices.contiguous(), m, extra_options)
 
 
-def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int) -> None:
+def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int, extra_options: tuple[str, ...] = ()) -> None:
     _check_cuda(a, b, d, None)
     g, m_max, k = a.shape
     n = b.shape[1]
@@ -416,4 +416,4 @@ def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int) -> None:
     key = kernel_key(cfg, n, k, "masked", g, d.dtype, False)
     upper = g * ceil_div(m_max, cfg.block_m) * ceil_div(n, cfg.block_n)  # tiles if every group were full
     _launch(key, cfg, upper, descs, _NULL_DESC, sfb.contiguous() if fp8 else None, d, None,
-            masked_m.contiguous(), m_max)
+            masked_m.contiguous(), m_max, extra_options)

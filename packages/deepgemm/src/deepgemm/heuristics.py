@@ -105,7 +105,8 @@ class GemmConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.kind, self.block_m, self.block_n, self.stages, self.epilogue_bytes)
+        return smem_bytes(self.kind, self.block_m, self.block_n, self.stages, self.epilogue_bytes,
+                          self.grouping != "normal")
 
     @property
     def epilogue_bytes(self) -> int:
@@ -180,8 +181,12 @@ def stage_bytes(kind: str, block_m: int, block_n: int) -> int:
     return (block_m + block_n) * ROW_BYTES + sfa
 
 
-def smem_bytes(kind: str, block_m: int, block_n: int, stages: int, epilogue_bytes: int = 0) -> int:
-    barriers = 2 * 8 * stages  # full + empty mbarrier per stage
+TILE_INFO_BYTES = 16  # per stage, grouped kernels: the producer's tile slot (kernels/gemm_sm90.cuh kTileInfo)
+
+
+def smem_bytes(kind: str, block_m: int, block_n: int, stages: int, epilogue_bytes: int = 0,
+               grouped: bool = False) -> int:
+    barriers = (2 * 8 + (TILE_INFO_BYTES if grouped else 0)) * stages  # full + empty mbarrier (+ tile slot) per stage
     return stages * stage_bytes(kind, block_m, block_n) + epilogue_bytes + barriers + SMEM_SLACK
 
 
@@ -199,8 +204,8 @@ def warp_specialized_threads(block_m: int) -> int:
     return 128 * (block_m // 64 + 1)
 
 
-def max_stages(kind: str, block_m: int, block_n: int, epilogue_bytes: int = 0) -> int:
-    return most_stages(lambda s: smem_bytes(kind, block_m, block_n, s, epilogue_bytes))
+def max_stages(kind: str, block_m: int, block_n: int, epilogue_bytes: int = 0, grouped: bool = False) -> int:
+    return most_stages(lambda s: smem_bytes(kind, block_m, block_n, s, epilogue_bytes, grouped))
 
 
 def tile_cost(block_m: int, block_n: int, overlap: bool = False) -> float:
@@ -261,8 +266,8 @@ def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms
     best = None
     for bm in block_ms:
         for bn in block_n_candidates(kind, grouping):
-            if staged_store and smem_bytes(kind, bm, bn, MIN_STAGED_STAGES,
-                                           epilogue_bytes(bm, bn, False, staged_store)) > SMEM_CAPACITY:
+            if staged_store and smem_bytes(kind, bm, bn, MIN_STAGED_STAGES, epilogue_bytes(bm, bn, False, staged_store),
+                                           grouping != "normal") > SMEM_CAPACITY:
                 continue  # the staging tile would leave too short a ring (fp32 tiles of 256 columns)
             tiles = ceil_div(m, bm) * ceil_div(n, bn) * groups
             w, util = waves(tiles, sms)
@@ -274,7 +279,7 @@ def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms
     epilogue = epilogue_bytes(bm, bn, tma_store, staged_store)
     multicast, on_a = pick_multicast(grouping, m, n, bm, bn, sms, max_multicast)
     return GemmConfig(kind=kind, block_m=bm, block_n=bn, block_k=block_k,
-                      stages=max_stages(kind, bm, bn, epilogue), multicast=multicast, num_waves=w,
+                      stages=max_stages(kind, bm, bn, epilogue, grouping != "normal"), multicast=multicast, num_waves=w,
                       last_wave_util=util, num_sms=sms, tma_store=tma_store, multicast_on_a=on_a,
                       allow_overlap=overlap, grouping=grouping, staged_store=staged_store)
 
@@ -291,4 +296,5 @@ def swiglu_config(cfg: GemmConfig, m: int, n: int) -> GemmConfig:
     w, util = waves(ceil_div(m, cfg.block_m) * ceil_div(n, bn), cfg.num_sms)
     return dataclasses.replace(cfg, block_n=bn, swiglu=True, num_waves=w, last_wave_util=util, multicast=1,
                                multicast_on_a=False,
-                               stages=max_stages(cfg.kind, cfg.block_m, bn, epilogue_bytes(cfg.block_m, bn // 2, True)))
+                               stages=max_stages(cfg.kind, cfg.block_m, bn, epilogue_bytes(cfg.block_m, bn // 2, True),
+                                                 grouped=True))

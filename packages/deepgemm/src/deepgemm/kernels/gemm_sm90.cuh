@@ -53,6 +53,15 @@ template <int NUM_MATH_WG> constexpr int kMathRegs = NUM_MATH_WG == 1 ? 256 : 23
 template <int KIND, bool OVERLAP>
 constexpr bool kLeanProducer = DEEPGEMM_CONTIG_LEAN_PRODUCER && KIND == kGroupedContiguous && OVERLAP;
 constexpr int kOverlapGroup = 8;  // fp8 K blocks per drained group of the overlapped promotion
+// Grouped kernels without multicast: the producer alone walks the tile schedule (expert lookup / masked_m scan)
+// and hands each tile's (m_block, n_block, group, row limit + 1) to the math warpgroups in a 16-byte slot per
+// pipeline stage, written before the stage's first arrival (the mbarrier's release/acquire orders it); a slot
+// with row limit 0 (no TMA bytes, one plain arrival) ends the kernel. The math warps then never load
+// m_indices / masked_m (a dependent global load at every tile start) and keep no scheduler state in registers.
+#ifndef DEEPGEMM_TILE_INFO
+#define DEEPGEMM_TILE_INFO 0
+#endif
+template <int KIND, int MCAST> constexpr bool kTileInfo = DEEPGEMM_TILE_INFO && KIND != kNormal && MCAST == 1;
 
 // Which output tile a CTA does next. Producer and consumers run identical copies, and so do the
 // CTAs of a cluster: they walk the same sequence of "units" (a tile, or a pair of tiles that share
@@ -350,6 +359,8 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   float* smem_sfa = reinterpret_cast<float*>(smem_b + STAGES * B_BYTES);
   u64* full_bar = reinterpret_cast<u64*>(reinterpret_cast<unsigned char*>(smem_sfa) + STAGES * SFA_BYTES);
   u64* empty_bar = full_bar + STAGES;
+  int* tile_info = reinterpret_cast<int*>(empty_bar + STAGES);  // [STAGES][4] (grouped kernels: kTileInfo)
+  constexpr bool kInfo = kTileInfo<KIND, MCAST>;
 
   const int tid = threadIdx.x;
   if (tid == NUM_MATH_THREADS) {
@@ -386,6 +397,13 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
         const int s = it % STAGES;
         // With multicast this barrier also counts the peer's consumers: our half tile lands in both CTAs.
         mbarrier_wait(&empty_bar[s], ((it / STAGES) & 1) ^ 1);
+        if constexpr (kInfo) {
+          if (kb == 0) {
+            int limit = 1;
+            if constexpr (KIND == kGroupedMasked) limit = 1 + min(max(__ldg(group_info + group), 0), shape_m);
+            *reinterpret_cast<int4*>(tile_info + 4 * s) = make_int4(m_block, n_block, group, limit);
+          }
+        }
         mbarrier_arrive_expect_tx(&full_bar[s], A_BYTES + B_BYTES + SFA_BYTES);
         if constexpr (kMcastA) {
           tma_load_2d_multicast(smem_a + s * A_BYTES + rank * (A_BYTES / 2), &tma_a, &full_bar[s], kb * BLOCK_K,
@@ -404,6 +422,12 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
           tma_load_2d(smem_sfa + s * BLOCK_M, &tma_sfa, &full_bar[s], m_block * BLOCK_M, sf_row);
         }
       }
+    }
+    if constexpr (kInfo) {  // the end-of-schedule slot: no loads, one arrival completes the phase
+      const int s = it % STAGES;
+      mbarrier_wait(&empty_bar[s], ((it / STAGES) & 1) ^ 1);
+      *reinterpret_cast<int4*>(tile_info + 4 * s) = make_int4(0, 0, 0, 0);
+      mbarrier_arrive(&full_bar[s]);
     }
     if constexpr (MCAST > 1) {
       // Stay alive until both CTAs' consumers released every stage: after that no remote arrival
@@ -435,7 +459,20 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
     }
   };
 
-  while (sched.next(m_block, n_block, group)) {
+  [[maybe_unused]] int info_limit = 0;  // kInfo, masked: the tile's group's row limit
+  auto next_tile = [&]() -> bool {
+    if constexpr (kInfo) {
+      // The tile's first stage carries its coordinates (waiting again on it in the K loop returns at once).
+      const int s0 = it % STAGES;
+      mbarrier_wait(&full_bar[s0], (it / STAGES) & 1);
+      const int4 info = *reinterpret_cast<const int4*>(tile_info + 4 * s0);
+      m_block = info.x, n_block = info.y, group = info.z, info_limit = info.w - 1;
+      return info.w != 0;
+    } else {
+      return sched.next(m_block, n_block, group);
+    }
+  };
+  while (next_tile()) {
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
     const int n0 = n_block * BLOCK_N;
@@ -605,7 +642,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
     int row_limit = shape_m;
     u64 row_base = 0;
     if constexpr (KIND == kGroupedMasked) {
-      row_limit = min(max(__ldg(group_info + group), 0), shape_m);
+      row_limit = kInfo ? info_limit : min(max(__ldg(group_info + group), 0), shape_m);
       row_base = static_cast<u64>(group) * shape_m;
     }
     if constexpr (kStaged) {
