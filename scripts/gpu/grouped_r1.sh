@@ -12,7 +12,7 @@ cd /tmp/grouped_tree && source scripts/device_env.sh
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 export TILESTACK_CACHE_DIR=/tmp/grouped_tree/.kcache TILESTACK_CACHE_KEY_FILE=/tmp/grouped_key/cache.key
 el "tree at $(pwd), cache $(ls $TILESTACK_CACHE_DIR | head -3 | tr '\n' ' ')"
-timeout 18 python3 packages/deepgemm/benchmarks/bench_grouped.py --out $O/bench_grouped.json > $O/bench_grouped.log 2>&1
+timeout 22 python3 packages/deepgemm/benchmarks/bench_grouped.py --out $O/bench_grouped.json > $O/bench_grouped.log 2>&1
 el "grouped bench rc=$?"; grep -vE "Warning|warn" $O/bench_grouped.log | cut -c1-200 | tail -32
 timeout 24 python3 benchmarks/bench_models.py --only moe --budget-s 22 --json $O/bench_moe.json > $O/bench_moe.log 2>&1
 el "moe rc=$?"; grep -vE "^\[transformers\]|Warning|warn" $O/bench_moe.log | cut -c1-300 | head -50
