@@ -744,9 +744,11 @@ class ExpertParallelMoE(torch.nn.Module):
         lay = build_local_layout(topk_idx, self.num_local_experts)
         if self.use_fp8:
             # Cast the T tokens once, then gather their bytes and scales (half the bytes of gathering bf16).
-            x8, sx = deepgemm.per_token_cast_to_fp8(x2.to(torch.bfloat16).contiguous())
-            a: XTensor = (x8.view(torch.uint8).index_select(0, lay.src_rows).view(torch.float8_e4m3fn),
-                          sx.index_select(0, lay.src_rows))
+            x8, sx = deepgemm.per_token_cast_to_fp8(x2.to(torch.bfloat16).contiguous(), tma_aligned_sf=x2.is_cuda)
+            # The scales are gathered along the M-major layout the kernel reads ([SK, rows] in memory), so the
+            # GEMM takes them as they are (a row-major gather would cost it a transposing copy).
+            sfa = sx.t().index_select(1, lay.src_rows).t() if x2.is_cuda else sx.index_select(0, lay.src_rows)
+            a: XTensor = (x8.view(torch.uint8).index_select(0, lay.src_rows).view(torch.float8_e4m3fn), sfa)
         else:
             a = x2.to(torch.bfloat16).index_select(0, lay.src_rows)
         y_ext = self._grouped_experts(a, lay.m_indices)

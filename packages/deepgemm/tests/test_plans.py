@@ -272,3 +272,36 @@ def test_mn_major_bf16_b_of_the_contiguous_grouped_gemm_is_taken(fake_gpu):
     m_idx = torch.arange(g, dtype=torch.int32).repeat_interleave(rows)
     deepgemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_idx)
     assert launches and launches[-1][0].grouping == "contiguous"
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_contiguous_grouped_replay_equals_the_full_path(fake_gpu, swiglu):
+    """The grouped fp8 entry points (plain and SwiGLU epilogue) replay their launch like fp8_gemm_nt."""
+    launches, full_calls = fake_gpu
+    g, n, k = 3, 256, 512
+    m_indices = torch.tensor([0] * 128 + [-1] * 128 + [2] * 128, dtype=torch.int32)
+    m = m_indices.numel()
+    fn = deepgemm.m_grouped_fp8_gemm_nt_contiguous_swiglu if swiglu else deepgemm.m_grouped_fp8_gemm_nt_contiguous
+    for _ in range(3):
+        a, sfa = deepgemm.per_token_cast_to_fp8(torch.randn(m, k), tma_aligned_sf=True)
+        b, sfb = deepgemm.per_block_cast_to_fp8(torch.randn(g, n, k))
+        d = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16)
+        fn((a, sfa), (b, sfb), d, m_indices)
+        assert len(full_calls) == 1, "the heuristic ran again: the call did not replay its plan"
+        assert launches[-1][0].swiglu == swiglu and launches[-1][0].grouping == "contiguous"
+        _same(launches[-1], _full_launch(lambda a=a, sfa=sfa, b=b, sfb=sfb, d=d: fn((a, sfa), (b, sfb), d, m_indices),
+                                         full_calls))
+    assert len(launches) == 3
+
+
+def test_contiguous_psum_layout_gets_no_plan(fake_gpu):
+    """The psum layout's per-row indices are built per call: that launch argument is no operand, so no plan."""
+    launches, full_calls = fake_gpu
+    g, n, k = 2, 128, 256
+    ends = torch.tensor([100, 256], dtype=torch.int32)
+    for _ in range(2):
+        a, sfa = deepgemm.per_token_cast_to_fp8(torch.randn(256, k), tma_aligned_sf=True)
+        b, sfb = deepgemm.per_block_cast_to_fp8(torch.randn(g, n, k))
+        d = torch.empty(256, n, dtype=torch.bfloat16)
+        deepgemm.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, ends, use_psum_layout=True)
+    assert len(full_calls) == 2 and len(launches) == 2 and not plans._PLANS

@@ -424,10 +424,33 @@ def m_grouped_fp8_fp4_gemm_nt_contiguous(a, b, d: torch.Tensor, grouped_layout: 
     (zero A rows give zero rows); blocks that start with padding are not written. With the psum layout and
     ensure_zero_padding (default), the gap rows of d are written as zeros.
     """
-    a_, sfa, b_, sfb, gran = _grouped_fp8_args(a, b, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast)
-    _contiguous(a_, sfa, b_, sfb, d, grouped_layout, True, use_psum_layout=use_psum_layout,
-                ensure_zero_padding=ensure_zero_padding, expected_m_for_psum_layout=expected_m_for_psum_layout,
-                gran=gran)
+    def full() -> None:
+        a_, sfa, b_, sfb, gran = _grouped_fp8_args(a, b, recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast)
+        _contiguous(a_, sfa, b_, sfb, d, grouped_layout, True, use_psum_layout=use_psum_layout,
+                    ensure_zero_padding=ensure_zero_padding, expected_m_for_psum_layout=expected_m_for_psum_layout,
+                    gran=gran)
+
+    _planned(("contiguous_fp8", recipe, recipe_a, recipe_b, compiled_dims, disable_ue8m0_cast, use_psum_layout,
+              ensure_zero_padding, expected_m_for_psum_layout), a, b, d, grouped_layout, full)
+
+
+def _planned(tag: tuple, a_pair, b_pair, d, layout, full) -> None:
+    """The host fast path of the grouped fp8 GEMMs (plans.py, as fp8_gemm_nt's): a call whose signature (`tag`,
+    each operand's type, dtype, shape, strides, device, the DEEPGEMM_* switches) was seen replays that call's
+    one launch on the new buffers; otherwise `full()` runs every check and records the launch."""
+    try:
+        a, sfa = a_pair
+        b, sfb = b_pair
+        key = (*tag, plans.sig(a), plans.sig(sfa), plans.sig(b), plans.sig(sfb), plans.sig(d), plans.sig(layout),
+               plans.env_key())
+        plan = plans.get(key)
+    except (AttributeError, TypeError, ValueError):  # not (tensor, tensor) pairs, unhashable recipes: checked below
+        key = plan = None
+    operands = (a, sfa, b, sfb, d, layout) if key is not None else ()
+    if plan is not None and plan.run(operands):
+        return
+    with plans.record(key, operands):
+        full()
 
 
 def m_grouped_fp8_fp4_gemm_nn_contiguous(a, b, d: torch.Tensor, grouped_layout: torch.Tensor, recipe=None,
@@ -494,8 +517,11 @@ def m_grouped_fp8_gemm_nt_contiguous_swiglu(a, b, d: torch.Tensor, grouped_layou
     swiglu_interleave (quantize after interleaving); F a multiple of 64. grouped_layout: int32 [M_sum] per-row
     experts as for the plain GEMM (blocks that start with padding are not written). On CUDA silu uses a fast
     exp / division (a few fp32 ulp before the bf16 rounding); the CPU path computes it with torch."""
-    a_, sfa, b_, sfb, gran = _grouped_fp8_args(a, b, recipe, None, None, "nk", False)
-    _contiguous(a_, sfa, b_, sfb, d, grouped_layout, True, gran=gran, swiglu=True)
+    def full() -> None:
+        a_, sfa, b_, sfb, gran = _grouped_fp8_args(a, b, recipe, None, None, "nk", False)
+        _contiguous(a_, sfa, b_, sfb, d, grouped_layout, True, gran=gran, swiglu=True)
+
+    _planned(("contiguous_fp8_swiglu", recipe), a, b, d, grouped_layout, full)
 
 
 m_grouped_fp8_gemm_nt_contiguous = m_grouped_fp8_fp4_gemm_nt_contiguous
