@@ -38,6 +38,7 @@ def _routing(t, k, e, seed, empty=0.1, skew=False):
                                               (5000, 8, 256, 128, False), (777, 6, 64, 64, True)])
 def test_layout_kernel_equals_the_torch_ops(t, k, e, align, skew, monkeypatch):
     idx = _routing(t, k, e, seed=t + e, skew=skew).cuda()
+    monkeypatch.setenv("TILESTACK_MOE_LAYOUT", "kernel")
     got = moe.build_local_layout(idx, e, alignment=align)
     monkeypatch.setenv("TILESTACK_MOE_LAYOUT", "torch")
     want = moe.build_local_layout(idx, e, alignment=align)
@@ -48,7 +49,8 @@ def test_layout_kernel_equals_the_torch_ops(t, k, e, align, skew, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_layout_kernel_with_every_slot_empty():
+def test_layout_kernel_with_every_slot_empty(monkeypatch):
+    monkeypatch.setenv("TILESTACK_MOE_LAYOUT", "kernel")
     idx = torch.full((50, 2), -1, dtype=torch.int64, device="cuda")
     lay = moe.build_local_layout(idx, 8, alignment=128)
     assert bool((lay.m_indices == -1).all()) and bool((lay.src_rows == 0).all())

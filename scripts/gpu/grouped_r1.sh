@@ -11,6 +11,7 @@ cp -a . /tmp/grouped_tree/; cp .kkey/cache.key /tmp/grouped_key/cache.key; chmod
 cd /tmp/grouped_tree && source scripts/device_env.sh
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 export TILESTACK_CACHE_DIR=/tmp/grouped_tree/.kcache TILESTACK_CACHE_KEY_FILE=/tmp/grouped_key/cache.key
+export TILESTACK_MOE_SWIGLU=1 TILESTACK_MOE_LAYOUT=kernel  # the new MoE paths (off by default on main until measured)
 el "tree at $(pwd), cache $(ls $TILESTACK_CACHE_DIR | head -3 | tr '\n' ' ')"
 timeout 22 python3 packages/deepgemm/benchmarks/bench_grouped.py --out $O/bench_grouped.json > $O/bench_grouped.log 2>&1
 el "grouped bench rc=$?"; grep -vE "Warning|warn" $O/bench_grouped.log | cut -c1-200 | tail -32
