@@ -52,4 +52,7 @@ if __name__ == "__main__":
     subprocess.run([sys.executable, str(ROOT / "packages/deepgemm/benchmarks/bench_grouped.py"), "--compile",
                     "--jobs", "2"], check=True)
     moe_kernels()
+    # the fp8 / bf16 grouped kernels deepgemm's GPU tests launch
+    subprocess.run([sys.executable, str(ROOT / "packages/deepgemm/scripts/warm_cache.py"), "--only", "grouped",
+                    "--jobs", "2"], check=True, stdout=subprocess.DEVNULL)
     print(f"# warmed in {time.perf_counter() - t0:.0f} s", flush=True)

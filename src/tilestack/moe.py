@@ -40,11 +40,11 @@ XTensor = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 def _fused_swiglu_allowed() -> bool:
-    """TILESTACK_MOE_SWIGLU=1 puts the fp8 experts' SwiGLU into the gate|up GEMM's epilogue; 0 (the default until
-    its GPU figures are in) keeps the unfused gate|up GEMM + silu_mul cast."""
+    """TILESTACK_MOE_SWIGLU=0 keeps the fp8 experts on the unfused gate|up GEMM + silu_mul cast (A/B timing; the
+    default puts SwiGLU into the gate|up GEMM's epilogue)."""
     import os
 
-    return os.environ.get("TILESTACK_MOE_SWIGLU", "0") != "0"
+    return os.environ.get("TILESTACK_MOE_SWIGLU", "1") != "0"
 
 
 # ----------------------------------------------------------------------------- routing
@@ -352,8 +352,8 @@ def _layout_on_device(topk_idx: torch.Tensor, e: int, align: int) -> LocalLayout
         why = f"{e} experts > {LAYOUT_MAX_EXPERTS}"
     elif topk_idx.numel() >= 2**31:
         why = "2^31 pairs or more"
-    elif os.environ.get("TILESTACK_MOE_LAYOUT", "torch") != "kernel":  # default until its GPU figures are in
-        why = "TILESTACK_MOE_LAYOUT is not 'kernel'"
+    elif os.environ.get("TILESTACK_MOE_LAYOUT", "kernel") == "torch":
+        why = "TILESTACK_MOE_LAYOUT=torch"
     if why is not None:
         log.debug("MoE layout: torch ops instead of the one-CTA kernel (%s)", why)
         return None
@@ -690,7 +690,7 @@ class ExpertParallelMoE(torch.nn.Module):
         if not self.w13.is_cuda or f % deepgemm.SWIGLU_INTERLEAVE or not _fused_swiglu_allowed():
             log.debug("fp8 experts: unfused silu_mul (%s)", "CPU weights" if not self.w13.is_cuda else
                       f"ffn_hidden {f} % {deepgemm.SWIGLU_INTERLEAVE}" if f % deepgemm.SWIGLU_INTERLEAVE else
-                      "TILESTACK_MOE_SWIGLU is not 1")
+                      "TILESTACK_MOE_SWIGLU=0")
             return False
         return True
 
