@@ -38,7 +38,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FP8_SHAPES = [(4096, 7168, 2048), (4096, 2112, 7168), (4096, 24576, 1536)]
 # fp8: (block_M, block_N, num_stages, threads, swizzle panel[, pass_configs])
 PERSISTENT = {"cuda_persistent": True}  # one CTA per SM loops over tiles: the next tile's loads overlap the epilogue
-FP8_CONFIGS = [(128, 128, 4, 256, 8), (128, 128, 4, 256, 8, PERSISTENT), (128, 128, 5, 256, 8, PERSISTENT),
+PINGPONG = {"cuda_ws_pingpong": True}  # the consumer warpgroups take turns: one's promotion under the other's wgmma
+FP8_CONFIGS = [(128, 128, 4, 256, 8), (128, 128, 4, 256, 8, PERSISTENT), (128, 128, 4, 256, 8, PINGPONG),
+               (128, 128, 4, 256, 8, PINGPONG | PERSISTENT), (128, 128, 5, 256, 8, PINGPONG | PERSISTENT),
                (128, 64, 8, 256, 8, PERSISTENT)]  # 128x64: N=2112 in 33 x 32 = 1056 tiles, exactly 8 waves of 132
 # decode: (num_split, block_N, num_stages, threads); 32 threads: one warp per CTA, no cross-warp softmax reductions
 DECODE_CONFIGS = [(1, 64, 2, 128), (1, 64, 3, 128), (4, 64, 2, 32), (8, 32, 3, 32), (8, 64, 2, 32)]
@@ -301,7 +303,7 @@ def ncu_launch(best_json: Path) -> None:
     m, n, k = FP8_SHAPES[0]
     best = next(r["best_config"] for r in rows["fp8"] if r.get("shape") == [m, n, k])
     tiles = [int(x) for x in best.split("_")[0].split("x")]
-    pcfg = PERSISTENT if "cuda_persistent" in best else None
+    pcfg = {k: True for k in ("cuda_persistent", "cuda_ws_pingpong") if k in best} or None
     a8, sfa = fp8.per_token_cast_to_fp8(torch.randn(m, k, device="cuda"))
     b8, sfb = fp8.per_block_cast_to_fp8(torch.randn(n, k, device="cuda"))
     kern = tilelang.compile(fp8.fp8_gemm_program(m, n, k, *tiles), out_idx=[-1], target="cuda", pass_configs=pcfg)

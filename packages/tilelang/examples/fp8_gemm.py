@@ -63,10 +63,19 @@ def fp8_gemm_program(M, N, K, block_M=128, block_N=128, num_stages=4, threads=25
 fp8_gemm = tilelang.jit(out_idx=[-1])(fp8_gemm_program)
 
 # Autotuned entry point: the candidates `fp8_gemm_tuned.tune(M, N, K)` times on the GPU (best cached on disk
-# per shape and device), and the default a first call builds without tuning.
-TUNE_CONFIGS = [{"block_M": 128, "block_N": 128, "num_stages": s, "threads": 256, "swizzle": p}
-                for s in (4, 5) for p in (8, 0)] + [{"block_M": 128, "block_N": 64, "num_stages": 8, "threads": 256,
-                                                     "swizzle": 8}]
+# per shape and device), and the default a first call builds without tuning. "pass_configs" picks compiler
+# schedules: cuda_persistent (one CTA per SM loops over the tiles: the next tile's loads overlap this one's
+# epilogue) and cuda_ws_pingpong (the two consumer warpgroups take turns on the tensor cores, so one
+# warpgroup's promotion runs under the other's wgmma).
+_TILE = {"block_M": 128, "block_N": 128, "threads": 256, "swizzle": 8}
+TUNE_CONFIGS = [
+    {**_TILE, "num_stages": 4},
+    {**_TILE, "num_stages": 4, "pass_configs": {"cuda_persistent": True}},
+    {**_TILE, "num_stages": 4, "pass_configs": {"cuda_ws_pingpong": True}},
+    {**_TILE, "num_stages": 4, "pass_configs": {"cuda_ws_pingpong": True, "cuda_persistent": True}},
+    {**_TILE, "num_stages": 5, "pass_configs": {"cuda_ws_pingpong": True, "cuda_persistent": True}},
+    {**_TILE, "block_N": 64, "num_stages": 8, "pass_configs": {"cuda_persistent": True}},
+]
 DEFAULTS = {"*": TUNE_CONFIGS[0]}
 
 

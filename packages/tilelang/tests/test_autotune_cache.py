@@ -239,3 +239,20 @@ def test_tuning_shows_progress(cache, capsys, monkeypatch):
     copy(30)
     err = capsys.readouterr().err
     assert "autotune copy: compile: 3/3" in err and "autotune copy: bench: 3/3" in err
+
+
+def test_config_pass_configs_go_to_the_compiler(cache, monkeypatch):
+    """A config's "pass_configs" entry reaches tilelang.compile (merged over the factory's), not the factory."""
+    seen = []
+    real = at.compile
+
+    def spy(func, out_idx=None, target=None, pass_configs=None):
+        seen.append(pass_configs)
+        return real(func, out_idx=out_idx, target=target, pass_configs=pass_configs)
+
+    monkeypatch.setattr(at, "compile", spy)
+    configs = [{"block": 8}, {"block": 8, "pass_configs": {"cuda_persistent": True}}]
+    k = make(configs)(24)
+    assert k.config in configs and None in seen and {"cuda_persistent": True} in seen
+    with pytest.raises(tilehal.ArgumentError, match="pass_configs must be a dict"):
+        make([{"block": 8, "pass_configs": 3}]).tune(24)

@@ -156,11 +156,20 @@ class AutoTuner:
         return rec
 
     def _compile(self, args: tuple, kwargs: dict, cfg: dict) -> JITKernel:
+        """Build one candidate. A config's "pass_configs" entry (compiler options such as cuda_persistent) is
+        merged over the factory's instead of being passed to the factory function."""
+        cfg = dict(cfg)
+        extra = cfg.pop("pass_configs", None)
+        if extra is not None and not isinstance(extra, dict):
+            raise tilehal.ArgumentError(f"autotune: a config's pass_configs must be a dict, got {extra!r}")
         if self.eager:
+            if extra:
+                raise tilehal.ArgumentError("autotune: per-config pass_configs need a @tilelang.jit prim_func factory "
+                                            "(not the eager style)")
             return self.factory.compile(*args, **{**kwargs, **cfg})
         func = self.factory.fn(*args, **{**kwargs, **cfg})
         return compile(func, out_idx=self.factory.out_idx, target=self.factory.target,
-                       pass_configs=self.factory.pass_configs)
+                       pass_configs={**(self.factory.pass_configs or {}), **(extra or {})} or None)
 
     def _given_tunables(self, args: tuple, kwargs: dict, configs: list[dict]) -> list[str]:
         """The tunable parameters the caller passed explicitly (positionally or by keyword)."""
@@ -197,6 +206,9 @@ class AutoTuner:
         if not all(isinstance(c, dict) for c in configs):
             raise tilehal.ArgumentError(f"autotune: every config must be a dict of factory keyword arguments, got "
                                         f"{[c for c in configs if not isinstance(c, dict)][:3]!r}")
+        bad = [c for c in configs if not isinstance(c.get("pass_configs", {}), dict)]
+        if bad:
+            raise tilehal.ArgumentError(f"autotune: a config's pass_configs must be a dict, got {bad[0]!r}")
         given = self._given_tunables(args, kwargs, configs)
         if given:  # as in the public TileLang: explicitly passed tunables mean no tuning
             log.info("autotune %s: tunable parameter(s) %s passed explicitly; building that config without tuning",
