@@ -340,6 +340,41 @@ def ncu_launch(best_json: Path) -> None:
     torch.cuda.synchronize()
 
 
+def plot(result: dict, png: Path) -> None:
+    """Bars: ours / peer speed ratio (> 1: ours faster) for every row and peer, the issue's 0.95x line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, ratios, colors = [], [], []
+    palette = {"deepgemm": "tab:blue", "scaled_mm_blockwise": "tab:cyan", "scaled_mm_rowwise": "tab:gray",
+               "kvpool": "tab:green", "sdpa_contiguous": "tab:olive", "torch": "tab:orange", "sdpa": "tab:red"}
+    for rows in result["rows"].values():
+        for r in rows:
+            what = r.get("shape", r.get("case", ""))
+            what = "x".join(map(str, what)) if isinstance(what, list) else str(what).split(",")[0].replace(
+                " s4096 d128 fp16", "")
+            for key in (k for k in r if k.startswith("ratio_vs_")):
+                peer = key[len("ratio_vs_"):]
+                labels.append(f"{r.get('kind', '')} {what}\nvs {peer}")
+                ratios.append(r[key])
+                colors.append(palette.get(peer, "tab:purple"))
+    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(labels)), 5))
+    bars = ax.bar(range(len(labels)), ratios, color=colors)
+    for b, v in zip(bars, ratios):
+        ax.text(b.get_x() + b.get_width() / 2, v * 1.02, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(0.95, color="red", ls="--", lw=0.8, label="target 0.95x (fp8 vs deepgemm, decode vs kvpool)")
+    ax.set_xticks(range(len(labels)), labels, rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel("peer time / our time (log; > 1: ours faster)")
+    ax.set_title(f"tilelang examples vs peers, {result['machine']['gpu']}, {result['date']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 BENCHES = {"fp8": (bench_fp8, FP8_CONFIGS), "decode": (bench_decode, DECODE_CONFIGS),
            "rmsnorm_fp8": (bench_rmsnorm_fp8, None), "gqa": (bench_gqa, None)}
 
@@ -352,7 +387,10 @@ def main() -> None:
     ap.add_argument("--no-autotune", action="store_true", help="skip the fp8 rows' @tilelang.autotune pass")
     ap.add_argument("--ncu-launch", type=Path, default=None, metavar="JSON",
                     help="launch the fastest configs of JSON once each (and the peers), for ncu; no timing")
+    ap.add_argument("--plot", type=Path, default=None, metavar="JSON", help="draw JSON's PNG next to it; no GPU")
     args = ap.parse_args()
+    if args.plot:
+        return plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
     if args.ncu_launch:
         return ncu_launch(args.ncu_launch)
     global TUNE_WITH_AUTOTUNER
