@@ -43,7 +43,8 @@ FP8_CONFIGS = [(128, 128, 4, 256, 8), (128, 128, 4, 256, 8, PERSISTENT), (128, 1
                (128, 128, 4, 256, 8, PINGPONG | PERSISTENT), (128, 128, 5, 256, 8, PINGPONG | PERSISTENT),
                (128, 64, 8, 256, 8, PERSISTENT)]  # 128x64: N=2112 in 33 x 32 = 1056 tiles, exactly 8 waves of 132
 # decode: (num_split, block_N, num_stages, threads); 32 threads: one warp per CTA, no cross-warp softmax reductions
-DECODE_CONFIGS = [(1, 64, 2, 128), (1, 64, 3, 128), (4, 64, 2, 32), (8, 32, 3, 32), (8, 64, 2, 32)]
+DECODE_CONFIGS = [(1, 64, 2, 128), (1, 64, 3, 128), (4, 64, 2, 32), (8, 32, 3, 32), (8, 64, 2, 32), (4, 32, 4, 32),
+                  (16, 32, 3, 32)]
 TUNE_WITH_AUTOTUNER = True  # --no-autotune: skip the autotuner pass of the fp8 rows
 
 
