@@ -91,6 +91,31 @@ def bench_fp8(configs) -> list[dict]:
     return rows
 
 
+def _fp8_no_promotion_program(M, N, K, block_M, block_N, num_stages, threads, swizzle):
+    """Timing only (its result is not the scaled product): the example's schedule with the K blocks accumulated
+    by the tensor cores directly, no scales and no per-block promotion, to show what the promotion costs."""
+    import tilelang.language as T
+
+    @T.prim_func
+    def main(A: T.Tensor((M, K), "float8_e4m3"), B: T.Tensor((N, K), "float8_e4m3"), D: T.Tensor((M, N), "bfloat16")):
+        with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), threads=threads) as (bx, by):
+            A_shared = T.alloc_shared((block_M, 128), "float8_e4m3")
+            B_shared = T.alloc_shared((block_N, 128), "float8_e4m3")
+            D_shared = T.alloc_shared((block_M, block_N), "bfloat16")
+            acc = T.alloc_fragment((block_M, block_N), "float")
+            if swizzle:
+                T.use_swizzle(panel_size=swizzle)
+            T.clear(acc)
+            for k in T.Pipelined(T.ceildiv(K, 128), num_stages=num_stages):
+                T.copy(A[by * block_M, k * 128], A_shared)
+                T.copy(B[bx * block_N, k * 128], B_shared)
+                T.gemm(A_shared, B_shared, acc, transpose_B=True)
+            T.copy(acc, D_shared)
+            T.copy(D_shared, D[by * block_M, bx * block_N])
+
+    return main
+
+
 def _fp8_shape(deepgemm, ex, m, n, k, configs) -> dict:
     torch.manual_seed(0)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -118,6 +143,17 @@ def _fp8_shape(deepgemm, ex, m, n, k, configs) -> dict:
             cands[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(f"  fp8 {m}x{n}x{k} ours {name}: {cands[name]}", flush=True)
     best, t_ours = pick(cands)
+    no_promo = None
+    if best is not None and (m, n, k) != FP8_SHAPES[-1]:  # what the promotion costs: the same schedule without it
+        try:
+            tiles = [int(x) for x in best.split("_")[0].split("x")]
+            pcfg = {c: True for c in ("cuda_persistent", "cuda_ws_pingpong") if c in best} or None
+            kern = tilelang.compile(_fp8_no_promotion_program(m, n, k, *tiles), out_idx=[-1], target="cuda",
+                                    pass_configs=pcfg)
+            no_promo = {"config": best, "us": timed(lambda: kern(a8, b8)) * 1e6}
+        except Exception as e:
+            no_promo = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"  fp8 {m}x{n}x{k} without promotion: {no_promo}", flush=True)
     tuned = None
     if TUNE_WITH_AUTOTUNER and (m, n, k) == FP8_SHAPES[0]:  # the example's @tilelang.autotune entry: pick, timings
         try:
@@ -141,6 +177,7 @@ def _fp8_shape(deepgemm, ex, m, n, k, configs) -> dict:
     peers["scaled_mm_rowwise"] = try_time(lambda: torch._scaled_mm(a8, b8.T, scale_a=one_a, scale_b=one_b,
                                                                    out_dtype=torch.bfloat16))
     row = {"kind": "fp8_gemm", "shape": [m, n, k], "candidates": cands, "best_config": best, "autotune": tuned,
+           "no_promotion_same_schedule": no_promo,
            "deepgemm_calc_diff_vs_reference": ex.calc_diff(d_dg.float(), ref)}
     if t_ours:
         row |= {"ours_us": t_ours * 1e6, "ours_tflops": flops / t_ours / 1e12}
