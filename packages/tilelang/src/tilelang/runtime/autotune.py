@@ -24,6 +24,7 @@ from typing import Any
 
 import tilehal
 
+from ..__about__ import __version__
 from ..errors import CompileError
 from .kernel import JITFactory, JITKernel, _hashable, compile
 
@@ -102,8 +103,6 @@ class AutoTuner:
             src = inspect.getsource(fn)
         except OSError:
             src = fn.__qualname__
-        from .. import __version__
-
         payload = repr((CACHE_FORMAT, __version__, fn.__module__, fn.__qualname__, src, _hashable(_shapes(args)),
                         _hashable(_shapes(kwargs)), [_hashable(c) for c in configs], self.factory.target,
                         _machine(self.factory.target)))
