@@ -285,15 +285,7 @@ def sec_decode(env: Env) -> None:
                 row("decode_graph", name, None, note="skipped: CUDA graphs need a GPU")
                 continue
             try:
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for _ in range(2):
-                        step()
-                torch.cuda.current_stream().wait_stream(s)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    gout = step()
+                graph, gout = tilehal.capture_graph(step)
                 graph.replay()
                 torch.cuda.synchronize()
                 tg = env.bench(graph.replay, hide_host=True).median_s * 1e3
@@ -438,15 +430,7 @@ def sec_moe(env: Env) -> None:
 def _moe_graph_row(env: Env, ours: torch.nn.Module, x: torch.Tensor, peer: float, name: str) -> None:
     """The optimized stack captured in a CUDA graph (its MoE path has no host synchronization)."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                ours(x)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            gout = ours(x)
+        graph, gout = tilehal.capture_graph(lambda: ours(x))
         graph.replay()
         torch.cuda.synchronize()
         tg = env.bench(graph.replay, hide_host=True).median_s * 1e3

@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+import tilehal
 import torch
 
 from tilestack.moe import (
@@ -351,14 +352,7 @@ def test_one_process_path_has_no_host_sync_and_captures_in_a_cuda_graph(use_fp8)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got, want)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        moe(x)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe(x)
+    graph, out = tilehal.capture_graph(lambda: moe(x), warmup=1)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)

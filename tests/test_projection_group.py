@@ -1,4 +1,5 @@
-"""ProjectionGroup (register_optimizations(fuse_qkv=True)): an attention block's q/k/v projections as one GEMM."""
+"""ProjectionGroup (register_optimizations(fuse_qkv=True)): an attention block's q/k/v projections as one GEMM
+(its GPU test: tests/test_fusions_gpu.py)."""
 
 from __future__ import annotations
 
@@ -6,24 +7,15 @@ import copy
 
 import pytest
 import torch
-import transformers
 from tilehal import ArgumentError, calc_diff
 
 from tilestack import register_optimizations
 from tilestack.layers import GemmLinear, ProjectionGroup, projection_group_skip_reason
 
 
-def llama(dtype=torch.float32, device="cpu", hidden=256, ffn=512, bias=False):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512, attention_bias=bias)
-    with torch.device(device):
-        return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
-
-
 @pytest.mark.parametrize("fp8, bias", [(False, False), (True, False), (False, True)])
-def test_grouped_projections_give_the_separate_ones(fp8, bias):
-    model = llama(bias=bias)
+def test_grouped_projections_give_the_separate_ones(make_llama, fp8, bias):
+    model = make_llama(attention_bias=bias)
     sep, grp = copy.deepcopy(model), copy.deepcopy(model)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -89,8 +81,8 @@ def test_skip_reasons():
         ProjectionGroup(odd)
 
 
-def test_compiled_members_run_on_their_own():
-    model = llama()
+def test_compiled_members_run_on_their_own(make_llama):
+    model = make_llama()
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 512, (2, 8))
     with torch.no_grad():
@@ -99,19 +91,3 @@ def test_compiled_members_run_on_their_own():
         got = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
         want = ref(ids).logits
     assert calc_diff(got, want) < 1e-4
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="deepgemm's kernels need an sm_90 GPU")
-@pytest.mark.parametrize("fp8, bound", [(False, 1e-4), (True, 3e-2)])  # the issue's bf16 bound; fp8: e4m3 operands
-def test_grouped_projections_on_the_gpu(fp8, bound):
-    model = llama(torch.bfloat16, "cuda", hidden=1024, ffn=2816)
-    ref = copy.deepcopy(model)
-    ids = torch.randint(0, 512, (4, 64), device="cuda")
-    with torch.no_grad():
-        want = ref(ids).logits
-        register_optimizations(model, backend="cuda", fp8=fp8, fuse_qkv=True)
-        for _ in range(2):
-            got = model(ids).logits
-    assert calc_diff(got.float(), want.float()) < bound

@@ -37,30 +37,43 @@ def _cuda() -> bool:
 
 
 @pytest.mark.skipif(_cuda(), reason="checks the no-GPU refusal")
-def test_bench_graph_needs_a_gpu():
-    from tilehal import DeviceError, bench_graph
+@pytest.mark.parametrize("name", ["bench_graph", "capture_graph"])
+def test_graph_helpers_need_a_gpu(name):
+    import tilehal
 
     calls = []
-    with pytest.raises(DeviceError, match="bench_graph"):
-        bench_graph(lambda: calls.append(1))
+    with pytest.raises(tilehal.DeviceError, match=name):
+        getattr(tilehal, name)(lambda: calls.append(1))
     assert calls == []  # refused before running anything
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
-def test_bench_graph_times_the_replay():
+def test_graph_helpers_capture_after_warming_up_and_time_the_replay():
     import torch
-    from tilehal import bench_graph
+    from tilehal import ArgumentError, bench_graph, capture_graph
 
     x = torch.zeros(1 << 20, device="cuda")
-    eager = []
+    calls = []
 
     def step():
-        eager.append(1)  # Python side effects run at the eager call and at the capture only
+        calls.append(1)  # Python side effects run at the eager calls and at the capture only
         x.add_(1)
+        return x * 2
 
+    graph, out = capture_graph(step, warmup=2, reps=3)
+    assert len(calls) == 2 + 3                      # the warm-up calls, then the captured ones (Python runs once)
+    torch.cuda.synchronize()
+    assert x[0].item() == 2                         # capturing ran nothing on the GPU
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x[0].item() == 5 and out[0].item() == 10  # three adds per replay; out is the last captured call's
+    with pytest.raises(ArgumentError, match="reps"):
+        capture_graph(step, reps=0)
+    x.zero_()
+    calls.clear()
     r = bench_graph(step, warmup=2, iters=5)
-    assert r.timer == "cuda_events" and r.median_s > 0 and len(eager) == 2
+    assert r.timer == "cuda_events" and r.median_s > 0 and len(calls) == 2
     torch.cuda.synchronize()
     assert x[0].item() == 1 + 2 + r.iters  # the eager call, then every replay (capturing runs nothing)
 

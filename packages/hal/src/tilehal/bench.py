@@ -169,11 +169,44 @@ def bench_host(fn: Callable[[], Any], *, warmup: int = 10, batches: int = 20, pe
                        p80_s=_percentile(times, 80), iters=len(times), timer="host", host_s=med, times_s=tuple(times))
 
 
+def capture_graph(fn: Callable[[], Any], warmup: int = 2, reps: int = 1) -> tuple[Any, Any]:
+    """(graph, output): `reps` calls of `fn` captured in one torch.cuda.CUDAGraph, after `warmup` eager calls
+    on a side stream (torch's recipe: lazy initialization, JIT compiles, module loads and allocator growth
+    happen outside the capture, and the side stream keeps the warm-up's allocations out of the default
+    stream's pool). The output is the last captured call's: replaying the graph rewrites it in place. `fn`
+    must be capturable (a failed capture raises torch's error). Needs a GPU (DeviceError otherwise)."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        from .errors import DeviceError
+
+        raise DeviceError("capture_graph: no CUDA GPU is available (a CUDA graph needs one)")
+    from .errors import ArgumentError
+
+    for name, v, lo in (("warmup", warmup, 0), ("reps", reps, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise ArgumentError(f"{name}: expected an int >= {lo}, got {v!r}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    out = None
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            out = fn()
+    return graph, out
+
+
 def bench_graph(fn: Callable[[], Any], **bench_kwargs: Any) -> BenchResult:
     """Time `fn` captured in a CUDA graph: `bench` of the graph's replay (same keywords), so the
     figure has no Python or launch overhead at all. `fn` runs once eagerly first, outside the
-    capture (JIT compiles, module loads, allocator growth); it must be capturable. Needs a GPU
-    (DeviceError otherwise); a failed capture raises torch's error.
+    capture (JIT compiles, module loads, allocator growth; `capture_graph`); it must be capturable.
+    Needs a GPU (DeviceError otherwise); a failed capture raises torch's error.
     """
     try:
         import torch
@@ -183,11 +216,8 @@ def bench_graph(fn: Callable[[], Any], **bench_kwargs: Any) -> BenchResult:
         from .errors import DeviceError
 
         raise DeviceError("bench_graph: no CUDA GPU is available (a CUDA graph needs one)")
-    fn()
+    graph, _ = capture_graph(fn, warmup=1)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
     return bench(graph.replay, **{"device": "cuda", **bench_kwargs})
 
 
