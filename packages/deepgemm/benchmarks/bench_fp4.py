@@ -37,7 +37,9 @@ def timed(fn, iters: int) -> tuple[float, float]:
     return t, tg
 
 
-OURS = ("fp8_fp4", "fp8_fp4_wgmma", "bf16_fp4", "bf16_fp4_wgmma")  # fp8_fp4 / bf16_fp4: the mma.sync kernel
+# fp8_fp4 / bf16_fp4: the mma.sync kernel; *_wgmma: the wgmma one; bf16_fp4_stream: the streaming kernel (M <= 16;
+# the wgmma one above); bf16_fp4_auto: the default policy (DEEPGEMM_FP4_KERNEL=auto), the figure issue 19 counts
+OURS = ("fp8_fp4", "fp8_fp4_wgmma", "bf16_fp4", "bf16_fp4_wgmma", "bf16_fp4_stream", "bf16_fp4_auto")
 
 
 def with_kernel(kind: str, fn):
@@ -69,6 +71,8 @@ def case(m: int, n: int, k: int, iters: int, only: str | None = None) -> dict:
         "fp8_fp4_wgmma": with_kernel("wgmma", lambda: deepgemm.fp8_fp4_gemm_nt((a8, sfa_t), (packed, sf), d)),
         "bf16_fp4": with_kernel("mma", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
         "bf16_fp4_wgmma": with_kernel("wgmma", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
+        "bf16_fp4_stream": with_kernel("stream", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
+        "bf16_fp4_auto": with_kernel("auto", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
         "cublas_bf16": lambda: torch.matmul(a, w.T),
         "deepgemm_fp8": lambda: deepgemm.fp8_gemm_nt((a8, sfa_t), (b8, sfb), d),
     }
@@ -109,13 +113,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ncu-launch", action="store_true", help="one launch of a few FP4 cases (for ncu), then exit")
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: 1,16,64,128)")
-    ap.add_argument("--only", default=None, help="comma-separated contenders (default: all six)")
+    ap.add_argument("--only", default=None, help="comma-separated contenders (default: all)")
     args = ap.parse_args()
     if args.ncu_launch:
-        # M = 64 / 128 on both kernels and both activation kinds, and M = 1 (the fixed cost), one launch each
+        # M = 64 / 128 on both kernels and both activation kinds, M = 1 (the fixed cost), the streaming kernel at
+        # M = 1 / 16: one launch each
         for m, n, k, fp8, kind in ((64, 4096, 7168, False, "wgmma"), (128, 4096, 7168, False, "wgmma"),
                                    (128, 4096, 7168, True, "wgmma"), (128, 4096, 7168, True, "mma"),
-                                   (64, 4096, 7168, True, "mma"), (1, 4096, 7168, False, "wgmma")):
+                                   (64, 4096, 7168, True, "mma"), (1, 4096, 7168, False, "wgmma"),
+                                   (1, 4096, 7168, False, "stream"), (16, 4096, 7168, False, "stream")):
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             packed, sf = deepgemm.cast_weights_to_fp4(torch.randn(n, k, device="cuda") * 0.05)
             d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)

@@ -1,13 +1,15 @@
-"""Compile (NVRTC, no GPU) every FP4 kernel (mma.sync and wgmma) that tests/test_fp4.py and
-benchmarks/bench_fp4.py use, in parallel, into the tilehal compile cache (run it on the GPU machine before the tests: ~4 s per kernel).
+"""Compile (NVRTC, no GPU) every FP4 kernel (mma.sync, wgmma, streaming) that tests/test_fp4.py and
+benchmarks/bench_fp4.py use, in parallel, into the tilehal compile cache (run it on the GPU machine before the
+tests: ~4 s per kernel).
 
-    python packages/deepgemm/scripts/warm_fp4.py [--jobs 8] [--list]
+    python packages/deepgemm/scripts/warm_fp4.py [--jobs 8] [--list] [--kinds mma,wgmma,stream]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import os
 
 from deepgemm import cuda_fp4
@@ -16,6 +18,21 @@ SMS = 132
 TEST_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (64, 4096, 7168), (128, 4096, 7168), (5, 200, 256), (37, 136, 1152)]
 BENCH_M = (1, 16, 64, 128)
 BENCH_NK = [(7168, 2048), (2112, 7168), (4096, 7168)]
+STREAM_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (3, 4096, 7168), (9, 200, 256), (2, 136, 16384), (16, 72, 1152)]
+
+
+@contextlib.contextmanager
+def env(name: str, value: str):
+    """os.environ[name] = value for the block (the planners read their A/B knobs from the environment)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def wgmma_keys() -> list[cuda_fp4.Fp4WgKey]:
@@ -30,26 +47,25 @@ def wgmma_keys() -> list[cuda_fp4.Fp4WgKey]:
         keys.add(cuda_fp4.plan_wgmma(16, 2112, 7168, 1, False, True, False, num_sms=SMS, act_fp8=fp8).key)  # with C
         keys.add(cuda_fp4.plan_wgmma(64, 2112, 2048, 4, True, False, True, num_sms=SMS, expected_m=16,
                                      act_fp8=fp8).key)  # grouped masked
-    os.environ["DEEPGEMM_FP4_WG_NWG"] = "1"  # the bench's A/B of one warpgroup per CTA at M = 64 / 128
-    try:
-        for m in (64, 128):
-            for n, k in BENCH_NK:
-                keys.add(cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=SMS).key)
-    finally:
-        del os.environ["DEEPGEMM_FP4_WG_NWG"]
-    for cap in ("2", "4"):  # and of fewer cluster splits at M = 1 / 16
-        os.environ["DEEPGEMM_FP4_WG_MAX_SPLITS"] = cap
-        try:
-            for m in (1, 16):
-                for n, k in BENCH_NK:
-                    keys.add(cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=SMS).key)
-        finally:
-            del os.environ["DEEPGEMM_FP4_WG_MAX_SPLITS"]
+    # the bench's A/B: one warpgroup per CTA at M = 64 / 128, fewer cluster splits at M = 1 / 16
+    for name, value, ms in (("DEEPGEMM_FP4_WG_NWG", "1", (64, 128)), ("DEEPGEMM_FP4_WG_MAX_SPLITS", "2", (1, 16)),
+                            ("DEEPGEMM_FP4_WG_MAX_SPLITS", "4", (1, 16))):
+        with env(name, value):
+            keys.update(cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=SMS).key
+                        for m in ms for n, k in BENCH_NK)
     return sorted(keys, key=lambda k: k.expression)
 
 
-def all_keys() -> list:
-    return mma_keys() + wgmma_keys()
+def stream_keys() -> list[cuda_fp4.Fp4StreamKey]:
+    keys = set()
+    for m, n, k in [*STREAM_SHAPES, *TEST_SHAPES, *((m, n, k) for m in (1, 16) for n, k in BENCH_NK)]:
+        for out_bf16 in (True, False):
+            p = cuda_fp4.plan_stream(m, n, k, 1, out_bf16, False, False, num_sms=SMS)
+            if p is not None:
+                keys.add(p.key)
+    keys.add(cuda_fp4.plan_stream(16, 2112, 7168, 1, False, True, False, num_sms=SMS).key)  # with C
+    keys.add(cuda_fp4.plan_stream(64, 2112, 2048, 4, True, False, True, num_sms=SMS, expected_m=16).key)  # masked
+    return sorted(keys, key=lambda k: k.expression)
 
 
 def mma_keys() -> list[cuda_fp4.Fp4Key]:
@@ -67,6 +83,13 @@ def mma_keys() -> list[cuda_fp4.Fp4Key]:
     return sorted(keys, key=lambda k: k.expression)
 
 
+KINDS = {"mma": mma_keys, "wgmma": wgmma_keys, "stream": stream_keys}
+
+
+def all_keys(kinds=tuple(KINDS)) -> list:
+    return [key for kind in kinds for key in KINDS[kind]()]
+
+
 def _compile(key) -> str:
     cuda_fp4.compile_kernel(key)
     return key.expression
@@ -76,8 +99,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kernel kinds (mma, wgmma, stream)")
     args = ap.parse_args()
-    keys = all_keys()
+    kinds = args.kinds.split(",")
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise SystemExit(f"--kinds: expected some of {', '.join(KINDS)}, got {', '.join(unknown)}")
+    keys = all_keys(kinds)
     if args.list:
         print("\n".join(k.expression for k in keys))
         return

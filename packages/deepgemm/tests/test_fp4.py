@@ -262,6 +262,19 @@ def test_gpu_dense_matches_reference(m, n, k, gran, fp8):
     assert rel_err(d32, ref.numpy()) < 1e-4  # fp32 summation order only
 
 
+def assert_graph_replays(fn, d, ref: np.ndarray, tol: float = 1e-4) -> None:
+    """fn captured in a CUDA graph and replayed 3 times into a zeroed d: each replay gives ref again (split-K
+    launches must leave their counters / cluster state ready for the next)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        d.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(d, ref) < tol
+
+
 @pytest.mark.gpu
 def test_gpu_c_and_graph_replay():
     m, n, k = 16, 2112, 7168  # split-K: the per-tile counters must be reset by each launch
@@ -271,14 +284,7 @@ def test_gpu_c_and_graph_replay():
     deepgemm.fp8_fp4_gemm_nt(act, b, d, c=c)
     ref = fp4.reference(*cuda(a_ref, sfa_ref, packed, sf), 32, c).cpu()
     assert rel_err(d, ref.numpy()) < 1e-4
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        deepgemm.fp8_fp4_gemm_nt(act, b, d, c=c)
-    for _ in range(3):
-        d.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(d, ref.numpy()) < 1e-4
+    assert_graph_replays(lambda: deepgemm.fp8_fp4_gemm_nt(act, b, d, c=c), d, ref.numpy())
 
 
 @pytest.mark.gpu
@@ -328,10 +334,11 @@ def test_gpu_wgmma_kernel_matches_reference(m, n, k, ue8m0, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_wgmma_mixed_scales_c_and_graph_replay(monkeypatch):
+@pytest.mark.parametrize("kernel", ["wgmma", "stream"])
+def test_gpu_mixed_scales_c_and_graph_replay(kernel, monkeypatch):
     """Half the rows with fp32 scales (slow-path chunks next to folded ones in one CTA), C, a cluster
-    split-K launch replayed from a CUDA graph."""
-    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "wgmma")
+    split-K launch replayed from a CUDA graph: the wgmma and the streaming kernel (bf16 activations)."""
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", kernel)
     m, n, k = 16, 2112, 7168
     g = torch.Generator().manual_seed(7)
     a = torch.randn((m, k), generator=g).to(torch.bfloat16).cuda()
@@ -344,14 +351,7 @@ def test_gpu_wgmma_mixed_scales_c_and_graph_replay(monkeypatch):
     d = torch.empty(m, n, device="cuda")
     deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d, c=c)
     assert rel_err(d, ref.numpy()) < 1e-4
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d, c=c)
-    for _ in range(3):
-        d.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(d, ref.numpy()) < 1e-4
+    assert_graph_replays(lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d, c=c), d, ref.numpy())
 
 
 @pytest.mark.gpu
@@ -428,8 +428,85 @@ def test_fit_clusters_takes_fewer_splits_when_the_driver_holds_fewer(monkeypatch
 
     p = replan()
     assert p.splits == 4 and p.tiles_all == 32
-    monkeypatch.setattr(cuda_fp4, "_max_active_clusters", lambda key, size, dev: {4: 30, 3: 40}.get(size, 99))
+    monkeypatch.setattr(cuda_fp4, "_max_active_clusters", lambda key, size, dev, smem: {4: 30, 3: 40}.get(size, 99))
     q = cuda_fp4._fit_clusters(p, torch.device("cpu"), replan)
     assert q.splits == 3 and q.splits * q.chunks_per_split >= 56
-    monkeypatch.setattr(cuda_fp4, "_max_active_clusters", lambda key, size, dev: None)  # no driver figure
+    monkeypatch.setattr(cuda_fp4, "_max_active_clusters", lambda key, size, dev, smem: None)  # no driver figure
     assert cuda_fp4._fit_clusters(p, torch.device("cpu"), replan) is p
+
+
+# ----------------------------------------------------------------------------- the streaming kernel (bf16, M <= 16)
+
+
+def test_stream_plan_covers_k_and_fits(monkeypatch):
+    from deepgemm import cuda_fp4
+
+    shapes = ((7168, 2048), (2112, 7168), (4096, 7168), (200, 256), (136, 16384), (64, 1024))
+    for m, (n, k) in itertools.product((1, 5, 8, 9, 16), shapes):
+        p = cuda_fp4.plan_stream(m, n, k, 1, True, False, False, num_sms=132)
+        assert p.key.nt == (1 if m <= 8 else 2) and p.key.slots == cuda_fp4.STREAM_SLOTS[p.key.nt]
+        assert p.splits * p.chunks_per_split >= k // 128 > (p.splits - 1) * p.chunks_per_split
+        assert p.row_blocks * p.key.rows >= n and p.m_blocks * p.key.tokens >= m
+        assert 1 <= p.splits <= cuda_fp4.MAX_CLUSTER_SPLITS and p.cluster == ((1, p.splits, 1) if p.splits > 1 else None)
+        assert p.chunks_per_split <= cuda_fp4.STREAM_MAX_CHUNKS
+        assert p.smem_bytes >= max(p.key.tokens * p.chunks_per_split * 256, p.key.tokens * p.key.rows * 4)
+        assert cuda_fp4.stream_min_blocks(p.key.wn) * p.smem_bytes <= cuda_fp4.SM_SMEM
+    assert cuda_fp4.plan_stream(17, 4096, 7168, 1, True, False, False, num_sms=132) is None  # wgmma's
+    assert cuda_fp4.plan_stream(1, 4096, 128 * 8 * 25, 1, True, False, False, num_sms=132) is None  # K too long
+    assert cuda_fp4.use_stream(False, 16) and not cuda_fp4.use_stream(True, 1) and not cuda_fp4.use_stream(False, 17)
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "mma")
+    assert not cuda_fp4.use_stream(False, 1)
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "stream")
+    assert cuda_fp4.use_stream(False, 1) and cuda_fp4.use_wgmma(False, 64) and not cuda_fp4.use_wgmma(True, 64)
+    monkeypatch.setenv("DEEPGEMM_FP4_STREAM_WN", "4")
+    assert cuda_fp4.plan_stream(1, 4096, 7168, 1, True, False, False, num_sms=132).key.wn == 4
+    monkeypatch.setenv("DEEPGEMM_FP4_STREAM_WN", "5")
+    with pytest.raises(deepgemm.validate.ArgumentError, match="DEEPGEMM_FP4_STREAM_WN"):
+        cuda_fp4.plan_stream(1, 4096, 7168, 1, True, False, False, num_sms=132)
+
+
+def test_stream_launch_arguments_cpu(monkeypatch):
+    """The streaming kernel's host launch without a GPU (kernel stubbed): the argument list matches the
+    kernel's parameters (b, sfb, a, d, c, masked_m, M, N, K, lda, m_blocks, chunks per split)."""
+    from deepgemm import cuda_fp4
+
+    launches = []
+
+    class Stub:
+        def launch(self, grid, threads, args, smem_bytes=0, cluster=None):
+            launches.append((grid, threads, args, smem_bytes, cluster))
+
+    monkeypatch.setattr(cuda_fp4, "_kernel", lambda key: Stub())
+    m, n, k = 16, 2112, 7168
+    a, (packed, sf), *_ = operands(m, n, k, 32, False)
+    d = torch.empty(m, n, dtype=torch.bfloat16)
+    p = cuda_fp4.plan_stream(m, n, k, 1, True, False, False, num_sms=132)
+    cuda_fp4._launch_stream(p, a, packed, sf, d, None, None, m, n, k)
+    (grid, threads, args, smem, cluster), = launches
+    assert grid == p.grid and threads == p.key.threads and smem == p.smem_bytes and cluster == p.cluster
+    assert args[0] is packed and args[1] is sf and args[3] is d and args[4] is None and args[5] is None
+    assert args[6:] == [m, n, k, k, p.m_blocks, p.chunks_per_split]
+
+
+STREAM_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (3, 4096, 7168), (9, 200, 256), (2, 136, 16384), (16, 72, 1152)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ue8m0", [True, False])
+@pytest.mark.parametrize("m,n,k", STREAM_SHAPES)
+def test_gpu_stream_kernel_matches_reference(m, n, k, ue8m0, monkeypatch):
+    """bf16 activations at M <= 16 (the streaming kernel): power-of-two scales folded, fp32 ones through the
+    4-piece slow path; N % 64 != 0 (200, 136, 72: partial row blocks), K = 16384 (slots refilled),
+    fp32 and bf16 outputs: the float64 reference up to fp32 summation order."""
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "stream")
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    a = torch.randn((m, k), generator=g).to(torch.bfloat16).cuda()
+    w = torch.randn((n, k), generator=g).cuda() * 0.05
+    packed, sf = deepgemm.cast_weights_to_fp4(w, gran_k=32, use_ue8m0=ue8m0)
+    ref = fp4.reference(a, None, packed, sf, 32).cpu()
+    d32 = torch.empty(m, n, device="cuda")
+    deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d32)
+    assert rel_err(d32, ref.numpy()) < 1e-4
+    d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)
+    assert deepgemm.testing.calc_diff(d.float().cpu(), ref.float()) < 1e-4

@@ -1,5 +1,6 @@
-"""Compile-only (NVRTC sm_90a, no GPU): the FP4-weight kernel for every configuration the planner picks at
-issue 19's decode shapes, plus the other template paths (gran 128, fp32 out + C, masked). Runs in CI."""
+"""Compile-only (NVRTC sm_90a, no GPU): the FP4-weight kernels (mma.sync, wgmma, streaming) for every
+configuration the planners pick at issue 19's decode shapes, plus the other template paths (gran 128, fp32 out
++ C, masked). Runs in CI."""
 
 import pytest
 import tilehal
@@ -41,30 +42,42 @@ def wgmma_configs():
 WGMMA_CONFIGS = wgmma_configs()
 
 
-@pytest.mark.parametrize("part", [0, 1, 2])
-def test_fp4_wgmma_kernel_configs_compile(part, h):
-    """The wgmma kernels: no spills and no serialized wgmma (ptxas C7510-C7515 warnings) at any planned config."""
-    batch = WGMMA_CONFIGS[part::3]
-    exprs = [k.expression for k in batch]
-    mod = tilehal.compile_cuda(cuda_fp4.kernel_source(), arch="sm_90a", name="deepgemm_fp4_wgmma_compile_check",
-                               options=cuda_fp4.OPTIONS + ("--ptxas-options=-v",), name_expressions=exprs)
-    assert len(mod.cubin) > 1000
-    h.check_compiled(mod, exprs, forbidden=("serialized",))
+def stream_configs():
+    keys = set()
+    for m in (1, 5, 16):
+        for n, k in ((7168, 2048), (2112, 7168), (4096, 7168)):
+            keys.add(cuda_fp4.plan_stream(m, n, k, 1, True, False, False, num_sms=132).key)
+    keys.add(cuda_fp4.plan_stream(16, 2112, 7168, 1, False, True, False, num_sms=132).key)  # fp32 out + C
+    keys.add(cuda_fp4.plan_stream(64, 2112, 2048, 4, True, False, True, num_sms=132, expected_m=16).key)  # masked
+    return sorted(keys, key=lambda k: k.expression)
 
 
-@pytest.mark.parametrize("half", [0, 1])
-def test_fp4_kernel_configs_compile(half, h):
-    batch = CONFIGS[half::2]
+STREAM_CONFIGS = stream_configs()
+
+# (kind, batch): every kernel family's planned configurations in a few NVRTC runs; the wgmma kernels must not
+# serialize their wgmmas (ptxas C7510-C7515 warnings); nothing may spill (h.check_compiled).
+BATCHES = ([("mma", CONFIGS[i::2], ()) for i in range(2)] + [("wgmma", WGMMA_CONFIGS[i::3], ("serialized",))
+                                                               for i in range(3)]
+           + [("stream", STREAM_CONFIGS, ())])
+
+
+@pytest.mark.parametrize("kind,batch,forbidden", BATCHES, ids=[f"{k}{i}" for i, (k, _, _) in enumerate(BATCHES)])
+def test_fp4_kernel_configs_compile(kind, batch, forbidden, h):
     exprs = [k.expression for k in batch]
-    mod = tilehal.compile_cuda(cuda_fp4.kernel_source(), arch="sm_90a", name="deepgemm_fp4_compile_check",
+    mod = tilehal.compile_cuda(cuda_fp4.kernel_source(), arch="sm_90a", name=f"deepgemm_fp4_{kind}_compile_check",
                                options=cuda_fp4.OPTIONS + ("--ptxas-options=-v",), name_expressions=exprs)
     assert len(mod.cubin) > 1000
-    h.check_compiled(mod, exprs, forbidden=())
+    h.check_compiled(mod, exprs, forbidden=forbidden)
 
 
 def test_configs_cover_both_activation_kinds_and_token_tiles():
     assert {k.act_fp8 for k in CONFIGS} == {True, False}
     assert {k.nt for k in CONFIGS} >= {1, 2, 8} and any(k.masked for k in CONFIGS) and any(k.has_c for k in CONFIGS)
+
+
+def test_stream_configs_cover_both_token_tiles_c_and_masked():
+    assert {k.nt for k in STREAM_CONFIGS} == {1, 2} and any(k.has_c for k in STREAM_CONFIGS)
+    assert any(k.masked for k in STREAM_CONFIGS) and {k.out_bf16 for k in STREAM_CONFIGS} == {True, False}
 
 
 def test_wgmma_configs_cover_both_activation_kinds():

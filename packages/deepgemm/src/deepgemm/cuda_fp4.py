@@ -240,6 +240,10 @@ class Fp4WgPlan:
     def tiles_all(self) -> int:
         return self.row_blocks * self.m_blocks * self.groups
 
+    @property
+    def smem_bytes(self) -> int:
+        return self.key.smem_bytes
+
 
 # What DEEPGEMM_FP4_KERNEL=auto (the default) runs: the wgmma kernel from this many tokens on, per activation
 # kind (None: never). H200, 2026-12-02 (docs/deepgemm.md): bf16 wgmma is 1.13-1.45x the mma.sync kernel at
@@ -251,18 +255,24 @@ AUTO_WGMMA_MIN_M = {"bf16": 17, "e4m3": None}
 def use_wgmma(act_fp8: bool, m: int) -> bool:
     """Whether a call with m tokens (per group) takes the wgmma kernel (DEEPGEMM_FP4_KERNEL, else AUTO_WGMMA_MIN_M)."""
     choice = kernel_choice()
-    if choice == "auto":
+    if choice in ("auto", "stream"):
         low = AUTO_WGMMA_MIN_M["e4m3" if act_fp8 else "bf16"]
         return low is not None and m >= low
     return choice == "wgmma"
 
 
 def kernel_choice() -> str:
-    """DEEPGEMM_FP4_KERNEL: 'auto' (default: AUTO_WGMMA_MIN_M), 'mma' or 'wgmma' (both activation kinds; A/B)."""
+    """DEEPGEMM_FP4_KERNEL: 'auto' (default: the streaming kernel for bf16 activations at M <= STREAM_MAX_M, else
+    AUTO_WGMMA_MIN_M), 'mma', 'wgmma' (both activation kinds) or 'stream' (bf16, M <= 16; else as auto): A/B."""
     v = os.environ.get("DEEPGEMM_FP4_KERNEL", "auto")
-    if v not in ("auto", "mma", "wgmma"):
-        raise validate.ArgumentError(f"DEEPGEMM_FP4_KERNEL: expected auto, mma or wgmma, got {v!r}")
+    if v not in ("auto", "mma", "wgmma", "stream"):
+        raise validate.ArgumentError(f"DEEPGEMM_FP4_KERNEL: expected auto, mma, wgmma or stream, got {v!r}")
     return v
+
+
+def use_stream(act_fp8: bool, m: int) -> bool:
+    """Whether a call with m tokens (per group) may take the streaming kernel (bf16 activations only)."""
+    return not act_fp8 and m <= STREAM_MAX_M and kernel_choice() in ("auto", "stream")
 
 
 WG_CTA_FIXED_CHUNKS = 3
@@ -330,18 +340,129 @@ def _plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool
                      groups=groups)
 
 
+STREAM_MAX_M = 16  # the streaming kernel's token tile (bf16 activations; two n8 tiles)
+STREAM_SLOTS = {1: 8, 2: 7}  # P per token tiles: 128-wide K chunks a thread holds in registers at once (no spill
+# within the kernel's 128 registers; NT = 2 spilled at 8)
+STREAM_MAX_CHUNKS = 24  # chunks per CTA: its activations ([16][chunks x 128] bf16) in shared memory
+STREAM_TARGET_WARPS = 16 * 132  # warps in flight worth streaming the weights at full bandwidth (H200: 16 per SM)
+
+
+@dataclass(frozen=True)
+class Fp4StreamKey:
+    """The streaming kernel (bf16 activations, <= 16 tokens): NT n8 token tiles, WN warps of 16 rows, P slots."""
+
+    nt: int
+    wn: int
+    out_bf16: bool
+    has_c: bool
+    masked: bool
+    slots: int = 8
+
+    @property
+    def expression(self) -> str:
+        def b(x: bool) -> str:
+            return "true" if x else "false"
+
+        out = "__nv_bfloat16" if self.out_bf16 else "float"
+        return (f"deepgemm::fp4::fp4_stream_sm90<{self.nt}, {self.wn}, {self.slots}, {out}, {b(self.has_c)}, "
+                f"{b(self.masked)}>")
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.wn
+
+    @property
+    def tokens(self) -> int:
+        return 8 * self.nt
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.wn
+
+
+def stream_min_blocks(wn: int) -> int:
+    """CTAs per SM of the streaming kernel (its kStreamMinBlocks: 512 threads of <= 128 registers)."""
+    return 16 // wn
+
+
+@dataclass(frozen=True)
+class Fp4StreamPlan:
+    key: Fp4StreamKey
+    m_blocks: int
+    row_blocks: int
+    splits: int  # = the cluster size along grid y
+    chunks_per_split: int
+    groups: int = 1
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.row_blocks, self.splits, self.m_blocks * self.groups
+
+    @property
+    def cluster(self) -> tuple[int, int, int] | None:
+        return (1, self.splits, 1) if self.splits > 1 else None
+
+    @property
+    def tiles_all(self) -> int:
+        return self.row_blocks * self.m_blocks * self.groups
+
+    @property
+    def smem_bytes(self) -> int:
+        k = self.key
+        return max(k.tokens * self.chunks_per_split * 256, k.tokens * k.rows * 4)
+
+
+def plan_stream(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
+                num_sms: int | None = None, expected_m: int | None = None,
+                max_splits: int | None = None) -> Fp4StreamPlan | None:
+    """Warps and cluster split-K of the streaming kernel, or None where it does not apply (more than
+    STREAM_MAX_M tokens, or a K range too long for its shared-memory activations)."""
+    mm = expected_m or m
+    if mm > STREAM_MAX_M:
+        return None
+    wn = os.environ.get("DEEPGEMM_FP4_STREAM_WN")  # A/B timing only
+    if wn is not None and wn not in ("4", "8"):
+        raise validate.ArgumentError(f"DEEPGEMM_FP4_STREAM_WN: expected 4 or 8, got {wn!r}")
+    return _plan_stream(m, n, k, groups, out_bf16, has_c, masked, num_sms or get_num_sms(), expected_m,
+                        MAX_CLUSTER_SPLITS if max_splits is None else max_splits, int(wn) if wn else None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_stream(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool, sms: int,
+                 expected_m: int | None, most: int, forced_wn: int | None) -> Fp4StreamPlan | None:
+    nt = 1 if (expected_m or m) <= 8 else 2
+    chunks = k // 128
+    m_blocks = ceil_div(m, 8 * nt)
+    tiles_m = groups * (ceil_div(expected_m, 8 * nt) if masked and expected_m else m_blocks)
+    # 128-row CTAs: one activation tile in shared memory serves 128 weight rows (its L2 traffic is 1/128 of
+    # the rows'); 64-row ones for narrow N. Splits: enough warps in flight (STREAM_TARGET_WARPS), within one
+    # cluster (<= `most`).
+    wn = forced_wn or (8 if n > 64 else 4)
+    row_blocks = ceil_div(n, 16 * wn)
+    tiles = row_blocks * tiles_m
+    want = ceil_div(STREAM_TARGET_WARPS * sms // 132, tiles * wn)
+    splits = max(1, min(want, most, chunks))
+    cps = ceil_div(chunks, splits)
+    splits = ceil_div(chunks, cps)
+    if cps > STREAM_MAX_CHUNKS:
+        return None
+    key = Fp4StreamKey(nt=nt, wn=wn, out_bf16=out_bf16, has_c=has_c, masked=masked, slots=STREAM_SLOTS[nt])
+    return Fp4StreamPlan(key=key, m_blocks=m_blocks, row_blocks=row_blocks, splits=splits, chunks_per_split=cps,
+                         groups=groups)
+
+
 def kernel_source() -> str:
     return (KERNEL_DIR / "fp4_gemm_sm90.cuh").read_text()
 
 
-def compile_kernel(key: Fp4Key | Fp4WgKey, extra_options: tuple[str, ...] = ()) -> tilehal.CudaModule:
+def compile_kernel(key: Fp4Key | Fp4WgKey | Fp4StreamKey, extra_options: tuple[str, ...] = ()) -> tilehal.CudaModule:
     """NVRTC-compile one instantiation for sm_90a (no GPU needed; cached on disk by content)."""
     return tilehal.compile_cuda(kernel_source(), arch="sm_90a", name="deepgemm_fp4_gemm_sm90",
                                 options=OPTIONS + extra_options, name_expressions=[key.expression])
 
 
 @functools.lru_cache(maxsize=128)
-def _kernel(key: Fp4Key | Fp4WgKey) -> tilehal.Kernel:
+def _kernel(key: Fp4Key | Fp4WgKey | Fp4StreamKey) -> tilehal.Kernel:
     return compile_kernel(key).get_kernel(key.expression)
 
 
@@ -421,8 +542,9 @@ def _launch(p: Fp4Plan, a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int) 
 
 
 @functools.lru_cache(maxsize=256)
-def _max_active_clusters(key: Fp4WgKey, size: int, device_index: int) -> int | None:
-    """The driver's count of `size`-CTA clusters of this kernel resident at once (None if it cannot say)."""
+def _max_active_clusters(key: Fp4WgKey | Fp4StreamKey, size: int, device_index: int, smem: int) -> int | None:
+    """The driver's count of `size`-CTA clusters of this kernel (with `smem` bytes of dynamic shared memory)
+    resident at once (None if it cannot say)."""
     try:
         from tilehal.jit.launch import _cluster_config, ensure_context
 
@@ -430,9 +552,9 @@ def _max_active_clusters(key: Fp4WgKey, size: int, device_index: int) -> int | N
         driver = ensure_context(device_index)
         fn = kern._function(device_index)
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        if int(driver.cuFuncSetAttribute(fn, attr, key.smem_bytes)[0]) != 0:
+        if int(driver.cuFuncSetAttribute(fn, attr, smem)[0]) != 0:
             return None
-        cfg = _cluster_config(driver, (1, size, 1), (key.threads, 1, 1), key.smem_bytes, (1, size, 1),
+        cfg = _cluster_config(driver, (1, size, 1), (key.threads, 1, 1), smem, (1, size, 1),
                               driver.CUstream(0))
         err, count = driver.cuOccupancyMaxActiveClusters(fn, cfg)
         return int(count) if int(err) == 0 else None
@@ -441,16 +563,20 @@ def _max_active_clusters(key: Fp4WgKey, size: int, device_index: int) -> int | N
         return None
 
 
-def _fit_clusters(p: Fp4WgPlan, device: torch.device, replan) -> Fp4WgPlan:
+def _fit_clusters(p, device: torch.device, replan):
     """Fewer splits while the driver says the plan's clusters would not all be resident at once (a cluster
     left for a second wave doubles the time)."""
     while p.splits > 1:
-        have = _max_active_clusters(p.key, p.splits, device.index if device.index is not None else 0)
+        have = _max_active_clusters(p.key, p.splits, device.index if device.index is not None else 0,
+                                    p.smem_bytes)
         if have is None or have >= p.tiles_all:
             return p
         log.debug("fp4 wgmma: %d clusters of %d CTAs, the device holds %d at once: fewer splits", p.tiles_all,
                   p.splits, have)
-        p = replan(p.splits - 1)
+        q = replan(p.splits - 1)
+        if q is None:  # the streaming kernel's K range would outgrow its shared memory: keep the plan
+            return p
+        p = q
     return p
 
 
@@ -479,6 +605,32 @@ def _launch_wgmma(p: Fp4WgPlan, a, sfa, b, sfb, d, c, masked_m, m: int, n: int, 
                         smem_bytes=key.smem_bytes, cluster=p.cluster)
 
 
+def _launch_stream(p: Fp4StreamPlan, a, b, sfb, d, c, masked_m, m: int, n: int, k: int) -> None:
+    key = p.key
+    a2 = a.reshape(-1, k) if a.dim() == 3 else a
+    log.debug("fp4 stream gemm %dx%dx%d (groups %d): %s grid %s cluster %s, %d chunks per split", m, n, k, p.groups,
+              key.expression, p.grid, p.cluster, p.chunks_per_split)
+    _kernel(key).launch(p.grid, key.threads, [b, sfb, a2, d, c, masked_m, m, n, k, a2.stride(0), p.m_blocks,
+                                              p.chunks_per_split], smem_bytes=p.smem_bytes, cluster=p.cluster)
+
+
+def _try_stream(a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int, groups: int, expected_m: int | None) -> bool:
+    """Run the streaming kernel if the policy and its limits allow; whether it ran."""
+    if not use_stream(sfa is not None, expected_m or m):
+        return False
+
+    def replan(most=None):
+        return plan_stream(m, n, k, groups, d.dtype == torch.bfloat16, c is not None, masked_m is not None,
+                           expected_m=expected_m, max_splits=most)
+
+    ps = replan()
+    if ps is None:
+        log.debug("fp4 gemm: K = %d is too long for the streaming kernel's shared-memory activations", k)
+        return False
+    _launch_stream(_fit_clusters(ps, a.device, replan), a, b, sfb, d, c, masked_m, m, n, k)
+    return True
+
+
 def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor, gran: int, d: torch.Tensor,
           c: torch.Tensor | None) -> None:
     """a [M, K] (e4m3 + sfa, or bf16), b packed [N, K/2], sfb fp32 [N, K/gran]; d = c + a @ W^T."""
@@ -491,6 +643,8 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     if c is not None and c.dtype != torch.float32:
         log.debug("c: bf16 accumulation; widening C to fp32 for the FP4 kernel's epilogue")
         c = c.float()
+    if _try_stream(a, sfa, b, sfb, d, c, None, m, n, k, 1, None):
+        return
     if use_wgmma(sfa is not None, m):
         def replan(most=None):
             return plan_wgmma(m, n, k, 1, d.dtype == torch.bfloat16, c is not None, False, act_fp8=sfa is not None,
@@ -514,6 +668,8 @@ def grouped_masked(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, s
         return
     sfb = _scales_32(sfb, gran)
     _check(a, b, sfb, d, None)
+    if _try_stream(a, sfa, b, sfb, d, None, masked_m.contiguous(), m_max, n, k, g, min(expected_m, m_max)):
+        return
     if use_wgmma(sfa is not None, min(expected_m, m_max)):
         def replan(most=None):
             return plan_wgmma(m_max, n, k, g, d.dtype == torch.bfloat16, False, True,

@@ -551,8 +551,9 @@ TILEHAL_DEVICE u32 gather_codes_k16(const unsigned char* row_unit, int q) {
 // The wgmma kernels' epilogue: the partial tile -> shared memory [TOKENS][ROWS] over the drained ring
 // (acc[4j + i]: row 16 warp + g + 8 (i / 2), token 8j + 2q + i % 2, the mma.sync kernel's layout), then
 // the cluster's split-K reduction through distributed shared memory (CTA r sums slice r in split order)
-// and D (+ C) in row-major [M, N]. Every thread of the CTA calls it.
-template <int NT, int WN, typename OutT, bool HAS_C>
+// and D (+ C) in row-major [M, N]. Every thread of the CTA (THREADS: WN consumer warps + the producer
+// warp, or WN warps for the streaming kernel) calls it.
+template <int NT, int WN, typename OutT, bool HAS_C, int THREADS = 32 * WN + 32>
 TILEHAL_DEVICE void cluster_epilogue(const float (&acc)[NT * 4], float* red, int warp, OutT* d, const float* c,
                                      int group, int shape_m, int shape_n, int m0, int rows_m, int n_cta) {
   constexpr int ROWS = 16 * WN, TOKENS = 8 * NT;
@@ -570,7 +571,6 @@ TILEHAL_DEVICE void cluster_epilogue(const float (&acc)[NT * 4], float* red, int
       }
     }
   }
-  constexpr int THREADS = 32 * WN + 32;
   const int splits = gridDim.y;
   const int valid4 = min(TOKENS, rows_m - m0) * ROWS / 4;
   const float4* red4 = reinterpret_cast<const float4*>(red);
@@ -1026,6 +1026,207 @@ fp4_wgmma_fp8_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_con
   }
 
   cluster_epilogue<NT, WN, OutT, HAS_C>(acc, red, warp, d, c, group, shape_m, shape_n, m0, rows_m, n_cta);
+}
+
+
+// ==================================================================================================
+// Streaming kernel (bf16 activations, at most 16 tokens per m-block): no TMA, no ring, no producer warp.
+//
+// At M <= 16 the time is the weight bytes, so every thread loads its share of the CTA's whole K range
+// into registers up front (P chunk slots, `ld.global.nc.L1::no_allocate.v4`: 16 codes-bytes of each of
+// its two rows per 128-wide chunk; slot j is refilled with chunk j + P once chunk j is consumed), so a
+// warp keeps up to 16 rows x P x 64 bytes in flight with no barrier between the loads and the math.
+// The CTA's activations ([TOKENS][cps x 128] bf16, zero-filled past the valid tokens) land in shared
+// memory by cp.async meanwhile, swizzled so that the B-fragment reads are conflict free.
+//
+// mma.sync m16n8k16 swap-AB (weights = A, 16 rows per warp; tokens = B): thread q of a quad takes the
+// whole 32-wide group q of the chunk (K 32q .. 32q + 31: its 16 contiguous bytes of codes), so one mma
+// sums 4 groups (one per q) and the scales cannot apply after it: a power-of-two scale (UE8M0, the
+// cast's default) is folded into the decoded bf16 weights (exact); a chunk where any of the warp's
+// scales is not one runs every scale as 4 pieces of 6 significant bits (exact, 4x the mmas), as the
+// wgmma kernel does. Step j of the chunk (j = 0..7) takes K 32q + 4j .. + 3 of every row and token:
+// a0 / a2 = row g, codes 4j, 4j + 1 / 4j + 2, 4j + 3; a1 / a3 = row g + 8; b0 / b1 the same K of token g.
+// K splits are one thread-block cluster along grid y (cluster_epilogue: DSMEM reduction in split order).
+// ==================================================================================================
+
+TILEHAL_DEVICE uint4 ldg_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+TILEHAL_DEVICE float ldg_stream_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+// 16 bytes global -> shared (cp.async.cg), zero-filled when !valid (nothing is read then).
+TILEHAL_DEVICE void cp_async16_zfill(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+TILEHAL_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Physical 16-byte unit of unit u of token row t in the streaming kernel's activation tile: a quarter
+// warp (tokens 2p, 2p + 1; q = 0..3) reads units 16c + 4q + s, which this maps onto 8 distinct bank groups.
+TILEHAL_DEVICE int stream_unit(int t, int u) { return u ^ (((u >> 3) & 1) << 1) ^ (t & 1); }
+
+// Steps 2x and 2x + 1 of a chunk for every n-tile: rows g / g + 8 decoded into d0 / d1 (4 bf16x2 words:
+// codes 0-1, 2-3, 4-5, 6-7 of word x), multiplied by the bf16x2 scale (pieces) s0 / s1, times the tokens'
+// 16-byte activation units v (steps 2x: .x .y, 2x + 1: .z .w).
+template <int NT>
+TILEHAL_DEVICE void stream_steps(float (&acc)[NT][4], const u32 (&d0)[4], const u32 (&d1)[4], u32 s0, u32 s1,
+                                 const uint4 (&v)[NT]) {
+  const u32 a_lo[4] = {bf16x2_mul(d0[0], s0), bf16x2_mul(d1[0], s1), bf16x2_mul(d0[1], s0), bf16x2_mul(d1[1], s1)};
+  const u32 a_hi[4] = {bf16x2_mul(d0[2], s0), bf16x2_mul(d1[2], s1), bf16x2_mul(d0[3], s0), bf16x2_mul(d1[3], s1)};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const u32 b_lo[2] = {v[nt].x, v[nt].y};
+    const u32 b_hi[2] = {v[nt].z, v[nt].w};
+    mma_m16n8k16(MmaBF16{}, acc[nt], a_lo, b_lo);
+    mma_m16n8k16(MmaBF16{}, acc[nt], a_hi, b_hi);
+  }
+}
+
+// kMinBlocks of the streaming kernel (cuda_fp4.stream_min_blocks mirrors it): 128 registers a thread.
+template <int WN> constexpr int kStreamMinBlocks = 16 / WN;
+
+template <int NT, int WN, int P, typename OutT, bool HAS_C, bool MASKED>
+__global__ void __launch_bounds__(32 * WN, kStreamMinBlocks<WN>)
+fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sfb,
+                const __nv_bfloat16* __restrict__ a, OutT* __restrict__ d, const float* __restrict__ c,
+                const int* __restrict__ masked_m, int shape_m, int shape_n, int shape_k, int lda, int m_blocks,
+                int chunks_per_split) {
+  constexpr int ROWS = 16 * WN, TOKENS = 8 * NT, THREADS = 32 * WN;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int g = lane / 4, q = lane % 4;
+
+  const int group = blockIdx.z / m_blocks;
+  const int m_block = blockIdx.z % m_blocks;
+  int rows_m = shape_m;
+  if constexpr (MASKED) rows_m = min(max(__ldg(masked_m + group), 0), shape_m);
+  const int m0 = m_block * TOKENS;
+  if (m0 >= rows_m) return;  // the whole cluster (one tile) returns together
+  const int valid_t = min(TOKENS, rows_m - m0);
+
+  const int n_cta = blockIdx.x * ROWS;
+  const int num_chunks = shape_k / 128;
+  const int c_begin = blockIdx.y * chunks_per_split;
+  const int n_ch = max(0, min(c_begin + chunks_per_split, num_chunks) - c_begin);
+
+  // This thread's two weight rows: codes from byte 64 c_begin + 16 q, scales from group 4 c_begin + q.
+  const unsigned char* wp[2];
+  const float* sp[2];
+  bool rv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = n_cta + warp * 16 + g + 8 * h;
+    rv[h] = r < shape_n;
+    const size_t row = static_cast<size_t>(group) * shape_n + (rv[h] ? r : 0);
+    wp[h] = b + row * (shape_k / 2) + c_begin * 64 + q * 16;
+    sp[h] = sfb + row * (shape_k / 32) + c_begin * 4 + q;
+  }
+  uint4 cw[P][2];
+  float cs[P][2];
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      cw[j][h] = make_uint4(0u, 0u, 0u, 0u);
+      cs[j][h] = 1.f;
+      if (j < n_ch && rv[h]) {
+        cw[j][h] = ldg_stream16(wp[h] + j * 64);
+        cs[j][h] = ldg_stream_f32(sp[h] + j * 4);
+      }
+    }
+  }
+
+  // Activations of the CTA's K range -> shared memory (row stride: chunks_per_split x 256 bytes).
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int stride = chunks_per_split * 256;
+  {
+    const int units = n_ch * 16;  // 16-byte units per token row
+    const __nv_bfloat16* a_g = a + (static_cast<size_t>(group) * shape_m + m0) * lda + c_begin * 128;
+    for (int e = threadIdx.x; e < TOKENS * units; e += THREADS) {
+      const int t = e / units, u = e % units;
+      const bool ok = t < valid_t;
+      cp_async16_zfill(smem + t * stride + stream_unit(t, u) * 16, ok ? a_g + static_cast<size_t>(t) * lda + u * 8 : a,
+                       ok);
+    }
+    cp_async_wait_all();
+  }
+  __syncthreads();
+
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+
+  for (int base = 0; base < n_ch; base += P) {
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      const int i = base + j;  // chunk of this CTA's range (warp-uniform)
+      if (i < n_ch) {
+        const float s0 = cs[j][0], s1 = cs[j][1];
+        const bool fold = __all_sync(0xFFFFFFFFu, foldable(s0) && foldable(s1));
+        const u32 w[2][4] = {{cw[j][0].x, cw[j][0].y, cw[j][0].z, cw[j][0].w},
+                             {cw[j][1].x, cw[j][1].y, cw[j][1].z, cw[j][1].w}};
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          uint4 v[NT];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const int t = nt * 8 + g;
+            v[nt] = make_uint4(0u, 0u, 0u, 0u);
+            if (t < valid_t)
+              v[nt] = *reinterpret_cast<const uint4*>(smem + t * stride + stream_unit(t, i * 16 + 4 * q + x) * 16);
+          }
+          u32 d0[4], d1[4];
+          decode_bf16(w[0][x], d0);
+          decode_bf16(w[1][x], d1);
+          if (fold) {
+            stream_steps<NT>(acc, d0, d1, prmt(__float_as_uint(s0), 0u, 0x3232), prmt(__float_as_uint(s1), 0u, 0x3232),
+                             v);
+          } else {
+            float rest0 = s0, rest1 = s1;
+#pragma unroll
+            for (int pc = 0; pc < 4; ++pc) {  // s = p0 + p1 + p2 + p3 exactly, each of <= 6 significant bits
+              const float p0 = __uint_as_float(__float_as_uint(rest0) & 0xFFFC0000u);
+              const float p1 = __uint_as_float(__float_as_uint(rest1) & 0xFFFC0000u);
+              rest0 -= p0;
+              rest1 -= p1;
+              stream_steps<NT>(acc, d0, d1, prmt(__float_as_uint(p0), 0u, 0x3232),
+                               prmt(__float_as_uint(p1), 0u, 0x3232), v);
+            }
+          }
+        }
+        if (i + P < n_ch) {  // refill the slot with chunk i + P (the other slots' loads are in flight meanwhile)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (rv[h]) {
+              cw[j][h] = ldg_stream16(wp[h] + (i + P) * 64);
+              cs[j][h] = ldg_stream_f32(sp[h] + (i + P) * 4);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  float flat[NT * 4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) flat[4 * nt + i] = acc[nt][i];
+  cluster_epilogue<NT, WN, OutT, HAS_C, THREADS>(flat, reinterpret_cast<float*>(smem), warp, d, c, group, shape_m,
+                                                 shape_n, m0, rows_m, n_cta);
 }
 
 }  // namespace fp4
