@@ -318,7 +318,13 @@ def test_gpu_wgmma_kernel_matches_reference(m, n, k, ue8m0, monkeypatch):
     """bf16 activations (the wgmma kernel): power-of-two scales take the folded path, fp32 ones (ue8m0=False)
     the exact slow path; both must give the reference up to fp32 summation order."""
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "wgmma")
-    g = torch.Generator().manual_seed(m + n)
+    check_bf16_activations(m, n, k, ue8m0, seed=m + n)
+
+
+def check_bf16_activations(m: int, n: int, k: int, ue8m0: bool, seed: int) -> None:
+    """bf16_fp4_gemm_nt on the GPU (the kernel DEEPGEMM_FP4_KERNEL picks) against the float64 reference: fp32
+    output within 1e-4 of max |D| (fp32 summation order only), bf16 output calc_diff < 1e-4."""
+    g = torch.Generator().manual_seed(seed)
     a = torch.randn((m, k), generator=g).to(torch.bfloat16).cuda()
     w = torch.randn((n, k), generator=g).cuda() * 0.05
     packed, sf = deepgemm.cast_weights_to_fp4(w, gran_k=32, use_ue8m0=ue8m0)
@@ -392,21 +398,30 @@ def test_gpu_fp8_wgmma_kernel_matches_reference(m, n, k, scales, monkeypatch):
     assert deepgemm.testing.calc_diff(d.float().cpu(), ref.float()) < 1e-4
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_wgmma_launch_arguments_cpu(fp8, monkeypatch):
-    """The wgmma kernels' host launch without a GPU (descriptors and the kernel stubbed): the argument list
-    matches the kernel's parameters, the grid and cluster are the plan's, and the boxes are the kernel's tiles."""
-    from deepgemm import cuda_fp4, cuda_gemm
+def stub_launches(monkeypatch) -> list:
+    """cuda_fp4's kernels replaced by a stub: the list of (grid, threads, args, smem_bytes, cluster) launched."""
+    from deepgemm import cuda_fp4
 
-    boxes, launches = [], []
-    monkeypatch.setattr(cuda_gemm, "_encode", lambda ptr, dt, shape, strides, box, swz: boxes.append((box, swz)) or
-                        bytes(128))
+    launches = []
 
     class Stub:
         def launch(self, grid, threads, args, smem_bytes=0, cluster=None):
             launches.append((grid, threads, args, smem_bytes, cluster))
 
     monkeypatch.setattr(cuda_fp4, "_kernel", lambda key: Stub())
+    return launches
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_wgmma_launch_arguments_cpu(fp8, monkeypatch):
+    """The wgmma kernels' host launch without a GPU (descriptors and the kernel stubbed): the argument list
+    matches the kernel's parameters, the grid and cluster are the plan's, and the boxes are the kernel's tiles."""
+    from deepgemm import cuda_fp4, cuda_gemm
+
+    boxes = []
+    monkeypatch.setattr(cuda_gemm, "_encode", lambda ptr, dt, shape, strides, box, swz: boxes.append((box, swz)) or
+                        bytes(128))
+    launches = stub_launches(monkeypatch)
     m, n, k = 16, 2112, 7168
     act, (packed, sf), *_ = operands(m, n, k, 32, fp8)
     a, sfa = act if fp8 else (act, None)
@@ -470,13 +485,7 @@ def test_stream_launch_arguments_cpu(monkeypatch):
     kernel's parameters (b, sfb, a, d, c, masked_m, M, N, K, lda, m_blocks, chunks per split)."""
     from deepgemm import cuda_fp4
 
-    launches = []
-
-    class Stub:
-        def launch(self, grid, threads, args, smem_bytes=0, cluster=None):
-            launches.append((grid, threads, args, smem_bytes, cluster))
-
-    monkeypatch.setattr(cuda_fp4, "_kernel", lambda key: Stub())
+    launches = stub_launches(monkeypatch)
     m, n, k = 16, 2112, 7168
     a, (packed, sf), *_ = operands(m, n, k, 32, False)
     d = torch.empty(m, n, dtype=torch.bfloat16)
@@ -499,14 +508,4 @@ def test_gpu_stream_kernel_matches_reference(m, n, k, ue8m0, monkeypatch):
     4-piece slow path; N % 64 != 0 (200, 136, 72: partial row blocks), K = 16384 (slots refilled),
     fp32 and bf16 outputs: the float64 reference up to fp32 summation order."""
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "stream")
-    g = torch.Generator().manual_seed(m * 7 + n + k)
-    a = torch.randn((m, k), generator=g).to(torch.bfloat16).cuda()
-    w = torch.randn((n, k), generator=g).cuda() * 0.05
-    packed, sf = deepgemm.cast_weights_to_fp4(w, gran_k=32, use_ue8m0=ue8m0)
-    ref = fp4.reference(a, None, packed, sf, 32).cpu()
-    d32 = torch.empty(m, n, device="cuda")
-    deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d32)
-    assert rel_err(d32, ref.numpy()) < 1e-4
-    d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)
-    assert deepgemm.testing.calc_diff(d.float().cpu(), ref.float()) < 1e-4
+    check_bf16_activations(m, n, k, ue8m0, seed=m * 7 + n + k)

@@ -35,24 +35,31 @@ SM_SMEM = 228 * 1024  # shared memory per SM (sm_90), of which 1 KiB per CTA is 
 _NULL_DESC = bytes(128)
 
 
-@dataclass(frozen=True)
-class Fp4Key:
-    nt: int  # n8 tiles of tokens per CTA (tokens = 8 nt)
-    wn: int  # consumer warps (16 weight rows each)
-    act_fp8: bool
+def _cpp(x) -> str:
+    """A C++ template argument: bools as true / false, ints and type names as they are."""
+    if isinstance(x, bool):
+        return "true" if x else "false"
+    return str(x)
+
+
+class _KernelKey:
+    """What the kernels' keys share (frozen dataclasses below): the C++ instantiation (KERNEL<template_args()>)
+    and the tile: 8 nt tokens (the swap-AB N) by 16 wn weight rows (output columns)."""
+
+    KERNEL = ""
+    nt: int
     out_bf16: bool
-    has_c: bool
-    masked: bool
-    stages: int
+
+    def template_args(self) -> tuple:
+        raise NotImplementedError
 
     @property
     def expression(self) -> str:
-        def b(x: bool) -> str:
-            return "true" if x else "false"
+        return f"deepgemm::fp4::{self.KERNEL}<{', '.join(_cpp(x) for x in self.template_args())}>"
 
-        out = "__nv_bfloat16" if self.out_bf16 else "float"
-        return (f"deepgemm::fp4::fp4_gemm_sm90<{self.nt}, {self.wn}, {b(self.act_fp8)}, {out}, {b(self.has_c)}, "
-                f"{b(self.masked)}, {self.stages}>")
+    @property
+    def out_type(self) -> str:
+        return "__nv_bfloat16" if self.out_bf16 else "float"
 
     @property
     def rows(self) -> int:
@@ -61,6 +68,50 @@ class Fp4Key:
     @property
     def tokens(self) -> int:
         return 8 * self.nt
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A launch of one key: grid (row blocks, K splits, m-blocks x groups), chunks (128 K) per split."""
+
+    key: _KernelKey
+    m_blocks: int
+    row_blocks: int
+    splits: int
+    chunks_per_split: int
+    groups: int = 1
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.row_blocks, self.splits, self.m_blocks * self.groups
+
+    @property
+    def tiles_all(self) -> int:
+        return self.row_blocks * self.m_blocks * self.groups
+
+
+@dataclass(frozen=True)
+class _ClusterPlan(_Plan):
+    """The wgmma and streaming kernels: the K splits of a tile are one thread-block cluster along grid y."""
+
+    @property
+    def cluster(self) -> tuple[int, int, int] | None:
+        return (1, self.splits, 1) if self.splits > 1 else None
+
+
+@dataclass(frozen=True)
+class Fp4Key(_KernelKey):
+    KERNEL = "fp4_gemm_sm90"
+    nt: int  # n8 tiles of tokens per CTA (tokens = 8 nt)
+    wn: int  # consumer warps (16 weight rows each)
+    act_fp8: bool
+    out_bf16: bool
+    has_c: bool
+    masked: bool
+    stages: int
+
+    def template_args(self) -> tuple:
+        return self.nt, self.wn, self.act_fp8, self.out_type, self.has_c, self.masked, self.stages
 
     @property
     def threads(self) -> int:
@@ -94,25 +145,14 @@ def smem_bytes(nt: int, wn: int, act_fp8: bool, stages: int) -> int:
 
 
 @dataclass(frozen=True)
-class Fp4Plan:
+class Fp4Plan(_Plan):
+    """The mma.sync kernel: split-K partial tiles through a global fp32 workspace and per-tile counters."""
+
     key: Fp4Key
-    m_blocks: int
-    row_blocks: int
-    splits: int
-    chunks_per_split: int
-    groups: int = 1
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return self.row_blocks, self.splits, self.m_blocks * self.groups
-
-    @property
-    def tiles(self) -> int:
-        return self.row_blocks * self.m_blocks * self.groups
 
     @property
     def workspace_floats(self) -> int:
-        return 0 if self.splits == 1 else self.tiles * self.splits * self.key.rows * self.key.tokens
+        return 0 if self.splits == 1 else self.tiles_all * self.splits * self.key.rows * self.key.tokens
 
 
 def max_token_tiles() -> int:
@@ -168,7 +208,7 @@ WG_FP8_MAX_TOKEN_TILES = 8  # e4m3: accumulators, the chunk's partial sums and t
 
 
 @dataclass(frozen=True)
-class Fp4WgKey:
+class Fp4WgKey(_KernelKey):
     """The wgmma kernels (bf16 or e4m3 activations): NT n8 token tiles = the wgmma N, NWG consumer warpgroups."""
 
     nt: int
@@ -180,26 +220,15 @@ class Fp4WgKey:
     act_fp8: bool = False
 
     @property
-    def expression(self) -> str:
-        def b(x: bool) -> str:
-            return "true" if x else "false"
+    def KERNEL(self) -> str:  # noqa: N802 (the base's class constant, per activation kind here)
+        return "fp4_wgmma_fp8_sm90" if self.act_fp8 else "fp4_wgmma_sm90"
 
-        out = "__nv_bfloat16" if self.out_bf16 else "float"
-        name = "fp4_wgmma_fp8_sm90" if self.act_fp8 else "fp4_wgmma_sm90"
-        return (f"deepgemm::fp4::{name}<{self.nt}, {self.nwg}, {out}, {b(self.has_c)}, {b(self.masked)}, "
-                f"{self.stages}>")
+    def template_args(self) -> tuple:
+        return self.nt, self.nwg, self.out_type, self.has_c, self.masked, self.stages
 
     @property
     def wn(self) -> int:
         return 4 * self.nwg
-
-    @property
-    def rows(self) -> int:
-        return 64 * self.nwg
-
-    @property
-    def tokens(self) -> int:
-        return 8 * self.nt
 
     @property
     def threads(self) -> int:
@@ -220,25 +249,8 @@ def wgmma_min_blocks(nt: int) -> int:
 
 
 @dataclass(frozen=True)
-class Fp4WgPlan:
+class Fp4WgPlan(_ClusterPlan):
     key: Fp4WgKey
-    m_blocks: int
-    row_blocks: int
-    splits: int  # = the cluster size along grid y
-    chunks_per_split: int
-    groups: int = 1
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return self.row_blocks, self.splits, self.m_blocks * self.groups
-
-    @property
-    def cluster(self) -> tuple[int, int, int] | None:
-        return (1, self.splits, 1) if self.splits > 1 else None
-
-    @property
-    def tiles_all(self) -> int:
-        return self.row_blocks * self.m_blocks * self.groups
 
     @property
     def smem_bytes(self) -> int:
@@ -294,12 +306,13 @@ def plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool,
     the host path of a decode step should not re-plan every call)."""
     cap = os.environ.get("DEEPGEMM_FP4_WG_MAX_SPLITS") if max_splits is None else str(max_splits)
     return _plan_wgmma(m, n, k, groups, out_bf16, has_c, masked, num_sms or get_num_sms(), expected_m, act_fp8,
-                       os.environ.get("DEEPGEMM_FP4_WG_NWG"), cap)
+                       os.environ.get("DEEPGEMM_FP4_WG_NWG"), cap, os.environ.get("DEEPGEMM_FP4_WG_BLOCKS"))
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool, sms: int,
-                expected_m: int | None, act_fp8: bool, forced: str | None, cap: str | None) -> Fp4WgPlan:
+                expected_m: int | None, act_fp8: bool, forced: str | None, cap: str | None,
+                forced_blocks: str | None = None) -> Fp4WgPlan:
     nt, mm = 1, expected_m or m
     top = WG_FP8_MAX_TOKEN_TILES if act_fp8 else WG_MAX_TOKEN_TILES
     while nt < top and 8 * nt < mm:
@@ -310,6 +323,10 @@ def _plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool
             raise validate.ArgumentError(f"DEEPGEMM_FP4_WG_NWG: expected 1 or 2, got {forced!r}")
         nwg = int(forced)
     blocks = wgmma_min_blocks(nt)
+    if forced_blocks is not None:  # DEEPGEMM_FP4_WG_BLOCKS: CTAs per SM to plan for (ring depth, residency); A/B only
+        if forced_blocks not in ("1", "2", "3"):
+            raise validate.ArgumentError(f"DEEPGEMM_FP4_WG_BLOCKS: expected 1, 2 or 3, got {forced_blocks!r}")
+        blocks = int(forced_blocks)
     m_blocks = ceil_div(m, 8 * nt)
     row_blocks = ceil_div(n, 64 * nwg)
     chunks = k // 128
@@ -348,9 +365,10 @@ STREAM_TARGET_WARPS = 16 * 132  # warps in flight worth streaming the weights at
 
 
 @dataclass(frozen=True)
-class Fp4StreamKey:
+class Fp4StreamKey(_KernelKey):
     """The streaming kernel (bf16 activations, <= 16 tokens): NT n8 token tiles, WN warps of 16 rows, P slots."""
 
+    KERNEL = "fp4_stream_sm90"
     nt: int
     wn: int
     out_bf16: bool
@@ -358,22 +376,8 @@ class Fp4StreamKey:
     masked: bool
     slots: int = 8
 
-    @property
-    def expression(self) -> str:
-        def b(x: bool) -> str:
-            return "true" if x else "false"
-
-        out = "__nv_bfloat16" if self.out_bf16 else "float"
-        return (f"deepgemm::fp4::fp4_stream_sm90<{self.nt}, {self.wn}, {self.slots}, {out}, {b(self.has_c)}, "
-                f"{b(self.masked)}>")
-
-    @property
-    def rows(self) -> int:
-        return 16 * self.wn
-
-    @property
-    def tokens(self) -> int:
-        return 8 * self.nt
+    def template_args(self) -> tuple:
+        return self.nt, self.wn, self.slots, self.out_type, self.has_c, self.masked
 
     @property
     def threads(self) -> int:
@@ -386,28 +390,11 @@ def stream_min_blocks(wn: int) -> int:
 
 
 @dataclass(frozen=True)
-class Fp4StreamPlan:
+class Fp4StreamPlan(_ClusterPlan):
     key: Fp4StreamKey
-    m_blocks: int
-    row_blocks: int
-    splits: int  # = the cluster size along grid y
-    chunks_per_split: int
-    groups: int = 1
 
     @property
-    def grid(self) -> tuple[int, int, int]:
-        return self.row_blocks, self.splits, self.m_blocks * self.groups
-
-    @property
-    def cluster(self) -> tuple[int, int, int] | None:
-        return (1, self.splits, 1) if self.splits > 1 else None
-
-    @property
-    def tiles_all(self) -> int:
-        return self.row_blocks * self.m_blocks * self.groups
-
-    @property
-    def smem_bytes(self) -> int:
+    def smem_bytes(self) -> int:  # the activation tile, at least the epilogue's fp32 [tokens][rows] tile
         k = self.key
         return max(k.tokens * self.chunks_per_split * 256, k.tokens * k.rows * 4)
 
@@ -452,6 +439,12 @@ def _plan_stream(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: boo
 
 
 def kernel_source() -> str:
+    """kernels/fp4_gemm_sm90.cuh, or the file DEEPGEMM_FP4_KERNEL_SOURCE names (A/B timing of a kernel change
+    against the previous header in one run; every instantiation compiles from it)."""
+    alt = os.environ.get("DEEPGEMM_FP4_KERNEL_SOURCE")
+    if alt:
+        log.debug("fp4: kernels from %s (DEEPGEMM_FP4_KERNEL_SOURCE)", alt)
+        return Path(alt).read_text()
     return (KERNEL_DIR / "fp4_gemm_sm90.cuh").read_text()
 
 
@@ -461,8 +454,12 @@ def compile_kernel(key: Fp4Key | Fp4WgKey | Fp4StreamKey, extra_options: tuple[s
                                 options=OPTIONS + extra_options, name_expressions=[key.expression])
 
 
-@functools.lru_cache(maxsize=128)
 def _kernel(key: Fp4Key | Fp4WgKey | Fp4StreamKey) -> tilehal.Kernel:
+    return _kernel_from(key, os.environ.get("DEEPGEMM_FP4_KERNEL_SOURCE"))
+
+
+@functools.lru_cache(maxsize=128)
+def _kernel_from(key: Fp4Key | Fp4WgKey | Fp4StreamKey, source: str | None) -> tilehal.Kernel:
     return compile_kernel(key).get_kernel(key.expression)
 
 
@@ -534,7 +531,7 @@ def _launch(p: Fp4Plan, a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int) 
     db = encode_tiled(b.data_ptr(), torch.uint8, (g * n, k // 2), (k // 2, 1), (key.rows, 64), "64B")
     dsfb = encode_tiled(sfb.data_ptr(), torch.float32, (g * n, k // 32), (k // 32, 1), (key.rows, 4), "none")
     ws = _workspace(a.device, p.workspace_floats)
-    counters = _counters(a.device, p.tiles)
+    counters = _counters(a.device, p.tiles_all)
     log.debug("fp4 gemm %dx%dx%d (groups %d): %s grid %s, %d chunks per split", m, n, k, g, key.expression, p.grid,
               p.chunks_per_split)
     _kernel(key).launch(p.grid, key.threads, [db, dsfb, da, dsfa, d, c, ws, counters, masked_m, m, n, k, p.m_blocks,

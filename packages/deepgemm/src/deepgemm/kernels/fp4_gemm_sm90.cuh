@@ -128,6 +128,107 @@ TILEHAL_HOST_DEVICE constexpr int fp4_ring_bytes() {
   return ring > red ? ring : red;
 }
 
+// Where a CTA's tile is: blockIdx.x = row block, blockIdx.y = K split, blockIdx.z = (group, m-block); its
+// valid tokens (masked_m for grouped launches) and its range of 128-wide K chunks.
+struct Fp4Tile {
+  int group, m0, rows_m, n_cta, c_begin, c_end;
+};
+
+template <bool MASKED>
+TILEHAL_DEVICE Fp4Tile fp4_tile(const int* masked_m, int shape_m, int shape_k, int m_blocks, int tokens, int rows,
+                                int chunks_per_split) {
+  Fp4Tile t;
+  t.group = blockIdx.z / m_blocks;
+  t.rows_m = shape_m;
+  if constexpr (MASKED) t.rows_m = min(max(__ldg(masked_m + t.group), 0), shape_m);
+  t.m0 = static_cast<int>(blockIdx.z % m_blocks) * tokens;
+  t.n_cta = blockIdx.x * rows;
+  t.c_begin = blockIdx.y * chunks_per_split;
+  t.c_end = min(t.c_begin + chunks_per_split, shape_k / 128);
+  return t;
+}
+
+// The TMA ring of the three ring kernels over dynamic shared memory (1024-aligned): STAGES stages, then the
+// full (1 arrival + bytes) and empty (`consumers` warp arrivals) barriers; thread `init_thread` prefetches
+// the descriptors (sfa may be null) and initializes the barriers. Every thread calls it (it syncs the CTA).
+struct Fp4Ring {
+  unsigned char* smem;
+  u64* full;
+  u64* empty;
+};
+
+template <int STAGES, int RING_BYTES>
+TILEHAL_DEVICE Fp4Ring fp4_ring_init(unsigned char* smem_raw, int init_thread, int consumers, const TmaDescriptor* b,
+                                     const TmaDescriptor* sfb, const TmaDescriptor* a, const TmaDescriptor* sfa) {
+  Fp4Ring r;
+  r.smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  r.full = reinterpret_cast<u64*>(r.smem + RING_BYTES);
+  r.empty = r.full + STAGES;
+  if (static_cast<int>(threadIdx.x) == init_thread) {
+    tma_prefetch_descriptor(b);
+    tma_prefetch_descriptor(sfb);
+    tma_prefetch_descriptor(a);
+    if (sfa != nullptr) tma_prefetch_descriptor(sfa);
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) {
+      mbarrier_init(&r.full[i], 1);
+      mbarrier_init(&r.empty[i], consumers);  // lane 0 of every consumer warp
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+  return r;
+}
+
+// The producer (one lane): each 128-wide K chunk of the tile -> stage i % STAGES once it is empty: the codes
+// (one 64-byte-swizzled box), the weight scales, the activations (e4m3: one 128-byte-swizzled box and the
+// scales; bf16: two 64-wide halves).
+template <int NT, int WN, bool ACT_FP8, int STAGES>
+TILEHAL_DEVICE void fp4_produce(const Fp4Ring& r, const Fp4Tile& t, const TmaDescriptor* tma_b,
+                                const TmaDescriptor* tma_sfb, const TmaDescriptor* tma_a, const TmaDescriptor* tma_sfa,
+                                int shape_m, int shape_n, int shape_k) {
+  using St = Fp4Stage<NT, WN, ACT_FP8>;
+  const int b_row = t.group * shape_n + t.n_cta;
+  const int a_row = t.group * shape_m + t.m0;
+  const int sf_k = shape_k / 128;
+  for (int ch = t.c_begin, i = 0; ch < t.c_end; ++ch, ++i) {
+    const int s = i % STAGES;
+    mbarrier_wait(&r.empty[s], ((i / STAGES) & 1) ^ 1);
+    unsigned char* st = r.smem + s * St::kBytes;
+    mbarrier_arrive_expect_tx(&r.full[s], St::kA + St::kW + St::kSfb + St::kSfa);
+    tma_load_2d(st + St::kOffW, tma_b, &r.full[s], ch * 64, b_row);
+    tma_load_2d(st + St::kOffSfb, tma_sfb, &r.full[s], ch * 4, b_row);
+    tma_load_2d(st, tma_a, &r.full[s], ch * 128, a_row);
+    if constexpr (ACT_FP8) {
+      tma_load_2d(st + St::kOffSfa, tma_sfa, &r.full[s], t.m0, t.group * sf_k + ch);
+    } else {
+      tma_load_2d(st + St::kTokens * 128, tma_a, &r.full[s], ch * 128 + 64, a_row);
+    }
+  }
+}
+
+// A consumer's partial tile -> shared memory [TOKENS][ROWS] (token-major: D rows are then written along N).
+// acc[4j + i] is the m16n8 swap-AB accumulator: weight row 16 warp + g + 8 (i / 2), token 8j + 2q + i % 2.
+// It first syncs the CTA (the tile reuses the drained ring / activation tile); warps past WN store nothing.
+template <int NT, int WN>
+TILEHAL_DEVICE void store_partial(const float (&acc)[NT * 4], float* red, int warp) {
+  constexpr int ROWS = 16 * WN;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, q = lane % 4;
+  __syncthreads();
+  if (warp < WN) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = warp * 16 + g + 8 * (i / 2);
+        const int t = j * 8 + 2 * q + (i % 2);
+        red[t * ROWS + r] = acc[4 * j + i];
+      }
+    }
+  }
+}
+
 // Small token tiles: several CTAs per SM (the planner assumes this many).
 template <int NT> constexpr int kMinBlocks = NT <= 2 ? 4 : 1;
 
@@ -145,42 +246,20 @@ fp4_gemm_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant
   constexpr int NH = NT * A_REGS > 16 ? 2 : 1;     // passes over the n-tiles per group (registers)
   constexpr int NUM_CONSUMERS = 32 * WN;
 
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  const int g = lane / 4, q = lane % 4;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
 
-  // Which tile: blockIdx.x = row block, blockIdx.y = K split, blockIdx.z = (group, m-block).
-  const int group = blockIdx.z / m_blocks;
-  const int m_block = blockIdx.z % m_blocks;
-  int rows_m = shape_m;  // valid tokens of this group
-  if constexpr (MASKED) rows_m = min(max(__ldg(masked_m + group), 0), shape_m);
-  const int m0 = m_block * TOKENS;
-  if (m0 >= rows_m) return;  // every CTA of this tile returns: the counter is never touched
+  const Fp4Tile tile = fp4_tile<MASKED>(masked_m, shape_m, shape_k, m_blocks, TOKENS, ROWS, chunks_per_split);
+  if (tile.m0 >= tile.rows_m) return;  // every CTA of this tile returns: the counter is never touched
+  const int group = tile.group, m0 = tile.m0, rows_m = tile.rows_m, n_cta = tile.n_cta, c_begin = tile.c_begin;
+  const int c_end = tile.c_end;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const Fp4Ring ring = fp4_ring_init<STAGES, fp4_ring_bytes<NT, WN, ACT_FP8, STAGES>()>(
+      smem_raw, NUM_CONSUMERS, WN, &tma_b, &tma_sfb, &tma_a, ACT_FP8 ? &tma_sfa : nullptr);
+  unsigned char* smem = ring.smem;
   float* red = reinterpret_cast<float*>(smem);  // [TOKENS][ROWS], over the drained ring
-  u64* full_bar = reinterpret_cast<u64*>(smem + fp4_ring_bytes<NT, WN, ACT_FP8, STAGES>());
-  u64* empty_bar = full_bar + STAGES;
-
-  const int n_cta = blockIdx.x * ROWS;
-  const int num_chunks = shape_k / 128;
-  const int c_begin = blockIdx.y * chunks_per_split;
-  const int c_end = min(c_begin + chunks_per_split, num_chunks);
-
-  if (threadIdx.x == NUM_CONSUMERS) {
-    tma_prefetch_descriptor(&tma_b);
-    tma_prefetch_descriptor(&tma_sfb);
-    tma_prefetch_descriptor(&tma_a);
-    if constexpr (ACT_FP8) tma_prefetch_descriptor(&tma_sfa);
-#pragma unroll
-    for (int i = 0; i < STAGES; ++i) {
-      mbarrier_init(&full_bar[i], 1);
-      mbarrier_init(&empty_bar[i], WN);  // lane 0 of every consumer warp
-    }
-    fence_barrier_init();
-  }
-  __syncthreads();
+  u64* full_bar = ring.full;
+  u64* empty_bar = ring.empty;
 
   float acc[NT][4];
 #pragma unroll
@@ -190,26 +269,8 @@ fp4_gemm_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant
 
   if (warp == WN) {
     // ---------------------------------------------------------------- producer warp
-    if (lane == 0) {
-      const int b_row = group * shape_n + n_cta;
-      const int a_row = group * shape_m + m0;
-      const int sf_k = shape_k / 128;
-      for (int ch = c_begin, i = 0; ch < c_end; ++ch, ++i) {
-        const int s = i % STAGES;
-        mbarrier_wait(&empty_bar[s], ((i / STAGES) & 1) ^ 1);
-        unsigned char* st = smem + s * St::kBytes;
-        mbarrier_arrive_expect_tx(&full_bar[s], St::kA + St::kW + St::kSfb + St::kSfa);
-        tma_load_2d(st + St::kOffW, &tma_b, &full_bar[s], ch * 64, b_row);
-        tma_load_2d(st + St::kOffSfb, &tma_sfb, &full_bar[s], ch * 4, b_row);
-        if constexpr (ACT_FP8) {
-          tma_load_2d(st, &tma_a, &full_bar[s], ch * 128, a_row);
-          tma_load_2d(st + St::kOffSfa, &tma_sfa, &full_bar[s], m0, group * sf_k + ch);
-        } else {
-          tma_load_2d(st, &tma_a, &full_bar[s], ch * 128, a_row);
-          tma_load_2d(st + TOKENS * 128, &tma_a, &full_bar[s], ch * 128 + 64, a_row);
-        }
-      }
-    }
+    if (lane == 0) fp4_produce<NT, WN, ACT_FP8, STAGES>(ring, tile, &tma_b, &tma_sfb, &tma_a, &tma_sfa, shape_m, shape_n,
+                                                       shape_k);
   } else {
     // ---------------------------------------------------------------- consumer warps
     const int r0 = warp * 16 + g;  // this thread's weight rows in the CTA: r0 and r0 + 8
@@ -289,17 +350,13 @@ fp4_gemm_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant
 
   // Partial tile -> shared memory [TOKENS][ROWS] (token-major, so D rows are written along N), over
   // the ring: every consumer has finished reading it, and every load it waited for has landed.
-  __syncthreads();
-  if (warp < WN) {
+  {
+    float flat[NT * 4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = warp * 16 + g + 8 * (i / 2);
-        const int t = nt * 8 + 2 * q + (i % 2);
-        red[t * ROWS + r] = acc[nt][i];
-      }
-    }
+      for (int i = 0; i < 4; ++i) flat[4 * nt + i] = acc[nt][i];
+    store_partial<NT, WN>(flat, red, warp);
   }
   __syncthreads();
   constexpr int TILE = TOKENS * ROWS;
@@ -395,100 +452,32 @@ fp4_gemm_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant
 // writes D: no global workspace, no counters, every CTA reduces in parallel.
 // ==================================================================================================
 
-// GENERATED by packages/deepgemm/scripts/gen_fp4_wgmma_rs.py -- do not edit by hand.
+// Register-A wgmma wrappers: DG_FP4_RS(N, pred, D registers, A registers, B descriptor, D operands) defines
+// WgmmaRsBF16<N> (m64nNk16 bf16, B K-major) and WgmmaRsE4M3<N> (m64nNk32 e4m3) from one operand list (the
+// kinds differ only in the PTX shape / types and bf16's transpose-B immediate). The lines per N are generated.
+#define DG_FP4_RS_ONE(NAME, N, SHAPE, TAIL, PRED, DREGS, AREGS, DESC, ...)                                       \
+  template <> struct NAME<N> {                                                                                 \
+    static TILEHAL_DEVICE void mma(float* d, const u32* a, u64 desc_b, int scale_d) {                          \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\nwgmma.mma_async.sync.aligned." SHAPE " {" DREGS \
+                   "}, {" AREGS "}, " DESC ", p, 1, 1" TAIL ";\n}\n"                                              \
+                   : __VA_ARGS__                                                                               \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));                   \
+    }                                                                                                          \
+  };
+#define DG_FP4_RS(N, PRED, DREGS, AREGS, DESC, ...)                                                            \
+  DG_FP4_RS_ONE(WgmmaRsBF16, N, "m64n" #N "k16.f32.bf16.bf16", ", 0", PRED, DREGS, AREGS, DESC, __VA_ARGS__)     \
+  DG_FP4_RS_ONE(WgmmaRsE4M3, N, "m64n" #N "k32.f32.e4m3.e4m3", "", PRED, DREGS, AREGS, DESC, __VA_ARGS__)
 template <int N> struct WgmmaRsBF16;
-template <> struct WgmmaRsBF16<8> {
-  static TILEHAL_DEVICE void mma(float* d, const u32* a, u64 desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-  }
-};
-template <> struct WgmmaRsBF16<16> {
-  static TILEHAL_DEVICE void mma(float* d, const u32* a, u64 desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-  }
-};
-template <> struct WgmmaRsBF16<32> {
-  static TILEHAL_DEVICE void mma(float* d, const u32* a, u64 desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-  }
-};
-template <> struct WgmmaRsBF16<64> {
-  static TILEHAL_DEVICE void mma(float* d, const u32* a, u64 desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-  }
-};
-template <> struct WgmmaRsBF16<128> {
-  static TILEHAL_DEVICE void mma(float* d, const u32* a, u64 desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-  }
-};
 template <int N> struct WgmmaRsE4M3;
-template <> struct WgmmaRsE4M3<8> {
-  static TILEHAL_DEVICE void mma(float* d, const u32* a, u64 desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-  }
-};
-template <> struct WgmmaRsE4M3<16> {
-  static TILEHAL_DEVICE void mma(float* d, const u32* a, u64 desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-  }
-};
-template <> struct WgmmaRsE4M3<32> {
-  static TILEHAL_DEVICE void mma(float* d, const u32* a, u64 desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-  }
-};
-template <> struct WgmmaRsE4M3<64> {
-  static TILEHAL_DEVICE void mma(float* d, const u32* a, u64 desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-  }
-};
-template <> struct WgmmaRsE4M3<128> {
-  static TILEHAL_DEVICE void mma(float* d, const u32* a, u64 desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-  }
-};
+// GENERATED by packages/deepgemm/scripts/gen_fp4_wgmma_rs.py -- do not edit by hand.
+DG_FP4_RS(8, "%9", "%0, %1, %2, %3", "%4, %5, %6, %7", "%8", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]))
+DG_FP4_RS(16, "%13", "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9, %10, %11", "%12", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]))
+DG_FP4_RS(32, "%21", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16, %17, %18, %19", "%20", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]))
+DG_FP4_RS(64, "%37", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31", "%32, %33, %34, %35", "%36", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]))
+DG_FP4_RS(128, "%69", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63", "%64, %65, %66, %67", "%68", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]))
 // END GENERATED
+#undef DG_FP4_RS
+#undef DG_FP4_RS_ONE
 
 
 template <int V> struct IntC { static constexpr int value = V; };
@@ -557,20 +546,7 @@ template <int NT, int WN, typename OutT, bool HAS_C, int THREADS = 32 * WN + 32>
 TILEHAL_DEVICE void cluster_epilogue(const float (&acc)[NT * 4], float* red, int warp, OutT* d, const float* c,
                                      int group, int shape_m, int shape_n, int m0, int rows_m, int n_cta) {
   constexpr int ROWS = 16 * WN, TOKENS = 8 * NT;
-  const int lane = threadIdx.x % 32;
-  const int g = lane / 4, q = lane % 4;
-  __syncthreads();
-  if (warp < WN) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = warp * 16 + g + 8 * (i / 2);
-        const int t = j * 8 + 2 * q + (i % 2);
-        red[t * ROWS + r] = acc[4 * j + i];
-      }
-    }
-  }
+  store_partial<NT, WN>(acc, red, warp);
   const int splits = gridDim.y;
   const int valid4 = min(TOKENS, rows_m - m0) * ROWS / 4;
   const float4* red4 = reinterpret_cast<const float4*>(red);
@@ -635,61 +611,24 @@ fp4_wgmma_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constan
   constexpr int R = TOKENS / 2;  // accumulators per thread
   using Mma = WgmmaRsBF16<TOKENS>;
 
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  const int g = lane / 4, q = lane % 4;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
 
-  const int group = blockIdx.z / m_blocks;
-  const int m_block = blockIdx.z % m_blocks;
-  int rows_m = shape_m;
-  if constexpr (MASKED) rows_m = min(max(__ldg(masked_m + group), 0), shape_m);
-  const int m0 = m_block * TOKENS;
-  if (m0 >= rows_m) return;  // the whole cluster (one tile) returns together
+  const Fp4Tile tile = fp4_tile<MASKED>(masked_m, shape_m, shape_k, m_blocks, TOKENS, ROWS, chunks_per_split);
+  if (tile.m0 >= tile.rows_m) return;  // the whole cluster (one tile) returns together
+  const int group = tile.group, m0 = tile.m0, rows_m = tile.rows_m, n_cta = tile.n_cta, c_begin = tile.c_begin;
+  const int c_end = tile.c_end;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  float* red = reinterpret_cast<float*>(smem);  // [TOKENS][ROWS], over the drained ring
-  u64* full_bar = reinterpret_cast<u64*>(smem + fp4_ring_bytes<NT, WN, false, STAGES>());
-  u64* empty_bar = full_bar + STAGES;
-
-  const int n_cta = blockIdx.x * ROWS;
-  const int num_chunks = shape_k / 128;
-  const int c_begin = blockIdx.y * chunks_per_split;
-  const int c_end = min(c_begin + chunks_per_split, num_chunks);
-
-  if (threadIdx.x == NUM_CONSUMERS) {
-    tma_prefetch_descriptor(&tma_b);
-    tma_prefetch_descriptor(&tma_sfb);
-    tma_prefetch_descriptor(&tma_a);
-#pragma unroll
-    for (int i = 0; i < STAGES; ++i) {
-      mbarrier_init(&full_bar[i], 1);
-      mbarrier_init(&empty_bar[i], WN);  // lane 0 of every consumer warp
-    }
-    fence_barrier_init();
-  }
-  __syncthreads();
-
-  float acc[R];
-#pragma unroll
-  for (int i = 0; i < R; ++i) acc[i] = 0.f;
+  const Fp4Ring ring = fp4_ring_init<STAGES, fp4_ring_bytes<NT, WN, false, STAGES>()>(
+      smem_raw, NUM_CONSUMERS, WN, &tma_b, &tma_sfb, &tma_a, nullptr);
+  unsigned char* smem = ring.smem;
+  u64 *full_bar = ring.full, *empty_bar = ring.empty;
+  float acc[R] = {};  // written by wgmma only (ptxas serializes wgmmas whose accumulators other code writes)
 
   if (warp == WN) {
     // ---------------------------------------------------------------- producer warp
-    if (lane == 0) {
-      const int b_row = group * shape_n + n_cta;
-      const int a_row = group * shape_m + m0;
-      for (int ch = c_begin, i = 0; ch < c_end; ++ch, ++i) {
-        const int s = i % STAGES;
-        mbarrier_wait(&empty_bar[s], ((i / STAGES) & 1) ^ 1);
-        unsigned char* st = smem + s * St::kBytes;
-        mbarrier_arrive_expect_tx(&full_bar[s], St::kA + St::kW + St::kSfb);
-        tma_load_2d(st + St::kOffW, &tma_b, &full_bar[s], ch * 64, b_row);
-        tma_load_2d(st + St::kOffSfb, &tma_sfb, &full_bar[s], ch * 4, b_row);
-        tma_load_2d(st, &tma_a, &full_bar[s], ch * 128, a_row);
-        tma_load_2d(st + TOKENS * 128, &tma_a, &full_bar[s], ch * 128 + 64, a_row);
-      }
-    }
+    if (lane == 0) fp4_produce<NT, WN, false, STAGES>(ring, tile, &tma_b, &tma_sfb, &tma_a, nullptr, shape_m, shape_n,
+                                                     shape_k);
   } else {
     // ---------------------------------------------------------------- consumer warpgroups
     const int wg = warp / 4;
@@ -810,7 +749,8 @@ fp4_wgmma_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constan
     if (pending >= 0) release(pending);
   }
 
-  cluster_epilogue<NT, WN, OutT, HAS_C>(acc, red, warp, d, c, group, shape_m, shape_n, m0, rows_m, n_cta);
+  cluster_epilogue<NT, WN, OutT, HAS_C>(acc, reinterpret_cast<float*>(smem), warp, d, c, group, shape_m, shape_n, m0,
+                                        rows_m, n_cta);
 }
 
 // The 16 codes of 32-wide group `gg` that thread q needs for an m64nNk32 e4m3 A fragment: bytes 2q, 2q + 1
@@ -845,62 +785,23 @@ fp4_wgmma_fp8_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_con
   constexpr int R = TOKENS / 2;
   using Mma = WgmmaRsE4M3<TOKENS>;
 
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  const int g = lane / 4, q = lane % 4;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
 
-  const int group = blockIdx.z / m_blocks;
-  const int m_block = blockIdx.z % m_blocks;
-  int rows_m = shape_m;
-  if constexpr (MASKED) rows_m = min(max(__ldg(masked_m + group), 0), shape_m);
-  const int m0 = m_block * TOKENS;
-  if (m0 >= rows_m) return;  // the whole cluster (one tile) returns together
+  const Fp4Tile tile = fp4_tile<MASKED>(masked_m, shape_m, shape_k, m_blocks, TOKENS, St::kRows, chunks_per_split);
+  if (tile.m0 >= tile.rows_m) return;  // the whole cluster (one tile) returns together
+  const int group = tile.group, m0 = tile.m0, rows_m = tile.rows_m, n_cta = tile.n_cta, c_begin = tile.c_begin;
+  const int c_end = tile.c_end;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  float* red = reinterpret_cast<float*>(smem);
-  u64* full_bar = reinterpret_cast<u64*>(smem + fp4_ring_bytes<NT, WN, true, STAGES>());
-  u64* empty_bar = full_bar + STAGES;
-
-  const int n_cta = blockIdx.x * St::kRows;
-  const int num_chunks = shape_k / 128;
-  const int c_begin = blockIdx.y * chunks_per_split;
-  const int c_end = min(c_begin + chunks_per_split, num_chunks);
-
-  if (threadIdx.x == NUM_CONSUMERS) {
-    tma_prefetch_descriptor(&tma_b);
-    tma_prefetch_descriptor(&tma_sfb);
-    tma_prefetch_descriptor(&tma_a);
-    tma_prefetch_descriptor(&tma_sfa);
-#pragma unroll
-    for (int i = 0; i < STAGES; ++i) {
-      mbarrier_init(&full_bar[i], 1);
-      mbarrier_init(&empty_bar[i], WN);
-    }
-    fence_barrier_init();
-  }
-  __syncthreads();
-
-  float acc[R];
-#pragma unroll
-  for (int i = 0; i < R; ++i) acc[i] = 0.f;
+  const Fp4Ring ring = fp4_ring_init<STAGES, fp4_ring_bytes<NT, WN, true, STAGES>()>(
+      smem_raw, NUM_CONSUMERS, WN, &tma_b, &tma_sfb, &tma_a, &tma_sfa);
+  unsigned char* smem = ring.smem;
+  u64 *full_bar = ring.full, *empty_bar = ring.empty;
+  float acc[R] = {};  // written by wgmma only (ptxas serializes wgmmas whose accumulators other code writes)
 
   if (warp == WN) {
-    if (lane == 0) {
-      const int b_row = group * shape_n + n_cta;
-      const int a_row = group * shape_m + m0;
-      const int sf_k = shape_k / 128;
-      for (int ch = c_begin, i = 0; ch < c_end; ++ch, ++i) {
-        const int s = i % STAGES;
-        mbarrier_wait(&empty_bar[s], ((i / STAGES) & 1) ^ 1);
-        unsigned char* st = smem + s * St::kBytes;
-        mbarrier_arrive_expect_tx(&full_bar[s], St::kA + St::kW + St::kSfb + St::kSfa);
-        tma_load_2d(st + St::kOffW, &tma_b, &full_bar[s], ch * 64, b_row);
-        tma_load_2d(st + St::kOffSfb, &tma_sfb, &full_bar[s], ch * 4, b_row);
-        tma_load_2d(st, &tma_a, &full_bar[s], ch * 128, a_row);
-        tma_load_2d(st + St::kOffSfa, &tma_sfa, &full_bar[s], m0, group * sf_k + ch);
-      }
-    }
+    if (lane == 0) fp4_produce<NT, WN, true, STAGES>(ring, tile, &tma_b, &tma_sfb, &tma_a, &tma_sfa, shape_m, shape_n,
+                                                    shape_k);
   } else {
     const int wg = warp / 4;
     const int r0 = warp * 16 + g;
@@ -1025,7 +926,8 @@ fp4_wgmma_fp8_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_con
     }
   }
 
-  cluster_epilogue<NT, WN, OutT, HAS_C>(acc, red, warp, d, c, group, shape_m, shape_n, m0, rows_m, n_cta);
+  cluster_epilogue<NT, WN, OutT, HAS_C>(acc, reinterpret_cast<float*>(smem), warp, d, c, group, shape_m, shape_n, m0,
+                                        rows_m, n_cta);
 }
 
 
@@ -1103,22 +1005,13 @@ fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ s
                 const int* __restrict__ masked_m, int shape_m, int shape_n, int shape_k, int lda, int m_blocks,
                 int chunks_per_split) {
   constexpr int ROWS = 16 * WN, TOKENS = 8 * NT, THREADS = 32 * WN;
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  const int g = lane / 4, q = lane % 4;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
 
-  const int group = blockIdx.z / m_blocks;
-  const int m_block = blockIdx.z % m_blocks;
-  int rows_m = shape_m;
-  if constexpr (MASKED) rows_m = min(max(__ldg(masked_m + group), 0), shape_m);
-  const int m0 = m_block * TOKENS;
-  if (m0 >= rows_m) return;  // the whole cluster (one tile) returns together
+  const Fp4Tile tile = fp4_tile<MASKED>(masked_m, shape_m, shape_k, m_blocks, TOKENS, ROWS, chunks_per_split);
+  if (tile.m0 >= tile.rows_m) return;  // the whole cluster (one tile) returns together
+  const int group = tile.group, m0 = tile.m0, rows_m = tile.rows_m, n_cta = tile.n_cta, c_begin = tile.c_begin;
   const int valid_t = min(TOKENS, rows_m - m0);
-
-  const int n_cta = blockIdx.x * ROWS;
-  const int num_chunks = shape_k / 128;
-  const int c_begin = blockIdx.y * chunks_per_split;
-  const int n_ch = max(0, min(c_begin + chunks_per_split, num_chunks) - c_begin);
+  const int n_ch = max(0, tile.c_end - c_begin);
 
   // This thread's two weight rows: codes from byte 64 c_begin + 16 q, scales from group 4 c_begin + q.
   const unsigned char* wp[2];
