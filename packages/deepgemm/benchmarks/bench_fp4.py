@@ -42,22 +42,42 @@ def timed(fn, iters: int) -> tuple[float, float]:
 OURS = ("fp8_fp4", "fp8_fp4_wgmma", "bf16_fp4", "bf16_fp4_wgmma", "bf16_fp4_stream", "bf16_fp4_auto")
 
 
-def with_kernel(kind: str, fn):
-    """fn with DEEPGEMM_FP4_KERNEL=kind for the call (read per call; a graph captures the launch it made)."""
+def with_env(env: dict[str, str], fn):
+    """fn with these environment variables set for the call (the FP4 planners and kernel choice read theirs per
+    call; a graph captures the launch it made)."""
     def run():
-        old = os.environ.get("DEEPGEMM_FP4_KERNEL")
-        os.environ["DEEPGEMM_FP4_KERNEL"] = kind
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             return fn()
         finally:
-            if old is None:
-                del os.environ["DEEPGEMM_FP4_KERNEL"]
-            else:
-                os.environ["DEEPGEMM_FP4_KERNEL"] = old
+            for k, v in old.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
     return run
 
 
-def case(m: int, n: int, k: int, iters: int, only: str | None = None) -> dict:
+def with_kernel(kind: str, fn):
+    """fn with DEEPGEMM_FP4_KERNEL=kind for the call."""
+    return with_env({"DEEPGEMM_FP4_KERNEL": kind}, fn)
+
+
+def parse_variants(spec: str | None) -> list[tuple[str, str, tuple[int, ...], dict[str, str]]]:
+    """--variants 'label:contender:M,M:NAME=V,NAME=V;...': extra contenders that run `contender` with those
+    environment variables (A/B of a planner knob, or DEEPGEMM_FP4_KERNEL_SOURCE=<previous header>) at those M."""
+    out = []
+    for part in filter(None, (spec or "").split(";")):
+        label, base, ms, *env = part.split(":")
+        if base not in OURS:
+            raise SystemExit(f"--variants: {label}: expected a contender of {', '.join(OURS)}, got {base!r}")
+        pairs = dict(kv.split("=", 1) for kv in ",".join(env).split(",") if kv)
+        out.append((label, base, tuple(int(m) for m in ms.split(",")), pairs))
+    return out
+
+
+def case(m: int, n: int, k: int, iters: int, only: str | None = None, variants=()) -> dict:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
     packed, sf = deepgemm.cast_weights_to_fp4(w, gran_k=32)
@@ -76,29 +96,34 @@ def case(m: int, n: int, k: int, iters: int, only: str | None = None) -> dict:
         "cublas_bf16": lambda: torch.matmul(a, w.T),
         "deepgemm_fp8": lambda: deepgemm.fp8_gemm_nt((a8, sfa_t), (b8, sfb), d),
     }
+    base = dict(contenders)
     if only:
         contenders = {k2: v for k2, v in contenders.items() if k2 in only.split(",")}
+    for label, name, ms, env in variants:
+        if m in ms:
+            contenders[label] = with_env(env, base[name])
+    ours = [o for o in contenders if o in OURS or o in {v[0] for v in variants}]
     # correctness of ours in the same run (float64 reference on the GPU)
     r = {"m": m, "n": n, "k": k}
     refs = {"fp8": deepgemm.fp4.reference(a8, sfa, packed, sf, 32), "bf16": deepgemm.fp4.reference(a, None, packed, sf, 32)}
-    for name in OURS:
-        if name in contenders:
-            d.zero_()
-            contenders[name]()
-            ref = refs[name.split("_")[0]]
-            r[f"calc_diff_{name}"] = deepgemm.testing.calc_diff(d.float(), ref.float())
+    kinds = {label: name for label, name, _, _ in variants}
+    for name in ours:
+        d.zero_()
+        contenders[name]()
+        ref = refs[kinds.get(name, name).split("_")[0]]
+        r[f"calc_diff_{name}"] = deepgemm.testing.calc_diff(d.float(), ref.float())
     weight_bytes = packed.numel() + sf.numel() * 4
     for name, fn in contenders.items():
         t, tg = timed(fn, iters)
         r[f"{name}_us"], r[f"{name}_graph_us"] = t * 1e6, tg * 1e6
     if "fp8_fp4" in contenders:
         r["fp4_weight_gbps"] = (weight_bytes + a8.numel()) / (r["fp8_fp4_us"] * 1e-6) / 1e9
-    for ours in OURS:
-        if ours in contenders and "cublas_bf16" in contenders:
-            r[f"{ours}_vs_cublas_bf16"] = r["cublas_bf16_us"] / r[f"{ours}_us"]
-            r[f"{ours}_vs_cublas_bf16_graph"] = r["cublas_bf16_graph_us"] / r[f"{ours}_graph_us"]
-        if ours in contenders and "deepgemm_fp8" in contenders:
-            r[f"{ours}_vs_deepgemm_fp8"] = r["deepgemm_fp8_us"] / r[f"{ours}_us"]
+    for o in ours:
+        if "cublas_bf16" in contenders:
+            r[f"{o}_vs_cublas_bf16"] = r["cublas_bf16_us"] / r[f"{o}_us"]
+            r[f"{o}_vs_cublas_bf16_graph"] = r["cublas_bf16_graph_us"] / r[f"{o}_graph_us"]
+        if "deepgemm_fp8" in contenders:
+            r[f"{o}_vs_deepgemm_fp8"] = r["deepgemm_fp8_us"] / r[f"{o}_us"]
     return r
 
 
@@ -112,8 +137,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ncu-launch", action="store_true", help="one launch of a few FP4 cases (for ncu), then exit")
+    ap.add_argument("--ncu-kinds", default="mma,wgmma,stream", help="with --ncu-launch: which kernels' cases")
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: 1,16,64,128)")
     ap.add_argument("--only", default=None, help="comma-separated contenders (default: all)")
+    ap.add_argument("--variants", default=None, help="extra contenders: 'label:contender:M,M:NAME=V,...;...'")
     args = ap.parse_args()
     if args.ncu_launch:
         # M = 64 / 128 on both kernels and both activation kinds, M = 1 (the fixed cost), the streaming kernel at
@@ -122,6 +149,8 @@ def main() -> None:
                                    (128, 4096, 7168, True, "wgmma"), (128, 4096, 7168, True, "mma"),
                                    (64, 4096, 7168, True, "mma"), (1, 4096, 7168, False, "wgmma"),
                                    (1, 4096, 7168, False, "stream"), (16, 4096, 7168, False, "stream")):
+            if kind not in args.ncu_kinds.split(","):
+                continue
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             packed, sf = deepgemm.cast_weights_to_fp4(torch.randn(n, k, device="cuda") * 0.05)
             d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -131,25 +160,35 @@ def main() -> None:
             torch.cuda.synchronize()
         return
     iters = 10 if args.quick else 30
+    variants = parse_variants(args.variants)
     rows = []
     ms = tuple(int(x) for x in args.ms.split(",")) if args.ms else M_LIST
     for n, k in NK:
         for m in ms:
-            r = case(m, n, k, iters, args.only)
+            r = case(m, n, k, iters, args.only, variants)
             rows.append(r)
-            if args.only:
-                print(json.dumps(r), flush=True)
+            if args.only or variants:
+                names = [k2[:-3] for k2 in r if k2.endswith("_us") and not k2.endswith("_graph_us")]
+                print(f"M={m:4d} N={n:5d} K={k:5d}  " + "  ".join(
+                    f"{o} {r[o + '_us']:5.1f} ({r[o + '_graph_us']:5.1f})"
+                    + (f" x{r[o + '_vs_cublas_bf16']:.2f}" if o + "_vs_cublas_bf16" in r else "")
+                    + (f" d{r['calc_diff_' + o]:.0e}" if "calc_diff_" + o in r else "") for o in names), flush=True)
                 continue
             ours = "  ".join(f"{o} {r[f'{o}_us']:5.1f} ({r[f'{o}_graph_us']:5.1f}) x{r[f'{o}_vs_cublas_bf16']:.2f}"
                              for o in OURS)
             print(f"M={m:4d} N={n:5d} K={k:5d}  {ours}  cublas_bf16 {r['cublas_bf16_us']:5.1f} "
                   f"({r['cublas_bf16_graph_us']:5.1f})  deepgemm_fp8 {r['deepgemm_fp8_us']:5.1f}  "
                   "diff " + " ".join(f"{r['calc_diff_' + o]:.1e}" for o in OURS), flush=True)
-    present = [o for o in OURS if rows and f"{o}_vs_cublas_bf16" in rows[0]]
-    summary = {f"geomean_{o}_vs_cublas_bf16{s}": geomean(r[f"{o}_vs_cublas_bf16{s}"] for r in rows)
-               for o in present for s in ("", "_graph")}
-    summary.update({f"geomean_{o}_vs_deepgemm_fp8": geomean(r[f"{o}_vs_deepgemm_fp8"] for r in rows)
-                    for o in present if f"{o}_vs_deepgemm_fp8" in rows[0]})
+    # geo-means over the rows each contender ran (a variant: its M values only)
+    names = list(dict.fromkeys(k[: -len("_vs_cublas_bf16")] for r in rows for k in r if k.endswith("_vs_cublas_bf16")))
+    present = [o for o in names if o in OURS]
+    summary = {}
+    for o in names:
+        for sfx in ("_vs_cublas_bf16", "_vs_cublas_bf16_graph", "_vs_deepgemm_fp8"):
+            xs = [r[o + sfx] for r in rows if o + sfx in r]
+            if xs:
+                summary[f"geomean_{o}{sfx}"] = geomean(xs)
+                summary[f"rows_{o}"] = len(xs)
     print(json.dumps(summary, indent=1))
     if args.out and (not args.only or present):
         doc = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

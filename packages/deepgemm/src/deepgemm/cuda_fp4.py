@@ -538,10 +538,15 @@ def _launch(p: Fp4Plan, a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int) 
                                               p.chunks_per_split], smem_bytes=key.smem_bytes)
 
 
-@functools.lru_cache(maxsize=256)
 def _max_active_clusters(key: Fp4WgKey | Fp4StreamKey, size: int, device_index: int, smem: int) -> int | None:
     """The driver's count of `size`-CTA clusters of this kernel (with `smem` bytes of dynamic shared memory)
     resident at once (None if it cannot say)."""
+    return _max_active_clusters_from(key, size, device_index, smem, os.environ.get("DEEPGEMM_FP4_KERNEL_SOURCE"))
+
+
+@functools.lru_cache(maxsize=256)
+def _max_active_clusters_from(key: Fp4WgKey | Fp4StreamKey, size: int, device_index: int, smem: int,
+                              source: str | None) -> int | None:
     try:
         from tilehal.jit.launch import _cluster_config, ensure_context
 
