@@ -18,7 +18,8 @@ SMS = 132
 TEST_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (64, 4096, 7168), (128, 4096, 7168), (5, 200, 256), (37, 136, 1152)]
 BENCH_M = (1, 16, 64, 128)
 BENCH_NK = [(7168, 2048), (2112, 7168), (4096, 7168)]
-STREAM_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (3, 4096, 7168), (9, 200, 256), (2, 136, 16384), (16, 72, 1152)]
+STREAM_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (3, 4096, 7168), (9, 200, 256), (2, 136, 16384), (16, 72, 1152),
+                 (25, 4096, 2048), (33, 2112, 2048), (64, 200, 1024), (128, 4096, 7168)]  # tests/test_fp4.py's
 
 
 @contextlib.contextmanager
@@ -58,12 +59,13 @@ def wgmma_keys() -> list[cuda_fp4.Fp4WgKey]:
 
 def stream_keys() -> list[cuda_fp4.Fp4StreamKey]:
     keys = set()
-    for m, n, k in [*STREAM_SHAPES, *TEST_SHAPES, *((m, n, k) for m in (1, 16) for n, k in BENCH_NK)]:
+    for m, n, k in [*STREAM_SHAPES, *TEST_SHAPES, *((m, n, k) for m in BENCH_M for n, k in BENCH_NK)]:
         for out_bf16 in (True, False):
             p = cuda_fp4.plan_stream(m, n, k, 1, out_bf16, False, False, num_sms=SMS)
             if p is not None:
                 keys.add(p.key)
-    keys.add(cuda_fp4.plan_stream(16, 2112, 7168, 1, False, True, False, num_sms=SMS).key)  # with C
+    for m in (16, 64):  # with C (the mixed-scales test)
+        keys.add(cuda_fp4.plan_stream(m, 2112, 7168, 1, False, True, False, num_sms=SMS).key)
     keys.add(cuda_fp4.plan_stream(64, 2112, 2048, 4, True, False, True, num_sms=SMS, expected_m=16).key)  # masked
     return sorted(keys, key=lambda k: k.expression)
 

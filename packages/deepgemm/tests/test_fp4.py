@@ -197,10 +197,12 @@ def test_wgmma_plan_covers_k_in_one_wave_of_clusters():
         assert p.row_blocks * p.key.rows >= n and p.m_blocks * p.key.tokens >= m
         assert 1 <= p.splits <= cuda_fp4.MAX_CLUSTER_SPLITS and p.grid[1] == p.splits
         assert p.cluster == ((1, p.splits, 1) if p.splits > 1 else None)
-        assert p.key.min_blocks * (p.key.smem_bytes + 1024) <= cuda_fp4.SM_SMEM  # they fit
+        assert p.blocks >= p.key.min_blocks and p.blocks * (p.key.smem_bytes + 1024) <= cuda_fp4.SM_SMEM  # they fit
         clusters = p.row_blocks * p.m_blocks  # one wave of clusters (by the GPC model) where one wave can hold them
         if p.splits > 1 and m <= 128:  # decode sizes: every cluster resident at once
-            assert clusters <= cuda_fp4.cluster_capacity(132, p.key.min_blocks, p.splits)
+            assert clusters <= cuda_fp4.cluster_capacity(132, p.blocks, p.splits)
+        if m in (64, 128) and n == 2112 and not fp8:  # few 128-row tiles: 64-row CTAs, two per SM (R1)
+            assert (p.key.nwg, p.blocks) == (1, 2)
 
 
 def test_cluster_capacity_model():
@@ -288,7 +290,7 @@ def test_gpu_c_and_graph_replay():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["auto", "mma", "wgmma"])
+@pytest.mark.parametrize("kernel", ["auto", "mma", "wgmma", "stream"])
 @pytest.mark.parametrize("fp8", [True, False])
 def test_gpu_grouped_masked(fp8, kernel, monkeypatch):
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", kernel)
@@ -340,12 +342,13 @@ def check_bf16_activations(m: int, n: int, k: int, ue8m0: bool, seed: int) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["wgmma", "stream"])
-def test_gpu_mixed_scales_c_and_graph_replay(kernel, monkeypatch):
+@pytest.mark.parametrize("kernel,m", [("wgmma", 16), ("stream", 16), ("stream", 64)])
+def test_gpu_mixed_scales_c_and_graph_replay(kernel, m, monkeypatch):
     """Half the rows with fp32 scales (slow-path chunks next to folded ones in one CTA), C, a cluster
-    split-K launch replayed from a CUDA graph: the wgmma and the streaming kernel (bf16 activations)."""
+    split-K launch replayed from a CUDA graph: the wgmma and the streaming kernel (bf16 activations; M = 64:
+    its activation ring)."""
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", kernel)
-    m, n, k = 16, 2112, 7168
+    n, k = 2112, 7168
     g = torch.Generator().manual_seed(7)
     a = torch.randn((m, k), generator=g).to(torch.bfloat16).cuda()
     w = torch.randn((n, k), generator=g).cuda() * 0.05
@@ -457,22 +460,27 @@ def test_stream_plan_covers_k_and_fits(monkeypatch):
     from deepgemm import cuda_fp4
 
     shapes = ((7168, 2048), (2112, 7168), (4096, 7168), (200, 256), (136, 16384), (64, 1024))
-    for m, (n, k) in itertools.product((1, 5, 8, 9, 16), shapes):
+    for m, (n, k) in itertools.product((1, 5, 8, 9, 16, 33, 64, 128), shapes):
         p = cuda_fp4.plan_stream(m, n, k, 1, True, False, False, num_sms=132)
-        assert p.key.nt == (1 if m <= 8 else 2) and p.key.slots == cuda_fp4.STREAM_SLOTS[p.key.nt]
+        assert p.key.nt == min(8, max(1, 1 << (m - 1).bit_length() >> 3)) if m > 8 else p.key.nt == 1
+        assert p.key.slots == cuda_fp4.STREAM_SLOTS[p.key.nt]
+        assert p.key.ring == (p.key.nt > 2 or p.chunks_per_split > cuda_fp4.STREAM_MAX_CHUNKS
+                              or p.key.tokens * p.chunks_per_split * 256 > cuda_fp4.STREAM_WHOLE_BYTES)
         assert p.splits * p.chunks_per_split >= k // 128 > (p.splits - 1) * p.chunks_per_split
         assert p.row_blocks * p.key.rows >= n and p.m_blocks * p.key.tokens >= m
         assert 1 <= p.splits <= cuda_fp4.MAX_CLUSTER_SPLITS and p.cluster == ((1, p.splits, 1) if p.splits > 1 else None)
-        assert p.chunks_per_split <= cuda_fp4.STREAM_MAX_CHUNKS
-        assert p.smem_bytes >= max(p.key.tokens * p.chunks_per_split * 256, p.key.tokens * p.key.rows * 4)
+        assert p.smem_bytes >= max(p.key.tokens * (3 if p.key.ring else p.chunks_per_split) * 256,
+                                   p.key.tokens * p.key.rows * 4)
         assert cuda_fp4.stream_min_blocks(p.key.wn) * p.smem_bytes <= cuda_fp4.SM_SMEM
-    assert cuda_fp4.plan_stream(17, 4096, 7168, 1, True, False, False, num_sms=132) is None  # wgmma's
-    assert cuda_fp4.plan_stream(1, 4096, 128 * 8 * 25, 1, True, False, False, num_sms=132) is None  # K too long
-    assert cuda_fp4.use_stream(False, 16) and not cuda_fp4.use_stream(True, 1) and not cuda_fp4.use_stream(False, 17)
+    p = cuda_fp4.plan_stream(1, 4096, 128 * 8 * 25, 1, True, False, False, num_sms=132)  # K: 25 chunks per CTA
+    assert p.key.ring and p.smem_bytes == max(8 * 3 * 256, 8 * 128 * 4)  # the ring, not the whole range
+    assert cuda_fp4.plan_stream(128, 4096, 7168, 1, True, False, False, num_sms=132).m_blocks == 2
+    assert [cuda_fp4.use_stream(False, m) for m in (1, 16, 17)] == [m <= cuda_fp4.STREAM_MAX_M for m in (1, 16, 17)]
+    assert not cuda_fp4.use_stream(True, 1)
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "mma")
     assert not cuda_fp4.use_stream(False, 1)
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "stream")
-    assert cuda_fp4.use_stream(False, 1) and cuda_fp4.use_wgmma(False, 64) and not cuda_fp4.use_wgmma(True, 64)
+    assert cuda_fp4.use_stream(False, 128) and not cuda_fp4.use_stream(True, 1) and not cuda_fp4.use_wgmma(True, 64)
     monkeypatch.setenv("DEEPGEMM_FP4_STREAM_WN", "4")
     assert cuda_fp4.plan_stream(1, 4096, 7168, 1, True, False, False, num_sms=132).key.wn == 4
     monkeypatch.setenv("DEEPGEMM_FP4_STREAM_WN", "5")
@@ -497,7 +505,8 @@ def test_stream_launch_arguments_cpu(monkeypatch):
     assert args[6:] == [m, n, k, k, p.m_blocks, p.chunks_per_split]
 
 
-STREAM_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (3, 4096, 7168), (9, 200, 256), (2, 136, 16384), (16, 72, 1152)]
+STREAM_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (3, 4096, 7168), (9, 200, 256), (2, 136, 16384), (16, 72, 1152),
+                 (25, 4096, 2048), (33, 2112, 2048), (64, 200, 1024), (128, 4096, 7168)]  # the ring: NT = 4, 8, 2 m-blocks
 
 
 @pytest.mark.gpu

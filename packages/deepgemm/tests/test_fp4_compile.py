@@ -44,9 +44,10 @@ WGMMA_CONFIGS = wgmma_configs()
 
 def stream_configs():
     keys = set()
-    for m in (1, 5, 16):
+    for m in (1, 5, 16, 32, 64):
         for n, k in ((7168, 2048), (2112, 7168), (4096, 7168)):
             keys.add(cuda_fp4.plan_stream(m, n, k, 1, True, False, False, num_sms=132).key)
+    keys.add(cuda_fp4.plan_stream(1, 136, 128 * 8 * 25, 1, True, False, False, num_sms=132).key)  # whole range: ring
     keys.add(cuda_fp4.plan_stream(16, 2112, 7168, 1, False, True, False, num_sms=132).key)  # fp32 out + C
     keys.add(cuda_fp4.plan_stream(64, 2112, 2048, 4, True, False, True, num_sms=132, expected_m=16).key)  # masked
     return sorted(keys, key=lambda k: k.expression)
@@ -76,7 +77,8 @@ def test_configs_cover_both_activation_kinds_and_token_tiles():
 
 
 def test_stream_configs_cover_both_token_tiles_c_and_masked():
-    assert {k.nt for k in STREAM_CONFIGS} == {1, 2} and any(k.has_c for k in STREAM_CONFIGS)
+    assert {k.nt for k in STREAM_CONFIGS} == {1, 2, 4, 8} and any(k.has_c for k in STREAM_CONFIGS)
+    assert {(k.nt, k.ring) for k in STREAM_CONFIGS} >= {(1, False), (1, True), (2, False), (8, True)}
     assert any(k.masked for k in STREAM_CONFIGS) and {k.out_bf16 for k in STREAM_CONFIGS} == {True, False}
 
 

@@ -251,6 +251,7 @@ def wgmma_min_blocks(nt: int) -> int:
 @dataclass(frozen=True)
 class Fp4WgPlan(_ClusterPlan):
     key: Fp4WgKey
+    blocks: int = 1  # CTAs per SM the ring depth and the split count were planned for
 
     @property
     def smem_bytes(self) -> int:
@@ -274,8 +275,8 @@ def use_wgmma(act_fp8: bool, m: int) -> bool:
 
 
 def kernel_choice() -> str:
-    """DEEPGEMM_FP4_KERNEL: 'auto' (default: the streaming kernel for bf16 activations at M <= STREAM_MAX_M, else
-    AUTO_WGMMA_MIN_M), 'mma', 'wgmma' (both activation kinds) or 'stream' (bf16, M <= 16; else as auto): A/B."""
+    """DEEPGEMM_FP4_KERNEL: 'auto' (default: AUTO_WGMMA_MIN_M, and the streaming kernel for bf16 activations at
+    M <= STREAM_MAX_M), 'mma', 'wgmma' (both activation kinds) or 'stream' (bf16 at any M; e4m3 as auto): A/B."""
     v = os.environ.get("DEEPGEMM_FP4_KERNEL", "auto")
     if v not in ("auto", "mma", "wgmma", "stream"):
         raise validate.ArgumentError(f"DEEPGEMM_FP4_KERNEL: expected auto, mma, wgmma or stream, got {v!r}")
@@ -283,11 +284,14 @@ def kernel_choice() -> str:
 
 
 def use_stream(act_fp8: bool, m: int) -> bool:
-    """Whether a call with m tokens (per group) may take the streaming kernel (bf16 activations only)."""
-    return not act_fp8 and m <= STREAM_MAX_M and kernel_choice() in ("auto", "stream")
+    """Whether a call with m tokens (per group) takes the streaming kernel (bf16 activations only): auto up to
+    STREAM_MAX_M tokens, DEEPGEMM_FP4_KERNEL=stream at any M (A/B)."""
+    choice = kernel_choice()
+    return not act_fp8 and (choice == "stream" or (choice == "auto" and m <= STREAM_MAX_M))
 
 
 WG_CTA_FIXED_CHUNKS = 3
+WG_FEW_TILES = 32  # fewer 128-row x token tiles than this: the wgmma kernel plans 64-row CTAs, two per SM
 GPCS = 8  # sm_90 parts: 8 GPCs (the H100 / H200 SXM's 132 SMs: two GPCs of 18, six of 16)
 
 
@@ -318,11 +322,16 @@ def _plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool
     while nt < top and 8 * nt < mm:
         nt *= 2
     nwg = 2 if nt >= 8 else 1  # wide token tiles: 128 weight rows share one activation tile
+    blocks = wgmma_min_blocks(nt)
+    tiles_m = groups * (ceil_div(expected_m, 8 * nt) if masked and expected_m else ceil_div(m, 8 * nt))
+    if nwg == 2 and not act_fp8 and ceil_div(n, 128) * tiles_m < WG_FEW_TILES:
+        # Few 128-row tiles (N = 2112: 17) leave SMs idle: 64-row CTAs, two per SM (a shallower ring each).
+        # H200 2026-12-02 R1: 1.24x / 1.42x at 2112 x 7168, M = 64 / 128; within 2 % at N = 4096 / 7168.
+        nwg, blocks = 1, 2
     if forced is not None:  # DEEPGEMM_FP4_WG_NWG: A/B timing only
         if forced not in ("1", "2"):
             raise validate.ArgumentError(f"DEEPGEMM_FP4_WG_NWG: expected 1 or 2, got {forced!r}")
-        nwg = int(forced)
-    blocks = wgmma_min_blocks(nt)
+        nwg, blocks = int(forced), wgmma_min_blocks(nt)
     if forced_blocks is not None:  # DEEPGEMM_FP4_WG_BLOCKS: CTAs per SM to plan for (ring depth, residency); A/B only
         if forced_blocks not in ("1", "2", "3"):
             raise validate.ArgumentError(f"DEEPGEMM_FP4_WG_BLOCKS: expected 1, 2 or 3, got {forced_blocks!r}")
@@ -354,13 +363,18 @@ def _plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool
         stages -= 1
     key = Fp4WgKey(nt=nt, nwg=nwg, out_bf16=out_bf16, has_c=has_c, masked=masked, stages=stages, act_fp8=act_fp8)
     return Fp4WgPlan(key=key, m_blocks=m_blocks, row_blocks=row_blocks, splits=splits, chunks_per_split=cps,
-                     groups=groups)
+                     groups=groups, blocks=blocks)
 
 
-STREAM_MAX_M = 16  # the streaming kernel's token tile (bf16 activations; two n8 tiles)
-STREAM_SLOTS = {1: 8, 2: 7}  # P per token tiles: 128-wide K chunks a thread holds in registers at once (no spill
-# within the kernel's 128 registers; NT = 2 spilled at 8)
-STREAM_MAX_CHUNKS = 24  # chunks per CTA: its activations ([16][chunks x 128] bf16) in shared memory
+# DEEPGEMM_FP4_KERNEL=auto takes the streaming kernel up to this many tokens (bf16 activations): none, since on the
+# H200 (2026-12-02 R1) it ran at 0.80-0.93x the mma.sync kernel at M = 1 / 16 (latency-bound at 16 warps per SM,
+# like the others); DEEPGEMM_FP4_KERNEL=stream runs it at any M (A/B).
+STREAM_MAX_M = 0
+STREAM_MAX_TOKEN_TILES = 8  # its widest token tile (64 tokens; more: several m-blocks); =stream reaches it (A/B)
+STREAM_SLOTS = {1: 8, 2: 7, 4: 5, 8: 1}  # P per token tiles: 128-wide K chunks a thread holds in registers at once
+# (no spill within the kernel's 128 registers under NVRTC 13.0: NT = 2 at 8, 4 at 6, 8 at 2)
+STREAM_MAX_CHUNKS = 24  # chunks per CTA whose activations are staged whole ([tokens][chunks x 128] bf16); else a ring
+STREAM_WHOLE_BYTES = 48 * 1024  # the most shared memory the whole-range staging may take
 STREAM_TARGET_WARPS = 16 * 132  # warps in flight worth streaming the weights at full bandwidth (H200: 16 per SM)
 
 
@@ -375,9 +389,10 @@ class Fp4StreamKey(_KernelKey):
     has_c: bool
     masked: bool
     slots: int = 8
+    ring: bool = False  # activations through a ring of 3 one-chunk buffers (else the whole K range at once)
 
     def template_args(self) -> tuple:
-        return self.nt, self.wn, self.slots, self.out_type, self.has_c, self.masked
+        return self.nt, self.wn, self.slots, self.out_type, self.has_c, self.masked, self.ring
 
     @property
     def threads(self) -> int:
@@ -394,19 +409,16 @@ class Fp4StreamPlan(_ClusterPlan):
     key: Fp4StreamKey
 
     @property
-    def smem_bytes(self) -> int:  # the activation tile, at least the epilogue's fp32 [tokens][rows] tile
+    def smem_bytes(self) -> int:  # the activation tile(s), at least the epilogue's fp32 [tokens][rows] tile
         k = self.key
-        return max(k.tokens * self.chunks_per_split * 256, k.tokens * k.rows * 4)
+        return max(k.tokens * (3 if k.ring else self.chunks_per_split) * 256, k.tokens * k.rows * 4)
 
 
 def plan_stream(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
                 num_sms: int | None = None, expected_m: int | None = None,
                 max_splits: int | None = None) -> Fp4StreamPlan | None:
-    """Warps and cluster split-K of the streaming kernel, or None where it does not apply (more than
-    STREAM_MAX_M tokens, or a K range too long for its shared-memory activations)."""
-    mm = expected_m or m
-    if mm > STREAM_MAX_M:
-        return None
+    """Token tile, warps and cluster split-K of the streaming kernel (m: tokens per group; more than 64 run as
+    several m-blocks)."""
     wn = os.environ.get("DEEPGEMM_FP4_STREAM_WN")  # A/B timing only
     if wn is not None and wn not in ("4", "8"):
         raise validate.ArgumentError(f"DEEPGEMM_FP4_STREAM_WN: expected 4 or 8, got {wn!r}")
@@ -416,8 +428,10 @@ def plan_stream(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool
 
 @functools.lru_cache(maxsize=1024)
 def _plan_stream(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool, sms: int,
-                 expected_m: int | None, most: int, forced_wn: int | None) -> Fp4StreamPlan | None:
-    nt = 1 if (expected_m or m) <= 8 else 2
+                 expected_m: int | None, most: int, forced_wn: int | None) -> Fp4StreamPlan:
+    nt, mm = 1, expected_m or m
+    while nt < STREAM_MAX_TOKEN_TILES and 8 * nt < mm:
+        nt *= 2
     chunks = k // 128
     m_blocks = ceil_div(m, 8 * nt)
     tiles_m = groups * (ceil_div(expected_m, 8 * nt) if masked and expected_m else m_blocks)
@@ -431,9 +445,8 @@ def _plan_stream(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: boo
     splits = max(1, min(want, most, chunks))
     cps = ceil_div(chunks, splits)
     splits = ceil_div(chunks, cps)
-    if cps > STREAM_MAX_CHUNKS:
-        return None
-    key = Fp4StreamKey(nt=nt, wn=wn, out_bf16=out_bf16, has_c=has_c, masked=masked, slots=STREAM_SLOTS[nt])
+    ring = nt > 2 or cps > STREAM_MAX_CHUNKS or 8 * nt * cps * 256 > STREAM_WHOLE_BYTES
+    key = Fp4StreamKey(nt=nt, wn=wn, out_bf16=out_bf16, has_c=has_c, masked=masked, slots=STREAM_SLOTS[nt], ring=ring)
     return Fp4StreamPlan(key=key, m_blocks=m_blocks, row_blocks=row_blocks, splits=splits, chunks_per_split=cps,
                          groups=groups)
 
@@ -575,10 +588,7 @@ def _fit_clusters(p, device: torch.device, replan):
             return p
         log.debug("fp4 wgmma: %d clusters of %d CTAs, the device holds %d at once: fewer splits", p.tiles_all,
                   p.splits, have)
-        q = replan(p.splits - 1)
-        if q is None:  # the streaming kernel's K range would outgrow its shared memory: keep the plan
-            return p
-        p = q
+        p = replan(p.splits - 1)
     return p
 
 
@@ -625,11 +635,7 @@ def _try_stream(a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int, groups: 
         return plan_stream(m, n, k, groups, d.dtype == torch.bfloat16, c is not None, masked_m is not None,
                            expected_m=expected_m, max_splits=most)
 
-    ps = replan()
-    if ps is None:
-        log.debug("fp4 gemm: K = %d is too long for the streaming kernel's shared-memory activations", k)
-        return False
-    _launch_stream(_fit_clusters(ps, a.device, replan), a, b, sfb, d, c, masked_m, m, n, k)
+    _launch_stream(_fit_clusters(replan(), a.device, replan), a, b, sfb, d, c, masked_m, m, n, k)
     return True
 
 

@@ -932,14 +932,15 @@ fp4_wgmma_fp8_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_con
 
 
 // ==================================================================================================
-// Streaming kernel (bf16 activations, at most 16 tokens per m-block): no TMA, no ring, no producer warp.
+// Streaming kernel (bf16 activations, 8-64 tokens per m-block): no TMA, no mbarriers, no producer warp.
 //
 // At M <= 16 the time is the weight bytes, so every thread loads its share of the CTA's whole K range
 // into registers up front (P chunk slots, `ld.global.nc.L1::no_allocate.v4`: 16 codes-bytes of each of
 // its two rows per 128-wide chunk; slot j is refilled with chunk j + P once chunk j is consumed), so a
 // warp keeps up to 16 rows x P x 64 bytes in flight with no barrier between the loads and the math.
-// The CTA's activations ([TOKENS][cps x 128] bf16, zero-filled past the valid tokens) land in shared
-// memory by cp.async meanwhile, swizzled so that the B-fragment reads are conflict free.
+// The CTA's activations (bf16, only the valid tokens' rows) land in shared memory by cp.async meanwhile,
+// swizzled so that the B-fragment reads are conflict free: the whole K range at once for narrow token tiles,
+// else through a ring of three one-chunk buffers (RING).
 //
 // mma.sync m16n8k16 swap-AB (weights = A, 16 rows per warp; tokens = B): thread q of a quad takes the
 // whole 32-wide group q of the chunk (K 32q .. 32q + 31: its 16 contiguous bytes of codes), so one mma
@@ -979,17 +980,20 @@ TILEHAL_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: 
 TILEHAL_DEVICE int stream_unit(int t, int u) { return u ^ (((u >> 3) & 1) << 1) ^ (t & 1); }
 
 // Steps 2x and 2x + 1 of a chunk for every n-tile: rows g / g + 8 decoded into d0 / d1 (4 bf16x2 words:
-// codes 0-1, 2-3, 4-5, 6-7 of word x), multiplied by the bf16x2 scale (pieces) s0 / s1, times the tokens'
-// 16-byte activation units v (steps 2x: .x .y, 2x + 1: .z .w).
+// codes 0-1, 2-3, 4-5, 6-7 of word x), multiplied by the bf16x2 scale (pieces) s0 / s1, times the 16-byte
+// activation unit of token 8 nt + g at act + nt * nt_stride (steps 2x: .x .y, 2x + 1: .z .w; zeros past the
+// valid tokens, whose rows are never loaded).
 template <int NT>
 TILEHAL_DEVICE void stream_steps(float (&acc)[NT][4], const u32 (&d0)[4], const u32 (&d1)[4], u32 s0, u32 s1,
-                                 const uint4 (&v)[NT]) {
+                                 const unsigned char* act, int nt_stride, int valid_t, int g) {
   const u32 a_lo[4] = {bf16x2_mul(d0[0], s0), bf16x2_mul(d1[0], s1), bf16x2_mul(d0[1], s0), bf16x2_mul(d1[1], s1)};
   const u32 a_hi[4] = {bf16x2_mul(d0[2], s0), bf16x2_mul(d1[2], s1), bf16x2_mul(d0[3], s0), bf16x2_mul(d1[3], s1)};
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const u32 b_lo[2] = {v[nt].x, v[nt].y};
-    const u32 b_hi[2] = {v[nt].z, v[nt].w};
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (nt * 8 + g < valid_t) v = *reinterpret_cast<const uint4*>(act + nt * nt_stride);
+    const u32 b_lo[2] = {v.x, v.y};
+    const u32 b_hi[2] = {v.z, v.w};
     mma_m16n8k16(MmaBF16{}, acc[nt], a_lo, b_lo);
     mma_m16n8k16(MmaBF16{}, acc[nt], a_hi, b_hi);
   }
@@ -998,7 +1002,24 @@ TILEHAL_DEVICE void stream_steps(float (&acc)[NT][4], const u32 (&d0)[4], const 
 // kMinBlocks of the streaming kernel (cuda_fp4.stream_min_blocks mirrors it): 128 registers a thread.
 template <int WN> constexpr int kStreamMinBlocks = 16 / WN;
 
-template <int NT, int WN, int P, typename OutT, bool HAS_C, bool MASKED>
+// Activations of chunks [c0, c0 + n) of the CTA's range, token rows [0, valid_t) -> shared memory at `dst`
+// (row stride `stride` bytes, chunk c at byte 256 (c - c0) of its row: unit 16 (c - c0) + u, swizzled).
+template <int THREADS>
+TILEHAL_DEVICE void stream_copy_act(unsigned char* dst, int stride, const __nv_bfloat16* a_g, int lda, int c0, int n,
+                                    int valid_t) {
+  const int units = n * 16;  // 16-byte units per token row
+  for (int e = threadIdx.x; e < valid_t * units; e += THREADS) {
+    const int t = e / units, u = e % units;
+    cp_async16_zfill(dst + t * stride + stream_unit(t, u) * 16, a_g + static_cast<size_t>(t) * lda + c0 * 128 + u * 8,
+                     true);
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// RING = false: the CTA's whole K range of activations is staged once ([TOKENS][cps x 256 bytes]); RING = true
+// (wide token tiles, whose whole range would not fit): a ring of 3 one-chunk buffers ([TOKENS][256 bytes]
+// each), chunk i + 2 copied while chunk i is consumed (one CTA barrier per chunk).
+template <int NT, int WN, int P, typename OutT, bool HAS_C, bool MASKED, bool RING = false>
 __global__ void __launch_bounds__(32 * WN, kStreamMinBlocks<WN>)
 fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sfb,
                 const __nv_bfloat16* __restrict__ a, OutT* __restrict__ d, const float* __restrict__ c,
@@ -1040,21 +1061,19 @@ fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ s
     }
   }
 
-  // Activations of the CTA's K range -> shared memory (row stride: chunks_per_split x 256 bytes).
+  // Activations -> shared memory (cp.async; rows past the valid tokens are neither copied nor read).
   extern __shared__ __align__(128) unsigned char smem[];
-  const int stride = chunks_per_split * 256;
-  {
-    const int units = n_ch * 16;  // 16-byte units per token row
-    const __nv_bfloat16* a_g = a + (static_cast<size_t>(group) * shape_m + m0) * lda + c_begin * 128;
-    for (int e = threadIdx.x; e < TOKENS * units; e += THREADS) {
-      const int t = e / units, u = e % units;
-      const bool ok = t < valid_t;
-      cp_async16_zfill(smem + t * stride + stream_unit(t, u) * 16, ok ? a_g + static_cast<size_t>(t) * lda + u * 8 : a,
-                       ok);
-    }
+  const __nv_bfloat16* a_g = a + (static_cast<size_t>(group) * shape_m + m0) * lda + c_begin * 128;
+  constexpr int RING_BUF = TOKENS * 256;
+  const int stride = RING ? 256 : chunks_per_split * 256;
+  if constexpr (RING) {
+    stream_copy_act<THREADS>(smem, stride, a_g, lda, 0, min(n_ch, 1), valid_t);
+    stream_copy_act<THREADS>(smem + RING_BUF, stride, a_g, lda, 1, n_ch > 1 ? 1 : 0, valid_t);
+  } else {
+    stream_copy_act<THREADS>(smem, stride, a_g, lda, 0, n_ch, valid_t);
     cp_async_wait_all();
+    __syncthreads();
   }
-  __syncthreads();
 
   float acc[NT][4];
 #pragma unroll
@@ -1065,38 +1084,40 @@ fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ s
   for (int base = 0; base < n_ch; base += P) {
 #pragma unroll
     for (int j = 0; j < P; ++j) {
-      const int i = base + j;  // chunk of this CTA's range (warp-uniform)
+      const int i = base + j;  // chunk of this CTA's range (uniform over the CTA)
       if (i < n_ch) {
+        const unsigned char* act = smem;  // chunk i's tile, unit 0 of token row 0
+        if constexpr (RING) {
+          asm volatile("cp.async.wait_group 1;" ::: "memory");  // chunk i landed (i + 1 may still fly)
+          __syncthreads();  // ... for every thread's copies, and chunk i - 1's buffer is free for chunk i + 2
+          stream_copy_act<THREADS>(smem + ((i + 2) % 3) * RING_BUF, stride, a_g, lda, i + 2, i + 2 < n_ch ? 1 : 0,
+                                   valid_t);
+          act = smem + (i % 3) * RING_BUF;
+        }
+        const int unit0 = RING ? 0 : i * 16;
         const float s0 = cs[j][0], s1 = cs[j][1];
         const bool fold = __all_sync(0xFFFFFFFFu, foldable(s0) && foldable(s1));
         const u32 w[2][4] = {{cw[j][0].x, cw[j][0].y, cw[j][0].z, cw[j][0].w},
                              {cw[j][1].x, cw[j][1].y, cw[j][1].z, cw[j][1].w}};
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
-          uint4 v[NT];
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const int t = nt * 8 + g;
-            v[nt] = make_uint4(0u, 0u, 0u, 0u);
-            if (t < valid_t)
-              v[nt] = *reinterpret_cast<const uint4*>(smem + t * stride + stream_unit(t, i * 16 + 4 * q + x) * 16);
-          }
+          const unsigned char* ax = act + g * stride + stream_unit(g, unit0 + 4 * q + x) * 16;
           u32 d0[4], d1[4];
           decode_bf16(w[0][x], d0);
           decode_bf16(w[1][x], d1);
           if (fold) {
             stream_steps<NT>(acc, d0, d1, prmt(__float_as_uint(s0), 0u, 0x3232), prmt(__float_as_uint(s1), 0u, 0x3232),
-                             v);
+                             ax, 8 * stride, valid_t, g);
           } else {
             float rest0 = s0, rest1 = s1;
-#pragma unroll
+#pragma unroll 1
             for (int pc = 0; pc < 4; ++pc) {  // s = p0 + p1 + p2 + p3 exactly, each of <= 6 significant bits
               const float p0 = __uint_as_float(__float_as_uint(rest0) & 0xFFFC0000u);
               const float p1 = __uint_as_float(__float_as_uint(rest1) & 0xFFFC0000u);
               rest0 -= p0;
               rest1 -= p1;
               stream_steps<NT>(acc, d0, d1, prmt(__float_as_uint(p0), 0u, 0x3232),
-                               prmt(__float_as_uint(p1), 0u, 0x3232), v);
+                               prmt(__float_as_uint(p1), 0u, 0x3232), ax, 8 * stride, valid_t, g);
             }
           }
         }
@@ -1112,6 +1133,7 @@ fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ s
       }
     }
   }
+  if constexpr (RING) cp_async_wait_all();  // the last (empty) groups: nothing may still write the tile
 
   float flat[NT * 4];
 #pragma unroll
