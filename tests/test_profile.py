@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import builtins
-
 import pytest
 import torch
+from tilehal.testing import without_modules
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,17 +42,11 @@ def test_profile_attributes_time_and_times_every_swap(tmp_path):
     assert rep.plot and (tmp_path / "r.png").stat().st_size > 1000 and "![profile](r.png)" in text
 
 
-def test_profile_without_matplotlib_says_so(tmp_path, monkeypatch):
-    real_import = builtins.__import__
-
-    def no_mpl(name, *a, **k):
-        if name.startswith("matplotlib"):
-            raise ImportError("no matplotlib here")
-        return real_import(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_mpl)
-    rep = tilestack.profile(_llama(), torch.zeros(1, 4, dtype=torch.long), out=tmp_path / "r.md", iters=1,
-                            optimize=False)
+def test_profile_without_matplotlib_says_so(tmp_path):
+    model = _llama()
+    with without_modules("matplotlib"):
+        rep = tilestack.profile(model, torch.zeros(1, 4, dtype=torch.long), out=tmp_path / "r.md", iters=1,
+                                optimize=False)
     assert rep.plot is None and "matplotlib is not installed" in (tmp_path / "r.md").read_text()
     assert not (tmp_path / "r.png").exists() and rep.swaps == []
 

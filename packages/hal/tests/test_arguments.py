@@ -59,3 +59,26 @@ def test_environ_sets_unsets_and_restores(monkeypatch):
     with pytest.raises(KeyError), environ({"TILESTACK_T_B": "x"}):
         raise KeyError("inside")
     assert "TILESTACK_T_B" not in os.environ  # restored after an error too
+
+
+def test_without_modules_hides_imports_in_the_block_only():
+    import builtins
+    import json  # noqa: F401  (loaded before the block: still refused inside it)
+
+    from tilehal import ArgumentError
+    from tilehal.testing import without_modules
+
+    real = builtins.__import__
+    with without_modules("json", "xml.dom"):
+        with pytest.raises(ImportError, match="json"):
+            import json  # noqa: F401, F811
+        with pytest.raises(ImportError):
+            import xml.dom.minidom  # noqa: F401
+        import xml  # noqa: F401  (only the named prefixes)
+    import json  # noqa: F401, F811
+    assert builtins.__import__ is real
+    with pytest.raises(ValueError), without_modules("json"):
+        raise ValueError("inside")
+    assert builtins.__import__ is real             # restored after an error too
+    with pytest.raises(ArgumentError, match="prefixes"), without_modules():
+        pass

@@ -84,6 +84,32 @@ def probe_arguments(fn: Callable, kwargs: dict[str, Any], skip: dict[str, set[st
 
 
 @contextlib.contextmanager
+def without_modules(*prefixes: str) -> Iterator[None]:
+    """Inside the block, every import statement naming a module that starts with one of `prefixes` raises
+    ImportError, as if it were not installed (also when it is loaded already; references taken before the block
+    keep working). For tests of optional-dependency fallbacks. builtins.__import__ is put back after, also on
+    error."""
+    import builtins
+
+    if not prefixes or not all(isinstance(p, str) and p for p in prefixes):
+        from .errors import ArgumentError
+
+        raise ArgumentError(f"prefixes: expected one or more non-empty module name prefixes, got {prefixes!r}")
+    real = builtins.__import__
+
+    def refuse(name, *args, **kwargs):
+        if name.startswith(prefixes):
+            raise ImportError(f"{name} is hidden by tilehal.testing.without_modules{prefixes}")
+        return real(name, *args, **kwargs)
+
+    builtins.__import__ = refuse
+    try:
+        yield
+    finally:
+        builtins.__import__ = real
+
+
+@contextlib.contextmanager
 def environ(values: dict[str, str | None]) -> Iterator[None]:
     """Set the environment variables of `values` (None: unset) for the block, then put back what was
     there before (set or unset), also when the block raises."""
