@@ -76,6 +76,7 @@ def _args(argv):
     p.add_argument("--warm-only", action="store_true", help="with --precompile: only compile (no GPU needed; e.g. "
                    "with the GPU machine's NVRTC, to carry the cache there), then exit")
     p.add_argument("--workers", type=int, default=12, help="compile processes of --precompile")
+    p.add_argument("--kernels-of", default="prefill,moe", help="what the kernels section profiles: prefill,moe")
     return p.parse_args(argv)
 
 
@@ -106,6 +107,7 @@ class Env:
         self.s = _shapes(args.quick)
         self.out_dir = str(Path(args.json).parent) if args.json else "."
         self.variants = [v for v in args.variants.split(",") if v]
+        self.kernels_of = set(args.kernels_of.split(","))
         bad = [v for v in self.variants if v not in VARIANTS]
         if bad:
             raise SystemExit(f"--variants: unknown {bad}, expected some of {sorted(VARIANTS)}")
@@ -498,19 +500,24 @@ def sec_kernels(env: Env) -> None:
     if not env.cuda:
         row("kernels", "-", None, note="skipped: needs a GPU")
         return
-    b, s = env.s["prefill"]
-    base = _llama(env)
-    ids = torch.randint(0, base.config.vocab_size, (b, s), device=env.device)
-    with torch.no_grad():
-        for name, m in _variants(env, base):
-            if isinstance(m, Exception):
-                _failed("kernels", "prefill " + name, m)
-                continue
-            top = _top_kernels(lambda m=m: m(ids))
-            row("kernels", "prefill " + name, sum(k["us"] for k in top) / 1e3, None, None,
-                "top kernels (ms of GPU time per forward, the 12 largest)", top=top)
-    del base
-    _free()
+    if "prefill" in env.kernels_of:
+        b, s = env.s["prefill"]
+        base = _llama(env)
+        ids = torch.randint(0, base.config.vocab_size, (b, s), device=env.device)
+        with torch.no_grad():
+            for name, m in _variants(env, base):
+                if isinstance(m, Exception):
+                    _failed("kernels", "prefill " + name, m)
+                    continue
+                top = _top_kernels(lambda m=m: m(ids), n=20)
+                row("kernels", "prefill " + name, sum(k["us"] for k in top) / 1e3, None, None,
+                    "top kernels (ms of GPU time per forward, the 20 largest)", top=top)
+                for k in top:
+                    print(f"    {k['us']:9.1f} us  x{k['calls']:<3d} {k['kernel']}", flush=True)
+        del base
+        _free()
+    if "moe" not in env.kernels_of:
+        return
     stack, x, _ = _moe_stack(env)
     with torch.no_grad():
         top = _top_kernels(lambda st=stack: st(x))
