@@ -39,9 +39,11 @@ FP8_SHAPES = [(4096, 7168, 2048), (4096, 2112, 7168), (4096, 24576, 1536)]
 # fp8: (block_M, block_N, num_stages, threads, swizzle panel[, pass_configs])
 PERSISTENT = {"cuda_persistent": True}  # one CTA per SM loops over tiles: the next tile's loads overlap the epilogue
 PINGPONG = {"cuda_ws_pingpong": True}  # the consumer warpgroups take turns: one's promotion under the other's wgmma
-FP8_CONFIGS = [(128, 128, 4, 256, 8), (128, 128, 4, 256, 8, PERSISTENT), (128, 128, 4, 256, 8, PINGPONG),
-               (128, 128, 4, 256, 8, PINGPONG | PERSISTENT), (128, 128, 5, 256, 8, PINGPONG | PERSISTENT),
-               (128, 64, 8, 256, 8, PERSISTENT)]  # 128x64: N=2112 in 33 x 32 = 1056 tiles, exactly 8 waves of 132
+FP8_CONFIGS = [(128, 128, 4, 256, 8), (128, 128, 4, 256, 8, PERSISTENT), (128, 128, 4, 256, 8, PINGPONG | PERSISTENT), (128, 128, 5, 256, 8, PINGPONG | PERSISTENT),
+               (128, 64, 8, 256, 8, PERSISTENT),  # 128x64: N=2112 in 33 x 32 = 1056 tiles, exactly 8 waves of 132
+               # fp8_gemm_overlap_program: two K blocks per stage, the first one's promotion under the second's wgmma
+               ("overlap", 128, 128, 2, 256, 8), ("overlap", 128, 128, 3, 256, 8),
+               ("overlap", 128, 128, 2, 256, 8, PERSISTENT)]
 # decode: (num_split, block_N, num_stages, threads); 32 threads: one warp per CTA, no cross-warp softmax reductions
 # (R1 2026-12-02 09:44: the 128-thread CTAs reached 2653 GB/s, split 1 or 2, 2 or 3 stages alike)
 DECODE_CONFIGS = [(1, 64, 2, 128), (4, 64, 2, 32), (8, 32, 3, 32), (8, 64, 2, 32), (4, 32, 4, 32), (16, 32, 3, 32),
@@ -128,12 +130,13 @@ def _fp8_shape(deepgemm, ex, m, n, k, configs) -> dict:
     flops = 2 * m * n * k
     cands = {}
     for cfg in configs:
+        prog, cfg = (ex.fp8_gemm_overlap_program, cfg[1:]) if cfg[0] == "overlap" else (ex.fp8_gemm_program, cfg)
         tiles, pcfg = (cfg[:-1], cfg[-1]) if isinstance(cfg[-1], dict) else (cfg, None)
-        name = "x".join(map(str, tiles)) + ("_" + "_".join(pcfg) if pcfg else "")
+        name = ("overlap_" if prog is ex.fp8_gemm_overlap_program else "") + "x".join(map(str, tiles)) + \
+            ("_" + "_".join(pcfg) if pcfg else "")
         try:
             t0 = time.perf_counter()
-            kern = tilelang.compile(ex.fp8_gemm_program(m, n, k, *tiles), out_idx=[-1], target="cuda",
-                                    pass_configs=pcfg)
+            kern = tilelang.compile(prog(m, n, k, *tiles), out_idx=[-1], target="cuda", pass_configs=pcfg)
             compile_s = time.perf_counter() - t0
             d = kern(a8, b8, sfa_t, sfb)
             diff = ex.calc_diff(d.float(), ref)
@@ -147,8 +150,10 @@ def _fp8_shape(deepgemm, ex, m, n, k, configs) -> dict:
     no_promo = None
     if best is not None and (m, n, k) != FP8_SHAPES[-1]:  # what the promotion costs: the same schedule without it
         try:
-            tiles = [int(x) for x in best.split("_")[0].split("x")]
+            tiles = [int(x) for x in best.removeprefix("overlap_").split("_")[0].split("x")]
             pcfg = {c: True for c in ("cuda_persistent", "cuda_ws_pingpong") if c in best} or None
+            if best.startswith("overlap_"):  # the same pipeline depth in K blocks
+                tiles[2] *= 2
             kern = tilelang.compile(_fp8_no_promotion_program(m, n, k, *tiles), out_idx=[-1], target="cuda",
                                     pass_configs=pcfg)
             no_promo = {"config": best, "us": timed(lambda: kern(a8, b8)) * 1e6}
@@ -341,11 +346,12 @@ def ncu_launch(best_json: Path) -> None:
     fp8, pd = load("fp8_gemm"), load("paged_decode")
     m, n, k = FP8_SHAPES[0]
     best = next(r["best_config"] for r in rows["fp8"] if r.get("shape") == [m, n, k])
-    tiles = [int(x) for x in best.split("_")[0].split("x")]
+    tiles = [int(x) for x in best.removeprefix("overlap_").split("_")[0].split("x")]
     pcfg = {k: True for k in ("cuda_persistent", "cuda_ws_pingpong") if k in best} or None
+    prog = fp8.fp8_gemm_overlap_program if best.startswith("overlap_") else fp8.fp8_gemm_program
     a8, sfa = fp8.per_token_cast_to_fp8(torch.randn(m, k, device="cuda"))
     b8, sfb = fp8.per_block_cast_to_fp8(torch.randn(n, k, device="cuda"))
-    kern = tilelang.compile(fp8.fp8_gemm_program(m, n, k, *tiles), out_idx=[-1], target="cuda", pass_configs=pcfg)
+    kern = tilelang.compile(prog(m, n, k, *tiles), out_idx=[-1], target="cuda", pass_configs=pcfg)
     d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     sfa_dg = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
     deepgemm.fp8_gemm_nt((a8, sfa_dg), (b8, sfb), d)  # JIT compile before the profiled launches

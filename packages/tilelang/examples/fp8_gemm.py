@@ -62,6 +62,57 @@ def fp8_gemm_program(M, N, K, block_M=128, block_N=128, num_stages=4, threads=25
 
 fp8_gemm = tilelang.jit(out_idx=[-1])(fp8_gemm_program)
 
+
+def fp8_gemm_overlap_program(M, N, K, block_M=128, block_N=128, num_stages=2, threads=256, swizzle=8,
+                             out_dtype="bfloat16"):
+    """The same GEMM with two 128-wide K blocks per pipeline stage and two partial accumulators: both blocks'
+    wgmma are issued with `wg_wait=-1` (not waited for at the gemm), so the first block's promotion runs while
+    the tensor cores still work on the second; the compiler waits for each group right before its partial is
+    read (and for all of them before the stage is released). Same arguments and result as fp8_gemm_program
+    (block_N <= 128, 128 % block_N == 0)."""
+    block_K = GROUP
+    k_blocks = T.ceildiv(K, GROUP)
+    n_blocks = T.ceildiv(N, GROUP)
+    in_dtype, accum = "float8_e4m3", "float"
+
+    @T.prim_func
+    def main(A: T.Tensor((M, K), in_dtype), B: T.Tensor((N, K), in_dtype),
+             sfa_t: T.Tensor((k_blocks, M), "float32"), sfb: T.Tensor((n_blocks, k_blocks), "float32"),
+             D: T.Tensor((M, N), out_dtype)):
+        with T.Kernel(T.ceildiv(N, block_N), T.ceildiv(M, block_M), threads=threads) as (bx, by):
+            A0 = T.alloc_shared((block_M, block_K), in_dtype)
+            B0 = T.alloc_shared((block_N, block_K), in_dtype)
+            A1 = T.alloc_shared((block_M, block_K), in_dtype)
+            B1 = T.alloc_shared((block_N, block_K), in_dtype)
+            s0 = T.alloc_shared((1, block_M), "float32")
+            s1 = T.alloc_shared((1, block_M), "float32")
+            D_shared = T.alloc_shared((block_M, block_N), out_dtype)
+            p0 = T.alloc_fragment((block_M, block_N), accum)
+            p1 = T.alloc_fragment((block_M, block_N), accum)
+            acc = T.alloc_fragment((block_M, block_N), accum)
+            if swizzle:
+                T.use_swizzle(panel_size=swizzle)
+            T.clear(acc)
+            for k in T.Pipelined(T.ceildiv(k_blocks, 2), num_stages=num_stages):
+                T.copy(A[by * block_M, (2 * k) * block_K], A0)
+                T.copy(B[bx * block_N, (2 * k) * block_K], B0)
+                T.copy(sfa_t[2 * k:2 * k + 1, by * block_M:(by + 1) * block_M], s0)
+                T.copy(A[by * block_M, (2 * k + 1) * block_K], A1)  # past K (odd block count): zero-filled
+                T.copy(B[bx * block_N, (2 * k + 1) * block_K], B1)
+                T.copy(sfa_t[2 * k + 1:2 * k + 2, by * block_M:(by + 1) * block_M], s1)
+                T.gemm(A0, B0, p0, transpose_B=True, clear_accum=True, wg_wait=-1)
+                T.gemm(A1, B1, p1, transpose_B=True, clear_accum=True, wg_wait=-1)
+                b0 = sfb[bx * block_N // GROUP, 2 * k]
+                for i, j in T.Parallel(block_M, block_N):  # waits for p0 only: p1's wgmma still runs
+                    acc[i, j] += p0[i, j] * (s0[0, i] * b0)
+                b1 = sfb[bx * block_N // GROUP, T.min(2 * k + 1, k_blocks - 1)]
+                for i, j in T.Parallel(block_M, block_N):
+                    acc[i, j] += p1[i, j] * (s1[0, i] * b1)
+            T.copy(acc, D_shared)
+            T.copy(D_shared, D[by * block_M, bx * block_N])
+
+    return main
+
 # Autotuned entry point: the candidates `fp8_gemm_tuned.tune(M, N, K)` times on the GPU (best cached on disk
 # per shape and device), and the default a first call builds without tuning. "pass_configs" picks compiler
 # schedules: cuda_persistent (one CTA per SM loops over the tiles: the next tile's loads overlap this one's

@@ -154,6 +154,11 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         self._wg_async: Stmt | None = None  # the wgmma T.Pipelined leaves in flight (rules/pipelined.py)
         self._wg_defer_wait = False  # ... and waits for itself, after the refill (cuda_wgmma_one_barrier)
         self._wg_after_commit: Stmt | None = None  # a wgmma followed by `_wg_after_commit_line` (pingpong)
+        # T.gemm(wg_wait=-1) inside a warp-specialized pipelined loop: wgmma groups committed and not waited for,
+        # oldest first; each is waited for right before the first later statement touching its accumulator or
+        # writing its operands, and all of them before the loop releases its stage (rules/pipelined.py)
+        self._wg_pending: list = []
+        self._wg_defer_ok = False
         self._wg_after_commit_line = ""
         self.dyn_names = {v.name for v in func.dynamic_vars}
         self._rw: dict[int, tuple[frozenset[Buffer], frozenset[Buffer]]] = {}
@@ -403,7 +408,31 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
     def stmt(self, s: Stmt) -> None:
         if self.par is not None:
             return self.par_stmt(s)
+        if self._wg_pending:
+            self._wg_settle(s)
         s.apply("cuda", self, "CUDA codegen: unsupported statement {op}")
+
+    def _wg_settle(self, s: Stmt) -> None:
+        """Wait for the deferred wgmma groups `s` depends on: the newest one whose accumulator `s` reads or
+        writes, or whose operands it writes, and every older one (wgmma.wait_group counts in commit order)."""
+        r, w = self.reads(s), self.writes(s)
+        last = -1
+        for i, g in enumerate(self._wg_pending):
+            if g.C.buffer in r or g.C.buffer in w or g.A.buffer in w or g.B.buffer in w:
+                last = i
+        if last >= 0:
+            self.wg_wait(len(self._wg_pending) - 1 - last)
+
+    def wg_wait(self, keep: int = 0) -> None:
+        """wgmma.wait_group(keep): all but the `keep` newest deferred groups are done; fence their accumulators."""
+        from ...ir.thread import Intrinsic
+
+        done, self._wg_pending = self._wg_pending[:len(self._wg_pending) - keep], self._wg_pending[len(self._wg_pending) - keep:]
+        if not done:
+            return
+        self.add(Intrinsic("wgmma_wait", [], [], {"n": keep}))
+        for g in done:
+            self.add(Intrinsic("wgmma_fence_operands", [], [], {"buffer": g.C.buffer.name}))
 
     # ---------------------------------------------------------------- T.Parallel (the statement rules of the "cuda" and
     # "cuda.parallel" tables, the memory references and the thread loops are in lower_thread.py: they build nodes)

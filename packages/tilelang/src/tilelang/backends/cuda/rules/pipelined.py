@@ -313,12 +313,15 @@ class PipelineRules:
             prefetch()
         for b in bufs:
             self.stage_expr[b] = stage
+        self._wg_defer_ok = agemm is None  # T.gemm(wg_wait=-1) groups: settled before the next refill
         for c in rest:
             self._wg_async = c if c is agemm else None
             self._wg_defer_wait = lag and c is agemm
             self.stmt(c)
             self._wg_async = None
             self._wg_defer_wait = False
+        self.wg_wait(0)
+        self._wg_defer_ok = False
         if lag:
             prefetch()
             self.add(Intrinsic("wgmma_wait", [], [], {"n": 1}))
@@ -452,6 +455,7 @@ class PipelineRules:
             self.sync()
         for b in bufs:
             self.stage_expr[b] = stage
+        self._wg_defer_ok = agemm is None  # T.gemm(wg_wait=-1) groups are settled below, before the release
         for c in rest:
             self._wg_async = c if c is agemm else None
             if c is pingpong:
@@ -462,6 +466,8 @@ class PipelineRules:
             self.stmt(c)
             self._wg_async = None
             self._wg_after_commit = None
+        self.wg_wait(0)  # every deferred wgmma of this iteration is done before its stage is released
+        self._wg_defer_ok = False
         # release: with the wgmma of this iteration in flight (wgmma_wait<1>: the one of the previous
         # iteration is done), the previous stage; otherwise this one (everything reading it is done)
         if agemm is not None:

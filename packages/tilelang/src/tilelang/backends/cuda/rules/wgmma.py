@@ -132,10 +132,14 @@ class WgmmaRules:
         if self._wg_async is s:  # T.Pipelined keeps one group in flight (rules/pipelined.py)
             if not self._wg_defer_wait:  # else the pipeline waits after issuing its refill
                 self.add(Intrinsic("wgmma_wait", [], [], {"n": 1}))
+        elif wg_wait < 0 and self._wg_defer_ok:  # waited for where a later statement needs it (codegen.stmt)
+            log.debug("%s: T.gemm(wg_wait=-1): wgmma group left in flight until its accumulator or operands are "
+                      "next touched", s.loc)
+            self._wg_pending.append(s)
         else:
-            if wg_wait > 0:
-                log.debug("%s: T.gemm(wg_wait=%d) outside a pipelined loop's tail: waits for its own wgmma",
-                          s.loc, wg_wait)
+            if wg_wait != 0:
+                log.debug("%s: T.gemm(wg_wait=%d) outside a warp-specialized pipelined loop body: waits for its own "
+                          "wgmma", s.loc, wg_wait)
             self.add(Intrinsic("wgmma_wait", [], [], {"n": 0}))
             self.add(Intrinsic("wgmma_fence_operands", [], [], {"buffer": c}))
         self.add(Scope(self.end()))
