@@ -44,8 +44,8 @@ PINGPONG = {"cuda_ws_pingpong": True}  # the consumer warpgroups take turns: one
 FP8_CONFIGS = [(128, 128, 4, 256, 8, PERSISTENT), (128, 128, 4, 256, 8, PINGPONG | PERSISTENT), (128, 128, 5, 256, 8, PINGPONG | PERSISTENT),
                (128, 64, 8, 256, 8, PERSISTENT),  # 128x64: N=2112 in 33 x 32 = 1056 tiles, exactly 8 waves of 132
                # fp8_gemm_overlap_program: two K blocks per stage, the first one's promotion under the second's wgmma
-               ("overlap", 128, 128, 2, 256, 8), ("overlap", 128, 128, 3, 256, 8),
-               ("overlap", 128, 128, 2, 256, 8, PERSISTENT)]
+               ("overlap", 128, 128, 3, 256, 8), ("overlap", 128, 128, 2, 256, 8, PERSISTENT),
+               ("overlap", 128, 128, 2, 256, 8, PINGPONG | PERSISTENT)]
 # decode: (num_split, block_N, num_stages, threads); 32 threads: one warp per CTA, no cross-warp softmax reductions
 # (R1 2026-12-02 09:44: the 128-thread CTAs reached 2653 GB/s, split 1 or 2, 2 or 3 stages alike)
 DECODE_CONFIGS = [(1, 64, 2, 128), (4, 64, 2, 32), (8, 32, 3, 32), (8, 64, 2, 32), (4, 32, 4, 32), (16, 32, 3, 32),
