@@ -69,9 +69,19 @@ SHORT_CONFIGS = {
                  (4096, 24576, 1536): [((128, 256, 64, 4, 256), "wsp"), ((128, 256, 64, 3, 256, "c_shared"), "wsp")]},
 }
 SHORT = False
+ONLY: str | None = None  # --only gemm|fa: time one kind of kernel
+
+
+def _gemm_dtypes() -> tuple[str, ...]:
+    return () if ONLY == "fa" else ("float16", "bfloat16")
+
+
+def _fa_shapes(quick: bool) -> list[tuple[int, int, int, int]]:
+    return [] if ONLY == "gemm" else FA_SHAPES[:1] if quick else FA_SHAPES
 MMA_GEMM_CONFIGS = [(128, 256, 64, 3, 256), (128, 128, 32, 4, 128)]  # ours_mma: the best two of 2026-12-01
 PUBLIC_GEMM_CONFIG = (128, 256, 64, 3, 256)  # the configuration measured in ../shared/GPU.md
 FA_SHAPE = (4, 32, 4096, 128)
+FA_SHAPES = [FA_SHAPE, (1, 32, 16384, 128)]  # issue 21's two flash-attention shapes (bhsd, fp16, d128)
 
 
 def graph_time_ms(fn, reps: int = 10, replays: int = 5) -> float:
@@ -107,7 +117,9 @@ def _pass_configs(impl: str, variant: str = "2b") -> dict | None:
     cp.async; ours_mma: mma.sync (issue 14's generation)."""
     if impl == "ours_mma":
         return {"tl.disable_wgmma": True, "tl.disable_tma_lower": True}
-    cfg = {"cuda_warp_specialize": True} if impl in ("ours_ws", "ours_wsp", "ours_pp", "ours_ppp") else {}
+    cfg = {"cuda_warp_specialize": True} if impl in ("ours_ws", "ours_wsp", "ours_pp", "ours_ppp", "ours_nov") else {}
+    if impl == "ours_nov":  # warp-specialized without the gemm/softmax overlap (the default before 2026-12-02 R1)
+        cfg["cuda_ws_overlap"] = False
     if impl in ("ours_pp", "ours_ppp"):
         cfg["cuda_ws_pingpong"] = True
     if impl in ("ours_wsp", "ours_ppp"):
@@ -168,7 +180,7 @@ def _configs(impl: str, shape: tuple, quick: bool, dtype: str = "bfloat16") -> l
 
 def _gemm_cases(impl: str, quick: bool):
     shapes = GEMM_SHAPES[:2] if quick else GEMM_SHAPES
-    for dtype in ("float16", "bfloat16"):
+    for dtype in _gemm_dtypes():
         for shape in shapes:
             if dtype == "float16" and shape != GEMM_SHAPES[0]:
                 continue  # fp16 at 8192^3 only, as the issue asks; bf16 for every shape
@@ -193,14 +205,15 @@ def precompile(impl: str, quick: bool, go_file: str) -> dict:
             print(f"[{impl}] precompile gemm {dtype} {M}x{N}x{K} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         cold[("gemm", dtype, (M, N, K), tuple(cfg), variant)] = time.perf_counter() - t0
-    for causal in (False, True):
-        t0 = time.perf_counter()
-        try:
-            tilelang.compile(ck.flashattn_bhsd(*FA_SHAPE, causal), out_idx=[3], target="cuda", **_compile_kw(impl))
-        except Exception as e:
-            print(f"[{impl}] precompile fa causal={causal}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            continue
-        cold[("fa", causal)] = time.perf_counter() - t0
+    for shape in _fa_shapes(quick):
+        for causal in (False, True):
+            t0 = time.perf_counter()
+            try:
+                tilelang.compile(ck.flashattn_bhsd(*shape, causal), out_idx=[3], target="cuda", **_compile_kw(impl))
+            except Exception as e:
+                print(f"[{impl}] precompile fa {shape} causal={causal}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            cold[("fa", tuple(shape), causal)] = time.perf_counter() - t0
     print(f"[{impl}] precompiled {len(cold)} kernels in {sum(cold.values()):.1f} s; waiting for {go_file}", flush=True)
     t0 = time.perf_counter()
     while not os.path.exists(go_file) and time.perf_counter() - t0 < 600:
@@ -217,9 +230,8 @@ def run_impl(impl: str, quick: bool, pre: dict | None = None) -> list[dict]:
 
     pre = pre or {}
     rows = []
-    dtypes = ["float16", "bfloat16"]
     shapes = GEMM_SHAPES[:2] if quick else GEMM_SHAPES
-    for dtype in dtypes:
+    for dtype in _gemm_dtypes():
         tdt = getattr(torch, dtype)
         for M, N, K in shapes:
             if dtype == "float16" and (M, N, K) != GEMM_SHAPES[0]:
@@ -256,14 +268,14 @@ def run_impl(impl: str, quick: bool, pre: dict | None = None) -> list[dict]:
                     best = row
             if best:
                 best["best"] = True
-    b_, h, s, d = FA_SHAPE
-    for causal in (False, True):
+    for b_, h, s, d in _fa_shapes(quick):
+      for causal in (False, True):
         q, kk, v = (torch.randn(b_, h, s, d, device="cuda", dtype=torch.float16) for _ in range(3))
         try:
             t0 = time.perf_counter()
             func = ck.flashattn_bhsd(b_, h, s, d, causal)
             k = tilelang.compile(func, out_idx=[3], target="cuda", **_compile_kw(impl))
-            cold = pre.get(("fa", causal), time.perf_counter() - t0)
+            cold = pre.get(("fa", (b_, h, s, d), causal), time.perf_counter() - t0)
             cached = _cached_compile(tilelang, impl, func, [3])
             o = k(q, kk, v)
             ref = torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=causal)
@@ -274,7 +286,7 @@ def run_impl(impl: str, quick: bool, pre: dict | None = None) -> list[dict]:
             print(f"[{impl}] fa causal={causal}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         flops = 4 * b_ * h * s * s * d * (0.5 if causal else 1.0)
-        row = {"impl": impl, "kind": "fa", "causal": causal, "shape": list(FA_SHAPE), "ms": ms,
+        row = {"impl": impl, "kind": "fa", "causal": causal, "shape": [b_, h, s, d], "ms": ms,
                "tflops": flops / ms / 1e9, "max_abs_err": err, "compile_cold_s": cold, "compile_cached_s": cached,
                "best": True}
         print(f"[{impl}] fa causal={causal}: {ms:.3f} ms {row['tflops']:.0f} TFLOP/s err {err:.1e} compile "
@@ -297,7 +309,9 @@ AB_GEMM = {
                           ("ours_ws", (128, 256, 64, 4, 256, "c_shared"), "ws"),
                           ("ours_wsp", (128, 256, 64, 3, 256, "c_shared"), "wsp")],
 }
-AB_FA = ["ours_tma", "ours_ws", "ours_pp", "ours_ppp"]
+# flash attention: (impl, num_stages); ours_ws = the default (warp-specialized, gemm/softmax overlap), ours_nov = the
+# same without the overlap (the default of R2 2026-12-02 07:42), ours_pp = pingpong (no overlap), ours_wsp persistent
+AB_FA = [("ours_ws", 2), ("ours_nov", 2), ("ours_pp", 2), ("ours_wsp", 2)]
 
 
 def run_ab(rounds: int, save=None) -> list[dict]:
@@ -309,7 +323,7 @@ def run_ab(rounds: int, save=None) -> list[dict]:
     import tilelang
 
     items = []  # (row, fn)
-    for dtype in ("float16", "bfloat16"):
+    for dtype in _gemm_dtypes():
         tdt = getattr(torch, dtype)
         for M, N, K in GEMM_SHAPES:
             if dtype == "float16" and (M, N, K) != GEMM_SHAPES[0]:
@@ -335,17 +349,17 @@ def run_ab(rounds: int, save=None) -> list[dict]:
                     continue
                 group.append((row, functools.partial(k, a, b)))
             items.append(group)
-    b_, h, s_, d = FA_SHAPE
-    for causal in (False, True):
+    for b_, h, s_, d in _fa_shapes(False):
+      for causal in (False, True):
         q, kk, v = (torch.randn(b_, h, s_, d, device="cuda", dtype=torch.float16) for _ in range(3))
         ref = torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=causal)
-        group = [({"impl": "sdpa", "kind": "fa", "causal": causal, "shape": list(FA_SHAPE)},
+        group = [({"impl": "sdpa", "kind": "fa", "causal": causal, "shape": [b_, h, s_, d]},
                   functools.partial(torch.nn.functional.scaled_dot_product_attention, q, kk, v, is_causal=causal))]
-        for impl in AB_FA:
-            row = {"impl": impl, "kind": "fa", "causal": causal, "shape": list(FA_SHAPE)}
+        for impl, stages in AB_FA:
+            row = {"impl": impl, "kind": "fa", "causal": causal, "shape": [b_, h, s_, d], "num_stages": stages}
             try:
                 t0 = time.perf_counter()
-                func = ck.flashattn_bhsd(b_, h, s_, d, causal)
+                func = ck.flashattn_bhsd(b_, h, s_, d, causal, num_stages=stages)
                 k = tilelang.compile(func, out_idx=[3], target="cuda", **_compile_kw(impl))
                 row["compile_cold_s"] = time.perf_counter() - t0
                 row["compile_cached_s"] = _cached_compile(tilelang, impl, func, [3])
@@ -393,7 +407,7 @@ def run_ab(rounds: int, save=None) -> list[dict]:
 def run_peers(quick: bool) -> list[dict]:
     rows = []
     shapes = GEMM_SHAPES[:2] if quick else GEMM_SHAPES
-    for dtype in ("float16", "bfloat16"):
+    for dtype in _gemm_dtypes():
         tdt = getattr(torch, dtype)
         for M, N, K in shapes:
             if dtype == "float16" and (M, N, K) != GEMM_SHAPES[0]:
@@ -404,12 +418,12 @@ def run_peers(quick: bool) -> list[dict]:
             rows.append({"impl": "cublas", "kind": "gemm", "dtype": dtype, "shape": [M, N, K], "ms": ms,
                          "tflops": 2 * M * N * K / ms / 1e9, "best": True})
             print(f"[cublas] gemm {dtype} {M}x{N}x{K}: {ms:.3f} ms {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
-    b_, h, s, d = FA_SHAPE
-    for causal in (False, True):
+    for b_, h, s, d in _fa_shapes(quick):
+      for causal in (False, True):
         q, kk, v = (torch.randn(b_, h, s, d, device="cuda", dtype=torch.float16) for _ in range(3))
         ms = graph_time_ms(functools.partial(torch.nn.functional.scaled_dot_product_attention, q, kk, v, is_causal=causal))
         flops = 4 * b_ * h * s * s * d * (0.5 if causal else 1.0)
-        rows.append({"impl": "sdpa", "kind": "fa", "causal": causal, "shape": list(FA_SHAPE), "ms": ms,
+        rows.append({"impl": "sdpa", "kind": "fa", "causal": causal, "shape": [b_, h, s, d], "ms": ms,
                      "tflops": flops / ms / 1e9, "best": True})
         print(f"[sdpa] fa causal={causal}: {ms:.3f} ms {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
     return rows
@@ -425,20 +439,21 @@ def summarize(rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("best") and "tflops" in r:
             best[(r["impl"], *key(r))] = r
-    lines = ["| kernel | ours (wgmma + TMA) TFLOP/s | ours warp-specialized | ours WS + persistent | ours WS + pingpong | "
-             "ours WS + pingpong + persistent | ours cp.async | ours mma.sync | peer (cuBLAS/SDPA) | best/peer | "
-             "public TileLang | best/public | best: compile cold / cached | best config |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| kernel | ours (wgmma + TMA) TFLOP/s | ours warp-specialized | ours WS no overlap | ours WS + persistent | "
+             "ours WS + pingpong | ours WS + pingpong + persistent | ours cp.async | ours mma.sync | peer (cuBLAS/SDPA) | "
+             "best/peer | public TileLang | best/public | best: compile cold / cached | best config |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     kernels = sorted({tuple(k) for (impl, *k) in best if impl.startswith("ours")}, key=str)
 
     def t(r):
         return f"{r['tflops']:.0f}" if r else "-"
 
     for k in kernels:
-        mine = {i: best.get((i, *k)) for i in ("ours", "ours_tma", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp",
-                                                  "ours_cp", "ours_mma")}
+        mine = {i: best.get((i, *k)) for i in ("ours", "ours_tma", "ours_ws", "ours_nov", "ours_wsp", "ours_pp",
+                                                  "ours_ppp", "ours_cp", "ours_mma")}
         mine["ours"] = mine["ours"] or mine["ours_tma"]
-        top = max((r for i, r in mine.items() if i in ("ours", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp") and r),
+        top = max((r for i, r in mine.items() if i in ("ours", "ours_ws", "ours_nov", "ours_wsp", "ours_pp", "ours_ppp")
+                   and r),
                   key=lambda r: r["tflops"], default=None)
         if top is None:
             continue
@@ -448,7 +463,7 @@ def summarize(rows: list[dict]) -> list[str]:
                 f"fa fp16 {'x'.join(map(str, k[2]))} {'causal' if k[3] else 'full'}")
         ratio = f"{top['tflops'] / peer['tflops']:.2f}x" if peer else "-"
         pratio = f"{top['tflops'] / pub['tflops']:.2f}x" if pub else "-"
-        lines.append(f"| {name} | {t(mine['ours'])} | {t(mine['ours_ws'])} | {t(mine['ours_wsp'])} | "
+        lines.append(f"| {name} | {t(mine['ours'])} | {t(mine['ours_ws'])} | {t(mine['ours_nov'])} | {t(mine['ours_wsp'])} | "
                      f"{t(mine['ours_pp'])} | {t(mine['ours_ppp'])} | {t(mine['ours_cp'])} | "
                      f"{t(mine['ours_mma'])} | {t(peer)} | {ratio} | {t(pub)} | {pratio} | "
                      f"{top['compile_cold_s']:.2f} s / {top['compile_cached_s'] * 1e3:.1f} ms | "
@@ -468,7 +483,7 @@ def plot(rows: list[dict], path: Path) -> None:
         k = (r["kind"], r.get("dtype"), tuple(r.get("shape", [])), r.get("causal"))
         if k not in keys:
             keys.append(k)
-    impls = ["ours", "ours_tma", "ours_ws", "ours_wsp", "ours_pp", "ours_ppp", "ours_cp", "ours_mma", "public", "cublas",
+    impls = ["ours", "ours_tma", "ours_ws", "ours_nov", "ours_wsp", "ours_pp", "ours_ppp", "ours_cp", "ours_mma", "public", "cublas",
              "sdpa"]
     fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.14
@@ -482,7 +497,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.bar([j + i * width for j in range(len(keys))], vals, width, label=impl)
     short = {"float16": "fp16", "bfloat16": "bf16"}
     labels = [(f"{short.get(k[1], k[1])} {'x'.join(map(str, k[2]))}" if k[0] == "gemm" else
-               f"FA {'causal' if k[3] else 'full'}")
+               f"FA s{k[2][2]} {'causal' if k[3] else 'full'}")
               for k in keys]
     ax.set_xticks([j + 2.5 * width for j in range(len(keys))], labels, rotation=20, fontsize=8)
     ax.set_ylabel("TFLOP/s")
@@ -548,6 +563,7 @@ def main() -> None:
     ap.add_argument("--with-pp", action="store_true", help="add the ours_pp flash-attention rows (WS + pingpong)")
     ap.add_argument("--with-cp", action="store_true", help="add the ours_cp rows (copies on cp.async)")
     ap.add_argument("--short", action="store_true", help="the short configuration lists (SHORT_CONFIGS)")
+    ap.add_argument("--only", choices=["gemm", "fa"], default=None, help="time only the GEMMs or only flash attention")
     ap.add_argument("--go-file", default=None, help="(child) precompile, then wait for this file before timing")
     ap.add_argument("--public-early", action="store_true",
                     help="start the public TileLang's child first: it compiles while ours runs, times after")
@@ -557,8 +573,9 @@ def main() -> None:
     ap.add_argument("--best-from", default=None, help="JSON of an earlier run: time only its best config per shape")
     ap.add_argument("--skip-mma", action="store_true", help="leave out the ours_mma rows (mma.sync + cp.async)")
     args = ap.parse_args()
-    global SHORT
+    global SHORT, ONLY
     SHORT = args.short
+    ONLY = args.only
     if args.best_from:
         load_best(args.best_from)
     if args.compile_only:
@@ -588,7 +605,8 @@ def main() -> None:
         out, go = tmp / "public.json", tmp / "go"
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env["PYTHONPATH"] = args.public
-        cmd = [sys.executable, __file__, "--impl", "public", "--json", str(out)] + (["--quick"] if args.quick else [])
+        cmd = [sys.executable, __file__, "--impl", "public", "--json", str(out)] + (["--quick"] if args.quick else []) + (
+            ["--only", args.only] if args.only else [])
         if args.public_early:
             cmd += ["--go-file", str(go)]
             child = subprocess.Popen(cmd, env=env)

@@ -324,7 +324,8 @@ ONE_BARRIER = {"cuda_wgmma_one_barrier": True}
 WS = {"cuda_warp_specialize": True}  # a producer warpgroup feeds the TMA pipeline (opt-in)
 WSP = {**WS, "cuda_persistent": True}  # ... and one block per SM loops over the grid's tiles (opt-in)
 WSPP = {**WS, "cuda_ws_pingpong": True}  # ... the two consumer warpgroups take turns (opt-in)
-_WS_CFG = {"default": None, "ws": WS, "wsp": WSP, "pp": WSPP, "ppp": {**WSP, **WSPP}}
+_WS_CFG = {"default": None, "ws": WS, "wsp": WSP, "pp": WSPP, "ppp": {**WSP, **WSPP},
+           "nov": {**WS, "cuda_ws_overlap": False}}
 CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async
 TMA = {"cuda_tma": True, "tl.disable_warp_specialized": True}  # TMA pipelines, every thread in one role
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
@@ -507,6 +508,42 @@ def test_warp_specialized_codegen(caplog, tmp_path, monkeypatch, example):
     assert src_pp.count("named_barrier_arrive(3 - (_tx >> 7), 256)") == 1 and "named_barrier_arrive(2, 256)" in src_pp
     assert "named_barrier_sync(2" not in tilelang.compile(prog, out_idx=[2], target="cuda",
                                                           pass_configs=WSPP).get_kernel_source()  # wgmma in flight
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("causal", [False, True])
+def test_ws_gemm_softmax_overlap_codegen(caplog, tmp_path, monkeypatch, example, causal):
+    """The warp-specialized flash attention (gemm -> softmax -> gemm) is emitted rotated by default: a prologue
+    iteration, then per iteration S(k) = Q K(k)^T and O += P(k-1) V(k-1) issued together, wgmma_wait<1> (S done),
+    the softmax while P V runs, wgmma_wait<0>, the release of the previous stage, the rescale and the cast; the
+    last P V after the loop. The register A operand is packed before the wgmma fence (no warpgroup.arrive
+    injected by ptxas), no spills. cuda_ws_overlap=False, pingpong and a GEMM main loop keep the plain loop."""
+    import logging
+
+    from tilehal import compile_cuda
+
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))  # a cold build logs its choices
+    m = example("flash_attention")
+    fa = m.flash_attention_fwd(4, 32, 4096, 128, causal, 128, 128, 2, 256, "float16", layout="bhsd")
+    with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
+        k = tilelang.compile(fa, out_idx=[3], target="cuda")
+    assert any("gemm/softmax overlap" in r.getMessage() for r in caplog.records)
+    src = k.get_kernel_source()
+    loop = src[src.index("for (int k = 0 + 1;"):]
+    loop = loop[:loop.index("const int k = 0 + (")]  # up to the epilogue iteration
+    assert loop.count("wgmma_commit()") == 2 and loop.count("wgmma_wait<1>") == 1 and loop.count("wgmma_wait<0>") == 1
+    assert loop.index("V_shared[((_prev") < loop.index("wgmma_wait<1>") < loop.index("exp2f") < loop.index(
+        "wgmma_wait<0>") < loop.index("mbarrier_arrive(&_empty") < loop.index("= (acc_o[") < loop.index(
+        "acc_s_cast[_r")
+    assert "wgmma_fence_operands(acc_s)" in loop and "wgmma_fence_operands(acc_o)" in loop
+    (name, _, _), = k._impl.kernels
+    log = compile_cuda(src, arch="sm_90a", name=name, options=["--ptxas-options=-v"]).log
+    assert re.findall(r"(\d+) bytes spill stores", log) == ["0"] and "C7519" not in log, log
+    for cfg in ({"cuda_ws_overlap": False}, WSPP):
+        plain = tilelang.compile(fa, out_idx=[3], target="cuda", pass_configs=cfg).get_kernel_source()
+        assert "for (int k = 0 + 1;" not in plain and "wgmma_wait<1>" not in plain
+    gemm = tilelang.compile(_gemm_program(*GEMM_VARIANTS["wg_nt_f16_2wg"]), out_idx=[2], target="cuda")
+    assert "for (int k = 0 + 1;" not in gemm.get_kernel_source()
 
 
 @needs_nvrtc
@@ -718,7 +755,7 @@ def test_public_kernel_ws_gpu(name, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["default", "ws", "wsp", "pp", "ppp"])
+@pytest.mark.parametrize("cfg", ["default", "ws", "wsp", "pp", "ppp", "nov"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa_pipelined_ws_gpu(example, causal, cfg):
     """Flash attention at the benchmark's tiles (128 x 128, 2 stages, 256 threads; bhsd, so K / V go through
@@ -732,6 +769,7 @@ def test_fa_pipelined_ws_gpu(example, causal, cfg):
     src = k.get_kernel_source()
     assert "tma_load_2d" in src and k._impl.launch_threads  # warp-specialized in every form (the default too)
     assert ("named_barrier_sync(2 +" in src) == (cfg in ("pp", "ppp"))
+    assert ("for (int k = 0 + 1;" in src) == (cfg in ("default", "ws", "wsp"))  # the gemm/softmax overlap
     g = torch.Generator().manual_seed(2)
     q = torch.randn(b, h, s, d, generator=g).half().cuda()
     kk = torch.randn(b, h // groups, s, d, generator=g).half().cuda()

@@ -152,7 +152,8 @@ def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str,
                                    one_barrier=bool(options.get("cuda_wgmma_one_barrier")),
                                    warp_specialize=ws and use_tma, launch=launch,
                                    persistent=bool(options.get("cuda_persistent")),
-                                   pingpong=bool(options.get("cuda_ws_pingpong")))
+                                   pingpong=bool(options.get("cuda_ws_pingpong")),
+                                   overlap=bool(options.get("cuda_ws_overlap", True)))
     digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
     base = f"tl_{func.name}_{digest}"
     cuda_source = probe.replace("tl_kernel_k", f"{base}_k")

@@ -120,7 +120,7 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
 
     def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let], wgmma: bool = True,
                  tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False,
-                 persistent: bool = False, pingpong: bool = False) -> None:
+                 persistent: bool = False, pingpong: bool = False, overlap: bool = True) -> None:
         self.func = func
         self.kernel = kernel
         self.name = name
@@ -160,6 +160,7 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         self._wg_pending: list = []
         self._wg_defer_ok = False
         self._wg_after_commit_line = ""
+        self._wg_packed: dict[int, Buffer] = {}  # id(T.gemm) -> its register A operand, packed ahead (wg_pack_a)
         self.dyn_names = {v.name for v in func.dynamic_vars}
         self._rw: dict[int, tuple[frozenset[Buffer], frozenset[Buffer]]] = {}
         self._index_rw(kernel.body)
@@ -177,6 +178,9 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         self.launch_threads = 0  # threads + the producer warpgroup's 128 when warp-specialized
         self.persistent = persistent  # pass_configs cuda_persistent (with warp specialization)
         self.ws_pingpong = pingpong  # pass_configs cuda_ws_pingpong: consumer warpgroups take turns
+        # pass_configs cuda_ws_overlap (default on): a gemm -> softmax -> gemm loop issues the next iteration's
+        # first gemm before this one's middle part (rules/pipelined.py `_ws_overlap`)
+        self.ws_overlap = overlap
         self.persistent_tiles = 0  # the grid's tiles a persistent kernel loops over
         self.tma_specs: list = []  # TmaSpec per descriptor parameter, in parameter order
         self.tma_bufs: set[Buffer] = set()
@@ -677,7 +681,7 @@ register_rules("cuda.parallel", {Seq: seq_rule, Store: KernelCodegen.par_store,
 def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict | None = None,
                   use_tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False,
                   launch: dict | None = None, persistent: bool = False,
-                  pingpong: bool = False) -> tuple[str, list[tuple[str, Kernel, int]]]:
+                  pingpong: bool = False, overlap: bool = True) -> tuple[str, list[tuple[str, Kernel, int]]]:
     """CUDA source for every T.Kernel of `func`: (source, [(kernel name, Kernel node, smem bytes)]).
     `wgmma`: sm_90a features (T.gemm on wgmma, pipelined copies on TMA); otherwise mma.sync and cp.async
     only. `tma`, when given, receives {kernel name: [TmaSpec]} (the descriptors each kernel takes after
@@ -696,7 +700,8 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
         elif isinstance(s, Kernel):
             name = f"{base_name}_k{len(kernels)}"
             cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma, one_barrier=one_barrier,
-                               warp_specialize=warp_specialize, persistent=persistent, pingpong=pingpong)
+                               warp_specialize=warp_specialize, persistent=persistent, pingpong=pingpong,
+                               overlap=overlap)
             src, smem = cg.generate()
             if launch is not None and cg.launch_threads:
                 launch[name] = [cg.launch_threads, cg.persistent_tiles]

@@ -649,11 +649,13 @@ class Wgmma(Stmt):
     a_regs: Buffer | None
     b: Expr
     scale: Expr
+    a_index: Expr | None = None  # rs: the row of a 2-D `a_regs` (all k steps packed before the first wgmma)
 
     side_effects = True
 
     def exprs(self) -> list[Expr]:
-        return [*self.acc.indices, *([self.a] if self.a is not None else []), self.b, self.scale]
+        return [*self.acc.indices, *([self.a] if self.a is not None else []), self.b, self.scale,
+                *([self.a_index] if self.a_index is not None else [])]
 
     def writes(self) -> set:
         return {self.acc.buffer}
@@ -662,7 +664,7 @@ class Wgmma(Stmt):
         return Wgmma(self.form, self.n, self.ta, self.tb, self.tag, self.dtype,
                      tr.expr(self.acc),
                      tr.expr(self.a) if self.a is not None else None, self.a_regs, tr.expr(self.b), tr.expr(self.scale),
-                     loc=self.loc)
+                     tr.expr(self.a_index) if self.a_index is not None else None, loc=self.loc)
 
 
 # ---------------------------------------------------------------- the printer
@@ -896,7 +898,8 @@ def _wgmma(em: Emitter, s: Wgmma, ind: int) -> None:
     cx = em.cx
     acc, b, scale = f"&{cx.expr(s.acc)}", cx.expr(s.b), cx.expr(s.scale)
     if s.form == "rs":
-        em.line(ind, f"tilehal::Wgmma16<{s.n}>::rs<{s.tb}>({s.tag}, {acc}, {s.a_regs.name}, {b}, {scale});")
+        regs = s.a_regs.name if s.a_index is None else f"{s.a_regs.name}[{cx.expr(s.a_index)}]"
+        em.line(ind, f"tilehal::Wgmma16<{s.n}>::rs<{s.tb}>({s.tag}, {acc}, {regs}, {b}, {scale});")
     elif s.form == "e4m3":
         em.line(ind, f"tilehal::WgmmaE4M3<{s.n}>::mma({acc}, {cx.expr(s.a)}, {b}, {scale});")
     else:
@@ -1229,7 +1232,10 @@ def _wgmma_interp(it: Any, s: Wgmma) -> None:
         if da is not None:
             A = _operand(it, da, l0, 64, kbytes, bool(s.ta), s.dtype, s.loc, used)  # (64, K)
         else:  # each warp's m16n8k16 A fragment in 4 packed registers
-            words = it.bufs[s.a_regs][l0:l0 + 128].astype(np.uint32)  # (128, 4)
+            words = it.bufs[s.a_regs][l0:l0 + 128]
+            if s.a_index is not None:  # a uniform row of the packed k steps
+                words = words[:, int(it.lanes_of(it.expr(s.a_index), np.int64)[l0])]
+            words = words.astype(np.uint32)  # (128, 4)
             vals = _compute(np.ascontiguousarray(words).view(np_dtype(s.dtype)), s.dtype).reshape(128, 4, 2)
             A = np.zeros((64, K))
             for r, (row0, col0) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):

@@ -367,6 +367,163 @@ class PipelineRules:
         log.debug("%s: pingpong: the two consumer warpgroups take turns issuing %s", first.loc, "T.gemm")
         return first
 
+    def _ws_overlap(self, rest: list, agemm) -> tuple | None:
+        """FlashAttention-3's intra-warpgroup overlap for a warp-specialized loop whose body is `pre; G1; mid;
+        G2` (two wgmma T.gemms, G2 last; pre and mid touch registers only): (pre, G1, free, bound, G2), where
+        `bound` are the statements of mid that touch G2's register operand or accumulator (or depend on one
+        that does) and `free` the others. The loop is then emitted rotated (`_pipelined_ws_overlap`):
+        iteration k issues G1(k), then G2(k-1), waits for G1(k) only, runs free(k) (the softmax) while G2(k-1)
+        still runs on the tensor cores, waits for G2(k-1), then runs bound(k) (the rescale of G2's accumulator,
+        the cast into its operand). Same result: G2(k-1) commutes with pre(k) and G1(k) (they do not touch
+        its accumulator, nor write its operands), and free(k) with every bound statement before it."""
+        k = self.kernel
+
+        def no(why: str) -> None:
+            log.debug("%s: no gemm/softmax overlap: %s", k.loc, why)
+
+        if not self.ws_overlap or agemm is not None:
+            return None
+        gi = [i for i, c in enumerate(rest) if isinstance(c, Gemm)]
+        if len(gi) != 2 or gi[1] != len(rest) - 1:
+            return no("the loop body is not `... gemm ... gemm` with the second gemm last")
+        g1, g2 = rest[gi[0]], rest[gi[1]]
+        if any(self.inf.gemms[id(g)].kind != "wgmma" for g in (g1, g2)):
+            return no("a gemm of the loop is not on wgmma")
+        pre, mid = rest[:gi[0]], rest[gi[0] + 1:gi[1]]
+        for st in pre + mid:
+            if any(isinstance(x, Gemm) or (isinstance(x, For) and x.kind == "pipelined") for x in walk_stmts(st)):
+                return no("a gemm or pipelined loop between the two gemms")
+            if any(b.scope in ("shared", "global") for b in self.writes(st)):
+                return no("the loop writes shared or global memory between the gemms")
+        a2, c2, c1 = g2.A.buffer, g2.C.buffer, g1.C.buffer
+        if c1 is c2 or c1 is a2 or g2.B.buffer.scope != "shared":
+            return no("the gemms share an accumulator or the second one's B is not in shared memory")
+        for st in pre + [g1]:
+            if c2 in self.reads(st) | self.writes(st) or a2 in self.writes(st):
+                return no("the first gemm (or what precedes it) touches the second one's operands")
+        free, bound = [], []
+        for st in mid:
+            r, w = self.reads(st), self.writes(st)
+            if (r | w) & {a2, c2} or any(self.writes(b) & (r | w) or self.reads(b) & w for b in bound):
+                bound.append(st)
+            else:
+                free.append(st)
+        if not free:
+            return no("every statement between the gemms touches the second gemm's operands")
+        log.debug("%s: gemm/softmax overlap: the next iteration's first T.gemm is issued before %d statements "
+                  "that run under the second T.gemm (%d wait for it)", g1.loc, len(free), len(bound))
+        return pre, g1, free, bound, g2
+
+    def _overlap_pin(self, free: list) -> str | None:
+        """C expression: the sum of the registers of the smallest float fragment / local buffer the last free
+        statement writes (None: it writes none)."""
+        best = None
+        for st in reversed(free):
+            for b in self.writes(st):
+                if b.scope not in ("fragment", "local") or b.dtype != "float32" or b.scope == "var":
+                    continue
+                n = self.inf.layouts[b].nregs if b.scope == "fragment" else int(np.prod(b.static_shape()))
+                if best is None or n < best[0]:
+                    best = (n, b)
+            if best is not None:
+                break
+        if best is None or best[0] > 8:
+            return None
+        name = self.tbuf(best[1]).name
+        return " + ".join(f"{name}[{i}]" for i in range(best[0]))
+
+    def _pipelined_ws_overlap(self, s: For, ov: tuple, full: str, empty: str, n: int, start: str, ext: str,
+                              it: str) -> None:
+        """The consumers' loop of `_ws_overlap`, rotated: a prologue iteration (pre, G1 waited, mid), the loop
+        from the second iteration (G1(k) and G2(k-1) in flight together), an epilogue G2 of the last one. The
+        second gemm reads its B operand (V) from the previous iteration's stage, released once it is done."""
+        pre, g1, free, bound, g2 = ov
+        v = s.var.name
+        bufs = [c.dst.buffer for c in self.pipes[id(s)]]
+
+        def stages(x: str) -> None:
+            for b in bufs:
+                self.stage_expr[b] = x
+
+        def gemm(g: Gemm, stage: str | None, wait: bool) -> None:
+            if stage is not None:
+                stages(stage)
+            if g is g2 and packed is not None:
+                self._wg_packed[id(g2)] = packed
+            self._wg_async = None if wait else g
+            self._wg_defer_wait = not wait
+            self.stmt(g)
+            self._wg_async = None
+            self._wg_defer_wait = False
+            self._wg_packed.pop(id(g2), None)
+
+        def waited(nleft: int, acc: Buffer) -> None:
+            self.add(Intrinsic("wgmma_wait", [], [], {"n": nleft}))
+            self.add(Intrinsic("wgmma_fence_operands", [], [], {"buffer": self.tbuf(acc).name}))
+
+        arrive = "if ((_tx & 31) == 0) tilehal::mbarrier_arrive"
+        # a register A operand of G2 is packed right after the cast that writes it (the end of bound), into
+        # registers declared before the loop: 32-bit pairs live across the back edge, not one register per value
+        packed = None
+        if self.inf.gemms[id(g2)].a_major == "reg" and g2.A.buffer.scope == "fragment":
+            packed = self.wg_pack_a(g2, self.fresh("pa"), pack=False)
+            self._wg_packed.pop(id(g2), None)
+        self.emit(f"// T.Pipelined: consumers wait for each stage on {full}, release it on {empty}; the next "
+                  f"iteration's first gemm overlaps this one's softmax (FlashAttention-3)")
+        self.open(f"if (({ext}) > 0)")
+        self.emit(f"const int {v} = {start};")
+        st0 = self.fresh("stage")
+        self.emit(f"const int {st0} = {it} % {n};")
+        self.emit(f"tilehal::mbarrier_wait(&{full}[{st0}], ({it} / {n}) & 1);")
+        stages(st0)
+        for c in pre:
+            self.stmt(c)
+        gemm(g1, st0, True)
+        for c in free + bound:
+            self.stmt(c)
+        if packed is not None:
+            self.wg_pack_a(g2, "", packed)
+        self.close()
+        self.open(f"for (int {v} = {start} + 1; {v} < {start} + {ext}; ++{v})")
+        stage, prev = self.fresh("stage"), self.fresh("prev")
+        self.emit(f"const int {stage} = {it} % {n};")
+        self.emit(f"const int {prev} = ({stage} + {n - 1}) % {n};")
+        self.emit(f"tilehal::mbarrier_wait(&{full}[{stage}], ({it} / {n}) & 1);")
+        stages(stage)
+        for c in pre:
+            self.stmt(c)
+        gemm(g1, stage, False)
+        gemm(g2, prev, False)
+        waited(1, g1.C.buffer)
+        stages(stage)
+        for c in free:
+            self.stmt(c)
+        # ptxas schedules the wgmma wait (WARPGROUP.DEPBAR) early, into the softmax, unless a shared-memory store
+        # precedes it (seen in the SASS: it orders the wait after shared stores only; register fences are not
+        # instructions): each warp stores the sum of the last free statement's smallest float output (flash
+        # attention: the running row sums, which depend on every exponential of the tile) to its own word after
+        # the pipeline's mbarriers, so the softmax stays under the second gemm
+        pin = self._overlap_pin(free)
+        if pin is not None:
+            slot = self.mbarriers
+            self.mbarriers += -(-self.threads // 32 // 2)  # one 4-byte word per consumer warp, in 8-byte units
+            self.emit(f"reinterpret_cast<volatile float*>(_tl_mbar + {slot})[_tx >> 5] = {pin};  "
+                      f"// keeps the softmax before the wait (ptxas orders the wait after a shared store)")
+        waited(0, g2.C.buffer)
+        self.emit(f"{arrive}(&{empty}[{prev}]);")
+        for c in bound:
+            self.stmt(c)
+        if packed is not None:
+            self.wg_pack_a(g2, "", packed)
+        self.close()
+        self.open(f"if (({ext}) > 0)")
+        self.emit(f"const int {v} = {start} + ({ext}) - 1;")
+        last = self.fresh("stage")
+        self.emit(f"const int {last} = {it} % {n};")
+        gemm(g2, last, True)
+        self.emit(f"{arrive}(&{empty}[{last}]);")
+        self.close()
+
     def _pipelined_ws(self, s: For) -> None:
         """The consumers' side of a warp-specialized TMA pipeline (the producer's is `ws_prologue`)."""
         copies = self.pipes[id(s)]
@@ -441,6 +598,15 @@ class PipelineRules:
         if not carried and ((reads | writes) & self.pending_w or writes & self.pending_r):
             self.sync()
         pingpong = self._ws_pingpong(rest, agemm)
+        overlap = None if pingpong is not None or carried else self._ws_overlap(rest, agemm)
+        if overlap is not None:
+            self._pipelined_ws_overlap(s, overlap, full, empty, n, start, ext, it)
+            if pt:
+                self.emit(f"_kb += {ext};")
+            r, w = self.tracked(s)
+            self.pending_r |= r
+            self.pending_w |= w
+            return
         if pingpong is not None:
             # the two consumer warpgroups take turns issuing the loop's first gemm (named barriers 2 and 3):
             # one's softmax-like middle part then runs while the other's gemms use the tensor cores. Warpgroup 1

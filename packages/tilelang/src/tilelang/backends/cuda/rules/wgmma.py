@@ -64,6 +64,37 @@ class WgmmaRules:
         off = B(B(P(B(P(row0), "/", C(64))), "*", C(rows * 8)), "+", B(P(kk), "*", C(128)))
         return base, off, 1, 1024
 
+    def wg_pack_a(self, s: Gemm, name: str, into: Buffer | None = None, pack: bool = True) -> Buffer:
+        """The register A operand of wgmma T.gemm `s` packed for every k step (u32 [k steps x m64 blocks][4],
+        two 16-bit values each), into `into` or a new register array `name` declared here (`pack` False: only
+        declared)."""
+        plan = self.inf.gemms[id(s)]
+        m, _ = s.C.as_2d()
+        kdim = s.A.as_2d()[0] if s.transpose_A else s.A.as_2d()[1]
+        MI = m // plan.warps_m // 64
+        nk = kdim // plan.kstep
+        fa = self.inf.layouts[s.A.buffer]
+        cstride = fa.reg_stride(1, Axis("r", 2, 1))
+        ra = into
+        if ra is None:
+            ra = Buffer(name, (C(nk * MI), C(4)), "int32", "local")
+            self.add(RegArray(ra, "tilehal::u32"))
+        if not pack:
+            return ra
+        kk, mi = self.v("_kk"), self.v("_mi")
+        unroll = {"c_extent_bound": True}
+        self.begin()
+        self.begin()
+        row = B(B(kk, "*", C(MI)), "+", mi)
+        for i, (j, h) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+            r = self._wg_reg(fa, mi, B(B(C(2), "*", kk), "+", C(j)), C(h), C(0))
+            self.add(Intrinsic("pack2_bits", [ElemRef(ra, [row, C(i)])],
+                               [self.reg_ref(s.A.buffer, r), self.reg_ref(s.A.buffer, B(r, "+", C(cstride)))],
+                               {"dtype": s.A.buffer.dtype}))
+        self.add(For(mi, C(0), C(MI), "unroll", self.end(), annotations=unroll))
+        self.add(For(kk, C(0), C(nk), "unroll", self.end(), annotations=unroll))
+        return ra
+
     def gemm_wgmma(self, s: Gemm, plan: GemmPlan) -> None:
         m, n = s.C.as_2d()
         kdim = s.A.as_2d()[0] if s.transpose_A else s.A.as_2d()[1]
@@ -99,33 +130,32 @@ class WgmmaRules:
                                                        kk)
             albo = s.A.buffer.static_shape()[0] * 128 if plan.a_major == "MN" else 16
             self.add(SmemDesc(da, abase, aswz, albo, asbo))
+        ra = None
+        nk = kdim // ks
+        if plan.a_major == "reg":
+            # every k step's A registers packed before the wgmma fence: a register written between two wgmmas
+            # of the group makes ptxas insert a warpgroup.arrive there (C7519), which waits for the ones before.
+            # Packed earlier by the caller (`wg_pack_a`, the gemm/softmax overlap) when it says so.
+            ra = self._wg_packed.get(id(s))
+            if ra is None:
+                ra = self.wg_pack_a(s, "_a")
         self.add(Intrinsic("wgmma_fence", [], []))
         scale = P(B(kk, ">", C(0), "bool")) if s.clear_accum else C(1)
         self.begin()  # the k loop
         self.begin()  # the m64 blocks
-        ra = None
-        if plan.a_major == "reg":
-            fa = self.inf.layouts[s.A.buffer]
-            cstride = fa.reg_stride(1, Axis("r", 2, 1))
-            ra = Buffer("_a", (C(4),), "int32", "local")
-            self.add(RegArray(ra, "tilehal::u32"))
-            for i, (j, h) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
-                r = self._wg_reg(fa, mi, B(B(C(2), "*", kk), "+", C(j)), C(h), C(0))
-                self.add(Intrinsic("pack2_bits", [ElemRef(ra, [C(i)])],
-                                   [self.reg_ref(s.A.buffer, r), self.reg_ref(s.A.buffer, B(r, "+", C(cstride)))],
-                                   {"dtype": s.A.buffer.dtype}))
         creg = self._wg_reg(fc, mi, B(ni, "*", C(NINST // 8)), C(0), C(0))
         bdesc = DescAdvance(db, boff)
         acc = self.reg_ref(s.C.buffer, creg)
         if plan.a_major == "reg":
-            inst = Wgmma("rs", NINST, 0, tb, tag, s.A.buffer.dtype, acc, None, ra, bdesc, scale, loc=s.loc)
+            inst = Wgmma("rs", NINST, 0, tb, tag, s.A.buffer.dtype, acc, None, ra, bdesc, scale,
+                         B(B(kk, "*", C(MI)), "+", mi), loc=s.loc)
         else:
             adesc = DescAdvance(da, aoff)
             form = "e4m3" if s.A.buffer.dtype == "float8_e4m3" else "ss"  # fp8: K-major A and B (no transpose)
             inst = Wgmma(form, NINST, ta, tb, tag, s.A.buffer.dtype, acc, adesc, None, bdesc, scale, loc=s.loc)
         self.add(For(ni, C(0), C(NI), "unroll", inst, annotations=unroll))
         self.add(For(mi, C(0), C(MI), "unroll", self.end(), annotations=unroll))
-        self.add(For(kk, C(0), C(kdim // ks), "unroll", self.end(), annotations=unroll))
+        self.add(For(kk, C(0), C(nk), "unroll", self.end(), annotations=unroll))
         self.add(Intrinsic("wgmma_commit", [], []))
         if self._wg_after_commit is s:  # the pingpong turn of a warp-specialized loop (rules/pipelined.py)
             self.emit(self._wg_after_commit_line)
