@@ -38,17 +38,21 @@ GEMM_CASES = [("float16", (8192, 8192, 8192), (128, 256, 64, 3, 256)),
 def build(kind: str, path: str, causal: bool = False, dtype: str = "float16", shape=(8192, 8192, 8192),
           cfg=(128, 256, 64, 3, 256)):
     """path: "mma" (mma.sync + cp.async), "wgmma" (the defaults) or a bench_cuda impl suffix (tma, ws, wsp,
-    pp, ppp: bench_cuda._pass_configs("ours_" + path))."""
+    pp, ppp, ov, ovpp, wsm: bench_cuda._pass_configs("ours_" + path)), for flash attention optionally followed by
+    its number of stages."""
     from bench_cuda import _pass_configs
 
+    stages = 2  # flash attention: a trailing digit of `path` is its num_stages (ovpp3: overlap + pingpong, 3)
+    if path[-1].isdigit():
+        path, stages = path[:-1], int(path[-1])
     cfgs = NO_WGMMA if path == "mma" else None if path == "wgmma" else _pass_configs("ours_" + path)
     t0 = time.perf_counter()
     if kind == "gemm":
         M, N, K = shape
         k = tilelang.compile(ck.gemm_nt(M, N, K, *cfg, dtype), out_idx=[-1], target="cuda", pass_configs=cfgs)
     else:
-        k = tilelang.compile(ck.flashattn_bhsd(4, 32, 4096, 128, causal), out_idx=[3], target="cuda",
-                             pass_configs=cfgs)
+        k = tilelang.compile(ck.flashattn_bhsd(4, 32, 4096, 128, causal, num_stages=stages), out_idx=[3],
+                             target="cuda", pass_configs=cfgs)
     return k, time.perf_counter() - t0
 
 

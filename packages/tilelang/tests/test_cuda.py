@@ -167,7 +167,8 @@ def test_property_programs_compile(prog):
 # ---------------------------------------------------------------- gemm variants (wgmma and mma.sync paths)
 
 
-def _gemm_program(M, N, K, bm, bn, bk, dtype, acc, ta, tb, stages, threads, policy, a_frag=False, dyn_m=False):
+def _gemm_program(M, N, K, bm, bn, bk, dtype, acc, ta, tb, stages, threads, policy, a_frag=False, dyn_m=False,
+                  swizzle=0):
     Mdim = T.dynamic("M") if dyn_m else M
     a_shape = (K, Mdim) if ta else (Mdim, K)
     b_shape = (N, K) if tb else (K, N)
@@ -181,6 +182,8 @@ def _gemm_program(M, N, K, bm, bn, bk, dtype, acc, ta, tb, stages, threads, poli
             Bs = T.alloc_shared(b_tile, dtype)
             Af = T.alloc_fragment((bm, bk), dtype)
             Cf = T.alloc_fragment((bm, bn), acc)
+            if swizzle:
+                T.use_swizzle(panel_size=swizzle)
             T.clear(Cf)
             for k in T.Pipelined(T.ceildiv(K, bk), num_stages=stages):
                 if ta:
@@ -325,7 +328,8 @@ WS = {"cuda_warp_specialize": True}  # a producer warpgroup feeds the TMA pipeli
 WSP = {**WS, "cuda_persistent": True}  # ... and one block per SM loops over the grid's tiles (opt-in)
 WSPP = {**WS, "cuda_ws_pingpong": True}  # ... the two consumer warpgroups take turns (opt-in)
 _WS_CFG = {"default": None, "ws": WS, "wsp": WSP, "pp": WSPP, "ppp": {**WSP, **WSPP},
-           "nov": {**WS, "cuda_ws_overlap": False}}
+           "ov": {**WS, "cuda_ws_overlap": True}, "ovpp": {**WSPP, "cuda_ws_overlap": True},
+           "ovp": {**WSP, "cuda_ws_overlap": True}}
 CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async
 TMA = {"cuda_tma": True, "tl.disable_warp_specialized": True}  # TMA pipelines, every thread in one role
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
@@ -372,6 +376,59 @@ def test_gemm_persistent_many_tiles_gpu(stages):
     g = torch.Generator().manual_seed(1)
     a = torch.randn(M, K, generator=g).half()
     b = torch.randn(N, K, generator=g).half()
+    out = k(a.cuda(), b.cuda()).cpu().double()
+    ref = a.double() @ b.double().T
+    assert (out - ref).abs().max().item() <= 1e-3 * max(1.0, ref.abs().max().item())
+
+
+WSM = {**WS, "cuda_ws_multicast": True}  # ... and 2-CTA clusters share the B tile through TMA multicast (opt-in)
+
+
+@needs_nvrtc
+def test_ws_multicast_codegen(caplog, tmp_path, monkeypatch):
+    """cuda_ws_multicast: blockIdx.y pairs form 2-CTA clusters that share the B tile (its coordinates do not use
+    by): each producer loads its half of the rows with one multicast TMA per atom column into both CTAs, the
+    empty barriers count both CTAs' consumer warps (each arrives on both), the CTAs meet at the start and
+    before exiting, the launch asks for clusters (1, 2, 1); by = 2 * pair + rank through T.use_swizzle's
+    panels. An odd second grid dim keeps the plain kernel (logged)."""
+    import logging
+
+    from tilehal import compile_cuda
+
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))
+    prog = _gemm_program(1024, 768, 512, 128, 256, 64, "bfloat16", "float32", False, True, 4, 256, "Square",
+                         swizzle=2)
+    with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
+        k = tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=WSM)
+    assert any("TMA multicast: clusters of 2 CTAs" in r.getMessage() for r in caplog.records)
+    src = k.get_kernel_source()
+    (name, _, _), = k._impl.kernels
+    assert k._impl.launch_threads == {name: [384, 0, [1, 2, 1]]}
+    assert src.count("tma_load_2d_multicast(") == 1 and src.count("tma_load_2d(") == 1
+    assert "_cta_rank * 128" in src and "mbarrier_init(&_empty1[_s], 16)" in src
+    assert src.count("tilehal::cluster_sync();") == 3 and src.count("mbarrier_arrive_cluster(") == 2
+    assert "const int by = (2 * _sy + (int)(blockIdx.y & 1));" in src
+    log = compile_cuda(src, arch="sm_90a", name=name, options=["--ptxas-options=-v"]).log
+    assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
+    odd = _gemm_program(640, 768, 512, 128, 256, 64, "bfloat16", "float32", False, True, 4, 256, "Square")
+    k2 = tilelang.compile(odd, out_idx=[2], target="cuda", pass_configs=WSM)
+    assert "multicast" not in k2.get_kernel_source() and list(k2._impl.launch_threads.values()) == [[384, 0]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(1000, 768, 512, 256, 4, "float16", 0), (1024, 576, 704, 192, 5, "bfloat16", 10),
+                                  (512, 1024, 256, 256, 2, "bfloat16", 3)])
+def test_gemm_ws_multicast_gpu(case):
+    """TMA multicast of the B tile across 2-CTA clusters (cuda_ws_multicast) vs float64: partial edge rows of A,
+    192-wide tiles (half = 96 rows), 2..5 stages, with and without T.use_swizzle."""
+    M, N, K, bn, stages, dtype, swz = case
+    k = tilelang.compile(_gemm_program(M, N, K, 128, bn, 64, dtype, "float32", False, True, stages, 256, "Square",
+                                       swizzle=swz), out_idx=[2], target="cuda", pass_configs=WSM)
+    assert "tma_load_2d_multicast" in k.get_kernel_source()
+    g = torch.Generator().manual_seed(4)
+    tdt = getattr(torch, dtype)
+    a = torch.randn(M, K, generator=g).to(tdt)
+    b = torch.randn(N, K, generator=g).to(tdt)
     out = k(a.cuda(), b.cuda()).cpu().double()
     ref = a.double() @ b.double().T
     assert (out - ref).abs().max().item() <= 1e-3 * max(1.0, ref.abs().max().item())
@@ -513,11 +570,12 @@ def test_warp_specialized_codegen(caplog, tmp_path, monkeypatch, example):
 @needs_nvrtc
 @pytest.mark.parametrize("causal", [False, True])
 def test_ws_gemm_softmax_overlap_codegen(caplog, tmp_path, monkeypatch, example, causal):
-    """The warp-specialized flash attention (gemm -> softmax -> gemm) is emitted rotated by default: a prologue
+    """cuda_ws_overlap: the warp-specialized flash attention (gemm -> softmax -> gemm) is emitted rotated: a prologue
     iteration, then per iteration S(k) = Q K(k)^T and O += P(k-1) V(k-1) issued together, wgmma_wait<1> (S done),
     the softmax while P V runs, wgmma_wait<0>, the release of the previous stage, the rescale and the cast; the
     last P V after the loop. The register A operand is packed before the wgmma fence (no warpgroup.arrive
-    injected by ptxas), no spills. cuda_ws_overlap=False, pingpong and a GEMM main loop keep the plain loop."""
+    injected by ptxas), no spills. The default (off) and a GEMM main loop keep the plain loop; with pingpong the
+    warpgroups take turns on each iteration's pair of gemms (one sync before, one hand-over after the second)."""
     import logging
 
     from tilehal import compile_cuda
@@ -526,7 +584,7 @@ def test_ws_gemm_softmax_overlap_codegen(caplog, tmp_path, monkeypatch, example,
     m = example("flash_attention")
     fa = m.flash_attention_fwd(4, 32, 4096, 128, causal, 128, 128, 2, 256, "float16", layout="bhsd")
     with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
-        k = tilelang.compile(fa, out_idx=[3], target="cuda")
+        k = tilelang.compile(fa, out_idx=[3], target="cuda", pass_configs={"cuda_ws_overlap": True})
     assert any("gemm/softmax overlap" in r.getMessage() for r in caplog.records)
     src = k.get_kernel_source()
     loop = src[src.index("for (int k = 0 + 1;"):]
@@ -539,11 +597,20 @@ def test_ws_gemm_softmax_overlap_codegen(caplog, tmp_path, monkeypatch, example,
     (name, _, _), = k._impl.kernels
     log = compile_cuda(src, arch="sm_90a", name=name, options=["--ptxas-options=-v"]).log
     assert re.findall(r"(\d+) bytes spill stores", log) == ["0"] and "C7519" not in log, log
-    for cfg in ({"cuda_ws_overlap": False}, WSPP):
+    for cfg in (None, WSPP):
         plain = tilelang.compile(fa, out_idx=[3], target="cuda", pass_configs=cfg).get_kernel_source()
         assert "for (int k = 0 + 1;" not in plain and "wgmma_wait<1>" not in plain
-    gemm = tilelang.compile(_gemm_program(*GEMM_VARIANTS["wg_nt_f16_2wg"]), out_idx=[2], target="cuda")
+    gemm = tilelang.compile(_gemm_program(*GEMM_VARIANTS["wg_nt_f16_2wg"]), out_idx=[2], target="cuda",
+                            pass_configs={"cuda_ws_overlap": True})
     assert "for (int k = 0 + 1;" not in gemm.get_kernel_source()
+    pp = tilelang.compile(fa, out_idx=[3], target="cuda", pass_configs={**WSPP, "cuda_ws_overlap": True})
+    src_pp = pp.get_kernel_source()
+    assert src_pp.count("named_barrier_sync(2 + (_tx >> 7), 256)") == 3  # prologue, loop, last P V
+    assert src_pp.count("named_barrier_arrive(3 - (_tx >> 7), 256)") == 3 and "if ((_tx >> 7) == 0) tilehal::named" \
+        "_barrier_arrive(3" in src_pp
+    lp = src_pp[src_pp.index("for (int k = 0 + 1;"):]
+    assert lp.index("named_barrier_sync(2 +") < lp.index("wgmma_commit") < lp.index("V_shared[((_prev") < lp.index(
+        "named_barrier_arrive(3 -") < lp.index("wgmma_wait<1>")
 
 
 @needs_nvrtc
@@ -755,7 +822,7 @@ def test_public_kernel_ws_gpu(name, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["default", "ws", "wsp", "pp", "ppp", "nov"])
+@pytest.mark.parametrize("cfg", ["default", "ws", "wsp", "pp", "ppp", "ov", "ovpp", "ovp"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa_pipelined_ws_gpu(example, causal, cfg):
     """Flash attention at the benchmark's tiles (128 x 128, 2 stages, 256 threads; bhsd, so K / V go through
@@ -768,8 +835,8 @@ def test_fa_pipelined_ws_gpu(example, causal, cfg):
     k = tilelang.compile(func, out_idx=[3], target="cuda", pass_configs=_WS_CFG.get(cfg))
     src = k.get_kernel_source()
     assert "tma_load_2d" in src and k._impl.launch_threads  # warp-specialized in every form (the default too)
-    assert ("named_barrier_sync(2 +" in src) == (cfg in ("pp", "ppp"))
-    assert ("for (int k = 0 + 1;" in src) == (cfg in ("default", "ws", "wsp"))  # the gemm/softmax overlap
+    assert ("named_barrier_sync(2 +" in src) == (cfg in ("pp", "ppp", "ovpp"))
+    assert ("for (int k = 0 + 1;" in src) == (cfg in ("ov", "ovpp", "ovp"))  # the gemm/softmax overlap
     g = torch.Generator().manual_seed(2)
     q = torch.randn(b, h, s, d, generator=g).half().cuda()
     kk = torch.randn(b, h // groups, s, d, generator=g).half().cuda()

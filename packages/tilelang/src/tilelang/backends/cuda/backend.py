@@ -85,7 +85,8 @@ class CudaKernel:
             if any(x <= 0 for x in g):
                 continue
             descs = [self._descriptor(spec, args[spec.param]) for spec in self.tma.get(name, ())]
-            kern.launch(g, threads, [*args, *sizes, *descs], smem_bytes=smem)
+            cluster = tuple(lt[2]) if lt and len(lt) > 2 else None  # TMA multicast: 2-CTA clusters
+            kern.launch(g, threads, [*args, *sizes, *descs], smem_bytes=smem, cluster=cluster)
 
     def _descriptor(self, spec: Any, t: Any) -> bytes:
         """The TMA descriptor of `spec` over tensor `t` (a 2-D view: leading dims as rows), cached per
@@ -153,7 +154,8 @@ def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str,
                                    warp_specialize=ws and use_tma, launch=launch,
                                    persistent=bool(options.get("cuda_persistent")),
                                    pingpong=bool(options.get("cuda_ws_pingpong")),
-                                   overlap=bool(options.get("cuda_ws_overlap", True)))
+                                   overlap=bool(options.get("cuda_ws_overlap", False)),
+                                   multicast=bool(options.get("cuda_ws_multicast")))
     digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
     base = f"tl_{func.name}_{digest}"
     cuda_source = probe.replace("tl_kernel_k", f"{base}_k")

@@ -120,7 +120,8 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
 
     def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let], wgmma: bool = True,
                  tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False,
-                 persistent: bool = False, pingpong: bool = False, overlap: bool = True) -> None:
+                 persistent: bool = False, pingpong: bool = False, overlap: bool = False,
+                 multicast: bool = False) -> None:
         self.func = func
         self.kernel = kernel
         self.name = name
@@ -178,9 +179,13 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         self.launch_threads = 0  # threads + the producer warpgroup's 128 when warp-specialized
         self.persistent = persistent  # pass_configs cuda_persistent (with warp specialization)
         self.ws_pingpong = pingpong  # pass_configs cuda_ws_pingpong: consumer warpgroups take turns
-        # pass_configs cuda_ws_overlap (default on): a gemm -> softmax -> gemm loop issues the next iteration's
-        # first gemm before this one's middle part (rules/pipelined.py `_ws_overlap`)
+        # pass_configs cuda_ws_overlap (opt-in; slower than the plain loop on the H200 in R1 of 2026-12-02): a gemm
+        # -> softmax -> gemm loop issues the next iteration's first gemm before this one's middle part
+        # (rules/pipelined.py `_ws_overlap`)
         self.ws_overlap = overlap
+        # pass_configs cuda_ws_multicast: 2-CTA clusters share one pipelined tile through TMA multicast
+        self.ws_multicast = multicast
+        self.mc_cluster: list[int] | None = None  # the cluster dims when multicast applies (rules/pipelined.py)
         self.persistent_tiles = 0  # the grid's tiles a persistent kernel loops over
         self.tma_specs: list = []  # TmaSpec per descriptor parameter, in parameter order
         self.tma_bufs: set[Buffer] = set()
@@ -588,6 +593,9 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         if getattr(self, "block_reverse", None) is not None:  # longest blocks first (rules/pipelined.py)
             r = self.block_reverse
             axes[r] = f"({dims[r]} - 1 - {axes[r]})"
+        pair = tile is None and self.mc_cluster is not None  # TMA multicast: blockIdx.y pairs share a tile
+        if pair:
+            axes[1], dims[1] = "(blockIdx.y >> 1)", "(gridDim.y >> 1)"
         out = []
         swz = k.attrs.get("swizzle")
         if swz and swz[2] and len(k.block_vars) >= 2:
@@ -603,6 +611,8 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
                     "const int _sx = _panel * " f"{panel} + _inpanel % _pw, _sy = _inpanel / _pw;"]
             remap = {ix: "_sx", iy: "_sy"}
             axes = [remap.get(a, a) for a in axes]
+        if pair:
+            axes[1] = f"(2 * {axes[1]} + (int)(blockIdx.y & 1))"
         for v, a in zip(k.block_vars, axes):
             out.append(f"const int {v.name} = {a};")
         return out
@@ -634,6 +644,8 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
             body = [ln.replace("__syncthreads();", f"tilehal::named_barrier_sync(1, {self.threads});")
                     for ln in body]
             body = self.ws_prologue + body
+            if self.mc_cluster is not None:  # the consumers meet the peer CTA before exiting (remote arrivals)
+                body.append("  tilehal::cluster_sync();")
         params = []
         for p in self.func.params:
             params.append(f"{cuda_type(p.dtype)}* __restrict__ {p.name}")
@@ -681,7 +693,8 @@ register_rules("cuda.parallel", {Seq: seq_rule, Store: KernelCodegen.par_store,
 def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict | None = None,
                   use_tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False,
                   launch: dict | None = None, persistent: bool = False,
-                  pingpong: bool = False, overlap: bool = True) -> tuple[str, list[tuple[str, Kernel, int]]]:
+                  pingpong: bool = False, overlap: bool = False,
+                  multicast: bool = False) -> tuple[str, list[tuple[str, Kernel, int]]]:
     """CUDA source for every T.Kernel of `func`: (source, [(kernel name, Kernel node, smem bytes)]).
     `wgmma`: sm_90a features (T.gemm on wgmma, pipelined copies on TMA); otherwise mma.sync and cp.async
     only. `tma`, when given, receives {kernel name: [TmaSpec]} (the descriptors each kernel takes after
@@ -701,10 +714,10 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
             name = f"{base_name}_k{len(kernels)}"
             cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma, one_barrier=one_barrier,
                                warp_specialize=warp_specialize, persistent=persistent, pingpong=pingpong,
-                               overlap=overlap)
+                               overlap=overlap, multicast=multicast)
             src, smem = cg.generate()
             if launch is not None and cg.launch_threads:
-                launch[name] = [cg.launch_threads, cg.persistent_tiles]
+                launch[name] = [cg.launch_threads, cg.persistent_tiles] + ([cg.mc_cluster] if cg.mc_cluster else [])
             uses_wgmma |= cg.has_wgmma
             uses_tma |= bool(cg.tma_specs)
             if tma is not None:

@@ -577,6 +577,7 @@ class TmaLoad(Stmt):
     bar: Expr
     col: Expr
     row: Expr
+    multicast: int = 0  # a CTA mask: the box lands at the same offset in each of those CTAs of the cluster
 
     side_effects = True
 
@@ -591,7 +592,7 @@ class TmaLoad(Stmt):
 
     def rebuild(self, tr: Any) -> Stmt:
         return TmaLoad(tr.expr(self.dst), self.desc, self.spec, self.src,
-                       self.cols, tr.expr(self.bar), tr.expr(self.col), tr.expr(self.row), loc=self.loc)
+                       self.cols, tr.expr(self.bar), tr.expr(self.col), tr.expr(self.row), self.multicast, loc=self.loc)
 
 
 # ---------------------------------------------------------------- wgmma (sm_90)
@@ -885,6 +886,10 @@ def _mbar_init_all(em: Emitter, s: MbarInitAll, ind: int) -> None:
 
 def _tma_load(em: Emitter, s: TmaLoad, ind: int) -> None:
     cx = em.cx
+    if s.multicast:
+        em.line(ind, f"tilehal::tma_load_2d_multicast(&{cx.expr(s.dst)}, &_tma{s.desc}, {cx.expr(s.bar)}, "
+                     f"{cx.expr(s.col)}, {cx.expr(s.row)}, {s.multicast});")
+        return
     em.line(ind, f"tilehal::tma_load_2d(&{cx.expr(s.dst)}, &_tma{s.desc}, {cx.expr(s.bar)}, {cx.expr(s.col)}, "
                  f"{cx.expr(s.row)});")
 

@@ -7,7 +7,7 @@ import numpy as np
 from ....ir.nodes import Alloc, Buffer, Const, Copy, Expr, For, Gemm, If, Kernel, Let, Load, Seq, Var
 from ....ir.thread import AsyncCommit, AsyncWait, Intrinsic, Scope
 from ....ir.visit import walk_expr, walk_stmts
-from ..common import log
+from ..common import esize, log
 from ..emit import Comment, MbarArray, MbarArriveExpectTx, MbarInitAll, MbarRef, MbarWait
 from ..lower_thread import TX, B, C, P
 
@@ -224,6 +224,69 @@ class PipelineRules:
         log.debug("%s: warp-specialized: a producer warpgroup issues the TMA loads of T.Pipelined, %d consumer "
                   "threads", loop.loc, self.threads)
         self.ws_loop = loop
+        if self.ws_multicast:
+            self._plan_multicast(loop, copies)
+
+    def _plan_multicast(self, loop: For, copies: list) -> None:
+        """pass_configs cuda_ws_multicast: clusters of 2 CTAs along the grid's second dim (blockIdx.y pairs) share
+        the tile of a pipelined copy whose coordinates do not use the second block index (a GEMM's B tile when
+        by indexes M): each CTA's producer loads half of its rows and multicasts them to both CTAs, so each
+        tile is read from L2 once per pair. The pair's block indices come from a grid of half the rows of CTA
+        pairs (through T.use_swizzle's panels), the second one as 2 * pair + rank; a stage is refilled once the
+        consumers of both CTAs released it (each consumer warp arrives on both CTAs' `empty` barriers); the CTAs
+        of a cluster meet at the start (barriers initialized) and at the end (no remote arrival after exit)."""
+        k = self.kernel
+
+        def no(why: str) -> None:
+            log.debug("%s: no TMA multicast: %s", k.loc, why)
+
+        if self.persistent:
+            return no("a persistent kernel")
+        if len(k.block_vars) < 2 or not all(isinstance(g, Const) for g in k.grid):
+            return no("fewer than two block indices or a grid that is not constant")
+        if int(k.grid[1].value) % 2:
+            return no(f"the grid's second dim ({int(k.grid[1].value)}) is odd")
+        if getattr(self, "block_reverse", None) is not None:
+            return no("the blocks are dispatched longest first")
+        vy = k.block_vars[1]
+        bounds = self._copy_coords_of([loop.start, loop.extent])
+        if any(x is vy for e in bounds for x in walk_expr(e)):
+            return no("the loop's trip count depends on the second block index (the pair must run it alike)")
+        shared = [c for c in copies if not any(x is vy for e in self._copy_coords(c) for x in walk_expr(e))]
+        if len(shared) != 1 or len(shared) == len(copies):
+            return no("not exactly one pipelined copy whose tile is the same for both CTAs of a pair")
+        c = shared[0]
+        plan = self.tma_plans[id(c)]
+        rows = plan["spec"].box_rows
+        half = rows // 2
+        if rows % 2 or (half * plan["spec"].box_cols * esize(plan["spec"].dtype)) % 1024:
+            return no(f"the shared tile's {rows} rows do not halve on 1 KiB boundaries (the swizzle's period)")
+        spec = plan["spec"]
+        from .tma import TmaSpec
+
+        plan["spec"] = TmaSpec(spec.param, spec.dtype, half, spec.box_cols, spec.swizzle)
+        self.tma_specs[plan["index"]] = plan["spec"]
+        plan["multicast"] = (3, half, "_cta_rank")
+        self.mc_cluster = [1, 2, 1]
+        log.debug("%s: TMA multicast: clusters of 2 CTAs (blockIdx.y pairs) share T.copy %s -> %s, each loading "
+                  "%d of its %d rows", c.loc, c.src.buffer.name, c.dst.buffer.name, half, rows)
+
+    def _copy_coords(self, c: Copy) -> list:
+        """The expressions a pipelined copy's source coordinates depend on (lets of the body resolved)."""
+        return self._copy_coords_of(list(c.src.starts))
+
+    def _copy_coords_of(self, exprs: list) -> list:
+        out, todo = [], list(exprs)
+        lets = {lt.var: lt.value for lt in self.ws_lets}
+        seen: set = set()
+        while todo:
+            e = todo.pop()
+            out.append(e)
+            for x in walk_expr(e):
+                if isinstance(x, Var) and x in lets and x not in seen:
+                    seen.add(x)
+                    todo.append(lets[x])
+        return out
 
     def pipelined(self, s: For) -> None:
         if s is self.ws_loop:
@@ -433,7 +496,7 @@ class PipelineRules:
         return " + ".join(f"{name}[{i}]" for i in range(best[0]))
 
     def _pipelined_ws_overlap(self, s: For, ov: tuple, full: str, empty: str, n: int, start: str, ext: str,
-                              it: str) -> None:
+                              it: str, pingpong: bool = False) -> None:
         """The consumers' loop of `_ws_overlap`, rotated: a prologue iteration (pre, G1 waited, mid), the loop
         from the second iteration (G1(k) and G2(k-1) in flight together), an epilogue G2 of the last one. The
         second gemm reads its B operand (V) from the previous iteration's stage, released once it is done."""
@@ -445,16 +508,28 @@ class PipelineRules:
             for b in bufs:
                 self.stage_expr[b] = x
 
-        def gemm(g: Gemm, stage: str | None, wait: bool) -> None:
+        T = self.threads
+
+        def turn() -> None:  # pingpong: this warpgroup's turn to issue its gemms (named barriers 2 and 3)
+            if pingpong:
+                self.emit(f"tilehal::named_barrier_sync(2 + (_tx >> 7), {T});  // pingpong: this warpgroup's turn")
+
+        def gemm(g: Gemm, stage: str | None, wait: bool, hand_over: str | None = None) -> None:
+            """`hand_over`: the condition under which this warpgroup passes the turn after the gemm's commit."""
             if stage is not None:
                 stages(stage)
             if g is g2 and packed is not None:
                 self._wg_packed[id(g2)] = packed
+            if pingpong and hand_over is not None:
+                self._wg_after_commit = g
+                self._wg_after_commit_line = (f"if ({hand_over}) tilehal::named_barrier_arrive(3 - (_tx >> 7), {T});  "
+                                              f"// pingpong: the other's turn")
             self._wg_async = None if wait else g
             self._wg_defer_wait = not wait
             self.stmt(g)
             self._wg_async = None
             self._wg_defer_wait = False
+            self._wg_after_commit = None
             self._wg_packed.pop(id(g2), None)
 
         def waited(nleft: int, acc: Buffer) -> None:
@@ -471,6 +546,8 @@ class PipelineRules:
         self.emit(f"// T.Pipelined: consumers wait for each stage on {full}, release it on {empty}; the next "
                   f"iteration's first gemm overlaps this one's softmax (FlashAttention-3)")
         self.open(f"if (({ext}) > 0)")
+        if pingpong:  # FlashAttention-3's two schedules together: the warpgroups also take turns on the gemms
+            self.emit(f"if ((_tx >> 7) == 1) tilehal::named_barrier_arrive(2, {T});  // pingpong: warpgroup 0 first")
         self.emit(f"const int {v} = {start};")
         st0 = self.fresh("stage")
         self.emit(f"const int {st0} = {it} % {n};")
@@ -478,7 +555,8 @@ class PipelineRules:
         stages(st0)
         for c in pre:
             self.stmt(c)
-        gemm(g1, st0, True)
+        turn()
+        gemm(g1, st0, True, "true")
         for c in free + bound:
             self.stmt(c)
         if packed is not None:
@@ -492,8 +570,9 @@ class PipelineRules:
         stages(stage)
         for c in pre:
             self.stmt(c)
+        turn()
         gemm(g1, stage, False)
-        gemm(g2, prev, False)
+        gemm(g2, prev, False, "true")
         waited(1, g1.C.buffer)
         stages(stage)
         for c in free:
@@ -520,7 +599,8 @@ class PipelineRules:
         self.emit(f"const int {v} = {start} + ({ext}) - 1;")
         last = self.fresh("stage")
         self.emit(f"const int {last} = {it} % {n};")
-        gemm(g2, last, True)
+        turn()
+        gemm(g2, last, True, "(_tx >> 7) == 0")  # warpgroup 1's last turn passes nothing on: the counts balance
         self.emit(f"{arrive}(&{empty}[{last}]);")
         self.close()
 
@@ -538,13 +618,18 @@ class PipelineRules:
         self.mbarriers += 2 * n
         # producer: init both barrier arrays (all threads then meet at the kernel's only __syncthreads),
         # then its warpgroup leaves the body; one thread loops over the stages
+        mc = self.mc_cluster is not None  # TMA multicast across a cluster of 2 CTAs (_plan_multicast)
         pro = [f"// T.Pipelined: {n} stages of {', '.join(c.dst.buffer.name for c in copies)}, warp-specialized "
                f"(threads {T}..{T + 127} issue the TMA loads)",
                f"tilehal::u64* {full} = _tl_mbar + {fo};  // stage landed (1 arrival + the TMA bytes)",
                f"tilehal::u64* {empty} = _tl_mbar + {eo};  // stage free (one arrival per consumer warp)",
                f"if (_tx == 0) {{ for (int _s = 0; _s < {n}; ++_s) {{ tilehal::mbarrier_init(&{full}[_s], 1); "
-               f"tilehal::mbarrier_init(&{empty}[_s], {T // 32}); }} tilehal::fence_barrier_init(); }}",
-               "__syncthreads();"]
+               f"tilehal::mbarrier_init(&{empty}[_s], {T // 32 * (2 if mc else 1)}); }} "
+               f"tilehal::fence_barrier_init(); }}",
+               "tilehal::cluster_sync();  // both CTAs' barriers initialized before any multicast or remote arrival"
+               if mc else "__syncthreads();"]
+        if mc:
+            pro.insert(0, "const unsigned _cta_rank = tilehal::cluster_ctarank();  // its half of the shared tile")
         pt = self.persistent_tiles
         it = f"(_kb + {v} - ({start}))" if pt else f"({v} - ({start}))"  # pipeline iteration (all tiles)
         self.begin()
@@ -572,6 +657,8 @@ class PipelineRules:
             self.emit(f"_kb += {ext};")
             self.close()
         self.close()
+        if mc:  # the peer's consumers may still arrive on this CTA's barriers
+            self.emit("tilehal::cluster_sync();")
         self.emit("return;")
         self.close()
         if many:
@@ -598,9 +685,9 @@ class PipelineRules:
         if not carried and ((reads | writes) & self.pending_w or writes & self.pending_r):
             self.sync()
         pingpong = self._ws_pingpong(rest, agemm)
-        overlap = None if pingpong is not None or carried else self._ws_overlap(rest, agemm)
+        overlap = None if carried or mc else self._ws_overlap(rest, agemm)
         if overlap is not None:
-            self._pipelined_ws_overlap(s, overlap, full, empty, n, start, ext, it)
+            self._pipelined_ws_overlap(s, overlap, full, empty, n, start, ext, it, pingpong is not None)
             if pt:
                 self.emit(f"_kb += {ext};")
             r, w = self.tracked(s)
@@ -635,11 +722,14 @@ class PipelineRules:
         self.wg_wait(0)  # every deferred wgmma of this iteration is done before its stage is released
         self._wg_defer_ok = False
         # release: with the wgmma of this iteration in flight (wgmma_wait<1>: the one of the previous
-        # iteration is done), the previous stage; otherwise this one (everything reading it is done)
+        # iteration is done), the previous stage; otherwise this one (everything reading it is done); with
+        # multicast on both CTAs' barriers (the peer's producer writes into this CTA's stage too)
+        rel = ("tilehal::mbarrier_arrive_cluster(&{b}, 0), tilehal::mbarrier_arrive_cluster(&{b}, 1)" if mc else
+               "tilehal::mbarrier_arrive(&{b})")
         if agemm is not None:
-            self.emit(f"if ({v} > {start} && (_tx & 31) == 0) tilehal::mbarrier_arrive(&{empty}[({stage} + {n - 1}) % {n}]);")
+            self.emit(f"if ({v} > {start} && (_tx & 31) == 0) {rel.format(b=f'{empty}[({stage} + {n - 1}) % {n}]')};")
         else:
-            self.emit(f"if ((_tx & 31) == 0) tilehal::mbarrier_arrive(&{empty}[{stage}]);")
+            self.emit(f"if ((_tx & 31) == 0) {rel.format(b=f'{empty}[{stage}]')};")
         self.close()
         if agemm is not None:
             self.emit("tilehal::wgmma_wait<0>();")

@@ -121,11 +121,15 @@ class TmaRules:
             row = P(B(B(P(row), "*", self.dim_x(sb.shape[d])), "+", P(self.lower_expr(src.starts[d]))))
         so = VerbatimExpr(stage_off) if isinstance(stage_off, str) else stage_off
         bar_x = VerbatimExpr(bar) if isinstance(bar, str) else bar
+        mc = plan.get("multicast")  # (CTA mask, rows per CTA, this CTA's rank as C text): its share of the rows
+        if mc is not None:
+            row = B(P(row), "+", VerbatimExpr(f"{mc[2]} * {mc[1]}"))
+            so = B(P(so), "+", VerbatimExpr(f"{mc[2]} * {mc[1] * plan['spec'].box_cols}"))
         for a in range(plan["atoms"]):
             col = B(P(col0), "+", C(a * plan["spec"].box_cols)) if a else col0
             dref = Ref(self.tbuf(dst.buffer), [B(P(so), "+", C(a * plan["atom_elems"]))])
             self.add(TmaLoad(dref, plan["index"], plan["spec"], self.tbuf(sb), int(sb.shape[-1].value), bar_x, col, row,
-                             loc=c.loc))
+                             mc[0] if mc is not None else 0, loc=c.loc))
 
 
 def tma_param_shape(shape: tuple[int, ...]) -> tuple[int, int]:
