@@ -176,7 +176,7 @@ def fp8_plans(m: int, n: int, k: int) -> dict[str, object]:
                                                                  fp8=True, par_reduce=True)
     for bn in (64, 128):
         s = SMS // (-(-n // bn) * -(-m // 128))
-        if s >= 4:
+        if s >= 2:
             ce = splitk.effective_splits(kb, min(s, 8, kb))
             out[f"cluster_bm128_bn{bn}_s{ce}"] = splitk.SplitKConfig(128, bn, ce, splitk.max_stages(128, bn, True),
                                                                      SMS, fp8=True, cluster_reduce=True)
