@@ -33,6 +33,7 @@ NK = [(2112, 7168), (576, 7168), (4096, 7168), (256, 7168), (7168, 2048), (24576
 FP32_OUT = {(256, 7168)}
 SMS = 132
 GRAPH = False
+DEFAULT_ONLY = False  # --default-only: cuBLAS / _scaled_mm and deepgemm's own dispatch, no forced plans
 CLUSTER = "all"  # --cluster: "no" leaves the cluster_reduce plans out, "only" times only them (and cuBLAS)
 
 
@@ -53,7 +54,7 @@ def plans_for(m: int, n: int, k: int) -> dict[str, object]:
         out["plan_last_cta"] = dataclasses.replace(base, par_reduce=False)
         out["plan_par"] = dataclasses.replace(base, par_reduce=True)
     if base is not None and base.splits <= 8:
-        out["plan_cluster"] = dataclasses.replace(base, cluster_reduce=True)
+        out["plan_cluster"] = dataclasses.replace(base, cluster_reduce=True, par_reduce=False)
     if m == 128:
         kb = -(-k // 64)
         for bn in (64, 128, 256):
@@ -73,6 +74,8 @@ def plans_for(m: int, n: int, k: int) -> dict[str, object]:
 
 
 def _cluster_filter(plans: dict) -> dict:
+    if DEFAULT_ONLY:
+        return {}
     if CLUSTER == "all":
         return plans
     keep = CLUSTER == "only"
@@ -146,7 +149,7 @@ def operands(m: int, n: int, k: int, acc: bool):
 
 
 def runs_of(m, n, k, a, b, d, c) -> dict:
-    runs = {} if CLUSTER == "only" else {"default": lambda: deepgemm.bf16_gemm_nt(a, b, d, c=c)}
+    runs = {} if CLUSTER == "only" and not DEFAULT_ONLY else {"default": lambda: deepgemm.bf16_gemm_nt(a, b, d, c=c)}
     for name, cfg in plans_for(m, n, k).items():
         if cfg == "gemv":
             runs[name] = lambda: gemv.gemv_bf16(a, b, d, c, SMS)
@@ -197,7 +200,8 @@ def fp8_operands(m: int, n: int, k: int):
 
 
 def fp8_runs_of(m, n, k, a8, sfa, sfa_t, b8, sfb, d) -> dict:
-    runs = {} if CLUSTER == "only" else {"default": lambda: deepgemm.fp8_gemm_nt((a8, sfa_t), (b8, sfb), d)}
+    runs = ({} if CLUSTER == "only" and not DEFAULT_ONLY
+            else {"default": lambda: deepgemm.fp8_gemm_nt((a8, sfa_t), (b8, sfb), d)})
     for name, cfg in fp8_plans(m, n, k).items():
         runs[name] = lambda cfg=cfg: cuda_gemm.dense(a8, sfa_t, b8, sfb, d, None, config=cfg)
     return runs
@@ -271,7 +275,7 @@ def run_shape(m: int, n: int, k: int, acc: bool) -> dict:
 
 
 def main() -> None:
-    global GRAPH, CLUSTER
+    global GRAPH, CLUSTER, DEFAULT_ONLY
     ap = argparse.ArgumentParser()
     ap.add_argument("--graph", action="store_true")
     ap.add_argument("--jobs", type=int, default=8)
@@ -285,11 +289,13 @@ def main() -> None:
     ap.add_argument("--cluster", choices=("all", "no", "only"), default="all",
                     help="the cluster_reduce plans too / not / only (a run of its own: a cluster plan that hangs)")
     ap.add_argument("--name", default="sweep_small_m.json", help="the JSON's file name in --out")
+    ap.add_argument("--default-only", action="store_true", help="only the peer and deepgemm's own dispatch")
     ap.add_argument("--once", action="store_true", help="one launch of each contender (under ncu), no timing")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     GRAPH = args.graph
     CLUSTER = args.cluster
+    DEFAULT_ONLY = args.default_only
     nks = NK if args.nk is None else [tuple(int(v) for v in s.split("x")) for s in args.nk.split(",")]
     acc_nks = nks if args.acc_nk is None else [tuple(int(v) for v in s.split("x")) for s in args.acc_nk.split(",")]
     cases = [(m, n, k, bool(int(acc))) for m in (int(x) for x in args.m.split(",") if x) for n, k in nks

@@ -31,7 +31,10 @@ THREADS = 256  # 8 warps
 RESIDENT_WARPS_PER_SM = 32  # 4 CTAs of 8 warps (__launch_bounds__(256, 4))
 
 
-DEFAULT_ON = False  # until timed on the H200 against split-K and cuBLAS (benchmarks/sweep_small_m.py)
+# On by default: H200 2026-12-02 (session 26 R1, docs/benchmarks/deepgemm_small_m_sweep_h200_s26_r1.json) the GEMV
+# kernel beat split-K on 13 of DeepGEMM's 14 M = 1 rows (1.12-1.60x cuBLAS; split-K 0.89-1.10x) and tied the 235 MB one
+# (1 x 7168 x 16384: 69.7 vs 69.0 us, both ~4 TB/s with the flush's write-back).
+DEFAULT_ON = True
 
 
 def allowed() -> bool:

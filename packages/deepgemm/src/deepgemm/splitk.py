@@ -51,7 +51,15 @@ FIXED_CTA_COST = 4.0 * 192 * 160  # prologue + epilogue of one CTA, in K-block u
 # 128-row reduction tail is larger, the persistent kernel's narrow tiles better than modelled), so
 # 128x4096x7168 (model 0.71, measured 0.96) and 128x7168x16384 (0.81, measured 1.20) stay persistent.
 MIN_GAIN_SMALL_M = 0.85
-MIN_GAIN = 0.6
+# M > 64 with every split reducing a slice (PAR_REDUCE_MIN_M): H200 2026-12-02 session 26 R1 (docs/benchmarks/
+# deepgemm_small_m_sweep_h200_s26_r1.json) 128 x 4096 x 7168 (model 0.71) 28.7 us split-K vs 31.4 persistent; 128 x 7168 x
+# 16384 (0.81) 79.2 vs 76.2 and 128 x 7168 x 2048 (0.98) 21.9 vs 15.8 stay persistent. (0.6 with the last-CTA
+# reduction, whose 128-row tail made 128 x 4096 x 7168 lose.)
+MIN_GAIN = 0.75
+# From this M on every split reduces a slice of its tile (kernels/splitk_sm90.cuh REDUCE = 1) instead of the last
+# CTA reducing all of it. H200 s26 R1, bf16 M = 128: 128 x 2112 x 7168 21.8 -> 19.4 us, 128 x 576 x 7168 14.2
+# -> 11.8, 128 x 256 x 7168 13.2 -> 10.2 (cuBLAS 18.4 / 11.4 / 10.1); at M = 1 (one valid row) it was 3 % slower.
+PAR_REDUCE_MIN_M = 65
 # fp8: the persistent kernel's narrow small-M tiles are worse than the model says (DeepGEMM's fp8 test, H200
 # R2 2026-12-02: every M = 1 row 0.45-0.91x its cuBLAS baseline, 64x16..64x56 tiles with 7-57 KiB of B in
 # flight per SM; 128x16 tiles at M = 128 re-read A from L2 once per 2 KiB of B), so split-K is taken as soon
@@ -190,6 +198,7 @@ def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKCon
         return None
     fp8 = kind == "fp8"
     return SplitKConfig(block_m=block_m, block_n=bn, splits=se, stages=max_stages(block_m, bn, fp8), num_sms=num_sms,
+                        par_reduce=m >= PAR_REDUCE_MIN_M and mc == 1,
                         multicast=mc, fp8=fp8)
 
 

@@ -87,6 +87,8 @@ TILEHAL_DEVICE float4 ld_shared_cluster_f4(u32 addr) {
   return v;
 }
 
+TILEHAL_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // C (added when HAS_C) is read in its own dtype CT: fp32, or bf16 (DeepGEMM's bf16 accumulation).
 // FP8: tma_sfa describes the MN-major sfa as [ceil(K/128), M] fp32 (boxes of 1 x BLOCK_M), sfb is fp32
 // [ceil(N/128), ceil(K/128)]; bf16 kernels take a zero descriptor and a null pointer there.
@@ -189,6 +191,24 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
       if constexpr (MCAST > 1) {
         // Stay alive until both CTAs' consumers released every stage of this CTA.
         for (int i = 0, it = num_kb_total; i < STAGES; ++i, ++it) mbarrier_wait(&empty_bar[it % STAGES], ((it / STAGES) & 1) ^ 1);
+      }
+    }
+    if constexpr (HAS_C && (PAR_REDUCE || CLUSTER_REDUCE)) {
+      // The producer warpgroup's other 127 threads pull this CTA's slice of C into L2 while the main loop runs,
+      // so the reduction's C loads (after the wait for the other splits) hit L2 instead of waiting on DRAM.
+      if (tid != NUM_MATH_THREADS) {
+        const int m0 = m_block * BLOCK_M, n0 = n_block * BLOCK_N;
+        const int rows = min(BLOCK_M, shape_m - m0);
+        constexpr int VEC = PAR_REDUCE ? (SHAPE_N % 4 == 0 ? 4 : (SHAPE_N % 2 == 0 ? 2 : 1)) : 4;
+        const int per_row = PAR_REDUCE ? (min(BLOCK_N, SHAPE_N - n0) + VEC - 1) / VEC : BLOCK_N / 4;
+        const int all = rows * per_row, per = (all + SPLITS - 1) / SPLITS;
+        const int first = min(all, split * per), last = min(all, first + per);
+        const int cols = min(BLOCK_N, SHAPE_N - n0);
+        constexpr int LINE = 128 / static_cast<int>(sizeof(CT));
+        if (first < last && cols > 0) {
+          for (int r = first / per_row + (tid - NUM_MATH_THREADS - 1); r <= (last - 1) / per_row; r += 127)
+            for (int col = 0; col < cols; col += LINE) prefetch_l2(c + static_cast<u64>(m0 + r) * SHAPE_N + n0 + col);
+        }
       }
     }
     if constexpr (CLUSTER_REDUCE) {  // the whole warpgroup takes part in the epilogue's two cluster barriers
