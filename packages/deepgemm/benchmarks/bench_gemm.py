@@ -23,7 +23,7 @@ import deepgemm
 import tilehal
 import torch
 from deepgemm import cuda_gemm, heuristics
-from tqdm import tqdm
+from tilehal.progress import progress
 
 DENSE_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
 GROUPED_NK = [(4096, 7168), (7168, 2048)]
@@ -231,7 +231,7 @@ def main() -> None:
     if args.only:
         jobs = [j for j in jobs if any(x in j[0].__name__ for x in args.only.split(","))]
     results = []
-    for fn, shape in tqdm(jobs, desc="bench"):
+    for fn, shape in progress(jobs, desc="bench"):
         results.append(fn(*shape))
         torch.cuda.empty_cache()
 
@@ -280,7 +280,7 @@ def main() -> None:
     variants = []
     if args.variants:
         for kind in ("fp8", "bf16"):
-            for n, k in tqdm(DENSE_NK, desc=f"variants {kind}"):
+            for n, k in progress(DENSE_NK, desc=f"variants {kind}"):
                 variants += bench_variants(kind, 4096, n, k)
                 torch.cuda.empty_cache()
         print(f"{'kind':5s} {'shape':>20s} {'BN':>4s} {'mc':>3s} {'st':>3s} {'waves':>5s} {'us':>8s} {'TFLOPS':>7s}")

@@ -87,7 +87,10 @@ TILEHAL_DEVICE float4 ld_shared_cluster_f4(u32 addr) {
   return v;
 }
 
+#ifndef DEEPGEMM_PREFETCH_L2
+#define DEEPGEMM_PREFETCH_L2
 TILEHAL_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+#endif
 
 // C (added when HAS_C) is read in its own dtype CT: fp32, or bf16 (DeepGEMM's bf16 accumulation).
 // FP8: tma_sfa describes the MN-major sfa as [ceil(K/128), M] fp32 (boxes of 1 x BLOCK_M), sfb is fp32
