@@ -588,3 +588,19 @@ def test_par_reduce_refuses_multicast_before_any_launch():
     cfg = SplitKConfig(block_m=128, block_n=64, splits=4, stages=4, num_sms=132, multicast=2, par_reduce=True)
     with pytest.raises(tilehal.ArgumentError, match="par_reduce: expected multicast 1"):
         splitk.dense_bf16(a, b, d, None, cfg)
+
+
+@pytest.mark.gpu
+def test_cluster_reduce_falls_back_when_the_clusters_do_not_fit(caplog):
+    from deepgemm import cuda_gemm
+
+    a, b = _ab(128, 2112, 1024, seed=9)
+    # 33 clusters of 4 CTAs (132): more than an H200 holds at once (the driver's count decides)
+    cfg = SplitKConfig(block_m=128, block_n=64, splits=4, stages=4, num_sms=132, cluster_reduce=True)
+    kern = splitk._kernel(splitk_key(cfg, 2112, 1024, torch.bfloat16, None))
+    fits = kern.max_active_clusters(cfg.num_threads, cfg.smem_bytes, (1, 1, 4)) >= 33
+    d = torch.empty(128, 2112, dtype=torch.bfloat16, device="cuda")
+    with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+        cuda_gemm.dense(a, None, b, None, d, None, config=cfg)
+    assert fits or any("do not fit at once" in r.getMessage() for r in caplog.records)
+    assert deepgemm.testing.calc_diff(d, reference.bf16_gemm_nt(a, b, None)) < 1e-5

@@ -19,6 +19,7 @@ cuBLAS baseline on the persistent kernel alone).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -60,6 +61,9 @@ MIN_GAIN = 0.75
 # CTA reducing all of it. H200 s26 R1, bf16 M = 128: 128 x 2112 x 7168 21.8 -> 19.4 us, 128 x 576 x 7168 14.2
 # -> 11.8, 128 x 256 x 7168 13.2 -> 10.2 (cuBLAS 18.4 / 11.4 / 10.1); at M = 1 (one valid row) it was 3 % slower.
 PAR_REDUCE_MIN_M = 65
+# From this M on (None: never) a plan of <= 8 splits reduces through the cluster's shared memory instead
+# (kernels/splitk_sm90.cuh REDUCE = 2), where the driver holds all its clusters at once (else par_reduce).
+CLUSTER_REDUCE_MIN_M: int | None = None
 # fp8: the persistent kernel's narrow small-M tiles are worse than the model says (DeepGEMM's fp8 test, H200
 # R2 2026-12-02: every M = 1 row 0.45-0.91x its cuBLAS baseline, 64x16..64x56 tiles with 7-57 KiB of B in
 # flight per SM; 128x16 tiles at M = 128 re-read A from L2 once per 2 KiB of B), so split-K is taken as soon
@@ -199,6 +203,8 @@ def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKCon
     fp8 = kind == "fp8"
     return SplitKConfig(block_m=block_m, block_n=bn, splits=se, stages=max_stages(block_m, bn, fp8), num_sms=num_sms,
                         par_reduce=m >= PAR_REDUCE_MIN_M and mc == 1,
+                        cluster_reduce=CLUSTER_REDUCE_MIN_M is not None and m >= CLUSTER_REDUCE_MIN_M and mc == 1
+                        and se <= 8,
                         multicast=mc, fp8=fp8)
 
 
@@ -356,6 +362,24 @@ def _device_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_CLUSTER_FIT: dict = {}
+
+
+def _clusters_fit(kern: tilehal.Kernel, cfg: SplitKConfig, clusters: int, device: torch.device) -> bool:
+    """Whether the driver holds `clusters` clusters of cfg.splits CTAs of this kernel at once (memoized; True if it
+    cannot say: a second wave is only slower, never wrong)."""
+    key = (kern.symbol, cfg.splits, cfg.smem_bytes, device.index)
+    have = _CLUSTER_FIT.get(key)
+    if have is None:
+        try:
+            have = kern.max_active_clusters(cfg.num_threads, cfg.smem_bytes, (1, 1, cfg.splits), device.index)
+        except Exception as e:  # noqa: BLE001 - an older driver or binding
+            log.debug("split-K: cuOccupancyMaxActiveClusters unavailable (%s)", e)
+            have = 1 << 30
+        _CLUSTER_FIT[key] = have
+    return have >= clusters
+
+
 _NULL_DESC = bytes(128)  # the bf16 kernels' unused activation-scale descriptor
 
 
@@ -373,6 +397,17 @@ def _launch(key: SplitKKey, cfg: SplitKConfig, m: int, n: int, a: torch.Tensor, 
         raise tilehal.ArgumentError(f"config.par_reduce: expected a grid of at most {_device_sms(a.device)} CTAs "
                                     f"(one per SM: every split waits for the others), got {grid}")
     kern = _kernel(key)
+    if key.reduce == 2 and not _clusters_fit(kern, cfg, grid[0] * grid[1], a.device):
+        if grid[0] * grid[1] * grid[2] <= _device_sms(a.device):
+            log.debug("split-K: %d clusters of %d CTAs do not fit at once: every split reduces a slice instead",
+                      grid[0] * grid[1], cfg.splits)
+            cfg = dataclasses.replace(cfg, cluster_reduce=False, par_reduce=True)
+        else:
+            log.debug("split-K: %d clusters of %d CTAs do not fit at once: the last CTA reduces", grid[0] * grid[1],
+                      cfg.splits)
+            cfg = dataclasses.replace(cfg, cluster_reduce=False, par_reduce=False)
+        key = dataclasses.replace(key, reduce=cfg.reduce)
+        kern = _kernel(key)
     # Two counters per tile: arrivals, and (par_reduce) slices done.
     ws, counters = _workspace(a.device, cfg.splits * m * n if cfg.splits > 1 else 0, 2 * grid[0] * grid[1])
     da = _operand_descriptor(a, cfg.block_m // cfg.multicast)  # with multicast each CTA loads half of A's tile
