@@ -2,6 +2,9 @@
 """The showcase examples on the GPU against their peers, in one run, same timing for everyone.
 
     python bench_examples.py [--only fp8,decode,rmsnorm_fp8,gqa] [--out DIR] [--configs all|default]
+    python bench_examples.py --best-from EARLIER.json [--top 2]   # only the fastest candidates of a run
+    python bench_examples.py --ncu-launch RUN.json                 # one launch of each best kernel, for ncu
+    python bench_examples.py --plot RUN.json                       # RUN.png (no GPU)
 
 Rows (H200 targets in issue 21):
 - fp8: examples/fp8_gemm.py (1x128 activation / 128x128 weight scales) vs deepgemm.fp8_gemm_nt and
@@ -95,7 +98,7 @@ def bench_fp8(configs) -> list[dict]:
     ex = load("fp8_gemm")
     rows = []
     for m, n, k in FP8_SHAPES:
-        rows.append(_fp8_shape(deepgemm, ex, m, n, k, configs))
+        rows.append(_fp8_shape(deepgemm, ex, m, n, k, configs[(m, n, k)] if isinstance(configs, dict) else configs))
         CHECKPOINT("fp8", rows)  # a run cut short keeps the shapes done
         torch.cuda.empty_cache()
     return rows
@@ -339,6 +342,38 @@ def _gqa_case(ex, causal) -> dict:
     return row
 
 
+# ---------------------------------------------------------------- configs back from a JSON's names
+
+
+def fp8_config_of(name: str) -> tuple:
+    """A candidate tuple from its row name ("[overlap_]MxNxSxTxP[_cuda_persistent][_cuda_ws_pingpong]")."""
+    tiles = tuple(int(x) for x in name.removeprefix("overlap_").split("_")[0].split("x"))
+    pcfg = {k: True for k in ("cuda_persistent", "cuda_ws_pingpong") if k in name}
+    return (("overlap",) if name.startswith("overlap_") else ()) + tiles + ((pcfg,) if pcfg else ())
+
+
+def decode_config_of(name: str) -> tuple:
+    """(num_split, block_N, num_stages, threads) from "split{ns}_n{bn}_s{st}_t{th}" (R1's names: no _t, 128)."""
+    ns, bn, st, *th = name.split("_")
+    return int(ns[5:]), int(bn[1:]), int(st[1:]), int(th[0][1:]) if th else 128
+
+
+def best_configs(path: Path, top: int = 1) -> dict:
+    """Per benchmark, the `top` fastest correct candidates of a JSON this script wrote (fp8: per shape)."""
+    rows = json.loads(path.read_text())["rows"]
+
+    def ranked(r):
+        ok = {k: v["s"] for k, v in r.get("candidates", {}).items() if v.get("correct")}
+        return sorted(ok, key=ok.get)[:top]
+
+    out = {}
+    if "fp8" in rows:
+        out["fp8"] = {tuple(r["shape"]): [fp8_config_of(n) for n in ranked(r)] for r in rows["fp8"] if "shape" in r}
+    if "decode" in rows:
+        out["decode"] = [decode_config_of(n) for n in ranked(rows["decode"][0])]
+    return out
+
+
 # ---------------------------------------------------------------- one launch of each, for ncu
 
 
@@ -353,9 +388,9 @@ def ncu_launch(best_json: Path) -> None:
     fp8, pd = load("fp8_gemm"), load("paged_decode")
     m, n, k = FP8_SHAPES[0]
     best = next(r["best_config"] for r in rows["fp8"] if r.get("shape") == [m, n, k])
-    tiles = [int(x) for x in best.removeprefix("overlap_").split("_")[0].split("x")]
-    pcfg = {k: True for k in ("cuda_persistent", "cuda_ws_pingpong") if k in best} or None
-    prog = fp8.fp8_gemm_overlap_program if best.startswith("overlap_") else fp8.fp8_gemm_program
+    cfg = fp8_config_of(best)
+    prog, cfg = (fp8.fp8_gemm_overlap_program, cfg[1:]) if cfg[0] == "overlap" else (fp8.fp8_gemm_program, cfg)
+    tiles, pcfg = (cfg[:-1], cfg[-1]) if isinstance(cfg[-1], dict) else (cfg, None)
     a8, sfa = fp8.per_token_cast_to_fp8(torch.randn(m, k, device="cuda"))
     b8, sfb = fp8.per_block_cast_to_fp8(torch.randn(n, k, device="cuda"))
     kern = tilelang.compile(prog(m, n, k, *tiles), out_idx=[-1], target="cuda", pass_configs=pcfg)
@@ -369,9 +404,8 @@ def ncu_launch(best_json: Path) -> None:
     print("ncu launch: deepgemm fp8", flush=True)
     deepgemm.fp8_gemm_nt((a8, sfa_dg), (b8, sfb), d)
     torch.cuda.synchronize()
-    best = rows["decode"][0]["best_config"]  # split{ns}_n{bn}_s{st}_t{th}
-    ns, bn, st, th = (int(x[1:] if x[0] in "nst" and not x.startswith("split") else x[5:])
-                      for x in best.split("_"))
+    best = rows["decode"][0]["best_config"]
+    ns, bn, st, th = decode_config_of(best)
     batch, seq_len = 64, 4096
     HQ, H, D, BS = DECODE_SHAPE
     pool = build_pool(kvpool, batch, seq_len)
@@ -435,6 +469,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset of " + ",".join(BENCHES))
     ap.add_argument("--configs", choices=["all", "default"], default="all")
+    ap.add_argument("--best-from", type=Path, default=None, metavar="JSON",
+                    help="time only the --top fastest correct candidates per row of JSON (an earlier run)")
+    ap.add_argument("--top", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--no-autotune", action="store_true", help="skip the fp8 rows' @tilelang.autotune pass")
     ap.add_argument("--ncu-launch", type=Path, default=None, metavar="JSON",
@@ -467,6 +504,8 @@ def main() -> None:
         fn, cfgs = BENCHES[name]
         if cfgs is not None and args.configs == "default":
             cfgs = cfgs[:1]
+        if cfgs is not None and args.best_from is not None:
+            cfgs = best_configs(args.best_from, args.top).get(name, cfgs)
         t0 = time.perf_counter()
         try:
             result["rows"][name] = fn(cfgs)
