@@ -13,7 +13,7 @@ cd /tmp/grouped_tree && source scripts/device_env.sh
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 export TILESTACK_CACHE_DIR=/tmp/grouped_tree/.kcache TILESTACK_CACHE_KEY_FILE=/tmp/grouped_key/cache.key
 el "tree at $(pwd), cache $(ls $TILESTACK_CACHE_DIR | head -3 | tr '\n' ' ')"
-timeout 22 python3 packages/deepgemm/benchmarks/bench_grouped.py --variants serial,info,info_overlap --out $O/bench_grouped.json > $O/bench_grouped.log 2>&1
+timeout 22 python3 packages/deepgemm/benchmarks/bench_grouped.py --out $O/bench_grouped.json > $O/bench_grouped.log 2>&1
 el "grouped bench rc=$?"; grep -vE "Warning|warn" $O/bench_grouped.log | cut -c1-200 | tail -32
 timeout 24 python3 benchmarks/bench_models.py --only moe --budget-s 22 --json $O/bench_moe.json > $O/bench_moe.log 2>&1
 el "moe rc=$?"; grep -vE "^\[transformers\]|Warning|warn" $O/bench_moe.log | cut -c1-300 | head -50
@@ -21,7 +21,7 @@ LEFT=$(( 68 - $(date +%s) + T0 ))
 if [ $LEFT -gt 5 ]; then
   timeout $LEFT python3 -m pytest -q -n 3 -p no:cacheprovider -m gpu -rfE packages/deepgemm/tests/test_swiglu_epilogue.py \
     tests/test_moe_layout_kernel.py tests/test_moe.py packages/deepgemm/tests/test_gpu.py \
-    -k "swiglu or layout or moe or ((grouped_contiguous or grouped_masked) and True)" > $O/gpu_tests.log 2>&1
+    -k "swiglu or layout or moe or ((grouped_contiguous or grouped_masked or multicast) and True)" > $O/gpu_tests.log 2>&1
   el "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed|Error" $O/gpu_tests.log | head -20
 fi
 el end

@@ -11,6 +11,9 @@ and with the variants given by --variants:
   info          the producer hands each tile's coordinates to the math warps through shared memory
                 (DEEPGEMM_TILE_INFO=1: no m_indices load in the math warps), serial promotion
   info_overlap  the same with the overlapped promotion, 40 / 232 registers
+  mcast         2-CTA clusters sharing the A tile (neighbouring n-blocks), grid capped at the clusters the driver
+                keeps resident at once (cuOccupancyMaxActiveClusters)
+  mcast_uncapped  the same launched on every SM (what multicast did before: the clusters that do not fit wait)
 Every variant's output is compared with the first variant's (calc_diff). SwiGLU: the MoE gate|up step
 unfused (GEMM -> [M, 2F] bf16 -> silu_mul_cast_to_fp8) vs fused (SwiGLU-epilogue GEMM -> [M, F] bf16 ->
 per_token_cast_to_fp8), each timed as a whole and GEMM alone. Masked: 1 x 1024, 2 x 512,
@@ -45,8 +48,11 @@ VARIANTS = {
     "overlap_wide": (dict(contiguous_overlap=True), ("-DDEEPGEMM_CONTIG_LEAN_PRODUCER=0",)),
     "info": (dict(), ("-DDEEPGEMM_TILE_INFO=1",)),
     "info_overlap": (dict(contiguous_overlap=True), ("-DDEEPGEMM_TILE_INFO=1", "-DDEEPGEMM_CONTIG_LEAN_PRODUCER=0")),
+    "mcast": (dict(multicast=2, multicast_on_a=True), ()),
+    "mcast_uncapped": (dict(multicast=2, multicast_on_a=True), ()),
 }
-MASKED_VARIANTS = {"default": (), "info": ("-DDEEPGEMM_TILE_INFO=1",)}
+MASKED_VARIANTS = {"default": (dict(), ()), "info": (dict(), ("-DDEEPGEMM_TILE_INFO=1",)),
+                   "mcast": (dict(multicast=2, multicast_on_a=True), ())}
 SWIGLU = (8, 1152, 28672, 4096)  # Mixtral's gate|up GEMM on the 9216-row layout
 SMS = 132
 
@@ -75,9 +81,9 @@ def compile_all(variants, jobs=4) -> None:
             cfg, opts = contiguous_config(g, rows, n, k, v)
             work.append((cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False), opts))
     for g, m, n, k in MASKED:
-        for opts in MASKED_VARIANTS.values():
-            work.append((cuda_gemm.kernel_key(masked_config(g, m, n, k), n, k, "masked", g, torch.bfloat16, False),
-                         opts))
+        for fields, opts in MASKED_VARIANTS.values():
+            cfg = dataclasses.replace(masked_config(g, m, n, k), **fields)
+            work.append((cuda_gemm.kernel_key(cfg, n, k, "masked", g, torch.bfloat16, False), opts))
     g, rows, n, k = SWIGLU
     cfg = swiglu_config(contiguous_config(g, rows, n, k, "serial")[0], g * rows, n)
     work.append((cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False), ()))
@@ -127,9 +133,18 @@ def bench_contiguous(g, rows, n, k, variants) -> dict:
         def fn(cfg=cfg, opts=opts, d=d):
             cuda_gemm.grouped_contiguous(a8, sfa, b8, sfb, d, idx, config=cfg, extra_options=opts)
 
-        t, tg = _times(fn)
+        capped = cuda_gemm.resident_cluster_ctas
+        if v == "mcast_uncapped":
+            cuda_gemm.resident_cluster_ctas = lambda kern, cfg: None
+        try:
+            t, tg = _times(fn)
+        finally:
+            cuda_gemm.resident_cluster_ctas = capped
         res[v] = {"us": t * 1e6, "graph_us": tg * 1e6, "tflops": flops / t / 1e12, "graph_tflops": flops / tg / 1e12,
                   "block_n": cfg.block_n, "stages": cfg.stages, "overlap": cfg.overlap_promotion}
+        if cfg.multicast > 1:
+            res[v]["resident_cluster_ctas"] = cuda_gemm.resident_cluster_ctas(
+                cuda_gemm._kernel(cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False)), cfg)
         if ref is None:
             ref = d.clone()
         else:
@@ -201,10 +216,11 @@ def bench_masked(g, m, n, k, peer: bool) -> dict:
     flops = 2 * g * m * n * k
     res = {"kind": "fp8_grouped_masked", "shape": [g, m, n, k]}
     ref = None
-    for v, opts in MASKED_VARIANTS.items():
+    for v, (fields, opts) in MASKED_VARIANTS.items():
         d = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
-        t, tg = _times(lambda d=d, opts=opts: cuda_gemm.grouped_masked(a8, sfa, b8, sfb, d, masked_m, m,
-                                                                       extra_options=opts))
+        cfg = dataclasses.replace(masked_config(g, m, n, k), **fields)
+        t, tg = _times(lambda d=d, opts=opts, cfg=cfg: cuda_gemm.grouped_masked(a8, sfa, b8, sfb, d, masked_m, m,
+                                                                                extra_options=opts, config=cfg))
         res[v] = {"us": t * 1e6, "graph_us": tg * 1e6, "tflops": flops / t / 1e12, "graph_tflops": flops / tg / 1e12}
         if ref is None:
             ref = d.clone()
@@ -229,7 +245,7 @@ def bench_masked(g, m, n, k, peer: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="serial,overlap_lean,overlap_wide,info,info_overlap")
+    ap.add_argument("--variants", default="serial,info,info_overlap,mcast,mcast_uncapped")
     ap.add_argument("--compile", action="store_true", help="NVRTC-compile every kernel (no GPU) and exit")
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--no-masked", action="store_true")

@@ -224,6 +224,26 @@ def grid_size(cfg: GemmConfig, tiles: int) -> int:
     return max(mc, min(cfg.num_sms, ceil_div(tiles, mc) * mc) // mc * mc)
 
 
+_CLUSTER_CAP: dict[tuple, int] = {}
+
+
+def resident_cluster_ctas(kern, cfg: GemmConfig) -> int | None:
+    """CTAs of `cfg.multicast`-wide clusters of `kern` that the driver can keep resident at once
+    (cuOccupancyMaxActiveClusters x cluster size; None where it cannot say). A persistent grid of more clusters
+    than that runs its last clusters only after others have finished their whole share of tiles: with 132 SMs
+    in GPCs of uneven size, 66 two-CTA clusters of a 227 KiB-smem kernel need not all fit."""
+    key = (kern, cfg.num_threads, cfg.smem_bytes, cfg.multicast)
+    hit = _CLUSTER_CAP.get(key)
+    if hit is None:
+        try:
+            hit = kern.max_active_clusters(cfg.num_threads, cfg.smem_bytes, (cfg.multicast, 1, 1)) * cfg.multicast
+        except (AttributeError, tilehal.TileStackError) as e:
+            log.debug("cluster occupancy unknown (%s): the grid is not capped", e)
+            hit = 0
+        _CLUSTER_CAP[key] = hit
+    return hit or None
+
+
 def _launch(key: KernelKey, cfg: GemmConfig, tiles: int, descs, d_desc, sfb, d, c, group_info, shape_m: int,
             extra_options: tuple[str, ...] = ()) -> None:
     kern = _kernel(key, extra_options) if extra_options else _kernel(key)
@@ -233,6 +253,11 @@ def _launch(key: KernelKey, cfg: GemmConfig, tiles: int, descs, d_desc, sfb, d, 
                   f"BLOCK_N = {cfg.block_n} (a second partial-sum set would not fit in registers)")
     grid, args = grid_size(cfg, tiles), [descs[0], descs[1], descs[2], d_desc, sfb, d, c, group_info, shape_m]
     cluster = (cfg.multicast, 1, 1) if cfg.multicast > 1 else None
+    if cluster is not None:
+        cap = resident_cluster_ctas(kern, cfg)
+        if cap is not None and cap < grid:
+            log.debug("multicast grid %d -> %d CTAs (clusters resident at once)", grid, cap)
+            grid = max(cfg.multicast, cap)
     kern.launch(grid, cfg.num_threads, args, smem_bytes=cfg.smem_bytes, cluster=cluster)
     plans.note_launch(kern, grid, cfg.num_threads, args, cfg.smem_bytes, cluster)
 
@@ -401,15 +426,17 @@ def grouped_contiguous(a, sfa, b, sfb, d, m_indices, config: GemmConfig | None =
             d, None, m_indices.contiguous(), m, extra_options)
 
 
-def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int, extra_options: tuple[str, ...] = ()) -> None:
+def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int, extra_options: tuple[str, ...] = (),
+                   config: GemmConfig | None = None) -> None:
     _check_cuda(a, b, d, None)
     g, m_max, k = a.shape
     n = b.shape[1]
     if m_max == 0 or n == 0:
         return
     fp8 = sfa is not None
-    cfg = pick_config("fp8" if fp8 else "bf16", min(expected_m, m_max), n, k, num_groups=g, grouping="masked",
-                      **epilogue(d, n, False, "masked"), max_multicast=max_multicast(), overlap=overlap_allowed())
+    cfg = config or pick_config("fp8" if fp8 else "bf16", min(expected_m, m_max), n, k, num_groups=g,
+                                grouping="masked", **epilogue(d, n, False, "masked"), max_multicast=max_multicast(),
+                                overlap=overlap_allowed())
     sfa_t = _sfa_layout(sfa) if fp8 else None
     sk = sfa.shape[2] if fp8 else 0
     descs = _descriptors(a.view(g * m_max, k), b.view(g * n, k), sfa_t, cfg, sfa_rows=g * sk, sfa_cols=m_max)
