@@ -256,15 +256,22 @@ def main() -> None:
     if args.compile:
         compile_all(variants, args.jobs)
         return
-    rows = [bench_swiglu(*SWIGLU)]
-    rows += [bench_contiguous(*s, variants) for s in CONTIGUOUS]
+    meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
+            "timer": "tilehal.bench, CUDA events, L2 flushed, median of 30; graph_*: CUDA-graph replay"}
+    rows: list[dict] = []
+
+    def keep(r: dict) -> None:  # written after every row: a run cut short keeps what it measured
+        rows.append(r)
+        if args.out:
+            args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+    keep(bench_swiglu(*SWIGLU))
+    for s in CONTIGUOUS:
+        keep(bench_contiguous(*s, variants))
     if not args.no_masked:
-        rows += [bench_masked(*s, args.peer) for s in MASKED]
-    if args.out:
-        meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
-                "timer": "tilehal.bench, CUDA events, L2 flushed, median of 30; graph_*: CUDA-graph replay"}
-        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        for s in MASKED:
+            keep(bench_masked(*s, args.peer))
 
 
 if __name__ == "__main__":
