@@ -104,10 +104,16 @@ def _weights(g, n, k):
     return b8, sfb
 
 
+ONCE = False  # --once: one launch per variant (for ncu), no timing
+
+
 def _times(fn):
     import tilehal
 
     fn()
+    if ONCE:
+        torch.cuda.synchronize()
+        return float("nan"), float("nan")
     torch.cuda.synchronize()
     t = tilehal.bench(fn, warmup=5, iters=30, flush_l2=True).median_s
     tg = tilehal.bench_graph(fn, warmup=3, iters=30, flush_l2=True).median_s
@@ -251,6 +257,8 @@ def main() -> None:
     ap.add_argument("--no-masked", action="store_true")
     ap.add_argument("--peer", action="store_true", help="also time the masked peer (per-group _scaled_mm)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--once", action="store_true", help="one launch per variant of the first contiguous and masked "
+                                                        "shapes, untimed (what ncu profiles)")
     args = ap.parse_args()
     variants = args.variants.split(",")
     if args.compile:
@@ -266,6 +274,12 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
+    if args.once:
+        global ONCE
+        ONCE = True
+        bench_contiguous(*CONTIGUOUS[0], variants)
+        bench_masked(*MASKED[0], False)
+        return
     keep(bench_swiglu(*SWIGLU))
     for s in CONTIGUOUS:
         keep(bench_contiguous(*s, variants))
