@@ -20,8 +20,8 @@ el "moe rc=$?"; grep -vE "^\[transformers\]|Warning|warn" $O/bench_moe.log | cut
 LEFT=$(( 68 - $(date +%s) + T0 ))
 if [ $LEFT -gt 5 ]; then
   timeout $LEFT python3 -m pytest -q -n 3 -p no:cacheprovider -m gpu -rfE packages/deepgemm/tests/test_swiglu_epilogue.py \
-    tests/test_moe_layout_kernel.py tests/test_moe.py packages/deepgemm/tests/test_gpu.py \
-    -k "swiglu or layout or moe or ((grouped_contiguous or grouped_masked or multicast) and True)" > $O/gpu_tests.log 2>&1
+    tests/test_moe_layout_kernel.py tests/test_moe.py packages/deepgemm/tests/test_gpu.py packages/deepgemm/tests/test_grouped_variants.py \
+    -k "swiglu or layout or moe or variants or ((grouped_contiguous or grouped_masked or multicast) and True)" > $O/gpu_tests.log 2>&1
   el "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed|Error" $O/gpu_tests.log | head -20
 fi
 el end
