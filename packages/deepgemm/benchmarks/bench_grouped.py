@@ -52,7 +52,8 @@ VARIANTS = {
     "mcast_uncapped": (dict(multicast=2, multicast_on_a=True), ()),
 }
 MASKED_VARIANTS = {"default": (dict(), ()), "info": (dict(), ("-DDEEPGEMM_TILE_INFO=1",)),
-                   "mcast": (dict(multicast=2, multicast_on_a=True), ())}
+                   "mcast": (dict(multicast=2, multicast_on_a=True), ()),
+                   "mcast_b": (dict(multicast=2, multicast_on_a=False), ())}  # pairs of m-blocks share B
 SWIGLU = (8, 1152, 28672, 4096)  # Mixtral's gate|up GEMM on the 9216-row layout
 SMS = 132
 

@@ -75,7 +75,7 @@ def test_contiguous_variants_write_what_the_default_writes(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["info", "mcast"])
+@pytest.mark.parametrize("variant", ["info", "mcast", "mcast_b"])
 def test_masked_variants_write_what_the_default_writes(variant):
     g, m_max, n, k = 4, 384, 1024, 768
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -90,9 +90,9 @@ def test_masked_variants_write_what_the_default_writes(variant):
     cuda_gemm.grouped_masked(a8, sfa, b8, sfb, ref, masked_m, 128)
     d = torch.full_like(ref, 7.0)
     cfg = _masked_cfg(128, n, k, g)
-    if variant == "mcast":
+    if variant.startswith("mcast"):
         cuda_gemm.grouped_masked(a8, sfa, b8, sfb, d, masked_m, 128,
-                                 config=dataclasses.replace(cfg, multicast=2, multicast_on_a=True))
+                                 config=dataclasses.replace(cfg, multicast=2, multicast_on_a=variant == "mcast"))
     else:
         cuda_gemm.grouped_masked(a8, sfa, b8, sfb, d, masked_m, 128, config=cfg, extra_options=INFO)
     assert torch.equal(d, ref)

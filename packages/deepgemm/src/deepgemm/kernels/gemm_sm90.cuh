@@ -74,7 +74,9 @@ struct TileScheduler {
   static constexpr int kNumNUnits = kPairN ? (kNumNBlocks + 1) / 2 : kNumNBlocks;
   static constexpr int kBand = kPairN ? kSwizzleGroupN / 2 : kSwizzleGroupN;
   static_assert(MCAST == 1 || MCAST == 2, "1- or 2-CTA clusters");
-  static_assert(!kPairM || KIND == kNormal, "grouped tiles of neighbouring m-blocks may use different B");
+  // Masked groups pair m-blocks of one group (same B; an odd group's last pair has a phantom block past
+  // masked_m, whose rows the epilogue does not write); contiguous neighbours may belong to different experts.
+  static_assert(!kPairM || KIND != kGroupedContiguous, "contiguous m-blocks of a pair may use different B");
   int shape_m;
   const int* group_info;  // m_indices (contiguous) or masked_m (masked)
   int next_unit;
@@ -102,9 +104,10 @@ struct TileScheduler {
       for (int g = 0; g < NUM_GROUPS; ++g) {
         const int rows = min(max(__ldg(group_info + g), 0), shape_m);
         const int m_blocks = (rows + BLOCK_M - 1) / BLOCK_M;
-        const int units = m_blocks * kNumNUnits;
+        const int m_units = kPairM ? (m_blocks + 1) / 2 : m_blocks;
+        const int units = m_units * kNumNUnits;
         if (unit < units) {
-          rasterize(unit, m_blocks, m_unit, n_unit);
+          rasterize(unit, m_units, m_unit, n_unit);
           take(m_unit, n_unit, m_block, n_block);
           group = g;
           return true;
