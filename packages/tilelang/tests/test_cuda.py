@@ -406,7 +406,7 @@ def test_ws_multicast_codegen(caplog, tmp_path, monkeypatch):
     assert k._impl.launch_threads == {name: [384, 0, [1, 2, 1]]}
     assert src.count("tma_load_2d_multicast(") == 1 and src.count("tma_load_2d(") == 1
     assert "_cta_rank * 128" in src and "mbarrier_init(&_empty1[_s], 16)" in src
-    assert src.count("tilehal::cluster_sync();") == 3 and src.count("mbarrier_arrive_cluster(") == 2
+    assert src.count("tilehal::cluster_sync();") == 3 and src.count("tl_mbar_arrive_peer(&_empty1") == 1
     assert "const int by = (2 * _sy + (int)(blockIdx.y & 1));" in src
     log = compile_cuda(src, arch="sm_90a", name=name, options=["--ptxas-options=-v"]).log
     assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log

@@ -724,7 +724,7 @@ class PipelineRules:
         # release: with the wgmma of this iteration in flight (wgmma_wait<1>: the one of the previous
         # iteration is done), the previous stage; otherwise this one (everything reading it is done); with
         # multicast on both CTAs' barriers (the peer's producer writes into this CTA's stage too)
-        rel = ("tilehal::mbarrier_arrive_cluster(&{b}, 0), tilehal::mbarrier_arrive_cluster(&{b}, 1)" if mc else
+        rel = ("tilehal::mbarrier_arrive(&{b}), tl_mbar_arrive_peer(&{b}, _cta_rank ^ 1)" if mc else
                "tilehal::mbarrier_arrive(&{b})")
         if agemm is not None:
             self.emit(f"if ({v} > {start} && (_tx & 31) == 0) {rel.format(b=f'{empty}[({stage} + {n - 1}) % {n}]')};")
