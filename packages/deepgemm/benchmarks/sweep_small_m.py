@@ -44,9 +44,25 @@ def timed(fn) -> dict:
     return r
 
 
-def plans_for(m: int, n: int, k: int) -> dict[str, object]:
-    """name -> a SplitKConfig or "gemv"; "default" is the dispatch itself (not listed)."""
+def mcast_variant(kind: str, m: int, n: int, k: int, acc: bool = False, out_dtype=torch.bfloat16):
+    """The persistent kernel's plan with A multicast over 2-CTA clusters (neighbouring n-blocks share the A tile:
+    at M = 128 every n-block CTA re-reads the A panel), or None where the default is not persistent / not pairable."""
+    if splitk.pick_splitk(m, n, k, SMS, kind) is not None:
+        return None
+    ep = cuda_gemm.epilogue(torch.empty(m, n, dtype=out_dtype), n, acc, "normal")
+    base = pick_config(kind, m, n, k, num_sms=SMS, **ep)
+    if -(-n // base.block_n) % 2 or base.block_m % 16:
+        return None
+    return dataclasses.replace(base, multicast=2, multicast_on_a=True)
+
+
+def plans_for(m: int, n: int, k: int, acc: bool = False) -> dict[str, object]:
+    """name -> a SplitKConfig, a GemmConfig or "gemv"; "default" is the dispatch itself (not listed)."""
     out: dict[str, object] = {}
+    if m == 128:
+        mc = mcast_variant("bf16", m, n, k, acc, torch.float32 if (n, k) in FP32_OUT else torch.bfloat16)
+        if mc is not None:
+            out["persistent_mcast_a"] = mc
     if m == 1:
         out["gemv"] = "gemv"
     base = splitk.pick_splitk(m, n, k, SMS)
@@ -78,8 +94,12 @@ def _cluster_filter(plans: dict) -> dict:
         return {}
     if CLUSTER == "all":
         return plans
-    keep = CLUSTER == "only"
-    return {k: v for k, v in plans.items() if getattr(v, "cluster_reduce", False) == keep}
+    keep = CLUSTER == "only"  # the plans that use thread-block clusters: cluster_reduce, persistent multicast
+
+    def clustered(v) -> bool:
+        return getattr(v, "cluster_reduce", False) or getattr(v, "multicast", 1) > 1
+
+    return {k: v for k, v in plans.items() if clustered(v) == keep}
 
 
 def clusters_info(m: int, n: int, cfg, key_fn) -> dict | None:
@@ -150,7 +170,7 @@ def operands(m: int, n: int, k: int, acc: bool):
 
 def runs_of(m, n, k, a, b, d, c) -> dict:
     runs = {} if CLUSTER == "only" and not DEFAULT_ONLY else {"default": lambda: deepgemm.bf16_gemm_nt(a, b, d, c=c)}
-    for name, cfg in plans_for(m, n, k).items():
+    for name, cfg in plans_for(m, n, k, c is not None).items():
         if cfg == "gemv":
             runs[name] = lambda: gemv.gemv_bf16(a, b, d, c, SMS)
         else:
@@ -186,6 +206,9 @@ def fp8_plans(m: int, n: int, k: int) -> dict[str, object]:
     sk = splitk.pick_splitk(m, n, k, SMS, "fp8")
     if sk is not None:
         out["plan_par"] = dataclasses.replace(sk, par_reduce=True)
+    mc = mcast_variant("fp8", m, n, k)
+    if mc is not None:
+        out["persistent_mcast_a"] = mc
     return _cluster_filter(out)
 
 
@@ -249,7 +272,7 @@ def run_shape(m: int, n: int, k: int, acc: bool) -> dict:
         d.copy_(d0)
         return v
 
-    cfgs = plans_for(m, n, k)
+    cfgs = plans_for(m, n, k, c is not None)
     for name, fn in runs_of(m, n, k, a, b, d, c).items():
         diff = check(fn)
         t = timed(fn)
