@@ -368,7 +368,10 @@ _CLUSTER_FIT: dict = {}
 def _clusters_fit(kern: tilehal.Kernel, cfg: SplitKConfig, clusters: int, device: torch.device) -> bool:
     """Whether the driver holds `clusters` clusters of cfg.splits CTAs of this kernel at once (memoized; True if it
     cannot say: a second wave is only slower, never wrong)."""
-    key = (kern.symbol, cfg.splits, cfg.smem_bytes, device.index)
+    symbol = getattr(kern, "symbol", None)
+    if symbol is None:  # not a compiled kernel (a benchmark's recording pass): nothing to ask the driver
+        return True
+    key = (symbol, cfg.splits, cfg.smem_bytes, device.index)
     have = _CLUSTER_FIT.get(key)
     if have is None:
         try:

@@ -298,11 +298,6 @@ struct StagedStore {
   }
 };
 
-#ifndef DEEPGEMM_PREFETCH_L2
-#define DEEPGEMM_PREFETCH_L2
-TILEHAL_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-#endif
-
 template <int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int KIND, int NUM_GROUPS, bool FP8,
           typename OutT, bool HAS_C, bool TMA_STORE, int D_SWIZZLE, int MCAST, bool MCAST_ON_A, bool OVERLAP,
           bool BIAS = false, bool C_BF16 = false, bool SWIGLU = false>
@@ -395,24 +390,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   if (tid >= NUM_MATH_THREADS) {
     // ---------------------------------------------------------------- producer warpgroup
     setmaxnreg_dec<kLeanProducer<KIND, OVERLAP> ? 24 : kProducerRegs<NUM_MATH_WG>>();
-    if (tid != NUM_MATH_THREADS) {
-      if constexpr (KIND == kNormal && HAS_C) {
-        // The other 127 producer threads pull the CTA's first C tile into L2 while its main loop runs: the
-        // epilogue's C loads (c may be d, so they cannot be hoisted) then hit L2 instead of waiting on DRAM
-        // (small M: one tile per CTA). Only the first tile, so a many-wave GEMM's C does not flood L2.
-        int pm, pn, pg;
-        if (sched.next(pm, pn, pg)) {
-          constexpr int C_SIZE = C_BF16 ? 2 : 4;
-          const int rows = min(BLOCK_M, shape_m - pm * BLOCK_M);
-          const int cols = min(BLOCK_N, SHAPE_N - pn * BLOCK_N);
-          const unsigned char* cb = reinterpret_cast<const unsigned char*>(c);
-          for (int r = tid - NUM_MATH_THREADS - 1; r < rows; r += 127)
-            for (int col = 0; col < cols; col += 128 / C_SIZE)
-              prefetch_l2(cb + (static_cast<u64>(pm * BLOCK_M + r) * SHAPE_N + pn * BLOCK_N + col) * C_SIZE);
-        }
-      }
-      return;
-    }
+    if (tid != NUM_MATH_THREADS) return;
     const int rank = sched.rank;
     u32 it = 0;
     while (sched.next(m_block, n_block, group)) {
