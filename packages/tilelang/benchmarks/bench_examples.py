@@ -104,6 +104,16 @@ def bench_fp8(configs) -> list[dict]:
     return rows
 
 
+def fp8_program(ex, cfg: tuple):
+    """(program factory, name prefix, the rest of cfg) of a candidate tuple: a leading "overlap" is
+    fp8_gemm_overlap_program, "overlap_direct" the same with the epilogue stored from registers."""
+    if cfg[0] == "overlap":
+        return ex.fp8_gemm_overlap_program, "overlap_", cfg[1:]
+    if cfg[0] == "overlap_direct":
+        return (lambda *a: ex.fp8_gemm_overlap_program(*a, staged_epilogue=False)), "overlapdirect_", cfg[1:]
+    return ex.fp8_gemm_program, "", cfg
+
+
 def _fp8_no_promotion_program(M, N, K, block_M, block_N, num_stages, threads, swizzle):
     """Timing only (its result is not the scaled product): the example's schedule with the K blocks accumulated
     by the tensor cores directly, no scales and no per-block promotion, to show what the promotion costs."""
@@ -140,10 +150,9 @@ def _fp8_shape(deepgemm, ex, m, n, k, configs) -> dict:
     flops = 2 * m * n * k
     cands = {}
     for cfg in configs:
-        prog, cfg = (ex.fp8_gemm_overlap_program, cfg[1:]) if cfg[0] == "overlap" else (ex.fp8_gemm_program, cfg)
+        prog, prefix, cfg = fp8_program(ex, cfg)
         tiles, pcfg = (cfg[:-1], cfg[-1]) if isinstance(cfg[-1], dict) else (cfg, None)
-        name = ("overlap_" if prog is ex.fp8_gemm_overlap_program else "") + "x".join(map(str, tiles)) + \
-            ("_" + "_".join(pcfg) if pcfg else "")
+        name = prefix + "x".join(map(str, tiles)) + ("_" + "_".join(pcfg) if pcfg else "")
         try:
             t0 = time.perf_counter()
             kern = tilelang.compile(prog(m, n, k, *tiles), out_idx=[-1], target="cuda", pass_configs=pcfg)
@@ -160,9 +169,10 @@ def _fp8_shape(deepgemm, ex, m, n, k, configs) -> dict:
     no_promo = None
     if best is not None and (m, n, k) != FP8_SHAPES[-1]:  # what the promotion costs: the same schedule without it
         try:
-            tiles = [int(x) for x in best.removeprefix("overlap_").split("_")[0].split("x")]
-            pcfg = {c: True for c in ("cuda_persistent", "cuda_ws_pingpong") if c in best} or None
-            if best.startswith("overlap_"):  # the same pipeline depth in K blocks
+            cfg = fp8_config_of(best)
+            pcfg = cfg[-1] if isinstance(cfg[-1], dict) else None
+            tiles = [x for x in cfg if isinstance(x, int)]
+            if isinstance(cfg[0], str):  # overlap programs: the same pipeline depth in K blocks
                 tiles[2] *= 2
             kern = tilelang.compile(_fp8_no_promotion_program(m, n, k, *tiles), out_idx=[-1], target="cuda",
                                     pass_configs=pcfg)
@@ -346,10 +356,12 @@ def _gqa_case(ex, causal) -> dict:
 
 
 def fp8_config_of(name: str) -> tuple:
-    """A candidate tuple from its row name ("[overlap_]MxNxSxTxP[_cuda_persistent][_cuda_ws_pingpong]")."""
-    tiles = tuple(int(x) for x in name.removeprefix("overlap_").split("_")[0].split("x"))
+    """A candidate tuple from its row name ("[overlap_|overlapdirect_]MxNxSxTxP[_cuda_persistent][_cuda_ws_pingpong]")."""
+    head = next((h for h in ("overlapdirect_", "overlap_") if name.startswith(h)), "")
+    tiles = tuple(int(x) for x in name.removeprefix(head).split("_")[0].split("x"))
     pcfg = {k: True for k in ("cuda_persistent", "cuda_ws_pingpong") if k in name}
-    return (("overlap",) if name.startswith("overlap_") else ()) + tiles + ((pcfg,) if pcfg else ())
+    marker = {"overlap_": ("overlap",), "overlapdirect_": ("overlap_direct",), "": ()}[head]
+    return marker + tiles + ((pcfg,) if pcfg else ())
 
 
 def decode_config_of(name: str) -> tuple:
@@ -388,8 +400,7 @@ def ncu_launch(best_json: Path) -> None:
     fp8, pd = load("fp8_gemm"), load("paged_decode")
     m, n, k = FP8_SHAPES[0]
     best = next(r["best_config"] for r in rows["fp8"] if r.get("shape") == [m, n, k])
-    cfg = fp8_config_of(best)
-    prog, cfg = (fp8.fp8_gemm_overlap_program, cfg[1:]) if cfg[0] == "overlap" else (fp8.fp8_gemm_program, cfg)
+    prog, _, cfg = fp8_program(fp8, fp8_config_of(best))
     tiles, pcfg = (cfg[:-1], cfg[-1]) if isinstance(cfg[-1], dict) else (cfg, None)
     a8, sfa = fp8.per_token_cast_to_fp8(torch.randn(m, k, device="cuda"))
     b8, sfb = fp8.per_block_cast_to_fp8(torch.randn(n, k, device="cuda"))
@@ -472,6 +483,11 @@ def main() -> None:
     ap.add_argument("--best-from", type=Path, default=None, metavar="JSON",
                     help="time only the --top fastest correct candidates per row of JSON (an earlier run)")
     ap.add_argument("--top", type=int, default=1)
+    ap.add_argument("--decode", action="append", default=[], metavar="NAME",
+                    help="time these decode candidates only (row names, e.g. split1_n64_s2_t128)")
+    ap.add_argument("--add-fp8", action="append", default=[], metavar="NAME",
+                    help="with --best-from: also time this fp8 candidate (a row name, e.g. overlapdirect_128x128x3x256x8_"
+                         "cuda_persistent) on every shape")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--no-autotune", action="store_true", help="skip the fp8 rows' @tilelang.autotune pass")
     ap.add_argument("--ncu-launch", type=Path, default=None, metavar="JSON",
@@ -506,6 +522,10 @@ def main() -> None:
             cfgs = cfgs[:1]
         if cfgs is not None and args.best_from is not None:
             cfgs = best_configs(args.best_from, args.top).get(name, cfgs)
+            if name == "fp8" and isinstance(cfgs, dict):
+                cfgs = {shape: c + [fp8_config_of(x) for x in args.add_fp8] for shape, c in cfgs.items()}
+        if name == "decode" and args.decode:
+            cfgs = [decode_config_of(x) for x in args.decode]
         t0 = time.perf_counter()
         try:
             result["rows"][name] = fn(cfgs)

@@ -18,10 +18,15 @@ GROUP = 128  # the scale granularity along K (and along N for B)
 
 
 def fp8_gemm_program(M, N, K, block_M=128, block_N=128, num_stages=4, threads=256, swizzle=8,
-                     out_dtype="bfloat16"):
+                     out_dtype="bfloat16", k_pair=False, staged_epilogue=True):
     """The prim_func: A [M, K] e4m3, B [N, K] e4m3, sfa_t [ceil(K/128), M] f32 (MN-major, as DeepGEMM's TMA
     wants it: `sfa.T.contiguous()`), sfb [ceil(N/128), ceil(K/128)]
-    f32 -> D [M, N] out_dtype. M, N, K need not be multiples of the tiles (edges are masked)."""
+    f32 -> D [M, N] out_dtype. M, N, K need not be multiples of the tiles (edges are masked).
+    `k_pair=True`: fp8_gemm_overlap_program (two K blocks per stage, overlapped promotion; num_stages counts
+    pairs), so one autotuned entry covers both schedules."""
+    if k_pair:
+        return fp8_gemm_overlap_program(M, N, K, block_M, block_N, num_stages, threads, swizzle, out_dtype,
+                                        staged_epilogue)
     block_K = GROUP
     k_blocks = T.ceildiv(K, GROUP)
     n_blocks = T.ceildiv(N, GROUP)
@@ -64,12 +69,13 @@ fp8_gemm = tilelang.jit(out_idx=[-1])(fp8_gemm_program)
 
 
 def fp8_gemm_overlap_program(M, N, K, block_M=128, block_N=128, num_stages=2, threads=256, swizzle=8,
-                             out_dtype="bfloat16"):
+                             out_dtype="bfloat16", staged_epilogue=True):
     """The same GEMM with two 128-wide K blocks per pipeline stage and two partial accumulators: both blocks'
     wgmma are issued with `wg_wait=-1` (not waited for at the gemm), so the first block's promotion runs while
     the tensor cores still work on the second; the compiler waits for each group right before its partial is
     read (and for all of them before the stage is released). Same arguments and result as fp8_gemm_program
-    (block_N <= 128, 128 % block_N == 0)."""
+    (block_N <= 128, 128 % block_N == 0). `staged_epilogue=False` stores the accumulator straight from registers
+    (no shared tile: 32 KiB more for pipeline stages)."""
     block_K = GROUP
     k_blocks = T.ceildiv(K, GROUP)
     n_blocks = T.ceildiv(N, GROUP)
@@ -86,7 +92,6 @@ def fp8_gemm_overlap_program(M, N, K, block_M=128, block_N=128, num_stages=2, th
             B1 = T.alloc_shared((block_N, block_K), in_dtype)
             s0 = T.alloc_shared((1, block_M), "float32")
             s1 = T.alloc_shared((1, block_M), "float32")
-            D_shared = T.alloc_shared((block_M, block_N), out_dtype)
             p0 = T.alloc_fragment((block_M, block_N), accum)
             p1 = T.alloc_fragment((block_M, block_N), accum)
             acc = T.alloc_fragment((block_M, block_N), accum)
@@ -108,8 +113,12 @@ def fp8_gemm_overlap_program(M, N, K, block_M=128, block_N=128, num_stages=2, th
                 b1 = sfb[bx * block_N // GROUP, T.min(2 * k + 1, k_blocks - 1)]
                 for i, j in T.Parallel(block_M, block_N):
                     acc[i, j] += p1[i, j] * (s1[0, i] * b1)
-            T.copy(acc, D_shared)
-            T.copy(D_shared, D[by * block_M, bx * block_N])
+            if staged_epilogue:
+                D_shared = T.alloc_shared((block_M, block_N), out_dtype)
+                T.copy(acc, D_shared)
+                T.copy(D_shared, D[by * block_M, bx * block_N])
+            else:
+                T.copy(acc, D[by * block_M, bx * block_N])
 
     return main
 
@@ -119,15 +128,23 @@ def fp8_gemm_overlap_program(M, N, K, block_M=128, block_N=128, num_stages=2, th
 # epilogue) and cuda_ws_pingpong (the two consumer warpgroups take turns on the tensor cores, so one
 # warpgroup's promotion runs under the other's wgmma).
 _TILE = {"block_M": 128, "block_N": 128, "threads": 256, "swizzle": 8}
+_P, _PP = {"cuda_persistent": True}, {"cuda_persistent": True, "cuda_ws_pingpong": True}
 TUNE_CONFIGS = [
     {**_TILE, "num_stages": 4},
-    {**_TILE, "num_stages": 4, "pass_configs": {"cuda_persistent": True}},
-    {**_TILE, "num_stages": 4, "pass_configs": {"cuda_ws_pingpong": True}},
-    {**_TILE, "num_stages": 4, "pass_configs": {"cuda_ws_pingpong": True, "cuda_persistent": True}},
-    {**_TILE, "num_stages": 5, "pass_configs": {"cuda_ws_pingpong": True, "cuda_persistent": True}},
-    {**_TILE, "block_N": 64, "num_stages": 8, "pass_configs": {"cuda_persistent": True}},
+    {**_TILE, "num_stages": 4, "pass_configs": _P},
+    {**_TILE, "num_stages": 4, "pass_configs": _PP},
+    {**_TILE, "k_pair": True, "num_stages": 2, "pass_configs": _P},
+    {**_TILE, "k_pair": True, "num_stages": 3},
+    {**_TILE, "k_pair": True, "num_stages": 3, "staged_epilogue": False, "pass_configs": _P},
 ]
-DEFAULTS = {"*": TUNE_CONFIGS[0]}
+# The fastest correct candidate per DeepSeek shape on the H200 (bench_examples.py, 2026-12-02 R2), and for
+# any other shape the first of them: a first call builds these without tuning.
+DEFAULTS = {
+    (4096, 7168, 2048): TUNE_CONFIGS[3],
+    (4096, 2112, 7168): TUNE_CONFIGS[4],
+    (4096, 24576, 1536): TUNE_CONFIGS[3],
+    "*": TUNE_CONFIGS[3],
+}
 
 
 def _tuning_reference(A, B, sfa_t, sfb):

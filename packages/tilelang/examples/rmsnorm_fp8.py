@@ -72,12 +72,14 @@ def main(M: int = 8, N: int = 512) -> None:
     import torch
 
     kernel = rmsnorm_fp8(M, N)
-    x, w = torch.randn(M, N).bfloat16(), torch.randn(N).bfloat16()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(M, N, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
     q, s = kernel(x, w)
     rq, rs = reference(x, w)
-    err = ((dequantize(q, s) - dequantize(rq, rs)).abs().max() / dequantize(rq, rs).abs().max()).item()
-    assert err < 2e-2 and torch.allclose(s, rs, rtol=1e-5), err
-    print(f"RMSNorm + fp8 quant {M}x{N} on {kernel.target}: max |dequant - torch| / max|y| = {err:.1e}")
+    # a float32 sum-order difference may move a code sitting on a rounding boundary by one e4m3 step
+    off = (q.float() != rq.float()).float().mean().item()
+    assert torch.allclose(s, rs, rtol=1e-5, atol=0) and off <= 1e-3, (off, (s - rs).abs().max())
+    print(f"RMSNorm + fp8 quant {M}x{N} on {kernel.target}: scales within 1e-5 of torch, {off:.2%} of the codes differ")
 
 
 if __name__ == "__main__":

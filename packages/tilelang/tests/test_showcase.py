@@ -42,13 +42,30 @@ def test_fp8_gemm(example, target, shape, cfg):
     assert m.calc_diff(d.float(), m.reference(a, sfa, b, sfb)) < 1e-4
 
 
-@pytest.mark.parametrize("shape", [(200, 256, 384), (128, 64, 512)])
-def test_fp8_gemm_overlap(example, target, shape):
-    """Two K blocks per stage (an odd block count leaves the second one past K: zero-filled, scale index clamped)."""
+@pytest.mark.parametrize("shape,staged", [((200, 256, 384), True), ((128, 64, 512), True), ((200, 256, 384), False)])
+def test_fp8_gemm_overlap(example, target, shape, staged):
+    """Two K blocks per stage (an odd block count leaves the second one past K: zero-filled, scale index clamped);
+    the epilogue staged in shared memory or stored from registers."""
     m = example("fp8_gemm")
     M, N, K = shape
-    k = tilelang.compile(m.fp8_gemm_overlap_program(M, N, K, 128, min(N, 128), 2, 128), out_idx=[-1], target=target)
+    k = tilelang.compile(m.fp8_gemm_overlap_program(M, N, K, 128, min(N, 128), 2, 128, 8, "bfloat16", staged),
+                         out_idx=[-1], target=target)
     a, sfa, b, sfb = _fp8_case(m, M, N, K)
+    assert m.calc_diff(k(a, b, sfa.T.contiguous(), sfb).float(), m.reference(a, sfa, b, sfb)) < 1e-4
+
+
+def test_fp8_gemm_default_table(example):
+    """The DeepSeek shapes get their measured configs without tuning; any other shape the "*" entry; every
+    default is one of the tuning candidates and builds (k_pair selects the overlapped program)."""
+    m = example("fp8_gemm")
+    t = m.fp8_gemm_tuned
+    for shape in ((4096, 7168, 2048), (4096, 2112, 7168), (4096, 24576, 1536), (512, 512, 512)):
+        cfg = t.default_config(shape, {}, m.TUNE_CONFIGS)
+        assert cfg in m.TUNE_CONFIGS and cfg == m.DEFAULTS.get(shape, m.DEFAULTS["*"])
+    cfg = dict(m.DEFAULTS["*"])
+    cfg.pop("pass_configs", None)
+    k = tilelang.compile(m.fp8_gemm_program(200, 256, 384, **{**cfg, "threads": 128}), out_idx=[-1], target="interp")
+    a, sfa, b, sfb = _fp8_case(m, 200, 256, 384)
     assert m.calc_diff(k(a, b, sfa.T.contiguous(), sfb).float(), m.reference(a, sfa, b, sfb)) < 1e-4
 
 
