@@ -389,15 +389,21 @@ def best_configs(path: Path, top: int = 1) -> dict:
 # ---------------------------------------------------------------- one launch of each, for ncu
 
 
-def ncu_launch(best_json: Path) -> None:
+def ncu_launch(best_json: Path, only: str = "fp8,decode") -> None:
     """Launch once each: our fastest fp8 GEMM (first shape) and paged decode of `best_json` (a JSON this
     script wrote), deepgemm's and kvpool's kernels on the same inputs. Run under
     `ncu --clock-control none -k regex:'tl_main|gemm|paged_decode' ...`."""
-    import deepgemm
-    import kvpool
-
     rows = json.loads(best_json.read_text())["rows"]
-    fp8, pd = load("fp8_gemm"), load("paged_decode")
+    if "fp8" in only.split(","):
+        _ncu_fp8(rows)
+    if "decode" in only.split(","):
+        _ncu_decode(rows)
+
+
+def _ncu_fp8(rows) -> None:
+    import deepgemm
+
+    fp8 = load("fp8_gemm")
     m, n, k = FP8_SHAPES[0]
     best = next(r["best_config"] for r in rows["fp8"] if r.get("shape") == [m, n, k])
     prog, _, cfg = fp8_program(fp8, fp8_config_of(best))
@@ -415,6 +421,12 @@ def ncu_launch(best_json: Path) -> None:
     print("ncu launch: deepgemm fp8", flush=True)
     deepgemm.fp8_gemm_nt((a8, sfa_dg), (b8, sfb), d)
     torch.cuda.synchronize()
+
+
+def _ncu_decode(rows) -> None:
+    import kvpool
+
+    pd = load("paged_decode")
     best = rows["decode"][0]["best_config"]
     ns, bn, st, th = decode_config_of(best)
     batch, seq_len = 64, 4096
@@ -497,7 +509,7 @@ def main() -> None:
     if args.plot:
         return plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
     if args.ncu_launch:
-        return ncu_launch(args.ncu_launch)
+        return ncu_launch(args.ncu_launch, args.only)
     global TUNE_WITH_AUTOTUNER
     TUNE_WITH_AUTOTUNER = not args.no_autotune
     if not torch.cuda.is_available():
