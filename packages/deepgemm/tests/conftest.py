@@ -74,9 +74,26 @@ def check_compiled_batches(compile_kernels, keys, size: int = 8, forbidden=("ser
         check_compiled(compile_kernels(batch, ("--ptxas-options=-v",)), [k.expression for k in batch], forbidden)
 
 
+def check_graph_replay(fn, out, label: str, replays: int = 3) -> None:
+    """Run fn() once eagerly (compiles outside the capture), capture it in a CUDA graph on a side stream,
+    zero `out`, and check that every replay writes the eager result bit for bit."""
+    fn()
+    want = out.clone()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            fn()
+    out.zero_()
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        deepgemm.testing.assert_bitwise_equal(out, want, label)
+
+
 @pytest.fixture
 def h():
     """The helpers above, for test modules (importlib mode forbids importing conftest)."""
     return SimpleNamespace(fp8_operands=fp8_operands, dequant_a=dequant_a, dequant_b=dequant_b,
                            oracle_fp8=oracle_fp8, check_compiled=check_compiled,
-                           check_compiled_batches=check_compiled_batches)
+                           check_compiled_batches=check_compiled_batches, check_graph_replay=check_graph_replay)

@@ -170,22 +170,11 @@ def test_splitk_deterministic_repeated_and_in_place():
 
 
 @pytest.mark.gpu
-def test_splitk_in_a_cuda_graph():
+def test_splitk_in_a_cuda_graph(h):
     a, b = _ab(2, 4096, 7168, seed=4)  # M = 2: split-K (M = 1 is the GEMV kernel's)
     assert pick_splitk(2, 4096, 7168, deepgemm.get_num_sms()) is not None
     d = torch.empty(2, 4096, dtype=torch.bfloat16, device="cuda")
-    deepgemm.bf16_gemm_nt(a, b, d)  # compile outside the capture
-    want = d.clone()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            deepgemm.bf16_gemm_nt(a, b, d)
-    d.zero_()
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        deepgemm.testing.assert_bitwise_equal(d, want, "graph replay")
+    h.check_graph_replay(lambda: deepgemm.bf16_gemm_nt(a, b, d), d, "graph replay")
 
 
 @pytest.mark.gpu
