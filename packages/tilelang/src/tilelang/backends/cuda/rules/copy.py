@@ -7,8 +7,9 @@ import numpy as np
 
 from ....errors import CompileError
 from ....ir.layout import Axis, Fragment
-from ....ir.nodes import Const, Copy, Expr, For, If, Region
+from ....ir.nodes import Const, Copy, Expr, For, If, Let, Load, Region, Var
 from ....ir.thread import AsyncCommit, AsyncCopy, AsyncWait, Barrier, RegBuffer
+from ....ir.visit import walk_expr
 from ..common import _LOW, _divisible, esize
 from ..emit import Conv, CSelect, PackedStore2, Ref, TStore, VecLoad, VecStore, Zero
 from ..lower_thread import B, C, conj
@@ -86,6 +87,16 @@ class CopyRules:
     def copy_async(self, s: Copy) -> None:
         src, dst = s.src, s.dst
         v = self._vector_width(src, dst)
+        # a start index that loads (a page id from a block table) is read once per copy, not once per chunk:
+        # every cp.async is asm volatile, so the compiler could not reuse the loaded value between them
+        starts = []
+        for e in src.starts:
+            if any(isinstance(x, Load) for x in walk_expr(e)):
+                var = Var(self.fresh("src"), e.dtype if e.dtype.startswith("int") else "int32")
+                self.add(Let(var, self.lower_expr(e), loc=s.loc))
+                e = var
+            starts.append(e)
+        src = Region(src.buffer, starts, src.extents, src.loc)
         ext = [str(x) for x in (src.squeezed() or [1])]
         ext_v = ext[:-1] + [str(int(ext[-1]) // v)]
         names = self._tile_names(src)
