@@ -127,6 +127,17 @@ def case(m: int, n: int, k: int, iters: int, only: str | None = None, variants=(
     return r
 
 
+# --ncu-launch cases: (M, N, K, e4m3 activations, DEEPGEMM_FP4_KERNEL), one launch each
+NCU_CASES = {
+    "wgmma_64": (64, 4096, 7168, False, "wgmma"), "wgmma_128": (128, 4096, 7168, False, "wgmma"),
+    "wgmma_128_2112": (128, 2112, 7168, False, "wgmma"), "wgmma_e4m3_128": (128, 4096, 7168, True, "wgmma"),
+    "mma_e4m3_128": (128, 4096, 7168, True, "mma"), "mma_e4m3_64": (64, 4096, 7168, True, "mma"),
+    "mma_1": (1, 4096, 7168, False, "mma"), "mma_16": (16, 4096, 7168, False, "mma"),
+    "wgmma_1": (1, 4096, 7168, False, "wgmma"), "stream_1": (1, 4096, 7168, False, "stream"),
+    "stream_16": (16, 4096, 7168, False, "stream"), "stream_64": (64, 4096, 7168, False, "stream"),
+}
+
+
 def geomean(xs) -> float:
     xs = list(xs)
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
@@ -137,20 +148,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ncu-launch", action="store_true", help="one launch of a few FP4 cases (for ncu), then exit")
-    ap.add_argument("--ncu-kinds", default="mma,wgmma,stream", help="with --ncu-launch: which kernels' cases")
+    ap.add_argument("--ncu-cases", default=",".join(NCU_CASES), help="with --ncu-launch: which of NCU_CASES")
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: 1,16,64,128)")
     ap.add_argument("--only", default=None, help="comma-separated contenders (default: all)")
     ap.add_argument("--variants", default=None, help="extra contenders: 'label:contender:M,M:NAME=V,...;...'")
     args = ap.parse_args()
     if args.ncu_launch:
-        # M = 64 / 128 on both kernels and both activation kinds, M = 1 (the fixed cost), the streaming kernel at
-        # M = 1 / 16: one launch each
-        for m, n, k, fp8, kind in ((64, 4096, 7168, False, "wgmma"), (128, 4096, 7168, False, "wgmma"),
-                                   (128, 4096, 7168, True, "wgmma"), (128, 4096, 7168, True, "mma"),
-                                   (64, 4096, 7168, True, "mma"), (1, 4096, 7168, False, "wgmma"),
-                                   (1, 4096, 7168, False, "stream"), (16, 4096, 7168, False, "stream")):
-            if kind not in args.ncu_kinds.split(","):
-                continue
+        for name in args.ncu_cases.split(","):
+            if name not in NCU_CASES:
+                raise SystemExit(f"--ncu-cases: expected some of {', '.join(NCU_CASES)}, got {name!r}")
+            m, n, k, fp8, kind = NCU_CASES[name]
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             packed, sf = deepgemm.cast_weights_to_fp4(torch.randn(n, k, device="cuda") * 0.05)
             d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
