@@ -371,8 +371,8 @@ def _plan_wgmma(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool
 # like the others); DEEPGEMM_FP4_KERNEL=stream runs it at any M (A/B).
 STREAM_MAX_M = 0
 STREAM_MAX_TOKEN_TILES = 8  # its widest token tile (64 tokens; more: several m-blocks); =stream reaches it (A/B)
-STREAM_SLOTS = {1: 8, 2: 7, 4: 5, 8: 1}  # P per token tiles: 128-wide K chunks a thread holds in registers at once
-# (no spill within the kernel's 128 registers under NVRTC 13.0: NT = 2 at 8, 4 at 6, 8 at 2)
+STREAM_SLOTS = {1: 8, 2: 6, 4: 5, 8: 1}  # P per token tiles: 128-wide K chunks a thread holds in registers at once
+# (no spill within the kernel's 128 registers under NVRTC 13.0: NT = 2 at 7, 4 at 6, 8 at 2)
 STREAM_MAX_CHUNKS = 24  # chunks per CTA whose activations are staged whole ([tokens][chunks x 128] bf16); else a ring
 STREAM_WHOLE_BYTES = 48 * 1024  # the most shared memory the whole-range staging may take
 STREAM_TARGET_WARPS = 16 * 132  # warps in flight worth streaming the weights at full bandwidth (H200: 16 per SM)

@@ -79,9 +79,13 @@ TILEHAL_DEVICE void decode_e4m3(u32 w, u32& lo, u32& hi) {
 }
 
 // 8 e2m1 codes -> 4 bf16x2 words (codes 0-1, 2-3, 4-5, 6-7). Exact.
-TILEHAL_DEVICE void decode_bf16(u32 w, u32 (&r)[4]) {
-  constexpr u32 L0 = 0xC0800000u, L1 = 0xC0804000u;  // low bytes of bf16(0, .5, 1, 1.5 | 2, 3, 4, 6)
-  constexpr u32 H0 = 0x3F3F3F00u, H1 = 0x40404040u;  // high bytes
+// The tables' first words (l0, h0: prmt's register operand) may come in from a register that lives across a
+// loop (decode_bf16_tab), so that ptxas does not rebuild them from immediates for every call.
+constexpr u32 kBf16L0 = 0xC0800000u, kBf16H0 = 0x3F3F3F00u;
+
+TILEHAL_DEVICE void decode_bf16_tab(u32 w, u32 (&r)[4], u32 L0, u32 H0) {
+  constexpr u32 L1 = 0xC0804000u;  // low bytes of bf16(0, .5, 1, 1.5 | 2, 3, 4, 6): L0 | L1
+  constexpr u32 H1 = 0x40404040u;  // high bytes: H0 | H1
   u32 s_lo, s_hi;
   sign_masks(w, s_lo, s_hi);
   const u32 sel_lo = w & 0x7777u, sel_hi = (w >> 16) & 0x7777u;
@@ -92,6 +96,8 @@ TILEHAL_DEVICE void decode_bf16(u32 w, u32 (&r)[4]) {
   r[2] = prmt(xh, yh, 0x5140);
   r[3] = prmt(xh, yh, 0x7362);
 }
+
+TILEHAL_DEVICE void decode_bf16(u32 w, u32 (&r)[4]) { decode_bf16_tab(w, r, kBf16L0, kBf16H0); }
 
 TILEHAL_DEVICE u32 lds_u32(const unsigned char* p) { return *reinterpret_cast<const u32*>(p); }
 
@@ -1081,6 +1087,14 @@ fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ s
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
 
+  // stream_unit(g, 16c + 4q + x) = 16c + 4q + (x ^ swz_c): the XOR touches bits 0-1 only.
+  const int swz_c = (((q >> 1) & 1) << 1) | (g & 1);
+  const int thr_off = g * stride + q * 64;
+  // The decode tables' register words, opaque to the compiler (shape_k >= 0: the product is 0) and per-lane (a
+  // uniform register would be copied into a vector one before every prmt), kept live across the loop.
+  const u32 opaque0 = (static_cast<u32>(shape_k) >> 31) * static_cast<u32>(lane);
+  const u32 tab_l0 = kBf16L0 | opaque0, tab_h0 = kBf16H0 | opaque0;
+
   for (int base = 0; base < n_ch; base += P) {
 #pragma unroll
     for (int j = 0; j < P; ++j) {
@@ -1094,20 +1108,20 @@ fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ s
                                    valid_t);
           act = smem + (i % 3) * RING_BUF;
         }
-        const int unit0 = RING ? 0 : i * 16;
+        const unsigned char* act_i = act + thr_off + (RING ? 0 : i * 256);  // row g, unit 4q of chunk i
         const float s0 = cs[j][0], s1 = cs[j][1];
         const bool fold = __all_sync(0xFFFFFFFFu, foldable(s0) && foldable(s1));
+        const u32 s2_0 = prmt(__float_as_uint(s0), 0u, 0x3232), s2_1 = prmt(__float_as_uint(s1), 0u, 0x3232);
         const u32 w[2][4] = {{cw[j][0].x, cw[j][0].y, cw[j][0].z, cw[j][0].w},
                              {cw[j][1].x, cw[j][1].y, cw[j][1].z, cw[j][1].w}};
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
-          const unsigned char* ax = act + g * stride + stream_unit(g, unit0 + 4 * q + x) * 16;
+          const unsigned char* ax = act_i + ((x ^ swz_c) << 4);  // unit stream_unit(g, 16 i + 4q + x) of row g
           u32 d0[4], d1[4];
-          decode_bf16(w[0][x], d0);
-          decode_bf16(w[1][x], d1);
+          decode_bf16_tab(w[0][x], d0, tab_l0, tab_h0);
+          decode_bf16_tab(w[1][x], d1, tab_l0, tab_h0);
           if (fold) {
-            stream_steps<NT>(acc, d0, d1, prmt(__float_as_uint(s0), 0u, 0x3232), prmt(__float_as_uint(s1), 0u, 0x3232),
-                             ax, 8 * stride, valid_t, g);
+            stream_steps<NT>(acc, d0, d1, s2_0, s2_1, ax, 8 * stride, valid_t, g);
           } else {
             float rest0 = s0, rest1 = s1;
 #pragma unroll 1
