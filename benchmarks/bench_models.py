@@ -258,6 +258,7 @@ def _host_profile(env: Env, fn, tag: str, reps: int = 5) -> float:
         torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
+    pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(40)
     Path(env.out_dir).mkdir(parents=True, exist_ok=True)
     (Path(env.out_dir) / f"cprofile_{tag}.txt").write_text(f"{reps} calls\n" + text.getvalue())
     return host
