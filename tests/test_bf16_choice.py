@@ -45,6 +45,19 @@ def test_policy_forces_and_auto_measures_once(monkeypatch):
     assert bf16_gemm_choice(32, 8, 8, True, 0) == "cublas" and len(calls) == 1
 
 
+def test_deepgemm_needs_a_clear_lead(monkeypatch):
+    from tilehal import ArgumentError
+
+    assert layers.bf16_pick(0.94, 1.0) == "deepgemm"       # 6 % faster: past the default 5 % margin
+    assert layers.bf16_pick(0.97, 1.0) == "cublas"         # 3 % faster: within it
+    assert layers.bf16_pick(1.01, 1.0) == "cublas"
+    monkeypatch.setenv("TILESTACK_BF16_MARGIN", "0")
+    assert layers.bf16_pick(0.99, 1.0) == "deepgemm"
+    monkeypatch.setenv("TILESTACK_BF16_MARGIN", "1.5")
+    with pytest.raises(ArgumentError, match="TILESTACK_BF16_MARGIN"):
+        layers.bf16_pick(0.5, 1.0)
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
