@@ -147,7 +147,8 @@ def _llama(env: Env) -> torch.nn.Module:
     return model.eval()
 
 
-VARIANTS = {"bf16": dict(fp8=False), "fp8": dict(fp8=True), "bf16_mlp": dict(fp8=False, fuse_mlp=True),
+VARIANTS = {"bf16": dict(fp8=False), "fp8": dict(fp8=True), "bf16_nonorm": dict(fp8=False, fuse_norm=False),
+            "fp8_nonorm": dict(fp8=True, fuse_norm=False), "bf16_mlp": dict(fp8=False, fuse_mlp=True),
             "fp8_mlp": dict(fp8=True, fuse_mlp=True), "bf16_norm": dict(fp8=False, fuse_norm=True),
             "bf16_norm_mlp": dict(fp8=False, fuse_norm=True, fuse_mlp=True),
             "fp8_norm": dict(fp8=True, fuse_norm=True), "fp8_norm_mlp": dict(fp8=True, fuse_norm=True, fuse_mlp=True),
@@ -187,26 +188,37 @@ def _failed(workload: str, name: str, e: BaseException) -> None:
 # ----------------------------------------------------------------------------- sections
 
 
+def _interleaved(env: Env, fns: list, rounds: int = 3) -> list[tuple[float, float, float]]:
+    """(median, min, max) ms over `rounds` rounds of env.bench medians of each fn, the fns taking turns in every
+    round: a host or clock drift during the section moves every variant alike instead of the ones timed last."""
+    per: list[list[float]] = [[] for _ in fns]
+    for _ in range(1 if env.quick else rounds):
+        for i, fn in enumerate(fns):
+            per[i].append(env.bench(fn).median_s * 1e3)
+    return [(sorted(ts)[len(ts) // 2], min(ts), max(ts)) for ts in per]
+
+
 def sec_prefill(env: Env) -> None:
     b, s = env.s["prefill"]
     base = _llama(env)
     ids = torch.randint(0, base.config.vocab_size, (b, s), device=env.device)
     with torch.no_grad():
         ref = base(ids).logits
-        peer = None
+        runs = []   # (name, model, calc_diff)
         for name, m in _variants(env, base):
             try:
                 if isinstance(m, Exception):
                     raise m
-                out = m(ids).logits
-                t = env.bench(lambda m=m: m(ids)).median_s * 1e3
+                runs.append((name, m, tilehal.calc_diff(m(ids).logits, ref)))
             except Exception as e:
                 traceback.print_exc()
                 _failed("prefill", name, e)
-                continue
-            if peer is None:
-                peer = t
-            row("prefill", name, t, peer, tilehal.calc_diff(out, ref), f"{b}x{s} eager")
+        times = _interleaved(env, [lambda m=m: m(ids) for _, m, _ in runs])
+        peer = times[0][0] if runs and runs[0][0] == "plain" else None
+        for (name, _, diff), (t, lo, hi) in zip(runs, times):
+            row("prefill", name, t, peer, diff, f"{b}x{s} eager; median of interleaved rounds "
+                f"({lo:.3f}-{hi:.3f} ms)", round_min_ms=lo, round_max_ms=hi)
+        del runs
     del base, ref
     _free()
 
@@ -268,22 +280,25 @@ def sec_decode(env: Env) -> None:
     b, ctx = env.s["decode"]
     base = _llama(env)
     with torch.no_grad():
-        peer_e = peer_g = ref = ref_g = None
+        runs = []   # (name, step, logits)
         for name, m in _variants(env, base):
             try:
                 if isinstance(m, Exception):
                     raise m
                 step = _static_decode(env, m, b, ctx)
-                out = step().float()
-                t = env.bench(step).median_s * 1e3
+                runs.append((name, step, step().float()))
             except Exception as e:
                 traceback.print_exc()
                 _failed("decode_eager", name, e)
-                continue
-            ref = out if ref is None else ref
-            peer_e = t if peer_e is None else peer_e
-            row("decode_eager", name, t, peer_e, tilehal.calc_diff(out, ref), f"b{b}, {ctx} cached, StaticCache",
+        times = _interleaved(env, [step for _, step, _ in runs])
+        ref = runs[0][2] if runs else None
+        peer_e = times[0][0] if runs and runs[0][0] == "plain" else None
+        for (name, step, out), (t, lo, hi) in zip(runs, times):
+            row("decode_eager", name, t, peer_e, tilehal.calc_diff(out, ref), f"b{b}, {ctx} cached, StaticCache; "
+                f"median of interleaved rounds ({lo:.3f}-{hi:.3f} ms)", round_min_ms=lo, round_max_ms=hi,
                 host_ms=_host_profile(env, step, f"decode_eager_{name.split()[0]}"))
+        peer_g = ref_g = None
+        for name, step, _ in runs:
             if not env.cuda:
                 row("decode_graph", name, None, note="skipped: CUDA graphs need a GPU")
                 continue
@@ -297,10 +312,10 @@ def sec_decode(env: Env) -> None:
                 row("decode_graph", name, tg, peer_g, tilehal.calc_diff(gout.float(), ref_g),
                     f"CUDA graph replay; calc_diff vs the plain graph's logits (plain graph vs plain eager: "
                     f"{tilehal.calc_diff(ref_g, ref):.1e})")
+                del graph, gout
             except Exception as e:   # a capture failure is a result, recorded with its reason
                 row("decode_graph", name, None, note=f"capture failed: {type(e).__name__}: {str(e)[:200]}")
-            del step
-            _free()
+        del runs
     del base
     _free()
 
