@@ -24,11 +24,11 @@ el "prefill/decode rc=$?"; grep -vE "$F" $O/bench_prefill_decode.log | cut -c1-3
 L=$(left 70); [ $L -gt 10 ] && timeout $L python3 benchmarks/bench_models.py --only compile --variants fp8,bf16 \
   --budget-s 80 --json $O/bench_compile.json > $O/bench_compile.log 2>&1
 el "compile rc=$?"; grep -vE "$F" $O/bench_compile.log | cut -c1-300 | head -14
-L=$(left 92); [ $L -gt 6 ] && timeout $L python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu -rfE tests/test_norm.py \
+L=$(left 88); [ $L -gt 6 ] && timeout $L python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu -rfE tests/test_norm.py \
   tests/test_fusions_gpu.py tests/test_bf16_choice.py tests/test_register_optimizations.py packages/hal/tests/test_bench.py \
   -k "not fp4" > $O/gpu_tests.log 2>&1
 el "tests rc=$?"; grep -E "FAILED|ERROR|passed|failed|Error" $O/gpu_tests.log | head -20
-L=$(left 100); [ $L -gt 5 ] && timeout $L python3 benchmarks/bench_models.py --only kernels --kernels-of prefill \
+L=$(left 90); [ $L -gt 4 ] && timeout $L python3 benchmarks/bench_models.py --only kernels --kernels-of prefill \
   --variants bf16_nonorm,bf16_norm_mlp --budget-s 60 --json $O/bench_kernels.json > $O/bench_kernels.log 2>&1
 el "kernels rc=$?"; grep -vE "$F" $O/bench_kernels.log | cut -c1-200 | head -90
 el end
