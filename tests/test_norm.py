@@ -88,6 +88,33 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+def test_launch_arguments_follow_the_kernel_signature(monkeypatch):
+    """The host side of _rms_norm_cuda without a GPU: the kernel stubbed, its launches recorded (the argument order
+    of rms_norm_bf16, the fp8 scale layout, one plan per signature, the pre-cast kept for the next GEMM)."""
+    import tilestack.norm as nm
+
+    launches, built = [], []
+
+    class Stub:
+        def launch(self, grid, block, args):
+            launches.append((grid, block, args))
+
+    monkeypatch.setattr(nm, "_kernel", lambda expr: built.append(expr) or Stub())
+    monkeypatch.setattr(nm, "_PLANS", {})
+    x, w = torch.randn(3, 5, 256).bfloat16(), torch.ones(256).bfloat16()
+    y = nm._rms_norm_cuda(x, w, 1e-5)
+    y8, (q, sf) = nm._rms_norm_cuda(x, w, 1e-5, fp8=True)
+    nm._rms_norm_cuda(x, w, 1e-5)
+    assert built == [nm.kernel_expression(1, True, False), nm.kernel_expression(1, True, True)]   # plans reused
+    (g, b, plain), (_, _, cast), _ = launches
+    assert (g, b) == (15, nm.THREADS) and y.shape == y8.shape == x.shape
+    assert plain[:5] == (plain[0], w, plain[2], 15, 256) and plain[8] is None and plain[9] is None
+    assert [a.obj.value for a in plain[5:8]] == [256, 256, pytest.approx(1e-5)]
+    assert cast[8] is q and cast[9] is sf and [a.obj.value for a in cast[10:]] == [1, sf.stride(1)]
+    assert q.shape == (15, 256) and q.dtype == torch.float8_e4m3fn and sf.shape == (15, 2) and sf.stride(0) == 1
+    assert nm.precast_fp8(y8.view(-1, 256))[0] is q
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the kernel is built for sm_90a")
 @pytest.mark.parametrize("shape, h_view", [((4096, 4096), None), ((2, 37, 100), None), ((3, 5000), 4096),

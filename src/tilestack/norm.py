@@ -209,19 +209,22 @@ def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: bool 
         lds = get_tma_aligned_size(rows, 4)
         q = torch.empty((rows, h), dtype=torch.float8_e4m3fn, device=x.device)
         sf = torch.empty_strided((rows, h // 128), (1, lds), dtype=torch.float32, device=x.device)
-        tail = (q, sf, tilehal.Arg.i64(1), tilehal.Arg.i64(lds))
-    else:
-        tail = (None, None, tilehal.Arg.i64(0), tilehal.Arg.i64(0))
     if rows:
         ldx = x2.stride(0) if rows > 1 else h
-        key = (h, ldx, x2.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0, fp8)
+        key = (h, ldx, x2.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0, fp8, eps, rows if fp8 else 0)
         plan = _PLANS.get(key)
         if plan is None:
             chunks = -(-h // (THREADS * VEC))
             vec = h % VEC == 0 and ldx % VEC == 0 and key[2]
-            plan = _PLANS[key] = (_kernel(kernel_expression(chunks, vec, fp8)),)
-        plan[0].launch(rows, THREADS, (x2, weight, y, rows, h, tilehal.Arg.i64(ldx), tilehal.Arg.i64(h),
-                                       tilehal.Arg.f32(float(eps)), *tail))
+            if len(_PLANS) > 256:
+                _PLANS.clear()
+            # The scalar arguments as tilehal.Args, made once per signature (a decode step launches 5 norms).
+            scalars = (tilehal.Arg.i64(ldx), tilehal.Arg.i64(h), tilehal.Arg.f32(float(eps)),
+                       tilehal.Arg.i64(1 if fp8 else 0), tilehal.Arg.i64(lds if fp8 else 0))
+            plan = _PLANS[key] = (_kernel(kernel_expression(chunks, vec, fp8)), scalars)
+        kern, (a_ldx, a_h, a_eps, a_rs, a_cs) = plan
+        kern.launch(rows, THREADS, (x2, weight, y, rows, h, a_ldx, a_h, a_eps, q if fp8 else None,
+                                    sf if fp8 else None, a_rs, a_cs))
     if not fp8:
         return y.view(x.shape)
     _PRECAST[0] = (y, _signature(y), (q, sf))
