@@ -721,6 +721,15 @@ def main(argv=None) -> int:
         for t in table:
             print(f"    bf16 {t['m']:6d} x {t['n']:6d} x {t['k']:6d}{' +bias' if t['bias'] else ''}: deepgemm "
                   f"{t['deepgemm_us']:9.1f} us  cuBLAS {t['cublas_us']:9.1f} us  -> {t['choice']}", flush=True)
+    from tilestack.layers import swiglu_choice_table
+
+    table = swiglu_choice_table()
+    if table:
+        row("swiglu_choices", f"{len(table)} shapes", None, note="GemmSwiGLU's measured path per shape (fused vs "
+            "the three GEMMs, host time included)", table=table)
+        for t in table:
+            print(f"    swiglu {t['m']:6d} x {t['hidden']} -> {t['ffn']}{' fp8' if t['fp8'] else ''}: fused "
+                  f"{t['fused_us']:9.1f} us  three GEMMs {t['unfused_us']:9.1f} us  -> {t['choice']}", flush=True)
     _write(args, env)
     if args.json:
         print(f"wrote {args.json}")

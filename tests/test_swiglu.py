@@ -64,3 +64,33 @@ def test_fuse_mlp_off_swaps_linears_one_by_one(cuda_present, make_llama):
     rep = register_optimizations(model, backend="cuda")  # the default: off
     assert not any(d.kind == "mlp" for d in rep.swapped)
     assert "model.layers.0.mlp.gate_proj" in rep.names("swapped")
+
+
+def test_fused_or_three_gemms_by_measurement(cuda_present, make_llama, monkeypatch):
+    import tilehal
+
+    from tilestack import layers
+
+    model = make_llama()
+    register_optimizations(model, backend="cuda", fuse_mlp=True)
+    mlp = model.model.layers[0].mlp
+    x2 = torch.randn(64, 256)
+    times = {"fused": 2e-3, "unfused": 1e-3}
+    timed = []
+
+    def fake_bench(fn, **kw):
+        path = "fused" if fn.__code__.co_names and "_fused" in fn.__code__.co_names else "unfused"
+        timed.append(path)
+        return tilehal.BenchResult(median_s=times[path], min_s=0, max_s=0, p20_s=0, p80_s=0, iters=1, timer="host")
+
+    monkeypatch.setattr(tilehal, "bench", fake_bench)
+    monkeypatch.setattr(layers, "SWIGLU_CHOICES", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert mlp._path(x2) == "unfused" and timed == ["fused", "unfused"]
+    assert mlp._path(x2[:40]) == "unfused" and len(timed) == 2           # same M bucket: measured once
+    times["fused"] = 0.5e-3
+    assert mlp._path(torch.randn(4096, 256)) == "fused"                  # another bucket, measured again
+    assert layers.swiglu_choice_table()[0]["choice"] == "unfused"
+    monkeypatch.setenv("TILESTACK_SWIGLU", "fused")
+    assert mlp._path(x2) == "fused" and len(timed) == 4
+
