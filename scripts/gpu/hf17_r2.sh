@@ -17,11 +17,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 F="^\[transformers\]|Warning|warn"
 left() { echo $(( $1 - $(date +%s) + T0 )); }
-timeout 40 python3 benchmarks/bench_models.py --only prefill,decode \
-  --variants bf16_nonorm,bf16,bf16_norm_mlp,bf16_all,fp8,fp8_all --budget-s 39 \
+timeout 45 python3 benchmarks/bench_models.py --only prefill,decode \
+  --variants bf16_nonorm,bf16,bf16_norm_mlp,fp8,fp8_all --budget-s 44 \
   --json $O/bench_prefill_decode.json > $O/bench_prefill_decode.log 2>&1
 el "prefill/decode rc=$?"; grep -vE "$F" $O/bench_prefill_decode.log | cut -c1-320 | head -44
-L=$(left 70); [ $L -gt 10 ] && timeout $L python3 benchmarks/bench_models.py --only compile --variants fp8,bf16 \
+L=$(left 73); [ $L -gt 10 ] && timeout $L python3 benchmarks/bench_models.py --only compile --variants fp8,bf16 \
   --budget-s 80 --json $O/bench_compile.json > $O/bench_compile.log 2>&1
 el "compile rc=$?"; grep -vE "$F" $O/bench_compile.log | cut -c1-300 | head -14
 L=$(left 88); [ $L -gt 6 ] && timeout $L python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu -rfE tests/test_norm.py \
