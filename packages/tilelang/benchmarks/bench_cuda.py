@@ -5,7 +5,9 @@
 
 Kernels: benchmarks/cuda_kernels.py (public TileLang style). GEMM NT fp16/bf16 at 8192^3 and
 M=4096 with (N, K) in (7168, 2048), (2112, 7168), (24576, 1536); flash attention forward bhsd
-fp16, b4 h32 s4096 d128, causal and not. Ours up to four times: "ours" (the sm_90a defaults: T.gemm on
+fp16 d128 at b4 h32 s4096 and b1 h32 s16384, causal and not. --ab also times the opt-in forms of session 26:
+"ours_ov" / "ours_ovpp" (cuda_ws_overlap, + pingpong; flash attention at 2 or 3 stages) and "ours_wsm"
+(cuda_ws_multicast); `--only gemm|fa` and `--skip IMPL,...` trim a run. Ours up to four times: "ours" (the sm_90a defaults: T.gemm on
 wgmma, pipelined copies on TMA), "ours_ws" (pass_configs cuda_warp_specialize: a producer warpgroup issues
 the TMA loads), "ours_wsp" (+ cuda_persistent: one block per SM loops over the tiles), "ours_pp" (flash attention
 with cuda_ws_pingpong: the two consumer warpgroups take turns on the tensor cores; "ours_ppp" also
