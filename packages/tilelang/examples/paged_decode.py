@@ -118,9 +118,11 @@ def paged_decode_program(batch, q_heads, kv_heads, head_dim, num_blocks, block_s
 paged_decode_kernel = tilelang.jit(out_idx=[-1])(paged_decode_program)
 
 
-def paged_decode(q, k_cache, v_cache, block_table, seq_lens, num_split=1, block_N=64, num_stages=2, threads=128,
+def paged_decode(q, k_cache, v_cache, block_table, seq_lens, num_split=8, block_N=16, num_stages=4, threads=32,
                  scale=None):
-    """Run the example on kvpool-layout tensors: q [B, Hq, D] -> [B, Hq, D] (target: where the tensors are)."""
+    """Run the example on kvpool-layout tensors: q [B, Hq, D] -> [B, Hq, D] (target: where the tensors are).
+    The default schedule (one warp per CTA, 16-token tiles, 4 stages, 8 splits) was the fastest at b64 x 4096
+    on the H200 (3907 GB/s, 2026-12-02 R3; 1 split of 128-thread CTAs with 64-token tiles: 3848)."""
     import torch
 
     B, hq, d = q.shape
