@@ -531,12 +531,13 @@ class GemmSwiGLU(torch.nn.Module):
         if not m:
             y = torch.empty((0, self.down_proj.out_features), dtype=torch.bfloat16, device=x2.device)
         elif self._path(x2) == "fused":
-            y = self._fused(x2)
+            y = self._fused_path(x2)
         else:
             y = self._unfused(x2)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.down_proj.out_features)
 
-    def _fused(self, x2: torch.Tensor) -> torch.Tensor:
+    def _fused_path(self, x2: torch.Tensor) -> torch.Tensor:
+        """gate|up as one GEMM, silu(gate) * up in one kernel, down (the `_fused` attribute is the [2F, H] weight)."""
         m = x2.shape[0]
         h = torch.empty((m, 2 * self.gate_proj.out_features), dtype=torch.bfloat16, device=x2.device)
         if self.fp8:
@@ -570,7 +571,7 @@ class GemmSwiGLU(torch.nn.Module):
             return "fused"
         import tilehal
 
-        t_f = tilehal.bench(lambda: self._fused(x2), warmup=2, iters=5, device="cuda", hide_host=False).median_s
+        t_f = tilehal.bench(lambda: self._fused_path(x2), warmup=2, iters=5, device="cuda", hide_host=False).median_s
         t_u = tilehal.bench(lambda: self._unfused(x2), warmup=2, iters=5, device="cuda", hide_host=False).median_s
         choice = "fused" if t_f <= t_u else "unfused"
         SWIGLU_CHOICES[key], _SWIGLU_TIMES[key] = choice, (t_f, t_u, x2.shape[0])
