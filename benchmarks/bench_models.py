@@ -712,24 +712,20 @@ def main(argv=None) -> int:
         print(f"# {name}: {time.perf_counter() - t0:.1f} s", flush=True)
         _free()
         _write(args, env)  # after every section: a run cut short keeps what it measured
-    from tilestack.layers import bf16_choice_table
+    from tilestack.layers import bf16_choice_table, swiglu_choice_table
 
-    table = bf16_choice_table()
-    if table:
-        row("bf16_choices", f"{len(table)} shapes", None, note="GemmLinear's measured bf16 GEMM choice per shape "
-            "(deepgemm vs cuBLAS, host time included)", table=table)
-        for t in table:
-            print(f"    bf16 {t['m']:6d} x {t['n']:6d} x {t['k']:6d}{' +bias' if t['bias'] else ''}: deepgemm "
-                  f"{t['deepgemm_us']:9.1f} us  cuBLAS {t['cublas_us']:9.1f} us  -> {t['choice']}", flush=True)
-    from tilestack.layers import swiglu_choice_table
-
-    table = swiglu_choice_table()
-    if table:
-        row("swiglu_choices", f"{len(table)} shapes", None, note="GemmSwiGLU's measured path per shape (fused vs "
-            "the three GEMMs, host time included)", table=table)
-        for t in table:
-            print(f"    swiglu {t['m']:6d} x {t['hidden']} -> {t['ffn']}{' fp8' if t['fp8'] else ''}: fused "
-                  f"{t['fused_us']:9.1f} us  three GEMMs {t['unfused_us']:9.1f} us  -> {t['choice']}", flush=True)
+    choices = (
+        ("bf16_choices", bf16_choice_table(), "GemmLinear's measured bf16 GEMM choice per shape (deepgemm vs cuBLAS)",
+         lambda t: f"bf16 {t['m']:6d} x {t['n']:6d} x {t['k']:6d}{' +bias' if t['bias'] else ''}: deepgemm "
+                   f"{t['deepgemm_us']:9.1f} us  cuBLAS {t['cublas_us']:9.1f} us"),
+        ("swiglu_choices", swiglu_choice_table(), "GemmSwiGLU's measured path per shape (fused vs the three GEMMs)",
+         lambda t: f"swiglu {t['m']:6d} x {t['hidden']} -> {t['ffn']}{' fp8' if t['fp8'] else ''}: fused "
+                   f"{t['fused_us']:9.1f} us  three GEMMs {t['unfused_us']:9.1f} us"))
+    for workload, table, note, line in choices:
+        if table:
+            row(workload, f"{len(table)} shapes", None, note=note + ", host time included", table=table)
+            for t in table:
+                print(f"    {line(t)}  -> {t['choice']}", flush=True)
     _write(args, env)
     if args.json:
         print(f"wrote {args.json}")
