@@ -211,8 +211,9 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
       error against the original is <= `error_budget` and it is faster than bf16 here (median of
       `timing_iters` eager calls on the input it received), else bf16; the reason is in the report.
     fuse_mlp: with backend="cuda", transformers' dense gated SiLU MLPs (Llama, Mistral, Qwen2/3) become
-      GemmSwiGLU (gate and up as one GEMM, silu * up in one kernel; not with sparse_24 or precision="auto").
-      Off by default until its GPU tests (tests/test_swiglu.py) have run on a Hopper GPU.
+      GemmSwiGLU (gate and up as one GEMM, silu * up in one kernel; per M bucket that path or the original
+      three GEMMs, whichever measured faster; not with sparse_24 or precision="auto"). Off by default: its
+      per-M choice has not run on a GPU yet (the fused path alone passed there, 2026-12-02).
     fuse_norm: transformers' RMSNorm modules (tilestack.norm.RMSNORM_CLASSES) become FusedRMSNorm (the same
       formula in one kernel on CUDA bf16; the torch formula elsewhere and under torch.compile; with fp8 the
       kernel also casts its output for the fp8 GEMMs reading it). None (default): on with backend="cuda".
