@@ -602,3 +602,48 @@ def test_int4_rows_need_tensor_cores():
     lo, hi = _int4_rows(kmin, False), _int4_rows(kmax, True)
     assert torch.equal(select.select_blocks(q, lo, hi, table, lens, 5, block_size=16),
                        select.select_blocks_reference(q, lo, hi, table, lens, 5, block_size=16))
+
+
+# ----------------------------------------------------------------------------- the defaults, adversarial
+SELECT_ENV = ("DATAENGINE_SELECT_FUSED", "DATAENGINE_SCORE_KERNEL", "DATAENGINE_RING_SCORES", "DATAENGINE_RING_GRID",
+              "DATAENGINE_TOPK_KERNEL")
+# (top_k, sink, local, what the seed's input is): budgets below, at and above the rows' block counts
+ADVERSARIAL = [(64, 1, 1, "integer ties"), (7, 0, 0, "integer ties, holes"), (3, 2, 3, "every block alike"),
+               (256, 1, 1, "nothing written"), (1, 4, 4, "forced > budget"), (100, 0, 5, "-inf on half the blocks"),
+               (512, 1, 1, "integer ties")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sdtype", [torch.bfloat16, FP8, torch.uint8], ids=["bf16", "fp8", "int4"])
+@pytest.mark.parametrize("max_blocks", [300, 2100], ids=["one-launch", "two-launch"])
+def test_default_selection_adversarial(sdtype, max_blocks, monkeypatch):
+    """Issue 15's must-hold on the paths select_blocks takes by default (no variant in the
+    environment; GQA 32/8, d128, bf16 q as in the 128K benchmark): rows of <= 2048 blocks in one
+    launch, longer rows in two (fp8 / int4: ring scores on the heads grid). Integer inputs (bounds
+    exact in float32, so ties everywhere), an empty sequence, a 5-token one (1 block: shorter than
+    every budget), a full one, a random length, unwritten (-inf) blocks, every block alike, nothing written, holes in
+    the table, more forced blocks than the budget: the reference's blocks exactly, and the same again
+    on a second launch (the one-launch path's row tickets re-armed)."""
+    for name in SELECT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for seed, (top_k, sink, local, what) in enumerate(ADVERSARIAL):
+        q, kmin, kmax, table, lens = _problem(seed, B=4, Hq=32, Hkv=8, D=128, max_blocks=max_blocks,
+                                              num_blocks=3 * max_blocks, dtype=torch.bfloat16, sdtype=torch.float32,
+                                              unwritten={3: 1.0, 5: 0.5}.get(seed, 0.05), holes=seed == 1)
+        kmin, kmax = _summaries(sdtype, kmin, kmax, open_ends=seed % 2 == 1)
+        if seed == 2:
+            kmin.view(torch.uint8)[:] = kmin.view(torch.uint8)[:1]
+            kmax.view(torch.uint8)[:] = kmax.view(torch.uint8)[:1]
+        args = (q, kmin, kmax, table, lens)
+        width = min(max(top_k, sink + local), max_blocks)
+        one_launch = cuda_select.fused_reason(q, kmin, width, max_blocks) is None
+        assert one_launch == (max_blocks <= cuda_select.CHUNK_MAX and top_k != 512), (what, one_launch)
+        # valid blocks counted from seq_lens (the one-launch path needs block_size), or from the table
+        bs = None if seed == 1 else 16
+        want = select.select_blocks_reference(*_cpu(*args), top_k, sink, local, block_size=bs)
+        for _ in range(2):
+            got = select.select_blocks(*args, top_k, sink, local, block_size=bs)
+            assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), (seed, what, bs)
+        if seed == 3:  # nothing written: only the forced blocks of the non-empty rows come back
+            assert int((want >= 0).sum(-1).max()) <= sink + local
+    assert cuda_select.ring_grid() == "heads" and cuda_select._ring(sdtype, 128) == (sdtype != torch.bfloat16)

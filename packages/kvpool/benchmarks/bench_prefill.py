@@ -112,6 +112,9 @@ def prefill_case(lens: list[int], news: list[int], with_sdpa: bool) -> dict:
                 row[f"{name}_ms"] = t * 1e3
                 row[f"{name}_TFLOPs"] = flops / t / 1e12
                 row[f"{name}_calc_diff_vs_ours"] = tilehal.calc_diff(o[0].transpose(0, 1), outs[best_w])
+                if name == "sdpa_flash_gqa":  # every config against the independent kernel
+                    for n, out in outs.items():
+                        row[f"ours_{n}_calc_diff_vs_sdpa_flash"] = tilehal.calc_diff(o[0].transpose(0, 1), out)
             except Exception as e:  # reported, not hidden
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
         flash = [row[f"{n}_ms"] for n in ("sdpa_flash_gqa", "sdpa_flash_expanded_kv") if f"{n}_ms" in row]

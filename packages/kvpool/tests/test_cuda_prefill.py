@@ -32,6 +32,9 @@ def test_shared_memory_and_tiles():
     # Q (128 rows) + two stages of K and V (64 tokens) at d128 bf16: two CTAs fit an H200 SM.
     assert cuda_prefill.smem_bytes(torch.bfloat16, 128, (8, 1)) == 128 * 256 + 4 * 64 * 256
     assert 2 * (cuda_prefill.smem_bytes(torch.bfloat16, 128, (4, 2)) + 1024) <= 228 * 1024
+    # wgmma: Q (128 rows) + 4 stages of K and V + barriers + alignment slack, one CTA per SM
+    assert cuda_prefill.smem_bytes(torch.bfloat16, 128, ("wg", 2, 64, 4, 2)) == 128 * 256 + 8 * 64 * 256 + 64 + 1024
+    assert all(cuda_prefill.smem_bytes(torch.bfloat16, 128, c) + 1024 <= 228 * 1024 for c in cuda_prefill.WGMMA_CONFIGS)
     tiles = cuda_prefill.tile_list([0, 3, 3, 300], [10, 5, 1000], 128)
     assert tiles[0] == (2, 256) and sorted(tiles) == [(0, 0), (2, 0), (2, 128), (2, 256)]
 
@@ -39,6 +42,8 @@ def test_shared_memory_and_tiles():
 def test_config_env(monkeypatch):
     monkeypatch.setenv("KVPOOL_PREFILL_KERNEL", "w4x2")
     assert cuda_prefill.default_config() == (4, 2)
+    monkeypatch.setenv("KVPOOL_PREFILL_KERNEL", "wg2n64s4p2")
+    assert cuda_prefill.default_config() == ("wg", 2, 64, 4, 2) and cuda_prefill.threads(("wg", 2, 64, 4, 2)) == 320
     monkeypatch.setenv("KVPOOL_PREFILL_KERNEL", "w3x1")
     with pytest.raises(ValueError, match="KVPOOL_PREFILL_KERNEL"):
         cuda_prefill.default_config()

@@ -1,4 +1,7 @@
-"""CUDA paged prefill (kernels/paged_prefill.cuh): compilation, tile list and launch."""
+"""CUDA paged prefill: compilation, tile list and launch of kernels/paged_prefill.cuh (mma.sync,
+FlashAttention-2 style; configs (warps, row blocks[, kv tokens[, stages]])) and
+kernels/paged_prefill_wgmma.cuh (sm_90a wgmma with producer warps, FlashAttention-3 style; configs
+("wg", consumer warpgroups, kv tokens, stages, producer warps))."""
 
 from __future__ import annotations
 
@@ -27,54 +30,89 @@ CONFIGS = ((8, 1), (4, 1), (4, 2), (8, 2), (8, 2, 32), (4, 2, 32), (8, 2, 32, 3)
 # 32K prompt 35.6 ms vs w8x1 44.1; 4K on a 28K prefix 8.6 vs 10.9; 8 x 4K 5.0 vs 6.0) despite
 # ptxas spilling ~100 bytes at d128: two 16-row blocks per warp halve the K/V shared-memory reads.
 DEFAULT_CONFIG = (8, 2)
+# wgmma kernels: ("wg", consumer warpgroups of 64 query rows, kv tokens per stage, stages, producer warps).
+# ptxas (NVRTC 13.0): 155 registers, no spills; three consumer warpgroups would leave 128 (spills,
+# serialized wgmma). One CTA per SM (the 1 KB alignment slack keeps even a 64-row CTA with three
+# stages, 113 KB, from fitting twice).
+WGMMA_CONFIGS = (("wg", 2, 64, 4, 2), ("wg", 2, 64, 5, 2), ("wg", 2, 64, 4, 4), ("wg", 2, 64, 3, 2))
+CONFIGS = CONFIGS + WGMMA_CONFIGS
 MAX_GRID_Y = 65535
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
 
-def config_bn(cfg: tuple[int, ...]) -> int:
+def is_wgmma(cfg: tuple) -> bool:
+    return cfg[0] == "wg"
+
+
+def config_bn(cfg: tuple) -> int:
+    if is_wgmma(cfg):
+        return cfg[2]
     return cfg[2] if len(cfg) > 2 else BN
 
 
-def config_stages(cfg: tuple[int, ...]) -> int:
+def config_stages(cfg: tuple) -> int:
+    if is_wgmma(cfg):
+        return cfg[3]
     return cfg[3] if len(cfg) > 3 else 2
 
 
-def config_name(cfg: tuple[int, ...]) -> str:
+def config_name(cfg: tuple) -> str:
+    if is_wgmma(cfg):
+        return f"wg{cfg[1]}n{cfg[2]}s{cfg[3]}p{cfg[4]}"
     return (f"w{cfg[0]}x{cfg[1]}" + ("" if config_bn(cfg) == BN else f"n{config_bn(cfg)}")
             + ("" if config_stages(cfg) == 2 else f"s{config_stages(cfg)}"))
 
 
-def default_config() -> tuple[int, ...]:
-    """KVPOOL_PREFILL_KERNEL ("w8x1", "w4x2", ...), else DEFAULT_CONFIG."""
-    text = os.environ.get("KVPOOL_PREFILL_KERNEL")
-    if not text:
-        return DEFAULT_CONFIG
+def threads(cfg: tuple) -> int:
+    return 128 * cfg[1] + 32 * cfg[4] if is_wgmma(cfg) else 32 * cfg[0]
+
+
+def config_from_name(text: str, what: str = "config") -> tuple:
     for cfg in CONFIGS:
         if text == config_name(cfg):
             return cfg
-    raise tilehal.ArgumentError(f"KVPOOL_PREFILL_KERNEL: expected one of {[config_name(c) for c in CONFIGS]}, got {text!r}")
+    raise tilehal.ArgumentError(f"{what}: expected one of {[config_name(c) for c in CONFIGS]}, got {text!r}")
 
 
-def kernel_name(dtype: torch.dtype, head_dim: int, cfg: tuple[int, ...]) -> str:
+def default_config() -> tuple:
+    """KVPOOL_PREFILL_KERNEL ("w8x1", "w4x2", "wg2n64s4p2", ...), else DEFAULT_CONFIG."""
+    text = os.environ.get("KVPOOL_PREFILL_KERNEL")
+    if not text:
+        return DEFAULT_CONFIG
+    return config_from_name(text, "KVPOOL_PREFILL_KERNEL")
+
+
+def kernel_name(dtype: torch.dtype, head_dim: int, cfg: tuple) -> str:
+    if is_wgmma(cfg):
+        return f"kvpool::paged_prefill_wgmma_kernel<{_CTYPES[dtype]}, {head_dim}, {cfg[1]}, {cfg[2]}, {cfg[3]}, {cfg[4]}>"
     st = "" if config_stages(cfg) == 2 else f", {config_stages(cfg)}"
     return f"kvpool::paged_prefill_kernel<{_CTYPES[dtype]}, {head_dim}, {cfg[0]}, {cfg[1]}, {config_bn(cfg)}{st}>"
 
 
-def rows_per_cta(cfg: tuple[int, ...]) -> int:
-    return 16 * cfg[0] * cfg[1]
+def rows_per_cta(cfg: tuple) -> int:
+    return 64 * cfg[1] if is_wgmma(cfg) else 16 * cfg[0] * cfg[1]
 
 
-def smem_bytes(dtype: torch.dtype, head_dim: int, cfg: tuple[int, ...]) -> int:
-    """Dynamic shared memory of one CTA (PrefillSmem::kBytes, asserted at compile time): Q tile +
-    the stages of K and of V."""
+def smem_bytes(dtype: torch.dtype, head_dim: int, cfg: tuple) -> int:
+    """Dynamic shared memory of one CTA (PrefillSmem::kBytes / PrefillWgmmaSmem::kBytes, asserted at
+    compile time): Q tile + the stages of K and of V (wgmma: + the stages' two mbarriers and 1 KB to
+    align the tiles to 1024 bytes)."""
     row = head_dim * dtype.itemsize
+    if is_wgmma(cfg):
+        return rows_per_cta(cfg) * row + 2 * config_stages(cfg) * config_bn(cfg) * row + 16 * config_stages(cfg) + 1024
     return rows_per_cta(cfg) * row + 2 * config_stages(cfg) * config_bn(cfg) * row
 
 
 @functools.cache
-def compile_prefill(dtype: torch.dtype, head_dim: int, cfg: tuple[int, ...] = DEFAULT_CONFIG,
+def compile_prefill(dtype: torch.dtype, head_dim: int, cfg: tuple = DEFAULT_CONFIG,
                     arch: str = "sm_90a") -> tilehal.CudaModule:
     t, smem = _CTYPES[dtype], smem_bytes(dtype, head_dim, cfg)
+    if is_wgmma(cfg):
+        check = (f'static_assert(kvpool::PrefillWgmmaSmem<{t}, {head_dim}, {cfg[1]}, {cfg[2]}, {cfg[3]}>::kBytes == {smem}, '
+                 f'"kvpool.cuda_prefill.smem_bytes");\n')
+        return tilehal.compile_cuda('#include "paged_prefill_wgmma.cuh"\n' + check, arch=arch,
+                                    name=f"paged_prefill_{head_dim}_{config_name(cfg)}", include_dirs=[str(KERNEL_DIR)],
+                                    options=["--use_fast_math"], name_expressions=[kernel_name(dtype, head_dim, cfg)])
     # The host's copies of the kernel's constants, held to the kernel's at compile time.
     checks = (f'static_assert(kvpool::kPrefillBN == {BN}, "kvpool.cuda_prefill.BN");\n'
               f'static_assert(kvpool::PrefillSmem<{t}, {head_dim}, {cfg[0] * cfg[1]}, {config_bn(cfg)}, {config_stages(cfg)}>::kBytes == {smem}, '
@@ -105,7 +143,7 @@ def tile_list(cu: list[int], lens: list[int], rows_per_tile: int) -> list[tuple[
 
 def paged_prefill_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.Tensor,
                        seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, cu: list[int], lens: list[int],
-                       scale: float | None, config: tuple[int, ...] | None = None) -> torch.Tensor:
+                       scale: float | None, config: tuple | None = None) -> torch.Tensor:
     """The kernel's launch; `cu` / `lens` are the host copies paged_prefill validated."""
     total, hq, d = q.shape
     cfg = default_config() if config is None else config
@@ -124,7 +162,7 @@ def paged_prefill_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: t
     smem = smem_bytes(pool.dtype, d, cfg)
     for start in range(0, len(tiles), MAX_GRID_Y):
         chunk = tt[start:start + MAX_GRID_Y]
-        kern.launch((hq, chunk.shape[0]), 32 * cfg[0],
+        kern.launch((hq, chunk.shape[0]), threads(cfg),
                     [qc, kc, vc, table, table.shape[1], sl, cuq, chunk, out, pool.num_kv_heads,
                      float(scale * math.log2(math.e)), pool.block_size], smem_bytes=smem)
     return out

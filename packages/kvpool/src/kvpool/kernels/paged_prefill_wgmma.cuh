@@ -1,0 +1,311 @@
+// Paged prefill attention on Hopper warpgroup MMA (wgmma), FlashAttention-3 style.
+//
+// Same contract as paged_prefill.cuh (new tokens of each sequence attend causally to the cached
+// prefix and to each other; q packed by sequence through cu_seqlens_q; K/V read through the block
+// table; the host lists the query tiles longest-first), on sm_90a tensor cores:
+//
+// - CTA = NWG consumer warpgroups (64 query rows each, kBM = 64 * NWG rows of one (sequence, q head))
+//   + PW producer warps. The producers gather kv tiles of BN tokens through the block table with
+//   16-byte cp.async into an ST-stage ring of K and V tiles; a stage is published on its `full`
+//   mbarrier once the producer's copies landed (cp.async.wait_group, then a proxy fence: wgmma reads
+//   shared memory through the async proxy) and handed back on its `empty` mbarrier by every
+//   consumer warp once its warpgroup's last wgmma on it retired. The producer keeps LAG = ST - 2
+//   tiles of copies in flight.
+// - Shared tiles are 128-byte-swizzled atoms of 64 channels (8 x 16-byte chunks per row, chunk c of
+//   row r at c ^ (r % 8)), the layout TMA's SWIZZLE_128B writes: Q and K are K-major operands
+//   (S = Q K^T), and the very same V tile is the MN-major B operand of O = P V (transpose bit).
+// - Per kv tile and warpgroup: S = Q K^T (m64nBNk16, both operands in shared memory), online softmax
+//   in registers (exp2, scale folded in; the causal mask only on tiles that cross the diagonal), P
+//   packed to 16 bits as the register A operand of O += P V (m64nDk16). The warpgroup issues S of
+//   tile t before O += P V of tile t - 1 and waits for S only, so the softmax of tile t overlaps
+//   the P V product of tile t - 1 on the tensor cores (FA3's intra-warpgroup overlap).
+// Requires head_dim 64 or 128 (host checks).
+#pragma once
+#include <tilehal/tilehal.cuh>
+#include <tilehal/mbarrier.cuh>
+#include <tilehal/wgmma.cuh>
+#include <tilehal/wgmma16_ops.cuh>
+
+namespace kvpool {
+
+template <typename T> struct WgmmaTag;
+template <> struct WgmmaTag<__nv_bfloat16> { using type = tilehal::WgBF16; };
+template <> struct WgmmaTag<__half> { using type = tilehal::WgF16; };
+
+template <typename T, int D, int NWG, int BN, int ST>
+struct PrefillWgmmaSmem {
+  static constexpr int kBM = 64 * NWG;
+  static constexpr int kQBytes = kBM * D * int(sizeof(T));
+  static constexpr int kTileBytes = BN * D * int(sizeof(T));  // one stage of K (or V)
+  static constexpr int kBarOffset = kQBytes + 2 * ST * kTileBytes;
+  // Q, K x ST, V x ST, the full / empty barriers, and up to 1 KB to align the base to 1024 bytes
+  static constexpr int kBytes = kBarOffset + 2 * ST * 8 + 1024;
+};
+
+// Keep u32 operand registers (the P fragments an in-flight wgmma reads) alive and unmoved until here.
+template <int R>
+TILEHAL_DEVICE void wgmma_fence_regs(unsigned (&r)[R][4]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
+}
+
+template <typename T, int D, int NWG, int BN, int ST, int PW>
+__global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_kernel(
+    const T* __restrict__ q,              // [total, Hq, D]
+    const T* __restrict__ k_cache,        // [num_blocks, block_size, H, D] (one layer)
+    const T* __restrict__ v_cache,
+    const int* __restrict__ block_table,  // [B, table_stride]
+    int table_stride,
+    const int* __restrict__ seq_lens,     // [B]
+    const int* __restrict__ cu_seqlens_q, // [B + 1]
+    const int* __restrict__ tiles,        // [num_tiles, 2]: (b, first new-token row)
+    T* __restrict__ out,                  // [total, Hq, D]
+    int kv_heads, float scale_log2, int block_size) {
+  using S = PrefillWgmmaSmem<T, D, NWG, BN, ST>;
+  using Tag = typename tilehal::MmaTag<T>::type;
+  using WTag = typename WgmmaTag<T>::type;
+  using MmaS = tilehal::Wgmma16<BN>;  // S: m64 x BN tokens
+  using MmaO = tilehal::Wgmma16<D>;   // O: m64 x D channels
+  constexpr int kBM = S::kBM;
+  constexpr int kAtoms = D / 64;      // 128-byte swizzle atoms along head_dim
+  constexpr int kChunks = D / 8;      // 16-byte chunks per K/V row
+  constexpr int kProducers = 32 * PW;
+  constexpr int kConsumers = 128 * NWG;
+  constexpr int kLag = ST - 2;        // tiles of copies a producer keeps in flight unpublished
+  constexpr int kLoads = BN * kChunks / kProducers;  // chunks of K (and of V) per producer thread
+  static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+  static_assert(BN == 64 || BN == 128, "64 or 128 kv tokens per stage");
+  static_assert(ST >= 3, "the producer publishes a stage LAG = ST - 2 >= 1 tiles behind its copies");
+  static_assert(NWG >= 1 && NWG <= 3 && PW >= 1 && PW <= 4, "consumer warpgroups / producer warps");
+  static_assert(kLoads * kProducers == BN * kChunks && kProducers % kChunks == 0, "tile must split evenly");
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (tilehal::smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* q_s = smem;
+  unsigned char* k_s = smem + S::kQBytes;
+  unsigned char* v_s = k_s + ST * S::kTileBytes;
+  tilehal::u64* full = reinterpret_cast<tilehal::u64*>(smem + S::kBarOffset);
+  tilehal::u64* empty = full + ST;
+
+  const int hq = blockIdx.x, Hq = gridDim.x, tile = blockIdx.y;
+  const int G = Hq / kv_heads, hkv = hq / G;
+  const int b = tiles[2 * tile], i0 = tiles[2 * tile + 1];
+  const int q0 = cu_seqlens_q[b], n_new = cu_seqlens_q[b + 1] - q0;
+  const int L = seq_lens[b], P = L - n_new;  // cached prefix length
+  const int rows = min(kBM, n_new - i0);
+  if (rows <= 0) return;
+  const int kv_end = P + i0 + rows;  // keys [0, kv_end) are visible to some row of this tile
+  const int num_kv_tiles = (kv_end + BN - 1) / BN;
+  const int tid = threadIdx.x;
+  const long long q_row_stride = (long long)Hq * D;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      tilehal::mbarrier_init(&full[s], kProducers);
+      tilehal::mbarrier_init(&empty[s], 4 * NWG);  // one arrival per consumer warp
+    }
+    tilehal::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (tid >= kConsumers) {
+    // ------------------------------------------------------------------ producer warps
+    const int ptid = tid - kConsumers;
+    const int col = ptid % kChunks, atom = col / 8, cc = col % 8;
+    const int r_first = ptid / kChunks;
+    constexpr int kRowStep = kProducers / kChunks;
+    const long long kv_row_stride = (long long)kv_heads * D;
+    const int* table = block_table + (long long)b * table_stride;
+    const long long head_off = (long long)hkv * D + col * 8;
+    auto publish = [&](int t) {
+      tilehal::fence_proxy_async_shared();  // the landed copies, before the consumers' wgmma reads
+      tilehal::mbarrier_arrive(&full[t % ST]);
+    };
+    for (int t = 0; t < num_kv_tiles; ++t) {
+      const int s = t % ST;
+      if (t >= ST) tilehal::mbarrier_wait(&empty[s], ((t / ST) - 1) & 1);
+      unsigned char* ks = k_s + s * S::kTileBytes + atom * BN * 128;
+      unsigned char* vs = v_s + s * S::kTileBytes + atom * BN * 128;
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const int r = r_first + i * kRowStep;
+        const int j = t * BN + r;
+        int phys = -1;
+        if (j < kv_end) {
+          const int lb = j / block_size;
+          phys = lb < table_stride ? table[lb] : -1;
+        }
+        const bool ok = phys >= 0;
+        const long long off = ok ? ((long long)phys * block_size + (j % block_size)) * kv_row_stride + head_off : 0ll;
+        const int soff = r * 128 + ((cc ^ (r & 7)) << 4);
+        tilehal::cp_async_16(ks + soff, k_cache + off, ok);
+        tilehal::cp_async_16(vs + soff, v_cache + off, ok);
+      }
+      tilehal::cp_async_commit();
+      if (t >= kLag) {
+        tilehal::cp_async_wait<kLag>();
+        publish(t - kLag);
+      }
+    }
+    tilehal::cp_async_wait<0>();
+    for (int t = max(0, num_kv_tiles - kLag); t < num_kv_tiles; ++t) publish(t);
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumer warpgroups
+  const int wg = tid / 128, wtid = tid % 128, warp = wtid / 32, lane = tid % 32;
+  {  // this warpgroup's 64 rows of Q (zero past the end)
+    constexpr int kQLoads = 64 * kChunks / 128;
+#pragma unroll
+    for (int i = 0; i < kQLoads; ++i) {
+      const int c = wtid + i * 128, r = c / kChunks, col = c % kChunks;
+      const int row = wg * 64 + r;
+      const bool ok = row < rows;
+      const T* src = q + (ok ? (long long)(q0 + i0 + row) * q_row_stride : 0ll) + (long long)hq * D + col * 8;
+      tilehal::cp_async_16(q_s + (col / 8) * kBM * 128 + row * 128 + (((col % 8) ^ (r & 7)) << 4), src, ok);
+    }
+    tilehal::cp_async_commit();
+    tilehal::cp_async_wait<0>();
+    tilehal::fence_proxy_async_shared();
+    tilehal::named_barrier_sync(1 + wg, 128);
+  }
+  tilehal::u64 desc_q[kAtoms];
+#pragma unroll
+  for (int a = 0; a < kAtoms; ++a) desc_q[a] = tilehal::make_smem_desc_k128b(q_s + a * kBM * 128 + wg * 64 * 128);
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float sc[BN / 2];
+  unsigned p[BN / 16][4];
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  const int r0 = warp * 16 + lane / 4, t2 = (lane % 4) * 2;
+  const int qpos0 = P + i0 + wg * 64 + r0;     // position of the thread's first row (the second: + 8)
+  const int first_masked = (P + i0 + wg * 64) / BN;  // this warpgroup's tiles from here on cross the diagonal
+
+  auto issue_s = [&](int stage) {
+    const unsigned char* kt = k_s + stage * S::kTileBytes;
+    tilehal::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const tilehal::u64 dk = tilehal::make_smem_desc_k128b(kt + (kk / 4) * BN * 128);
+      MmaS::template ss<0, 0>(WTag(), sc, tilehal::desc_advance(desc_q[kk / 4], 2 * (kk % 4)),
+                              tilehal::desc_advance(dk, 2 * (kk % 4)), kk > 0);
+    }
+    tilehal::wgmma_commit();
+  };
+  auto issue_pv = [&](int stage) {
+    const tilehal::u64 dv = tilehal::make_smem_desc_mn128b(v_s + stage * S::kTileBytes, BN);
+    tilehal::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      MmaO::template rs<1>(WTag(), o, p[kk], tilehal::desc_advance(dv, kk * 128), 1);
+    tilehal::wgmma_commit();
+  };
+  // Softmax of the S tile of kv tile t in sc (scaled, masked, exponentiated in place); returns the
+  // rescale factors of the running rows and updates m_run.
+  auto softmax = [&](int t, float (&alpha)[2], float (&rs)[2]) {
+    const bool masked = t >= first_masked;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int c = 0; c < BN / 8; ++c) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = sc[4 * c + e] * scale_log2;
+        if (masked && t * BN + c * 8 + t2 + (e & 1) > qpos0 + (e >> 1) * 8) x = -INFINITY;
+        sc[4 * c + e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    }
+    float base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      const float m_new = fmaxf(m_run[r], mx[r]);
+      base[r] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = exp2f(m_run[r] - base[r]);
+      m_run[r] = m_new;
+      rs[r] = 0.f;
+    }
+#pragma unroll
+    for (int c = 0; c < BN / 8; ++c) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pv = exp2f(sc[4 * c + e] - base[e >> 1]);
+        sc[4 * c + e] = pv;
+        rs[e >> 1] += pv;
+      }
+    }
+  };
+  // P (16-bit A fragments of m64nDk16: the accumulator layout of S is the A layout), the running
+  // sums, and O rescaled, once the P V product that read the previous P and O has retired.
+  auto pack_and_rescale = [&](const float (&alpha)[2], const float (&rs)[2]) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      p[kk][0] = tilehal::pack2(Tag(), sc[8 * kk + 0], sc[8 * kk + 1]);
+      p[kk][1] = tilehal::pack2(Tag(), sc[8 * kk + 2], sc[8 * kk + 3]);
+      p[kk][2] = tilehal::pack2(Tag(), sc[8 * kk + 4], sc[8 * kk + 5]);
+      p[kk][3] = tilehal::pack2(Tag(), sc[8 * kk + 6], sc[8 * kk + 7]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rs[r];
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) {
+      o[4 * c + 0] *= alpha[0]; o[4 * c + 1] *= alpha[0];
+      o[4 * c + 2] *= alpha[1]; o[4 * c + 3] *= alpha[1];
+    }
+  };
+  auto release = [&](int t) {
+    __syncwarp();
+    if (lane == 0) tilehal::mbarrier_arrive(&empty[t % ST]);
+  };
+
+  {
+    float alpha[2], rs[2];
+    tilehal::mbarrier_wait(&full[0], 0);
+    issue_s(0);
+    tilehal::wgmma_wait<0>();
+    tilehal::wgmma_fence_operands(sc);
+    softmax(0, alpha, rs);
+    pack_and_rescale(alpha, rs);
+  }
+  for (int t = 1; t < num_kv_tiles; ++t) {
+    float alpha[2], rs[2];
+    tilehal::mbarrier_wait(&full[t % ST], (t / ST) & 1);
+    issue_s(t % ST);         // S of tile t ...
+    issue_pv((t - 1) % ST);  // ... then O += P V of tile t - 1
+    tilehal::wgmma_wait<1>();  // S landed; P V may still run
+    tilehal::wgmma_fence_operands(sc);
+    softmax(t, alpha, rs);
+    tilehal::wgmma_wait<0>();
+    tilehal::wgmma_fence_operands(o);
+    wgmma_fence_regs(p);
+    release(t - 1);
+    pack_and_rescale(alpha, rs);
+  }
+  issue_pv((num_kv_tiles - 1) % ST);
+  tilehal::wgmma_wait<0>();
+  tilehal::wgmma_fence_operands(o);
+  wgmma_fence_regs(p);
+
+  // ---- normalize and store rows < rows
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = wg * 64 + r0 + r * 8;
+    if (row >= rows) continue;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    T* dst = out + (long long)(q0 + i0 + row) * q_row_stride + (long long)hq * D + t2;
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c)
+      *reinterpret_cast<unsigned*>(dst + c * 8) = tilehal::pack2(Tag(), o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
+  }
+}
+
+}  // namespace kvpool
