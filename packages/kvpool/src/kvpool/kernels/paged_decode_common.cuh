@@ -28,6 +28,30 @@ __device__ __forceinline__ SplitRange split_range(const int* idx, int num_idx, i
   return {begin, max(0, min(items, begin + per_split) - begin)};
 }
 
+// What a decode CTA (split blockIdx.x, kv head blockIdx.y, sequence blockIdx.z) owns: its sequence's
+// length and block count (positions past the table are ignored, as in the reference, never read out
+// of bounds), its selected blocks (sparse; nullptr: dense), its block-table row, and its share
+// [item0, item0 + n_items) of the items.
+struct DecodeShare {
+  int seq_len, seq_blocks, item0, n_items;
+  const int* idx;
+  const int* table;
+};
+__device__ __forceinline__ DecodeShare decode_share(const int* seq_lens, const int* block_table, int table_stride,
+                                                    const int* block_idx, int idx_b_stride, int idx_h_stride,
+                                                    int num_idx, int block_size) {
+  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  DecodeShare s;
+  s.seq_len = seq_lens[b];
+  s.seq_blocks = min((s.seq_len + block_size - 1) / block_size, table_stride);
+  s.idx = block_idx ? block_idx + (long long)b * idx_b_stride + (long long)h * idx_h_stride : nullptr;
+  const SplitRange range = split_range(s.idx, num_idx, s.seq_blocks, split, gridDim.x);
+  s.item0 = range.begin;
+  s.n_items = range.count;
+  s.table = block_table + (long long)b * table_stride;
+  return s;
+}
+
 // Entry i of a CTA's staged block list (kernels that stage it in shared memory): the physical
 // block of the share's item i (0 for a hole or an out-of-range selection) and how many of its
 // tokens are valid (0 then). Returns the physical block, or -1.

@@ -53,13 +53,11 @@ __global__ void __launch_bounds__(kThreads) paged_decode_fp8_kernel(
   const int H = gridDim.y, splits = gridDim.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int sub = lane / kLanes, cl = lane % kLanes;
-  const int seq_len = seq_lens[b];
-  // Positions past the table are ignored (as in the reference), never read out of bounds.
-  const int seq_blocks = min((seq_len + block_size - 1) / block_size, table_stride);
-  const int* idx = block_idx ? block_idx + (long long)b * idx_b_stride + (long long)h * idx_h_stride : nullptr;
-  const SplitRange range = split_range(idx, num_idx, seq_blocks, split, splits);
-  const int item0 = range.begin, n_items = range.count;
-  const int* table = block_table + (long long)b * table_stride;
+  const DecodeShare share = decode_share(seq_lens, block_table, table_stride, block_idx, idx_b_stride, idx_h_stride,
+                                         num_idx, block_size);
+  const int seq_len = share.seq_len, seq_blocks = share.seq_blocks, item0 = share.item0, n_items = share.n_items;
+  const int* idx = share.idx;
+  const int* table = share.table;
 
   for (int i = threadIdx.x; i < n_items; i += kThreads) {
     const int phys = stage_block(i, idx, item0, seq_blocks, table, seq_len, block_size, blk_s, ntok_s);

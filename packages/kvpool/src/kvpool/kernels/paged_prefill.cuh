@@ -16,7 +16,7 @@
 // registers as the A operand of O += P V (ldmatrix.trans V). Only tiles that cross the diagonal
 // apply the causal mask. Requires head_dim 64 or 128 (host checks).
 #pragma once
-#include <tilehal/tilehal.cuh>
+#include "paged_prefill_common.cuh"
 
 namespace kvpool {
 
@@ -70,14 +70,10 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
   const unsigned k_sa = static_cast<unsigned>(__cvta_generic_to_shared(k_s));
   const unsigned v_sa = static_cast<unsigned>(__cvta_generic_to_shared(v_s));
 
-  const int hq = blockIdx.x, Hq = gridDim.x, tile = blockIdx.y;
-  const int G = Hq / kv_heads, hkv = hq / G;
-  const int b = tiles[2 * tile], i0 = tiles[2 * tile + 1];
-  const int q0 = cu_seqlens_q[b], n_new = cu_seqlens_q[b + 1] - q0;
-  const int L = seq_lens[b], P = L - n_new;  // cached prefix length
-  const int rows = min(kPrefillBM, n_new - i0);
+  const PrefillTile pt = prefill_tile<kPrefillBM>(tiles, seq_lens, cu_seqlens_q, kv_heads);
+  const int hq = pt.hq, Hq = gridDim.x, hkv = pt.hkv, b = pt.b, i0 = pt.i0, q0 = pt.q0, P = pt.P;
+  const int rows = pt.rows, kv_end = pt.kv_end;
   if (rows <= 0) return;
-  const int kv_end = P + i0 + rows;  // keys [0, kv_end) are visible to some row of this tile
   const int num_kv_tiles = (kv_end + kPrefillBN - 1) / kPrefillBN;
   const int first_masked = (P + i0) / kPrefillBN;  // tiles from here on cross the diagonal
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -101,15 +97,9 @@ __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
 #pragma unroll
     for (int i = 0; i < kKVLoads; ++i) {
       const int c = tid + i * kThreads, r = c / kChunks, col = c % kChunks;
-      const int j = t * kPrefillBN + r;
-      int phys = -1;
-      if (j < kv_end) {
-        const int lb = j / block_size;
-        phys = lb < table_stride ? table[lb] : -1;
-      }
-      const bool ok = phys >= 0;
-      const long long off = ok ? ((long long)phys * block_size + (j % block_size)) * kv_row_stride
-                                     + (long long)hkv * D + col * 8 : 0ll;
+      long long off;
+      const bool ok = paged_row(table, table_stride, t * kPrefillBN + r, kv_end, block_size, kv_row_stride,
+                                (long long)hkv * D + col * 8, off);
       const int soff = r * S::kRowBytes + ((col ^ (r & 7)) << 4);
       tilehal::cp_async_16(ks + soff, k_cache + off, ok);
       tilehal::cp_async_16(vs + soff, v_cache + off, ok);

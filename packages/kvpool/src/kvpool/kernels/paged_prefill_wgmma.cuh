@@ -21,7 +21,7 @@
 //   the P V product of tile t - 1 on the tensor cores (FA3's intra-warpgroup overlap).
 // Requires head_dim 64 or 128 (host checks).
 #pragma once
-#include <tilehal/tilehal.cuh>
+#include "paged_prefill_common.cuh"
 #include <tilehal/mbarrier.cuh>
 #include <tilehal/wgmma.cuh>
 #include <tilehal/wgmma16_ops.cuh>
@@ -89,14 +89,9 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   tilehal::u64* full = reinterpret_cast<tilehal::u64*>(smem + S::kBarOffset);
   tilehal::u64* empty = full + ST;
 
-  const int hq = blockIdx.x, Hq = gridDim.x, tile = blockIdx.y;
-  const int G = Hq / kv_heads, hkv = hq / G;
-  const int b = tiles[2 * tile], i0 = tiles[2 * tile + 1];
-  const int q0 = cu_seqlens_q[b], n_new = cu_seqlens_q[b + 1] - q0;
-  const int L = seq_lens[b], P = L - n_new;  // cached prefix length
-  const int rows = min(kBM, n_new - i0);
+  const PrefillTile pt = prefill_tile<kBM>(tiles, seq_lens, cu_seqlens_q, kv_heads);
+  const int hq = pt.hq, Hq = gridDim.x, b = pt.b, i0 = pt.i0, q0 = pt.q0, P = pt.P, rows = pt.rows, kv_end = pt.kv_end;
   if (rows <= 0) return;
-  const int kv_end = P + i0 + rows;  // keys [0, kv_end) are visible to some row of this tile
   const int num_kv_tiles = (kv_end + BN - 1) / BN;
   const int tid = threadIdx.x;
   const long long q_row_stride = (long long)Hq * D;
@@ -119,7 +114,7 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
     constexpr int kRowStep = kProducers / kChunks;
     const long long kv_row_stride = (long long)kv_heads * D;
     const int* table = block_table + (long long)b * table_stride;
-    const long long head_off = (long long)hkv * D + col * 8;
+    const long long head_off = (long long)pt.hkv * D + col * 8;
     auto publish = [&](int t) {
       tilehal::fence_proxy_async_shared();  // the landed copies, before the consumers' wgmma reads
       tilehal::mbarrier_arrive(&full[t % ST]);
@@ -132,14 +127,8 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
 #pragma unroll
       for (int i = 0; i < kLoads; ++i) {
         const int r = r_first + i * kRowStep;
-        const int j = t * BN + r;
-        int phys = -1;
-        if (j < kv_end) {
-          const int lb = j / block_size;
-          phys = lb < table_stride ? table[lb] : -1;
-        }
-        const bool ok = phys >= 0;
-        const long long off = ok ? ((long long)phys * block_size + (j % block_size)) * kv_row_stride + head_off : 0ll;
+        long long off;
+        const bool ok = paged_row(table, table_stride, t * BN + r, kv_end, block_size, kv_row_stride, head_off, off);
         const int soff = r * 128 + ((cc ^ (r & 7)) << 4);
         tilehal::cp_async_16(ks + soff, k_cache + off, ok);
         tilehal::cp_async_16(vs + soff, v_cache + off, ok);
