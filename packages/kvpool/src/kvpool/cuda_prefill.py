@@ -31,10 +31,14 @@ CONFIGS = ((8, 1), (4, 1), (4, 2), (8, 2), (8, 2, 32), (4, 2, 32), (8, 2, 32, 3)
 # ptxas spilling ~100 bytes at d128: two 16-row blocks per warp halve the K/V shared-memory reads.
 DEFAULT_CONFIG = (8, 2)
 # wgmma kernels: ("wg", consumer warpgroups of 64 query rows, kv tokens per stage, stages, producer warps).
-# ptxas (NVRTC 13.0): 155 registers, no spills; three consumer warpgroups would leave 128 (spills,
-# serialized wgmma). One CTA per SM (the 1 KB alignment slack keeps even a 64-row CTA with three
-# stages, 113 KB, from fitting twice).
-WGMMA_CONFIGS = (("wg", 2, 64, 4, 2), ("wg", 2, 64, 5, 2), ("wg", 2, 64, 4, 4), ("wg", 2, 64, 3, 2))
+# ptxas (NVRTC 13.0): 155 registers, no spills at 64 kv tokens per stage; registers are allocated per
+# warpgroup, so with two producer warps a CTA still holds 384 threads' worth (168 each). With four
+# (p4) the producer warpgroup hands registers to the consumers (setmaxnreg 56 / 224), which the
+# 128-token S tile needs (without: 312 bytes of spills, serialized wgmma). Three consumer
+# warpgroups would leave 128 registers (spills). One CTA per SM (the 1 KB alignment slack keeps even
+# a 64-row CTA with three stages, 113 KB, from fitting twice).
+WGMMA_CONFIGS = (("wg", 2, 64, 4, 2), ("wg", 2, 64, 5, 2), ("wg", 2, 64, 4, 4), ("wg", 2, 64, 3, 2),
+                 ("wg", 2, 128, 2, 4))
 CONFIGS = CONFIGS + WGMMA_CONFIGS
 MAX_GRID_Y = 65535
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}

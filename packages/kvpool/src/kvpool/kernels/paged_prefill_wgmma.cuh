@@ -10,7 +10,7 @@
 //   mbarrier once the producer's copies landed (cp.async.wait_group, then a proxy fence: wgmma reads
 //   shared memory through the async proxy) and handed back on its `empty` mbarrier by every
 //   consumer warp once its warpgroup's last wgmma on it retired. The producer keeps LAG = ST - 2
-//   tiles of copies in flight.
+//   tiles of copies in flight (none with two stages: it waits for each tile's copies).
 // - Shared tiles are 128-byte-swizzled atoms of 64 channels (8 x 16-byte chunks per row, chunk c of
 //   row r at c ^ (r % 8)), the layout TMA's SWIZZLE_128B writes: Q and K are K-major operands
 //   (S = Q K^T), and the very same V tile is the MN-major B operand of O = P V (transpose bit).
@@ -73,11 +73,16 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   constexpr int kChunks = D / 8;      // 16-byte chunks per K/V row
   constexpr int kProducers = 32 * PW;
   constexpr int kConsumers = 128 * NWG;
-  constexpr int kLag = ST - 2;        // tiles of copies a producer keeps in flight unpublished
+  constexpr int kLag = ST > 2 ? ST - 2 : 0;  // tiles of copies a producer keeps in flight unpublished
   constexpr int kLoads = BN * kChunks / kProducers;  // chunks of K (and of V) per producer thread
+  // Registers are allocated per warpgroup: producer warps cost a whole one anyway. With a full
+  // producer warpgroup (PW = 4) it hands registers over to the consumers (setmaxnreg).
+  constexpr bool kHandOver = PW == 4;
+  constexpr int kProducerRegs = 56, kConsumerRegs = NWG == 2 ? 224 : 160;
+  static_assert(!kHandOver || 128 * (kProducerRegs + NWG * kConsumerRegs) <= 65536, "register file");
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
   static_assert(BN == 64 || BN == 128, "64 or 128 kv tokens per stage");
-  static_assert(ST >= 3, "the producer publishes a stage LAG = ST - 2 >= 1 tiles behind its copies");
+  static_assert(ST >= 2, "at least two stages (with two, each tile is published once its copies landed)");
   static_assert(NWG >= 1 && NWG <= 3 && PW >= 1 && PW <= 4, "consumer warpgroups / producer warps");
   static_assert(kLoads * kProducers == BN * kChunks && kProducers % kChunks == 0, "tile must split evenly");
 
@@ -108,6 +113,7 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
 
   if (tid >= kConsumers) {
     // ------------------------------------------------------------------ producer warps
+    if constexpr (kHandOver) tilehal::setmaxnreg_dec<kProducerRegs>();
     const int ptid = tid - kConsumers;
     const int col = ptid % kChunks, atom = col / 8, cc = col % 8;
     const int r_first = ptid / kChunks;
@@ -145,6 +151,7 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   }
 
   // -------------------------------------------------------------------- consumer warpgroups
+  if constexpr (kHandOver) tilehal::setmaxnreg_inc<kConsumerRegs>();
   const int wg = tid / 128, wtid = tid % 128, warp = wtid / 32, lane = tid % 32;
   {  // this warpgroup's 64 rows of Q (zero past the end)
     constexpr int kQLoads = 64 * kChunks / 128;
