@@ -51,7 +51,7 @@ TILEHAL_DEVICE void wgmma_fence_regs(unsigned (&r)[R][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
 }
 
-template <typename T, int D, int NWG, int BN, int ST, int PW>
+template <typename T, int D, int NWG, int BN, int ST, int PW, bool PP = false>
 __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_kernel(
     const T* __restrict__ q,              // [total, Hq, D]
     const T* __restrict__ k_cache,        // [num_blocks, block_size, H, D] (one layer)
@@ -85,6 +85,7 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   static_assert(ST >= 2, "at least two stages (with two, each tile is published once its copies landed)");
   static_assert(NWG >= 1 && NWG <= 3 && PW >= 1 && PW <= 4, "consumer warpgroups / producer warps");
   static_assert(kLoads * kProducers == BN * kChunks && kProducers % kChunks == 0, "tile must split evenly");
+  static_assert(!PP || NWG == 2, "ping-pong takes two consumer warpgroups");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (tilehal::smem_addr(smem_raw) & 1023)) & 1023);
@@ -259,11 +260,28 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
     __syncwarp();
     if (lane == 0) tilehal::mbarrier_arrive(&empty[t % ST]);
   };
+  // PP (ping-pong): the two warpgroups take turns issuing their wgmma batches (named barriers 3 and 4,
+  // 256 threads: the owner syncs, the other warpgroup arrives), so one's softmax runs while the
+  // other's products occupy the tensor cores. Warpgroup 1 lets warpgroup 0 go first and skips its
+  // last hand-back, so every barrier phase completes.
+  auto my_turn = [&]() {
+    if constexpr (PP) tilehal::named_barrier_sync(3 + wg, 256);
+  };
+  auto your_turn = [&](bool last) {
+    if constexpr (PP) {
+      if (!(last && wg == 1)) tilehal::named_barrier_arrive(3 + (wg ^ 1), 256);
+    }
+  };
+  if constexpr (PP) {
+    if (wg == 1) tilehal::named_barrier_arrive(3, 256);
+  }
 
   {
     float alpha[2], rs[2];
     tilehal::mbarrier_wait(&full[0], 0);
+    my_turn();
     issue_s(0);
+    your_turn(false);
     tilehal::wgmma_wait<0>();
     tilehal::wgmma_fence_operands(sc);
     softmax(0, alpha, rs);
@@ -272,8 +290,10 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   for (int t = 1; t < num_kv_tiles; ++t) {
     float alpha[2], rs[2];
     tilehal::mbarrier_wait(&full[t % ST], (t / ST) & 1);
+    my_turn();
     issue_s(t % ST);         // S of tile t ...
     issue_pv((t - 1) % ST);  // ... then O += P V of tile t - 1
+    your_turn(false);
     tilehal::wgmma_wait<1>();  // S landed; P V may still run
     tilehal::wgmma_fence_operands(sc);
     softmax(t, alpha, rs);
@@ -283,7 +303,9 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
     release(t - 1);
     pack_and_rescale(alpha, rs);
   }
+  my_turn();
   issue_pv((num_kv_tiles - 1) % ST);
+  your_turn(true);
   tilehal::wgmma_wait<0>();
   tilehal::wgmma_fence_operands(o);
   wgmma_fence_regs(p);
