@@ -36,10 +36,9 @@ DEFAULT_CONFIG = (8, 2)
 # warpgroup, so with two producer warps a CTA still holds 384 threads' worth (168 each). With four
 # (p4) the producer warpgroup hands registers to the consumers (setmaxnreg 56 / 224), which the
 # 128-token S tile needs (without: 312 bytes of spills, serialized wgmma). Three consumer
-# warpgroups would leave 128 registers (spills). One CTA per SM (the 1 KB alignment slack keeps even
-# a 64-row CTA with three stages, 113 KB, from fitting twice).
-WGMMA_CONFIGS = (("wg", 2, 64, 4, 2), ("wg", 2, 64, 5, 2), ("wg", 2, 64, 4, 4), ("wg", 2, 64, 3, 2),
-                 ("wg", 2, 128, 2, 4), ("wg", 2, 64, 4, 2, "pp"), ("wg", 2, 128, 2, 4, "pp"))
+# warpgroups would leave 128 registers (spills). One CTA per SM (up to 6 stages of 64 tokens fit).
+WGMMA_CONFIGS = (("wg", 2, 64, 4, 2), ("wg", 2, 64, 6, 2), ("wg", 2, 64, 6, 4), ("wg", 2, 128, 2, 4),
+                 ("wg", 2, 64, 4, 2, "pp"), ("wg", 2, 64, 6, 4, "pp"))
 CONFIGS = CONFIGS + WGMMA_CONFIGS
 MAX_GRID_Y = 65535
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}

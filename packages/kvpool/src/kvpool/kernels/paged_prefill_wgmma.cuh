@@ -6,11 +6,14 @@
 //
 // - CTA = NWG consumer warpgroups (64 query rows each, kBM = 64 * NWG rows of one (sequence, q head))
 //   + PW producer warps. The producers gather kv tiles of BN tokens through the block table with
-//   16-byte cp.async into an ST-stage ring of K and V tiles; a stage is published on its `full`
-//   mbarrier once the producer's copies landed (cp.async.wait_group, then a proxy fence: wgmma reads
-//   shared memory through the async proxy) and handed back on its `empty` mbarrier by every
-//   consumer warp once its warpgroup's last wgmma on it retired. The producer keeps LAG = ST - 2
-//   tiles of copies in flight (none with two stages: it waits for each tile's copies).
+//   16-byte cp.async into an ST-stage ring of K and V tiles. A stage's `full` mbarrier completes
+//   when every producer thread's copies into it landed (cp.async.mbarrier.arrive.noinc: no producer
+//   ever waits for its copies, so it runs up to ST tiles ahead); each consumer fences the async proxy
+//   after the wait (wgmma reads shared memory through it, cp.async wrote through the generic one)
+//   and every consumer warp hands the stage back on its `empty` mbarrier once its warpgroup's last
+//   wgmma on it retired. (A first form published a stage by cp.async.wait_group + fence + arrive in
+//   the producer: on the H200 the fence waited for the copies still in flight, so one tile of
+//   copies was in flight at a time: 80.8 ms at 32K with two producer warps, 48.7 with four.)
 // - Shared tiles are 128-byte-swizzled atoms of 64 channels (8 x 16-byte chunks per row, chunk c of
 //   row r at c ^ (r % 8)), the layout TMA's SWIZZLE_128B writes: Q and K are K-major operands
 //   (S = Q K^T), and the very same V tile is the MN-major B operand of O = P V (transpose bit).
@@ -41,6 +44,13 @@ struct PrefillWgmmaSmem {
   // Q, K x ST, V x ST, the full / empty barriers, and up to 1 KB to align the base to 1024 bytes
   static constexpr int kBytes = kBarOffset + 2 * ST * 8 + 1024;
 };
+
+// One arrival on `bar` once every cp.async this thread issued so far has landed, without the thread
+// waiting (.noinc: the arrival counts against the barrier's expected count, here one per producer
+// thread and tile).
+TILEHAL_DEVICE void cp_async_arrive_noinc(tilehal::u64* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(tilehal::smem_addr(bar)) : "memory");
+}
 
 // Keep u32 operand registers (the P fragments an in-flight wgmma reads) alive and unmoved until here.
 template <int R>
@@ -73,7 +83,6 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   constexpr int kChunks = D / 8;      // 16-byte chunks per K/V row
   constexpr int kProducers = 32 * PW;
   constexpr int kConsumers = 128 * NWG;
-  constexpr int kLag = ST > 2 ? ST - 2 : 0;  // tiles of copies a producer keeps in flight unpublished
   constexpr int kLoads = BN * kChunks / kProducers;  // chunks of K (and of V) per producer thread
   // Registers are allocated per warpgroup: producer warps cost a whole one anyway. With a full
   // producer warpgroup (PW = 4) it hands registers over to the consumers (setmaxnreg).
@@ -82,7 +91,7 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   static_assert(!kHandOver || 128 * (kProducerRegs + NWG * kConsumerRegs) <= 65536, "register file");
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
   static_assert(BN == 64 || BN == 128, "64 or 128 kv tokens per stage");
-  static_assert(ST >= 2, "at least two stages (with two, each tile is published once its copies landed)");
+  static_assert(ST >= 2, "at least two stages");
   static_assert(NWG >= 1 && NWG <= 3 && PW >= 1 && PW <= 4, "consumer warpgroups / producer warps");
   static_assert(kLoads * kProducers == BN * kChunks && kProducers % kChunks == 0, "tile must split evenly");
   static_assert(!PP || NWG == 2, "ping-pong takes two consumer warpgroups");
@@ -122,10 +131,6 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
     const long long kv_row_stride = (long long)kv_heads * D;
     const int* table = block_table + (long long)b * table_stride;
     const long long head_off = (long long)pt.hkv * D + col * 8;
-    auto publish = [&](int t) {
-      tilehal::fence_proxy_async_shared();  // the landed copies, before the consumers' wgmma reads
-      tilehal::mbarrier_arrive(&full[t % ST]);
-    };
     for (int t = 0; t < num_kv_tiles; ++t) {
       const int s = t % ST;
       if (t >= ST) tilehal::mbarrier_wait(&empty[s], ((t / ST) - 1) & 1);
@@ -140,14 +145,9 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
         tilehal::cp_async_16(ks + soff, k_cache + off, ok);
         tilehal::cp_async_16(vs + soff, v_cache + off, ok);
       }
-      tilehal::cp_async_commit();
-      if (t >= kLag) {
-        tilehal::cp_async_wait<kLag>();
-        publish(t - kLag);
-      }
+      cp_async_arrive_noinc(&full[s]);  // arrives once this thread's copies so far have landed
     }
-    tilehal::cp_async_wait<0>();
-    for (int t = max(0, num_kv_tiles - kLag); t < num_kv_tiles; ++t) publish(t);
+    tilehal::cp_async_wait<0>();  // leave no copy in flight behind an exited thread
     return;
   }
 
@@ -279,6 +279,7 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   {
     float alpha[2], rs[2];
     tilehal::mbarrier_wait(&full[0], 0);
+    tilehal::fence_proxy_async_shared();  // the producers' cp.async data (generic proxy) before wgmma reads it
     my_turn();
     issue_s(0);
     your_turn(false);
@@ -290,6 +291,7 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   for (int t = 1; t < num_kv_tiles; ++t) {
     float alpha[2], rs[2];
     tilehal::mbarrier_wait(&full[t % ST], (t / ST) & 1);
+    tilehal::fence_proxy_async_shared();
     my_turn();
     issue_s(t % ST);         // S of tile t ...
     issue_pv((t - 1) % ST);  // ... then O += P V of tile t - 1
