@@ -34,16 +34,7 @@ struct PrefillSmem {
 // ST: pipeline stages (tiles in flight: ST - 1 ahead of the one computed).
 template <typename T, int D, int W, int MR, int BN = kPrefillBN, int ST = 2>
 __global__ void __launch_bounds__(32 * W) paged_prefill_kernel(
-    const T* __restrict__ q,              // [total, Hq, D]
-    const T* __restrict__ k_cache,        // [num_blocks, block_size, H, D] (one layer)
-    const T* __restrict__ v_cache,
-    const int* __restrict__ block_table,  // [B, table_stride]
-    int table_stride,
-    const int* __restrict__ seq_lens,     // [B]
-    const int* __restrict__ cu_seqlens_q, // [B + 1]
-    const int* __restrict__ tiles,        // [num_tiles, 2]: (b, first new-token row)
-    T* __restrict__ out,                  // [total, Hq, D]
-    int kv_heads, float scale_log2, int block_size) {
+    KVPOOL_PREFILL_PARAMS(T)) {
   using S = PrefillSmem<T, D, W * MR, BN, ST>;
   static_assert(ST >= 2, "at least two stages");
   constexpr int kPrefillBN = BN;  // shadows the namespace default below

@@ -8,6 +8,16 @@
 #pragma once
 #include <tilehal/tilehal.cuh>
 
+// The kernels' parameters (one launch argument list in cuda_prefill.py serves every prefill kernel):
+//   q [total, Hq, D]; k_cache, v_cache [num_blocks, block_size, H, D] (one layer); block_table
+//   [B, table_stride]; seq_lens [B]; cu_seqlens_q [B + 1]; tiles [num_tiles, 2]: (b, first new-token
+//   row); out [total, Hq, D]; kv_heads; scale_log2 = softmax scale * log2(e); block_size.
+#define KVPOOL_PREFILL_PARAMS(T)                                                                         \
+  const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,                \
+      const int* __restrict__ block_table, int table_stride, const int* __restrict__ seq_lens,          \
+      const int* __restrict__ cu_seqlens_q, const int* __restrict__ tiles, T* __restrict__ out, int kv_heads, \
+      float scale_log2, int block_size
+
 namespace kvpool {
 
 struct PrefillTile {

@@ -63,16 +63,7 @@ TILEHAL_DEVICE void wgmma_fence_regs(unsigned (&r)[R][4]) {
 
 template <typename T, int D, int NWG, int BN, int ST, int PW, bool PP = false>
 __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_kernel(
-    const T* __restrict__ q,              // [total, Hq, D]
-    const T* __restrict__ k_cache,        // [num_blocks, block_size, H, D] (one layer)
-    const T* __restrict__ v_cache,
-    const int* __restrict__ block_table,  // [B, table_stride]
-    int table_stride,
-    const int* __restrict__ seq_lens,     // [B]
-    const int* __restrict__ cu_seqlens_q, // [B + 1]
-    const int* __restrict__ tiles,        // [num_tiles, 2]: (b, first new-token row)
-    T* __restrict__ out,                  // [total, Hq, D]
-    int kv_heads, float scale_log2, int block_size) {
+    KVPOOL_PREFILL_PARAMS(T)) {
   using S = PrefillWgmmaSmem<T, D, NWG, BN, ST>;
   using Tag = typename tilehal::MmaTag<T>::type;
   using WTag = typename WgmmaTag<T>::type;
