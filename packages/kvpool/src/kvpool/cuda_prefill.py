@@ -38,7 +38,7 @@ DEFAULT_CONFIG = (8, 2)
 # 128-token S tile needs (without: 312 bytes of spills, serialized wgmma). Three consumer
 # warpgroups would leave 128 registers (spills). One CTA per SM (up to 6 stages of 64 tokens fit).
 WGMMA_CONFIGS = (("wg", 2, 64, 4, 2), ("wg", 2, 64, 6, 2), ("wg", 2, 64, 6, 4), ("wg", 2, 128, 2, 4),
-                 ("wg", 2, 64, 4, 2, "pp"), ("wg", 2, 64, 6, 4, "pp"))
+                 ("wg", 2, 96, 4, 4), ("wg", 2, 64, 4, 2, "pp"), ("wg", 2, 64, 6, 4, "pp"), ("wg", 2, 96, 4, 4, "pp"))
 CONFIGS = CONFIGS + WGMMA_CONFIGS
 MAX_GRID_Y = 65535
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}

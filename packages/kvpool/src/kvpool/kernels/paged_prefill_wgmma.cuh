@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   constexpr int kProducerRegs = 56, kConsumerRegs = NWG == 2 ? 224 : 160;
   static_assert(!kHandOver || 128 * (kProducerRegs + NWG * kConsumerRegs) <= 65536, "register file");
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
-  static_assert(BN == 64 || BN == 128, "64 or 128 kv tokens per stage");
+  static_assert(BN == 64 || BN == 96 || BN == 128, "64, 96 or 128 kv tokens per stage");
   static_assert(ST >= 2, "at least two stages");
   static_assert(NWG >= 1 && NWG <= 3 && PW >= 1 && PW <= 4, "consumer warpgroups / producer warps");
   static_assert(kLoads * kProducers == BN * kChunks && kProducers % kChunks == 0, "tile must split evenly");
