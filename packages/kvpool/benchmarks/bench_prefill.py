@@ -74,6 +74,7 @@ def prefill_case(lens: list[int], news: list[int], with_sdpa: bool) -> dict:
         t = bench(fn)
         row[f"ours_{name}_ms"] = t * 1e3
         row[f"ours_{name}_TFLOPs"] = flops / t / 1e12
+        print(json.dumps({"case": row["case"], "config": name, "ms": t * 1e3}), flush=True)  # before a later config
     best_w = max(outs, key=lambda n: row[f"ours_{n}_TFLOPs"])
     row["best_config"] = best_w
     # one sequence's rows against the float32 reference (bounded cost)
