@@ -31,15 +31,13 @@ CONFIGS = ((8, 1), (4, 1), (4, 2), (8, 2), (8, 2, 32), (4, 2, 32), (8, 2, 32, 3)
 # ptxas spilling ~100 bytes at d128: two 16-row blocks per warp halve the K/V shared-memory reads.
 DEFAULT_CONFIG = (8, 2)
 # wgmma kernels: ("wg", consumer warpgroups of 64 query rows, kv tokens per stage, stages, producer warps[,
-# flags: "pp" the two warpgroups take turns on the tensor cores, "w" stages published after the
-# producer's cp.async.wait_group instead of by the copies' own mbarrier arrival]).
-# ptxas (NVRTC 13.0): 155 registers, no spills at 64 kv tokens per stage; registers are allocated per
-# warpgroup, so with two producer warps a CTA still holds 384 threads' worth (168 each). With four
-# (p4) the producer warpgroup hands registers to the consumers (setmaxnreg 56 / 224), which the
-# 128-token S tile needs (without: 312 bytes of spills, serialized wgmma). Three consumer
-# warpgroups would leave 128 registers (spills). One CTA per SM (up to 6 stages of 64 tokens fit).
-WGMMA_CONFIGS = (("wg", 2, 64, 6, 4, "ppw"), ("wg", 2, 64, 4, 4, "w"), ("wg", 2, 64, 4, 2), ("wg", 2, 64, 6, 4),
-                 ("wg", 2, 128, 2, 4), ("wg", 2, 96, 4, 4), ("wg", 2, 64, 6, 4, "pp"), ("wg", 2, 96, 4, 4, "pp"))
+# "pp": the two warpgroups take turns on the tensor cores]). Opt-in (KVPOOL_PREFILL_KERNEL): on the
+# H200 (2026-12-02 R3, 1 x 32K causal) wg2n64s6p4pp 47.8 ms and wg2n64s4p2 78.0 ms against w8x2's
+# 35.3 ms (R1): producer-bound (two producer warps -> four: 78 -> 48 ms). ptxas (NVRTC 13.0):
+# 155-168 registers, no spills; registers are allocated per warpgroup, so two producer warps cost
+# a whole one, and with four the producer warpgroup hands registers to the consumers (setmaxnreg
+# 56 / 224), which the 128-token S tile needs (wg2n128s2p4: not yet run on a GPU).
+WGMMA_CONFIGS = (("wg", 2, 64, 6, 4, "pp"), ("wg", 2, 64, 4, 2), ("wg", 2, 128, 2, 4))
 CONFIGS = CONFIGS + WGMMA_CONFIGS
 MAX_GRID_Y = 65535
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
@@ -63,22 +61,13 @@ def config_stages(cfg: tuple) -> int:
 
 def config_name(cfg: tuple) -> str:
     if is_wgmma(cfg):
-        return f"wg{cfg[1]}n{cfg[2]}s{cfg[3]}p{cfg[4]}" + wg_flags(cfg)
+        return f"wg{cfg[1]}n{cfg[2]}s{cfg[3]}p{cfg[4]}" + ("pp" if wg_pingpong(cfg) else "")
     return (f"w{cfg[0]}x{cfg[1]}" + ("" if config_bn(cfg) == BN else f"n{config_bn(cfg)}")
             + ("" if config_stages(cfg) == 2 else f"s{config_stages(cfg)}"))
 
 
-def wg_flags(cfg: tuple) -> str:
-    return cfg[5] if len(cfg) > 5 else ""
-
-
 def wg_pingpong(cfg: tuple) -> bool:
-    return "pp" in wg_flags(cfg)
-
-
-def wg_waited(cfg: tuple) -> bool:
-    """The producer publishes a stage after cp.async.wait_group (else the copies' own mbarrier arrival)."""
-    return "w" in wg_flags(cfg)
+    return len(cfg) > 5 and cfg[5] == "pp"
 
 
 def threads(cfg: tuple) -> int:
@@ -102,7 +91,7 @@ def default_config() -> tuple:
 
 def kernel_name(dtype: torch.dtype, head_dim: int, cfg: tuple) -> str:
     if is_wgmma(cfg):
-        flags = f", {str(wg_pingpong(cfg)).lower()}, {str(wg_waited(cfg)).lower()}"
+        flags = f", {str(wg_pingpong(cfg)).lower()}"
         return f"kvpool::paged_prefill_wgmma_kernel<{_CTYPES[dtype]}, {head_dim}, {cfg[1]}, {cfg[2]}, {cfg[3]}, {cfg[4]}{flags}>"
     st = "" if config_stages(cfg) == 2 else f", {config_stages(cfg)}"
     return f"kvpool::paged_prefill_kernel<{_CTYPES[dtype]}, {head_dim}, {cfg[0]}, {cfg[1]}, {config_bn(cfg)}{st}>"

@@ -13,8 +13,9 @@
 //   and every consumer warp hands the stage back on its `empty` mbarrier once its warpgroup's last
 //   wgmma on it retired. (A first form published a stage by cp.async.wait_group + fence + arrive in
 //   the producer: on the H200 the fence waited for the copies still in flight, so one tile of
-//   copies was in flight at a time: 80.8 ms at 32K with two producer warps, 48.7 with four.
-//   WAITED keeps that publication, cp.async.wait_group + arrive, without the producer's fence.)
+//   copies was in flight at a time: 80.8 ms at 32K with two producer warps, 48.7 with four. R3
+//   measured that publication without the producer's fence at 52.8 ms (four producer warps): the
+//   fence was not the cause.)
 // - Shared tiles are 128-byte-swizzled atoms of 64 channels (8 x 16-byte chunks per row, chunk c of
 //   row r at c ^ (r % 8)), the layout TMA's SWIZZLE_128B writes: Q and K are K-major operands
 //   (S = Q K^T), and the very same V tile is the MN-major B operand of O = P V (transpose bit).
@@ -62,7 +63,7 @@ TILEHAL_DEVICE void wgmma_fence_regs(unsigned (&r)[R][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
 }
 
-template <typename T, int D, int NWG, int BN, int ST, int PW, bool PP = false, bool WAITED = false>
+template <typename T, int D, int NWG, int BN, int ST, int PW, bool PP = false>
 __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_kernel(
     KVPOOL_PREFILL_PARAMS(T)) {
   using S = PrefillWgmmaSmem<T, D, NWG, BN, ST>;
@@ -76,9 +77,6 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   constexpr int kProducers = 32 * PW;
   constexpr int kConsumers = 128 * NWG;
   constexpr int kLoads = BN * kChunks / kProducers;  // chunks of K (and of V) per producer thread
-  // WAITED: tiles of copies a producer keeps in flight before publishing (LAG <= ST - 2 keeps the
-  // ring from deadlocking: the producer blocks on a stage only behind tiles it already published).
-  constexpr int kLag = ST > 2 ? ST - 2 : 0;
   // Registers are allocated per warpgroup: producer warps cost a whole one anyway. With a full
   // producer warpgroup (PW = 4) it hands registers over to the consumers (setmaxnreg).
   constexpr bool kHandOver = PW == 4;
@@ -140,19 +138,7 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
         tilehal::cp_async_16(ks + soff, k_cache + off, ok);
         tilehal::cp_async_16(vs + soff, v_cache + off, ok);
       }
-      if constexpr (WAITED) {  // publish tile t - LAG once this thread's copies of it landed
-        tilehal::cp_async_commit();
-        if (t >= kLag) {
-          tilehal::cp_async_wait<kLag>();
-          tilehal::mbarrier_arrive(&full[(t - kLag) % ST]);
-        }
-      } else {
-        cp_async_arrive_noinc(&full[s]);  // arrives once this thread's copies so far have landed
-      }
-    }
-    if constexpr (WAITED) {
-      tilehal::cp_async_wait<0>();
-      for (int t = max(0, num_kv_tiles - kLag); t < num_kv_tiles; ++t) tilehal::mbarrier_arrive(&full[t % ST]);
+      cp_async_arrive_noinc(&full[s]);  // arrives once this thread's copies so far have landed
     }
     // Stay until the last stages completed: a thread that exits with copies in flight may lose the
     // arrivals they owe (R2 on the H200: every CTA hung on its last tiles when the producers left
