@@ -14,6 +14,8 @@ and with the variants given by --variants:
   mcast         2-CTA clusters sharing the A tile (neighbouring n-blocks), grid capped at the clusters the driver
                 keeps resident at once (cuOccupancyMaxActiveClusters)
   mcast_uncapped  the same launched on every SM (what multicast did before: the clusters that do not fit wait)
+  mcast_release_cluster  mcast with the consumers' remote release as .release.cluster (before: the default
+                is a plain remote arrival, as CUTLASS's)
 Every variant's output is compared with the first variant's (calc_diff). SwiGLU: the MoE gate|up step
 unfused (GEMM -> [M, 2F] bf16 -> silu_mul_cast_to_fp8) vs fused (SwiGLU-epilogue GEMM -> [M, F] bf16 ->
 per_token_cast_to_fp8), each timed as a whole and GEMM alone. Masked: 1 x 1024, 2 x 512,
@@ -50,6 +52,7 @@ VARIANTS = {
     "info_overlap": (dict(contiguous_overlap=True), ("-DDEEPGEMM_TILE_INFO=1", "-DDEEPGEMM_CONTIG_LEAN_PRODUCER=0")),
     "mcast": (dict(multicast=2, multicast_on_a=True), ()),
     "mcast_uncapped": (dict(multicast=2, multicast_on_a=True), ()),
+    "mcast_release_cluster": (dict(multicast=2, multicast_on_a=True), ("-DDEEPGEMM_MCAST_RELEASE_CLUSTER=1",)),
 }
 MASKED_VARIANTS = {"default": (dict(), ()), "info": (dict(), ("-DDEEPGEMM_TILE_INFO=1",)),
                    "mcast": (dict(multicast=2, multicast_on_a=True), ()),
@@ -253,6 +256,8 @@ def bench_masked(g, m, n, k, peer: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="serial,info,info_overlap,mcast,mcast_uncapped")
+    ap.add_argument("--masked-variants", default=",".join(MASKED_VARIANTS))
+    ap.add_argument("--no-swiglu", action="store_true")
     ap.add_argument("--compile", action="store_true", help="NVRTC-compile every kernel (no GPU) and exit")
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--no-masked", action="store_true")
@@ -262,8 +267,10 @@ def main() -> None:
                                                         "shapes, untimed (what ncu profiles)")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    if args.compile:
-        compile_all(variants, args.jobs)
+    for name in [v for v in MASKED_VARIANTS if v not in args.masked_variants.split(",")]:
+        del MASKED_VARIANTS[name]
+    if args.compile:  # every variant (and every masked one), whatever --variants names
+        compile_all(list(VARIANTS), args.jobs)
         return
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
@@ -281,7 +288,8 @@ def main() -> None:
         bench_contiguous(*CONTIGUOUS[0], variants)
         bench_masked(*MASKED[0], False)
         return
-    keep(bench_swiglu(*SWIGLU))
+    if not args.no_swiglu:
+        keep(bench_swiglu(*SWIGLU))
     for s in CONTIGUOUS:
         keep(bench_contiguous(*s, variants))
     if not args.no_masked:

@@ -232,7 +232,7 @@ def resident_cluster_ctas(kern, cfg: GemmConfig) -> int | None:
     (cuOccupancyMaxActiveClusters x cluster size; None where it cannot say). A persistent grid of more clusters
     than that runs its last clusters only after others have finished their whole share of tiles: with 132 SMs
     in GPCs of uneven size, 66 two-CTA clusters of a 227 KiB-smem kernel need not all fit."""
-    key = (kern, cfg.num_threads, cfg.smem_bytes, cfg.multicast)
+    key = (id(kern), cfg.num_threads, cfg.smem_bytes, cfg.multicast)  # kernels live in _kernel's cache
     hit = _CLUSTER_CAP.get(key)
     if hit is None:
         try:
