@@ -13,6 +13,6 @@ cd /tmp/grouped_tree && source scripts/device_env.sh
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 export TILESTACK_CACHE_DIR=/tmp/grouped_tree/.kcache TILESTACK_CACHE_KEY_FILE=/tmp/grouped_key/cache.key
 timeout 27 python3 packages/deepgemm/benchmarks/bench_grouped.py --no-swiglu \
-  --variants serial,info_overlap,mcast,mcast_release_cluster --masked-variants default,info,mcast_b \
+  --variants serial,info_overlap,info_overlap_lean,mcast,mcast_release_cluster --masked-variants default,info,mcast_b \
   --out $O/bench_grouped.json > $O/bench_grouped.log 2>&1
 el "grouped bench rc=$?"; grep -vE "Warning|warn" $O/bench_grouped.log | cut -c1-200 | tail -40

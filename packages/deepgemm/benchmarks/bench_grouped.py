@@ -11,6 +11,7 @@ and with the variants given by --variants:
   info          the producer hands each tile's coordinates to the math warps through shared memory
                 (DEEPGEMM_TILE_INFO=1: no m_indices load in the math warps), serial promotion
   info_overlap  the same with the overlapped promotion, 40 / 232 registers
+  info_overlap_lean  the same with a 24-register producer (math warpgroups 240: no spills)
   mcast         2-CTA clusters sharing the A tile (neighbouring n-blocks), grid capped at the clusters the driver
                 keeps resident at once (cuOccupancyMaxActiveClusters)
   mcast_uncapped  the same launched on every SM (what multicast did before: the clusters that do not fit wait)
@@ -45,16 +46,17 @@ from deepgemm.utils import ceil_div
 CONTIGUOUS = [(4, 8192, 4096, 7168), (8, 4096, 7168, 2048), (8, 1152, 28672, 4096), (8, 1152, 4096, 14336)]
 MASKED = [(g, m, n, k) for n, k in ((4096, 7168), (7168, 2048)) for g, m in ((1, 1024), (2, 512), (4, 256))]
 VARIANTS = {
-    "serial": (dict(), ()),
-    "overlap_lean": (dict(contiguous_overlap=True), ()),
-    "overlap_wide": (dict(contiguous_overlap=True), ("-DDEEPGEMM_CONTIG_LEAN_PRODUCER=0",)),
-    "info": (dict(), ("-DDEEPGEMM_TILE_INFO=1",)),
-    "info_overlap": (dict(contiguous_overlap=True), ("-DDEEPGEMM_TILE_INFO=1", "-DDEEPGEMM_CONTIG_LEAN_PRODUCER=0")),
+    "serial": (dict(tile_info=False, contiguous_overlap=False), ()),
+    "overlap_lean": (dict(tile_info=False, contiguous_overlap=True), ()),
+    "overlap_wide": (dict(tile_info=False, contiguous_overlap=True), ("-DDEEPGEMM_CONTIG_LEAN_PRODUCER=0",)),
+    "info": (dict(tile_info=True, contiguous_overlap=False, allow_overlap=False), ()),
+    "info_overlap": (dict(tile_info=True, contiguous_overlap=True), ()),
+    "info_overlap_lean": (dict(tile_info=True, contiguous_overlap=True), ("-DDEEPGEMM_CONTIG_LEAN_PRODUCER=2",)),
     "mcast": (dict(multicast=2, multicast_on_a=True), ()),
     "mcast_uncapped": (dict(multicast=2, multicast_on_a=True), ()),
     "mcast_release_cluster": (dict(multicast=2, multicast_on_a=True), ("-DDEEPGEMM_MCAST_RELEASE_CLUSTER=1",)),
 }
-MASKED_VARIANTS = {"default": (dict(), ()), "info": (dict(), ("-DDEEPGEMM_TILE_INFO=1",)),
+MASKED_VARIANTS = {"default": (dict(tile_info=False), ()), "info": (dict(tile_info=True), ()),
                    "mcast": (dict(multicast=2, multicast_on_a=True), ()),
                    "mcast_b": (dict(multicast=2, multicast_on_a=False), ())}  # pairs of m-blocks share B
 SWIGLU = (8, 1152, 28672, 4096)  # Mixtral's gate|up GEMM on the 9216-row layout

@@ -60,6 +60,7 @@ class KernelKey:
     bias: bool = False  # `c` holds an fp32 bias [N], added in the TMA-store epilogue
     c_bf16: bool = False  # `c` is bf16 (bf16 accumulation), read in place by the staged copy-out epilogue
     swiglu: bool = False  # epilogue writes silu(gate) * up (B interleaved in blocks of BLOCK_N / 2)
+    tile_info: bool = False  # grouped: producer-fed tile schedule (-DDEEPGEMM_TILE_INFO=1; not in the name)
 
     @property
     def expression(self) -> str:
@@ -89,8 +90,9 @@ def kernel_source() -> str:
 
 def compile_kernel(key: KernelKey, extra_options: tuple[str, ...] = ()) -> tilehal.CudaModule:
     """NVRTC-compile one instantiation for sm_90a (no GPU needed; cached on disk by content)."""
+    info = ("-DDEEPGEMM_TILE_INFO=1",) if key.tile_info else ()
     return tilehal.compile_cuda(kernel_source(), arch="sm_90a", name="deepgemm_gemm_sm90",
-                                options=OPTIONS + extra_options, name_expressions=[key.expression])
+                                options=OPTIONS + info + extra_options, name_expressions=[key.expression])
 
 
 @functools.lru_cache(maxsize=256)
@@ -104,7 +106,7 @@ def kernel_key(cfg: GemmConfig, n: int, k: int, grouping: str, num_groups: int, 
                      num_groups=num_groups, fp8=cfg.kind == "fp8", out_bf16=out_dtype == torch.bfloat16,
                      has_c=has_c, tma_store=cfg.tma_store, d_swizzle=cfg.d_swizzle, multicast=cfg.multicast,
                      multicast_on_a=cfg.multicast_on_a, overlap_promotion=cfg.overlap_promotion, bias=bias,
-                     c_bf16=c_bf16, swiglu=cfg.swiglu)
+                     c_bf16=c_bf16, swiglu=cfg.swiglu, tile_info=cfg.use_tile_info)
 
 
 def use_tma_store(d: torch.Tensor, n: int, has_c: bool, grouping: str) -> bool:

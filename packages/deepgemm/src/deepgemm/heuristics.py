@@ -49,6 +49,10 @@ ROW_BYTES = 128  # BLOCK_K is one 128-byte swizzle row: 128 fp8 or 64 bf16 eleme
 # producer; with a 24-register producer (its math warpgroups get 240) it does not, but on the H200 the
 # overlapped path measured 2.5 % / 1.4 % SLOWER there (docs/benchmarks/deepgemm_contig_overlap_ab_h200_*.json),
 # so the contiguous kernel keeps the serial promotion.
+# The producer-fed tile schedule per grouping (GemmConfig.tile_info overrides), and whether the contiguous kernel
+# then overlaps its promotion (its math warps no longer hold the expert lookup, so the 40 / 232 split suffices).
+TILE_INFO = {"contiguous": False, "masked": False}
+CONTIGUOUS_OVERLAP_WITH_TILE_INFO = True
 OVERLAP_MAX_STRADDLING_N = 96
 OVERLAP_MAX_BLOCK_N = 128
 # Cost factor of an fp8 tile whose promotion overlaps the next wgmma: the promotion (BLOCK_N/2 FMAs
@@ -76,12 +80,21 @@ class GemmConfig:
     staged_store: int = 0  # without TMA store: bytes per element of the staged copy-out tile (2, 4) or 0 (direct)
     contiguous_overlap: bool = False  # fp8 contiguous: the overlapped promotion too (A/B timing; see overlaps())
     swiglu: bool = False  # epilogue writes silu(gate) * up: a BLOCK_M x BLOCK_N/2 output tile (swiglu_config)
+    tile_info: bool | None = None  # grouped, no multicast: producer-fed tile schedule (None: TILE_INFO's default)
+
+    @property
+    def use_tile_info(self) -> bool:
+        """Whether the grouped kernel gets its tiles from the producer (kernels/gemm_sm90.cuh kTileInfo)."""
+        if self.grouping == "normal" or self.multicast > 1:
+            return False
+        return TILE_INFO[self.grouping] if self.tile_info is None else self.tile_info
 
     @property
     def overlap_promotion(self) -> bool:
         """Whether the kernel keeps two fp8 partial-sum sets (derived, so replacing block_n stays valid)."""
         # fp32 staging (C or fp32 D) next to three partial-sum sets spills (ptxas): serial promotion there
-        grouping = "normal" if self.contiguous_overlap and self.grouping == "contiguous" else self.grouping
+        contiguous_ok = self.contiguous_overlap or (self.use_tile_info and CONTIGUOUS_OVERLAP_WITH_TILE_INFO)
+        grouping = "normal" if contiguous_ok and self.grouping == "contiguous" else self.grouping
         return self.allow_overlap and self.staged_store != 4 and overlaps(self.kind, self.block_n, grouping)
 
     @property

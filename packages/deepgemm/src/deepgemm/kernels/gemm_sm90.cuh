@@ -47,11 +47,14 @@ template <int NUM_MATH_WG> constexpr int kProducerRegs = 40;
 template <int NUM_MATH_WG> constexpr int kMathRegs = NUM_MATH_WG == 1 ? 256 : 232;
 // The contiguous grouped kernel with the overlapped promotion needs 8 more math registers (its expert
 // lookup): a 24-register producer leaves them (24 x 128 + 240 x 256 = 168 x 384).
-#ifndef DEEPGEMM_CONTIG_LEAN_PRODUCER  // -DDEEPGEMM_CONTIG_LEAN_PRODUCER=0: the 40 / 232 split there too (A/B timing)
+// DEEPGEMM_CONTIG_LEAN_PRODUCER (A/B timing): 1 (default) the 24 / 240 split for the overlapped contiguous kernel
+// without the producer-fed schedule (INFO: its math warps do the expert lookup), 2 with it too, 0 never.
+#ifndef DEEPGEMM_CONTIG_LEAN_PRODUCER
 #define DEEPGEMM_CONTIG_LEAN_PRODUCER 1
 #endif
-template <int KIND, bool OVERLAP>
-constexpr bool kLeanProducer = DEEPGEMM_CONTIG_LEAN_PRODUCER && KIND == kGroupedContiguous && OVERLAP;
+template <int KIND, bool OVERLAP, bool INFO>
+constexpr bool kLeanProducer = KIND == kGroupedContiguous && OVERLAP &&
+                               (INFO ? DEEPGEMM_CONTIG_LEAN_PRODUCER == 2 : DEEPGEMM_CONTIG_LEAN_PRODUCER >= 1);
 constexpr int kOverlapGroup = 8;  // fp8 K blocks per drained group of the overlapped promotion
 // Grouped kernels without multicast: the producer alone walks the tile schedule (expert lookup / masked_m scan)
 // and hands each tile's (m_block, n_block, group, row limit + 1) to the math warpgroups in a 16-byte slot per
@@ -406,7 +409,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
 
   if (tid >= NUM_MATH_THREADS) {
     // ---------------------------------------------------------------- producer warpgroup
-    setmaxnreg_dec<kLeanProducer<KIND, OVERLAP> ? 24 : kProducerRegs<NUM_MATH_WG>>();
+    setmaxnreg_dec<kLeanProducer<KIND, OVERLAP, kInfo> ? 24 : kProducerRegs<NUM_MATH_WG>>();
     if (tid != NUM_MATH_THREADS) return;
     const int rank = sched.rank;
     u32 it = 0;
@@ -459,7 +462,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   }
 
   // ------------------------------------------------------------------ math warpgroups
-  setmaxnreg_inc<kLeanProducer<KIND, OVERLAP> ? 240 : kMathRegs<NUM_MATH_WG>>();
+  setmaxnreg_inc<kLeanProducer<KIND, OVERLAP, kInfo> ? 240 : kMathRegs<NUM_MATH_WG>>();
   const int wg = tid / 128;
   const int warp = (tid % 128) / 32;
   const int lane = tid % 32;
