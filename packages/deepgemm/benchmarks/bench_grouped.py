@@ -5,13 +5,14 @@ Contiguous: the issue-19 shapes (4 x 8192 rows at N, K = 4096, 7168; 8 x 4096 at
 Mixtral-8x7B MoE GEMMs of bench_models' MoE row (8 experts, the 9216-row static layout of 4096 tokens x
 top-2: gate|up N = 28672, K = 4096; down N = 4096, K = 14336). Each is timed with the heuristic's kernel
 and with the variants given by --variants:
-  serial        the heuristic's pick (serial promotion: wait_group 0 per K block)
+  serial        the serial promotion (wait_group 0 per K block), math warps walk the schedule (before s26 R3)
   overlap_lean  overlapped promotion, 24-register producer, 240-register math warpgroups
   overlap_wide  overlapped promotion, 40 / 232 registers (ptxas spills 12 bytes)
   info          the producer hands each tile's coordinates to the math warps through shared memory
                 (DEEPGEMM_TILE_INFO=1: no m_indices load in the math warps), serial promotion
-  info_overlap  the same with the overlapped promotion, 40 / 232 registers
-  info_overlap_lean  the same with a 24-register producer (math warpgroups 240: no spills)
+  info_overlap  the same with the overlapped promotion, 24-register producer / 240-register math warpgroups
+                (no spills): the heuristic's default since s26 R3 (called info_overlap_lean in that run's JSON)
+  info_overlap_wide  the same with the 40 / 232 split (28 B of benign spills; R3's info_overlap)
   mcast         2-CTA clusters sharing the A tile (neighbouring n-blocks), grid capped at the clusters the driver
                 keeps resident at once (cuOccupancyMaxActiveClusters)
   mcast_uncapped  the same launched on every SM (what multicast did before: the clusters that do not fit wait)
@@ -51,7 +52,7 @@ VARIANTS = {
     "overlap_wide": (dict(tile_info=False, contiguous_overlap=True), ("-DDEEPGEMM_CONTIG_LEAN_PRODUCER=0",)),
     "info": (dict(tile_info=True, contiguous_overlap=False, allow_overlap=False), ()),
     "info_overlap": (dict(tile_info=True, contiguous_overlap=True), ()),
-    "info_overlap_lean": (dict(tile_info=True, contiguous_overlap=True), ("-DDEEPGEMM_CONTIG_LEAN_PRODUCER=2",)),
+    "info_overlap_wide": (dict(tile_info=True, contiguous_overlap=True), ("-DDEEPGEMM_CONTIG_LEAN_PRODUCER=0",)),
     "mcast": (dict(multicast=2, multicast_on_a=True), ()),
     "mcast_uncapped": (dict(multicast=2, multicast_on_a=True), ()),
     "mcast_release_cluster": (dict(multicast=2, multicast_on_a=True), ("-DDEEPGEMM_MCAST_RELEASE_CLUSTER=1",)),
