@@ -18,11 +18,13 @@ from tilestack.layers import GemmLinear, bf16_gemm_choice
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
     monkeypatch.delenv("TILESTACK_BF16_GEMM", raising=False)
-    saved = dict(layers.BF16_CHOICES)
-    layers.BF16_CHOICES.clear()
+    saved = dict(layers.BF16_CHOICES), dict(layers._BF16_TIMES)
+    for table in (layers.BF16_CHOICES, layers._BF16_TIMES):
+        table.clear()
     yield
-    layers.BF16_CHOICES.clear()
-    layers.BF16_CHOICES.update(saved)
+    for table, old in zip((layers.BF16_CHOICES, layers._BF16_TIMES), saved):
+        table.clear()
+        table.update(old)
 
 
 def test_policy_forces_and_auto_measures_once(monkeypatch):

@@ -85,6 +85,7 @@ def test_fused_or_three_gemms_by_measurement(cuda_present, make_llama, monkeypat
 
     monkeypatch.setattr(tilehal, "bench", fake_bench)
     monkeypatch.setattr(layers, "SWIGLU_CHOICES", {})
+    monkeypatch.setattr(layers, "_SWIGLU_TIMES", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert mlp._path(x2) == "unfused" and timed == ["fused", "unfused"]
     assert mlp._path(x2[:40]) == "unfused" and len(timed) == 2           # same M bucket: measured once

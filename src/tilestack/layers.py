@@ -33,7 +33,7 @@ log = logging.getLogger("tilestack.layers")
 
 # (M bucket, n, k, bias, device index) -> "deepgemm" | "cublas": which bf16 GEMM measured faster here.
 BF16_CHOICES: dict[tuple, str] = {}
-_BF16_TIMES: dict[tuple, tuple[float, float, int]] = {}
+_BF16_TIMES: dict[tuple, tuple[float, float, int, str]] = {}  # key -> (deepgemm s, cuBLAS s, M, choice)
 
 
 def bf16_policy() -> str:
@@ -97,7 +97,7 @@ def _measure_bf16(m: int, n: int, k: int, bias: bool, device: int) -> str:
         t_cb = tilehal.bench(lambda: torch.nn.functional.linear(a, w, b16), warmup=2, iters=10, device="cuda",
                              hide_host=False).median_s
     choice = bf16_pick(t_dg, t_cb)
-    BF16_CHOICES[key], _BF16_TIMES[key] = choice, (t_dg, t_cb, m)
+    BF16_CHOICES[key], _BF16_TIMES[key] = choice, (t_dg, t_cb, m, choice)
     log.debug("bf16 GEMM %dx%dx%d%s: deepgemm %.1f us, cuBLAS %.1f us -> %s", m, n, k, " +bias" if bias else "",
               t_dg * 1e6, t_cb * 1e6, choice)
     return choice
@@ -136,7 +136,7 @@ def _traced_bf16_choice(m: int, n: int, k: int, bias: bool, device: int) -> str:
 def bf16_choice_table() -> list[dict]:
     """Every bf16 shape measured in this process: its times and the choice (for reports)."""
     return [dict(m=t[2], m_bucket=k[0], n=k[1], k=k[2], bias=k[3], device=k[4], deepgemm_us=t[0] * 1e6,
-                 cublas_us=t[1] * 1e6, choice=BF16_CHOICES[k]) for k, t in _BF16_TIMES.items()]
+                 cublas_us=t[1] * 1e6, choice=t[3]) for k, t in _BF16_TIMES.items()]
 
 
 def cast_tokens(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -459,13 +459,13 @@ def swiglu_skip_reason(module: torch.nn.Module) -> str | None:
 # the H200 the fused one was 0.45 ms slower per 2-layer Llama-3-8B-shaped prefill of 4096 tokens and 68 us
 # faster per decode step of 64; TILESTACK_SWIGLU=fused|unfused forces one).
 SWIGLU_CHOICES: dict[tuple, str] = {}
-_SWIGLU_TIMES: dict[tuple, tuple[float, float, int]] = {}
+_SWIGLU_TIMES: dict[tuple, tuple[float, float, int, str]] = {}  # key -> (fused s, unfused s, M, choice)
 
 
 def swiglu_choice_table() -> list[dict]:
     """Every GemmSwiGLU shape measured in this process: its times and the path taken (for reports)."""
     return [dict(m=t[2], m_bucket=k[0], hidden=k[1], ffn=k[2], fp8=k[3], device=k[4], fused_us=t[0] * 1e6,
-                 unfused_us=t[1] * 1e6, choice=SWIGLU_CHOICES[k]) for k, t in _SWIGLU_TIMES.items()]
+                 unfused_us=t[1] * 1e6, choice=t[3]) for k, t in _SWIGLU_TIMES.items()]
 
 
 class GemmSwiGLU(torch.nn.Module):
@@ -574,7 +574,7 @@ class GemmSwiGLU(torch.nn.Module):
         t_f = tilehal.bench(lambda: self._fused_path(x2), warmup=2, iters=5, device="cuda", hide_host=False).median_s
         t_u = tilehal.bench(lambda: self._unfused(x2), warmup=2, iters=5, device="cuda", hide_host=False).median_s
         choice = "fused" if t_f <= t_u else "unfused"
-        SWIGLU_CHOICES[key], _SWIGLU_TIMES[key] = choice, (t_f, t_u, x2.shape[0])
+        SWIGLU_CHOICES[key], _SWIGLU_TIMES[key] = choice, (t_f, t_u, x2.shape[0], choice)
         log.debug("GemmSwiGLU M=%d H=%d F=%d%s: fused %.1f us, three GEMMs %.1f us -> %s", x2.shape[0],
                   key[1], key[2], " fp8" if self.fp8 else "", t_f * 1e6, t_u * 1e6, choice)
         return choice
