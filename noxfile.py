@@ -9,12 +9,15 @@ python3.1x on PATH; with none, every session fails (a skipped session is an erro
 
 Repeated runs: environments are kept in .nox/ and reused; a session reinstalls only when what it
 installs changed (its arguments, constraints.txt, the pyproject.toml files, and for non-editable
-installs the package's sources). `nox -N` (or deleting .nox/) starts from scratch.
+installs the package's sources). `nox -N` (or deleting .nox/) starts from scratch. On CI (CI set) each
+environment is removed when its session ends: a clean clone runs once, and the disk is small.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -103,6 +106,19 @@ def _install(session: nox.Session, *args: str) -> None:
         stamp.write_text(key)
 
 
+@contextlib.contextmanager
+def _released_in_ci(session: nox.Session):
+    """On CI (a clean clone, run once) drop the session's environment when it ends, passed or not:
+    twelve environments holding torch take ~13 GB, more than a CI disk may have free. Locally
+    they stay for reuse."""
+    try:
+        yield
+    finally:
+        if os.environ.get("CI"):
+            session.log(f"CI: removing {session.virtualenv.location} to free disk")
+            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
 def _install_everything(session: nox.Session) -> None:
     editable = ["-e", "packages/hal[torch,cuda,test]"]
     for folder in list(PACKAGES.values())[1:]:
@@ -113,16 +129,22 @@ def _install_everything(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """All CPU tests of every package and the cross-package tests, in one environment."""
-    _install_everything(session)
-    paths = [f"packages/{f}/tests" for f in PACKAGES.values()] + ["tests"]
-    session.run("pytest", "-n", "2", "--dist", "loadfile", "-m", CPU_MARKERS, "-q", *paths, *session.posargs,
-                env=TEST_ENV)
+    with _released_in_ci(session):
+        _install_everything(session)
+        paths = [f"packages/{f}/tests" for f in PACKAGES.values()] + ["tests"]
+        session.run("pytest", "-n", "2", "--dist", "loadfile", "-m", CPU_MARKERS, "-q", *paths, *session.posargs,
+                    env=TEST_ENV)
 
 
 @nox.session(python=PYTHON)
 @nox.parametrize("package", list(PACKAGES))
 def isolation(session: nox.Session, package: str) -> None:
     """A fresh environment with only `package` and tilehal: it installs alone and its tests pass."""
+    with _released_in_ci(session):
+        _isolated_package_tests(session, package)
+
+
+def _isolated_package_tests(session: nox.Session, package: str) -> None:
     folder = PACKAGES[package]
     if package == "tilehal":
         _install(session, *CONSTRAINTS, "packages/hal[test]")
@@ -167,6 +189,11 @@ def readme_install(session: nox.Session, package: str) -> None:
     """
     if not list((ROOT / "dist").glob("tilestack*.whl")):
         session.error("dist/ holds no wheels: run `nox -s wheels` first")
+    with _released_in_ci(session):
+        _readme_install_and_example(session, package)
+
+
+def _readme_install_and_example(session: nox.Session, package: str) -> None:
     session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", *DISTS.values(), silent=True)
     session.install(*CONSTRAINTS, "--find-links", "dist", DISTS[package], silent=False)
     env = {"PYTHONPATH": None, **TEST_ENV}
