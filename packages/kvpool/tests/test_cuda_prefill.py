@@ -39,6 +39,92 @@ def test_shared_memory_and_tiles():
     assert tiles[0] == (2, 256) and sorted(tiles) == [(0, 0), (2, 0), (2, 128), (2, 256)]
 
 
+def test_tma_configs_and_reasons():
+    cfg = cuda_prefill.config_from_name("wg2n64s6p4pptma")
+    assert cuda_prefill.wg_tma(cfg) and cuda_prefill.wg_pingpong(cfg) and not cuda_prefill.wg_tma(("wg", 2, 64, 6, 4, "pp"))
+    # the stages' full / empty barriers plus full_v and the tail barrier
+    assert cuda_prefill.smem_bytes(torch.bfloat16, 128, cfg) == 128 * 256 + 12 * 64 * 256 + 8 * 19 + 1024
+    assert "true, true>" in cuda_prefill.kernel_name(torch.bfloat16, 128, cfg)
+    assert cuda_prefill.DEFAULT_CONFIG not in cuda_prefill.WGMMA_CONFIGS  # opt-in only until measured
+
+    def pool(bs):
+        return kvpool.KVPool(1, 2, 64, 8, block_size=bs, dtype=torch.bfloat16)
+    assert cuda_prefill.tma_reason(pool(16), cfg) is None and cuda_prefill.tma_reason(pool(256), cfg) is None
+    assert "multiple of 8" in cuda_prefill.tma_reason(pool(12), cfg)
+    assert "neither divides" in cuda_prefill.tma_reason(pool(24), cfg)
+
+
+def _emulate_tma_tile(view, shape, box, block_table_row, kv_end, t, bn, block_size, head, d):
+    """The kernel's K (or V) tile t as TMA would land it, read back through the consumers' swizzled
+    layout: numpy model of cp.async.bulk.tensor (tile mode, SWIZZLE_128B, out-of-bounds boxes zero)
+    driven by the producer's slot coordinates (paged_prefill_wgmma.cuh, tma_producer's slot_of:
+    mirrored here, not executed)."""
+    bt = box[0]
+    atoms = d // 64
+    smem = torch.zeros(atoms * bn * 128, dtype=torch.uint8)
+    for lane in range(bn // bt):
+        j0 = t * bn + lane * bt
+        phys = -1
+        if j0 < kv_end:
+            lb = j0 // block_size
+            phys = int(block_table_row[lb]) if lb < len(block_table_row) else -1
+        slot = phys * block_size + (j0 - (j0 // block_size) * block_size) if phys >= 0 else -bt
+        for a in range(atoms):
+            if 0 <= slot and slot + bt <= shape[0]:
+                data = view[slot:slot + bt, head * atoms + a, :].contiguous().view(torch.uint8).reshape(bt, 128)
+            else:
+                data = torch.zeros(bt, 128, dtype=torch.uint8)
+            base = a * bn * 128 + lane * bt * 128  # the box's destination, relative to a 1024-aligned tile
+            for i in range(bt):
+                row_addr = base + i * 128
+                for c in range(8):  # SWIZZLE_128B: 16-byte chunk c of a 128-byte row at c ^ (address bits 7..9)
+                    dst = row_addr + ((c ^ ((row_addr >> 7) & 7)) << 4)
+                    smem[dst:dst + 16] = data[i, 16 * c:16 * c + 16]
+    # the consumers' view: token r, channel ch of atom a at a * bn * 128 + r * 128 + ((ch // 8 ^ r % 8) << 4)
+    out = torch.empty(bn, d, dtype=view.dtype)
+    for r in range(bn):
+        for a in range(atoms):
+            row = torch.empty(128, dtype=torch.uint8)
+            for c in range(8):
+                src = a * bn * 128 + r * 128 + ((c ^ (r & 7)) << 4)
+                row[16 * c:16 * c + 16] = smem[src:src + 16]
+            out[r, 64 * a:64 * a + 64] = row.view(view.dtype)
+    return out
+
+
+@pytest.mark.parametrize("block_size,bn,d", [(16, 64, 128), (32, 128, 64), (128, 64, 128), (8, 64, 64)])
+def test_tma_boxes_gather_the_block_table(block_size, bn, d):
+    """CPU check of the TMA loader's geometry: the descriptor view (tma_layout, the host's real
+    arguments to encode_tiled) plus the producer's coordinates land every visible key's row of the
+    kv head exactly where the consumers read it; unmapped blocks and boxes past kv_end read zero."""
+    heads, nb = 3, 24
+    g = torch.Generator().manual_seed(block_size)
+    cache = torch.randn(nb, block_size, heads, d, generator=g).to(torch.bfloat16)
+    shape, strides, box = cuda_prefill.tma_layout(cache, bn)
+    assert box == (min(block_size, bn), 1, 64) and shape[1:] == (heads * d // 64, 64)
+    view = cache.reshape(-1).as_strided(shape, strides)
+    n_pages = -(-3 * bn // block_size)
+    table = torch.randperm(nb, generator=g)[:n_pages].to(torch.int32)
+    table[1] = -1  # an unmapped block inside the range: zeros
+    kv_end = 3 * bn - 5
+    for head in (0, heads - 1):
+        for t in range(3):
+            tile = _emulate_tma_tile(view, shape, box, table, kv_end, t, bn, block_size, head, d)
+            for r in range(bn):
+                j = t * bn + r
+                phys = int(table[j // block_size])
+                if j < kv_end and phys >= 0:
+                    assert torch.equal(tile[r], cache[phys, j % block_size, head]), (head, t, r)
+                elif phys < 0 or (j - r + (r // box[0]) * box[0]) >= kv_end:
+                    assert not tile[r].any(), (head, t, r)  # a box that is unmapped or starts past kv_end
+
+
+def test_tma_layout_rejects_views():
+    cache = torch.zeros(4, 16, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(tilehal.ShapeError, match="contiguous"):
+        cuda_prefill.tma_layout(cache[:, :, :1], 64)
+
+
 def test_config_env(monkeypatch):
     monkeypatch.setenv("KVPOOL_PREFILL_KERNEL", "w4x2")
     assert cuda_prefill.default_config() == (4, 2)
@@ -112,3 +198,39 @@ def test_prefill_then_decode_agree():
     pre = kvpool.paged_prefill(q, pool, 0, bt, sl, cu)
     dec = kvpool.paged_decode(q[-1:].contiguous(), pool, 0, bt, sl)
     assert tilehal.calc_diff(pre[-1:], dec) < 2e-5
+
+
+TMA_CONFIGS = [c for c in cuda_prefill.WGMMA_CONFIGS if cuda_prefill.wg_tma(c)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [8, 16, 64, 256])  # 256: one page holds several kv tiles
+@pytest.mark.parametrize("cfg", TMA_CONFIGS, ids=cuda_prefill.config_name)
+def test_prefill_tma_pages_and_stale_slots(cfg, block_size):
+    """TMA loader: every page geometry it accepts, and NaN planted in the unused slots of each
+    sequence's last page (stale values of an earlier owner) must not reach the output."""
+    lens, news = [700, 77, 1, 300], [300, 77, 1, 45]
+    pool, bt, sl, cu = _prefill_pool(lens, news, 2, 128, torch.bfloat16, block_size=block_size, seed=3)
+    kc, vc = pool.layer_cache(0)
+    for b, L in enumerate(lens):
+        if L % block_size:
+            phys = int(bt[b, (L - 1) // block_size])
+            kc[phys, L % block_size:] = float("nan")
+            vc[phys, L % block_size:] = float("nan")
+    q = torch.randn(int(cu[-1]), 8, 128, device="cuda", dtype=torch.bfloat16)
+    out = cuda_prefill.paged_prefill_cuda(q, pool, 0, bt, sl, cu, cu.tolist(), sl.tolist(), None, config=cfg)
+    ref = kvpool.paged_prefill_reference(q, pool, 0, bt, sl, cu)
+    assert torch.isfinite(out).all()
+    assert tilehal.calc_diff(out, ref) < 2e-5
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_prefill_tma_falls_back_for_unsupported_pages(caplog):
+    pool, bt, sl, cu = _prefill_pool([200], [200], 2, 64, torch.bfloat16, block_size=12)
+    q = torch.randn(200, 4, 64, device="cuda", dtype=torch.bfloat16)
+    with caplog.at_level("DEBUG", logger="kvpool.cuda_prefill"):
+        out = cuda_prefill.paged_prefill_cuda(q, pool, 0, bt, sl, cu, cu.tolist(), sl.tolist(), None,
+                                              config=TMA_CONFIGS[0])
+    assert "multiple of 8" in caplog.text
+    assert tilehal.calc_diff(out, kvpool.paged_prefill_reference(q, pool, 0, bt, sl, cu)) < 2e-5

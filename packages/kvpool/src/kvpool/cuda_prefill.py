@@ -1,7 +1,7 @@
 """CUDA paged prefill: compilation, tile list and launch of kernels/paged_prefill.cuh (mma.sync,
 FlashAttention-2 style; configs (warps, row blocks[, kv tokens[, stages]])) and
 kernels/paged_prefill_wgmma.cuh (sm_90a wgmma with producer warps, FlashAttention-3 style; configs
-("wg", consumer warpgroups, kv tokens, stages, producer warps))."""
+("wg", consumer warpgroups, kv tokens, stages, producer warps[, "pp"][, "tma"])))."""
 
 from __future__ import annotations
 
@@ -37,7 +37,13 @@ DEFAULT_CONFIG = (8, 2)
 # 155-168 registers, no spills; registers are allocated per warpgroup, so two producer warps cost
 # a whole one, and with four the producer warpgroup hands registers to the consumers (setmaxnreg
 # 56 / 224), which the 128-token S tile needs (wg2n128s2p4: not yet run on a GPU).
-WGMMA_CONFIGS = (("wg", 2, 64, 6, 4, "pp"), ("wg", 2, 64, 4, 2), ("wg", 2, 128, 2, 4))
+# "tma" (opt-in, not yet run on a GPU): one producer warp issues TMA box copies of whole pages
+# (tma_layout) instead of per-thread 16-byte cp.async with a per-token table lookup and address math,
+# K and V on their own barriers. Still a full producer warpgroup (the other three warps leave at once):
+# with one producer warp (288 threads) ptxas still caps every thread at 168 registers (allocation per
+# warpgroup) and the 128-token S tile spills ~330 bytes at d128; the hand-over gives the consumers 224.
+WGMMA_CONFIGS = (("wg", 2, 64, 6, 4, "pp"), ("wg", 2, 64, 4, 2), ("wg", 2, 128, 2, 4),
+                 ("wg", 2, 64, 6, 4, "pp", "tma"), ("wg", 2, 128, 3, 4, "pp", "tma"), ("wg", 2, 128, 3, 4, "tma"))
 CONFIGS = CONFIGS + WGMMA_CONFIGS
 MAX_GRID_Y = 65535
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
@@ -61,13 +67,18 @@ def config_stages(cfg: tuple) -> int:
 
 def config_name(cfg: tuple) -> str:
     if is_wgmma(cfg):
-        return f"wg{cfg[1]}n{cfg[2]}s{cfg[3]}p{cfg[4]}" + ("pp" if wg_pingpong(cfg) else "")
+        return f"wg{cfg[1]}n{cfg[2]}s{cfg[3]}p{cfg[4]}" + ("pp" if wg_pingpong(cfg) else "") + ("tma" if wg_tma(cfg) else "")
     return (f"w{cfg[0]}x{cfg[1]}" + ("" if config_bn(cfg) == BN else f"n{config_bn(cfg)}")
             + ("" if config_stages(cfg) == 2 else f"s{config_stages(cfg)}"))
 
 
 def wg_pingpong(cfg: tuple) -> bool:
-    return len(cfg) > 5 and cfg[5] == "pp"
+    return is_wgmma(cfg) and "pp" in cfg[5:]
+
+
+def wg_tma(cfg: tuple) -> bool:
+    """Whether a wgmma config loads K/V with TMA (paged_prefill_wgmma.cuh's TMA flag)."""
+    return is_wgmma(cfg) and "tma" in cfg[5:]
 
 
 def threads(cfg: tuple) -> int:
@@ -91,7 +102,7 @@ def default_config() -> tuple:
 
 def kernel_name(dtype: torch.dtype, head_dim: int, cfg: tuple) -> str:
     if is_wgmma(cfg):
-        flags = f", {str(wg_pingpong(cfg)).lower()}"
+        flags = f", {str(wg_pingpong(cfg)).lower()}, {str(wg_tma(cfg)).lower()}"
         return f"kvpool::paged_prefill_wgmma_kernel<{_CTYPES[dtype]}, {head_dim}, {cfg[1]}, {cfg[2]}, {cfg[3]}, {cfg[4]}{flags}>"
     st = "" if config_stages(cfg) == 2 else f", {config_stages(cfg)}"
     return f"kvpool::paged_prefill_kernel<{_CTYPES[dtype]}, {head_dim}, {cfg[0]}, {cfg[1]}, {config_bn(cfg)}{st}>"
@@ -103,11 +114,13 @@ def rows_per_cta(cfg: tuple) -> int:
 
 def smem_bytes(dtype: torch.dtype, head_dim: int, cfg: tuple) -> int:
     """Dynamic shared memory of one CTA (PrefillSmem::kBytes / PrefillWgmmaSmem::kBytes, asserted at
-    compile time): Q tile + the stages of K and of V (wgmma: + the stages' two mbarriers and 1 KB to
-    align the tiles to 1024 bytes)."""
+    compile time): Q tile + the stages of K and of V (wgmma: + the stages' mbarriers — two, TMA: three,
+    plus the tail barrier — and 1 KB to align the tiles to 1024 bytes)."""
     row = head_dim * dtype.itemsize
     if is_wgmma(cfg):
-        return rows_per_cta(cfg) * row + 2 * config_stages(cfg) * config_bn(cfg) * row + 16 * config_stages(cfg) + 1024
+        st = config_stages(cfg)
+        bars = 3 * st + 1 if wg_tma(cfg) else 2 * st
+        return rows_per_cta(cfg) * row + 2 * st * config_bn(cfg) * row + 8 * bars + 1024
     return rows_per_cta(cfg) * row + 2 * config_stages(cfg) * config_bn(cfg) * row
 
 
@@ -116,7 +129,8 @@ def compile_prefill(dtype: torch.dtype, head_dim: int, cfg: tuple = DEFAULT_CONF
                     arch: str = "sm_90a") -> tilehal.CudaModule:
     t, smem = _CTYPES[dtype], smem_bytes(dtype, head_dim, cfg)
     if is_wgmma(cfg):
-        check = (f'static_assert(kvpool::PrefillWgmmaSmem<{t}, {head_dim}, {cfg[1]}, {cfg[2]}, {cfg[3]}>::kBytes == {smem}, '
+        tma = str(wg_tma(cfg)).lower()
+        check = (f'static_assert(kvpool::PrefillWgmmaSmem<{t}, {head_dim}, {cfg[1]}, {cfg[2]}, {cfg[3]}, {tma}>::kBytes == {smem}, '
                  f'"kvpool.cuda_prefill.smem_bytes");\n')
         return tilehal.compile_cuda('#include "paged_prefill_wgmma.cuh"\n' + check, arch=arch,
                                     name=f"paged_prefill_{head_dim}_{config_name(cfg)}", include_dirs=[str(KERNEL_DIR)],
@@ -137,6 +151,56 @@ def unsupported_reason(q: torch.Tensor, pool: KVPool) -> str | None:
     return dtype_reason(q, pool, HEAD_DIMS)
 
 
+def tma_reason(pool: KVPool, cfg: tuple) -> str | None:
+    """Why the TMA loader cannot read this pool (None: it can): a box is min(block_size, BN) slots of one
+    page and must start 1024-byte aligned in shared memory, and a tile must hold whole boxes."""
+    bs, bn = pool.block_size, config_bn(cfg)
+    if bs % 8:
+        return f"block_size {bs} is not a multiple of 8"
+    if bn % bs and bs % bn:
+        return f"block_size {bs} neither divides nor is a multiple of the kernel's {bn} kv tokens per stage"
+    if pool.num_blocks * bs >= 2**31:
+        return f"{pool.num_blocks * bs} slots exceed TMA's int32 coordinates"
+    return None
+
+
+def tma_layout(cache: torch.Tensor, block_n: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(shape, strides, box), outermost first, of the TMA view of one layer's K or V cache
+    `[num_blocks, block_size, kv_heads, head_dim]` (contiguous): `[slots, kv_heads * head_dim / 64, 64]`
+    with a box of min(block_size, block_n) slots x one 64-channel atom. A box at coordinates (channel 0,
+    atom hkv * head_dim / 64 + a, slot phys * block_size + offset) holds those tokens' channels
+    [64 a, 64 a + 64) of kv head hkv."""
+    nb, bs, h, d = cache.shape
+    if not cache.is_contiguous():
+        raise tilehal.ShapeError(f"cache: expected a contiguous [num_blocks, block_size, kv_heads, head_dim] tensor, "
+                                 f"got strides {cache.stride()}")
+    atoms = h * d // 64
+    return (nb * bs, atoms, 64), (atoms * 64, 64, 1), (min(bs, block_n), 1, 64)
+
+
+_DESCS: dict = {}
+
+
+def tma_descriptors(kc: torch.Tensor, vc: torch.Tensor, block_n: int) -> tuple[bytes, bytes]:
+    """The K and V descriptors of a layer (encoded once per buffer and geometry)."""
+    out = []
+    for c in (kc, vc):
+        shape, strides, box = tma_layout(c, block_n)
+        key = (c.data_ptr(), c.dtype, shape, box)
+        hit = _DESCS.get(key)
+        if hit is None:
+            if len(_DESCS) > 1024:
+                _DESCS.clear()
+            from tilehal.tma import encode_tiled
+
+            hit = _DESCS[key] = encode_tiled(c.data_ptr(), c.dtype, shape, strides, box, swizzle="128B")
+        out.append(hit)
+    return out[0], out[1]
+
+
+_NO_DESC = bytes(128)
+
+
 def tile_list(cu: list[int], lens: list[int], rows_per_tile: int) -> list[tuple[int, ...]]:
     """(sequence, first new-token row) of every query tile, most kv work first."""
     tiles = []
@@ -155,6 +219,12 @@ def paged_prefill_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: t
     """The kernel's launch; `cu` / `lens` are the host copies paged_prefill validated."""
     total, hq, d = q.shape
     cfg = default_config() if config is None else config
+    if wg_tma(cfg):
+        reason = tma_reason(pool, cfg)
+        if reason is not None:
+            log.debug("paged_prefill: %s cannot load this pool with TMA (%s); using %s", config_name(cfg), reason,
+                      config_name(DEFAULT_CONFIG))
+            cfg = DEFAULT_CONFIG
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = torch.empty_like(q)
     tiles = tile_list(cu, lens, rows_per_cta(cfg))
@@ -168,9 +238,12 @@ def paged_prefill_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: t
     cuq = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
     qc = q.contiguous()
     smem = smem_bytes(pool.dtype, d, cfg)
+    args = [qc, kc, vc, table, table.shape[1], sl, cuq, None, out, pool.num_kv_heads,
+            float(scale * math.log2(math.e)), pool.block_size]
+    if is_wgmma(cfg):  # the wgmma kernels' descriptor parameters (zero bytes when they load with cp.async)
+        args += list(tma_descriptors(kc, vc, config_bn(cfg))) if wg_tma(cfg) else [_NO_DESC, _NO_DESC]
     for start in range(0, len(tiles), MAX_GRID_Y):
         chunk = tt[start:start + MAX_GRID_Y]
-        kern.launch((hq, chunk.shape[0]), threads(cfg),
-                    [qc, kc, vc, table, table.shape[1], sl, cuq, chunk, out, pool.num_kv_heads,
-                     float(scale * math.log2(math.e)), pool.block_size], smem_bytes=smem)
+        args[7] = chunk
+        kern.launch((hq, chunk.shape[0]), threads(cfg), args, smem_bytes=smem)
     return out

@@ -16,6 +16,19 @@
 //   copies was in flight at a time: 80.8 ms at 32K with two producer warps, 48.7 with four. R3
 //   measured that publication without the producer's fence at 52.8 ms (four producer warps): the
 //   fence was not the cause.)
+// - TMA (template flag, opt-in): one producer warp issues cp.async.bulk.tensor copies instead. The
+//   layer's cache is seen as a 3-D tensor [slots = num_blocks * block_size, kv_heads * D / 64, 64]
+//   (tilehal.tma descriptors built by cuda_prefill.py, SWIZZLE_128B), and one box is min(block_size,
+//   BN) tokens x 64 channels of one kv head: a page's run of slots, swizzled exactly as below. Lane i
+//   of the producer warp reads the block table entry of box i of a tile (the next tile's entries are
+//   loaded while this tile's copies are issued) and issues its boxes of K and of V; unmapped blocks
+//   (and boxes past the last visible key) get a slot coordinate below zero, which TMA zero-fills. K
+//   and V have their own `full` barriers (expect_tx), so S = Q K^T of a tile starts before its V
+//   lands. The last tile's V rows past the last visible key are rows of a partly used page (stale
+//   values of earlier sequences): the producer zeroes them once they landed and releases them on a
+//   `tail` barrier, so a 0 probability never meets a non-finite stale value (the cp.async loader
+//   zero-fills those rows). The host requires block_size % 8 == 0 and BN % block_size == 0 or
+//   block_size % BN == 0 (box starts 1024-byte aligned, pages never straddle a tile).
 // - Shared tiles are 128-byte-swizzled atoms of 64 channels (8 x 16-byte chunks per row, chunk c of
 //   row r at c ^ (r % 8)), the layout TMA's SWIZZLE_128B writes: Q and K are K-major operands
 //   (S = Q K^T), and the very same V tile is the MN-major B operand of O = P V (transpose bit).
@@ -28,6 +41,7 @@
 #pragma once
 #include "paged_prefill_common.cuh"
 #include <tilehal/mbarrier.cuh>
+#include <tilehal/tma.cuh>
 #include <tilehal/wgmma.cuh>
 #include <tilehal/wgmma16_ops.cuh>
 
@@ -37,14 +51,16 @@ template <typename T> struct WgmmaTag;
 template <> struct WgmmaTag<__nv_bfloat16> { using type = tilehal::WgBF16; };
 template <> struct WgmmaTag<__half> { using type = tilehal::WgF16; };
 
-template <typename T, int D, int NWG, int BN, int ST>
+template <typename T, int D, int NWG, int BN, int ST, bool TMA = false>
 struct PrefillWgmmaSmem {
   static constexpr int kBM = 64 * NWG;
   static constexpr int kQBytes = kBM * D * int(sizeof(T));
   static constexpr int kTileBytes = BN * D * int(sizeof(T));  // one stage of K (or V)
   static constexpr int kBarOffset = kQBytes + 2 * ST * kTileBytes;
-  // Q, K x ST, V x ST, the full / empty barriers, and up to 1 KB to align the base to 1024 bytes
-  static constexpr int kBytes = kBarOffset + 2 * ST * 8 + 1024;
+  // full / empty per stage (TMA: + full_v per stage and the tail barrier)
+  static constexpr int kBarriers = TMA ? 3 * ST + 1 : 2 * ST;
+  // Q, K x ST, V x ST, the barriers, and up to 1 KB to align the base to 1024 bytes
+  static constexpr int kBytes = kBarOffset + kBarriers * 8 + 1024;
 };
 
 // One arrival on `bar` once every cp.async this thread issued so far has landed, without the thread
@@ -52,6 +68,67 @@ struct PrefillWgmmaSmem {
 // thread and tile).
 TILEHAL_DEVICE void cp_async_arrive_noinc(tilehal::u64* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(tilehal::smem_addr(bar)) : "memory");
+}
+
+// The TMA producer (one warp, lane = its lane): see the header comment. kv tile t's box i covers keys
+// [t * BN + i * bt, + bt) of the sequence, bt = min(block_size, BN) tokens.
+template <typename T, int D, int BN, int ST>
+__device__ __forceinline__ void tma_producer(const tilehal::TmaDescriptor& tma_k, const tilehal::TmaDescriptor& tma_v,
+                                             unsigned char* k_s, unsigned char* v_s, tilehal::u64* full,
+                                             tilehal::u64* full_v, tilehal::u64* empty, tilehal::u64* tail,
+                                             const int* __restrict__ table, int table_stride, int kv_end,
+                                             int block_size, int num_kv_tiles, int hkv, int lane) {
+  constexpr int kAtoms = D / 64;
+  constexpr int kTileBytes = BN * D * int(sizeof(T));
+  const int bt = min(block_size, BN);
+  const int boxes = BN / bt;  // per atom and tile (<= BN / 8: lanes 0 .. boxes - 1 issue)
+  // Slot coordinate of this lane's box of tile t: the page's first slot plus the offset in it;
+  // -bt (the whole box out of bounds: zero-filled) past kv_end or for an unmapped block.
+  auto slot_of = [&](int t) {
+    const int j0 = t * BN + lane * bt;
+    int phys = -1, in_page = 0;
+    if (lane < boxes && j0 < kv_end) {
+      const int lb = j0 / block_size;
+      in_page = j0 - lb * block_size;
+      phys = lb < table_stride ? __ldg(table + lb) : -1;
+    }
+    return phys >= 0 ? phys * block_size + in_page : -bt;
+  };
+  if (lane == 0) {
+    tilehal::tma_prefetch_descriptor(&tma_k);
+    tilehal::tma_prefetch_descriptor(&tma_v);
+  }
+  int next = slot_of(0);
+  for (int t = 0; t < num_kv_tiles; ++t) {
+    const int s = t % ST, slot = next;
+    if (t + 1 < num_kv_tiles) next = slot_of(t + 1);  // in flight while this tile waits and issues
+    if (t >= ST) tilehal::mbarrier_wait(&empty[s], ((t / ST) - 1) & 1);
+    if (lane == 0) {
+      tilehal::mbarrier_arrive_expect_tx(&full[s], kTileBytes);
+      tilehal::mbarrier_arrive_expect_tx(&full_v[s], kTileBytes);
+    }
+    __syncwarp();
+    if (lane < boxes) {
+      unsigned char* ks = k_s + s * kTileBytes + lane * bt * 128;
+      unsigned char* vs = v_s + s * kTileBytes + lane * bt * 128;
+#pragma unroll
+      for (int a = 0; a < kAtoms; ++a) tilehal::tma_load_3d(ks + a * BN * 128, &tma_k, &full[s], 0, hkv * kAtoms + a, slot);
+#pragma unroll
+      for (int a = 0; a < kAtoms; ++a) tilehal::tma_load_3d(vs + a * BN * 128, &tma_v, &full_v[s], 0, hkv * kAtoms + a, slot);
+    }
+  }
+  // The last tile: wait for its K and V (no copy outlives the producer), zero V rows >= kv_end.
+  const int last = num_kv_tiles - 1, s = last % ST;
+  tilehal::mbarrier_wait(&full[s], (last / ST) & 1);
+  tilehal::mbarrier_wait(&full_v[s], (last / ST) & 1);
+  const int r_from = kv_end - last * BN;  // 1 .. BN
+  const int n_chunks = (BN - r_from) * 8;  // 16-byte chunks per atom (the swizzle permutes within a row)
+  for (int i = lane; i < kAtoms * n_chunks; i += 32) {
+    const int a = i / n_chunks, rem = i - a * n_chunks;
+    *reinterpret_cast<uint4*>(v_s + s * kTileBytes + a * BN * 128 + r_from * 128 + rem * 16) = make_uint4(0, 0, 0, 0);
+  }
+  tilehal::fence_proxy_async_shared();  // generic zero stores before the consumers' wgmma (async proxy) reads
+  tilehal::mbarrier_arrive(tail);        // every lane (count 32): each releases its own stores
 }
 
 // Keep u32 operand registers (the P fragments an in-flight wgmma reads) alive and unmoved until here.
@@ -63,10 +140,13 @@ TILEHAL_DEVICE void wgmma_fence_regs(unsigned (&r)[R][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
 }
 
-template <typename T, int D, int NWG, int BN, int ST, int PW, bool PP = false>
+// tma_k / tma_v: descriptors of the layer's K / V cache (read only with TMA; the cp.async forms get
+// zero bytes, so one launch argument list serves both).
+template <typename T, int D, int NWG, int BN, int ST, int PW, bool PP = false, bool TMA = false>
 __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_kernel(
-    KVPOOL_PREFILL_PARAMS(T)) {
-  using S = PrefillWgmmaSmem<T, D, NWG, BN, ST>;
+    KVPOOL_PREFILL_PARAMS(T), const __grid_constant__ tilehal::TmaDescriptor tma_k,
+    const __grid_constant__ tilehal::TmaDescriptor tma_v) {
+  using S = PrefillWgmmaSmem<T, D, NWG, BN, ST, TMA>;
   using Tag = typename tilehal::MmaTag<T>::type;
   using WTag = typename WgmmaTag<T>::type;
   using MmaS = tilehal::Wgmma16<BN>;  // S: m64 x BN tokens
@@ -86,7 +166,7 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   static_assert(BN == 64 || BN == 96 || BN == 128, "64, 96 or 128 kv tokens per stage");
   static_assert(ST >= 2, "at least two stages");
   static_assert(NWG >= 1 && NWG <= 3 && PW >= 1 && PW <= 4, "consumer warpgroups / producer warps");
-  static_assert(kLoads * kProducers == BN * kChunks && kProducers % kChunks == 0, "tile must split evenly");
+  static_assert(TMA || (kLoads * kProducers == BN * kChunks && kProducers % kChunks == 0), "tile must split evenly");
   static_assert(!PP || NWG == 2, "ping-pong takes two consumer warpgroups");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -96,6 +176,8 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   unsigned char* v_s = k_s + ST * S::kTileBytes;
   tilehal::u64* full = reinterpret_cast<tilehal::u64*>(smem + S::kBarOffset);
   tilehal::u64* empty = full + ST;
+  tilehal::u64* full_v = empty + ST;  // TMA only: V of each stage, and the last tile's zeroed V
+  tilehal::u64* tail = full_v + ST;
 
   const PrefillTile pt = prefill_tile<kBM>(tiles, seq_lens, cu_seqlens_q, kv_heads);
   const int hq = pt.hq, Hq = gridDim.x, b = pt.b, i0 = pt.i0, q0 = pt.q0, P = pt.P, rows = pt.rows, kv_end = pt.kv_end;
@@ -107,9 +189,11 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
-      tilehal::mbarrier_init(&full[s], kProducers);
+      tilehal::mbarrier_init(&full[s], TMA ? 1 : kProducers);  // TMA: one expect_tx arrival
       tilehal::mbarrier_init(&empty[s], 4 * NWG);  // one arrival per consumer warp
+      if constexpr (TMA) tilehal::mbarrier_init(&full_v[s], 1);
     }
+    if constexpr (TMA) tilehal::mbarrier_init(tail, 32);
     tilehal::fence_barrier_init();
   }
   __syncthreads();
@@ -117,6 +201,13 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   if (tid >= kConsumers) {
     // ------------------------------------------------------------------ producer warps
     if constexpr (kHandOver) tilehal::setmaxnreg_dec<kProducerRegs>();
+    if constexpr (TMA) {
+      if (tid - kConsumers < 32) {
+        tma_producer<T, D, BN, ST>(tma_k, tma_v, k_s, v_s, full, full_v, empty, tail, block_table + (long long)b * table_stride,
+                     table_stride, kv_end, block_size, num_kv_tiles, pt.hkv, tid % 32);
+      }
+      return;
+    }
     const int ptid = tid - kConsumers;
     const int col = ptid % kChunks, atom = col / 8, cc = col % 8;
     const int r_first = ptid / kChunks;
@@ -276,7 +367,8 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   {
     float alpha[2], rs[2];
     tilehal::mbarrier_wait(&full[0], 0);
-    tilehal::fence_proxy_async_shared();  // the producers' cp.async data (generic proxy) before wgmma reads it
+    // the producers' cp.async data (generic proxy) before wgmma reads it (TMA writes through the async proxy)
+    if constexpr (!TMA) tilehal::fence_proxy_async_shared();
     my_turn();
     issue_s(0);
     your_turn(false);
@@ -288,7 +380,11 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
   for (int t = 1; t < num_kv_tiles; ++t) {
     float alpha[2], rs[2];
     tilehal::mbarrier_wait(&full[t % ST], (t / ST) & 1);
-    tilehal::fence_proxy_async_shared();
+    if constexpr (TMA) {
+      tilehal::mbarrier_wait(&full_v[(t - 1) % ST], ((t - 1) / ST) & 1);  // V of tile t - 1
+    } else {
+      tilehal::fence_proxy_async_shared();
+    }
     my_turn();
     issue_s(t % ST);         // S of tile t ...
     issue_pv((t - 1) % ST);  // ... then O += P V of tile t - 1
@@ -302,6 +398,7 @@ __global__ void __launch_bounds__(128 * NWG + 32 * PW, 1) paged_prefill_wgmma_ke
     release(t - 1);
     pack_and_rescale(alpha, rs);
   }
+  if constexpr (TMA) tilehal::mbarrier_wait(tail, 0);  // the last tile's V, rows past kv_end zeroed
   my_turn();
   issue_pv((num_kv_tiles - 1) % ST);
   your_turn(true);
