@@ -179,9 +179,12 @@ def cases():
             out.append((f"quest_{str(sdt)[6:]}_{d}_4",
                         lambda sdt=sdt, d=d: sel.compile_score.__wrapped__(bf16, sdt, d, 4, "max")))
         out.append(("topk", lambda: sel.compile_topk.__wrapped__()))
+        # the chunked selection (fused), register and ring paths, every summary type; the per-head scores
         for sdt, label in ((bf16, "bfloat16"), (sel.FP8, "fp8"), (torch.uint8, "q4")):
-            out.append((f"select_fused_{label}_128_4",
-                        lambda sdt=sdt: sel.compile_select.__wrapped__(sdt, 128, 4, "max")))
+            for ring in (False, True) if sdt in sel.RING_STAGES else (False,):
+                out.append((f"select_chunk_{label}_128_4_ring{int(ring)}",
+                            lambda sdt=sdt, ring=ring: sel.compile_chunk.__wrapped__(sdt, 128, 4, "max", True, ring)))
+        out.append(("quest_heads_fp8_128_4_8", lambda: sel.compile_heads.__wrapped__(sel.FP8, 128, 4, "max", 8)))
     try:
         from deepgemm import cuda_gemm as dg
     except ImportError:
@@ -224,6 +227,26 @@ def cases():
             key = sk.splitk_key(cfg, 4096, 7168, out_dt, c_dt, a_mn, b_mn)
             out.append((f"deepgemm_splitk_{bm}x{bn}_s{splits}_{str(out_dt)[6:]}_{str(c_dt)[6:]}_{int(a_mn)}{int(b_mn)}",
                         lambda key=key: sk.compile_kernels([key])))
+        from deepgemm import cuda_fp4 as f4
+        from deepgemm import gemv as gv
+
+        # GEMV (M = 1): one / several warps per row, bf16 / fp32 out, fp32 / bf16 C.
+        for key in (gv.GemvKey(2048, 7168, 1, True, False), gv.GemvKey(7168, 2048, 2, False, True),
+                    gv.GemvKey(4096, 4096, 8, True, True, c_bf16=True)):
+            out.append((f"deepgemm_gemv_{key.n}x{key.k}_w{key.warps_per_row}_{int(key.out_bf16)}{int(key.has_c)}"
+                        f"{int(key.c_bf16)}", lambda key=key: gv.compile_kernels([key])))
+        # FP4: the streaming kernel (whole-range and ring activations, fp32 out + C, masked) and one
+        # mma.sync and one wgmma kernel, as the planners choose them.
+        fp4_keys = {
+            "stream_m1": f4.plan_stream(1, 4096, 7168, 1, True, False, False, num_sms=132).key,
+            "stream_ring": f4.plan_stream(1, 136, 128 * 8 * 25, 1, True, False, False, num_sms=132).key,
+            "stream_f32_c": f4.plan_stream(16, 2112, 7168, 1, False, True, False, num_sms=132).key,
+            "stream_masked": f4.plan_stream(64, 2112, 2048, 4, True, False, True, num_sms=132, expected_m=16).key,
+            "mma_fp8_m16": f4.plan(16, 4096, 7168, 1, True, True, False, False, num_sms=132).key,
+            "wgmma_m128": f4.plan_wgmma(128, 4096, 7168, 1, True, False, False, num_sms=132).key,
+        }
+        for label, key in fp4_keys.items():
+            out.append((f"deepgemm_fp4_{label}", lambda key=key: f4.compile_kernel(key)))
     try:
         from tilestack import norm as tnorm
     except ImportError:
@@ -231,6 +254,9 @@ def cases():
     if tnorm is not None:   # the bf16 RMSNorm kernels (every row width and access mode)
         out.append(("tilestack_rms_norm", lambda: tnorm.compile_module(tuple(
             tnorm.kernel_expression(c, v) for c in range(1, tnorm.MAX_CHUNKS + 1) for v in (True, False)))))
+        from tilestack import moe as tmoe
+
+        out.append(("tilestack_moe_combine", lambda: tmoe.compile_combine()))  # both access modes
     return out
 
 
