@@ -958,14 +958,6 @@ fp4_wgmma_fp8_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_con
 // K splits are one thread-block cluster along grid y (cluster_epilogue: DSMEM reduction in split order).
 // ==================================================================================================
 
-TILEHAL_DEVICE uint4 ldg_stream16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 TILEHAL_DEVICE float ldg_stream_f32(const float* p) {
   float v;
   asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p));
@@ -1061,7 +1053,7 @@ fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ s
       cw[j][h] = make_uint4(0u, 0u, 0u, 0u);
       cs[j][h] = 1.f;
       if (j < n_ch && rv[h]) {
-        cw[j][h] = ldg_stream16(wp[h] + j * 64);
+        cw[j][h] = load_nc_v4<uint4>(wp[h] + j * 64);
         cs[j][h] = ldg_stream_f32(sp[h] + j * 4);
       }
     }
@@ -1139,7 +1131,7 @@ fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ s
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             if (rv[h]) {
-              cw[j][h] = ldg_stream16(wp[h] + (i + P) * 64);
+              cw[j][h] = load_nc_v4<uint4>(wp[h] + (i + P) * 64);
               cs[j][h] = ldg_stream_f32(sp[h] + (i + P) * 4);
             }
           }

@@ -14,14 +14,6 @@
 namespace deepgemm {
 using namespace tilehal;
 
-TILEHAL_DEVICE uint4 ld_stream_v4(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 TILEHAL_DEVICE float dot_bf16x2(u32 x, u32 y, float acc) {
   const float2 fx = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
   const float2 fy = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&y));
@@ -58,7 +50,7 @@ gemv_sm90(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__
     for (int u = 0; u < UNROLL; ++u) {
       const int v = lo + (it0 + u) * 32 + lane;
       const bool ok = live && it0 + u < ITERS && v < hi;
-      bv[u] = ok ? ld_stream_v4(brow + v) : make_uint4(0, 0, 0, 0);
+      bv[u] = ok ? load_nc_v4<uint4, 256>(brow + v) : make_uint4(0, 0, 0, 0);
       xv[u] = ok ? __ldg(av + v) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll

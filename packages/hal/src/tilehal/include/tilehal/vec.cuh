@@ -22,11 +22,25 @@ TILEHAL_DEVICE void store_vec(T* ptr, const Vec<T, N>& v) {
   *reinterpret_cast<Vec<T, N>*>(ptr) = v;
 }
 
-// Read-only, not-kept-in-L1 load for data streamed once (KV blocks, GEMM epilogue inputs).
-TILEHAL_DEVICE int4 load_nc_v4(const int4* ptr) {
-  int4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ptr));
+// Read-only 16-byte load that is not kept in L1, for data streamed once (KV blocks, GEMM weights,
+// epilogue inputs). V: int4 (.s32 lanes) or uint4 (.u32); L2_PREFETCH = 256 also asks L2 to fetch the
+// whole 256-byte line around the address (a warp walking a row sequentially).
+template <typename V = int4, int L2_PREFETCH = 0>
+TILEHAL_DEVICE V load_nc_v4(const void* ptr) {
+  static_assert(L2_PREFETCH == 0 || L2_PREFETCH == 256, "L2 prefetch: 0 or 256 bytes");
+  constexpr bool kSigned = static_cast<decltype(V::x)>(-1) < 0;  // int4 or uint4
+  static_assert(sizeof(V) == 16 && (!kSigned || L2_PREFETCH == 0), "int4, or uint4 (with or without L2 prefetch)");
+  V r;
+  if constexpr (kSigned) {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ptr));
+  } else if constexpr (L2_PREFETCH == 0) {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ptr));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(ptr));
+  }
   return r;
 }
 
