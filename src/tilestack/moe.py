@@ -395,36 +395,12 @@ __global__ void __launch_bounds__(THREADS) moe_combine_bf16(const __nv_bfloat16*
       const long long r = rows[static_cast<long long>(t) * k + j];
       if (r == skip_row) continue;
       const float wj = w[static_cast<long long>(t) * k + j];
-      const __nv_bfloat16* src = y + r * h;
       float v[8];
-      if (VEC && col + 7 < h) {
-        const uint4 pk = *reinterpret_cast<const uint4*>(src + col);
-        const unsigned bits[4] = {pk.x, pk.y, pk.z, pk.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = tilehal::bf16x2_to_float2(bits[i]);
-          v[2 * i] = f.x;
-          v[2 * i + 1] = f.y;
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = col + i < h ? __bfloat162float(src[col + i]) : 0.f;
-      }
+      tilehal::load8<__nv_bfloat16, VEC>(y + r * h, col, h, v);
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(v[i], wj));
     }
-    __nv_bfloat16* dst = out + static_cast<long long>(t) * h;
-    if (VEC && col + 7 < h) {
-      uint4 pk;
-      pk.x = tilehal::float2_to_bf16x2(acc[0], acc[1]);
-      pk.y = tilehal::float2_to_bf16x2(acc[2], acc[3]);
-      pk.z = tilehal::float2_to_bf16x2(acc[4], acc[5]);
-      pk.w = tilehal::float2_to_bf16x2(acc[6], acc[7]);
-      *reinterpret_cast<uint4*>(dst + col) = pk;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) if (col + i < h) dst[col + i] = __float2bfloat16_rn(acc[i]);
-    }
+    tilehal::store8<__nv_bfloat16, VEC>(out + static_cast<long long>(t) * h, col, h, acc);
   }
 }
 

@@ -131,18 +131,7 @@ __global__ void __launch_bounds__(256) silu_mul(const T* __restrict__ x, void* _
     store8(static_cast<unsigned char*>(out) + o, col, f, y, 1.0f / s, VEC);
     if (col < f && lane % 16 == 0) sf[row * sf_rs + static_cast<long long>(col / 128) * sf_cs] = s;
   } else {
-    __nv_bfloat16* d = static_cast<__nv_bfloat16*>(out) + o;
-    if (VEC && col + 7 < f) {
-      uint4 pk;
-      pk.x = tilehal::float2_to_bf16x2(y[0], y[1]);
-      pk.y = tilehal::float2_to_bf16x2(y[2], y[3]);
-      pk.z = tilehal::float2_to_bf16x2(y[4], y[5]);
-      pk.w = tilehal::float2_to_bf16x2(y[6], y[7]);
-      *reinterpret_cast<uint4*>(d + col) = pk;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) if (col + i < f) d[col + i] = __float2bfloat16_rn(y[i]);
-    }
+    store8<__nv_bfloat16, VEC>(static_cast<__nv_bfloat16*>(out) + o, col, f, y);
   }
 }
 
