@@ -55,12 +55,11 @@ __device__ __forceinline__ DecodeShare decode_share(const int* seq_lens, const i
 // Entry i of a CTA's staged block list (kernels that stage it in shared memory): the physical
 // block of the share's item i (0 for a hole or an out-of-range selection) and how many of its
 // tokens are valid (0 then). Returns the physical block, or -1.
-__device__ __forceinline__ int stage_block(int i, const int* idx, int item0, int seq_blocks, const int* table,
-                                           int seq_len, int block_size, int* blk_s, int* ntok_s) {
-  const int lb = idx ? idx[item0 + i] : item0 + i;
-  const int phys = lb >= 0 && lb < seq_blocks ? table[lb] : -1;
+__device__ __forceinline__ int stage_block(int i, const DecodeShare& s, int block_size, int* blk_s, int* ntok_s) {
+  const int lb = s.idx ? s.idx[s.item0 + i] : s.item0 + i;
+  const int phys = lb >= 0 && lb < s.seq_blocks ? s.table[lb] : -1;
   blk_s[i] = max(phys, 0);
-  ntok_s[i] = phys >= 0 ? min(block_size, seq_len - lb * block_size) : 0;
+  ntok_s[i] = phys >= 0 ? min(block_size, s.seq_len - lb * block_size) : 0;
   return phys;
 }
 

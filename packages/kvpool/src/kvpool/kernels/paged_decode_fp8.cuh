@@ -55,12 +55,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_fp8_kernel(
   const int sub = lane / kLanes, cl = lane % kLanes;
   const DecodeShare share = decode_share(seq_lens, block_table, table_stride, block_idx, idx_b_stride, idx_h_stride,
                                          num_idx, block_size);
-  const int seq_len = share.seq_len, seq_blocks = share.seq_blocks, item0 = share.item0, n_items = share.n_items;
-  const int* idx = share.idx;
-  const int* table = share.table;
 
-  for (int i = threadIdx.x; i < n_items; i += kThreads) {
-    const int phys = stage_block(i, idx, item0, seq_blocks, table, seq_len, block_size, blk_s, ntok_s);
+  for (int i = threadIdx.x; i < share.n_items; i += kThreads) {
+    const int phys = stage_block(i, share, block_size, blk_s, ntok_s);
     ksc_s[i] = phys >= 0 ? k_scale[(long long)phys * H + h] : 0.f;
     vsc_s[i] = phys >= 0 ? v_scale[(long long)phys * H + h] : 0.f;
   }
@@ -83,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_fp8_kernel(
   }
   const long long row_stride = (long long)H * D;  // bytes between tokens (fp8)
 
-  for (int it = warp; it < n_items; it += kF8Warps) {
+  for (int it = warp; it < share.n_items; it += kF8Warps) {
     const int ntok = ntok_s[it];
     const long long base_row = (long long)blk_s[it] * block_size;
     const float ksc = ksc_s[it], vsc = vsc_s[it];

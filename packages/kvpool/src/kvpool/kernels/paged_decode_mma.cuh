@@ -70,15 +70,12 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
   const int H = gridDim.y, splits = gridDim.x;
   const DecodeShare share = decode_share(seq_lens, block_table, table_stride, block_idx, idx_b_stride, idx_h_stride,
                                          num_idx, block_size);
-  const int seq_len = share.seq_len, seq_blocks = share.seq_blocks, item0 = share.item0, n_items = share.n_items;
-  const int* idx = share.idx;
-  const int* table = share.table;
-  const int num_tokens = n_items * block_size;
+  const int num_tokens = share.n_items * block_size;
   const int bs_shift = __ffs(block_size) - 1, bs_mask = block_size - 1;
   const long long row_stride = (long long)H * D;
 
-  for (int i = threadIdx.x; i < n_items; i += kThreads) {
-    stage_block(i, idx, item0, seq_blocks, table, seq_len, block_size, blk_s, ntok_s);
+  for (int i = threadIdx.x; i < share.n_items; i += kThreads) {
+    stage_block(i, share, block_size, blk_s, ntok_s);
   }
   __syncthreads();
 

@@ -57,10 +57,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_simt_kernel(
   const int H = gridDim.y, splits = gridDim.x, tid = threadIdx.x;
   const DecodeShare share = decode_share(seq_lens, block_table, table_stride, block_idx, idx_b_stride, idx_h_stride,
                                          num_idx, block_size);
-  const int seq_len = share.seq_len, seq_blocks = share.seq_blocks, item0 = share.item0, n_items = share.n_items;
-  const int* idx = share.idx;
-  const int* table = share.table;
-  const int num_tokens = n_items * block_size;
+  const int num_tokens = share.n_items * block_size;
   const int num_tiles = (num_tokens + kSimtTile - 1) / kSimtTile;
   const long long row_stride = (long long)H * D;  // elements between consecutive tokens
 
@@ -69,10 +66,10 @@ __global__ void __launch_bounds__(kThreads) paged_decode_simt_kernel(
   // Physical token row for CTA-local token t, or -1 (padding, unselected, past the end).
   auto row_of = [&](int t) -> long long {
     if (t >= num_tokens) return -1;
-    const int item = item0 + t / block_size, off = t % block_size;
-    const int lb = idx ? idx[item] : item;
-    if (lb < 0 || lb >= seq_blocks || lb * block_size + off >= seq_len) return -1;
-    const int phys = table[lb];
+    const int item = share.item0 + t / block_size, off = t % block_size;
+    const int lb = share.idx ? share.idx[item] : item;
+    if (lb < 0 || lb >= share.seq_blocks || lb * block_size + off >= share.seq_len) return -1;
+    const int phys = share.table[lb];
     return phys < 0 ? -1 : (long long)phys * block_size + off;
   };
 
