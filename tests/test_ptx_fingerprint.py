@@ -67,3 +67,18 @@ def test_code_sections_of_a_real_cubin():
     sections = fp.text_sections(cubin1)
     assert len(sections) == 1 and sections[0][0] > 0
     assert fp.text_sections(cubin1b) == sections and fp.text_sections(cubin2) != sections
+
+
+def test_every_case_reaches_its_package_compile_call(monkeypatch):
+    # Each case replays a package's compile function; one that names a function or key the package no
+    # longer has must fail here (on the CPU, nothing compiled), not in the middle of a before/after check.
+    rec = fp._Recorder()
+    monkeypatch.setattr(tilehal, "compile_cuda", rec)
+    labels = []
+    for label, thunk in fp.cases():
+        with pytest.raises(fp._Recorded):
+            thunk()
+        labels.append(label)
+    assert len(rec.calls) == len(labels) and len(set(labels)) == len(labels)
+    assert all(c["source"] and c["exprs"] for c in rec.calls)
+    assert {"deepgemm_gemv_2048x7168_w1_100", "deepgemm_fp4_stream_m1", "tilestack_moe_combine"} <= set(labels)
