@@ -70,6 +70,19 @@ class _KernelKey:
         return 8 * self.nt
 
 
+class _RingKey(_KernelKey):
+    """The two kernels that stream weights and activations through a TMA ring (mma.sync, wgmma): their shared
+    memory is `stages` slots of both, at least the epilogue's fp32 tile."""
+
+    wn: int
+    act_fp8: bool
+    stages: int
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.nt, self.wn, self.act_fp8, self.stages)
+
+
 @dataclass(frozen=True)
 class _Plan:
     """A launch of one key: grid (row blocks, K splits, m-blocks x groups), chunks (128 K) per split."""
@@ -100,7 +113,7 @@ class _ClusterPlan(_Plan):
 
 
 @dataclass(frozen=True)
-class Fp4Key(_KernelKey):
+class Fp4Key(_RingKey):
     KERNEL = "fp4_gemm_sm90"
     nt: int  # n8 tiles of tokens per CTA (tokens = 8 nt)
     wn: int  # consumer warps (16 weight rows each)
@@ -120,10 +133,6 @@ class Fp4Key(_KernelKey):
     @property
     def min_blocks(self) -> int:
         return min_blocks(self.nt)
-
-    @property
-    def smem_bytes(self) -> int:
-        return smem_bytes(self.nt, self.wn, self.act_fp8, self.stages)
 
 
 def min_blocks(nt: int) -> int:
@@ -208,7 +217,7 @@ WG_FP8_MAX_TOKEN_TILES = 8  # e4m3: accumulators, the chunk's partial sums and t
 
 
 @dataclass(frozen=True)
-class Fp4WgKey(_KernelKey):
+class Fp4WgKey(_RingKey):
     """The wgmma kernels (bf16 or e4m3 activations): NT n8 token tiles = the wgmma N, NWG consumer warpgroups."""
 
     nt: int
@@ -237,10 +246,6 @@ class Fp4WgKey(_KernelKey):
     @property
     def min_blocks(self) -> int:
         return wgmma_min_blocks(self.nt)
-
-    @property
-    def smem_bytes(self) -> int:
-        return smem_bytes(self.nt, self.wn, self.act_fp8, self.stages)
 
 
 def wgmma_min_blocks(nt: int) -> int:
