@@ -18,6 +18,13 @@ and with the variants given by --variants:
   mcast_uncapped  the same launched on every SM (what multicast did before: the clusters that do not fit wait)
   mcast_release_cluster  mcast with the consumers' remote release as .release.cluster (before: the default
                 is a plain remote arrival, as CUTLASS's)
+  (s27, opt-in, not timed yet: each on top of the default info_overlap kernel)
+  mcast_info    2-CTA A multicast with the producer-fed schedule + overlapped promotion (the R3 mcast row had
+                neither: it halves A's L2 reads where the default is L2-throughput-bound)
+  expert        expert-major raster: one expert's m-blocks walked together, whole rows of n-blocks (A read from
+                DRAM once; the expert's B panel is what the running CTAs share); padding blocks take no units
+  expert16      the same in bands of 16 n-blocks inside an expert (wide N: the B band stays in L2)
+  expert_mcast  expert-major raster (bands of 8 n-block pairs) + mcast_info
 Every variant's output is compared with the first variant's (calc_diff). SwiGLU: the MoE gate|up step
 unfused (GEMM -> [M, 2F] bf16 -> silu_mul_cast_to_fp8) vs fused (SwiGLU-epilogue GEMM -> [M, F] bf16 ->
 per_token_cast_to_fp8), each timed as a whole and GEMM alone. Masked: 1 x 1024, 2 x 512,
@@ -41,7 +48,7 @@ from pathlib import Path
 
 import torch
 from deepgemm import cuda_gemm
-from deepgemm.heuristics import pick_config, swiglu_config
+from deepgemm.heuristics import expert_raster_config, pick_config, swiglu_config
 from deepgemm.utils import ceil_div
 
 CONTIGUOUS = [(4, 8192, 4096, 7168), (8, 4096, 7168, 2048), (8, 1152, 28672, 4096), (8, 1152, 4096, 14336)]
@@ -56,6 +63,11 @@ VARIANTS = {
     "mcast": (dict(multicast=2, multicast_on_a=True), ()),
     "mcast_uncapped": (dict(multicast=2, multicast_on_a=True), ()),
     "mcast_release_cluster": (dict(multicast=2, multicast_on_a=True), ("-DDEEPGEMM_MCAST_RELEASE_CLUSTER=1",)),
+    "mcast_info": (dict(multicast=2, multicast_on_a=True, tile_info=True), ()),
+    "expert": (lambda cfg: expert_raster_config(cfg, 0), ()),
+    "expert16": (lambda cfg: expert_raster_config(cfg, 16), ()),
+    "expert_mcast": (lambda cfg: expert_raster_config(
+        dataclasses.replace(cfg, multicast=2, multicast_on_a=True, tile_info=True), 8), ()),
 }
 MASKED_VARIANTS = {"default": (dict(tile_info=False), ()), "info": (dict(tile_info=True), ()),
                    "mcast": (dict(multicast=2, multicast_on_a=True), ()),
@@ -67,7 +79,7 @@ SMS = 132
 def contiguous_config(g, rows, n, k, variant, num_sms=SMS):
     cfg = pick_config("fp8", g * rows, n, k, num_groups=g, grouping="contiguous", num_sms=num_sms, tma_store=True)
     fields, opts = VARIANTS[variant]
-    return dataclasses.replace(cfg, **fields), opts
+    return (fields(cfg) if callable(fields) else dataclasses.replace(cfg, **fields)), opts
 
 
 def masked_config(g, m, n, k, num_sms=SMS):
@@ -154,7 +166,9 @@ def bench_contiguous(g, rows, n, k, variants) -> dict:
         finally:
             cuda_gemm.resident_cluster_ctas = capped
         res[v] = {"us": t * 1e6, "graph_us": tg * 1e6, "tflops": flops / t / 1e12, "graph_tflops": flops / tg / 1e12,
-                  "block_n": cfg.block_n, "stages": cfg.stages, "overlap": cfg.overlap_promotion}
+                  "block_n": cfg.block_n, "stages": cfg.stages, "overlap": cfg.overlap_promotion,
+                  "tile_info": cfg.use_tile_info, "multicast": cfg.multicast,
+                  "expert_band": cfg.expert_band if cfg.expert_raster else None}
         if cfg.multicast > 1:
             res[v]["resident_cluster_ctas"] = cuda_gemm.resident_cluster_ctas(
                 cuda_gemm._kernel(cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False)), cfg)

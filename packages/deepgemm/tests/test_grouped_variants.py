@@ -1,6 +1,8 @@
-"""The grouped kernels' schedule variants: the producer-fed tile schedule (-DDEEPGEMM_TILE_INFO=1) and 2-CTA
-multicast with the grid capped at the clusters resident at once. NVRTC (CI): they compile; CPU: the cap's
-fallback; GPU: each variant writes exactly what the default kernel writes (same arithmetic, same order)."""
+"""The grouped kernels' schedule variants: the producer-fed tile schedule (-DDEEPGEMM_TILE_INFO=1), 2-CTA
+multicast with the grid capped at the clusters resident at once, and (opt-in, s27) A multicast with the producer-fed
+schedule and the expert-major raster (-DDEEPGEMM_EXPERT_RASTER=1). NVRTC (CI): they compile without spills; CPU:
+the cap's fallback, the opt-in switches; GPU: each variant writes exactly what the default kernel writes (same
+arithmetic, same order). The schedules' tile order itself: test_grouped_schedule.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import pytest
 import tilehal
 import torch
 from deepgemm import cuda_gemm
-from deepgemm.heuristics import pick_config
+from deepgemm.heuristics import expert_raster_config, pick_config
+from tilehal import ArgumentError
 
 nvrtc = pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
 INFO = ("-DDEEPGEMM_TILE_INFO=1",)
@@ -38,6 +41,63 @@ def test_tile_info_kernels_compile(kind, h):
     assert all(e in mod.lowered_names for e in exprs) and mod.cubin
 
 
+def _s27_variant(cfg, variant):
+    """The s27 opt-in contiguous schedules (bench_grouped.py VARIANTS of the same names)."""
+    mcast = dataclasses.replace(cfg, multicast=2, multicast_on_a=True, tile_info=True)
+    return {"mcast_info": mcast, "expert": expert_raster_config(cfg), "expert16": expert_raster_config(cfg, 16),
+            "expert_mcast": expert_raster_config(mcast, 8)}[variant]
+
+
+S27_VARIANTS = ("mcast_info", "expert", "expert16", "expert_mcast")
+
+
+@nvrtc
+def test_s27_schedule_kernels_compile_without_spills(h):
+    cfg = _contiguous_cfg(32768, 4096, 7168, 4)
+    keys = [cuda_gemm.kernel_key(_s27_variant(cfg, v), 4096, 7168, "contiguous", 4, torch.bfloat16, False)
+            for v in S27_VARIANTS]
+    assert all(k.tile_info for k in keys) and [k.expert_raster for k in keys] == [False, True, True, True]
+    for key in keys:  # one module per variant: the -D switches differ
+        mod = cuda_gemm.compile_kernel(key, ("--ptxas-options=-v",))
+        h.check_compiled(mod, [key.expression])
+
+
+def test_s27_schedules_are_opt_in(monkeypatch):
+    cfg = _contiguous_cfg(32768, 4096, 7168, 4)
+    assert not cfg.expert_raster and cfg.multicast == 1 and cfg.use_tile_info
+    # multicast keeps the math warps' schedule unless tile_info=True is asked for (DEEPGEMM_MULTICAST=2 as before)
+    assert not dataclasses.replace(cfg, multicast=2, multicast_on_a=True).use_tile_info
+    assert not dataclasses.replace(cfg, multicast=2, multicast_on_a=False, tile_info=True).use_tile_info
+    assert _s27_variant(cfg, "mcast_info").use_tile_info
+    monkeypatch.delenv("DEEPGEMM_GROUPED_SCHEDULE", raising=False)
+    assert cuda_gemm.grouped_schedule(cfg, 32768, 4096) == cfg
+    monkeypatch.setenv("DEEPGEMM_GROUPED_SCHEDULE", "expert:16,mcast")
+    got = cuda_gemm.grouped_schedule(cfg, 32768, 4096)
+    assert (got.expert_raster, got.expert_band, got.multicast, got.multicast_on_a, got.use_tile_info) == (
+        True, 16, 2, True, True)
+    assert got.smem_bytes == cfg.smem_bytes + 4096 and got.stages == cfg.stages
+    monkeypatch.setenv("DEEPGEMM_GROUPED_SCHEDULE", "mcast")  # 7 n-blocks of 128: no even pairs, left as is
+    assert cuda_gemm.grouped_schedule(cfg, 32768, 896).multicast == 1
+    monkeypatch.setenv("DEEPGEMM_GROUPED_SCHEDULE", "expert:x")
+    with pytest.raises(ArgumentError, match="DEEPGEMM_GROUPED_SCHEDULE.*'expert:x'"):
+        cuda_gemm.grouped_schedule(cfg, 32768, 4096)
+
+
+def test_expert_raster_checks():
+    cfg = _contiguous_cfg(32768, 4096, 7168, 4)
+    with pytest.raises(ArgumentError, match="grouping='masked'"):
+        expert_raster_config(_masked_cfg(256, 512, 512, 3))
+    with pytest.raises(ArgumentError, match="band"):
+        expert_raster_config(cfg, -1)
+    with pytest.raises(ArgumentError, match="tile_info"):
+        cuda_gemm.check_expert_raster(dataclasses.replace(expert_raster_config(cfg), tile_info=False), 32768)
+    er = expert_raster_config(cfg)
+    assert cuda_gemm.check_expert_raster(er, 2048 * 128) is er
+    assert not cuda_gemm.check_expert_raster(er, 2048 * 128 + 1).expert_raster  # past the kernel's table
+    assert cuda_gemm.kernel_key(er, 4096, 7168, "contiguous", 4, torch.bfloat16, False).expression == \
+        cuda_gemm.kernel_key(cfg, 4096, 7168, "contiguous", 4, torch.bfloat16, False).expression  # -D only
+
+
 def test_cluster_cap_falls_back_when_the_driver_cannot_say():
     class NoOccupancy:
         def max_active_clusters(self, *a, **k):
@@ -52,6 +112,26 @@ def _layout(counts, align=128):
     for e, c in enumerate(counts):
         rows += [e] * c + [-1] * (-c % align)
     return torch.tensor(rows, dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", S27_VARIANTS)
+def test_s27_contiguous_schedules_write_what_the_default_writes(variant):
+    # padding blocks between experts, an expert that comes back later (two segments), an empty expert, and an
+    # m-block count that is not a multiple of the grid
+    runs = [(0, 300), (2, 129), (-1, 256), (1, 640), (0, 100), (3, 77), (4, 1)]  # expert 0 comes back
+    m_indices = torch.tensor([x for e, c in runs for x in [e] * c + [-1] * (-c % 128)], dtype=torch.int32).cuda()
+    m, g, n, k = m_indices.numel(), 5, 1024, 512
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a8, sfa = deepgemm.per_token_cast_to_fp8(torch.randn(m, k, generator=gen, device="cuda"), tma_aligned_sf=True)
+    b8, sfb = deepgemm.per_block_cast_to_fp8(torch.randn(g, n, k, generator=gen, device="cuda"))
+    ref = torch.full((m, n), 7.0, dtype=torch.bfloat16, device="cuda")
+    cuda_gemm.grouped_contiguous(a8, sfa, b8, sfb, ref, m_indices)
+    d = torch.full_like(ref, 7.0)
+    cuda_gemm.grouped_contiguous(a8, sfa, b8, sfb, d, m_indices, config=_s27_variant(_contiguous_cfg(m, n, k, g), variant))
+    assert torch.equal(d, ref)
+    padding_blocks = (m_indices.view(-1, 128)[:, 0] < 0).repeat_interleave(128)
+    assert padding_blocks.sum() == 256 and (d[padding_blocks] == 7.0).all()  # whole padding blocks untouched
 
 
 @pytest.mark.gpu

@@ -16,11 +16,18 @@ from pathlib import Path
 
 import tilehal
 import torch
-from tilehal import ShapeError
+from tilehal import ArgumentError, ShapeError
 from tilehal.tma import encode_tiled
 
 from . import gemv, plans, splitk, validate
-from .heuristics import GemmConfig, epilogue_passes, pick_config, swiglu_config
+from .heuristics import (
+    EXPERT_TABLE_BLOCKS,
+    GemmConfig,
+    epilogue_passes,
+    expert_raster_config,
+    pick_config,
+    swiglu_config,
+)
 from .utils import (
     ceil_div,
     degenerate_gemm,
@@ -61,6 +68,8 @@ class KernelKey:
     c_bf16: bool = False  # `c` is bf16 (bf16 accumulation), read in place by the staged copy-out epilogue
     swiglu: bool = False  # epilogue writes silu(gate) * up (B interleaved in blocks of BLOCK_N / 2)
     tile_info: bool = False  # grouped: producer-fed tile schedule (-DDEEPGEMM_TILE_INFO=1; not in the name)
+    expert_raster: bool = False  # contiguous: expert-major raster (-DDEEPGEMM_EXPERT_RASTER=1; not in the name)
+    expert_band: int = 0  # its n-units per band (-DDEEPGEMM_EXPERT_BAND; 0: the whole row)
 
     @property
     def expression(self) -> str:
@@ -91,6 +100,8 @@ def kernel_source() -> str:
 def compile_kernel(key: KernelKey, extra_options: tuple[str, ...] = ()) -> tilehal.CudaModule:
     """NVRTC-compile one instantiation for sm_90a (no GPU needed; cached on disk by content)."""
     info = ("-DDEEPGEMM_TILE_INFO=1",) if key.tile_info else ()
+    if key.expert_raster:
+        info += ("-DDEEPGEMM_EXPERT_RASTER=1", f"-DDEEPGEMM_EXPERT_BAND={key.expert_band}")
     return tilehal.compile_cuda(kernel_source(), arch="sm_90a", name="deepgemm_gemm_sm90",
                                 options=OPTIONS + info + extra_options, name_expressions=[key.expression])
 
@@ -106,7 +117,8 @@ def kernel_key(cfg: GemmConfig, n: int, k: int, grouping: str, num_groups: int, 
                      num_groups=num_groups, fp8=cfg.kind == "fp8", out_bf16=out_dtype == torch.bfloat16,
                      has_c=has_c, tma_store=cfg.tma_store, d_swizzle=cfg.d_swizzle, multicast=cfg.multicast,
                      multicast_on_a=cfg.multicast_on_a, overlap_promotion=cfg.overlap_promotion, bias=bias,
-                     c_bf16=c_bf16, swiglu=cfg.swiglu, tile_info=cfg.use_tile_info)
+                     c_bf16=c_bf16, swiglu=cfg.swiglu, tile_info=cfg.use_tile_info,
+                     expert_raster=cfg.expert_raster and grouping == "contiguous", expert_band=cfg.expert_band)
 
 
 def use_tma_store(d: torch.Tensor, n: int, has_c: bool, grouping: str) -> bool:
@@ -420,12 +432,54 @@ def grouped_contiguous(a, sfa, b, sfb, d, m_indices, config: GemmConfig | None =
                                 overlap=overlap_allowed())
     if swiglu and not cfg.swiglu:
         cfg = swiglu_config(cfg, m, n)
+    elif config is None and fp8:
+        cfg = grouped_schedule(cfg, m, n)
+    cfg = check_expert_raster(cfg, m)
     sfa_t = _sfa_layout(sfa) if fp8 else None
     descs = _descriptors(a, b.view(g * n, k), sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
     key = kernel_key(cfg, n, k, "contiguous", g, d.dtype, False)
     tiles = ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n)
     _launch(key, cfg, tiles, descs, _d_descriptor(d, cfg), sfb.contiguous() if fp8 else None,
             d, None, m_indices.contiguous(), m, extra_options)
+
+
+def check_expert_raster(cfg: GemmConfig, m: int) -> GemmConfig:
+    """A config with the expert-major raster must have the producer-fed schedule (else ArgumentError); an M
+    beyond the kernel's expert table (EXPERT_TABLE_BLOCKS m-blocks) keeps the default raster (logged)."""
+    if not cfg.expert_raster:
+        return cfg
+    if not cfg.use_tile_info:
+        raise ArgumentError("config: expert_raster=True needs the producer-fed tile schedule (tile_info=True; "
+                            "heuristics.expert_raster_config sets both)")
+    if ceil_div(m, cfg.block_m) > EXPERT_TABLE_BLOCKS:
+        log.debug("expert-major raster not used: %d m-blocks > the kernel's table of %d", ceil_div(m, cfg.block_m),
+                  EXPERT_TABLE_BLOCKS)
+        return dataclasses.replace(cfg, expert_raster=False)
+    return cfg
+
+
+def grouped_schedule(cfg: GemmConfig, m: int, n: int) -> GemmConfig:
+    """DEEPGEMM_GROUPED_SCHEDULE (opt-in, fp8 contiguous, not GPU-timed yet): comma-separated tokens
+    `expert` / `expert:<band>` (the expert-major raster, bands of <band> n-units, 0 or none: the whole row) and
+    `mcast` (2-CTA A multicast with the producer-fed tile schedule, when the n-blocks pair up evenly). Unset or
+    `default`: the heuristic's schedule. Unknown tokens raise ArgumentError."""
+    raw = os.environ.get("DEEPGEMM_GROUPED_SCHEDULE", "")
+    if raw in ("", "default"):
+        return cfg
+    for tok in (t.strip() for t in raw.split(",") if t.strip()):
+        name, _, arg = tok.partition(":")
+        if name == "mcast":
+            if ceil_div(n, cfg.block_n) % 2 or cfg.num_sms % 2 or cfg.block_m % 16:
+                log.debug("DEEPGEMM_GROUPED_SCHEDULE=mcast not used: %d n-blocks / %d SMs do not pair up",
+                          ceil_div(n, cfg.block_n), cfg.num_sms)
+                continue
+            cfg = dataclasses.replace(cfg, multicast=2, multicast_on_a=True, tile_info=True)
+        elif name == "expert" and (arg == "" or arg.isdigit()):
+            cfg = expert_raster_config(cfg, int(arg or 0))
+        else:
+            raise ArgumentError(f"DEEPGEMM_GROUPED_SCHEDULE: expected comma-separated 'default', 'mcast', 'expert' or "
+                                f"'expert:<band>', got {tok!r} in {raw!r}")
+    return cfg
 
 
 def grouped_masked(a, sfa, b, sfb, d, masked_m, expected_m: int, extra_options: tuple[str, ...] = (),

@@ -83,13 +83,19 @@ class GemmConfig:
     staged_store: int = 0  # without TMA store: bytes per element of the staged copy-out tile (2, 4) or 0 (direct)
     contiguous_overlap: bool = False  # fp8 contiguous: the overlapped promotion too (A/B timing; see overlaps())
     swiglu: bool = False  # epilogue writes silu(gate) * up: a BLOCK_M x BLOCK_N/2 output tile (swiglu_config)
-    tile_info: bool | None = None  # grouped, no multicast: producer-fed tile schedule (None: TILE_INFO's default)
+    tile_info: bool | None = None  # grouped: producer-fed tile schedule (None: TILE_INFO's default, off with multicast)
+    expert_raster: bool = False  # contiguous + tile schedule: expert-major raster (opt-in, not GPU-timed yet)
+    expert_band: int = 0  # expert_raster: n-units per band inside an expert (0: the whole row)
 
     @property
     def use_tile_info(self) -> bool:
-        """Whether the grouped kernel gets its tiles from the producer (kernels/gemm_sm90.cuh kTileInfo)."""
-        if self.grouping == "normal" or self.multicast > 1:
+        """Whether the grouped kernel gets its tiles from the producer (kernels/gemm_sm90.cuh kTileInfo). With
+        multicast only when asked for (tile_info=True) and only for the contiguous kernel's A multicast (opt-in,
+        not GPU-timed yet)."""
+        if self.grouping == "normal":
             return False
+        if self.multicast > 1:
+            return self.tile_info is True and self.grouping == "contiguous" and self.multicast_on_a
         if self.tile_info is not None:
             return self.tile_info
         return TILE_INFO[self.grouping] and self.kind == "fp8"  # measured for fp8 only (bf16: not yet timed)
@@ -123,8 +129,9 @@ class GemmConfig:
 
     @property
     def smem_bytes(self) -> int:
+        table = EXPERT_TABLE_BYTES if self.expert_raster else 0
         return smem_bytes(self.kind, self.block_m, self.block_n, self.stages, self.epilogue_bytes,
-                          self.grouping != "normal")
+                          self.grouping != "normal") + table
 
     @property
     def epilogue_bytes(self) -> int:
@@ -200,6 +207,8 @@ def stage_bytes(kind: str, block_m: int, block_n: int) -> int:
 
 
 TILE_INFO_BYTES = 16  # per stage, grouped kernels: the producer's tile slot (kernels/gemm_sm90.cuh kTileInfo)
+EXPERT_TABLE_BLOCKS = 2048  # expert-major raster: m-blocks its shared-memory table holds (kExpertTableBlocks)
+EXPERT_TABLE_BYTES = 2 * EXPERT_TABLE_BLOCKS  # one 16-bit expert id per m-block
 
 
 def smem_bytes(kind: str, block_m: int, block_n: int, stages: int, epilogue_bytes: int = 0,
@@ -318,3 +327,17 @@ def swiglu_config(cfg: GemmConfig, m: int, n: int) -> GemmConfig:
                                multicast_on_a=False, tile_info=False,
                                stages=max_stages(cfg.kind, cfg.block_m, bn, epilogue_bytes(cfg.block_m, bn // 2, True),
                                                  grouped=True))
+
+
+def expert_raster_config(cfg: GemmConfig, band: int = 0) -> GemmConfig:
+    """`cfg` (contiguous) with the expert-major raster (kernels/gemm_sm90.cuh DEEPGEMM_EXPERT_RASTER): the
+    producer-fed tile schedule, the m-blocks of one expert walked together in bands of `band` n-units (0: the
+    whole row), and a ring shortened if the expert table would not fit next to it. Opt-in: not GPU-timed yet."""
+    if cfg.grouping != "contiguous":
+        raise ArgumentError(f"expert_raster_config: expected a contiguous config, got grouping={cfg.grouping!r}")
+    if band < 0:
+        raise ArgumentError(f"band: expected >= 0 n-units per band (0: the whole row), got {band}")
+    out = dataclasses.replace(cfg, tile_info=True, expert_raster=True, expert_band=band)
+    while out.smem_bytes > SMEM_CAPACITY and out.stages > 2:
+        out = dataclasses.replace(out, stages=out.stages - 1)
+    return out

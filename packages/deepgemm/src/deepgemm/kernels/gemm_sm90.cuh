@@ -64,18 +64,72 @@ constexpr int kOverlapGroup = 8;  // fp8 K blocks per drained group of the overl
 #ifndef DEEPGEMM_TILE_INFO
 #define DEEPGEMM_TILE_INFO 0
 #endif
-template <int KIND, int MCAST> constexpr bool kTileInfo = DEEPGEMM_TILE_INFO && KIND != kNormal && MCAST == 1;
+// With 2-CTA A multicast (contiguous only: the CTAs of a cluster share the m-block, so both producers walk the
+// same schedule and each feeds its own math warps) the slots work the same way (opt-in: GemmConfig.tile_info=True
+// with multicast; the host never sets the switch for a multicast kernel otherwise).
+template <int KIND, int MCAST>
+constexpr bool kTileInfo = DEEPGEMM_TILE_INFO && KIND != kNormal && (MCAST == 1 || KIND == kGroupedContiguous);
+
+// Expert-major raster of the contiguous kernel (opt-in, -DDEEPGEMM_EXPERT_RASTER=1, producer-fed schedule only):
+// the m-blocks of one expert (a maximal run of blocks whose first row names the same expert) are walked together,
+// bands of DEEPGEMM_EXPERT_BAND n-units inside (0: the whole row), so that one expert's B panel and its A rows are
+// what the CTAs running at once share; the default raster's bands span every expert, so each A row block is
+// re-read from DRAM once per band. Padding blocks (-1 / out of range) take no schedule units at all. The producer
+// warpgroup copies each m-block's expert id into a shared-memory table (kExpertTableBlocks m-blocks at most: the
+// host keeps larger M on the default raster) at kernel start; its walk then reads only shared memory.
+#ifndef DEEPGEMM_EXPERT_RASTER
+#define DEEPGEMM_EXPERT_RASTER 0
+#endif
+#ifndef DEEPGEMM_EXPERT_BAND
+#define DEEPGEMM_EXPERT_BAND 0
+#endif
+enum : int { kExpertTableBlocks = 2048 };  // 4 KiB of shared memory (heuristics.EXPERT_TABLE_BYTES); an enum: no PTX global
+
+// BEGIN expert_walk (host-compiled by tests/test_grouped_schedule.py against its Python model)
+// The schedule unit -> (m-block, n-unit, expert) of the expert-major raster. A CTA asks for its units in increasing
+// order, so it keeps the current segment (first m-block, length, first unit, expert) and only moves forward.
+struct ExpertWalk {
+  int seg_m0 = 0, seg_len = 0, seg_base = 0, seg_group = -1;
+
+  // The first segment at or after m-block `mb` (false: none left).
+  TILEHAL_DEVICE bool seek(const short* ids, int num_m_blocks, int mb) {
+    while (mb < num_m_blocks && ids[mb] < 0) ++mb;
+    if (mb >= num_m_blocks) return false;
+    int end = mb + 1;
+    while (end < num_m_blocks && ids[end] == ids[mb]) ++end;
+    seg_m0 = mb, seg_len = end - mb, seg_group = ids[mb];
+    return true;
+  }
+
+  template <int BAND, int NUM_N_UNITS>
+  TILEHAL_DEVICE bool locate(const short* ids, int num_m_blocks, int unit, int& m_block, int& n_unit, int& group) {
+    if (seg_len == 0 && !seek(ids, num_m_blocks, 0)) return false;  // first call (segments are never empty)
+    while (unit >= seg_base + seg_len * NUM_N_UNITS) {
+      seg_base += seg_len * NUM_N_UNITS;
+      if (!seek(ids, num_m_blocks, seg_m0 + seg_len)) return false;
+    }
+    int m_in_seg;
+    band_tile_coords<BAND, NUM_N_UNITS>(unit - seg_base, seg_len, m_in_seg, n_unit);
+    m_block = seg_m0 + m_in_seg;
+    group = seg_group;
+    return true;
+  }
+};
+// END expert_walk
 
 // Which output tile a CTA does next. Producer and consumers run identical copies, and so do the
 // CTAs of a cluster: they walk the same sequence of "units" (a tile, or a pair of tiles that share
 // an operand when MCAST = 2) and take the tile of their rank in each.
-template <int KIND, int SHAPE_N, int BLOCK_M, int BLOCK_N, int NUM_GROUPS, int MCAST, bool MCAST_ON_A>
+// EXPERT (contiguous, producer only): the expert-major raster over `expert_table` (ExpertWalk).
+template <int KIND, int SHAPE_N, int BLOCK_M, int BLOCK_N, int NUM_GROUPS, int MCAST, bool MCAST_ON_A,
+          bool EXPERT = false>
 struct TileScheduler {
   static constexpr int kNumNBlocks = (SHAPE_N + BLOCK_N - 1) / BLOCK_N;
   static constexpr bool kPairN = MCAST > 1 && MCAST_ON_A;   // cluster shares A: neighbouring n-blocks
   static constexpr bool kPairM = MCAST > 1 && !MCAST_ON_A;  // cluster shares B: neighbouring m-blocks
   static constexpr int kNumNUnits = kPairN ? (kNumNBlocks + 1) / 2 : kNumNBlocks;
   static constexpr int kBand = kPairN ? kSwizzleGroupN / 2 : kSwizzleGroupN;
+  static_assert(!EXPERT || KIND == kGroupedContiguous, "the expert-major raster is the contiguous kernel's");
   static_assert(MCAST == 1 || MCAST == 2, "1- or 2-CTA clusters");
   // Masked groups pair m-blocks of one group (same B; an odd group's last pair has a phantom block past
   // masked_m, whose rows the epilogue does not write); contiguous neighbours may belong to different experts.
@@ -85,6 +139,8 @@ struct TileScheduler {
   int next_unit;
   int rank;    // CTA rank in the cluster
   int stride;  // clusters in the grid
+  const short* expert_table = nullptr;  // EXPERT: expert of each m-block (-1: skipped), in shared memory
+  ExpertWalk walk;
 
   TILEHAL_DEVICE TileScheduler(int m, const int* info)
       : shape_m(m), group_info(info), next_unit(blockIdx.x / MCAST), rank(blockIdx.x % MCAST),
@@ -118,6 +174,17 @@ struct TileScheduler {
         unit -= units;
       }
       return false;
+    } else if constexpr (EXPERT) {
+      const int num_m_blocks = min((shape_m + BLOCK_M - 1) / BLOCK_M, kExpertTableBlocks);
+      const int unit = next_unit;
+      next_unit += stride;
+      constexpr int kExpertBand =
+          DEEPGEMM_EXPERT_BAND > 0 && DEEPGEMM_EXPERT_BAND < kNumNUnits ? DEEPGEMM_EXPERT_BAND : kNumNUnits;
+      if (!walk.template locate<kExpertBand, kNumNUnits>(expert_table, num_m_blocks, unit, m_unit, n_unit, group)) {
+        return false;
+      }
+      take(m_unit, n_unit, m_block, n_block);  // (no m-block pairs in the contiguous kernel: m_block = m_unit)
+      return true;
     } else {
       const int num_m_blocks = (shape_m + BLOCK_M - 1) / BLOCK_M;
       const int num_m_units = kPairM ? (num_m_blocks + 1) / 2 : num_m_blocks;
@@ -384,6 +451,11 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   u64* empty_bar = full_bar + STAGES;
   int* tile_info = reinterpret_cast<int*>(empty_bar + STAGES);  // [STAGES][4] (grouped kernels: kTileInfo)
   constexpr bool kInfo = kTileInfo<KIND, MCAST>;
+  constexpr bool kExpert = DEEPGEMM_EXPERT_RASTER && KIND == kGroupedContiguous;
+  static_assert(!kExpert || kInfo, "the expert-major raster runs in the producer: it needs -DDEEPGEMM_TILE_INFO=1");
+  static_assert(!kExpert || NUM_GROUPS <= 32767, "expert ids are kept as 16-bit values");
+  // kExpert: [kExpertTableBlocks] expert ids after the tile slots
+  short* expert_table = reinterpret_cast<short*>(tile_info + 4 * STAGES);
 
   const int tid = threadIdx.x;
   if (tid == NUM_MATH_THREADS) {
@@ -404,12 +476,21 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
     __syncthreads();
   }
 
-  TileScheduler<KIND, SHAPE_N, BLOCK_M, BLOCK_N, NUM_GROUPS, MCAST, MCAST_ON_A> sched(shape_m, group_info);
+  TileScheduler<KIND, SHAPE_N, BLOCK_M, BLOCK_N, NUM_GROUPS, MCAST, MCAST_ON_A, kExpert> sched(shape_m, group_info);
   int m_block, n_block, group;
 
   if (tid >= NUM_MATH_THREADS) {
     // ---------------------------------------------------------------- producer warpgroup
     setmaxnreg_dec<kLeanProducer<KIND, OVERLAP, kInfo> ? 24 : kProducerRegs<NUM_MATH_WG>>();
+    if constexpr (kExpert) {  // the whole producer warpgroup fills the expert table, then one thread walks it
+      const int num_m_blocks = min((shape_m + BLOCK_M - 1) / BLOCK_M, kExpertTableBlocks);
+      for (int i = tid - NUM_MATH_THREADS; i < num_m_blocks; i += 128) {
+        const int g = __ldg(group_info + i * BLOCK_M);
+        expert_table[i] = static_cast<short>(g >= 0 && g < NUM_GROUPS ? g : -1);
+      }
+      named_barrier_sync(2, 128);
+      sched.expert_table = expert_table;
+    }
     if (tid != NUM_MATH_THREADS) return;
     const int rank = sched.rank;
     u32 it = 0;
