@@ -56,10 +56,6 @@ DECODE_CONFIGS = [(1, 64, 2, 128), (4, 64, 2, 32), (8, 32, 3, 32), (8, 64, 2, 32
 TUNE_WITH_AUTOTUNER = True  # --no-autotune: skip the autotuner pass of the fp8 rows
 
 
-def CHECKPOINT(name, rows):  # noqa: N802 - replaced by main() with a writer of the partial JSON
-    pass
-
-
 def load(name: str):
     spec = importlib.util.spec_from_file_location(f"tilelang_example_{name}", EXAMPLES / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
@@ -81,6 +77,34 @@ def try_time(fn):
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
+def add_times(row: dict, t_ours: float | None, peers: dict, unit: str, amount: float) -> dict:
+    """row["ours_us"], row["ours_<unit>"] and for each peer (its time in s, or the error text try_time gave)
+    "<peer>_us", "<peer>_<unit>" and "ratio_vs_<peer>" (peer time / ours: > 1 is ours faster), or "<peer>_error".
+    amount: the row's work in the unit's terms (FLOP / 1e12 for TFLOPS, bytes / 1e9 for GBps)."""
+    if t_ours:
+        row |= {"ours_us": t_ours * 1e6, f"ours_{unit}": amount / t_ours}
+    for p, t in peers.items():
+        if isinstance(t, str):
+            row[f"{p}_error"] = t
+        else:
+            row[f"{p}_us"], row[f"{p}_{unit}"] = t * 1e6, amount / t
+            if t_ours:
+                row[f"ratio_vs_{p}"] = t / t_ours
+    return row
+
+
+def _rows(name: str, makers: list, checkpoint=None) -> list[dict]:
+    """One row per maker, in order; checkpoint(name, rows so far), when given, after each (main's writer of the
+    partial JSON: a run cut short keeps the rows done)."""
+    rows = []
+    for make in makers:
+        rows.append(make())
+        if checkpoint:
+            checkpoint(name, rows)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def pick(candidates: dict) -> tuple[str | None, float | None]:
     ok = {k: v["s"] for k, v in candidates.items() if "s" in v and v.get("correct")}
     if not ok:
@@ -92,16 +116,12 @@ def pick(candidates: dict) -> tuple[str | None, float | None]:
 # ---------------------------------------------------------------- fp8 block-scaled GEMM
 
 
-def bench_fp8(configs) -> list[dict]:
+def bench_fp8(configs, checkpoint=None) -> list[dict]:
     import deepgemm
 
     ex = load("fp8_gemm")
-    rows = []
-    for m, n, k in FP8_SHAPES:
-        rows.append(_fp8_shape(deepgemm, ex, m, n, k, configs[(m, n, k)] if isinstance(configs, dict) else configs))
-        CHECKPOINT("fp8", rows)  # a run cut short keeps the shapes done
-        torch.cuda.empty_cache()
-    return rows
+    return _rows("fp8", [lambda s=s: _fp8_shape(deepgemm, ex, *s, configs[s] if isinstance(configs, dict) else configs)
+                         for s in FP8_SHAPES], checkpoint)
 
 
 def fp8_program(ex, cfg: tuple):
@@ -205,16 +225,7 @@ def _fp8_shape(deepgemm, ex, m, n, k, configs) -> dict:
     row = {"kind": "fp8_gemm", "shape": [m, n, k], "candidates": cands, "best_config": best, "autotune": tuned,
            "no_promotion_same_schedule": no_promo,
            "deepgemm_calc_diff_vs_reference": ex.calc_diff(d_dg.float(), ref)}
-    if t_ours:
-        row |= {"ours_us": t_ours * 1e6, "ours_tflops": flops / t_ours / 1e12}
-    for p, t in peers.items():
-        if isinstance(t, str):
-            row[f"{p}_error"] = t
-        else:
-            row[f"{p}_us"], row[f"{p}_tflops"] = t * 1e6, flops / t / 1e12
-            if t_ours:
-                row[f"ratio_vs_{p}"] = t / t_ours
-    return row
+    return add_times(row, t_ours, peers, "tflops", flops / 1e12)
 
 
 # ---------------------------------------------------------------- paged decode
@@ -239,7 +250,7 @@ def build_pool(kvpool, batch, seq_len):
     return pool
 
 
-def bench_decode(configs, batch=64, seq_len=4096) -> list[dict]:
+def bench_decode(configs, checkpoint=None, batch=64, seq_len=4096) -> list[dict]:  # one row: no checkpoint
     import kvpool
 
     ex = load("paged_decode")
@@ -279,24 +290,16 @@ def bench_decode(configs, batch=64, seq_len=4096) -> list[dict]:
     row = {"kind": "paged_decode", "case": f"b{batch} x {seq_len}, GQA {HQ}/{H}, d{D}, bf16, block {BS}",
            "kv_bytes": kv_bytes, "candidates": cands, "best_config": best,
            "kvpool_calc_diff_vs_reference": tilehal.calc_diff(kvpool.paged_decode(q, pool, 0, bt, sl).float(), ref)}
-    if t_ours:
-        row |= {"ours_us": t_ours * 1e6, "ours_GBps": kv_bytes / t_ours / 1e9}
-    for p, t in peers.items():
-        if isinstance(t, str):
-            row[f"{p}_error"] = t
-        else:
-            row[f"{p}_us"], row[f"{p}_GBps"] = t * 1e6, kv_bytes / t / 1e9
-            if t_ours:
-                row[f"ratio_vs_{p}"] = t / t_ours
-    return [row]
+    return [add_times(row, t_ours, peers, "GBps", kv_bytes / 1e9)]
 
 
 # ---------------------------------------------------------------- RMSNorm + fp8 quant
 
 
-def bench_rmsnorm_fp8(configs_unused) -> list[dict]:
+def bench_rmsnorm_fp8(configs_unused, checkpoint=None) -> list[dict]:
     ex = load("rmsnorm_fp8")
-    return [_rmsnorm_shape(ex, m, n) for m, n in ((4096, 7168), (16384, 4096))]
+    return _rows("rmsnorm_fp8", [lambda m=m, n=n: _rmsnorm_shape(ex, m, n) for m, n in ((4096, 7168), (16384, 4096))],
+                 checkpoint)
 
 
 def _rmsnorm_shape(ex, m, n) -> dict:
@@ -311,13 +314,10 @@ def _rmsnorm_shape(ex, m, n) -> dict:
     t_ours = timed(lambda: kern(x, w))
     t_torch = try_time(lambda: ex.reference(x, w))
     nbytes = m * n * 2 + n * 2 + m * n + m * (n // 128) * 4
-    row = {"kind": "rmsnorm_fp8", "shape": [m, n], "ours_us": t_ours * 1e6, "ours_GBps": nbytes / t_ours / 1e9,
-           "max_rel_err_dequantized": err, "scale_max_rel_err": ((s - rs).abs() / rs).max().item(),
-           "fp8_codes_differing": (q.float() != rq.float()).float().mean().item()}
-    if isinstance(t_torch, str):
-        row["torch_error"] = t_torch
-    else:
-        row |= {"torch_us": t_torch * 1e6, "torch_GBps": nbytes / t_torch / 1e9, "ratio_vs_torch": t_torch / t_ours}
+    row = add_times({"kind": "rmsnorm_fp8", "shape": [m, n], "max_rel_err_dequantized": err,
+                     "scale_max_rel_err": ((s - rs).abs() / rs).max().item(),
+                     "fp8_codes_differing": (q.float() != rq.float()).float().mean().item()},
+                    t_ours, {"torch": t_torch}, "GBps", nbytes / 1e9)
     print(f"  rmsnorm_fp8 {m}x{n}: {row}", flush=True)
     return row
 
@@ -325,9 +325,9 @@ def _rmsnorm_shape(ex, m, n) -> dict:
 # ---------------------------------------------------------------- GQA flash attention
 
 
-def bench_gqa(configs_unused) -> list[dict]:
+def bench_gqa(configs_unused, checkpoint=None) -> list[dict]:
     ex = load("flash_attention")
-    return [_gqa_case(ex, causal) for causal in (False, True)]
+    return _rows("gqa", [lambda c=c: _gqa_case(ex, c) for c in (False, True)], checkpoint)
 
 
 def _gqa_case(ex, causal) -> dict:
@@ -344,10 +344,8 @@ def _gqa_case(ex, causal) -> dict:
     flops = 4 * b * hq * s * s * d * (0.5 if causal else 1.0)
     t_ours = timed(lambda: kern(q, k, v))
     t_sdpa = try_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
-    row = {"kind": "gqa_flash_attention", "case": f"b{b} h{hq}/{hk} s{s} d{d} fp16 causal={causal}",
-           "ours_us": t_ours * 1e6, "ours_tflops": flops / t_ours / 1e12, "max_abs_err_vs_sdpa": err}
-    if not isinstance(t_sdpa, str):
-        row |= {"sdpa_us": t_sdpa * 1e6, "sdpa_tflops": flops / t_sdpa / 1e12, "ratio_vs_sdpa": t_sdpa / t_ours}
+    row = add_times({"kind": "gqa_flash_attention", "case": f"b{b} h{hq}/{hk} s{s} d{d} fp16 causal={causal}",
+                     "max_abs_err_vs_sdpa": err}, t_ours, {"sdpa": t_sdpa}, "tflops", flops / 1e12)
     print(f"  gqa {row}", flush=True)
     return row
 
@@ -519,15 +517,13 @@ def main() -> None:
                                                            "torch": torch.__version__, "host": platform.node()},
               "timer": "tilehal.bench: CUDA events, median of 30 after 5 warm-up, L2 flushed, host work hidden",
               "rows": {}}
-    def checkpoint(name, rows):
+
+    def write(name=None, rows=None):  # the JSON so far (+ a row list still being filled)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "bench_examples.json").write_text(json.dumps({**result, "rows": {**result["rows"],
-                                                                                          name: rows}},
-                                                                     indent=1, default=str))
+            now = {**result, "rows": {**result["rows"], **({name: rows} if name else {})}}
+            (args.out / "bench_examples.json").write_text(json.dumps(now, indent=1, default=str))
 
-    global CHECKPOINT
-    CHECKPOINT = checkpoint
     for name in args.only.split(","):
         fn, cfgs = BENCHES[name]
         if cfgs is not None and args.configs == "default":
@@ -540,14 +536,12 @@ def main() -> None:
             cfgs = [decode_config_of(x) for x in args.decode]
         t0 = time.perf_counter()
         try:
-            result["rows"][name] = fn(cfgs)
+            result["rows"][name] = fn(cfgs, checkpoint=write)
         except Exception as e:  # one broken row must not lose the others
             traceback.print_exc()
             result["rows"][name] = [{"error": f"{type(e).__name__}: {str(e)[:500]}"}]
         print(f"[{name}] {time.perf_counter() - t0:.1f} s", flush=True)
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "bench_examples.json").write_text(json.dumps(result, indent=1, default=str))
+        write()
     print(f"{'row':<44}{'ours':>12}{'peer':>26}{'ratio':>8}")
     for name, rows in result["rows"].items():
         for r in rows:
