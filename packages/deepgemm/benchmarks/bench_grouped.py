@@ -139,9 +139,24 @@ def _times(fn):
     return t, tg
 
 
+def _variant_row(res, label, v, t, tg, flops, d, ref, **extra):
+    """res[v]: the variant's eager and graph times and rates (+ extra), and its output's calc_diff against the
+    first variant's (ref; None: this is the first, whose output becomes ref); prints its row. Returns ref."""
+    import tilehal
+
+    res[v] = {"us": t * 1e6, "graph_us": tg * 1e6, "tflops": flops / t / 1e12, "graph_tflops": flops / tg / 1e12,
+              **extra}
+    if ref is None:
+        ref = d.clone()
+    else:
+        res[v]["calc_diff_vs_first"] = float(tilehal.calc_diff(d, ref))
+    print(f"{label} {v:13s} {t * 1e6:9.1f} us {flops / t / 1e12:7.0f} TFLOPS "
+          f"(graph {flops / tg / 1e12:6.0f}) {res[v].get('calc_diff_vs_first', '')}", flush=True)
+    return ref
+
+
 def bench_contiguous(g, rows, n, k, variants) -> dict:
     import deepgemm
-    import tilehal
 
     m = g * rows
     a8, sfa = deepgemm.per_token_cast_to_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
@@ -165,19 +180,13 @@ def bench_contiguous(g, rows, n, k, variants) -> dict:
             t, tg = _times(fn)
         finally:
             cuda_gemm.resident_cluster_ctas = capped
-        res[v] = {"us": t * 1e6, "graph_us": tg * 1e6, "tflops": flops / t / 1e12, "graph_tflops": flops / tg / 1e12,
-                  "block_n": cfg.block_n, "stages": cfg.stages, "overlap": cfg.overlap_promotion,
-                  "tile_info": cfg.use_tile_info, "multicast": cfg.multicast,
-                  "expert_band": cfg.expert_band if cfg.expert_raster else None}
+        extra = {}
         if cfg.multicast > 1:
-            res[v]["resident_cluster_ctas"] = cuda_gemm.resident_cluster_ctas(
+            extra["resident_cluster_ctas"] = cuda_gemm.resident_cluster_ctas(
                 cuda_gemm._kernel(cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False)), cfg)
-        if ref is None:
-            ref = d.clone()
-        else:
-            res[v]["calc_diff_vs_first"] = float(tilehal.calc_diff(d, ref))
-        print(f"contiguous {g}x{rows}x{n}x{k} {v:13s} {t * 1e6:9.1f} us {flops / t / 1e12:7.0f} TFLOPS "
-              f"(graph {flops / tg / 1e12:6.0f}) {res[v].get('calc_diff_vs_first', '')}", flush=True)
+        ref = _variant_row(res, f"contiguous {g}x{rows}x{n}x{k}", v, t, tg, flops, d, ref, block_n=cfg.block_n,
+                           stages=cfg.stages, overlap=cfg.overlap_promotion, tile_info=cfg.use_tile_info,
+                           multicast=cfg.multicast, expert_band=cfg.expert_band if cfg.expert_raster else None, **extra)
     return res
 
 
@@ -230,7 +239,6 @@ def bench_swiglu(g, rows, n, k) -> dict:
 
 def bench_masked(g, m, n, k, peer: bool) -> dict:
     import deepgemm
-    import tilehal
 
     a = torch.randn(g, m, k, device="cuda", dtype=torch.bfloat16)
     a8 = torch.empty(g, m, k, device="cuda", dtype=torch.float8_e4m3fn)
@@ -248,13 +256,7 @@ def bench_masked(g, m, n, k, peer: bool) -> dict:
         cfg = dataclasses.replace(masked_config(g, m, n, k), **fields)
         t, tg = _times(lambda d=d, opts=opts, cfg=cfg: cuda_gemm.grouped_masked(a8, sfa, b8, sfb, d, masked_m, m,
                                                                                 extra_options=opts, config=cfg))
-        res[v] = {"us": t * 1e6, "graph_us": tg * 1e6, "tflops": flops / t / 1e12, "graph_tflops": flops / tg / 1e12}
-        if ref is None:
-            ref = d.clone()
-        else:
-            res[v]["calc_diff_vs_first"] = float(tilehal.calc_diff(d, ref))
-        print(f"masked {g}x{m}x{n}x{k} {v:8s} {t * 1e6:9.1f} us {flops / t / 1e12:7.0f} TFLOPS "
-              f"(graph {flops / tg / 1e12:6.0f}) {res[v].get('calc_diff_vs_first', '')}", flush=True)
+        ref = _variant_row(res, f"masked {g}x{m}x{n}x{k}", v, t, tg, flops, d, ref)
     res.update({k2: res["default"][k2] for k2 in ("us", "graph_us", "tflops", "graph_tflops")})
     if peer:
         ones_a, ones_b = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
