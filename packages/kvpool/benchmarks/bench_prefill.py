@@ -9,7 +9,8 @@ fused write path. Same run, same shapes; writes docs/benchmarks/kvpool_prefill.{
   fp8       paged decode over an e4m3 pool, b8 x 32K, vs the bf16 pool's decode (same shapes).
   write     pool.write of a decode step (8 tokens) and of a 32K prompt: one kernel vs the torch
             ops it replaced (the same storage code with the kernel switched off).
-KVPOOL_BENCH_QUICK=1 runs the 32K prompt only; KVPOOL_BENCH_CONFIGS=w8x2,w8x2n32 limits the configs.
+KVPOOL_BENCH_QUICK=1 runs the 32K prompt only, KVPOOL_BENCH_QUICK=prefill the three prefill cases (no fp8
+decode, no write); KVPOOL_BENCH_CONFIGS=w8x2,w8x2n32 limits the configs.
 """
 
 from __future__ import annotations
@@ -212,6 +213,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill needs a CUDA GPU")
     quick = os.environ.get("KVPOOL_BENCH_QUICK") == "1"  # only the 32K prompt vs SDPA
+    prefill_only = os.environ.get("KVPOOL_BENCH_QUICK") == "prefill"  # the three prefill cases
     prefill = [prefill_case([32768], [32768], with_sdpa=True)]
     if not quick:
         prefill += [prefill_case([32768], [4096], with_sdpa=False), prefill_case([4096] * 8, [4096] * 8, with_sdpa=False)]
@@ -225,9 +227,10 @@ def main() -> None:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     path = OUT_DIR / "kvpool_prefill.json"
     path.write_text(json.dumps(result, indent=2))  # saved before the later cases, in case one fails
-    if quick:
+    if quick or prefill_only:
         plot(result, OUT_DIR)
-        print(f"wrote {path} (KVPOOL_BENCH_QUICK=1: the 32K prompt only)")
+        print(f"wrote {path} (KVPOOL_BENCH_QUICK={os.environ['KVPOOL_BENCH_QUICK']}: "
+              f"{'the 32K prompt' if quick else 'the prefill cases'} only)")
         return
     result["fp8_decode"] = fp8_case()
     path.write_text(json.dumps(result, indent=2))
