@@ -25,6 +25,9 @@ and with the variants given by --variants:
                 DRAM once; the expert's B panel is what the running CTAs share); padding blocks take no units
   expert16      the same in bands of 16 n-blocks inside an expert (wide N: the B band stays in L2)
   expert_mcast  expert-major raster (bands of 8 n-block pairs) + mcast_info
+Masked variants (--masked-variants): default, info, mcast, mcast_b and (s27, opt-in) tma (whole m-blocks by TMA
+store), tma_info (the same with the producer-fed schedule), bn96 / bn112 (narrower tiles for the (7168, 2048)
+wave tail), cursor (MaskedWalk instead of the scan from group 0).
 Every variant's output is compared with the first variant's (calc_diff). SwiGLU: the MoE gate|up step
 unfused (GEMM -> [M, 2F] bf16 -> silu_mul_cast_to_fp8) vs fused (SwiGLU-epilogue GEMM -> [M, F] bf16 ->
 per_token_cast_to_fp8), each timed as a whole and GEMM alone. Masked: 1 x 1024, 2 x 512,
@@ -48,7 +51,7 @@ from pathlib import Path
 
 import torch
 from deepgemm import cuda_gemm
-from deepgemm.heuristics import expert_raster_config, pick_config, swiglu_config
+from deepgemm.heuristics import epilogue_bytes, expert_raster_config, max_stages, pick_config, swiglu_config
 from deepgemm.utils import ceil_div
 
 CONTIGUOUS = [(4, 8192, 4096, 7168), (8, 4096, 7168, 2048), (8, 1152, 28672, 4096), (8, 1152, 4096, 14336)]
@@ -71,7 +74,16 @@ VARIANTS = {
 }
 MASKED_VARIANTS = {"default": (dict(tile_info=False), ()), "info": (dict(tile_info=True), ()),
                    "mcast": (dict(multicast=2, multicast_on_a=True), ()),
-                   "mcast_b": (dict(multicast=2, multicast_on_a=False), ())}  # pairs of m-blocks share B
+                   "mcast_b": (dict(multicast=2, multicast_on_a=False), ()),  # pairs of m-blocks share B
+                   # s27, opt-in, not timed yet: whole blocks by TMA store (a group's partial last block copied out
+                   # of the staging tile), with / without the producer-fed schedule; other tile widths for the
+                   # (7168, 2048) wave tail (448 tiles of 128: 3.4 waves; 96 -> 600 tiles, 112 -> 512); the cursor walk
+                   "tma": (lambda g, m, n, k: _masked_pick(g, m, n, k, tma_store=True), ()),
+                   "tma_info": (lambda g, m, n, k: dataclasses.replace(_masked_pick(g, m, n, k, tma_store=True),
+                                                                       tile_info=True), ()),
+                   "bn96": (lambda g, m, n, k: _masked_width(g, m, n, k, 96), ()),
+                   "bn112": (lambda g, m, n, k: _masked_width(g, m, n, k, 112), ()),
+                   "cursor": (dict(tile_info=False), ("-DDEEPGEMM_MASKED_CURSOR=1",))}
 SWIGLU = (8, 1152, 28672, 4096)  # Mixtral's gate|up GEMM on the 9216-row layout
 SMS = 132
 
@@ -87,6 +99,22 @@ def masked_config(g, m, n, k, num_sms=SMS):
                        staged_store=cuda_gemm.staged_store(torch.bfloat16, n, False, False))
 
 
+def _masked_pick(g, m, n, k, tma_store):
+    return pick_config("fp8", m, n, k, num_groups=g, grouping="masked", num_sms=SMS, tma_store=tma_store)
+
+
+def _masked_width(g, m, n, k, bn):
+    cfg = masked_config(g, m, n, k)
+    return dataclasses.replace(cfg, block_n=bn, stages=max_stages("fp8", cfg.block_m, bn, epilogue_bytes(
+        cfg.block_m, bn, False, cfg.staged_store), grouped=True))
+
+
+def masked_variant(g, m, n, k, variant):
+    fields, opts = MASKED_VARIANTS[variant]
+    cfg = fields(g, m, n, k) if callable(fields) else dataclasses.replace(masked_config(g, m, n, k), **fields)
+    return cfg, opts
+
+
 def _compile(job):
     key, opts = job
     cuda_gemm.compile_kernel(key, opts)
@@ -100,8 +128,8 @@ def compile_all(variants, jobs=4) -> None:
             cfg, opts = contiguous_config(g, rows, n, k, v)
             work.append((cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False), opts))
     for g, m, n, k in MASKED:
-        for fields, opts in MASKED_VARIANTS.values():
-            cfg = dataclasses.replace(masked_config(g, m, n, k), **fields)
+        for v in MASKED_VARIANTS:
+            cfg, opts = masked_variant(g, m, n, k, v)
             work.append((cuda_gemm.kernel_key(cfg, n, k, "masked", g, torch.bfloat16, False), opts))
     g, rows, n, k = SWIGLU
     cfg = swiglu_config(contiguous_config(g, rows, n, k, "serial")[0], g * rows, n)
@@ -251,13 +279,14 @@ def bench_masked(g, m, n, k, peer: bool) -> dict:
     flops = 2 * g * m * n * k
     res = {"kind": "fp8_grouped_masked", "shape": [g, m, n, k]}
     ref = None
-    for v, (fields, opts) in MASKED_VARIANTS.items():
+    for v in MASKED_VARIANTS:
         d = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
-        cfg = dataclasses.replace(masked_config(g, m, n, k), **fields)
+        cfg, opts = masked_variant(g, m, n, k, v)
         t, tg = _times(lambda d=d, opts=opts, cfg=cfg: cuda_gemm.grouped_masked(a8, sfa, b8, sfb, d, masked_m, m,
                                                                                 extra_options=opts, config=cfg))
         ref = _variant_row(res, f"masked {g}x{m}x{n}x{k}", v, t, tg, flops, d, ref)
-    res.update({k2: res["default"][k2] for k2 in ("us", "graph_us", "tflops", "graph_tflops")})
+    first = next(iter(MASKED_VARIANTS))  # "default" unless --masked-variants leaves it out
+    res.update({k2: res[first][k2] for k2 in ("us", "graph_us", "tflops", "graph_tflops")})
     if peer:
         ones_a, ones_b = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
 

@@ -1,9 +1,10 @@
-"""The contiguous grouped kernel's tile schedules on the CPU: a pure-Python model of kernels/gemm_sm90.cuh's
-TileScheduler (the default band raster and the opt-in expert-major raster, with and without 2-CTA A multicast)
-checked with hypothesis (every output tile exactly once, each with its m-block's expert, the expert-major order
-walks one expert at a time, multicast pairs agree), and the kernel's own ExpertWalk (the text between its
-BEGIN/END expert_walk markers, with tilehal's band_tile_coords) built by the host C++ compiler and compared with
-the model on the same inputs. The kernels themselves: test_grouped_variants.py (NVRTC compile, GPU outputs)."""
+"""The grouped kernels' tile schedules on the CPU: a pure-Python model of kernels/gemm_sm90.cuh's TileScheduler
+(contiguous: the default band raster and the opt-in expert-major raster, with and without 2-CTA A multicast;
+masked: the default scan from group 0 and the opt-in cursor walk) checked with hypothesis (every output tile
+exactly once, each with its m-block's expert, the expert-major order walks one expert at a time, multicast pairs
+agree, the cursor walk is the scan), and the kernel's own ExpertWalk / MaskedWalk (the text between its BEGIN/END
+expert_walk markers, with tilehal's band_tile_coords) built by the host C++ compiler and compared with the model
+on the same inputs. The kernels themselves: test_grouped_variants.py (NVRTC compile, GPU outputs)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,28 @@ def expert_walk(ids, num_n_blocks, num_groups, cta, grid, mcast=1, band=0):
     return [(m, 2 * u + rank if mcast == 2 else u, g) for m, u, g in units[cta // mcast::grid // mcast]]
 
 
+def masked_walk(masked_m, shape_m, block_m, nu, cta, grid, mcast=1, pair_m=False):
+    """TileScheduler::next, masked, default scan (and, tile for tile, MaskedWalk): CTA `cta`'s tiles
+    (m_block, n_block, group). `mcast` 2 pairs n-blocks (A shared) unless `pair_m` (pairs of m-blocks share B)."""
+    band = SWIZZLE_GROUP_N // 2 if mcast == 2 and not pair_m else SWIZZLE_GROUP_N
+    unit, rank, stride = cta // mcast, cta % mcast, grid // mcast
+    out = []
+    while True:
+        u = unit
+        for g, rows in enumerate(masked_m):
+            m_blocks = -(-min(max(rows, 0), shape_m) // block_m)
+            m_units = (m_blocks + 1) // 2 if pair_m else m_blocks
+            if u < m_units * nu:
+                mu, nn = band_tile_coords(u, m_units, band, nu)
+                pm, pn = mcast == 2 and pair_m, mcast == 2 and not pair_m
+                out.append((2 * mu + rank if pm else mu, 2 * nn + rank if pn else nn, g))
+                break
+            u -= m_units * nu
+        else:
+            return out
+        unit += stride
+
+
 # ------------------------------------------------------------------------------------------- strategies
 @st.composite
 def layouts(draw):
@@ -164,6 +187,22 @@ def test_multicast_pairs_share_the_m_block(layout, nu, grid, band):
                        for x, y in zip(a, b))
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(-3, 40), min_size=1, max_size=6), st.integers(1, 40), st.sampled_from((1, 2, 3, 5, 17)),
+       st.sampled_from(GRIDS), st.sampled_from(((1, False), (2, False), (2, True))))
+def test_masked_schedule_covers_each_group(masked_m, shape_m, nu, grid, pairing):
+    mcast, pair_m = pairing
+    bm = 4  # the model is generic in BLOCK_M: small blocks give many per group
+    tiles = sorted(t for c in range(grid) for t in masked_walk(masked_m, shape_m, bm, nu, c, grid, mcast, pair_m))
+    want = []
+    for g, rows in enumerate(masked_m):
+        mb = -(-min(max(rows, 0), shape_m) // bm)
+        mb_total = 2 * ((mb + 1) // 2) if pair_m else mb  # pairs: a phantom m-block past masked_m when odd
+        nb_total = 2 * nu if mcast == 2 and not pair_m else nu
+        want += [(m, n, g) for m in range(mb_total) for n in range(nb_total)]
+    assert tiles == sorted(want)
+
+
 def test_table_limit_matches_the_host():
     from deepgemm import heuristics
 
@@ -184,6 +223,8 @@ HARNESS = r"""
 #include <cstdio>
 #include <vector>
 #define TILEHAL_DEVICE inline
+#define __ldg(p) (*(p))
+using std::max;
 using std::min;
 %(band)s
 %(walk)s
@@ -225,7 +266,7 @@ def walk_binary(tmp_path_factory):
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
-    walk = _extract(KERNEL.read_text(), r"struct ExpertWalk \{.*?\n\};")
+    walk = _extract(KERNEL.read_text(), r"// BEGIN expert_walk.*?// END expert_walk")
     band = _extract(COMMON.read_text(), r"template <int BAND, int NUM_N>\s*TILEHAL_DEVICE void band_tile_coords\(.*?\n\}")
     combos = sorted({(nu, b if 0 < b < nu else nu) for nu in N_UNITS for b in BANDS})
     dispatch = "\n".join(f"    if (nu == {nu} && b == {b}) {{ run<{b}, {nu}>(ids, mcast, grid); done = true; }}"
@@ -233,16 +274,26 @@ def walk_binary(tmp_path_factory):
     d = tmp_path_factory.mktemp("expert_walk")
     src = d / "walk.cpp"
     src.write_text(HARNESS % {"band": band, "walk": walk, "dispatch": dispatch})
-    exe = d / "walk"
-    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Werror", "-o", str(exe), str(src)], check=True,
-                   capture_output=True, timeout=120)
+    return _build(cxx, src)
+
+
+def _build(cxx: str, src: Path) -> Path:
+    exe = src.with_suffix("")
+    res = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-o", str(exe),
+                          str(src)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
     return exe
 
 
 def _run_kernel_walk(exe, cases):
     text = "".join(f"{nu} {band} {mcast} {grid} {groups} {len(ids)} {' '.join(map(str, ids))}\n"
                    for ids, groups, nu, grid, mcast, band in cases)
-    out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True, timeout=60).stdout
+    return _parse(subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True,
+                                 timeout=60).stdout)
+
+
+def _parse(out: str) -> list:
+    """The harnesses' output: per case, each CTA's list of (m_block, n_block, group)."""
     results, cur = [], []
     for line in out.splitlines():
         if line == "end":
@@ -263,3 +314,81 @@ def test_kernel_expert_walk_matches_the_model(walk_binary, cases):
     for (ids, groups, nu, grid, mcast, band), per_cta in zip(flat, got):
         nb = 2 * nu if mcast == 2 else nu
         assert per_cta == [expert_walk(ids, nb, groups, c, grid, mcast, band) for c in range(grid)]
+
+
+MASKED_HARNESS = r"""
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+#define TILEHAL_DEVICE inline
+#define __ldg(p) (*(p))
+using std::max;
+using std::min;
+%(band)s
+%(walk)s
+// One case per line: groups nu grid mcast pair_m shape_m masked_m[groups]; MaskedWalk with BLOCK_M = 4 and the
+// scheduler's band (16, or 8 for n-block pairs); prints each CTA's tiles as TileScheduler::take makes them.
+template <int G, bool PAIR_M, int BAND, int NU> void run(const std::vector<int>& mm, int shape_m, int mcast, int grid) {
+  for (int cta = 0; cta < grid; ++cta) {
+    MaskedWalk walk;
+    int unit = cta / mcast, mu, nu, g;
+    const int rank = cta %% mcast;
+    std::printf("cta %%d:", cta);
+    while (walk.locate<G, 4, PAIR_M, BAND, NU>(mm.data(), shape_m, unit, mu, nu, g)) {
+      const bool pm = mcast == 2 && PAIR_M, pn = mcast == 2 && !PAIR_M;
+      std::printf(" %%d,%%d,%%d", pm ? 2 * mu + rank : mu, pn ? 2 * nu + rank : nu, g);
+      unit += grid / mcast;
+    }
+    std::printf("\n");
+  }
+}
+int main() {
+  int groups, nu, grid, mcast, pair_m, shape_m;
+  while (std::scanf("%%d %%d %%d %%d %%d %%d", &groups, &nu, &grid, &mcast, &pair_m, &shape_m) == 6) {
+    std::vector<int> mm(groups);
+    for (int i = 0; i < groups; ++i) std::scanf("%%d", &mm[i]);
+    const int band = mcast == 2 && !pair_m ? 8 : 16;
+    bool done = false;
+%(dispatch)s
+    if (!done) { std::printf("unsupported\n"); return 1; }
+    std::printf("end\n");
+  }
+  return 0;
+}
+"""
+MASKED_GROUPS, MASKED_NU = (1, 3, 6), (1, 2, 3, 5, 17)
+
+
+@pytest.fixture(scope="module")
+def masked_binary(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    walk = _extract(KERNEL.read_text(), r"// BEGIN expert_walk.*?// END expert_walk")
+    band = _extract(COMMON.read_text(), r"template <int BAND, int NUM_N>\s*TILEHAL_DEVICE void band_tile_coords\(.*?\n\}")
+    lines = []
+    for g in MASKED_GROUPS:
+        for nu in MASKED_NU:
+            for pm in (0, 1):
+                for b in (8, 16):
+                    lines.append(f"    if (groups == {g} && nu == {nu} && pair_m == {pm} && band == {b}) "
+                                 f"{{ run<{g}, {'true' if pm else 'false'}, {b}, {nu}>(mm, shape_m, mcast, grid); "
+                                 "done = true; }")
+    d = tmp_path_factory.mktemp("masked_walk")
+    src = d / "walk.cpp"
+    src.write_text(MASKED_HARNESS % {"band": band, "walk": walk, "dispatch": "\n".join(lines)})
+    return _build(cxx, src)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(MASKED_GROUPS).flatmap(
+    lambda g: st.lists(st.integers(-3, 40), min_size=g, max_size=g)), st.sampled_from(MASKED_NU),
+    st.sampled_from(GRIDS), st.sampled_from(((1, False), (2, False), (2, True))), st.integers(1, 40)),
+    min_size=1, max_size=8))
+def test_kernel_masked_cursor_walk_is_the_scan(masked_binary, cases):
+    text = "".join(f"{len(mm)} {nu} {grid} {mc} {int(pm)} {shape_m} {' '.join(map(str, mm))}\n"
+                   for mm, nu, grid, (mc, pm), shape_m in cases)
+    got = _parse(subprocess.run([str(masked_binary)], input=text, capture_output=True, text=True, check=True,
+                                timeout=60).stdout)
+    for (mm, nu, grid, (mc, pm), shape_m), per_cta in zip(cases, got):
+        assert per_cta == [masked_walk(mm, shape_m, 4, nu, c, grid, mc, pm) for c in range(grid)]

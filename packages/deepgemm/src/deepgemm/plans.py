@@ -41,7 +41,8 @@ def sig(x: Any) -> tuple | None:
 
 
 _ENV_NAMES = ("DEEPGEMM_EPILOGUE", "DEEPGEMM_MULTICAST", "DEEPGEMM_FP8_OVERLAP", "DEEPGEMM_DEBUG", "DEEPGEMM_SPLITK",
-              "DEEPGEMM_MN_MAJOR", "DEEPGEMM_BF16_C", "DEEPGEMM_GEMV", "DEEPGEMM_GROUPED_SCHEDULE")
+              "DEEPGEMM_MN_MAJOR", "DEEPGEMM_BF16_C", "DEEPGEMM_GEMV", "DEEPGEMM_GROUPED_SCHEDULE",
+              "DEEPGEMM_MASKED_EPILOGUE")
 # os.environ's own mapping (bytes keys on POSIX), read without the encode/decode of os.environ.get:
 # this runs on every call. Where CPython keeps it elsewhere, the public (slower) lookup.
 _ENV_DATA = getattr(os.environ, "_data", None)
@@ -55,7 +56,8 @@ def env_key() -> tuple:
     if _ENV_DATA is not None and _ENV_RAW is not None:
         d = _ENV_DATA
         out = (d.get(_ENV_RAW[0]), d.get(_ENV_RAW[1]), d.get(_ENV_RAW[2]), d.get(_ENV_RAW[3]), d.get(_ENV_RAW[4]),
-               d.get(_ENV_RAW[5]), d.get(_ENV_RAW[6]), d.get(_ENV_RAW[7]), d.get(_ENV_RAW[8]))
+               d.get(_ENV_RAW[5]), d.get(_ENV_RAW[6]), d.get(_ENV_RAW[7]), d.get(_ENV_RAW[8]),
+               d.get(_ENV_RAW[9]))
     else:
         e = os.environ
         out = tuple(e.get(n) for n in _ENV_NAMES)

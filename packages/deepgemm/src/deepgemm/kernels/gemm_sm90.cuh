@@ -53,8 +53,11 @@ template <int NUM_MATH_WG> constexpr int kMathRegs = NUM_MATH_WG == 1 ? 256 : 23
 #ifndef DEEPGEMM_CONTIG_LEAN_PRODUCER
 #define DEEPGEMM_CONTIG_LEAN_PRODUCER 1
 #endif
-template <int KIND, bool OVERLAP, bool INFO>
-constexpr bool kLeanProducer = DEEPGEMM_CONTIG_LEAN_PRODUCER && KIND == kGroupedContiguous && OVERLAP;
+// The masked kernel's opt-in TMA-store epilogue with the overlapped promotion spills 72 bytes at 232 math registers
+// (ptxas, 4 groups): it takes the same 24 / 240 split.
+template <int KIND, bool OVERLAP, bool INFO, bool TMA_STORE = false>
+constexpr bool kLeanProducer = DEEPGEMM_CONTIG_LEAN_PRODUCER && OVERLAP &&
+                               (KIND == kGroupedContiguous || (KIND == kGroupedMasked && TMA_STORE));
 constexpr int kOverlapGroup = 8;  // fp8 K blocks per drained group of the overlapped promotion
 // Grouped kernels without multicast: the producer alone walks the tile schedule (expert lookup / masked_m scan)
 // and hands each tile's (m_block, n_block, group, row limit + 1) to the math warpgroups in a 16-byte slot per
@@ -82,6 +85,9 @@ constexpr bool kTileInfo = DEEPGEMM_TILE_INFO && KIND != kNormal && (MCAST == 1 
 #endif
 #ifndef DEEPGEMM_EXPERT_BAND
 #define DEEPGEMM_EXPERT_BAND 0
+#endif
+#ifndef DEEPGEMM_MASKED_CURSOR
+#define DEEPGEMM_MASKED_CURSOR 0
 #endif
 enum : int { kExpertTableBlocks = 2048 };  // 4 KiB of shared memory (heuristics.EXPERT_TABLE_BYTES); an enum: no PTX global
 
@@ -115,14 +121,41 @@ struct ExpertWalk {
     return true;
   }
 };
+
+// The masked kernels' schedule with a cursor (opt-in: -DDEEPGEMM_MASKED_CURSOR=1; for many groups, e.g. a
+// low-latency MoE layout of 32 local experts): the same unit -> (m-unit, n-unit, group) map as the default scan over the groups' tiles in
+// order, but a CTA keeps the group its last unit fell in and the units before it (its units only grow), so a call
+// reads one masked_m value and carries two integers; the default scan starts from group 0 on every call.
+struct MaskedWalk {
+  int group = 0, base = 0;
+
+  template <int NUM_GROUPS, int BLOCK_M, bool PAIR_M, int BAND, int NUM_N_UNITS>
+  TILEHAL_DEVICE bool locate(const int* masked_m, int shape_m, int unit, int& m_unit, int& n_unit, int& g) {
+#pragma unroll 1
+    for (; group < NUM_GROUPS; ++group) {
+      const int rows = min(max(__ldg(masked_m + group), 0), shape_m);
+      const int m_blocks = (rows + BLOCK_M - 1) / BLOCK_M;
+      const int m_units = PAIR_M ? (m_blocks + 1) / 2 : m_blocks;
+      const int units = m_units * NUM_N_UNITS;
+      if (unit - base < units) {
+        band_tile_coords<BAND, NUM_N_UNITS>(unit - base, m_units, m_unit, n_unit);
+        g = group;
+        return true;
+      }
+      base += units;
+    }
+    return false;
+  }
+};
 // END expert_walk
 
 // Which output tile a CTA does next. Producer and consumers run identical copies, and so do the
 // CTAs of a cluster: they walk the same sequence of "units" (a tile, or a pair of tiles that share
 // an operand when MCAST = 2) and take the tile of their rank in each.
-// EXPERT (contiguous, producer only): the expert-major raster over `expert_table` (ExpertWalk).
+// EXPERT (contiguous, producer only): the expert-major raster over `expert_table` (ExpertWalk). CURSOR (masked):
+// MaskedWalk instead of the scan from group 0.
 template <int KIND, int SHAPE_N, int BLOCK_M, int BLOCK_N, int NUM_GROUPS, int MCAST, bool MCAST_ON_A,
-          bool EXPERT = false>
+          bool EXPERT = false, bool CURSOR = false>
 struct TileScheduler {
   static constexpr int kNumNBlocks = (SHAPE_N + BLOCK_N - 1) / BLOCK_N;
   static constexpr bool kPairN = MCAST > 1 && MCAST_ON_A;   // cluster shares A: neighbouring n-blocks
@@ -141,6 +174,7 @@ struct TileScheduler {
   int stride;  // clusters in the grid
   const short* expert_table = nullptr;  // EXPERT: expert of each m-block (-1: skipped), in shared memory
   ExpertWalk walk;
+  MaskedWalk masked_walk;  // CURSOR
 
   TILEHAL_DEVICE TileScheduler(int m, const int* info)
       : shape_m(m), group_info(info), next_unit(blockIdx.x / MCAST), rank(blockIdx.x % MCAST),
@@ -160,20 +194,29 @@ struct TileScheduler {
     if constexpr (KIND == kGroupedMasked) {
       int unit = next_unit;
       next_unit += stride;
-      for (int g = 0; g < NUM_GROUPS; ++g) {
-        const int rows = min(max(__ldg(group_info + g), 0), shape_m);
-        const int m_blocks = (rows + BLOCK_M - 1) / BLOCK_M;
-        const int m_units = kPairM ? (m_blocks + 1) / 2 : m_blocks;
-        const int units = m_units * kNumNUnits;
-        if (unit < units) {
-          rasterize(unit, m_units, m_unit, n_unit);
-          take(m_unit, n_unit, m_block, n_block);
-          group = g;
-          return true;
+      if constexpr (CURSOR) {
+        if (!masked_walk.template locate<NUM_GROUPS, BLOCK_M, kPairM, kBand, kNumNUnits>(group_info, shape_m, unit,
+                                                                                       m_unit, n_unit, group)) {
+          return false;
         }
-        unit -= units;
+        take(m_unit, n_unit, m_block, n_block);
+        return true;
+      } else {
+        for (int g = 0; g < NUM_GROUPS; ++g) {
+          const int rows = min(max(__ldg(group_info + g), 0), shape_m);
+          const int m_blocks = (rows + BLOCK_M - 1) / BLOCK_M;
+          const int m_units = kPairM ? (m_blocks + 1) / 2 : m_blocks;
+          const int units = m_units * kNumNUnits;
+          if (unit < units) {
+            rasterize(unit, m_units, m_unit, n_unit);
+            take(m_unit, n_unit, m_block, n_block);
+            group = g;
+            return true;
+          }
+          unit -= units;
+        }
+        return false;
       }
-      return false;
     } else if constexpr (EXPERT) {
       const int num_m_blocks = min((shape_m + BLOCK_M - 1) / BLOCK_M, kExpertTableBlocks);
       const int unit = next_unit;
@@ -436,7 +479,11 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   constexpr int kPassN = SWIGLU ? BLOCK_N / 2 : BLOCK_N / kEpiPasses;
   constexpr int kOutN = SWIGLU ? SHAPE_N / 2 : SHAPE_N;  // columns of D
   constexpr int D_BYTES = TMA_STORE ? BLOCK_M * kPassN * static_cast<int>(sizeof(OutT)) : kStaged ? Staged::kBytes : 0;
-  static_assert(!TMA_STORE || (KIND != kGroupedMasked && !HAS_C), "TMA store would write rows/values it must not");
+  static_assert(!TMA_STORE || !HAS_C, "TMA store would write values it must not");
+  // Masked groups with TMA_STORE (opt-in; the host's default is the staged copy-out): only blocks wholly inside
+  // masked_m leave by TMA store, a group's last, partial block is copied out of the same staging tile row by row.
+  static_assert(!TMA_STORE || KIND != kGroupedMasked || (SHAPE_N % 8 == 0 && !SWIGLU && !BIAS),
+                "masked TMA-store epilogue: 16-byte rows, plain bf16 D");
   static_assert(!TMA_STORE || sizeof(OutT) == 2, "the staging tile holds bf16");
   // BIAS: `c` holds an fp32 bias [SHAPE_N] added to every row in the TMA-store epilogue (nn.Linear's bias,
   // one rounding to bf16 after it).
@@ -476,12 +523,14 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
     __syncthreads();
   }
 
-  TileScheduler<KIND, SHAPE_N, BLOCK_M, BLOCK_N, NUM_GROUPS, MCAST, MCAST_ON_A, kExpert> sched(shape_m, group_info);
+  constexpr bool kCursor = KIND == kGroupedMasked && DEEPGEMM_MASKED_CURSOR;
+  TileScheduler<KIND, SHAPE_N, BLOCK_M, BLOCK_N, NUM_GROUPS, MCAST, MCAST_ON_A, kExpert, kCursor> sched(shape_m,
+                                                                                                     group_info);
   int m_block, n_block, group;
 
   if (tid >= NUM_MATH_THREADS) {
     // ---------------------------------------------------------------- producer warpgroup
-    setmaxnreg_dec<kLeanProducer<KIND, OVERLAP, kInfo> ? 24 : kProducerRegs<NUM_MATH_WG>>();
+    setmaxnreg_dec<kLeanProducer<KIND, OVERLAP, kInfo, TMA_STORE> ? 24 : kProducerRegs<NUM_MATH_WG>>();
     if constexpr (kExpert) {  // the whole producer warpgroup fills the expert table, then one thread walks it
       const int num_m_blocks = min((shape_m + BLOCK_M - 1) / BLOCK_M, kExpertTableBlocks);
       for (int i = tid - NUM_MATH_THREADS; i < num_m_blocks; i += 128) {
@@ -543,7 +592,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   }
 
   // ------------------------------------------------------------------ math warpgroups
-  setmaxnreg_inc<kLeanProducer<KIND, OVERLAP, kInfo> ? 240 : kMathRegs<NUM_MATH_WG>>();
+  setmaxnreg_inc<kLeanProducer<KIND, OVERLAP, kInfo, TMA_STORE> ? 240 : kMathRegs<NUM_MATH_WG>>();
   const int wg = tid / 128;
   const int warp = (tid % 128) / 32;
   const int lane = tid % 32;
@@ -704,6 +753,10 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
       // stage (bf16 128x256: 4 stages instead of 3). Each pass waits until the previous TMA store has read
       // the staging tile before overwriting it.
       const int m0 = m_block * BLOCK_M;
+      [[maybe_unused]] int masked_limit = 0;  // masked: the group's rows (masked_m clamped to M_max)
+      if constexpr (KIND == kGroupedMasked) {
+        masked_limit = kInfo ? info_limit : min(max(__ldg(group_info + group), 0), shape_m);
+      }
 #pragma unroll
       for (int pass = 0; pass < kEpiPasses; ++pass) {
         if (tid == 0) tma_store_wait_read<0>();
@@ -732,7 +785,29 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
         fence_proxy_async_shared();  // make these generic-proxy writes visible to the TMA engine
         named_barrier_sync(1, NUM_MATH_THREADS);
         constexpr int kBoxN = D_SWIZZLE ? D_SWIZZLE / 2 : kPassN;
-        if (tid == 0 && m0 < shape_m) {  // phantom tiles (past M or N) store nothing
+        if constexpr (KIND == kGroupedMasked) {
+          const int row0 = group * shape_m + m0;  // D is [G * M_max, N]
+          if (m0 + BLOCK_M <= masked_limit) {
+            if (tid == 0) {
+#pragma unroll
+              for (int b = 0; b < kPassN / kBoxN; ++b) {
+                const int col = n0 + pass * kPassN + b * kBoxN;
+                if (col < kOutN) tma_store_2d(&tma_d, smem_d + b * BLOCK_M * kBoxN * 2, col, row0);
+              }
+              tma_store_commit();
+            }
+          } else {  // the partial block (or a phantom one past masked_m: no rows): 16-byte units of rows < masked_m
+            constexpr int kUnits = kPassN / 8;
+            for (int u = tid; u < (masked_limit - m0) * kUnits; u += NUM_MATH_THREADS) {
+              const int r = u / kUnits, jj = u % kUnits;
+              const int col = n0 + pass * kPassN + jj * 8;
+              if (col < SHAPE_N) {
+                *reinterpret_cast<uint4*>(d + static_cast<u64>(row0 + r) * SHAPE_N + col) =
+                    *reinterpret_cast<const uint4*>(smem_d + staging_offset<BLOCK_M, kPassN, D_SWIZZLE>(r, jj, 0));
+              }
+            }
+          }
+        } else if (tid == 0 && m0 < shape_m) {  // phantom tiles (past M or N) store nothing
 #pragma unroll
           for (int b = 0; b < kPassN / kBoxN; ++b) {
             const int col = (SWIGLU ? n0 / 2 : n0) + pass * kPassN + b * kBoxN;
