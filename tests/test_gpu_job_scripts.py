@@ -52,9 +52,10 @@ def test_job_name_and_job_out_are_checked(tmp_path):
 def test_steps_run_from_the_copied_tree_with_their_limits(tmp_path, name):
     tree, out = _tree(tmp_path), tmp_path / "out"
     out.mkdir()
-    script = f"""set -uo pipefail
+    script = f"""set -uo pipefail; source scripts/device_env.sh
 source scripts/gpu/job.sh {name}
 pwd > "$O/where.txt"; echo "$TILESTACK_CACHE_DIR $TILESTACK_CACHE_KEY_FILE" > "$O/cache.txt"
+echo "$PYTHONPATH" > "$O/pythonpath.txt"
 step 5 hello.log bash -c 'echo hello; echo "Warning: noise"; exit 3'
 step 2 never.log touch "$O/never"
 step 3 slow.log sleep 30
@@ -64,6 +65,9 @@ echo "left=$(left 1000)"
     assert r.returncode == 0, r.stderr
     assert (out / "where.txt").read_text().strip() == f"/tmp/{name}_tree"
     assert (out / "cache.txt").read_text().split() == [f"/tmp/{name}_cache", f"/tmp/{name}_key/cache.key"]
+    paths = (out / "pythonpath.txt").read_text().strip().split(":")  # device_env.sh's paths moved to the copy
+    assert f"/tmp/{name}_tree/src" in paths and f"/tmp/{name}_tree/packages/hal/src" in paths
+    assert not any(p.startswith(str(tree)) for p in paths)
     assert (out / "hello.log").read_text() == "hello\nWarning: noise\n"
     assert "hello.log rc=3" in r.stdout and "hello\n" in r.stdout and "noise" not in r.stdout  # warnings filtered
     assert "never.log skipped: 2 s left" in r.stdout and not (out / "never").exists()

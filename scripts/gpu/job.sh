@@ -9,7 +9,8 @@
 #   el end
 #
 # Sourcing it copies the tree to /tmp/NAME_tree and continues there (the path its kernel cache was warmed
-# at, see scripts/gpu/warm.sh: the cache key holds the include paths), sources scripts/device_env.sh, points
+# at, see scripts/gpu/warm.sh: the cache key holds the include paths), sources scripts/device_env.sh there (when
+# the job script already sourced it, as it should first, only its package paths move to the copy), points
 # the tilehal cache at /tmp/NAME_cache with the carried key NAME_cache.key and unpacks NAME_cache.tgz when
 # the tree has them, and prints the GPU, its clocks and the torch / transformers versions.
 #   O            $JOB_OUT (what comes back)
@@ -71,11 +72,17 @@ save_cache() {
 }
 
 _job_tree=/tmp/${JOB_NAME}_tree
-if [ "$(pwd -P)" != "$_job_tree" ]; then
+_job_from=$(pwd -P)
+if [ "$_job_from" != "$_job_tree" ]; then
   rm -rf "$_job_tree" && mkdir -p "$_job_tree" && cp -a . "$_job_tree/" && cd "$_job_tree" || {
     echo "scripts/gpu/job.sh: could not copy the tree to $_job_tree" >&2; exit 1; }
 fi
-source scripts/device_env.sh
+if [[ ":${PYTHONPATH:-}:" == *":$_job_from/src:"* ]]; then
+  # device_env.sh already ran from the carried tree (wheels unpacked, NCCL settings): only its paths move
+  export PYTHONPATH=${PYTHONPATH//$_job_from\//$_job_tree/}
+else
+  source scripts/device_env.sh
+fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 export TILESTACK_CACHE_DIR=/tmp/${JOB_NAME}_cache TILESTACK_CACHE_KEY_FILE=/tmp/${JOB_NAME}_key/cache.key
 mkdir -p -m 700 "/tmp/${JOB_NAME}_key" "$TILESTACK_CACHE_DIR"
@@ -89,4 +96,4 @@ el "job $JOB_NAME at $(pwd), commit $(cat COMMIT 2>/dev/null || echo '?'), cache
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | head -n 2
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tail -n 1
 python3 -c "import transformers; print('transformers', transformers.__version__)" 2>/dev/null
-unset _job_tree
+unset _job_tree _job_from
