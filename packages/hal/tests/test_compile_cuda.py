@@ -19,6 +19,13 @@ extern "C" __global__ void copy_v4(const int4* src, int4* dst, int n) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) tilehal::store_v4(dst + i, tilehal::load_nc_v4(src + i));
 }
+extern "C" __global__ void stream_v4(const uint4* src, uint4* dst, int n) {  // load_nc_v4's uint4 forms
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) {
+    const uint4 a = tilehal::load_nc_v4<uint4>(src + i), b = tilehal::load_nc_v4<uint4, 256>(src + n + i);
+    dst[i] = make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w);
+  }
+}
 extern "C" __global__ void quantize(const float* x, __nv_fp8_e4m3* y, int n) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] = tilehal::from_float<__nv_fp8_e4m3>(x[i]);
@@ -79,6 +86,14 @@ def test_bad_source_raises_compile_error_with_compiler_message(cache):
         compile_cuda('extern "C" __global__ void k(float* x) { x[0] = undefined_name; }', name="bad")
     assert "undefined_name" in info.value.log
     assert "undefined_name" in str(info.value)
+
+
+def test_load_nc_v4_refuses_the_l2_prefetch_form_for_int4(cache):
+    src = ('#include <tilehal/tilehal.cuh>\n'
+           'extern "C" __global__ void k(const int4* p, int4* q) { q[0] = tilehal::load_nc_v4<int4, 256>(p); }')
+    with pytest.raises(CompileError) as info:
+        compile_cuda(src, arch="sm_90a", name="nc_int4_l2")
+    assert "int4, or uint4 (with or without L2 prefetch)" in info.value.log
 
 
 def test_nvcc_fallback_builds_the_same_kernels(cache):
