@@ -1,7 +1,8 @@
 """Warm the kernel cache for grouped's GPU round (NVRTC only, no GPU): bench_grouped's kernels and the ones
 bench_models' MoE row launches (fp8 SwiGLU gate|up + down, bf16 gate|up + down, casts, silu, combine).
-Run with the device's NVRTC version (13.0) from the same tree path the device uses, e.g.
-    TILESTACK_CACHE_DIR=... TILESTACK_CACHE_KEY_FILE=... python scripts/gpu/grouped_warm.py
+Run with the device's NVRTC version (13.0) from the same tree path the device uses, which scripts/gpu/warm.sh
+arranges (the job then sources scripts/gpu/job.sh NAME):
+    scripts/gpu/warm.sh NAME CARRIED_TREE python3 scripts/gpu/grouped_warm.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Compile (NVRTC, no GPU) the kernels the umbrella GPU tests of FusedRMSNorm / GemmSwiGLU ask for into the
 tilehal cache, so a device round spends no time compiling them (run with the device's NVRTC, from the path
 the device runs the tree at: the cache key holds both). bench_models.py --precompile --warm-only does the same
-for the benchmark's Llama rows."""
+for the benchmark's Llama rows. scripts/gpu/warm.sh NAME CARRIED_TREE python3 scripts/gpu/hf17_warm_tests.py runs it
+that way (the job then sources scripts/gpu/job.sh NAME)."""
 
 from __future__ import annotations
 
