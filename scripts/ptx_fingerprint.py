@@ -10,9 +10,12 @@ NVRTC to get the PTX (`nvrtcGetPTX`) and the cubin. Written per case:
   <case>.sass  one line per code section of the cubin, sorted: its number of bytes and SHA-256
                (the machine code itself; symbol names live in other sections).
 
+  <case>.cubin the cubin itself, for `compare --nvdisasm`.
+
 Usage:
   python scripts/ptx_fingerprint.py dump DIR [--only SUBSTR]   # compile every case into DIR
   python scripts/ptx_fingerprint.py compare DIR_BEFORE DIR_AFTER  # exit 1 on any difference
+      [--nvdisasm PATH]   # where SASS differs: do the two hold the same instructions up to register numbers?
 
 Typical check: dump on the old commit, dump on the new one, compare.
 """
@@ -280,10 +283,36 @@ def dump(directory: Path, only: str | None) -> None:
         ptx, cubin = nvrtc_build(call["source"], call["name"], _options(call), call["exprs"])
         (directory / f"{label}.ptx").write_text(normalize_ptx(ptx))
         (directory / f"{label}.sass").write_text("".join(f"{n} {h}\n" for n, h in sorted(text_sections(cubin))))
+        (directory / f"{label}.cubin").write_bytes(cubin)
         print(f"{label}: {len(ptx.splitlines())} PTX lines, {len(text_sections(cubin))} code sections", flush=True)
 
 
-def compare(before: Path, after: Path) -> int:
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;")
+_REG = re.compile(r"\b(U?R|U?P)\d+\b")
+
+
+def sass_instructions(cubin: Path, nvdisasm: str) -> list[str]:
+    """The cubin's instructions (nvdisasm -c), addresses, encodings and comments dropped."""
+    import subprocess
+
+    out = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return [m.group(1) for m in map(_SASS_LINE.match, out.splitlines()) if m]
+
+
+def sass_verdict(before: list[str], after: list[str]) -> str:
+    """How two instruction lists differ: in order, as a multiset, or only by register numbers."""
+    if before == after:
+        return "instructions identical"
+    canon = [sorted(_REG.sub(lambda m: m.group(1), x) for x in side) for side in (before, after)]
+    if canon[0] == canon[1]:
+        same_order = [_REG.sub(lambda m: m.group(1), x) for x in before] == \
+            [_REG.sub(lambda m: m.group(1), x) for x in after]
+        return (f"the same {len(before)} instructions up to register numbers"
+                + ("" if same_order else ", some in another order"))
+    return f"{len(before)} -> {len(after)} instructions, other instructions"
+
+
+def compare(before: Path, after: Path, nvdisasm: str | None = None) -> int:
     bad = 0
     labels = sorted({p.stem for p in before.glob("*.ptx")} | {p.stem for p in after.glob("*.ptx")})
     for label in labels:
@@ -294,6 +323,9 @@ def compare(before: Path, after: Path) -> int:
                 status.append(f"{ext} only {'after' if b.exists() else 'before'}")
             elif a.read_bytes() != b.read_bytes():
                 status.append(f"{ext} DIFFERS")
+                ca, cb = before / f"{label}.cubin", after / f"{label}.cubin"
+                if ext == "sass" and nvdisasm and ca.exists() and cb.exists():
+                    status[-1] += f" ({sass_verdict(sass_instructions(ca, nvdisasm), sass_instructions(cb, nvdisasm))})"
             else:
                 status.append(f"{ext} same")
         bad += sum("same" not in x for x in status)
@@ -311,11 +343,12 @@ def main() -> int:
     c = sub.add_parser("compare")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
+    c.add_argument("--nvdisasm", default=None, help="nvdisasm binary: explain SASS differences")
     args = ap.parse_args()
     if args.cmd == "dump":
         dump(args.dir, args.only)
         return 0
-    return compare(args.before, args.after)
+    return compare(args.before, args.after, args.nvdisasm)
 
 
 if __name__ == "__main__":

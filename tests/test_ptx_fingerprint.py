@@ -82,3 +82,15 @@ def test_every_case_reaches_its_package_compile_call(monkeypatch):
     assert len(rec.calls) == len(labels) and len(set(labels)) == len(labels)
     assert all(c["source"] and c["exprs"] for c in rec.calls)
     assert {"deepgemm_gemv_2048x7168_w1_100", "deepgemm_fp4_stream_m1", "tilestack_moe_combine"} <= set(labels)
+
+
+def test_sass_verdict_tells_register_renaming_from_other_code():
+    before = ["MOV R1, c[0x0][0x28]", "FADD R4, R4, R2", "@P0 BRA 0x80", "STG.E [R2.64], R4", "EXIT"]
+    renamed = ["MOV R1, c[0x0][0x28]", "FADD R6, R6, R3", "@P1 BRA 0x80", "STG.E [R3.64], R6", "EXIT"]
+    moved = [renamed[1], renamed[0], *renamed[2:]]
+    assert fp.sass_verdict(before, list(before)) == "instructions identical"
+    assert fp.sass_verdict(before, renamed) == "the same 5 instructions up to register numbers"
+    assert fp.sass_verdict(before, moved) == "the same 5 instructions up to register numbers, some in another order"
+    other = [*renamed[:1], "FMUL R6, R6, R3", *renamed[2:]]
+    assert fp.sass_verdict(before, other) == "5 -> 5 instructions, other instructions"
+    assert fp.sass_verdict(before, before[:-1]) == "5 -> 4 instructions, other instructions"
