@@ -250,7 +250,7 @@ def _ll_round(buf: Buffer, rank: int, world: int, seed: int, dead_set: set[int],
     torch.testing.assert_close(combined.float(), expect, rtol=1e-2, atol=1e-2)
 
 
-def shrink_auto(rank: int, world: int, mode: str, timeout_s: float = 2.0) -> dict:
+def shrink_auto(rank: int, world: int, mode: str, ll_timeout_s: float = 2.0) -> dict:
     """Shrink mode without an explicit mask: the last rank takes part in a first round, then fails (mode
     'die': the process exits before its second dispatch; 'die_at_combine': after its second dispatch,
     before the combine; 'stall': it sleeps past everyone's deadline, then calls again). The others must
@@ -261,7 +261,7 @@ def shrink_auto(rank: int, world: int, mode: str, timeout_s: float = 2.0) -> dic
 
     t, hidden, experts, k = 8, 256, 3 * world, 2
     dead = world - 1
-    buf = Buffer(None, 0, 0, True, experts // world, enable_shrink=True, transport="torch", timeout_s=timeout_s)
+    buf = Buffer(None, 0, 0, True, experts // world, enable_shrink=True, transport="torch", timeout_s=ll_timeout_s)
     status = torch.zeros(world, dtype=torch.int32)
     _ll_round(buf, rank, world, 1, set(), t, hidden, experts, k)  # everyone alive
     if rank == dead:
@@ -271,7 +271,7 @@ def shrink_auto(rank: int, world: int, mode: str, timeout_s: float = 2.0) -> dic
             idx = _routing(20 + rank, t, experts, k)
             buf.low_latency_dispatch(_ll_x(rank, t, hidden), idx, t, experts, use_fp8=False)
             os._exit(3)
-        time.sleep(3 * timeout_s)
+        time.sleep(3 * ll_timeout_s)
         t0 = time.monotonic()
         x = _ll_x(rank, t, hidden)
         buf.low_latency_dispatch(x, _routing(20 + rank, t, experts, k), t, experts, use_fp8=False)
