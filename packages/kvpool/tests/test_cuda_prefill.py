@@ -54,21 +54,22 @@ def test_tma_configs_and_reasons():
     assert "neither divides" in cuda_prefill.tma_reason(pool(24), cfg)
 
 
-def _emulate_tma_tile(view, shape, box, block_table_row, kv_end, t, bn, block_size, head, d):
+def _emulate_tma_tile(view, shape, box, block_table_row, kv_end, t, bn, block_size, head, d, is_v):
     """The kernel's K (or V) tile t as TMA would land it, read back through the consumers' swizzled
     layout: numpy model of cp.async.bulk.tensor (tile mode, SWIZZLE_128B, out-of-bounds boxes zero)
-    driven by the producer's slot coordinates (paged_prefill_wgmma.cuh, tma_producer's slot_of:
-    mirrored here, not executed)."""
+    driven by the producer's boxes and slot coordinates (paged_prefill_wgmma.cuh, tma_producer's
+    has_box / slot_of: mirrored here, not executed), then the last tile's V rows past kv_end zeroed.
+    The stage starts as 0xFF bytes (NaN in bf16): what a box that is not issued leaves behind."""
     bt = box[0]
     atoms = d // 64
-    smem = torch.zeros(atoms * bn * 128, dtype=torch.uint8)
+    smem = torch.full((atoms * bn * 128,), 0xFF, dtype=torch.uint8)
     for lane in range(bn // bt):
         j0 = t * bn + lane * bt
-        phys = -1
-        if j0 < kv_end:
-            lb = j0 // block_size
-            phys = int(block_table_row[lb]) if lb < len(block_table_row) else -1
-        slot = phys * block_size + (j0 - (j0 // block_size) * block_size) if phys >= 0 else -bt
+        if j0 >= kv_end:
+            continue  # not issued
+        lb = j0 // block_size
+        phys = int(block_table_row[lb]) if lb < len(block_table_row) else -1
+        slot = phys * block_size + (j0 - lb * block_size) if phys >= 0 else -bt
         for a in range(atoms):
             if 0 <= slot and slot + bt <= shape[0]:
                 data = view[slot:slot + bt, head * atoms + a, :].contiguous().view(torch.uint8).reshape(bt, 128)
@@ -80,6 +81,11 @@ def _emulate_tma_tile(view, shape, box, block_table_row, kv_end, t, bn, block_si
                 for c in range(8):  # SWIZZLE_128B: 16-byte chunk c of a 128-byte row at c ^ (address bits 7..9)
                     dst = row_addr + ((c ^ ((row_addr >> 7) & 7)) << 4)
                     smem[dst:dst + 16] = data[i, 16 * c:16 * c + 16]
+    last = (kv_end - 1) // bn
+    if is_v and t == last:  # the producer's tail: rows r_from .. bn - 1 of every atom, whole rows
+        r_from = kv_end - last * bn
+        for a in range(atoms):
+            smem[a * bn * 128 + r_from * 128:(a + 1) * bn * 128] = 0
     # the consumers' view: token r, channel ch of atom a at a * bn * 128 + r * 128 + ((ch // 8 ^ r % 8) << 4)
     out = torch.empty(bn, d, dtype=view.dtype)
     for r in range(bn):
@@ -95,8 +101,9 @@ def _emulate_tma_tile(view, shape, box, block_table_row, kv_end, t, bn, block_si
 @pytest.mark.parametrize("block_size,bn,d", [(16, 64, 128), (32, 128, 64), (128, 64, 128), (8, 64, 64)])
 def test_tma_boxes_gather_the_block_table(block_size, bn, d):
     """CPU check of the TMA loader's geometry: the descriptor view (tma_layout, the host's real
-    arguments to encode_tiled) plus the producer's coordinates land every visible key's row of the
-    kv head exactly where the consumers read it; unmapped blocks and boxes past kv_end read zero."""
+    arguments to encode_tiled) plus the producer's boxes land every visible key's row of the kv head
+    exactly where the consumers read it; an unmapped block reads zero; V past kv_end is zero (K there
+    is masked by the consumers, whatever it holds)."""
     heads, nb = 3, 24
     g = torch.Generator().manual_seed(block_size)
     cache = torch.randn(nb, block_size, heads, d, generator=g).to(torch.bfloat16)
@@ -106,17 +113,19 @@ def test_tma_boxes_gather_the_block_table(block_size, bn, d):
     n_pages = -(-3 * bn // block_size)
     table = torch.randperm(nb, generator=g)[:n_pages].to(torch.int32)
     table[1] = -1  # an unmapped block inside the range: zeros
-    kv_end = 3 * bn - 5
-    for head in (0, heads - 1):
-        for t in range(3):
-            tile = _emulate_tma_tile(view, shape, box, table, kv_end, t, bn, block_size, head, d)
-            for r in range(bn):
-                j = t * bn + r
-                phys = int(table[j // block_size])
-                if j < kv_end and phys >= 0:
-                    assert torch.equal(tile[r], cache[phys, j % block_size, head]), (head, t, r)
-                elif phys < 0 or (j - r + (r // box[0]) * box[0]) >= kv_end:
-                    assert not tile[r].any(), (head, t, r)  # a box that is unmapped or starts past kv_end
+    for kv_end in (3 * bn - 5, 2 * bn + 1, 3 * bn):
+        for head in (0, heads - 1):
+            for t in range(-(-kv_end // bn)):
+                for is_v in (False, True):
+                    tile = _emulate_tma_tile(view, shape, box, table, kv_end, t, bn, block_size, head, d, is_v)
+                    for r in range(bn):
+                        j = t * bn + r
+                        phys = int(table[j // block_size])
+                        if j < kv_end:
+                            want = cache[phys, j % block_size, head] if phys >= 0 else torch.zeros(d)
+                            assert torch.equal(tile[r].float(), want.float()), (kv_end, head, t, r, is_v)
+                        elif is_v:
+                            assert not tile[r].any(), (kv_end, head, t, r)
 
 
 def test_tma_layout_rejects_views():

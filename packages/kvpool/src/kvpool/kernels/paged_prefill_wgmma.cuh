@@ -21,13 +21,14 @@
 //   (tilehal.tma descriptors built by cuda_prefill.py, SWIZZLE_128B), and one box is min(block_size,
 //   BN) tokens x 64 channels of one kv head: a page's run of slots, swizzled exactly as below. Lane i
 //   of the producer warp reads the block table entry of box i of a tile (the next tile's entries are
-//   loaded while this tile's copies are issued) and issues its boxes of K and of V; unmapped blocks
-//   (and boxes past the last visible key) get a slot coordinate below zero, which TMA zero-fills. K
-//   and V have their own `full` barriers (expect_tx), so S = Q K^T of a tile starts before its V
-//   lands. The last tile's V rows past the last visible key are rows of a partly used page (stale
-//   values of earlier sequences): the producer zeroes them once they landed and releases them on a
-//   `tail` barrier, so a 0 probability never meets a non-finite stale value (the cp.async loader
-//   zero-fills those rows). The host requires block_size % 8 == 0 and BN % block_size == 0 or
+//   loaded while this tile's copies are issued) and issues its boxes of K and of V; an unmapped block
+//   gets a slot coordinate below zero, which TMA zero-fills; boxes past the last visible key are not
+//   issued (the expected bytes count the issued boxes). K and V have their own `full` barriers
+//   (expect_tx), so S = Q K^T of a tile starts before its V lands. The last tile's V rows past the
+//   last visible key hold a partly used page's other slots (an earlier owner's values) or whatever
+//   the stage held before: the producer zeroes them once the tile landed and releases them on a
+//   `tail` barrier, so a 0 probability never meets a non-finite value (the cp.async loader
+//   zero-fills those rows); K there is masked by assignment. The host requires block_size % 8 == 0 and BN % block_size == 0 or
 //   block_size % BN == 0 (box starts 1024-byte aligned, pages never straddle a tile).
 // - Shared tiles are 128-byte-swizzled atoms of 64 channels (8 x 16-byte chunks per row, chunk c of
 //   row r at c ^ (r % 8)), the layout TMA's SWIZZLE_128B writes: Q and K are K-major operands
@@ -79,20 +80,19 @@ __device__ __forceinline__ void tma_producer(const tilehal::TmaDescriptor& tma_k
                                              const int* __restrict__ table, int table_stride, int kv_end,
                                              int block_size, int num_kv_tiles, int hkv, int lane) {
   constexpr int kAtoms = D / 64;
-  constexpr int kTileBytes = BN * D * int(sizeof(T));
+  constexpr int kTileBytes = BN * D * int(sizeof(T));  // one stage of K (or V)
   const int bt = min(block_size, BN);
   const int boxes = BN / bt;  // per atom and tile (<= BN / 8: lanes 0 .. boxes - 1 issue)
-  // Slot coordinate of this lane's box of tile t: the page's first slot plus the offset in it;
-  // -bt (the whole box out of bounds: zero-filled) past kv_end or for an unmapped block.
+  // Whether this lane has a box in tile t (boxes past kv_end are not issued: the bytes expected count
+  // only the issued ones, and the rows they would fill are masked (K) or zeroed below (V)), and its
+  // slot coordinate: the page's first slot plus the offset in it, or -bt for an unmapped block (the
+  // whole box out of bounds: TMA zero-fills it and counts its bytes).
+  auto has_box = [&](int t) { return lane < boxes && t * BN + lane * bt < kv_end; };
   auto slot_of = [&](int t) {
-    const int j0 = t * BN + lane * bt;
-    int phys = -1, in_page = 0;
-    if (lane < boxes && j0 < kv_end) {
-      const int lb = j0 / block_size;
-      in_page = j0 - lb * block_size;
-      phys = lb < table_stride ? __ldg(table + lb) : -1;
-    }
-    return phys >= 0 ? phys * block_size + in_page : -bt;
+    if (!has_box(t)) return 0;
+    const int j0 = t * BN + lane * bt, lb = j0 / block_size;
+    const int phys = lb < table_stride ? __ldg(table + lb) : -1;
+    return phys >= 0 ? phys * block_size + (j0 - lb * block_size) : -bt;
   };
   if (lane == 0) {
     tilehal::tma_prefetch_descriptor(&tma_k);
@@ -103,12 +103,14 @@ __device__ __forceinline__ void tma_producer(const tilehal::TmaDescriptor& tma_k
     const int s = t % ST, slot = next;
     if (t + 1 < num_kv_tiles) next = slot_of(t + 1);  // in flight while this tile waits and issues
     if (t >= ST) tilehal::mbarrier_wait(&empty[s], ((t / ST) - 1) & 1);
+    const bool mine = has_box(t);  // box 0 always (t * BN < kv_end): never an empty phase
+    const unsigned bytes = __popc(__ballot_sync(0xffffffffu, mine)) * unsigned(kAtoms * bt * 128);
     if (lane == 0) {
-      tilehal::mbarrier_arrive_expect_tx(&full[s], kTileBytes);
-      tilehal::mbarrier_arrive_expect_tx(&full_v[s], kTileBytes);
+      tilehal::mbarrier_arrive_expect_tx(&full[s], bytes);
+      tilehal::mbarrier_arrive_expect_tx(&full_v[s], bytes);
     }
     __syncwarp();
-    if (lane < boxes) {
+    if (mine) {
       unsigned char* ks = k_s + s * kTileBytes + lane * bt * 128;
       unsigned char* vs = v_s + s * kTileBytes + lane * bt * 128;
 #pragma unroll
