@@ -35,7 +35,8 @@ PYTHONPATH=$DEST/src
 for p in hal tilelang deepgemm deepep kvpool dataengine; do PYTHONPATH=$DEST/packages/$p/src:$PYTHONPATH; done
 export PYTHONPATH TILESTACK_CACHE_DIR=/tmp/${NAME}_cache TILESTACK_CACHE_KEY_FILE=/tmp/${NAME}_key/cache.key
 T0=$(date +%s)
-LD_PRELOAD=$NVRTC "$@"
+# its libnvrtc-builtins sits next to it and is found through the library path
+LD_PRELOAD=$NVRTC LD_LIBRARY_PATH=$(dirname "$NVRTC")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$@"
 rc=$?
 n=$(find "$TILESTACK_CACHE_DIR" -name '*.pack' | wc -l)
 echo "warm: rc=$rc, $n kernels in $(( $(date +%s) - T0 )) s"
