@@ -327,9 +327,12 @@ ONE_BARRIER = {"cuda_wgmma_one_barrier": True}
 WS = {"cuda_warp_specialize": True}  # a producer warpgroup feeds the TMA pipeline (opt-in)
 WSP = {**WS, "cuda_persistent": True}  # ... and one block per SM loops over the grid's tiles (opt-in)
 WSPP = {**WS, "cuda_ws_pingpong": True}  # ... the two consumer warpgroups take turns (opt-in)
+SPLIT = {"cuda_ws_split_stages": True}  # flash attention's K and V stages on their own mbarriers (opt-in, session 27)
 _WS_CFG = {"default": None, "ws": WS, "wsp": WSP, "pp": WSPP, "ppp": {**WSP, **WSPP},
            "ov": {**WS, "cuda_ws_overlap": True}, "ovpp": {**WSPP, "cuda_ws_overlap": True},
-           "ovp": {**WSP, "cuda_ws_overlap": True}}
+           "ovp": {**WSP, "cuda_ws_overlap": True}, "sp": {**WS, **SPLIT}, "spp": {**WSP, **SPLIT},
+           "ppsp": {**WSPP, **SPLIT}, "ovsp": {**WS, "cuda_ws_overlap": True, **SPLIT},
+           "ovppsp": {**WSPP, "cuda_ws_overlap": True, **SPLIT}}
 CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async
 TMA = {"cuda_tma": True, "tl.disable_warp_specialized": True}  # TMA pipelines, every thread in one role
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
@@ -614,6 +617,74 @@ def test_ws_gemm_softmax_overlap_codegen(caplog, tmp_path, monkeypatch, example,
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("causal", [False, True])
+def test_ws_split_stages_codegen(caplog, tmp_path, monkeypatch, example, causal):
+    """cuda_ws_split_stages: flash attention's K and V tiles get their own full / empty mbarriers. The producer
+    arms and fills K(k) and V(k) separately (32 KiB each); the consumers wait for K before S = Q K^T and release
+    it right after that gemm's wait (before the softmax), and wait for V only before O += P V. With the
+    gemm/softmax overlap: K(k) waited before S(k) and released after wgmma_wait<1>, V(k-1) waited before
+    P(k-1) V(k-1) and released after wgmma_wait<0>. No spills; a GEMM (A and B read by one gemm) is unchanged."""
+    import logging
+
+    from tilehal import compile_cuda
+
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))
+    m = example("flash_attention")
+    fa = m.flash_attention_fwd(4, 32, 4096, 128, causal, 128, 128, 2, 256, "float16", layout="bhsd")
+    plain = tilelang.compile(fa, out_idx=[3], target="cuda")
+    with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
+        k = tilelang.compile(fa, out_idx=[3], target="cuda", pass_configs=SPLIT)
+    assert any("split stages: K_shared waited" in r.getMessage() for r in caplog.records)
+    src = k.get_kernel_source()
+    assert "[_s], 32768);" in src and "[_s], 65536);" not in src and "[_s], 65536);" in plain.get_kernel_source()
+    assert src.count("arrive_expect_tx") == 2 and src.count("mbarrier_init(&") == 4
+    assert k._impl.kernels[0][2] == plain._impl.kernels[0][2] + 2 * 2 * 8  # two more barrier arrays of 2 stages
+    prod = src[src.index("if (_tx == 256)"):src.index("return;")]
+    fk, ek, fv, ev = re.findall(r"tilehal::u64\* (_\w+) = _tl_mbar", src)
+    assert prod.index(f"&{ek}[_s]") < prod.index(f"&{fk}[_s], 32768") < prod.index("&K_shared") < prod.index(
+        f"&{ev}[_s]") < prod.index(f"&{fv}[_s], 32768") < prod.index("&V_shared")
+    loop = src[src.index("for (int k = 0;", src.index("return;")):]
+    loop = loop[:loop.index("\n  }\n")]
+    assert loop.index(f"mbarrier_wait(&{fk}") < loop.index("&K_shared[") < loop.index("wgmma_wait<0>") < loop.index(
+        f"mbarrier_arrive(&{ek}") < loop.index("exp2f") < loop.index(f"mbarrier_wait(&{fv}") < loop.index(
+        "&V_shared[") < loop.index(f"mbarrier_arrive(&{ev}")
+    assert loop.count("mbarrier_arrive(") == 2 and loop.count("mbarrier_wait(") == 2
+    (name, _, _), = k._impl.kernels
+    log = compile_cuda(src, arch="sm_90a", name=name, options=["--ptxas-options=-v"]).log
+    assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
+    # with the FA3 gemm/softmax overlap (and with pingpong as well)
+    for cfg in ({"cuda_ws_overlap": True}, {**WSPP, "cuda_ws_overlap": True}):
+        ko = tilelang.compile(fa, out_idx=[3], target="cuda", pass_configs={**cfg, **SPLIT})
+        so = ko.get_kernel_source()
+        fk, ek, fv, ev = re.findall(r"tilehal::u64\* (_\w+) = _tl_mbar", so)
+        lp = so[so.index("for (int k = 0 + 1;"):]
+        lp, epi = lp[:lp.index("const int k = 0 + (")], lp[lp.index("const int k = 0 + ("):]
+        assert lp.index(f"mbarrier_wait(&{fk}[_stage") < lp.index("&K_shared[") < lp.index(
+            f"mbarrier_wait(&{fv}[_prev") < lp.index("V_shared[((_prev") < lp.index("wgmma_wait<1>") < lp.index(
+            f"mbarrier_arrive(&{ek}[_stage") < lp.index("exp2f") < lp.index("wgmma_wait<0>") < lp.index(
+            f"mbarrier_arrive(&{ev}[_prev")
+        assert "(((k - (0)) - 1) / 2) & 1);" in lp  # V(k-1)'s phase
+        assert epi.index(f"mbarrier_wait(&{fv}[") < epi.index("&V_shared[") < epi.index(f"mbarrier_arrive(&{ev}[")
+        pro = so[so.index("const int k = 0;", so.index("return;")):so.index("for (int k = 0 + 1;")]
+        assert pro.index(f"mbarrier_wait(&{fk}") < pro.index("wgmma_wait<0>") < pro.index(f"mbarrier_arrive(&{ek}")
+        assert fv not in pro  # V(0) is waited for by the loop's first iteration (or the epilogue)
+        (name, _, _), = ko._impl.kernels
+        log = compile_cuda(so, arch="sm_90a", name=name, options=["--ptxas-options=-v"]).log
+        assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
+    # a GEMM main loop: A and B are read by the same wgmma (and it stays in flight): nothing to split
+    prog = _gemm_program(*GEMM_VARIANTS["wg_nt_f16_2wg"])
+    split_src = tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=SPLIT).get_kernel_source()
+    assert split_src == tilelang.compile(prog, out_idx=[2], target="cuda").get_kernel_source()
+    # persistent and pingpong forms with split stages build without spills too
+    for cfg in ("spp", "ppsp"):
+        kp = tilelang.compile(fa, out_idx=[3], target="cuda", pass_configs=_WS_CFG[cfg])
+        assert kp.get_kernel_source().count("mbarrier_init(&") == 4
+        (name, _, _), = kp._impl.kernels
+        log = compile_cuda(kp.get_kernel_source(), arch="sm_90a", name=name, options=["--ptxas-options=-v"]).log
+        assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], (cfg, log)
+
+
+@needs_nvrtc
 @pytest.mark.parametrize("name", ["wg_nt_f16_k32_sw64", "wg_tn_f16_mmajor", "wg_nt_bf16_k128"])
 def test_tma_mbarriers_in_dynamic_smem(name):
     """The stages' mbarriers are planned in the dynamic shared memory, after the buffers: ptxas reports no
@@ -822,21 +893,24 @@ def test_public_kernel_ws_gpu(name, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["default", "ws", "wsp", "pp", "ppp", "ov", "ovpp", "ovp"])
+@pytest.mark.parametrize("cfg", ["default", "ws", "wsp", "pp", "ppp", "ov", "ovpp", "ovp", "sp", "spp", "ppsp", "ovsp",
+                                 "ovppsp"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa_pipelined_ws_gpu(example, causal, cfg):
     """Flash attention at the benchmark's tiles (128 x 128, 2 stages, 256 threads; bhsd, so K / V go through
     TMA: seq a multiple of the tile, else the flattened rows could not be proven inside a head), GQA 8 / 2: the
     default, warp-specialized, persistent (2 x 8 x 12 = 192 tiles on 132 SMs: some blocks run two), pingpong and
-    persistent + pingpong forms vs SDPA in float32."""
+    persistent + pingpong forms, and each with K and V on their own mbarriers (cuda_ws_split_stages) vs SDPA in
+    float32."""
     m = example("flash_attention")
     b, h, s, d, groups = 2, 8, 1536, 128, 4
     func = m.flash_attention_fwd(b, h, s, d, causal, 128, 128, 2, 256, "float16", groups=groups, layout="bhsd")
     k = tilelang.compile(func, out_idx=[3], target="cuda", pass_configs=_WS_CFG.get(cfg))
     src = k.get_kernel_source()
     assert "tma_load_2d" in src and k._impl.launch_threads  # warp-specialized in every form (the default too)
-    assert ("named_barrier_sync(2 +" in src) == (cfg in ("pp", "ppp", "ovpp"))
-    assert ("for (int k = 0 + 1;" in src) == (cfg in ("ov", "ovpp", "ovp"))  # the gemm/softmax overlap
+    assert ("named_barrier_sync(2 +" in src) == (cfg in ("pp", "ppp", "ovpp", "ppsp", "ovppsp"))
+    assert ("for (int k = 0 + 1;" in src) == (cfg in ("ov", "ovpp", "ovp", "ovsp", "ovppsp"))  # gemm/softmax overlap
+    assert src.count("mbarrier_init(&") == (4 if "cuda_ws_split_stages" in (_WS_CFG[cfg] or {}) else 2)  # K, V apart
     g = torch.Generator().manual_seed(2)
     q = torch.randn(b, h, s, d, generator=g).half().cuda()
     kk = torch.randn(b, h // groups, s, d, generator=g).half().cuda()

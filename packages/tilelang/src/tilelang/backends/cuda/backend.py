@@ -155,7 +155,9 @@ def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str,
                                    persistent=bool(options.get("cuda_persistent")),
                                    pingpong=bool(options.get("cuda_ws_pingpong")),
                                    overlap=bool(options.get("cuda_ws_overlap", False)),
-                                   multicast=bool(options.get("cuda_ws_multicast")))
+                                   multicast=bool(options.get("cuda_ws_multicast")),
+                                   split_stages=bool(options.get("cuda_ws_split_stages")),
+                                   two_ctas=bool(options.get("cuda_ws_two_ctas")))
     digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
     base = f"tl_{func.name}_{digest}"
     cuda_source = probe.replace("tl_kernel_k", f"{base}_k")

@@ -131,7 +131,7 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
     def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let], wgmma: bool = True,
                  tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False,
                  persistent: bool = False, pingpong: bool = False, overlap: bool = False,
-                 multicast: bool = False) -> None:
+                 multicast: bool = False, split_stages: bool = False, two_ctas: bool = False) -> None:
         self.func = func
         self.kernel = kernel
         self.name = name
@@ -195,6 +195,13 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         self.ws_overlap = overlap
         # pass_configs cuda_ws_multicast: 2-CTA clusters share one pipelined tile through TMA multicast
         self.ws_multicast = multicast
+        # pass_configs cuda_ws_split_stages (opt-in, not timed yet): each group of pipelined copies read by
+        # different statements (flash attention's K and V) gets its own full / empty mbarriers, waited for before
+        # its first reader and released after its last (rules/pipelined.py `_ws_split_groups`)
+        self.ws_split = split_stages
+        # pass_configs cuda_ws_two_ctas (opt-in, not timed yet): two warp-specialized CTAs per SM where shared
+        # memory and registers allow (one CTA's pipeline fill and epilogue under the other's main loop)
+        self.ws_two_ctas = two_ctas
         self.mc_cluster: list[int] | None = None  # the cluster dims when multicast applies (rules/pipelined.py)
         self.persistent_tiles = 0  # the grid's tiles a persistent kernel loops over
         self.tma_specs: list = []  # TmaSpec per descriptor parameter, in parameter order
@@ -704,7 +711,8 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
                   use_tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False,
                   launch: dict | None = None, persistent: bool = False,
                   pingpong: bool = False, overlap: bool = False,
-                  multicast: bool = False) -> tuple[str, list[tuple[str, Kernel, int]]]:
+                  multicast: bool = False, split_stages: bool = False,
+                  two_ctas: bool = False) -> tuple[str, list[tuple[str, Kernel, int]]]:
     """CUDA source for every T.Kernel of `func`: (source, [(kernel name, Kernel node, smem bytes)]).
     `wgmma`: sm_90a features (T.gemm on wgmma, pipelined copies on TMA); otherwise mma.sync and cp.async
     only. `tma`, when given, receives {kernel name: [TmaSpec]} (the descriptors each kernel takes after
@@ -724,7 +732,8 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
             name = f"{base_name}_k{len(kernels)}"
             cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma, one_barrier=one_barrier,
                                warp_specialize=warp_specialize, persistent=persistent, pingpong=pingpong,
-                               overlap=overlap, multicast=multicast)
+                               overlap=overlap, multicast=multicast, split_stages=split_stages,
+                               two_ctas=two_ctas)
             src, smem = cg.generate()
             if launch is not None and cg.launch_threads:
                 launch[name] = [cg.launch_threads, cg.persistent_tiles] + ([cg.mc_cluster] if cg.mc_cluster else [])

@@ -495,12 +495,58 @@ class PipelineRules:
         name = self.tbuf(best[1]).name
         return " + ".join(f"{name}[{i}]" for i in range(best[0]))
 
+    def _ws_split_groups(self, rest: list, copies: list, agemm, carried: bool, mc: bool,
+                         overlap: tuple | None) -> list | None:
+        """pass_configs cuda_ws_split_stages: the pipelined copies grouped by the statements of the loop body that
+        read them, [(copies, first reader, last reader)] in reader order (indices into `rest`; a copy nothing reads
+        has len(rest) for both), when there are two or more groups; None otherwise. Each group then gets its own
+        `full` / `empty` mbarriers: the consumers wait for a group right before its first reader and release it
+        right after its last, so flash attention's K stage is free for the producer once S = Q K^T is done (before
+        the softmax), while V is still being read. With the gemm/softmax overlap the groups must be exactly
+        (read by the first gemm or before it) and (read by the second gemm only)."""
+        k = self.kernel
+
+        def no(why: str) -> None:
+            log.debug("%s: no split stages: %s", k.loc, why)
+
+        if not self.ws_split:
+            return None
+        if agemm is not None:
+            return no("the loop's wgmma stays in flight across iterations (its copies are released a stage late)")
+        if mc:
+            return no("TMA multicast (the peer's releases count one empty barrier per stage)")
+        if carried:
+            return no("the loop body has a consumer barrier")
+        if any(isinstance(x, Gemm) and int(x.options.get("wg_wait", 0) or 0) < 0 for c in rest for x in walk_stmts(c)):
+            return no("a T.gemm(wg_wait=-1) leaves its wgmma group in flight past its statement")
+        keyed: dict[tuple[int, int], list] = {}
+        for c in copies:
+            idx = [i for i, st in enumerate(rest) if c.dst.buffer in self.reads(st)]
+            keyed.setdefault((idx[0], idx[-1]) if idx else (len(rest), len(rest)), []).append(c)
+        if len(keyed) < 2:
+            return no("every pipelined copy is read by the same statements")
+        groups = [(cs, a, b) for (a, b), cs in sorted(keyed.items())]
+        if overlap is not None:
+            g1 = next(i for i, c in enumerate(rest) if c is overlap[1])
+            last = len(rest) - 1
+            if len(groups) != 2 or groups[0][2] > g1 or groups[1][1:] != (last, last):
+                return no("with the gemm/softmax overlap the copies must be read by the first gemm (or before) and "
+                          "by the second gemm only")
+        log.debug("%s: split stages: %s", k.loc, "; ".join(
+            f"{'+'.join(c.dst.buffer.name for c in cs)} waited before statement {a}, released after {b}"
+            for cs, a, b in groups))
+        return groups
+
     def _pipelined_ws_overlap(self, s: For, ov: tuple, full: str, empty: str, n: int, start: str, ext: str,
-                              it: str, pingpong: bool = False) -> None:
+                              it: str, pingpong: bool = False, split: list | None = None) -> None:
         """The consumers' loop of `_ws_overlap`, rotated: a prologue iteration (pre, G1 waited, mid), the loop
         from the second iteration (G1(k) and G2(k-1) in flight together), an epilogue G2 of the last one. The
-        second gemm reads its B operand (V) from the previous iteration's stage, released once it is done."""
+        second gemm reads its B operand (V) from the previous iteration's stage, released once it is done.
+        `split` (cuda_ws_split_stages): [(full, empty)] of the first gemm's copies (K) and of the second's (V):
+        K(k) is waited for before G1(k) and released once G1(k) is done (before the softmax), V(k-1) waited for
+        before G2(k-1) and released once it is done."""
         pre, g1, free, bound, g2 = ov
+        (kfull, kempty), (vfull, vempty) = split if split is not None else ((full, empty), (full, empty))
         v = s.var.name
         bufs = [c.dst.buffer for c in self.pipes[id(s)]]
 
@@ -551,12 +597,14 @@ class PipelineRules:
         self.emit(f"const int {v} = {start};")
         st0 = self.fresh("stage")
         self.emit(f"const int {st0} = {it} % {n};")
-        self.emit(f"tilehal::mbarrier_wait(&{full}[{st0}], ({it} / {n}) & 1);")
+        self.emit(f"tilehal::mbarrier_wait(&{kfull}[{st0}], ({it} / {n}) & 1);")
         stages(st0)
         for c in pre:
             self.stmt(c)
         turn()
         gemm(g1, st0, True, "true")
+        if split is not None:  # K(0) is free once S(0) is done
+            self.emit(f"{arrive}(&{kempty}[{st0}]);")
         for c in free + bound:
             self.stmt(c)
         if packed is not None:
@@ -566,14 +614,18 @@ class PipelineRules:
         stage, prev = self.fresh("stage"), self.fresh("prev")
         self.emit(f"const int {stage} = {it} % {n};")
         self.emit(f"const int {prev} = ({stage} + {n - 1}) % {n};")
-        self.emit(f"tilehal::mbarrier_wait(&{full}[{stage}], ({it} / {n}) & 1);")
+        self.emit(f"tilehal::mbarrier_wait(&{kfull}[{stage}], ({it} / {n}) & 1);")
         stages(stage)
         for c in pre:
             self.stmt(c)
         turn()
         gemm(g1, stage, False)
+        if split is not None:  # V(k-1), landed on its own barrier (the prologue or the previous iteration did not wait)
+            self.emit(f"tilehal::mbarrier_wait(&{vfull}[{prev}], (({it} - 1) / {n}) & 1);")
         gemm(g2, prev, False, "true")
         waited(1, g1.C.buffer)
+        if split is not None:  # K(k) is free once S(k) is done: the producer refills it during the softmax
+            self.emit(f"{arrive}(&{kempty}[{stage}]);")
         stages(stage)
         for c in free:
             self.stmt(c)
@@ -589,7 +641,7 @@ class PipelineRules:
             self.emit(f"reinterpret_cast<volatile float*>(_tl_mbar + {slot})[_tx >> 5] = {pin};  "
                       f"// keeps the softmax before the wait (ptxas orders the wait after a shared store)")
         waited(0, g2.C.buffer)
-        self.emit(f"{arrive}(&{empty}[{prev}]);")
+        self.emit(f"{arrive}(&{vempty}[{prev}]);")
         for c in bound:
             self.stmt(c)
         if packed is not None:
@@ -599,9 +651,11 @@ class PipelineRules:
         self.emit(f"const int {v} = {start} + ({ext}) - 1;")
         last = self.fresh("stage")
         self.emit(f"const int {last} = {it} % {n};")
+        if split is not None:
+            self.emit(f"tilehal::mbarrier_wait(&{vfull}[{last}], ({it} / {n}) & 1);")
         turn()
         gemm(g2, last, True, "(_tx >> 7) == 0")  # warpgroup 1's last turn passes nothing on: the counts balance
-        self.emit(f"{arrive}(&{empty}[{last}]);")
+        self.emit(f"{arrive}(&{vempty}[{last}]);")
         self.close()
 
     def _pipelined_ws(self, s: For) -> None:
@@ -613,21 +667,47 @@ class PipelineRules:
         plans = [self.tma_plans[id(c)] for c in copies]
         nbytes = sum(p["bytes"] for p in plans)
         T = self.threads
+        mc = self.mc_cluster is not None  # TMA multicast across a cluster of 2 CTAs (_plan_multicast)
+        # the consumers' statements (decided before the producer is written: split stages change both sides)
+        body = s.body.body if isinstance(s.body, Seq) else [s.body]
+        rest = [c for c in body if not any(c is x for x in copies)]
+        agemm = self._async_wgmma(rest, copies)
+        bufs = [c.dst.buffer for c in copies]
+        # shared memory other than the stages written in the loop: one consumer barrier per iteration orders
+        # an iteration's last accesses before the next one's first (the loop-carried hazards the block-wide
+        # barrier of the plain pipeline covered); buffers only read need the writes before the loop done
+        reads, writes = set(), set()
+        for c in rest:
+            r, w = self.tracked(c)
+            reads |= r
+            writes |= w
+        carried = bool(writes - set(bufs))
+        overlap = None if carried or mc else self._ws_overlap(rest, agemm)
+        split = self._ws_split_groups(rest, copies, agemm, carried, mc, overlap)
         full, empty = self.fresh("full"), self.fresh("empty")
         fo, eo = self.mbarriers, self.mbarriers + n
         self.mbarriers += 2 * n
         # producer: init both barrier arrays (all threads then meet at the kernel's only __syncthreads),
         # then its warpgroup leaves the body; one thread loops over the stages
-        mc = self.mc_cluster is not None  # TMA multicast across a cluster of 2 CTAs (_plan_multicast)
         pro = [f"// T.Pipelined: {n} stages of {', '.join(c.dst.buffer.name for c in copies)}, warp-specialized "
                f"(threads {T}..{T + 127} issue the TMA loads)",
                f"tilehal::u64* {full} = _tl_mbar + {fo};  // stage landed (1 arrival + the TMA bytes)",
-               f"tilehal::u64* {empty} = _tl_mbar + {eo};  // stage free (one arrival per consumer warp)",
-               f"if (_tx == 0) {{ for (int _s = 0; _s < {n}; ++_s) {{ tilehal::mbarrier_init(&{full}[_s], 1); "
-               f"tilehal::mbarrier_init(&{empty}[_s], {T // 32 * (2 if mc else 1)}); }} "
-               f"tilehal::fence_barrier_init(); }}",
-               "tilehal::cluster_sync();  // both CTAs' barriers initialized before any multicast or remote arrival"
-               if mc else "__syncthreads();"]
+               f"tilehal::u64* {empty} = _tl_mbar + {eo};  // stage free (one arrival per consumer warp)"]
+        # cuda_ws_split_stages: group g's barriers; group 0 keeps `full` / `empty`
+        bars = [(full, empty)]
+        for cs, _, _ in (split or [])[1:]:
+            gf, ge = self.fresh("full"), self.fresh("empty")
+            pro += [f"tilehal::u64* {gf} = _tl_mbar + {self.mbarriers};  // stage of "
+                    f"{', '.join(c.dst.buffer.name for c in cs)} landed",
+                    f"tilehal::u64* {ge} = _tl_mbar + {self.mbarriers + n};  // ... and free"]
+            self.mbarriers += 2 * n
+            bars.append((gf, ge))
+        init = " ".join(f"tilehal::mbarrier_init(&{f}[_s], 1); tilehal::mbarrier_init(&{e}[_s], {T // 32 * (2 if mc else 1)});"
+                        for f, e in bars)
+        pro += [f"if (_tx == 0) {{ for (int _s = 0; _s < {n}; ++_s) {{ {init} }} "
+                f"tilehal::fence_barrier_init(); }}",
+                "tilehal::cluster_sync();  // both CTAs' barriers initialized before any multicast or remote arrival"
+                if mc else "__syncthreads();"]
         if mc:
             pro.insert(0, "const unsigned _cta_rank = tilehal::cluster_ctarank();  // its half of the shared tile")
         pt = self.persistent_tiles
@@ -647,11 +727,14 @@ class PipelineRules:
             self.let(lt)
         self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
         self.emit(f"const int _s = {it} % {n};")
-        self.emit(f"if ({it} >= {n}) tilehal::mbarrier_wait(&{empty}[_s], (({it} / {n}) - 1) & 1);")
-        self.emit(f"tilehal::mbarrier_arrive_expect_tx(&{full}[_s], {nbytes});")
-        for p in plans:
-            size = int(np.prod(p["copy"].dst.buffer.static_shape()))
-            self.tma_issue(p, f"_s * {size}", f"&{full}[_s]")
+        for (f, e), cs in zip(bars, [copies] if split is None else [g[0] for g in split]):
+            gplans = [p for p in plans if any(p["copy"] is c for c in cs)]
+            gbytes = nbytes if split is None else sum(p["bytes"] for p in gplans)
+            self.emit(f"if ({it} >= {n}) tilehal::mbarrier_wait(&{e}[_s], (({it} / {n}) - 1) & 1);")
+            self.emit(f"tilehal::mbarrier_arrive_expect_tx(&{f}[_s], {gbytes});")
+            for p in gplans:
+                size = int(np.prod(p["copy"].dst.buffer.static_shape()))
+                self.tma_issue(p, f"_s * {size}", f"&{f}[_s]")
         self.close()
         if pt:
             self.emit(f"_kb += {ext};")
@@ -669,25 +752,12 @@ class PipelineRules:
 
         self.ws_prologue = ["  " + ln for ln in pro] + emit_body(self, self.end())
         # consumers
-        body = s.body.body if isinstance(s.body, Seq) else [s.body]
-        rest = [c for c in body if not any(c is x for x in copies)]
-        agemm = self._async_wgmma(rest, copies)
-        bufs = [c.dst.buffer for c in copies]
-        # shared memory other than the stages written in the loop: one consumer barrier per iteration orders
-        # an iteration's last accesses before the next one's first (the loop-carried hazards the block-wide
-        # barrier of the plain pipeline covered); buffers only read need the writes before the loop done
-        reads, writes = set(), set()
-        for c in rest:
-            r, w = self.tracked(c)
-            reads |= r
-            writes |= w
-        carried = bool(writes - set(bufs))
         if not carried and ((reads | writes) & self.pending_w or writes & self.pending_r):
             self.sync()
         pingpong = self._ws_pingpong(rest, agemm)
-        overlap = None if carried or mc else self._ws_overlap(rest, agemm)
         if overlap is not None:
-            self._pipelined_ws_overlap(s, overlap, full, empty, n, start, ext, it, pingpong is not None)
+            self._pipelined_ws_overlap(s, overlap, full, empty, n, start, ext, it, pingpong is not None,
+                                       bars if split is not None else None)
             if pt:
                 self.emit(f"_kb += {ext};")
             r, w = self.tracked(s)
@@ -703,13 +773,18 @@ class PipelineRules:
         self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
         stage = self.fresh("stage")
         self.emit(f"const int {stage} = {it} % {n};")
-        self.emit(f"tilehal::mbarrier_wait(&{full}[{stage}], ({it} / {n}) & 1);")
+        if split is None:
+            self.emit(f"tilehal::mbarrier_wait(&{full}[{stage}], ({it} / {n}) & 1);")
         if carried:
             self.sync()
         for b in bufs:
             self.stage_expr[b] = stage
         self._wg_defer_ok = agemm is None  # T.gemm(wg_wait=-1) groups are settled below, before the release
-        for c in rest:
+        last = len(rest) - 1
+        for i, c in enumerate(rest):
+            for (f, _), (_, a, _) in zip(bars, split or []):  # split stages: a group lands before its first reader
+                if a == i:
+                    self.emit(f"tilehal::mbarrier_wait(&{f}[{stage}], ({it} / {n}) & 1);")
             self._wg_async = c if c is agemm else None
             if c is pingpong:
                 self.emit(f"tilehal::named_barrier_sync(2 + (_tx >> 7), {T});  // pingpong: this warpgroup's turn")
@@ -719,8 +794,23 @@ class PipelineRules:
             self.stmt(c)
             self._wg_async = None
             self._wg_after_commit = None
+            for (_, e), (_, _, b) in zip(bars, split or []):  # ... and is free after its last (its wgmma waited)
+                if b == i and i < last:
+                    sw = "" if isinstance(c, Gemm) else "__syncwarp(); "  # every lane of the warp done reading
+                    self.emit(f"{sw}if ((_tx & 31) == 0) tilehal::mbarrier_arrive(&{e}[{stage}]);  // split stages")
         self.wg_wait(0)  # every deferred wgmma of this iteration is done before its stage is released
         self._wg_defer_ok = False
+        if split is not None:  # the groups the last statement (or nothing) reads
+            for (_, e), (_, _, b) in zip(bars, split):
+                if b >= last:
+                    self.emit(f"if ((_tx & 31) == 0) tilehal::mbarrier_arrive(&{e}[{stage}]);")
+            self.close()
+            if pt:
+                self.emit(f"_kb += {ext};")
+            r, w = self.tracked(s)
+            self.pending_r |= r
+            self.pending_w |= w
+            return
         # release: with the wgmma of this iteration in flight (wgmma_wait<1>: the one of the previous
         # iteration is done), the previous stage; otherwise this one (everything reading it is done); with
         # multicast on both CTAs' barriers (the peer's producer writes into this CTA's stage too)
