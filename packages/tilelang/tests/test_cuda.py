@@ -437,6 +437,61 @@ def test_gemm_ws_multicast_gpu(case):
     assert (out - ref).abs().max().item() <= 1e-3 * max(1.0, ref.abs().max().item())
 
 
+TWO = {"cuda_ws_two_ctas": True}  # two warp-specialized CTAs per SM, a producer warp (opt-in, session 27)
+TWO_CASES = [(1000, 768, 512, 128, 3, "float16", 0), (1024, 2112, 704, 128, 3, "bfloat16", 10),
+             (512, 1024, 256, 128, 2, "bfloat16", 3)]
+
+
+@needs_nvrtc
+def test_ws_two_ctas_codegen(caplog, tmp_path, monkeypatch):
+    """cuda_ws_two_ctas: a warp-specialized GEMM with 128 x 128 tiles (3 stages, 96 KiB) gets a producer warp
+    (T + 32 threads), no setmaxnreg and __launch_bounds__(288, 2); ptxas fits it in 65536 / 576 registers per
+    thread without spills (with a producer warpgroup it could not: 80 registers). Where two CTAs do not fit
+    (128 x 256 x 64, 4 stages: 192 KiB), the kernel is exactly the default one."""
+    import logging
+
+    from tilehal import compile_cuda
+
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))
+    M, N, K, bn, stages, dtype, swz = TWO_CASES[1]
+    prog = _gemm_program(M, N, K, 128, bn, 64, dtype, "float32", False, True, stages, 256, "Square", swizzle=swz)
+    with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
+        k = tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs=TWO)
+    assert any("two warp-specialized CTAs per SM" in r.getMessage() for r in caplog.records)
+    src = k.get_kernel_source()
+    assert "__launch_bounds__(288, 2)" in src and "setmaxnreg" not in src and "if (_tx >= 256)" in src
+    assert list(k._impl.launch_threads.values()) == [[288, 0]]
+    (name, _, smem), = k._impl.kernels
+    assert 2 * (smem + 1024) <= 228 * 1024
+    log = compile_cuda(src, arch="sm_90a", name=name, options=["--ptxas-options=-v"]).log
+    assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
+    assert int(re.findall(r"Used (\d+) registers", log)[0]) <= 112, log
+    big = _gemm_program(1024, 1024, 1024, 128, 256, 64, dtype, "float32", False, True, 4, 256, "Square")
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
+        kb = tilelang.compile(big, out_idx=[2], target="cuda", pass_configs=TWO)
+    assert any("cuda_ws_two_ctas not applied" in r.getMessage() for r in caplog.records)
+    assert kb.get_kernel_source() == tilelang.compile(big, out_idx=[2], target="cuda").get_kernel_source()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TWO_CASES)
+def test_gemm_ws_two_ctas_gpu(case):
+    """Two warp-specialized CTAs per SM (cuda_ws_two_ctas) vs float64: partial edge tiles, 2-3 stages, with
+    and without T.use_swizzle."""
+    M, N, K, bn, stages, dtype, swz = case
+    k = tilelang.compile(_gemm_program(M, N, K, 128, bn, 64, dtype, "float32", False, True, stages, 256, "Square",
+                                       swizzle=swz), out_idx=[2], target="cuda", pass_configs=TWO)
+    assert "__launch_bounds__(288, 2)" in k.get_kernel_source()
+    g = torch.Generator().manual_seed(5)
+    tdt = getattr(torch, dtype)
+    a = torch.randn(M, K, generator=g).to(tdt)
+    b = torch.randn(N, K, generator=g).to(tdt)
+    out = k(a.cuda(), b.cuda()).cpu().double()
+    ref = a.double() @ b.double().T
+    assert (out - ref).abs().max().item() <= 1e-3 * max(1.0, ref.abs().max().item())
+
+
 FA_LAYOUT_FALLBACK = [(1, 2, 256, 32, False, 128, 128, 2, 128), (1, 2, 256, 32, True, 64, 64, 2, 256)]
 
 

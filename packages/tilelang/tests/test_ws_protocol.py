@@ -54,9 +54,12 @@ def test_fa_protocol(causal, form, stages):
     assert len(releases) == 8 * iters * groups
 
 
+@pytest.mark.parametrize("two", [False, True])  # cuda_ws_two_ctas: a producer warp (applies to 128 x 128 only)
 @pytest.mark.parametrize("cfg", [(128, 256, 64, 4, 256), (128, 256, 64, 4, 256, "c_shared"), (128, 128, 64, 3, 256)])
-def test_gemm_protocol(cfg):
-    src = generate(CK.gemm_nt(1024, 1024, 1024, *cfg[:5], "bfloat16", c_shared="c_shared" in cfg[5:]), {})
+def test_gemm_protocol(cfg, two):
+    src = generate(CK.gemm_nt(1024, 1024, 1024, *cfg[:5], "bfloat16", c_shared="c_shared" in cfg[5:]),
+                   {"cuda_ws_two_ctas": True} if two else {})
+    assert ("__launch_bounds__(288, 2)" in src) == (two and cfg[1] == 128)
     m = wp.check(src, {"bx": 1, "by": 2, "bz": 0}, seeds=range(3))
     assert sum(t[1] == "wait" and t[0] != "producer" for t in m.trace) == (256 // 32) * 1024 // 64
 

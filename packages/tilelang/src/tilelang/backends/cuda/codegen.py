@@ -202,6 +202,8 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         # pass_configs cuda_ws_two_ctas (opt-in, not timed yet): two warp-specialized CTAs per SM where shared
         # memory and registers allow (one CTA's pipeline fill and epilogue under the other's main loop)
         self.ws_two_ctas = two_ctas
+        self.ws_producer_warp = False  # ... its producer is one warp (rules/pipelined.py `_pipelined_ws`)
+        self.two_ctas_applied = False  # ... and two CTAs fit an SM (`_ws_two_ctas`; else built again without it)
         self.mc_cluster: list[int] | None = None  # the cluster dims when multicast applies (rules/pipelined.py)
         self.persistent_tiles = 0  # the grid's tiles a persistent kernel loops over
         self.tma_specs: list = []  # TmaSpec per descriptor parameter, in parameter order
@@ -683,8 +685,10 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
                       self.name, self.threads, smem_bytes, frag_regs)
         bounds = f"{self.threads}, 2" if two else f"{self.threads}"
         if self.ws_loop is not None:
-            self.launch_threads = self.threads + 128
+            self.launch_threads = self.threads + (32 if self.ws_producer_warp else 128)
             bounds = f"{self.launch_threads}, 1"
+            if self.ws_producer_warp:  # pass_configs cuda_ws_two_ctas (rules/pipelined.py)
+                bounds = self._ws_two_ctas(bounds, smem_bytes, frag_regs)
         head = [f'extern "C" __global__ void __launch_bounds__({bounds}) {self.name}({", ".join(params)}) {{',
                 "  extern __shared__ __align__(1024) unsigned char _tl_smem[];",
                 "  const int _tx = threadIdx.x;"]
@@ -735,6 +739,11 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
                                overlap=overlap, multicast=multicast, split_stages=split_stages,
                                two_ctas=two_ctas)
             src, smem = cg.generate()
+            if cg.ws_producer_warp and not cg.two_ctas_applied:  # cuda_ws_two_ctas did not fit: as without it
+                cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma, one_barrier=one_barrier,
+                                   warp_specialize=warp_specialize, persistent=persistent, pingpong=pingpong,
+                                   overlap=overlap, multicast=multicast, split_stages=split_stages)
+                src, smem = cg.generate()
             if launch is not None and cg.launch_threads:
                 launch[name] = [cg.launch_threads, cg.persistent_tiles] + ([cg.mc_cluster] if cg.mc_cluster else [])
             uses_wgmma |= cg.has_wgmma

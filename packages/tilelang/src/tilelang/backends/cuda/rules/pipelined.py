@@ -271,6 +271,33 @@ class PipelineRules:
         log.debug("%s: TMA multicast: clusters of 2 CTAs (blockIdx.y pairs) share T.copy %s -> %s, each loading "
                   "%d of its %d rows", c.loc, c.src.buffer.name, c.dst.buffer.name, half, rows)
 
+    def _ws_two_ctas(self, bounds: str, smem_bytes: int, frag_regs: int) -> str:
+        """pass_configs cuda_ws_two_ctas: two warp-specialized CTAs per SM (`__launch_bounds__(T + 32, 2)`) when
+        their shared memory fits twice and the consumers' fragments fit the registers: one CTA's pipeline fill and
+        epilogue then run while the other's main loop keeps the tensor cores busy (a persistent kernel hides the
+        fill only). The producer is one warp, not a warpgroup, and nobody changes registers (no setmaxnreg): ptxas
+        compiles the whole kernel for the launch's r0 = 65536 / (2 (T + 32)) registers per thread (with a producer
+        warpgroup two CTAs would get 80 for T = 256: too few for one m64n128 wgmma; 112 with a warp). The caller
+        (generate_cuda) builds the kernel again without the option when this returns `bounds` unchanged."""
+        from ..codegen import SMEM_LIMIT
+
+        k = self.kernel
+
+        def no(why: str) -> str:
+            log.debug("%s: one warp-specialized CTA per SM (cuda_ws_two_ctas not applied): %s", k.loc, why)
+            return bounds
+
+        if 2 * (smem_bytes + 1024) > SMEM_LIMIT + 1024:
+            return no(f"{smem_bytes} B of shared memory per CTA do not fit twice in an SM")
+        lt = self.launch_threads
+        r0 = 65536 // (2 * lt) // 8 * 8
+        if frag_regs + 32 > r0:
+            return no(f"{frag_regs} fragment registers per consumer thread do not fit {r0} (two CTAs per SM)")
+        self.two_ctas_applied = True
+        log.debug("%s: two warp-specialized CTAs per SM (a producer warp): %d B of shared memory each, %d registers "
+                  "per thread (%d fragment registers)", k.loc, smem_bytes, r0, frag_regs)
+        return f"{lt}, 2"
+
     def _copy_coords(self, c: Copy) -> list:
         """The expressions a pipelined copy's source coordinates depend on (lets of the body resolved)."""
         return self._copy_coords_of(list(c.src.starts))
@@ -668,6 +695,7 @@ class PipelineRules:
         nbytes = sum(p["bytes"] for p in plans)
         T = self.threads
         mc = self.mc_cluster is not None  # TMA multicast across a cluster of 2 CTAs (_plan_multicast)
+        pt_early = self.persistent_tiles
         # the consumers' statements (decided before the producer is written: split stages change both sides)
         body = s.body.body if isinstance(s.body, Seq) else [s.body]
         rest = [c for c in body if not any(c is x for x in copies)]
@@ -689,8 +717,10 @@ class PipelineRules:
         self.mbarriers += 2 * n
         # producer: init both barrier arrays (all threads then meet at the kernel's only __syncthreads),
         # then its warpgroup leaves the body; one thread loops over the stages
+        # cuda_ws_two_ctas: a producer warp (threads T .. T+31) instead of a warpgroup, no setmaxnreg (_ws_two_ctas)
+        self.ws_producer_warp = self.ws_two_ctas and not pt_early and not mc
         pro = [f"// T.Pipelined: {n} stages of {', '.join(c.dst.buffer.name for c in copies)}, warp-specialized "
-               f"(threads {T}..{T + 127} issue the TMA loads)",
+               f"(threads {T}..{T + (31 if self.ws_producer_warp else 127)} issue the TMA loads)",
                f"tilehal::u64* {full} = _tl_mbar + {fo};  // stage landed (1 arrival + the TMA bytes)",
                f"tilehal::u64* {empty} = _tl_mbar + {eo};  // stage free (one arrival per consumer warp)"]
         # cuda_ws_split_stages: group g's barriers; group 0 keeps `full` / `empty`
@@ -714,7 +744,7 @@ class PipelineRules:
         it = f"(_kb + {v} - ({start}))" if pt else f"({v} - ({start}))"  # pipeline iteration (all tiles)
         self.begin()
         self.open(f"if (_tx >= {T})")
-        many = T + 128 > 256
+        many = T + 128 > 256 and not self.ws_producer_warp
         if many:
             self.emit("tilehal::setmaxnreg_dec<40>();")
         self.open(f"if (_tx == {T})")
