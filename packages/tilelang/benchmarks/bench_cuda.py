@@ -121,7 +121,8 @@ def _pass_configs(impl: str, variant: str = "2b") -> dict | None:
     if impl == "ours_mma":
         return {"tl.disable_wgmma": True, "tl.disable_tma_lower": True}
     cfg = ({"cuda_warp_specialize": True} if impl in ("ours_ws", "ours_wsp", "ours_pp", "ours_ppp", "ours_nov", "ours_wsm",
-                                                      "ours_ov", "ours_ovpp") else {})
+                                                      "ours_ov", "ours_ovpp", *S27_IMPLS) else {})
+    cfg.update(S27_IMPLS.get(impl, {}))
     if impl in ("ours_ov", "ours_ovpp"):  # + the FA3 gemm/softmax overlap (cuda_ws_overlap)
         cfg["cuda_ws_overlap"] = True
     if impl == "ours_ovpp":
@@ -141,6 +142,16 @@ def _pass_configs(impl: str, variant: str = "2b") -> dict | None:
     if variant == "1b":
         cfg["cuda_wgmma_one_barrier"] = True
     return cfg or None
+
+
+# the opt-in forms of session 27 (never timed: next session's job A/Bs them against the default and the peer)
+S27_IMPLS = {
+    "ours_sp": {"cuda_ws_split_stages": True},  # flash attention: K and V stages on their own mbarriers
+    "ours_ovsp": {"cuda_ws_split_stages": True, "cuda_ws_overlap": True},  # ... with the FA3 gemm/softmax overlap
+    "ours_ovppsp": {"cuda_ws_split_stages": True, "cuda_ws_overlap": True, "cuda_ws_pingpong": True},
+    "ours_ppsp": {"cuda_ws_split_stages": True, "cuda_ws_pingpong": True},
+    "ours_two": {"cuda_ws_two_ctas": True},  # GEMM: two warp-specialized CTAs per SM (producer warp), 128 x 128 tiles
+}
 
 
 def _cached_compile(tilelang, impl: str, func, out_idx, variant: str = "2b") -> float:
@@ -322,16 +333,70 @@ AB_GEMM = {  # ours_wsm: warp-specialized + TMA multicast of the B tile across 2
 # flash attention: (impl, num_stages); ours_ws = the default (warp-specialized), ours_ov = + the FA3 gemm/softmax
 # overlap (cuda_ws_overlap; R1 of 2026-12-02 09:46: 0.82x the default at 2 stages), ours_ovpp = overlap + pingpong
 AB_FA = [("ours_ws", 2), ("ours_ov", 3), ("ours_ovpp", 2), ("ours_ovpp", 3)]
+# --set s27: the session-27 forms against the default (ours_ws at its R3 config / 2 FA stages), the best forms of
+# session 26 (multicast; overlap at 3 stages, + pingpong) and the peer, all in one interleaved run
+_TWO_TILE = (128, 128, 64, 3, 256)
+AB_GEMM_S27 = {
+    (8192, 8192, 8192): [("ours_ws", (128, 256, 64, 4, 256), "ws"), ("ours_wsm", (128, 256, 64, 4, 256), "wsm"),
+                         ("ours_two", _TWO_TILE, "two"), ("ours_two", (*_TWO_TILE, "c_shared"), "two")],
+    (4096, 7168, 2048): [("ours_ws", (128, 256, 64, 4, 256, "c_shared"), "ws"),
+                         ("ours_wsm", (128, 256, 64, 4, 256, "c_shared"), "wsm"),
+                         ("ours_two", _TWO_TILE, "two"), ("ours_two", (*_TWO_TILE, "c_shared"), "two")],
+    (4096, 2112, 7168): [("ours_ws", (128, 176, 64, 5, 256, "c_shared"), "ws"),
+                         ("ours_wsm", (128, 192, 64, 5, 256, "c_shared"), "wsm"),
+                         ("ours_two", _TWO_TILE, "two"), ("ours_two", (*_TWO_TILE, "c_shared"), "two")],
+    (4096, 24576, 1536): [("ours_ws", (128, 256, 64, 4, 256, "c_shared"), "ws"),
+                          ("ours_wsm", (128, 256, 64, 4, 256, "c_shared"), "wsm"),
+                          ("ours_two", _TWO_TILE, "two"), ("ours_two", (*_TWO_TILE, "c_shared"), "two")],
+}
+AB_FA_S27 = [("ours_ws", 2), ("ours_sp", 2), ("ours_ovsp", 2), ("ours_ovppsp", 2), ("ours_ppsp", 2), ("ours_ov", 3),
+             ("ours_ovsp", 3), ("ours_ovpp", 3), ("ours_ovppsp", 3)]
+AB_SETS = {"s26": (AB_GEMM, AB_FA), "s27": (AB_GEMM_S27, AB_FA_S27)}
 
 
-def run_ab(rounds: int, save=None) -> list[dict]:
-    """Every candidate of AB_GEMM / AB_FA and its peer (cuBLAS / SDPA), built first, then timed in `rounds`
-    rounds that each time every kernel's contenders back to back (the order rotating per round), so clock and
-    temperature drift hit all of them alike; each row's time is the median over the rounds."""
+def build_ab(ab_set: str = "s26") -> int:
+    """Build (no GPU needed) every contender `run_ab` would time: warms the kernel and binary caches (under
+    $TILESTACK_CACHE_DIR) for a later run with --warm-cache on the GPU. Returns the number built."""
     sys.path.insert(0, str(HERE))
     import cuda_kernels as ck
     import tilelang
 
+    ab_gemm, ab_fa = AB_SETS[ab_set]
+    n = 0
+    for dtype in _gemm_dtypes():
+        for M, N, K in GEMM_SHAPES:
+            if dtype == "float16" and (M, N, K) != GEMM_SHAPES[0]:
+                continue
+            for impl, cfg, variant in ab_gemm[(M, N, K)]:
+                if impl in SKIP:
+                    continue
+                func = ck.gemm_nt(M, N, K, *cfg[:5], dtype, c_shared="c_shared" in cfg[5:])
+                tilelang.compile(func, out_idx=[-1], target="cuda", **_compile_kw(impl, variant))
+                _cached_compile(tilelang, impl, func, [-1], variant)
+                n += 1
+    for b_, h, s_, d in _fa_shapes(False):
+        for causal in (False, True):
+            for impl, stages in ab_fa:
+                if impl in SKIP:
+                    continue
+                func = ck.flashattn_bhsd(b_, h, s_, d, causal, num_stages=stages)
+                tilelang.compile(func, out_idx=[3], target="cuda", **_compile_kw(impl))
+                _cached_compile(tilelang, impl, func, [3])
+                n += 1
+    print(f"build: {n} contenders of --set {ab_set} built", flush=True)
+    return n
+
+
+def run_ab(rounds: int, save=None, ab_set: str = "s26") -> list[dict]:
+    """Every candidate of the A/B set (AB_GEMM / AB_FA, or --set s27's) and its peer (cuBLAS / SDPA), built
+    first, then timed in `rounds` rounds that each time every kernel's contenders back to back (the order rotating
+    per round), so clock and temperature drift hit all of them alike; each row's time is the median over the
+    rounds."""
+    sys.path.insert(0, str(HERE))
+    import cuda_kernels as ck
+    import tilelang
+
+    ab_gemm, ab_fa = AB_SETS[ab_set]
     items = []  # (row, fn)
     for dtype in _gemm_dtypes():
         tdt = getattr(torch, dtype)
@@ -343,7 +408,7 @@ def run_ab(rounds: int, save=None) -> list[dict]:
             ref = a.float() @ b.float().T
             group = [({"impl": "cublas", "kind": "gemm", "dtype": dtype, "shape": [M, N, K]},
                       functools.partial(torch.matmul, a, b.T))]
-            for impl, cfg, variant in AB_GEMM[(M, N, K)]:
+            for impl, cfg, variant in ab_gemm[(M, N, K)]:
                 if impl in SKIP:
                     continue
                 row = {"impl": impl, "kind": "gemm", "dtype": dtype, "shape": [M, N, K], "config": list(cfg),
@@ -367,7 +432,7 @@ def run_ab(rounds: int, save=None) -> list[dict]:
         ref = torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=causal)
         group = [({"impl": "sdpa", "kind": "fa", "causal": causal, "shape": [b_, h, s_, d]},
                   functools.partial(torch.nn.functional.scaled_dot_product_attention, q, kk, v, is_causal=causal))]
-        for impl, stages in AB_FA:
+        for impl, stages in ab_fa:
             if impl in SKIP:
                 continue
             row = {"impl": impl, "kind": "fa", "causal": causal, "shape": [b_, h, s_, d], "num_stages": stages}
@@ -418,6 +483,79 @@ def run_ab(rounds: int, save=None) -> list[dict]:
     return rows
 
 
+def _tune_cases():
+    """(kind, tuner, args, kwargs, key) of every shape --tune tunes: the GEMMs (bf16; fp16 at 8192^3) and the
+    flash attention shapes, full and causal."""
+    sys.path.insert(0, str(HERE))
+    import cuda_kernels as ck
+
+    for dtype in _gemm_dtypes():
+        for shape in GEMM_SHAPES:
+            if dtype == "float16" and shape != GEMM_SHAPES[0]:
+                continue
+            yield "gemm", ck.gemm_nt_tuned, shape, {"dtype": dtype}, (dtype, shape)
+    for shape in _fa_shapes(False):
+        for causal in (False, True):
+            yield "fa", ck.flashattn_bhsd_tuned[causal], shape, {}, (causal, shape)
+
+
+def build_tune() -> int:
+    """Compile (no GPU needed) every candidate --tune times: warms the caches for a --warm-cache run."""
+    n = 0
+    for kind, tuner, args, kw, key in _tune_cases():
+        bad = [(c, e) for c, k, e in tuner.build_candidates(*args, **kw) if k is None]
+        n += len(tuner.candidates(*args, **kw)) - len(bad)
+        for c, e in bad:
+            print(f"[tune build] {kind} {key} {c}: {e[:200]}", flush=True)
+    print(f"build: {n} autotune candidates built", flush=True)
+    return n
+
+
+def run_tune(save=None) -> list[dict]:
+    """The autotuned entry points of cuda_kernels.py tuned on this GPU, shape by shape: the config each picks
+    (tuner.tune: every candidate checked against its reference and timed with do_bench), the candidates' times,
+    then the pick and its peer (cuBLAS / SDPA) timed back to back with the graph timing of the other rows."""
+    rows = []
+    for kind, tuner, args, kw, key in _tune_cases():
+        t0 = time.perf_counter()
+        try:
+            k = tuner.tune(*args, **kw)
+        except Exception as e:  # a shape whose candidates all fail is reported, not fatal
+            print(f"[tune] {kind} {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            rows.append({"impl": "ours_tuned", "kind": kind, "shape": list(args), "error": str(e)[:300]})
+            continue
+        res = tuner.last_result
+        row = {"impl": "ours_tuned", "kind": kind, "shape": list(args), "config": res.config,
+               "candidates_do_bench_ms": res.timings, "tune_s": time.perf_counter() - t0}
+        if kind == "gemm":
+            M, N, K = args
+            tdt = getattr(torch, kw["dtype"])
+            a, b = torch.randn(M, K, device="cuda", dtype=tdt), torch.randn(N, K, device="cuda", dtype=tdt)
+            ref = a.float() @ b.float().T
+            row["dtype"] = kw["dtype"]
+            row["rel_err"] = ((k(a, b).float() - ref).norm() / ref.norm()).item()
+            ours, peer = functools.partial(k, a, b), functools.partial(torch.matmul, a, b.T)
+            flops = 2 * M * N * K
+        else:
+            causal, (b_, h, s_, d) = key
+            q, kk, v = (torch.randn(b_, h, s_, d, device="cuda", dtype=torch.float16) for _ in range(3))
+            ref = torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=causal)
+            row["causal"] = causal
+            row["max_abs_err"] = (k(q, kk, v).float() - ref.float()).abs().max().item()
+            ours = functools.partial(k, q, kk, v)
+            peer = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, kk, v, is_causal=causal)
+            flops = 4 * b_ * h * s_ * s_ * d * (0.5 if causal else 1.0)
+        row["ms"], row["peer_ms"] = graph_time_ms(ours), graph_time_ms(peer)
+        row["tflops"], row["peer_tflops"] = flops / row["ms"] / 1e9, flops / row["peer_ms"] / 1e9
+        row["ratio_vs_peer"] = row["peer_ms"] / row["ms"]
+        print(f"[tune] {kind} {key}: picked {res.config} in {row['tune_s']:.1f} s; {row['tflops']:.0f} TFLOP/s = "
+              f"{row['ratio_vs_peer']:.3f}x the peer; candidates (do_bench ms) {res.timings}", flush=True)
+        rows.append(row)
+        if save is not None:
+            save(rows)
+    return rows
+
+
 def run_peers(quick: bool) -> list[dict]:
     rows = []
     shapes = GEMM_SHAPES[:2] if quick else GEMM_SHAPES
@@ -457,8 +595,9 @@ def summarize(rows: list[dict]) -> list[str]:
                 best[(r["impl"], *key(r))] = r
     lines = ["| kernel | ours (wgmma + TMA) TFLOP/s | ours warp-specialized | ours WS + overlap | ours WS + overlap + "
              "pingpong | ours WS + persistent | ours WS + multicast | ours WS + pingpong | ours WS + pingpong + persistent | ours cp.async | ours mma.sync | "
-             "peer (cuBLAS/SDPA) | best/peer | public TileLang | best/public | best: compile cold / cached | best config |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "peer (cuBLAS/SDPA) | best/peer | public TileLang | best/public | best: compile cold / cached | best config | "
+             "best session-27 form |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     kernels = sorted({tuple(k) for (impl, *k) in best if impl.startswith("ours")}, key=str)
 
     def t(r):
@@ -466,11 +605,13 @@ def summarize(rows: list[dict]) -> list[str]:
 
     for k in kernels:
         mine = {i: best.get((i, *k)) for i in ("ours", "ours_tma", "ours_ws", "ours_nov", "ours_ov", "ours_ovpp",
-                                                  "ours_wsp", "ours_wsm", "ours_pp", "ours_ppp", "ours_cp", "ours_mma")}
+                                                  "ours_wsp", "ours_wsm", "ours_pp", "ours_ppp", "ours_cp", "ours_mma",
+                                                  *S27_IMPLS)}
         mine["ours"] = mine["ours"] or mine["ours_tma"]
         top = max((r for i, r in mine.items() if i in ("ours", "ours_ws", "ours_nov", "ours_ov", "ours_ovpp", "ours_wsp",
-                                                         "ours_wsm", "ours_pp", "ours_ppp") and r),
+                                                         "ours_wsm", "ours_pp", "ours_ppp", *S27_IMPLS) and r),
                   key=lambda r: r["tflops"], default=None)
+        s27 = max((r for i, r in mine.items() if i in S27_IMPLS and r), key=lambda r: r["tflops"], default=None)
         if top is None:
             continue
         peer = best.get(("cublas" if k[0] == "gemm" else "sdpa", *k))
@@ -486,7 +627,9 @@ def summarize(rows: list[dict]) -> list[str]:
                      f"{t(mine['ours_pp'])} | {t(mine['ours_ppp'])} | {t(mine['ours_cp'])} | "
                      f"{t(mine['ours_mma'])} | {t(peer)} | {ratio} | {t(pub)} | {pratio} | "
                      f"{top['compile_cold_s']:.2f} s / {top['compile_cached_s'] * 1e3:.1f} ms | "
-                     f"{top['impl']} {'x'.join(map(str, top.get('config', []))) or '-'} {top.get('variant', '')}{stages} |")
+                     f"{top['impl']} {'x'.join(map(str, top.get('config', []))) or '-'} {top.get('variant', '')}{stages} | "
+                     + (f"{s27['impl']}{' ' + str(s27['num_stages']) + ' st.' if 'num_stages' in s27 else ''} "
+                        f"{s27['tflops']:.0f} |" if s27 else "- |"))
     return lines
 
 
@@ -502,8 +645,8 @@ def plot(rows: list[dict], path: Path) -> None:
         k = (r["kind"], r.get("dtype"), tuple(r.get("shape", [])), r.get("causal"))
         if k not in keys:
             keys.append(k)
-    impls = ["ours", "ours_tma", "ours_ws", "ours_nov", "ours_ov", "ours_ovpp", "ours_wsp", "ours_wsm", "ours_pp", "ours_ppp", "ours_cp", "ours_mma", "public", "cublas",
-             "sdpa"]
+    impls = ["ours", "ours_tma", "ours_ws", "ours_nov", "ours_ov", "ours_ovpp", "ours_wsp", "ours_wsm", "ours_pp", "ours_ppp", "ours_cp", "ours_mma",
+             *S27_IMPLS, "public", "cublas", "sdpa"]
     fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.14
     for i, impl in enumerate(impls):
@@ -592,6 +735,16 @@ def main() -> None:
                          "GO and merge JSON once it is written")
     ap.add_argument("--best-from", default=None, help="JSON of an earlier run: time only its best config per shape")
     ap.add_argument("--skip-mma", action="store_true", help="leave out the ours_mma rows (mma.sync + cp.async)")
+    ap.add_argument("--set", dest="ab_set", choices=sorted(AB_SETS), default="s26",
+                    help="--ab's contenders: s26 (AB_GEMM / AB_FA) or s27 (the session-27 opt-in forms)")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="--ab / --tune: compile into $TILESTACK_CACHE_DIR (a cache warmed by --build-only) instead of "
+                         "an empty one (the compile columns then measure cache hits)")
+    ap.add_argument("--build-only", action="store_true",
+                    help="no GPU: build every contender of --ab's --set (and with --tune every autotune candidate) "
+                         "into $TILESTACK_CACHE_DIR, time nothing")
+    ap.add_argument("--tune", action="store_true",
+                    help="tune cuda_kernels.gemm_nt_tuned / flashattn_bhsd_tuned per shape (after --ab if both)")
     args = ap.parse_args()
     global SHORT, ONLY
     SHORT = args.short
@@ -601,6 +754,12 @@ def main() -> None:
         load_best(args.best_from)
     if args.compile_only:
         compile_only(args.out)
+        return
+    if args.build_only:
+        if args.ab:
+            build_ab(args.ab_set)
+        if args.tune:
+            build_tune()
         return
     if args.impl == "public":
         pre = precompile("public", args.quick, args.go_file) if args.go_file else None
@@ -631,8 +790,8 @@ def main() -> None:
         if args.public_early:
             cmd += ["--go-file", str(go)]
             child = subprocess.Popen(cmd, env=env)
-    rows = [] if args.ab else run_peers(args.quick)
-    if not args.ab:
+    rows = [] if args.ab or args.tune else run_peers(args.quick)
+    if not (args.ab or args.tune):
         save(rows)
 
     def merge_public_wait() -> None:
@@ -648,11 +807,16 @@ def main() -> None:
             print("public TileLang rows never came", flush=True)
         save(rows)
 
-    if args.ab:
-        meta["timing"] += f"; --ab: contenders of a kernel back to back, {args.ab} rounds, median"
+    if args.ab or args.tune:
+        rows = []
         with tempfile.TemporaryDirectory() as cache:
-            os.environ["TILESTACK_CACHE_DIR"] = cache
-            rows = run_ab(args.ab, save)
+            if not args.warm_cache:
+                os.environ["TILESTACK_CACHE_DIR"] = cache
+            if args.ab:
+                meta["timing"] += f"; --ab: contenders of a kernel back to back, {args.ab} rounds, median; --set {args.ab_set}"
+                rows = run_ab(args.ab, save, args.ab_set)
+            if args.tune:  # the autotuner's picks, after the interleaved rounds (their rows: impl ours_tuned)
+                rows += run_tune(lambda tuned: save(rows + tuned))
         if args.public_wait:  # the public TileLang child times after our rounds
             merge_public_wait()
         table = save(rows)

@@ -413,6 +413,10 @@ def test_ws_multicast_codegen(caplog, tmp_path, monkeypatch):
     assert "const int by = (2 * _sy + (int)(blockIdx.y & 1));" in src
     log = compile_cuda(src, arch="sm_90a", name=name, options=["--ptxas-options=-v"]).log
     assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
+    # a kernel-cache hit keeps the cluster dims (before session 27 the entry's 3-element launch record did not
+    # unpack: every multicast kernel was generated again)
+    again = tilelang.JITKernel(prog, out_idx=[2], target="cuda", pass_configs=WSM)
+    assert again._impl.from_kernel_cache and again._impl.launch_threads == {name: [384, 0, [1, 2, 1]]}
     odd = _gemm_program(640, 768, 512, 128, 256, 64, "bfloat16", "float32", False, True, 4, 256, "Square")
     k2 = tilelang.compile(odd, out_idx=[2], target="cuda", pass_configs=WSM)
     assert "multicast" not in k2.get_kernel_source() and list(k2._impl.launch_threads.values()) == [[384, 0]]
@@ -1235,3 +1239,27 @@ def test_value_ranges_drop_proven_bounds_checks():
     copies = [ln for ln in full.splitlines() if "cp_async_16(" in ln]
     assert copies and not any("?" in ln for ln in copies)  # a predicated copy selects its address with ?:
     assert any("?" in ln and "< 200" in ln for ln in edge.splitlines() if "cp_async_16(" in ln)
+
+
+@needs_nvrtc
+def test_bench_tuned_entries_build(tmp_path, monkeypatch):
+    """benchmarks/cuda_kernels.py's autotuned GEMM and flash attention (what next session's GPU tuning run picks
+    from per shape): every candidate, tile configs x compiler schedules with the session-27 forms among them,
+    builds for sm_90a (build_candidates: no GPU); each defaults-table entry is a candidate of its shape."""
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("tl_bench_kernels_t", Path(__file__).parents[1] / "benchmarks" /
+                                                  "cuda_kernels.py")
+    ck = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ck)
+    for shape, cfg in ck.GEMM_DEFAULTS.items():
+        assert cfg in ck.gemm_tune_configs(*shape), shape
+    for (b, h, s, d, causal), cfg in ck.FA_DEFAULTS.items():
+        assert cfg in ck.FA_TUNE_CONFIGS
+        assert ck.flashattn_bhsd_tuned[causal].default_config((b, h, s, d), {}, ck.FA_TUNE_CONFIGS) == cfg
+    forms = {k for c in ck.gemm_tune_configs(256, 320, 128) + ck.FA_TUNE_CONFIGS for k in c.get("pass_configs", {})}
+    assert {"cuda_ws_two_ctas", "cuda_ws_multicast", "cuda_ws_split_stages", "cuda_ws_overlap"} <= forms
+    built = ck.gemm_nt_tuned.build_candidates(256, 320, 128, dtype="bfloat16")
+    built += ck.flashattn_bhsd_tuned[True].build_candidates(1, 1, 256, 128)
+    assert len(built) == 9 + 8 and all(k is not None for _, k, _ in built), [(c, e) for c, k, e in built if k is None]
+    two = [k for c, k, _ in built if c.get("pass_configs") == {"cuda_ws_two_ctas": True}]
+    assert len(two) == 2 and all("__launch_bounds__(288, 2)" in k.get_kernel_source() for k in two)

@@ -184,6 +184,28 @@ class AutoTuner:
         """The tuned (or, with tunables given, the directly built) kernel, without running it."""
         return self._tune(args, kwargs)
 
+    def candidates(self, *args: Any, **kwargs: Any) -> list[dict]:
+        """The configs a tuning run for these arguments times (`configs`, or what the callable returns)."""
+        configs = list(self.configs(*args, **kwargs) if callable(self.configs) else self.configs)
+        if not configs:
+            raise tilehal.ArgumentError("autotune: configs is empty")
+        return configs
+
+    def build_candidates(self, *args: Any, **kwargs: Any) -> list[tuple[dict, JITKernel | None, str]]:
+        """Compile every candidate for these arguments without running any (in parallel, as a tuning run does):
+        [(config, kernel or None, error)]. On a machine without the GPU this warms the kernel and binary caches
+        that a later tuning run on the GPU reads (same compiler, same sources)."""
+        configs = self.candidates(*args, **kwargs)
+        out: list[tuple[dict, JITKernel | None, str]] = []
+        with ThreadPoolExecutor(self.max_workers) as pool:
+            futs = [pool.submit(self._compile, args, kwargs, cfg) for cfg in configs]
+            for cfg, fut in zip(configs, futs):
+                try:
+                    out.append((cfg, fut.result(), ""))
+                except (CompileError, tilehal.TileStackError, ValueError) as e:
+                    out.append((cfg, None, str(e)))
+        return out
+
     def tune(self, *args: Any, **kwargs: Any) -> JITKernel:
         """Tune for these arguments now (even where a default config exists or a record is cached) and
         cache the winner; later calls with the same arguments get it."""

@@ -123,7 +123,9 @@ def unpack(func: PrimFunc, data: bytes) -> tuple[str, list[tuple[str, Kernel, in
         tma = {str(n): [TmaSpec(int(p), str(d), int(r), int(c), str(w)) for p, d, r, c, w in specs]
                for n, _, specs in rec["kernels"]}
         source = str(rec["source"])
-        threads = {str(n): [int(t), int(p)] for n, (t, p) in rec["threads"].items()}
+        # [launch threads, persistent tiles] (+ the cluster dims of a TMA multicast kernel)
+        threads = {str(n): [int(v[0]), int(v[1])] + [[int(x) for x in c] for c in v[2:3]]
+                   for n, v in rec["threads"].items()}
     except (ValueError, KeyError, TypeError) as e:
         log.debug("kernel cache entry unusable (%s)", e)
         return None
