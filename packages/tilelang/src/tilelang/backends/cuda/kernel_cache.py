@@ -84,15 +84,16 @@ def structural_key(func: PrimFunc) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _compiler_stamp() -> str:
-    """Paths, sizes and mtimes of the tilelang and tilehal sources (once per process)."""
+    """The relative paths and contents of the tilelang and tilehal sources (once per process). Contents, not
+    mtimes: a copy of the tree (the GPU machine's, with a cache warmed on the CPU machine) finds the same entries
+    whatever its files' times."""
     from ...__about__ import __version__
 
     h = hashlib.sha256(f"{__version__}|{getattr(tilehal, '__version__', '')}".encode())
     for root in (Path(__file__).resolve().parents[2], Path(tilehal.__file__).resolve().parent):
         for p in sorted(root.rglob("*")):
             if p.suffix in (".py", ".cuh", ".h") and p.is_file():
-                st = p.stat()
-                h.update(f"{p.relative_to(root)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+                h.update(f"{p.relative_to(root)}|{hashlib.sha256(p.read_bytes()).hexdigest()}\n".encode())
     return h.hexdigest()
 
 
