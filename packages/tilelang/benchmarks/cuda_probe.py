@@ -38,8 +38,8 @@ GEMM_CASES = [("float16", (8192, 8192, 8192), (128, 256, 64, 3, 256)),
 def build(kind: str, path: str, causal: bool = False, dtype: str = "float16", shape=(8192, 8192, 8192),
           cfg=(128, 256, 64, 3, 256)):
     """path: "mma" (mma.sync + cp.async), "wgmma" (the defaults) or a bench_cuda impl suffix (tma, ws, wsp,
-    pp, ppp, ov, ovpp, wsm: bench_cuda._pass_configs("ours_" + path)), for flash attention optionally followed by
-    its number of stages."""
+    pp, ppp, ov, ovpp, wsm, and session 27's sp, ovsp, ovppsp, ppsp, two: bench_cuda._pass_configs("ours_" + path)),
+    for flash attention optionally followed by its number of stages."""
     from bench_cuda import _pass_configs
 
     stages = 2  # flash attention: a trailing digit of `path` is its num_stages (ovpp3: overlap + pingpong, 3)
@@ -186,7 +186,8 @@ def ncu_target(names: list[str]) -> None:
         kind, path = name.replace("gemm16", "gemm").split("_")
         causal = kind == "facausal"
         kind = "fa" if causal else kind
-        k, _ = build(kind, path, causal)
+        # gemm16_two: cuda_ws_two_ctas needs a tile that fits twice per SM (bench_cuda's 128 x 128 x 64, 3 stages)
+        k, _ = build(kind, path, causal, cfg=(128, 128, 64, 3, 256) if path == "two" else (128, 256, 64, 3, 256))
         k(*((a, b) if kind == "gemm" else qkv))
         torch.cuda.synchronize()
         print(f"{name}: ran kernel {k._impl.kernels[0][0]}", flush=True)
