@@ -70,6 +70,7 @@ class KernelKey:
     tile_info: bool = False  # grouped: producer-fed tile schedule (-DDEEPGEMM_TILE_INFO=1; not in the name)
     expert_raster: bool = False  # contiguous: expert-major raster (-DDEEPGEMM_EXPERT_RASTER=1; not in the name)
     expert_band: int = 0  # its n-units per band (-DDEEPGEMM_EXPERT_BAND; 0: the whole row)
+    c_tma: bool = False  # bf16 C TMA-loaded into the staging tile, added in registers, TMA-stored (C_TMA)
 
     @property
     def expression(self) -> str:
@@ -84,9 +85,9 @@ class KernelKey:
                 f"{b(self.overlap_promotion)}{self._tail()}>")
 
     def _tail(self) -> str:
-        # The defaulted template parameters (BIAS, C_BF16, SWIGLU): spelled only up to the last one set, so every
-        # other kernel keeps its name (and its cache entry).
-        flags = [self.bias, self.c_bf16, self.swiglu]
+        # The defaulted template parameters (BIAS, C_BF16, SWIGLU, C_TMA): spelled only up to the last one set, so
+        # every other kernel keeps its name.
+        flags = [self.bias, self.c_bf16, self.swiglu, self.c_tma]
         while flags and not flags[-1]:
             flags.pop()
         return "".join(", true" if f else ", false" for f in flags)
@@ -118,7 +119,8 @@ def kernel_key(cfg: GemmConfig, n: int, k: int, grouping: str, num_groups: int, 
                      has_c=has_c, tma_store=cfg.tma_store, d_swizzle=cfg.d_swizzle, multicast=cfg.multicast,
                      multicast_on_a=cfg.multicast_on_a, overlap_promotion=cfg.overlap_promotion, bias=bias,
                      c_bf16=c_bf16, swiglu=cfg.swiglu, tile_info=cfg.use_tile_info,
-                     expert_raster=cfg.expert_raster and grouping == "contiguous", expert_band=cfg.expert_band)
+                     expert_raster=cfg.expert_raster and grouping == "contiguous", expert_band=cfg.expert_band,
+                     c_tma=cfg.c_tma)
 
 
 def use_tma_store(d: torch.Tensor, n: int, has_c: bool, grouping: str) -> bool:
@@ -157,6 +159,28 @@ def staged_store(d_dtype: torch.dtype, n: int, has_c: bool, tma_store: bool) -> 
                   f"N = {n} is not a multiple of {vec} (16-byte row segments)")
         return 0
     return 4 if has_c or d_dtype == torch.float32 else 2
+
+
+def c_epilogue_tma() -> bool:
+    """DEEPGEMM_C_EPILOGUE=tma: a bf16 C added to a bf16 D goes through the C_TMA epilogue (C TMA-loaded into the
+    staging tile while the main loop runs, added in registers, TMA-stored; kernels/gemm_sm90.cuh). Opt-in until
+    timed on the H200; the default keeps the staged fp32 copy-out."""
+    return os.environ.get("DEEPGEMM_C_EPILOGUE", "staged") == "tma"
+
+
+def c_tma_why_not(d: torch.Tensor, c: torch.Tensor | None, n: int, fp8: bool) -> str | None:
+    """Why the C_TMA epilogue cannot serve this call (None: it can)."""
+    if c is None:
+        return "no C"
+    if fp8:
+        return "fp8 (the C descriptor uses the activation-scale slot)"
+    if c.dtype != torch.bfloat16 or d.dtype != torch.bfloat16:
+        return f"C {c.dtype} / D {d.dtype} (expected bf16 / bf16)"
+    if n % 8:
+        return f"N = {n} is not a multiple of 8 (TMA needs 16-byte rows)"
+    if os.environ.get("DEEPGEMM_EPILOGUE", "tma") == "direct":
+        return "DEEPGEMM_EPILOGUE=direct"
+    return None
 
 
 def epilogue(d: torch.Tensor, n: int, has_c: bool, grouping: str) -> dict:
@@ -212,10 +236,11 @@ def _descriptors(a2d: torch.Tensor, b2d: torch.Tensor, sfa_t: torch.Tensor | Non
 
 
 def _d_descriptor(d2d: torch.Tensor, cfg: GemmConfig) -> bytes:
+    """The TMA-store descriptor of D (with cfg.c_tma also C's: the same boxes are loaded into the staging tile)."""
     if not cfg.tma_store:
         return _NULL_DESC
     sw = cfg.d_swizzle
-    box_n = sw // d2d.element_size() if sw else cfg.out_block_n // epilogue_passes(cfg.out_block_n)
+    box_n = sw // d2d.element_size() if sw else cfg.out_block_n // epilogue_passes(cfg.out_block_n, cfg.c_tma)
     return _encode(d2d.data_ptr(), d2d.dtype, tuple(d2d.shape), tuple(d2d.stride()), (cfg.block_m, box_n),
                    f"{sw}B" if sw else "none")
 
@@ -396,6 +421,16 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
             return
     elif fp8 and config is None and bias is None:
         log.debug("fp8 split-K not used: DEEPGEMM_SPLITK=0")
+    if config is None and c is not None and c_epilogue_tma():
+        why = c_tma_why_not(d, c, n, fp8)
+        if why is None:
+            config = pick_config("bf16", m, n, k, tma_store=True, c_tma=True, max_multicast=max_multicast())
+        else:
+            log.debug("DEEPGEMM_C_EPILOGUE=tma not used for %dx%dx%d: %s", m, n, k, why)
+    if getattr(config, "c_tma", False):
+        why = c_tma_why_not(d, c, n, fp8) or (None if config.tma_store else "config.tma_store is False")
+        if why is not None:
+            raise ShapeError(f"config.c_tma: expected a bf16 C and D with N % 8 == 0 and tma_store, got {why}")
     cfg = config or pick_config("fp8" if fp8 else "bf16", m, n, k, **epilogue(d, n, c is not None, "normal"),
                                 max_multicast=max_multicast(), overlap=overlap_allowed())
     # bf16 accumulation into a bf16 D: the staged copy-out epilogue reads the bf16 C in place (C_BF16).
@@ -403,13 +438,17 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
               and cfg.d_swizzle == 1)
     if c_bf16:
         log.debug("bf16 %dx%dx%d with a bf16 C: persistent kernel, C read in place by the staged epilogue", m, n, k)
-    if c is not None and c.dtype != torch.float32 and not c_bf16:
+    if c is not None and c.dtype != torch.float32 and not c_bf16 and not cfg.c_tma:
         # The direct-store epilogue adds C in fp32 from an fp32 buffer: such a C is widened once.
         log.debug("c: %s accumulation without the staged epilogue; widening C to fp32", c.dtype)
         c = c.float()
     sfa_t = _sfa_layout(sfa) if fp8 else None
     sfb_c = sfb.contiguous() if fp8 else None
     descs = _descriptors(a, b, sfa_t, cfg, sfa_rows=sfa.shape[1] if fp8 else 0, sfa_cols=m)
+    if cfg.c_tma:  # C's descriptor (D's boxes and swizzle) in the activation-scale slot, unused by bf16 kernels
+        descs = (descs[0], descs[1], _d_descriptor(c, cfg))
+        log.debug("bf16 %dx%dx%d with a bf16 C: C_TMA epilogue (%dx%d tiles, %d stages)", m, n, k, cfg.block_m,
+                  cfg.block_n, cfg.stages)
     if bias is not None and not cfg.tma_store:
         raise ShapeError("bias: expected the TMA-store epilogue (bf16 d, no C, N % 8 == 0); the caller adds it "
                          "otherwise")

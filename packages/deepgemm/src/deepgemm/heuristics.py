@@ -63,6 +63,7 @@ OVERLAP_MAX_BLOCK_N = 128
 # (docs/benchmarks/deepgemm_h200.json, ours_serial_promotion_*), so 0.9 errs on the cautious side.
 OVERLAP_COST = 0.9
 MIN_STAGED_STAGES = 3  # a staged copy-out tile must leave room for this many pipeline stages
+C_TMA_BARRIER_BYTES = 8  # the C_TMA epilogue's mbarrier (kernels/gemm_sm90.cuh c_bar, after the ring's barriers)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class GemmConfig:
     tile_info: bool | None = None  # grouped: producer-fed tile schedule (None: TILE_INFO's default, off with multicast)
     expert_raster: bool = False  # contiguous + tile schedule: expert-major raster (opt-in, not GPU-timed yet)
     expert_band: int = 0  # expert_raster: n-units per band inside an expert (0: the whole row)
+    c_tma: bool = False  # bf16 C into bf16 D: C TMA-loaded into the staging tile during the main loop (C_TMA)
 
     @property
     def use_tile_info(self) -> bool:
@@ -135,7 +137,7 @@ class GemmConfig:
 
     @property
     def epilogue_bytes(self) -> int:
-        return epilogue_bytes(self.block_m, self.out_block_n, self.tma_store, self.staged_store)
+        return epilogue_bytes(self.block_m, self.out_block_n, self.tma_store, self.staged_store, self.c_tma)
 
 
 def block_n_candidates(kind: str, grouping: str = "normal") -> tuple[int, ...]:
@@ -184,15 +186,19 @@ def pick_multicast(grouping: str, m: int, n: int, block_m: int, block_n: int, nu
     return 1, False
 
 
-def epilogue_passes(block_n: int) -> int:
+def epilogue_passes(block_n: int, c_tma: bool = False) -> int:
     """TMA-store staging passes of a tile (kernels/gemm_sm90.cuh kEpiPasses): 256-wide tiles are staged
-    128 columns at a time, which leaves room for a 4th pipeline stage of bf16 128x256 tiles."""
-    return 2 if block_n == 256 else 1
+    128 columns at a time, which leaves room for a 4th pipeline stage of bf16 128x256 tiles. With `c_tma` the
+    staging tile holds the whole C tile (one pass)."""
+    return 2 if block_n == 256 and not c_tma else 1
 
 
-def epilogue_bytes(block_m: int, block_n: int, tma_store: bool, staged_store: int = 0) -> int:
-    """Shared memory of the epilogue's staging tile: bf16 for the TMA store; for the staged copy-out
-    (kernels/gemm_sm90.cuh StagedStore) rows padded by 16 (bf16) / 32 (fp32) bytes, rounded to 1 KiB."""
+def epilogue_bytes(block_m: int, block_n: int, tma_store: bool, staged_store: int = 0, c_tma: bool = False) -> int:
+    """Shared memory of the epilogue's staging tile: bf16 for the TMA store (the whole tile and the C barrier
+    with `c_tma`); for the staged copy-out (kernels/gemm_sm90.cuh StagedStore) rows padded by 16 (bf16) / 32
+    (fp32) bytes, rounded to 1 KiB."""
+    if c_tma:
+        return block_m * block_n * 2 + C_TMA_BARRIER_BYTES
     if tma_store:
         return block_m * block_n * 2 // epilogue_passes(block_n)
     if staged_store:
@@ -262,12 +268,14 @@ def pick_config(
     max_multicast: int = 1,
     overlap: bool = True,
     staged_store: int = 0,
+    c_tma: bool = False,
 ) -> GemmConfig:
     """Choose the kernel configuration for D[M, N] (per group) = A[M, K] @ B[N, K]^T.
 
     `grouping` is "normal", "contiguous" (m = M_sum over all groups, tiles never straddle
     experts) or "masked" (m = expected rows per group, num_groups groups). `overlap=False` keeps
-    every fp8 tile on the serial promotion path (for A/B timing).
+    every fp8 tile on the serial promotion path (for A/B timing). `c_tma` (bf16, normal grouping, with
+    `tma_store`): the C_TMA epilogue, whose staging tile holds a whole bf16 C tile.
     """
     if kind not in ("fp8", "bf16"):
         raise ArgumentError(f"kind: expected 'fp8' or 'bf16', got {kind!r}")
@@ -275,13 +283,16 @@ def pick_config(
         raise ArgumentError(f"grouping: expected 'normal', 'contiguous' or 'masked', got {grouping!r}")
     if tma_store and staged_store:
         raise ArgumentError("staged_store: expected 0 with tma_store=True (one staging tile per epilogue)")
+    if c_tma and not (tma_store and kind == "bf16" and grouping == "normal"):
+        raise ArgumentError(f"c_tma: expected a bf16 normal GEMM with tma_store=True, got kind={kind!r}, "
+                            f"grouping={grouping!r}, tma_store={tma_store}")
     return _pick(kind, m, n, k, num_groups, grouping, num_sms or get_num_sms(), tma_store, max_multicast, overlap,
-                 staged_store)
+                 staged_store, c_tma)
 
 
 @functools.lru_cache(maxsize=4096)  # called on every launch: keep the host path short
 def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms: int, tma_store: bool,
-          max_multicast: int, overlap: bool, staged_store: int = 0) -> GemmConfig:
+          max_multicast: int, overlap: bool, staged_store: int = 0, c_tma: bool = False) -> GemmConfig:
     if grouping == "contiguous":
         block_ms: tuple[int, ...] = (128,)  # the layout's alignment: one expert per M block
     elif m <= 64:
@@ -296,6 +307,8 @@ def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms
             if staged_store and smem_bytes(kind, bm, bn, MIN_STAGED_STAGES, epilogue_bytes(bm, bn, False, staged_store),
                                            grouping != "normal") > SMEM_CAPACITY:
                 continue  # the staging tile would leave too short a ring (fp32 tiles of 256 columns)
+            if c_tma and smem_bytes(kind, bm, bn, MIN_STAGED_STAGES, epilogue_bytes(bm, bn, True, 0, True)) > SMEM_CAPACITY:
+                continue
             tiles = ceil_div(m, bm) * ceil_div(n, bn) * groups
             w, util = waves(tiles, sms)
             key = (w * tile_cost(bm, bn, overlap and overlaps(kind, bn, grouping)), -util, -(bm * bn), -bm)
@@ -303,12 +316,12 @@ def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms
                 best = (key, bm, bn, w, util)
     _, bm, bn, w, util = best
     block_k = 128 if kind == "fp8" else 64
-    epilogue = epilogue_bytes(bm, bn, tma_store, staged_store)
+    epilogue = epilogue_bytes(bm, bn, tma_store, staged_store, c_tma)
     multicast, on_a = pick_multicast(grouping, m, n, bm, bn, sms, max_multicast)
     return GemmConfig(kind=kind, block_m=bm, block_n=bn, block_k=block_k,
                       stages=max_stages(kind, bm, bn, epilogue, grouping != "normal"), multicast=multicast, num_waves=w,
                       last_wave_util=util, num_sms=sms, tma_store=tma_store, multicast_on_a=on_a,
-                      allow_overlap=overlap, grouping=grouping, staged_store=staged_store)
+                      allow_overlap=overlap, grouping=grouping, staged_store=staged_store, c_tma=c_tma)
 
 
 SWIGLU_BLOCK_N = 128  # tile of the SwiGLU epilogue: 64 gate + 64 up columns (deepgemm.SWIGLU_INTERLEAVE = 64)

@@ -26,6 +26,16 @@
 // (fp32 output, C, masked groups, N not 8-aligned) threads store straight from the accumulators,
 // bounds-checked; with D_SWIZZLE = 1 (and no TMA_STORE) they go through a padded shared-memory tile
 // and leave as 16-byte row segments (StagedStore). K is zero-padded by TMA either way.
+//
+// C_TMA (opt-in, bf16 only: a bf16 C added to a bf16 D, DeepGEMM's c.dtype == d.dtype): the TMA-store epilogue
+// with C. At the start of each tile math thread 0 waits until the previous tile's TMA store has read the staging
+// tile, then TMA-loads the tile's C into it (same boxes and swizzle as D's store: the C descriptor travels in the
+// activation-scale slot, which bf16 kernels do not use); the load lands while the main loop runs. The epilogue
+// waits on its mbarrier, each thread reads the C pair at exactly the staging offset its D pair goes to, adds it
+// in fp32 and writes the bf16 pair back in place (so no thread reads what another writes), and thread 0 stores
+// the tile with TMA. The staged copy-out otherwise used for C (an fp32 tile twice the size, then a C round trip
+// from global memory after the main loop) costs a pipeline stage or a wave and an exposed C load per tile.
+// Same fp32 sum as the staged copy-out (acc + C, one rounding): bitwise equal results.
 #pragma once
 #include <tilehal/tilehal.cuh>
 #include <tilehal/mbarrier.cuh>
@@ -430,7 +440,7 @@ struct StagedStore {
 
 template <int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int KIND, int NUM_GROUPS, bool FP8,
           typename OutT, bool HAS_C, bool TMA_STORE, int D_SWIZZLE, int MCAST, bool MCAST_ON_A, bool OVERLAP,
-          bool BIAS = false, bool C_BF16 = false, bool SWIGLU = false>
+          bool BIAS = false, bool C_BF16 = false, bool SWIGLU = false, bool C_TMA = false>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
           const __grid_constant__ TmaDescriptor tma_sfa, const __grid_constant__ TmaDescriptor tma_d,
@@ -470,7 +480,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   // below is a multiple of 1024 bytes up to the activation scales.
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   // TMA-store staging passes (heuristics.epilogue_passes: 2 for 256-wide tiles) and their width.
-  constexpr int kEpiPasses = TMA_STORE && BLOCK_N == 256 && !SWIGLU ? 2 : 1;
+  constexpr int kEpiPasses = TMA_STORE && BLOCK_N == 256 && !SWIGLU && !C_TMA ? 2 : 1;  // C_TMA: the whole C tile
   // SWIGLU: the tile's first BLOCK_N/2 columns are gate rows of B, the rest the matching up rows (the host
   // interleaves B in blocks of BLOCK_N/2: deepgemm.swiglu_interleave); the epilogue writes
   // bf16(silu(gate) * up) of fp32 accumulators, a BLOCK_M x BLOCK_N/2 tile of D [M, SHAPE_N/2].
@@ -479,11 +489,13 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   constexpr int kPassN = SWIGLU ? BLOCK_N / 2 : BLOCK_N / kEpiPasses;
   constexpr int kOutN = SWIGLU ? SHAPE_N / 2 : SHAPE_N;  // columns of D
   constexpr int D_BYTES = TMA_STORE ? BLOCK_M * kPassN * static_cast<int>(sizeof(OutT)) : kStaged ? Staged::kBytes : 0;
-  static_assert(!TMA_STORE || !HAS_C, "TMA store would write values it must not");
+  static_assert(!TMA_STORE || !HAS_C || C_TMA, "TMA store would write values it must not");
   // Masked groups with TMA_STORE (opt-in; the host's default is the staged copy-out): only blocks wholly inside
   // masked_m leave by TMA store, a group's last, partial block is copied out of the same staging tile row by row.
   static_assert(!TMA_STORE || KIND != kGroupedMasked || (SHAPE_N % 8 == 0 && !SWIGLU && !BIAS),
                 "masked TMA-store epilogue: 16-byte rows, plain bf16 D");
+  static_assert(!C_TMA || (TMA_STORE && HAS_C && !FP8 && !C_BF16 && !BIAS && !SWIGLU && KIND == kNormal),
+                "C_TMA: bf16 C into bf16 D through the TMA-store epilogue (its descriptor in the scale slot)");
   static_assert(!TMA_STORE || sizeof(OutT) == 2, "the staging tile holds bf16");
   // BIAS: `c` holds an fp32 bias [SHAPE_N] added to every row in the TMA-store epilogue (nn.Linear's bias,
   // one rounding to bf16 after it).
@@ -497,6 +509,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   u64* full_bar = reinterpret_cast<u64*>(reinterpret_cast<unsigned char*>(smem_sfa) + STAGES * SFA_BYTES);
   u64* empty_bar = full_bar + STAGES;
   int* tile_info = reinterpret_cast<int*>(empty_bar + STAGES);  // [STAGES][4] (grouped kernels: kTileInfo)
+  [[maybe_unused]] u64* c_bar = empty_bar + STAGES;  // C_TMA (normal GEMMs only: no tile slots): the C tile landed
   constexpr bool kInfo = kTileInfo<KIND, MCAST>;
   constexpr bool kExpert = DEEPGEMM_EXPERT_RASTER && KIND == kGroupedContiguous;
   static_assert(!kExpert || kInfo, "the expert-major raster runs in the producer: it needs -DDEEPGEMM_TILE_INFO=1");
@@ -508,13 +521,14 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   if (tid == NUM_MATH_THREADS) {
     tma_prefetch_descriptor(&tma_a);
     tma_prefetch_descriptor(&tma_b);
-    if constexpr (FP8) tma_prefetch_descriptor(&tma_sfa);
+    if constexpr (FP8 || C_TMA) tma_prefetch_descriptor(&tma_sfa);
     if constexpr (TMA_STORE) tma_prefetch_descriptor(&tma_d);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(&full_bar[s], 1);
       mbarrier_init(&empty_bar[s], MCAST * NUM_MATH_WG * 4);  // lane 0 of every math warp of every CTA
     }
+    if constexpr (C_TMA) mbarrier_init(c_bar, 1);
     fence_barrier_init();
   }
   if constexpr (MCAST > 1) {
@@ -602,6 +616,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
   float part[PART];
   float part2[OVERLAP ? PART : 1];  // the second partial-sum set of the overlapped fp8 path
   u32 it = 0;
+  [[maybe_unused]] u32 c_tiles = 0;  // C_TMA: tiles done (the C barrier's phase)
 
   // Hand a stage back to the producer(s): lane i of each warp arrives in CTA i of the cluster.
   auto release = [&](int s) {
@@ -629,6 +644,23 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
     const int n0 = n_block * BLOCK_N;
+    if constexpr (C_TMA) {
+      // This tile's C into the staging tile, once the previous tile's store has read it (phantom tiles: no bytes).
+      if (tid == 0) {
+        constexpr int kBoxN = D_SWIZZLE ? D_SWIZZLE / 2 : BLOCK_N;
+        const int m0 = m_block * BLOCK_M;
+        int boxes = 0;
+#pragma unroll
+        for (int b = 0; b < BLOCK_N / kBoxN; ++b) boxes += m0 < shape_m && n0 + b * kBoxN < SHAPE_N;
+        tma_store_wait_read<0>();
+        mbarrier_arrive_expect_tx(c_bar, boxes * BLOCK_M * kBoxN * 2);
+#pragma unroll
+        for (int b = 0; b < BLOCK_N / kBoxN; ++b) {
+          if (m0 < shape_m && n0 + b * kBoxN < SHAPE_N)
+            tma_load_2d(smem_d + b * BLOCK_M * kBoxN * 2, &tma_sfa, c_bar, n0 + b * kBoxN, m0);
+        }
+      }
+    }
     // A phantom tile (n0 past N, multicast pairs only) reads the last scale block instead.
     const int sf_blk = min(n0 / 128, SF_N - 1);
     const float* sfb_row = sfb + (group * SF_N + sf_blk) * SF_K;
@@ -759,8 +791,13 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
       }
 #pragma unroll
       for (int pass = 0; pass < kEpiPasses; ++pass) {
-        if (tid == 0) tma_store_wait_read<0>();
-        named_barrier_sync(1, NUM_MATH_THREADS);
+        if constexpr (C_TMA) {
+          mbarrier_wait(c_bar, c_tiles & 1);  // C has landed (its load waited for the previous store's read)
+          ++c_tiles;
+        } else {
+          if (tid == 0) tma_store_wait_read<0>();
+          named_barrier_sync(1, NUM_MATH_THREADS);
+        }
 #pragma unroll
         for (int jj = 0; jj < kPassN / 8; ++jj) {
           const int j = pass * (kPassN / 8) + jj;  // SWIGLU: gate columns j, up columns j + kPassN / 8
@@ -778,6 +815,10 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
             if constexpr (SWIGLU) {
               x = swiglu(x, acc[4 * (j + kPassN / 8) + 2 * half]);
               y = swiglu(y, acc[4 * (j + kPassN / 8) + 2 * half + 1]);
+            }
+            if constexpr (C_TMA) {  // the C pair this thread's D pair replaces
+              const float2 cv = bf16x2_to_float2(*reinterpret_cast<const unsigned*>(smem_d + off));
+              x += cv.x, y += cv.y;
             }
             *reinterpret_cast<unsigned*>(smem_d + off) = float2_to_bf16x2(x, y);
           }
