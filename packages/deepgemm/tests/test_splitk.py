@@ -451,6 +451,60 @@ def test_mcast_splitk_matches_reference(case):
     deepgemm.testing.assert_bitwise_equal(d, again, "multicast split-K repeated")
 
 
+# par_reduce multicast plans whose grid (padded to whole clusters) is one wave: issue 18's 128 x 4096 x 7168 with a
+# bf16 C, a phantom CTA (33 n-blocks), two m-blocks with fp32 C, fp8.
+MCAST_PAR_CASES = [(False, (128, 4096, 7168), (128, 64, 2), torch.bfloat16), (False, (128, 2112, 7168), (128, 64, 3), None),
+                   (False, (70, 1000, 4104), (64, 128, 5), torch.float32), (True, (128, 2112, 7168), (128, 64, 2), None),
+                   (True, (1, 4096, 7168), (64, 128, 4), torch.float32)]
+
+
+def test_mcast_par_cases_fit_one_wave():
+    for fp8, (m, n, k), (bm, bn, s), _ in MCAST_PAR_CASES:
+        gx, gy, gz = mcast_cfg(fp8, m, n, k, bm, bn, s).grid(m, n)
+        assert gx * gy * gz <= 132 and gx % 2 == 0
+
+
+@pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
+def test_mcast_par_reduce_kernels_compile_without_spills(h):
+    keys = []
+    for fp8, (m, n, k), (bm, bn, s), cd in MCAST_PAR_CASES:
+        cfg = dataclasses_replace(mcast_cfg(fp8, m, n, k, bm, bn, s), par_reduce=True)
+        keys.append(splitk_key(cfg, n, k, cd or torch.bfloat16, cd, fp8=fp8))
+    assert all(key.reduce == 1 and key.multicast == 2 for key in keys)
+    h.check_compiled_batches(splitk.compile_kernels, keys)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MCAST_PAR_CASES, ids=[f"{'fp8' if c[0] else 'bf16'}-{c[1][0]}x{c[1][1]}x{c[1][2]}"
+                                                       for c in MCAST_PAR_CASES])
+def test_mcast_par_reduce_bitwise_as_without_multicast(case, caplog):
+    # Multicast changes where A comes from, not the arithmetic: the par_reduce multicast plan (kept where the clusters
+    # fit, else the last CTA reduces: either way the same split order) gives the bits of the plan without it.
+    from deepgemm import cuda_gemm
+
+    fp8, (m, n, k), (bm, bn, s), cd = case
+    mc = dataclasses_replace(mcast_cfg(fp8, m, n, k, bm, bn, s), par_reduce=True)
+    plain = dataclasses_replace(mc, multicast=1)
+    c = None if cd is None else torch.randn(m, n, device="cuda").to(cd)
+    outs = []
+    for cfg in (mc, mc, plain):
+        d = torch.empty(m, n, dtype=cd or torch.bfloat16, device="cuda")
+        if fp8:
+            a8, sfa, b8, sfb = deepgemm_fp8(m, n, k, "cuda", seed=25)
+            with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+                cuda_gemm.dense(a8, sfa, b8, sfb, d, c, config=cfg)
+            ref = reference.fp8_gemm_nt(a8, sfa, b8, sfb, None if c is None else c.float())
+        else:
+            a, b = _ab(m, n, k, seed=25)
+            with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+                cuda_gemm.dense(a, None, b, None, d, c, config=cfg)
+            ref = reference.bf16_gemm_nt(a, b, None if c is None else c.float())
+        assert deepgemm.testing.calc_diff(d, ref) < 1e-5
+        outs.append(d)
+    deepgemm.testing.assert_bitwise_equal(outs[0], outs[1], "multicast par_reduce repeated")
+    deepgemm.testing.assert_bitwise_equal(outs[0], outs[2], "multicast par_reduce vs without multicast")
+
+
 def test_mcast_heuristic_fits_one_wave_padded(monkeypatch):
     shapes = [(m, n, k) for m in (1, 64, 128) for n, k in UPSTREAM_NK + FP8_NK]
     try:
@@ -570,13 +624,61 @@ def test_cluster_reduce_refuses_more_than_8_splits_before_any_launch():
         splitk.dense_bf16(a, b, d, None, cfg)
 
 
-def test_par_reduce_refuses_multicast_before_any_launch():
+class _FakeKernel:
+    """Stands in for a compiled split-K kernel: answers the driver's cluster count, records launches."""
+
+    def __init__(self, key, clusters):
+        self.key, self.clusters, self.symbol, self.launches = key, clusters, key.expression, []
+
+    def max_active_clusters(self, threads, smem, dims, device=None):
+        if self.clusters is None:
+            raise tilehal.LaunchError("cuOccupancyMaxActiveClusters: not supported")
+        return self.clusters
+
+    def launch(self, grid, threads, args, smem_bytes=0, cluster=None):
+        self.launches.append((grid, cluster))
+
+
+@pytest.mark.parametrize("have,par", [(64, True), (63, False), (None, False)], ids=["fit", "short", "unknown"])
+def test_par_reduce_multicast_needs_every_cluster_resident(monkeypatch, caplog, have, par):
+    # 128 x 4096 x 1024, 64-wide tiles, 2 splits, A multicast: 64 n-blocks x 2 splits = 64 clusters of 2. The waits
+    # of par_reduce need them all resident at once: kept only where the driver says so, else the last CTA reduces.
+    made = {}
+
+    def fake(key):
+        made.setdefault(key, _FakeKernel(key, have))
+        return made[key]
+
+    monkeypatch.setattr(splitk, "_kernel", fake)
+    monkeypatch.setattr(splitk, "_device_sms", lambda device: 132)
+    monkeypatch.setattr(splitk, "_workspace", lambda device, ws, cnt: (None, None))
+    monkeypatch.setattr(splitk, "_operand_descriptor", lambda x, rows: bytes(128))
+    splitk._CLUSTER_FIT.clear()
     a = torch.zeros(128, 1024, dtype=torch.bfloat16)
-    b = torch.zeros(256, 1024, dtype=torch.bfloat16)
-    d = torch.empty(128, 256, dtype=torch.bfloat16)
-    cfg = SplitKConfig(block_m=128, block_n=64, splits=4, stages=4, num_sms=132, multicast=2, par_reduce=True)
-    with pytest.raises(tilehal.ArgumentError, match="par_reduce: expected multicast 1"):
+    b = torch.zeros(4096, 1024, dtype=torch.bfloat16)
+    d = torch.empty(128, 4096, dtype=torch.bfloat16)
+    cfg = SplitKConfig(block_m=128, block_n=64, splits=2, stages=4, num_sms=132, multicast=2, par_reduce=True)
+    with caplog.at_level(logging.DEBUG, logger="deepgemm"):
         splitk.dense_bf16(a, b, d, None, cfg)
+    launched = [k for k, kern in made.items() if kern.launches]
+    assert len(launched) == 1 and launched[0].multicast == 2
+    assert launched[0].reduce == (1 if par else 0)
+    assert made[launched[0]].launches[0] == ((64, 1, 2), (2, 1, 1))
+    assert par or any("not known to fit at once" in r.getMessage() for r in caplog.records)
+    splitk._CLUSTER_FIT.clear()
+
+
+def test_multicast_opt_in_switch(monkeypatch):
+    monkeypatch.delenv("DEEPGEMM_SPLITK_MCAST", raising=False)
+    assert splitk.mcast_setting() == (None, 1.0)
+    monkeypatch.setenv("DEEPGEMM_SPLITK_MCAST", "1")
+    assert splitk.mcast_setting() == (splitk.OPT_IN_MCAST_MIN_M, splitk.OPT_IN_MCAST_COST)
+    cfg = pick_splitk(128, 4096, 7168, 132)  # 64 n-blocks x 2 splits: 64 clusters, one wave
+    assert cfg is not None and cfg.multicast == 2 and cfg.par_reduce
+    gx, gy, gz = cfg.grid(128, 4096)
+    assert gx * gy * gz <= 132 and gx % 2 == 0
+    monkeypatch.delenv("DEEPGEMM_SPLITK_MCAST")
+    assert pick_splitk(128, 4096, 7168, 132).multicast == 1  # the default
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,11 @@ FP8_SMALL_M = 32
 # 21.7 without), as the persistent kernel's multicast was.
 MCAST_MIN_M: int | None = None
 MCAST_COST = 1.0
+# DEEPGEMM_SPLITK_MCAST=1 (opt-in, session 27): multicast plans from M = 64 at this cost factor. The kernel's peer
+# release is a plain remote arrival now (the cluster-scope one is what made the persistent kernel's multicast slow,
+# s26), and a multicast plan keeps par_reduce where the driver holds all its clusters at once; not timed yet.
+OPT_IN_MCAST_MIN_M = 64
+OPT_IN_MCAST_COST = 0.85
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,7 @@ class SplitKConfig:
     fp8: bool = False  # an fp8 plan: each stage also holds BLOCK_M activation scales
     par_reduce: bool = False  # every split reduces a slice of its tile (kernels/splitk_sm90.cuh REDUCE = 1)
     cluster_reduce: bool = False  # a tile's splits are one cluster, reduced through shared memory (REDUCE = 2)
+    c_early: bool = False  # with C: split 0 loads C before its main loop and adds it to its partial (C_EARLY)
 
     @property
     def num_threads(self) -> int:
@@ -154,14 +161,22 @@ def persistent_cost(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") ->
     return cfg.num_waves * ceil_div(k, block_k(kind)) * per_block + FIXED_CTA_COST * cfg.num_waves
 
 
+def mcast_setting() -> tuple[int | None, float]:
+    """(MCAST_MIN_M, MCAST_COST), or with DEEPGEMM_SPLITK_MCAST=1 the opt-in (64, 0.85) where those are not set."""
+    if os.environ.get("DEEPGEMM_SPLITK_MCAST", "0") == "1":
+        return (OPT_IN_MCAST_MIN_M if MCAST_MIN_M is None else MCAST_MIN_M), min(MCAST_COST, OPT_IN_MCAST_COST)
+    return MCAST_MIN_M, MCAST_COST
+
+
 def pick_splitk(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKConfig | None:
     """The split-K plan for D[M, N] = A[M, K] @ B[N, K]^T (`kind` "bf16" or "fp8"), or None when the
     persistent kernel is expected to be as fast (the reason is logged at DEBUG)."""
-    return _pick(m, n, k, num_sms, kind)
+    return _pick(m, n, k, num_sms, kind, *mcast_setting())
 
 
 @functools.lru_cache(maxsize=4096)
-def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKConfig | None:
+def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16", mcast_min_m: int | None = None,
+          mcast_cost: float = 1.0) -> SplitKConfig | None:
     kb = ceil_div(k, block_k(kind))
     if kb < 2:
         log.debug("split-K not used for %s %dx%dx%d: K has one block", kind, m, n, k)
@@ -169,7 +184,7 @@ def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKCon
     # 64-row tiles also for M > 64: more tiles share the reduction (each tile's last CTA reads the
     # other splits' partials, so the tail shrinks with the tile).
     best = None
-    mcasts = (1, 2) if MCAST_MIN_M is not None and m >= MCAST_MIN_M else (1,)
+    mcasts = (1, 2) if mcast_min_m is not None and m >= mcast_min_m else (1,)
     for block_m in (64,) if m <= 64 else (64, 128):
         m_blocks = ceil_div(m, block_m)
         for bn in FP8_BLOCK_N_CANDIDATES if kind == "fp8" else BLOCK_N_CANDIDATES:
@@ -182,7 +197,7 @@ def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKCon
                     padded = m_blocks * ceil_div(n_blocks, mc) * mc
                     if (mc > 1 and n_blocks < 2) or padded * se > num_sms:
                         continue
-                    cost = splitk_cost(m, block_m, bn, kb, se) * (MCAST_COST if mc > 1 else 1.0)
+                    cost = splitk_cost(m, block_m, bn, kb, se) * (mcast_cost if mc > 1 else 1.0)
                     key = (cost, -padded * se, -bn, -block_m, mc)
                     if best is None or key < best[0]:
                         best = (key, block_m, bn, se, mc)
@@ -202,7 +217,7 @@ def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKCon
         return None
     fp8 = kind == "fp8"
     return SplitKConfig(block_m=block_m, block_n=bn, splits=se, stages=max_stages(block_m, bn, fp8), num_sms=num_sms,
-                        par_reduce=m >= PAR_REDUCE_MIN_M and mc == 1,
+                        par_reduce=m >= PAR_REDUCE_MIN_M,  # with multicast: kept where the clusters fit (_launch)
                         cluster_reduce=CLUSTER_REDUCE_MIN_M is not None and m >= CLUSTER_REDUCE_MIN_M and mc == 1
                         and se <= 8,
                         multicast=mc, fp8=fp8)
@@ -230,6 +245,7 @@ class SplitKKey:
     fp8: bool = False  # e4m3 operands with 1x128 / 128x128 scales (K-major)
     multicast: int = 1  # CTAs per cluster sharing the A tile
     reduce: int = 0  # 0 last CTA, 1 every split reduces a slice (one co-resident wave), 2 cluster shared memory
+    c_early: bool = False  # split 0 adds C to its partial sums (kernels/splitk_sm90.cuh C_EARLY)
 
     @property
     def expression(self) -> str:
@@ -241,8 +257,8 @@ class SplitKKey:
 
         return (f"deepgemm::splitk_sm90<{b(self.fp8)}, {self.n}, {self.k}, {self.block_m}, {self.block_n}, {self.stages}, "
                 f"{self.splits}, {out}, {b(self.has_c)}, {ct}, {b(self.a_mn)}, {b(self.b_mn)}"
-                f"{f', {self.multicast}' if self.multicast > 1 or self.reduce else ''}"
-                f"{f', {self.reduce}' if self.reduce else ''}>")
+                f"{f', {self.multicast}' if self.multicast > 1 or self.reduce or self.c_early else ''}"
+                f"{f', {self.reduce}' if self.reduce or self.c_early else ''}{', true' if self.c_early else ''}>")
 
 
 def splitk_key(cfg: SplitKConfig, n: int, k: int, out_dtype: torch.dtype, c_dtype: torch.dtype | None,
@@ -250,7 +266,23 @@ def splitk_key(cfg: SplitKConfig, n: int, k: int, out_dtype: torch.dtype, c_dtyp
     return SplitKKey(n=n, k=k, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.stages, splits=cfg.splits,
                      out_bf16=out_dtype == torch.bfloat16, has_c=c_dtype is not None,
                      c_bf16=c_dtype == torch.bfloat16, a_mn=a_mn, b_mn=b_mn, fp8=fp8, multicast=cfg.multicast,
-                     reduce=cfg.reduce)
+                     reduce=cfg.reduce, c_early=cfg.c_early and c_dtype is not None and cfg.splits > 1)
+
+
+def c_early_allowed() -> bool:
+    """DEEPGEMM_SPLITK_C=early: split-K GEMMs with C add it in split 0's partial sums, loaded before the main loop
+    (kernels/splitk_sm90.cuh C_EARLY), instead of in the reduction after it. Opt-in until timed on the H200."""
+    return os.environ.get("DEEPGEMM_SPLITK_C", "reduce") == "early"
+
+
+def with_c_early(cfg: SplitKConfig, has_c: bool) -> SplitKConfig:
+    """`cfg` with C_EARLY where DEEPGEMM_SPLITK_C=early asks for it and it applies (C, more than one split)."""
+    if cfg.c_early or not c_early_allowed():
+        return cfg
+    if not has_c or cfg.splits < 2:
+        log.debug("DEEPGEMM_SPLITK_C=early not used: %s", "no C" if not has_c else "one split (no reduction)")
+        return cfg
+    return dataclasses.replace(cfg, c_early=True)
 
 
 def pick_tiles(m: int, n: int, k: int, num_sms: int) -> SplitKConfig:
@@ -353,6 +385,7 @@ def dense_bf16(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tenso
         raise tilehal.ArgumentError("config.multicast: expected 1 with an MN-major A (multicast shares a K-major A tile)")
     if cfg.fp8:
         raise tilehal.ArgumentError("config.fp8: expected False for a bf16 GEMM, got True")
+    cfg = with_c_early(cfg, c is not None)
     key = splitk_key(cfg, n, k, d.dtype, None if c is None else c.dtype, a_mn, b_mn)
     _launch(key, cfg, m, n, a, b, _NULL_DESC, [d, c], [None])
 
@@ -365,22 +398,25 @@ def _device_sms(device: torch.device) -> int:
 _CLUSTER_FIT: dict = {}
 
 
-def _clusters_fit(kern: tilehal.Kernel, cfg: SplitKConfig, clusters: int, device: torch.device) -> bool:
-    """Whether the driver holds `clusters` clusters of cfg.splits CTAs of this kernel at once (memoized; True if it
-    cannot say: a second wave is only slower, never wrong)."""
+def _clusters_fit(kern: tilehal.Kernel, cfg: SplitKConfig, clusters: int, device: torch.device,
+                  dims: tuple[int, int, int] | None = None, unknown: bool = True) -> bool:
+    """Whether the driver holds `clusters` clusters of shape `dims` (default (1, 1, cfg.splits): cluster_reduce) of
+    this kernel at once (memoized). Where it cannot say: `unknown` (True for cluster_reduce, whose second wave is
+    only slower; False for a par_reduce multicast grid, whose waits would hang)."""
+    dims = dims or (1, 1, cfg.splits)
     symbol = getattr(kern, "symbol", None)
     if symbol is None:  # not a compiled kernel (a benchmark's recording pass): nothing to ask the driver
         return True
-    key = (symbol, cfg.splits, cfg.smem_bytes, device.index)
+    key = (symbol, dims, cfg.smem_bytes, device.index)
     have = _CLUSTER_FIT.get(key)
     if have is None:
         try:
-            have = kern.max_active_clusters(cfg.num_threads, cfg.smem_bytes, (1, 1, cfg.splits), device.index)
+            have = kern.max_active_clusters(cfg.num_threads, cfg.smem_bytes, dims, device.index)
         except Exception as e:  # noqa: BLE001 - an older driver or binding
             log.debug("split-K: cuOccupancyMaxActiveClusters unavailable (%s)", e)
-            have = 1 << 30
+            have = -1
         _CLUSTER_FIT[key] = have
-    return have >= clusters
+    return unknown if have < 0 else have >= clusters
 
 
 _NULL_DESC = bytes(128)  # the bf16 kernels' unused activation-scale descriptor
@@ -391,8 +427,6 @@ def _launch(key: SplitKKey, cfg: SplitKConfig, m: int, n: int, a: torch.Tensor, 
     if cfg.multicast not in (1, 2):
         raise tilehal.ArgumentError(f"config.multicast: expected 1 or 2, got {cfg.multicast}")
     grid = cfg.grid(m, n)
-    if key.reduce == 1 and cfg.multicast > 1:  # clusters may not all be resident at once: the waits could hang
-        raise tilehal.ArgumentError("config.par_reduce: expected multicast 1 (clusters are not guaranteed co-resident)")
     if key.reduce == 2 and (cfg.multicast > 1 or cfg.splits > 8):
         raise tilehal.ArgumentError(f"config.cluster_reduce: expected multicast 1 and at most 8 splits (one portable "
                                     f"cluster per tile), got multicast {cfg.multicast}, {cfg.splits} splits")
@@ -400,6 +434,16 @@ def _launch(key: SplitKKey, cfg: SplitKConfig, m: int, n: int, a: torch.Tensor, 
         raise tilehal.ArgumentError(f"config.par_reduce: expected a grid of at most {_device_sms(a.device)} CTAs "
                                     f"(one per SM: every split waits for the others), got {grid}")
     kern = _kernel(key)
+    if key.reduce == 1 and cfg.multicast > 1:
+        # Every split waits for the tile's others: all clusters of the grid must be resident at once (the driver's
+        # count; unknown counts as no), else the last CTA of each tile reduces (nothing waits).
+        clusters = grid[0] * grid[1] * grid[2] // cfg.multicast
+        if not _clusters_fit(kern, cfg, clusters, a.device, (cfg.multicast, 1, 1), unknown=False):
+            log.debug("split-K: %d clusters of %d CTAs not known to fit at once: the last CTA reduces", clusters,
+                      cfg.multicast)
+            cfg = dataclasses.replace(cfg, par_reduce=False)
+            key = dataclasses.replace(key, reduce=cfg.reduce)
+            kern = _kernel(key)
     if key.reduce == 2 and not _clusters_fit(kern, cfg, grid[0] * grid[1], a.device):
         if grid[0] * grid[1] * grid[2] <= _device_sms(a.device):
             log.debug("split-K: %d clusters of %d CTAs do not fit at once: every split reduces a slice instead",
@@ -432,6 +476,7 @@ def dense_fp8(a: torch.Tensor, sfa_t: torch.Tensor, b: torch.Tensor, sfb: torch.
     if not cfg.fp8:
         raise tilehal.ArgumentError("config.fp8: expected True for an fp8 GEMM (its stages hold the activation scales "
                                     "too: build it with max_stages(..., fp8=True)), got False")
+    cfg = with_c_early(cfg, c is not None)
     key = splitk_key(cfg, n, k, d.dtype, None if c is None else c.dtype, fp8=True)
     sk = sfa_t.shape[1]
     sfa_desc = _encode(sfa_t.data_ptr(), torch.float32, (sk, m), (sfa_t.stride(1), 1), (1, cfg.block_m), "none")

@@ -52,6 +52,19 @@
 // refilled only when the consumers of both CTAs released it (lane i of each math warp arrives in CTA i),
 // and each producer waits for the last releases before its CTA exits (no remote arrival may target an
 // exited CTA). An odd n-block count gets one phantom CTA (n0 >= N: TMA zero-fills its B, it writes nothing).
+// A consumer's release in the peer CTA is a plain remote arrival (.release.cta, as gemm_sm90.cuh's release_remote:
+// the wgmmas that read the stage are complete, no cluster-scope fence is needed before the peer's TMA refills it);
+// tilehal's mbarrier_arrive_cluster (.release.cluster) made the persistent kernel's multicast 1.5-2x slower on the
+// H200 (grouped, s26) and is what the split-K multicast plans measured with in s26 R2 (1.1-1.9x slower);
+// -DDEEPGEMM_MCAST_RELEASE_CLUSTER=1 keeps it (A/B timing). With REDUCE = 1 the host launches a multicast grid only
+// where the driver holds all its clusters at once (every split waits for the others).
+//
+// C_EARLY (opt-in, SPLITS > 1 with C): split 0's math threads load their accumulator fragments' C values into
+// registers before the main loop (the loads land while it runs) and add them to their partial sums before those
+// are written; the reduction then adds no C. Every reduction after the main loop otherwise waits one C round
+// trip (L2 at best, DRAM when the prefetch lost the race) on top of the partials' (bf16 M = 128 x 4096 x 7168,
+// H200 s26: 30.1 us with C against 28.7 without). Sum order 0 + (split 0 + C) + split 1 + ...: deterministic, and
+// the same for every REDUCE mode, but not the bits of the default order (split sum + C).
 #pragma once
 #include <tilehal/tilehal.cuh>
 #include <tilehal/mbarrier.cuh>
@@ -92,11 +105,52 @@ TILEHAL_DEVICE float4 ld_shared_cluster_f4(u32 addr) {
 TILEHAL_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 #endif
 
+// C_EARLY: one accumulator pair's C values (columns col, col + 1 of a row), fp32 or bf16, 0 outside the matrix.
+template <typename CT> struct CPair;
+template <> struct CPair<float> {
+  float2 v;
+  TILEHAL_DEVICE void load(const float* p, bool pair, bool second) {
+    if (pair) {
+      v = *reinterpret_cast<const float2*>(p);
+    } else {
+      v = make_float2(p[0], second ? p[1] : 0.f);
+    }
+  }
+  TILEHAL_DEVICE float2 get() const { return v; }
+};
+template <> struct CPair<__nv_bfloat16> {
+  unsigned v;  // two bf16: half the registers of an fp32 pair
+  TILEHAL_DEVICE void load(const __nv_bfloat16* p, bool pair, bool second) {
+    if (pair) {
+      v = *reinterpret_cast<const unsigned*>(p);
+    } else {
+      const unsigned short lo = *reinterpret_cast<const unsigned short*>(p);
+      const unsigned short hi = second ? *reinterpret_cast<const unsigned short*>(p + 1) : 0;
+      v = static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+    }
+  }
+  TILEHAL_DEVICE float2 get() const { return bf16x2_to_float2(v); }
+};
+
+#ifndef DEEPGEMM_MCAST_RELEASE_CLUSTER
+#define DEEPGEMM_MCAST_RELEASE_CLUSTER 0
+#endif
+// Stage release in CTA `cta` of the cluster (see the header: plain remote arrival unless the macro says otherwise).
+TILEHAL_DEVICE void splitk_release_remote(u64* bar, u32 cta) {
+  if constexpr (DEEPGEMM_MCAST_RELEASE_CLUSTER) {
+    mbarrier_arrive_cluster(bar, cta);
+  } else {
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)), "r"(cta)
+                 : "memory");
+  }
+}
+
 // C (added when HAS_C) is read in its own dtype CT: fp32, or bf16 (DeepGEMM's bf16 accumulation).
 // FP8: tma_sfa describes the MN-major sfa as [ceil(K/128), M] fp32 (boxes of 1 x BLOCK_M), sfb is fp32
 // [ceil(N/128), ceil(K/128)]; bf16 kernels take a zero descriptor and a null pointer there.
 template <bool FP8, int SHAPE_N, int SHAPE_K, int BLOCK_M, int BLOCK_N, int STAGES, int SPLITS, typename OutT,
-          bool HAS_C, typename CT, bool A_MN, bool B_MN, int MCAST = 1, int REDUCE = 0>
+          bool HAS_C, typename CT, bool A_MN, bool B_MN, int MCAST = 1, int REDUCE = 0, bool C_EARLY = false>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_b,
             const __grid_constant__ TmaDescriptor tma_sfa, OutT* d, const CT* c, float* __restrict__ ws,
@@ -123,6 +177,8 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
   constexpr bool CLUSTER_REDUCE = REDUCE == 2 && SPLITS > 1;
   static_assert(REDUCE >= 0 && REDUCE <= 2 && (!CLUSTER_REDUCE || (MCAST == 1 && SPLITS <= 8)),
                 "reduce: 0 last CTA, 1 every split a slice, 2 through the cluster's shared memory (<= 8 splits)");
+  static_assert(!C_EARLY || (HAS_C && SPLITS > 1), "C_EARLY: split 0 adds C (with C, more than one split)");
+  constexpr bool kReduceC = HAS_C && !C_EARLY;  // the reduction adds C (else split 0's partial carries it)
   constexpr int RED_STRIDE = BLOCK_N + 8;  // fp32 partial tile rows in shared memory (padded: 2-way stores)
   constexpr int ATOM_BYTES = 64 * 128;  // one MN-major atom column: 64 K-rows of 128 bytes
   using Mma = Wgmma16<BLOCK_N>;  // bf16 wgmma with the transpose immediates (MN-major operands)
@@ -196,7 +252,7 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
         for (int i = 0, it = num_kb_total; i < STAGES; ++i, ++it) mbarrier_wait(&empty_bar[it % STAGES], ((it / STAGES) & 1) ^ 1);
       }
     }
-    if constexpr (HAS_C && (PAR_REDUCE || CLUSTER_REDUCE)) {
+    if constexpr (kReduceC && (PAR_REDUCE || CLUSTER_REDUCE)) {
       // The producer warpgroup's other 127 threads pull this CTA's slice of C into L2 while the main loop runs,
       // so the reduction's C loads (after the wait for the other splits) hit L2 instead of waiting on DRAM.
       if (tid != NUM_MATH_THREADS) {
@@ -233,12 +289,28 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
     if constexpr (MCAST == 1) {
       if (lane == 0) mbarrier_arrive(&empty_bar[s]);
     } else {
-      if (lane < MCAST) mbarrier_arrive_cluster(&empty_bar[s], lane);
+      if (lane < MCAST) splitk_release_remote(&empty_bar[s], lane);
     }
   };
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+  // C_EARLY: pair 2j + half holds row (tile row row_in_tile + 8 half), columns 8j + 2 (lane % 4), +1
+  [[maybe_unused]] CPair<CT> cpair[C_EARLY ? ACC / 2 : 1];
+  if constexpr (C_EARLY) {
+    if (split == 0) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j) {
+          const int r = m_block * BLOCK_M + row_in_tile + half * 8, col = n_block * BLOCK_N + j * 8 + (lane % 4) * 2;
+          cpair[2 * j + half].v = {};
+          if (r < shape_m && col < SHAPE_N)
+            cpair[2 * j + half].load(c + static_cast<u64>(r) * SHAPE_N + col, SHAPE_N % 2 == 0, col + 1 < SHAPE_N);
+        }
+      }
+    }
+  }
 
   const int num_kb = kb_end - kb_begin;
   if constexpr (FP8) {
@@ -316,6 +388,19 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
   if (MCAST > 1 && n0 >= SHAPE_N) return;  // a phantom CTA (odd n-block count): nothing to write
   const int r0 = m_block * BLOCK_M + row_in_tile;
   constexpr bool kEvenN = SHAPE_N % 2 == 0;
+  if constexpr (C_EARLY) {
+    if (split == 0) {
+#pragma unroll
+      for (int j = 0; j < BLOCK_N / 8; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float2 cv = cpair[2 * j + half].get();
+          acc[4 * j + 2 * half] += cv.x;
+          acc[4 * j + 2 * half + 1] += cv.y;
+        }
+      }
+    }
+  }
   const u64 split_stride = static_cast<u64>(shape_m) * SHAPE_N;
   if constexpr (CLUSTER_REDUCE) {
     // The splits of a tile are one cluster: each CTA leaves its fp32 partial tile in its own shared memory
@@ -357,7 +442,7 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
       }
       float x[4] = {v.x, v.y, v.z, v.w};
       const u64 goff = static_cast<u64>(m0 + r) * SHAPE_N + col;
-      if constexpr (HAS_C) {
+      if constexpr (kReduceC) {
 #pragma unroll
         for (int u = 0; u < 4; ++u)
           if (kVec || col + u < SHAPE_N) x[u] += to_float(c[goff + u]);
@@ -445,7 +530,7 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
         const u64 off = static_cast<u64>(m0 + i / per_row) * SHAPE_N + n0 + (i % per_row) * VEC;
         // C is loaded here, with the partials and before any store of D: c may be d, so a load after a
         // store would wait for it (one HBM round trip per group instead of one for all of them).
-        if constexpr (HAS_C) {
+        if constexpr (kReduceC) {
 #pragma unroll
           for (int v = 0; v < VEC; ++v) cv[u][v] = to_float(c[off + v]);
         }
@@ -468,7 +553,7 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
         const int i = base + u * NUM_MATH_THREADS;
         if (i >= total) continue;
         const u64 off = static_cast<u64>(m0 + i / per_row) * SHAPE_N + n0 + (i % per_row) * VEC;
-        if constexpr (HAS_C) {
+        if constexpr (kReduceC) {
 #pragma unroll
           for (int v = 0; v < VEC; ++v) sum[u][v] += cv[u][v];
         }
