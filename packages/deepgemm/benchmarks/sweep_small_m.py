@@ -5,8 +5,10 @@ and forced plans: at M = 1 the GEMV kernel and the split-K plan; at M = 128 the 
 last-CTA reduction, with every split reducing a slice (par_reduce) and through the cluster's shared memory
 (cluster_reduce), and such tiles of 128 rows x 64 / 128 / 256 columns with as many splits as fit one wave. Timing: tilehal.bench (L2 flushed, median) and,
 with --graph, a CUDA-graph replay (L2 flushed). Every kernel is compiled first, in parallel (--jobs), from one pass with launches recorded.
+--ab: only the default dispatch and the opt-in paths of session 27 (the C_TMA epilogue and split-K C_EARLY with C;
+the persistent kernel with A multicast over 2-CTA clusters, whose plain remote release was never timed at M = 128).
 
-    python packages/deepgemm/benchmarks/sweep_small_m.py [--graph] [--jobs 16] [--m 1,128] [--out DIR]
+    python packages/deepgemm/benchmarks/sweep_small_m.py [--graph] [--jobs 16] [--m 1,128] [--ab] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ SMS = 132
 GRAPH = False
 DEFAULT_ONLY = False  # --default-only: cuBLAS / _scaled_mm and deepgemm's own dispatch, no forced plans
 CLUSTER = "all"  # --cluster: "no" leaves the cluster_reduce plans out, "only" times only them (and cuBLAS)
+AB = False  # --ab: the default and the opt-in A/B plans only (ab_plans)
 
 
 def timed(fn) -> dict:
@@ -56,8 +59,32 @@ def mcast_variant(kind: str, m: int, n: int, k: int, acc: bool = False, out_dtyp
     return dataclasses.replace(base, multicast=2, multicast_on_a=True)
 
 
+def ab_plans(m: int, n: int, k: int, acc: bool, out_dtype=torch.bfloat16) -> dict[str, object]:
+    """The opt-in plans next session's A/B decides on (bf16): with C = D, the C_TMA epilogue (the persistent
+    heuristic's tile for it, as DEEPGEMM_C_EPILOGUE=tma picks it) and, where the default is split-K, the same plan
+    with C_EARLY (DEEPGEMM_SPLITK_C=early); with and without C, the persistent kernel with A multicast (2-CTA
+    clusters on neighbouring n-blocks; with C through C_TMA)."""
+    out: dict[str, object] = {}
+    bf16_c = acc and out_dtype == torch.bfloat16 and n % 8 == 0
+    if bf16_c:
+        out["c_tma"] = pick_config("bf16", m, n, k, num_sms=SMS, tma_store=True, c_tma=True)
+    sk = splitk.pick_splitk(m, n, k, SMS)
+    if acc and sk is not None and sk.splits > 1:
+        out["splitk_c_early"] = dataclasses.replace(sk, c_early=True)
+    if m >= 64:
+        base = out.get("c_tma") if bf16_c else pick_config("bf16", m, n, k, num_sms=SMS,
+                                                             **cuda_gemm.epilogue(torch.empty(m, n, dtype=out_dtype), n,
+                                                                                  acc, "normal"))
+        if -(-n // base.block_n) % 2 == 0 and base.block_m % 16 == 0:
+            out["c_tma_mcast_a" if bf16_c else "persistent_mcast_a"] = dataclasses.replace(base, multicast=2,
+                                                                                           multicast_on_a=True)
+    return out
+
+
 def plans_for(m: int, n: int, k: int, acc: bool = False) -> dict[str, object]:
     """name -> a SplitKConfig, a GemmConfig or "gemv"; "default" is the dispatch itself (not listed)."""
+    if AB:
+        return ab_plans(m, n, k, acc, torch.float32 if (n, k) in FP32_OUT else torch.bfloat16)
     out: dict[str, object] = {}
     if m == 128:
         mc = mcast_variant("bf16", m, n, k, acc, torch.float32 if (n, k) in FP32_OUT else torch.bfloat16)
@@ -185,6 +212,9 @@ def fp8_plans(m: int, n: int, k: int) -> dict[str, object]:
     """fp8 at small M: persistent tiles of other widths than the heuristic's (block_n x N tiles over the SMs),
     and split-K with every split reducing a slice (128 x 64 / 128 tiles, as many splits as fit one wave)."""
     out: dict[str, object] = {}
+    if AB:  # the persistent plan with A multicast (the plain remote release: never timed at M = 128)
+        mc = mcast_variant("fp8", m, n, k)
+        return {} if mc is None else {"persistent_mcast_a": mc}
     base = pick_config("fp8", m, n, k, num_sms=SMS, tma_store=True)
     for bn in (32, 64, 96, 112, 128, 160):
         if bn != base.block_n and bn * 2 >= base.block_n and bn <= 2 * base.block_n:
@@ -298,7 +328,7 @@ def run_shape(m: int, n: int, k: int, acc: bool) -> dict:
 
 
 def main() -> None:
-    global GRAPH, CLUSTER, DEFAULT_ONLY
+    global GRAPH, CLUSTER, DEFAULT_ONLY, AB
     ap = argparse.ArgumentParser()
     ap.add_argument("--graph", action="store_true")
     ap.add_argument("--jobs", type=int, default=8)
@@ -313,12 +343,14 @@ def main() -> None:
                     help="the cluster_reduce plans too / not / only (a run of its own: a cluster plan that hangs)")
     ap.add_argument("--name", default="sweep_small_m.json", help="the JSON's file name in --out")
     ap.add_argument("--default-only", action="store_true", help="only the peer and deepgemm's own dispatch")
+    ap.add_argument("--ab", action="store_true", help="the default and the opt-in plans of ab_plans only")
     ap.add_argument("--once", action="store_true", help="one launch of each contender (under ncu), no timing")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     GRAPH = args.graph
     CLUSTER = args.cluster
     DEFAULT_ONLY = args.default_only
+    AB = args.ab
     nks = NK if args.nk is None else [tuple(int(v) for v in s.split("x")) for s in args.nk.split(",")]
     acc_nks = nks if args.acc_nk is None else [tuple(int(v) for v in s.split("x")) for s in args.acc_nk.split(",")]
     cases = [(m, n, k, bool(int(acc))) for m in (int(x) for x in args.m.split(",") if x) for n, k in nks
