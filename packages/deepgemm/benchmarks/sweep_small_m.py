@@ -62,8 +62,8 @@ def mcast_variant(kind: str, m: int, n: int, k: int, acc: bool = False, out_dtyp
 def ab_plans(m: int, n: int, k: int, acc: bool, out_dtype=torch.bfloat16) -> dict[str, object]:
     """The opt-in plans next session's A/B decides on (bf16): with C = D, the C_TMA epilogue (the persistent
     heuristic's tile for it, as DEEPGEMM_C_EPILOGUE=tma picks it) and, where the default is split-K, the same plan
-    with C_EARLY (DEEPGEMM_SPLITK_C=early); with and without C, the persistent kernel with A multicast (2-CTA
-    clusters on neighbouring n-blocks; with C through C_TMA)."""
+    with C_EARLY (DEEPGEMM_SPLITK_C=early) and with A multicast (C_EARLY too with C); with and without C, the
+    persistent kernel with A multicast (2-CTA clusters on neighbouring n-blocks; with C through C_TMA)."""
     out: dict[str, object] = {}
     bf16_c = acc and out_dtype == torch.bfloat16 and n % 8 == 0
     if bf16_c:
@@ -71,6 +71,11 @@ def ab_plans(m: int, n: int, k: int, acc: bool, out_dtype=torch.bfloat16) -> dic
     sk = splitk.pick_splitk(m, n, k, SMS)
     if acc and sk is not None and sk.splits > 1:
         out["splitk_c_early"] = dataclasses.replace(sk, c_early=True)
+    if sk is not None and m >= 64:  # the default split-K plan with A multicast (par_reduce where the clusters fit)
+        mc = dataclasses.replace(sk, multicast=2, c_early=acc and sk.splits > 1)
+        gx, gy, gz = mc.grid(m, n)
+        if -(-n // sk.block_n) >= 2 and gx * gy * gz <= SMS:
+            out["splitk_mcast" + ("_c_early" if mc.c_early else "")] = mc
     if m >= 64:
         base = out.get("c_tma") if bf16_c else pick_config("bf16", m, n, k, num_sms=SMS,
                                                              **cuda_gemm.epilogue(torch.empty(m, n, dtype=out_dtype), n,
