@@ -305,3 +305,24 @@ def test_contiguous_psum_layout_gets_no_plan(fake_gpu):
         d = torch.empty(256, n, dtype=torch.bfloat16)
         deepgemm.m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, sfb), d, ends, use_psum_layout=True)
     assert len(full_calls) == 2 and len(launches) == 2 and not plans._PLANS
+
+
+def test_c_tma_with_c_is_d_gets_a_plan_bound_to_d(fake_gpu, monkeypatch):
+    """DEEPGEMM_C_EPILOGUE=tma with C = D: both TMA descriptors are built on D; C = D is in the key, so the plan
+    binds them to D, and a call with a C of its own (same shapes) takes the full path: its C descriptor is C's."""
+    launches, full_calls = fake_gpu
+    monkeypatch.setenv("DEEPGEMM_C_EPILOGUE", "tma")
+    a, w = torch.randn(128, 2048).bfloat16(), torch.randn(7168, 2048).bfloat16()
+    d = torch.zeros(128, 7168, dtype=torch.bfloat16)
+    deepgemm.bf16_gemm_nt(a, w, d, c=d)
+    first = launches[-1]
+    assert first[0].c_tma and len(full_calls) == 1
+    d2 = torch.zeros_like(d)
+    deepgemm.bf16_gemm_nt(a, w, d2, c=d2)  # replayed on new buffers
+    assert len(full_calls) == 1
+    _same(launches[-1], _full_launch(lambda: deepgemm.bf16_gemm_nt(a, w, d2, c=d2), full_calls))
+    c = torch.zeros_like(d)
+    deepgemm.bf16_gemm_nt(a, w, d, c=c)
+    assert len(full_calls) == 2  # C = D was in the key: a separate C is another signature
+    c_desc, d_desc = launches[-1][3][2], launches[-1][3][3]
+    assert struct.unpack_from("<Q", c_desc)[0] == c.data_ptr() and struct.unpack_from("<Q", d_desc)[0] == d.data_ptr()

@@ -186,14 +186,14 @@ def _fp8_gemm_checked(a_sfa, b_sfb, d, c, layout: str, recipe, recipe_a, recipe_
 def _bf16_gemm(a, b, d, c, layout: str, compiled_dims="nk", bias=None) -> None:
     try:
         key = ("bf16", layout, compiled_dims, plans.sig(a), plans.sig(b), plans.sig(d), plans.sig(c), plans.sig(bias),
-               plans.env_key())
+               c is d, plans.env_key())
         plan = plans.get(key)
     except (AttributeError, TypeError):
         key = plan = None
     operands = (a, None, b, None, d, c, bias) if key is not None else ()
     if plan is not None and plan.run(operands):
         return
-    with plans.record(key, operands):
+    with plans.record(key, operands, alias=(4, 5)):  # C = D is in the key: its C_TMA descriptors are D's
         _bf16_gemm_checked(a, b, d, c, layout, compiled_dims, bias)
 
 

@@ -42,7 +42,7 @@ def sig(x: Any) -> tuple | None:
 
 _ENV_NAMES = ("DEEPGEMM_EPILOGUE", "DEEPGEMM_MULTICAST", "DEEPGEMM_FP8_OVERLAP", "DEEPGEMM_DEBUG", "DEEPGEMM_SPLITK",
               "DEEPGEMM_MN_MAJOR", "DEEPGEMM_BF16_C", "DEEPGEMM_GEMV", "DEEPGEMM_GROUPED_SCHEDULE",
-              "DEEPGEMM_MASKED_EPILOGUE")
+              "DEEPGEMM_MASKED_EPILOGUE", "DEEPGEMM_C_EPILOGUE", "DEEPGEMM_SPLITK_C", "DEEPGEMM_SPLITK_MCAST")
 # os.environ's own mapping (bytes keys on POSIX), read without the encode/decode of os.environ.get:
 # this runs on every call. Where CPython keeps it elsewhere, the public (slower) lookup.
 _ENV_DATA = getattr(os.environ, "_data", None)
@@ -56,8 +56,8 @@ def env_key() -> tuple:
     if _ENV_DATA is not None and _ENV_RAW is not None:
         d = _ENV_DATA
         out = (d.get(_ENV_RAW[0]), d.get(_ENV_RAW[1]), d.get(_ENV_RAW[2]), d.get(_ENV_RAW[3]), d.get(_ENV_RAW[4]),
-               d.get(_ENV_RAW[5]), d.get(_ENV_RAW[6]), d.get(_ENV_RAW[7]), d.get(_ENV_RAW[8]),
-               d.get(_ENV_RAW[9]))
+               d.get(_ENV_RAW[5]), d.get(_ENV_RAW[6]), d.get(_ENV_RAW[7]), d.get(_ENV_RAW[8]), d.get(_ENV_RAW[9]),
+               d.get(_ENV_RAW[10]), d.get(_ENV_RAW[11]), d.get(_ENV_RAW[12]))  # one per _ENV_NAMES entry
     else:
         e = os.environ
         out = tuple(e.get(n) for n in _ENV_NAMES)
@@ -97,12 +97,14 @@ def note_launch(kernel: Any, grid: Any, block: Any, args: list, smem_bytes: int,
 
 
 class record:
-    """`with record(key, operands):` around the full path; builds the plan of `key` on a clean exit."""
+    """`with record(key, operands):` around the full path; builds the plan of `key` on a clean exit. `alias`:
+    operand slots that may hold one tensor (a descriptor built on it is then bound to the first), for callers
+    whose key says whether they do (bf16: C = D)."""
 
-    __slots__ = ("key", "operands", "rec", "prev")
+    __slots__ = ("key", "operands", "rec", "prev", "alias")
 
-    def __init__(self, key: tuple | None, operands: tuple) -> None:
-        self.key, self.operands = key, operands
+    def __init__(self, key: tuple | None, operands: tuple, alias: tuple[int, ...] = ()) -> None:
+        self.key, self.operands, self.alias = key, operands, alias
 
     def __enter__(self) -> None:
         self.prev = getattr(_tls, "rec", None)
@@ -112,7 +114,7 @@ class record:
     def __exit__(self, exc_type, exc, tb) -> None:
         _tls.rec = self.prev
         if exc_type is None and self.rec is not None and self.rec.launches:
-            plan = _build(self.rec, self.operands)
+            plan = _build(self.rec, self.operands, self.alias)
             if plan is not None:
                 if len(_PLANS) >= _MAX_PLANS:
                     _PLANS.clear()
@@ -122,7 +124,7 @@ class record:
 _TENSOR, _DESC, _CONST = 0, 1, 2
 
 
-def _build(rec: _Recording, operands: tuple) -> DensePlan | None:
+def _build(rec: _Recording, operands: tuple, alias: tuple[int, ...] = ()) -> DensePlan | None:
     if len(rec.launches) != 1:
         log.debug("no host plan: the call made %d launches", len(rec.launches))
         return None
@@ -142,6 +144,8 @@ def _build(rec: _Recording, operands: tuple) -> DensePlan | None:
         elif type(x) is bytes and x in rec.encodes:
             params = rec.encodes[x]
             owner = ptr_owner.get(params[0], [])
+            if len(owner) > 1 and set(owner) <= set(alias) and all(operands[i] is operands[owner[0]] for i in owner):
+                owner = owner[:1]  # one tensor in operand slots the caller's key tells apart (C = D: C_TMA)
             if len(owner) != 1:
                 log.debug("no host plan: descriptor %d is built on %s", j,
                           "a per-call copy" if not owner else "an address several operands share")
