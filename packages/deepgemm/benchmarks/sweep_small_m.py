@@ -62,8 +62,8 @@ def mcast_variant(kind: str, m: int, n: int, k: int, acc: bool = False, out_dtyp
 def ab_plans(m: int, n: int, k: int, acc: bool, out_dtype=torch.bfloat16) -> dict[str, object]:
     """The opt-in plans next session's A/B decides on (bf16): with C = D, the C_TMA epilogue (the persistent
     heuristic's tile for it, as DEEPGEMM_C_EPILOGUE=tma picks it) and, where the default is split-K, the same plan
-    with C_EARLY (DEEPGEMM_SPLITK_C=early) and with A multicast (C_EARLY too with C); with and without C, the
-    persistent kernel with A multicast (2-CTA clusters on neighbouring n-blocks; with C through C_TMA)."""
+    with C_EARLY (DEEPGEMM_SPLITK_C=early) and with A multicast (C_EARLY too with C). (The bf16 persistent rows without
+    C are >= 0.9x already: their A multicast is left to `plans_for`'s full sweep.)"""
     out: dict[str, object] = {}
     bf16_c = acc and out_dtype == torch.bfloat16 and n % 8 == 0
     if bf16_c:
@@ -76,13 +76,6 @@ def ab_plans(m: int, n: int, k: int, acc: bool, out_dtype=torch.bfloat16) -> dic
         gx, gy, gz = mc.grid(m, n)
         if -(-n // sk.block_n) >= 2 and gx * gy * gz <= SMS:
             out["splitk_mcast" + ("_c_early" if mc.c_early else "")] = mc
-    if m >= 64:
-        base = out.get("c_tma") if bf16_c else pick_config("bf16", m, n, k, num_sms=SMS,
-                                                             **cuda_gemm.epilogue(torch.empty(m, n, dtype=out_dtype), n,
-                                                                                  acc, "normal"))
-        if -(-n // base.block_n) % 2 == 0 and base.block_m % 16 == 0:
-            out["c_tma_mcast_a" if bf16_c else "persistent_mcast_a"] = dataclasses.replace(base, multicast=2,
-                                                                                           multicast_on_a=True)
     return out
 
 
