@@ -326,3 +326,16 @@ def test_c_tma_with_c_is_d_gets_a_plan_bound_to_d(fake_gpu, monkeypatch):
     assert len(full_calls) == 2  # C = D was in the key: a separate C is another signature
     c_desc, d_desc = launches[-1][3][2], launches[-1][3][3]
     assert struct.unpack_from("<Q", c_desc)[0] == c.data_ptr() and struct.unpack_from("<Q", d_desc)[0] == d.data_ptr()
+
+
+def test_env_key_reads_every_switch(monkeypatch):
+    # env_key's fast path spells one lookup per _ENV_NAMES entry: a name added without its lookup would drop out
+    for name in plans._ENV_NAMES:
+        monkeypatch.setenv(name, "x")
+    try:
+        plans.env_key()
+    except TypeError:  # DEEPGEMM_DEBUG set: the unhashable marker (no plan)
+        pass
+    monkeypatch.setenv("DEEPGEMM_DEBUG", "0")
+    key = plans.env_key()
+    assert len(key) == len(plans._ENV_NAMES) and sum(v in ("x", b"x") for v in key) == len(plans._ENV_NAMES) - 1
