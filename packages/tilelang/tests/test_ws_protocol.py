@@ -64,6 +64,34 @@ def test_gemm_protocol(cfg, two):
     assert sum(t[1] == "wait" and t[0] != "producer" for t in m.trace) == (256 // 32) * 1024 // 64
 
 
+PERSISTENT = {"cuda_persistent": True}
+
+
+@pytest.mark.parametrize("form", ["ws", "split", "pp", "pp_split"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa_persistent_protocol(causal, form):
+    """Persistent flash attention (one CTA runs tiles 1, 6, 11 of the 16: 2 heads x 8 query blocks); the stage
+    phases run on across the tiles, a consumer barrier ends each tile."""
+    src = generate(CK.flashattn_bhsd(1, 2, 1024, 128, causal), {**FA_FORMS[form], **PERSISTENT})
+    assert "_tile += gridDim.x" in src
+    m = wp.check(src, {"blockIdx": wp.Dim3(1), "gridDim": wp.Dim3(5)}, seeds=range(2))
+    tiles = [1, 6, 11]  # bx = tile % 8 (longest first when causal: 7 - bx), by = tile / 8
+    iters = sum((8 - t % 8) if causal else 8 for t in tiles)
+    waits = [t for t in m.trace if t[0] != "producer" and t[1] == "wait"]
+    assert len(waits) == 8 * iters * (2 if "split" in form else 1), (form, len(waits), iters)
+
+
+@pytest.mark.parametrize("cfg", [(128, 256, 64, 4, 256), (128, 256, 64, 3, 256, "c_shared")])
+def test_gemm_persistent_protocol(cfg):
+    """A persistent GEMM (the wgmma in flight across iterations; the tile's last stage released after its final
+    wait, while the producer loads the next tile): one CTA of 3 runs tiles 2, 5, ... of 4 x 8."""
+    src = generate(CK.gemm_nt(1024, 1024, 1024, *cfg[:5], "bfloat16", c_shared="c_shared" in cfg[5:]), PERSISTENT)
+    assert "_tile += gridDim.x" in src
+    m = wp.check(src, {"blockIdx": wp.Dim3(2), "gridDim": wp.Dim3(3)}, seeds=range(2))
+    ntiles = len(range(2, 32, 3))
+    assert sum(t[1] == "wait" and t[0] != "producer" for t in m.trace) == 8 * ntiles * (1024 // 64)
+
+
 def _mutate(src: str, old: str, new: str, count: int = 1) -> str:
     assert src.count(old) >= count, old
     return src.replace(old, new, count)
@@ -109,3 +137,13 @@ def test_catches_a_missing_wgmma_wait():
     src = src[:w] + src[w:].replace("tilehal::wgmma_wait<0>();", "", 1)
     with pytest.raises(wp.ProtocolError):
         wp.check(src, {"bx": 0, "by": 0, "bz": 0}, seeds=range(3))
+
+
+def test_catches_a_missing_tile_end_release():
+    """Persistent GEMM without the release of each tile's last stage after its final wgmma wait: the producer
+    waits for it forever on the next tile."""
+    src = generate(CK.gemm_nt(1024, 1024, 1024, 128, 256, 64, 4, 256, "bfloat16"), PERSISTENT)
+    line = next(ln for ln in src.splitlines() if "(_tx & 31) == 0) tilehal::mbarrier_arrive(&_empty" in ln
+                and "_kb +" in ln and "- 1) %" in ln)
+    with pytest.raises(wp.ProtocolError, match="deadlock"):
+        wp.check(_mutate(src, line + "\n", ""), {"blockIdx": wp.Dim3(0), "gridDim": wp.Dim3(8)}, seeds=range(1))

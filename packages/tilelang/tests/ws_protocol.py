@@ -16,7 +16,8 @@ what exposes a read without a wait). mbarriers follow the PTX semantics: `count`
 transactions complete a phase; `try_wait.parity(p)` passes while the number of completed phases has the other
 parity than p. Named barriers count 32 threads per warp.
 
-Not modelled (a ProtocolError says so): TMA multicast / clusters, persistent kernels' tile loops.
+A persistent kernel runs as one CTA of the grid (its tile loop `_tile += gridDim.x`, the stage counter `_kb`
+running on across tiles). Not modelled (a ProtocolError says so): TMA multicast / clusters.
 """
 
 from __future__ import annotations
@@ -190,15 +191,15 @@ def run_actor(m: Machine, nodes: list, env: dict, who, producer: bool):
             if not has_ops(node):
                 continue
             if head.startswith("for ("):
-                mt = re.match(r"for \(int (\w+) = (.+?); \1 < (.+?); \+\+\1\) \{$", head)
+                mt = re.match(r"for \(int (\w+) = (.+?); \1 < (.+?); (?:\+\+\1|\1 \+= (.+?))\) \{$", head)
                 if not mt:
                     raise ProtocolError(f"loop not modelled: {head}")
-                v, a, b = mt.groups()
+                v, a, b, step = mt.groups()
                 i = c_eval(a, env)
                 while i < c_eval(b, env):
                     env[v] = i
                     yield from run_actor(m, node.body, env, who, producer)
-                    i += 1
+                    i += c_eval(step, env) if step else 1
             elif head.startswith("if ("):
                 cond, _ = _split_if(head)
                 if c_eval(cond, env):
@@ -219,6 +220,11 @@ def _leaf(m: Machine, ln: str, env: dict, who, producer: bool):
         if _OPS.search(rest) or rest.startswith("const int"):
             if c_eval(cond, env):
                 yield from _leaf(m, rest, env, who, producer)
+        return
+    mt = re.match(r"(\w+) \+= (.+);$", ln) or re.match(r"int (\w+) = (.+);$", ln)
+    if mt:  # a persistent kernel's counter of the pipeline iterations of the tiles before (`int _kb = 0;`, `+=`)
+        name, e = mt.groups()
+        env[name] = (env[name] if ln.startswith(name + " +=") else 0) + c_eval(e, env)
         return
     mt = re.match(r"const int (\w+) = (.+);$", ln)
     if mt:
@@ -263,7 +269,7 @@ def _op(m: Machine, st: str, env: dict, who, producer: bool):
         if not mt:
             raise ProtocolError(f"TMA destination not modelled: {a[0]}")
         key = (mt.group(1), env["_s"])
-        it = env["k"] - m.start
+        it = env.get("_kb", 0) + env["k"] - m.start  # the pipeline iteration (persistent: over the tiles)
         if m.active_reads(key):
             raise ProtocolError(f"the producer overwrites {key} (iteration {it}) while warps {m.active_reads(key)} "
                                 f"still read it")
@@ -276,7 +282,7 @@ def _op(m: Machine, st: str, env: dict, who, producer: bool):
             return  # an operand that is not staged (Q)
         buf, var = mt.groups()
         key = (buf, env[var])
-        want = env["k"] - m.start - (1 if var.startswith("_prev") else 0)
+        want = env.get("_kb", 0) + env["k"] - m.start - (1 if var.startswith("_prev") else 0)
         if m.content.get(key) != want or key in m.writing:
             raise ProtocolError(f"warp {who} reads {key} for iteration {want} but it holds "
                                 f"{m.content.get(key)} (a load in flight: {m.writing.get(key)})")
@@ -313,8 +319,6 @@ def roles(src: str) -> tuple[dict, dict, list, list, int, int]:
     """(barriers name -> (stages, count), loads per barrier arm, producer nodes, consumer nodes, consumer warps,
     loop start)."""
     lines = _kernel_lines(src)
-    if "_tile" in src and "gridDim.x)" in src:
-        raise ProtocolError("persistent kernels are not modelled")
     init = next(ln for ln in lines if "mbarrier_init(&" in ln)
     stages = int(re.search(r"_s < (\d+)", init).group(1))
     bars = {n: (stages, int(c)) for n, c in re.findall(r"mbarrier_init\(&(\w+)\[_s\], (\d+)\)", init)}
@@ -332,14 +336,20 @@ def roles(src: str) -> tuple[dict, dict, list, list, int, int]:
     for ln in lines[p0:p1]:
         for b in re.findall(r"tma_load_2d\(&\w+\[[^;]*?, &\w+, &(\w+)\[_s\]", ln):
             loads[b] = loads.get(b, 0) + 1
-    mt = re.search(r"const int _s = \(k - \((.+?)\)\) % \d+;", src)
+    mt = re.search(r"const int _s = \((?:_kb \+ )?k - \((.+?)\)\) % \d+;", src)
     start = int(mt.group(1)) if mt and mt.group(1).isdigit() else 0
     return bars, loads, producer, consumer, threads // 32, start
 
 
+class Dim3:
+    def __init__(self, x: int = 0, y: int = 0, z: int = 0) -> None:
+        self.x, self.y, self.z = x, y, z
+
+
 def check(src: str, env: dict, seeds=range(6), p_lands=(0.02, 0.3, 1.0), max_steps: int = 2_000_000) -> Machine:
     """Run the protocol of `src` under len(seeds) x len(p_lands) schedules; `env`: values of the kernel's block
-    indices (bx, by, bz) and any other free names. Returns the machine of the last run (its `trace`: every wait
+    indices (bx, by, bz), or for a persistent kernel `blockIdx` / `gridDim` (Dim3: the CTA runs tiles blockIdx.x,
+    blockIdx.x + gridDim.x, ...), and any other free names. Returns the machine of the last run (its `trace`: every wait
     passed and every arrival, with the warp and k); raises ProtocolError on a deadlock, an early read, an
     overwrite, or a wgmma group left unwaited."""
     bars, loads, prod, cons, warps, start = roles(src)
