@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import tilehal
 import torch
-from deepgemm.cuda_gemm import OPTIONS, kernel_key, kernel_source
+from deepgemm.cuda_gemm import OPTIONS, kernel_key, kernel_options, kernel_source
 from deepgemm.heuristics import max_stages, pick_config
 
 pytestmark = pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
@@ -65,12 +65,21 @@ def issue_configs():
         for n, k in DENSE_NK:
             cfg = pick_config("bf16", m, n, k, num_sms=132, staged_store=4)
             keys.add(kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, True, c_bf16=True))
-    return sorted(keys, key=lambda k: k.expression)
+    # the MoE row's grouped GEMMs (bench_models: Mixtral-8x7B, 4096 tokens x top-2 on the 9216-row static layout)
+    for kind in ("fp8", "bf16"):
+        for n, k in ((28672, 4096), (4096, 14336)):
+            cfg = pick_config(kind, 9216, n, k, num_groups=8, grouping="contiguous", num_sms=132, tma_store=True)
+            keys.add(kernel_key(cfg, n, k, "contiguous", 8, torch.bfloat16, False))
+    # grouped on tilehal's producer-fed schedule or not: each key with the -D switches production compiles it with
+    return sorted(keys, key=lambda k: (kernel_options(k), k.expression))
 
 
 CONFIGS = issue_configs()
 BATCH = 8  # instantiations per NVRTC program: the front end parses the headers once per batch
-BATCHES = [CONFIGS[i:i + BATCH] for i in range(0, len(CONFIGS), BATCH)]
+# one NVRTC program per batch: a batch's kernels share their -D switches (kernel_options)
+BATCHES = [b for opts in sorted({kernel_options(k) for k in CONFIGS})
+           for same in [[k for k in CONFIGS if kernel_options(k) == opts]]
+           for b in (same[i:i + BATCH] for i in range(0, len(same), BATCH))]
 
 
 @pytest.mark.parametrize("batch", BATCHES, ids=[f"configs{i * BATCH}-{i * BATCH + len(b) - 1}"
@@ -78,7 +87,8 @@ BATCHES = [CONFIGS[i:i + BATCH] for i in range(0, len(CONFIGS), BATCH)]
 def test_kernel_configs_compile(batch, h):
     exprs = [k.expression for k in batch]
     mod = tilehal.compile_cuda(kernel_source(), arch="sm_90a", name="deepgemm_compile_check",
-                               options=OPTIONS + ("--ptxas-options=-v",), name_expressions=exprs)
+                               options=OPTIONS + kernel_options(batch[0]) + ("--ptxas-options=-v",),
+                               name_expressions=exprs)
     assert len(mod.cubin) > 1000
     # ptxas falls back to synchronous wgmma (C7514/C7517/C7518) when it cannot prove the
     # accumulators are not touched while in flight: that would undo the overlapped promotion.
@@ -87,6 +97,9 @@ def test_kernel_configs_compile(batch, h):
 
 def test_issue_configs_are_many_and_distinct():
     assert len(CONFIGS) == len({k.expression for k in CONFIGS}) > 40
+    assert sum(len(b) for b in BATCHES) == len(CONFIGS)
+    # the contiguous fp8 default (s26 R3: producer-fed schedule + overlapped promotion) is compiled as production does
+    assert any(k.tile_info and k.overlap_promotion and k.grouping == "contiguous" for k in CONFIGS)
     staged = [k for k in CONFIGS if k.d_swizzle == 1 and not k.tma_store]
     assert {k.grouping for k in staged} >= {"masked", "normal"} and any(k.has_c for k in staged)
     assert any(k.d_swizzle == 0 and not k.tma_store for k in CONFIGS)  # the direct path too

@@ -98,13 +98,18 @@ def kernel_source() -> str:
     return (KERNEL_DIR / "gemm_sm90.cuh").read_text()
 
 
+def kernel_options(key: KernelKey) -> tuple[str, ...]:
+    """The -D switches of kernels/gemm_sm90.cuh that `key` compiles with (the parts of the key not in its name)."""
+    opts = ("-DDEEPGEMM_TILE_INFO=1",) if key.tile_info else ()
+    if key.expert_raster:
+        opts += ("-DDEEPGEMM_EXPERT_RASTER=1", f"-DDEEPGEMM_EXPERT_BAND={key.expert_band}")
+    return opts
+
+
 def compile_kernel(key: KernelKey, extra_options: tuple[str, ...] = ()) -> tilehal.CudaModule:
     """NVRTC-compile one instantiation for sm_90a (no GPU needed; cached on disk by content)."""
-    info = ("-DDEEPGEMM_TILE_INFO=1",) if key.tile_info else ()
-    if key.expert_raster:
-        info += ("-DDEEPGEMM_EXPERT_RASTER=1", f"-DDEEPGEMM_EXPERT_BAND={key.expert_band}")
     return tilehal.compile_cuda(kernel_source(), arch="sm_90a", name="deepgemm_gemm_sm90",
-                                options=OPTIONS + info + extra_options, name_expressions=[key.expression])
+                                options=OPTIONS + kernel_options(key) + extra_options, name_expressions=[key.expression])
 
 
 @functools.lru_cache(maxsize=256)
