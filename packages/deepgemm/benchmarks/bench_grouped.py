@@ -167,6 +167,26 @@ def _times(fn):
     return t, tg
 
 
+ROUNDS = 1  # --rounds: each shape's variants timed this many times, every other round in reverse order
+
+
+def _rounds(fns: dict) -> dict:
+    """{variant: (median eager s, median graph s, extra)}: every variant of one shape timed ROUNDS times, the order
+    reversed every other round (the clock / power state drifts within a run: R3 saw up to 10 % between calls of
+    one kernel); with more than one round, extra holds each round's times."""
+    names = list(fns)
+    got: dict = {v: [] for v in names}
+    for r in range(ROUNDS):
+        for v in names if r % 2 == 0 else names[::-1]:
+            got[v].append(_times(fns[v]))
+    out = {}
+    for v, ts in got.items():
+        eager, graph = sorted(t for t, _ in ts), sorted(tg for _, tg in ts)
+        extra = {"rounds_us": [t * 1e6 for t, _ in ts], "rounds_graph_us": [tg * 1e6 for _, tg in ts]} if ROUNDS > 1 else {}
+        out[v] = (eager[len(eager) // 2], graph[len(graph) // 2], extra)
+    return out
+
+
 def _variant_row(res, label, v, t, tg, flops, d, ref, **extra):
     """res[v]: the variant's eager and graph times and rates (+ extra), and its output's calc_diff against the
     first variant's (ref; None: this is the first, whose output becomes ref); prints its row. Returns ref."""
@@ -194,21 +214,24 @@ def bench_contiguous(g, rows, n, k, variants) -> dict:
     flops = 2 * m * n * k
     res = {"kind": "fp8_grouped_contiguous", "shape": [g, rows, n, k]}
     ref = None
+    runs = {}
     for v in variants:
         cfg, opts = contiguous_config(g, rows, n, k, v)
         d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
-        def fn(cfg=cfg, opts=opts, d=d):
-            cuda_gemm.grouped_contiguous(a8, sfa, b8, sfb, d, idx, config=cfg, extra_options=opts)
+        def fn(cfg=cfg, opts=opts, d=d, uncapped=v == "mcast_uncapped"):
+            capped = cuda_gemm.resident_cluster_ctas
+            if uncapped:
+                cuda_gemm.resident_cluster_ctas = lambda kern, cfg: None
+            try:
+                cuda_gemm.grouped_contiguous(a8, sfa, b8, sfb, d, idx, config=cfg, extra_options=opts)
+            finally:
+                cuda_gemm.resident_cluster_ctas = capped
 
-        capped = cuda_gemm.resident_cluster_ctas
-        if v == "mcast_uncapped":
-            cuda_gemm.resident_cluster_ctas = lambda kern, cfg: None
-        try:
-            t, tg = _times(fn)
-        finally:
-            cuda_gemm.resident_cluster_ctas = capped
-        extra = {}
+        runs[v] = (cfg, d, fn)
+    timed = _rounds({v: fn for v, (_, _, fn) in runs.items()})
+    for v, (cfg, d, _) in runs.items():
+        t, tg, extra = timed[v]
         if cfg.multicast > 1:
             extra["resident_cluster_ctas"] = cuda_gemm.resident_cluster_ctas(
                 cuda_gemm._kernel(cuda_gemm.kernel_key(cfg, n, k, "contiguous", g, torch.bfloat16, False)), cfg)
@@ -279,12 +302,16 @@ def bench_masked(g, m, n, k, peer: bool) -> dict:
     flops = 2 * g * m * n * k
     res = {"kind": "fp8_grouped_masked", "shape": [g, m, n, k]}
     ref = None
+    runs = {}
     for v in MASKED_VARIANTS:
         d = torch.empty(g, m, n, device="cuda", dtype=torch.bfloat16)
         cfg, opts = masked_variant(g, m, n, k, v)
-        t, tg = _times(lambda d=d, opts=opts, cfg=cfg: cuda_gemm.grouped_masked(a8, sfa, b8, sfb, d, masked_m, m,
-                                                                                extra_options=opts, config=cfg))
-        ref = _variant_row(res, f"masked {g}x{m}x{n}x{k}", v, t, tg, flops, d, ref)
+        runs[v] = (d, lambda d=d, opts=opts, cfg=cfg: cuda_gemm.grouped_masked(a8, sfa, b8, sfb, d, masked_m, m,
+                                                                               extra_options=opts, config=cfg))
+    timed = _rounds({v: fn for v, (_, fn) in runs.items()})
+    for v, (d, _) in runs.items():
+        t, tg, extra = timed[v]
+        ref = _variant_row(res, f"masked {g}x{m}x{n}x{k}", v, t, tg, flops, d, ref, **extra)
     first = next(iter(MASKED_VARIANTS))  # "default" unless --masked-variants leaves it out
     res.update({k2: res[first][k2] for k2 in ("us", "graph_us", "tflops", "graph_tflops")})
     if peer:
@@ -311,9 +338,13 @@ def main() -> None:
     ap.add_argument("--no-masked", action="store_true")
     ap.add_argument("--peer", action="store_true", help="also time the masked peer (per-group _scaled_mm)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--rounds", type=int, default=1, help="time each shape's variants this many times (every other "
+                                                        "round reversed) and report the medians")
     ap.add_argument("--once", action="store_true", help="one launch per variant of the first contiguous and masked "
                                                         "shapes, untimed (what ncu profiles)")
     args = ap.parse_args()
+    global ROUNDS
+    ROUNDS = max(1, args.rounds)
     variants = args.variants.split(",")
     for name in [v for v in MASKED_VARIANTS if v not in args.masked_variants.split(",")]:
         del MASKED_VARIANTS[name]
@@ -322,7 +353,8 @@ def main() -> None:
         return
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
-            "timer": "tilehal.bench, CUDA events, L2 flushed, median of 30; graph_*: CUDA-graph replay"}
+            "timer": "tilehal.bench, CUDA events, L2 flushed, median of 30; graph_*: CUDA-graph replay",
+            "rounds": ROUNDS}
     rows: list[dict] = []
 
     def keep(r: dict) -> None:  # written after every row: a run cut short keeps what it measured
