@@ -330,7 +330,8 @@ def bench_masked(g, m, n, k, peer: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="serial,info,info_overlap,mcast,mcast_uncapped")
+    ap.add_argument("--variants", default=None, help="contiguous variants, comma-separated (default: serial,info,"
+                                                    "info_overlap,mcast,mcast_uncapped; with --compile: every one)")
     ap.add_argument("--masked-variants", default=",".join(MASKED_VARIANTS))
     ap.add_argument("--no-swiglu", action="store_true")
     ap.add_argument("--compile", action="store_true", help="NVRTC-compile every kernel (no GPU) and exit")
@@ -345,11 +346,15 @@ def main() -> None:
     args = ap.parse_args()
     global ROUNDS
     ROUNDS = max(1, args.rounds)
-    variants = args.variants.split(",")
+    variants = (args.variants or "serial,info,info_overlap,mcast,mcast_uncapped").split(",")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        raise SystemExit(f"--variants: unknown {unknown}; expected some of {sorted(VARIANTS)}")
+    if unknown := [v for v in args.masked_variants.split(",") if v not in MASKED_VARIANTS]:
+        raise SystemExit(f"--masked-variants: unknown {unknown}; expected some of {sorted(MASKED_VARIANTS)}")
     for name in [v for v in MASKED_VARIANTS if v not in args.masked_variants.split(",")]:
         del MASKED_VARIANTS[name]
-    if args.compile:  # every variant (and every masked one), whatever --variants names
-        compile_all(list(VARIANTS), args.jobs)
+    if args.compile:  # the --variants / --masked-variants given, else every one
+        compile_all(variants if args.variants else list(VARIANTS), args.jobs)
         return
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),

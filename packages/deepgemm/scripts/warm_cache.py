@@ -74,12 +74,13 @@ def all_keys(max_multicast=2):
                                       stages=max_stages("fp8", cfg.block_m, block_n, cfg.block_m * block_n * 2))
         for c in (cfg, dataclasses.replace(cfg, allow_overlap=False)):
             keys.add(kernel_key(c, n, k, "normal", 1, torch.bfloat16, False))
-    cfg = pick_config("fp8", 128, 512, 512, num_groups=2, grouping="masked", num_sms=SMS)
+    cfg = pick_config("fp8", 128, 512, 512, num_groups=2, grouping="masked", num_sms=SMS,
+                      staged_store=staged_store(torch.bfloat16, 512, False, False))  # as the API picks it
     keys.add(kernel_key(cfg, 512, 512, "masked", 2, torch.bfloat16, False))  # CUDA-graph test
     dense(keys, "bf16", 300, 200, 256, False, False)  # gemm() BLAS test: fp32 accumulator output
     for kind in ("fp8", "bf16"):
         cfg = pick_config(kind, 1024, 4096, 1024, num_groups=2, grouping="masked", num_sms=SMS,
-                          max_multicast=max_multicast)
+                          max_multicast=max_multicast, staged_store=staged_store(torch.bfloat16, 4096, False, False))
         keys.add(kernel_key(cfg, 4096, 1024, "masked", 2, torch.bfloat16, False))  # masked multicast test
         for on_a, (m, n, k) in ((True, (424, 384, 512)), (False, (616, 256, 512))):  # phantom-tile tests
             base = pick_config(kind, m, n, k, num_sms=SMS, tma_store=True, max_multicast=1)
