@@ -254,3 +254,37 @@ def test_s27_masked_variants_write_what_the_default_writes(variant):
         assert tilehal.calc_diff(rows, want) < 1e-9
     else:  # same tile, same arithmetic: bit for bit
         assert torch.equal(d, ref)
+
+
+@pytest.mark.gpu
+def test_env_switches_reach_the_public_api(monkeypatch):
+    """DEEPGEMM_GROUPED_SCHEDULE / DEEPGEMM_MASKED_EPILOGUE through the public entry points (host plans keyed on
+    them): the same kernels as the expert_mcast / tma variants above, the default's outputs bit for bit."""
+    runs = [(0, 300), (2, 129), (-1, 256), (1, 640), (0, 100), (3, 77), (4, 1)]
+    m_indices = torch.tensor([x for e, c in runs for x in [e] * c + [-1] * (-c % 128)], dtype=torch.int32).cuda()
+    m, g, n, k = m_indices.numel(), 5, 1024, 512
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a8, sfa = deepgemm.per_token_cast_to_fp8(torch.randn(m, k, generator=gen, device="cuda"), tma_aligned_sf=True)
+    b8, sfb = deepgemm.per_block_cast_to_fp8(torch.randn(g, n, k, generator=gen, device="cuda"))
+    outs = []
+    for value in (None, "expert:8,mcast"):
+        if value is None:
+            monkeypatch.delenv("DEEPGEMM_GROUPED_SCHEDULE", raising=False)
+        else:
+            monkeypatch.setenv("DEEPGEMM_GROUPED_SCHEDULE", value)
+        d = torch.full((m, n), 7.0, dtype=torch.bfloat16, device="cuda")
+        deepgemm.m_grouped_fp8_gemm_nt_contiguous((a8, sfa), (b8, sfb), d, m_indices)
+        outs.append(d)
+    assert torch.equal(outs[0], outs[1])
+    monkeypatch.delenv("DEEPGEMM_GROUPED_SCHEDULE")
+
+    gm, m_max, n, k = 4, 384, 1024, 768
+    a8, sfa, b8, sfb = _masked_operands(gm, m_max, n, k, 6)
+    masked_m = torch.tensor([384, 0, 129, 1], dtype=torch.int32, device="cuda")
+    outs = []
+    for value in ("staged", "tma"):
+        monkeypatch.setenv("DEEPGEMM_MASKED_EPILOGUE", value)
+        d = torch.full((gm, m_max, n), 7.0, dtype=torch.bfloat16, device="cuda")
+        deepgemm.m_grouped_fp8_gemm_nt_masked((a8, sfa), (b8, sfb), d, masked_m, 128)
+        outs.append(d)
+    assert torch.equal(outs[0], outs[1])
