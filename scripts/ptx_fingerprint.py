@@ -201,6 +201,13 @@ def cases():
             "fp8_128x128_c_f32": dg.KernelKey(4096, 7168, 128, 128, 5, "normal", 1, True, False, True),
             "fp8_masked_c_f32": dg.KernelKey(4096, 7168, 128, 128, 5, "masked", 4, True, False, True),
             "bf16_odd_n_c_f32": dg.KernelKey(2049, 2048, 128, 128, 4, "normal", 1, False, False, True),
+            # the grouped defaults (s26 R3): contiguous fp8 on the producer-fed schedule (-DDEEPGEMM_TILE_INFO=1,
+            # compile_kernel adds it) with the overlapped promotion; masked fp8 through the staged copy-out
+            "fp8_contig_info_overlap": dg.KernelKey(4096, 7168, 128, 128, 5, "contiguous", 4, True, True, False,
+                                                    tma_store=True, d_swizzle=128, overlap_promotion=True,
+                                                    tile_info=True),
+            "fp8_masked_staged": dg.KernelKey(7168, 2048, 128, 128, 5, "masked", 4, True, True, False, d_swizzle=1,
+                                              overlap_promotion=True),
         }
         for label, key in keys.items():
             out.append((f"deepgemm_{label}", lambda key=key: dg.compile_kernel(key)))
