@@ -476,6 +476,11 @@ def test_ws_two_ctas_codegen(caplog, tmp_path, monkeypatch):
         kb = tilelang.compile(big, out_idx=[2], target="cuda", pass_configs=TWO)
     assert any("cuda_ws_two_ctas not applied" in r.getMessage() for r in caplog.records)
     assert kb.get_kernel_source() == tilelang.compile(big, out_idx=[2], target="cuda").get_kernel_source()
+    caplog.clear()  # persistent kernels keep their producer warpgroup (one CTA per SM by design; logged)
+    with caplog.at_level(logging.DEBUG, logger="tilelang.backends.cuda"):
+        kp = tilelang.compile(prog, out_idx=[2], target="cuda", pass_configs={**TWO, **WSP})
+    assert "(288, 2)" not in kp.get_kernel_source() and any(
+        "cuda_ws_two_ctas not applied): a persistent kernel" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.gpu

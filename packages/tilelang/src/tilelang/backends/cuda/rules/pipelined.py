@@ -719,6 +719,9 @@ class PipelineRules:
         # then its warpgroup leaves the body; one thread loops over the stages
         # cuda_ws_two_ctas: a producer warp (threads T .. T+31) instead of a warpgroup, no setmaxnreg (_ws_two_ctas)
         self.ws_producer_warp = self.ws_two_ctas and not pt_early and not mc
+        if self.ws_two_ctas and not self.ws_producer_warp:
+            log.debug("%s: one warp-specialized CTA per SM (cuda_ws_two_ctas not applied): a %s kernel", s.loc,
+                      "persistent" if pt_early else "TMA multicast")
         pro = [f"// T.Pipelined: {n} stages of {', '.join(c.dst.buffer.name for c in copies)}, warp-specialized "
                f"(threads {T}..{T + (31 if self.ws_producer_warp else 127)} issue the TMA loads)",
                f"tilehal::u64* {full} = _tl_mbar + {fo};  // stage landed (1 arrival + the TMA bytes)",
