@@ -71,6 +71,7 @@ def _args(argv):
     p.add_argument("--only", help="comma-separated sections: host,prefill,decode,moe,profile,compile,gemms,kernels "
                    "(default: all but gemms,kernels)")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the prefill / decode rows")
     p.add_argument("--variants", default="bf16,fp8", help=f"optimized variants of the Llama rows: {','.join(VARIANTS)}")
     p.add_argument("--precompile", action="store_true", help="NVRTC-compile the Llama rows' kernels in parallel first")
     p.add_argument("--warm-only", action="store_true", help="with --precompile: only compile (no GPU needed; e.g. "
@@ -103,6 +104,9 @@ class Env:
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.backend = "cuda" if self.cuda else "cpu"
         self.iters = 2 if args.quick else args.iters
+        if args.rounds < 1:
+            raise SystemExit(f"--rounds: expected a positive number of rounds, got {args.rounds}")
+        self.rounds = args.rounds
         self.budget = args.budget_s
         self.s = _shapes(args.quick)
         self.out_dir = str(Path(args.json).parent) if args.json else "."
@@ -194,11 +198,12 @@ def _failed(workload: str, name: str, e: BaseException) -> None:
 # ----------------------------------------------------------------------------- sections
 
 
-def _interleaved(env: Env, fns: list, rounds: int = 3) -> list[tuple[float, float, float]]:
-    """(median, min, max) ms over `rounds` rounds of env.bench medians of each fn, the fns taking turns in every
-    round: a host or clock drift during the section moves every variant alike instead of the ones timed last."""
+def _interleaved(env: Env, fns: list) -> list[tuple[float, float, float]]:
+    """(median, min, max) ms over env.rounds rounds (--rounds) of env.bench medians of each fn, the fns taking turns
+    in every round: a host or clock drift during the section moves every variant alike instead of the ones timed
+    last."""
     per: list[list[float]] = [[] for _ in fns]
-    for _ in range(1 if env.quick else rounds):
+    for _ in range(1 if env.quick else env.rounds):
         for i, fn in enumerate(fns):
             per[i].append(env.bench(fn).median_s * 1e3)
     return [(sorted(ts)[len(ts) // 2], min(ts), max(ts)) for ts in per]
