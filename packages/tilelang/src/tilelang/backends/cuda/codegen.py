@@ -64,6 +64,7 @@ from ..cexpr import CExprEmitter
 from .common import (
     _LOW,
     SMEM_ALIGN,
+    SMEM_LIMIT,
     ParCtx,
     SmemInfo,
     _nonneg,
@@ -89,8 +90,6 @@ from .rules import (
     WgmmaRules,
 )
 from .rules.tma import TmaRules
-
-SMEM_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90 (227 KiB)
 
 PRELUDE = r"""
 #include <tilehal/tilehal.cuh>

@@ -18,6 +18,7 @@ log = logging.getLogger("tilelang.backends.cuda")
 
 # alignment of every shared-memory buffer the planner places (and of the scratch area after them)
 SMEM_ALIGN = 128
+SMEM_LIMIT = 232448  # bytes of shared memory a block may opt into on sm_90 (227 KiB)
 
 _LOW = ("float16", "bfloat16", "float8_e4m3", "float8_e5m2")
 _MMA_TAG = {"float16": "MmaF16", "bfloat16": "MmaBF16", "float8_e4m3": "MmaE4M3", "float8_e5m2": "MmaE5M2",

@@ -7,7 +7,7 @@ import numpy as np
 from ....ir.nodes import Alloc, Buffer, Const, Copy, Expr, For, Gemm, If, Kernel, Let, Load, Seq, Var
 from ....ir.thread import AsyncCommit, AsyncWait, Intrinsic, Scope
 from ....ir.visit import walk_expr, walk_stmts
-from ..common import esize, log
+from ..common import SMEM_LIMIT, esize, log
 from ..emit import Comment, MbarArray, MbarArriveExpectTx, MbarInitAll, MbarRef, MbarWait
 from ..lower_thread import TX, B, C, P
 
@@ -279,8 +279,6 @@ class PipelineRules:
         compiles the whole kernel for the launch's r0 = 65536 / (2 (T + 32)) registers per thread (with a producer
         warpgroup two CTAs would get 80 for T = 256: too few for one m64n128 wgmma; 112 with a warp). The caller
         (generate_cuda) builds the kernel again without the option when this returns `bounds` unchanged."""
-        from ..codegen import SMEM_LIMIT
-
         k = self.kernel
 
         def no(why: str) -> str:
@@ -424,10 +422,20 @@ class PipelineRules:
             self.add(Intrinsic("wgmma_fence_operands", [], [], {"buffer": agemm.C.buffer.name}))
         if cp:
             self.add(AsyncWait(0))
-        # the last iteration's accesses are still in flight for other threads
+        self._loop_done(s)
+
+    def _loop_done(self, s) -> None:
+        """After a pipelined loop: its last iteration's accesses are still in flight for other threads."""
         r, w = self.tracked(s)
         self.pending_r |= r
         self.pending_w |= w
+
+    def _ws_loop_done(self, s, pt: bool, ext) -> None:
+        """After a warp-specialized consumer loop; in a persistent kernel the stage counter _kb moves on by
+        the loop's trip count (the next tile's loop starts where this one stopped)."""
+        if pt:
+            self.emit(f"_kb += {ext};")
+        self._loop_done(s)
 
     def _ws_pingpong(self, rest: list, agemm) -> Gemm | None:
         """The gemm two consumer warpgroups take turns on (the loop body's first statement that is a wgmma
@@ -791,11 +799,7 @@ class PipelineRules:
         if overlap is not None:
             self._pipelined_ws_overlap(s, overlap, full, empty, n, start, ext, it, pingpong is not None,
                                        bars if split is not None else None)
-            if pt:
-                self.emit(f"_kb += {ext};")
-            r, w = self.tracked(s)
-            self.pending_r |= r
-            self.pending_w |= w
+            self._ws_loop_done(s, pt, ext)
             return
         if pingpong is not None:
             # the two consumer warpgroups take turns issuing the loop's first gemm (named barriers 2 and 3):
@@ -838,11 +842,7 @@ class PipelineRules:
                 if b >= last:
                     self.emit(f"if ((_tx & 31) == 0) tilehal::mbarrier_arrive(&{e}[{stage}]);")
             self.close()
-            if pt:
-                self.emit(f"_kb += {ext};")
-            r, w = self.tracked(s)
-            self.pending_r |= r
-            self.pending_w |= w
+            self._ws_loop_done(s, pt, ext)
             return
         # release: with the wgmma of this iteration in flight (wgmma_wait<1>: the one of the previous
         # iteration is done), the previous stage; otherwise this one (everything reading it is done); with
@@ -860,8 +860,4 @@ class PipelineRules:
             if pt:  # the last stage of this tile is free for the next tile's loads
                 self.emit(f"if (({ext}) > 0 && (_tx & 31) == 0) "
                           f"tilehal::mbarrier_arrive(&{empty}[(_kb + ({ext}) - 1) % {n}]);")
-        if pt:
-            self.emit(f"_kb += {ext};")
-        r, w = self.tracked(s)
-        self.pending_r |= r
-        self.pending_w |= w
+        self._ws_loop_done(s, pt, ext)
