@@ -84,6 +84,35 @@ def test_cuda_rules_skip_misaligned_k(cuda_present):
         assert model(torch.randn(2, 256)).shape == (2, 64)
 
 
+class _WithHead(torch.nn.Module):
+    """A model with an output embedding, as transformers' models expose it (get_output_embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.lm_head = torch.nn.Linear(256, 128), torch.nn.Linear(128, 512, bias=False)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.body(x))
+
+
+@pytest.mark.parametrize("kwargs, head_swapped", [({}, False), ({"fp8": True}, True),
+                                                  ({"include": ["body", "lm_head"]}, True)],
+                         ids=["bf16-default", "fp8", "named"])
+def test_cuda_bf16_keeps_the_output_embedding_unless_named(cuda_present, kwargs, head_swapped):
+    model = _WithHead()
+    report = register_optimizations(model, backend="cuda", **kwargs)
+    assert isinstance(model.body, GemmLinear)
+    assert isinstance(model.lm_head, GemmLinear) is head_swapped
+    if not head_swapped:
+        assert report.names("skipped") == ["lm_head"] and "output embedding" in report.skipped[0].reason
+    cpu_model = _WithHead()
+    register_optimizations(cpu_model, backend="cpu")  # the rule is CUDA's measurement: the CPU swaps it
+    assert isinstance(cpu_model.lm_head, GemmLinear)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_backend_without_cuda_is_refused():
     from tilehal import DeviceError

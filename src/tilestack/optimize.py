@@ -184,6 +184,13 @@ def _auto_precision(name: str, linear: torch.nn.Linear, x: torch.Tensor | None, 
     return fp8, f"fp8 e4m3: within budget and faster; {facts}"
 
 
+# Why a bf16 model's output embedding (lm_head) stays its nn.Linear unless include= names it: in the model, cuBLAS
+# there made the whole Llama-3-8B-shape prefill faster (8 x 512, H200, session 28: 14.25 -> 13.87 ms, 1.027x, five
+# interleaved rounds; docs/benchmarks/gpu_runs_2026-12-02_s28/r1/hf17) although the stand-alone choice measured
+# deepgemm faster on its shape (6.22 vs 6.60 ms).
+_HEAD_REASON = ("output embedding (lm_head), bf16: kept as the model's nn.Linear (cuBLAS), which measured faster in "
+                "the model than the stand-alone per-shape choice; name it in include= to swap it")
+
 _BF16_REASON = ("bf16: deepgemm or cuBLAS per (M, N, K), whichever measured faster on this GPU "
                 "(tilestack.layers.bf16_gemm_choice; CPU tensors: deepgemm's reference)")
 
@@ -205,7 +212,8 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
     fp8: GemmLinear with fp8 e4m3 operands (needs in_features % 128 == 0).
     sparse_24: prune Linears 2:4 by `sparse_method` into dataengine SparseLinear (exclusive with fp8).
     include: module names or fnmatch patterns to consider (None: every Linear and transformers MoE
-      block). Other MoE blocks are swapped for ExpertParallelMoE (on `moe_group`) only when named.
+      block, except a bf16 CUDA model's output embedding, which stays cuBLAS: it measured faster in the model).
+      Other MoE blocks are swapped for ExpertParallelMoE (on `moe_group`) only when named.
     precision: None (bf16, or fp8 with `fp8=True`), "bf16", "fp8", or "auto": run `calibration` (the
       tuple of forward arguments) once, and per Linear pick fp8 where its output's normwise relative
       error against the original is <= `error_budget` and it is faster than bf16 here (median of
@@ -262,6 +270,10 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
     fuse_norm = check_choice(fuse_norm, "fuse_norm", (False, True))
     fuse_qkv = check_choice(fuse_qkv, "fuse_qkv", (False, True))
     report = OptimizationReport(backend, fp8, sparse_24, precision)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    keep_head = (backend == "cuda" and include is None and not fp8 and not sparse_24 and precision != "auto"
+                 and isinstance(head, torch.nn.Linear))
     seen = _capture_linear_inputs(model, include, calibration) if precision == "auto" else {}
     replacements: dict[int, torch.nn.Module] = {}
     done: list[str] = []   # prefixes of replaced subtrees: their children are gone
@@ -322,6 +334,8 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
         if not _matches(name, include):
             continue
         why = linear_skip_reason(module, backend, fp8, sparse_24)
+        if why is None and keep_head and module is head:
+            why = _HEAD_REASON
         if why is not None:
             decide(name, "linear", None, why, module)
             continue

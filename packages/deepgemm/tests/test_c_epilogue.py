@@ -72,9 +72,16 @@ def test_c_tma_refuses_what_it_cannot_serve():
 
 def test_c_epilogue_switch(monkeypatch):
     monkeypatch.delenv("DEEPGEMM_C_EPILOGUE", raising=False)
-    assert not cuda_gemm.c_epilogue_tma()
+    edge = cuda_gemm.C_TMA_MAX_M
+    assert cuda_gemm.c_epilogue_tma(1) and cuda_gemm.c_epilogue_tma(edge)  # the default: small M only
+    assert not cuda_gemm.c_epilogue_tma(edge + 1)
     monkeypatch.setenv("DEEPGEMM_C_EPILOGUE", "tma")
-    assert cuda_gemm.c_epilogue_tma()
+    assert cuda_gemm.c_epilogue_tma(4096)
+    monkeypatch.setenv("DEEPGEMM_C_EPILOGUE", "staged")
+    assert not cuda_gemm.c_epilogue_tma(1)
+    monkeypatch.setenv("DEEPGEMM_C_EPILOGUE", "TMA")
+    with pytest.raises(tilehal.ArgumentError, match="DEEPGEMM_C_EPILOGUE: expected 'auto', 'tma' or 'staged', got 'TMA'"):
+        cuda_gemm.c_epilogue_tma(1)
 
 
 @nvrtc
@@ -127,10 +134,13 @@ def test_c_early_key_and_when_it_applies(monkeypatch):
     assert not splitk_key(dataclasses.replace(cfg, splits=1), 4096, 7168, bf16, bf16).c_early  # one split
     plain = splitk_key(dataclasses.replace(cfg, c_early=False), 4096, 7168, bf16, bf16)
     assert plain.expression.endswith(", 1, 1>")  # the default kernel keeps its name
-    monkeypatch.delenv("DEEPGEMM_SPLITK_C", raising=False)
     base = dataclasses.replace(cfg, c_early=False)
+    monkeypatch.setenv("DEEPGEMM_SPLITK_C", "reduce")
     assert splitk.with_c_early(base, True) == base
-    monkeypatch.setenv("DEEPGEMM_SPLITK_C", "early")
+    monkeypatch.setenv("DEEPGEMM_SPLITK_C", "late")
+    with pytest.raises(tilehal.ArgumentError, match="DEEPGEMM_SPLITK_C: expected 'early' or 'reduce', got 'late'"):
+        splitk.with_c_early(base, True)
+    monkeypatch.delenv("DEEPGEMM_SPLITK_C", raising=False)  # the default: early
     assert splitk.with_c_early(base, True).c_early
     assert splitk.with_c_early(base, False) == base
     assert splitk.with_c_early(dataclasses.replace(base, splits=1), True).splits == 1
@@ -170,8 +180,12 @@ def test_c_tma_matches_reference_and_staged_bitwise(shape, in_place):
 
 
 @pytest.mark.gpu
-def test_c_tma_through_the_switch_in_a_graph(monkeypatch, caplog, h):
-    monkeypatch.setenv("DEEPGEMM_C_EPILOGUE", "tma")
+@pytest.mark.parametrize("mode", ["tma", None], ids=["tma", "default"])
+def test_c_tma_through_the_switch_in_a_graph(mode, monkeypatch, caplog, h):
+    if mode is None:
+        monkeypatch.delenv("DEEPGEMM_C_EPILOGUE", raising=False)  # M = 128 <= C_TMA_MAX_M: C_TMA by default
+    else:
+        monkeypatch.setenv("DEEPGEMM_C_EPILOGUE", mode)
     m, n, k = 128, 7168, 2048
     a, b = _ab(m, n, k, seed=5)
     c = torch.randn(m, n, device="cuda").to(bf16)

@@ -115,7 +115,7 @@ def test_fp8_replay_with_mn_major_scales(fake_gpu):
     assert len(full_calls) == 1
 
 
-def test_no_plan_when_the_call_copies_an_operand(fake_gpu):
+def test_no_plan_when_the_call_copies_an_operand(fake_gpu, monkeypatch):
     launches, full_calls = fake_gpu
     m, n, k = 64, 256, 512
     for _ in range(2):
@@ -126,14 +126,18 @@ def test_no_plan_when_the_call_copies_an_operand(fake_gpu):
     assert len(full_calls) == 2 and not plans._PLANS
     c = torch.randn(m, n).bfloat16()
     a16, b16 = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
-    for _ in range(2):  # a bf16 C is read in place (not widened) by the persistent kernel's staged epilogue
+    for _ in range(2):  # a bf16 C is not widened: at M <= C_TMA_MAX_M the C_TMA epilogue TMA-loads it
         deepgemm.bf16_gemm_nt(a16, b16, d, c)
-    assert len(launches) == 4 and launches[-1][0].c_bf16 and launches[-1][0].has_c
+    assert len(launches) == 4 and launches[-1][0].c_tma and launches[-1][0].has_c
+    monkeypatch.setenv("DEEPGEMM_C_EPILOGUE", "staged")
+    for _ in range(2):  # the staged epilogue reads it in place
+        deepgemm.bf16_gemm_nt(a16, b16, d, c)
+    assert len(launches) == 6 and launches[-1][0].c_bf16 and launches[-1][0].has_c
     c129, d129 = torch.randn(m, 129).bfloat16(), torch.empty(m, 129, dtype=torch.bfloat16)
     b129 = torch.randn(129, k).bfloat16()
     for _ in range(2):  # N % 8 != 0: the tile kernel reads the bf16 C in place; it has no plan (its workspace)
         deepgemm.bf16_gemm_nt(a16, b129, d129, c129)
-    assert len(launches) == 6 and "splitk" in launches[-1][0].expression
+    assert len(launches) == 8 and "splitk" in launches[-1][0].expression
 
 
 def test_checks_still_run_for_a_new_signature_and_bad_alignment(fake_gpu):

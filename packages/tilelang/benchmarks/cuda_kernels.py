@@ -69,8 +69,8 @@ flashattn_bhsd_jit = tilelang.jit(out_idx=[3])(flashattn_bhsd)
 # stages (cuda_ws_split_stages) alone or with the FA3 gemm/softmax overlap (cuda_ws_overlap) and pingpong
 # (cuda_ws_pingpong), at 2 or 3 stages. `gemm_nt_tuned.tune(M, N, K, dtype=...)` / `flashattn_bhsd_tuned.tune(...)`
 # time them on the GPU and cache the fastest per (shape, device); a first call without tuning gets DEFAULTS: the
-# fastest form per shape measured on the H200 (2026-12-02 R3 for the GEMMs, R2 for flash attention). The session-27
-# options were never timed: they are candidates only, not defaults.
+# fastest form per shape measured on the H200 (2026-12-02 R3 for the GEMMs, R2 for flash attention, and session 28's
+# A/B where a session-27 form won by >= 2 %).
 _MC, _TWO = {"cuda_ws_multicast": True}, {"cuda_ws_two_ctas": True}
 
 
@@ -89,9 +89,12 @@ def gemm_tune_configs(M, N, K, **_):
     return out
 
 
-GEMM_DEFAULTS = {  # (M, N, K) -> config; R3 of 2026-12-02 (docs/benchmarks/tilelang_cuda_2026-12-02_1053_r3.json)
+# (M, N, K) -> config; R3 of 2026-12-02 (docs/benchmarks/tilelang_cuda_2026-12-02_1053_r3.json); 4096 x 7168 x 2048:
+# two CTAs per SM, 632 vs 595 TFLOP/s warp-specialized, 572 with multicast (session 28,
+# docs/benchmarks/gpu_runs_2026-12-02_s28/r1/tlfa)
+GEMM_DEFAULTS = {
     (8192, 8192, 8192): _tile(128, 256, 64, 4, False, _MC),
-    (4096, 7168, 2048): _tile(128, 256, 64, 4, True, _MC),
+    (4096, 7168, 2048): _tile(128, 128, 64, 3, True, _TWO),
     (4096, 2112, 7168): _tile(128, 176, 64, 5, True),
     (4096, 24576, 1536): _tile(128, 256, 64, 4, True),
 }
@@ -113,9 +116,10 @@ FA_TUNE_CONFIGS = [
     {"num_stages": 3, "pass_configs": {**_OV, **_PP}},
 ]
 # R2 of 2026-12-02 (docs/benchmarks/tilelang_cuda_2026-12-02_1028_r2.json): full attention fastest with the overlap at
-# 3 stages, causal b4 s4096 with overlap + pingpong at 3 stages, causal b1 s16384 with the default
+# 3 stages, causal b4 s4096 with overlap + pingpong at 3 stages, causal b1 s16384 with the default. Full b4 s4096:
+# split stages + overlap + pingpong at 2 stages, 499 vs 477 TFLOP/s (session 28, gpu_runs_2026-12-02_s28/r1/tlfa)
 FA_DEFAULTS = {
-    (4, 32, 4096, 128, False): FA_TUNE_CONFIGS[4], (1, 32, 16384, 128, False): FA_TUNE_CONFIGS[4],
+    (4, 32, 4096, 128, False): FA_TUNE_CONFIGS[3], (1, 32, 16384, 128, False): FA_TUNE_CONFIGS[4],
     (4, 32, 4096, 128, True): FA_TUNE_CONFIGS[7], (1, 32, 16384, 128, True): FA_TUNE_CONFIGS[0],
 }
 
