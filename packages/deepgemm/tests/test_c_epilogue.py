@@ -72,16 +72,12 @@ def test_c_tma_refuses_what_it_cannot_serve():
 
 def test_c_epilogue_switch(monkeypatch):
     monkeypatch.delenv("DEEPGEMM_C_EPILOGUE", raising=False)
-    edge = cuda_gemm.C_TMA_MAX_M
-    assert cuda_gemm.c_epilogue_tma(1) and cuda_gemm.c_epilogue_tma(edge)  # the default: small M only
-    assert not cuda_gemm.c_epilogue_tma(edge + 1)
-    monkeypatch.setenv("DEEPGEMM_C_EPILOGUE", "tma")
-    assert cuda_gemm.c_epilogue_tma(4096)
+    assert cuda_gemm.c_epilogue_tma()  # the default
     monkeypatch.setenv("DEEPGEMM_C_EPILOGUE", "staged")
-    assert not cuda_gemm.c_epilogue_tma(1)
+    assert not cuda_gemm.c_epilogue_tma()
     monkeypatch.setenv("DEEPGEMM_C_EPILOGUE", "TMA")
-    with pytest.raises(tilehal.ArgumentError, match="DEEPGEMM_C_EPILOGUE: expected 'auto', 'tma' or 'staged', got 'TMA'"):
-        cuda_gemm.c_epilogue_tma(1)
+    with pytest.raises(tilehal.ArgumentError, match="DEEPGEMM_C_EPILOGUE: expected 'tma' or 'staged', got 'TMA'"):
+        cuda_gemm.c_epilogue_tma()
 
 
 @nvrtc
@@ -138,9 +134,14 @@ def test_c_early_key_and_when_it_applies(monkeypatch):
     monkeypatch.setenv("DEEPGEMM_SPLITK_C", "reduce")
     assert splitk.with_c_early(base, True) == base
     monkeypatch.setenv("DEEPGEMM_SPLITK_C", "late")
-    with pytest.raises(tilehal.ArgumentError, match="DEEPGEMM_SPLITK_C: expected 'early' or 'reduce', got 'late'"):
+    with pytest.raises(tilehal.ArgumentError, match="DEEPGEMM_SPLITK_C: expected 'auto', 'early' or 'reduce', got"):
         splitk.with_c_early(base, True)
-    monkeypatch.delenv("DEEPGEMM_SPLITK_C", raising=False)  # the default: early
+    monkeypatch.delenv("DEEPGEMM_SPLITK_C", raising=False)  # the default: bf16 only (fp8 keeps the reduction's C)
+    fp8_base = dataclasses.replace(base, fp8=True)
+    assert splitk.with_c_early(fp8_base, True) == fp8_base
+    assert splitk.with_c_early(base, True).c_early
+    monkeypatch.setenv("DEEPGEMM_SPLITK_C", "early")
+    assert splitk.with_c_early(fp8_base, True).c_early
     assert splitk.with_c_early(base, True).c_early
     assert splitk.with_c_early(base, False) == base
     assert splitk.with_c_early(dataclasses.replace(base, splits=1), True).splits == 1
@@ -183,7 +184,7 @@ def test_c_tma_matches_reference_and_staged_bitwise(shape, in_place):
 @pytest.mark.parametrize("mode", ["tma", None], ids=["tma", "default"])
 def test_c_tma_through_the_switch_in_a_graph(mode, monkeypatch, caplog, h):
     if mode is None:
-        monkeypatch.delenv("DEEPGEMM_C_EPILOGUE", raising=False)  # M = 128 <= C_TMA_MAX_M: C_TMA by default
+        monkeypatch.delenv("DEEPGEMM_C_EPILOGUE", raising=False)  # C_TMA by default
     else:
         monkeypatch.setenv("DEEPGEMM_C_EPILOGUE", mode)
     m, n, k = 128, 7168, 2048

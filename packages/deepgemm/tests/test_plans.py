@@ -253,11 +253,15 @@ def test_bias_in_the_epilogue_on_the_gpu(m, n, k, monkeypatch):
 
 def test_bf16_c_switch_sends_bf16_c_to_the_tile_kernel(fake_gpu, monkeypatch):
     """DEEPGEMM_BF16_C=tile (A/B timing): a bf16 C goes to the tile kernel as before the persistent kernel
-    read it in place; by default the persistent kernel does (C_BF16)."""
+    read it; by default the persistent kernel TMA-loads it (C_TMA), with DEEPGEMM_C_EPILOGUE=staged its staged
+    epilogue reads it in place (C_BF16)."""
     launches, _ = fake_gpu
     m, n, k = 256, 512, 512
     a, b = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
     c, d = torch.randn(m, n).bfloat16(), torch.empty(m, n, dtype=torch.bfloat16)
+    deepgemm.bf16_gemm_nt(a, b, d, c)
+    assert launches[-1][0].c_tma
+    monkeypatch.setenv("DEEPGEMM_C_EPILOGUE", "staged")
     deepgemm.bf16_gemm_nt(a, b, d, c)
     assert launches[-1][0].c_bf16
     monkeypatch.setenv("DEEPGEMM_BF16_C", "tile")

@@ -45,7 +45,8 @@ def test_tma_configs_and_reasons():
     # the stages' full / empty barriers plus full_v and the tail barrier
     assert cuda_prefill.smem_bytes(torch.bfloat16, 128, cfg) == 128 * 256 + 12 * 64 * 256 + 8 * 19 + 1024
     assert "true, true>" in cuda_prefill.kernel_name(torch.bfloat16, 128, cfg)
-    assert cuda_prefill.DEFAULT_CONFIG not in cuda_prefill.WGMMA_CONFIGS  # opt-in only until measured
+    assert cuda_prefill.DEFAULT_CONFIG in cuda_prefill.WGMMA_CONFIGS and cuda_prefill.wg_tma(cuda_prefill.DEFAULT_CONFIG)
+    assert not cuda_prefill.wg_tma(cuda_prefill.CP_ASYNC_CONFIG)  # what a pool TMA cannot read gets
 
     def pool(bs):
         return kvpool.KVPool(1, 2, 64, 8, block_size=bs, dtype=torch.bfloat16)

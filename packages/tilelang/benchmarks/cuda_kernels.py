@@ -7,6 +7,7 @@ forms `gemm_nt_jit` / `flashattn_bhsd_jit` are the usual `@tilelang.jit(out_idx=
 
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 
 import tilelang
@@ -40,15 +41,22 @@ def gemm_nt(M, N, K, block_M=128, block_N=256, block_K=32, num_stages=3, threads
     return main
 
 
+_EXAMPLES_LOCK = threading.Lock()
+
+
 def _load_example(name: str):
-    """examples/<name>.py by path (examples/ is not a package; this runs under either tilelang)."""
+    """examples/<name>.py by path (examples/ is not a package; this runs under either tilelang). Registered only
+    once it has run, under a lock: the autotuner builds candidates from several threads, and a second thread
+    must not see a half-executed module (session 28's tuning run: no attribute 'flash_attention_fwd')."""
     key = f"tilelang_example_{name}"
-    if key not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(key, path)
-        sys.modules[key] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[key])
-    return sys.modules[key]
+    with _EXAMPLES_LOCK:
+        if key not in sys.modules:
+            path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+            spec = importlib.util.spec_from_file_location(key, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            sys.modules[key] = module
+        return sys.modules[key]
 
 
 def flashattn_bhsd(batch, heads, seq_len, dim, is_causal, block_M=128, block_N=128, num_stages=2, threads=256,

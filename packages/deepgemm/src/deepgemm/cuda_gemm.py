@@ -166,22 +166,16 @@ def staged_store(d_dtype: torch.dtype, n: int, has_c: bool, tma_store: bool) -> 
     return 4 if has_c or d_dtype == torch.float32 else 2
 
 
-# Largest M the C_TMA epilogue is the default for: measured on the H200 at M = 128 (session 28, sweep_small_m --ab:
-# 7168x2048 acc 17.8 -> 16.5 us, 32768x512 22.6 -> 22.3, 7168x16384 77.2 -> 76.6, 24576x1536 33.7 -> 34.4 flushed
-# / equal in a graph; docs/benchmarks/gpu_runs_2026-12-02_s28/r1/dgsmall). Larger M keeps the staged epilogue
-# until it is timed there.
-C_TMA_MAX_M = 128
-
-
-def c_epilogue_tma(m: int) -> bool:
+def c_epilogue_tma() -> bool:
     """Whether a bf16 C added to a bf16 D on the persistent kernel goes through the C_TMA epilogue (C TMA-loaded into
     the staging tile while the main loop runs, added in registers, TMA-stored; kernels/gemm_sm90.cuh) instead of the
-    staged fp32 copy-out. DEEPGEMM_C_EPILOGUE: "auto" (default: for M <= C_TMA_MAX_M), "tma" (always), "staged"
-    (never)."""
-    mode = os.environ.get("DEEPGEMM_C_EPILOGUE", "auto")
-    if mode not in ("auto", "tma", "staged"):
-        raise ArgumentError(f"DEEPGEMM_C_EPILOGUE: expected 'auto', 'tma' or 'staged', got {mode!r}")
-    return mode == "tma" or (mode == "auto" and m <= C_TMA_MAX_M)
+    staged fp32 copy-out. DEEPGEMM_C_EPILOGUE: "tma" (default since session 28: on the H200 M = 4096 C = D rows went
+    0.77-0.97x -> 0.85-1.06x cuBLAS, geo-mean 0.84x -> 0.93x; M = 128 7168x2048 17.8 -> 16.5 us, the other rows
+    within 2 %; docs/benchmarks/gpu_runs_2026-12-02_s28/) or "staged"."""
+    mode = os.environ.get("DEEPGEMM_C_EPILOGUE", "tma")
+    if mode not in ("tma", "staged"):
+        raise ArgumentError(f"DEEPGEMM_C_EPILOGUE: expected 'tma' or 'staged', got {mode!r}")
+    return mode == "tma"
 
 
 def c_tma_why_not(d: torch.Tensor, c: torch.Tensor | None, n: int, fp8: bool) -> str | None:
@@ -437,7 +431,7 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
             return
     elif fp8 and config is None and bias is None:
         log.debug("fp8 split-K not used: DEEPGEMM_SPLITK=0")
-    if config is None and c is not None and c_epilogue_tma(m):
+    if config is None and c is not None and c_epilogue_tma():
         why = c_tma_why_not(d, c, n, fp8)
         if why is None:
             config = pick_config("bf16", m, n, k, tma_store=True, c_tma=True, max_multicast=max_multicast())

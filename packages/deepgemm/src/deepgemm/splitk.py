@@ -270,20 +270,23 @@ def splitk_key(cfg: SplitKConfig, n: int, k: int, out_dtype: torch.dtype, c_dtyp
                      reduce=cfg.reduce, c_early=cfg.c_early and c_dtype is not None and cfg.splits > 1)
 
 
-def c_early_allowed() -> bool:
+def c_early_allowed(fp8: bool) -> bool:
     """Whether split-K GEMMs with C add it in split 0's partial sums, loaded before the main loop (kernels/
-    splitk_sm90.cuh C_EARLY), instead of in the reduction after it. DEEPGEMM_SPLITK_C: "early" (default since
-    session 28: on the H200 128x4096x7168 acc 30.2 -> 29.7 us, 128x2112x7168 acc 20.2 -> 19.9, 128x576x7168 equal;
-    docs/benchmarks/gpu_runs_2026-12-02_s28/r1/dgsmall) or "reduce"."""
-    mode = os.environ.get("DEEPGEMM_SPLITK_C", "early")
-    if mode not in ("early", "reduce"):
-        raise ArgumentError(f"DEEPGEMM_SPLITK_C: expected 'early' or 'reduce', got {mode!r}")
-    return mode == "early"
+    splitk_sm90.cuh C_EARLY), instead of in the reduction after it. DEEPGEMM_SPLITK_C: "auto" (default: bf16 only;
+    on the H200, session 28, 128x4096x7168 acc 30.2 -> 29.4-29.7 us, 128x2112x7168 acc 20.2 -> 19.9, 128x576x7168
+    equal; docs/benchmarks/gpu_runs_2026-12-02_s28/), "early" (fp8 too: C enters the accumulator that the fp8
+    wgmmas add into, so it loses their accumulation precision: up to 2x test_splitk's fp32-C bound on the H200)
+    or "reduce"."""
+    mode = os.environ.get("DEEPGEMM_SPLITK_C", "auto")
+    if mode not in ("auto", "early", "reduce"):
+        raise ArgumentError(f"DEEPGEMM_SPLITK_C: expected 'auto', 'early' or 'reduce', got {mode!r}")
+    return mode == "early" or (mode == "auto" and not fp8)
 
 
 def with_c_early(cfg: SplitKConfig, has_c: bool) -> SplitKConfig:
-    """`cfg` with C_EARLY where DEEPGEMM_SPLITK_C=early asks for it and it applies (C, more than one split)."""
-    if cfg.c_early or not c_early_allowed():
+    """`cfg` with C_EARLY where DEEPGEMM_SPLITK_C asks for it (c_early_allowed) and it applies (C, more than one
+    split)."""
+    if cfg.c_early or not c_early_allowed(cfg.fp8):
         return cfg
     if not has_c or cfg.splits < 2:
         log.debug("split-K C_EARLY not used: %s", "no C" if not has_c else "one split (no reduction)")

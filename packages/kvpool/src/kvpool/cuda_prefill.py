@@ -29,7 +29,7 @@ CONFIGS = ((8, 1), (4, 1), (4, 2), (8, 2), (8, 2, 32), (4, 2, 32), (8, 2, 32, 3)
 # w8x2 was fastest on every measured case (H200, 2026-12-01, docs/benchmarks/kvpool_prefill_run2.json:
 # 32K prompt 35.6 ms vs w8x1 44.1; 4K on a 28K prefix 8.6 vs 10.9; 8 x 4K 5.0 vs 6.0) despite
 # ptxas spilling ~100 bytes at d128: two 16-row blocks per warp halve the K/V shared-memory reads.
-DEFAULT_CONFIG = (8, 2)
+CP_ASYNC_CONFIG = (8, 2)
 # wgmma kernels: ("wg", consumer warpgroups of 64 query rows, kv tokens per stage, stages, producer warps[,
 # "pp": the two warpgroups take turns on the tensor cores]). Opt-in (KVPOOL_PREFILL_KERNEL): on the
 # H200 (2026-12-02 R3, 1 x 32K causal) wg2n64s6p4pp 47.8 ms and wg2n64s4p2 78.0 ms against w8x2's
@@ -45,6 +45,12 @@ DEFAULT_CONFIG = (8, 2)
 WGMMA_CONFIGS = (("wg", 2, 64, 6, 4, "pp"), ("wg", 2, 64, 4, 2), ("wg", 2, 128, 2, 4),
                  ("wg", 2, 64, 6, 4, "pp", "tma"), ("wg", 2, 128, 3, 4, "pp", "tma"), ("wg", 2, 128, 3, 4, "tma"))
 CONFIGS = CONFIGS + WGMMA_CONFIGS
+# The default since session 28 (H200, 2026-12-02, bench_prefill in one run with SDPA's flash backend,
+# docs/benchmarks/gpu_runs_2026-12-02_s28/r2/kv15): wg2n128s3p4tma 18.6 ms for a 1 x 32K causal prompt against w8x2's
+# 35.5 and SDPA flash's 25.4 (1.37x flash); 4K on a 28K prefix 4.3 vs 8.9 ms; 8 x 4K 2.6 vs 5.0 ms; its GPU tests
+# (TMA vs the float32 reference, page sizes 8-256, stale NaN slots) passed. Pools the TMA loader cannot read
+# (tma_reason) take CP_ASYNC_CONFIG, the fastest cp.async kernel.
+DEFAULT_CONFIG = ("wg", 2, 128, 3, 4, "tma")
 MAX_GRID_Y = 65535
 _CTYPES = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 
@@ -223,8 +229,8 @@ def paged_prefill_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: t
         reason = tma_reason(pool, cfg)
         if reason is not None:
             log.debug("paged_prefill: %s cannot load this pool with TMA (%s); using %s", config_name(cfg), reason,
-                      config_name(DEFAULT_CONFIG))
-            cfg = DEFAULT_CONFIG
+                      config_name(CP_ASYNC_CONFIG))
+            cfg = CP_ASYNC_CONFIG
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = torch.empty_like(q)
     tiles = tile_list(cu, lens, rows_per_cta(cfg))
