@@ -98,19 +98,24 @@ class _WithHead(torch.nn.Module):
         return self.lm_head(self.body(x))
 
 
-@pytest.mark.parametrize("kwargs, head_swapped", [({}, False), ({"fp8": True}, True),
-                                                  ({"include": ["body", "lm_head"]}, True)],
+@pytest.mark.parametrize("kwargs, rule", [({}, True), ({"fp8": True}, False), ({"include": ["body", "lm_head"]}, False)],
                          ids=["bf16-default", "fp8", "named"])
-def test_cuda_bf16_keeps_the_output_embedding_unless_named(cuda_present, kwargs, head_swapped):
+def test_cuda_bf16_output_embedding_takes_cublas_from_prefill_sizes(cuda_present, monkeypatch, kwargs, rule):
     model = _WithHead()
     report = register_optimizations(model, backend="cuda", **kwargs)
-    assert isinstance(model.body, GemmLinear)
-    assert isinstance(model.lm_head, GemmLinear) is head_swapped
-    if not head_swapped:
-        assert report.names("skipped") == ["lm_head"] and "output embedding" in report.skipped[0].reason
+    assert isinstance(model.body, GemmLinear) and isinstance(model.lm_head, GemmLinear)
+    assert model.body.cublas_from_m is None
+    assert model.lm_head.cublas_from_m == (opt.HEAD_CUBLAS_MIN_M if rule else None)
+    assert ("output embedding" in dict((d.name, d.reason) for d in report.swapped)["lm_head"]) is rule
+    head = model.lm_head
+    monkeypatch.delenv("TILESTACK_BF16_GEMM", raising=False)
+    edge = opt.HEAD_CUBLAS_MIN_M
+    assert head._cublas_from_here(edge) is rule and not head._cublas_from_here(edge - 1)
+    monkeypatch.setenv("TILESTACK_BF16_GEMM", "deepgemm")  # a forced policy wins (A/B timing)
+    assert not head._cublas_from_here(edge)
     cpu_model = _WithHead()
-    register_optimizations(cpu_model, backend="cpu")  # the rule is CUDA's measurement: the CPU swaps it
-    assert isinstance(cpu_model.lm_head, GemmLinear)
+    register_optimizations(cpu_model, backend="cpu")  # the rule is CUDA's measurement
+    assert cpu_model.lm_head.cublas_from_m is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -169,6 +169,7 @@ class GemmLinear(torch.nn.Module):
         self._logged_cpu = False
         self._routes: dict[tuple, str] = {}
         self._group: ProjectionGroup | None = None
+        self.cublas_from_m: int | None = None
         ops.handle_of(self)
 
     @classmethod
@@ -186,6 +187,7 @@ class GemmLinear(torch.nn.Module):
         out._cache, out._bias_cache, out._logged_cpu = None, None, False
         out._routes = {}
         out._group = None
+        out.cublas_from_m = None
         ops.handle_of(out)
         return out
 
@@ -249,11 +251,18 @@ class GemmLinear(torch.nn.Module):
         return (not self.fp8 and not self.fp4 and x2.is_cuda and x2.dtype is torch.bfloat16
                 and self._parameters["weight"].dtype is torch.bfloat16)
 
+    def _cublas_from_here(self, m: int) -> bool:
+        """`cublas_from_m` (bf16, policy "auto"): from that M on cuBLAS whatever the stand-alone measurement
+        says (register_optimizations sets it on a model's output embedding, where the model measured it)."""
+        edge = getattr(self, "cublas_from_m", None)
+        return edge is not None and m >= edge and bf16_policy() == "auto"
+
     def _cublas_when_traced(self, x2: torch.Tensor) -> bool:
         if not self._bf16_eligible(x2) or not isinstance(x2.shape[0], int):
             return False   # fp8 / fp4, or a dynamic M: the op (whose eager body still picks per shape)
-        return _traced_bf16_choice(x2.shape[0], self.out_features, self.in_features,
-                                   self._parameters.get("bias") is not None, x2.get_device()) == "cublas"
+        return self._cublas_from_here(x2.shape[0]) or _traced_bf16_choice(
+            x2.shape[0], self.out_features, self.in_features, self._parameters.get("bias") is not None,
+            x2.get_device()) == "cublas"
 
     def _forward_2d(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, in] -> [M, out] in x2's dtype (eager: the cached weight operand, deepgemm's kernel)."""
@@ -261,9 +270,9 @@ class GemmLinear(torch.nn.Module):
             log.debug("GemmLinear %dx%d: input on %s, running deepgemm's CPU reference (the sm_90a kernels need "
                       "CUDA tensors)", self.out_features, self.in_features, x2.device)
             self._logged_cpu = True
-        if self._bf16_eligible(x2) and x2.shape[0] and bf16_gemm_choice(
+        if self._bf16_eligible(x2) and x2.shape[0] and (self._cublas_from_here(x2.shape[0]) or bf16_gemm_choice(
                 x2.shape[0], self.out_features, self.in_features, self._parameters.get("bias") is not None,
-                x2.get_device()) == "cublas":
+                x2.get_device()) == "cublas"):
             self._to_cublas = True
             return torch.nn.functional.linear(x2, self._parameters["weight"], self._parameters.get("bias"))
         # bf16 out for a bf16 caller (the bias, in fp32, added in the GEMM's epilogue before the one rounding),

@@ -184,12 +184,15 @@ def _auto_precision(name: str, linear: torch.nn.Linear, x: torch.Tensor | None, 
     return fp8, f"fp8 e4m3: within budget and faster; {facts}"
 
 
-# Why a bf16 model's output embedding (lm_head) stays its nn.Linear unless include= names it: in the model, cuBLAS
-# there made the whole Llama-3-8B-shape prefill faster (8 x 512, H200, session 28: 14.25 -> 13.87 ms, 1.027x, five
-# interleaved rounds; docs/benchmarks/gpu_runs_2026-12-02_s28/r1/hf17) although the stand-alone choice measured
-# deepgemm faster on its shape (6.22 vs 6.60 ms).
-_HEAD_REASON = ("output embedding (lm_head), bf16: kept as the model's nn.Linear (cuBLAS), which measured faster in "
-                "the model than the stand-alone per-shape choice; name it in include= to swap it")
+# A bf16 model's output embedding (lm_head) takes cuBLAS from this M on, whatever its stand-alone per-shape
+# measurement says. Measured in the model (Llama-3-8B shape, H200, session 28, docs/benchmarks/
+# gpu_runs_2026-12-02_s28/): prefill 8 x 512 (M = 4096) 1.3-2.7 % faster with cuBLAS there (two runs of five
+# interleaved rounds) although deepgemm measured 15 % faster alone; decode b64 (M = 64) 1.5 % (graph) - 5 %
+# (eager) faster with deepgemm's head. Between 64 and 4096 it is not measured: 1024 splits decode batches from
+# prefill chunks.
+HEAD_CUBLAS_MIN_M = 1024
+_HEAD_REASON = (f"output embedding (lm_head): bf16 per-shape choice below M = {HEAD_CUBLAS_MIN_M}, cuBLAS from "
+                "there on (measured faster in the model at prefill)")
 
 _BF16_REASON = ("bf16: deepgemm or cuBLAS per (M, N, K), whichever measured faster on this GPU "
                 "(tilestack.layers.bf16_gemm_choice; CPU tensors: deepgemm's reference)")
@@ -212,8 +215,8 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
     fp8: GemmLinear with fp8 e4m3 operands (needs in_features % 128 == 0).
     sparse_24: prune Linears 2:4 by `sparse_method` into dataengine SparseLinear (exclusive with fp8).
     include: module names or fnmatch patterns to consider (None: every Linear and transformers MoE
-      block, except a bf16 CUDA model's output embedding, which stays cuBLAS: it measured faster in the model).
-      Other MoE blocks are swapped for ExpertParallelMoE (on `moe_group`) only when named.
+      block; a bf16 CUDA model's output embedding then takes cuBLAS from M = HEAD_CUBLAS_MIN_M on, as measured
+      in the model). Other MoE blocks are swapped for ExpertParallelMoE (on `moe_group`) only when named.
     precision: None (bf16, or fp8 with `fp8=True`), "bf16", "fp8", or "auto": run `calibration` (the
       tuple of forward arguments) once, and per Linear pick fp8 where its output's normwise relative
       error against the original is <= `error_budget` and it is faster than bf16 here (median of
@@ -272,7 +275,7 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
     report = OptimizationReport(backend, fp8, sparse_24, precision)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    keep_head = (backend == "cuda" and include is None and not fp8 and not sparse_24 and precision != "auto"
+    head_rule = (backend == "cuda" and include is None and not fp8 and not sparse_24 and precision != "auto"
                  and isinstance(head, torch.nn.Linear))
     seen = _capture_linear_inputs(model, include, calibration) if precision == "auto" else {}
     replacements: dict[int, torch.nn.Module] = {}
@@ -334,8 +337,6 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
         if not _matches(name, include):
             continue
         why = linear_skip_reason(module, backend, fp8, sparse_24)
-        if why is None and keep_head and module is head:
-            why = _HEAD_REASON
         if why is not None:
             decide(name, "linear", None, why, module)
             continue
@@ -347,6 +348,10 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
         elif precision == "auto":
             new, why = _auto_precision(name, module, seen.get(name), backend, float(error_budget), timing_iters)
             decide(name, "linear", new, why, module)
+        elif head_rule and module is head:
+            new = GemmLinear.from_linear(module)
+            new.cublas_from_m = HEAD_CUBLAS_MIN_M
+            decide(name, "linear", new, _HEAD_REASON, module)
         else:
             decide(name, "linear", GemmLinear.from_linear(module, fp8=fp8), "fp8 e4m3" if fp8 else _BF16_REASON,
                    module)

@@ -210,10 +210,11 @@ def test_replayed_calls_are_exact_on_the_gpu(m, n, k):
         deepgemm.fp8_gemm_nt(a8, w8, d)
         _gemm_module()._fp8_gemm_checked(a8, w8, full, None, "nt", None, None, None, "nk", False)
         assert torch.equal(d, full), f"fp8 call {it}"
-    # bf16 shapes on the split-K kernel have no plan (its workspace is not a caller tensor): full path
+    # shapes on the split-K kernel (bf16 or fp8) have no plan (its workspace is not a caller tensor): full path
     from deepgemm import splitk
 
-    assert len(plans._PLANS) == 1 + (splitk.pick_splitk(m, n, k, deepgemm.get_num_sms()) is None)
+    sms = deepgemm.get_num_sms()
+    assert len(plans._PLANS) == sum(splitk.pick_splitk(m, n, k, sms, kind) is None for kind in ("bf16", "fp8"))
 
 
 def test_bias_on_the_cpu_reference():

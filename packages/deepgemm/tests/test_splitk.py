@@ -253,6 +253,10 @@ def test_mn_major_unaligned_stride_is_copied(caplog):
 FP8_NK = [(2112, 7168), (576, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
 FP8_M = (1, 16, 64, 128)
 # Forced configs on odd shapes (K tails, N not a multiple of the tile, M across two m-blocks).
+# Elementwise bound of an fp8 result against the float64 reference, relative to max |D|: Hopper's fp8 wgmma adds
+# inside a 128-K block with reduced precision (docs/deepgemm.md: 3.8e-5 .. 1.3e-4 of max |D| on the FP4 e4m3
+# kernels); on the H200 these fp32-C split-K cases reached 2.6e-4 (session 28), so 1e-3 (DeepGEMM's own bar).
+FP8_ELEMENT_BOUND = 1e-3
 FP8_ODD = [((1, 200, 272), (64, 64, 2)), ((5, 129, 1040), (64, 128, 3)), ((70, 2112, 1536), (64, 64, 4)),
            ((130, 1000, 4112), (128, 128, 5)), ((33, 1000, 4112), (64, 128, 33))]
 
@@ -350,7 +354,8 @@ def test_fp8_splitk_forced_odd_shapes_fp32_c(case):
     d = torch.empty(m, n, device="cuda")
     cuda_gemm.dense(a8, sfa, b8, sfb, d, c, config=fp8_cfg(m, n, k, bm, bn, s))
     ref = reference.fp8_gemm_nt(a8, sfa, b8, sfb, c)
-    torch.testing.assert_close(d, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert deepgemm.testing.calc_diff(d, ref) < 1e-5
+    torch.testing.assert_close(d, ref, rtol=0, atol=FP8_ELEMENT_BOUND * ref.abs().max().item())
 
 
 @pytest.mark.gpu
@@ -376,7 +381,7 @@ def test_fp8_splitk_deterministic_graph_and_in_place():
     c = torch.randn(m, n, device="cuda")  # fp32 C that is D (fp32 out)
     want = reference.fp8_gemm_nt(a8, sfa, b8, sfb, c)
     deepgemm.fp8_gemm_nt((a8, sfa), (b8, sfb), c, c=c)
-    torch.testing.assert_close(c, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    torch.testing.assert_close(c, want, rtol=0, atol=FP8_ELEMENT_BOUND * want.abs().max().item())
 
 
 # ----------------------------------------------------------------------------- multicast A (2-CTA clusters)
