@@ -4,7 +4,8 @@
 Issue 19's target: >= 1.5x bf16 cuBLAS geo-mean at M in {1, 16, 64, 128}, (N, K) in {(7168, 2048),
 (2112, 7168), (4096, 7168)}. Contenders: deepgemm fp8_fp4_gemm_nt (e4m3 activations, 1 x 128 scales) and
 bf16_fp4_gemm_nt (bf16 activations), each on the mma.sync kernel (fp8_fp4, bf16_fp4) and on the wgmma one
-(fp8_fp4_wgmma, bf16_fp4_wgmma; DEEPGEMM_FP4_KERNEL picks it per call),
+(fp8_fp4_wgmma, bf16_fp4_wgmma; DEEPGEMM_FP4_KERNEL picks it per call), the streaming and the small-M kernels
+(bf16_fp4_stream, bf16_fp4_small), the default policy (bf16_fp4_auto),
 torch.matmul (cuBLAS bf16), deepgemm fp8_gemm_nt (128x128 weight scales). Timing: tilehal.bench with the L2 flushed before every call (median), and a CUDA-graph replay
 (tilehal.bench_graph, L2 flushed too); both reported. GB/s counts the weight bytes (codes + scales) and
 the activations once.
@@ -38,8 +39,9 @@ def timed(fn, iters: int) -> tuple[float, float]:
 
 
 # fp8_fp4 / bf16_fp4: the mma.sync kernel; *_wgmma: the wgmma one; bf16_fp4_stream: the streaming kernel (M <= 16;
-# the wgmma one above); bf16_fp4_auto: the default policy (DEEPGEMM_FP4_KERNEL=auto), the figure issue 19 counts
-OURS = ("fp8_fp4", "fp8_fp4_wgmma", "bf16_fp4", "bf16_fp4_wgmma", "bf16_fp4_stream", "bf16_fp4_auto")
+# the wgmma one above); bf16_fp4_small: the small-M kernel (M <= 32; above: as auto); bf16_fp4_auto: the default
+# policy (DEEPGEMM_FP4_KERNEL=auto), the figure issue 19 counts
+OURS = ("fp8_fp4", "fp8_fp4_wgmma", "bf16_fp4", "bf16_fp4_wgmma", "bf16_fp4_stream", "bf16_fp4_small", "bf16_fp4_auto")
 
 
 def with_env(env: dict[str, str], fn):
@@ -92,6 +94,7 @@ def case(m: int, n: int, k: int, iters: int, only: str | None = None, variants=(
         "bf16_fp4": with_kernel("mma", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
         "bf16_fp4_wgmma": with_kernel("wgmma", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
         "bf16_fp4_stream": with_kernel("stream", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
+        "bf16_fp4_small": with_kernel("small", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
         "bf16_fp4_auto": with_kernel("auto", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
         "cublas_bf16": lambda: torch.matmul(a, w.T),
         "deepgemm_fp8": lambda: deepgemm.fp8_gemm_nt((a8, sfa_t), (b8, sfb), d),
@@ -135,6 +138,8 @@ NCU_CASES = {
     "mma_1": (1, 4096, 7168, False, "mma"), "mma_16": (16, 4096, 7168, False, "mma"),
     "wgmma_1": (1, 4096, 7168, False, "wgmma"), "stream_1": (1, 4096, 7168, False, "stream"),
     "stream_16": (16, 4096, 7168, False, "stream"), "stream_64": (64, 4096, 7168, False, "stream"),
+    "small_1": (1, 4096, 7168, False, "small"), "small_16": (16, 4096, 7168, False, "small"),
+    "small_1_2112": (1, 2112, 7168, False, "small"), "small_1_7168": (1, 7168, 2048, False, "small"),
 }
 
 

@@ -290,7 +290,7 @@ def test_gpu_c_and_graph_replay():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["auto", "mma", "wgmma", "stream"])
+@pytest.mark.parametrize("kernel", ["auto", "mma", "wgmma", "stream", "small"])
 @pytest.mark.parametrize("fp8", [True, False])
 def test_gpu_grouped_masked(fp8, kernel, monkeypatch):
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", kernel)
@@ -342,7 +342,8 @@ def check_bf16_activations(m: int, n: int, k: int, ue8m0: bool, seed: int) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel,m", [("wgmma", 16), ("stream", 16), ("stream", 64)])
+@pytest.mark.parametrize("kernel,m", [("wgmma", 16), ("stream", 16), ("stream", 64), ("small", 1), ("small", 16),
+                                      ("small", 32)])
 def test_gpu_mixed_scales_c_and_graph_replay(kernel, m, monkeypatch):
     """Half the rows with fp32 scales (slow-path chunks next to folded ones in one CTA), C, a cluster
     split-K launch replayed from a CUDA graph: the wgmma and the streaming kernel (bf16 activations; M = 64:
@@ -518,3 +519,107 @@ def test_gpu_stream_kernel_matches_reference(m, n, k, ue8m0, monkeypatch):
     fp32 and bf16 outputs: the float64 reference up to fp32 summation order."""
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "stream")
     check_bf16_activations(m, n, k, ue8m0, seed=m * 7 + n + k)
+
+
+# ----------------------------------------------------------------------------- the small-M kernel (bf16, M <= 32)
+
+
+def test_small_plan_covers_k_fits_and_fills_the_gpu(monkeypatch):
+    from deepgemm import cuda_fp4
+
+    shapes = ((7168, 2048), (2112, 7168), (4096, 7168), (200, 256), (136, 16384), (64, 1024), (72, 1152))
+    for m, (n, k) in itertools.product((1, 5, 8, 9, 16, 17, 32), shapes):
+        p = cuda_fp4.plan_small(m, n, k, 1, True, False, False, num_sms=132)
+        key = p.key
+        assert key.nt == (1 if m <= 8 else 2 if m <= 16 else 4) and key.rw * key.kw == cuda_fp4.SMALL_WARPS
+        assert (key.minb, key.slots) == (cuda_fp4.SMALL_BUILD[key.nt][0],
+                                         min(cuda_fp4.SMALL_BUILD[key.nt][1], -(-p.chunks_per_split // key.kw)))
+        assert p.splits * p.chunks_per_split >= k // 128 > (p.splits - 1) * p.chunks_per_split
+        assert p.chunks_per_split >= key.kw or p.splits == 1  # every k-warp has a chunk (but K's last split)
+        assert p.row_blocks * key.rows >= n > (p.row_blocks - 1) * key.rows and p.m_blocks * key.tokens >= m
+        assert 1 <= p.splits <= cuda_fp4.MAX_CLUSTER_SPLITS and p.cluster == ((1, p.splits, 1) if p.splits > 1 else None)
+        assert p.smem_bytes == max(key.tokens * p.chunks_per_split * 256, (key.kw - 1) * key.rw * 32 * key.nt * 16,
+                                   key.tokens * key.rows * 4)
+        assert p.smem_bytes + 1024 <= cuda_fp4.SM_SMEM
+        if (n, k) in shapes[:3]:  # the decode shapes: one wave of clusters with at least 3 CTAs per SM's worth of warps
+            ctas = p.row_blocks * p.splits * p.m_blocks
+            assert p.row_blocks * p.m_blocks <= cuda_fp4.cluster_capacity(132, key.minb, p.splits)
+            assert ctas * cuda_fp4.SMALL_WARPS >= 0.4 * 132 * key.minb * cuda_fp4.SMALL_WARPS, (m, n, k, p)
+    # cost ties go to more rows per CTA (one activation tile serves them), then to fewer splits
+    p = cuda_fp4.plan_small(1, 4096, 7168, 1, True, False, False, num_sms=132)
+    assert (p.key.rw, p.key.kw, p.splits) == (4, 2, 6)
+    monkeypatch.setenv("DEEPGEMM_FP4_SMALL_RW", "1")
+    monkeypatch.setenv("DEEPGEMM_FP4_SMALL_SPLITS", "3")
+    monkeypatch.setenv("DEEPGEMM_FP4_SMALL_SLOTS", "1")
+    monkeypatch.setenv("DEEPGEMM_FP4_SMALL_PF", "256")
+    monkeypatch.setenv("DEEPGEMM_FP4_SMALL_MINB", "3")
+    p = cuda_fp4.plan_small(1, 4096, 7168, 1, True, False, False, num_sms=132)
+    assert (p.key.rw, p.key.kw, p.splits, p.key.slots, p.key.pf, p.key.minb) == (1, 8, 3, 1, 256, 3)
+    monkeypatch.setenv("DEEPGEMM_FP4_SMALL_MINB", "4")
+    with pytest.raises(deepgemm.validate.ArgumentError, match="DEEPGEMM_FP4_SMALL_MINB"):
+        cuda_fp4.plan_small(1, 4096, 7168, 1, True, False, False, num_sms=132)
+
+
+def test_small_kernel_choice(monkeypatch):
+    from deepgemm import cuda_fp4
+
+    assert [cuda_fp4.use_small(False, m) for m in (1, 16, 17)] == [m <= cuda_fp4.AUTO_SMALL_MAX_M for m in (1, 16, 17)]
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "small")
+    assert [cuda_fp4.use_small(False, m) for m in (1, 16, 32, 33)] == [True, True, True, False]
+    assert not cuda_fp4.use_small(True, 1)  # e4m3 activations: the other kernels, as auto
+    assert [cuda_fp4.use_wgmma(False, m) for m in (1, 33)] == [False, True] and not cuda_fp4.use_stream(False, 1)
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "mma")
+    assert not cuda_fp4.use_small(False, 1)
+
+
+def test_small_launch_arguments_cpu(monkeypatch):
+    """The small kernel's host launch without a GPU (kernel stubbed): the argument list matches the kernel's
+    parameters (b, sfb, a, d, c, masked_m, M, N, K, lda, m_blocks, chunks per split), grid and cluster the plan's;
+    bf16_fp4_gemm_nt under DEEPGEMM_FP4_KERNEL=small launches it (the GPU check is stubbed)."""
+    from deepgemm import cuda_fp4
+
+    launches = stub_launches(monkeypatch)
+    m, n, k = 16, 2112, 7168
+    a, (packed, sf), *_ = operands(m, n, k, 32, False)
+    d = torch.empty(m, n, dtype=torch.bfloat16)
+    p = cuda_fp4.plan_small(m, n, k, 1, True, False, False, num_sms=132)
+    cuda_fp4._launch_small(p, a, packed, sf, d, None, None, m, n, k)
+    (grid, threads, args, smem, cluster), = launches
+    assert grid == p.grid == (p.row_blocks, p.splits, p.m_blocks) and threads == 32 * cuda_fp4.SMALL_WARPS
+    assert smem == p.smem_bytes and cluster == p.cluster
+    assert args[0] is packed and args[1] is sf and args[3] is d and args[4] is None and args[5] is None
+    assert args[6:] == [m, n, k, k, p.m_blocks, p.chunks_per_split]
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "small")
+    monkeypatch.setattr(cuda_fp4, "_check", lambda *args: None)
+    monkeypatch.setattr(cuda_fp4, "_fit_clusters", lambda p, device, replan: p)
+    monkeypatch.setattr(cuda_fp4, "get_num_sms", lambda: 132)
+    cuda_fp4.dense(a, None, packed, sf, 32, d, None)
+    assert len(launches) == 2 and launches[1][:2] == (p.grid, p.key.threads)
+
+
+SMALL_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (1, 4096, 7168), (3, 4096, 7168), (9, 200, 256), (2, 136, 16384),
+                (16, 72, 1152), (32, 4096, 2048), (17, 2112, 7168), (5, 64, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ue8m0", [True, False])
+@pytest.mark.parametrize("m,n,k", SMALL_SHAPES)
+def test_gpu_small_kernel_matches_reference(m, n, k, ue8m0, monkeypatch):
+    """bf16 activations at M <= 32 (the small kernel): power-of-two scales folded, fp32 ones through the 4-piece
+    slow path; N % 64 != 0 (200, 136, 72: partial row warps), K = 16384, one chunk (K = 128), fp32 and bf16
+    outputs: the float64 reference up to fp32 summation order."""
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "small")
+    check_bf16_activations(m, n, k, ue8m0, seed=m * 5 + n + k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [{"DEEPGEMM_FP4_SMALL_PF": "256"}, {"DEEPGEMM_FP4_SMALL_SLOTS": "4",
+                                     "DEEPGEMM_FP4_SMALL_MINB": "2"}, {"DEEPGEMM_FP4_SMALL_SLOTS": "1",
+                                     "DEEPGEMM_FP4_SMALL_MINB": "3"}, {"DEEPGEMM_FP4_SMALL_RW": "1"}])
+def test_gpu_small_kernel_variants_match(variant, monkeypatch):
+    """The A/B variants the benchmark times (L2 prefetch, slots, CTAs per SM, row warps) give the reference too."""
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "small")
+    for name, v in variant.items():
+        monkeypatch.setenv(name, v)
+    for m, n, k in ((1, 4096, 7168), (16, 2112, 7168)):
+        check_bf16_activations(m, n, k, True, seed=m + k)

@@ -2,6 +2,8 @@
 configuration the planners pick at issue 19's decode shapes, plus the other template paths (gran 128, fp32 out
 + C, masked). Runs in CI."""
 
+import itertools
+
 import pytest
 import tilehal
 from deepgemm import cuda_fp4
@@ -55,11 +57,31 @@ def stream_configs():
 
 STREAM_CONFIGS = stream_configs()
 
+# (RW, splits, P, PF, CTAs per SM) forced: the GPU round's variants (gpu_job.sh: DEEPGEMM_FP4_SMALL_*)
+SMALL_VARIANTS = [(None, None, None, 256, None), (None, None, 4, None, 2), (None, None, 1, None, 3), (1, None, None, None, None)]
+
+
+def small_configs():
+    keys = set()
+    for m in (1, 5, 16, 32):
+        for n, k in ((7168, 2048), (2112, 7168), (4096, 7168)):
+            keys.add(cuda_fp4.plan_small(m, n, k, 1, True, False, False, num_sms=132).key)
+    keys.add(cuda_fp4.plan_small(2, 136, 16384, 1, True, False, False, num_sms=132).key)  # 1 row warp x 8 k-warps
+    keys.add(cuda_fp4.plan_small(16, 2112, 7168, 1, False, True, False, num_sms=132).key)  # fp32 out + C
+    keys.add(cuda_fp4.plan_small(64, 2112, 2048, 4, True, False, True, num_sms=132, expected_m=16).key)  # masked
+    for forced in SMALL_VARIANTS:  # the bench's A/B variants at M = 1 / 16 (DEEPGEMM_FP4_SMALL_*)
+        for m, (n, k) in itertools.product((1, 16), ((7168, 2048), (2112, 7168), (4096, 7168))):
+            keys.add(cuda_fp4._plan_small(m, n, k, 1, True, False, False, 132, None, 8, forced).key)
+    return sorted(keys, key=lambda k: k.expression)
+
+
+SMALL_CONFIGS = small_configs()
+
 # (kind, batch): every kernel family's planned configurations in a few NVRTC runs; the wgmma kernels must not
 # serialize their wgmmas (ptxas C7510-C7515 warnings); nothing may spill (h.check_compiled).
 BATCHES = ([("mma", CONFIGS[i::2], ()) for i in range(2)] + [("wgmma", WGMMA_CONFIGS[i::3], ("serialized",))
                                                                for i in range(3)]
-           + [("stream", STREAM_CONFIGS, ())])
+           + [("stream", STREAM_CONFIGS, ())] + [("small", SMALL_CONFIGS[i::2], ()) for i in range(2)])
 
 
 @pytest.mark.parametrize("kind,batch,forbidden", BATCHES, ids=[f"{k}{i}" for i, (k, _, _) in enumerate(BATCHES)])
@@ -87,3 +109,9 @@ def test_wgmma_configs_cover_both_activation_kinds():
     assert {k.nwg for k in WGMMA_CONFIGS} == {1, 2} and any(k.has_c for k in WGMMA_CONFIGS)
     assert {k.act_fp8 for k in WGMMA_CONFIGS if k.masked} == {True, False}
     assert max(k.nt for k in WGMMA_CONFIGS if k.act_fp8) <= cuda_fp4.WG_FP8_MAX_TOKEN_TILES
+
+
+def test_small_configs_cover_token_tiles_warp_shapes_c_and_masked():
+    assert {k.nt for k in SMALL_CONFIGS} == {1, 2, 4} and {k.kw for k in SMALL_CONFIGS} >= {1, 2, 8}
+    assert any(k.has_c for k in SMALL_CONFIGS) and any(k.masked for k in SMALL_CONFIGS)
+    assert {k.out_bf16 for k in SMALL_CONFIGS} == {True, False} and {k.pf for k in SMALL_CONFIGS} == {0, 256}

@@ -273,18 +273,19 @@ AUTO_WGMMA_MIN_M = {"bf16": 17, "e4m3": None}
 def use_wgmma(act_fp8: bool, m: int) -> bool:
     """Whether a call with m tokens (per group) takes the wgmma kernel (DEEPGEMM_FP4_KERNEL, else AUTO_WGMMA_MIN_M)."""
     choice = kernel_choice()
-    if choice in ("auto", "stream"):
+    if choice in ("auto", "stream", "small"):
         low = AUTO_WGMMA_MIN_M["e4m3" if act_fp8 else "bf16"]
         return low is not None and m >= low
     return choice == "wgmma"
 
 
 def kernel_choice() -> str:
-    """DEEPGEMM_FP4_KERNEL: 'auto' (default: AUTO_WGMMA_MIN_M, and the streaming kernel for bf16 activations at
-    M <= STREAM_MAX_M), 'mma', 'wgmma' (both activation kinds) or 'stream' (bf16 at any M; e4m3 as auto): A/B."""
+    """DEEPGEMM_FP4_KERNEL: 'auto' (default: AUTO_WGMMA_MIN_M, the small-M kernel for bf16 activations at
+    M <= AUTO_SMALL_MAX_M, the streaming kernel at M <= STREAM_MAX_M), 'mma', 'wgmma' (both activation kinds),
+    'stream' (bf16 at any M; e4m3 as auto) or 'small' (bf16 at M <= SMALL_MAX_M; else, and e4m3, as auto): A/B."""
     v = os.environ.get("DEEPGEMM_FP4_KERNEL", "auto")
-    if v not in ("auto", "mma", "wgmma", "stream"):
-        raise validate.ArgumentError(f"DEEPGEMM_FP4_KERNEL: expected auto, mma, wgmma or stream, got {v!r}")
+    if v not in ("auto", "mma", "wgmma", "stream", "small"):
+        raise validate.ArgumentError(f"DEEPGEMM_FP4_KERNEL: expected auto, mma, wgmma, stream or small, got {v!r}")
     return v
 
 
@@ -456,6 +457,129 @@ def _plan_stream(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: boo
                          groups=groups)
 
 
+# ----------------------------------------------------------------------------- the small-M kernel (bf16, <= 32 tokens)
+# DEEPGEMM_FP4_KERNEL=auto takes it up to this many tokens (bf16 activations; 0: opt-in only, DEEPGEMM_FP4_KERNEL=small).
+AUTO_SMALL_MAX_M = 0
+SMALL_MAX_M = 32  # its widest token tile (4 n8 tiles); more tokens: the other kernels
+SMALL_WARPS = 8  # warps per CTA (RW row warps x KW k-warps)
+# Per token tiles: (CTAs of SMALL_WARPS per SM the kernel is built for, P: chunks of codes a thread holds in registers
+# at once), the most that compile without a spill under NVRTC 13.0 and 13.5 (24 warps: 80 registers; 16: 128).
+SMALL_BUILD = {1: (3, 2), 2: (2, 4), 4: (2, 2)}
+SMALL_FIXED_CHUNKS = 2  # a CTA's fixed cost in chunks of one warp's work (launch, activation copy, reduction)
+
+
+@dataclass(frozen=True)
+class Fp4SmallKey(_KernelKey):
+    """The small-M kernel: NT n8 token tiles, RW row warps (16 rows each) x KW k-warps, P register slots, PF the
+    L2 prefetch of its weight loads (0 or 256 bytes)."""
+
+    KERNEL = "fp4_small_sm90"
+    nt: int
+    rw: int
+    kw: int
+    out_bf16: bool
+    has_c: bool
+    masked: bool
+    slots: int = 2
+    pf: int = 0
+    minb: int = 2  # CTAs per SM it is built for (__launch_bounds__)
+
+    def template_args(self) -> tuple:
+        return self.nt, self.rw, self.kw, self.slots, self.pf, self.minb, self.out_type, self.has_c, self.masked
+
+    @property
+    def wn(self) -> int:
+        return self.rw
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.rw * self.kw
+
+    @property
+    def min_blocks(self) -> int:
+        return self.minb
+
+
+@dataclass(frozen=True)
+class Fp4SmallPlan(_ClusterPlan):
+    key: Fp4SmallKey
+
+    @property
+    def smem_bytes(self) -> int:  # the activation tile, the k-warps' parts, the epilogue's fp32 [tokens][rows] tile
+        k = self.key
+        return max(k.tokens * self.chunks_per_split * 256, (k.kw - 1) * k.rw * 32 * k.nt * 16, k.tokens * k.rows * 4)
+
+
+def use_small(act_fp8: bool, m: int) -> bool:
+    """Whether a call with m tokens (per group) takes the small-M kernel (bf16 activations only): auto up to
+    AUTO_SMALL_MAX_M tokens, DEEPGEMM_FP4_KERNEL=small up to SMALL_MAX_M."""
+    choice = kernel_choice()
+    top = SMALL_MAX_M if choice == "small" else AUTO_SMALL_MAX_M if choice == "auto" else 0
+    return not act_fp8 and m <= top
+
+
+def _env_int(name: str, allowed: tuple[int, ...]) -> int | None:
+    v = os.environ.get(name)
+    if v is None:
+        return None
+    if v not in tuple(str(x) for x in allowed):
+        raise validate.ArgumentError(f"{name}: expected one of {', '.join(map(str, allowed))}, got {v!r}")
+    return int(v)
+
+
+def plan_small(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
+               num_sms: int | None = None, expected_m: int | None = None,
+               max_splits: int | None = None) -> Fp4SmallPlan | None:
+    """Token tile, row warps x k-warps and cluster split-K of the small kernel (m: tokens per group, <= SMALL_MAX_M
+    per m-block); None when its activation tile cannot fit (K too long for 8 splits). DEEPGEMM_FP4_SMALL_RW (1, 2,
+    4, 8), _SPLITS (1..8), _SLOTS (1..6), _PF (0, 256) and _MINB (2, 3: CTAs per SM) force a choice (A/B only)."""
+    forced = (_env_int("DEEPGEMM_FP4_SMALL_RW", (1, 2, 4, 8)), _env_int("DEEPGEMM_FP4_SMALL_SPLITS", tuple(range(1, 9))),
+              _env_int("DEEPGEMM_FP4_SMALL_SLOTS", tuple(range(1, 7))), _env_int("DEEPGEMM_FP4_SMALL_PF", (0, 256)),
+              _env_int("DEEPGEMM_FP4_SMALL_MINB", (2, 3)))
+    return _plan_small(m, n, k, groups, out_bf16, has_c, masked, num_sms or get_num_sms(), expected_m,
+                       MAX_CLUSTER_SPLITS if max_splits is None else max_splits, forced)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_small(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool, sms: int,
+                expected_m: int | None, most: int, forced: tuple) -> Fp4SmallPlan | None:
+    f_rw, f_splits, f_slots, f_pf, f_minb = forced
+    nt, mm = 1, expected_m or m
+    while nt < SMALL_MAX_M // 8 and 8 * nt < mm:
+        nt *= 2
+    chunks = k // 128
+    m_blocks = ceil_div(m, 8 * nt)
+    tiles_m = groups * (ceil_div(expected_m, 8 * nt) if masked and expected_m else m_blocks)
+    blocks, slots = SMALL_BUILD[nt]
+    blocks = f_minb or blocks
+    # Cost: waves of clusters x (chunks per warp + a CTA's fixed cost); the cheapest, then more rows per CTA (one
+    # activation tile serves them), then fewer splits. Every warp gets at least one chunk.
+    best = None
+    for rw in (f_rw,) if f_rw else (8, 4, 2, 1):
+        kw = SMALL_WARPS // rw
+        tiles = ceil_div(n, 16 * rw) * tiles_m
+        for sp in (f_splits,) if f_splits else range(1, min(most, max(1, chunks // kw)) + 1):
+            cps = ceil_div(chunks, sp)
+            sp = ceil_div(chunks, cps)
+            smem = max(8 * nt * cps * 256, (kw - 1) * rw * 32 * nt * 16, 8 * nt * 16 * rw * 4)
+            fit = min(blocks, SM_SMEM // (smem + 1024))  # CTAs per SM its shared memory lets in
+            if fit == 0:
+                continue
+            cap = cluster_capacity(sms, fit, sp) if sp > 1 else fit * sms
+            cost = ceil_div(tiles, max(1, cap)) * (ceil_div(cps, kw) + SMALL_FIXED_CHUNKS)
+            cand = (cost, -rw, sp)
+            if best is None or cand < best[0]:
+                best = (cand, rw, kw, sp, cps)
+    if best is None:
+        return None
+    _, rw, kw, splits, cps = best
+    slots = min(f_slots or slots, max(1, ceil_div(cps, kw)))
+    key = Fp4SmallKey(nt=nt, rw=rw, kw=kw, out_bf16=out_bf16, has_c=has_c, masked=masked, slots=slots,
+                      pf=f_pf if f_pf is not None else 0, minb=blocks)
+    return Fp4SmallPlan(key=key, m_blocks=m_blocks, row_blocks=ceil_div(n, 16 * rw), splits=splits,
+                        chunks_per_split=cps, groups=groups)
+
+
 def kernel_source() -> str:
     """kernels/fp4_gemm_sm90.cuh, or the file DEEPGEMM_FP4_KERNEL_SOURCE names (A/B timing of a kernel change
     against the previous header in one run; every instantiation compiles from it)."""
@@ -594,6 +718,8 @@ def _fit_clusters(p, device: torch.device, replan):
         log.debug("fp4 wgmma: %d clusters of %d CTAs, the device holds %d at once: fewer splits", p.tiles_all,
                   p.splits, have)
         p = replan(p.splits - 1)
+        if p is None:  # the small kernel: no plan with fewer splits (its activation tile would not fit)
+            return None
     return p
 
 
@@ -631,6 +757,36 @@ def _launch_stream(p: Fp4StreamPlan, a, b, sfb, d, c, masked_m, m: int, n: int, 
                                               p.chunks_per_split], smem_bytes=p.smem_bytes, cluster=p.cluster)
 
 
+def _launch_small(p: Fp4SmallPlan, a, b, sfb, d, c, masked_m, m: int, n: int, k: int) -> None:
+    key = p.key
+    a2 = a.reshape(-1, k) if a.dim() == 3 else a
+    log.debug("fp4 small gemm %dx%dx%d (groups %d): %s grid %s cluster %s, %d chunks per split", m, n, k, p.groups,
+              key.expression, p.grid, p.cluster, p.chunks_per_split)
+    _kernel(key).launch(p.grid, key.threads, [b, sfb, a2, d, c, masked_m, m, n, k, a2.stride(0), p.m_blocks,
+                                              p.chunks_per_split], smem_bytes=p.smem_bytes, cluster=p.cluster)
+
+
+def _try_small(a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int, groups: int, expected_m: int | None) -> bool:
+    """Run the small-M kernel if the policy and its limits allow; whether it ran."""
+    if not use_small(sfa is not None, expected_m or m):
+        return False
+
+    def replan(most=None):
+        return plan_small(m, n, k, groups, d.dtype == torch.bfloat16, c is not None, masked_m is not None,
+                          expected_m=expected_m, max_splits=most)
+
+    p = replan()
+    if p is None:
+        log.debug("fp4 small: K = %d too long for its activation tile in %d splits; the other kernels", k,
+                  MAX_CLUSTER_SPLITS)
+        return False
+    p = _fit_clusters(p, a.device, replan)
+    if p is None:
+        return False
+    _launch_small(p, a, b, sfb, d, c, masked_m, m, n, k)
+    return True
+
+
 def _try_stream(a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int, groups: int, expected_m: int | None) -> bool:
     """Run the streaming kernel if the policy and its limits allow; whether it ran."""
     if not use_stream(sfa is not None, expected_m or m):
@@ -656,6 +812,8 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     if c is not None and c.dtype != torch.float32:
         log.debug("c: bf16 accumulation; widening C to fp32 for the FP4 kernel's epilogue")
         c = c.float()
+    if _try_small(a, sfa, b, sfb, d, c, None, m, n, k, 1, None):
+        return
     if _try_stream(a, sfa, b, sfb, d, c, None, m, n, k, 1, None):
         return
     if use_wgmma(sfa is not None, m):
@@ -681,6 +839,8 @@ def grouped_masked(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, s
         return
     sfb = _scales_32(sfb, gran)
     _check(a, b, sfb, d, None)
+    if _try_small(a, sfa, b, sfb, d, None, masked_m.contiguous(), m_max, n, k, g, min(expected_m, m_max)):
+        return
     if _try_stream(a, sfa, b, sfb, d, None, masked_m.contiguous(), m_max, n, k, g, min(expected_m, m_max)):
         return
     if use_wgmma(sfa is not None, min(expected_m, m_max)):

@@ -1150,5 +1150,155 @@ fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ s
                                                  shape_n, m0, rows_m, n_cta);
 }
 
+
+// ==================================================================================================
+// Small-M kernel (bf16 activations, <= 32 tokens): the streaming kernel's data path, built for occupancy.
+//
+// At M <= 16 every kernel above is latency-bound at 8-16 warps per SM (ncu, docs/deepgemm.md). Here a CTA is
+// RW x KW warps: RW row warps of 16 weight rows each, and KW k-warps that split the CTA's K range among
+// themselves (warp kw takes chunks kw, kw + KW, ... of the range), so a tile of 16 RW rows is worked on by KW
+// warps per CTA times gridDim.y CTAs (a thread-block cluster). Each thread keeps P chunks of its two rows'
+// codes and scales in registers (`load_nc_v4`, issued before anything else) and refills a slot as soon as it
+// is consumed; P is small (2-4) so that 16-24 warps per SM (MINB CTAs of 8 warps) fit their registers and keep
+// warps x 32 x P x 32 bytes of weights in flight per SM (64 KiB at 16 warps and P = 4). The activations of the CTA's
+// whole K range are staged once in shared memory (cp.async, the streaming kernel's swizzle: conflict free).
+// Decode, scale folding (power-of-two scales exact in the bf16 weights; any other scale: the 4-piece slow
+// path) and the mma.sync m16n8k16 swap-AB steps are the streaming kernel's (stream_steps).
+// Reduction, deterministic: the KW k-warps' accumulators are added in k-warp order through shared memory,
+// then the cluster's CTAs in split order through DSMEM (cluster_epilogue), which also adds C and writes D.
+// ==================================================================================================
+
+// MINB: CTAs per SM the kernel is built for (its register budget: 65536 / (32 RW KW MINB) a thread); the planner
+// (cuda_fp4.SMALL_BUILD) picks MINB and P per token tile so that nothing spills.
+template <int NT, int RW, int KW, int P, int PF, int MINB, typename OutT, bool HAS_C, bool MASKED>
+__global__ void __launch_bounds__(32 * RW * KW, MINB)
+fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sfb,
+               const __nv_bfloat16* __restrict__ a, OutT* __restrict__ d, const float* __restrict__ c,
+               const int* __restrict__ masked_m, int shape_m, int shape_n, int shape_k, int lda, int m_blocks,
+               int chunks_per_split) {
+  constexpr int ROWS = 16 * RW, TOKENS = 8 * NT, THREADS = 32 * RW * KW;
+  static_assert(NT == 1 || NT == 2 || NT == 4, "1, 2 or 4 token tiles (<= 32 tokens)");
+  static_assert(PF == 0 || PF == 256, "L2 prefetch: 0 or 256 bytes");
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
+  const int rw = warp % RW, kw = warp / RW;
+
+  const Fp4Tile tile = fp4_tile<MASKED>(masked_m, shape_m, shape_k, m_blocks, TOKENS, ROWS, chunks_per_split);
+  if (tile.m0 >= tile.rows_m) return;  // the whole cluster (one tile) returns together
+  const int group = tile.group, m0 = tile.m0, rows_m = tile.rows_m, n_cta = tile.n_cta, c_begin = tile.c_begin;
+  const int valid_t = min(TOKENS, rows_m - m0);
+  const int n_ch = max(0, tile.c_end - c_begin);         // chunks of the CTA
+  const int my_n = n_ch > kw ? (n_ch - kw + KW - 1) / KW : 0;  // of this warp: kw + KW j, j < my_n
+
+  // This thread's two weight rows g and g + 8 of its row warp (rows past N read row 0 of the group: valid memory,
+  // never stored): codes from byte 64 (c_begin + kw) + 16 q, scales from group 4 (c_begin + kw) + q.
+  const int r0 = n_cta + rw * 16 + g;
+  const size_t row0 = static_cast<size_t>(group) * shape_n + (r0 < shape_n ? r0 : 0);
+  const size_t row1 = static_cast<size_t>(group) * shape_n + (r0 + 8 < shape_n ? r0 + 8 : 0);
+  const unsigned char* wp = b + row0 * (shape_k / 2) + (c_begin + kw) * 64 + q * 16;
+  const float* sp = sfb + row0 * (shape_k / 32) + (c_begin + kw) * 4 + q;
+  const int w_off = static_cast<int>(row1 - row0) * (shape_k / 2), s_off = static_cast<int>(row1 - row0) * (shape_k / 32);
+  uint4 cw[P][2];
+  float cs[P][2];
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    cw[j][0] = cw[j][1] = make_uint4(0u, 0u, 0u, 0u);
+    cs[j][0] = cs[j][1] = 1.f;
+    if (j < my_n) {
+      cw[j][0] = load_nc_v4<uint4, PF>(wp + j * KW * 64);
+      cw[j][1] = load_nc_v4<uint4, PF>(wp + w_off + j * KW * 64);
+      cs[j][0] = ldg_stream_f32(sp + j * KW * 4);
+      cs[j][1] = ldg_stream_f32(sp + s_off + j * KW * 4);
+    }
+  }
+
+  // The CTA's activations (its whole K range, valid tokens only) -> shared memory, meanwhile.
+  extern __shared__ __align__(128) unsigned char smem[];
+  const __nv_bfloat16* a_g = a + (static_cast<size_t>(group) * shape_m + m0) * lda + c_begin * 128;
+  const int stride = chunks_per_split * 256;
+  stream_copy_act<THREADS>(smem, stride, a_g, lda, 0, n_ch, valid_t);
+  cp_async_wait_all();
+  __syncthreads();
+
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+
+  const int swz_c = (((q >> 1) & 1) << 1) | (g & 1);  // stream_unit's XOR for this thread (bits 0-1)
+  const int thr_off = g * stride + q * 64 + kw * 256;  // row g, unit 4q of the warp's first chunk
+  // The decode tables' register words, opaque to the compiler and per lane (see fp4_stream_sm90).
+  const u32 opaque0 = (static_cast<u32>(shape_k) >> 31) * static_cast<u32>(lane);
+  const u32 tab_l0 = kBf16L0 | opaque0, tab_h0 = kBf16H0 | opaque0;
+
+  for (int base = 0; base < my_n; base += P) {
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      const int li = base + j;  // the warp's li-th chunk: chunk kw + KW li of the CTA (uniform over the warp)
+      if (li < my_n) {
+        const unsigned char* act_i = smem + thr_off + li * KW * 256;
+        const float s0 = cs[j][0], s1 = cs[j][1];
+        const bool fold = __all_sync(0xFFFFFFFFu, foldable(s0) && foldable(s1));
+        const u32 s2_0 = prmt(__float_as_uint(s0), 0u, 0x3232), s2_1 = prmt(__float_as_uint(s1), 0u, 0x3232);
+        const u32 w[2][4] = {{cw[j][0].x, cw[j][0].y, cw[j][0].z, cw[j][0].w},
+                             {cw[j][1].x, cw[j][1].y, cw[j][1].z, cw[j][1].w}};
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const unsigned char* ax = act_i + ((x ^ swz_c) << 4);
+          u32 d0[4], d1[4];
+          decode_bf16_tab(w[0][x], d0, tab_l0, tab_h0);
+          decode_bf16_tab(w[1][x], d1, tab_l0, tab_h0);
+          if (fold) {
+            stream_steps<NT>(acc, d0, d1, s2_0, s2_1, ax, 8 * stride, valid_t, g);
+          } else {
+            float rest0 = s0, rest1 = s1;
+#pragma unroll 1
+            for (int pc = 0; pc < 4; ++pc) {  // s = p0 + p1 + p2 + p3 exactly, each of <= 6 significant bits
+              const float p0 = __uint_as_float(__float_as_uint(rest0) & 0xFFFC0000u);
+              const float p1 = __uint_as_float(__float_as_uint(rest1) & 0xFFFC0000u);
+              rest0 -= p0;
+              rest1 -= p1;
+              stream_steps<NT>(acc, d0, d1, prmt(__float_as_uint(p0), 0u, 0x3232),
+                               prmt(__float_as_uint(p1), 0u, 0x3232), ax, 8 * stride, valid_t, g);
+            }
+          }
+        }
+        if (li + P < my_n) {  // refill the slot with the warp's chunk li + P (the other slots' loads fly meanwhile)
+          const int o = (li + P) * KW;
+          cw[j][0] = load_nc_v4<uint4, PF>(wp + o * 64);
+          cw[j][1] = load_nc_v4<uint4, PF>(wp + w_off + o * 64);
+          cs[j][0] = ldg_stream_f32(sp + o * 4);
+          cs[j][1] = ldg_stream_f32(sp + s_off + o * 4);
+        }
+      }
+    }
+  }
+
+  // The k-warps' accumulators, added in k-warp order (k-warp 0 keeps the CTA's partial): [KW - 1][RW][NT 4][32].
+  float flat[NT * 4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) flat[4 * nt + i] = acc[nt][i];
+  if constexpr (KW > 1) {
+    float* part = reinterpret_cast<float*>(smem);
+    __syncthreads();  // every warp is done with the activation tile
+    if (kw > 0) {
+#pragma unroll
+      for (int e = 0; e < NT * 4; ++e) part[(((kw - 1) * RW + rw) * NT * 4 + e) * 32 + lane] = flat[e];
+    }
+    __syncthreads();
+    if (kw == 0) {
+      for (int k2 = 1; k2 < KW; ++k2) {
+#pragma unroll
+        for (int e = 0; e < NT * 4; ++e) flat[e] += part[(((k2 - 1) * RW + rw) * NT * 4 + e) * 32 + lane];
+      }
+    }
+  }
+  // store_partial (inside) syncs the CTA first, so k-warp 0 has read every part before the tile overwrites them.
+  cluster_epilogue<NT, RW, OutT, HAS_C, THREADS>(flat, reinterpret_cast<float*>(smem), kw == 0 ? rw : RW, d, c, group,
+                                                 shape_m, shape_n, m0, rows_m, n_cta);
+}
+
 }  // namespace fp4
 }  // namespace deepgemm
