@@ -555,7 +555,7 @@ def test_small_plan_covers_k_fits_and_fills_the_gpu(monkeypatch):
     monkeypatch.setenv("DEEPGEMM_FP4_SMALL_MINB", "3")
     p = cuda_fp4.plan_small(1, 4096, 7168, 1, True, False, False, num_sms=132)
     assert (p.key.rw, p.key.kw, p.splits, p.key.slots, p.key.pf, p.key.minb) == (1, 8, 3, 1, 256, 3)
-    monkeypatch.setenv("DEEPGEMM_FP4_SMALL_MINB", "4")
+    monkeypatch.setenv("DEEPGEMM_FP4_SMALL_MINB", "5")
     with pytest.raises(deepgemm.validate.ArgumentError, match="DEEPGEMM_FP4_SMALL_MINB"):
         cuda_fp4.plan_small(1, 4096, 7168, 1, True, False, False, num_sms=132)
 
@@ -615,7 +615,7 @@ def test_gpu_small_kernel_matches_reference(m, n, k, ue8m0, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{"DEEPGEMM_FP4_SMALL_PF": "256"}, {"DEEPGEMM_FP4_SMALL_SLOTS": "4",
                                      "DEEPGEMM_FP4_SMALL_MINB": "2"}, {"DEEPGEMM_FP4_SMALL_SLOTS": "1",
-                                     "DEEPGEMM_FP4_SMALL_MINB": "3"}, {"DEEPGEMM_FP4_SMALL_RW": "1"}])
+                                     "DEEPGEMM_FP4_SMALL_MINB": "4"}, {"DEEPGEMM_FP4_SMALL_RW": "1"}])
 def test_gpu_small_kernel_variants_match(variant, monkeypatch):
     """The A/B variants the benchmark times (L2 prefetch, slots, CTAs per SM, row warps) give the reference too."""
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "small")

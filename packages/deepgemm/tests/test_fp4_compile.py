@@ -58,7 +58,7 @@ def stream_configs():
 STREAM_CONFIGS = stream_configs()
 
 # (RW, splits, P, PF, CTAs per SM) forced: the GPU round's variants (gpu_job.sh: DEEPGEMM_FP4_SMALL_*)
-SMALL_VARIANTS = [(None, None, None, 256, None), (None, None, 4, None, 2), (None, None, 1, None, 3), (1, None, None, None, None)]
+SMALL_VARIANTS = [(None, None, None, 256, None), (None, None, 4, None, 2), (None, None, 1, None, 4), (1, None, None, None, None)]
 
 
 def small_configs():

@@ -464,7 +464,7 @@ SMALL_MAX_M = 32  # its widest token tile (4 n8 tiles); more tokens: the other k
 SMALL_WARPS = 8  # warps per CTA (RW row warps x KW k-warps)
 # Per token tiles: (CTAs of SMALL_WARPS per SM the kernel is built for, P: chunks of codes a thread holds in registers
 # at once), the most that compile without a spill under NVRTC 13.0 and 13.5 (24 warps: 80 registers; 16: 128).
-SMALL_BUILD = {1: (3, 2), 2: (2, 4), 4: (2, 2)}
+SMALL_BUILD = {1: (3, 3), 2: (3, 2), 4: (2, 2)}
 SMALL_FIXED_CHUNKS = 2  # a CTA's fixed cost in chunks of one warp's work (launch, activation copy, reduction)
 
 
@@ -532,10 +532,10 @@ def plan_small(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool,
                max_splits: int | None = None) -> Fp4SmallPlan | None:
     """Token tile, row warps x k-warps and cluster split-K of the small kernel (m: tokens per group, <= SMALL_MAX_M
     per m-block); None when its activation tile cannot fit (K too long for 8 splits). DEEPGEMM_FP4_SMALL_RW (1, 2,
-    4, 8), _SPLITS (1..8), _SLOTS (1..6), _PF (0, 256) and _MINB (2, 3: CTAs per SM) force a choice (A/B only)."""
+    4, 8), _SPLITS (1..8), _SLOTS (1..6), _PF (0, 256) and _MINB (2, 3, 4: CTAs per SM) force a choice (A/B only)."""
     forced = (_env_int("DEEPGEMM_FP4_SMALL_RW", (1, 2, 4, 8)), _env_int("DEEPGEMM_FP4_SMALL_SPLITS", tuple(range(1, 9))),
               _env_int("DEEPGEMM_FP4_SMALL_SLOTS", tuple(range(1, 7))), _env_int("DEEPGEMM_FP4_SMALL_PF", (0, 256)),
-              _env_int("DEEPGEMM_FP4_SMALL_MINB", (2, 3)))
+              _env_int("DEEPGEMM_FP4_SMALL_MINB", (2, 3, 4)))
     return _plan_small(m, n, k, groups, out_bf16, has_c, masked, num_sms or get_num_sms(), expected_m,
                        MAX_CLUSTER_SPLITS if max_splits is None else max_splits, forced)
 

@@ -1168,6 +1168,24 @@ fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ s
 // then the cluster's CTAs in split order through DSMEM (cluster_epilogue), which also adds C and writes D.
 // ==================================================================================================
 
+// Steps 2x and 2x + 1 of a chunk for every n-tile (stream_steps without its token guard): the activation rows of
+// tokens past the valid ones are read as they are (never written: any value), which only reaches the D columns of
+// those tokens (an mma's column j sums B's column j alone), never stored.
+template <int NT>
+TILEHAL_DEVICE void small_steps(float (&acc)[NT][4], const u32 (&d0)[4], const u32 (&d1)[4], u32 s0, u32 s1,
+                                const unsigned char* act, int nt_stride) {
+  const u32 a_lo[4] = {bf16x2_mul(d0[0], s0), bf16x2_mul(d1[0], s1), bf16x2_mul(d0[1], s0), bf16x2_mul(d1[1], s1)};
+  const u32 a_hi[4] = {bf16x2_mul(d0[2], s0), bf16x2_mul(d1[2], s1), bf16x2_mul(d0[3], s0), bf16x2_mul(d1[3], s1)};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const uint4 v = *reinterpret_cast<const uint4*>(act + nt * nt_stride);
+    const u32 b_lo[2] = {v.x, v.y};
+    const u32 b_hi[2] = {v.z, v.w};
+    mma_m16n8k16(MmaBF16{}, acc[nt], a_lo, b_lo);
+    mma_m16n8k16(MmaBF16{}, acc[nt], a_hi, b_hi);
+  }
+}
+
 // MINB: CTAs per SM the kernel is built for (its register budget: 65536 / (32 RW KW MINB) a thread); the planner
 // (cuda_fp4.SMALL_BUILD) picks MINB and P per token tile so that nothing spills.
 template <int NT, int RW, int KW, int P, int PF, int MINB, typename OutT, bool HAS_C, bool MASKED>
@@ -1242,15 +1260,20 @@ fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sf
         const u32 s2_0 = prmt(__float_as_uint(s0), 0u, 0x3232), s2_1 = prmt(__float_as_uint(s1), 0u, 0x3232);
         const u32 w[2][4] = {{cw[j][0].x, cw[j][0].y, cw[j][0].z, cw[j][0].w},
                              {cw[j][1].x, cw[j][1].y, cw[j][1].z, cw[j][1].w}};
+        if (fold) {  // the common case: one decode and 2 NT mmas per word, no branch inside the chunk
 #pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const unsigned char* ax = act_i + ((x ^ swz_c) << 4);
-          u32 d0[4], d1[4];
-          decode_bf16_tab(w[0][x], d0, tab_l0, tab_h0);
-          decode_bf16_tab(w[1][x], d1, tab_l0, tab_h0);
-          if (fold) {
-            stream_steps<NT>(acc, d0, d1, s2_0, s2_1, ax, 8 * stride, valid_t, g);
-          } else {
+          for (int x = 0; x < 4; ++x) {
+            u32 d0[4], d1[4];
+            decode_bf16_tab(w[0][x], d0, tab_l0, tab_h0);
+            decode_bf16_tab(w[1][x], d1, tab_l0, tab_h0);
+            small_steps<NT>(acc, d0, d1, s2_0, s2_1, act_i + ((x ^ swz_c) << 4), 8 * stride);
+          }
+        } else {  // the exact slow path (x unrolled: w stays in registers)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            u32 d0[4], d1[4];
+            decode_bf16_tab(w[0][x], d0, tab_l0, tab_h0);
+            decode_bf16_tab(w[1][x], d1, tab_l0, tab_h0);
             float rest0 = s0, rest1 = s1;
 #pragma unroll 1
             for (int pc = 0; pc < 4; ++pc) {  // s = p0 + p1 + p2 + p3 exactly, each of <= 6 significant bits
@@ -1258,8 +1281,8 @@ fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sf
               const float p1 = __uint_as_float(__float_as_uint(rest1) & 0xFFFC0000u);
               rest0 -= p0;
               rest1 -= p1;
-              stream_steps<NT>(acc, d0, d1, prmt(__float_as_uint(p0), 0u, 0x3232),
-                               prmt(__float_as_uint(p1), 0u, 0x3232), ax, 8 * stride, valid_t, g);
+              small_steps<NT>(acc, d0, d1, prmt(__float_as_uint(p0), 0u, 0x3232), prmt(__float_as_uint(p1), 0u, 0x3232),
+                              act_i + ((x ^ swz_c) << 4), 8 * stride);
             }
           }
         }
