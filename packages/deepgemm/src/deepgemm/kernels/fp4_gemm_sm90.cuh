@@ -1207,14 +1207,14 @@ fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sf
   const int n_ch = max(0, tile.c_end - c_begin);         // chunks of the CTA
   const int my_n = n_ch > kw ? (n_ch - kw + KW - 1) / KW : 0;  // of this warp: kw + KW j, j < my_n
 
-  // This thread's two weight rows g and g + 8 of its row warp (rows past N read row 0 of the group: valid memory,
-  // never stored): codes from byte 64 (c_begin + kw) + 16 q, scales from group 4 (c_begin + kw) + q.
+  // This thread's two weight rows g and g + 8 of its row warp (a row past N reads row g, or row 0 of the group:
+  // valid memory, never stored): codes from byte 64 (c_begin + kw) + 16 q, scales from group 4 (c_begin + kw) + q.
   const int r0 = n_cta + rw * 16 + g;
   const size_t row0 = static_cast<size_t>(group) * shape_n + (r0 < shape_n ? r0 : 0);
-  const size_t row1 = static_cast<size_t>(group) * shape_n + (r0 + 8 < shape_n ? r0 + 8 : 0);
+  const int dr = r0 + 8 < shape_n ? 8 : 0;  // row g + 8 is row g + dr
   const unsigned char* wp = b + row0 * (shape_k / 2) + (c_begin + kw) * 64 + q * 16;
   const float* sp = sfb + row0 * (shape_k / 32) + (c_begin + kw) * 4 + q;
-  const int w_off = static_cast<int>(row1 - row0) * (shape_k / 2), s_off = static_cast<int>(row1 - row0) * (shape_k / 32);
+  const int w_off = dr * (shape_k / 2), s_off = dr * (shape_k / 32);
   uint4 cw[P][2];
   float cs[P][2];
 #pragma unroll
