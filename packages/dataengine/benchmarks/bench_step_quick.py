@@ -11,9 +11,14 @@ Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay), p
   <s>.fused[_ring]         DATAENGINE_SELECT_FUSED=1: one launch of quest_select_chunk_kernel
   <s>.score[_ring] / topk  the two launches apart
   <s>.step_<path>          that selection + sparse paged_decode, and its speedup over dense
-  <s>.default              the defaults (no variable set); the only path at the shorter contexts
+  <s>.two_ring_heads_pairs int4 rows: the same with DATAENGINE_RING_Q4=pairs (paired-groups epilogue)
+  <s>.<path>_t512 / _t256  that path with DATAENGINE_TOPK_KERNEL=fast512 / fast256
+  <s>.default              the defaults (no variable set)
+  <s>.topk_<variant>_us    the top-k launch apart (fast, fast512, fast256)
 Every path's blocks are compared with the torch reference's (same summaries). BENCH_CONTEXTS
-(default 131072) adds shorter contexts (the first blocks of each sequence) for the default fp8 path.
+(default 131072) adds shorter contexts (the first blocks of each sequence) for the summaries in
+BENCH_CURVE_SUMMARIES (default fp8) and the paths in BENCH_CURVE_PATHS (default "default").
+BENCH_PATHS (comma-separated names) limits the paths at the largest context (default: all).
 Writes dataengine_step_quick.json into $DATAENGINE_BENCH_OUT (or docs/benchmarks with --record).
 """
 
@@ -53,7 +58,17 @@ def paths(dtype: torch.dtype) -> list[tuple[str, dict]]:
         if ring == "on":
             out.append(("two_ring_heads", {**base, "DATAENGINE_SELECT_FUSED": "0", "DATAENGINE_RING_GRID": "heads"}))
         out.append((f"fused{sfx}", {**base, "DATAENGINE_SELECT_FUSED": "1"}))
-    return out
+    if dtype in (torch.float8_e4m3fn, torch.uint8):
+        heads = {"DATAENGINE_RING_SCORES": "on", "DATAENGINE_RING_GRID": "heads", "DATAENGINE_SELECT_FUSED": "0"}
+        variants = [("two_ring_heads", heads)]
+        if dtype == torch.uint8:
+            variants.append(("two_ring_heads_pairs", {**heads, "DATAENGINE_RING_Q4": "pairs"}))
+            out.append(variants[-1])
+        for name, env in variants:
+            for t in ("512", "256"):
+                out.append((f"{name}_t{t}", {**env, "DATAENGINE_TOPK_KERNEL": f"fast{t}"}))
+    only = [x for x in os.environ.get("BENCH_PATHS", "").split(",") if x]
+    return [(n, e) for n, e in out if not only or n in only]
 
 
 def main() -> None:
@@ -71,8 +86,10 @@ def main() -> None:
         sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
         dense = lambda bt=bt, sl=sl: kvpool.paged_decode(q, pool, 0, bt, sl)  # noqa: E731
         row = {"dense_us": bench(dense), "dense_graph_us": bench_graph(dense)}
+        curve_s = os.environ.get("BENCH_CURVE_SUMMARIES", "fp8").split(",")
+        curve_p = os.environ.get("BENCH_CURVE_PATHS", "default").split(",")
         for name, (lo, hi) in summaries.items():
-            if ctx != max(contexts) and name != "fp8":
+            if ctx != max(contexts) and name not in curve_s:
                 continue
             ref = select.select_blocks_reference(q, lo, hi, bt, sl, TOP, 1, 1, block_size=BS)
             sbytes = 2 * B * nb * H * lo.shape[-1] * lo.element_size()
@@ -85,7 +102,7 @@ def main() -> None:
                 return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=sel())
 
             for pname, env in paths(lo.dtype):
-                if ctx != max(contexts) and pname != "default":
+                if ctx != max(contexts) and pname not in curve_p:
                     continue
                 with environ(env):
                     try:
@@ -106,10 +123,12 @@ def main() -> None:
                         r[f"speedup_{pname}_graph"] = round(row["dense_graph_us"] / g, 2)
                     if pname.startswith("two") and ctx == max(contexts):  # the two launches apart
                         t = bench(lambda bt=bt, lo=lo, hi=hi: cuda_select.quest_raw_scores(q, lo, hi, bt, "max"))
-                        r[f"score_{pname[4:] or 'mma'}_us"] = t  # score_mma / score_ring / score_ring_heads
+                        sname = pname[4:].removesuffix("_t512").removesuffix("_t256") or "mma"
+                        r[f"score_{sname}_us"] = t  # score_mma / score_ring / score_ring_heads[_pairs]
                         raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max")
-                        r["topk_fast_us"] = bench(lambda raw=raw, sl=sl: cuda_select.topk_rows(
-                            raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant="fast"))
+                        tv = env.get("DATAENGINE_TOPK_KERNEL", "fast")
+                        r[f"topk_{tv}_us"] = bench(lambda raw=raw, sl=sl, tv=tv: cuda_select.topk_rows(
+                            raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant=tv))
             idx = ref
 
             def sparse_only(bt=bt, sl=sl, idx=idx):

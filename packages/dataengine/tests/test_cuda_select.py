@@ -539,10 +539,12 @@ def _int4_rows(x: torch.Tensor, up: bool) -> torch.Tensor:
 @pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (64, 8, 8), (128, 16, 2), (64, 12, 2)])
 @pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("ring", ["on", "off"])
+@pytest.mark.parametrize("ring", ["on", "off", "on_pairs"])
 def test_int4_select_equals_reference(D, Hq, Hkv, reduce, fused, ring, monkeypatch):
-    if ring == "on" and D != 128:
+    if ring != "off" and D != 128:
         pytest.skip("int4 rings: head_dim 128")
+    monkeypatch.setenv("DATAENGINE_RING_Q4", "pairs" if ring == "on_pairs" else "groups")
+    ring = ring[:2]
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1" if fused else "0")
     monkeypatch.setenv("DATAENGINE_RING_SCORES", ring)
     for seed, (top_k, sink, local) in enumerate([(64, 1, 1), (7, 0, 0), (3, 2, 3), (200, 1, 1)]):
@@ -566,6 +568,37 @@ def test_heads_kernels_compile(s_dtype, head_dim, group, kv_heads):
     assert cuda_select.heads_kernel_name(s_dtype, head_dim, group, "max", kv_heads) in m.lowered_names
 
 
+@pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
+def test_paired_int4_and_few_thread_topk_kernels_compile_without_spills():
+    """The paired-groups int4 ring kernels (heads grid; chunk grid, scores and one launch) and the
+    512 / 256-thread fast top-k kernels, sm_90a: every kernel present and, when this run compiled it
+    (a cache hit has no ptxas report), 0 bytes of spill stores."""
+    u8 = torch.uint8
+    exprs = [cuda_select.heads_kernel_name(u8, 128, 4, "max", 8, True), cuda_select.heads_kernel_name(u8, 128, 2, "mean", 1, True),
+             cuda_select.chunk_kernel_name(u8, 128, 4, "max", False, True, True),
+             cuda_select.chunk_kernel_name(u8, 128, 4, "sum", True, True, True),
+             *[cuda_select.TOPK_KERNELS[f"fast{i}_{t}"] for t, its in cuda_select.FEW_THREADS_ITEMS.items() for i in its]]
+    m = tilehal.compile_cuda('#include "select.cuh"\n' + cuda_select._CHECKS + cuda_select._CHUNK_CHECKS, arch="sm_90a",
+                             name="select_pairs_probe", include_dirs=[str(cuda_select.KERNEL_DIR)], name_expressions=exprs,
+                             options=["--ptxas-options=-v"])
+    assert all(e in m.lowered_names for e in exprs)
+    if not m.cache_hit:
+        spills = [line for line in m.log.splitlines() if "spill stores" in line]
+        assert len(spills) == len(exprs) and all("0 bytes spill stores" in line for line in spills), m.log
+
+
+def test_ring_q4_env(monkeypatch):
+    monkeypatch.delenv("DATAENGINE_RING_Q4", raising=False)
+    assert cuda_select.ring_q4() == cuda_select.DEFAULT_RING_Q4 and not cuda_select._pairs(torch.uint8, 4)
+    monkeypatch.setenv("DATAENGINE_RING_Q4", "pairs")
+    assert cuda_select._pairs(torch.uint8, 4) and cuda_select._pairs(torch.uint8, 1)
+    assert not cuda_select._pairs(torch.uint8, 8) and not cuda_select._pairs(FP8, 4)  # > 4 heads; fp8 summaries
+    assert cuda_select.heads_kernel_name(torch.uint8, 128, 4, "max", 8, True).endswith(", 8, true>")
+    monkeypatch.setenv("DATAENGINE_RING_Q4", "quads")
+    with pytest.raises(ValueError, match="DATAENGINE_RING_Q4"):
+        cuda_select.ring_q4()
+
+
 def test_ring_grid_env(monkeypatch):
     monkeypatch.delenv("DATAENGINE_RING_GRID", raising=False)
     assert cuda_select.ring_grid() == cuda_select.DEFAULT_RING_GRID
@@ -577,9 +610,11 @@ def test_ring_grid_env(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (128, 16, 2), (128, 8, 1)])
 @pytest.mark.parametrize("reduce", ["max", "mean"])
-def test_int4_heads_grid_scores_exact(D, Hq, Hkv, reduce, monkeypatch):
-    """int4 rows through quest_score_heads_kernel: the reference's bounds exactly (dyadic grids), then
-    the reference's blocks."""
+@pytest.mark.parametrize("q4", cuda_select.RING_Q4_VARIANTS)
+def test_int4_heads_grid_scores_exact(D, Hq, Hkv, reduce, q4, monkeypatch):
+    """int4 rows through quest_score_heads_kernel (per-group or paired-groups epilogue): the
+    reference's bounds exactly (dyadic grids), then the reference's blocks."""
+    monkeypatch.setenv("DATAENGINE_RING_Q4", q4)
     monkeypatch.setenv("DATAENGINE_RING_SCORES", "on")
     monkeypatch.setenv("DATAENGINE_RING_GRID", "heads")
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "0")
@@ -607,7 +642,7 @@ def test_int4_rows_need_tensor_cores():
 
 # ----------------------------------------------------------------------------- the defaults, adversarial
 SELECT_ENV = ("DATAENGINE_SELECT_FUSED", "DATAENGINE_SCORE_KERNEL", "DATAENGINE_RING_SCORES", "DATAENGINE_RING_GRID",
-              "DATAENGINE_TOPK_KERNEL")
+              "DATAENGINE_TOPK_KERNEL", "DATAENGINE_RING_Q4")
 # (top_k, sink, local, what the seed's input is): budgets below, at and above the rows' block counts
 ADVERSARIAL = [(64, 1, 1, "integer ties"), (7, 0, 0, "integer ties, holes"), (3, 2, 3, "every block alike"),
                (256, 1, 1, "nothing written"), (1, 4, 4, "forced > budget"), (100, 0, 5, "-inf on half the blocks"),
@@ -628,10 +663,16 @@ def _adversarial_problem(seed: int, max_blocks: int):
     return _ADVERSARIAL_PROBLEMS[key]
 
 
+# the opt-in variants held to the same adversarial inputs (env, test id)
+ADVERSARIAL_VARIANTS = [({}, "default"), ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast512"}, "pairs512"),
+                        ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast256"}, "pairs256")]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant_env", [v for v, _ in ADVERSARIAL_VARIANTS], ids=[i for _, i in ADVERSARIAL_VARIANTS])
 @pytest.mark.parametrize("sdtype", [torch.bfloat16, FP8, torch.uint8], ids=["bf16", "fp8", "int4"])
 @pytest.mark.parametrize("max_blocks", [300, 2100], ids=["one-launch", "two-launch"])
-def test_default_selection_adversarial(sdtype, max_blocks, monkeypatch):
+def test_default_selection_adversarial(sdtype, max_blocks, variant_env, monkeypatch):
     """Issue 15's must-hold on the paths select_blocks takes by default (no variant in the
     environment; GQA 32/8, d128, bf16 q as in the 128K benchmark): rows of <= 2048 blocks in one
     launch, longer rows in two (fp8 / int4: ring scores on the heads grid). Integer inputs (bounds
@@ -641,6 +682,8 @@ def test_default_selection_adversarial(sdtype, max_blocks, monkeypatch):
     on a second launch (the one-launch path's row tickets re-armed)."""
     for name in SELECT_ENV:
         monkeypatch.delenv(name, raising=False)
+    for name, value in variant_env.items():  # an opt-in variant on top of the defaults
+        monkeypatch.setenv(name, value)
     for seed, (top_k, sink, local, what) in enumerate(ADVERSARIAL):
         q, kmin, kmax, table, lens = _adversarial_problem(seed, max_blocks)
         kmin, kmax = _summaries(sdtype, kmin, kmax, open_ends=seed % 2 == 1)  # new tensors: the cache stays intact

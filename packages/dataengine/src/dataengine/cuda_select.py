@@ -40,8 +40,12 @@ MMA_HEAD_DIMS = (64, 128)
 MMA_MAX_GROUP = 8
 _REDUCE = {"max": 0, "sum": 1, "mean": 2}
 FAST_ITEMS = (8, 16, 32)  # keys per thread of topk_fast_kernel (1024 threads): rows up to 32768 keys
+# the fewer-thread fast variants (fast512 / fast256): keys per thread for rows up to threads x items
+FEW_THREADS_ITEMS = {512: (16, 32), 256: (32,)}
 TOPK_KERNELS = {"plain": "dataengine::topk_select_kernel<false>", "staged": "dataengine::topk_select_kernel<true>",
-                **{f"fast{i}": f"dataengine::topk_fast_kernel<{i}>" for i in FAST_ITEMS}}
+                **{f"fast{i}": f"dataengine::topk_fast_kernel<{i}>" for i in FAST_ITEMS},
+                **{f"fast{i}_{t}": f"dataengine::topk_fast_kernel<{i}, {t}>" for t, its in FEW_THREADS_ITEMS.items()
+                   for i in its}}
 TOPK_KERNEL = TOPK_KERNELS["plain"]
 
 
@@ -98,18 +102,47 @@ def ring_grid() -> str:
     return v
 
 
-def heads_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int) -> str:
+RING_Q4_VARIANTS = ("groups", "pairs")
+DEFAULT_RING_Q4 = "groups"
+PAIRS_MAX_GROUP = 4  # paired int4 groups: the q heads of a kv head fill half of the m16n8 accumulator
+
+
+def ring_q4() -> str:
+    """DATAENGINE_RING_Q4 (default DEFAULT_RING_Q4), the int4 rows' epilogue in the ring scores:
+    "groups" (per 32-channel group: step * A + (lo - 16 step) * sum(q) on every accumulator) or
+    "pairs" (<= 4 q heads per kv head: two groups per accumulator, columns 0-3 and 4-7, so the
+    per-group epilogue runs half as often: 402 vs 509 instructions per 16-block tile, sm_90a SASS;
+    only the order of the float32 sums differs)."""
+    v = os.environ.get("DATAENGINE_RING_Q4") or DEFAULT_RING_Q4
+    if v not in RING_Q4_VARIANTS:
+        raise tilehal.ArgumentError(f"DATAENGINE_RING_Q4: expected one of {list(RING_Q4_VARIANTS)}, got {v!r}")
+    return v
+
+
+def _pairs(s_dtype: torch.dtype, group: int) -> bool:
+    """Whether the ring scores of int4 rows take the paired-groups epilogue (DATAENGINE_RING_Q4=pairs)."""
+    if s_dtype != torch.uint8 or ring_q4() != "pairs":
+        return False
+    if group > PAIRS_MAX_GROUP:
+        log.debug("int4 ring scores: %d q heads per kv head > %d; per-group epilogue", group, PAIRS_MAX_GROUP)
+        return False
+    return True
+
+
+def heads_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
+                      pairs: bool = False) -> str:
     return (f"dataengine::quest_score_heads_kernel<{_S_CTYPES_MMA[s_dtype]}, {head_dim}, {group}, {_REDUCE[reduce]}, "
-            f"{kv_heads}>")
+            f"{kv_heads}{', true' if pairs else ''}>")
 
 
 @functools.cache
 def compile_heads(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
-                  arch: str = "sm_90a") -> tilehal.CudaModule:
+                  arch: str = "sm_90a", pairs: bool = False) -> tilehal.CudaModule:
     """quest_score_heads_kernel for one configuration."""
     return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS + _CHUNK_CHECKS, arch=arch,
-                                name=f"quest_score_heads_{head_dim}_{group}_{kv_heads}", include_dirs=[str(KERNEL_DIR)],
-                                name_expressions=[heads_kernel_name(s_dtype, head_dim, group, reduce, kv_heads)])
+                                name=f"quest_score_heads_{head_dim}_{group}_{kv_heads}{'p' if pairs else ''}",
+                                include_dirs=[str(KERNEL_DIR)],
+                                name_expressions=[heads_kernel_name(s_dtype, head_dim, group, reduce, kv_heads, pairs)])
 
 
 def heads_chunk(device: torch.device, batch: int, nb: int) -> int:
@@ -136,19 +169,21 @@ def _ring(s_dtype: torch.dtype, head_dim: int, nbytes: int = 0) -> bool:
     return True
 
 
-def chunk_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, fused: bool, ring: bool) -> str:
+def chunk_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, fused: bool, ring: bool,
+                      pairs: bool = False) -> str:
     return (f"dataengine::quest_select_chunk_kernel<{_S_CTYPES_MMA[s_dtype]}, {head_dim}, {group}, {_REDUCE[reduce]}, "
-            f"{str(fused).lower()}, {str(ring).lower()}>")
+            f"{str(fused).lower()}, {str(ring).lower()}{', true' if pairs else ''}>")
 
 
 @functools.cache
 def compile_chunk(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, fused: bool, ring: bool,
-                  arch: str = "sm_90a") -> tilehal.CudaModule:
+                  arch: str = "sm_90a", pairs: bool = False) -> tilehal.CudaModule:
     """quest_select_chunk_kernel for one configuration (fused: the whole selection; else the scores)."""
     return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS + _CHUNK_CHECKS, arch=arch,
-                                name=f"quest_select_chunk_{head_dim}_{group}_{int(fused)}{int(ring)}",
+                                name=f"quest_select_chunk_{head_dim}_{group}_{int(fused)}{int(ring)}{'p' if pairs else ''}",
                                 include_dirs=[str(KERNEL_DIR)],
-                                name_expressions=[chunk_kernel_name(s_dtype, head_dim, group, reduce, fused, ring)])
+                                name_expressions=[chunk_kernel_name(s_dtype, head_dim, group, reduce, fused, ring,
+                                                                    pairs)])
 
 
 _CHUNK_CHECKS = (f'static_assert(dataengine::kChunkMax == {CHUNK_MAX}, "dataengine.cuda_select.CHUNK_MAX");\n'
@@ -264,8 +299,9 @@ def select_fused(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block_
     wc = min(width, chunk)
     cand = torch.empty((B * H * chunks * wc, 2), dtype=torch.int32, device=q.device)
     ring = _ring(kmin.dtype, D, kmin.numel() * kmin.element_size())
-    kern = compile_chunk(kmin.dtype, D, group, reduce, True, ring).get_kernel(
-        chunk_kernel_name(kmin.dtype, D, group, reduce, True, ring))
+    pairs = ring and _pairs(kmin.dtype, group)
+    kern = compile_chunk(kmin.dtype, D, group, reduce, True, ring, pairs=pairs).get_kernel(
+        chunk_kernel_name(kmin.dtype, D, group, reduce, True, ring, pairs))
     kern.launch((chunks, H, B), CHUNK_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], chunk, None, mode, nv, sl,
                                                 int(block_size or 1), int(sink), int(local), int(width), cand,
                                                 _tickets(q.device, B * H), out],
@@ -302,7 +338,7 @@ def compile_topk(arch: str = "sm_90a") -> tilehal.CudaModule:
                                 include_dirs=[str(KERNEL_DIR)], name_expressions=list(TOPK_KERNELS.values()))
 
 
-TOPK_VARIANTS = ("auto", "fast", "plain", "staged")
+TOPK_VARIANTS = ("auto", "fast", "plain", "staged", "fast512", "fast256")
 DEFAULT_TOPK = "auto"
 # "auto": the fast kernel from this many keys per row on, plain below. Measured on the H200
 # (2026-12-02, docs/benchmarks/dataengine_select_cuda_kernels.json, 64 rows): plain 9.9 / 11.0 /
@@ -313,8 +349,10 @@ FAST_TOPK_FROM = 4096
 def topk_variant() -> str:
     """DATAENGINE_TOPK_KERNEL (default DEFAULT_TOPK): "auto" (fast from FAST_TOPK_FROM keys per row,
     plain below), "fast" (topk_fast_kernel, rows up to 32768 keys, else "plain"), "plain" (512
-    threads, 4 x 8-bit radix passes from L2) or "staged" (keys in shared memory; measured no faster
-    than plain on the H200: 28.2 vs 24.5 us at 8192 keys)."""
+    threads, 4 x 8-bit radix passes from L2), "staged" (keys in shared memory; measured no faster
+    than plain on the H200: 28.2 vs 24.5 us at 8192 keys), "fast512" / "fast256" (topk_fast_kernel
+    with 512 threads x 16-32 keys / 256 threads x 32 keys and float4 loads: fewer warps per barrier;
+    longer rows take the 1024-thread kernel)."""
     v = os.environ.get("DATAENGINE_TOPK_KERNEL") or DEFAULT_TOPK
     if v not in TOPK_VARIANTS:
         raise tilehal.ArgumentError(f"DATAENGINE_TOPK_KERNEL: expected one of {list(TOPK_VARIANTS)}, got {v!r}")
@@ -408,15 +446,17 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     q = q.contiguous()
     if q.data_ptr() % 4:  # the mma kernel reads q as 32-bit words
         q = q.clone()
+    pairs = ring and _pairs(kmin.dtype, group)
     if ring and ring_grid() == "heads" and H <= 8:
         chunk = heads_chunk(q.device, B, nb)
-        kern = compile_heads(kmin.dtype, D, group, reduce, H).get_kernel(heads_kernel_name(kmin.dtype, D, group, reduce, H))
+        kern = compile_heads(kmin.dtype, D, group, reduce, H, pairs=pairs).get_kernel(
+            heads_kernel_name(kmin.dtype, D, group, reduce, H, pairs))
         kern.launch((-(-nb // chunk), B), 32 * H, [q, kmin, kmax, table, nb, kmin.shape[0], chunk, raw],
                     smem_bytes=chunk_smem_bytes(kmin.dtype, D, False, True) * H // (CHUNK_THREADS // 32))
     elif ring:
         chunk = mma_chunk(q.device, B * H, nb, CHUNK_MAX)
-        kern = compile_chunk(kmin.dtype, D, group, reduce, False, True).get_kernel(
-            chunk_kernel_name(kmin.dtype, D, group, reduce, False, True))
+        kern = compile_chunk(kmin.dtype, D, group, reduce, False, True, pairs=pairs).get_kernel(
+            chunk_kernel_name(kmin.dtype, D, group, reduce, False, True, pairs))
         kern.launch((-(-nb // chunk), H, B), CHUNK_THREADS, [q, kmin, kmax, table, nb, kmin.shape[0], chunk, raw, 0,
                                                              None, None, 1, 0, 0, 0, None, None, None],
                     smem_bytes=chunk_smem_bytes(kmin.dtype, D, False, True))
@@ -462,6 +502,16 @@ def topk_rows(scores: torch.Tensor, width: int, rows_per_b: int, sink: int, loca
     threads = TOPK_THREADS
     if variant == "auto":
         variant = "fast" if N >= FAST_TOPK_FROM else "plain"
+    if variant in ("fast512", "fast256"):
+        t = int(variant[4:])
+        items = next((i for i in FEW_THREADS_ITEMS[t] if N <= t * i), None)
+        if items is None:
+            log.debug("topk: %d keys exceed %s's registers; running the 1024-thread fast kernel", N, variant)
+            variant = "fast"
+        else:
+            variant, threads = f"fast{items}_{t}", t
+            if s.data_ptr() % 16:  # its float4 loads need 16-byte aligned rows (N % 4 == 0 checked in the kernel)
+                s = s.clone()
     if variant == "fast":
         items = next((i for i in FAST_ITEMS if N <= FAST_THREADS * i), None)
         if items is None:

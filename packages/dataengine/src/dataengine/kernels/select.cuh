@@ -867,38 +867,54 @@ __device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int w
   return take;
 }
 
-// topk_fast_kernel<ITEMS>  grid (rows), 1024 threads, N <= 1024 * ITEMS: the same rows as
-//   topk_select_kernel (same modes, same tie rule), faster: the keys in registers (one load),
-//   cta_topk.
-template <int ITEMS>
-__global__ void __launch_bounds__(kFastThreads) topk_fast_kernel(
+// topk_fast_kernel<ITEMS, THREADS>  grid (rows), THREADS threads (default 1024), N <= THREADS * ITEMS:
+//   the same rows as topk_select_kernel (same modes, same tie rule), faster: the keys in registers
+//   (one load), cta_topk. Fewer threads hold more keys each (512 x 16 or 256 x 32 for 8192 keys):
+//   fewer warps to reduce and scan at each barrier, more atomics and bins per thread (cuda_select's
+//   fast512 / fast256 variants).
+template <int ITEMS, int THREADS = kFastThreads>
+__global__ void __launch_bounds__(THREADS) topk_fast_kernel(
     const float* __restrict__ scores, int N, int rows_per_b, int mode, const int* __restrict__ nv,
     const int* __restrict__ seq_lens, const int* __restrict__ table, int block_size,
     int sink, int local, int width, int* __restrict__ out) {
   __shared__ int hist[kFastBins];
-  __shared__ TopkScratch<kFastThreads> sc;
+  __shared__ TopkScratch<THREADS> sc;
   __shared__ long long s_nvalid;
   const int row = blockIdx.x, b = row / rows_per_b, tid = threadIdx.x;
   const float* srow = scores + (long long)row * N;
   int* orow = out + (long long)row * width;
 
   // n_valid may exceed N (mode 1): the forced suffix then starts past it
-  const long long n_valid = row_n_valid<kFastThreads>(N, b, mode, nv, seq_lens, table, block_size, sc.warp_sums,
+  const long long n_valid = row_n_valid<THREADS>(N, b, mode, nv, seq_lens, table, block_size, sc.warp_sums,
                                                       s_nvalid);
   unsigned key[ITEMS];
   const int p0 = tid * ITEMS;
+  if (THREADS < kFastThreads && ITEMS % 4 == 0 && N % 4 == 0) {
+    // the fewer-thread variants: a thread's ITEMS consecutive scores as float4 loads (16-byte aligned:
+    // rows of N % 4 == 0 floats; a float4 lies wholly inside or past the row); the default keeps its
+    // scalar loads as measured
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int p = p0 + i;
-    key[i] = p < N ? select_key(p, n_valid, sink, local, srow[p]) : 0u;
+    for (int i = 0; i < ITEMS; i += 4) {
+      const int p = p0 + i;
+      const float4 v = p < N ? __ldcg(reinterpret_cast<const float4*>(srow + p)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float f[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) key[i + c] = p < N ? select_key(p + c, n_valid, sink, local, f[c]) : 0u;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int p = p0 + i;
+      key[i] = p < N ? select_key(p, n_valid, sink, local, srow[p]) : 0u;
+    }
   }
   int slot, total;
-  const unsigned take = cta_topk<kFastThreads, ITEMS>(key, width, hist, sc, slot, total);
+  const unsigned take = cta_topk<THREADS, ITEMS>(key, width, hist, sc, slot, total);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     if ((take >> i) & 1u) orow[slot++] = p0 + i;
   }
-  for (int s2 = total + tid; s2 < width; s2 += kFastThreads) orow[s2] = -1;
+  for (int s2 = total + tid; s2 < width; s2 += THREADS) orow[s2] = -1;
 }
 
 // ----------------------------------------------------------------------------- fp8 scores on f16 tensor cores
@@ -1051,15 +1067,123 @@ __device__ __noinline__ float4 fp8_tile_bf16(const __nv_bfloat16* __restrict__ q
   return make_float4(acc[0], acc[1], acc[2], acc[3]);
 }
 
+
+// ----------------------------------------------------------------------------- int4 rows, paired groups
+// int4 rows with G <= 4 q heads per kv head (D 128) use half of the m16n8 accumulator's columns, so
+// the per-group epilogue (bound += step * A + (lo - 16 step) * sum(q), per 32-channel group) ran
+// on accumulators half of whose columns are unused. Paired groups (DATAENGINE_RING_Q4=pairs): one
+// accumulator holds group p in columns 0-3 (B = q of heads 0-3 on lanes r < 4, zero on r >= 4) and
+// group p + 2 in columns 4-7 (B = q of heads 0-3 on lanes r >= 4, zero on r < 4), so each lane's
+// four accumulators are all used: lane t < 2 owns group p, t >= 2 group p + 2 (heads 2 (t % 2) + e).
+// Same MMAs (4 per pair and bound), half the epilogue; the partial bounds of lanes t and t ^ 2 are
+// added once per tile. Only the order of the float32 sums differs from the grouped path (exact on
+// the exactness tests' dyadic grids).
+template <int D, int G> struct PairQ {
+  static_assert(D == 128 && G >= 1 && G <= 4, "paired int4 groups: head_dim 128, at most 4 q heads per kv head");
+  static constexpr int kJ = D / 32, kP = kJ / 2;  // groups; pairs (p, p + kP)
+  unsigned bp[kP][2][4], bn[kP][2][4];  // B words of pair p, sub s (group p + kP s): q+ / q-, zero unless s == r / 4
+  float sp[kP][2], sn[kP][2];           // sums of q+ / q- over group p + kP (t / 2), head 2 (t % 2) + e
+  __device__ __forceinline__ void load(const __nv_bfloat16* q, long long head0, int r, int t) {
+    const int hr = r & 3, mine = r >> 2;
+    float fp[kJ], fn[kJ];
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      fp[j] = 0.f;
+      fn[j] = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // channels i (low half) and i + 4 (high half), as MmaQ<PAIRS4>
+        unsigned w = 0u;
+        if (hr < G) {
+          const unsigned* qw = reinterpret_cast<const unsigned*>(q + (head0 + hr) * D) + (32 * j + 8 * t) / 2;
+          w = __byte_perm(qw[i / 2], qw[2 + i / 2], (i % 2) ? 0x7632u : 0x5410u);
+        }
+        const unsigned wp = bf16x2_max0(w), wn = bf16x2_min0(w);
+        const float2 a = tilehal::bf16x2_to_float2(wp), c = tilehal::bf16x2_to_float2(wn);
+        fp[j] += a.x + a.y;
+        fn[j] += c.x + c.y;
+        bp[j % kP][j / kP][i] = j / kP == mine ? wp : 0u;
+        bn[j % kP][j / kP][i] = j / kP == mine ? wn : 0u;
+      }
+#pragma unroll
+      for (int off = 1; off < 4; off <<= 1) {  // over the quad: group j's sums of head hr
+        fp[j] += __shfl_xor_sync(0xffffffffu, fp[j], off);
+        fn[j] += __shfl_xor_sync(0xffffffffu, fn[j], off);
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < kP; ++p) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // quad 2 (t % 2) + e holds that head's sums
+        const int src = 4 * (2 * (t & 1) + e);
+        const float p0 = __shfl_sync(0xffffffffu, fp[p], src), p1 = __shfl_sync(0xffffffffu, fp[p + kP], src);
+        const float n0 = __shfl_sync(0xffffffffu, fn[p], src), n1 = __shfl_sync(0xffffffffu, fn[p + kP], src);
+        sp[p][e] = t >= 2 ? p1 : p0;
+        sn[p][e] = t >= 2 ? n1 : n0;
+      }
+    }
+  }
+};
+
+// One bound of a 16-block tile from the ring (rows r at lo, r + 8 at hi): acc (this lane's groups)
+// += step * A + (lo - 16 step) * sum(q), A the MMA's sum of q * (16 + code) over the group.
+// m78: 0x00780078 held in a register (words() as ((w << 3) & m78) | 0x41804180: ptxas otherwise
+// rematerializes the second constant of each LOP3, ~46 IMAD.MOV per tile).
+template <int D>
+__device__ __forceinline__ void q4_words(unsigned w, unsigned m78, unsigned (&o)[4]) {  // as Half<Q4, D>::words
+  o[0] = ((w << 3) & m78) | 0x41804180u;
+  o[1] = ((w >> 1) & m78) | 0x41804180u;
+  o[2] = ((w >> 5) & m78) | 0x41804180u;
+  o[3] = ((w >> 9) & m78) | 0x41804180u;
+}
+template <bool IS_MAX, int D, int G>
+__device__ __forceinline__ void q4_pairs_bound(const PairQ<D, G>& Q, const unsigned char* lo, const unsigned char* hi,
+                                               int t, unsigned m78, float (&acc)[4]) {
+  constexpr int kP = PairQ<D, G>::kP;
+  // this lane's (lo, step) pairs of rows r / r + 8: groups kP (t / 2) + p, adjacent words
+  const uint2 plo = *reinterpret_cast<const uint2*>(lo + Q4Row<D>::kCodeBytes + 4 * kP * (t >> 1));
+  const uint2 phi = *reinterpret_cast<const uint2*>(hi + Q4Row<D>::kCodeBytes + 4 * kP * (t >> 1));
+  const unsigned pr[2][2] = {{plo.x, plo.y}, {phi.x, phi.y}};
+#pragma unroll
+  for (int p = 0; p < kP; ++p) {
+    float a[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub) {
+      const int j = p + kP * sub;
+      unsigned al[4], ah[4];
+      q4_words<D>(*reinterpret_cast<const unsigned*>(lo + 16 * j + 4 * t), m78, al);
+      q4_words<D>(*reinterpret_cast<const unsigned*>(hi + 16 * j + 4 * t), m78, ah);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const tilehal::u32 af[4] = {al[2 * hh], ah[2 * hh], al[2 * hh + 1], ah[2 * hh + 1]};
+        const tilehal::u32 bq[2] = {IS_MAX ? Q.bp[p][sub][2 * hh] : Q.bn[p][sub][2 * hh],
+                                    IS_MAX ? Q.bp[p][sub][2 * hh + 1] : Q.bn[p][sub][2 * hh + 1]};
+        tilehal::mma_m16n8k16(tilehal::MmaBF16{}, a, af, bq);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const float2 ls = tilehal::bf16x2_to_float2(pr[s][p]);  // (lo, step)
+      const float c0 = fmaf(-16.f, ls.y, ls.x);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float ssum = IS_MAX ? Q.sp[p][e] : Q.sn[p][e];
+        acc[2 * s + e] = fmaf(ls.y, a[2 * s + e], fmaf(c0, ssum, acc[2 * s + e]));
+      }
+    }
+  }
+}
+
 template <typename TS, int D, int G> struct RingQ { using type = Fp8Q<D, G>; };
 template <int D, int G> struct RingQ<Q4, D, G> { using type = MmaQ<D, G, true, true>; };
+template <typename TS, int D, int G, bool PAIRS> struct RingQSel { using type = typename RingQ<TS, D, G>::type; };
+template <int D, int G> struct RingQSel<Q4, D, G, true> { using type = PairQ<D, G>; };
 
 // Scores of the CTA's positions from fp8 summaries or int4 rows through the rings: dst(i, score)
 // for i in [0, n_here); `ring_all`: kScoreThreads / 32 warps x RingSize<TS, D>::kWarpBytes of
 // shared memory.
 // This warp scores kv head h of sequence b (H kv heads) at the CTA's positions first, first +
 // stride, ... (16-block tiles).
-template <typename TS, int D, int G, int REDUCE, typename Dst>
+template <typename TS, int D, int G, int REDUCE, bool PAIRS = false, typename Dst>
 __device__ __forceinline__ void ring_scores(const __nv_bfloat16* __restrict__ q, const unsigned char* __restrict__ kmin,
                                             const unsigned char* __restrict__ kmax, const int* phys_s, int n_here,
                                             unsigned char* ring_all, Dst dst, int h, int b, int H, int first,
@@ -1110,8 +1234,11 @@ __device__ __forceinline__ void ring_scores(const __nv_bfloat16* __restrict__ q,
   };
 #pragma unroll
   for (int k = 0; k < kStages - 1; ++k) issue(k);
-  typename RingQ<TS, D, G>::type Q;
+  static_assert(!PAIRS || IsQ4<TS>::value, "paired groups are for int4 rows");
+  typename RingQSel<TS, D, G, PAIRS>::type Q;
   Q.load(q, head0, r, t);
+  // paired int4 groups: the code mask from a value ptxas cannot fold (n_tiles > 0), so it stays in one register
+  const unsigned m78 = 0x00780078u | (unsigned(n_tiles) >> 31);
   int read_slot = 0;
   for (int k = 0; k < n_tiles; ++k) {
     tilehal::cp_async_wait<kStages - 2>();
@@ -1120,7 +1247,14 @@ __device__ __forceinline__ void ring_scores(const __nv_bfloat16* __restrict__ q,
     const unsigned char* slot = ring + read_slot * S::kTile;
     read_slot = read_slot == kStages - 1 ? 0 : read_slot + 1;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    if constexpr (IsQ4<TS>::value) {
+    if constexpr (PAIRS) {
+      const unsigned char* lo = slot + r * S::kRow;
+      const unsigned char* hi = slot + (r + 8) * S::kRow;
+      q4_pairs_bound<true>(Q, lo, hi, t, m78, acc);
+      q4_pairs_bound<false>(Q, lo + S::kBound, hi + S::kBound, t, m78, acc);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], 2);  // groups p and p + 2
+    } else if constexpr (IsQ4<TS>::value) {
       Half<Q4, D> X, N;
       smem_fill(X, slot + r * S::kRow, slot + (r + 8) * S::kRow, t);
       smem_fill(N, slot + S::kBound + r * S::kRow, slot + S::kBound + (r + 8) * S::kRow, t);
@@ -1170,7 +1304,7 @@ __device__ __forceinline__ bool last_cta(unsigned* tickets, long long idx, int c
 // quest_select_chunk_kernel  grid (ceil(table_stride / chunk), kv_heads, B), 256 threads, chunk <=
 //   kChunkMax positions per CTA (the host sizes the grid to about one wave: long-lived CTAs).
 //   Scores: RING (fp8 summaries, int4 rows at head_dim 128) through ring_scores, else mma_scores
-//   (bf16, fp8, int4 rows).
+//   (bf16, fp8, int4 rows). PAIRS (int4 rows, RING, G <= 4): the paired-groups epilogue (PairQ).
 //   FUSED = false: the scores go to raw[b, h, :] (the score launch of the two-launch path).
 //   FUSED = true: they stay in shared memory; the CTA's top-min(width, chunk) keys (keys as in
 //   topk_select_kernel; cta_topk over 8 keys per thread) go out as (key, position) candidates, in
@@ -1181,7 +1315,7 @@ __device__ __forceinline__ bool last_cta(unsigned* tickets, long long idx, int c
 constexpr int kChunkMax = 2048;
 constexpr int kChunkItems = kChunkMax / kScoreThreads;
 
-template <typename TS, int D, int G, int REDUCE, bool FUSED, bool RING>
+template <typename TS, int D, int G, int REDUCE, bool FUSED, bool RING, bool PAIRS = false>
 __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_chunk_kernel(
     const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin, const void* __restrict__ kmax,
     const int* __restrict__ block_table, int table_stride, int num_blocks, int chunk, float* __restrict__ raw,
@@ -1208,8 +1342,9 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_chunk_kernel(
     else rrow[i] = s;
   };
   if constexpr (RING) {
-    ring_scores<TS, D, G, REDUCE>(q, static_cast<const unsigned char*>(kmin), static_cast<const unsigned char*>(kmax),
-                                  phys_s, n_here, dsm, dst, h, b, H, (tid / 32) * 16, (kScoreThreads / 32) * 16);
+    ring_scores<TS, D, G, REDUCE, PAIRS>(q, static_cast<const unsigned char*>(kmin),
+                                         static_cast<const unsigned char*>(kmax), phys_s, n_here, dsm, dst, h, b, H,
+                                         (tid / 32) * 16, (kScoreThreads / 32) * 16);
   } else {
     using P = typename Rows<TS, D>::ptr;
     mma_scores<TS, D, G, REDUCE>(q, static_cast<P>(kmin), static_cast<P>(kmax), phys_s, n_here, dst);
@@ -1269,8 +1404,8 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_chunk_kernel(
 //   chunk <= kChunkMax: warp h scores kv head h at every position of the CTA's chunk through its
 //   ring (ring_scores), so the H rows of a block (one record of H * row bytes in the pool) are
 //   requested by the CTA's warps at about the same time, instead of by H CTAs of the chunk kernel.
-//   Writes raw[b, h, :] like quest_select_chunk_kernel<..., FUSED = false, RING = true>.
-template <typename TS, int D, int G, int REDUCE, int H>
+//   Writes raw[b, h, :] like quest_select_chunk_kernel<..., FUSED = false, RING = true>. PAIRS: as there.
+template <typename TS, int D, int G, int REDUCE, int H, bool PAIRS = false>
 __global__ void __launch_bounds__(32 * H, 16 / H) quest_score_heads_kernel(
     const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin, const void* __restrict__ kmax,
     const int* __restrict__ block_table, int table_stride, int num_blocks, int chunk, float* __restrict__ raw) {
@@ -1287,8 +1422,9 @@ __global__ void __launch_bounds__(32 * H, 16 / H) quest_score_heads_kernel(
   }
   __syncthreads();
   float* rrow = raw + ((long long)b * H + h) * table_stride + pos0;
-  ring_scores<TS, D, G, REDUCE>(q, static_cast<const unsigned char*>(kmin), static_cast<const unsigned char*>(kmax),
-                                phys_s, n_here, dsm, [&](int i, float v) { rrow[i] = v; }, h, b, H, 0, 16);
+  ring_scores<TS, D, G, REDUCE, PAIRS>(q, static_cast<const unsigned char*>(kmin),
+                                       static_cast<const unsigned char*>(kmax), phys_s, n_here, dsm,
+                                       [&](int i, float v) { rrow[i] = v; }, h, b, H, 0, 16);
 }
 
 }  // namespace dataengine
