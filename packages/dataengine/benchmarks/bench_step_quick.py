@@ -12,9 +12,9 @@ Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay), p
   <s>.score[_ring] / topk  the two launches apart
   <s>.step_<path>          that selection + sparse paged_decode, and its speedup over dense
   <s>.two_ring_heads_pairs int4 rows: the same with DATAENGINE_RING_Q4=pairs (paired-groups epilogue)
-  <s>.<path>_t512 / _t256  that path with DATAENGINE_TOPK_KERNEL=fast512 / fast256
+  <s>.<path>_tx / _t512 / _t256  that path with DATAENGINE_TOPK_KERNEL=fastx / fast512 / fast256
   <s>.default              the defaults (no variable set)
-  <s>.topk_<variant>_us    the top-k launch apart (fast, fast512, fast256)
+  <s>.topk_<variant>_us    the top-k launch apart (fast, fastx, fast512, fast256)
 Every path's blocks are compared with the torch reference's (same summaries). BENCH_CONTEXTS
 (default 131072) adds shorter contexts (the first blocks of each sequence) for the summaries in
 BENCH_CURVE_SUMMARIES (default fp8) and the paths in BENCH_CURVE_PATHS (default "default").
@@ -65,7 +65,7 @@ def paths(dtype: torch.dtype) -> list[tuple[str, dict]]:
             variants.append(("two_ring_heads_pairs", {**heads, "DATAENGINE_RING_Q4": "pairs"}))
             out.append(variants[-1])
         for name, env in variants:
-            for t in ("512", "256"):
+            for t in ("x", "512", "256"):
                 out.append((f"{name}_t{t}", {**env, "DATAENGINE_TOPK_KERNEL": f"fast{t}"}))
     only = [x for x in os.environ.get("BENCH_PATHS", "").split(",") if x]
     return [(n, e) for n, e in out if not only or n in only]
@@ -123,7 +123,7 @@ def main() -> None:
                         r[f"speedup_{pname}_graph"] = round(row["dense_graph_us"] / g, 2)
                     if pname.startswith("two") and ctx == max(contexts):  # the two launches apart
                         t = bench(lambda bt=bt, lo=lo, hi=hi: cuda_select.quest_raw_scores(q, lo, hi, bt, "max"))
-                        sname = pname[4:].removesuffix("_t512").removesuffix("_t256") or "mma"
+                        sname = pname[4:].removesuffix("_tx").removesuffix("_t512").removesuffix("_t256") or "mma"
                         r[f"score_{sname}_us"] = t  # score_mma / score_ring / score_ring_heads[_pairs]
                         raw = cuda_select.quest_raw_scores(q, lo, hi, bt, "max")
                         tv = env.get("DATAENGINE_TOPK_KERNEL", "fast")

@@ -96,6 +96,88 @@ def test_chunked_selection_algorithm_is_exact():
         assert _top(cand, width) == want, (trial, n, chunk, width)
 
 
+def _cta_topk_model(keys, width, early, bins_bits=12):
+    """cta_topk's algorithm on the host (keys in position order: 0 invalid, 0xFFFFFFFF forced): counts,
+    the bits every free key shares skipped, 12-bit digit passes (early: stop once the chosen bin holds
+    exactly the keys still needed, T = the prefix so far), then the walk. Returns (positions, passes)."""
+    forced, free = [k == 0xFFFFFFFF for k in keys], [k != 0 and k != 0xFFFFFFFF for k in keys]
+    n_forced, n_free = sum(forced), sum(free)
+    need_free = max(width - n_forced, 0)
+    T, need, passes = 0, 0, 0
+    if 0 < need_free < n_free:
+        a, o = 0xFFFFFFFF, 0
+        for k, f in zip(keys, free):
+            if f:
+                a, o = a & k, o | k
+        diff = a ^ o
+        prefix, mask, need = a & o, ~diff & 0xFFFFFFFF, need_free
+        top = diff.bit_length() - 1
+        while top >= 0:
+            w = min(bins_bits, top + 1)
+            shift, dmask = top + 1 - w, (1 << w) - 1
+            hist = [0] * (1 << w)
+            for k, f in zip(keys, free):
+                if f and (k & mask) == prefix:
+                    hist[(k >> shift) & dmask] += 1
+            passes += 1
+            cum = 0
+            for d in range((1 << w) - 1, -1, -1):  # descending digits
+                if cum + hist[d] >= need:
+                    digit, need, count = d, need - cum, hist[d]
+                    break
+                cum += hist[d]
+            prefix, mask, top = prefix | (digit << shift), mask | (dmask << shift), shift - 1
+            if early and count == need:
+                break
+        T = prefix
+    all_free = need_free >= n_free
+    taken, f_rank, e_rank = [], 0, 0
+    for p, k in enumerate(keys):
+        if k == 0xFFFFFFFF:
+            tk = f_rank < width
+            f_rank += 1
+        elif k != 0 and need_free > 0:
+            tk = all_free or k > T
+            if not tk and k == T:
+                tk = e_rank < need
+                e_rank += 1
+            tk = tk and k > 0x007FFFFF
+        else:
+            tk = False
+        if tk:
+            taken.append(p)
+    return taken, passes
+
+
+def test_topk_early_exit_algorithm_is_exact():
+    """cta_topk's EARLY exit (the fastx / fast512 / fast256 variants), emulated on the host: the same
+    positions as the full radix select and as the one-level reference on spread-out, tie-heavy and
+    shared-prefix rows with -inf, forced and invalid keys; on spread-out float keys it takes fewer passes."""
+    g = torch.Generator().manual_seed(1)
+    saved = 0
+    for trial in range(120):
+        n = int(torch.randint(1, 3000, (1,), generator=g))
+        width = int(torch.randint(1, 200, (1,), generator=g))
+        kind = trial % 4
+        if kind == 0:  # order keys of positive float scores (the benchmark's Quest bounds)
+            raw = [(u | 0x80000000) for u in (torch.rand(n, generator=g) * 40 + 1).view(torch.int32).tolist()]
+        elif kind == 1:  # ties everywhere
+            raw = [0x80000000 + x for x in torch.randint(0, 5, (n,), generator=g).tolist()]
+        elif kind == 2:  # arbitrary 32-bit keys
+            raw = [int(x) % (1 << 32) for x in torch.randint(0, 1 << 32, (n,), generator=g).tolist()]
+        else:  # a shared prefix, differing low bits
+            raw = [0xC0000000 | x for x in torch.randint(0, 1 << 13, (n,), generator=g).tolist()]
+        mark = torch.rand(n, generator=g).tolist()
+        keys = [0 if m < 0.05 else 0x007FFFFF if m < 0.15 else 0xFFFFFFFF if m < 0.17 else k for k, m in zip(raw, mark)]
+        want = _top(list(zip(keys, range(n))), width)
+        full, p_full = _cta_topk_model(keys, width, early=False)
+        got, p_early = _cta_topk_model(keys, width, early=True)
+        assert full == want and got == want, (trial, n, width, kind)
+        assert p_early <= p_full
+        saved += p_full - p_early
+    assert saved > 0
+
+
 # ----------------------------------------------------------------------------- GPU
 def _problem(seed, B=6, Hq=32, Hkv=8, D=128, max_blocks=300, num_blocks=2000, dtype=torch.bfloat16,
              sdtype=None, integer=True, holes=False, unwritten=0.0):
@@ -569,15 +651,16 @@ def test_heads_kernels_compile(s_dtype, head_dim, group, kv_heads):
 
 
 @pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
-def test_paired_int4_and_few_thread_topk_kernels_compile_without_spills():
-    """The paired-groups int4 ring kernels (heads grid; chunk grid, scores and one launch) and the
-    512 / 256-thread fast top-k kernels, sm_90a: every kernel present and, when this run compiled it
-    (a cache hit has no ptxas report), 0 bytes of spill stores."""
+def test_paired_int4_and_x_topk_kernels_compile_without_spills():
+    """The paired-groups int4 ring kernels (heads grid; chunk grid, scores and one launch) and the X
+    fast top-k kernels (fastx, fast512, fast256), sm_90a: every kernel present and, when this run
+    compiled it (a cache hit has no ptxas report), 0 bytes of spill stores."""
     u8 = torch.uint8
     exprs = [cuda_select.heads_kernel_name(u8, 128, 4, "max", 8, True), cuda_select.heads_kernel_name(u8, 128, 2, "mean", 1, True),
              cuda_select.chunk_kernel_name(u8, 128, 4, "max", False, True, True),
              cuda_select.chunk_kernel_name(u8, 128, 4, "sum", True, True, True),
-             *[cuda_select.TOPK_KERNELS[f"fast{i}_{t}"] for t, its in cuda_select.FEW_THREADS_ITEMS.items() for i in its]]
+             *[cuda_select.TOPK_KERNELS[f"fast{i}_{t}"] for t, its in cuda_select.FEW_THREADS_ITEMS.items() for i in its],
+             *[cuda_select.TOPK_KERNELS[f"fastx{i}"] for i in cuda_select.FAST_ITEMS]]
     m = tilehal.compile_cuda('#include "select.cuh"\n' + cuda_select._CHECKS + cuda_select._CHUNK_CHECKS, arch="sm_90a",
                              name="select_pairs_probe", include_dirs=[str(cuda_select.KERNEL_DIR)], name_expressions=exprs,
                              options=["--ptxas-options=-v"])
@@ -664,7 +747,8 @@ def _adversarial_problem(seed: int, max_blocks: int):
 
 
 # the opt-in variants held to the same adversarial inputs (env, test id)
-ADVERSARIAL_VARIANTS = [({}, "default"), ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast512"}, "pairs512"),
+ADVERSARIAL_VARIANTS = [({}, "default"), ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fastx"}, "pairsx"),
+                        ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast512"}, "pairs512"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast256"}, "pairs256")]
 
 

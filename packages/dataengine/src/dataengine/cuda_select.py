@@ -40,12 +40,14 @@ MMA_HEAD_DIMS = (64, 128)
 MMA_MAX_GROUP = 8
 _REDUCE = {"max": 0, "sum": 1, "mean": 2}
 FAST_ITEMS = (8, 16, 32)  # keys per thread of topk_fast_kernel (1024 threads): rows up to 32768 keys
-# the fewer-thread fast variants (fast512 / fast256): keys per thread for rows up to threads x items
+# the X fast variants (float4 loads, cta_topk's early exit): fastx (1024 threads, FAST_ITEMS) and the
+# fewer-thread fast512 / fast256 (keys per thread for rows up to threads x items)
 FEW_THREADS_ITEMS = {512: (16, 32), 256: (32,)}
 TOPK_KERNELS = {"plain": "dataengine::topk_select_kernel<false>", "staged": "dataengine::topk_select_kernel<true>",
                 **{f"fast{i}": f"dataengine::topk_fast_kernel<{i}>" for i in FAST_ITEMS},
-                **{f"fast{i}_{t}": f"dataengine::topk_fast_kernel<{i}, {t}>" for t, its in FEW_THREADS_ITEMS.items()
-                   for i in its}}
+                **{f"fastx{i}": f"dataengine::topk_fast_kernel<{i}, {FAST_THREADS}, true>" for i in FAST_ITEMS},
+                **{f"fast{i}_{t}": f"dataengine::topk_fast_kernel<{i}, {t}, true>"
+                   for t, its in FEW_THREADS_ITEMS.items() for i in its}}
 TOPK_KERNEL = TOPK_KERNELS["plain"]
 
 
@@ -338,7 +340,7 @@ def compile_topk(arch: str = "sm_90a") -> tilehal.CudaModule:
                                 include_dirs=[str(KERNEL_DIR)], name_expressions=list(TOPK_KERNELS.values()))
 
 
-TOPK_VARIANTS = ("auto", "fast", "plain", "staged", "fast512", "fast256")
+TOPK_VARIANTS = ("auto", "fast", "plain", "staged", "fastx", "fast512", "fast256")
 DEFAULT_TOPK = "auto"
 # "auto": the fast kernel from this many keys per row on, plain below. Measured on the H200
 # (2026-12-02, docs/benchmarks/dataengine_select_cuda_kernels.json, 64 rows): plain 9.9 / 11.0 /
@@ -350,9 +352,10 @@ def topk_variant() -> str:
     """DATAENGINE_TOPK_KERNEL (default DEFAULT_TOPK): "auto" (fast from FAST_TOPK_FROM keys per row,
     plain below), "fast" (topk_fast_kernel, rows up to 32768 keys, else "plain"), "plain" (512
     threads, 4 x 8-bit radix passes from L2), "staged" (keys in shared memory; measured no faster
-    than plain on the H200: 28.2 vs 24.5 us at 8192 keys), "fast512" / "fast256" (topk_fast_kernel
-    with 512 threads x 16-32 keys / 256 threads x 32 keys and float4 loads: fewer warps per barrier;
-    longer rows take the 1024-thread kernel)."""
+    than plain on the H200: 28.2 vs 24.5 us at 8192 keys), "fastx" (the fast kernel with float4
+    loads and cta_topk's early exit: a radix pass whose bin holds exactly the keys still needed ends
+    the search) or "fast512" / "fast256" (fastx with 512 threads x 16-32 keys / 256 threads x 32
+    keys: fewer warps per barrier; longer rows take the 1024-thread fast kernel)."""
     v = os.environ.get("DATAENGINE_TOPK_KERNEL") or DEFAULT_TOPK
     if v not in TOPK_VARIANTS:
         raise tilehal.ArgumentError(f"DATAENGINE_TOPK_KERNEL: expected one of {list(TOPK_VARIANTS)}, got {v!r}")
@@ -506,19 +509,19 @@ def topk_rows(scores: torch.Tensor, width: int, rows_per_b: int, sink: int, loca
         t = int(variant[4:])
         items = next((i for i in FEW_THREADS_ITEMS[t] if N <= t * i), None)
         if items is None:
-            log.debug("topk: %d keys exceed %s's registers; running the 1024-thread fast kernel", N, variant)
-            variant = "fast"
+            log.debug("topk: %d keys exceed %s's registers; running the 1024-thread fastx kernel", N, variant)
+            variant = "fastx"
         else:
             variant, threads = f"fast{items}_{t}", t
-            if s.data_ptr() % 16:  # its float4 loads need 16-byte aligned rows (N % 4 == 0 checked in the kernel)
-                s = s.clone()
-    if variant == "fast":
+    if variant in ("fast", "fastx"):
         items = next((i for i in FAST_ITEMS if N <= FAST_THREADS * i), None)
         if items is None:
             log.debug("topk: %d keys exceed the fast kernel's registers; running the plain kernel", N)
             variant = "plain"
         else:
-            variant, threads = f"fast{items}", FAST_THREADS
+            variant, threads = f"{variant}{items}", FAST_THREADS
+    if TOPK_KERNELS[variant].endswith(", true>") and s.data_ptr() % 16:
+        s = s.clone()  # the X variants' float4 loads need 16-byte aligned rows (N % 4 == 0 checked in the kernel)
     compile_topk().get_kernel(TOPK_KERNELS[variant]).launch(
         rows, threads, [s, N, rows_per_b, mode, nv, sl, tb, int(block_size or 1), int(sink), int(local),
                         int(width), out], smem_bytes=N * 4 if variant == "staged" else 0)

@@ -757,7 +757,11 @@ template <int THREADS> struct TopkScratch {
   int digit, need;
 };
 
-template <int THREADS, int ITEMS>
+// EARLY (the fastx / fast512 / fast256 top-k variants): a pass whose chosen bin holds exactly the keys
+// still needed ends the radix select there: every key of the bin is taken, so T = the prefix so far
+// (lower bits 0; keys of the bin are >= T, keys == T number at most `need`, all taken) picks the same
+// keys. Spread-out scores often resolve in one 12-bit pass instead of two or three; ties keep passing.
+template <int THREADS, int ITEMS, bool EARLY = false>
 __device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int width, int* hist,
                                              TopkScratch<THREADS>& sc, int& slot, int& total) {
   static_assert(ITEMS <= 32 && THREADS * ITEMS <= 32768, "cta_topk: packed 16-bit counts, 32-bit take mask");
@@ -826,7 +830,12 @@ __device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int w
         int cum = excl;
 #pragma unroll
         for (int i = 0; i < kPer; ++i) {
-          if (cum + c[i] >= need) { sc.digit = kFastBins - 1 - kPer * tid - i; sc.need = need - cum; break; }
+          if (cum + c[i] >= need) {
+            sc.digit = kFastBins - 1 - kPer * tid - i;
+            // EARLY: the bin's count in the high 16 bits (counts <= 32768)
+            sc.need = EARLY ? int(unsigned(need - cum) | (unsigned(c[i]) << 16)) : need - cum;
+            break;
+          }
           cum += c[i];
         }
       }
@@ -834,8 +843,14 @@ __device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int w
       // (the next pass writes sc.digit / sc.need only after two more barriers)
       prefix |= unsigned(sc.digit) << shift;
       mask |= dmask << shift;
-      need = sc.need;
       top = shift - 1;
+      if constexpr (EARLY) {
+        const unsigned packed_need = unsigned(sc.need);
+        need = int(packed_need & 0xffffu);
+        if (int(packed_need >> 16) == need) break;  // the whole bin is taken: T = prefix
+      } else {
+        need = sc.need;
+      }
     }
     T = prefix;
   }
@@ -869,10 +884,10 @@ __device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int w
 
 // topk_fast_kernel<ITEMS, THREADS>  grid (rows), THREADS threads (default 1024), N <= THREADS * ITEMS:
 //   the same rows as topk_select_kernel (same modes, same tie rule), faster: the keys in registers
-//   (one load), cta_topk. Fewer threads hold more keys each (512 x 16 or 256 x 32 for 8192 keys):
-//   fewer warps to reduce and scan at each barrier, more atomics and bins per thread (cuda_select's
-//   fast512 / fast256 variants).
-template <int ITEMS, int THREADS = kFastThreads>
+//   (one load), cta_topk. X (cuda_select's fastx / fast512 / fast256 variants): float4 loads and
+//   cta_topk's EARLY exit; fewer THREADS hold more keys each (512 x 16 or 256 x 32 for 8192 keys):
+//   fewer warps to reduce and scan at each barrier, more atomics and bins per thread.
+template <int ITEMS, int THREADS = kFastThreads, bool X = false>
 __global__ void __launch_bounds__(THREADS) topk_fast_kernel(
     const float* __restrict__ scores, int N, int rows_per_b, int mode, const int* __restrict__ nv,
     const int* __restrict__ seq_lens, const int* __restrict__ table, int block_size,
@@ -889,10 +904,10 @@ __global__ void __launch_bounds__(THREADS) topk_fast_kernel(
                                                       s_nvalid);
   unsigned key[ITEMS];
   const int p0 = tid * ITEMS;
-  if (THREADS < kFastThreads && ITEMS % 4 == 0 && N % 4 == 0) {
-    // the fewer-thread variants: a thread's ITEMS consecutive scores as float4 loads (16-byte aligned:
-    // rows of N % 4 == 0 floats; a float4 lies wholly inside or past the row); the default keeps its
-    // scalar loads as measured
+  if (X && ITEMS % 4 == 0 && N % 4 == 0) {
+    // X: a thread's ITEMS consecutive scores as float4 loads (16-byte aligned: rows of N % 4 == 0
+    // floats, the host aligns the base; a float4 lies wholly inside or past the row); the default
+    // keeps its scalar loads as measured
 #pragma unroll
     for (int i = 0; i < ITEMS; i += 4) {
       const int p = p0 + i;
@@ -909,7 +924,7 @@ __global__ void __launch_bounds__(THREADS) topk_fast_kernel(
     }
   }
   int slot, total;
-  const unsigned take = cta_topk<THREADS, ITEMS>(key, width, hist, sc, slot, total);
+  const unsigned take = cta_topk<THREADS, ITEMS, X>(key, width, hist, sc, slot, total);
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     if ((take >> i) & 1u) orow[slot++] = p0 + i;
