@@ -131,26 +131,51 @@ def _pairs(s_dtype: torch.dtype, group: int) -> bool:
     return True
 
 
+RING_OCCS = ("2", "3")
+DEFAULT_RING_OCC = "2"
+
+
+def ring_occ() -> int:
+    """DATAENGINE_RING_OCC (default DEFAULT_RING_OCC): CTAs per SM quest_score_heads_kernel is built
+    and its grid sized for: 2 (the rings' stages: fp8 3, int4 4) or 3 (80 registers, one stage fewer:
+    fp8 2, int4 3, so three CTAs fit the shared memory: 24 warps per SM instead of 16; int4 rows only
+    with DATAENGINE_RING_Q4=pairs: the per-group epilogue spills at 80 registers)."""
+    v = os.environ.get("DATAENGINE_RING_OCC") or DEFAULT_RING_OCC
+    if v not in RING_OCCS:
+        raise tilehal.ArgumentError(f"DATAENGINE_RING_OCC: expected one of {list(RING_OCCS)}, got {v!r}")
+    return int(v)
+
+
 def heads_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
-                      pairs: bool = False) -> str:
+                      pairs: bool = False, occ: int = 2) -> str:
+    tail = f", {str(pairs).lower()}, {occ}" if occ != 2 else (", true" if pairs else "")
     return (f"dataengine::quest_score_heads_kernel<{_S_CTYPES_MMA[s_dtype]}, {head_dim}, {group}, {_REDUCE[reduce]}, "
-            f"{kv_heads}{', true' if pairs else ''}>")
+            f"{kv_heads}{tail}>")
 
 
 @functools.cache
 def compile_heads(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
-                  arch: str = "sm_90a", pairs: bool = False) -> tilehal.CudaModule:
+                  arch: str = "sm_90a", pairs: bool = False, occ: int = 2) -> tilehal.CudaModule:
     """quest_score_heads_kernel for one configuration."""
     return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS + _CHUNK_CHECKS, arch=arch,
-                                name=f"quest_score_heads_{head_dim}_{group}_{kv_heads}{'p' if pairs else ''}",
+                                name=f"quest_score_heads_{head_dim}_{group}_{kv_heads}{'p' if pairs else ''}"
+                                     f"{'o3' if occ == 3 else ''}",
                                 include_dirs=[str(KERNEL_DIR)],
-                                name_expressions=[heads_kernel_name(s_dtype, head_dim, group, reduce, kv_heads, pairs)])
+                                name_expressions=[heads_kernel_name(s_dtype, head_dim, group, reduce, kv_heads, pairs,
+                                                                    occ)])
 
 
-def heads_chunk(device: torch.device, batch: int, nb: int) -> int:
-    """Positions per CTA of quest_score_heads_kernel: about one wave (2 CTAs per SM), a multiple
+def heads_smem_bytes(s_dtype: torch.dtype, head_dim: int, kv_heads: int, occ: int = 2) -> int:
+    """Dynamic shared memory of quest_score_heads_kernel: one ring per warp (kv head)."""
+    stages = RING_STAGES[s_dtype] - (occ == 3)
+    return chunk_smem_bytes(s_dtype, head_dim, False, True) // RING_STAGES[s_dtype] * stages * kv_heads // (
+        CHUNK_THREADS // 32)
+
+
+def heads_chunk(device: torch.device, batch: int, nb: int, occ: int = 2) -> int:
+    """Positions per CTA of quest_score_heads_kernel: about one wave (occ CTAs per SM), a multiple
     of 16, at most CHUNK_MAX."""
-    slots = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * MMA_CTAS_PER_SM
+    slots = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * occ
     chunks = max(1, slots // max(batch, 1))
     per = -(-nb // chunks)
     return max(16, min(CHUNK_MAX, -(-per // 16) * 16))
@@ -451,11 +476,15 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
         q = q.clone()
     pairs = ring and _pairs(kmin.dtype, group)
     if ring and ring_grid() == "heads" and H <= 8:
-        chunk = heads_chunk(q.device, B, nb)
-        kern = compile_heads(kmin.dtype, D, group, reduce, H, pairs=pairs).get_kernel(
-            heads_kernel_name(kmin.dtype, D, group, reduce, H, pairs))
+        occ = ring_occ()
+        if occ == 3 and kmin.dtype == torch.uint8 and not pairs:  # 80 registers: the per-group epilogue spills
+            log.debug("DATAENGINE_RING_OCC=3: int4 rows without paired groups spill at 80 registers; 2 CTAs per SM")
+            occ = 2
+        chunk = heads_chunk(q.device, B, nb, occ)
+        kern = compile_heads(kmin.dtype, D, group, reduce, H, pairs=pairs, occ=occ).get_kernel(
+            heads_kernel_name(kmin.dtype, D, group, reduce, H, pairs, occ))
         kern.launch((-(-nb // chunk), B), 32 * H, [q, kmin, kmax, table, nb, kmin.shape[0], chunk, raw],
-                    smem_bytes=chunk_smem_bytes(kmin.dtype, D, False, True) * H // (CHUNK_THREADS // 32))
+                    smem_bytes=heads_smem_bytes(kmin.dtype, D, H, occ))
     elif ring:
         chunk = mma_chunk(q.device, B * H, nb, CHUNK_MAX)
         kern = compile_chunk(kmin.dtype, D, group, reduce, False, True, pairs=pairs).get_kernel(

@@ -1198,7 +1198,7 @@ template <int D, int G> struct RingQSel<Q4, D, G, true> { using type = PairQ<D, 
 // shared memory.
 // This warp scores kv head h of sequence b (H kv heads) at the CTA's positions first, first +
 // stride, ... (16-block tiles).
-template <typename TS, int D, int G, int REDUCE, bool PAIRS = false, typename Dst>
+template <typename TS, int D, int G, int REDUCE, bool PAIRS = false, int STAGES = 0, typename Dst>
 __device__ __forceinline__ void ring_scores(const __nv_bfloat16* __restrict__ q, const unsigned char* __restrict__ kmin,
                                             const unsigned char* __restrict__ kmax, const int* phys_s, int n_here,
                                             unsigned char* ring_all, Dst dst, int h, int b, int H, int first,
@@ -1207,11 +1207,12 @@ __device__ __forceinline__ void ring_scores(const __nv_bfloat16* __restrict__ q,
   static_assert(G >= 1 && G <= 8, "ring scores: at most 8 q heads per kv head");
   using R = Ring<TS, D>;
   using S = RingSize<TS, D>;
-  constexpr int kStages = R::kStages;
+  constexpr int kStages = STAGES > 0 ? STAGES : R::kStages;  // STAGES: the heads kernel's OCC = 3 rings
+  static_assert(kStages >= 2, "ring scores: at least two stages");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = lane / 4, t = lane % 4;
   const int n_tiles = first < n_here ? (n_here - first + stride - 1) / stride : 0;
   if (n_tiles == 0) return;
-  unsigned char* ring = ring_all + warp * S::kWarpBytes;
+  unsigned char* ring = ring_all + warp * (kStages * S::kTile);
   const long long head0 = (long long)b * H * G + (long long)h * G;
   // 16 rows x kChunks 16-byte chunks per bound; copy e = lane + 32 u = (row, chunk) of both bounds.
   // Per lane, everything but the rows' block ids is fixed: the rows, the chunk, the ring offsets.
@@ -1420,8 +1421,11 @@ __global__ void __launch_bounds__(kScoreThreads, 2) quest_select_chunk_kernel(
 //   ring (ring_scores), so the H rows of a block (one record of H * row bytes in the pool) are
 //   requested by the CTA's warps at about the same time, instead of by H CTAs of the chunk kernel.
 //   Writes raw[b, h, :] like quest_select_chunk_kernel<..., FUSED = false, RING = true>. PAIRS: as there.
-template <typename TS, int D, int G, int REDUCE, int H, bool PAIRS = false>
-__global__ void __launch_bounds__(32 * H, 16 / H) quest_score_heads_kernel(
+// OCC (default 2): CTAs per SM the kernel is built for (__launch_bounds__: 8 * OCC warps per SM). OCC = 3
+// (DATAENGINE_RING_OCC=3): 80 registers (0 spills, sm_90a) and one ring stage fewer (int4 3, fp8 2) so
+// that three CTAs fit an SM's shared memory: 24 warps per SM instead of 16 to hide latency.
+template <typename TS, int D, int G, int REDUCE, int H, bool PAIRS = false, int OCC = 2>
+__global__ void __launch_bounds__(32 * H, 8 * OCC / H) quest_score_heads_kernel(
     const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin, const void* __restrict__ kmax,
     const int* __restrict__ block_table, int table_stride, int num_blocks, int chunk, float* __restrict__ raw) {
   static_assert(H >= 1 && H <= 8, "heads kernel: one warp per kv head, at most 8");
@@ -1437,9 +1441,11 @@ __global__ void __launch_bounds__(32 * H, 16 / H) quest_score_heads_kernel(
   }
   __syncthreads();
   float* rrow = raw + ((long long)b * H + h) * table_stride + pos0;
-  ring_scores<TS, D, G, REDUCE, PAIRS>(q, static_cast<const unsigned char*>(kmin),
-                                       static_cast<const unsigned char*>(kmax), phys_s, n_here, dsm,
-                                       [&](int i, float v) { rrow[i] = v; }, h, b, H, 0, 16);
+  static_assert(OCC == 2 || OCC == 3, "heads kernel: 2 or 3 CTAs per SM");
+  constexpr int kStages = OCC == 2 ? Ring<TS, D>::kStages : Ring<TS, D>::kStages - 1;
+  ring_scores<TS, D, G, REDUCE, PAIRS, kStages>(q, static_cast<const unsigned char*>(kmin),
+                                                static_cast<const unsigned char*>(kmax), phys_s, n_here, dsm,
+                                                [&](int i, float v) { rrow[i] = v; }, h, b, H, 0, 16);
 }
 
 }  // namespace dataengine
