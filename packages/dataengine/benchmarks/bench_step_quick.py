@@ -12,6 +12,8 @@ Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay), p
   <s>.score[_ring] / topk  the two launches apart
   <s>.step_<path>          that selection + sparse paged_decode, and its speedup over dense
   <s>.two_ring_heads_pairs int4 rows: the same with DATAENGINE_RING_Q4=pairs (paired-groups epilogue)
+  <s>.<path>_occ3          DATAENGINE_RING_OCC=3 (3 CTAs per SM, one ring stage fewer)
+  <s>.two_ring_records[_pairs]  DATAENGINE_RING_GRID=records (a CTA ring of 16 blocks' whole records)
   <s>.<path>_tx / _t512 / _t256  that path with DATAENGINE_TOPK_KERNEL=fastx / fast512 / fast256
   <s>.default              the defaults (no variable set)
   <s>.topk_<variant>_us    the top-k launch apart (fast, fastx, fast512, fast256)
@@ -58,15 +60,22 @@ def paths(dtype: torch.dtype) -> list[tuple[str, dict]]:
         if ring == "on":
             out.append(("two_ring_heads", {**base, "DATAENGINE_SELECT_FUSED": "0", "DATAENGINE_RING_GRID": "heads"}))
         out.append((f"fused{sfx}", {**base, "DATAENGINE_SELECT_FUSED": "1"}))
-    if dtype in (torch.float8_e4m3fn, torch.uint8):
-        heads = {"DATAENGINE_RING_SCORES": "on", "DATAENGINE_RING_GRID": "heads", "DATAENGINE_SELECT_FUSED": "0"}
-        variants = [("two_ring_heads", heads)]
+    if dtype in (torch.float8_e4m3fn, torch.uint8):  # the opt-ins of the two-launch ring scores (heads-grid family)
+        two = {"DATAENGINE_RING_SCORES": "on", "DATAENGINE_SELECT_FUSED": "0"}
+        heads, records = {**two, "DATAENGINE_RING_GRID": "heads"}, {**two, "DATAENGINE_RING_GRID": "records"}
+        occ3, pairs = {"DATAENGINE_RING_OCC": "3"}, {"DATAENGINE_RING_Q4": "pairs"}
         if dtype == torch.uint8:
-            variants.append(("two_ring_heads_pairs", {**heads, "DATAENGINE_RING_Q4": "pairs"}))
-            out.append(variants[-1])
-        for name, env in variants:
-            for t in ("x", "512", "256"):
-                out.append((f"{name}_t{t}", {**env, "DATAENGINE_TOPK_KERNEL": f"fast{t}"}))
+            bases = {"two_ring_heads_pairs": {**heads, **pairs}, "two_ring_heads_pairs_occ3": {**heads, **pairs, **occ3},
+                     "two_ring_records": records, "two_ring_records_pairs": {**records, **pairs}}
+            topk_on, combos = "two_ring_heads_pairs", ("two_ring_heads_pairs_occ3", "two_ring_records_pairs")
+        else:
+            bases = {"two_ring_heads_occ3": {**heads, **occ3}, "two_ring_records": records}
+            topk_on, combos = "two_ring_heads", ("two_ring_heads_occ3", "two_ring_records")
+        out += list(bases.items())
+        env_of = {**bases, "two_ring_heads": heads}
+        for t in ("x", "512", "256"):  # the top-k variants on one score path; fastx on the others too
+            out.append((f"{topk_on}_t{t}", {**env_of[topk_on], "DATAENGINE_TOPK_KERNEL": f"fast{t}"}))
+        out += [(f"{c}_tx", {**env_of[c], "DATAENGINE_TOPK_KERNEL": "fastx"}) for c in combos]
     only = [x for x in os.environ.get("BENCH_PATHS", "").split(",") if x]
     return [(n, e) for n, e in out if not only or n in only]
 

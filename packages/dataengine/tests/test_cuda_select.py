@@ -537,7 +537,7 @@ def test_fused_select_equals_reference(sdtype, ring, D, Hq, Hkv, max_blocks, red
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (64, 8, 8), (128, 16, 2), (64, 12, 2)])
 @pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
-@pytest.mark.parametrize("grid", ["chunk", "heads", "heads_occ3"])
+@pytest.mark.parametrize("grid", ["chunk", "heads", "heads_occ3", "records"])
 def test_fp8_ring_scores_exact(D, Hq, Hkv, reduce, grid, monkeypatch):
     """The f16 path of fp8 summaries: exact bounds on integer inputs (q scaled up and down by
     powers of two too), with unwritten blocks, open ends (0x7F), holes, ids out of range; and a q
@@ -545,7 +545,7 @@ def test_fp8_ring_scores_exact(D, Hq, Hkv, reduce, grid, monkeypatch):
     heads grid at 3 CTAs per SM (two ring stages)."""
     monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "mma")
     monkeypatch.setenv("DATAENGINE_RING_SCORES", "on")
-    monkeypatch.setenv("DATAENGINE_RING_GRID", grid[:5])
+    monkeypatch.setenv("DATAENGINE_RING_GRID", grid.removesuffix("_occ3"))
     monkeypatch.setenv("DATAENGINE_RING_OCC", "3" if grid.endswith("occ3") else "2")
     for seed, qscale in enumerate([1.0, 2.0 ** 20, 2.0 ** -30, 1.0]):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=700, num_blocks=3000,
@@ -661,6 +661,9 @@ def test_paired_int4_and_x_topk_kernels_compile_without_spills():
     exprs = [cuda_select.heads_kernel_name(u8, 128, 4, "max", 8, True), cuda_select.heads_kernel_name(u8, 128, 2, "mean", 1, True),
              cuda_select.heads_kernel_name(u8, 128, 4, "max", 8, True, 3), cuda_select.heads_kernel_name(FP8, 128, 4, "max", 8, False, 3),
              cuda_select.heads_kernel_name(FP8, 128, 4, "mean", 8, False, 3),
+             cuda_select.records_kernel_name(u8, 128, 4, "max", 8, True), cuda_select.records_kernel_name(u8, 128, 4, "max", 8),
+             cuda_select.records_kernel_name(u8, 128, 8, "mean", 1), cuda_select.records_kernel_name(FP8, 128, 4, "max", 8),
+             cuda_select.records_kernel_name(FP8, 64, 6, "sum", 2),
              cuda_select.chunk_kernel_name(u8, 128, 4, "max", False, True, True),
              cuda_select.chunk_kernel_name(u8, 128, 4, "sum", True, True, True),
              *[cuda_select.TOPK_KERNELS[f"fast{i}_{t}"] for t, its in cuda_select.FEW_THREADS_ITEMS.items() for i in its],
@@ -715,14 +718,15 @@ def test_ring_grid_env(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (128, 16, 2), (128, 8, 1)])
 @pytest.mark.parametrize("reduce", ["max", "mean"])
-@pytest.mark.parametrize("q4", ["groups", "pairs", "pairs_occ3"])
+@pytest.mark.parametrize("q4", ["groups", "pairs", "pairs_occ3", "records_groups", "records_pairs"])
 def test_int4_heads_grid_scores_exact(D, Hq, Hkv, reduce, q4, monkeypatch):
     """int4 rows through quest_score_heads_kernel (per-group or paired-groups epilogue, 2 or 3 CTAs per
-    SM): the reference's bounds exactly (dyadic grids), then the reference's blocks."""
-    monkeypatch.setenv("DATAENGINE_RING_Q4", q4[:5] if q4 != "groups" else q4)
+    SM) and quest_score_records_kernel (DATAENGINE_RING_GRID=records): the reference's bounds exactly
+    (dyadic grids), then the reference's blocks."""
+    monkeypatch.setenv("DATAENGINE_RING_Q4", "pairs" if "pairs" in q4 else "groups")
     monkeypatch.setenv("DATAENGINE_RING_OCC", "3" if q4.endswith("occ3") else "2")
     monkeypatch.setenv("DATAENGINE_RING_SCORES", "on")
-    monkeypatch.setenv("DATAENGINE_RING_GRID", "heads")
+    monkeypatch.setenv("DATAENGINE_RING_GRID", "records" if q4.startswith("records") else "heads")
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "0")
     for seed in range(3):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=900, num_blocks=3000,
@@ -773,6 +777,8 @@ def _adversarial_problem(seed: int, max_blocks: int):
 ADVERSARIAL_VARIANTS = [({}, "default"), ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fastx"}, "pairsx"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_RING_OCC": "3", "DATAENGINE_TOPK_KERNEL": "fastx"},
                          "pairs_occ3_x"),
+                        ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_RING_GRID": "records", "DATAENGINE_TOPK_KERNEL": "fastx"},
+                         "records_pairs_x"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast512"}, "pairs512"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast256"}, "pairs256")]
 
@@ -813,4 +819,5 @@ def test_default_selection_adversarial(sdtype, max_blocks, variant_env, monkeypa
             assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), (seed, what, bs)
         if seed == 3:  # nothing written: only the forced blocks of the non-empty rows come back
             assert int((want >= 0).sum(-1).max()) <= sink + local
-    assert cuda_select.ring_grid() == "heads" and cuda_select._ring(sdtype, 128) == (sdtype != torch.bfloat16)
+    assert cuda_select.ring_grid() == variant_env.get("DATAENGINE_RING_GRID", "heads")
+    assert cuda_select._ring(sdtype, 128) == (sdtype != torch.bfloat16)

@@ -89,7 +89,7 @@ def ring_variant() -> str:
     return v
 
 
-RING_GRIDS = ("chunk", "heads")
+RING_GRIDS = ("chunk", "heads", "records")
 DEFAULT_RING_GRID = "heads"  # H200 R2: fp8 57.4 vs 58.2 us, int4 58.9 vs 60.3 us (two launches, 128K)
 
 
@@ -97,7 +97,10 @@ def ring_grid() -> str:
     """DATAENGINE_RING_GRID (default DEFAULT_RING_GRID), for the two-launch path's ring scores:
     "chunk" (quest_select_chunk_kernel: a CTA per (chunk, kv head, sequence), its warps splitting
     the chunk) or "heads" (quest_score_heads_kernel: a CTA per (chunk, sequence), warp h = kv head
-    h over the whole chunk, so a block's kv-head rows are read together; <= 8 kv heads)."""
+    h over the whole chunk, so a block's kv-head rows are read together; <= 8 kv heads) or "records"
+    (quest_score_records_kernel: the heads grid with one ring per CTA whose stages hold 16 blocks'
+    whole records, copied by all threads in record order: a record fetched at once, one barrier per
+    tile)."""
     v = os.environ.get("DATAENGINE_RING_GRID") or DEFAULT_RING_GRID
     if v not in RING_GRIDS:
         raise tilehal.ArgumentError(f"DATAENGINE_RING_GRID: expected one of {list(RING_GRIDS)}, got {v!r}")
@@ -163,6 +166,31 @@ def compile_heads(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, 
                                 include_dirs=[str(KERNEL_DIR)],
                                 name_expressions=[heads_kernel_name(s_dtype, head_dim, group, reduce, kv_heads, pairs,
                                                                     occ)])
+
+
+def records_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
+                        pairs: bool = False, occ: int = 2) -> str:
+    return (f"dataengine::quest_score_records_kernel<{_S_CTYPES_MMA[s_dtype]}, {head_dim}, {group}, "
+            f"{_REDUCE[reduce]}, {kv_heads}, {str(pairs).lower()}, {occ}>")
+
+
+@functools.cache
+def compile_records(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
+                    arch: str = "sm_90a", pairs: bool = False, occ: int = 2) -> tilehal.CudaModule:
+    """quest_score_records_kernel for one configuration."""
+    return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS + _CHUNK_CHECKS, arch=arch,
+                                name=f"quest_score_records_{head_dim}_{group}_{kv_heads}{'p' if pairs else ''}o{occ}",
+                                include_dirs=[str(KERNEL_DIR)],
+                                name_expressions=[records_kernel_name(s_dtype, head_dim, group, reduce, kv_heads,
+                                                                      pairs, occ)])
+
+
+def records_smem_bytes(s_dtype: torch.dtype, head_dim: int, kv_heads: int, occ: int = 2) -> int:
+    """Dynamic shared memory of quest_score_records_kernel: its stages of 16 blocks' records (int4 rows
+    of an even number of kv heads: records padded by 16 bytes)."""
+    row = (head_dim // 2 + head_dim // 8) if s_dtype == torch.uint8 else head_dim
+    pitch = kv_heads * row + (16 if s_dtype == torch.uint8 and kv_heads % 2 == 0 else 0)
+    return (RING_STAGES[s_dtype] - (occ == 3)) * 2 * 16 * pitch
 
 
 def heads_smem_bytes(s_dtype: torch.dtype, head_dim: int, kv_heads: int, occ: int = 2) -> int:
@@ -475,16 +503,26 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     if q.data_ptr() % 4:  # the mma kernel reads q as 32-bit words
         q = q.clone()
     pairs = ring and _pairs(kmin.dtype, group)
-    if ring and ring_grid() == "heads" and H <= 8:
+    grid = ring_grid() if ring else None
+    if grid in ("heads", "records") and H <= 8:
         occ = ring_occ()
         if occ == 3 and kmin.dtype == torch.uint8 and not pairs:  # 80 registers: the per-group epilogue spills
             log.debug("DATAENGINE_RING_OCC=3: int4 rows without paired groups spill at 80 registers; 2 CTAs per SM")
             occ = 2
+        if occ == 3 and grid == "records":  # its copy indices at 80 registers spill
+            log.debug("DATAENGINE_RING_OCC=3: the records grid is built for 2 CTAs per SM")
+            occ = 2
         chunk = heads_chunk(q.device, B, nb, occ)
-        kern = compile_heads(kmin.dtype, D, group, reduce, H, pairs=pairs, occ=occ).get_kernel(
-            heads_kernel_name(kmin.dtype, D, group, reduce, H, pairs, occ))
+        if grid == "records":
+            kern = compile_records(kmin.dtype, D, group, reduce, H, pairs=pairs, occ=occ).get_kernel(
+                records_kernel_name(kmin.dtype, D, group, reduce, H, pairs, occ))
+            smem = records_smem_bytes(kmin.dtype, D, H, occ)
+        else:
+            kern = compile_heads(kmin.dtype, D, group, reduce, H, pairs=pairs, occ=occ).get_kernel(
+                heads_kernel_name(kmin.dtype, D, group, reduce, H, pairs, occ))
+            smem = heads_smem_bytes(kmin.dtype, D, H, occ)
         kern.launch((-(-nb // chunk), B), 32 * H, [q, kmin, kmax, table, nb, kmin.shape[0], chunk, raw],
-                    smem_bytes=heads_smem_bytes(kmin.dtype, D, H, occ))
+                    smem_bytes=smem)
     elif ring:
         chunk = mma_chunk(q.device, B * H, nb, CHUNK_MAX)
         kern = compile_chunk(kmin.dtype, D, group, reduce, False, True, pairs=pairs).get_kernel(

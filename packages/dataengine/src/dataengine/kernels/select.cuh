@@ -1030,16 +1030,18 @@ template <int D, int G> struct Fp8Q {
 
 // The fp8 tile's fragments from a ring slot (kmax rows, then kmin rows): f(bound, j, m, wl, wh)
 // for every k-step (j, m), wl / wh the words of rows r / r + 8 (word m: codes of k 2t, 2t+1 low, 2t+8, 2t+9 high).
-template <int D, typename F>
+// PITCH / BOUND: bytes between rows / between the kmax and kmin rows (the per-warp rings: D and 16 D;
+// the record tiles: a block record's pitch, 16 of them).
+template <int D, int PITCH = D, int BOUND = RingSize<__nv_fp8_e4m3, D>::kBound, typename F>
 __device__ __forceinline__ void fp8_tile_walk(const unsigned char* slot, int r, int t, F f) {
   using R = Ring<__nv_fp8_e4m3, D>;
 #pragma unroll
   for (int bound = 0; bound < 2; ++bound) {
-    const unsigned char* base = slot + bound * RingSize<__nv_fp8_e4m3, D>::kBound;
+    const unsigned char* base = slot + bound * BOUND;
 #pragma unroll
     for (int j = 0; j < D / 64; ++j) {
-      const uint4 lo = *reinterpret_cast<const uint4*>(base + r * D + 16 * R::chunk_at(r, 4 * j + t));
-      const uint4 hi = *reinterpret_cast<const uint4*>(base + (r + 8) * D + 16 * R::chunk_at(r + 8, 4 * j + t));
+      const uint4 lo = *reinterpret_cast<const uint4*>(base + r * PITCH + 16 * R::chunk_at(r, 4 * j + t));
+      const uint4 hi = *reinterpret_cast<const uint4*>(base + (r + 8) * PITCH + 16 * R::chunk_at(r + 8, 4 * j + t));
       const unsigned wl[4] = {lo.x, lo.y, lo.z, lo.w}, wh[4] = {hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
       for (int m = 0; m < 4; ++m) f(bound, j, m, wl[m], wh[m]);
@@ -1049,11 +1051,11 @@ __device__ __forceinline__ void fp8_tile_walk(const unsigned char* slot, int r, 
 
 // acc = the tile's bounds on f16 tensor cores, q scaled: the kmax and kmin halves accumulate in two
 // independent MMA chains (half the dependent latency), added at the end.
-template <int D, int G>
+template <int D, int G, int PITCH = D, int BOUND = RingSize<__nv_fp8_e4m3, D>::kBound>
 __device__ __forceinline__ void fp8_tile_f16(const Fp8Q<D, G>& Q, const unsigned char* slot, int r, int t,
                                              float (&acc)[4]) {
   float part[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  fp8_tile_walk<D>(slot, r, t, [&](int bound, int j, int m, unsigned wl, unsigned wh) {
+  fp8_tile_walk<D, PITCH, BOUND>(slot, r, t, [&](int bound, int j, int m, unsigned wl, unsigned wh) {
     const tilehal::u32 a[4] = {e4m3x2_to_f16x2((unsigned short)wl), e4m3x2_to_f16x2((unsigned short)wh),
                                e4m3x2_to_f16x2((unsigned short)(wl >> 16)), e4m3x2_to_f16x2((unsigned short)(wh >> 16))};
     const tilehal::u32 bq[2] = {bound == 0 ? Q.qp[j][2 * m] : Q.qn[j][2 * m],
@@ -1066,12 +1068,12 @@ __device__ __forceinline__ void fp8_tile_f16(const Fp8Q<D, G>& Q, const unsigned
 
 // The same tile exactly as quest_score_mma_kernel computes it (codes decoded by role, bf16 q
 // read again: the rare path).
-template <int D, int G>
+template <int D, int G, int PITCH = D, int BOUND = RingSize<__nv_fp8_e4m3, D>::kBound>
 __device__ __noinline__ float4 fp8_tile_bf16(const __nv_bfloat16* __restrict__ q, long long head0,
                                              const unsigned char* slot, int r, int t) {
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   const unsigned* qw = reinterpret_cast<const unsigned*>(q + (head0 + r) * D);
-  fp8_tile_walk<D>(slot, r, t, [&](int bound, int j, int m, unsigned wl, unsigned wh) {
+  fp8_tile_walk<D, PITCH, BOUND>(slot, r, t, [&](int bound, int j, int m, unsigned wl, unsigned wh) {
     const bool mx = bound == 0;
     const tilehal::u32 a[4] = {e4m3x2_to_bf16x2_role(wl, mx), e4m3x2_to_bf16x2_role(wh, mx),
                                e4m3x2_to_bf16x2_role(wl >> 16, mx), e4m3x2_to_bf16x2_role(wh >> 16, mx)};
@@ -1193,6 +1195,40 @@ template <int D, int G> struct RingQ<Q4, D, G> { using type = MmaQ<D, G, true, t
 template <typename TS, int D, int G, bool PAIRS> struct RingQSel { using type = typename RingQ<TS, D, G>::type; };
 template <int D, int G> struct RingQSel<Q4, D, G, true> { using type = PairQ<D, G>; };
 
+// One 16-block tile's bounds (acc, before the head reduction) from shared memory: rows r / r + 8 of
+// kmax at slot + r * PITCH / slot + (r + 8) * PITCH, kmin BOUND bytes further (the per-warp rings and
+// the record tiles differ only in these two).
+template <typename TS, int D, int G, bool PAIRS, int PITCH, int BOUND, typename QT>
+__device__ __forceinline__ void ring_tile(const QT& Q, const __nv_bfloat16* __restrict__ q, long long head0,
+                                          const unsigned char* slot, int r, int t, unsigned m78, float (&acc)[4]) {
+  if constexpr (PAIRS) {
+    const unsigned char* lo = slot + r * PITCH;
+    const unsigned char* hi = slot + (r + 8) * PITCH;
+    q4_pairs_bound<true>(Q, lo, hi, t, m78, acc);
+    q4_pairs_bound<false>(Q, lo + BOUND, hi + BOUND, t, m78, acc);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], 2);  // groups p and p + 2
+  } else if constexpr (IsQ4<TS>::value) {
+    Half<Q4, D> X, N;
+    smem_fill(X, slot + r * PITCH, slot + (r + 8) * PITCH, t);
+    smem_fill(N, slot + BOUND + r * PITCH, slot + BOUND + (r + 8) * PITCH, t);
+    X.template mma<true>(Q, acc);
+    N.template mma<false>(Q, acc);
+  } else {
+    bool slow = !Q.ok;
+    if (Q.ok) {
+      fp8_tile_f16<D, G, PITCH, BOUND>(Q, slot, r, t, acc);
+      slow = __any_sync(0xffffffffu, !(finite(acc[0]) && finite(acc[1]) && finite(acc[2]) && finite(acc[3])));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[e] *= Q.inv;
+    }
+    if (slow) {
+      const float4 a = fp8_tile_bf16<D, G, PITCH, BOUND>(q, head0, slot, r, t);
+      acc[0] = a.x; acc[1] = a.y; acc[2] = a.z; acc[3] = a.w;
+    }
+  }
+}
+
 // Scores of the CTA's positions from fp8 summaries or int4 rows through the rings: dst(i, score)
 // for i in [0, n_here); `ring_all`: kScoreThreads / 32 warps x RingSize<TS, D>::kWarpBytes of
 // shared memory.
@@ -1263,32 +1299,7 @@ __device__ __forceinline__ void ring_scores(const __nv_bfloat16* __restrict__ q,
     const unsigned char* slot = ring + read_slot * S::kTile;
     read_slot = read_slot == kStages - 1 ? 0 : read_slot + 1;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    if constexpr (PAIRS) {
-      const unsigned char* lo = slot + r * S::kRow;
-      const unsigned char* hi = slot + (r + 8) * S::kRow;
-      q4_pairs_bound<true>(Q, lo, hi, t, m78, acc);
-      q4_pairs_bound<false>(Q, lo + S::kBound, hi + S::kBound, t, m78, acc);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], 2);  // groups p and p + 2
-    } else if constexpr (IsQ4<TS>::value) {
-      Half<Q4, D> X, N;
-      smem_fill(X, slot + r * S::kRow, slot + (r + 8) * S::kRow, t);
-      smem_fill(N, slot + S::kBound + r * S::kRow, slot + S::kBound + (r + 8) * S::kRow, t);
-      X.template mma<true>(Q, acc);
-      N.template mma<false>(Q, acc);
-    } else {
-      bool slow = !Q.ok;
-      if (Q.ok) {
-        fp8_tile_f16<D, G>(Q, slot, r, t, acc);
-        slow = __any_sync(0xffffffffu, !(finite(acc[0]) && finite(acc[1]) && finite(acc[2]) && finite(acc[3])));
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[e] *= Q.inv;
-      }
-      if (slow) {
-        const float4 a = fp8_tile_bf16<D, G>(q, head0, slot, r, t);
-        acc[0] = a.x; acc[1] = a.y; acc[2] = a.z; acc[3] = a.w;
-      }
-    }
+    ring_tile<TS, D, G, PAIRS, S::kRow, S::kBound>(Q, q, head0, slot, r, t, m78, acc);
     float s_lo, s_hi;
     reduce_heads<G, REDUCE>(acc, t, s_lo, s_hi);
     const int tile = first + k * stride;
@@ -1446,6 +1457,104 @@ __global__ void __launch_bounds__(32 * H, 8 * OCC / H) quest_score_heads_kernel(
   ring_scores<TS, D, G, REDUCE, PAIRS, kStages>(q, static_cast<const unsigned char*>(kmin),
                                                 static_cast<const unsigned char*>(kmax), phys_s, n_here, dsm,
                                                 [&](int i, float v) { rrow[i] = v; }, h, b, H, 0, 16);
+}
+
+// ----------------------------------------------------------------------------- record-tile ring scores
+// quest_score_records_kernel  the heads grid (grid (ceil(table_stride / chunk), B), 32 * H threads, warp h =
+//   kv head h) with one ring for the CTA instead of one per warp (DATAENGINE_RING_GRID=records): a stage
+//   holds a 16-block tile's whole records (kmax, then kmin: per block its H rows, contiguous in the pool),
+//   copied by all the CTA's threads in 16-byte pieces that follow the records (a warp's copy instruction
+//   covers 512 contiguous bytes, a record is fetched at once), one __syncthreads per tile; warp h scores
+//   its rows (pitch = a record) exactly as ring_scores does (ring_tile). Records of int4 rows with even H
+//   are padded by 16 bytes in shared memory (an odd number of words modulo 8: the code reads of rows r =
+//   0..7 hit distinct banks); fp8 rows keep the rings' XOR swizzle of odd rows. OCC: CTAs per SM (2: the
+//   rings' stages, fp8 3 / int4 4; 3: one stage fewer).
+template <typename TS, int D, int H> struct RecordTile {
+  static constexpr int kRow = Ring<TS, D>::kRow, kChunks = kRow / 16, kRecChunks = H * kChunks;
+  static constexpr int kPad = (IsQ4<TS>::value && H % 2 == 0) ? 16 : 0;
+  static constexpr int kPitch = H * kRow + kPad, kBound = 16 * kPitch, kTile = 2 * kBound;
+};
+
+template <typename TS, int D, int G, int REDUCE, int H, bool PAIRS = false, int OCC = 2>
+__global__ void __launch_bounds__(32 * H, 8 * OCC / H) quest_score_records_kernel(
+    const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin, const void* __restrict__ kmax,
+    const int* __restrict__ block_table, int table_stride, int num_blocks, int chunk, float* __restrict__ raw) {
+  static_assert(H >= 1 && H <= 8, "records kernel: one warp per kv head, at most 8");
+  static_assert(OCC == 2 || OCC == 3, "records kernel: 2 or 3 CTAs per SM");
+  static_assert(D == 128 || !IsQ4<TS>::value, "records kernel: int4 rows of head_dim 128");
+  using R = Ring<TS, D>;
+  using RT = RecordTile<TS, D, H>;
+  constexpr int kStages = OCC == 2 ? R::kStages : R::kStages - 1;
+  constexpr int kThreads = 32 * H, kCopies = 16 * RT::kRecChunks, kU = (kCopies + kThreads - 1) / kThreads;
+  extern __shared__ __align__(16) unsigned char dsm[];
+  __shared__ int phys_s[kChunkMax];
+  const int b = blockIdx.y, tid = threadIdx.x, h = tid / 32, lane = tid % 32, r = lane / 4, t = lane % 4;
+  const int pos0 = blockIdx.x * chunk;
+  const int n_here = min(chunk, table_stride - pos0);
+  const int* table = block_table + (long long)b * table_stride;
+  for (int i = tid; i < n_here; i += kThreads) {
+    const int p = max(table[pos0 + i], 0);  // holes read block 0 like the reference's clamp
+    phys_s[i] = p < num_blocks ? p : -1;
+  }
+  __syncthreads();
+  const int n_tiles = (n_here + 15) / 16;
+  // copy u of this thread: block row_u of the tile, 16-byte chunk c of its record -> dst_u in a stage
+  int row_u[kU], dst_u[kU];
+  unsigned chunk_u[kU];
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int e = tid + kThreads * u, i = e / RT::kRecChunks, c = e % RT::kRecChunks;
+    const int hh = c / RT::kChunks, cc = c % RT::kChunks;
+    row_u[u] = (kCopies % kThreads == 0 || e < kCopies) ? i : -1;
+    dst_u[u] = i * RT::kPitch + hh * RT::kRow + 16 * R::chunk_at(i, cc);
+    chunk_u[u] = unsigned(c);
+  }
+  const unsigned rec16 = unsigned(RT::kRecChunks);  // a block record in 16-byte units
+  const uint4* kmax16 = static_cast<const uint4*>(kmax);
+  const uint4* kmin16 = static_cast<const uint4*>(kmin);
+  int issue_slot = 0;
+  auto issue = [&](int k) {
+    if (k < n_tiles) {
+      unsigned char* slot = dsm + issue_slot * RT::kTile;
+      const int tile = 16 * k;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (row_u[u] >= 0) {
+          const int p = tile + row_u[u] < n_here ? phys_s[tile + row_u[u]] : -1;
+          const unsigned o = unsigned(max(p, 0)) * rec16 + chunk_u[u];
+          tilehal::cp_async_16(slot + dst_u[u], kmax16 + o, p >= 0);  // zero rows for ids scored -inf
+          tilehal::cp_async_16(slot + RT::kBound + dst_u[u], kmin16 + o, p >= 0);
+        }
+      }
+    }
+    issue_slot = issue_slot == kStages - 1 ? 0 : issue_slot + 1;
+    tilehal::cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < kStages - 1; ++k) issue(k);
+  const long long head0 = (long long)b * H * G + (long long)h * G;
+  typename RingQSel<TS, D, G, PAIRS>::type Q;
+  Q.load(q, head0, r, t);
+  const unsigned m78 = 0x00780078u | (unsigned(n_tiles) >> 31);  // as in ring_scores
+  float* rrow = raw + ((long long)b * H + h) * table_stride + pos0;
+  int read_slot = 0;
+  for (int k = 0; k < n_tiles; ++k) {
+    tilehal::cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile k visible to the CTA; every warp is done with tile k - 1's slot
+    issue(k + kStages - 1);
+    const unsigned char* slot = dsm + read_slot * RT::kTile + h * RT::kRow;
+    read_slot = read_slot == kStages - 1 ? 0 : read_slot + 1;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    ring_tile<TS, D, G, PAIRS, RT::kPitch, RT::kBound>(Q, q, head0, slot, r, t, m78, acc);
+    float s_lo, s_hi;
+    reduce_heads<G, REDUCE>(acc, t, s_lo, s_hi);
+    if (t == 0) {
+      const int i_lo = 16 * k + r, i_hi = 16 * k + r + 8;
+      if (i_lo < n_here) rrow[i_lo] = phys_s[i_lo] >= 0 ? s_lo : -INFINITY;
+      if (i_hi < n_here) rrow[i_hi] = phys_s[i_hi] >= 0 ? s_hi : -INFINITY;
+    }
+  }
+  tilehal::cp_async_wait<0>();
 }
 
 }  // namespace dataengine
