@@ -761,6 +761,8 @@ template <int THREADS> struct TopkScratch {
 // still needed ends the radix select there: every key of the bin is taken, so T = the prefix so far
 // (lower bits 0; keys of the bin are >= T, keys == T number at most `need`, all taken) picks the same
 // keys. Spread-out scores often resolve in one 12-bit pass instead of two or three; ties keep passing.
+// When the search so ends (or every free key fits) and the forced keys fit the budget, the walk needs
+// no ranks: its packed scan is skipped.
 template <int THREADS, int ITEMS, bool EARLY = false>
 __device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int width, int* hist,
                                              TopkScratch<THREADS>& sc, int& slot, int& total) {
@@ -800,6 +802,7 @@ __device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int w
   // ---- T: the need_free-th largest free key (need: how many keys == T to take)
   unsigned T = 0u;
   int need = 0;
+  bool whole_bin = false;  // EARLY: the search ended on a bin that is taken whole (every key >= T taken)
   if (need_free > 0 && need_free < n_free) {
     const unsigned diff = a ^ o;
     unsigned prefix = a & o, mask = ~diff;  // bits every free key shares
@@ -847,7 +850,10 @@ __device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int w
       if constexpr (EARLY) {
         const unsigned packed_need = unsigned(sc.need);
         need = int(packed_need & 0xffffu);
-        if (int(packed_need >> 16) == need) break;  // the whole bin is taken: T = prefix
+        if (int(packed_need >> 16) == need) {  // the whole bin is taken: T = prefix
+          whole_bin = true;
+          break;
+        }
       } else {
         need = sc.need;
       }
@@ -856,6 +862,18 @@ __device__ __forceinline__ unsigned cta_topk(const unsigned (&key)[ITEMS], int w
   }
   const bool all_free = need_free >= n_free;  // every free key is within the budget
 
+  // ---- EARLY, every forced key and every free key >= T within the budget: no ranks needed, no scan
+  if (EARLY && (all_free || whole_bin) && n_forced <= width) {
+    unsigned take = 0u;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const bool tk = key[i] == kKeyForced ||
+                      (key[i] != 0u && need_free > 0 && (all_free || key[i] >= T) && key[i] > kKeyNegInf);
+      take |= unsigned(tk) << i;
+    }
+    slot = block_exclusive_scan(__popc(take), sc.warp_sums, total);
+    return take;
+  }
   // ---- walk: forced ranks and ranks among keys == T in position order, one packed scan
   int packed = 0;
 #pragma unroll
@@ -899,9 +917,11 @@ __global__ void __launch_bounds__(THREADS) topk_fast_kernel(
   const float* srow = scores + (long long)row * N;
   int* orow = out + (long long)row * width;
 
-  // n_valid may exceed N (mode 1): the forced suffix then starts past it
-  const long long n_valid = row_n_valid<THREADS>(N, b, mode, nv, seq_lens, table, block_size, sc.warp_sums,
-                                                      s_nvalid);
+  // n_valid may exceed N (mode 1): the forced suffix then starts past it. X: modes 0-2 read on every
+  // thread (no barrier); mode 3 counts the table with the CTA
+  const long long n_valid = (X && mode != 3) ? mode_n_valid(mode, b, N, nv, seq_lens, block_size)
+                                             : row_n_valid<THREADS>(N, b, mode, nv, seq_lens, table, block_size,
+                                                                    sc.warp_sums, s_nvalid);
   unsigned key[ITEMS];
   const int p0 = tid * ITEMS;
   if (X && ITEMS % 4 == 0 && N % 4 == 0) {
