@@ -377,6 +377,28 @@ def test_cublaslt_baseline_keeps_fp32_accumulator_on_gpu(m, n, k):
     assert testing.calc_diff(d, c.double() + a.double() @ b.double().T) < 6e-7
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_place", [False, True], ids=["c", "c_is_d"])
+def test_cublaslt_baseline_accumulates_bf16_c_inside_cublas(in_place):
+    """A bf16 C goes through cuBLAS's own accumulation (addmm, beta = 1): one GEMM kernel that reads C, as
+    DeepGEMM's cuBLASLt baseline; its result is within bf16 rounding of the float64 sum (DeepGEMM's bar 1e-5)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    m, n, k = 128, 576, 7168
+    a, b = _bf16(m, k, seed=74).cuda(), _bf16(n, k, seed=75).cuda()
+    c = torch.randn(m, n, device="cuda").bfloat16()
+    want = c.double() + a.double() @ b.double().T
+    d = c if in_place else torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        deep_gemm.cublaslt_gemm_nt(a, b, d, c=c)
+        torch.cuda.synchronize()
+    assert testing.calc_diff(d, want) < 1e-5
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # cuBLAS's GEMM (and its split-K reduce, if it takes one) alone: no torch elementwise add that a kernel-name
+    # filter would miss
+    assert kernels and not any("elementwise" in name for name in kernels), kernels
+
+
 def test_compiled_dims_and_flags_are_checked():
     a8, sfa = utils.per_token_cast_to_fp8(_bf16(8, 128), False)
     b8, sfb = utils.per_block_cast_to_fp8(_bf16(16, 128), False)
