@@ -46,6 +46,7 @@ import dataclasses
 import datetime as dt
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -181,9 +182,10 @@ def _rounds(fns: dict) -> dict:
             got[v].append(_times(fns[v]))
     out = {}
     for v, ts in got.items():
-        eager, graph = sorted(t for t, _ in ts), sorted(tg for _, tg in ts)
+        # statistics.median: the mean of the middle two for an even count (session 28's two rounds reported the
+        # slower one)
         extra = {"rounds_us": [t * 1e6 for t, _ in ts], "rounds_graph_us": [tg * 1e6 for _, tg in ts]} if ROUNDS > 1 else {}
-        out[v] = (eager[len(eager) // 2], graph[len(graph) // 2], extra)
+        out[v] = (statistics.median(t for t, _ in ts), statistics.median(tg for _, tg in ts), extra)
     return out
 
 
