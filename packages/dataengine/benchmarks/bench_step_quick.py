@@ -66,8 +66,10 @@ def paths(dtype: torch.dtype) -> list[tuple[str, dict]]:
         occ3, pairs = {"DATAENGINE_RING_OCC": "3"}, {"DATAENGINE_RING_Q4": "pairs"}
         if dtype == torch.uint8:
             bases = {"two_ring_heads_pairs": {**heads, **pairs}, "two_ring_heads_pairs_occ3": {**heads, **pairs, **occ3},
-                     "two_ring_records": records, "two_ring_records_pairs": {**records, **pairs}}
-            topk_on, combos = "two_ring_heads_pairs", ("two_ring_heads_pairs_occ3", "two_ring_records_pairs")
+                     "two_ring_records": records, "two_ring_records_pairs": {**records, **pairs},
+                     "two_ring_records_pairs_occ3": {**records, **pairs, **occ3}}
+            topk_on = "two_ring_heads_pairs"
+            combos = ("two_ring_heads_pairs_occ3", "two_ring_records_pairs", "two_ring_records_pairs_occ3")
         else:
             bases = {"two_ring_heads_occ3": {**heads, **occ3}, "two_ring_records": records}
             topk_on, combos = "two_ring_heads", ("two_ring_heads_occ3", "two_ring_records")

@@ -662,6 +662,7 @@ def test_paired_int4_and_x_topk_kernels_compile_without_spills():
              cuda_select.heads_kernel_name(u8, 128, 4, "max", 8, True, 3), cuda_select.heads_kernel_name(FP8, 128, 4, "max", 8, False, 3),
              cuda_select.heads_kernel_name(FP8, 128, 4, "mean", 8, False, 3),
              cuda_select.records_kernel_name(u8, 128, 4, "max", 8, True), cuda_select.records_kernel_name(u8, 128, 4, "max", 8),
+             cuda_select.records_kernel_name(u8, 128, 4, "max", 8, True, 3),
              cuda_select.records_kernel_name(u8, 128, 8, "mean", 1), cuda_select.records_kernel_name(FP8, 128, 4, "max", 8),
              cuda_select.records_kernel_name(FP8, 64, 6, "sum", 2),
              cuda_select.chunk_kernel_name(u8, 128, 4, "max", False, True, True),
@@ -688,10 +689,14 @@ def test_ring_occ_env_and_shared_memory(monkeypatch):
     with pytest.raises(ValueError, match="DATAENGINE_RING_OCC"):
         cuda_select.ring_occ()
     # the default keeps its rings; three CTAs of OCC = 3 (static block table 8 KB, 1 KB reserved each)
-    # fit an H200 SM's 228 KB of shared memory
+    # fit an H200 SM's 228 KB of shared memory, the records grid's (int4) too; two of OCC = 2
+    static = 4 * cuda_select.CHUNK_MAX + 1024
     for s in (FP8, torch.uint8):
         assert cuda_select.heads_smem_bytes(s, 128, 8) == cuda_select.chunk_smem_bytes(s, 128, False, True)
-        assert 3 * (cuda_select.heads_smem_bytes(s, 128, 8, 3) + 4 * cuda_select.CHUNK_MAX + 1024) <= 228 * 1024
+        assert 3 * (cuda_select.heads_smem_bytes(s, 128, 8, 3) + static) <= 228 * 1024
+        assert 2 * (cuda_select.records_smem_bytes(s, 128, 8) + static) <= 228 * 1024
+    assert 3 * (cuda_select.records_smem_bytes(torch.uint8, 128, 8, 3) + static) <= 228 * 1024
+    assert cuda_select.records_smem_bytes(torch.uint8, 128, 8) == 4 * 2 * 16 * (8 * 80 + 16)  # padded records
     assert cuda_select.heads_kernel_name(FP8, 128, 4, "max", 8, False, 3).endswith(", 8, false, 3>")
 
 
@@ -718,7 +723,7 @@ def test_ring_grid_env(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (128, 16, 2), (128, 8, 1)])
 @pytest.mark.parametrize("reduce", ["max", "mean"])
-@pytest.mark.parametrize("q4", ["groups", "pairs", "pairs_occ3", "records_groups", "records_pairs"])
+@pytest.mark.parametrize("q4", ["groups", "pairs", "pairs_occ3", "records_groups", "records_pairs", "records_pairs_occ3"])
 def test_int4_heads_grid_scores_exact(D, Hq, Hkv, reduce, q4, monkeypatch):
     """int4 rows through quest_score_heads_kernel (per-group or paired-groups epilogue, 2 or 3 CTAs per
     SM) and quest_score_records_kernel (DATAENGINE_RING_GRID=records): the reference's bounds exactly
@@ -779,6 +784,8 @@ ADVERSARIAL_VARIANTS = [({}, "default"), ({"DATAENGINE_RING_Q4": "pairs", "DATAE
                          "pairs_occ3_x"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_RING_GRID": "records", "DATAENGINE_TOPK_KERNEL": "fastx"},
                          "records_pairs_x"),
+                        ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_RING_GRID": "records", "DATAENGINE_RING_OCC": "3",
+                          "DATAENGINE_TOPK_KERNEL": "fastx"}, "records_pairs_occ3_x"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast512"}, "pairs512"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast256"}, "pairs256")]
 

@@ -100,7 +100,7 @@ def ring_grid() -> str:
     h over the whole chunk, so a block's kv-head rows are read together; <= 8 kv heads) or "records"
     (quest_score_records_kernel: the heads grid with one ring per CTA whose stages hold 16 blocks'
     whole records, copied by all threads in record order: a record fetched at once, one barrier per
-    tile)."""
+    tile; with DATAENGINE_RING_OCC=3 for int4 rows with paired groups only)."""
     v = os.environ.get("DATAENGINE_RING_GRID") or DEFAULT_RING_GRID
     if v not in RING_GRIDS:
         raise tilehal.ArgumentError(f"DATAENGINE_RING_GRID: expected one of {list(RING_GRIDS)}, got {v!r}")
@@ -509,8 +509,8 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
         if occ == 3 and kmin.dtype == torch.uint8 and not pairs:  # 80 registers: the per-group epilogue spills
             log.debug("DATAENGINE_RING_OCC=3: int4 rows without paired groups spill at 80 registers; 2 CTAs per SM")
             occ = 2
-        if occ == 3 and grid == "records":  # its copy indices at 80 registers spill
-            log.debug("DATAENGINE_RING_OCC=3: the records grid is built for 2 CTAs per SM")
+        if occ == 3 and grid == "records" and kmin.dtype != torch.uint8:  # fp8 records spill at 80 registers
+            log.debug("DATAENGINE_RING_OCC=3: fp8 summaries on the records grid spill at 80 registers; 2 CTAs per SM")
             occ = 2
         chunk = heads_chunk(q.device, B, nb, occ)
         if grid == "records":

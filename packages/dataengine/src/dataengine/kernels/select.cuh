@@ -1488,7 +1488,8 @@ __global__ void __launch_bounds__(32 * H, 8 * OCC / H) quest_score_heads_kernel(
 //   its rows (pitch = a record) exactly as ring_scores does (ring_tile). Records of int4 rows with even H
 //   are padded by 16 bytes in shared memory (an odd number of words modulo 8: the code reads of rows r =
 //   0..7 hit distinct banks); fp8 rows keep the rings' XOR swizzle of odd rows. OCC: CTAs per SM (2: the
-//   rings' stages, fp8 3 / int4 4; 3: one stage fewer).
+//   rings' stages, fp8 3 / int4 4; 3: one stage fewer, 80 registers: int4 rows with PAIRS only, the
+//   others spill).
 template <typename TS, int D, int H> struct RecordTile {
   static constexpr int kRow = Ring<TS, D>::kRow, kChunks = kRow / 16, kRecChunks = H * kChunks;
   static constexpr int kPad = (IsQ4<TS>::value && H % 2 == 0) ? 16 : 0;
@@ -1518,16 +1519,13 @@ __global__ void __launch_bounds__(32 * H, 8 * OCC / H) quest_score_records_kerne
   }
   __syncthreads();
   const int n_tiles = (n_here + 15) / 16;
-  // copy u of this thread: block row_u of the tile, 16-byte chunk c of its record -> dst_u in a stage
-  int row_u[kU], dst_u[kU];
-  unsigned chunk_u[kU];
+  // copy u of this thread: piece e = tid + kThreads u of the tile's records, block row_u = e / kRecChunks,
+  // 16-byte chunk c = e - row_u kRecChunks of its record; only the block index is held (registers: OCC 3)
+  int row_u[kU];
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
-    const int e = tid + kThreads * u, i = e / RT::kRecChunks, c = e % RT::kRecChunks;
-    const int hh = c / RT::kChunks, cc = c % RT::kChunks;
-    row_u[u] = (kCopies % kThreads == 0 || e < kCopies) ? i : -1;
-    dst_u[u] = i * RT::kPitch + hh * RT::kRow + 16 * R::chunk_at(i, cc);
-    chunk_u[u] = unsigned(c);
+    const int e = tid + kThreads * u;
+    row_u[u] = (kCopies % kThreads == 0 || e < kCopies) ? e / RT::kRecChunks : -1;
   }
   const unsigned rec16 = unsigned(RT::kRecChunks);  // a block record in 16-byte units
   const uint4* kmax16 = static_cast<const uint4*>(kmax);
@@ -1540,10 +1538,12 @@ __global__ void __launch_bounds__(32 * H, 8 * OCC / H) quest_score_records_kerne
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         if (row_u[u] >= 0) {
-          const int p = tile + row_u[u] < n_here ? phys_s[tile + row_u[u]] : -1;
-          const unsigned o = unsigned(max(p, 0)) * rec16 + chunk_u[u];
-          tilehal::cp_async_16(slot + dst_u[u], kmax16 + o, p >= 0);  // zero rows for ids scored -inf
-          tilehal::cp_async_16(slot + RT::kBound + dst_u[u], kmin16 + o, p >= 0);
+          const int i = row_u[u], c = tid + kThreads * u - i * RT::kRecChunks;
+          const int dst = i * RT::kPitch + (c / RT::kChunks) * RT::kRow + 16 * R::chunk_at(i, c % RT::kChunks);
+          const int p = tile + i < n_here ? phys_s[tile + i] : -1;
+          const unsigned o = unsigned(max(p, 0)) * rec16 + unsigned(c);
+          tilehal::cp_async_16(slot + dst, kmax16 + o, p >= 0);  // zero rows for ids scored -inf
+          tilehal::cp_async_16(slot + RT::kBound + dst, kmin16 + o, p >= 0);
         }
       }
     }
