@@ -26,13 +26,7 @@ sys.path.insert(0, str(ROOT / "packages/deepgemm/tests"))
 
 SMS = 132
 BENCH_NK = [(7168, 2048), (2112, 7168), (4096, 7168)]
-# the job's bench_fp4 --variants (gpu_job.sh): label -> environment of the small-M kernel
-JOB_VARIANTS = {
-    "small_pf256": {"DEEPGEMM_FP4_SMALL_PF": "256"},
-    "small_p4b2": {"DEEPGEMM_FP4_SMALL_SLOTS": "4", "DEEPGEMM_FP4_SMALL_MINB": "2"},
-    "small_p1b4": {"DEEPGEMM_FP4_SMALL_SLOTS": "1", "DEEPGEMM_FP4_SMALL_MINB": "4"},
-    "small_rw1": {"DEEPGEMM_FP4_SMALL_RW": "1"},
-}
+# the job's bench_fp4 --variants (gpu_job.sh) = test_fp4.SMALL_VARIANTS: (environment of the small-M kernel, M values)
 
 
 @contextmanager
@@ -92,21 +86,22 @@ def job_keys() -> set:
         for m, n, k in t.SMALL_SHAPES:  # test_gpu_small_kernel_matches_reference: fp32 and bf16 out
             for out_bf16 in (True, False):
                 auto_keys(keys, m, n, k, out_bf16=out_bf16)
-        for variant in JOB_VARIANTS.values():  # test_gpu_small_kernel_variants_match
+        for variant, ms in t.SMALL_VARIANTS:  # test_gpu_small_kernel_variants_match
             with env(variant):
                 for m, n, k in ((1, 4096, 7168), (16, 2112, 7168)):
-                    for out_bf16 in (True, False):
-                        auto_keys(keys, m, n, k, out_bf16=out_bf16)
-        for m in (1, 16, 32):  # test_gpu_mixed_scales_c_and_graph_replay[small-*]: fp32 out + C
+                    if m in ms:
+                        for out_bf16 in (True, False):
+                            auto_keys(keys, m, n, k, out_bf16=out_bf16)
+        for m in (1, 16, 32, 64):  # test_gpu_mixed_scales_c_and_graph_replay[small-*]: fp32 out + C
             auto_keys(keys, m, 2112, 7168, out_bf16=False, has_c=True)
         for fp8 in (True, False):  # test_gpu_grouped_masked[small-*]
             auto_keys(keys, 64, 2112, 2048, act_fp8=fp8, groups=4, masked=True, expected_m=16)
         for n, k in BENCH_NK:  # bench: bf16_fp4_small (M > 32: as auto), its variants at M = 1 / 16, M = 32
             for m in (1, 16, 32, 64, 128):
                 auto_keys(keys, m, n, k)
-            for variant in JOB_VARIANTS.values():
+            for variant, ms in t.SMALL_VARIANTS:
                 with env(variant):
-                    for m in (1, 16):
+                    for m in ms:
                         auto_keys(keys, m, n, k)
     with env({"DEEPGEMM_FP4_KERNEL": "auto"}):
         for n, k in BENCH_NK:

@@ -57,20 +57,22 @@ def stream_configs():
 
 STREAM_CONFIGS = stream_configs()
 
-# (RW, splits, P, PF, CTAs per SM) forced: the GPU round's variants (gpu_job.sh: DEEPGEMM_FP4_SMALL_*)
-SMALL_VARIANTS = [(None, None, None, 256, None), (None, None, 4, None, 2), (None, None, 1, None, 4), (1, None, None, None, None)]
+# ((RW, splits, P, PF, CTAs per SM) forced, token counts): the GPU round's variants (gpu_job.sh: DEEPGEMM_FP4_SMALL_*);
+# one slot at 32 warps per SM at M = 1 only (at 16 tokens it spills)
+SMALL_VARIANTS = [((None, None, None, 256, None), (1, 16)), ((None, None, 4, None, 2), (1, 16)),
+                  ((None, None, 1, None, 4), (1,)), ((1, None, None, None, None), (1, 16))]
 
 
 def small_configs():
     keys = set()
-    for m in (1, 5, 16, 32):
+    for m in (1, 5, 16, 32, 64, 128):
         for n, k in ((7168, 2048), (2112, 7168), (4096, 7168)):
             keys.add(cuda_fp4.plan_small(m, n, k, 1, True, False, False, num_sms=132).key)
     keys.add(cuda_fp4.plan_small(2, 136, 16384, 1, True, False, False, num_sms=132).key)  # 1 row warp x 8 k-warps
     keys.add(cuda_fp4.plan_small(16, 2112, 7168, 1, False, True, False, num_sms=132).key)  # fp32 out + C
     keys.add(cuda_fp4.plan_small(64, 2112, 2048, 4, True, False, True, num_sms=132, expected_m=16).key)  # masked
-    for forced in SMALL_VARIANTS:  # the bench's A/B variants at M = 1 / 16 (DEEPGEMM_FP4_SMALL_*)
-        for m, (n, k) in itertools.product((1, 16), ((7168, 2048), (2112, 7168), (4096, 7168))):
+    for forced, ms in SMALL_VARIANTS:  # the bench's A/B variants at M = 1 / 16 (DEEPGEMM_FP4_SMALL_*)
+        for m, (n, k) in itertools.product(ms, ((7168, 2048), (2112, 7168), (4096, 7168))):
             keys.add(cuda_fp4._plan_small(m, n, k, 1, True, False, False, 132, None, 8, forced).key)
     return sorted(keys, key=lambda k: k.expression)
 
@@ -112,6 +114,6 @@ def test_wgmma_configs_cover_both_activation_kinds():
 
 
 def test_small_configs_cover_token_tiles_warp_shapes_c_and_masked():
-    assert {k.nt for k in SMALL_CONFIGS} == {1, 2, 4} and {k.kw for k in SMALL_CONFIGS} >= {1, 2, 8}
+    assert {k.nt for k in SMALL_CONFIGS} == {1, 2, 4, 8} and {k.kw for k in SMALL_CONFIGS} >= {1, 2, 8}
     assert any(k.has_c for k in SMALL_CONFIGS) and any(k.masked for k in SMALL_CONFIGS)
     assert {k.out_bf16 for k in SMALL_CONFIGS} == {True, False} and {k.pf for k in SMALL_CONFIGS} == {0, 256}

@@ -460,11 +460,12 @@ def _plan_stream(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: boo
 # ----------------------------------------------------------------------------- the small-M kernel (bf16, <= 32 tokens)
 # DEEPGEMM_FP4_KERNEL=auto takes it up to this many tokens (bf16 activations; 0: opt-in only, DEEPGEMM_FP4_KERNEL=small).
 AUTO_SMALL_MAX_M = 0
-SMALL_MAX_M = 32  # its widest token tile (4 n8 tiles); more tokens: the other kernels
+SMALL_MAX_M = 128  # DEEPGEMM_FP4_KERNEL=small up to this many tokens (more: the other kernels)
+SMALL_MAX_TOKEN_TILES = 8  # its widest token tile (64 tokens; more: several m-blocks)
 SMALL_WARPS = 8  # warps per CTA (RW row warps x KW k-warps)
 # Per token tiles: (CTAs of SMALL_WARPS per SM the kernel is built for, P: chunks of codes a thread holds in registers
 # at once), the most that compile without a spill under NVRTC 13.0 and 13.5 (24 warps: 80 registers; 16: 128).
-SMALL_BUILD = {1: (3, 3), 2: (3, 2), 4: (2, 2)}
+SMALL_BUILD = {1: (3, 3), 2: (3, 2), 4: (2, 2), 8: (2, 1)}  # 8 tiles: one slot, refilled before the math
 SMALL_FIXED_CHUNKS = 2  # a CTA's fixed cost in chunks of one warp's work (launch, activation copy, reduction)
 
 
@@ -545,7 +546,7 @@ def _plan_small(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool
                 expected_m: int | None, most: int, forced: tuple) -> Fp4SmallPlan | None:
     f_rw, f_splits, f_slots, f_pf, f_minb = forced
     nt, mm = 1, expected_m or m
-    while nt < SMALL_MAX_M // 8 and 8 * nt < mm:
+    while nt < SMALL_MAX_TOKEN_TILES and 8 * nt < mm:
         nt *= 2
     chunks = k // 128
     m_blocks = ceil_div(m, 8 * nt)
@@ -775,6 +776,9 @@ def _try_small(a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int, groups: i
         return plan_small(m, n, k, groups, d.dtype == torch.bfloat16, c is not None, masked_m is not None,
                           expected_m=expected_m, max_splits=most)
 
+    if sfb.numel() >= 1 << 32:  # the kernel indexes the scales with 32 bits
+        log.debug("fp4 small: %d weight scales (>= 2^32); the other kernels", sfb.numel())
+        return False
     p = replan()
     if p is None:
         log.debug("fp4 small: K = %d too long for its activation tile in %d splits; the other kernels", k,

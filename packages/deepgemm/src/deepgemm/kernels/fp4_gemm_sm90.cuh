@@ -1183,6 +1183,10 @@ TILEHAL_DEVICE void small_steps(float (&acc)[NT][4], const u32 (&d0)[4], const u
     const u32 b_hi[2] = {v.z, v.w};
     mma_m16n8k16(MmaBF16{}, acc[nt], a_lo, b_lo);
     mma_m16n8k16(MmaBF16{}, acc[nt], a_hi, b_hi);
+    // 8 token tiles: at most two tiles' B fragments loaded ahead (ptxas would otherwise hoist all 8, 32 registers)
+    if constexpr (NT >= 8) {
+      if (nt % 2 == 1) asm volatile("" ::: "memory");
+    }
   }
 }
 
@@ -1195,7 +1199,7 @@ fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sf
                const int* __restrict__ masked_m, int shape_m, int shape_n, int shape_k, int lda, int m_blocks,
                int chunks_per_split) {
   constexpr int ROWS = 16 * RW, TOKENS = 8 * NT, THREADS = 32 * RW * KW;
-  static_assert(NT == 1 || NT == 2 || NT == 4, "1, 2 or 4 token tiles (<= 32 tokens)");
+  static_assert(NT == 1 || NT == 2 || NT == 4 || NT == 8, "1, 2, 4 or 8 token tiles (<= 64 tokens an m-block)");
   static_assert(PF == 0 || PF == 256, "L2 prefetch: 0 or 256 bytes");
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
   const int rw = warp % RW, kw = warp / RW;
@@ -1213,8 +1217,10 @@ fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sf
   const size_t row0 = static_cast<size_t>(group) * shape_n + (r0 < shape_n ? r0 : 0);
   const int dr = r0 + 8 < shape_n ? 8 : 0;  // row g + 8 is row g + dr
   const unsigned char* wp = b + row0 * (shape_k / 2) + (c_begin + kw) * 64 + q * 16;
-  const float* sp = sfb + row0 * (shape_k / 32) + (c_begin + kw) * 4 + q;
-  const int w_off = dr * (shape_k / 2), s_off = dr * (shape_k / 32);
+  // scales by a 32-bit element index off the kernel parameter (fewer live registers than a pointer; the scale
+  // tensor has < 2^32 elements: the host checks)
+  const u32 si = static_cast<u32>(row0 * (shape_k / 32)) + (c_begin + kw) * 4 + q;
+  const int w_off = dr * (shape_k / 2);  // row g + 8: codes w_off bytes on, scales w_off / 16 elements on
   uint4 cw[P][2];
   float cs[P][2];
 #pragma unroll
@@ -1224,8 +1230,8 @@ fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sf
     if (j < my_n) {
       cw[j][0] = load_nc_v4<uint4, PF>(wp + j * KW * 64);
       cw[j][1] = load_nc_v4<uint4, PF>(wp + w_off + j * KW * 64);
-      cs[j][0] = ldg_stream_f32(sp + j * KW * 4);
-      cs[j][1] = ldg_stream_f32(sp + s_off + j * KW * 4);
+      cs[j][0] = ldg_stream_f32(sfb + (si + j * KW * 4));
+      cs[j][1] = ldg_stream_f32(sfb + (si + (w_off >> 4) + j * KW * 4));
     }
   }
 
@@ -1260,6 +1266,13 @@ fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sf
         const u32 s2_0 = prmt(__float_as_uint(s0), 0u, 0x3232), s2_1 = prmt(__float_as_uint(s1), 0u, 0x3232);
         const u32 w[2][4] = {{cw[j][0].x, cw[j][0].y, cw[j][0].z, cw[j][0].w},
                              {cw[j][1].x, cw[j][1].y, cw[j][1].z, cw[j][1].w}};
+        if (P == 1 && li + 1 < my_n) {  // one slot: the next chunk's loads go out before this chunk's math (w, s0, s1
+          const int o = (li + 1) * KW;   // hold this one's), so a warp still has two chunks in flight
+          cw[j][0] = load_nc_v4<uint4, PF>(wp + o * 64);
+          cw[j][1] = load_nc_v4<uint4, PF>(wp + w_off + o * 64);
+          cs[j][0] = ldg_stream_f32(sfb + (si + o * 4));
+          cs[j][1] = ldg_stream_f32(sfb + (si + (w_off >> 4) + o * 4));
+        }
         if (fold) {  // the common case: one decode and 2 NT mmas per word, no branch inside the chunk
 #pragma unroll
           for (int x = 0; x < 4; ++x) {
@@ -1286,12 +1299,12 @@ fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sf
             }
           }
         }
-        if (li + P < my_n) {  // refill the slot with the warp's chunk li + P (the other slots' loads fly meanwhile)
+        if (P > 1 && li + P < my_n) {  // refill the slot with the warp's chunk li + P (the other slots' loads fly meanwhile)
           const int o = (li + P) * KW;
           cw[j][0] = load_nc_v4<uint4, PF>(wp + o * 64);
           cw[j][1] = load_nc_v4<uint4, PF>(wp + w_off + o * 64);
-          cs[j][0] = ldg_stream_f32(sp + o * 4);
-          cs[j][1] = ldg_stream_f32(sp + s_off + o * 4);
+          cs[j][0] = ldg_stream_f32(sfb + (si + o * 4));
+          cs[j][1] = ldg_stream_f32(sfb + (si + (w_off >> 4) + o * 4));
         }
       }
     }
