@@ -15,6 +15,7 @@ Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay), p
   <s>.<path>_occ3          DATAENGINE_RING_OCC=3 (3 CTAs per SM, one ring stage fewer)
   <s>.two_ring_records[_pairs]  DATAENGINE_RING_GRID=records (a CTA ring of 16 blocks' whole records)
   <s>.<path>_tx / _t512 / _t256  that path with DATAENGINE_TOPK_KERNEL=fastx / fast512 / fast256
+  <s>.default_optin[_occ3] the defaults with fastx (and int4: pairs; _occ3: DATAENGINE_RING_OCC=3) only
   <s>.default              the defaults (no variable set)
   <s>.topk_<variant>_us    the top-k launch apart (fast, fastx, fast512, fast256)
 Every path's blocks are compared with the torch reference's (same summaries). BENCH_CONTEXTS
@@ -78,6 +79,10 @@ def paths(dtype: torch.dtype) -> list[tuple[str, dict]]:
         for t in ("x", "512", "256"):  # the top-k variants on one score path; fastx on the others too
             out.append((f"{topk_on}_t{t}", {**env_of[topk_on], "DATAENGINE_TOPK_KERNEL": f"fast{t}"}))
         out += [(f"{c}_tx", {**env_of[c], "DATAENGINE_TOPK_KERNEL": "fastx"}) for c in combos]
+        # candidate defaults: the variables alone, the rest as select_blocks picks it (one launch for
+        # rows of <= 2048 blocks, two at 128K)
+        cand = {"DATAENGINE_TOPK_KERNEL": "fastx", **(pairs if dtype == torch.uint8 else {})}
+        out += [("default_optin", cand), ("default_optin_occ3", {**cand, **occ3})]
     only = [x for x in os.environ.get("BENCH_PATHS", "").split(",") if x]
     return [(n, e) for n, e in out if not only or n in only]
 
