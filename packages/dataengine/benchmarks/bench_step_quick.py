@@ -15,7 +15,9 @@ Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay), p
   <s>.<path>_occ3          DATAENGINE_RING_OCC=3 (3 CTAs per SM, one ring stage fewer)
   <s>.two_ring_records[_pairs]  DATAENGINE_RING_GRID=records (a CTA ring of 16 blocks' whole records)
   <s>.<path>_tx / _t512 / _t256  that path with DATAENGINE_TOPK_KERNEL=fastx / fast512 / fast256
-  <s>.default_optin[_occ3] the defaults with fastx (and int4: pairs; _occ3: DATAENGINE_RING_OCC=3) only
+  <s>.<path>_h1            fp8: DATAENGINE_RING_FP8=h1 (the high code pairs read as R.H1)
+  <s>.default_optin[_occ3] the defaults with fastx and int4 pairs / fp8 h1 only (_occ3: DATAENGINE_RING_OCC=3;
+                           fp8 without h1)
   <s>.default              the defaults (no variable set)
   <s>.topk_<variant>_us    the top-k launch apart (fast, fastx, fast512, fast256)
 Every path's blocks are compared with the torch reference's (same summaries). BENCH_CONTEXTS
@@ -72,8 +74,11 @@ def paths(dtype: torch.dtype) -> list[tuple[str, dict]]:
             topk_on = "two_ring_heads_pairs"
             combos = ("two_ring_heads_pairs_occ3", "two_ring_records_pairs", "two_ring_records_pairs_occ3")
         else:
-            bases = {"two_ring_heads_occ3": {**heads, **occ3}, "two_ring_records": records}
-            topk_on, combos = "two_ring_heads", ("two_ring_heads_occ3", "two_ring_records")
+            h1 = {"DATAENGINE_RING_FP8": "h1"}
+            bases = {"two_ring_heads_occ3": {**heads, **occ3}, "two_ring_records": records,
+                     "two_ring_heads_h1": {**heads, **h1}, "two_ring_records_h1": {**records, **h1}}
+            topk_on = "two_ring_heads"
+            combos = ("two_ring_heads_occ3", "two_ring_records", "two_ring_heads_h1", "two_ring_records_h1")
         out += list(bases.items())
         env_of = {**bases, "two_ring_heads": heads}
         for t in ("x", "512", "256"):  # the top-k variants on one score path; fastx on the others too
@@ -81,8 +86,10 @@ def paths(dtype: torch.dtype) -> list[tuple[str, dict]]:
         out += [(f"{c}_tx", {**env_of[c], "DATAENGINE_TOPK_KERNEL": "fastx"}) for c in combos]
         # candidate defaults: the variables alone, the rest as select_blocks picks it (one launch for
         # rows of <= 2048 blocks, two at 128K)
-        cand = {"DATAENGINE_TOPK_KERNEL": "fastx", **(pairs if dtype == torch.uint8 else {})}
-        out += [("default_optin", cand), ("default_optin_occ3", {**cand, **occ3})]
+        # (fp8: h1 without OCC 3, which spills with it)
+        cand = {"DATAENGINE_TOPK_KERNEL": "fastx", **(pairs if dtype == torch.uint8 else {"DATAENGINE_RING_FP8": "h1"})}
+        cand3 = {**cand, **occ3} if dtype == torch.uint8 else {"DATAENGINE_TOPK_KERNEL": "fastx", **occ3}
+        out += [("default_optin", cand), ("default_optin_occ3", cand3)]
     only = [x for x in os.environ.get("BENCH_PATHS", "").split(",") if x]
     return [(n, e) for n, e in out if not only or n in only]
 

@@ -537,15 +537,16 @@ def test_fused_select_equals_reference(sdtype, ring, D, Hq, Hkv, max_blocks, red
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (64, 8, 8), (128, 16, 2), (64, 12, 2)])
 @pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
-@pytest.mark.parametrize("grid", ["chunk", "heads", "heads_occ3", "records"])
+@pytest.mark.parametrize("grid", ["chunk", "heads", "heads_occ3", "records", "chunk_h1", "heads_h1", "records_h1"])
 def test_fp8_ring_scores_exact(D, Hq, Hkv, reduce, grid, monkeypatch):
     """The f16 path of fp8 summaries: exact bounds on integer inputs (q scaled up and down by
     powers of two too), with unwritten blocks, open ends (0x7F), holes, ids out of range; and a q
     head with an element too small for f16 (the bf16 path) within float32 rounding. heads_occ3: the
-    heads grid at 3 CTAs per SM (two ring stages)."""
+    heads grid at 3 CTAs per SM (two ring stages); _h1: DATAENGINE_RING_FP8=h1 (one launch and two)."""
     monkeypatch.setenv("DATAENGINE_SCORE_KERNEL", "mma")
     monkeypatch.setenv("DATAENGINE_RING_SCORES", "on")
-    monkeypatch.setenv("DATAENGINE_RING_GRID", grid.removesuffix("_occ3"))
+    monkeypatch.setenv("DATAENGINE_RING_GRID", grid.removesuffix("_occ3").removesuffix("_h1"))
+    monkeypatch.setenv("DATAENGINE_RING_FP8", "h1" if grid.endswith("_h1") else "cvt")
     monkeypatch.setenv("DATAENGINE_RING_OCC", "3" if grid.endswith("occ3") else "2")
     for seed, qscale in enumerate([1.0, 2.0 ** 20, 2.0 ** -30, 1.0]):
         q, kmin, kmax, table, lens = _problem(seed, Hq=Hq, Hkv=Hkv, D=D, max_blocks=700, num_blocks=3000,
@@ -665,6 +666,8 @@ def test_paired_int4_and_x_topk_kernels_compile_without_spills():
              cuda_select.records_kernel_name(u8, 128, 4, "max", 8, True, 3),
              cuda_select.records_kernel_name(u8, 128, 8, "mean", 1), cuda_select.records_kernel_name(FP8, 128, 4, "max", 8),
              cuda_select.records_kernel_name(FP8, 64, 6, "sum", 2),
+             cuda_select.heads_kernel_name(FP8, 128, 4, "max", 8, True), cuda_select.records_kernel_name(FP8, 128, 4, "max", 8, True),
+             cuda_select.chunk_kernel_name(FP8, 128, 4, "max", True, True, True),
              cuda_select.chunk_kernel_name(u8, 128, 4, "max", False, True, True),
              cuda_select.chunk_kernel_name(u8, 128, 4, "sum", True, True, True),
              *[cuda_select.TOPK_KERNELS[f"fast{i}_{t}"] for t, its in cuda_select.FEW_THREADS_ITEMS.items() for i in its],
@@ -705,7 +708,12 @@ def test_ring_q4_env(monkeypatch):
     assert cuda_select.ring_q4() == cuda_select.DEFAULT_RING_Q4 and not cuda_select._pairs(torch.uint8, 4)
     monkeypatch.setenv("DATAENGINE_RING_Q4", "pairs")
     assert cuda_select._pairs(torch.uint8, 4) and cuda_select._pairs(torch.uint8, 1)
-    assert not cuda_select._pairs(torch.uint8, 8) and not cuda_select._pairs(FP8, 4)  # > 4 heads; fp8 summaries
+    assert not cuda_select._pairs(torch.uint8, 8) and not cuda_select._pairs(FP8, 4)  # > 4 heads; fp8: its own variable
+    monkeypatch.setenv("DATAENGINE_RING_FP8", "h1")
+    assert cuda_select.ring_fp8() == "h1" and cuda_select._pairs(FP8, 8)
+    monkeypatch.setenv("DATAENGINE_RING_FP8", "shift")
+    with pytest.raises(ValueError, match="DATAENGINE_RING_FP8"):
+        cuda_select.ring_fp8()
     assert cuda_select.heads_kernel_name(torch.uint8, 128, 4, "max", 8, True).endswith(", 8, true>")
     monkeypatch.setenv("DATAENGINE_RING_Q4", "quads")
     with pytest.raises(ValueError, match="DATAENGINE_RING_Q4"):
@@ -757,7 +765,7 @@ def test_int4_rows_need_tensor_cores():
 
 # ----------------------------------------------------------------------------- the defaults, adversarial
 SELECT_ENV = ("DATAENGINE_SELECT_FUSED", "DATAENGINE_SCORE_KERNEL", "DATAENGINE_RING_SCORES", "DATAENGINE_RING_GRID",
-              "DATAENGINE_TOPK_KERNEL", "DATAENGINE_RING_Q4", "DATAENGINE_RING_OCC")
+              "DATAENGINE_TOPK_KERNEL", "DATAENGINE_RING_Q4", "DATAENGINE_RING_OCC", "DATAENGINE_RING_FP8")
 # (top_k, sink, local, what the seed's input is): budgets below, at and above the rows' block counts
 ADVERSARIAL = [(64, 1, 1, "integer ties"), (7, 0, 0, "integer ties, holes"), (3, 2, 3, "every block alike"),
                (256, 1, 1, "nothing written"), (1, 4, 4, "forced > budget"), (100, 0, 5, "-inf on half the blocks"),
@@ -779,11 +787,13 @@ def _adversarial_problem(seed: int, max_blocks: int):
 
 
 # the opt-in variants held to the same adversarial inputs (env, test id)
-ADVERSARIAL_VARIANTS = [({}, "default"), ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fastx"}, "pairsx"),
+ADVERSARIAL_VARIANTS = [({}, "default"),
+                        ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_RING_FP8": "h1", "DATAENGINE_TOPK_KERNEL": "fastx"},
+                         "pairsx"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_RING_OCC": "3", "DATAENGINE_TOPK_KERNEL": "fastx"},
                          "pairs_occ3_x"),
-                        ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_RING_GRID": "records", "DATAENGINE_TOPK_KERNEL": "fastx"},
-                         "records_pairs_x"),
+                        ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_RING_FP8": "h1", "DATAENGINE_RING_GRID": "records",
+                          "DATAENGINE_TOPK_KERNEL": "fastx"}, "records_pairs_x"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_RING_GRID": "records", "DATAENGINE_RING_OCC": "3",
                           "DATAENGINE_TOPK_KERNEL": "fastx"}, "records_pairs_occ3_x"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast512"}, "pairs512"),

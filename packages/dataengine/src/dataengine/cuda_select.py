@@ -124,8 +124,27 @@ def ring_q4() -> str:
     return v
 
 
+RING_FP8_VARIANTS = ("cvt", "h1")
+DEFAULT_RING_FP8 = "cvt"
+
+
+def ring_fp8() -> str:
+    """DATAENGINE_RING_FP8 (default DEFAULT_RING_FP8), fp8 summaries' code widening in the ring scores:
+    "cvt" (each code pair shifted into the low half for cvt.rn.f16x2.e4m3x2) or "h1" (the high pairs
+    named as the register's upper half in the PTX: ptxas reads them as R.H1, 32 SHF fewer per tile).
+    The same conversions either way."""
+    v = os.environ.get("DATAENGINE_RING_FP8") or DEFAULT_RING_FP8
+    if v not in RING_FP8_VARIANTS:
+        raise tilehal.ArgumentError(f"DATAENGINE_RING_FP8: expected one of {list(RING_FP8_VARIANTS)}, got {v!r}")
+    return v
+
+
 def _pairs(s_dtype: torch.dtype, group: int) -> bool:
-    """Whether the ring scores of int4 rows take the paired-groups epilogue (DATAENGINE_RING_Q4=pairs)."""
+    """Whether the ring scores take the session-28 tile code (the kernels' PAIRS): int4 rows, the
+    paired-groups epilogue (DATAENGINE_RING_Q4=pairs); fp8 summaries, the R.H1 code widening
+    (DATAENGINE_RING_FP8=h1)."""
+    if s_dtype == FP8:
+        return ring_fp8() == "h1"
     if s_dtype != torch.uint8 or ring_q4() != "pairs":
         return False
     if group > PAIRS_MAX_GROUP:
@@ -142,7 +161,8 @@ def ring_occ() -> int:
     """DATAENGINE_RING_OCC (default DEFAULT_RING_OCC): CTAs per SM quest_score_heads_kernel is built
     and its grid sized for: 2 (the rings' stages: fp8 3, int4 4) or 3 (80 registers, one stage fewer:
     fp8 2, int4 3, so three CTAs fit the shared memory: 24 warps per SM instead of 16; int4 rows only
-    with DATAENGINE_RING_Q4=pairs: the per-group epilogue spills at 80 registers)."""
+    with DATAENGINE_RING_Q4=pairs, fp8 summaries only without DATAENGINE_RING_FP8=h1 and on the heads
+    grid: the others spill at 80 registers)."""
     v = os.environ.get("DATAENGINE_RING_OCC") or DEFAULT_RING_OCC
     if v not in RING_OCCS:
         raise tilehal.ArgumentError(f"DATAENGINE_RING_OCC: expected one of {list(RING_OCCS)}, got {v!r}")
@@ -506,8 +526,9 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     grid = ring_grid() if ring else None
     if grid in ("heads", "records") and H <= 8:
         occ = ring_occ()
-        if occ == 3 and kmin.dtype == torch.uint8 and not pairs:  # 80 registers: the per-group epilogue spills
-            log.debug("DATAENGINE_RING_OCC=3: int4 rows without paired groups spill at 80 registers; 2 CTAs per SM")
+        if occ == 3 and (kmin.dtype == torch.uint8) != pairs:  # 80 registers: these spill
+            log.debug("DATAENGINE_RING_OCC=3: %s spill at 80 registers; 2 CTAs per SM",
+                      "int4 rows without paired groups" if kmin.dtype == torch.uint8 else "fp8 summaries with h1")
             occ = 2
         if occ == 3 and grid == "records" and kmin.dtype != torch.uint8:  # fp8 records spill at 80 registers
             log.debug("DATAENGINE_RING_OCC=3: fp8 summaries on the records grid spill at 80 registers; 2 CTAs per SM")

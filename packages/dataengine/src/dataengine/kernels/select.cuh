@@ -992,6 +992,13 @@ TILEHAL_DEVICE unsigned e4m3x2_to_f16x2(unsigned short w) {
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(w));
   return d;
 }
+// The two codes in the high half of w -> f16x2: the half is named in the PTX (mov.b32 {lo, hi}) so
+// ptxas reads it as R.H1 instead of shifting it down first (32 SHF fewer per fp8 tile).
+TILEHAL_DEVICE unsigned e4m3x2_hi_to_f16x2(unsigned w) {
+  unsigned d;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(d) : "r"(w));
+  return d;
+}
 // Two codes (low 16 bits of w) -> bf16x2, by role, the NaN codes as the open ends (exact).
 __device__ __forceinline__ unsigned e4m3x2_to_bf16x2_role(unsigned w, bool is_max) {
   float2 f = e4m3x2_to_float2(w, 0);
@@ -1071,13 +1078,15 @@ __device__ __forceinline__ void fp8_tile_walk(const unsigned char* slot, int r, 
 
 // acc = the tile's bounds on f16 tensor cores, q scaled: the kmax and kmin halves accumulate in two
 // independent MMA chains (half the dependent latency), added at the end.
-template <int D, int G, int PITCH = D, int BOUND = RingSize<__nv_fp8_e4m3, D>::kBound>
+// H1 (DATAENGINE_RING_FP8=h1): the high code pairs through e4m3x2_hi_to_f16x2.
+template <int D, int G, int PITCH = D, int BOUND = RingSize<__nv_fp8_e4m3, D>::kBound, bool H1 = false>
 __device__ __forceinline__ void fp8_tile_f16(const Fp8Q<D, G>& Q, const unsigned char* slot, int r, int t,
                                              float (&acc)[4]) {
   float part[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   fp8_tile_walk<D, PITCH, BOUND>(slot, r, t, [&](int bound, int j, int m, unsigned wl, unsigned wh) {
     const tilehal::u32 a[4] = {e4m3x2_to_f16x2((unsigned short)wl), e4m3x2_to_f16x2((unsigned short)wh),
-                               e4m3x2_to_f16x2((unsigned short)(wl >> 16)), e4m3x2_to_f16x2((unsigned short)(wh >> 16))};
+                               H1 ? e4m3x2_hi_to_f16x2(wl) : e4m3x2_to_f16x2((unsigned short)(wl >> 16)),
+                               H1 ? e4m3x2_hi_to_f16x2(wh) : e4m3x2_to_f16x2((unsigned short)(wh >> 16))};
     const tilehal::u32 bq[2] = {bound == 0 ? Q.qp[j][2 * m] : Q.qn[j][2 * m],
                                 bound == 0 ? Q.qp[j][2 * m + 1] : Q.qn[j][2 * m + 1]};
     tilehal::mma_m16n8k16(tilehal::MmaF16{}, part[bound], a, bq);
@@ -1217,11 +1226,12 @@ template <int D, int G> struct RingQSel<Q4, D, G, true> { using type = PairQ<D, 
 
 // One 16-block tile's bounds (acc, before the head reduction) from shared memory: rows r / r + 8 of
 // kmax at slot + r * PITCH / slot + (r + 8) * PITCH, kmin BOUND bytes further (the per-warp rings and
-// the record tiles differ only in these two).
+// the record tiles differ only in these two). PAIRS, the session-28 tile code: int4 rows, paired
+// groups (PairQ); fp8, the high code pairs read as R.H1 (fp8_tile_f16<..., H1>).
 template <typename TS, int D, int G, bool PAIRS, int PITCH, int BOUND, typename QT>
 __device__ __forceinline__ void ring_tile(const QT& Q, const __nv_bfloat16* __restrict__ q, long long head0,
                                           const unsigned char* slot, int r, int t, unsigned m78, float (&acc)[4]) {
-  if constexpr (PAIRS) {
+  if constexpr (PAIRS && IsQ4<TS>::value) {
     const unsigned char* lo = slot + r * PITCH;
     const unsigned char* hi = slot + (r + 8) * PITCH;
     q4_pairs_bound<true>(Q, lo, hi, t, m78, acc);
@@ -1237,7 +1247,7 @@ __device__ __forceinline__ void ring_tile(const QT& Q, const __nv_bfloat16* __re
   } else {
     bool slow = !Q.ok;
     if (Q.ok) {
-      fp8_tile_f16<D, G, PITCH, BOUND>(Q, slot, r, t, acc);
+      fp8_tile_f16<D, G, PITCH, BOUND, PAIRS>(Q, slot, r, t, acc);
       slow = __any_sync(0xffffffffu, !(finite(acc[0]) && finite(acc[1]) && finite(acc[2]) && finite(acc[3])));
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[e] *= Q.inv;
@@ -1306,7 +1316,6 @@ __device__ __forceinline__ void ring_scores(const __nv_bfloat16* __restrict__ q,
   };
 #pragma unroll
   for (int k = 0; k < kStages - 1; ++k) issue(k);
-  static_assert(!PAIRS || IsQ4<TS>::value, "paired groups are for int4 rows");
   typename RingQSel<TS, D, G, PAIRS>::type Q;
   Q.load(q, head0, r, t);
   // paired int4 groups: the code mask from a value ptxas cannot fold (n_tiles > 0), so it stays in one register
