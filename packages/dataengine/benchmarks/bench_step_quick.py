@@ -109,6 +109,7 @@ def main() -> None:
         sl = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
         dense = lambda bt=bt, sl=sl: kvpool.paged_decode(q, pool, 0, bt, sl)  # noqa: E731
         row = {"dense_us": bench(dense), "dense_graph_us": bench_graph(dense)}
+        print(ctx, "dense", row["dense_us"], row["dense_graph_us"], flush=True)
         curve_s = os.environ.get("BENCH_CURVE_SUMMARIES", "fp8").split(",")
         curve_p = os.environ.get("BENCH_CURVE_PATHS", "default").split(",")
         for name, (lo, hi) in summaries.items():
@@ -152,6 +153,7 @@ def main() -> None:
                         tv = env.get("DATAENGINE_TOPK_KERNEL", "fast")
                         r[f"topk_{tv}_us"] = bench(lambda raw=raw, sl=sl, tv=tv: cuda_select.topk_rows(
                             raw, TOP, H, 1, 1, seq_lens=sl, block_size=BS, variant=tv))
+                print(ctx, name, json.dumps(r), flush=True)  # after every path: a cut run keeps what it measured
             idx = ref
 
             def sparse_only(bt=bt, sl=sl, idx=idx):
