@@ -237,6 +237,10 @@ def cases():
             key = sk.splitk_key(cfg, 4096, 7168, out_dt, c_dt, a_mn, b_mn)
             out.append((f"deepgemm_splitk_{bm}x{bn}_s{splits}_{str(out_dt)[6:]}_{str(c_dt)[6:]}_{int(a_mn)}{int(b_mn)}",
                         lambda key=key: sk.compile_kernels([key])))
+        # split-K with A multicast over 2-CTA clusters (the consumers' remote stage release), par_reduce
+        mc_sk = sk.splitk_key(sk.SplitKConfig(128, 64, 4, sk.max_stages(128, 64), 132, multicast=2, par_reduce=True),
+                              4096, 7168, bf16, bf16)
+        out.append(("deepgemm_splitk_mcast2_128x64_s4_bf16", lambda: sk.compile_kernels([mc_sk])))
         from deepgemm import cuda_fp4 as f4
         from deepgemm import gemv as gv
 

@@ -298,22 +298,13 @@ TILEHAL_DEVICE void overlapped_group(int kb0, float (&part)[PART], float (&part2
 // far below the bf16 rounding that follows); g < -87 gives exp(-g) = inf and a zero (sign of g) result.
 TILEHAL_DEVICE float swiglu(float g, float u) { return __fdividef(g, 1.0f + __expf(-g)) * u; }
 
-// A consumer's release of a multicast stage in CTA `cta` of the cluster. By default a plain remote arrival
-// (.release.cta, what CUTLASS's cluster barrier does: the wgmmas that read the stage have completed, so no
-// cluster-scope fence is needed before the peer's TMA overwrites it); -DDEEPGEMM_MCAST_RELEASE_CLUSTER=1 uses
-// tilehal's .release.cluster arrival (A/B timing).
+// A consumer's release of a multicast stage in the peer CTA (tilehal mbarrier_release_peer): by default a plain remote
+// arrival (.release.cta, what CUTLASS's cluster barrier does: the wgmmas that read the stage have completed, so no
+// cluster-scope fence is needed before the peer's TMA overwrites it); -DDEEPGEMM_MCAST_RELEASE_CLUSTER=1 uses the
+// .release.cluster arrival (A/B timing).
 #ifndef DEEPGEMM_MCAST_RELEASE_CLUSTER
 #define DEEPGEMM_MCAST_RELEASE_CLUSTER 0
 #endif
-TILEHAL_DEVICE void release_remote(u64* bar, u32 cta) {
-  if constexpr (DEEPGEMM_MCAST_RELEASE_CLUSTER) {
-    mbarrier_arrive_cluster(bar, cta);
-  } else {
-    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)), "r"(cta)
-                 : "memory");
-  }
-}
 
 // std::conditional without <type_traits> (NVRTC ships no C++ standard library).
 template <bool C, typename T, typename F> struct Select { using type = T; };
@@ -623,7 +614,7 @@ gemm_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ T
     if constexpr (MCAST == 1) {
       if (lane == 0) mbarrier_arrive(&empty_bar[s]);
     } else {
-      if (lane < MCAST) release_remote(&empty_bar[s], lane);
+      if (lane < MCAST) mbarrier_release_peer<DEEPGEMM_MCAST_RELEASE_CLUSTER>(&empty_bar[s], lane);
     }
   };
 

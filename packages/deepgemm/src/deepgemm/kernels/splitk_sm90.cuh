@@ -52,7 +52,7 @@
 // refilled only when the consumers of both CTAs released it (lane i of each math warp arrives in CTA i),
 // and each producer waits for the last releases before its CTA exits (no remote arrival may target an
 // exited CTA). An odd n-block count gets one phantom CTA (n0 >= N: TMA zero-fills its B, it writes nothing).
-// A consumer's release in the peer CTA is a plain remote arrival (.release.cta, as gemm_sm90.cuh's release_remote:
+// A consumer's release in the peer CTA is a plain remote arrival (.release.cta, tilehal mbarrier_release_peer:
 // the wgmmas that read the stage are complete, no cluster-scope fence is needed before the peer's TMA refills it);
 // tilehal's mbarrier_arrive_cluster (.release.cluster) made the persistent kernel's multicast 1.5-2x slower on the
 // H200 (grouped, s26) and is what the split-K multicast plans measured with in s26 R2 (1.1-1.9x slower);
@@ -135,16 +135,6 @@ template <> struct CPair<__nv_bfloat16> {
 #ifndef DEEPGEMM_MCAST_RELEASE_CLUSTER
 #define DEEPGEMM_MCAST_RELEASE_CLUSTER 0
 #endif
-// Stage release in CTA `cta` of the cluster (see the header: plain remote arrival unless the macro says otherwise).
-TILEHAL_DEVICE void splitk_release_remote(u64* bar, u32 cta) {
-  if constexpr (DEEPGEMM_MCAST_RELEASE_CLUSTER) {
-    mbarrier_arrive_cluster(bar, cta);
-  } else {
-    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)), "r"(cta)
-                 : "memory");
-  }
-}
 
 // C (added when HAS_C) is read in its own dtype CT: fp32, or bf16 (DeepGEMM's bf16 accumulation).
 // FP8: tma_sfa describes the MN-major sfa as [ceil(K/128), M] fp32 (boxes of 1 x BLOCK_M), sfb is fp32
@@ -289,7 +279,7 @@ splitk_sm90(const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__
     if constexpr (MCAST == 1) {
       if (lane == 0) mbarrier_arrive(&empty_bar[s]);
     } else {
-      if (lane < MCAST) splitk_release_remote(&empty_bar[s], lane);
+      if (lane < MCAST) mbarrier_release_peer<DEEPGEMM_MCAST_RELEASE_CLUSTER>(&empty_bar[s], lane);
     }
   };
   float acc[ACC];

@@ -29,12 +29,32 @@ TILEHAL_DEVICE void mbarrier_arrive_expect_tx(u64* bar, u32 bytes) {
                : "memory");
 }
 
-// Arrive on the barrier at the same offset in CTA `cta` of the cluster (for multicast consumers).
+// Arrive on the barrier at the same offset in CTA `cta` of the cluster with the default .release.cta semantics: a
+// multicast consumer's stage release once the wgmmas that read the stage have completed (no cluster-scope fence is
+// needed before the peer's TMA overwrites it; what CUTLASS's cluster barrier does).
+TILEHAL_DEVICE void mbarrier_arrive_remote(u64* bar, u32 cta) {
+  asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+               "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)), "r"(cta)
+               : "memory");
+}
+
+// Arrive on the barrier at the same offset in CTA `cta` of the cluster (for multicast consumers), .release.cluster.
 TILEHAL_DEVICE void mbarrier_arrive_cluster(u64* bar, u32 cta) {
   asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
                "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)),
                "r"(cta)
                : "memory");
+}
+
+// A multicast consumer's release of a stage in CTA `cta`: mbarrier_arrive_remote, or with CLUSTER_SCOPE (A/B timing)
+// mbarrier_arrive_cluster.
+template <bool CLUSTER_SCOPE = false>
+TILEHAL_DEVICE void mbarrier_release_peer(u64* bar, u32 cta) {
+  if constexpr (CLUSTER_SCOPE) {
+    mbarrier_arrive_cluster(bar, cta);
+  } else {
+    mbarrier_arrive_remote(bar, cta);
+  }
 }
 
 TILEHAL_DEVICE bool mbarrier_try_wait(u64* bar, u32 parity) {
