@@ -464,8 +464,11 @@ def test_fused_and_ring_reasons(monkeypatch):
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "0")
     assert "FUSED=0" in cuda_select.fused_reason(q, s, 64, 8192)
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "auto")
-    assert cuda_select.fused_reason(q, s, 64, 2048) is None
-    assert "two launches" in cuda_select.fused_reason(q, s, 64, 2049)
+    assert cuda_select.fused_reason(q, s, 64, cuda_select.FUSED_AUTO_MAX) is None
+    assert "two launches" in cuda_select.fused_reason(q, s, 64, cuda_select.FUSED_AUTO_MAX + 1)
+    b16 = s.to(torch.bfloat16)  # no ring scores: one launch up to CHUNK_MAX (two launches not measured there)
+    assert cuda_select.fused_reason(q, b16, 64, cuda_select.CHUNK_MAX) is None
+    assert "two launches" in cuda_select.fused_reason(q, b16, 64, cuda_select.CHUNK_MAX + 1)
     monkeypatch.setenv("DATAENGINE_SELECT_FUSED", "1")
     assert cuda_select.fused_reason(q, s, 64, 8192) is None
     assert cuda_select.fused_reason(q, s, 512, 8192) is None  # 4 chunks x 512 candidates
@@ -705,7 +708,12 @@ def test_ring_occ_env_and_shared_memory(monkeypatch):
 
 def test_ring_q4_env(monkeypatch):
     monkeypatch.delenv("DATAENGINE_RING_Q4", raising=False)
-    assert cuda_select.ring_q4() == cuda_select.DEFAULT_RING_Q4 and not cuda_select._pairs(torch.uint8, 4)
+    monkeypatch.delenv("DATAENGINE_RING_FP8", raising=False)
+    assert cuda_select.ring_q4() == cuda_select.DEFAULT_RING_Q4 == "pairs" and cuda_select._pairs(torch.uint8, 4)
+    assert cuda_select.ring_fp8() == cuda_select.DEFAULT_RING_FP8 == "h1" and cuda_select._pairs(FP8, 4)
+    monkeypatch.setenv("DATAENGINE_RING_Q4", "groups")
+    monkeypatch.setenv("DATAENGINE_RING_FP8", "cvt")
+    assert not cuda_select._pairs(torch.uint8, 4) and not cuda_select._pairs(FP8, 4)
     monkeypatch.setenv("DATAENGINE_RING_Q4", "pairs")
     assert cuda_select._pairs(torch.uint8, 4) and cuda_select._pairs(torch.uint8, 1)
     assert not cuda_select._pairs(torch.uint8, 8) and not cuda_select._pairs(FP8, 4)  # > 4 heads; fp8: its own variable
@@ -722,7 +730,10 @@ def test_ring_q4_env(monkeypatch):
 
 def test_ring_grid_env(monkeypatch):
     monkeypatch.delenv("DATAENGINE_RING_GRID", raising=False)
-    assert cuda_select.ring_grid() == cuda_select.DEFAULT_RING_GRID
+    assert cuda_select.ring_grid() == cuda_select.DEFAULT_RING_GRID == "auto"
+    assert cuda_select.ring_grid(torch.uint8) == "records" and cuda_select.ring_grid(FP8) == "heads"
+    monkeypatch.setenv("DATAENGINE_RING_GRID", "heads")
+    assert cuda_select.ring_grid(torch.uint8) == "heads"
     monkeypatch.setenv("DATAENGINE_RING_GRID", "rows")
     with pytest.raises(ValueError, match="DATAENGINE_RING_GRID"):
         cuda_select.ring_grid()
@@ -786,8 +797,11 @@ def _adversarial_problem(seed: int, max_blocks: int):
     return _ADVERSARIAL_PROBLEMS[key]
 
 
-# the opt-in variants held to the same adversarial inputs (env, test id)
+# the other variants held to the same adversarial inputs (env, test id); "s27_defaults": the defaults
+# before session 28's figures
 ADVERSARIAL_VARIANTS = [({}, "default"),
+                        ({"DATAENGINE_RING_Q4": "groups", "DATAENGINE_RING_FP8": "cvt", "DATAENGINE_RING_GRID": "heads",
+                          "DATAENGINE_TOPK_KERNEL": "fast"}, "s27_defaults"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_RING_FP8": "h1", "DATAENGINE_TOPK_KERNEL": "fastx"},
                          "pairsx"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_RING_OCC": "3", "DATAENGINE_TOPK_KERNEL": "fastx"},
@@ -806,8 +820,10 @@ ADVERSARIAL_VARIANTS = [({}, "default"),
 @pytest.mark.parametrize("max_blocks", [300, 2100], ids=["one-launch", "two-launch"])
 def test_default_selection_adversarial(sdtype, max_blocks, variant_env, monkeypatch):
     """Issue 15's must-hold on the paths select_blocks takes by default (no variant in the
-    environment; GQA 32/8, d128, bf16 q as in the 128K benchmark): rows of <= 2048 blocks in one
-    launch, longer rows in two (fp8 / int4: ring scores on the heads grid). Integer inputs (bounds
+    environment; GQA 32/8, d128, bf16 q as in the 128K benchmark): rows of <= 1024 blocks (bf16
+    summaries: 2048) in one launch, longer rows in two (ring scores: fp8 on the heads grid, int4 on the records grid; the
+    fastx top-k), and the same under the opt-in / opt-out combinations of ADVERSARIAL_VARIANTS (the
+    H200 round of session 28 ran these with the then defaults, the session-27 ones). Integer inputs (bounds
     exact in float32, so ties everywhere), an empty sequence, a 5-token one (1 block: shorter than
     every budget), a full one, a random length, unwritten (-inf) blocks, every block alike, nothing written, holes in
     the table, more forced blocks than the budget: the reference's blocks exactly, and the same again
@@ -825,7 +841,8 @@ def test_default_selection_adversarial(sdtype, max_blocks, variant_env, monkeypa
         args = (q, kmin, kmax, table, lens)
         width = min(max(top_k, sink + local), max_blocks)
         one_launch = cuda_select.fused_reason(q, kmin, width, max_blocks) is None
-        assert one_launch == (max_blocks <= cuda_select.CHUNK_MAX), (what, one_launch)
+        limit = cuda_select.CHUNK_MAX if sdtype == torch.bfloat16 else cuda_select.FUSED_AUTO_MAX
+        assert one_launch == (max_blocks <= limit), (what, one_launch)
         # valid blocks counted from seq_lens (the one-launch path needs block_size), or from the table
         bs = None if seed == 1 else 16
         # the torch reference on the GPU too (its float32 sums are exact in any order on these
@@ -836,5 +853,6 @@ def test_default_selection_adversarial(sdtype, max_blocks, variant_env, monkeypa
             assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), (seed, what, bs)
         if seed == 3:  # nothing written: only the forced blocks of the non-empty rows come back
             assert int((want >= 0).sum(-1).max()) <= sink + local
-    assert cuda_select.ring_grid() == variant_env.get("DATAENGINE_RING_GRID", "heads")
+    assert cuda_select.ring_grid(sdtype) == variant_env.get("DATAENGINE_RING_GRID",
+                                                            "records" if sdtype == torch.uint8 else "heads")
     assert cuda_select._ring(sdtype, 128) == (sdtype != torch.bfloat16)

@@ -89,12 +89,16 @@ def ring_variant() -> str:
     return v
 
 
-RING_GRIDS = ("chunk", "heads", "records")
-DEFAULT_RING_GRID = "heads"  # H200 R2: fp8 57.4 vs 58.2 us, int4 58.9 vs 60.3 us (two launches, 128K)
+RING_GRIDS = ("auto", "chunk", "heads", "records")
+# "auto": records for int4 rows, heads for fp8 summaries. H200 (2026-12-02, session 28, b8 x 128K, same run):
+# int4 score kernel records 38.1 vs heads 44.0 us (paired groups), fp8 records 45.9 vs heads 45.2 us;
+# earlier (R2): heads vs chunk fp8 57.4 vs 58.2 us, int4 58.9 vs 60.3 us
+DEFAULT_RING_GRID = "auto"
 
 
-def ring_grid() -> str:
-    """DATAENGINE_RING_GRID (default DEFAULT_RING_GRID), for the two-launch path's ring scores:
+def ring_grid(s_dtype: torch.dtype | None = None) -> str:
+    """DATAENGINE_RING_GRID (default DEFAULT_RING_GRID) for summaries of s_dtype, the two-launch
+    path's ring scores: "auto" (records for int4 rows, else heads; without s_dtype: "auto"),
     "chunk" (quest_select_chunk_kernel: a CTA per (chunk, kv head, sequence), its warps splitting
     the chunk) or "heads" (quest_score_heads_kernel: a CTA per (chunk, sequence), warp h = kv head
     h over the whole chunk, so a block's kv-head rows are read together; <= 8 kv heads) or "records"
@@ -104,11 +108,15 @@ def ring_grid() -> str:
     v = os.environ.get("DATAENGINE_RING_GRID") or DEFAULT_RING_GRID
     if v not in RING_GRIDS:
         raise tilehal.ArgumentError(f"DATAENGINE_RING_GRID: expected one of {list(RING_GRIDS)}, got {v!r}")
+    if v == "auto" and s_dtype is not None:
+        return "records" if s_dtype == torch.uint8 else "heads"
     return v
 
 
 RING_Q4_VARIANTS = ("groups", "pairs")
-DEFAULT_RING_Q4 = "groups"
+# H200 (session 28, b8 x 128K, same run): int4 score kernel 43.97 vs 46.21 us (heads grid), 38.06 vs
+# 39.94 us (records grid); one launch at 8K / 16K: select 16.96 / 20.98 vs 17.70 / 22.02 us (with fastx)
+DEFAULT_RING_Q4 = "pairs"
 PAIRS_MAX_GROUP = 4  # paired int4 groups: the q heads of a kv head fill half of the m16n8 accumulator
 
 
@@ -125,7 +133,8 @@ def ring_q4() -> str:
 
 
 RING_FP8_VARIANTS = ("cvt", "h1")
-DEFAULT_RING_FP8 = "cvt"
+# H200 (session 28, b8 x 128K, same run): fp8 score kernel 44.67 vs 45.18 us; select (fastx) 55.06 vs 56.64 us
+DEFAULT_RING_FP8 = "h1"
 
 
 def ring_fp8() -> str:
@@ -275,13 +284,19 @@ def chunk_smem_bytes(s_dtype: torch.dtype, head_dim: int, fused: bool, ring: boo
 
 
 DEFAULT_FUSED = "auto"  # H200 R2 (2026-12-02, b8 x 128K fp8): one launch 62.9 us vs two launches (ring, heads grid) 57.4
+# "auto": one launch for rows of at most this many blocks with ring scores (fp8, int4 rows; others: CHUNK_MAX).
+# H200 (session 28, same run): at 2048 blocks (32K) two launches are faster (fp8 26.24 vs 27.55 us, int4
+# 25.66 vs 28.75 us), at 1024 (16K) a tie (fp8 20.48 vs 20.42, int4 20.75 vs 20.98 us), at 512 (8K) one
+# launch (fp8 17.26 vs 17.98 us)
+FUSED_AUTO_MAX = 1024
 
 
 def fused_variant() -> str:
     """DATAENGINE_SELECT_FUSED (default DEFAULT_FUSED): "auto" runs select_blocks in one launch of
-    quest_select_chunk_kernel where a row fits one CTA (<= CHUNK_MAX blocks: no merge), "1" also
-    for longer rows (chunks, the row's last CTA merges), both where `fused_reason` allows; "0"
-    never."""
+    quest_select_chunk_kernel for rows of <= FUSED_AUTO_MAX blocks with ring scores (fp8, int4 rows),
+    <= CHUNK_MAX otherwise (one CTA a row, no merge), "1"
+    also for longer rows (up to CHUNK_MAX blocks one CTA, longer ones in chunks whose row's last CTA
+    merges), both where `fused_reason` allows; "0" never."""
     v = os.environ.get("DATAENGINE_SELECT_FUSED") or DEFAULT_FUSED
     if v not in ("auto", "0", "1"):
         raise tilehal.ArgumentError(f"DATAENGINE_SELECT_FUSED: expected auto, 0 or 1, got {v!r}")
@@ -303,9 +318,10 @@ def fused_reason(q: torch.Tensor, kmin: torch.Tensor, width: int, nb: int) -> st
     variant = fused_variant()
     if variant == "0":
         return "DATAENGINE_SELECT_FUSED=0"
-    if variant == "auto" and nb > CHUNK_MAX:
-        return (f"{nb} blocks per row > {CHUNK_MAX} (DATAENGINE_SELECT_FUSED=auto: longer rows take two launches, "
-                "faster than the one-launch merge on the H200)")
+    limit = FUSED_AUTO_MAX if _ring(kmin.dtype, q.shape[-1]) else CHUNK_MAX  # bf16: two launches not measured there
+    if variant == "auto" and nb > limit:
+        return (f"{nb} blocks per row > {limit} (DATAENGINE_SELECT_FUSED=auto: longer rows take two launches, "
+                "faster on the H200)")
     if score_variant() == "simt":
         return "DATAENGINE_SCORE_KERNEL=simt"
     reason = mma_reason(q, kmin)
@@ -415,14 +431,16 @@ def compile_topk(arch: str = "sm_90a") -> tilehal.CudaModule:
 
 TOPK_VARIANTS = ("auto", "fast", "plain", "staged", "fastx", "fast512", "fast256")
 DEFAULT_TOPK = "auto"
-# "auto": the fast kernel from this many keys per row on, plain below. Measured on the H200
+# "auto": the fastx kernel from this many keys per row on, plain below. Measured on the H200
 # (2026-12-02, docs/benchmarks/dataengine_select_cuda_kernels.json, 64 rows): plain 9.9 / 11.0 /
-# 12.4 / 16.0 / 24.9 us at 512 / 1024 / 2048 / 4096 / 8192 keys, fast 15.0 / 15.2 / 15.0 / 15.4 / 16.0.
-FAST_TOPK_FROM = 4096
+# 12.4 / 16.0 / 24.9 us at 512 / 1024 / 2048 / 4096 / 8192 keys, fast 15.0 / 15.2 / 15.0 / 15.4 / 16.0;
+# session 28 (same run, 8192 keys): fastx 11.84, fast 13.47, fast512 12.96, fast256 18.08 us; rows of
+# 2048 blocks (32K) take two launches with fastx, faster than one (fp8 26.24 vs 27.55 us).
+FAST_TOPK_FROM = 2048
 
 
 def topk_variant() -> str:
-    """DATAENGINE_TOPK_KERNEL (default DEFAULT_TOPK): "auto" (fast from FAST_TOPK_FROM keys per row,
+    """DATAENGINE_TOPK_KERNEL (default DEFAULT_TOPK): "auto" (fastx from FAST_TOPK_FROM keys per row,
     plain below), "fast" (topk_fast_kernel, rows up to 32768 keys, else "plain"), "plain" (512
     threads, 4 x 8-bit radix passes from L2), "staged" (keys in shared memory; measured no faster
     than plain on the H200: 28.2 vs 24.5 us at 8192 keys), "fastx" (the fast kernel with float4
@@ -523,7 +541,7 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
     if q.data_ptr() % 4:  # the mma kernel reads q as 32-bit words
         q = q.clone()
     pairs = ring and _pairs(kmin.dtype, group)
-    grid = ring_grid() if ring else None
+    grid = ring_grid(kmin.dtype) if ring else None
     if grid in ("heads", "records") and H <= 8:
         occ = ring_occ()
         if occ == 3 and (kmin.dtype == torch.uint8) != pairs:  # 80 registers: these spill
@@ -592,7 +610,7 @@ def topk_rows(scores: torch.Tensor, width: int, rows_per_b: int, sink: int, loca
         variant = "plain"
     threads = TOPK_THREADS
     if variant == "auto":
-        variant = "fast" if N >= FAST_TOPK_FROM else "plain"
+        variant = "fastx" if N >= FAST_TOPK_FROM else "plain"
     if variant in ("fast512", "fast256"):
         t = int(variant[4:])
         items = next((i for i in FEW_THREADS_ITEMS[t] if N <= t * i), None)

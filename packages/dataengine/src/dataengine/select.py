@@ -298,7 +298,7 @@ def select_blocks(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block
     n = min(budget, max_blocks); a sequence with fewer valid blocks than the budget gets all of
     them. `block_size`, when given, counts valid blocks from seq_lens instead of the table.
     On CUDA: one launch when `block_size` is given, q is bf16, head_dim 64/128, <= 8 q heads per kv
-    head and a row has at most 2048 blocks (quest_select_chunk_kernel; DATAENGINE_SELECT_FUSED=1
+    head and a row has at most 1024 blocks (bf16 summaries: 2048; quest_select_chunk_kernel; DATAENGINE_SELECT_FUSED=1
     also for longer rows, =0 never), else two (scores, top-k); no host sync (`validate=True` adds
     the host check of block ids).
     """
