@@ -457,15 +457,21 @@ def _plan_stream(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: boo
                          groups=groups)
 
 
-# ----------------------------------------------------------------------------- the small-M kernel (bf16, <= 32 tokens)
-# DEEPGEMM_FP4_KERNEL=auto takes it up to this many tokens (bf16 activations; 0: opt-in only, DEEPGEMM_FP4_KERNEL=small).
-AUTO_SMALL_MAX_M = 0
+# ----------------------------------------------------------------------------- the small-M kernel (bf16, <= 128 tokens)
+# DEEPGEMM_FP4_KERNEL=auto takes it up to this many tokens (bf16 activations): its 8-token tile. H200, 2026-12-02
+# 16:10 UTC (session 28, docs/benchmarks/deepgemm_fp4_h200_2026-12-02_s28/): at M = 1 its 32-warp build is 1.07x /
+# 1.17x / 1.05x the mma.sync default at 7168 x 2048 / 2112 x 7168 / 4096 x 7168 (M = 2..8 run the same instructions);
+# at M = 16 the 24-warp build is 0.90-1.05x, at M = 32 0.92-1.06x, at M = 64 slower or falls back (cluster
+# residency), so the other kernels keep those.
+AUTO_SMALL_MAX_M = 8
 SMALL_MAX_M = 128  # DEEPGEMM_FP4_KERNEL=small up to this many tokens (more: the other kernels)
 SMALL_MAX_TOKEN_TILES = 8  # its widest token tile (64 tokens; more: several m-blocks)
 SMALL_WARPS = 8  # warps per CTA (RW row warps x KW k-warps)
 # Per token tiles: (CTAs of SMALL_WARPS per SM the kernel is built for, P: chunks of codes a thread holds in registers
-# at once), the most that compile without a spill under NVRTC 13.0 and 13.5 (24 warps: 80 registers; 16: 128).
-SMALL_BUILD = {1: (3, 3), 2: (3, 2), 4: (2, 2), 8: (2, 1)}  # 8 tiles: one slot, refilled before the math
+# at once), none spilling under NVRTC 13.0 and 13.5 (32 warps: 64 registers; 24: 80; 16: 128). One slot is refilled
+# before the math (two chunks in flight a warp). 8 tokens: 32 warps x 1 slot (H200 R1: 1.05-1.17x the 24-warp,
+# 3-slot build, which was 0.97-1.09x the mma.sync kernel); 16: 32 warps spill, 2 slots at 16 warps are slower.
+SMALL_BUILD = {1: (4, 1), 2: (3, 2), 4: (2, 2), 8: (2, 1)}
 SMALL_FIXED_CHUNKS = 2  # a CTA's fixed cost in chunks of one warp's work (launch, activation copy, reduction)
 
 

@@ -1159,8 +1159,8 @@ fp4_stream_sm90(const unsigned char* __restrict__ b, const float* __restrict__ s
 // themselves (warp kw takes chunks kw, kw + KW, ... of the range), so a tile of 16 RW rows is worked on by KW
 // warps per CTA times gridDim.y CTAs (a thread-block cluster). Each thread keeps P chunks of its two rows'
 // codes and scales in registers (`load_nc_v4`, issued before anything else) and refills a slot as soon as it
-// is consumed; P is small (2-4) so that 16-24 warps per SM (MINB CTAs of 8 warps) fit their registers and keep
-// warps x 32 x P x 32 bytes of weights in flight per SM (64 KiB at 16 warps and P = 4). The activations of the CTA's
+// is consumed (with P = 1: before the chunk's math, two chunks in flight); P is small (1-3) so that 16-32 warps per
+// SM (MINB CTAs of 8 warps) fit their registers. The activations of the CTA's
 // whole K range are staged once in shared memory (cp.async, the streaming kernel's swizzle: conflict free).
 // Decode, scale folding (power-of-two scales exact in the bf16 weights; any other scale: the 4-piece slow
 // path) and the mma.sync m16n8k16 swap-AB steps are the streaming kernel's (stream_steps).
