@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
+
+from tilehal.testing import environ
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "packages/deepgemm/tests"))
@@ -27,20 +27,6 @@ sys.path.insert(0, str(ROOT / "packages/deepgemm/tests"))
 SMS = 132
 BENCH_NK = [(7168, 2048), (2112, 7168), (4096, 7168)]
 # the job's bench_fp4 --variants (gpu_job.sh) = test_fp4.SMALL_VARIANTS: (environment of the small-M kernel, M values)
-
-
-@contextmanager
-def env(values: dict[str, str]):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def small_keys(keys: set, m, n, k, groups=1, out_bf16=True, has_c=False, masked=False, expected_m=None) -> None:
@@ -82,12 +68,12 @@ def job_keys() -> set:
     import test_fp4 as t
 
     keys: set = set()
-    with env({"DEEPGEMM_FP4_KERNEL": "small"}):
+    with environ({"DEEPGEMM_FP4_KERNEL": "small"}):
         for m, n, k in t.SMALL_SHAPES:  # test_gpu_small_kernel_matches_reference: fp32 and bf16 out
             for out_bf16 in (True, False):
                 auto_keys(keys, m, n, k, out_bf16=out_bf16)
         for variant, ms in t.SMALL_VARIANTS:  # test_gpu_small_kernel_variants_match
-            with env(variant):
+            with environ(variant):
                 for m, n, k in ((1, 4096, 7168), (16, 2112, 7168)):
                     if m in ms:
                         for out_bf16 in (True, False):
@@ -100,14 +86,14 @@ def job_keys() -> set:
             for m in (1, 16, 32, 64, 128):
                 auto_keys(keys, m, n, k)
             for variant, ms in t.SMALL_VARIANTS:
-                with env(variant):
+                with environ(variant):
                     for m in ms:
                         auto_keys(keys, m, n, k)
-    with env({"DEEPGEMM_FP4_KERNEL": "auto"}):
+    with environ({"DEEPGEMM_FP4_KERNEL": "auto"}):
         for n, k in BENCH_NK:
             for m in (1, 16, 32, 64, 128):
                 auto_keys(keys, m, n, k)
-    with env({"DEEPGEMM_FP4_KERNEL": "mma"}):
+    with environ({"DEEPGEMM_FP4_KERNEL": "mma"}):
         for n, k in BENCH_NK:
             for m in (1, 16, 64, 128):
                 auto_keys(keys, m, n, k)

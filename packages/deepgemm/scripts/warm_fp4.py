@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import contextlib
-import os
 
 from deepgemm import cuda_fp4
+from tilehal.testing import environ
 
 SMS = 132
 TEST_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (64, 4096, 7168), (128, 4096, 7168), (5, 200, 256), (37, 136, 1152)]
@@ -20,20 +19,6 @@ BENCH_M = (1, 16, 64, 128)
 BENCH_NK = [(7168, 2048), (2112, 7168), (4096, 7168)]
 STREAM_SHAPES = [(1, 7168, 2048), (16, 2112, 7168), (3, 4096, 7168), (9, 200, 256), (2, 136, 16384), (16, 72, 1152),
                  (25, 4096, 2048), (33, 2112, 2048), (64, 200, 1024), (128, 4096, 7168)]  # tests/test_fp4.py's
-
-
-@contextlib.contextmanager
-def env(name: str, value: str):
-    """os.environ[name] = value for the block (the planners read their A/B knobs from the environment)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def wgmma_keys() -> list[cuda_fp4.Fp4WgKey]:
@@ -51,7 +36,7 @@ def wgmma_keys() -> list[cuda_fp4.Fp4WgKey]:
     # the bench's A/B: one warpgroup per CTA at M = 64 / 128, fewer cluster splits at M = 1 / 16
     for name, value, ms in (("DEEPGEMM_FP4_WG_NWG", "1", (64, 128)), ("DEEPGEMM_FP4_WG_MAX_SPLITS", "2", (1, 16)),
                             ("DEEPGEMM_FP4_WG_MAX_SPLITS", "4", (1, 16))):
-        with env(name, value):
+        with environ({name: value}):
             keys.update(cuda_fp4.plan_wgmma(m, n, k, 1, True, False, False, num_sms=SMS).key
                         for m in ms for n, k in BENCH_NK)
     return sorted(keys, key=lambda k: k.expression)

@@ -26,6 +26,7 @@ import torch
 from deepgemm import cuda_gemm, gemv, splitk
 from deepgemm.heuristics import pick_config
 from deepgemm.utils import set_num_sms
+from tilehal.testing import environ
 
 HERE = Path(__file__).resolve().parents[1]
 SMS = 132
@@ -85,22 +86,6 @@ def fp8_call(m, n, k, c_dtype=None, out=bf16, config=None):
     cuda_gemm.dense(a8, sfa, b8, sfb, d, c, config=config)
 
 
-@contextlib.contextmanager
-def env(**kw):
-    import os
-
-    old = {k: os.environ.get(k) for k in kw}
-    os.environ.update(kw)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def sweep_calls() -> None:
     """sweep_small_m.py --ab --m 128 --fp8-m 128: every row's default and opt-in plans."""
     sys.path.insert(0, str(HERE / "benchmarks"))
@@ -152,10 +137,10 @@ def test_calls() -> None:
     for acc in (False, True):
         bf16_call(128, 2112, 7168, in_place=acc)  # deterministic, repeated and in place
     bf16_call(2, 4096, 7168)  # in a CUDA graph
-    with env(DEEPGEMM_SPLITK="0"):
+    with environ({"DEEPGEMM_SPLITK": "0"}):
         bf16_call(2, 576, 7168)  # the off switch
     # test_gemv: upstream shapes with and without C, forced warps on odd shapes, strided rows, graph + off switch
-    with env(DEEPGEMM_GEMV="1"):
+    with environ({"DEEPGEMM_GEMV": "1"}):
         for n, k in tg.UPSTREAM_NK:
             out = torch.float32 if (n, k) in tg.FP32_OUT_NK else bf16
             for acc in (False, True):
@@ -164,14 +149,14 @@ def test_calls() -> None:
         for w in (1, 8):
             for out in (torch.float32, bf16):
                 _Rec(gemv.GemvKey(n, k, w, out == bf16, True, out == bf16))
-    with env(DEEPGEMM_GEMV="0"):
+    with environ({"DEEPGEMM_GEMV": "0"}):
         bf16_call(1, 4096, 7168)
     bf16_call(1, 576, 7168, b_mn=True)  # refused shapes: MN-major B through the tile kernel
     # test_c_epilogue: C_TMA vs staged, the switch, C_EARLY in every reduction, in place through the switch
     for m, n, k in tc.CTMA_SHAPES:
         bf16_call(m, n, k, c_dtype=bf16, config=tc.ctma_cfg(m, n, k))
         bf16_call(m, n, k, c_dtype=bf16, config=pick_config("bf16", m, n, k, num_sms=SMS, staged_store=4))
-    with env(DEEPGEMM_C_EPILOGUE="tma"):
+    with environ({"DEEPGEMM_C_EPILOGUE": "tma"}):
         bf16_call(128, 7168, 2048, c_dtype=bf16)
     for fp8, (m, n, k), (bm, bn, s), cd in tc.EARLY_CASES:
         par = tc.early_cfg(fp8, m, n, k, bm, bn, s, 1)
@@ -180,7 +165,7 @@ def test_calls() -> None:
             plans.append(dataclasses.replace(par, par_reduce=False, cluster_reduce=True))
         for conf in plans:
             (fp8_call if fp8 else bf16_call)(m, n, k, c_dtype=cd, out=cd, config=conf)
-    with env(DEEPGEMM_SPLITK_C="early"):
+    with environ({"DEEPGEMM_SPLITK_C": "early"}):
         bf16_call(128, 4096, 7168, in_place=True)
 
 
