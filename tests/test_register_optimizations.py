@@ -118,6 +118,16 @@ def test_cuda_bf16_output_embedding_takes_cublas_from_prefill_sizes(cuda_present
     assert cpu_model.lm_head.cublas_from_m is None
 
 
+def test_a_model_without_an_output_embedding_is_swapped_as_before(cuda_present):
+    class NoHead(_WithHead):
+        def get_output_embeddings(self):
+            raise NotImplementedError  # what transformers' base class does without one
+
+    model = NoHead()
+    register_optimizations(model, backend="cuda")
+    assert model.lm_head.cublas_from_m is None and isinstance(model.lm_head, GemmLinear)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_backend_without_cuda_is_refused():
     from tilehal import DeviceError

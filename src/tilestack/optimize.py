@@ -273,8 +273,12 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
     fuse_norm = check_choice(fuse_norm, "fuse_norm", (False, True))
     fuse_qkv = check_choice(fuse_qkv, "fuse_qkv", (False, True))
     report = OptimizationReport(backend, fp8, sparse_24, precision)
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = None
+    if callable(getattr(model, "get_output_embeddings", None)):
+        try:
+            head = model.get_output_embeddings()
+        except NotImplementedError:  # transformers' base class, for models without an output embedding
+            head = None
     head_rule = (backend == "cuda" and include is None and not fp8 and not sparse_24 and precision != "auto"
                  and isinstance(head, torch.nn.Linear))
     seen = _capture_linear_inputs(model, include, calibration) if precision == "auto" else {}
