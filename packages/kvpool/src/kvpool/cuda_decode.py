@@ -179,7 +179,7 @@ def _device_sms(index: int) -> int:
 
 # Sparse decode (block_indices given, no explicit config or KVPOOL_DECODE_KERNEL): the kernel config
 # and the minimum tiles per split for its short rows (None / 4: as dense).
-SPARSE_CONFIG: KernelConfig | None = None
+SPARSE_CONFIG: KernelConfig | GatherConfig | None = None  # GatherConfig: the gather kernel
 SPARSE_MIN_TILES = 4
 
 
@@ -266,18 +266,126 @@ def _partials(q: torch.Tensor, num_splits: int):
             torch.empty((B, hq, num_splits, 2), dtype=torch.float32, device=q.device))
 
 
+# ----------------------------------------------------------------------------- sparse: gather kernel
+GATHER_WARPS, GATHER_STEP = 4, 16  # kGatherWarps, kGatherStepTokens (asserted at compile time)
+GATHER_MAX_SPLITS = 64  # past this many CTAs per (sequence, kv head), each CTA loops over rounds
+
+
+@dataclass(frozen=True)
+class GatherConfig:
+    """The latency-bound sparse kernel (paged_decode_gather.cuh): each warp resolves and requests all
+    `bpw` 16-token steps of its round at once; split partials merged in-kernel ("ticket") or by the
+    combine launch ("launch")."""
+
+    bpw: int = 2
+    combine: str = "ticket"
+
+    @classmethod
+    def parse(cls, text: str | None) -> GatherConfig | None:
+        """KVPOOL_DECODE_SPARSE: empty / None / "mma": None (the dense kernels' path); "gather",
+        "gather:BPW" or "gather:BPW:COMBINE" with BPW 1 or 2, COMBINE "ticket" or "launch"."""
+        if not text or text == "mma":
+            return None
+        parts = text.split(":")
+        ok = parts[0] == "gather" and len(parts) <= 3
+        bpw = parts[1] if len(parts) > 1 else "2"
+        combine = parts[2] if len(parts) > 2 else "ticket"
+        if not ok or bpw not in ("1", "2") or combine not in COMBINES:
+            raise tilehal.ArgumentError("KVPOOL_DECODE_SPARSE: expected 'mma', 'gather', 'gather:BPW' or "
+                                        f"'gather:BPW:COMBINE' (BPW 1 or 2, COMBINE in {list(COMBINES)}), got {text!r}")
+        return cls(int(bpw), combine)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_sparse_env(text: str | None) -> GatherConfig | None:
+    return GatherConfig.parse(text)
+
+
+def gather_smem_bytes(dtype: torch.dtype, head_dim: int, bpw: int) -> int:
+    """DecodeSmemGather::kBytes: each warp's landed K and V steps."""
+    return GATHER_WARPS * 2 * bpw * GATHER_STEP * head_dim * dtype.itemsize
+
+
+def gather_splits(items: int, block_size: int, bpw: int) -> int:
+    """CTAs per (sequence, kv head): one round each (GATHER_WARPS x bpw steps of 16 tokens), at most
+    GATHER_MAX_SPLITS (then the CTAs loop)."""
+    steps = -(-items * block_size // GATHER_STEP)
+    return max(1, min(GATHER_MAX_SPLITS, -(-steps // (GATHER_WARPS * bpw))))
+
+
+def gather_bpw(head_dim: int, bpw: int) -> int:
+    """The steps per warp round the kernel runs: d256 takes 1 (its BPW 2 build spills)."""
+    if head_dim >= 256 and bpw > 1:
+        log.debug("paged_decode: the gather kernel runs d%d with 1 step per warp round (asked %d)", head_dim, bpw)
+        return 1
+    return bpw
+
+
+def gather_kernel_names(dtype: torch.dtype, head_dim: int, group: int, bpw: int) -> tuple[str, str]:
+    t = _CTYPES[dtype]
+    return (f"kvpool::paged_decode_gather_kernel<{t}, {head_dim}, {group}, {bpw}>",
+            f"kvpool::paged_decode_combine<{t}, {head_dim}>")
+
+
+@functools.cache
+def compile_gather(dtype: torch.dtype, head_dim: int, group: int, bpw: int, arch: str = "sm_90a") -> tilehal.CudaModule:
+    t = _CTYPES[dtype]
+    checks = _asserts([("kvpool::kThreads", THREADS), ("kvpool::kGatherWarps", GATHER_WARPS),
+                       ("kvpool::kGatherStepTokens", GATHER_STEP),
+                       (f"kvpool::DecodeSmemGather<{t}, {head_dim}, {bpw}>::kBytes",
+                        gather_smem_bytes(dtype, head_dim, bpw))])
+    return tilehal.compile_cuda('#include "paged_decode_gather.cuh"\n' + checks, arch=arch,
+                                name=f"paged_decode_gather_{head_dim}_{group}_{bpw}", include_dirs=[str(KERNEL_DIR)],
+                                options=["--use_fast_math"],
+                                name_expressions=list(gather_kernel_names(dtype, head_dim, group, bpw)))
+
+
+def sparse_config() -> KernelConfig | GatherConfig | None:
+    """The kernel of a sparse call without an explicit config: KVPOOL_DECODE_SPARSE when set, else
+    KVPOOL_DECODE_KERNEL's when set, else SPARSE_CONFIG (None: as dense)."""
+    env = os.environ.get("KVPOOL_DECODE_SPARSE")
+    if env:
+        return _parse_sparse_env(env)
+    if os.environ.get("KVPOOL_DECODE_KERNEL"):
+        return None
+    return SPARSE_CONFIG
+
+
+def _paged_decode_gather(q, pool, kc, vc, table, seq_lens, idx_args, scale_log2, num_splits, gcfg: GatherConfig):
+    B, hq, d = q.shape
+    H = pool.num_kv_heads
+    idx, n, idx_b_stride, idx_h_stride, items = idx_args
+    bpw = gather_bpw(d, gcfg.bpw)
+    module = compile_gather(pool.dtype, d, hq // H, bpw)
+    main, combine = (module.get_kernel(x) for x in gather_kernel_names(pool.dtype, d, hq // H, bpw))
+    splits = max(1, num_splits) if num_splits is not None else gather_splits(items, pool.block_size, bpw)
+    out = torch.empty_like(q)
+    o_part, ml_part = _partials(q, splits)
+    fused = splits > 1 and gcfg.combine == "ticket"
+    main.launch((splits, H, B), THREADS,
+                [q, kc, vc, table, table.shape[1], seq_lens, idx, idx_b_stride, idx_h_stride, n, out, o_part,
+                 ml_part, scale_log2, pool.block_size, _tickets(q.device, B * H) if fused else None],
+                smem_bytes=gather_smem_bytes(pool.dtype, d, bpw))
+    if splits > 1 and not fused:
+        combine.launch(B * hq, d, [o_part, ml_part, out, splits])
+    return out
+
+
 def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float | None, block_indices: torch.Tensor | None,
-                      num_splits: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+                      num_splits: int | None = None,
+                      config: KernelConfig | GatherConfig | None = None) -> torch.Tensor:
     B, hq, d, H, group, scale_log2 = _decode_dims(q, pool, scale)
     if B == 0:
         return torch.empty_like(q)
     sparse = block_indices is not None
-    if config is not None:
-        cfg = config
-    elif sparse and SPARSE_CONFIG is not None and not os.environ.get("KVPOOL_DECODE_KERNEL"):
-        cfg = SPARSE_CONFIG
-    else:
+    cfg = config if config is not None else sparse_config() if sparse else None
+    if isinstance(cfg, GatherConfig):
+        table = block_table.contiguous()
+        kc, vc = pool.layer_cache(layer)
+        return _paged_decode_gather(q.contiguous(), pool, kc, vc, table, seq_lens,
+                                    _index_args(block_indices, table, H), scale_log2, num_splits, cfg)
+    if cfg is None:
         cfg = default_config()
     q = q.contiguous()
     table = block_table.contiguous()

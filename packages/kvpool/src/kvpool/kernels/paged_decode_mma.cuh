@@ -41,6 +41,106 @@ __device__ __forceinline__ void mma_rows8(float (&c)[4], unsigned a0, unsigned a
   tilehal::mma_m16n8k16(typename tilehal::MmaTag<T>::type(), c, {a0, 0u, a2, 0u}, {b0, b1});
 }
 
+// One 16-token step of a warp on landed K / V tiles (16 rows of D, 16-byte chunks XOR-swizzled by
+// row & 7, at shared addresses ks / vs): S = Q K^T on two n-tiles of 8 tokens, the online softmax of
+// row lane/4 over this lane's 4 tokens (step token n*8 + (lane%4)*2 + e; valid(token) says whether it
+// counts, asked after the QK MMAs; the row's other 12 tokens live in the lanes xor 1, 2), and O += P V with P taken straight from the QK
+// accumulators as the A operand (the FlashAttention-2 trick: no shared-memory round trip).
+template <typename T, int D, typename Valid>
+__device__ __forceinline__ void mma_decode_step(const unsigned (&qa)[D / 16][2], float (&o)[D / 8][4], float& m_run,
+                                                float& l_run, unsigned ks, unsigned vs, Valid valid, float scale_log2,
+                                                int lane) {
+  using Tag = typename tilehal::MmaTag<T>::type;
+  constexpr int kRowBytes = D * int(sizeof(T));
+  // ldmatrix row addresses (lane supplies one row of one 8x8 matrix), before the swizzle.
+  const int k_tok = (lane >> 4) * 8 + (lane & 7), k_half = (lane >> 3) & 1;  // K: non-transposed
+  const int v_tok = ((lane >> 3) & 1) * 8 + (lane & 7), v_half = lane >> 4;   // V: transposed
+  float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    unsigned bk[4];
+    tilehal::ldmatrix_x4(bk, ks + k_tok * kRowBytes + (((2 * kk + k_half) ^ (k_tok & 7)) << 4));
+    mma_rows8<T>(s[0], qa[kk][0], qa[kk][1], bk[0], bk[1]);
+    mma_rows8<T>(s[1], qa[kk][0], qa[kk][1], bk[2], bk[3]);
+  }
+  float mx = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      s[n][e] = valid(n * 8 + (lane & 3) * 2 + e) ? s[n][e] * scale_log2 : -INFINITY;
+      mx = fmaxf(mx, s[n][e]);
+    }
+  }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(m_run, mx);
+  const float base = m_new == -INFINITY ? 0.f : m_new;  // nothing valid yet: keep p at 0, not nan
+  const float alpha = exp2f(m_run - base);
+  m_run = m_new;
+  const float p00 = exp2f(s[0][0] - base), p01 = exp2f(s[0][1] - base);
+  const float p10 = exp2f(s[1][0] - base), p11 = exp2f(s[1][1] - base);
+  l_run = l_run * alpha + (p00 + p01 + p10 + p11);
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) { o[n][0] *= alpha; o[n][1] *= alpha; }
+  // The QK accumulator layout (row, token pair) is the A-operand layout of P (row, k pair).
+  const unsigned pa0 = tilehal::pack2(Tag(), p00, p01), pa2 = tilehal::pack2(Tag(), p10, p11);
+  // O += P V: V rows are tokens (k), columns head-dim (n); ldmatrix.trans gives B.
+#pragma unroll
+  for (int n = 0; n < D / 8; n += 2) {
+    unsigned bv[4];
+    tilehal::ldmatrix_x4_trans(bv, vs + v_tok * kRowBytes + (((n + v_half) ^ (v_tok & 7)) << 4));
+    mma_rows8<T>(o[n], pa0, pa2, bv[0], bv[1]);
+    mma_rows8<T>(o[n + 1], pa0, pa2, bv[2], bv[3]);
+  }
+}
+
+// Merge the WARPS warps' partials (m, l, O of rows < G) through shared memory (smem: at least
+// WARPS * 8 * (D + 2) floats, free: every thread past its last read of it) and store the CTA's
+// output or split partial (store_channel). Every thread of the CTA calls it.
+template <typename T, int D, int G, int WARPS>
+__device__ __forceinline__ void merge_warps_and_store(unsigned char* smem, const float (&o)[D / 8][4], float m_run,
+                                                      float l_run, T* __restrict__ out, float* __restrict__ o_part,
+                                                      float* __restrict__ ml_part, int b, int h, int H, int split,
+                                                      int splits) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int qrow = lane >> 2, qcol = (lane & 3) * 2;
+  __syncthreads();  // every warp is done with the stages that become the merge buffer
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  float* red_o = reinterpret_cast<float*>(smem);  // [warps][8][D]
+  float* red_ml = red_o + WARPS * 8 * D;            // [warps][8][2]
+  if (qrow < G) {
+    float* dst = red_o + (warp * 8 + qrow) * D + qcol;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      dst[n * 8] = o[n][0];
+      dst[n * 8 + 1] = o[n][1];
+    }
+    if ((lane & 3) == 0) {
+      red_ml[(warp * 8 + qrow) * 2] = m_run;
+      red_ml[(warp * 8 + qrow) * 2 + 1] = l_run;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
+    const int g = e / D, d = e % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) m = fmaxf(m, red_ml[(w * 8 + g) * 2]);
+    const float base = m == -INFINITY ? 0.f : m;
+    float acc = 0.f, l = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float sc = exp2f(red_ml[(w * 8 + g) * 2] - base);
+      acc += sc * red_o[(w * 8 + g) * D + d];
+      l += sc * red_ml[(w * 8 + g) * 2 + 1];
+    }
+    const long long head = (long long)b * H * G + h * G + g;
+    store_channel<T, D>(out, o_part, ml_part, head, split, splits, d, acc, m, l);
+  }
+}
+
 template <typename T, int D, int G, int STAGES>
 __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
@@ -49,7 +149,6 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
     T* __restrict__ out, float* __restrict__ o_part, float* __restrict__ ml_part,
     float scale_log2, int block_size, unsigned* __restrict__ tickets, int prefetch_l2) {
   using S = DecodeSmemMma<T, D, STAGES>;
-  using Tag = typename tilehal::MmaTag<T>::type;
   constexpr int kChunks = D / 8;                          // 16-byte chunks per K/V row
   constexpr int kKSteps = D / 16;                         // QK k-steps over the head dim
   constexpr int kNTiles = D / 8;                          // P@V n-tiles over the head dim
@@ -141,9 +240,6 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
     if (s < my_steps) load_step(s, s);
     tilehal::cp_async_commit();
   }
-  // ldmatrix row addresses (lane supplies one row of one 8x8 matrix), before the swizzle.
-  const int k_tok = (lane >> 4) * 8 + (lane & 7), k_half = (lane >> 3) & 1;  // K: non-transposed
-  const int v_tok = ((lane >> 3) & 1) * 8 + (lane & 7), v_half = lane >> 4;   // V: transposed
   for (int j = 0; j < my_steps; ++j) {
     const int stage = j % STAGES;
     const int next = j + STAGES - 1;
@@ -152,92 +248,13 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
     tilehal::cp_async_commit();
     tilehal::cp_async_wait<STAGES - 1>();
     __syncwarp();  // the other lanes' copies of step j are visible
-    const unsigned ks = wbase_s + stage * S::kStepBytes;
-    const unsigned vs = wbase_s + (STAGES + stage) * S::kStepBytes;
-
-    // ---- S = Q K^T for 16 tokens: two n-tiles of 8 tokens
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      unsigned bk[4];
-      tilehal::ldmatrix_x4(bk, ks + k_tok * S::kRowBytes + (((2 * kk + k_half) ^ (k_tok & 7)) << 4));
-      mma_rows8<T>(s[0], qa[kk][0], qa[kk][1], bk[0], bk[1]);
-      mma_rows8<T>(s[1], qa[kk][0], qa[kk][1], bk[2], bk[3]);
-    }
-
-    // ---- online softmax of row qrow over this lane's 4 tokens (n*8 + qcol + e); the row's
-    // other 12 tokens live in the 3 neighbouring lanes (xor 1, 2).
     const int t0 = (warp + j * kMmaWarps) * kMmaStepTokens;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool ok = row_of(t0 + n * 8 + qcol + e) >= 0;
-        s[n][e] = ok ? s[n][e] * scale_log2 : -INFINITY;
-        mx = fmaxf(mx, s[n][e]);
-      }
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m_run, mx);
-    const float base = m_new == -INFINITY ? 0.f : m_new;  // nothing valid yet: keep p at 0, not nan
-    const float alpha = exp2f(m_run - base);
-    m_run = m_new;
-    const float p00 = exp2f(s[0][0] - base), p01 = exp2f(s[0][1] - base);
-    const float p10 = exp2f(s[1][0] - base), p11 = exp2f(s[1][1] - base);
-    l_run = l_run * alpha + (p00 + p01 + p10 + p11);
-#pragma unroll
-    for (int n = 0; n < kNTiles; ++n) { o[n][0] *= alpha; o[n][1] *= alpha; }
-    // The QK accumulator layout (row, token pair) is the A-operand layout of P (row, k pair).
-    const unsigned pa0 = tilehal::pack2(Tag(), p00, p01), pa2 = tilehal::pack2(Tag(), p10, p11);
-
-    // ---- O += P V: V rows are tokens (k), columns head-dim (n); ldmatrix.trans gives B.
-#pragma unroll
-    for (int n = 0; n < kNTiles; n += 2) {
-      unsigned bv[4];
-      tilehal::ldmatrix_x4_trans(bv, vs + v_tok * S::kRowBytes + (((n + v_half) ^ (v_tok & 7)) << 4));
-      mma_rows8<T>(o[n], pa0, pa2, bv[0], bv[1]);
-      mma_rows8<T>(o[n + 1], pa0, pa2, bv[2], bv[3]);
-    }
+    mma_decode_step<T, D>(qa, o, m_run, l_run, wbase_s + stage * S::kStepBytes,
+                          wbase_s + (STAGES + stage) * S::kStepBytes,
+                          [&](int t) { return row_of(t0 + t) >= 0; }, scale_log2, lane);
   }
   tilehal::cp_async_wait<0>();  // only empty groups can remain; drain before reusing smem
-  __syncthreads();
-
-  // ---- merge the warps' partials (m, l, O of rows < G) through shared memory
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-  float* red_o = reinterpret_cast<float*>(smem);  // [warps][8][D]
-  float* red_ml = red_o + kMmaWarps * 8 * D;        // [warps][8][2]
-  if (qrow < G) {
-    float* dst = red_o + (warp * 8 + qrow) * D + qcol;
-#pragma unroll
-    for (int n = 0; n < kNTiles; ++n) {
-      dst[n * 8] = o[n][0];
-      dst[n * 8 + 1] = o[n][1];
-    }
-    if ((lane & 3) == 0) {
-      red_ml[(warp * 8 + qrow) * 2] = m_run;
-      red_ml[(warp * 8 + qrow) * 2 + 1] = l_run;
-    }
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < G * D; e += kThreads) {
-    const int g = e / D, d = e % D;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w) m = fmaxf(m, red_ml[(w * 8 + g) * 2]);
-    const float base = m == -INFINITY ? 0.f : m;
-    float acc = 0.f, l = 0.f;
-#pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w) {
-      const float sc = exp2f(red_ml[(w * 8 + g) * 2] - base);
-      acc += sc * red_o[(w * 8 + g) * D + d];
-      l += sc * red_ml[(w * 8 + g) * 2 + 1];
-    }
-    const long long head = (long long)b * H * G + h * G + g;
-    store_channel<T, D>(out, o_part, ml_part, head, split, splits, d, acc, m, l);
-  }
+  merge_warps_and_store<T, D, G, kMmaWarps>(smem, o, m_run, l_run, out, o_part, ml_part, b, h, H, split, splits);
   // tickets given (host): the last split merges the partials, no paged_decode_combine launch
   if (splits > 1 && tickets != nullptr) combine_if_last<T, D>(o_part, ml_part, out, tickets, b, h, H, G, splits);
 }
