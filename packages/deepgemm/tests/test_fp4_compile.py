@@ -79,11 +79,25 @@ def small_configs():
 
 SMALL_CONFIGS = small_configs()
 
+
+def small_fit_configs():
+    """DEEPGEMM_FP4_SMALL_FIT=driver compiles every candidate of a shape to ask the driver about it: those of the
+    12 issue rows (bf16 and fp32 out) that the model planner's set above lacks."""
+    keys = set()
+    for m, (n, k), out_bf16 in itertools.product((1, 16, 64, 128), ((7168, 2048), (2112, 7168), (4096, 7168)),
+                                                 (True, False)):
+        keys |= cuda_fp4.small_candidate_keys(m, n, k, 1, out_bf16, False, False)
+    return sorted(keys - set(SMALL_CONFIGS), key=lambda k: k.expression)
+
+
+SMALL_FIT_CONFIGS = small_fit_configs()
+
 # (kind, batch): every kernel family's planned configurations in a few NVRTC runs; the wgmma kernels must not
 # serialize their wgmmas (ptxas C7510-C7515 warnings); nothing may spill (h.check_compiled).
 BATCHES = ([("mma", CONFIGS[i::2], ()) for i in range(2)] + [("wgmma", WGMMA_CONFIGS[i::3], ("serialized",))
                                                                for i in range(3)]
-           + [("stream", STREAM_CONFIGS, ())] + [("small", SMALL_CONFIGS[i::2], ()) for i in range(2)])
+           + [("stream", STREAM_CONFIGS, ())] + [("small", SMALL_CONFIGS[i::2], ()) for i in range(2)]
+           + [("small_fit", SMALL_FIT_CONFIGS[i::2], ()) for i in range(2)])
 
 
 @pytest.mark.parametrize("kind,batch,forbidden", BATCHES, ids=[f"{k}{i}" for i, (k, _, _) in enumerate(BATCHES)])

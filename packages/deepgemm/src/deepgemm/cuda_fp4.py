@@ -534,57 +534,159 @@ def _env_int(name: str, allowed: tuple[int, ...]) -> int | None:
     return int(v)
 
 
+def _small_forced() -> tuple:
+    """DEEPGEMM_FP4_SMALL_RW, _SPLITS, _SLOTS, _PF, _MINB (A/B only; None: the planner's choice)."""
+    return (_env_int("DEEPGEMM_FP4_SMALL_RW", (1, 2, 4, 8)), _env_int("DEEPGEMM_FP4_SMALL_SPLITS", tuple(range(1, 9))),
+            _env_int("DEEPGEMM_FP4_SMALL_SLOTS", tuple(range(1, 7))), _env_int("DEEPGEMM_FP4_SMALL_PF", (0, 256)),
+            _env_int("DEEPGEMM_FP4_SMALL_MINB", (2, 3, 4)))
+
+
 def plan_small(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
                num_sms: int | None = None, expected_m: int | None = None,
                max_splits: int | None = None) -> Fp4SmallPlan | None:
     """Token tile, row warps x k-warps and cluster split-K of the small kernel (m: tokens per group, <= SMALL_MAX_M
     per m-block); None when its activation tile cannot fit (K too long for 8 splits). DEEPGEMM_FP4_SMALL_RW (1, 2,
     4, 8), _SPLITS (1..8), _SLOTS (1..6), _PF (0, 256) and _MINB (2, 3, 4: CTAs per SM) force a choice (A/B only)."""
-    forced = (_env_int("DEEPGEMM_FP4_SMALL_RW", (1, 2, 4, 8)), _env_int("DEEPGEMM_FP4_SMALL_SPLITS", tuple(range(1, 9))),
-              _env_int("DEEPGEMM_FP4_SMALL_SLOTS", tuple(range(1, 7))), _env_int("DEEPGEMM_FP4_SMALL_PF", (0, 256)),
-              _env_int("DEEPGEMM_FP4_SMALL_MINB", (2, 3, 4)))
+    forced = _small_forced()
     return _plan_small(m, n, k, groups, out_bf16, has_c, masked, num_sms or get_num_sms(), expected_m,
                        MAX_CLUSTER_SPLITS if max_splits is None else max_splits, forced)
 
 
-@functools.lru_cache(maxsize=1024)
-def _plan_small(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool, sms: int,
-                expected_m: int | None, most: int, forced: tuple) -> Fp4SmallPlan | None:
+def small_fit() -> str:
+    """DEEPGEMM_FP4_SMALL_FIT: how the small kernel's planner counts resident clusters. 'model' (the default): the
+    GPC model (cluster_capacity), then the launch steps the split cap down while the driver holds fewer
+    (_fit_clusters). 'driver' (opt-in, not yet timed on a GPU): the driver's count of each candidate's clusters
+    (cuOccupancyMaxActiveClusters for its kernel, cluster size and shared memory, memoized per device), so the
+    cost model only compares candidates whose clusters are all resident at once."""
+    v = os.environ.get("DEEPGEMM_FP4_SMALL_FIT", "model")
+    if v not in ("model", "driver"):
+        raise validate.ArgumentError(f"DEEPGEMM_FP4_SMALL_FIT: expected model or driver, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class _SmallCandidate:
+    """One (row warps, K splits) choice of the small kernel's planner, with what its cost needs."""
+
+    key: Fp4SmallKey
+    splits: int
+    chunks_per_split: int
+    tiles: int  # clusters (tiles of 16 rw rows x 8 nt tokens, per m-block and group)
+    fit: int  # CTAs per SM the model lets in (min of the build's and the shared memory's)
+    smem: int
+
+    @property
+    def cost(self) -> tuple[int, int]:
+        """Per wave: chunks per warp + a CTA's fixed cost (one warp's work in chunks)."""
+        return ceil_div(self.chunks_per_split, self.key.kw) + SMALL_FIXED_CHUNKS, self.key.rw
+
+
+def _small_candidates(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
+                      expected_m: int | None, most: int, forced: tuple) -> list[_SmallCandidate]:
+    """Every (row warps, splits) the small kernel's planner weighs, with the key it would launch. Every warp gets
+    at least one chunk; candidates whose activation tile does not fit in shared memory are left out."""
     f_rw, f_splits, f_slots, f_pf, f_minb = forced
     nt, mm = 1, expected_m or m
     while nt < SMALL_MAX_TOKEN_TILES and 8 * nt < mm:
         nt *= 2
     chunks = k // 128
-    m_blocks = ceil_div(m, 8 * nt)
-    tiles_m = groups * (ceil_div(expected_m, 8 * nt) if masked and expected_m else m_blocks)
+    tiles_m = groups * (ceil_div(expected_m, 8 * nt) if masked and expected_m else ceil_div(m, 8 * nt))
     blocks, slots = SMALL_BUILD[nt]
     blocks = f_minb or blocks
-    # Cost: waves of clusters x (chunks per warp + a CTA's fixed cost); the cheapest, then more rows per CTA (one
-    # activation tile serves them), then fewer splits. Every warp gets at least one chunk.
-    best = None
+    out = []
     for rw in (f_rw,) if f_rw else (8, 4, 2, 1):
         kw = SMALL_WARPS // rw
         tiles = ceil_div(n, 16 * rw) * tiles_m
+        seen = set()
         for sp in (f_splits,) if f_splits else range(1, min(most, max(1, chunks // kw)) + 1):
             cps = ceil_div(chunks, sp)
             sp = ceil_div(chunks, cps)
+            if sp in seen:
+                continue
+            seen.add(sp)
             smem = max(8 * nt * cps * 256, (kw - 1) * rw * 32 * nt * 16, 8 * nt * 16 * rw * 4)
             fit = min(blocks, SM_SMEM // (smem + 1024))  # CTAs per SM its shared memory lets in
             if fit == 0:
                 continue
-            cap = cluster_capacity(sms, fit, sp) if sp > 1 else fit * sms
-            cost = ceil_div(tiles, max(1, cap)) * (ceil_div(cps, kw) + SMALL_FIXED_CHUNKS)
-            cand = (cost, -rw, sp)
-            if best is None or cand < best[0]:
-                best = (cand, rw, kw, sp, cps)
-    if best is None:
-        return None
-    _, rw, kw, splits, cps = best
-    slots = min(f_slots or slots, max(1, ceil_div(cps, kw)))
-    key = Fp4SmallKey(nt=nt, rw=rw, kw=kw, out_bf16=out_bf16, has_c=has_c, masked=masked, slots=slots,
-                      pf=f_pf if f_pf is not None else 0, minb=blocks)
-    return Fp4SmallPlan(key=key, m_blocks=m_blocks, row_blocks=ceil_div(n, 16 * rw), splits=splits,
-                        chunks_per_split=cps, groups=groups)
+            key = Fp4SmallKey(nt=nt, rw=rw, kw=kw, out_bf16=out_bf16, has_c=has_c, masked=masked,
+                              slots=min(f_slots or slots, max(1, ceil_div(cps, kw))), pf=f_pf if f_pf is not None else 0,
+                              minb=blocks)
+            out.append(_SmallCandidate(key=key, splits=sp, chunks_per_split=cps, tiles=tiles, fit=fit, smem=smem))
+    return out
+
+
+def _small_plan_of(c: _SmallCandidate, m: int, n: int, groups: int) -> Fp4SmallPlan:
+    return Fp4SmallPlan(key=c.key, m_blocks=ceil_div(m, c.key.tokens), row_blocks=ceil_div(n, c.key.rows),
+                        splits=c.splits, chunks_per_split=c.chunks_per_split, groups=groups)
+
+
+def _choose_small(cands: list[_SmallCandidate], capacity) -> _SmallCandidate | None:
+    """The cheapest candidate: waves of clusters (`capacity(c)`: clusters resident at once; None: leave it out) x
+    (chunks per warp + the fixed cost), then more rows per CTA (one activation tile serves them), then fewer
+    splits."""
+    best = None
+    for c in cands:
+        cap = capacity(c)
+        if cap is None:
+            continue
+        per_wave, rw = c.cost
+        rank = (ceil_div(c.tiles, max(1, cap)) * per_wave, -rw, c.splits)
+        if best is None or rank < best[0]:
+            best = (rank, c)
+    return None if best is None else best[1]
+
+
+def _model_capacity(sms: int):
+    return lambda c: cluster_capacity(sms, c.fit, c.splits) if c.splits > 1 else c.fit * sms
+
+
+def _driver_capacity(sms: int, count):
+    """capacity() for _choose_small from `count(key, size, smem)` (the driver's resident clusters of `size` CTAs;
+    None where it cannot say: the GPC model's figure for that candidate). A cluster candidate is left out unless
+    all its clusters are resident at once (a cluster left for a second wave doubles the time; the launch would
+    step it down, _fit_clusters); a 1-CTA "cluster" (no cluster launch) may run in waves."""
+    model = _model_capacity(sms)
+
+    def capacity(c: _SmallCandidate) -> int | None:
+        have = count(c.key, c.splits, c.smem)
+        if have is None:
+            return model(c)
+        if c.splits > 1 and have < c.tiles:
+            return None
+        return max(1, have)
+
+    return capacity
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_small(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool, sms: int,
+                expected_m: int | None, most: int, forced: tuple) -> Fp4SmallPlan | None:
+    c = _choose_small(_small_candidates(m, n, k, groups, out_bf16, has_c, masked, expected_m, most, forced),
+                      _model_capacity(sms))
+    return None if c is None else _small_plan_of(c, m, n, groups)
+
+
+def plan_small_fitted(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
+                      count, num_sms: int | None = None, expected_m: int | None = None,
+                      forced: tuple | None = None) -> Fp4SmallPlan | None:
+    """plan_small with the driver's cluster counts (DEEPGEMM_FP4_SMALL_FIT=driver): `count(key, size, smem)` is
+    how many `size`-CTA clusters of that kernel with `smem` bytes of dynamic shared memory are resident at once
+    (None: unknown). Every cluster plan it returns has all its clusters resident by `count`; None when no
+    candidate fits (the other kernels run). forced: the A/B knobs (default: _small_forced())."""
+    forced = _small_forced() if forced is None else forced
+    sms = num_sms or get_num_sms()
+    cands = _small_candidates(m, n, k, groups, out_bf16, has_c, masked, expected_m, MAX_CLUSTER_SPLITS, forced)
+    c = _choose_small(cands, _driver_capacity(sms, count))
+    return None if c is None else _small_plan_of(c, m, n, groups)
+
+
+def small_candidate_keys(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
+                         expected_m: int | None = None) -> set[Fp4SmallKey]:
+    """The kernels DEEPGEMM_FP4_SMALL_FIT=driver compiles to ask the driver about (one per candidate key; the
+    kernel cache warm-up and the compile-only tests build them all)."""
+    forced = (None, None, None, None, None)
+    return {c.key for c in _small_candidates(m, n, k, groups, out_bf16, has_c, masked, expected_m,
+                                             MAX_CLUSTER_SPLITS, forced)}
 
 
 def kernel_source() -> str:
@@ -687,31 +789,34 @@ def _launch(p: Fp4Plan, a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int) 
                                               p.chunks_per_split], smem_bytes=key.smem_bytes)
 
 
-def _max_active_clusters(key: Fp4WgKey | Fp4StreamKey, size: int, device_index: int, smem: int) -> int | None:
+def _max_active_clusters(key: Fp4WgKey | Fp4StreamKey | Fp4SmallKey, size: int, device_index: int, smem: int) -> int | None:
     """The driver's count of `size`-CTA clusters of this kernel (with `smem` bytes of dynamic shared memory)
     resident at once (None if it cannot say)."""
     return _max_active_clusters_from(key, size, device_index, smem, os.environ.get("DEEPGEMM_FP4_KERNEL_SOURCE"))
 
 
 @functools.lru_cache(maxsize=256)
-def _max_active_clusters_from(key: Fp4WgKey | Fp4StreamKey, size: int, device_index: int, smem: int,
+def _max_active_clusters_from(key: Fp4WgKey | Fp4StreamKey | Fp4SmallKey, size: int, device_index: int, smem: int,
                               source: str | None) -> int | None:
     try:
-        from tilehal.jit.launch import _cluster_config, ensure_context
-
-        kern = _kernel(key)
-        driver = ensure_context(device_index)
-        fn = kern._function(device_index)
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        if int(driver.cuFuncSetAttribute(fn, attr, smem)[0]) != 0:
-            return None
-        cfg = _cluster_config(driver, (1, size, 1), (key.threads, 1, 1), smem, (1, size, 1),
-                              driver.CUstream(0))
-        err, count = driver.cuOccupancyMaxActiveClusters(fn, cfg)
-        return int(count) if int(err) == 0 else None
-    except Exception as e:  # an older driver or binding: the GPC model's plan stands
-        log.debug("fp4 wgmma: cuOccupancyMaxActiveClusters unavailable (%s); keeping the modelled split count", e)
+        return _kernel(key).max_active_clusters(key.threads, smem, (1, size, 1), device_index)
+    except Exception as e:  # noqa: BLE001 - an older driver or binding: the GPC model's plan stands
+        log.debug("fp4: cuOccupancyMaxActiveClusters unavailable for %s (%s); keeping the modelled split count",
+                  key.expression, e)
         return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_small_driver(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
+                       expected_m: int | None, device_index: int, forced: tuple,
+                       source: str | None) -> Fp4SmallPlan | None:
+    """DEEPGEMM_FP4_SMALL_FIT=driver's plan on one device (memoized: a decode step's host path does not re-ask)."""
+    def count(key, size, smem):
+        return _max_active_clusters(key, size, device_index, smem)
+
+    p = plan_small_fitted(m, n, k, groups, out_bf16, has_c, masked, count, expected_m=expected_m, forced=forced)
+    log.debug("fp4 small (driver cluster counts): %s", p)
+    return p
 
 
 def _fit_clusters(p, device: torch.device, replan):
@@ -785,7 +890,15 @@ def _try_small(a, sfa, b, sfb, d, c, masked_m, m: int, n: int, k: int, groups: i
     if sfb.numel() >= 1 << 32:  # the kernel indexes the scales with 32 bits
         log.debug("fp4 small: %d weight scales (>= 2^32); the other kernels", sfb.numel())
         return False
-    p = replan()
+    if small_fit() == "driver":
+        p = _plan_small_driver(m, n, k, groups, d.dtype == torch.bfloat16, c is not None, masked_m is not None,
+                               expected_m, a.device.index if a.device.index is not None else 0, _small_forced(),
+                               os.environ.get("DEEPGEMM_FP4_KERNEL_SOURCE"))
+        if p is None:
+            log.debug("fp4 small: no plan whose clusters the driver holds at once (K = %d); the other kernels", k)
+            return False
+    else:
+        p = replan()
     if p is None:
         log.debug("fp4 small: K = %d too long for its activation tile in %d splits; the other kernels", k,
                   MAX_CLUSTER_SPLITS)
