@@ -143,6 +143,55 @@ NCU_CASES = {
 }
 
 
+def describe(p) -> dict | None:
+    """A small-kernel plan in a line: row warps x k-warps, splits, chunks per split, CTAs, clusters, slots, build."""
+    if p is None:
+        return None
+    return {"rw": p.key.rw, "kw": p.key.kw, "splits": p.splits, "cps": p.chunks_per_split,
+            "ctas": p.row_blocks * p.splits * p.m_blocks, "clusters": p.tiles_all, "slots": p.key.slots,
+            "minb": p.key.minb}
+
+
+def show_plans(ms, out: Path | None) -> None:
+    """The small kernel's plans on this device at the issue rows (bf16 out): the GPC model's, what the launch's
+    step-down makes of it (_fit_clusters), DEEPGEMM_FP4_SMALL_FIT=driver's, and the driver's cluster count of
+    every candidate (compiles each candidate's kernel)."""
+    from deepgemm import cuda_fp4
+
+    dev = torch.cuda.current_device()
+    rows = []
+    for n, k in NK:
+        for m in ms:
+            if m > cuda_fp4.SMALL_MAX_M:
+                continue
+
+            def replan(most=None, m=m, n=n, k=k):
+                return cuda_fp4.plan_small(m, n, k, 1, True, False, False, max_splits=most)
+
+            model = replan()
+            stepped = cuda_fp4._fit_clusters(model, torch.device("cuda", dev), replan) if model else None
+            forced = cuda_fp4._small_forced()
+            fitted = cuda_fp4._plan_small_driver(m, n, k, 1, True, False, False, None, dev, forced, None)
+            counts = {f"rw{c.key.rw}_s{c.splits}": {
+                "driver": cuda_fp4._max_active_clusters(c.key, c.splits, dev, c.smem), "clusters": c.tiles,
+                "gpc_model": cuda_fp4.cluster_capacity(cuda_fp4.get_num_sms(), c.fit, c.splits) if c.splits > 1
+                else c.fit * cuda_fp4.get_num_sms()}
+                for c in cuda_fp4._small_candidates(m, n, k, 1, True, False, False, None,
+                                                    cuda_fp4.MAX_CLUSTER_SPLITS, forced)}
+            r = {"m": m, "n": n, "k": k, "model": describe(model), "stepped": describe(stepped),
+                 "driver": describe(fitted), "counts": counts}
+            rows.append(r)
+            print(f"M={m:4d} N={n:5d} K={k:5d}  model {r['model']}\n  stepped {r['stepped']}\n  driver  {r['driver']}",
+                  flush=True)
+            print("  counts (driver / GPC model / clusters): " + "  ".join(
+                f"{name} {c['driver']}/{c['gpc_model']}/{c['clusters']}" for name, c in counts.items()), flush=True)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        doc = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "device": torch.cuda.get_device_name(), "rows": rows}
+        (out / "deepgemm_fp4_small_plans.json").write_text(json.dumps(doc, indent=1))
+
+
 def geomean(xs) -> float:
     xs = list(xs)
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
@@ -157,7 +206,12 @@ def main() -> None:
     ap.add_argument("--ms", default=None, help="comma-separated M values (default: 1,16,64,128)")
     ap.add_argument("--only", default=None, help="comma-separated contenders (default: all)")
     ap.add_argument("--variants", default=None, help="extra contenders: 'label:contender:M,M:NAME=V,...;...'")
+    ap.add_argument("--plans", action="store_true",
+                    help="print the small kernel's plans (GPC model, stepped down, driver counts), then exit")
     args = ap.parse_args()
+    if args.plans:
+        show_plans(tuple(int(x) for x in args.ms.split(",")) if args.ms else M_LIST, args.out)
+        return
     if args.ncu_launch:
         for name in args.ncu_cases.split(","):
             if name not in NCU_CASES:

@@ -681,10 +681,11 @@ def plan_small_fitted(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c
 
 
 def small_candidate_keys(m: int, n: int, k: int, groups: int, out_bf16: bool, has_c: bool, masked: bool,
-                         expected_m: int | None = None) -> set[Fp4SmallKey]:
+                         expected_m: int | None = None, forced: tuple | None = None) -> set[Fp4SmallKey]:
     """The kernels DEEPGEMM_FP4_SMALL_FIT=driver compiles to ask the driver about (one per candidate key; the
-    kernel cache warm-up and the compile-only tests build them all)."""
-    forced = (None, None, None, None, None)
+    kernel cache warm-up and the compile-only tests build them all). forced: the A/B knobs (default:
+    _small_forced(), i.e. the environment's)."""
+    forced = _small_forced() if forced is None else forced
     return {c.key for c in _small_candidates(m, n, k, groups, out_bf16, has_c, masked, expected_m,
                                              MAX_CLUSTER_SPLITS, forced)}
 
