@@ -24,6 +24,10 @@ Every path's blocks are compared with the torch reference's (same summaries). BE
 (default 131072) adds shorter contexts (the first blocks of each sequence) for the summaries in
 BENCH_CURVE_SUMMARIES (default fp8) and the paths in BENCH_CURVE_PATHS (default "default").
 BENCH_PATHS (comma-separated names) limits the paths at the largest context (default: all).
+BENCH_DECODE_SPARSE (comma-separated KVPOOL_DECODE_SPARSE values, e.g. gather,gather:1) adds, per summary
+type, the sparse decode alone with that kernel (sparse_decode_only_<v>_us[_graph], its calc_diff vs the
+default kernel's output) and the default selection + that decode (step_default_<v>_us[_graph],
+speedup_default_<v>[_graph]); ':' in a value becomes '_' in the row names.
 Writes dataengine_step_quick.json into $DATAENGINE_BENCH_OUT (or docs/benchmarks with --record).
 """
 
@@ -100,6 +104,7 @@ def main() -> None:
     kmin, kmax = pool.key_summary(0)
     q = torch.randn(B, HQ, 128, device="cuda", dtype=torch.bfloat16)
     contexts = [int(x) for x in os.environ.get("BENCH_CONTEXTS", "131072").split(",")]
+    decoders = [x for x in os.environ.get("BENCH_DECODE_SPARSE", "").split(",") if x]
     res = {"config": {"batch": B, "q_heads": HQ, "kv_heads": H, "block_size": BS, "top_k": TOP, "sink": 1, "local": 1},
            "timer": "tilehal.bench: CUDA events, median of 20 after 3 warm-up, L2 flushed", "contexts": {}}
     summaries = {"fp8": fp8_summaries(kmin, kmax), "int4": int4_summaries(kmin, kmax), "bf16": (kmin, kmax)}
@@ -160,6 +165,25 @@ def main() -> None:
                 return kvpool.paged_decode(q, pool, 0, bt, sl, block_indices=idx)
 
             r["sparse_decode_only_us"] = bench(sparse_only)
+            r["sparse_decode_only_graph_us"] = bench_graph(sparse_only)
+            base_out = sparse_only()
+            for dec in decoders:  # the sparse decode kernels of BENCH_DECODE_SPARSE, same selection
+                tag = dec.replace(":", "_")
+                with environ({"KVPOOL_DECODE_SPARSE": dec}):
+                    try:
+                        got = sparse_only()
+                    except Exception as e:
+                        r[f"decode_{tag}"] = f"failed: {type(e).__name__}: {e}"[:300]
+                        continue
+                    r[f"decode_{tag}_calc_diff_vs_default"] = float(f"{tilehal.calc_diff(got, base_out):.2e}")
+                    r[f"sparse_decode_only_{tag}_us"] = bench(sparse_only)
+                    r[f"sparse_decode_only_{tag}_graph_us"] = bench_graph(sparse_only)
+                    if ctx == max(contexts) or name in curve_s:
+                        r[f"step_default_{tag}_us"] = bench(step)
+                        r[f"step_default_{tag}_graph_us"] = g = bench_graph(step)
+                        r[f"speedup_default_{tag}"] = round(row["dense_us"] / r[f"step_default_{tag}_us"], 2)
+                        if isinstance(g, float) and isinstance(row["dense_graph_us"], float):
+                            r[f"speedup_default_{tag}_graph"] = round(row["dense_graph_us"] / g, 2)
             row[name] = r
             print(ctx, name, json.dumps(r), flush=True)
         res["contexts"][str(ctx)] = row
