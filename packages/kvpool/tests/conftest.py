@@ -31,6 +31,32 @@ def _fill_pool(pool: kvpool.KVPool, lens: list[int], layer: int = 0, seed: int =
     return written
 
 
+def _gpu_pool(lens, heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16, chunk=48, seed=0):
+    """A GPU pool whose sequences' blocks interleave (appended round-robin in chunks), random K/V."""
+    total = sum(-(-L // block_size) for L in lens) + 8
+    pool = kvpool.KVPool(1, heads, head_dim, total, block_size=block_size, dtype=dtype, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for i, L in enumerate(lens):
+        pool.add_sequence(i, [i] * max(L, 1), extra_key=i)
+    done = [0] * len(lens)
+    while any(d < L for d, L in zip(done, lens)):
+        for i, L in enumerate(lens):
+            n = min(chunk, L - done[i])
+            if n <= 0:
+                continue
+            slots = pool.append(i, n).cuda()
+            k = torch.randn(n, heads, head_dim, device="cuda", generator=g)
+            v = torch.randn(n, heads, head_dim, device="cuda", generator=g)
+            pool.write(0, slots, k, v)
+            done[i] += n
+    return pool
+
+
+@pytest.fixture
+def gpu_pool():
+    return _gpu_pool
+
+
 @pytest.fixture
 def sdpa_decode():
     return _sdpa_decode

@@ -98,35 +98,14 @@ def test_unsupported_reasons():
     assert "head_dim" in cuda_decode.unsupported_reason(torch.zeros(1, 2, 96, dtype=torch.bfloat16), pool)
 
 
-def _gpu_pool(lens, heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16, chunk=48, seed=0):
-    """A GPU pool whose sequences' blocks interleave (appended round-robin in chunks)."""
-    total = sum(-(-L // block_size) for L in lens) + 8
-    pool = kvpool.KVPool(1, heads, head_dim, total, block_size=block_size, dtype=dtype, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    for i, L in enumerate(lens):
-        pool.add_sequence(i, [i] * max(L, 1), extra_key=i)
-    done = [0] * len(lens)
-    while any(d < L for d, L in zip(done, lens)):
-        for i, L in enumerate(lens):
-            n = min(chunk, L - done[i])
-            if n <= 0:
-                continue
-            slots = pool.append(i, n).cuda()
-            k = torch.randn(n, heads, head_dim, device="cuda", generator=g)
-            v = torch.randn(n, heads, head_dim, device="cuda", generator=g)
-            pool.write(0, slots, k, v)
-            done[i] += n
-    return pool
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=GPU_CONFIG_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim,q_heads,kv_heads", [(128, 32, 8), (64, 8, 8), (256, 4, 2), (128, 8, 1)])
 @pytest.mark.parametrize("splits", [None, 1, 7])
-def test_dense_matches_reference(cfg, dtype, head_dim, q_heads, kv_heads, splits):
+def test_dense_matches_reference(cfg, dtype, head_dim, q_heads, kv_heads, splits, gpu_pool):
     lens = [1, 15, 16, 17, 300, 1000, 0]
-    pool = _gpu_pool(lens, heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    pool = gpu_pool(lens, heads=kv_heads, head_dim=head_dim, dtype=dtype)
     ids = list(range(len(lens)))
     bt, sl = pool.block_table(ids), pool.seq_lens(ids)
     q = torch.randn(len(lens), q_heads, head_dim, device="cuda", dtype=dtype)
@@ -145,10 +124,10 @@ def test_dense_matches_reference(cfg, dtype, head_dim, q_heads, kv_heads, splits
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=GPU_CONFIG_IDS)
 @pytest.mark.parametrize("per_head", [False, True])
-def test_sparse_matches_reference_and_all_blocks_equal_dense(cfg, per_head, monkeypatch):
+def test_sparse_matches_reference_and_all_blocks_equal_dense(cfg, per_head, monkeypatch, gpu_pool):
     monkeypatch.setattr(cuda_decode, "default_config", lambda: cfg)
     lens = [2000, 513, 64]
-    pool = _gpu_pool(lens, seed=1)
+    pool = gpu_pool(lens, seed=1)
     ids = [0, 1, 2]
     bt, sl = pool.block_table(ids), pool.seq_lens(ids)
     q = torch.randn(3, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -177,8 +156,8 @@ def test_sparse_matches_reference_and_all_blocks_equal_dense(cfg, per_head, monk
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [8, 32, 12])  # 12: not a power of two, mma hands over to simt
-def test_mma_other_block_sizes(block_size):
-    pool = _gpu_pool([300, 37, 1], heads=2, head_dim=64, block_size=block_size)
+def test_mma_other_block_sizes(block_size, gpu_pool):
+    pool = gpu_pool([300, 37, 1], heads=2, head_dim=64, block_size=block_size)
     bt, sl = pool.block_table([0, 1, 2]), pool.seq_lens([0, 1, 2])
     q = torch.randn(3, 8, 64, device="cuda", dtype=torch.bfloat16)
     out = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, None, config=cuda_decode.KernelConfig("mma", 64, 3))
@@ -243,10 +222,10 @@ def test_combine_variant_env(monkeypatch):
         cuda_decode.combine_variant()
 
 
-def _sparse_case(lens, seed):
+def _sparse_case(lens, seed, gpu_pool):
     """A GPU pool with `lens`, its table and lengths, bf16 q (GQA 32/8, d128) and 24 random selected
     blocks per (sequence, kv head); the generator (seeded seed + 2) for more draws."""
-    pool = _gpu_pool(lens, seed=seed)
+    pool = gpu_pool(lens, seed=seed)
     ids = list(range(len(lens)))
     bt, sl = pool.block_table(ids), pool.seq_lens(ids)
     q = torch.randn(len(lens), 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -258,12 +237,12 @@ def _sparse_case(lens, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [2, 5, 16])
-def test_ticket_combine_equals_combine_launch(splits, monkeypatch):
+def test_ticket_combine_equals_combine_launch(splits, monkeypatch, gpu_pool):
     """The in-kernel merge of split partials (the last split CTA, ticket per (sequence, kv head))
     gives the combine kernel's output bit for bit (same arithmetic), dense and sparse, call after
     call (the tickets re-arm) and under CUDA-graph replay."""
     cfg = cuda_decode.KernelConfig("mma", 64, 3)
-    pool, bt, sl, q, bi, g = _sparse_case([2000, 513, 64, 0, 1], seed=2)
+    pool, bt, sl, q, bi, g = _sparse_case([2000, 513, 64, 0, 1], seed=2, gpu_pool=gpu_pool)
     for idx in (None, bi):
         monkeypatch.setenv("KVPOOL_DECODE_COMBINE", "launch")
         want = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, idx, num_splits=splits, config=cfg)
@@ -298,10 +277,10 @@ def test_prefetch_env(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [None, 1, 4])
-def test_sparse_prefetch_changes_no_output(splits, monkeypatch):
+def test_sparse_prefetch_changes_no_output(splits, monkeypatch, gpu_pool):
     """The L2 prefetch of a sparse share is a hint: the output is bit-identical with and without it."""
     cfg = cuda_decode.KernelConfig("mma", 64, 3)
-    pool, bt, sl, q, bi, _ = _sparse_case([2000, 513, 64, 0], seed=5)
+    pool, bt, sl, q, bi, _ = _sparse_case([2000, 513, 64, 0], seed=5, gpu_pool=gpu_pool)
     bi[1, :, -3:] = -1
     monkeypatch.setenv("KVPOOL_DECODE_PREFETCH", "0")
     want = cuda_decode.paged_decode_cuda(q, pool, 0, bt, sl, None, bi, num_splits=splits, config=cfg)

@@ -99,25 +99,6 @@ def test_gather_module_and_mirrored_constants(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- GPU
-def _gpu_pool(lens, heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16, chunk=48, seed=0):
-    """A GPU pool whose sequences' blocks interleave (appended round-robin in chunks)."""
-    total = sum(-(-L // block_size) for L in lens) + 8
-    pool = kvpool.KVPool(1, heads, head_dim, total, block_size=block_size, dtype=dtype, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    for i, L in enumerate(lens):
-        pool.add_sequence(i, [i] * max(L, 1), extra_key=i)
-    done = [0] * len(lens)
-    while any(d < L for d, L in zip(done, lens)):
-        for i, L in enumerate(lens):
-            n = min(chunk, L - done[i])
-            if n <= 0:
-                continue
-            pool.write(0, pool.append(i, n).cuda(), torch.randn(n, heads, head_dim, device="cuda", generator=g),
-                       torch.randn(n, heads, head_dim, device="cuda", generator=g))
-            done[i] += n
-    return pool
-
-
 def _selection(lens, block_size, n, kv_heads, per_head, g):
     """n selected logical blocks per (sequence[, kv head]), random, -1 padded where the sequence has fewer
     (top_k > available; an empty sequence: all -1)."""
@@ -137,11 +118,11 @@ def _selection(lens, block_size, n, kv_heads, per_head, g):
                                                               (torch.bfloat16, 64, 8, 8), (torch.float16, 256, 4, 2),
                                                               (torch.bfloat16, 128, 8, 1)])
 @pytest.mark.parametrize("n", [64, 13, 1])
-def test_gather_matches_reference(gcfg, dtype, head_dim, q_heads, kv_heads, n):
+def test_gather_matches_reference(gcfg, dtype, head_dim, q_heads, kv_heads, n, gpu_pool):
     """Random selections (odd counts, -1 padded past a short sequence, an empty sequence), per kv head and
     shared, vs the float32 reference."""
     lens = [2000, 513, 64, 0, 17, 1]
-    pool = _gpu_pool(lens, heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    pool = gpu_pool(lens, heads=kv_heads, head_dim=head_dim, dtype=dtype)
     ids = list(range(len(lens)))
     bt, sl = pool.block_table(ids), pool.seq_lens(ids)
     g = torch.Generator(device="cuda").manual_seed(n)
@@ -158,11 +139,11 @@ def test_gather_matches_reference(gcfg, dtype, head_dim, q_heads, kv_heads, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [8, 12, 32, 64])
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_gather_block_sizes_holes_and_split_counts(block_size, splits):
+def test_gather_block_sizes_holes_and_split_counts(block_size, splits, gpu_pool):
     """Any block size (12: a step spans blocks; 8: two blocks a step), explicit split counts (1: each CTA
     loops over several rounds), holes in the selection (-1 mid-list) and all -1 rows."""
     lens = [700, 37, 1, 0]
-    pool = _gpu_pool(lens, heads=2, head_dim=64, block_size=block_size, seed=block_size)
+    pool = gpu_pool(lens, heads=2, head_dim=64, block_size=block_size, seed=block_size)
     bt, sl = pool.block_table([0, 1, 2, 3]), pool.seq_lens([0, 1, 2, 3])
     g = torch.Generator(device="cuda").manual_seed(7)
     q = torch.randn(4, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -177,11 +158,11 @@ def test_gather_block_sizes_holes_and_split_counts(block_size, splits):
 
 
 @pytest.mark.gpu
-def test_gather_every_block_equals_dense_and_env_routes_paged_decode(monkeypatch):
+def test_gather_every_block_equals_dense_and_env_routes_paged_decode(monkeypatch, gpu_pool):
     """Selecting every block gives the dense kernel's output (same math, other partition); through
     kvpool.paged_decode, KVPOOL_DECODE_SPARSE routes sparse calls to the gather kernel."""
     lens = [2000, 513, 64]
-    pool = _gpu_pool(lens, seed=1)
+    pool = gpu_pool(lens, seed=1)
     bt, sl = pool.block_table([0, 1, 2]), pool.seq_lens([0, 1, 2])
     q = torch.randn(3, 32, 128, device="cuda", dtype=torch.bfloat16)
     full = torch.arange(bt.shape[1], device="cuda", dtype=torch.int32).expand(3, -1).contiguous()
@@ -197,11 +178,11 @@ def test_gather_every_block_equals_dense_and_env_routes_paged_decode(monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bpw", [1, 2])
-def test_gather_ticket_equals_launch_and_graph_replay(bpw):
+def test_gather_ticket_equals_launch_and_graph_replay(bpw, gpu_pool):
     """The in-kernel merge (last split CTA, tickets) gives the combine launch's output bit for bit, call
     after call (tickets re-arm) and under CUDA-graph replay with new q and new selections."""
     lens = [2000, 513, 64, 0, 1]
-    pool = _gpu_pool(lens, seed=2)
+    pool = gpu_pool(lens, seed=2)
     ids = list(range(len(lens)))
     bt, sl = pool.block_table(ids), pool.seq_lens(ids)
     g = torch.Generator(device="cuda").manual_seed(11)

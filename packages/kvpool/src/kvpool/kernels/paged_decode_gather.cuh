@@ -78,22 +78,12 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 3) paged_decode_gathe
   const int rounds = (num_steps + kGatherWarps * BPW - 1) / (kGatherWarps * BPW);
   const long long row_stride = (long long)H * D;
 
-  // Q as the MMA A operand (as the mma kernel): row (q head) lane/4, rows >= G zero.
-  const int qrow = lane >> 2, qcol = (lane & 3) * 2;
   unsigned qa[kKSteps][2];
-  {
-    const T* qp = q + ((long long)b * H * G + h * G + min(qrow, G - 1)) * D;
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      qa[kk][0] = qrow < G ? *reinterpret_cast<const unsigned*>(qp + kk * 16 + qcol) : 0u;
-      qa[kk][1] = qrow < G ? *reinterpret_cast<const unsigned*>(qp + kk * 16 + 8 + qcol) : 0u;
-    }
-  }
-
+  load_q_operand<T, D, G>(q, b, h, H, lane, qa);
   float o[kNTiles][4];
 #pragma unroll
   for (int n = 0; n < kNTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m_run = -INFINITY, l_run = 0.f;  // row qrow; l_run is this lane's share of the row sum
+  float m_run = -INFINITY, l_run = 0.f;  // row lane/4; l_run is this lane's share of the row sum
 
   for (int r = 0; r < rounds; ++r) {
     const int step0 = (r * kGatherWarps + warp) * BPW;  // this warp's first step of the round

@@ -41,6 +41,20 @@ __device__ __forceinline__ void mma_rows8(float (&c)[4], unsigned a0, unsigned a
   tilehal::mma_m16n8k16(typename tilehal::MmaTag<T>::type(), c, {a0, 0u, a2, 0u}, {b0, b1});
 }
 
+// Q of (sequence b, kv head h)'s G q heads as the MMA A operand: this lane holds row (q head) lane/4,
+// columns (lane%4)*2 + {0,1} and +8 of every 16-wide k-step; rows >= G are zero.
+template <typename T, int D, int G>
+__device__ __forceinline__ void load_q_operand(const T* __restrict__ q, int b, int h, int H, int lane,
+                                               unsigned (&qa)[D / 16][2]) {
+  const int qrow = lane >> 2, qcol = (lane & 3) * 2;
+  const T* qp = q + ((long long)b * H * G + h * G + min(qrow, G - 1)) * D;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    qa[kk][0] = qrow < G ? *reinterpret_cast<const unsigned*>(qp + kk * 16 + qcol) : 0u;
+    qa[kk][1] = qrow < G ? *reinterpret_cast<const unsigned*>(qp + kk * 16 + 8 + qcol) : 0u;
+  }
+}
+
 // One 16-token step of a warp on landed K / V tiles (16 rows of D, 16-byte chunks XOR-swizzled by
 // row & 7, at shared addresses ks / vs): S = Q K^T on two n-tiles of 8 tokens, the online softmax of
 // row lane/4 over this lane's 4 tokens (step token n*8 + (lane%4)*2 + e; valid(token) says whether it
@@ -217,23 +231,12 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
     }
   };
 
-  // Q as the MMA A operand: this lane holds row (q head) lane/4, columns (lane%4)*2 + {0,1}
-  // and +8 of every 16-wide k-step; rows >= G are zero.
-  const int qrow = lane >> 2, qcol = (lane & 3) * 2;
   unsigned qa[kKSteps][2];
-  {
-    const T* qp = q + ((long long)b * H * G + h * G + min(qrow, G - 1)) * D;
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      qa[kk][0] = qrow < G ? *reinterpret_cast<const unsigned*>(qp + kk * 16 + qcol) : 0u;
-      qa[kk][1] = qrow < G ? *reinterpret_cast<const unsigned*>(qp + kk * 16 + 8 + qcol) : 0u;
-    }
-  }
-
+  load_q_operand<T, D, G>(q, b, h, H, lane, qa);
   float o[kNTiles][4];
 #pragma unroll
   for (int n = 0; n < kNTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m_run = -INFINITY, l_run = 0.f;  // row qrow; l_run is this lane's share of the row sum
+  float m_run = -INFINITY, l_run = 0.f;  // row lane/4; l_run is this lane's share of the row sum
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
