@@ -60,6 +60,39 @@ def test_gather_splits_one_round_per_cta():
                     assert per_split_steps <= 4 * bpw and (s - 1) * per_split < max(items, 1)
 
 
+def _kernel_token_cover(items: int, block_size: int, bpw: int, splits: int) -> list[tuple[int, int]]:
+    """The (item, offset) pairs the gather kernel's CTAs read, in the kernel's own index arithmetic
+    (split_range, then rounds of 4 warps x bpw steps of 16 tokens, one token per lane): a mirror of
+    paged_decode_gather.cuh's loops, checked below for exact coverage."""
+    per_split = -(-items // splits)
+    seen = []
+    for split in range(splits):
+        begin = split * per_split
+        n_items = max(0, min(items, begin + per_split) - begin)
+        num_steps = -(-n_items * block_size // 16)
+        rounds = -(-num_steps // (4 * bpw))
+        for r in range(rounds):
+            for warp in range(4):
+                step0 = (r * 4 + warp) * bpw
+                for lane in range(bpw * 16):
+                    if step0 + lane // 16 >= num_steps:  # the kernel skips the math of such steps
+                        continue
+                    t = step0 * 16 + lane
+                    i, off = divmod(t, block_size)
+                    if i < n_items:  # gather_row: past the share -> -1
+                        seen.append((begin + i, off))
+    return seen
+
+
+def test_gather_rounds_cover_every_selected_token_once():
+    for items in (0, 1, 7, 13, 64, 65, 200):
+        for bs in (1, 8, 12, 16, 48, 64):
+            for bpw in (1, 2):
+                for splits in {cd.gather_splits(items, bs, bpw), 1, 3}:
+                    seen = _kernel_token_cover(items, bs, bpw, splits)
+                    assert sorted(seen) == [(i, o) for i in range(items) for o in range(bs)], (items, bs, bpw, splits)
+
+
 def test_gather_smem_and_bpw():
     assert cd.gather_smem_bytes(torch.bfloat16, 128, 2) == 64 * 1024
     assert cd.gather_smem_bytes(torch.float16, 128, 1) == 32 * 1024
