@@ -100,14 +100,15 @@ def job_keys() -> set:
     return keys
 
 
-def main() -> None:
+def warm(job_keys_fn, label: str) -> None:
+    """The warm scripts' command line: compile (or, with --list, print) every key job_keys_fn() returns."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--list", action="store_true", help="print the keys, compile nothing")
     args = ap.parse_args()
     from deepgemm import cuda_fp4
 
-    keys = sorted(job_keys(), key=lambda key: key.expression)
+    keys = sorted(job_keys_fn(), key=lambda key: key.expression)
     if args.list:
         print("\n".join(key.expression for key in keys))
         print(f"{len(keys)} kernels")
@@ -115,13 +116,16 @@ def main() -> None:
     t0 = time.time()
 
     def build(key):
-        mod = cuda_fp4.compile_kernel(key)
-        return key.expression, mod.cache_hit
+        return key.expression, cuda_fp4.compile_kernel(key).cache_hit
 
     with cf.ThreadPoolExecutor(args.jobs) as ex:
         for expr, hit in ex.map(build, keys):
             print(f"{'hit ' if hit else 'new '} {expr}", flush=True)
-    print(f"fp4_warm: {len(keys)} kernels in {time.time() - t0:.0f} s")
+    print(f"{label}: {len(keys)} kernels in {time.time() - t0:.0f} s")
+
+
+def main() -> None:
+    warm(job_keys, "fp4_warm")
 
 
 if __name__ == "__main__":

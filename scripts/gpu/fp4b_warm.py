@@ -12,10 +12,7 @@ deepgemm fp8_gemm_nt (the peer) is not warmed here: the job compiles it on the d
 
 from __future__ import annotations
 
-import argparse
-import concurrent.futures as cf
 import sys
-import time
 from pathlib import Path
 
 from tilehal.testing import environ
@@ -24,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "packages/deepgemm/tests"))
 
-from fp4_warm import BENCH_NK, SMS, auto_keys, wgmma_keys  # noqa: E402
+from fp4_warm import BENCH_NK, SMS, auto_keys, warm, wgmma_keys  # noqa: E402
 
 # the job's 24-warp-build variants at M = 1 (gpu_job.sh B3): the build session 28's ncu read ran at 2 splits
 B3 = {"DEEPGEMM_FP4_SMALL_MINB": "3", "DEEPGEMM_FP4_SMALL_SLOTS": "3"}
@@ -65,26 +62,7 @@ def job_keys() -> set:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--list", action="store_true", help="print the keys, compile nothing")
-    args = ap.parse_args()
-    from deepgemm import cuda_fp4
-
-    keys = sorted(job_keys(), key=lambda key: key.expression)
-    if args.list:
-        print("\n".join(key.expression for key in keys))
-        print(f"{len(keys)} kernels")
-        return
-    t0 = time.time()
-
-    def build(key):
-        return key.expression, cuda_fp4.compile_kernel(key).cache_hit
-
-    with cf.ThreadPoolExecutor(args.jobs) as ex:
-        for expr, hit in ex.map(build, keys):
-            print(f"{'hit ' if hit else 'new '} {expr}", flush=True)
-    print(f"fp4b_warm: {len(keys)} kernels in {time.time() - t0:.0f} s")
+    warm(job_keys, "fp4b_warm")
 
 
 if __name__ == "__main__":
