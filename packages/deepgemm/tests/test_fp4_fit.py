@@ -3,6 +3,7 @@ the count mocked (every plan fits it; the plan is the cost model's best among th
 path takes it), and (GPU) the kernel it plans against the float64 reference."""
 
 import itertools
+import types
 
 import deepgemm
 import pytest
@@ -55,13 +56,7 @@ def best_fitting(m, n, k, count, sms=132, minb=None, groups=1, masked=False, exp
             fit = min(build_minb, cuda_fp4.SM_SMEM // (smem + 1024))
             if fit == 0:
                 continue
-
-            class Key:  # what the mocked count reads
-                pass
-
-            key = Key()
-            key.minb = build_minb
-            have = count(key, sp, smem)
+            have = count(types.SimpleNamespace(minb=build_minb), sp, smem)  # what the mocked count reads
             if have is None:
                 cap = cuda_fp4.cluster_capacity(sms, fit, sp) if sp > 1 else fit * sms
             elif sp > 1 and have < tiles:
