@@ -166,7 +166,10 @@ VARIANTS = {"bf16": dict(fp8=False), "fp8": dict(fp8=True), "bf16_nonorm": dict(
             "bf16_swapped_head": dict(fp8=False, include=["*"]),
             "bf16_mlp_cublas_head": dict(fp8=False, fuse_mlp=True, include=["model.*"]),
             # only the RMSNorms swapped (every Linear stays nn.Linear): what the fused norm alone gives
-            "bf16_normonly": dict(fp8=False, fuse_norm=True, include=["*norm*"])}
+            "bf16_normonly": dict(fp8=False, fuse_norm=True, include=["*norm*"]),
+            # RoPE rotated in place by one kernel in the attention blocks (tilestack.rope)
+            "bf16_rope": dict(fp8=False, fuse_rope=True), "bf16_mlp_rope": dict(fp8=False, fuse_mlp=True, fuse_rope=True),
+            "fp8_rope": dict(fp8=True, fuse_rope=True), "fp8_mlp_rope": dict(fp8=True, fuse_mlp=True, fuse_rope=True)}
 
 
 def _variants(env: Env, base: torch.nn.Module):

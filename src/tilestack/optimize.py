@@ -35,6 +35,7 @@ from .layers import (
 )
 from .moe import ExpertParallelMoE, moe_block_parts
 from .norm import FusedRMSNorm, rmsnorm_skip_reason
+from .rope import fuse_rope_attention, rope_skip_reason
 
 log = logging.getLogger("tilestack.optimize")
 
@@ -45,7 +46,7 @@ _LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @dataclass
 class Decision:
     name: str
-    kind: str              # "linear", "mlp", "norm", "moe" or "module" (named by include, neither)
+    kind: str              # "linear", "mlp", "norm", "attention", "moe" or "module" (named by include, neither)
     replacement: str | None  # class name when swapped
     reason: str            # why skipped, or how the replacement runs
 
@@ -207,7 +208,7 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
                            sparse_method: str = "magnitude", precision: str | None = None,
                            calibration: Any = None, error_budget: float = FP8_ERROR_BUDGET,
                            timing_iters: int = 10, fuse_mlp: bool = False, fuse_norm: bool | None = None,
-                           fuse_qkv: bool = False) -> OptimizationReport:
+                           fuse_qkv: bool = False, fuse_rope: bool = False) -> OptimizationReport:
     """Swap `model`'s qualifying modules in place for TileStack's; returns what was swapped and skipped.
 
     backend: "cuda" (deepgemm's sm_90a kernels; shape rules of TMA apply; needs a Hopper GPU) or
@@ -231,6 +232,9 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
     fuse_qkv: sibling projections that read the same input (an attention block's q_proj / k_proj / v_proj,
       all swapped for GemmLinears of one precision) become a tilestack.layers.ProjectionGroup: one GEMM on
       their concatenated weight per forward (fp8: one activation cast), each projection returning its slice.
+    fuse_rope: transformers' Llama / Mistral / Qwen2 attention blocks (tilestack.rope.ROPE_ATTENTION_CLASSES)
+      rotate q and k in place by one kernel (CUDA bf16, bit for bit the torch ops; the torch formula elsewhere and
+      under torch.compile): the block becomes its FusedRoPE subclass in place, children and state_dict unchanged.
     """
     if not isinstance(model, torch.nn.Module):
         raise ArgumentError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -272,6 +276,7 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
         fuse_norm = backend == "cuda"
     fuse_norm = check_choice(fuse_norm, "fuse_norm", (False, True))
     fuse_qkv = check_choice(fuse_qkv, "fuse_qkv", (False, True))
+    fuse_rope = check_choice(fuse_rope, "fuse_rope", (False, True))
     report = OptimizationReport(backend, fp8, sparse_24, precision)
     head = None
     if callable(getattr(model, "get_output_embeddings", None)):
@@ -283,6 +288,7 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
                  and isinstance(head, torch.nn.Linear))
     seen = _capture_linear_inputs(model, include, calibration) if precision == "auto" else {}
     replacements: dict[int, torch.nn.Module] = {}
+    rope_blocks: list[tuple[str, torch.nn.Module]] = []   # rewritten in place after the loop (children swapped)
     done: list[str] = []   # prefixes of replaced subtrees: their children are gone
 
     def decide(name: str, kind: str, new: torch.nn.Module | None, reason: str, module: torch.nn.Module,
@@ -300,6 +306,9 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
         if any(name == p or name.startswith(p + ".") for p in done):
             continue
         if not isinstance(module, torch.nn.Linear):
+            if fuse_rope and _matches(name, include) and rope_skip_reason(module) is None:
+                rope_blocks.append((name, module))
+                continue
             if fuse_norm and _matches(name, include) and rmsnorm_skip_reason(module) is None:
                 decide(name, "norm", FusedRMSNorm(module, emit_fp8=fp8), "one kernel (bf16 on CUDA; the torch "
                        "formula elsewhere and under torch.compile)" + ("; its output also cast per token to fp8 in "
@@ -370,6 +379,12 @@ def register_optimizations(model: torch.nn.Module, backend: str = "cuda", fp8: b
         for child_name, child in list(parent._modules.items()):
             if child is not None and id(child) in replacements:
                 setattr(parent, child_name, replacements[id(child)])
+    for name, module in rope_blocks:
+        base = type(module).__name__
+        fuse_rope_attention(module)
+        report.swapped.append(Decision(name, "attention", type(module).__name__,
+                                       f"{base} with q and k rotated in place by one kernel (bf16 on CUDA; the torch "
+                                       "formula elsewhere and under torch.compile)"))
     if fuse_qkv:
         _group_projections(model, include, report)
     return report
