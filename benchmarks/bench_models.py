@@ -167,7 +167,9 @@ VARIANTS = {"bf16": dict(fp8=False), "fp8": dict(fp8=True), "bf16_nonorm": dict(
             "bf16_mlp_cublas_head": dict(fp8=False, fuse_mlp=True, include=["model.*"]),
             # only the RMSNorms swapped (every Linear stays nn.Linear): what the fused norm alone gives
             "bf16_normonly": dict(fp8=False, fuse_norm=True, include=["*norm*"]),
-            # RoPE rotated in place by one kernel in the attention blocks (tilestack.rope)
+            # RoPE rotated in place by one kernel in the attention blocks (tilestack.rope; on by default since session
+            # 29): the *_norope variants are the defaults before it
+            "bf16_norope": dict(fp8=False, fuse_rope=False), "fp8_norope": dict(fp8=True, fuse_rope=False),
             "bf16_rope": dict(fp8=False, fuse_rope=True), "bf16_mlp_rope": dict(fp8=False, fuse_mlp=True, fuse_rope=True),
             "fp8_rope": dict(fp8=True, fuse_rope=True), "fp8_mlp_rope": dict(fp8=True, fuse_mlp=True, fuse_rope=True)}
 

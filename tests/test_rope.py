@@ -96,6 +96,32 @@ def test_generate_matches_and_linears_still_swap():
     assert torch.equal(got, want)
 
 
+def test_compiles_fullgraph_with_the_torch_formula():
+    from tilestack import register_optimizations
+
+    model = _model("Qwen2Attention")
+    register_optimizations(model, backend="cpu", fuse_rope=True)
+    ids = torch.randint(0, 96, (2, 6))
+    with torch.no_grad():
+        want = model(ids).logits
+        torch._dynamo.reset()
+        got = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
+    assert torch.equal(got, want)
+
+
+def test_default_is_on_for_cuda_only(monkeypatch):
+    import tilestack.optimize as opt
+
+    model = _model("LlamaAttention")
+    rep = opt.register_optimizations(copy.deepcopy(model), backend="cpu")
+    assert not [d for d in rep.swapped if d.kind == "attention"]
+    monkeypatch.setattr(opt, "_cuda_unavailable_reason", lambda: None)
+    rep = opt.register_optimizations(copy.deepcopy(model), backend="cuda", include=["*self_attn"])
+    assert [d.kind for d in rep.swapped] == ["attention", "attention"]
+    with pytest.raises(Exception, match="fuse_rope"):
+        opt.register_optimizations(copy.deepcopy(model), backend="cpu", fuse_rope="yes")
+
+
 def test_skip_reasons():
     assert rope_skip_reason(torch.nn.Linear(4, 4)) is not None
     model = _model("LlamaAttention")

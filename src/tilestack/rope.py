@@ -191,28 +191,30 @@ class FusedRoPEMixin:
         q, k = self.q_proj(hidden_states), self.k_proj(hidden_states)
         v = self.v_proj(hidden_states)
         cos, sin = position_embeddings
-        why = _why_torch(q, k, cos, sin, self.head_dim)
+        if torch.compiler.is_compiling():   # inductor fuses the torch formula itself (and logging would break graphs)
+            why = "torch.compile"
+        else:
+            why = _why_torch(q, k, cos, sin, self.head_dim)
+            if why is not None and why not in _LOGGED:
+                _LOGGED.add(why)
+                log.debug("%s: RoPE as torch ops (%s)", type(self).__name__, why)
         if why is None:
             rope_in_place(q, k, cos, sin, self.head_dim)
             query_states, key_states = q.view(hidden_shape).transpose(1, 2), k.view(hidden_shape).transpose(1, 2)
         else:
-            if why not in _LOGGED:
-                _LOGGED.add(why)
-                log.debug("%s: RoPE as torch ops (%s)", type(self).__name__, why)
             query_states, key_states = rope_reference(q.view(hidden_shape).transpose(1, 2),
                                                       k.view(hidden_shape).transpose(1, 2), cos, sin)
         value_states = v.view(hidden_shape).transpose(1, 2)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-        modeling = sys.modules[self._rope_base.__module__]
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                    modeling.eager_attention_forward)
+                                                                    self._rope_eager_attention)
         attn_output, attn_weights = attention_interface(
             self, query_states, key_states, value_states, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-            **ROPE_ATTENTION_CLASSES[self._rope_base.__name__](self), **kwargs)
+            **self._rope_window(self), **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
@@ -221,8 +223,6 @@ _LOGGED: set[str] = set()
 
 
 def _why_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> str | None:
-    if torch.compiler.is_compiling():
-        return "under torch.compile (inductor fuses the formula)"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)):
         return "autograd (the in-place kernel has no backward)"
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor:
@@ -233,7 +233,9 @@ def _why_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 @functools.cache
 def fused_class(cls: type) -> type:
     """The FusedRoPE subclass of one of ROPE_ATTENTION_CLASSES."""
-    return type(f"FusedRoPE{cls.__name__}", (FusedRoPEMixin, cls), {"_rope_base": cls})
+    return type(f"FusedRoPE{cls.__name__}", (FusedRoPEMixin, cls), {
+        "_rope_window": staticmethod(ROPE_ATTENTION_CLASSES[cls.__name__]),
+        "_rope_eager_attention": staticmethod(sys.modules[cls.__module__].eager_attention_forward)})
 
 
 def rope_skip_reason(module: torch.nn.Module) -> str | None:
