@@ -43,6 +43,8 @@ def _args(argv):
     p.add_argument("--iters", type=int, default=10, help="timed steps per column (after 2 warm-up steps)")
     p.add_argument("--ttft-context", type=int, default=32768, help="cached prefix of the TTFT request (0: skip)")
     p.add_argument("--quick", action="store_true", help="tiny model and contexts (smoke test)")
+    p.add_argument("--profile", metavar="DIR", help="also write, per eager kvpool column and context, a cProfile "
+                   "(host time by function) and a torch.profiler table (syncs, copies, launches) of 3 steps into DIR")
     p.add_argument("--summary-dtype", choices=("bf16", "fp8", "int4"), default="bf16",
                    help="the pool's key summaries (SparseConfig.summary_dtype): what the sparse columns select from")
     return p.parse_args(argv)
@@ -121,6 +123,40 @@ def layer_kv(cfg, B, L, layer, dtype, device):
     shape = (B, L, cfg.num_key_value_heads, cfg.head_dim)
     return (torch.randn(shape, generator=g, device=device, dtype=dtype),
             torch.randn(shape, generator=g, device=device, dtype=dtype))
+
+
+def profile_steps(fn, path: str, steps: int = 3) -> None:
+    """cProfile (by own and cumulative time) and torch.profiler (CPU + CUDA, by CPU time) of `steps` calls of fn
+    after a warm one, written to path + ".cprofile.txt" / ".torch.txt"."""
+    import cProfile
+    import io
+    import os
+    import pstats
+
+    import torch
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(45)
+    with open(path + ".cprofile.txt", "w") as f:
+        f.write(f"{steps} steps\n" + out.getvalue())
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as tp:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    with open(path + ".torch.txt", "w") as f:
+        f.write(f"{steps} steps\n" + tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=50,
+                                                               max_name_column_width=90))
 
 
 def skip(e: BaseException) -> dict:
@@ -270,6 +306,8 @@ def run_context(args, model, cfg, dtype, device, L, timer, th, results, columns)
 
             try:
                 res[name] = {"ms": timer.median(kv_step, args.iters) * 1e3}
+                if args.profile and device.type == "cuda":
+                    profile_steps(kv_step, f"{args.profile}/{name}_{L}")
             except Exception as e:  # noqa: BLE001
                 res[name] = skip(e)
         for name, sparse in (("kv_dense_graph", None), ("kv_sparse_graph", sparse_cfg)):
