@@ -38,6 +38,10 @@ GRAPH = False
 DEFAULT_ONLY = False  # --default-only: cuBLAS / _scaled_mm and deepgemm's own dispatch, no forced plans
 CLUSTER = "all"  # --cluster: "no" leaves the cluster_reduce plans out, "only" times only them (and cuBLAS)
 AB = False  # --ab: the default and the opt-in A/B plans only (ab_plans)
+# beside --persistent-tiles: (block_n, stages) of the tile kernel; 128 x 128 with 3 stages leaves two CTAs per SM
+TILE_KERNEL_PLANS = [(256, splitk.max_stages(128, 256)), (128, splitk.max_stages(128, 128)), (128, 3)]
+ONLY_PLANS: set[str] = set()  # --plans: time only these named plans beside the default
+PERSISTENT_TILES: list[tuple[int, int]] = []  # --persistent-tiles: (block_m, block_n) of the persistent kernel to time
 
 
 def timed(fn) -> dict:
@@ -79,10 +83,36 @@ def ab_plans(m: int, n: int, k: int, acc: bool, out_dtype=torch.bfloat16) -> dic
     return out
 
 
+def persistent_tiles(m: int, n: int, k: int, acc: bool, out_dtype=torch.bfloat16) -> dict[str, object]:
+    """The persistent kernel's plan (with a bf16 C = D: the C_TMA epilogue, as the default dispatch picks it) with
+    other tiles (--persistent-tiles): each (block_m, block_n) with the deepest ring that fits next to its epilogue.
+    Issue 18's 128 x 32768 x 512 with C: the default 128 x 256 tiles are one wave (every CTA stores its D tile at
+    the same time, after a main loop of 8 K blocks); narrower tiles give each CTA 2-4 tiles whose stores and C loads
+    overlap the next tile's main loop."""
+    if not PERSISTENT_TILES or splitk.pick_splitk(m, n, k, SMS, has_c=acc) is not None:
+        return {}
+    c_tma = acc and out_dtype == torch.bfloat16 and n % 8 == 0
+    ep = {"tma_store": True, "c_tma": True} if c_tma else cuda_gemm.epilogue(torch.empty(0, n, dtype=out_dtype), n,
+                                                                               acc, "normal")
+    base = pick_config("bf16", m, n, k, num_sms=SMS, **ep)
+    out: dict[str, object] = {}
+    for bm, bn in PERSISTENT_TILES:
+        if (bm, bn) == (base.block_m, base.block_n):
+            continue
+        cfg = heuristics.with_tile(base, m, n, bm, bn)
+        out[f"persistent_bm{bm}_bn{bn}_s{cfg.stages}"] = cfg
+    if c_tma and m > 64:  # the one-CTA-per-tile kernel (splits = 1; reads the bf16 C in place after its main loop)
+        for bn, stages in TILE_KERNEL_PLANS:
+            out[f"tile_kernel_bn{bn}_s{stages}"] = splitk.SplitKConfig(128, bn, 1, stages, SMS)
+    return out
+
+
 def plans_for(m: int, n: int, k: int, acc: bool = False) -> dict[str, object]:
     """name -> a SplitKConfig, a GemmConfig or "gemv"; "default" is the dispatch itself (not listed)."""
     if AB:
         return ab_plans(m, n, k, acc, torch.float32 if (n, k) in FP32_OUT else torch.bfloat16)
+    if PERSISTENT_TILES:
+        return _cluster_filter(persistent_tiles(m, n, k, acc, torch.float32 if (n, k) in FP32_OUT else torch.bfloat16))
     out: dict[str, object] = {}
     if m == 128:
         mc = mcast_variant("bf16", m, n, k, acc, torch.float32 if (n, k) in FP32_OUT else torch.bfloat16)
@@ -90,10 +120,10 @@ def plans_for(m: int, n: int, k: int, acc: bool = False) -> dict[str, object]:
             out["persistent_mcast_a"] = mc
     if m == 1:
         out["gemv"] = "gemv"
-    base = splitk.pick_splitk(m, n, k, SMS)
+    base = splitk.pick_splitk(m, n, k, SMS, has_c=acc)
     if base is not None:
-        out["plan_last_cta"] = dataclasses.replace(base, par_reduce=False)
-        out["plan_par"] = dataclasses.replace(base, par_reduce=True)
+        out["plan_last_cta"] = dataclasses.replace(base, par_reduce=False, cluster_reduce=False)
+        out["plan_par"] = dataclasses.replace(base, par_reduce=True, cluster_reduce=False)
     if base is not None and base.splits <= 8:
         out["plan_cluster"] = dataclasses.replace(base, cluster_reduce=True, par_reduce=False)
     if m == 128:
@@ -117,6 +147,8 @@ def plans_for(m: int, n: int, k: int, acc: bool = False) -> dict[str, object]:
 def _cluster_filter(plans: dict) -> dict:
     if DEFAULT_ONLY:
         return {}
+    if ONLY_PLANS:  # --plans: these names only (beside the default)
+        plans = {k: v for k, v in plans.items() if k in ONLY_PLANS}
     if CLUSTER == "all":
         return plans
     keep = CLUSTER == "only"  # the plans that use thread-block clusters: cluster_reduce, persistent multicast
@@ -343,12 +375,17 @@ def main() -> None:
     ap.add_argument("--default-only", action="store_true", help="only the peer and deepgemm's own dispatch")
     ap.add_argument("--ab", action="store_true", help="the default and the opt-in plans of ab_plans only")
     ap.add_argument("--once", action="store_true", help="one launch of each contender (under ncu), no timing")
+    ap.add_argument("--plans", default="", help="only these named plans beside the default, e.g. plan_par,plan_cluster")
+    ap.add_argument("--persistent-tiles", default="", help="only the persistent kernel with these BMxBN tiles "
+                    "(beside the default), e.g. 128x128,128x64,64x256")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     GRAPH = args.graph
     CLUSTER = args.cluster
     DEFAULT_ONLY = args.default_only
     AB = args.ab
+    ONLY_PLANS.update(p for p in args.plans.split(",") if p)
+    PERSISTENT_TILES[:] = [tuple(int(v) for v in t.split("x")) for t in args.persistent_tiles.split(",") if t]
     nks = NK if args.nk is None else [tuple(int(v) for v in s.split("x")) for s in args.nk.split(",")]
     acc_nks = nks if args.acc_nk is None else [tuple(int(v) for v in s.split("x")) for s in args.acc_nk.split(",")]
     cases = [(m, n, k, bool(int(acc))) for m in (int(x) for x in args.m.split(",") if x) for n, k in nks

@@ -30,10 +30,10 @@ def planned_key(m: int, n: int, k: int, out: torch.dtype, c: torch.dtype | None,
                 b_mn: bool = False):
     """The kernel cuda_gemm.dense launches for a bf16 GEMM (split-K / tile kernel or persistent)."""
     if a_mn or b_mn:  # read in place by the split-K / tile kernel
-        return splitk.splitk_key(splitk.pick_tiles(m, n, k, SMS), n, k, out, c, a_mn, b_mn)
-    sk = splitk.pick_splitk(m, n, k, SMS)
+        return splitk.splitk_key(splitk.pick_tiles(m, n, k, SMS, has_c=c is not None), n, k, out, c, a_mn, b_mn)
+    sk = splitk.pick_splitk(m, n, k, SMS, has_c=c is not None)
     if sk is None and c == torch.bfloat16:
-        sk = splitk.pick_tiles(m, n, k, SMS)  # bf16 C: the tile kernel reads it in place
+        sk = splitk.pick_tiles(m, n, k, SMS, has_c=True)  # bf16 C: the tile kernel reads it in place
     if sk is not None:
         return splitk.splitk_key(sk, n, k, out, c)
     tma = out == torch.bfloat16 and c is None and n % 8 == 0

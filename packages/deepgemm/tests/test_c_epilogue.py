@@ -12,7 +12,7 @@ import pytest
 import tilehal
 import torch
 from deepgemm import cuda_gemm, reference, splitk
-from deepgemm.heuristics import SMEM_CAPACITY, epilogue_bytes, epilogue_passes, pick_config
+from deepgemm.heuristics import SMEM_CAPACITY, epilogue_bytes, epilogue_passes, pick_config, with_tile
 from deepgemm.splitk import SplitKConfig, effective_splits, splitk_key
 
 nvrtc = pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
@@ -91,6 +91,35 @@ def test_c_tma_kernels_compile_without_spills(h):
         mod = tilehal.compile_cuda(cuda_gemm.kernel_source(), arch="sm_90a", name="deepgemm_ctma_check",
                                    options=cuda_gemm.OPTIONS + ("--ptxas-options=-v",), name_expressions=batch)
         h.check_compiled(mod, batch, ("serialized", "wait_group is injected"))
+
+
+# 128 x 32768 x 512 with C (issue 18: 0.88x cuBLAS on its one-wave 128 x 256 tiles): the persistent tiles its sweep
+# times (benchmarks/sweep_small_m.py --persistent-tiles), each CTA doing 2-4 tiles whose C loads and D stores overlap
+# the next tile's main loop.
+WIDE_N_TILES = [(128, 128), (128, 64), (128, 96), (64, 256)]
+
+
+def wide_n_cfg(bm, bn, m=128, n=32768, k=512):
+    return with_tile(ctma_cfg(m, n, k), m, n, bm, bn)
+
+
+def test_wide_n_tiles_fit_and_count_their_waves():
+    assert [(wide_n_cfg(bm, bn).stages, wide_n_cfg(bm, bn).num_waves) for bm, bn in WIDE_N_TILES] == [
+        (6, 2), (8, 4), (7, 3), (4, 2)]
+    for bm, bn in WIDE_N_TILES:
+        cfg = wide_n_cfg(bm, bn)
+        assert cfg.c_tma and cfg.smem_bytes <= SMEM_CAPACITY and cfg.epilogue_bytes == bm * bn * 2 + 8
+    with pytest.raises(tilehal.ArgumentError, match="with_tile: expected BLOCK_M a multiple of 64"):
+        wide_n_cfg(96, 128)
+
+
+@nvrtc
+def test_wide_n_tile_kernels_compile_without_spills(h):
+    batch = [cuda_gemm.kernel_key(wide_n_cfg(bm, bn), 32768, 512, "normal", 1, bf16, True).expression
+             for bm, bn in WIDE_N_TILES]
+    mod = tilehal.compile_cuda(cuda_gemm.kernel_source(), arch="sm_90a", name="deepgemm_ctma_check",
+                               options=cuda_gemm.OPTIONS + ("--ptxas-options=-v",), name_expressions=batch)
+    h.check_compiled(mod, batch, ("serialized", "wait_group is injected"))
 
 
 # ----------------------------------------------------------------------------- split-K C_EARLY
@@ -178,6 +207,19 @@ def test_c_tma_matches_reference_and_staged_bitwise(shape, in_place):
     assert deepgemm.testing.calc_diff(outs[0], ref) < 1e-5
     deepgemm.testing.assert_bitwise_equal(outs[0], outs[1], "C_TMA repeated")
     deepgemm.testing.assert_bitwise_equal(outs[0], outs[2], "C_TMA vs the staged copy-out")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", WIDE_N_TILES, ids=[f"{bm}x{bn}" for bm, bn in WIDE_N_TILES])
+def test_wide_n_tiles_match_reference(tile):
+    m, n, k = 128, 32768, 512
+    a, b = _ab(m, n, k, seed=37)
+    c = torch.randn(m, n, device="cuda").to(bf16)
+    ref = reference.bf16_gemm_nt(a, b, c.float())
+    for _ in range(2):  # twice: the C barrier's phases start over
+        d = c.clone()
+        cuda_gemm.dense(a, None, b, None, d, d, config=wide_n_cfg(*tile))
+        assert deepgemm.testing.calc_diff(d, ref) < 1e-5
 
 
 @pytest.mark.gpu

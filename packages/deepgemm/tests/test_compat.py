@@ -4,6 +4,8 @@ Tolerances: fp32 outputs of the reference differ from the float64 oracle only by
 order (calc_diff < 1e-10); bf16 outputs add one rounding (< 1e-5).
 """
 
+import importlib
+
 import deepgemm
 import deepgemm as deep_gemm
 import pytest
@@ -396,6 +398,51 @@ def test_cublaslt_baseline_accumulates_bf16_c_inside_cublas(in_place):
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     # cuBLAS's GEMM (and its split-K reduce, if it takes one) alone: no torch elementwise add that a kernel-name
     # filter would miss
+    assert kernels and not any("elementwise" in name for name in kernels), kernels
+
+
+def test_cublaslt_fused_fp32_c_refusal_is_logged_and_remembered(monkeypatch, caplog):
+    # Where torch refuses addmm(out_dtype=float32) with an fp32 C (older builds, or this CPU build, which has no
+    # addmm.dtype_out kernel), the baseline says why at DEBUG, once, leaves D alone and falls back to GEMM + add.
+    import logging
+
+    gemm_mod = importlib.import_module("deepgemm.gemm")
+
+    monkeypatch.setattr(gemm_mod, "_FUSED_FP32_C", [])
+    a, b = _bf16(4, 64, seed=1), _bf16(8, 64, seed=2)
+    d = torch.full((4, 8), 7.0)
+    with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+        assert not gemm_mod._fused_fp32_c(a, b, d, d)
+        assert not gemm_mod._fused_fp32_c(a, b, d, d)
+    assert torch.equal(d, torch.full((4, 8), 7.0))
+    msgs = [r.getMessage() for r in caplog.records if "cannot add an fp32 C inside cuBLAS" in r.getMessage()]
+    assert len(msgs) == 1 and gemm_mod._FUSED_FP32_C[0] is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nt", "tn"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["c", "c_is_d"])
+def test_cublaslt_baseline_accumulates_fp32_c_inside_cublas(layout, in_place):
+    """An fp32 C into an fp32 D (DeepGEMM's weight-gradient rows: TN, acc = 1, C = D) goes through cuBLAS's own
+    accumulation (torch's addmm with out_dtype=float32, beta = 1): no torch elementwise add that the test's kernel
+    filter ('nvjet', 'reduce') would leave untimed; the result within fp32 accumulation of the float64 sum."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gemm_mod = importlib.import_module("deepgemm.gemm")
+
+    m, n, k = 576, 1024, 2048
+    a, b = _bf16(m, k, seed=76).cuda(), _bf16(n, k, seed=77).cuda()
+    c = torch.randn(m, n, device="cuda") * 32
+    want = c.double() + a.double() @ b.double().T
+    d = c if in_place else torch.empty(m, n, device="cuda")
+    # TN: a stored [K, M], b stored [K, N] (DeepGEMM's MN-major weight-gradient operands)
+    args = (a, b) if layout == "nt" else (a.T.contiguous(), b.T.contiguous())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        getattr(deep_gemm, f"cublaslt_gemm_{layout}")(*args, d, c=c)
+        torch.cuda.synchronize()
+    assert gemm_mod._FUSED_FP32_C == [None], f"torch {torch.__version__} refused the fused form: {gemm_mod._FUSED_FP32_C}"
+    assert testing.calc_diff(d, want) < 1e-6
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert kernels and not any("elementwise" in name for name in kernels), kernels
 
 

@@ -700,3 +700,73 @@ def test_cluster_reduce_falls_back_when_the_clusters_do_not_fit(caplog):
         cuda_gemm.dense(a, None, b, None, d, None, config=cfg)
     assert fits or any("do not fit at once" in r.getMessage() for r in caplog.records)
     assert deepgemm.testing.calc_diff(d, reference.bf16_gemm_nt(a, b, None)) < 1e-5
+
+
+# ----------------------------------------------------------------------------- the measured cluster-reduction rule
+
+
+def test_cluster_rule_takes_only_the_measured_plan_class():
+    # splitk.CLUSTER_REDUCE_PLANS: bf16 (128, 64, 2 splits) with C reduces through the cluster (H200 s29 r1: 128 x 4096
+    # x 7168 with C = D 29.0 -> 27.2 us, cuBLAS 25.9); every other plan keeps the reduction it had.
+    assert splitk.CLUSTER_REDUCE_MIN_M is None
+    assert splitk.CLUSTER_REDUCE_PLANS == frozenset({(128, 64, 2, True)})
+    with_c = pick_splitk(128, 4096, 7168, 132, has_c=True)
+    assert (with_c.block_m, with_c.block_n, with_c.splits) == (128, 64, 2)
+    assert with_c.cluster_reduce and with_c.reduce == 2
+    plain = pick_splitk(128, 4096, 7168, 132)  # no figure without C yet: par_reduce as before
+    assert not plain.cluster_reduce and plain.par_reduce and plain.reduce == 1
+    assert dataclasses_replace(with_c, cluster_reduce=False) == plain
+    changed = set()
+    for kind in ("bf16", "fp8"):
+        for m in (1, 7, 64, 65, 96, 128):
+            for n in list(range(256, 8193, 256)) + [2112, 576, 24576, 32768]:
+                for k in (512, 1536, 2048, 4096, 7168, 16384):
+                    a = pick_splitk(m, n, k, 132, kind, has_c=True)
+                    b = pick_splitk(m, n, k, 132, kind)
+                    if a is None or b is None:
+                        assert a == b, (kind, m, n, k)
+                        continue
+                    # C changes nothing but the reduction, and only for the listed class
+                    assert dataclasses_replace(a, cluster_reduce=False) == b, (kind, m, n, k)
+                    assert not b.cluster_reduce
+                    if a.cluster_reduce:
+                        assert kind == "bf16" and m >= splitk.PAR_REDUCE_MIN_M, (kind, m, n, k)
+                        assert (a.block_m, a.block_n, a.splits, True) in splitk.CLUSTER_REDUCE_PLANS
+                        changed.add((m, n))
+    assert (128, 4096) in changed and all(3584 <= n <= 4096 for _, n in changed), changed
+    # DeepGEMM's other split-K rows at M = 128 keep par_reduce
+    for n in (2112, 576, 256):
+        cfg = pick_splitk(128, n, 7168, 132, has_c=True)
+        assert cfg.par_reduce and not cfg.cluster_reduce, n
+
+
+def test_cluster_rule_kernel_compiles_without_spills(h):
+    if tilehal.compiler_versions()["nvrtc"] is None:
+        pytest.skip("NVRTC is not installed")
+    cfg = splitk.with_c_early(pick_splitk(128, 4096, 7168, 132, has_c=True), True)
+    keys = [splitk_key(cfg, 4096, 7168, torch.bfloat16, torch.bfloat16),
+            splitk_key(cfg, 4096, 7168, torch.float32, torch.float32)]
+    assert all(key.reduce == 2 and key.c_early for key in keys)
+    h.check_compiled_batches(splitk.compile_kernels, keys)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c_dtype", [torch.bfloat16, torch.float32], ids=["c_bf16_is_d", "c_fp32"])
+def test_cluster_rule_default_matches_reference_and_par_reduce_bitwise(c_dtype, caplog):
+    # The default dispatch of 128 x 4096 x 7168 with C now reduces through the cluster: the same partials in the same
+    # split order as par_reduce, so the same bits; and within DeepGEMM's bar of the float64 product.
+    from deepgemm import cuda_gemm
+
+    m, n, k = 128, 4096, 7168
+    a, b = _ab(m, n, k, seed=31)
+    c0 = torch.randn(m, n, device="cuda").to(c_dtype)
+    want = reference.bf16_gemm_nt(a, b, c0.float())
+    outs = []
+    for forced in (None, dataclasses_replace(pick_splitk(m, n, k, 132, has_c=True), cluster_reduce=False)):
+        d = c0.clone()  # C = D (DeepGEMM's accumulation)
+        with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+            cuda_gemm.dense(a, None, b, None, d, d, config=forced)
+        outs.append(d)
+    assert deepgemm.testing.calc_diff(outs[0], want) < 1e-5
+    deepgemm.testing.assert_bitwise_equal(outs[0], outs[1], "cluster (default) vs par_reduce")
+    assert not any("do not fit at once" in r.getMessage() for r in caplog.records)

@@ -372,7 +372,7 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
             n = b.shape[0]
             if degenerate_gemm(m, n, k, d, c):
                 return
-            cfg = config or splitk.pick_tiles(m, n, k, get_num_sms())
+            cfg = config or splitk.pick_tiles(m, n, k, get_num_sms(), has_c=c is not None)
             if cfg.multicast > 1 and splitk.is_mn_major(a):
                 log.debug("split-K: no A multicast for an MN-major A (multicast shares K-major A tiles)")
                 cfg = dataclasses.replace(cfg, multicast=1)
@@ -405,13 +405,13 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     if not fp8 and bias is None and (isinstance(config, splitk.SplitKConfig)
                                      or (config is None and splitk_allowed())):
         # Small M: too few output tiles for the SMs; split K instead (None when not clearly faster).
-        sk = config if config is not None else splitk.pick_splitk(m, n, k, get_num_sms())
+        sk = config if config is not None else splitk.pick_splitk(m, n, k, get_num_sms(), has_c=c is not None)
         if (sk is None and config is None and c is not None and c.dtype == torch.bfloat16
                 and (bf16_c_on_tiles() or not (d.dtype == torch.bfloat16 and staged_store(d.dtype, n, True, False)))):
             # bf16 accumulation where the persistent kernel's staged epilogue cannot read the bf16 C (N not a
             # multiple of 8, or DEEPGEMM_BF16_C=tile): the tile kernel reads it in place (widening C to fp32
             # would cost an extra pass).
-            sk = splitk.pick_tiles(m, n, k, get_num_sms())
+            sk = splitk.pick_tiles(m, n, k, get_num_sms(), has_c=True)
             log.debug("bf16 %dx%dx%d with a bf16 C (%s): tile kernel (reads C as bf16)", m, n, k,
                       "DEEPGEMM_BF16_C=tile" if bf16_c_on_tiles() else "N % 8 != 0")
         if sk is not None:

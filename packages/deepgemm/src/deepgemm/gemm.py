@@ -750,6 +750,28 @@ def k_grouped_wgrad_gemm_fp8_fp8_fp32_nt(lhs, rhs, out: torch.Tensor, batch_size
 # ----------------------------------------------------------------------------- cuBLAS(Lt) baselines
 
 
+_FUSED_FP32_C: list[str | None] = []  # why torch cannot accumulate C into an fp32 D inside cuBLAS ([None]: it can)
+
+
+def _fused_fp32_c(la: torch.Tensor, lb: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> bool:
+    """D (fp32) = C + A @ B^T by cuBLAS alone: torch's `addmm(c, a, b, out_dtype=float32, out=d)` (beta = 1, C read
+    in the GEMM's epilogue; with C = D nothing is copied), as DeepGEMM's cuBLASLt baseline accumulates its fp32 C.
+    A GEMM plus a separate add had the upstream test's kernel filter ('nvjet') time the GEMM alone. Returns False
+    (logged at DEBUG, once) where this torch refuses the call: torch builds before the fp32-self `addmm.dtype`
+    (bf16 inputs with an fp32 C) then get the GEMM and a separate add."""
+    if _FUSED_FP32_C and _FUSED_FP32_C[0] is not None:
+        return False
+    try:
+        torch.addmm(c, la, lb.T, out_dtype=torch.float32, out=d)
+    except (RuntimeError, TypeError) as e:
+        _FUSED_FP32_C[:] = [f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"]
+        log.debug("cublaslt baseline: torch %s cannot add an fp32 C inside cuBLAS (%s); GEMM + a separate add",
+                  torch.__version__, _FUSED_FP32_C[0])
+        return False
+    _FUSED_FP32_C[:] = [None]
+    return True
+
+
 def _cublaslt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor | None, layout: str) -> None:
     validate.tensor(a, "a", (torch.bfloat16, validate.FP8), 2)
     validate.tensor(b, "b", (a.dtype,), 2)
@@ -763,6 +785,8 @@ def _cublaslt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, c: torch.Tensor
     elif a.is_cuda and d.dtype == torch.float32:
         # An fp32 D keeps cuBLAS's fp32 accumulator: a bf16 result rounded then widened misses the
         # upstream test's bar (calc_diff < 6e-7) by bf16 rounding alone.
+        if c is not None and _fused_fp32_c(la, lb, d, c):
+            return
         acc = torch.mm(la, lb.T, out_dtype=torch.float32)
     elif a.is_cuda and c is not None and c.dtype == torch.bfloat16 and d.dtype == torch.bfloat16:
         # C accumulated by cuBLAS itself (beta = 1: C read in the GEMM's epilogue, one rounding), as DeepGEMM's

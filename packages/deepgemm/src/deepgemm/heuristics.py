@@ -324,6 +324,23 @@ def _pick(kind: str, m: int, n: int, k: int, num_groups: int, grouping: str, sms
                       allow_overlap=overlap, grouping=grouping, staged_store=staged_store, c_tma=c_tma)
 
 
+def with_tile(cfg: GemmConfig, m: int, n: int, block_m: int, block_n: int) -> GemmConfig:
+    """`cfg` (a dense GEMM's, D[M, N]) with a BLOCK_M x BLOCK_N tile: the deepest ring that fits next to its
+    epilogue, and its waves. ArgumentError for a grouped config or where no ring of 2 stages fits."""
+    if cfg.grouping != "normal":
+        raise ArgumentError(f"with_tile: expected a dense (grouping='normal') config, got grouping={cfg.grouping!r}")
+    if block_m % 64 or not 8 <= block_n <= 256 or block_n % 8:
+        raise ArgumentError(f"with_tile: expected BLOCK_M a multiple of 64 and BLOCK_N a multiple of 8 in 8..256, got "
+                            f"{block_m} x {block_n}")
+    w, util = waves(ceil_div(m, block_m) * ceil_div(n, block_n), cfg.num_sms)
+    out = dataclasses.replace(cfg, block_m=block_m, block_n=block_n, stages=2, num_waves=w, last_wave_util=util)
+    out = dataclasses.replace(out, stages=max_stages(cfg.kind, block_m, block_n, out.epilogue_bytes))
+    if out.smem_bytes > SMEM_CAPACITY:
+        raise ArgumentError(f"with_tile: {block_m} x {block_n} needs {out.smem_bytes} bytes of shared memory with 2 "
+                            f"stages, more than {SMEM_CAPACITY}")
+    return out
+
+
 SWIGLU_BLOCK_N = 128  # tile of the SwiGLU epilogue: 64 gate + 64 up columns (deepgemm.SWIGLU_INTERLEAVE = 64)
 
 

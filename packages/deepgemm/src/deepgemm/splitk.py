@@ -66,6 +66,13 @@ PAR_REDUCE_MIN_M = 65
 # From this M on (None: never) a plan of <= 8 splits reduces through the cluster's shared memory instead
 # (kernels/splitk_sm90.cuh REDUCE = 2), where the driver holds all its clusters at once (else par_reduce).
 CLUSTER_REDUCE_MIN_M: int | None = None
+# The measured exceptions to CLUSTER_REDUCE_MIN_M: bf16 plans (block_m, block_n, splits, with C) above
+# PAR_REDUCE_MIN_M rows that reduce through the cluster. Each entry names the H200 figure it stands on:
+# (128, 64, 2, True): 128 x 4096 x 7168 with C = D (bf16, C_EARLY), session 29 r1 (docs/benchmarks/
+# gpu_runs_2026-12-02_s29/r1/lead/out/sweep_4096x7168_acc.log, cuBLAS addmm_ 25.9 us in the same run): par_reduce
+# 29.0 us (0.89x), the same plan through the cluster 27.2 us (0.95x). Only N = 3584 .. 4096 at M = 96 .. 128 plan
+# (128, 64, 2) (64-wide tiles x 2 splits <= 132 CTAs); without C that plan has no figure yet and keeps par_reduce.
+CLUSTER_REDUCE_PLANS: frozenset[tuple[int, int, int, bool]] = frozenset({(128, 64, 2, True)})
 # fp8: the persistent kernel's narrow small-M tiles are worse than the model says (DeepGEMM's fp8 test, H200
 # R2 2026-12-02: every M = 1 row 0.45-0.91x its cuBLAS baseline, 64x16..64x56 tiles with 7-57 KiB of B in
 # flight per SM; 128x16 tiles at M = 128 re-read A from L2 once per 2 KiB of B), so split-K is taken as soon
@@ -169,15 +176,25 @@ def mcast_setting() -> tuple[int | None, float]:
     return MCAST_MIN_M, MCAST_COST
 
 
-def pick_splitk(m: int, n: int, k: int, num_sms: int, kind: str = "bf16") -> SplitKConfig | None:
-    """The split-K plan for D[M, N] = A[M, K] @ B[N, K]^T (`kind` "bf16" or "fp8"), or None when the
-    persistent kernel is expected to be as fast (the reason is logged at DEBUG)."""
-    return _pick(m, n, k, num_sms, kind, *mcast_setting())
+def pick_splitk(m: int, n: int, k: int, num_sms: int, kind: str = "bf16", has_c: bool = False) -> SplitKConfig | None:
+    """The split-K plan for D[M, N] = C + A[M, K] @ B[N, K]^T (`kind` "bf16" or "fp8"; `has_c`: a C is added), or
+    None when the persistent kernel is expected to be as fast (the reason is logged at DEBUG)."""
+    return _pick(m, n, k, num_sms, kind, *mcast_setting(), has_c=has_c)
+
+
+def cluster_rule(kind: str, m: int, block_m: int, block_n: int, splits: int, multicast: int, has_c: bool) -> bool:
+    """Whether a plan reduces through the cluster's shared memory: from CLUSTER_REDUCE_MIN_M rows (None: off), or
+    a bf16 plan above PAR_REDUCE_MIN_M rows listed in CLUSTER_REDUCE_PLANS (the H200-measured classes)."""
+    if multicast != 1 or splits < 2 or splits > 8:
+        return False
+    if CLUSTER_REDUCE_MIN_M is not None and m >= CLUSTER_REDUCE_MIN_M:
+        return True
+    return kind == "bf16" and m >= PAR_REDUCE_MIN_M and (block_m, block_n, splits, has_c) in CLUSTER_REDUCE_PLANS
 
 
 @functools.lru_cache(maxsize=4096)
 def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16", mcast_min_m: int | None = None,
-          mcast_cost: float = 1.0) -> SplitKConfig | None:
+          mcast_cost: float = 1.0, has_c: bool = False) -> SplitKConfig | None:
     kb = ceil_div(k, block_k(kind))
     if kb < 2:
         log.debug("split-K not used for %s %dx%dx%d: K has one block", kind, m, n, k)
@@ -217,11 +234,13 @@ def _pick(m: int, n: int, k: int, num_sms: int, kind: str = "bf16", mcast_min_m:
         log.debug("split-K not used for %s %dx%dx%d: estimated %.0f vs persistent %.0f", kind, m, n, k, cost, base)
         return None
     fp8 = kind == "fp8"
+    cluster = cluster_rule(kind, m, block_m, bn, se, mc, has_c)
+    if cluster:
+        log.debug("split-K %s %dx%dx%d: %dx%d tiles x %d splits reduce through the cluster (measured rule)", kind, m,
+                  n, k, block_m, bn, se)
     return SplitKConfig(block_m=block_m, block_n=bn, splits=se, stages=max_stages(block_m, bn, fp8), num_sms=num_sms,
                         par_reduce=m >= PAR_REDUCE_MIN_M,  # with multicast: kept where the clusters fit (_launch)
-                        cluster_reduce=CLUSTER_REDUCE_MIN_M is not None and m >= CLUSTER_REDUCE_MIN_M and mc == 1
-                        and se <= 8,
-                        multicast=mc, fp8=fp8)
+                        cluster_reduce=cluster, multicast=mc, fp8=fp8)
 
 
 # ----------------------------------------------------------------------------- compile / launch
@@ -294,10 +313,10 @@ def with_c_early(cfg: SplitKConfig, has_c: bool) -> SplitKConfig:
     return dataclasses.replace(cfg, c_early=True)
 
 
-def pick_tiles(m: int, n: int, k: int, num_sms: int) -> SplitKConfig:
+def pick_tiles(m: int, n: int, k: int, num_sms: int, has_c: bool = False) -> SplitKConfig:
     """The kernel's plan for MN-major operands: split-K where `pick_splitk` takes it, else one CTA per
     output tile (splits = 1) with 64-column multiples (an MN-major tile is whole 64-element atoms)."""
-    sk = pick_splitk(m, n, k, num_sms)
+    sk = pick_splitk(m, n, k, num_sms, has_c=has_c)
     if sk is not None:
         return sk
     bm = 64 if m <= 64 else 128
