@@ -111,8 +111,13 @@ def plans_for(m: int, n: int, k: int, acc: bool = False) -> dict[str, object]:
     """name -> a SplitKConfig, a GemmConfig or "gemv"; "default" is the dispatch itself (not listed)."""
     if AB:
         return ab_plans(m, n, k, acc, torch.float32 if (n, k) in FP32_OUT else torch.bfloat16)
-    if PERSISTENT_TILES:
-        return _cluster_filter(persistent_tiles(m, n, k, acc, torch.float32 if (n, k) in FP32_OUT else torch.bfloat16))
+    if PERSISTENT_TILES:  # those tiles, and (--plans) the named plans of the search below
+        out = persistent_tiles(m, n, k, acc, torch.float32 if (n, k) in FP32_OUT else torch.bfloat16)
+        return {**out, **(_search_plans(m, n, k, acc) if ONLY_PLANS else {})}
+    return _search_plans(m, n, k, acc)
+
+
+def _search_plans(m: int, n: int, k: int, acc: bool) -> dict[str, object]:
     out: dict[str, object] = {}
     if m == 128:
         mc = mcast_variant("bf16", m, n, k, acc, torch.float32 if (n, k) in FP32_OUT else torch.bfloat16)
