@@ -37,6 +37,21 @@ def test_topk_kernels_compile():
     assert set(cuda_select.TOPK_KERNELS.values()) <= set(m.lowered_names) and len(m.cubin) > 1000
 
 
+@pytest.mark.skipif(not _have_compiler(), reason="needs NVRTC or nvcc")
+def test_pdl_builds_compile():
+    """TILESTACK_PDL=1's builds (-DDATAENGINE_PDL: griddepcontrol at the entry of the heads / records score
+    kernels and the top-k kernels) compile with the same kernels and differ from the default builds."""
+    u8 = torch.uint8
+    pairs = [(cuda_select.compile_topk(), cuda_select.compile_topk(pdl=True)),
+             (cuda_select.compile_records(u8, 128, 4, "max", 8, pairs=True),
+              cuda_select.compile_records(u8, 128, 4, "max", 8, pairs=True, pdl=True)),
+             (cuda_select.compile_heads(FP8, 128, 4, "max", 8, pairs=cuda_select._pairs(FP8, 4)),
+              cuda_select.compile_heads(FP8, 128, 4, "max", 8, pairs=cuda_select._pairs(FP8, 4), pdl=True))]
+    for plain, pdl in pairs:
+        assert set(pdl.lowered_names) == set(plain.lowered_names) and len(pdl.cubin) > 1000
+        assert pdl.cubin != plain.cubin and pdl.name == plain.name + "_pdl"
+
+
 def test_topk_variant_env(monkeypatch):
     monkeypatch.setenv("DATAENGINE_TOPK_KERNEL", "staged")
     assert cuda_select.topk_variant() == "staged"
@@ -776,7 +791,8 @@ def test_int4_rows_need_tensor_cores():
 
 # ----------------------------------------------------------------------------- the defaults, adversarial
 SELECT_ENV = ("DATAENGINE_SELECT_FUSED", "DATAENGINE_SCORE_KERNEL", "DATAENGINE_RING_SCORES", "DATAENGINE_RING_GRID",
-              "DATAENGINE_TOPK_KERNEL", "DATAENGINE_RING_Q4", "DATAENGINE_RING_OCC", "DATAENGINE_RING_FP8")
+              "DATAENGINE_TOPK_KERNEL", "DATAENGINE_RING_Q4", "DATAENGINE_RING_OCC", "DATAENGINE_RING_FP8",
+              "TILESTACK_PDL")
 # (top_k, sink, local, what the seed's input is): budgets below, at and above the rows' block counts
 ADVERSARIAL = [(64, 1, 1, "integer ties"), (7, 0, 0, "integer ties, holes"), (3, 2, 3, "every block alike"),
                (256, 1, 1, "nothing written"), (1, 4, 4, "forced > budget"), (100, 0, 5, "-inf on half the blocks"),
@@ -811,7 +827,8 @@ ADVERSARIAL_VARIANTS = [({}, "default"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_RING_GRID": "records", "DATAENGINE_RING_OCC": "3",
                           "DATAENGINE_TOPK_KERNEL": "fastx"}, "records_pairs_occ3_x"),
                         ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast512"}, "pairs512"),
-                        ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast256"}, "pairs256")]
+                        ({"DATAENGINE_RING_Q4": "pairs", "DATAENGINE_TOPK_KERNEL": "fast256"}, "pairs256"),
+                        ({"TILESTACK_PDL": "1"}, "pdl")]  # the defaults' kernels launched with PDL
 
 
 @pytest.mark.gpu

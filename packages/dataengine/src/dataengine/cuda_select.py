@@ -187,14 +187,20 @@ def heads_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: s
 
 @functools.cache
 def compile_heads(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
-                  arch: str = "sm_90a", pairs: bool = False, occ: int = 2) -> tilehal.CudaModule:
-    """quest_score_heads_kernel for one configuration."""
+                  arch: str = "sm_90a", pairs: bool = False, occ: int = 2, pdl: bool = False) -> tilehal.CudaModule:
+    """quest_score_heads_kernel for one configuration (`pdl`: the -DDATAENGINE_PDL build)."""
     return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS + _CHUNK_CHECKS, arch=arch,
                                 name=f"quest_score_heads_{head_dim}_{group}_{kv_heads}{'p' if pairs else ''}"
-                                     f"{'o3' if occ == 3 else ''}",
-                                include_dirs=[str(KERNEL_DIR)],
+                                     f"{'o3' if occ == 3 else ''}{'_pdl' if pdl else ''}",
+                                include_dirs=[str(KERNEL_DIR)], options=_pdl_options(pdl),
                                 name_expressions=[heads_kernel_name(s_dtype, head_dim, group, reduce, kv_heads, pairs,
                                                                     occ)])
+
+
+def _pdl_options(pdl: bool) -> list[str]:
+    """The compile options of a programmatic-dependent-launch build (TILESTACK_PDL=1; the heads / records
+    score kernels and the top-k kernels wait for the previous kernel at entry)."""
+    return ["-DDATAENGINE_PDL"] if pdl else []
 
 
 def records_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
@@ -205,11 +211,12 @@ def records_kernel_name(s_dtype: torch.dtype, head_dim: int, group: int, reduce:
 
 @functools.cache
 def compile_records(s_dtype: torch.dtype, head_dim: int, group: int, reduce: str, kv_heads: int,
-                    arch: str = "sm_90a", pairs: bool = False, occ: int = 2) -> tilehal.CudaModule:
-    """quest_score_records_kernel for one configuration."""
+                    arch: str = "sm_90a", pairs: bool = False, occ: int = 2, pdl: bool = False) -> tilehal.CudaModule:
+    """quest_score_records_kernel for one configuration (`pdl`: the -DDATAENGINE_PDL build)."""
     return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS + _CHUNK_CHECKS, arch=arch,
-                                name=f"quest_score_records_{head_dim}_{group}_{kv_heads}{'p' if pairs else ''}o{occ}",
-                                include_dirs=[str(KERNEL_DIR)],
+                                name=f"quest_score_records_{head_dim}_{group}_{kv_heads}{'p' if pairs else ''}o{occ}"
+                                     f"{'_pdl' if pdl else ''}",
+                                include_dirs=[str(KERNEL_DIR)], options=_pdl_options(pdl),
                                 name_expressions=[records_kernel_name(s_dtype, head_dim, group, reduce, kv_heads,
                                                                       pairs, occ)])
 
@@ -424,9 +431,10 @@ def mma_reason(q: torch.Tensor, kmin: torch.Tensor) -> str | None:
 
 
 @functools.cache
-def compile_topk(arch: str = "sm_90a") -> tilehal.CudaModule:
-    return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS, arch=arch, name="topk_select",
-                                include_dirs=[str(KERNEL_DIR)], name_expressions=list(TOPK_KERNELS.values()))
+def compile_topk(arch: str = "sm_90a", pdl: bool = False) -> tilehal.CudaModule:
+    return tilehal.compile_cuda('#include "select.cuh"\n' + _CHECKS, arch=arch, name=f"topk_select{'_pdl' if pdl else ''}",
+                                include_dirs=[str(KERNEL_DIR)], options=_pdl_options(pdl),
+                                name_expressions=list(TOPK_KERNELS.values()))
 
 
 TOPK_VARIANTS = ("auto", "fast", "plain", "staged", "fastx", "fast512", "fast256")
@@ -552,16 +560,17 @@ def quest_raw_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, bl
             log.debug("DATAENGINE_RING_OCC=3: fp8 summaries on the records grid spill at 80 registers; 2 CTAs per SM")
             occ = 2
         chunk = heads_chunk(q.device, B, nb, occ)
+        pdl = tilehal.pdl_requested()
         if grid == "records":
-            kern = compile_records(kmin.dtype, D, group, reduce, H, pairs=pairs, occ=occ).get_kernel(
+            kern = compile_records(kmin.dtype, D, group, reduce, H, pairs=pairs, occ=occ, pdl=pdl).get_kernel(
                 records_kernel_name(kmin.dtype, D, group, reduce, H, pairs, occ))
             smem = records_smem_bytes(kmin.dtype, D, H, occ)
         else:
-            kern = compile_heads(kmin.dtype, D, group, reduce, H, pairs=pairs, occ=occ).get_kernel(
+            kern = compile_heads(kmin.dtype, D, group, reduce, H, pairs=pairs, occ=occ, pdl=pdl).get_kernel(
                 heads_kernel_name(kmin.dtype, D, group, reduce, H, pairs, occ))
             smem = heads_smem_bytes(kmin.dtype, D, H, occ)
         kern.launch((-(-nb // chunk), B), 32 * H, [q, kmin, kmax, table, nb, kmin.shape[0], chunk, raw],
-                    smem_bytes=smem)
+                    smem_bytes=smem, pdl=pdl)
     elif ring:
         chunk = mma_chunk(q.device, B * H, nb, CHUNK_MAX)
         kern = compile_chunk(kmin.dtype, D, group, reduce, False, True, pairs=pairs).get_kernel(
@@ -628,7 +637,8 @@ def topk_rows(scores: torch.Tensor, width: int, rows_per_b: int, sink: int, loca
             variant, threads = f"{variant}{items}", FAST_THREADS
     if TOPK_KERNELS[variant].endswith(", true>") and s.data_ptr() % 16:
         s = s.clone()  # the X variants' float4 loads need 16-byte aligned rows (N % 4 == 0 checked in the kernel)
-    compile_topk().get_kernel(TOPK_KERNELS[variant]).launch(
+    pdl = tilehal.pdl_requested()
+    compile_topk(pdl=pdl).get_kernel(TOPK_KERNELS[variant]).launch(
         rows, threads, [s, N, rows_per_b, mode, nv, sl, tb, int(block_size or 1), int(sink), int(local),
-                        int(width), out], smem_bytes=N * 4 if variant == "staged" else 0)
+                        int(width), out], smem_bytes=N * 4 if variant == "staged" else 0, pdl=pdl)
     return out

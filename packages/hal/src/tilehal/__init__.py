@@ -24,7 +24,7 @@ from .errors import (
 )
 from .jit.c import CLibrary, c_compiler, c_compiler_version, compile_c
 from .jit.cuda import compile_cuda, compiler_versions, cuda_include_dirs, include_dir
-from .jit.launch import Arg, CudaModule, Kernel, ensure_context
+from .jit.launch import Arg, CudaModule, Kernel, ensure_context, pdl_requested
 from .progress import progress
 from .tensors import (
     as_numpy,
@@ -43,6 +43,6 @@ __all__ = [
     "CudaModule", "DType", "DeviceError", "Kernel", "LaunchError", "ShapeError", "TileStackError", "as_numpy",
     "bench", "bench_graph", "bench_host", "c_compiler", "c_compiler_version", "cache_dir", "calc_diff", "capture_graph", "progress", "check_choice", "check_int", "check_tensor", "compile_c",
     "compile_cuda", "compiler_versions", "cpu", "cuda_devices", "cuda_include_dirs", "cuda_unavailable_reason",
-    "data_ptr", "device_of", "devices", "dtype_of", "ensure_context", "expect", "from_numpy_like", "get_dtype", "include_dir",
+    "data_ptr", "device_of", "devices", "dtype_of", "ensure_context", "expect", "pdl_requested", "from_numpy_like", "get_dtype", "include_dir",
     "is_contiguous", "is_torch", "stream_buffer", "to_numpy_dtype", "to_torch_dtype",
 ]

@@ -146,13 +146,15 @@ def kernel_checks(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConf
 
 @functools.cache
 def compile_decode(dtype: torch.dtype, head_dim: int, group: int, arch: str = "sm_90a",
-                   cfg: KernelConfig = KernelConfig()) -> tilehal.CudaModule:
-    """Compile (or load from tilehal's cache) the kernels for one (dtype, head_dim, group, config)."""
+                   cfg: KernelConfig = KernelConfig(), pdl: bool = False) -> tilehal.CudaModule:
+    """Compile (or load from tilehal's cache) the kernels for one (dtype, head_dim, group, config).
+    `pdl`: the build that waits for the previous kernel (griddepcontrol, -DKVPOOL_PDL; mma and combine)."""
     # tilehal's cache key covers the headers in include_dirs, so an edited kernel recompiles.
     source = f'#include "{HEADERS[cfg.variant]}"\n' + kernel_checks(dtype, head_dim, group, cfg)
     return tilehal.compile_cuda(source, arch=arch,
-                                name=f"paged_decode_{cfg.variant}_{head_dim}_{group}",
-                                include_dirs=[str(KERNEL_DIR)], options=["--use_fast_math"],
+                                name=f"paged_decode_{cfg.variant}_{head_dim}_{group}{'_pdl' if pdl else ''}",
+                                include_dirs=[str(KERNEL_DIR)],
+                                options=["--use_fast_math", *(["-DKVPOOL_PDL"] if pdl else [])],
                                 name_expressions=list(kernel_names(dtype, head_dim, group, cfg)))
 
 
@@ -185,13 +187,15 @@ SPARSE_MIN_TILES = 4
 
 @functools.lru_cache(maxsize=256)
 def _launch_plan(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfig, block_size: int, batch: int,
-                 kv_heads: int, items: int, device_index: int, num_splits: int | None, min_tiles: int = 4):
+                 kv_heads: int, items: int, device_index: int, num_splits: int | None, min_tiles: int = 4,
+                 pdl: bool = False):
     """Kernels, shared memory and split count for one call shape, cached: a decode step calls
     this with the same shape every layer, and the Python around a ~100 us kernel matters."""
     if cfg.variant == "mma" and block_size & (block_size - 1):
         log.debug("paged_decode: the mma kernel needs a power-of-two block_size (got %d); running simt", block_size)
         cfg = KernelConfig()
-    module = compile_decode(dtype, head_dim, group, cfg=cfg)
+    pdl = pdl and cfg.variant == "mma"
+    module = compile_decode(dtype, head_dim, group, cfg=cfg, pdl=pdl)
     main, combine = (module.get_kernel(n) for n in kernel_names(dtype, head_dim, group, cfg))
     smem = smem_bytes(dtype, head_dim, group, cfg)
     if num_splits is None:
@@ -199,7 +203,7 @@ def _launch_plan(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfi
         num_splits = choose_splits(batch, kv_heads, items * block_size, _device_sms(device_index), per_sm, min_tiles)
     if cfg.variant == "mma":  # a CTA's share of blocks must fit the kernel's shared table
         num_splits = max(num_splits, -(-items // MMA_MAX_ITEMS))
-    return main, combine, smem, num_splits, cfg.variant
+    return main, combine, smem, num_splits, cfg.variant, pdl
 
 
 COMBINES = ("ticket", "launch")
@@ -391,9 +395,9 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     table = block_table.contiguous()
     kc, vc = pool.layer_cache(layer)
     idx, n, idx_b_stride, idx_h_stride, items = _index_args(block_indices, table, H)
-    main, combine, smem, num_splits, variant = _launch_plan(pool.dtype, d, group, cfg, pool.block_size, B, H,
-                                                            items, q.device.index or 0, num_splits,
-                                                            SPARSE_MIN_TILES if sparse else 4)
+    main, combine, smem, num_splits, variant, pdl = _launch_plan(
+        pool.dtype, d, group, cfg, pool.block_size, B, H, items, q.device.index or 0, num_splits,
+        SPARSE_MIN_TILES if sparse else 4, sparse and tilehal.pdl_requested())
     out = torch.empty_like(q)
     o_part, ml_part = _partials(q, num_splits)
     args = [q, kc, vc, table, table.shape[1], seq_lens, idx, idx_b_stride, idx_h_stride, n, out, o_part,
@@ -401,9 +405,9 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     fused = variant == "mma" and num_splits > 1 and combine_variant() == "ticket"
     if variant == "mma":
         args += [_tickets(q.device, B * H) if fused else None, int(sparse and prefetch_enabled())]
-    main.launch((num_splits, H, B), THREADS, args, smem_bytes=smem)
+    main.launch((num_splits, H, B), THREADS, args, smem_bytes=smem, pdl=pdl)
     if num_splits > 1 and not fused:
-        combine.launch(B * hq, d, [o_part, ml_part, out, num_splits])
+        combine.launch(B * hq, d, [o_part, ml_part, out, num_splits], pdl=pdl)
     return out
 
 

@@ -35,6 +35,21 @@
 #pragma once
 #include <tilehal/tilehal.cuh>
 
+// Programmatic dependent launch: builds with -DDATAENGINE_PDL (cuda_select launches them with pdl=True) wait
+// for the stream's previous kernel to finish, its writes visible, before reading anything, then let the
+// next kernel's CTAs launch (which wait in turn). Without the macro both are absent (the default PTX).
+#if defined(DATAENGINE_PDL)
+#define DATAENGINE_PDL_ENTRY()                                      \
+  do {                                                              \
+    asm volatile("griddepcontrol.wait;" ::: "memory");              \
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
+  } while (0)
+#else
+#define DATAENGINE_PDL_ENTRY() \
+  do {                         \
+  } while (0)
+#endif
+
 namespace dataengine {
 
 constexpr int kScoreThreads = 256;
@@ -709,6 +724,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_select_kernel(
     const float* __restrict__ scores, int N, int rows_per_b, int mode, const int* __restrict__ nv,
     const int* __restrict__ seq_lens, const int* __restrict__ table, int block_size,
     int sink, int local, int width, int* __restrict__ out) {
+  DATAENGINE_PDL_ENTRY();
   extern __shared__ unsigned keys_s[];
   __shared__ int hist[256];
   __shared__ int warp_sums[kTopkThreads / 32];
@@ -910,6 +926,7 @@ __global__ void __launch_bounds__(THREADS) topk_fast_kernel(
     const float* __restrict__ scores, int N, int rows_per_b, int mode, const int* __restrict__ nv,
     const int* __restrict__ seq_lens, const int* __restrict__ table, int block_size,
     int sink, int local, int width, int* __restrict__ out) {
+  DATAENGINE_PDL_ENTRY();
   __shared__ int hist[kFastBins];
   __shared__ TopkScratch<THREADS> sc;
   __shared__ long long s_nvalid;
@@ -1469,6 +1486,7 @@ __global__ void __launch_bounds__(32 * H, 8 * OCC / H) quest_score_heads_kernel(
     const __nv_bfloat16* __restrict__ q, const void* __restrict__ kmin, const void* __restrict__ kmax,
     const int* __restrict__ block_table, int table_stride, int num_blocks, int chunk, float* __restrict__ raw) {
   static_assert(H >= 1 && H <= 8, "heads kernel: one warp per kv head, at most 8");
+  DATAENGINE_PDL_ENTRY();
   extern __shared__ __align__(16) unsigned char dsm[];
   __shared__ int phys_s[kChunkMax];
   const int b = blockIdx.y, h = threadIdx.x / 32;
@@ -1516,6 +1534,7 @@ __global__ void __launch_bounds__(32 * H, 8 * OCC / H) quest_score_records_kerne
   using RT = RecordTile<TS, D, H>;
   constexpr int kStages = OCC == 2 ? R::kStages : R::kStages - 1;
   constexpr int kThreads = 32 * H, kCopies = 16 * RT::kRecChunks, kU = (kCopies + kThreads - 1) / kThreads;
+  DATAENGINE_PDL_ENTRY();
   extern __shared__ __align__(16) unsigned char dsm[];
   __shared__ int phys_s[kChunkMax];
   const int b = blockIdx.y, tid = threadIdx.x, h = tid / 32, lane = tid % 32, r = lane / 4, t = lane % 4;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -294,13 +295,17 @@ class Kernel:
         smem_bytes: int = 0,
         stream: Any = None,
         cluster: int | Sequence[int] | None = None,
+        pdl: bool = False,
     ) -> None:
         """Launch on `stream` (a torch.cuda.Stream or raw handle; default: torch's current stream).
 
         Tensors become device pointers, Python ints int32, floats float32; use `Arg` for other
         C types. `smem_bytes` that with the kernel's static shared memory exceeds 48 KiB is opted into
         automatically. `cluster` launches
-        thread-block clusters (sm_90+).
+        thread-block clusters (sm_90+). `pdl` launches with programmatic stream serialization
+        (programmatic dependent launch, sm_90+): the grid may start before the stream's previous kernel
+        has finished, so the kernel must execute `griddepcontrol.wait` before it touches memory that
+        kernel writes (CUDA-graph capture keeps it as a programmatic edge).
 
         The first launch of a signature (grid, block, smem, cluster, device and the arguments'
         types) checks everything and builds a LaunchPlan (fastlaunch.py); later launches of it run
@@ -317,7 +322,8 @@ class Kernel:
                 dev, handle = None, None
             if dev is not None:
                 try:
-                    plans = self._plans.get((grid, block, smem_bytes, cluster, dev))
+                    plans = self._plans.get((grid, block, smem_bytes, cluster, dev, True) if pdl
+                                            else (grid, block, smem_bytes, cluster, dev))
                 except TypeError:  # unhashable grid/block (a list): the slow path every time
                     plans = None
                 if plans:
@@ -327,14 +333,14 @@ class Kernel:
                             return
                         if rc != MISS:
                             self._raise_launch(rc, grid, block, smem_bytes)
-        self._launch_slow(grid, block, args, smem_bytes, stream, cluster)
+        self._launch_slow(grid, block, args, smem_bytes, stream, cluster, pdl)
 
     def _raise_launch(self, rc: int, grid: Any, block: Any, smem_bytes: int) -> None:
         driver = _driver()
         _check(driver, driver.CUresult(rc), f"launch of {self.name} grid={_dims(grid, 'grid')} "
                f"block={_dims(block, 'block')} smem={smem_bytes}")
 
-    def _launch_slow(self, grid, block, args, smem_bytes, stream, cluster) -> None:
+    def _launch_slow(self, grid, block, args, smem_bytes, stream, cluster, pdl=False) -> None:
         g, b = _dims(grid, "grid"), _dims(block, "block")
         torch = _torch_with_cuda()
         if stream is None:
@@ -354,19 +360,19 @@ class Kernel:
             self._smem_set[dev] = smem_bytes
         ptrs = (ctypes.c_void_p * max(1, len(params)))(*[ctypes.addressof(p) for p in params])
         stream_h = driver.CUstream(handle)
-        if cluster is None:
+        if cluster is None and not pdl:
             res = driver.cuLaunchKernel(fn, *g, *b, int(smem_bytes), stream_h, ctypes.addressof(ptrs), 0)
         else:
-            res = driver.cuLaunchKernelEx(_cluster_config(driver, g, b, smem_bytes, cluster, stream_h), fn,
+            res = driver.cuLaunchKernelEx(_cluster_config(driver, g, b, smem_bytes, cluster, stream_h, pdl), fn,
                                           ctypes.addressof(ptrs), 0)
-        _check(driver, res, f"launch of {self.name} grid={g} block={b} smem={smem_bytes}")
-        self._remember(grid, block, args, smem_bytes, cluster, dev, fn, g, b, torch)
+        _check(driver, res, f"launch of {self.name} grid={g} block={b} smem={smem_bytes}{' pdl' if pdl else ''}")
+        self._remember(grid, block, args, smem_bytes, cluster, dev, fn, g, b, torch, pdl)
 
-    def _remember(self, grid, block, args, smem_bytes, cluster, dev, fn, g, b, torch) -> None:
+    def _remember(self, grid, block, args, smem_bytes, cluster, dev, fn, g, b, torch, pdl=False) -> None:
         """Build a plan for this (successful) launch's signature, unless one exists or it cannot be planned."""
         global _torch_fast
         try:
-            key = (grid, block, smem_bytes, cluster, dev)
+            key = (grid, block, smem_bytes, cluster, dev, True) if pdl else (grid, block, smem_bytes, cluster, dev)
             hash(key)
         except TypeError:
             log.debug("kernel %s: grid/block/cluster given as lists (unhashable): no launch plan, every launch "
@@ -381,7 +387,7 @@ class Kernel:
             plans = self._plans.setdefault(key, [])
         driver = _driver()
         try:
-            if cluster is None:
+            if cluster is None and not pdl:
                 fast = fastlaunch.ctypes_cu_launch_kernel()
                 if fast is not None:
                     launcher, handle = fast, int(fn)
@@ -391,7 +397,7 @@ class Kernel:
                     handle = fn
                 plan = fastlaunch.build_plan(args, handle, g, b, int(smem_bytes), launcher, torch.Tensor, Arg)
             else:
-                cfg = _cluster_config(driver, g, b, smem_bytes, cluster, driver.CUstream(0))
+                cfg = _cluster_config(driver, g, b, smem_bytes, cluster, driver.CUstream(0), pdl)
 
                 def launcher(c, st, params, _d=driver, _f=fn):
                     c.hStream = _d.CUstream(st)
@@ -417,19 +423,44 @@ _MAX_PLANS_PER_KEY = 4  # argument signatures kept per launch shape
 _torch_fast: Any = None  # torch, once a launch has succeeded (the plan path needs no further checks)
 
 
-def _cluster_config(driver, g, b, smem_bytes, cluster, stream_h):
-    c = _dims(cluster, "cluster")
+def _cluster_config(driver, g, b, smem_bytes, cluster, stream_h, pdl=False):
+    """cuLaunchKernelEx's config: a thread-block cluster shape (None: none) and / or programmatic
+    stream serialization (`pdl`)."""
     cfg = driver.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = g
     cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = b
     cfg.sharedMemBytes = int(smem_bytes)
     cfg.hStream = stream_h
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c
-    cfg.attrs = [attr]
-    cfg.numAttrs = 1
+    attrs = []
+    if cluster is not None:
+        c = _dims(cluster, "cluster")
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c
+        attrs.append(attr)
+    if pdl:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    cfg.attrs = attrs
+    cfg.numAttrs = len(attrs)
     return cfg
+
+
+PDL_VALUES = ("0", "1")
+DEFAULT_PDL = "0"
+
+
+def pdl_requested() -> bool:
+    """TILESTACK_PDL (default DEFAULT_PDL): "1" makes the kernels that support it (kvpool's sparse decode,
+    dataengine's block selection) launch with programmatic dependent launch; "0" plain launches."""
+    v = os.environ.get("TILESTACK_PDL") or DEFAULT_PDL
+    if v not in PDL_VALUES:
+        from ..errors import ArgumentError
+
+        raise ArgumentError(f"TILESTACK_PDL: expected one of {list(PDL_VALUES)}, got {v!r}")
+    return v == "1"
 
 
 @dataclass

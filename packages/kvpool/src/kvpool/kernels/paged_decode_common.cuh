@@ -14,6 +14,21 @@ namespace kvpool {
 
 constexpr int kThreads = 128;  // every decode kernel's CTA (cuda_decode.THREADS)
 
+// Programmatic dependent launch: builds with -DKVPOOL_PDL (cuda_decode launches them with pdl=True) wait
+// for the stream's previous kernel to finish, its writes visible, before reading anything, then let the
+// next kernel's CTAs launch (which wait in turn). Without the macro both are absent (the default PTX).
+#if defined(KVPOOL_PDL)
+#define KVPOOL_PDL_ENTRY()                                 \
+  do {                                                     \
+    asm volatile("griddepcontrol.wait;" ::: "memory");     \
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
+  } while (0)
+#else
+#define KVPOOL_PDL_ENTRY() \
+  do {                     \
+  } while (0)
+#endif
+
 // The share of a sequence's items that split `split` of `splits` owns: [begin, begin + count).
 // The items are the selected blocks idx[0, num_idx) when idx is given (sparse), else the
 // sequence's seq_blocks blocks in table order (dense). Contiguous shares of ceil(items /
@@ -84,6 +99,7 @@ __device__ __forceinline__ void store_channel(T* __restrict__ out, float* __rest
 template <typename T, int D>
 __global__ void paged_decode_combine(const float* __restrict__ o_part, const float* __restrict__ ml_part,
                                      T* __restrict__ out, int splits) {
+  KVPOOL_PDL_ENTRY();
   const long long head = blockIdx.x;
   const int d = threadIdx.x;
   const float* ml = ml_part + head * splits * 2;

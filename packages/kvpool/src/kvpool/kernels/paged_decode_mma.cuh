@@ -172,6 +172,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
   static_assert(STAGES >= 2, "at least two stages");
   static_assert(kMmaWarps * 8 * (D + 2) * 4 <= kMmaWarps * S::kWarpBytes, "warp merge must fit the stages");
 
+  KVPOOL_PDL_ENTRY();
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   unsigned char* wbase = smem + warp * S::kWarpBytes;
