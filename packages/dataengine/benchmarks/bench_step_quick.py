@@ -20,6 +20,7 @@ Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay), p
                            fp8 without h1)
   <s>.default              the defaults (no variable set)
   <s>.topk_<variant>_us    the top-k launch apart (fast, fastx, fast512, fast256)
+BENCH_FLUSH=read times every row after a 256 MiB read instead of tilehal's memset flush (clean L2 lines).
 Every path's blocks are compared with the torch reference's (same summaries). BENCH_CONTEXTS
 (default 131072) adds shorter contexts (the first blocks of each sequence) for the summaries in
 BENCH_CURVE_SUMMARIES (default fp8) and the paths in BENCH_CURVE_PATHS (default "default").
@@ -44,14 +45,19 @@ from bench_select_cuda import BS, HQ, TOP, B, H, build_pool, fp8_summaries, int4
 from dataengine import cuda_select, select
 from tilehal.testing import environ
 
+# BENCH_FLUSH: the L2 state before each timed call, tilehal.bench's flush_l2: "write" (default: a 256 MiB
+# memset, which leaves the L2 full of dirty lines the timed call's misses write back) or "read" (a 256 MiB
+# read: cold and clean, as after a model's weight-streaming GEMMs)
+FLUSH = os.environ.get("BENCH_FLUSH") or "write"
+
 
 def bench(fn) -> float:
-    return round(tilehal.bench(fn, warmup=3, iters=20, flush_l2=True).median_s * 1e6, 2)
+    return round(tilehal.bench(fn, warmup=3, iters=20, flush_l2=FLUSH).median_s * 1e6, 2)
 
 
 def bench_graph(fn):
     try:
-        return round(tilehal.bench_graph(fn, warmup=3, iters=20, flush_l2=True).median_s * 1e6, 2)
+        return round(tilehal.bench_graph(fn, warmup=3, iters=20, flush_l2=FLUSH).median_s * 1e6, 2)
     except Exception as e:
         return f"capture failed: {type(e).__name__}: {e}"[:200]
 
@@ -106,7 +112,8 @@ def main() -> None:
     contexts = [int(x) for x in os.environ.get("BENCH_CONTEXTS", "131072").split(",")]
     decoders = [x for x in os.environ.get("BENCH_DECODE_SPARSE", "").split(",") if x]
     res = {"config": {"batch": B, "q_heads": HQ, "kv_heads": H, "block_size": BS, "top_k": TOP, "sink": 1, "local": 1},
-           "timer": "tilehal.bench: CUDA events, median of 20 after 3 warm-up, L2 flushed", "contexts": {}}
+           "timer": f"tilehal.bench: CUDA events, median of 20 after 3 warm-up, L2 flushed ({FLUSH})", "flush": FLUSH,
+           "contexts": {}}
     summaries = {"fp8": fp8_summaries(kmin, kmax), "int4": int4_summaries(kmin, kmax), "bf16": (kmin, kmax)}
     for ctx in sorted(contexts, reverse=True):
         nb = ctx // BS

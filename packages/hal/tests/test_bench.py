@@ -28,6 +28,21 @@ def test_bench_times_the_function_on_cpu():
     assert r.timer == "perf_counter"
 
 
+@pytest.mark.parametrize("bad", ["clean", "memset", 2, None])
+def test_bench_flush_mode_is_checked(bad):
+    import tilehal
+
+    calls = []
+    with pytest.raises(tilehal.ArgumentError, match="flush_l2: expected one of"):
+        bench(lambda: calls.append(1), flush_l2=bad, device="cpu")
+    assert calls == []  # refused before running anything
+
+
+def test_bench_flush_modes_accepted_on_cpu():
+    for mode in (False, True, "write", "read"):  # on the CPU no L2 flush runs: the figure is perf_counter's
+        assert bench(lambda: None, warmup=0, iters=2, device="cpu", flush_l2=mode).iters == 2
+
+
 def _cuda() -> bool:
     try:
         import torch
@@ -108,3 +123,16 @@ def test_calc_diff_of_torch_tensors_matches_the_numpy_path():
     assert calc_diff(torch.zeros(3), torch.zeros(3)) == 0.0
     with pytest.raises(ShapeError, match="calc_diff"):
         calc_diff(torch.zeros(2), torch.zeros(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_bench_flush_modes_on_a_gpu():
+    """Each flush mode times the call alone (the flush runs before the start event): a 64 MiB copy reads
+    from DRAM after either flush, and is faster warm (the L2 holds part of it)."""
+    import torch
+
+    x = torch.ones(16 * 2**20, device="cuda")
+    y = torch.empty_like(x)
+    t = {m: bench(lambda: y.copy_(x), warmup=2, iters=10, flush_l2=m).median_s for m in (False, "write", "read")}
+    assert all(v > 0 for v in t.values()) and t["read"] < 1e-3 and t["write"] < 1e-3, t

@@ -37,6 +37,7 @@ def _percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
+FLUSH_MODES = (False, True, "write", "read")  # bench's flush_l2: none, memset (True = "write"), read
 MAX_ITERS = 10**7  # warm-up / timed calls: more is a typo, and would run for hours
 MAX_TIME_S = 3600.0
 
@@ -61,20 +62,27 @@ def bench(
     warmup: int = 3,
     iters: int = 20,
     device: str = "auto",
-    flush_l2: bool = False,
+    flush_l2: bool | str = False,
     min_time_s: float = 0.0,
     hide_host: bool = True,
 ) -> BenchResult:
     """Time `fn()`: warm-up, then `iters` timed calls (more until `min_time_s` has passed).
 
     On CUDA ("auto" picks it when torch sees a GPU) each call is timed with CUDA events on the
-    current stream; `flush_l2` overwrites a 256 MiB buffer between calls so the L2 starts cold.
+    current stream; `flush_l2` overwrites a 256 MiB buffer between calls so the L2 starts cold (True or
+    "write": a memset, which leaves the L2 full of dirty lines that the timed call's first misses write
+    back; "read": the buffer is read instead, so the L2 starts cold and clean).
     With `hide_host` (default) a spin kernel is queued before the start event, long enough to
     cover the host's launch work, so the figure is GPU time — what a CUDA graph replay of `fn`
     would take — for ours and the peer alike; `host_s` reports the host time per call
     separately. `hide_host=False` counts host gaps too. On the CPU, time.perf_counter per call.
     """
     _check_bench_args(fn, warmup, iters, device, min_time_s)
+    if flush_l2 not in FLUSH_MODES:
+        from .errors import ArgumentError
+
+        raise ArgumentError(f"flush_l2: expected one of {FLUSH_MODES}, got {flush_l2!r}")
+    read_flush = flush_l2 == "read"
     use_cuda = False
     if device in ("auto", "cuda"):
         try:
@@ -96,14 +104,21 @@ def bench(
     if use_cuda:
         import torch
 
-        flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") if flush_l2 else None
+        flush = None
+        if read_flush:  # int32 words: the sum reads them at full bandwidth and writes 8 bytes
+            flush = torch.zeros(64 * 2**20, dtype=torch.int32, device="cuda")
+        elif flush_l2:
+            flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
         estimate = statistics.median(host_times) if host_times else 0.0
         host_times = []
         start_t = time.perf_counter()
         while len(times) < iters or time.perf_counter() - start_t < min_time_s:
             if flush is not None:
-                flush.zero_()
+                if read_flush:
+                    flush.sum()
+                else:
+                    flush.zero_()
             if hide_host and hasattr(torch.cuda, "_sleep"):
                 if host_times:  # only ever lower: a fn that synchronizes waits out the sleep itself,
                     # and growing the sleep with that time would double it every call
