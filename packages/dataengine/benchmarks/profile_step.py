@@ -212,24 +212,6 @@ def main_times() -> None:
             sweep[tag] = r
             print("split", tag, json.dumps(r), flush=True)
     res["splits"] = sweep
-    # TILESTACK_PDL=1 (programmatic dependent launch of the score, top-k, decode and combine launches)
-    pdl = {}
-    with environ({"TILESTACK_PDL": "1"}):
-        try:
-            pdl["equals_reference"] = bool(torch.equal(sel(), ref))
-            pdl["decode_equals_plain"] = bool(torch.equal(fns["sparse_decode"](), base))
-            for name in ("select", "sparse_decode", "step"):
-                for fl in ("zero", "read"):
-                    pdl[f"{name}_{fl}"] = timed(fns[name], fl)["us"]
-            pdl["step_graph_zero"] = round(tilehal.bench_graph(fns["step"], flush_l2=True).median_us, 2)
-        except Exception as e:
-            pdl["failed"] = f"{type(e).__name__}: {e}"[:300]
-    try:
-        pdl["plain_step_graph_zero"] = round(tilehal.bench_graph(fns["step"], flush_l2=True).median_us, 2)
-    except Exception as e:
-        pdl["plain_graph_failed"] = f"{type(e).__name__}: {e}"[:300]
-    res["pdl"] = pdl
-    print("pdl", json.dumps(pdl), flush=True)
     for fl in ("zero", "read"):
         for name in ("step", "sparse_decode"):
             try:
@@ -245,6 +227,29 @@ def main_times() -> None:
         except (KeyError, TypeError):
             pass
     print("speedups:", {k: v for k, v in res.items() if k.startswith("speedup")}, flush=True)
+    if out_dir() is not None:  # written now and again after the PDL rows (a failure there keeps these)
+        write_json("profile_step", res)
+    # TILESTACK_PDL=1 (programmatic dependent launch of the score, top-k, decode and combine launches)
+    pdl = {}
+    with environ({"TILESTACK_PDL": "1"}):
+        try:
+            pdl["equals_reference"] = bool(torch.equal(sel(), ref))
+            pdl["decode_equals_plain"] = bool(torch.equal(fns["sparse_decode"](), base))
+            for name in ("select", "sparse_decode", "step"):
+                for fl in ("zero", "read"):
+                    pdl[f"{name}_{fl}"] = timed(fns[name], fl)["us"]
+            for fl in ("write", "read"):
+                pdl[f"step_graph_{fl}"] = round(tilehal.bench_graph(fns["step"], flush_l2=fl).median_us, 2)
+        except Exception as e:
+            pdl["failed"] = f"{type(e).__name__}: {e}"[:300]
+    try:
+        for fl in ("write", "read"):
+            pdl[f"plain_step_graph_{fl}"] = round(tilehal.bench_graph(fns["step"], flush_l2=fl).median_us, 2)
+            pdl[f"plain_dense_graph_{fl}"] = round(tilehal.bench_graph(fns["dense"], flush_l2=fl).median_us, 2)
+    except Exception as e:
+        pdl["plain_graph_failed"] = f"{type(e).__name__}: {e}"[:300]
+    res["pdl"] = pdl
+    print("pdl", json.dumps(pdl), flush=True)
     if out_dir() is not None:
         write_json("profile_step", res)
 
