@@ -7,7 +7,8 @@
                      back), "read" (a 256 MiB read: the L2 cold and clean), "zero+read" (both: the dirt
                      written back before the timed call), "none" (warm); a floor (one and two empty launches);
                      the sparse decode at split counts 1..8 with the combine launch and the in-kernel ticket
-                     merge; TILESTACK_PDL=1 (programmatic dependent launch) vs plain launches, eager and CUDA
+                     merge; the decode over four layouts of the same 64 blocks (random / contiguous, per
+                     head / shared by the heads); TILESTACK_PDL=1 (programmatic dependent launch) vs plain launches, eager and CUDA
                      graph; a torch.profiler (CUPTI) trace of the step: each kernel's duration and the gaps.
   --ncu clean|dirty  one step between cudaProfilerStart / Stop, for `ncu --profile-from-start off`; "dirty"
                      runs the 256 MiB memset before it (use with `ncu --cache-control none`), "clean" also
@@ -212,6 +213,26 @@ def main_times() -> None:
             sweep[tag] = r
             print("split", tag, json.dumps(r), flush=True)
     res["splits"] = sweep
+    # what bounds the decode's reads: the same 64 blocks per (sequence, kv head) laid out four ways. A (block,
+    # head) is 16 rows of 256 B at a 2 KB stride (the pool is [block, token, head, dim]); 64 logical blocks
+    # from a multiple of 64 are one physical run in this pool (contiguous_physical says whether).
+    lay = {}
+    try:
+        H = lo.shape[1]
+        ar = torch.arange(64, device="cuda", dtype=torch.int32)
+        run = bt[:, 1024:1088]
+        lay["contiguous_physical"] = bool(((run[:, 1:] - run[:, :-1]) == 1).all())
+        layouts = {"real": ref,
+                   "random_same_for_all_heads": ref[:, :1].expand(-1, H, -1).contiguous(),
+                   "contig_same_for_all_heads": (1024 + ar).expand(B, H, -1).contiguous(),
+                   "contig_per_head": (1024 + 64 * torch.arange(H, device="cuda", dtype=torch.int32)[:, None]
+                                       + ar).expand(B, -1, -1).contiguous()}
+        for name, idx in layouts.items():
+            lay[name] = {fl: timed(lambda idx=idx: decode(idx=idx), fl)["us"] for fl in ("zero", "read")}
+    except Exception as e:
+        lay["failed"] = f"{type(e).__name__}: {e}"[:300]
+    res["layouts"] = lay
+    print("layouts", json.dumps(lay), flush=True)
     for fl in ("zero", "read"):
         for name in ("step", "sparse_decode"):
             try:
