@@ -19,6 +19,8 @@ Rows (GPU time, CUDA events, L2 flushed, median; `_graph`: CUDA-graph replay), p
   <s>.default_optin[_occ3] the defaults with fastx and int4 pairs / fp8 h1 only (_occ3: DATAENGINE_RING_OCC=3;
                            fp8 without h1)
   <s>.default              the defaults (no variable set)
+  <s>.default_pdl          the defaults with TILESTACK_PDL=1 (programmatic dependent launch of the score,
+                           top-k, sparse decode and combine launches)
   <s>.topk_<variant>_us    the top-k launch apart (fast, fastx, fast512, fast256)
 BENCH_FLUSH=read times every row after a 256 MiB read instead of tilehal's memset flush (clean L2 lines).
 Every path's blocks are compared with the torch reference's (same summaries). BENCH_CONTEXTS
@@ -65,7 +67,7 @@ def bench_graph(fn):
 def paths(dtype: torch.dtype) -> list[tuple[str, dict]]:
     """(name, environment) of every selection path for one summary type; "default" sets nothing."""
     rings = ("on", "off") if dtype in (torch.float8_e4m3fn, torch.uint8) else ("off",)
-    out = [("default", {})]
+    out = [("default", {}), ("default_pdl", {"TILESTACK_PDL": "1"})]
     for ring in rings:
         sfx = "_ring" if ring == "on" else ""
         base = {"DATAENGINE_RING_SCORES": ring, "DATAENGINE_RING_GRID": "chunk"}
