@@ -43,6 +43,8 @@ def _args(argv):
     p.add_argument("--iters", type=int, default=10, help="timed steps per column (after 2 warm-up steps)")
     p.add_argument("--ttft-context", type=int, default=32768, help="cached prefix of the TTFT request (0: skip)")
     p.add_argument("--quick", action="store_true", help="tiny model and contexts (smoke test)")
+    p.add_argument("--optimize", action="store_true", help="also run the kvpool columns (opt_kv_*) on a copy of the "
+                   "model after tilestack.register_optimizations (the transformers columns stay on the unmodified one)")
     p.add_argument("--profile", metavar="DIR", help="also write, per eager kvpool column and context, a cProfile "
                    "(host time by function) and a torch.profiler table (syncs, copies, launches) of 3 steps into DIR")
     p.add_argument("--summary-dtype", choices=("bf16", "fp8", "int4"), default="bf16",
@@ -209,7 +211,9 @@ SAFE = ("hf_dynamic_eager", "kv_dense_eager", "kv_sparse_eager", "kv_dense_graph
 RISKY = ("hf_static_graph", "kv_sparse_graph")
 
 
-def run_context(args, model, cfg, dtype, device, L, timer, th, results, columns):
+def run_context(args, model, cfg, dtype, device, L, timer, th, results, columns, kv_models=None):
+    """The decode-step columns at context L; the kvpool ones once per (prefix, model) of kv_models (default: the
+    model itself, no prefix)."""
     import torch
     from transformers import DynamicCache, StaticCache
 
@@ -266,6 +270,14 @@ def run_context(args, model, cfg, dtype, device, L, timer, th, results, columns)
     # ---- kvpool
     if not any(c.startswith("kv_") for c in columns):
         return
+    for prefix, kv_model in kv_models or [("", model)]:
+        kv_columns(args, kv_model, cfg, dtype, device, L, timer, th, res, columns, prefix, x, pos_at, ref_logits, steps)
+
+
+def kv_columns(args, model, cfg, dtype, device, L, timer, th, res, columns, prefix, x, pos_at, ref_logits, steps):
+    import torch
+
+    B = args.batch
     bs = 16
     sdt = {"bf16": None, "fp8": torch.float8_e4m3fn, "int4": "int4"}[args.summary_dtype]
     sparse_cfg = th.SparseConfig(top_k=args.top_k, summary_dtype=sdt)
@@ -288,14 +300,14 @@ def run_context(args, model, cfg, dtype, device, L, timer, th, results, columns)
             logits = model(x, **th.cache_kwargs(model, cache), position_ids=pos_at(L)).logits[:, -1].float()
         if ref_logits is not None:
             d = (logits - ref_logits).abs().max().item()
-            res["kv_dense_vs_hf_max_abs_logit_diff"] = d
+            res[prefix + "kv_dense_vs_hf_max_abs_logit_diff"] = d
             res["logit_scale_max_abs"] = ref_logits.abs().max().item()
-            print(f"    first step logits: kvpool dense vs transformers max |diff| {d:.4g} "
+            print(f"    first step logits: {prefix}kvpool dense vs transformers max |diff| {d:.4g} "
                   f"(max |logit| {res['logit_scale_max_abs']:.3g})", flush=True)
         for name, sparse in (("kv_dense_eager", None), ("kv_sparse_eager", sparse_cfg)):
             if name not in columns:
                 continue
-            print(f"  [{L}] {name}", flush=True)
+            print(f"  [{L}] {prefix}{name}", flush=True)
             cache.sparse = sparse
             n = [L + 1]
 
@@ -305,25 +317,26 @@ def run_context(args, model, cfg, dtype, device, L, timer, th, results, columns)
                 n[0] += 1
 
             try:
-                res[name] = {"ms": timer.median(kv_step, args.iters) * 1e3}
+                res[prefix + name] = {"ms": timer.median(kv_step, args.iters) * 1e3}
                 if args.profile and device.type == "cuda":
-                    profile_steps(kv_step, f"{args.profile}/{name}_{L}")
+                    profile_steps(kv_step, f"{args.profile}/{prefix}{name}_{L}")
             except Exception as e:  # noqa: BLE001
-                res[name] = skip(e)
+                res[prefix + name] = skip(e)
         for name, sparse in (("kv_dense_graph", None), ("kv_sparse_graph", sparse_cfg)):
             if name not in columns:
                 continue
-            print(f"  [{L}] {name}", flush=True)
+            print(f"  [{L}] {prefix}{name}", flush=True)
             if device.type != "cuda":
-                res[name] = {"skipped": "CUDA graphs need a CUDA device"}
+                res[prefix + name] = {"skipped": "CUDA graphs need a CUDA device"}
                 continue
             cache.sparse = sparse
             try:
                 n0 = pool.num_tokens(sids[0])
                 cache.begin_static_decode(max_blocks=-(-(L + steps) // bs) + 1)
-                res[name] = graph_step(model, timer, cache.prepare_static_step, x, pos_at(n0), cache, args.iters)
+                res[prefix + name] = graph_step(model, timer, cache.prepare_static_step, x, pos_at(n0), cache,
+                                                args.iters)
             except Exception as e:  # noqa: BLE001
-                res[name] = skip(e)
+                res[prefix + name] = skip(e)
             finally:
                 cache.end_static_decode()
                 torch.cuda.synchronize()
@@ -336,7 +349,7 @@ def run_context(args, model, cfg, dtype, device, L, timer, th, results, columns)
 
 def add_speedups(res):
     base = res.get("hf_dynamic_eager", {}).get("ms")
-    for name in ("kv_dense_eager", "kv_sparse_eager", "kv_dense_graph", "kv_sparse_graph", "hf_static_graph"):
+    for name in [n for n in res if n != "hf_dynamic_eager" and isinstance(res[n], dict)]:
         if base and "ms" in res.get(name, {}):
             res[name]["speedup_vs_hf_dynamic_eager"] = base / res[name]["ms"]
 
@@ -416,6 +429,16 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, cfg, dtype = build_model(args, device, max(contexts + [args.ttft_context]) + 4096)
     print(f"model built in {time.perf_counter() - t0:.1f} s", flush=True)
+    kv_models = [("", model)]
+    if args.optimize:
+        import copy
+
+        from tilestack import register_optimizations
+
+        opt = copy.deepcopy(model)
+        rep = register_optimizations(opt, backend="cuda" if device.type == "cuda" else "cpu")
+        print(f"opt_* columns: {len(rep.swapped)} modules swapped by register_optimizations", flush=True)
+        kv_models.append(("opt_", opt))
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -427,15 +450,16 @@ def main(argv=None) -> int:
         "decode_step": {}, "ttft": {},
     }
     for L in contexts:
-        run_context(args, model, cfg, dtype, device, L, timer, th, report["decode_step"], SAFE)
+        run_context(args, model, cfg, dtype, device, L, timer, th, report["decode_step"], SAFE, kv_models)
     if args.ttft_context:
         run_ttft(args, model, cfg, device, timer, th, report["ttft"])
     for L in contexts:
-        run_context(args, model, cfg, dtype, device, L, timer, th, report["decode_step"], RISKY)
+        run_context(args, model, cfg, dtype, device, L, timer, th, report["decode_step"], RISKY, kv_models)
     for res in report["decode_step"].values():
         add_speedups(res)
-    cols = ("hf_dynamic_eager", "hf_static_graph", "kv_dense_eager", "kv_sparse_eager", "kv_dense_graph",
-            "kv_sparse_graph")
+    cols = tuple(p + c for c in ("hf_dynamic_eager", "hf_static_graph", "kv_dense_eager", "kv_sparse_eager",
+                                 "kv_dense_graph", "kv_sparse_graph") for p in ("", "opt_")
+                 if (p + c) in {k for r in report["decode_step"].values() for k in r})
     print(f"\ndecode step, ms (batch {args.batch}; speedup vs hf_dynamic_eager)")
     print("context  " + "  ".join(f"{c:>18}" for c in cols))
     for L, res in report["decode_step"].items():
