@@ -113,6 +113,23 @@ def test_wide_n_tiles_fit_and_count_their_waves():
         wide_n_cfg(96, 128)
 
 
+def test_c_tma_tile_rule_changes_only_matching_shapes(monkeypatch):
+    from deepgemm import heuristics
+
+    shapes = [(m, n, k) for m in (1, 64, 128, 256, 4096) for n in (2112, 7168, 16384, 24576, 32768)
+              for k in (256, 512, 1536, 7168)]
+    assert all(heuristics.c_tma_tile_rule(ctma_cfg(*s), *s) == ctma_cfg(*s) for s in shapes)  # no rule, no change
+    monkeypatch.setattr(heuristics, "C_TMA_TILE_RULES", ((128, 512, 16384, (128, 128)),))
+    for m, n, k in shapes:
+        got = heuristics.c_tma_tile_rule(ctma_cfg(m, n, k), m, n, k)
+        if m <= 128 and k <= 512 and n >= 16384:
+            assert (got.block_m, got.block_n) == (128, 128) and got == with_tile(ctma_cfg(m, n, k), m, n, 128, 128)
+        else:
+            assert got == ctma_cfg(m, n, k), (m, n, k)
+    plain = pick_config("bf16", 128, 32768, 512, num_sms=132, tma_store=True)  # no C: never touched
+    assert heuristics.c_tma_tile_rule(plain, 128, 32768, 512) == plain
+
+
 @nvrtc
 def test_wide_n_tile_kernels_compile_without_spills(h):
     batch = [cuda_gemm.kernel_key(wide_n_cfg(bm, bn), 32768, 512, "normal", 1, bf16, True).expression

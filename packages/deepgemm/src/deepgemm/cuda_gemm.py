@@ -23,6 +23,7 @@ from . import gemv, plans, splitk, validate
 from .heuristics import (
     EXPERT_TABLE_BLOCKS,
     GemmConfig,
+    c_tma_tile_rule,
     epilogue_passes,
     expert_raster_config,
     pick_config,
@@ -434,7 +435,8 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     if config is None and c is not None and c_epilogue_tma():
         why = c_tma_why_not(d, c, n, fp8)
         if why is None:
-            config = pick_config("bf16", m, n, k, tma_store=True, c_tma=True, max_multicast=max_multicast())
+            config = c_tma_tile_rule(pick_config("bf16", m, n, k, tma_store=True, c_tma=True,
+                                                 max_multicast=max_multicast()), m, n, k)
         else:
             log.debug("C_TMA not used for %dx%dx%d: %s", m, n, k, why)
     if getattr(config, "c_tma", False):

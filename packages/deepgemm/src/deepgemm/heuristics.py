@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from dataclasses import dataclass
 
 from tilehal import ArgumentError
 
 from .utils import ceil_div, get_num_sms
+
+log = logging.getLogger("deepgemm")
 
 SMEM_CAPACITY = 232448  # bytes of dynamic shared memory one sm_90 CTA may opt into (227 KiB)
 SMEM_SLACK = 1024  # manual 1024-byte alignment of the swizzled tiles
@@ -339,6 +342,27 @@ def with_tile(cfg: GemmConfig, m: int, n: int, block_m: int, block_n: int) -> Ge
         raise ArgumentError(f"with_tile: {block_m} x {block_n} needs {out.smem_bytes} bytes of shared memory with 2 "
                             f"stages, more than {SMEM_CAPACITY}")
     return out
+
+
+# Measured exceptions to the cost model's tile for the C_TMA epilogue (a bf16 C = D added by the persistent kernel):
+# (max M, max K, min N, (BLOCK_M, BLOCK_N)), the first that matches wins. The model prices main-loop waves only;
+# where the main loop is short (K <= 512: 8 K blocks) and the plan one wave, every CTA loads its C tile and stores
+# its D tile at the same moment and nothing overlaps them. Each entry names its H200 figure (docs/deepgemm.md).
+C_TMA_TILE_RULES: tuple[tuple[int, int, int, tuple[int, int]], ...] = ()
+
+
+def c_tma_tile_rule(cfg: GemmConfig, m: int, n: int, k: int) -> GemmConfig:
+    """`cfg` (the heuristic's C_TMA plan for D[M, N], K) with the tile of the first C_TMA_TILE_RULES entry it falls
+    under (M <= max M, K <= max K, N >= min N), else unchanged; the choice is logged at DEBUG."""
+    if not cfg.c_tma:
+        return cfg
+    for max_m, max_k, min_n, (bm, bn) in C_TMA_TILE_RULES:
+        if m <= max_m and k <= max_k and n >= min_n and (bm, bn) != (cfg.block_m, cfg.block_n):
+            out = with_tile(cfg, m, n, bm, bn)
+            log.debug("C_TMA %dx%dx%d: %dx%d tiles (measured rule M <= %d, K <= %d, N >= %d) instead of %dx%d", m, n,
+                      k, bm, bn, max_m, max_k, min_n, cfg.block_m, cfg.block_n)
+            return out
+    return cfg
 
 
 SWIGLU_BLOCK_N = 128  # tile of the SwiGLU epilogue: 64 gate + 64 up columns (deepgemm.SWIGLU_INTERLEAVE = 64)
