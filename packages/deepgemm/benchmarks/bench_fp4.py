@@ -41,7 +41,8 @@ def timed(fn, iters: int) -> tuple[float, float]:
 # fp8_fp4 / bf16_fp4: the mma.sync kernel; *_wgmma: the wgmma one; bf16_fp4_stream: the streaming kernel (M <= 16;
 # the wgmma one above); bf16_fp4_small: the small-M kernel (M <= 32; above: as auto); bf16_fp4_auto: the default
 # policy (DEEPGEMM_FP4_KERNEL=auto), the figure issue 19 counts
-OURS = ("fp8_fp4", "fp8_fp4_wgmma", "bf16_fp4", "bf16_fp4_wgmma", "bf16_fp4_stream", "bf16_fp4_small", "bf16_fp4_auto")
+OURS = ("fp8_fp4", "fp8_fp4_wgmma", "bf16_fp4", "bf16_fp4_wgmma", "bf16_fp4_stream", "bf16_fp4_small", "bf16_fp4_auto",
+        "bf16_fp4_dec", "fp8_fp4_dec")
 
 
 def with_env(env: dict[str, str], fn):
@@ -96,6 +97,10 @@ def case(m: int, n: int, k: int, iters: int, only: str | None = None, variants=(
         "bf16_fp4_stream": with_kernel("stream", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
         "bf16_fp4_small": with_kernel("small", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
         "bf16_fp4_auto": with_kernel("auto", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
+        # the decode-to-shared kernel (DEEPGEMM_FP4_KERNEL=dec), bf16 / e4m3 activations (e4m3: already cast, as
+        # for fp8_fp4 and deepgemm_fp8)
+        "bf16_fp4_dec": with_kernel("dec", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
+        "fp8_fp4_dec": with_kernel("dec", lambda: deepgemm.fp8_fp4_gemm_nt((a8, sfa_t), (packed, sf), d)),
         "cublas_bf16": lambda: torch.matmul(a, w.T),
         "deepgemm_fp8": lambda: deepgemm.fp8_gemm_nt((a8, sfa_t), (b8, sfb), d),
     }
@@ -140,6 +145,12 @@ NCU_CASES = {
     "stream_16": (16, 4096, 7168, False, "stream"), "stream_64": (64, 4096, 7168, False, "stream"),
     "small_1": (1, 4096, 7168, False, "small"), "small_16": (16, 4096, 7168, False, "small"),
     "small_1_2112": (1, 2112, 7168, False, "small"), "small_1_7168": (1, 7168, 2048, False, "small"),
+    "dec_128": (128, 4096, 7168, False, "dec"), "dec_128_2112": (128, 2112, 7168, False, "dec"),
+    "dec_e4m3_128": (128, 4096, 7168, True, "dec"), "dec_e4m3_128_2112": (128, 2112, 7168, True, "dec"),
+    "dec_e4m3_64": (64, 4096, 7168, True, "dec"), "wgmma_e4m3_128_2112": (128, 2112, 7168, True, "wgmma"),
+    # the peer: deepgemm fp8_gemm_nt (fp8 weights, 128 x 128 scales) at the same shapes
+    "peer_fp8_128": (128, 4096, 7168, True, "peer"), "peer_fp8_128_2112": (128, 2112, 7168, True, "peer"),
+    "peer_fp8_64": (64, 4096, 7168, True, "peer"),
 }
 
 
@@ -218,8 +229,15 @@ def main() -> None:
                 raise SystemExit(f"--ncu-cases: expected some of {', '.join(NCU_CASES)}, got {name!r}")
             m, n, k, fp8, kind = NCU_CASES[name]
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            packed, sf = deepgemm.cast_weights_to_fp4(torch.randn(n, k, device="cuda") * 0.05)
             d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            if kind == "peer":
+                w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+                a8, sfa = deepgemm.per_token_cast_to_fp8(a)
+                sfa_t = deepgemm.get_mn_major_tma_aligned_tensor(sfa)
+                deepgemm.fp8_gemm_nt((a8, sfa_t), deepgemm.per_block_cast_to_fp8(w), d)
+                torch.cuda.synchronize()
+                continue
+            packed, sf = deepgemm.cast_weights_to_fp4(torch.randn(n, k, device="cuda") * 0.05)
             act = deepgemm.per_token_cast_to_fp8(a) if fp8 else a
             fn = deepgemm.fp8_fp4_gemm_nt if fp8 else deepgemm.bf16_fp4_gemm_nt
             with_kernel(kind, functools.partial(fn, act, (packed, sf), d))()

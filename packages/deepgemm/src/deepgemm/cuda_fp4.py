@@ -273,7 +273,7 @@ AUTO_WGMMA_MIN_M = {"bf16": 17, "e4m3": None}
 def use_wgmma(act_fp8: bool, m: int) -> bool:
     """Whether a call with m tokens (per group) takes the wgmma kernel (DEEPGEMM_FP4_KERNEL, else AUTO_WGMMA_MIN_M)."""
     choice = kernel_choice()
-    if choice in ("auto", "stream", "small"):
+    if choice in ("auto", "stream", "small", "dec"):  # dec: grouped calls as auto
         low = AUTO_WGMMA_MIN_M["e4m3" if act_fp8 else "bf16"]
         return low is not None and m >= low
     return choice == "wgmma"
@@ -284,8 +284,8 @@ def kernel_choice() -> str:
     M <= AUTO_SMALL_MAX_M, the streaming kernel at M <= STREAM_MAX_M), 'mma', 'wgmma' (both activation kinds),
     'stream' (bf16 at any M; e4m3 as auto) or 'small' (bf16 at M <= SMALL_MAX_M; else, and e4m3, as auto): A/B."""
     v = os.environ.get("DEEPGEMM_FP4_KERNEL", "auto")
-    if v not in ("auto", "mma", "wgmma", "stream", "small"):
-        raise validate.ArgumentError(f"DEEPGEMM_FP4_KERNEL: expected auto, mma, wgmma, stream or small, got {v!r}")
+    if v not in ("auto", "mma", "wgmma", "stream", "small", "dec"):
+        raise validate.ArgumentError(f"DEEPGEMM_FP4_KERNEL: expected auto, mma, wgmma, stream, small or dec, got {v!r}")
     return v
 
 
@@ -690,6 +690,151 @@ def small_candidate_keys(m: int, n: int, k: int, groups: int, out_bf16: bool, ha
                                              MAX_CLUSTER_SPLITS, forced)}
 
 
+# The decode-to-shared kernel (kernels/fp4_gemm_sm90.cuh fp4_dec_sm90; DEEPGEMM_FP4_KERNEL=dec, dense calls, bf16 or
+# e4m3 activations): DeepGEMM's fp8 tile at decode shapes (tokens = the wgmma M, 64 per math warpgroup; a thin
+# slice of BN weight rows over the whole K range per CTA, one CTA per SM, a deep ring), the FP4 weights decoded by
+# the math warpgroups into a shared B tile. A/B knobs: DEEPGEMM_FP4_DEC_BN (8..256, a multiple of 8),
+# DEEPGEMM_FP4_DEC_SPLITS (1..8: K splits as one cluster, DSMEM reduction).
+DEC_MAX_STAGES = 8
+DEC_MAX_TOKENS = 128  # two math warpgroups; more tokens: several m-blocks
+DEC_FP8_MAX_BN = 64  # e4m3: BN / 2 accumulators + BN / 2 partial sums a thread (BN = 128 with 2 warpgroups spills)
+
+
+@dataclass(frozen=True)
+class Fp4DecKey(_KernelKey):
+    KERNEL = "fp4_dec_sm90"
+    bn: int
+    nwg: int
+    act_fp8: bool
+    out_bf16: bool
+    has_c: bool
+    stages: int
+
+    def template_args(self) -> tuple:
+        return self.bn, self.nwg, self.act_fp8, self.out_type, self.has_c, self.stages
+
+    @property
+    def nt(self) -> int:  # n8 token tiles (tokens = 64 nwg)
+        return 8 * self.nwg
+
+    @property
+    def wn(self) -> int:
+        return self.bn // 16
+
+    @property
+    def rows(self) -> int:
+        return self.bn
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.nwg + 32
+
+    @property
+    def min_blocks(self) -> int:
+        return 1
+
+    @property
+    def smem_bytes(self) -> int:
+        return dec_smem_bytes(self.bn, self.nwg, self.act_fp8, self.stages)
+
+
+def dec_stage_bytes(bn: int, nwg: int, act_fp8: bool) -> tuple[int, int]:
+    """(one ring stage, one decoded tile) of the decode-to-shared kernel (its Fp4DecStage)."""
+    tokens = 64 * nwg
+    raw = tokens * 128 * (1 if act_fp8 else 2) + bn * 64 + bn * 16 + (tokens * 4 if act_fp8 else 0)
+    dec = bn * 128 * (1 if act_fp8 else 2) + (ceil_div(bn * 4, 1024) * 1024 if act_fp8 else 0)
+    return ceil_div(raw, 1024) * 1024, dec
+
+
+def dec_smem_bytes(bn: int, nwg: int, act_fp8: bool, stages: int) -> int:
+    st, dec = dec_stage_bytes(bn, nwg, act_fp8)
+    return 1024 + max(stages * st + 2 * dec, 64 * nwg * bn * 4) + 16 * stages
+
+
+@dataclass(frozen=True)
+class Fp4DecPlan(_ClusterPlan):
+    key: Fp4DecKey
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.key.smem_bytes
+
+
+def plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool,
+             num_sms: int | None = None) -> Fp4DecPlan:
+    """Token tile, weight rows per CTA (BN), K splits and ring depth of the decode-to-shared kernel (dense)."""
+    return _plan_dec(m, n, k, out_bf16, has_c, act_fp8, num_sms or get_num_sms(),
+                     os.environ.get("DEEPGEMM_FP4_DEC_BN"), os.environ.get("DEEPGEMM_FP4_DEC_SPLITS"))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool, sms: int, forced_bn: str | None,
+              forced_splits: str | None) -> Fp4DecPlan:
+    nwg = 1 if m <= 64 else 2
+    m_blocks = ceil_div(m, 64 * nwg)
+    chunks = k // 128
+    top = DEC_FP8_MAX_BN if act_fp8 else 256
+    if forced_splits is not None and forced_splits not in ("1", "2", "3", "4", "5", "6", "7", "8"):  # A/B only
+        raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_SPLITS: expected 1..8, got {forced_splits!r}")
+    if forced_bn is not None:  # A/B timing only
+        if not (forced_bn.isdigit() and 8 <= int(forced_bn) <= 256 and int(forced_bn) % 8 == 0):
+            raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_BN: expected a multiple of 8 in 8..256, got {forced_bn!r}")
+        bn = int(forced_bn)
+        if bn > top:
+            raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_BN: expected at most {top} with e4m3 activations, got {bn}")
+        # K splits (one cluster) that fill the SMs with these slices, unless forced too
+        tiles = ceil_div(n, bn) * m_blocks
+        splits = int(forced_splits) if forced_splits else max(1, min(MAX_CLUSTER_SPLITS, chunks // 2, sms // tiles))
+    else:
+        splits = int(forced_splits) if forced_splits else 1
+        # one wave: the thinnest slice of N (a multiple of 8) whose CTAs all fit on the SMs at once
+        bn = min(top, max(8, ceil_div(ceil_div(n * m_blocks * splits, sms), 8) * 8))
+    cps = ceil_div(chunks, min(splits, chunks))
+    splits = ceil_div(chunks, cps)
+    stages = min(DEC_MAX_STAGES, max(2, cps))
+    while stages > 2 and dec_smem_bytes(bn, nwg, act_fp8, stages) > 227 * 1024:
+        stages -= 1
+    key = Fp4DecKey(bn=bn, nwg=nwg, act_fp8=act_fp8, out_bf16=out_bf16, has_c=has_c, stages=stages)
+    return Fp4DecPlan(key=key, m_blocks=m_blocks, row_blocks=ceil_div(n, bn), splits=splits, chunks_per_split=cps)
+
+
+def _launch_dec(p: Fp4DecPlan, a, sfa, b, sfb, d, c, m: int, n: int, k: int) -> None:
+    key = p.key
+    from .cuda_gemm import _encode as encode_tiled  # cached per (pointer, shape, box)
+    from .cuda_gemm import _sfa_layout
+
+    db = encode_tiled(b.data_ptr(), torch.uint8, (n, k // 2), (k // 2, 1), (key.bn, 64), "64B")
+    dsfb = encode_tiled(sfb.data_ptr(), torch.float32, (n, k // 32), (k // 32, 1), (key.bn, 4), "none")
+    if key.act_fp8:
+        da = encode_tiled(a.data_ptr(), torch.uint8, (m, k), (a.stride(0), 1), (key.tokens, 128), "128B")
+        sfa_t = _sfa_layout(sfa)
+        dsfa = encode_tiled(sfa_t.data_ptr(), torch.float32, (k // 128, m), (get_tma_aligned_size(m, 4), 1),
+                            (1, key.tokens), "none")
+    else:
+        da = encode_tiled(a.data_ptr(), torch.bfloat16, (m, k), (a.stride(0), 1), (key.tokens, 64), "128B")
+        dsfa = _NULL_DESC
+    log.debug("fp4 dec gemm %dx%dx%d: %s grid %s cluster %s, %d chunks per split", m, n, k, key.expression, p.grid,
+              p.cluster, p.chunks_per_split)
+    _kernel(key).launch(p.grid, key.threads, [db, dsfb, da, dsfa, d, c, m, n, k, p.m_blocks, p.chunks_per_split],
+                        smem_bytes=key.smem_bytes, cluster=p.cluster)
+
+
+def _try_dec(a, sfa, b, sfb, d, c, m: int, n: int, k: int) -> bool:
+    """Run the decode-to-shared kernel if DEEPGEMM_FP4_KERNEL=dec (dense calls only); whether it ran."""
+    if kernel_choice() != "dec":
+        return False
+
+    sms = get_num_sms()
+    forced_bn = os.environ.get("DEEPGEMM_FP4_DEC_BN")
+
+    def replan(most=None):
+        splits = os.environ.get("DEEPGEMM_FP4_DEC_SPLITS") if most is None else str(most)
+        return _plan_dec(m, n, k, d.dtype == torch.bfloat16, c is not None, sfa is not None, sms, forced_bn, splits)
+
+    _launch_dec(_fit_clusters(replan(), a.device, replan), a, sfa, b, sfb, d, c, m, n, k)
+    return True
+
+
 def kernel_source() -> str:
     """kernels/fp4_gemm_sm90.cuh, or the file DEEPGEMM_FP4_KERNEL_SOURCE names (A/B timing of a kernel change
     against the previous header in one run; every instantiation compiles from it)."""
@@ -936,6 +1081,8 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     if c is not None and c.dtype != torch.float32:
         log.debug("c: bf16 accumulation; widening C to fp32 for the FP4 kernel's epilogue")
         c = c.float()
+    if _try_dec(a, sfa, b, sfb, d, c, m, n, k):
+        return
     if _try_small(a, sfa, b, sfb, d, c, None, m, n, k, 1, None):
         return
     if _try_stream(a, sfa, b, sfb, d, c, None, m, n, k, 1, None):
@@ -961,6 +1108,8 @@ def grouped_masked(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, s
     n = b.shape[1]
     if m_max == 0 or n == 0:
         return
+    if kernel_choice() == "dec":
+        log.debug("fp4 grouped: the decode-to-shared kernel takes dense calls only; grouped as auto")
     sfb = _scales_32(sfb, gran)
     _check(a, b, sfb, d, None)
     if _try_small(a, sfa, b, sfb, d, None, masked_m.contiguous(), m_max, n, k, g, min(expected_m, m_max)):

@@ -543,16 +543,12 @@ TILEHAL_DEVICE u32 gather_codes_k16(const unsigned char* row_unit, int q) {
   return prmt(prmt(u.x, u.y, sel), prmt(u.z, u.w, sel), 0x5410);
 }
 
-// The wgmma kernels' epilogue: the partial tile -> shared memory [TOKENS][ROWS] over the drained ring
-// (acc[4j + i]: row 16 warp + g + 8 (i / 2), token 8j + 2q + i % 2, the mma.sync kernel's layout), then
-// the cluster's split-K reduction through distributed shared memory (CTA r sums slice r in split order)
-// and D (+ C) in row-major [M, N]. Every thread of the CTA (THREADS: WN consumer warps + the producer
-// warp, or WN warps for the streaming kernel) calls it.
-template <int NT, int WN, typename OutT, bool HAS_C, int THREADS = 32 * WN + 32>
-TILEHAL_DEVICE void cluster_epilogue(const float (&acc)[NT * 4], float* red, int warp, OutT* d, const float* c,
-                                     int group, int shape_m, int shape_n, int m0, int rows_m, int n_cta) {
-  constexpr int ROWS = 16 * WN, TOKENS = 8 * NT;
-  store_partial<NT, WN>(acc, red, warp);
+// The split-K reduction and D of a CTA whose fp32 partial tile is in shared memory as [TOKENS][ROWS] (every
+// thread of the CTA calls it after the tile is complete and the CTA synced): CTA r of the cluster sums slice r
+// over the splits in split order through distributed shared memory, adds C and writes D in row-major [M, N].
+template <int ROWS, int TOKENS, typename OutT, bool HAS_C, int THREADS>
+TILEHAL_DEVICE void cluster_reduce_store(const float* red, OutT* d, const float* c, int group, int shape_m,
+                                         int shape_n, int m0, int rows_m, int n_cta) {
   const int splits = gridDim.y;
   const int valid4 = min(TOKENS, rows_m - m0) * ROWS / 4;
   const float4* red4 = reinterpret_cast<const float4*>(red);
@@ -598,6 +594,19 @@ TILEHAL_DEVICE void cluster_epilogue(const float (&acc)[NT * 4], float* red, int
     }
   }
   if (splits > 1) cluster_sync();  // no CTA leaves while a peer still reads its shared memory
+}
+
+
+// The wgmma kernels' epilogue: the partial tile -> shared memory [TOKENS][ROWS] over the drained ring
+// (acc[4j + i]: row 16 warp + g + 8 (i / 2), token 8j + 2q + i % 2, the mma.sync kernel's layout), then
+// the cluster's split-K reduction through distributed shared memory (CTA r sums slice r in split order)
+// and D (+ C) in row-major [M, N]. Every thread of the CTA (THREADS: WN consumer warps + the producer
+// warp, or WN warps for the streaming kernel) calls it.
+template <int NT, int WN, typename OutT, bool HAS_C, int THREADS = 32 * WN + 32>
+TILEHAL_DEVICE void cluster_epilogue(const float (&acc)[NT * 4], float* red, int warp, OutT* d, const float* c,
+                                     int group, int shape_m, int shape_n, int m0, int rows_m, int n_cta) {
+  store_partial<NT, WN>(acc, red, warp);
+  cluster_reduce_store<16 * WN, 8 * NT, OutT, HAS_C, THREADS>(red, d, c, group, shape_m, shape_n, m0, rows_m, n_cta);
 }
 
 // kMinBlocks of the wgmma kernel (cuda_fp4.wgmma_min_blocks mirrors it).
@@ -1334,6 +1343,315 @@ fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sf
   // store_partial (inside) syncs the CTA first, so k-warp 0 has read every part before the tile overwrites them.
   cluster_epilogue<NT, RW, OutT, HAS_C, THREADS>(flat, reinterpret_cast<float*>(smem), kw == 0 ? rw : RW, d, c, group,
                                                  shape_m, shape_n, m0, rows_m, n_cta);
+}
+
+
+// ==================================================================================================
+// Decode-to-shared kernel (bf16 or e4m3 activations): tokens are the wgmma M, the weights its B operand.
+//
+// DeepGEMM's fp8 kernel at decode shapes (M = 64 / 128) runs one CTA per SM, each a thin slice of N
+// (16-56 weight rows) over the whole K range, an 8-deep TMA ring, and SS wgmmas with the tokens as M. This
+// kernel is that shape for FP4 weights: per 128-wide K chunk the NWG math warpgroups (64 tokens each)
+// decode the chunk's BN weight rows together (each thread a few 16-byte units) into a shared [BN][K] tile
+// in the wgmma K-major 128-byte-swizzled layout (bf16: two [BN][64] halves; e4m3: one [BN][128]), and every
+// warpgroup runs SS wgmmas of its 64 tokens against it. The decode of chunk i + 1 overlaps chunk i's wgmmas
+// (two decoded buffers); one named barrier per chunk (bar.red.and: also the vote on the scales) orders
+// decode -> wgmma and wgmma retired -> the buffer's next decode. No register fragments: a thread holds
+// BN / 2 accumulators (+ BN / 2 partial sums for e4m3).
+//
+// Scales (exact, as the other kernels):
+// - bf16: a chunk whose scales are all foldable powers of two is decoded as e2m1 * 2^e (exact bf16) and its
+//   wgmmas accumulate into the K-long fp32 accumulator; any other chunk runs 4 passes, one per 6-bit piece
+//   of the scales (e2m1 * piece is an exact bf16).
+// - e4m3: per chunk one fresh partial P (4 k32 wgmmas), promoted as acc += P * sa[token] * 2^E[row], the
+//   per-32 scales folded relative to the row's largest one into the e4m3 table (d <= 5 binades: exact);
+//   other chunks: one P per 32-wide group, promoted with that group's scale.
+//
+// K splits (optional, gridDim.y): a thread-block cluster reduced through DSMEM (cluster_reduce_store).
+// ==================================================================================================
+template <int TOKENS, int ROWS, bool ACT_FP8>
+struct Fp4DecStage {
+  static constexpr int kA = TOKENS * 128 * (ACT_FP8 ? 1 : 2);
+  static constexpr int kW = ROWS * 64;
+  static constexpr int kSfb = ROWS * 16;
+  static constexpr int kSfa = ACT_FP8 ? TOKENS * 4 : 0;
+  static constexpr int kOffW = kA, kOffSfb = kA + kW, kOffSfa = kA + kW + kSfb;
+  static constexpr int kBytes = (kA + kW + kSfb + kSfa + 1023) / 1024 * 1024;
+  static constexpr int kDec = ROWS * 128 * (ACT_FP8 ? 1 : 2);  // one decoded [ROWS][128 K] tile
+  static constexpr int kDecBytes = kDec + (ACT_FP8 ? (ROWS * 4 + 1023) / 1024 * 1024 : 0);  // + row factors
+};
+
+// The ring (STAGES stages), the two decoded tiles; at least the epilogue's fp32 [TOKENS][ROWS] tile.
+template <int TOKENS, int ROWS, bool ACT_FP8, int STAGES>
+TILEHAL_HOST_DEVICE constexpr int fp4_dec_bytes() {
+  using St = Fp4DecStage<TOKENS, ROWS, ACT_FP8>;
+  constexpr int all = STAGES * St::kBytes + 2 * St::kDecBytes, red = TOKENS * ROWS * 4;
+  return all > red ? all : red;
+}
+
+// AND of `p` over the first `threads` threads of the CTA (named barrier 1; 0 is __syncthreads).
+TILEHAL_DEVICE bool threads_all(bool p, int threads) {
+  u32 r;
+  asm volatile("{\n.reg .pred pi, po;\nsetp.ne.u32 pi, %1, 0;\nbar.red.and.pred po, 1, %2, pi;\n"
+               "selp.u32 %0, 1, 0, po;\n}"
+               : "=r"(r)
+               : "r"(static_cast<u32>(p)), "r"(threads)
+               : "memory");
+  return r != 0;
+}
+
+TILEHAL_DEVICE void threads_sync(int threads) { asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory"); }
+
+template <bool ACT_FP8, int BN> struct Fp4DecMma { using T = WgmmaBF16<BN>; };
+template <int BN> struct Fp4DecMma<true, BN> { using T = WgmmaE4M3<BN>; };
+
+template <int BN, int NWG, bool ACT_FP8, typename OutT, bool HAS_C, int STAGES>
+__global__ void __launch_bounds__(128 * NWG + 32, 1)
+fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant__ TmaDescriptor tma_sfb,
+             const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_sfa,
+             OutT* __restrict__ d, const float* __restrict__ c, int shape_m, int shape_n, int shape_k, int m_blocks,
+             int chunks_per_split) {
+  static_assert(BN % 8 == 0 && BN >= 8 && BN <= 256, "BN: the wgmma N (a multiple of 8, <= 256)");
+  constexpr int TOKENS = 64 * NWG, MATH = 128 * NWG, THREADS = MATH + 32;
+  using St = Fp4DecStage<TOKENS, BN, ACT_FP8>;
+  constexpr int RING = fp4_dec_bytes<TOKENS, BN, ACT_FP8, STAGES>();
+  constexpr int R = BN / 2;                       // accumulators per thread
+  constexpr int UPR = ACT_FP8 ? 8 : 16;           // decoded 16-byte units per row and chunk
+  constexpr int UNITS = BN * UPR;
+  constexpr int UPT = (UNITS + MATH - 1) / MATH;  // units per math thread
+  using Mma = typename Fp4DecMma<ACT_FP8, BN>::T;
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const Fp4Tile tile = fp4_tile<false>(nullptr, shape_m, shape_k, m_blocks, TOKENS, BN, chunks_per_split);
+  const int m0 = tile.m0, rows_m = tile.rows_m, n_cta = tile.n_cta, c_begin = tile.c_begin, c_end = tile.c_end;
+
+  extern __shared__ unsigned char smem_raw[];
+  const Fp4Ring ring = fp4_ring_init<STAGES, RING>(smem_raw, MATH, 4 * NWG, &tma_b, &tma_sfb, &tma_a,
+                                                   ACT_FP8 ? &tma_sfa : nullptr);
+  unsigned char* smem = ring.smem;
+  unsigned char* dec = smem + STAGES * St::kBytes;  // two decoded tiles (1024-aligned: kBytes, kDecBytes are)
+  float acc[R] = {};  // bf16: written by wgmma only; e4m3: by the promotion only
+
+  if (warp == 4 * NWG) {
+    // ---------------------------------------------------------------- producer (one lane)
+    if (lane == 0) {
+      for (int ch = c_begin, i = 0; ch < c_end; ++ch, ++i) {
+        const int s = i % STAGES;
+        mbarrier_wait(&ring.empty[s], ((i / STAGES) & 1) ^ 1);
+        unsigned char* st = smem + s * St::kBytes;
+        mbarrier_arrive_expect_tx(&ring.full[s], St::kA + St::kW + St::kSfb + St::kSfa);
+        tma_load_2d(st + St::kOffW, &tma_b, &ring.full[s], ch * 64, n_cta);
+        tma_load_2d(st + St::kOffSfb, &tma_sfb, &ring.full[s], ch * 4, n_cta);
+        tma_load_2d(st, &tma_a, &ring.full[s], ch * 128, m0);
+        if constexpr (ACT_FP8) {
+          tma_load_2d(st + St::kOffSfa, &tma_sfa, &ring.full[s], m0, ch);
+        } else {
+          tma_load_2d(st + TOKENS * 128, &tma_a, &ring.full[s], ch * 128 + 64, m0);
+        }
+      }
+    }
+  } else {
+    // ---------------------------------------------------------------- math warpgroups
+    const int wg = warp / 4, g = lane / 4, q = lane % 4;
+    const int n_ch = c_end - c_begin;
+    [[maybe_unused]] float P[R];
+
+    // Decode chunk i (its stage must have landed) into tile `buf`: FOLD = the fast path's folded weights
+    // (returns whether this thread's scales allow it), else plain e2m1 (e4m3) / e2m1 x piece `pc` (bf16).
+    auto decode = [&](int i, unsigned char* buf, bool fold, int pc) -> bool {
+      const unsigned char* st = smem + (i % STAGES) * St::kBytes;
+      bool ok = true;
+#pragma unroll
+      for (int j = 0; j < UPT; ++j) {
+        const int idx = tid + j * MATH;
+        if (UNITS % MATH != 0 && idx >= UNITS) break;
+        const int r = idx / UPR, u = idx % UPR;
+        if constexpr (ACT_FP8) {
+          // unit u = K 16u .. 16u + 15 = code bytes 8u .. 8u + 7; group u / 2
+          const uint2 w = *reinterpret_cast<const uint2*>(st + St::kOffW + swz<64>(r, u / 2) + (u % 2) * 8);
+          uint4 o;
+          if (fold) {
+            const float4 s4 = *reinterpret_cast<const float4*>(st + St::kOffSfb + r * 16);
+            const float sc[4] = {s4.x, s4.y, s4.z, s4.w};
+            u32 emax = 0, e_mine = 0;
+#pragma unroll
+            for (int gg = 0; gg < 4; ++gg) {
+              const u32 b = __float_as_uint(sc[gg]);
+              const u32 e = b >> 23;  // sign bit included: a negative scale fails the range check
+              ok = ok && (b & 0x7FFFFFu) == 0 && e >= 1 && e <= 254;
+              emax = max(emax, e);
+              if (gg == u / 2) e_mine = e;
+            }
+#pragma unroll
+            for (int gg = 0; gg < 4; ++gg) ok = ok && emax - (__float_as_uint(sc[gg]) >> 23) <= 5;
+            const u32 dl = ok ? (emax - e_mine) * 8 : 0;  // e4m3 exponent-field steps
+            decode_e4m3_tab(w.x, kE4M3T0 - dl * 0x01010100u, kE4M3T1 - dl * 0x01010101u, o.x, o.y);
+            decode_e4m3_tab(w.y, kE4M3T0 - dl * 0x01010100u, kE4M3T1 - dl * 0x01010101u, o.z, o.w);
+            if (u == 0) reinterpret_cast<float*>(buf + St::kDec)[r] = __uint_as_float(min(max(emax, 1u), 254u) << 23);
+          } else {
+            decode_e4m3(w.x, o.x, o.y);
+            decode_e4m3(w.y, o.z, o.w);
+          }
+          *reinterpret_cast<uint4*>(buf + swz<128>(r, u)) = o;
+        } else {
+          // unit u = K 8u .. 8u + 7 = code bytes 4u .. 4u + 3; group u / 4; half u / 8 of the tile
+          const u32 w = *reinterpret_cast<const u32*>(st + St::kOffW + swz<64>(r, u / 4) + (u % 4) * 4);
+          float s = *reinterpret_cast<const float*>(st + St::kOffSfb + r * 16 + (u / 4) * 4);
+          if (fold) {
+            ok = ok && foldable(s);
+          } else {
+#pragma unroll
+            for (int p2 = 0; p2 < 4; ++p2) {  // piece pc of s: s = s0 + s1 + s2 + s3, 6 significant bits each
+              const float piece = __uint_as_float(__float_as_uint(s) & 0xFFFC0000u);
+              if (p2 == pc) {
+                s = piece;
+                break;
+              }
+              s -= piece;  // exact
+            }
+          }
+          u32 v[4];
+          decode_bf16(w, v);
+          const u32 s2 = prmt(__float_as_uint(s), 0u, 0x3232);  // bf16x2 (s, s)
+          uint4 o;
+          o.x = bf16x2_mul(v[0], s2);
+          o.y = bf16x2_mul(v[1], s2);
+          o.z = bf16x2_mul(v[2], s2);
+          o.w = bf16x2_mul(v[3], s2);
+          *reinterpret_cast<uint4*>(buf + (u / 8) * (BN * 128) + swz<128>(r, u % 8)) = o;
+        }
+      }
+      fence_proxy_async_shared();  // the generic-proxy stores -> the wgmmas (async proxy) that read them
+      return ok;
+    };
+
+    // Issue chunk i's wgmmas (tokens 64 wg .. of the stage's activations x tile `buf`); all of K unless `one`
+    // (e4m3: group `one` only). Accumulate into `out` (bf16: acc; e4m3: P, fresh).
+    auto issue = [&](int i, const unsigned char* buf, float* out, int one) {
+      const unsigned char* st = smem + (i % STAGES) * St::kBytes;
+      wgmma_fence();
+      if constexpr (ACT_FP8) {
+        const u64 da = make_smem_desc_k128b(st + wg * 64 * 128);
+        const u64 db = make_smem_desc_k128b(buf);
+        if (one >= 0) {
+          Mma::mma(out, da + one * 2, db + one * 2, 0);
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) Mma::mma(out, da + kk * 2, db + kk * 2, kk > 0);
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const u64 da = make_smem_desc_k128b(st + h * (TOKENS * 128) + wg * 64 * 128);
+          const u64 db = make_smem_desc_k128b(buf + h * (BN * 128));
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) Mma::mma(out, da + kk * 2, db + kk * 2, 1);
+        }
+      }
+      wgmma_commit();
+    };
+
+    // e4m3: acc += P * sa[token] * f[col] (f: the chunk's row factors, or group `gg`'s scales from the stage)
+    [[maybe_unused]] auto promote = [&](int i, const unsigned char* buf, int gg) {
+      const unsigned char* st = smem + (i % STAGES) * St::kBytes;
+      const int t0 = wg * 64 + (warp % 4) * 16 + g;
+      const float* sfa = reinterpret_cast<const float*>(st + St::kOffSfa);
+      const float sa0 = sfa[t0], sa1 = sfa[t0 + 8];
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = 8 * j + 2 * q;
+        float f0, f1;
+        if (gg < 0) {
+          const float2 f = *reinterpret_cast<const float2*>(buf + St::kDec + col * 4);
+          f0 = f.x, f1 = f.y;
+        } else {
+          f0 = *reinterpret_cast<const float*>(st + St::kOffSfb + col * 16 + gg * 4);
+          f1 = *reinterpret_cast<const float*>(st + St::kOffSfb + (col + 1) * 16 + gg * 4);
+        }
+        acc[4 * j + 0] += P[4 * j + 0] * (sa0 * f0);
+        acc[4 * j + 1] += P[4 * j + 1] * (sa0 * f1);
+        acc[4 * j + 2] += P[4 * j + 2] * (sa1 * f0);
+        acc[4 * j + 3] += P[4 * j + 3] * (sa1 * f1);
+      }
+    };
+
+    bool fold = false;
+    if (n_ch > 0) {
+      mbarrier_wait(&ring.full[0], 0);
+      fold = threads_all(decode(0, dec, true, 0), MATH);
+    }
+    for (int i = 0; i < n_ch; ++i) {
+      unsigned char* buf = dec + (i & 1) * St::kDecBytes;
+      unsigned char* nbuf = dec + ((i + 1) & 1) * St::kDecBytes;
+      // chunk i + 1 -> the other tile (its previous wgmmas, chunk i - 1's, retired before the last barrier)
+      auto next = [&]() -> bool {
+        if (i + 1 >= n_ch) return true;
+        mbarrier_wait(&ring.full[(i + 1) % STAGES], ((i + 1) / STAGES) & 1);
+        return decode(i + 1, nbuf, true, 0);
+      };
+      bool ok;
+      if (fold) {  // each branch waits for its own wgmmas (none in flight across the branches' join)
+        if constexpr (ACT_FP8) {
+          wgmma_fence_operands(P);
+          issue(i, buf, P, -1);
+          ok = next();
+          wgmma_wait<0>();
+          wgmma_fence_operands(P);
+          promote(i, buf, -1);
+        } else {
+          wgmma_fence_operands(acc);
+          issue(i, buf, acc, -1);
+          ok = next();
+          wgmma_wait<0>();
+          wgmma_fence_operands(acc);
+        }
+      } else {
+        // slow path: every thread takes it (the vote is the CTA's); the tile is re-decoded and waited per pass
+        if constexpr (ACT_FP8) {
+          decode(i, buf, false, 0);
+          threads_sync(MATH);
+#pragma unroll 1
+          for (int gg = 0; gg < 4; ++gg) {
+            wgmma_fence_operands(P);
+            issue(i, buf, P, gg);
+            wgmma_wait<0>();
+            wgmma_fence_operands(P);
+            promote(i, buf, gg);
+          }
+        } else {
+#pragma unroll 1
+          for (int pc = 0; pc < 4; ++pc) {
+            if (pc > 0) threads_sync(MATH);  // every warpgroup's previous pass retired: the tile may be overwritten
+            decode(i, buf, false, pc);
+            threads_sync(MATH);
+            wgmma_fence_operands(acc);
+            issue(i, buf, acc, -1);
+            wgmma_wait<0>();
+            wgmma_fence_operands(acc);
+          }
+        }
+        ok = next();
+      }
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&ring.empty[i % STAGES]);  // chunk i's stage: decoded and multiplied
+      // chunk i + 1 decoded everywhere, chunk i's wgmmas retired everywhere (its tile is free), the vote
+      fold = threads_all(ok, MATH);
+    }
+  }
+
+  // the partial tile [TOKENS][BN] over the drained ring: acc[4j + i] = token 16 warp + g + 8 (i / 2),
+  // column 8j + 2q + i % 2 (wgmma's accumulator layout)
+  float* red = reinterpret_cast<float*>(smem);
+  __syncthreads();
+  if (warp < 4 * NWG) {
+    const int g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[(warp * 16 + g + 8 * (i / 2)) * BN + 8 * j + 2 * q + i % 2] = acc[4 * j + i];
+    }
+  }
+  cluster_reduce_store<BN, TOKENS, OutT, HAS_C, THREADS>(red, d, c, 0, shape_m, shape_n, m0, rows_m, n_cta);
 }
 
 }  // namespace fp4

@@ -1,0 +1,65 @@
+"""Warm the kernel cache for fp4m's GPU job (NVRTC only, no GPU): the decode-to-shared FP4 kernel (DEEPGEMM_FP4_KERNEL=dec)
+for its GPU tests (packages/deepgemm/tests/test_fp4_dec.py), the bench rows (M = 64 / 128 at the issue shapes: dec with
+bf16 and e4m3 activations and its (BN, splits) variants, each with every split cap the launch's cluster fit may step
+down to), the default policy and the e4m3 wgmma kernel at those rows, and the ncu launches. Run it through
+scripts/gpu/warm.sh:
+
+    scripts/gpu/warm.sh fp4m /tmp/fp4m_stage python3 scripts/gpu/fp4m_warm.py [--jobs 2] [--list]
+
+deepgemm fp8_gemm_nt (the peer) is not warmed here: the job compiles it on the device in parallel with its tests.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tilehal.testing import environ
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "packages/deepgemm/tests"))
+
+from fp4_warm import BENCH_NK, SMS, auto_keys, warm, wgmma_keys  # noqa: E402
+
+BENCH_MS = (64, 128)
+# the job's bench variants (gpu_job.sh V): (BN, splits) per activation kind
+BENCH_VARIANTS = {False: (("64", None), ("128", None), ("32", "2")), True: (("64", None), ("32", "2"))}
+
+
+def dec_keys(keys: set, m, n, k, fp8, out_bf16=True, has_c=False, bn=None, splits=None) -> None:
+    """The dec plan and every plan the launch's cluster fit may step down to (split caps 1 .. the plan's)."""
+    from deepgemm import cuda_fp4
+
+    p = cuda_fp4._plan_dec(m, n, k, out_bf16, has_c, fp8, SMS, bn, splits)
+    keys.add(p.key)
+    for most in range(1, p.splits):
+        keys.add(cuda_fp4._plan_dec(m, n, k, out_bf16, has_c, fp8, SMS, bn, str(most)).key)
+
+
+def job_keys() -> set:
+    import test_fp4_dec as t
+
+    keys: set = set(t.DEC_KEYS)
+    for m, n, k in t.GPU_SHAPES:  # test_gpu_dec_kernel_matches_reference: fp32 and bf16 out
+        for fp8 in (False, True):
+            for out_bf16 in (True, False):
+                dec_keys(keys, m, n, k, fp8, out_bf16)
+    for bn, sp in t.VARIANTS:  # test_gpu_dec_variants_mixed_scales_c_and_graph_replay: fp32 out + C
+        for fp8 in (False, True):
+            if not fp8 or int(bn) <= 64:
+                dec_keys(keys, 128, 2112, 7168, fp8, False, True, bn, sp)
+    for n, k in BENCH_NK:
+        for m in BENCH_MS:
+            for fp8 in (False, True):
+                dec_keys(keys, m, n, k, fp8)
+                for bn, sp in BENCH_VARIANTS[fp8]:
+                    dec_keys(keys, m, n, k, fp8, bn=bn, splits=sp)
+            wgmma_keys(keys, m, n, k, act_fp8=True)  # fp8_fp4_wgmma
+            with environ({"DEEPGEMM_FP4_KERNEL": "auto"}):
+                auto_keys(keys, m, n, k)  # bf16_fp4_auto
+    return keys
+
+
+if __name__ == "__main__":
+    warm(job_keys, "fp4m warm")
