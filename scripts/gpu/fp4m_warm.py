@@ -1,7 +1,7 @@
 """Warm the kernel cache for fp4m's GPU job (NVRTC only, no GPU): the decode-to-shared FP4 kernel (DEEPGEMM_FP4_KERNEL=dec)
 for its GPU tests (packages/deepgemm/tests/test_fp4_dec.py), the bench rows (M = 64 / 128 at the issue shapes: dec with
 bf16 and e4m3 activations and its (BN, splits) variants, each with every split cap the launch's cluster fit may step
-down to), the default policy and the e4m3 wgmma kernel at those rows, and the ncu launches. Run it through
+down to), the default policy for both activation kinds and the e4m3 wgmma kernel at those rows, and the ncu launches. Run it through
 scripts/gpu/warm.sh:
 
     scripts/gpu/warm.sh fp4m /tmp/fp4m_stage python3 scripts/gpu/fp4m_warm.py [--jobs 2] [--list]
@@ -58,6 +58,7 @@ def job_keys() -> set:
             wgmma_keys(keys, m, n, k, act_fp8=True)  # fp8_fp4_wgmma
             with environ({"DEEPGEMM_FP4_KERNEL": "auto"}):
                 auto_keys(keys, m, n, k)  # bf16_fp4_auto
+                auto_keys(keys, m, n, k, act_fp8=True)  # fp8_fp4 (the e4m3 default: mma.sync)
     return keys
 
 
