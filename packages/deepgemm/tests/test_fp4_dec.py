@@ -10,9 +10,13 @@ from deepgemm import cuda_fp4, fp4
 
 ISSUE_NK = ((7168, 2048), (2112, 7168), (4096, 7168))
 SMS = 132
-# A/B variants the GPU round times (gpu_job.sh): (BN, splits) forced at M = 64 / 128 (splits None: as many as fill
-# the SMs with those slices)
-VARIANTS = (("64", None), ("128", None), ("32", "2"))
+# A/B variants the GPU round times (gpu_job.sh): (BN, splits, multicast) forced at M = 64 / 128 (BN None: the planner's;
+# splits None: as many as fill the SMs with those slices; multicast 2: 2-CTA clusters share the activation tile)
+VARIANTS = (("64", None, None), ("128", None, None), ("32", "2", None), (None, None, "2"), ("64", None, "2"))
+
+
+def fits(fp8, bn) -> bool:
+    return not fp8 or bn is None or int(bn) <= cuda_fp4.DEC_FP8_MAX_BN
 
 
 def dec_keys() -> list:
@@ -22,10 +26,9 @@ def dec_keys() -> list:
             for fp8 in (False, True):
                 keys.add(cuda_fp4._plan_dec(m, n, k, True, False, fp8, SMS, None, None).key)
                 if m in (64, 128):
-                    for bn, sp in VARIANTS:
-                        if fp8 and int(bn) > cuda_fp4.DEC_FP8_MAX_BN:
-                            continue
-                        keys.add(cuda_fp4._plan_dec(m, n, k, True, False, fp8, SMS, bn, sp).key)
+                    for bn, sp, mc in VARIANTS:
+                        if fits(fp8, bn):
+                            keys.add(cuda_fp4._plan_dec(m, n, k, True, False, fp8, SMS, bn, sp, mc).key)
     for fp8 in (False, True):
         keys.add(cuda_fp4._plan_dec(37, 136, 1152, False, True, fp8, SMS, None, None).key)  # fp32 out + C
         keys.add(cuda_fp4._plan_dec(200, 200, 256, True, False, fp8, SMS, None, None).key)  # several m-blocks
@@ -59,7 +62,8 @@ def test_dec_env_knobs(monkeypatch):
     p = cuda_fp4.plan_dec(128, 4096, 7168, True, False, False, num_sms=SMS)
     assert (p.key.bn, p.splits, p.chunks_per_split, p.cluster) == (64, 4, 14, (1, 4, 1))
     for name, bad, fp8 in (("DEEPGEMM_FP4_DEC_BN", "12", False), ("DEEPGEMM_FP4_DEC_BN", "264", False),
-                           ("DEEPGEMM_FP4_DEC_BN", "128", True), ("DEEPGEMM_FP4_DEC_SPLITS", "9", False)):
+                           ("DEEPGEMM_FP4_DEC_BN", "128", True), ("DEEPGEMM_FP4_DEC_MCAST", "2", False),
+                           ("DEEPGEMM_FP4_DEC_SPLITS", "9", False)):
         monkeypatch.setenv(name, bad)
         with pytest.raises(deepgemm.validate.ArgumentError, match=name):
             cuda_fp4.plan_dec(128, 4096, 7168, True, False, fp8, num_sms=SMS)
@@ -101,6 +105,14 @@ def test_dec_launch_arguments_cpu(fp8, monkeypatch):
     assert len(args) == 11 and args[-5:] == [m, n, k, p.m_blocks, p.chunks_per_split] and args[5] is None
     assert ((p.key.bn, 64), "64B") in boxes and ((p.key.bn, 4), "none") in boxes
     assert ((128, 128), "128B") in boxes and ((1, 128), "none") in boxes if fp8 else ((128, 64), "128B") in boxes
+    monkeypatch.delenv("DEEPGEMM_FP4_DEC_SPLITS")
+    monkeypatch.setenv("DEEPGEMM_FP4_DEC_MCAST", "2")
+    monkeypatch.setenv("DEEPGEMM_FP4_DEC_BN", "64")  # 33 slices of 2112
+    p = cuda_fp4.plan_dec(m, 2112, k, True, False, fp8, num_sms=SMS)
+    cuda_fp4._launch_dec(p, a, sfa, packed[:2112], sf[:2112], d[:, :2112], None, m, 2112, k)
+    grid, _, _, _, cluster = launches[-1]
+    assert p.row_blocks % 2 == 1 and grid == (p.row_blocks + 1, 1, 1) and cluster == (2, 1, 1)  # a phantom CTA
+    assert ((64, 128 if fp8 else 64), "128B") in boxes  # each CTA loads half of the token rows
 
 
 @pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
@@ -117,6 +129,7 @@ def test_dec_configs_compile(part, h):
 
 def test_dec_configs_cover_kinds_tiles_and_c():
     assert {k.act_fp8 for k in DEC_KEYS} == {True, False} and {k.nwg for k in DEC_KEYS} == {1, 2}
+    assert {(k.mcast, k.act_fp8, k.nwg) for k in DEC_KEYS} >= {(2, False, 1), (2, False, 2), (2, True, 1), (2, True, 2)}
     assert any(k.has_c for k in DEC_KEYS) and {k.out_bf16 for k in DEC_KEYS} == {True, False}
     assert {k.bn for k in DEC_KEYS} >= {16, 32, 56, 64, 128}
 
@@ -167,15 +180,16 @@ def test_gpu_dec_kernel_matches_reference(m, n, k, scales, fp8, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bn,splits,fp8", [(bn, sp, fp8) for bn, sp in VARIANTS for fp8 in (False, True)
-                                           if not fp8 or int(bn) <= cuda_fp4.DEC_FP8_MAX_BN])
-def test_gpu_dec_variants_mixed_scales_c_and_graph_replay(bn, splits, fp8, monkeypatch):
-    """The round's A/B variants (BN, cluster split-K) with C and mixed scales, replayed from a CUDA graph."""
+@pytest.mark.parametrize("bn,splits,mcast,fp8", [(*v, fp8) for v in VARIANTS for fp8 in (False, True) if fits(fp8, v[0])])
+@pytest.mark.parametrize("m", [128, 64])
+def test_gpu_dec_variants_mixed_scales_c_and_graph_replay(m, bn, splits, mcast, fp8, monkeypatch):
+    """The round's A/B variants (BN, cluster split-K, multicast; N = 2112: an odd number of 64-row slices, so
+    multicast has a phantom CTA) with C and mixed scales, replayed from a CUDA graph."""
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "dec")
-    monkeypatch.setenv("DEEPGEMM_FP4_DEC_BN", bn)
-    if splits:
-        monkeypatch.setenv("DEEPGEMM_FP4_DEC_SPLITS", splits)
-    m, n, k = 128, 2112, 7168
+    for name, v in (("BN", bn), ("SPLITS", splits), ("MCAST", mcast)):
+        if v:
+            monkeypatch.setenv(f"DEEPGEMM_FP4_DEC_{name}", v)
+    n, k = 2112, 7168
     act, b, ref = operands(m, n, k, "mixed", fp8, seed=11)
     c = torch.randn(m, n, device="cuda")
     ref = ref + c.double()

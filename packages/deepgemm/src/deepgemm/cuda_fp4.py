@@ -694,7 +694,8 @@ def small_candidate_keys(m: int, n: int, k: int, groups: int, out_bf16: bool, ha
 # e4m3 activations): DeepGEMM's fp8 tile at decode shapes (tokens = the wgmma M, 64 per math warpgroup; a thin
 # slice of BN weight rows over the whole K range per CTA, one CTA per SM, a deep ring), the FP4 weights decoded by
 # the math warpgroups into a shared B tile. A/B knobs: DEEPGEMM_FP4_DEC_BN (8..256, a multiple of 8),
-# DEEPGEMM_FP4_DEC_SPLITS (1..8: K splits as one cluster, DSMEM reduction).
+# DEEPGEMM_FP4_DEC_SPLITS (1..8: K splits as one cluster, DSMEM reduction), DEEPGEMM_FP4_DEC_MCAST (2: 2-CTA clusters
+# along N share the activation tile by TMA multicast; no K splits).
 DEC_MAX_STAGES = 8
 DEC_MAX_TOKENS = 128  # two math warpgroups; more tokens: several m-blocks
 DEC_FP8_MAX_BN = 64  # e4m3: BN / 2 accumulators + BN / 2 partial sums a thread (BN = 128 with 2 warpgroups spills)
@@ -709,9 +710,10 @@ class Fp4DecKey(_KernelKey):
     out_bf16: bool
     has_c: bool
     stages: int
+    mcast: int = 1
 
     def template_args(self) -> tuple:
-        return self.bn, self.nwg, self.act_fp8, self.out_type, self.has_c, self.stages
+        return self.bn, self.nwg, self.act_fp8, self.out_type, self.has_c, self.stages, self.mcast
 
     @property
     def nt(self) -> int:  # n8 token tiles (tokens = 64 nwg)
@@ -759,17 +761,29 @@ class Fp4DecPlan(_ClusterPlan):
     def smem_bytes(self) -> int:
         return self.key.smem_bytes
 
+    @property
+    def grid(self) -> tuple[int, int, int]:  # MCAST: a whole number of clusters along N (an odd count: a phantom CTA)
+        mc = self.key.mcast
+        return ceil_div(self.row_blocks, mc) * mc, self.splits, self.m_blocks * self.groups
+
+    @property
+    def cluster(self) -> tuple[int, int, int] | None:
+        if self.key.mcast > 1:
+            return self.key.mcast, 1, 1
+        return (1, self.splits, 1) if self.splits > 1 else None
+
 
 def plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool,
              num_sms: int | None = None) -> Fp4DecPlan:
     """Token tile, weight rows per CTA (BN), K splits and ring depth of the decode-to-shared kernel (dense)."""
     return _plan_dec(m, n, k, out_bf16, has_c, act_fp8, num_sms or get_num_sms(),
-                     os.environ.get("DEEPGEMM_FP4_DEC_BN"), os.environ.get("DEEPGEMM_FP4_DEC_SPLITS"))
+                     os.environ.get("DEEPGEMM_FP4_DEC_BN"), os.environ.get("DEEPGEMM_FP4_DEC_SPLITS"),
+                     os.environ.get("DEEPGEMM_FP4_DEC_MCAST"))
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool, sms: int, forced_bn: str | None,
-              forced_splits: str | None) -> Fp4DecPlan:
+              forced_splits: str | None, forced_mcast: str | None = None) -> Fp4DecPlan:
     nwg = 1 if m <= 64 else 2
     m_blocks = ceil_div(m, 64 * nwg)
     chunks = k // 128
@@ -784,17 +798,25 @@ def _plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool
             raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_BN: expected at most {top} with e4m3 activations, got {bn}")
         # K splits (one cluster) that fill the SMs with these slices, unless forced too
         tiles = ceil_div(n, bn) * m_blocks
-        splits = int(forced_splits) if forced_splits else max(1, min(MAX_CLUSTER_SPLITS, chunks // 2, sms // tiles))
+        fill = max(1, min(MAX_CLUSTER_SPLITS, chunks // 2, sms // tiles)) if forced_mcast in (None, "1") else 1
+        splits = int(forced_splits) if forced_splits else fill
     else:
         splits = int(forced_splits) if forced_splits else 1
         # one wave: the thinnest slice of N (a multiple of 8) whose CTAs all fit on the SMs at once
         bn = min(top, max(8, ceil_div(ceil_div(n * m_blocks * splits, sms), 8) * 8))
     cps = ceil_div(chunks, min(splits, chunks))
     splits = ceil_div(chunks, cps)
+    mcast = 1
+    if forced_mcast is not None:  # A/B timing only
+        if forced_mcast not in ("1", "2"):
+            raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_MCAST: expected 1 or 2, got {forced_mcast!r}")
+        mcast = int(forced_mcast)
+        if mcast > 1 and splits > 1:
+            raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_MCAST: expected 1 with K splits ({splits}), got {mcast}")
     stages = min(DEC_MAX_STAGES, max(2, cps))
     while stages > 2 and dec_smem_bytes(bn, nwg, act_fp8, stages) > 227 * 1024:
         stages -= 1
-    key = Fp4DecKey(bn=bn, nwg=nwg, act_fp8=act_fp8, out_bf16=out_bf16, has_c=has_c, stages=stages)
+    key = Fp4DecKey(bn=bn, nwg=nwg, act_fp8=act_fp8, out_bf16=out_bf16, has_c=has_c, stages=stages, mcast=mcast)
     return Fp4DecPlan(key=key, m_blocks=m_blocks, row_blocks=ceil_div(n, bn), splits=splits, chunks_per_split=cps)
 
 
@@ -805,13 +827,14 @@ def _launch_dec(p: Fp4DecPlan, a, sfa, b, sfb, d, c, m: int, n: int, k: int) -> 
 
     db = encode_tiled(b.data_ptr(), torch.uint8, (n, k // 2), (k // 2, 1), (key.bn, 64), "64B")
     dsfb = encode_tiled(sfb.data_ptr(), torch.float32, (n, k // 32), (k // 32, 1), (key.bn, 4), "none")
+    rows_a = key.tokens // key.mcast  # MCAST: each CTA of a cluster loads its share of the token rows
     if key.act_fp8:
-        da = encode_tiled(a.data_ptr(), torch.uint8, (m, k), (a.stride(0), 1), (key.tokens, 128), "128B")
+        da = encode_tiled(a.data_ptr(), torch.uint8, (m, k), (a.stride(0), 1), (rows_a, 128), "128B")
         sfa_t = _sfa_layout(sfa)
         dsfa = encode_tiled(sfa_t.data_ptr(), torch.float32, (k // 128, m), (get_tma_aligned_size(m, 4), 1),
                             (1, key.tokens), "none")
     else:
-        da = encode_tiled(a.data_ptr(), torch.bfloat16, (m, k), (a.stride(0), 1), (key.tokens, 64), "128B")
+        da = encode_tiled(a.data_ptr(), torch.bfloat16, (m, k), (a.stride(0), 1), (rows_a, 64), "128B")
         dsfa = _NULL_DESC
     log.debug("fp4 dec gemm %dx%dx%d: %s grid %s cluster %s, %d chunks per split", m, n, k, key.expression, p.grid,
               p.cluster, p.chunks_per_split)
@@ -825,11 +848,12 @@ def _try_dec(a, sfa, b, sfb, d, c, m: int, n: int, k: int) -> bool:
         return False
 
     sms = get_num_sms()
-    forced_bn = os.environ.get("DEEPGEMM_FP4_DEC_BN")
+    forced_bn, mcast = os.environ.get("DEEPGEMM_FP4_DEC_BN"), os.environ.get("DEEPGEMM_FP4_DEC_MCAST")
 
     def replan(most=None):
         splits = os.environ.get("DEEPGEMM_FP4_DEC_SPLITS") if most is None else str(most)
-        return _plan_dec(m, n, k, d.dtype == torch.bfloat16, c is not None, sfa is not None, sms, forced_bn, splits)
+        return _plan_dec(m, n, k, d.dtype == torch.bfloat16, c is not None, sfa is not None, sms, forced_bn, splits,
+                         mcast)
 
     _launch_dec(_fit_clusters(replan(), a.device, replan), a, sfa, b, sfb, d, c, m, n, k)
     return True

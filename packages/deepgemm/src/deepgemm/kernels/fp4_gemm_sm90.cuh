@@ -1368,6 +1368,10 @@ fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sf
 //   other chunks: one P per 32-wide group, promoted with that group's scale.
 //
 // K splits (optional, gridDim.y): a thread-block cluster reduced through DSMEM (cluster_reduce_store).
+// MCAST = 2 (no K splits): 2-CTA clusters along N share the activation tile: each CTA's producer loads half of its
+// token rows with a TMA multicast into both CTAs, a stage is refilled once both CTAs' warps released it (every
+// consumer warp arrives on its own and the peer's empty barrier), the cluster syncs after the barriers' init and
+// before leaving. L2 -> SM traffic of the activations halves (the bound of thin slices with bf16 activations).
 // ==================================================================================================
 template <int TOKENS, int ROWS, bool ACT_FP8>
 struct Fp4DecStage {
@@ -1405,13 +1409,14 @@ TILEHAL_DEVICE void threads_sync(int threads) { asm volatile("bar.sync 1, %0;" :
 template <bool ACT_FP8, int BN> struct Fp4DecMma { using T = WgmmaBF16<BN>; };
 template <int BN> struct Fp4DecMma<true, BN> { using T = WgmmaE4M3<BN>; };
 
-template <int BN, int NWG, bool ACT_FP8, typename OutT, bool HAS_C, int STAGES>
+template <int BN, int NWG, bool ACT_FP8, typename OutT, bool HAS_C, int STAGES, int MCAST>
 __global__ void __launch_bounds__(128 * NWG + 32, 1)
 fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant__ TmaDescriptor tma_sfb,
              const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_sfa,
              OutT* __restrict__ d, const float* __restrict__ c, int shape_m, int shape_n, int shape_k, int m_blocks,
              int chunks_per_split) {
   static_assert(BN % 8 == 0 && BN >= 8 && BN <= 256, "BN: the wgmma N (a multiple of 8, <= 256)");
+  static_assert(MCAST == 1 || MCAST == 2, "MCAST: 1 or 2 CTAs share the activation tile");
   constexpr int TOKENS = 64 * NWG, MATH = 128 * NWG, THREADS = MATH + 32;
   using St = Fp4DecStage<TOKENS, BN, ACT_FP8>;
   constexpr int RING = fp4_dec_bytes<TOKENS, BN, ACT_FP8, STAGES>();
@@ -1426,8 +1431,13 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
   const int m0 = tile.m0, rows_m = tile.rows_m, n_cta = tile.n_cta, c_begin = tile.c_begin, c_end = tile.c_end;
 
   extern __shared__ unsigned char smem_raw[];
-  const Fp4Ring ring = fp4_ring_init<STAGES, RING>(smem_raw, MATH, 4 * NWG, &tma_b, &tma_sfb, &tma_a,
+  const Fp4Ring ring = fp4_ring_init<STAGES, RING>(smem_raw, MATH, 4 * NWG * MCAST, &tma_b, &tma_sfb, &tma_a,
                                                    ACT_FP8 ? &tma_sfa : nullptr);
+  [[maybe_unused]] u32 rank = 0;
+  if constexpr (MCAST > 1) {
+    rank = cluster_ctarank();
+    cluster_sync();  // the peer's barriers are initialized before any multicast signals them
+  }
   unsigned char* smem = ring.smem;
   unsigned char* dec = smem + STAGES * St::kBytes;  // two decoded tiles (1024-aligned: kBytes, kDecBytes are)
   float acc[R] = {};  // bf16: written by wgmma only; e4m3: by the promotion only
@@ -1442,12 +1452,18 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
         mbarrier_arrive_expect_tx(&ring.full[s], St::kA + St::kW + St::kSfb + St::kSfa);
         tma_load_2d(st + St::kOffW, &tma_b, &ring.full[s], ch * 64, n_cta);
         tma_load_2d(st + St::kOffSfb, &tma_sfb, &ring.full[s], ch * 4, n_cta);
-        tma_load_2d(st, &tma_a, &ring.full[s], ch * 128, m0);
-        if constexpr (ACT_FP8) {
-          tma_load_2d(st + St::kOffSfa, &tma_sfa, &ring.full[s], m0, ch);
+        if constexpr (MCAST > 1) {  // this CTA's half of the token rows, into both CTAs
+          constexpr int HALF = TOKENS / 2;
+          const int off = static_cast<int>(rank) * HALF * 128;
+          tma_load_2d_multicast(st + off, &tma_a, &ring.full[s], ch * 128, m0 + rank * HALF, 0x3);
+          if constexpr (!ACT_FP8) {
+            tma_load_2d_multicast(st + TOKENS * 128 + off, &tma_a, &ring.full[s], ch * 128 + 64, m0 + rank * HALF, 0x3);
+          }
         } else {
-          tma_load_2d(st + TOKENS * 128, &tma_a, &ring.full[s], ch * 128 + 64, m0);
+          tma_load_2d(st, &tma_a, &ring.full[s], ch * 128, m0);
+          if constexpr (!ACT_FP8) tma_load_2d(st + TOKENS * 128, &tma_a, &ring.full[s], ch * 128 + 64, m0);
         }
+        if constexpr (ACT_FP8) tma_load_2d(st + St::kOffSfa, &tma_sfa, &ring.full[s], m0, ch);
       }
     }
   } else {
@@ -1633,7 +1649,10 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
         ok = next();
       }
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(&ring.empty[i % STAGES]);  // chunk i's stage: decoded and multiplied
+      if (lane == 0) {  // chunk i's stage: decoded and multiplied (MCAST: the peer refills half of it too)
+        mbarrier_arrive(&ring.empty[i % STAGES]);
+        if constexpr (MCAST > 1) mbarrier_arrive_remote(&ring.empty[i % STAGES], rank ^ 1);
+      }
       // chunk i + 1 decoded everywhere, chunk i's wgmmas retired everywhere (its tile is free), the vote
       fold = threads_all(ok, MATH);
     }
@@ -1652,6 +1671,7 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
     }
   }
   cluster_reduce_store<BN, TOKENS, OutT, HAS_C, THREADS>(red, d, c, 0, shape_m, shape_n, m0, rows_m, n_cta);
+  if constexpr (MCAST > 1) cluster_sync();  // the peer's last remote arrivals on this CTA's barriers have landed
 }
 
 }  // namespace fp4
