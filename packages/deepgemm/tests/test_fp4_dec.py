@@ -71,6 +71,14 @@ def test_dec_env_knobs(monkeypatch):
     monkeypatch.setenv("DEEPGEMM_FP4_DEC_BN", "128")  # splits: as many as fill the SMs with 128-row slices
     assert [(p.row_blocks, p.splits) for p in (cuda_fp4.plan_dec(128, n, k, True, False, False, num_sms=SMS)
                                                for n, k in ISSUE_NK)] == [(56, 2), (17, 7), (32, 4)]
+    monkeypatch.delenv("DEEPGEMM_FP4_DEC_BN")
+    monkeypatch.setenv("DEEPGEMM_FP4_DEC_BLOCKS", "2")  # two CTAs per SM: half the slice, half the ring
+    one, two = (cuda_fp4._plan_dec(64, 4096, 7168, True, False, False, SMS, None, None, None, b) for b in ("1", "2"))
+    assert (one.key.bn, two.key.bn) == (32, 16) and 2 * two.key.smem_bytes <= cuda_fp4.SM_SMEM
+    assert cuda_fp4.plan_dec(64, 4096, 7168, True, False, False, num_sms=SMS) == two
+    monkeypatch.setenv("DEEPGEMM_FP4_DEC_BLOCKS", "3")
+    with pytest.raises(deepgemm.validate.ArgumentError, match="DEEPGEMM_FP4_DEC_BLOCKS"):
+        cuda_fp4.plan_dec(64, 4096, 7168, True, False, False, num_sms=SMS)
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "dec")
     assert cuda_fp4.kernel_choice() == "dec" and not cuda_fp4.use_small(False, 1)
 

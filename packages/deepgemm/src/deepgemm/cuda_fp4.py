@@ -695,7 +695,8 @@ def small_candidate_keys(m: int, n: int, k: int, groups: int, out_bf16: bool, ha
 # slice of BN weight rows over the whole K range per CTA, one CTA per SM, a deep ring), the FP4 weights decoded by
 # the math warpgroups into a shared B tile. A/B knobs: DEEPGEMM_FP4_DEC_BN (8..256, a multiple of 8),
 # DEEPGEMM_FP4_DEC_SPLITS (1..8: K splits as one cluster, DSMEM reduction), DEEPGEMM_FP4_DEC_MCAST (2: 2-CTA clusters
-# along N share the activation tile by TMA multicast; no K splits).
+# along N share the activation tile by TMA multicast; no K splits), DEEPGEMM_FP4_DEC_BLOCKS (2: plan for two CTAs per SM:
+# half the ring each, twice the CTAs).
 DEC_MAX_STAGES = 8
 DEC_MAX_TOKENS = 128  # two math warpgroups; more tokens: several m-blocks
 DEC_FP8_MAX_BN = 64  # e4m3: BN / 2 accumulators + BN / 2 partial sums a thread (BN = 128 with 2 warpgroups spills)
@@ -778,12 +779,19 @@ def plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool,
     """Token tile, weight rows per CTA (BN), K splits and ring depth of the decode-to-shared kernel (dense)."""
     return _plan_dec(m, n, k, out_bf16, has_c, act_fp8, num_sms or get_num_sms(),
                      os.environ.get("DEEPGEMM_FP4_DEC_BN"), os.environ.get("DEEPGEMM_FP4_DEC_SPLITS"),
-                     os.environ.get("DEEPGEMM_FP4_DEC_MCAST"))
+                     os.environ.get("DEEPGEMM_FP4_DEC_MCAST"), os.environ.get("DEEPGEMM_FP4_DEC_BLOCKS"))
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool, sms: int, forced_bn: str | None,
-              forced_splits: str | None, forced_mcast: str | None = None) -> Fp4DecPlan:
+              forced_splits: str | None, forced_mcast: str | None = None,
+              forced_blocks: str | None = None) -> Fp4DecPlan:
+    blocks = 1
+    if forced_blocks is not None:  # A/B timing only
+        if forced_blocks not in ("1", "2"):
+            raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_BLOCKS: expected 1 or 2, got {forced_blocks!r}")
+        blocks = int(forced_blocks)
+    sms *= blocks  # CTAs resident at once
     nwg = 1 if m <= 64 else 2
     m_blocks = ceil_div(m, 64 * nwg)
     chunks = k // 128
@@ -814,7 +822,7 @@ def _plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool
         if mcast > 1 and splits > 1:
             raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_MCAST: expected 1 with K splits ({splits}), got {mcast}")
     stages = min(DEC_MAX_STAGES, max(2, cps))
-    while stages > 2 and dec_smem_bytes(bn, nwg, act_fp8, stages) > 227 * 1024:
+    while stages > 2 and dec_smem_bytes(bn, nwg, act_fp8, stages) > min(227 * 1024, SM_SMEM // blocks - 1024):
         stages -= 1
     key = Fp4DecKey(bn=bn, nwg=nwg, act_fp8=act_fp8, out_bf16=out_bf16, has_c=has_c, stages=stages, mcast=mcast)
     return Fp4DecPlan(key=key, m_blocks=m_blocks, row_blocks=ceil_div(n, bn), splits=splits, chunks_per_split=cps)
@@ -849,11 +857,12 @@ def _try_dec(a, sfa, b, sfb, d, c, m: int, n: int, k: int) -> bool:
 
     sms = get_num_sms()
     forced_bn, mcast = os.environ.get("DEEPGEMM_FP4_DEC_BN"), os.environ.get("DEEPGEMM_FP4_DEC_MCAST")
+    blocks = os.environ.get("DEEPGEMM_FP4_DEC_BLOCKS")
 
     def replan(most=None):
         splits = os.environ.get("DEEPGEMM_FP4_DEC_SPLITS") if most is None else str(most)
         return _plan_dec(m, n, k, d.dtype == torch.bfloat16, c is not None, sfa is not None, sms, forced_bn, splits,
-                         mcast)
+                         mcast, blocks)
 
     _launch_dec(_fit_clusters(replan(), a.device, replan), a, sfa, b, sfb, d, c, m, n, k)
     return True
