@@ -42,7 +42,7 @@ def timed(fn, iters: int) -> tuple[float, float]:
 # the wgmma one above); bf16_fp4_small: the small-M kernel (M <= 32; above: as auto); bf16_fp4_auto: the default
 # policy (DEEPGEMM_FP4_KERNEL=auto), the figure issue 19 counts
 OURS = ("fp8_fp4", "fp8_fp4_wgmma", "bf16_fp4", "bf16_fp4_wgmma", "bf16_fp4_stream", "bf16_fp4_small", "bf16_fp4_auto",
-        "bf16_fp4_dec", "fp8_fp4_dec")
+        "bf16_fp4_dec", "fp8_fp4_dec", "fp8_fp4_auto")
 
 
 def with_env(env: dict[str, str], fn):
@@ -101,6 +101,7 @@ def case(m: int, n: int, k: int, iters: int, only: str | None = None, variants=(
         # for fp8_fp4 and deepgemm_fp8)
         "bf16_fp4_dec": with_kernel("dec", lambda: deepgemm.bf16_fp4_gemm_nt(a, (packed, sf), d)),
         "fp8_fp4_dec": with_kernel("dec", lambda: deepgemm.fp8_fp4_gemm_nt((a8, sfa_t), (packed, sf), d)),
+        "fp8_fp4_auto": with_kernel("auto", lambda: deepgemm.fp8_fp4_gemm_nt((a8, sfa_t), (packed, sf), d)),
         "cublas_bf16": lambda: torch.matmul(a, w.T),
         "deepgemm_fp8": lambda: deepgemm.fp8_gemm_nt((a8, sfa_t), (b8, sfb), d),
     }

@@ -214,3 +214,20 @@ def test_gpu_dec_variants_mixed_scales_c_and_graph_replay(m, bn, splits, mcast, 
         graph.replay()
         torch.cuda.synchronize()
         assert rel(d, ref) < tol
+
+
+def test_auto_dec_policy_env(monkeypatch):
+    """DEEPGEMM_FP4_AUTO_DEC_MIN_M overrides AUTO_DEC_MIN_M under auto only; DEEPGEMM_FP4_KERNEL=dec takes it always."""
+    monkeypatch.setattr(cuda_fp4, "AUTO_DEC_MIN_M", {"bf16": None, "e4m3": 33})
+    assert not cuda_fp4.use_dec(False, 128) and cuda_fp4.use_dec(True, 33) and not cuda_fp4.use_dec(True, 32)
+    monkeypatch.setenv("DEEPGEMM_FP4_AUTO_DEC_MIN_M", "bf16=17,e4m3=none")
+    assert cuda_fp4.use_dec(False, 17) and not cuda_fp4.use_dec(False, 16) and not cuda_fp4.use_dec(True, 128)
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "wgmma")
+    assert not cuda_fp4.use_dec(False, 128)
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "dec")
+    assert cuda_fp4.use_dec(False, 1) and cuda_fp4.use_dec(True, 1)
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "auto")
+    for bad in ("bf16=x", "fp8=3", "bf16"):
+        monkeypatch.setenv("DEEPGEMM_FP4_AUTO_DEC_MIN_M", bad)
+        with pytest.raises(deepgemm.validate.ArgumentError, match="DEEPGEMM_FP4_AUTO_DEC_MIN_M"):
+            cuda_fp4.use_dec(False, 64)

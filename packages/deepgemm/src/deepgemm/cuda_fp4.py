@@ -850,9 +850,39 @@ def _launch_dec(p: Fp4DecPlan, a, sfa, b, sfb, d, c, m: int, n: int, k: int) -> 
                         smem_bytes=key.smem_bytes, cluster=p.cluster)
 
 
+# DEEPGEMM_FP4_KERNEL=auto takes the dec kernel (dense calls) from this many tokens on, per activation kind (None: never);
+# DEEPGEMM_FP4_AUTO_DEC_MIN_M="bf16=N,e4m3=N" (N or none) overrides it for A/B timing of a policy before it flips.
+AUTO_DEC_MIN_M: dict[str, int | None] = {"bf16": None, "e4m3": None}
+
+
+def auto_dec_min_m(act_fp8: bool) -> int | None:
+    """The smallest M at which auto takes the dec kernel for this activation kind (AUTO_DEC_MIN_M or its env)."""
+    kind = "e4m3" if act_fp8 else "bf16"
+    v = os.environ.get("DEEPGEMM_FP4_AUTO_DEC_MIN_M")
+    if v is None:
+        return AUTO_DEC_MIN_M[kind]
+    table = dict(AUTO_DEC_MIN_M)
+    for part in filter(None, v.split(",")):
+        name, _, val = part.partition("=")
+        if name not in table or not (val.isdigit() or val == "none"):
+            raise validate.ArgumentError(f"DEEPGEMM_FP4_AUTO_DEC_MIN_M: expected 'bf16=N,e4m3=N' (N a count or none), "
+                                         f"got {v!r}")
+        table[name] = None if val == "none" else int(val)
+    return table[kind]
+
+
+def use_dec(act_fp8: bool, m: int) -> bool:
+    """Whether a dense call with m tokens takes the dec kernel: DEEPGEMM_FP4_KERNEL=dec, or auto from auto_dec_min_m."""
+    choice = kernel_choice()
+    if choice == "dec":
+        return True
+    low = auto_dec_min_m(act_fp8) if choice == "auto" else None
+    return low is not None and m >= low
+
+
 def _try_dec(a, sfa, b, sfb, d, c, m: int, n: int, k: int) -> bool:
-    """Run the decode-to-shared kernel if DEEPGEMM_FP4_KERNEL=dec (dense calls only); whether it ran."""
-    if kernel_choice() != "dec":
+    """Run the decode-to-shared kernel if use_dec says so (dense calls only); whether it ran."""
+    if not use_dec(sfa is not None, m):
         return False
 
     sms = get_num_sms()
