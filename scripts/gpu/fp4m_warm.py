@@ -24,8 +24,8 @@ from fp4_warm import BENCH_NK, SMS, auto_keys, warm, wgmma_keys  # noqa: E402
 
 BENCH_MS = (64, 128)
 # the job's bench variants (gpu_job.sh V): (BN, splits, multicast) per activation kind
-BENCH_VARIANTS = {False: (("64", None, None), ("128", None, None), ("32", "2", None), (None, None, "2")),
-                  True: (("64", None, None), ("32", "2", None), (None, None, "2"))}
+BENCH_VARIANTS = {False: (("64", None, None), ("128", None, None), ("32", "2", None), (None, None, "2"), (None, None, "4")),
+                  True: (("64", None, None), ("32", "2", None), (None, None, "2"), (None, None, "4"))}
 
 
 def dec_keys(keys: set, m, n, k, fp8, out_bf16=True, has_c=False, bn=None, splits=None, mcast=None) -> None:
@@ -36,6 +36,10 @@ def dec_keys(keys: set, m, n, k, fp8, out_bf16=True, has_c=False, bn=None, split
     keys.add(p.key)
     for most in range(1, p.splits):
         keys.add(cuda_fp4._plan_dec(m, n, k, out_bf16, has_c, fp8, SMS, bn, str(most), mcast).key)
+    if p.key.mcast > 1:  # the launch widens the slice while the driver holds fewer clusters than the GPC model
+        for wider in (p.key.bn + 8, p.key.bn + 16):
+            if wider <= (cuda_fp4.DEC_FP8_MAX_BN if fp8 else 256):
+                keys.add(cuda_fp4._plan_dec(m, n, k, out_bf16, has_c, fp8, SMS, str(wider), "1", mcast).key)
 
 
 def job_keys() -> set:

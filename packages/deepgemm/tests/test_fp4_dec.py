@@ -12,7 +12,8 @@ ISSUE_NK = ((7168, 2048), (2112, 7168), (4096, 7168))
 SMS = 132
 # A/B variants the GPU round times (gpu_job.sh): (BN, splits, multicast) forced at M = 64 / 128 (BN None: the planner's;
 # splits None: as many as fill the SMs with those slices; multicast 2: 2-CTA clusters share the activation tile)
-VARIANTS = (("64", None, None), ("128", None, None), ("32", "2", None), (None, None, "2"), ("64", None, "2"))
+VARIANTS = (("64", None, None), ("128", None, None), ("32", "2", None), (None, None, "2"), ("64", None, "2"),
+            (None, None, "4"), ("64", None, "4"))
 
 
 def fits(fp8, bn) -> bool:
@@ -121,6 +122,11 @@ def test_dec_launch_arguments_cpu(fp8, monkeypatch):
     grid, _, _, _, cluster = launches[-1]
     assert p.row_blocks % 2 == 1 and grid == (p.row_blocks + 1, 1, 1) and cluster == (2, 1, 1)  # a phantom CTA
     assert ((64, 128 if fp8 else 64), "128B") in boxes  # each CTA loads half of the token rows
+    monkeypatch.setenv("DEEPGEMM_FP4_DEC_MCAST", "4")
+    p = cuda_fp4.plan_dec(m, 2112, k, True, False, fp8, num_sms=SMS)
+    cuda_fp4._launch_dec(p, a, sfa, packed[:2112], sf[:2112], d[:, :2112], None, m, 2112, k)
+    grid, _, _, _, cluster = launches[-1]
+    assert grid == (36, 1, 1) and cluster == (4, 1, 1) and ((32, 128 if fp8 else 64), "128B") in boxes
 
 
 @pytest.mark.skipif(tilehal.compiler_versions()["nvrtc"] is None, reason="NVRTC is not installed")
@@ -137,7 +143,8 @@ def test_dec_configs_compile(part, h):
 
 def test_dec_configs_cover_kinds_tiles_and_c():
     assert {k.act_fp8 for k in DEC_KEYS} == {True, False} and {k.nwg for k in DEC_KEYS} == {1, 2}
-    assert {(k.mcast, k.act_fp8, k.nwg) for k in DEC_KEYS} >= {(2, False, 1), (2, False, 2), (2, True, 1), (2, True, 2)}
+    assert {(k.mcast, k.act_fp8, k.nwg) for k in DEC_KEYS} >= {(mc, fp8, nwg) for mc in (2, 4) for fp8 in (False, True)
+                                                                for nwg in (1, 2)}
     assert any(k.has_c for k in DEC_KEYS) and {k.out_bf16 for k in DEC_KEYS} == {True, False}
     assert {k.bn for k in DEC_KEYS} >= {16, 32, 56, 64, 128}
 
@@ -231,3 +238,31 @@ def test_auto_dec_policy_env(monkeypatch):
         monkeypatch.setenv("DEEPGEMM_FP4_AUTO_DEC_MIN_M", bad)
         with pytest.raises(deepgemm.validate.ArgumentError, match="DEEPGEMM_FP4_AUTO_DEC_MIN_M"):
             cuda_fp4.use_dec(False, 64)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_dec_multicast_plan_fits_the_drivers_cluster_count(fp8, monkeypatch):
+    """Multicast plans size the slices for the GPC model's cluster count; when the driver holds fewer clusters the
+    launch widens the slice (8 rows at a time) until they all fit."""
+    for mc, n, want in (("2", 4096, 32), ("2", 2112, 16), ("4", 4096, 32), ("4", 2112, 24), ("4", 7168, 56)):
+        p = cuda_fp4._plan_dec(128, n, 7168, True, False, fp8, SMS, None, None, mc)
+        assert p.key.bn == want and p.grid[0] // p.key.mcast <= cuda_fp4.cluster_capacity(SMS, 1, int(mc))
+    launches = []
+
+    class Stub:
+        def launch(self, grid, threads, args, smem_bytes=0, cluster=None):
+            launches.append((grid, cluster))
+
+    monkeypatch.setattr(cuda_fp4, "_kernel", lambda key: Stub())
+    monkeypatch.setattr(cuda_fp4, "get_num_sms", lambda: SMS)
+    monkeypatch.setattr(cuda_fp4, "_max_active_clusters_x", lambda key, size, dev, smem: 30)  # the model says 32
+    monkeypatch.setattr(cuda_fp4, "_launch_dec", lambda p, *args: launches.append(p))
+    monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "dec")
+    monkeypatch.setenv("DEEPGEMM_FP4_DEC_MCAST", "4")
+    m, n, k = 128, 4096, 7168
+    a = torch.zeros(m, k, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    sfa = torch.ones(m, k // 128) if fp8 else None
+    d = torch.empty(m, n, dtype=torch.bfloat16)
+    assert cuda_fp4._try_dec(a, sfa, torch.zeros(n, k // 2, dtype=torch.int8), torch.ones(n, k // 32), d, None, m, n, k)
+    p, = launches
+    assert p.key.bn == 40 and p.grid == (104, 1, 1) and p.cluster == (4, 1, 1)  # 26 clusters of 4 <= 30

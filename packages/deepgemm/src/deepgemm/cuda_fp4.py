@@ -694,8 +694,8 @@ def small_candidate_keys(m: int, n: int, k: int, groups: int, out_bf16: bool, ha
 # e4m3 activations): DeepGEMM's fp8 tile at decode shapes (tokens = the wgmma M, 64 per math warpgroup; a thin
 # slice of BN weight rows over the whole K range per CTA, one CTA per SM, a deep ring), the FP4 weights decoded by
 # the math warpgroups into a shared B tile. A/B knobs: DEEPGEMM_FP4_DEC_BN (8..256, a multiple of 8),
-# DEEPGEMM_FP4_DEC_SPLITS (1..8: K splits as one cluster, DSMEM reduction), DEEPGEMM_FP4_DEC_MCAST (2: 2-CTA clusters
-# along N share the activation tile by TMA multicast; no K splits), DEEPGEMM_FP4_DEC_BLOCKS (2: plan for two CTAs per SM:
+# DEEPGEMM_FP4_DEC_SPLITS (1..8: K splits as one cluster, DSMEM reduction), DEEPGEMM_FP4_DEC_MCAST (2 / 4: clusters of
+# that many CTAs along N share the activation tile by TMA multicast; no K splits), DEEPGEMM_FP4_DEC_BLOCKS (2: plan for two CTAs per SM:
 # half the ring each, twice the CTAs).
 DEC_MAX_STAGES = 8
 DEC_MAX_TOKENS = 128  # two math warpgroups; more tokens: several m-blocks
@@ -786,6 +786,11 @@ def plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool,
 def _plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool, sms: int, forced_bn: str | None,
               forced_splits: str | None, forced_mcast: str | None = None,
               forced_blocks: str | None = None) -> Fp4DecPlan:
+    mcast = 1
+    if forced_mcast is not None:  # A/B timing only
+        if forced_mcast not in ("1", "2", "4"):
+            raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_MCAST: expected 1, 2 or 4, got {forced_mcast!r}")
+        mcast = int(forced_mcast)
     blocks = 1
     if forced_blocks is not None:  # A/B timing only
         if forced_blocks not in ("1", "2"):
@@ -806,21 +811,18 @@ def _plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool
             raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_BN: expected at most {top} with e4m3 activations, got {bn}")
         # K splits (one cluster) that fill the SMs with these slices, unless forced too
         tiles = ceil_div(n, bn) * m_blocks
-        fill = max(1, min(MAX_CLUSTER_SPLITS, chunks // 2, sms // tiles)) if forced_mcast in (None, "1") else 1
+        fill = max(1, min(MAX_CLUSTER_SPLITS, chunks // 2, sms // tiles)) if mcast == 1 else 1
         splits = int(forced_splits) if forced_splits else fill
     else:
         splits = int(forced_splits) if forced_splits else 1
-        # one wave: the thinnest slice of N (a multiple of 8) whose CTAs all fit on the SMs at once
-        bn = min(top, max(8, ceil_div(ceil_div(n * m_blocks * splits, sms), 8) * 8))
+        # one wave: the thinnest slice of N (a multiple of 8) whose CTAs all fit on the SMs at once (multicast: whose
+        # clusters fit, by the GPC model; the launch asks the driver and widens the slice if it holds fewer)
+        ctas = sms if mcast == 1 else min(sms, cluster_capacity(sms // blocks, blocks, mcast) * mcast)
+        bn = min(top, max(8, ceil_div(ceil_div(n * m_blocks * splits, ctas), 8) * 8))
     cps = ceil_div(chunks, min(splits, chunks))
     splits = ceil_div(chunks, cps)
-    mcast = 1
-    if forced_mcast is not None:  # A/B timing only
-        if forced_mcast not in ("1", "2"):
-            raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_MCAST: expected 1 or 2, got {forced_mcast!r}")
-        mcast = int(forced_mcast)
-        if mcast > 1 and splits > 1:
-            raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_MCAST: expected 1 with K splits ({splits}), got {mcast}")
+    if mcast > 1 and splits > 1:
+        raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_MCAST: expected 1 with K splits ({splits}), got {mcast}")
     stages = min(DEC_MAX_STAGES, max(2, cps))
     while stages > 2 and dec_smem_bytes(bn, nwg, act_fp8, stages) > min(227 * 1024, SM_SMEM // blocks - 1024):
         stages -= 1
@@ -894,8 +896,30 @@ def _try_dec(a, sfa, b, sfb, d, c, m: int, n: int, k: int) -> bool:
         return _plan_dec(m, n, k, d.dtype == torch.bfloat16, c is not None, sfa is not None, sms, forced_bn, splits,
                          mcast, blocks)
 
-    _launch_dec(_fit_clusters(replan(), a.device, replan), a, sfa, b, sfb, d, c, m, n, k)
+    p = _fit_clusters(replan(), a.device, replan)
+    dev = a.device.index if a.device.index is not None else 0
+    while p.key.mcast > 1 and p.key.bn + 8 <= (DEC_FP8_MAX_BN if sfa is not None else 256):
+        clusters = p.grid[0] // p.key.mcast * p.grid[2]
+        have = _max_active_clusters_x(p.key, p.key.mcast, dev, p.smem_bytes)
+        if have is None or have >= clusters:
+            break
+        log.debug("fp4 dec: %d clusters of %d CTAs, the device holds %d at once: a wider slice", clusters, p.key.mcast,
+                  have)
+        p = _plan_dec(m, n, k, d.dtype == torch.bfloat16, c is not None, sfa is not None, sms, str(p.key.bn + 8), "1",
+                      mcast, blocks)
+    _launch_dec(p, a, sfa, b, sfb, d, c, m, n, k)
     return True
+
+
+@functools.lru_cache(maxsize=256)
+def _max_active_clusters_x(key: Fp4DecKey, size: int, device_index: int, smem: int) -> int | None:
+    """The driver's count of resident clusters of `size` CTAs along grid x (the dec kernel's multicast clusters)."""
+    try:
+        return _kernel(key).max_active_clusters(key.threads, smem, (size, 1, 1), device_index)
+    except Exception as e:  # noqa: BLE001 - an older driver or binding: the GPC model's plan stands
+        log.debug("fp4: cuOccupancyMaxActiveClusters unavailable for %s (%s); keeping the modelled slice", key.expression,
+                  e)
+        return None
 
 
 def kernel_source() -> str:

@@ -1368,10 +1368,10 @@ fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sf
 //   other chunks: one P per 32-wide group, promoted with that group's scale.
 //
 // K splits (optional, gridDim.y): a thread-block cluster reduced through DSMEM (cluster_reduce_store).
-// MCAST = 2 (no K splits): 2-CTA clusters along N share the activation tile: each CTA's producer loads half of its
-// token rows with a TMA multicast into both CTAs, a stage is refilled once both CTAs' warps released it (every
-// consumer warp arrives on its own and the peer's empty barrier), the cluster syncs after the barriers' init and
-// before leaving. L2 -> SM traffic of the activations halves (the bound of thin slices with bf16 activations).
+// MCAST = 2 or 4 (no K splits): MCAST-CTA clusters along N share the activation tile: each CTA's producer loads
+// 1 / MCAST of the token rows with a TMA multicast into every CTA of the cluster, a stage is refilled once every CTA's
+// warps released it (each consumer warp arrives on the empty barrier of every CTA of the cluster), the cluster syncs
+// after the barriers' init and before leaving. L2 -> SM traffic of the activations / MCAST (the bound of thin slices).
 // ==================================================================================================
 template <int TOKENS, int ROWS, bool ACT_FP8>
 struct Fp4DecStage {
@@ -1416,7 +1416,7 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
              OutT* __restrict__ d, const float* __restrict__ c, int shape_m, int shape_n, int shape_k, int m_blocks,
              int chunks_per_split) {
   static_assert(BN % 8 == 0 && BN >= 8 && BN <= 256, "BN: the wgmma N (a multiple of 8, <= 256)");
-  static_assert(MCAST == 1 || MCAST == 2, "MCAST: 1 or 2 CTAs share the activation tile");
+  static_assert(MCAST == 1 || MCAST == 2 || MCAST == 4, "MCAST: 1, 2 or 4 CTAs share the activation tile");
   constexpr int TOKENS = 64 * NWG, MATH = 128 * NWG, THREADS = MATH + 32;
   using St = Fp4DecStage<TOKENS, BN, ACT_FP8>;
   constexpr int RING = fp4_dec_bytes<TOKENS, BN, ACT_FP8, STAGES>();
@@ -1452,12 +1452,13 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
         mbarrier_arrive_expect_tx(&ring.full[s], St::kA + St::kW + St::kSfb + St::kSfa);
         tma_load_2d(st + St::kOffW, &tma_b, &ring.full[s], ch * 64, n_cta);
         tma_load_2d(st + St::kOffSfb, &tma_sfb, &ring.full[s], ch * 4, n_cta);
-        if constexpr (MCAST > 1) {  // this CTA's half of the token rows, into both CTAs
-          constexpr int HALF = TOKENS / 2;
-          const int off = static_cast<int>(rank) * HALF * 128;
-          tma_load_2d_multicast(st + off, &tma_a, &ring.full[s], ch * 128, m0 + rank * HALF, 0x3);
+        if constexpr (MCAST > 1) {  // this CTA's share of the token rows, into every CTA of the cluster
+          constexpr int PART = TOKENS / MCAST;
+          constexpr unsigned short MASK = (1u << MCAST) - 1;
+          const int off = static_cast<int>(rank) * PART * 128, row = m0 + static_cast<int>(rank) * PART;
+          tma_load_2d_multicast(st + off, &tma_a, &ring.full[s], ch * 128, row, MASK);
           if constexpr (!ACT_FP8) {
-            tma_load_2d_multicast(st + TOKENS * 128 + off, &tma_a, &ring.full[s], ch * 128 + 64, m0 + rank * HALF, 0x3);
+            tma_load_2d_multicast(st + TOKENS * 128 + off, &tma_a, &ring.full[s], ch * 128 + 64, row, MASK);
           }
         } else {
           tma_load_2d(st, &tma_a, &ring.full[s], ch * 128, m0);
@@ -1651,7 +1652,10 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
       __syncwarp();
       if (lane == 0) {  // chunk i's stage: decoded and multiplied (MCAST: the peer refills half of it too)
         mbarrier_arrive(&ring.empty[i % STAGES]);
-        if constexpr (MCAST > 1) mbarrier_arrive_remote(&ring.empty[i % STAGES], rank ^ 1);
+        if constexpr (MCAST > 1) {
+#pragma unroll
+          for (u32 r = 1; r < MCAST; ++r) mbarrier_arrive_remote(&ring.empty[i % STAGES], (rank + r) % MCAST);
+        }
       }
       // chunk i + 1 decoded everywhere, chunk i's wgmmas retired everywhere (its tile is free), the vote
       fold = threads_all(ok, MATH);
