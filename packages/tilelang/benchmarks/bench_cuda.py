@@ -158,6 +158,15 @@ S27_IMPLS = {
     "ours_ppsp": {"cuda_ws_split_stages": True, "cuda_ws_pingpong": True},
     "ours_two": {"cuda_ws_two_ctas": True},  # GEMM: two warp-specialized CTAs per SM (producer warp), 128 x 128 tiles
 }
+# session 29 (issue 21): the float32 instruction forms of the softmax (backends/cuda/codegen.py MATH_OPTIONS):
+# one MUFU.EX2 per T.exp2, FMNMX max, reductions over independent partials; "fm" = all three on top of a form
+FAST_MATH = {"cuda_fast_exp2": True, "cuda_fmnmx": True, "cuda_tree_reduce": True}
+_FORMS = {"ws": {}, "ov": {"cuda_ws_overlap": True}, "ovpp": {"cuda_ws_overlap": True, "cuda_ws_pingpong": True},
+          "ovppsp": S27_IMPLS["ours_ovppsp"]}
+S29_IMPLS = {f"ours_{f}fm": {**cfg, **FAST_MATH} for f, cfg in _FORMS.items()}
+S29_IMPLS["ours_ovppspe"] = {**S27_IMPLS["ours_ovppsp"], "cuda_fast_exp2": True}  # attribution: exp2 alone
+S29_IMPLS["ours_ovppspmx"] = {**S27_IMPLS["ours_ovppsp"], "cuda_fmnmx": True, "cuda_tree_reduce": True}  # max / sums
+S27_IMPLS.update(S29_IMPLS)
 
 
 def _cached_compile(tilelang, impl: str, func, out_idx, variant: str = "2b") -> float:
@@ -359,7 +368,11 @@ AB_GEMM_S27 = {
 # + pingpong: causal b4 s4096) and the split-stage forms at 2 and 3 stages
 AB_FA_S27 = [("ours_ws", 2), ("ours_ov", 3), ("ours_ovpp", 3), ("ours_sp", 2), ("ours_ovsp", 2), ("ours_ovppsp", 2),
              ("ours_ovsp", 3), ("ours_ovppsp", 3)]
-AB_SETS = {"s26": (AB_GEMM, AB_FA), "s27": (AB_GEMM_S27, AB_FA_S27)}
+# --set s29: flash attention only; the four forms of cuda_kernels.FA_DEFAULTS (ws 2 st., overlap 3 st., overlap +
+# pingpong 3 st., split + overlap + pingpong 2 st.) as they are and with the session-29 fast softmax forms (FAST_MATH)
+AB_FA_S29 = [("ours_ws", 2), ("ours_ov", 3), ("ours_ovpp", 3), ("ours_ovppsp", 2),
+             ("ours_wsfm", 2), ("ours_ovfm", 3), ("ours_ovppfm", 3), ("ours_ovppspfm", 2)]
+AB_SETS = {"s26": (AB_GEMM, AB_FA), "s27": (AB_GEMM_S27, AB_FA_S27), "s29": ({s: [] for s in GEMM_SHAPES}, AB_FA_S29)}
 
 
 def build_ab(ab_set: str = "s26") -> int:

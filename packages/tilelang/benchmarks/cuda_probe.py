@@ -178,7 +178,8 @@ def sass(names: list[str], out: str) -> None:
 
 def ncu_target(names: list[str]) -> None:
     """Run each kernel once, in order (profile with `ncu -k regex:tl_ -c <len(names)>`). NAME: kind_path with
-    kind gemm16 / fa / facausal and path as for build()."""
+    kind gemm16 / fa / facausal and path as for build(), or fa_sdpa / facausal_sdpa (torch's own backend choice, flash on
+    the H200: `ncu -k regex:"tl_|flash|fmha|sdpa"`)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     qkv = tuple(torch.randn(4, 32, 4096, 128, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -186,6 +187,11 @@ def ncu_target(names: list[str]) -> None:
         kind, path = name.replace("gemm16", "gemm").split("_")
         causal = kind == "facausal"
         kind = "fa" if causal else kind
+        if path == "sdpa":  # the peer as bench_cuda.py times it: torch's SDPA with its own backend choice
+            torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=causal)
+            torch.cuda.synchronize()
+            print(f"{name}: ran SDPA", flush=True)
+            continue
         # gemm16_two: cuda_ws_two_ctas needs a tile that fits twice per SM (bench_cuda's 128 x 128 x 64, 3 stages)
         k, _ = build(kind, path, causal, cfg=(128, 128, 64, 3, 256) if path == "two" else (128, 256, 64, 3, 256))
         k(*((a, b) if kind == "gemm" else qkv))

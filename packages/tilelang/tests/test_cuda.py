@@ -333,6 +333,9 @@ _WS_CFG = {"default": None, "ws": WS, "wsp": WSP, "pp": WSPP, "ppp": {**WSP, **W
            "ovp": {**WSP, "cuda_ws_overlap": True}, "sp": {**WS, **SPLIT}, "spp": {**WSP, **SPLIT},
            "ppsp": {**WSPP, **SPLIT}, "ovsp": {**WS, "cuda_ws_overlap": True, **SPLIT},
            "ovppsp": {**WSPP, "cuda_ws_overlap": True, **SPLIT}}
+# session 29: the fast softmax forms (cuda_fast_exp2 + cuda_fmnmx + cuda_tree_reduce) on top of a form
+FAST_MATH = {"cuda_fast_exp2": True, "cuda_fmnmx": True, "cuda_tree_reduce": True}
+_WS_CFG.update({f"{f}fm": {**_WS_CFG[f], **FAST_MATH} for f in ("ws", "ovpp", "ovppsp")})
 CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async
 TMA = {"cuda_tma": True, "tl.disable_warp_specialized": True}  # TMA pipelines, every thread in one role
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
@@ -681,6 +684,29 @@ def test_ws_gemm_softmax_overlap_codegen(caplog, tmp_path, monkeypatch, example,
 
 
 @needs_nvrtc
+def test_fast_softmax_codegen(tmp_path, monkeypatch, example):
+    """pass_configs cuda_fast_exp2 / cuda_fmnmx / cuda_tree_reduce (session 29) on the benchmark's flash attention
+    (split + overlap + pingpong, 2 stages): every T.exp2 becomes one ex2.approx.ftz.f32 (exp2f is ex2.approx.f32,
+    which ptxas expands to FSETP + FMUL + MUFU.EX2 + FMUL), float max through max.NaN.f32 (FMNMX, not FSETP +
+    FSEL), the row max / sum over 4 partials per row; the rest of the kernel is the same source; no spills."""
+    from tilehal import compile_cuda
+
+    monkeypatch.setenv("TILESTACK_CACHE_DIR", str(tmp_path))
+    m = example("flash_attention")
+    fa = m.flash_attention_fwd(4, 32, 4096, 128, False, 128, 128, 2, 256, "float16", layout="bhsd")
+    plain = tilelang.compile(fa, out_idx=[3], target="cuda", pass_configs=_WS_CFG["ovppsp"]).get_kernel_source()
+    k = tilelang.compile(fa, out_idx=[3], target="cuda", pass_configs=_WS_CFG["ovppspfm"])
+    src = k.get_kernel_source()
+    assert "ex2.approx.ftz.f32" not in plain and "max.NaN.f32" not in plain
+    assert src.count("tl_exp2f_ftz(") - 1 == plain.count("exp2f(") > 0 and "exp2f(" not in src.replace("tl_exp2f_ftz", "")
+    assert "max.NaN.f32" in src and len(re.findall(r"float _a\d+\[4\];", src)) == 4  # 2 reductions x (prologue, loop)
+    assert len(re.findall(r"float _a\d+ = ", plain)) == 4
+    (name, _, _), = k._impl.kernels
+    log = compile_cuda(src, arch="sm_90a", name=name, options=["--ptxas-options=-v"]).log
+    assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
+
+
+@needs_nvrtc
 @pytest.mark.parametrize("causal", [False, True])
 def test_ws_split_stages_codegen(caplog, tmp_path, monkeypatch, example, causal):
     """cuda_ws_split_stages: flash attention's K and V tiles get their own full / empty mbarriers. The producer
@@ -958,7 +984,7 @@ def test_public_kernel_ws_gpu(name, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", ["default", "ws", "wsp", "pp", "ppp", "ov", "ovpp", "ovp", "sp", "spp", "ppsp", "ovsp",
-                                 "ovppsp"])
+                                 "ovppsp", "wsfm", "ovppfm", "ovppspfm"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa_pipelined_ws_gpu(example, causal, cfg):
     """Flash attention at the benchmark's tiles (128 x 128, 2 stages, 256 threads; bhsd, so K / V go through
@@ -972,8 +998,9 @@ def test_fa_pipelined_ws_gpu(example, causal, cfg):
     k = tilelang.compile(func, out_idx=[3], target="cuda", pass_configs=_WS_CFG.get(cfg))
     src = k.get_kernel_source()
     assert "tma_load_2d" in src and k._impl.launch_threads  # warp-specialized in every form (the default too)
-    assert ("named_barrier_sync(2 +" in src) == (cfg in ("pp", "ppp", "ovpp", "ppsp", "ovppsp"))
-    assert ("for (int k = 0 + 1;" in src) == (cfg in ("ov", "ovpp", "ovp", "ovsp", "ovppsp"))  # gemm/softmax overlap
+    assert ("named_barrier_sync(2 +" in src) == (cfg.removesuffix("fm") in ("pp", "ppp", "ovpp", "ppsp", "ovppsp"))
+    assert ("for (int k = 0 + 1;" in src) == (cfg.removesuffix("fm") in ("ov", "ovpp", "ovp", "ovsp", "ovppsp"))
+    assert ("ex2.approx.ftz.f32" in src) == cfg.endswith("fm")  # the fast softmax forms (session 29)
     assert src.count("mbarrier_init(&") == (4 if "cuda_ws_split_stages" in (_WS_CFG[cfg] or {}) else 2)  # K, V apart
     g = torch.Generator().manual_seed(2)
     q = torch.randn(b, h, s, d, generator=g).half().cuda()

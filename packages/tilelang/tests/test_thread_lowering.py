@@ -120,6 +120,25 @@ def test_example_thread_program_matches_tile_interp(example, mod, fn, args, dtyp
     _close(mod, got, want)
 
 
+@pytest.mark.parametrize("mod,fn,args,dtype", [
+    ("softmax", "softmax", (37, 96, 8, "float32"), torch.float32),
+    ("rmsnorm", "rms_norm", (13, 80), torch.float32),
+    ("flash_attention", "flashattn", (1, 2, 100, 32, True), torch.float16),
+], ids=["softmax_f32", "rmsnorm", "flash_attention"])
+def test_tree_reduce_thread_program_matches_tile_interp(example, mod, fn, args, dtype):
+    """pass_configs cuda_tree_reduce (session 29): each thread's registers reduced into independent partials,
+    combined pairwise; the thread program still computes what the tile program means."""
+    f = getattr(example(mod), fn)
+    func = f.get_tir(*args)
+    cfg = {"cuda_tree_reduce": True}
+    src = tilelang.compile(func, out_idx=f.out_idx, target="cuda_threads", pass_configs=cfg).get_kernel_source()
+    assert re.search(r"float _a\d+\[(2|4)\];", src), "no reduction got partials"
+    torch.manual_seed(0)
+    inputs = [torch.randn(*[int(s.value) for s in p.shape]).to(dtype) for p in func.params[:len(func.params) - 1]]
+    want, got = _both(func, f.out_idx, inputs, cfg)
+    _close(mod, got, want)
+
+
 def _prop_inputs(dtype, M, N, seed):
     rng = np.random.default_rng(seed)
     if dtype == "int32":

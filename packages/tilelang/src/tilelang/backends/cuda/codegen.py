@@ -60,7 +60,7 @@ from ...ir.visit import (
     walk_expr,
     walk_stmts,
 )
-from ..cexpr import CExprEmitter
+from ..cexpr import C_MATH, CExprEmitter
 from .common import (
     _LOW,
     SMEM_ALIGN,
@@ -111,6 +111,24 @@ TMA_PRELUDE = r"""#include <tilehal/mbarrier.cuh>
 # barrier, with mbarrier.arrive's default .release.cta semantics (tilehal::mbarrier_arrive_cluster's
 # .release.cluster orders every prior memory access cluster-wide: not needed here, the stage was read by the
 # tensor cores, whose wgmma_wait came first; the R2 run of 2026-12-02 was 1.3-2.2x slower with it)
+# float32 math forms chosen by pass_configs (issue 21, session 29; ncu + SASS of flash attention on the H200):
+#   cuda_fast_exp2: T.exp2 as one `ex2.approx.ftz.f32` (MUFU.EX2). CUDA's exp2f is `ex2.approx.f32` without .ftz,
+#     which ptxas turns into FSETP + FMUL + MUFU.EX2 + FMUL per call (the hardware unit flushes subnormals, so
+#     subnormal results are rebuilt by scaling); same 2 ulp accuracy, results below 2^-126 become 0
+#     (the public TileLang gets this form through --use_fast_math, `tl.enable_fast_math`).
+#   cuda_fmnmx: float max / min as `max.NaN.f32` / `min.NaN.f32` (one FMNMX; NaN in, NaN out, as the
+#     interpreter's np.maximum / np.minimum); `a > b ? a : b` is FSETP + FSEL, a two-instruction dependency per
+#     step of a reduction chain.
+MATH_OPTIONS = {"cuda_fast_exp2": "fast_exp2", "cuda_fmnmx": "fmnmx", "cuda_tree_reduce": "tree_reduce"}
+FAST_EXP2_PRELUDE = r"""__device__ __forceinline__ float tl_exp2f_ftz(float x) {
+  float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
+"""
+FMNMX_PRELUDE = r"""template <> __device__ __forceinline__ float tl_max<float>(float a, float b) {
+  float r; asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+template <> __device__ __forceinline__ float tl_min<float>(float a, float b) {
+  float r; asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+"""
+FAST_EXP2_MATH = {**C_MATH, "exp2": ("tl_exp2f_ftz", "exp2")}
 MULTICAST_PRELUDE = r"""__device__ __forceinline__ void tl_mbar_arrive_peer(tilehal::u64* bar, unsigned cta) {
   asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
                "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(tilehal::smem_addr(bar)), "r"(cta)
@@ -130,8 +148,14 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
     def __init__(self, func: PrimFunc, kernel: Kernel, name: str, lets: list[Let], wgmma: bool = True,
                  tma: bool = True, one_barrier: bool = False, warp_specialize: bool = False,
                  persistent: bool = False, pingpong: bool = False, overlap: bool = False,
-                 multicast: bool = False, split_stages: bool = False, two_ctas: bool = False) -> None:
+                 multicast: bool = False, split_stages: bool = False, two_ctas: bool = False,
+                 math: frozenset[str] = frozenset()) -> None:
         self.func = func
+        # pass_configs cuda_fast_exp2 / cuda_fmnmx / cuda_tree_reduce (MATH_OPTIONS): the float32 instruction
+        # forms of T.exp2, max / min and the per-thread part of T.reduce_* (see MATH_PRELUDES, rules/reduce.py)
+        self.math = frozenset(math)
+        if "fast_exp2" in self.math:
+            self.MATH = FAST_EXP2_MATH
         self.kernel = kernel
         self.name = name
         self.lets = lets
@@ -715,7 +739,7 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
                   launch: dict | None = None, persistent: bool = False,
                   pingpong: bool = False, overlap: bool = False,
                   multicast: bool = False, split_stages: bool = False,
-                  two_ctas: bool = False) -> tuple[str, list[tuple[str, Kernel, int]]]:
+                  two_ctas: bool = False, math: frozenset[str] = frozenset()) -> tuple[str, list[tuple[str, Kernel, int]]]:
     """CUDA source for every T.Kernel of `func`: (source, [(kernel name, Kernel node, smem bytes)]).
     `wgmma`: sm_90a features (T.gemm on wgmma, pipelined copies on TMA); otherwise mma.sync and cp.async
     only. `tma`, when given, receives {kernel name: [TmaSpec]} (the descriptors each kernel takes after
@@ -736,12 +760,12 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
             cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma, one_barrier=one_barrier,
                                warp_specialize=warp_specialize, persistent=persistent, pingpong=pingpong,
                                overlap=overlap, multicast=multicast, split_stages=split_stages,
-                               two_ctas=two_ctas)
+                               two_ctas=two_ctas, math=math)
             src, smem = cg.generate()
             if cg.ws_producer_warp and not cg.two_ctas_applied:  # cuda_ws_two_ctas did not fit: as without it
                 cg = KernelCodegen(func, s, name, list(lets), wgmma=wgmma, tma=use_tma, one_barrier=one_barrier,
                                    warp_specialize=warp_specialize, persistent=persistent, pingpong=pingpong,
-                                   overlap=overlap, multicast=multicast, split_stages=split_stages)
+                                   overlap=overlap, multicast=multicast, split_stages=split_stages, math=math)
                 src, smem = cg.generate()
             if launch is not None and cg.launch_threads:
                 launch[name] = [cg.launch_threads, cg.persistent_tiles] + ([cg.mc_cluster] if cg.mc_cluster else [])
@@ -759,7 +783,8 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
     if not kernels:
         raise CompileError("cuda: the prim_func has no T.Kernel", func.loc)
     prelude = (PRELUDE + (WGMMA_PRELUDE if uses_wgmma else "") + (TMA_PRELUDE if uses_tma else "") +
-               (MULTICAST_PRELUDE if uses_mc else ""))
+               (MULTICAST_PRELUDE if uses_mc else "") + (FAST_EXP2_PRELUDE if "fast_exp2" in math else "") +
+               (FMNMX_PRELUDE if "fmnmx" in math else ""))
     source = f"// generated by tilelang from {func.name}\n{prelude}\n" + "\n\n".join(parts) + "\n"
     return source, kernels
 

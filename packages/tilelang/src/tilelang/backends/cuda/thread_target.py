@@ -10,11 +10,11 @@ import numpy as np
 
 from ...errors import CompileError
 from ...ir.nodes import Buffer, Kernel, Let, PrimFunc, Seq, Stmt, Var
-from .codegen import KernelCodegen, generate_cuda
+from .codegen import MATH_OPTIONS, KernelCodegen, generate_cuda
 
 
 def lower_to_threads(func: PrimFunc, wgmma: bool = False, use_tma: bool = False,
-                     one_barrier: bool = False) -> PrimFunc:
+                     one_barrier: bool = False, math: frozenset[str] = frozenset()) -> PrimFunc:
     """The thread-level program of lowered `func` (after the CUDA IR passes): the program the CUDA
     source is printed from, its tensors flat (params in order, each a 1-D view). Defaults: the
     mma.sync / cp.async path (the thread interpreter has no wgmma / TMA rules yet)."""
@@ -27,7 +27,7 @@ def lower_to_threads(func: PrimFunc, wgmma: bool = False, use_tma: bool = False,
             lets.append(s)
         elif isinstance(s, Kernel):
             cg = KernelCodegen(func, s, f"tl_kernel_k{len(kernels)}", list(lets), wgmma=wgmma, tma=use_tma,
-                               one_barrier=one_barrier)
+                               one_barrier=one_barrier, math=math)
             cg._tbufs = shared  # one flat buffer per tensor across the kernels
             for p in func.params:
                 cg.tbuf(p)
@@ -62,8 +62,11 @@ class ThreadLoweredKernel:
         # verified as a thread-level program: no barrier or shuffle under a per-thread condition, loop bounds
         # every thread agrees on, no per-thread storage but registers (ir/verifier.py verify_thread)
         one = bool(options.get("cuda_wgmma_one_barrier"))
-        self.thread_program = verify_thread(lower_to_threads(func, wgmma=wgmma, use_tma=tma, one_barrier=one))
-        self.cuda_source = generate_cuda(func, f"tl_{func.name}", wgmma=wgmma, use_tma=tma, one_barrier=one)[0]
+        math = frozenset(v for k, v in MATH_OPTIONS.items() if options.get(k))  # cuda_tree_reduce: its partials
+        self.thread_program = verify_thread(lower_to_threads(func, wgmma=wgmma, use_tma=tma, one_barrier=one,
+                                                             math=math))
+        self.cuda_source = generate_cuda(func, f"tl_{func.name}", wgmma=wgmma, use_tma=tma, one_barrier=one,
+                                         math=math)[0]
 
     def source(self) -> str:
         return self.cuda_source

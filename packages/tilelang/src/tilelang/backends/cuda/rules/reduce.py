@@ -68,12 +68,27 @@ class ReduceRules:
             names[(d, a)] = self.fresh("r")
             self.begin()
         dreg = total([B(self.v(names[(d, a)]), "*", C(fd.reg_stride(dst_dim[d], a))) for d, a in kept_regs]) or C(0)
-        acc_b = Buffer(self.fresh("a"), (C(1),), acc_t, "local")
-        acc = Ref(acc_b, [C(0)], True)
-        self.add(RegBuffer(acc_b, None, init_x, scalar=True))
+        # pass_configs cuda_tree_reduce: the thread's registers go into `parts` independent partials (register j
+        # into partial j % parts), combined pairwise after the loop, so the chain of dependent combines is
+        # n / parts + log2(parts) long instead of n (flash attention's row max / sum: 32 -> 10). Max and min give
+        # the same result in any order; a sum is rounded in another order (as numpy's pairwise sum is).
+        n_red = int(np.prod([a.extent for _d, a in red_regs])) if red_regs else 1
+        parts = 1
+        if "tree_reduce" in self.math:
+            parts = next((p for p in (4, 2) if n_red % p == 0 and n_red >= 2 * p), 1)
+        acc_b = Buffer(self.fresh("a"), (C(parts),), acc_t, "local")
+        acc = Ref(acc_b, [C(0)], parts == 1)
+        self.add(RegBuffer(acc_b, None, init_x, scalar=parts == 1))
         for d, a in red_regs:
             names[(d, a)] = self.fresh("r")
             self.begin()
+        part = acc
+        if parts > 1:
+            flat, stride = [], 1
+            for d, a in reversed(red_regs):
+                flat.append(B(self.v(names[(d, a)]), "*", C(stride)))
+                stride *= a.extent
+            part = Ref(acc_b, [B(P(total(flat)), "%", C(parts))])
         sreg = total([B(self.v(names[(d, a)]), "*", C(fs.reg_stride(d, a))) for d, a in fs.reg_order]) or C(0)
         val: Expr = self.reg_ref(src, sreg)
         val = ToFloat(val) if src.dtype in _LOW else CastC(acc_t, val)
@@ -87,9 +102,14 @@ class ReduceRules:
                 v = self.thread_val_x(a) if a.kind == "t" else self.v(names[(s.dim, a)])
                 terms.append(B(v, "*", C(a.coeff)))
             cond = B(P(total(terms)), "<", C(fs.shape[s.dim]), "bool")
-        self.add(TStore(acc, comb(acc, val), cond))
+        self.add(TStore(part, comb(part, val), cond))
         for d, a in reversed(red_regs):
             self.add(For(self.v(names[(d, a)]), C(0), C(a.extent), "unroll", self.end(), annotations=unroll))
+        step = parts // 2
+        while step:
+            for j in range(step):
+                self.add(TStore(Ref(acc_b, [C(j)]), comb(Ref(acc_b, [C(j)]), Ref(acc_b, [C(j + step)]))))
+            step //= 2
         for ts, e in warp_ax:
             off = ts
             while off < ts * e:
