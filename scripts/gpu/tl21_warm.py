@@ -22,7 +22,7 @@ check = "--check" in sys.argv
 built = []
 m = load_example("flash_attention")
 for causal in (False, True):
-    for cfg in ("wsfm", "ovppfm", "ovppspfm", "ovppsp"):
+    for cfg in ("wsfm", "ovppfm", "ovppspfm", "ovppsp", "povppspfm", "pppfm"):
         func = m.flash_attention_fwd(2, 8, 1536, 128, causal, 128, 128, 2, 256, "float16", groups=4, layout="bhsd")
         built.append(tilelang.JITKernel(func, out_idx=[3], target="cuda", pass_configs=tc._WS_CFG.get(cfg)))
 if check:  # the bench's and ncu's contenders too (same caches)

@@ -164,6 +164,9 @@ FAST_MATH = {"cuda_fast_exp2": True, "cuda_fmnmx": True, "cuda_tree_reduce": Tru
 _FORMS = {"ws": {}, "ov": {"cuda_ws_overlap": True}, "ovpp": {"cuda_ws_overlap": True, "cuda_ws_pingpong": True},
           "ovppsp": S27_IMPLS["ours_ovppsp"]}
 S29_IMPLS = {f"ours_{f}fm": {**cfg, **FAST_MATH} for f, cfg in _FORMS.items()}
+_P = {"cuda_persistent": True}  # + persistent: one CTA per SM loops over the tiles (the epilogue under the next loads)
+S29_IMPLS["ours_povppspfm"] = {**S29_IMPLS["ours_ovppspfm"], **_P}
+S29_IMPLS["ours_pppfm"] = {"cuda_ws_pingpong": True, **_P, **FAST_MATH}
 S29_IMPLS["ours_ovppspe"] = {**S27_IMPLS["ours_ovppsp"], "cuda_fast_exp2": True}  # attribution: exp2 alone
 S29_IMPLS["ours_ovppspmx"] = {**S27_IMPLS["ours_ovppsp"], "cuda_fmnmx": True, "cuda_tree_reduce": True}  # max / sums
 S27_IMPLS.update(S29_IMPLS)
@@ -369,9 +372,11 @@ AB_GEMM_S27 = {
 AB_FA_S27 = [("ours_ws", 2), ("ours_ov", 3), ("ours_ovpp", 3), ("ours_sp", 2), ("ours_ovsp", 2), ("ours_ovppsp", 2),
              ("ours_ovsp", 3), ("ours_ovppsp", 3)]
 # --set s29: flash attention only; the four forms of cuda_kernels.FA_DEFAULTS (ws 2 st., overlap 3 st., overlap +
-# pingpong 3 st., split + overlap + pingpong 2 st.) as they are and with the session-29 fast softmax forms (FAST_MATH)
+# pingpong 3 st., split + overlap + pingpong 2 st.) as they are and with the session-29 fast softmax forms (FAST_MATH),
+# and two persistent forms with them (split + overlap + pingpong; pingpong alone: R1 of session 25's best, 532 TFLOP/s)
 AB_FA_S29 = [("ours_ws", 2), ("ours_ov", 3), ("ours_ovpp", 3), ("ours_ovppsp", 2),
-             ("ours_wsfm", 2), ("ours_ovfm", 3), ("ours_ovppfm", 3), ("ours_ovppspfm", 2)]
+             ("ours_wsfm", 2), ("ours_ovfm", 3), ("ours_ovppfm", 3), ("ours_ovppspfm", 2), ("ours_povppspfm", 2),
+             ("ours_pppfm", 2)]
 AB_SETS = {"s26": (AB_GEMM, AB_FA), "s27": (AB_GEMM_S27, AB_FA_S27), "s29": ({s: [] for s in GEMM_SHAPES}, AB_FA_S29)}
 
 

@@ -335,7 +335,8 @@ _WS_CFG = {"default": None, "ws": WS, "wsp": WSP, "pp": WSPP, "ppp": {**WSP, **W
            "ovppsp": {**WSPP, "cuda_ws_overlap": True, **SPLIT}}
 # session 29: the fast softmax forms (cuda_fast_exp2 + cuda_fmnmx + cuda_tree_reduce) on top of a form
 FAST_MATH = {"cuda_fast_exp2": True, "cuda_fmnmx": True, "cuda_tree_reduce": True}
-_WS_CFG.update({f"{f}fm": {**_WS_CFG[f], **FAST_MATH} for f in ("ws", "ovpp", "ovppsp")})
+_WS_CFG["povppsp"] = {**_WS_CFG["ovppsp"], **WSP}  # ... and persistent
+_WS_CFG.update({f"{f}fm": {**_WS_CFG[f], **FAST_MATH} for f in ("ws", "ovpp", "ovppsp", "povppsp", "ppp")})
 CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async
 TMA = {"cuda_tma": True, "tl.disable_warp_specialized": True}  # TMA pipelines, every thread in one role
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
@@ -984,7 +985,7 @@ def test_public_kernel_ws_gpu(name, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", ["default", "ws", "wsp", "pp", "ppp", "ov", "ovpp", "ovp", "sp", "spp", "ppsp", "ovsp",
-                                 "ovppsp", "wsfm", "ovppfm", "ovppspfm"])
+                                 "ovppsp", "wsfm", "ovppfm", "ovppspfm", "povppspfm", "pppfm"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa_pipelined_ws_gpu(example, causal, cfg):
     """Flash attention at the benchmark's tiles (128 x 128, 2 stages, 256 threads; bhsd, so K / V go through
@@ -998,8 +999,10 @@ def test_fa_pipelined_ws_gpu(example, causal, cfg):
     k = tilelang.compile(func, out_idx=[3], target="cuda", pass_configs=_WS_CFG.get(cfg))
     src = k.get_kernel_source()
     assert "tma_load_2d" in src and k._impl.launch_threads  # warp-specialized in every form (the default too)
-    assert ("named_barrier_sync(2 +" in src) == (cfg.removesuffix("fm") in ("pp", "ppp", "ovpp", "ppsp", "ovppsp"))
-    assert ("for (int k = 0 + 1;" in src) == (cfg.removesuffix("fm") in ("ov", "ovpp", "ovp", "ovsp", "ovppsp"))
+    opts = _WS_CFG[cfg] or {}
+    assert ("named_barrier_sync(2 +" in src) == bool(opts.get("cuda_ws_pingpong"))
+    assert ("for (int k = 0 + 1;" in src) == bool(opts.get("cuda_ws_overlap"))  # gemm/softmax overlap
+    assert ("_tile += gridDim.x" in src) == bool(opts.get("cuda_persistent"))
     assert ("ex2.approx.ftz.f32" in src) == cfg.endswith("fm")  # the fast softmax forms (session 29)
     assert src.count("mbarrier_init(&") == (4 if "cuda_ws_split_stages" in (_WS_CFG[cfg] or {}) else 2)  # K, V apart
     g = torch.Generator().manual_seed(2)

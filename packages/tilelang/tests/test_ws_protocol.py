@@ -67,7 +67,7 @@ def test_gemm_protocol(cfg, two):
 PERSISTENT = {"cuda_persistent": True}
 
 
-@pytest.mark.parametrize("form", ["ws", "split", "pp", "pp_split"])
+@pytest.mark.parametrize("form", ["ws", "split", "pp", "pp_split", "ov", "ovpp_split"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa_persistent_protocol(causal, form):
     """Persistent flash attention (one CTA runs tiles 1, 6, 11 of the 16: 2 heads x 8 query blocks); the stage
