@@ -30,11 +30,18 @@ def test_bench_quick_on_cpu_fills_every_column(tmp_path, capsys):
 def test_optimize_adds_the_opt_columns_on_a_copy(tmp_path):
     path = tmp_path / "bench.json"
     assert bench_hf_decode.main(["--device", "cpu", "--quick", "--batch", "2", "--iters", "1", "--ttft-context", "0",
-                                 "--optimize", "--json", str(path)]) == 0
-    res = json.loads(path.read_text())["decode_step"]["64"]
+                                 "--optimize", "fuse_qkv", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["optimize"]["flags"] == ["fuse_qkv"] and report["optimize"]["swapped"] > 0
+    res = report["decode_step"]["64"]
     for col in ("kv_dense_eager", "opt_kv_dense_eager", "opt_kv_sparse_eager"):
         assert res[col]["ms"] > 0, (col, res[col])
     # the optimized copy (GemmLinear: bf16 operands on deepgemm's CPU reference) gives transformers' logits within
     # bf16 operand rounding (2^-8 relative, a few roundings deep)
     assert res["opt_kv_dense_vs_hf_max_abs_logit_diff"] < 2e-2 * res["logit_scale_max_abs"]
     assert res["opt_kv_sparse_graph"] == {"skipped": "CUDA graphs need a CUDA device"}
+
+
+def test_optimize_refuses_unknown_switches(capsys):
+    assert bench_hf_decode.main(["--device", "cpu", "--quick", "--optimize", "fuse_everything"]) == 2
+    assert "unknown switches ['fuse_everything']" in capsys.readouterr().out

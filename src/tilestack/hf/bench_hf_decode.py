@@ -43,8 +43,10 @@ def _args(argv):
     p.add_argument("--iters", type=int, default=10, help="timed steps per column (after 2 warm-up steps)")
     p.add_argument("--ttft-context", type=int, default=32768, help="cached prefix of the TTFT request (0: skip)")
     p.add_argument("--quick", action="store_true", help="tiny model and contexts (smoke test)")
-    p.add_argument("--optimize", action="store_true", help="also run the kvpool columns (opt_kv_*) on a copy of the "
-                   "model after tilestack.register_optimizations (the transformers columns stay on the unmodified one)")
+    p.add_argument("--optimize", nargs="?", const="", default=None, metavar="FLAGS",
+                   help="also run the kvpool columns (opt_kv_*) on a copy of the model after "
+                   "tilestack.register_optimizations (the transformers columns stay on the unmodified one); FLAGS: "
+                   "comma-separated register_optimizations switches to turn on as well, e.g. fuse_mlp,fuse_qkv")
     p.add_argument("--profile", metavar="DIR", help="also write, per eager kvpool column and context, a cProfile "
                    "(host time by function) and a torch.profiler table (syncs, copies, launches) of 3 steps into DIR")
     p.add_argument("--summary-dtype", choices=("bf16", "fp8", "int4"), default="bf16",
@@ -429,16 +431,6 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, cfg, dtype = build_model(args, device, max(contexts + [args.ttft_context]) + 4096)
     print(f"model built in {time.perf_counter() - t0:.1f} s", flush=True)
-    kv_models = [("", model)]
-    if args.optimize:
-        import copy
-
-        from tilestack import register_optimizations
-
-        opt = copy.deepcopy(model)
-        rep = register_optimizations(opt, backend="cuda" if device.type == "cuda" else "cpu")
-        print(f"opt_* columns: {len(rep.swapped)} modules swapped by register_optimizations", flush=True)
-        kv_models.append(("opt_", opt))
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -449,6 +441,23 @@ def main(argv=None) -> int:
                                                "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")},
         "decode_step": {}, "ttft": {},
     }
+    kv_models = [("", model)]
+    if args.optimize is not None:
+        import copy
+
+        from tilestack import register_optimizations
+
+        flags = {f: True for f in args.optimize.split(",") if f}
+        bad = sorted(set(flags) - {"fuse_mlp", "fuse_qkv", "fuse_norm", "fuse_rope", "fp8"})
+        if bad:
+            print(f"bench_hf_decode: --optimize: unknown switches {bad} (expected fuse_mlp, fuse_qkv, fuse_norm, "
+                  "fuse_rope, fp8)")
+            return 2
+        opt = copy.deepcopy(model)
+        rep = register_optimizations(opt, backend="cuda" if device.type == "cuda" else "cpu", **flags)
+        report["optimize"] = {"flags": sorted(flags), "swapped": len(rep.swapped)}
+        print(f"opt_* columns: {len(rep.swapped)} modules swapped by register_optimizations", flush=True)
+        kv_models.append(("opt_", opt))
     for L in contexts:
         run_context(args, model, cfg, dtype, device, L, timer, th, report["decode_step"], SAFE, kv_models)
     if args.ttft_context:
