@@ -95,9 +95,10 @@ def persistent_tiles(m: int, n: int, k: int, acc: bool, out_dtype=torch.bfloat16
     ep = {"tma_store": True, "c_tma": True} if c_tma else cuda_gemm.epilogue(torch.empty(0, n, dtype=out_dtype), n,
                                                                                acc, "normal")
     base = pick_config("bf16", m, n, k, num_sms=SMS, **ep)
+    default = heuristics.tile_rule(base, m, n, k)  # the tile the dispatch takes (the model's, or a measured rule's)
     out: dict[str, object] = {}
     for bm, bn in PERSISTENT_TILES:
-        if (bm, bn) == (base.block_m, base.block_n):
+        if (bm, bn) == (default.block_m, default.block_n):
             continue
         cfg = heuristics.with_tile(base, m, n, bm, bn)
         out[f"persistent_bm{bm}_bn{bn}_s{cfg.stages}"] = cfg

@@ -113,21 +113,30 @@ def test_wide_n_tiles_fit_and_count_their_waves():
         wide_n_cfg(96, 128)
 
 
-def test_c_tma_tile_rule_changes_only_matching_shapes(monkeypatch):
+def test_tile_rule_takes_128x128_only_for_short_k_one_wave_128x256_plans(monkeypatch):
+    # heuristics.TILE_RULES: M <= 128, K <= 512, the model's 128 x 256 tiles in one wave -> 128 x 128 (H200 s29 dg18 r1,
+    # 128 x 32768 x 512: with C 22.1 -> 20.5 us, without 18.7 -> 17.6; cuBLAS 20.1 / 18.1 in the same run)
     from deepgemm import heuristics
 
-    shapes = [(m, n, k) for m in (1, 64, 128, 256, 4096) for n in (2112, 7168, 16384, 24576, 32768)
+    assert heuristics.TILE_RULES == ((128, 512, (128, 256), 1, (128, 128)),)
+    shapes = [(m, n, k) for m in (1, 64, 65, 128, 129, 256, 4096) for n in (2112, 7168, 16384, 24576, 28672, 32768, 65536)
               for k in (256, 512, 1536, 7168)]
-    assert all(heuristics.c_tma_tile_rule(ctma_cfg(*s), *s) == ctma_cfg(*s) for s in shapes)  # no rule, no change
-    monkeypatch.setattr(heuristics, "C_TMA_TILE_RULES", ((128, 512, 16384, (128, 128)),))
+    changed = set()
     for m, n, k in shapes:
-        got = heuristics.c_tma_tile_rule(ctma_cfg(m, n, k), m, n, k)
-        if m <= 128 and k <= 512 and n >= 16384:
-            assert (got.block_m, got.block_n) == (128, 128) and got == with_tile(ctma_cfg(m, n, k), m, n, 128, 128)
-        else:
-            assert got == ctma_cfg(m, n, k), (m, n, k)
-    plain = pick_config("bf16", 128, 32768, 512, num_sms=132, tma_store=True)  # no C: never touched
-    assert heuristics.c_tma_tile_rule(plain, 128, 32768, 512) == plain
+        for c_tma in (True, False):
+            base = pick_config("bf16", m, n, k, num_sms=132, tma_store=True, c_tma=c_tma)
+            got = heuristics.tile_rule(base, m, n, k)
+            if m <= 128 and k <= 512 and (base.block_m, base.block_n) == (128, 256) and base.num_waves == 1:
+                assert got == with_tile(base, m, n, 128, 128) and got.stages == 6, (m, n, k, c_tma)
+                changed.add((m, n, k))
+            else:
+                assert got == base, (m, n, k, c_tma)
+    assert (128, 32768, 512) in changed and all(m > 64 and k <= 512 for m, _, k in changed), changed
+    # not for fp8, staged / direct epilogues (no TMA store), grouped kernels
+    for cfg in (pick_config("fp8", 128, 32768, 512, num_sms=132, tma_store=True),
+                pick_config("bf16", 128, 32768, 512, num_sms=132, staged_store=4),
+                pick_config("bf16", 128, 32768, 512, num_sms=132, grouping="masked", tma_store=True)):
+        assert heuristics.tile_rule(cfg, 128, 32768, 512) == cfg
 
 
 @nvrtc
@@ -237,6 +246,23 @@ def test_wide_n_tiles_match_reference(tile):
         d = c.clone()
         cuda_gemm.dense(a, None, b, None, d, d, config=wide_n_cfg(*tile))
         assert deepgemm.testing.calc_diff(d, ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("acc", [True, False], ids=["c_is_d", "no_c"])
+def test_tile_rule_default_dispatch_matches_reference(acc, caplog):
+    # 128 x 32768 x 512 takes TILE_RULES' 128 x 128 tiles by default, with C (C_TMA) and without (TMA store)
+    from deepgemm import heuristics
+
+    heuristics._tile_rule.cache_clear()  # its DEBUG line is logged once per plan
+    m, n, k = 128, 32768, 512
+    a, b = _ab(m, n, k, seed=41)
+    c = torch.randn(m, n, device="cuda").to(bf16)
+    d = c.clone() if acc else torch.empty(m, n, dtype=bf16, device="cuda")
+    with caplog.at_level(logging.DEBUG, logger="deepgemm"):
+        deepgemm.bf16_gemm_nt(a, b, d, c=d if acc else None)
+    assert any("128x128 tiles (measured rule" in r.getMessage() for r in caplog.records)
+    assert deepgemm.testing.calc_diff(d, reference.bf16_gemm_nt(a, b, c.float() if acc else None)) < 1e-5
 
 
 @pytest.mark.gpu

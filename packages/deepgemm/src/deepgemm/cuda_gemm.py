@@ -23,11 +23,11 @@ from . import gemv, plans, splitk, validate
 from .heuristics import (
     EXPERT_TABLE_BLOCKS,
     GemmConfig,
-    c_tma_tile_rule,
     epilogue_passes,
     expert_raster_config,
     pick_config,
     swiglu_config,
+    tile_rule,
 )
 from .utils import (
     ceil_div,
@@ -435,8 +435,8 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
     if config is None and c is not None and c_epilogue_tma():
         why = c_tma_why_not(d, c, n, fp8)
         if why is None:
-            config = c_tma_tile_rule(pick_config("bf16", m, n, k, tma_store=True, c_tma=True,
-                                                 max_multicast=max_multicast()), m, n, k)
+            config = tile_rule(pick_config("bf16", m, n, k, tma_store=True, c_tma=True, max_multicast=max_multicast()),
+                               m, n, k)
         else:
             log.debug("C_TMA not used for %dx%dx%d: %s", m, n, k, why)
     if getattr(config, "c_tma", False):
@@ -445,6 +445,8 @@ def dense(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch
             raise ShapeError(f"config.c_tma: expected a bf16 C and D with N % 8 == 0 and tma_store, got {why}")
     cfg = config or pick_config("fp8" if fp8 else "bf16", m, n, k, **epilogue(d, n, c is not None, "normal"),
                                 max_multicast=max_multicast(), overlap=overlap_allowed())
+    if config is None and bias is None:
+        cfg = tile_rule(cfg, m, n, k)  # measured tile exceptions (bf16 TMA-store plans only)
     # bf16 accumulation into a bf16 D: the staged copy-out epilogue reads the bf16 C in place (C_BF16).
     c_bf16 = (c is not None and c.dtype == torch.bfloat16 and d.dtype == torch.bfloat16 and not cfg.tma_store
               and cfg.d_swizzle == 1)

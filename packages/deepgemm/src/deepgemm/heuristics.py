@@ -344,23 +344,38 @@ def with_tile(cfg: GemmConfig, m: int, n: int, block_m: int, block_n: int) -> Ge
     return out
 
 
-# Measured exceptions to the cost model's tile for the C_TMA epilogue (a bf16 C = D added by the persistent kernel):
-# (max M, max K, min N, (BLOCK_M, BLOCK_N)), the first that matches wins. The model prices main-loop waves only;
-# where the main loop is short (K <= 512: 8 K blocks) and the plan one wave, every CTA loads its C tile and stores
-# its D tile at the same moment and nothing overlaps them. Each entry names its H200 figure (docs/deepgemm.md).
-C_TMA_TILE_RULES: tuple[tuple[int, int, int, tuple[int, int]], ...] = ()
+# Measured exceptions to the cost model's tile for dense bf16 GEMMs with the TMA-store epilogue (with or without a
+# C_TMA C): (max M, max K, the model's tile (BLOCK_M, BLOCK_N), its waves, the tile to take), the first that matches
+# wins. The model prices main-loop waves only; where the main loop is short (K <= 512: 8 K blocks) and the plan one
+# wave, every CTA loads its C tile and stores its D tile at the same moment and nothing overlaps them; two tiles per
+# CTA overlap the first tile's store (and the second's C load) with the second's main loop.
+# ((128, 512, (128, 256), 1, (128, 128))): 128 x 32768 x 512, H200 session 29 dg18 r1 (docs/benchmarks/
+# gpu_runs_2026-12-02_s29/dg18_r1/sweep.log, cuBLAS in the same run): with C = D (C_TMA) 22.1 -> 20.5 us (graph
+# 22.1 -> 20.7; cuBLAS addmm_ 20.1), without C 18.7 -> 17.6 us (graph 18.7 -> 17.8; cuBLAS 18.1); 128 x 64 / 128 x 96
+# / 64 x 256 were slower than 128 x 128 there. M <= 64 plans 64-row tiles and is not covered.
+TILE_RULES: tuple[tuple[int, int, tuple[int, int], int, tuple[int, int]], ...] = (
+    (128, 512, (128, 256), 1, (128, 128)),
+)
 
 
-def c_tma_tile_rule(cfg: GemmConfig, m: int, n: int, k: int) -> GemmConfig:
-    """`cfg` (the heuristic's C_TMA plan for D[M, N], K) with the tile of the first C_TMA_TILE_RULES entry it falls
-    under (M <= max M, K <= max K, N >= min N), else unchanged; the choice is logged at DEBUG."""
-    if not cfg.c_tma:
+def tile_rule(cfg: GemmConfig, m: int, n: int, k: int) -> GemmConfig:
+    """`cfg` (the heuristic's plan for a dense bf16 D[M, N] with the TMA-store epilogue, K) with the tile of the first
+    TILE_RULES entry it falls under (M <= max M, K <= max K, the model's tile and waves), else unchanged; the choice
+    is logged at DEBUG (once per plan: memoized, it runs on every launch). Other configs (fp8, grouped, staged /
+    direct epilogues) are returned as they are."""
+    return _tile_rule(cfg, m, n, k, TILE_RULES)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tile_rule(cfg: GemmConfig, m: int, n: int, k: int, rules: tuple) -> GemmConfig:
+    if cfg.kind != "bf16" or cfg.grouping != "normal" or not cfg.tma_store or cfg.swiglu:
         return cfg
-    for max_m, max_k, min_n, (bm, bn) in C_TMA_TILE_RULES:
-        if m <= max_m and k <= max_k and n >= min_n and (bm, bn) != (cfg.block_m, cfg.block_n):
+    for max_m, max_k, tile, waves_, (bm, bn) in rules:
+        if m <= max_m and k <= max_k and (cfg.block_m, cfg.block_n) == tile and cfg.num_waves == waves_:
             out = with_tile(cfg, m, n, bm, bn)
-            log.debug("C_TMA %dx%dx%d: %dx%d tiles (measured rule M <= %d, K <= %d, N >= %d) instead of %dx%d", m, n,
-                      k, bm, bn, max_m, max_k, min_n, cfg.block_m, cfg.block_n)
+            log.debug("bf16 %dx%dx%d%s: %dx%d tiles (measured rule: M <= %d, K <= %d, %dx%d in %d wave) instead of "
+                      "%dx%d", m, n, k, " C_TMA" if cfg.c_tma else "", bm, bn, max_m, max_k, *tile, waves_,
+                      cfg.block_m, cfg.block_n)
             return out
     return cfg
 

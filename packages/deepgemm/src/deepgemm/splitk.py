@@ -70,9 +70,11 @@ CLUSTER_REDUCE_MIN_M: int | None = None
 # PAR_REDUCE_MIN_M rows that reduce through the cluster. Each entry names the H200 figure it stands on:
 # (128, 64, 2, True): 128 x 4096 x 7168 with C = D (bf16, C_EARLY), session 29 r1 (docs/benchmarks/
 # gpu_runs_2026-12-02_s29/r1/lead/out/sweep_4096x7168_acc.log, cuBLAS addmm_ 25.9 us in the same run): par_reduce
-# 29.0 us (0.89x), the same plan through the cluster 27.2 us (0.95x). Only N = 3584 .. 4096 at M = 96 .. 128 plan
-# (128, 64, 2) (64-wide tiles x 2 splits <= 132 CTAs); without C that plan has no figure yet and keeps par_reduce.
-CLUSTER_REDUCE_PLANS: frozenset[tuple[int, int, int, bool]] = frozenset({(128, 64, 2, True)})
+# 29.0 us (0.89x), the same plan through the cluster 27.2 us (0.95x); dg18 r1 (gpu_runs_2026-12-02_s29/dg18_r1/
+# sweep.log): the cluster default 27.5 us vs par 29.6 (cuBLAS 26.5). (128, 64, 2, False): the same shape without C,
+# dg18 r1: par (then the default) 28.9 us / graph 28.9, cluster 27.0 / 27.0 (cuBLAS 26.9 / 26.3). Only N = 3584 ..
+# 4096 at M = 96 .. 128 plan (128, 64, 2) (64-wide tiles x 2 splits <= 132 CTAs).
+CLUSTER_REDUCE_PLANS: frozenset[tuple[int, int, int, bool]] = frozenset({(128, 64, 2, True), (128, 64, 2, False)})
 # fp8: the persistent kernel's narrow small-M tiles are worse than the model says (DeepGEMM's fp8 test, H200
 # R2 2026-12-02: every M = 1 row 0.45-0.91x its cuBLAS baseline, 64x16..64x56 tiles with 7-57 KiB of B in
 # flight per SM; 128x16 tiles at M = 128 re-read A from L2 once per 2 KiB of B), so split-K is taken as soon
