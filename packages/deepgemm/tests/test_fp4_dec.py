@@ -10,10 +10,11 @@ from deepgemm import cuda_fp4, fp4
 
 ISSUE_NK = ((7168, 2048), (2112, 7168), (4096, 7168))
 SMS = 132
-# A/B variants the GPU round times (gpu_job.sh): (BN, splits, multicast) forced at M = 64 / 128 (BN None: the planner's;
-# splits None: as many as fill the SMs with those slices; multicast 2: 2-CTA clusters share the activation tile)
-VARIANTS = (("64", None, None), ("128", None, None), ("32", "2", None), (None, None, "2"), ("64", None, "2"),
-            (None, None, "4"), ("64", None, "4"))
+# A/B variants the GPU rounds time (gpu_job.sh): (BN, splits, multicast, CTAs per SM) forced (BN None: the planner's;
+# splits None: as many as fill the SMs with those slices; multicast 2 / 4: clusters share the activation tile)
+VARIANTS = (("64", None, None, None), ("128", None, None, None), ("32", "2", None, None), (None, None, "2", None),
+            ("64", None, "2", None), (None, None, "4", None), ("64", None, "4", None), (None, "2", None, "2"),
+            (None, "4", None, "2"))
 
 
 def fits(fp8, bn) -> bool:
@@ -27,9 +28,9 @@ def dec_keys() -> list:
             for fp8 in (False, True):
                 keys.add(cuda_fp4._plan_dec(m, n, k, True, False, fp8, SMS, None, None).key)
                 if m in (64, 128):
-                    for bn, sp, mc in VARIANTS:
+                    for bn, sp, mc, bl in VARIANTS:
                         if fits(fp8, bn):
-                            keys.add(cuda_fp4._plan_dec(m, n, k, True, False, fp8, SMS, bn, sp, mc).key)
+                            keys.add(cuda_fp4._plan_dec(m, n, k, True, False, fp8, SMS, bn, sp, mc, bl).key)
     for fp8 in (False, True):
         keys.add(cuda_fp4._plan_dec(37, 136, 1152, False, True, fp8, SMS, None, None).key)  # fp32 out + C
         keys.add(cuda_fp4._plan_dec(200, 200, 256, True, False, fp8, SMS, None, None).key)  # several m-blocks
@@ -151,7 +152,8 @@ def test_dec_configs_cover_kinds_tiles_and_c():
 
 # ----------------------------------------------------------------------------- GPU
 
-GPU_SHAPES = [(128, 4096, 7168), (64, 2112, 7168), (128, 7168, 2048), (37, 136, 1152), (200, 200, 256), (1, 64, 128)]
+GPU_SHAPES = [(128, 4096, 7168), (64, 2112, 7168), (128, 7168, 2048), (16, 4096, 7168), (37, 136, 1152),
+              (200, 200, 256), (1, 64, 128)]
 
 
 def operands(m, n, k, scales, fp8, seed):
@@ -195,13 +197,14 @@ def test_gpu_dec_kernel_matches_reference(m, n, k, scales, fp8, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bn,splits,mcast,fp8", [(*v, fp8) for v in VARIANTS for fp8 in (False, True) if fits(fp8, v[0])])
+@pytest.mark.parametrize("bn,splits,mcast,blocks,fp8", [(*v, fp8) for v in VARIANTS for fp8 in (False, True)
+                                                        if fits(fp8, v[0])])
 @pytest.mark.parametrize("m", [128, 64])
-def test_gpu_dec_variants_mixed_scales_c_and_graph_replay(m, bn, splits, mcast, fp8, monkeypatch):
-    """The round's A/B variants (BN, cluster split-K, multicast; N = 2112: an odd number of 64-row slices, so
-    multicast has a phantom CTA) with C and mixed scales, replayed from a CUDA graph."""
+def test_gpu_dec_variants_mixed_scales_c_and_graph_replay(m, bn, splits, mcast, blocks, fp8, monkeypatch):
+    """The rounds' A/B variants (BN, cluster split-K, multicast, two CTAs per SM; N = 2112: an odd number of 64-row
+    slices, so multicast has a phantom CTA) with C and mixed scales, replayed from a CUDA graph."""
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "dec")
-    for name, v in (("BN", bn), ("SPLITS", splits), ("MCAST", mcast)):
+    for name, v in (("BN", bn), ("SPLITS", splits), ("MCAST", mcast), ("BLOCKS", blocks)):
         if v:
             monkeypatch.setenv(f"DEEPGEMM_FP4_DEC_{name}", v)
     n, k = 2112, 7168

@@ -1420,7 +1420,11 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
   constexpr int TOKENS = 64 * NWG, MATH = 128 * NWG, THREADS = MATH + 32;
   using St = Fp4DecStage<TOKENS, BN, ACT_FP8>;
   constexpr int RING = fp4_dec_bytes<TOKENS, BN, ACT_FP8, STAGES>();
-  constexpr int R = BN / 2;                       // accumulators per thread
+  constexpr int R = BN / 2;                       // accumulators per thread and set
+  // Independent accumulator sets (bf16: the K-long sums; e4m3: a chunk's partial sums), so that consecutive wgmmas of a
+  // chunk do not wait for each other (a dependent m64nBN wgmma costs its pipeline latency, ~100 cycles, at these N):
+  // wgmma j of a chunk accumulates into set j % NSET; the sets are added at the end (e4m3: at each promotion).
+  constexpr int NSET = ACT_FP8 ? (BN <= 32 ? 4 : 2) : (BN <= 16 ? 8 : BN <= 32 ? 4 : BN <= 64 ? 2 : 1);
   constexpr int UPR = ACT_FP8 ? 8 : 16;           // decoded 16-byte units per row and chunk
   constexpr int UNITS = BN * UPR;
   constexpr int UPT = (UNITS + MATH - 1) / MATH;  // units per math thread
@@ -1440,7 +1444,18 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
   }
   unsigned char* smem = ring.smem;
   unsigned char* dec = smem + STAGES * St::kBytes;  // two decoded tiles (1024-aligned: kBytes, kDecBytes are)
-  float acc[R] = {};  // bf16: written by wgmma only; e4m3: by the promotion only
+  float acc[R] = {};  // e4m3: written by the promotion only (bf16: the sum of the sets at the end)
+  [[maybe_unused]] float sets[NSET][R];  // bf16: written by wgmma only (zeroed once); e4m3: fresh every chunk
+  if constexpr (!ACT_FP8) {
+#pragma unroll
+    for (int st = 0; st < NSET; ++st)
+#pragma unroll
+      for (int e = 0; e < R; ++e) sets[st][e] = 0.f;
+  }
+  auto fence_sets = [&]() {
+#pragma unroll
+    for (int st = 0; st < NSET; ++st) wgmma_fence_operands(sets[st]);
+  };
 
   if (warp == 4 * NWG) {
     // ---------------------------------------------------------------- producer (one lane)
@@ -1471,7 +1486,6 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
     // ---------------------------------------------------------------- math warpgroups
     const int wg = warp / 4, g = lane / 4, q = lane % 4;
     const int n_ch = c_end - c_begin;
-    [[maybe_unused]] float P[R];
 
     // Decode chunk i (its stage must have landed) into tile `buf`: FOLD = the fast path's folded weights
     // (returns whether this thread's scales allow it), else plain e2m1 (e4m3) / e2m1 x piece `pc` (bf16).
@@ -1542,19 +1556,19 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
       return ok;
     };
 
-    // Issue chunk i's wgmmas (tokens 64 wg .. of the stage's activations x tile `buf`); all of K unless `one`
-    // (e4m3: group `one` only). Accumulate into `out` (bf16: acc; e4m3: P, fresh).
-    auto issue = [&](int i, const unsigned char* buf, float* out, int one) {
+    // Issue chunk i's wgmmas (tokens 64 wg .. of the stage's activations x tile `buf`) into the sets: all of K, wgmma
+    // j into set j % NSET (bf16: accumulating; e4m3: fresh sets), or (e4m3, `one` >= 0) group `one` only, into set 0.
+    auto issue = [&](int i, const unsigned char* buf, int one) {
       const unsigned char* st = smem + (i % STAGES) * St::kBytes;
       wgmma_fence();
       if constexpr (ACT_FP8) {
         const u64 da = make_smem_desc_k128b(st + wg * 64 * 128);
         const u64 db = make_smem_desc_k128b(buf);
         if (one >= 0) {
-          Mma::mma(out, da + one * 2, db + one * 2, 0);
+          Mma::mma(sets[0], da + one * 2, db + one * 2, 0);
         } else {
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk) Mma::mma(out, da + kk * 2, db + kk * 2, kk > 0);
+          for (int kk = 0; kk < 4; ++kk) Mma::mma(sets[kk % NSET], da + kk * 2, db + kk * 2, kk >= NSET);
         }
       } else {
 #pragma unroll
@@ -1562,14 +1576,15 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
           const u64 da = make_smem_desc_k128b(st + h * (TOKENS * 128) + wg * 64 * 128);
           const u64 db = make_smem_desc_k128b(buf + h * (BN * 128));
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk) Mma::mma(out, da + kk * 2, db + kk * 2, 1);
+          for (int kk = 0; kk < 4; ++kk) Mma::mma(sets[(h * 4 + kk) % NSET], da + kk * 2, db + kk * 2, 1);
         }
       }
       wgmma_commit();
     };
 
-    // e4m3: acc += P * sa[token] * f[col] (f: the chunk's row factors, or group `gg`'s scales from the stage)
-    [[maybe_unused]] auto promote = [&](int i, const unsigned char* buf, int gg) {
+    // e4m3: acc += P * sa[token] * f[col] with P the sum of the first `used` sets (f: the chunk's row factors, or
+    // group `gg`'s scales from the stage)
+    [[maybe_unused]] auto promote = [&](int i, const unsigned char* buf, int gg, int used) {
       const unsigned char* st = smem + (i % STAGES) * St::kBytes;
       const int t0 = wg * 64 + (warp % 4) * 16 + g;
       const float* sfa = reinterpret_cast<const float*>(st + St::kOffSfa);
@@ -1585,10 +1600,18 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
           f0 = *reinterpret_cast<const float*>(st + St::kOffSfb + col * 16 + gg * 4);
           f1 = *reinterpret_cast<const float*>(st + St::kOffSfb + (col + 1) * 16 + gg * 4);
         }
-        acc[4 * j + 0] += P[4 * j + 0] * (sa0 * f0);
-        acc[4 * j + 1] += P[4 * j + 1] * (sa0 * f1);
-        acc[4 * j + 2] += P[4 * j + 2] * (sa1 * f0);
-        acc[4 * j + 3] += P[4 * j + 3] * (sa1 * f1);
+        float P[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          P[e] = sets[0][4 * j + e];
+#pragma unroll
+          for (int st2 = 1; st2 < NSET; ++st2)
+            if (st2 < used) P[e] += sets[st2][4 * j + e];
+        }
+        acc[4 * j + 0] += P[0] * (sa0 * f0);
+        acc[4 * j + 1] += P[1] * (sa0 * f1);
+        acc[4 * j + 2] += P[2] * (sa1 * f0);
+        acc[4 * j + 3] += P[3] * (sa1 * f1);
       }
     };
 
@@ -1608,20 +1631,12 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
       };
       bool ok;
       if (fold) {  // each branch waits for its own wgmmas (none in flight across the branches' join)
-        if constexpr (ACT_FP8) {
-          wgmma_fence_operands(P);
-          issue(i, buf, P, -1);
-          ok = next();
-          wgmma_wait<0>();
-          wgmma_fence_operands(P);
-          promote(i, buf, -1);
-        } else {
-          wgmma_fence_operands(acc);
-          issue(i, buf, acc, -1);
-          ok = next();
-          wgmma_wait<0>();
-          wgmma_fence_operands(acc);
-        }
+        fence_sets();
+        issue(i, buf, -1);
+        ok = next();
+        wgmma_wait<0>();
+        fence_sets();
+        if constexpr (ACT_FP8) promote(i, buf, -1, NSET);
       } else {
         // slow path: every thread takes it (the vote is the CTA's); the tile is re-decoded and waited per pass
         if constexpr (ACT_FP8) {
@@ -1629,11 +1644,11 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
           threads_sync(MATH);
 #pragma unroll 1
           for (int gg = 0; gg < 4; ++gg) {
-            wgmma_fence_operands(P);
-            issue(i, buf, P, gg);
+            fence_sets();
+            issue(i, buf, gg);
             wgmma_wait<0>();
-            wgmma_fence_operands(P);
-            promote(i, buf, gg);
+            fence_sets();
+            promote(i, buf, gg, 1);
           }
         } else {
 #pragma unroll 1
@@ -1641,10 +1656,10 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
             if (pc > 0) threads_sync(MATH);  // every warpgroup's previous pass retired: the tile may be overwritten
             decode(i, buf, false, pc);
             threads_sync(MATH);
-            wgmma_fence_operands(acc);
-            issue(i, buf, acc, -1);
+            fence_sets();
+            issue(i, buf, -1);
             wgmma_wait<0>();
-            wgmma_fence_operands(acc);
+            fence_sets();
           }
         }
         ok = next();
@@ -1665,6 +1680,14 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
   // the partial tile [TOKENS][BN] over the drained ring: acc[4j + i] = token 16 warp + g + 8 (i / 2),
   // column 8j + 2q + i % 2 (wgmma's accumulator layout)
   float* red = reinterpret_cast<float*>(smem);
+  if constexpr (!ACT_FP8) {  // the sets' sum (fp32 summation order only)
+#pragma unroll
+    for (int e = 0; e < R; ++e) {
+      acc[e] = sets[0][e];
+#pragma unroll
+      for (int st = 1; st < NSET; ++st) acc[e] += sets[st][e];
+    }
+  }
   __syncthreads();
   if (warp < 4 * NWG) {
     const int g = lane / 4, q = lane % 4;
