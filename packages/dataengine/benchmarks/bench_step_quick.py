@@ -30,7 +30,8 @@ BENCH_PATHS (comma-separated names) limits the paths at the largest context (def
 BENCH_DECODE_SPARSE (comma-separated KVPOOL_DECODE_SPARSE values, e.g. gather,gather:1) adds, per summary
 type, the sparse decode alone with that kernel (sparse_decode_only_<v>_us[_graph], its calc_diff vs the
 default kernel's output) and the default selection + that decode (step_default_<v>_us[_graph],
-speedup_default_<v>[_graph]); ':' in a value becomes '_' in the row names.
+speedup_default_<v>[_graph]); ':' in a value becomes '_' in the row names. BENCH_DECODE_COMBINE (comma-separated
+KVPOOL_DECODE_COMBINE values, e.g. cluster,ticket) adds the same rows as combine_<v>.
 Writes dataengine_step_quick.json into $DATAENGINE_BENCH_OUT (or docs/benchmarks with --record).
 """
 
@@ -112,7 +113,10 @@ def main() -> None:
     kmin, kmax = pool.key_summary(0)
     q = torch.randn(B, HQ, 128, device="cuda", dtype=torch.bfloat16)
     contexts = [int(x) for x in os.environ.get("BENCH_CONTEXTS", "131072").split(",")]
-    decoders = [x for x in os.environ.get("BENCH_DECODE_SPARSE", "").split(",") if x]
+    decoders = [(x.replace(":", "_"), {"KVPOOL_DECODE_SPARSE": x})
+                for x in os.environ.get("BENCH_DECODE_SPARSE", "").split(",") if x]
+    decoders += [(f"combine_{x}", {"KVPOOL_DECODE_COMBINE": x})
+                 for x in os.environ.get("BENCH_DECODE_COMBINE", "").split(",") if x]
     res = {"config": {"batch": B, "q_heads": HQ, "kv_heads": H, "block_size": BS, "top_k": TOP, "sink": 1, "local": 1},
            "timer": f"tilehal.bench: CUDA events, median of 20 after 3 warm-up, L2 flushed ({FLUSH})", "flush": FLUSH,
            "contexts": {}}
@@ -176,9 +180,8 @@ def main() -> None:
             r["sparse_decode_only_us"] = bench(sparse_only)
             r["sparse_decode_only_graph_us"] = bench_graph(sparse_only)
             base_out = sparse_only()
-            for dec in decoders:  # the sparse decode kernels of BENCH_DECODE_SPARSE, same selection
-                tag = dec.replace(":", "_")
-                with environ({"KVPOOL_DECODE_SPARSE": dec}):
+            for tag, denv in decoders:  # BENCH_DECODE_SPARSE's kernels / BENCH_DECODE_COMBINE's merges, same selection
+                with environ(denv):
                     try:
                         got = sparse_only()
                     except Exception as e:

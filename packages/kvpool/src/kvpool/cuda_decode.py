@@ -146,15 +146,20 @@ def kernel_checks(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConf
 
 @functools.cache
 def compile_decode(dtype: torch.dtype, head_dim: int, group: int, arch: str = "sm_90a",
-                   cfg: KernelConfig = KernelConfig(), pdl: bool = False) -> tilehal.CudaModule:
+                   cfg: KernelConfig = KernelConfig(), pdl: bool = False,
+                   cluster_merge: bool = False) -> tilehal.CudaModule:
     """Compile (or load from tilehal's cache) the kernels for one (dtype, head_dim, group, config).
-    `pdl`: the build that waits for the previous kernel (griddepcontrol, -DKVPOOL_PDL; mma and combine)."""
+    `pdl`: the build that waits for the previous kernel (griddepcontrol, -DKVPOOL_PDL; mma and combine).
+    `cluster_merge`: the mma build whose split CTAs merge over distributed shared memory (-DKVPOOL_CLUSTER_MERGE,
+    launched as clusters of the splits; KVPOOL_DECODE_COMBINE=cluster)."""
     # tilehal's cache key covers the headers in include_dirs, so an edited kernel recompiles.
     source = f'#include "{HEADERS[cfg.variant]}"\n' + kernel_checks(dtype, head_dim, group, cfg)
+    flags = [*(["-DKVPOOL_PDL"] if pdl else []), *(["-DKVPOOL_CLUSTER_MERGE"] if cluster_merge else [])]
     return tilehal.compile_cuda(source, arch=arch,
-                                name=f"paged_decode_{cfg.variant}_{head_dim}_{group}{'_pdl' if pdl else ''}",
+                                name=f"paged_decode_{cfg.variant}_{head_dim}_{group}{'_pdl' if pdl else ''}"
+                                     f"{'_cm' if cluster_merge else ''}",
                                 include_dirs=[str(KERNEL_DIR)],
-                                options=["--use_fast_math", *(["-DKVPOOL_PDL"] if pdl else [])],
+                                options=["--use_fast_math", *flags],
                                 name_expressions=list(kernel_names(dtype, head_dim, group, cfg)))
 
 
@@ -188,27 +193,34 @@ SPARSE_MIN_TILES = 4
 @functools.lru_cache(maxsize=256)
 def _launch_plan(dtype: torch.dtype, head_dim: int, group: int, cfg: KernelConfig, block_size: int, batch: int,
                  kv_heads: int, items: int, device_index: int, num_splits: int | None, min_tiles: int = 4,
-                 pdl: bool = False):
+                 pdl: bool = False, cluster_merge: bool = False):
     """Kernels, shared memory and split count for one call shape, cached: a decode step calls
     this with the same shape every layer, and the Python around a ~100 us kernel matters."""
     if cfg.variant == "mma" and block_size & (block_size - 1):
         log.debug("paged_decode: the mma kernel needs a power-of-two block_size (got %d); running simt", block_size)
         cfg = KernelConfig()
     pdl = pdl and cfg.variant == "mma"
-    module = compile_decode(dtype, head_dim, group, cfg=cfg, pdl=pdl)
-    main, combine = (module.get_kernel(n) for n in kernel_names(dtype, head_dim, group, cfg))
-    smem = smem_bytes(dtype, head_dim, group, cfg)
     if num_splits is None:
-        per_sm = max(1, min(228 * 1024 // (smem + 1024), 2048 // THREADS))
+        per_sm = max(1, min(228 * 1024 // (smem_bytes(dtype, head_dim, group, cfg) + 1024), 2048 // THREADS))
         num_splits = choose_splits(batch, kv_heads, items * block_size, _device_sms(device_index), per_sm, min_tiles)
     if cfg.variant == "mma":  # a CTA's share of blocks must fit the kernel's shared table
         num_splits = max(num_splits, -(-items // MMA_MAX_ITEMS))
-    return main, combine, smem, num_splits, cfg.variant, pdl
+    if cluster_merge and not (cfg.variant == "mma" and 2 <= num_splits <= CLUSTER_MAX_SPLITS):
+        log.debug("paged_decode: KVPOOL_DECODE_COMBINE=cluster needs the mma kernel and 2..%d splits (%s, %d splits); "
+                  "the combine launch merges", CLUSTER_MAX_SPLITS, cfg.variant, num_splits)
+        cluster_merge = False
+    module = compile_decode(dtype, head_dim, group, cfg=cfg, pdl=pdl, cluster_merge=cluster_merge)
+    main, combine = (module.get_kernel(n) for n in kernel_names(dtype, head_dim, group, cfg))
+    smem = smem_bytes(dtype, head_dim, group, cfg)
+    return main, combine, smem, num_splits, cfg.variant, pdl, cluster_merge
 
 
-COMBINES = ("ticket", "launch")
+COMBINES = ("ticket", "launch", "cluster")
 # "launch": split partials merged by paged_decode_combine (a second launch); "ticket": by the
-# (sequence, kv head)'s last split CTA inside the mma kernel (combine_if_last), one launch.
+# (sequence, kv head)'s last split CTA inside the mma kernel (combine_if_last), one launch; "cluster" (mma
+# kernel, 2..CLUSTER_MAX_SPLITS splits): the splits launched as one thread-block cluster merge over distributed
+# shared memory (cluster_merge_and_store), one launch, no partials in global memory.
+CLUSTER_MAX_SPLITS = 8  # the portable cluster size
 DEFAULT_COMBINE = "launch"
 
 
@@ -395,17 +407,19 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     table = block_table.contiguous()
     kc, vc = pool.layer_cache(layer)
     idx, n, idx_b_stride, idx_h_stride, items = _index_args(block_indices, table, H)
-    main, combine, smem, num_splits, variant, pdl = _launch_plan(
+    comb = combine_variant()
+    main, combine, smem, num_splits, variant, pdl, cluster = _launch_plan(
         pool.dtype, d, group, cfg, pool.block_size, B, H, items, q.device.index or 0, num_splits,
-        SPARSE_MIN_TILES if sparse else 4, sparse and tilehal.pdl_requested())
+        SPARSE_MIN_TILES if sparse else 4, sparse and tilehal.pdl_requested(), comb == "cluster")
     out = torch.empty_like(q)
-    o_part, ml_part = _partials(q, num_splits)
+    o_part, ml_part = _partials(q, 1 if cluster else num_splits)
     args = [q, kc, vc, table, table.shape[1], seq_lens, idx, idx_b_stride, idx_h_stride, n, out, o_part,
             ml_part, scale_log2, pool.block_size]
-    fused = variant == "mma" and num_splits > 1 and combine_variant() == "ticket"
+    fused = variant == "mma" and num_splits > 1 and (comb == "ticket" or cluster)
     if variant == "mma":
-        args += [_tickets(q.device, B * H) if fused else None, int(sparse and prefetch_enabled())]
-    main.launch((num_splits, H, B), THREADS, args, smem_bytes=smem, pdl=pdl)
+        args += [_tickets(q.device, B * H) if fused and not cluster else None, int(sparse and prefetch_enabled())]
+    main.launch((num_splits, H, B), THREADS, args, smem_bytes=smem, pdl=pdl,
+                cluster=(num_splits, 1, 1) if cluster else None)
     if num_splits > 1 and not fused:
         combine.launch(B * hq, d, [o_part, ml_part, out, num_splits], pdl=pdl)
     return out

@@ -155,6 +155,91 @@ __device__ __forceinline__ void merge_warps_and_store(unsigned char* smem, const
   }
 }
 
+#if defined(KVPOOL_CLUSTER_MERGE)
+// KVPOOL_DECODE_COMBINE=cluster (builds with -DKVPOOL_CLUSTER_MERGE, launched as clusters of the `splits` CTAs
+// of one (sequence, kv head), cluster rank = split): each CTA merges its warps as merge_warps_and_store does but
+// keeps its partial (acc, m, l per q head) in its own shared memory; after a cluster barrier every CTA merges a
+// 1/splits slice of the G * D channels from all the cluster's partials over distributed shared memory, in
+// paged_decode_combine's order and arithmetic (the same bits), and writes the output; a second barrier keeps
+// each CTA's shared memory alive until its peers have read it. No partials in global memory, no combine launch.
+__device__ __forceinline__ float ld_cluster_f32(const float* local, unsigned cta) {
+  const unsigned laddr = static_cast<unsigned>(__cvta_generic_to_shared(local));
+  unsigned raddr;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(raddr) : "r"(laddr), "r"(cta));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(raddr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+template <typename T, int D, int G, int WARPS>
+__device__ __forceinline__ void cluster_merge_and_store(unsigned char* smem, const float (&o)[D / 8][4], float m_run,
+                                                        float l_run, T* __restrict__ out, int b, int h, int H,
+                                                        int split, int splits) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int qrow = lane >> 2, qcol = (lane & 3) * 2;
+  __syncthreads();  // every warp is done with the stages that become the merge buffer
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  float* red_o = reinterpret_cast<float*>(smem);  // [warps][8][D]
+  float* red_ml = red_o + WARPS * 8 * D;            // [warps][8][2]
+  float* part_o = red_ml + WARPS * 16;              // [G][D]: this CTA's partial, read by the cluster
+  float* part_ml = part_o + G * D;                  // [G][2]
+  if (qrow < G) {
+    float* dst = red_o + (warp * 8 + qrow) * D + qcol;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      dst[n * 8] = o[n][0];
+      dst[n * 8 + 1] = o[n][1];
+    }
+    if ((lane & 3) == 0) {
+      red_ml[(warp * 8 + qrow) * 2] = m_run;
+      red_ml[(warp * 8 + qrow) * 2 + 1] = l_run;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
+    const int g = e / D, d = e % D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) m = fmaxf(m, red_ml[(w * 8 + g) * 2]);
+    const float base = m == -INFINITY ? 0.f : m;
+    float acc = 0.f, l = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float sc = exp2f(red_ml[(w * 8 + g) * 2] - base);
+      acc += sc * red_o[(w * 8 + g) * D + d];
+      l += sc * red_ml[(w * 8 + g) * 2 + 1];
+    }
+    part_o[e] = acc;
+    if (d == 0) {
+      part_ml[g * 2] = m;
+      part_ml[g * 2 + 1] = l;
+    }
+  }
+  cluster_barrier();  // every CTA's partial is written (release / acquire at cluster scope)
+  const int per = (G * D + splits - 1) / splits;
+  for (int e = split * per + threadIdx.x; e < min(G * D, (split + 1) * per); e += blockDim.x) {
+    const int g = e / D;
+    float m = -INFINITY;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, ld_cluster_f32(part_ml + g * 2, s));
+    const float base = m == -INFINITY ? 0.f : m;
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float w = exp2f(ld_cluster_f32(part_ml + g * 2, s) - base);
+      den += w * ld_cluster_f32(part_ml + g * 2 + 1, s);
+      num += w * ld_cluster_f32(part_o + e, s);
+    }
+    const long long head = (long long)b * H * G + h * G + g;
+    out[head * D + e % D] = tilehal::from_float<T>(den > 0.f ? num / den : 0.f);
+  }
+  cluster_barrier();  // peers may still read this CTA's partial until here
+}
+#endif
+
 template <typename T, int D, int G, int STAGES>
 __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
@@ -182,6 +267,10 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
 
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int H = gridDim.y, splits = gridDim.x;
+  unsigned qa[kKSteps][2];
+#if defined(KVPOOL_CLUSTER_MERGE)
+  load_q_operand<T, D, G>(q, b, h, H, lane, qa);  // issued first: its latency overlaps the block-list staging
+#endif
   const DecodeShare share = decode_share(seq_lens, block_table, table_stride, block_idx, idx_b_stride, idx_h_stride,
                                          num_idx, block_size);
   const int num_tokens = share.n_items * block_size;
@@ -232,8 +321,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
     }
   };
 
-  unsigned qa[kKSteps][2];
+#if !defined(KVPOOL_CLUSTER_MERGE)
   load_q_operand<T, D, G>(q, b, h, H, lane, qa);
+#endif
   float o[kNTiles][4];
 #pragma unroll
   for (int n = 0; n < kNTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -258,6 +348,14 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(
                           [&](int t) { return row_of(t0 + t) >= 0; }, scale_log2, lane);
   }
   tilehal::cp_async_wait<0>();  // only empty groups can remain; drain before reusing smem
+#if defined(KVPOOL_CLUSTER_MERGE)
+  static_assert(kMmaWarps * 8 * D + kMmaWarps * 16 + G * D + 2 * G <= kMmaWarps * S::kWarpBytes / 4,
+                "cluster merge buffers must fit the stages");
+  if (splits > 1) {
+    cluster_merge_and_store<T, D, G, kMmaWarps>(smem, o, m_run, l_run, out, b, h, H, split, splits);
+    return;
+  }
+#endif
   merge_warps_and_store<T, D, G, kMmaWarps>(smem, o, m_run, l_run, out, o_part, ml_part, b, h, H, split, splits);
   // tickets given (host): the last split merges the partials, no paged_decode_combine launch
   if (splits > 1 && tickets != nullptr) combine_if_last<T, D>(o_part, ml_part, out, tickets, b, h, H, G, splits);
