@@ -43,11 +43,11 @@ def _flush(mode: str) -> None:
     global _W, _R
     if _W is None:
         _W = torch.zeros(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-        _R = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+        _R = torch.zeros(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")  # (an int32 sum widens to int64 first)
     if mode in ("zero", "zero+read"):
         _W.zero_()
     if mode in ("read", "zero+read"):
-        _R.sum()  # reads 256 MiB, writes 8 bytes: the L2 ends up holding clean lines of _R
+        _R.sum()  # reads 256 MiB, writes 4 bytes: the L2 ends up holding clean lines of _R
 
 
 def timed(fn, flush: str, iters: int = 20, warmup: int = 3) -> dict:

@@ -15,6 +15,12 @@ def _have_nvrtc() -> bool:
 
 
 def test_cluster_combine_env(monkeypatch):
+    monkeypatch.delenv("KVPOOL_DECODE_COMBINE", raising=False)
+    assert cd.combine_variant() == cd.DEFAULT_COMBINE
+    monkeypatch.setattr(cd, "SPARSE_COMBINE", "cluster")  # sparse calls only
+    assert cd.combine_variant(sparse=True) == "cluster" and cd.combine_variant() == cd.DEFAULT_COMBINE
+    monkeypatch.setenv("KVPOOL_DECODE_COMBINE", "ticket")  # the variable wins for both
+    assert cd.combine_variant(sparse=True) == "ticket" == cd.combine_variant()
     monkeypatch.setenv("KVPOOL_DECODE_COMBINE", "cluster")
     assert cd.combine_variant() == "cluster"
     monkeypatch.setenv("KVPOOL_DECODE_COMBINE", "clusters")

@@ -105,8 +105,9 @@ def bench(
         import torch
 
         flush = None
-        if read_flush:  # int32 words: the sum reads them at full bandwidth and writes 8 bytes
-            flush = torch.zeros(64 * 2**20, dtype=torch.int32, device="cuda")
+        if read_flush:  # float32 zeros: the sum reads them in one reduction and writes 4 bytes (an int32 sum
+            # would first widen the buffer to int64: 512 MiB written)
+            flush = torch.zeros(64 * 2**20, dtype=torch.float32, device="cuda")
         elif flush_l2:
             flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()

@@ -224,9 +224,13 @@ CLUSTER_MAX_SPLITS = 8  # the portable cluster size
 DEFAULT_COMBINE = "launch"
 
 
-def combine_variant() -> str:
-    """KVPOOL_DECODE_COMBINE (default DEFAULT_COMBINE): how the mma kernel's split partials merge."""
-    v = os.environ.get("KVPOOL_DECODE_COMBINE") or DEFAULT_COMBINE
+SPARSE_COMBINE: str | None = None  # sparse calls without KVPOOL_DECODE_COMBINE (None: DEFAULT_COMBINE)
+
+
+def combine_variant(sparse: bool = False) -> str:
+    """KVPOOL_DECODE_COMBINE (default DEFAULT_COMBINE; sparse calls SPARSE_COMBINE when set): how the mma kernel's
+    split partials merge."""
+    v = os.environ.get("KVPOOL_DECODE_COMBINE") or (SPARSE_COMBINE if sparse and SPARSE_COMBINE else DEFAULT_COMBINE)
     if v not in COMBINES:
         raise tilehal.ArgumentError(f"KVPOOL_DECODE_COMBINE: expected one of {list(COMBINES)}, got {v!r}")
     return v
@@ -407,7 +411,7 @@ def paged_decode_cuda(q: torch.Tensor, pool: KVPool, layer: int, block_table: to
     table = block_table.contiguous()
     kc, vc = pool.layer_cache(layer)
     idx, n, idx_b_stride, idx_h_stride, items = _index_args(block_indices, table, H)
-    comb = combine_variant()
+    comb = combine_variant(sparse)
     main, combine, smem, num_splits, variant, pdl, cluster = _launch_plan(
         pool.dtype, d, group, cfg, pool.block_size, B, H, items, q.device.index or 0, num_splits,
         SPARSE_MIN_TILES if sparse else 4, sparse and tilehal.pdl_requested(), comb == "cluster")
