@@ -78,11 +78,12 @@ def bench(
     separately. `hide_host=False` counts host gaps too. On the CPU, time.perf_counter per call.
     """
     _check_bench_args(fn, warmup, iters, device, min_time_s)
-    if flush_l2 not in FLUSH_MODES:
+    if not (isinstance(flush_l2, (bool, np.bool_)) or (isinstance(flush_l2, str) and flush_l2 in FLUSH_MODES)):
         from .errors import ArgumentError
 
-        raise ArgumentError(f"flush_l2: expected one of {FLUSH_MODES}, got {flush_l2!r}")
-    read_flush = flush_l2 == "read"
+        raise ArgumentError(f"flush_l2: expected one of {FLUSH_MODES}, got {flush_l2!r}"[:200])
+    read_flush = isinstance(flush_l2, str) and flush_l2 == "read"
+    flush_l2 = bool(flush_l2)
     use_cuda = False
     if device in ("auto", "cuda"):
         try:
