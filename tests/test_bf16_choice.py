@@ -30,7 +30,7 @@ def _clean(monkeypatch):
 def test_policy_forces_and_auto_measures_once(monkeypatch):
     calls = []
 
-    def fake(m, n, k, bias, device):
+    def fake(m, n, k, bias, device, weight=None):
         calls.append((m, n, k, bias, device))
         layers.BF16_CHOICES[(layers.m_bucket(m), n, k, bias, device)] = "cublas"
         return "cublas"
@@ -45,6 +45,23 @@ def test_policy_forces_and_auto_measures_once(monkeypatch):
     assert bf16_gemm_choice(64, 128, 256, False, 0) == "deepgemm"
     monkeypatch.setenv("TILESTACK_BF16_GEMM", "cublas")
     assert bf16_gemm_choice(32, 8, 8, True, 0) == "cublas" and len(calls) == 1
+
+
+def test_the_measurement_takes_the_layers_own_weight(monkeypatch):
+    """Operand bits set the power-limited clocks (H200: cuBLAS's lm_head 6.49 ms on N(0, 1) weights, 4.97 ms on the
+    model's), so the choice is timed on the weight of the layer that asks; the traced path finds it by handle."""
+    seen = []
+
+    def fake(m, n, k, bias, device, weight=None):
+        seen.append(weight)
+        return "cublas"
+
+    monkeypatch.setattr(layers, "_measure_bf16", fake)
+    gl = GemmLinear(256, 128, bias=False)
+    assert layers._traced_bf16_choice(16, 128, 256, False, 0, gl._tilestack_handle) == "cublas"
+    assert seen[-1] is gl._parameters["weight"]
+    assert layers._traced_bf16_choice(16, 128, 256, False, 0, 0) == "cublas" and seen[-1] is None
+    assert bf16_gemm_choice(32, 128, 256, False, 0, gl.weight) == "cublas" and seen[-1] is gl.weight
 
 
 def test_deepgemm_needs_a_clear_lead(monkeypatch):

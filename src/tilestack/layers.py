@@ -67,10 +67,15 @@ def bf16_pick(t_deepgemm: float, t_cublas: float) -> str:
     return "deepgemm" if t_deepgemm < t_cublas * (1.0 - bf16_margin()) else "cublas"
 
 
-def _measure_bf16(m: int, n: int, k: int, bias: bool, device: int) -> str:
-    """Time deepgemm.bf16_gemm_nt and cuBLAS (torch.nn.functional.linear) on random [m, k] x [n, k] bf16 operands,
-    host time included (an eager call pays both), median of 10 calls each; record and return deepgemm where it
-    was at least bf16_margin() faster, else cuBLAS."""
+def _measure_bf16(m: int, n: int, k: int, bias: bool, device: int, weight: torch.Tensor | None = None) -> str:
+    """Time deepgemm.bf16_gemm_nt and cuBLAS (torch.nn.functional.linear) on random [m, k] activations times
+    `weight` (the layer's own [n, k] bf16 weight; random when None), host time included (an eager call pays both),
+    median of 10 calls each; record and return deepgemm where it was at least bf16_margin() faster, else cuBLAS.
+
+    Why the layer's weight: the GEMMs run at power-limited clocks whose level depends on the operands' bits. On the
+    H200 (session 29, docs/benchmarks/gpu_runs_2026-12-02_s29/r5) cuBLAS's lm_head GEMM 4096 x 128256 x 4096 took
+    6.49 ms on N(0, 1) weights but 4.97 ms inside the model (std 0.02 weights), deepgemm's 6.31 / 6.12 ms: random
+    operands chose the slower kernel there."""
     import tilehal
 
     key = (m_bucket(m), n, k, bias, device)
@@ -84,7 +89,11 @@ def _measure_bf16(m: int, n: int, k: int, bias: bool, device: int) -> str:
         dev = torch.device("cuda", device)
         g = torch.Generator(dev).manual_seed(0)
         a = torch.randn((m, k), device=dev, generator=g).to(torch.bfloat16)
-        w = torch.randn((n, k), device=dev, generator=g).to(torch.bfloat16)
+        if (isinstance(weight, torch.Tensor) and weight.shape == (n, k) and weight.dtype is torch.bfloat16
+                and weight.device == dev and type(weight) in (torch.Tensor, torch.nn.Parameter)):
+            w = weight.detach()
+        else:
+            w = torch.randn((n, k), device=dev, generator=g).to(torch.bfloat16)
         b16 = torch.randn((n,), device=dev, generator=g).to(torch.bfloat16) if bias else None
         b32 = b16.float() if bias else None
 
@@ -109,10 +118,10 @@ def m_bucket(m: int) -> int:
     return 1 << max(m - 1, 0).bit_length()
 
 
-def bf16_gemm_choice(m: int, n: int, k: int, bias: bool, device: int) -> str:
+def bf16_gemm_choice(m: int, n: int, k: int, bias: bool, device: int, weight: torch.Tensor | None = None) -> str:
     """"deepgemm" or "cublas" for a bf16 GEMM [m, k] x [n, k]^T on CUDA device `device` (TILESTACK_BF16_GEMM;
-    "auto" measures the first shape of each (M bucket, N, K) once, outside CUDA-graph capture; during a
-    capture an unmeasured shape takes deepgemm)."""
+    "auto" measures the first shape of each (M bucket, N, K) once, on `weight` when given (the caller's own),
+    outside CUDA-graph capture; during a capture an unmeasured shape takes deepgemm)."""
     policy = bf16_policy()
     if policy != "auto":
         return policy
@@ -124,13 +133,18 @@ def bf16_gemm_choice(m: int, n: int, k: int, bias: bool, device: int) -> str:
         log.debug("bf16 GEMM %dx%dx%d: not measured (%s), deepgemm", m, n, k,
                   "empty" if m == 0 else "inside a CUDA-graph capture")
         return "deepgemm"
-    return _measure_bf16(m, n, k, bias, device)
+    return _measure_bf16(m, n, k, bias, device, weight)
 
 
 @torch._dynamo.assume_constant_result
-def _traced_bf16_choice(m: int, n: int, k: int, bias: bool, device: int) -> str:
-    # Called by torch.compile while tracing (a constant of the graph): measures with real tensors.
-    return bf16_gemm_choice(m, n, k, bias, device)
+def _traced_bf16_choice(m: int, n: int, k: int, bias: bool, device: int, handle: int = 0) -> str:
+    # Called by torch.compile while tracing (a constant of the graph): measures with real tensors, the weight of
+    # the GemmLinear `handle` names (tilestack.ops) where it is alive.
+    from .ops import lookup
+
+    layer = lookup(handle, missing_ok=True) if handle else None
+    w = layer._parameters.get("weight") if isinstance(layer, torch.nn.Module) else None
+    return bf16_gemm_choice(m, n, k, bias, device, w)
 
 
 def bf16_choice_table() -> list[dict]:
@@ -262,7 +276,7 @@ class GemmLinear(torch.nn.Module):
             return False   # fp8 / fp4, or a dynamic M: the op (whose eager body still picks per shape)
         return self._cublas_from_here(x2.shape[0]) or _traced_bf16_choice(
             x2.shape[0], self.out_features, self.in_features, self._parameters.get("bias") is not None,
-            x2.get_device()) == "cublas"
+            x2.get_device(), self._tilestack_handle) == "cublas"
 
     def _forward_2d(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, in] -> [M, out] in x2's dtype (eager: the cached weight operand, deepgemm's kernel)."""
@@ -272,7 +286,7 @@ class GemmLinear(torch.nn.Module):
             self._logged_cpu = True
         if self._bf16_eligible(x2) and x2.shape[0] and (self._cublas_from_here(x2.shape[0]) or bf16_gemm_choice(
                 x2.shape[0], self.out_features, self.in_features, self._parameters.get("bias") is not None,
-                x2.get_device()) == "cublas"):
+                x2.get_device(), self._parameters["weight"]) == "cublas"):
             self._to_cublas = True
             return torch.nn.functional.linear(x2, self._parameters["weight"], self._parameters.get("bias"))
         # bf16 out for a bf16 caller (the bias, in fp32, added in the GEMM's epilogue before the one rounding),
@@ -553,7 +567,7 @@ class GemmSwiGLU(torch.nn.Module):
             deepgemm.fp8_gemm_nt(cast_tokens(x2), self._gate_up_operand(), h)
             return self.down_proj._forward_cast(deepgemm.silu_mul_cast_to_fp8(h, tma_aligned_sf=True), m)
         gu = self._gate_up_operand()
-        if bf16_gemm_choice(m, gu.shape[0], gu.shape[1], False, x2.get_device()) == "cublas":
+        if bf16_gemm_choice(m, gu.shape[0], gu.shape[1], False, x2.get_device(), gu) == "cublas":
             torch.mm(x2, gu.t(), out=h)
         else:
             deepgemm.bf16_gemm_nt(x2, gu, h)
