@@ -72,10 +72,11 @@ def _measure_bf16(m: int, n: int, k: int, bias: bool, device: int, weight: torch
     `weight` (the layer's own [n, k] bf16 weight; random when None), host time included (an eager call pays both),
     median of 10 calls each; record and return deepgemm where it was at least bf16_margin() faster, else cuBLAS.
 
-    Why the layer's weight: the GEMMs run at power-limited clocks whose level depends on the operands' bits. On the
-    H200 (session 29, docs/benchmarks/gpu_runs_2026-12-02_s29/r5) cuBLAS's lm_head GEMM 4096 x 128256 x 4096 took
-    6.49 ms on N(0, 1) weights but 4.97 ms inside the model (std 0.02 weights), deepgemm's 6.31 / 6.12 ms: random
-    operands chose the slower kernel there."""
+    Why the layer's weight: a GEMM's speed depended on its operands. On the H200 (session 29,
+    docs/benchmarks/gpu_runs_2026-12-02_s29/r5) cuBLAS's lm_head GEMM 4096 x 128256 x 4096 took 6.49 ms here on N(0, 1)
+    weights but 4.97 ms inside the model (std 0.02 weights), deepgemm's 6.31 / 6.12 ms, so random operands chose
+    the slower kernel. The cause is not established (power-limited clocks, which depend on the operands' bits, are
+    the suspect)."""
     import tilehal
 
     key = (m_bucket(m), n, k, bias, device)
