@@ -258,6 +258,13 @@ def cases():
             "stream_masked": f4.plan_stream(64, 2112, 2048, 4, True, False, True, num_sms=132, expected_m=16).key,
             "mma_fp8_m16": f4.plan(16, 4096, 7168, 1, True, True, False, False, num_sms=132).key,
             "wgmma_m128": f4.plan_wgmma(128, 4096, 7168, 1, True, False, False, num_sms=132).key,
+            "mma_bf16_m128": f4.plan(128, 4096, 7168, 1, False, True, False, False, num_sms=132).key,
+            "wgmma_fp8_m64": f4.plan_wgmma(64, 7168, 2048, 1, True, False, False, num_sms=132, act_fp8=True).key,
+            # the decode-to-shared kernel: bf16 / e4m3, one / two warpgroups, multicast, fp32 out + C
+            "dec_m128": f4._plan_dec(128, 4096, 7168, True, False, False, 132, None, None).key,
+            "dec_fp8_m64": f4._plan_dec(64, 2112, 7168, True, False, True, 132, None, None).key,
+            "dec_fp8_mcast4_m128": f4._plan_dec(128, 4096, 7168, True, False, True, 132, None, None, "4").key,
+            "dec_f32_c": f4._plan_dec(37, 136, 1152, False, True, False, 132, None, None).key,
         }
         for label, key in fp4_keys.items():
             out.append((f"deepgemm_fp4_{label}", lambda key=key: f4.compile_kernel(key)))

@@ -154,6 +154,9 @@ NCU_CASES = {
     # the peer: deepgemm fp8_gemm_nt (fp8 weights, 128 x 128 scales) at the same shapes
     "peer_fp8_128": (128, 4096, 7168, True, "peer"), "peer_fp8_128_2112": (128, 2112, 7168, True, "peer"),
     "peer_fp8_64": (64, 4096, 7168, True, "peer"),
+    # the warp-specialized dec kernel (DEEPGEMM_FP4_DEC_WS=3 set by the caller)
+    "ws_128": (128, 4096, 7168, False, "dec"), "ws_e4m3_128": (128, 4096, 7168, True, "dec"),
+    "ws_e4m3_128_2112": (128, 2112, 7168, True, "dec"), "ws_64": (64, 4096, 7168, False, "dec"),
 }
 
 

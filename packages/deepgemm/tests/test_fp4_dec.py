@@ -10,15 +10,19 @@ from deepgemm import cuda_fp4, fp4
 
 ISSUE_NK = ((7168, 2048), (2112, 7168), (4096, 7168))
 SMS = 132
-# A/B variants the GPU rounds time (gpu_job.sh): (BN, splits, multicast, CTAs per SM) forced (BN None: the planner's;
-# splits None: as many as fill the SMs with those slices; multicast 2 / 4: clusters share the activation tile)
-VARIANTS = (("64", None, None, None), ("128", None, None, None), ("32", "2", None, None), (None, None, "2", None),
-            ("64", None, "2", None), (None, None, "4", None), ("64", None, "4", None), (None, "2", None, "2"),
-            (None, "4", None, "2"))
+# A/B variants the GPU rounds time (gpu_job.sh): (BN, splits, multicast, CTAs per SM, warp-specialized slots) forced
+# (BN None: the planner's; splits None: as many as fill the SMs with those slices; multicast 2 / 4: clusters share the
+# activation tile; slots: fp4_decws_sm90 with that many decoded-tile slots)
+VARIANTS = (("64", None, None, None, None), ("128", None, None, None, None), ("32", "2", None, None, None),
+            (None, None, "2", None, None), ("64", None, "2", None, None), (None, None, "4", None, None),
+            ("64", None, "4", None, None), (None, "2", None, "2", None), (None, "4", None, "2", None),
+            (None, None, None, None, "2"), (None, None, None, None, "4"), ("32", "2", None, None, "3"))
+WS = "3"  # the warp-specialized kernel's slots in the reference tests
 
 
-def fits(fp8, bn) -> bool:
-    return not fp8 or bn is None or int(bn) <= cuda_fp4.DEC_FP8_MAX_BN
+def fits(fp8, bn, ws=None) -> bool:
+    top = cuda_fp4.DEC_FP8_MAX_BN if fp8 else cuda_fp4.DEC_WS_MAX_BN if ws else 256
+    return bn is None or int(bn) <= top
 
 
 def dec_keys() -> list:
@@ -28,12 +32,14 @@ def dec_keys() -> list:
             for fp8 in (False, True):
                 keys.add(cuda_fp4._plan_dec(m, n, k, True, False, fp8, SMS, None, None).key)
                 if m in (64, 128):
-                    for bn, sp, mc, bl in VARIANTS:
-                        if fits(fp8, bn):
-                            keys.add(cuda_fp4._plan_dec(m, n, k, True, False, fp8, SMS, bn, sp, mc, bl).key)
+                    for bn, sp, mc, bl, ws in VARIANTS:
+                        if fits(fp8, bn, ws):
+                            keys.add(cuda_fp4._plan_dec(m, n, k, True, False, fp8, SMS, bn, sp, mc, bl, ws).key)
+                keys.add(cuda_fp4._plan_dec(m, n, k, True, False, fp8, SMS, None, None, None, None, WS).key)
     for fp8 in (False, True):
-        keys.add(cuda_fp4._plan_dec(37, 136, 1152, False, True, fp8, SMS, None, None).key)  # fp32 out + C
-        keys.add(cuda_fp4._plan_dec(200, 200, 256, True, False, fp8, SMS, None, None).key)  # several m-blocks
+        for ws in (None, WS):
+            keys.add(cuda_fp4._plan_dec(37, 136, 1152, False, True, fp8, SMS, None, None, None, None, ws).key)  # + C
+            keys.add(cuda_fp4._plan_dec(200, 200, 256, True, False, fp8, SMS, None, None, None, None, ws).key)
     return sorted(keys, key=lambda k: k.expression)
 
 
@@ -48,6 +54,9 @@ def test_dec_plan_fills_one_wave_and_covers_k():
                 assert p.key.nwg == (1 if m <= 64 else 2) and p.m_blocks * p.key.tokens >= m
                 assert p.row_blocks * p.key.bn >= n and p.key.bn % 8 == 0 and 8 <= p.key.bn <= 256
                 assert not fp8 or p.key.bn <= cuda_fp4.DEC_FP8_MAX_BN
+                pw = cuda_fp4._plan_dec(m, n, k, True, False, fp8, SMS, None, None, None, None, "3")
+                assert pw.key.bn <= (cuda_fp4.DEC_FP8_MAX_BN if fp8 else cuda_fp4.DEC_WS_MAX_BN)
+                assert pw.key.smem_bytes <= 227 * 1024 and pw.key.stages >= 2
                 assert p.splits * p.chunks_per_split >= k // 128 > (p.splits - 1) * p.chunks_per_split
                 assert p.key.smem_bytes <= 227 * 1024 and 2 <= p.key.stages <= cuda_fp4.DEC_MAX_STAGES
                 if n * p.m_blocks >= 8 * SMS and p.key.bn < (64 if fp8 else 256):  # one wave of thin slices
@@ -148,6 +157,7 @@ def test_dec_configs_cover_kinds_tiles_and_c():
                                                                 for nwg in (1, 2)}
     assert any(k.has_c for k in DEC_KEYS) and {k.out_bf16 for k in DEC_KEYS} == {True, False}
     assert {k.bn for k in DEC_KEYS} >= {16, 32, 56, 64, 128}
+    assert {(k.ws > 0, k.act_fp8, k.nwg, k.has_c) for k in DEC_KEYS} >= {(True, f, w, False) for f in (0, 1) for w in (1, 2)}
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -177,14 +187,17 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ws", [None, WS])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("scales", ["ue8m0", "fp32", "spread"])
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES)
-def test_gpu_dec_kernel_matches_reference(m, n, k, scales, fp8, monkeypatch):
+def test_gpu_dec_kernel_matches_reference(m, n, k, scales, fp8, ws, monkeypatch):
     """Folded chunks (ue8m0), the exact slow paths (fp32 scales; e4m3: a row spread over 9 binades), N % BN != 0,
     M past the token tile, several m-blocks: fp32 out within 1e-4 (bf16: fp32 summation order) / 1e-3 (e4m3:
     Hopper's fp8 wgmma sums 32 products inside the tensor core) of max |D|, bf16 out calc_diff < 1e-4."""
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "dec")
+    if ws:  # the warp-specialized kernel (a decoder warpgroup feeding decoded-tile slots)
+        monkeypatch.setenv("DEEPGEMM_FP4_DEC_WS", ws)
     act, b, ref = operands(m, n, k, scales, fp8, seed=m + n + k)
     fn = deepgemm.fp8_fp4_gemm_nt if fp8 else deepgemm.bf16_fp4_gemm_nt
     d32 = torch.full((m, n), 7.0, device="cuda")
@@ -197,14 +210,14 @@ def test_gpu_dec_kernel_matches_reference(m, n, k, scales, fp8, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bn,splits,mcast,blocks,fp8", [(*v, fp8) for v in VARIANTS for fp8 in (False, True)
-                                                        if fits(fp8, v[0])])
+@pytest.mark.parametrize("bn,splits,mcast,blocks,ws,fp8", [(*v, fp8) for v in VARIANTS for fp8 in (False, True)
+                                                           if fits(fp8, v[0], v[4])])
 @pytest.mark.parametrize("m", [128, 64])
-def test_gpu_dec_variants_mixed_scales_c_and_graph_replay(m, bn, splits, mcast, blocks, fp8, monkeypatch):
+def test_gpu_dec_variants_mixed_scales_c_and_graph_replay(m, bn, splits, mcast, blocks, ws, fp8, monkeypatch):
     """The rounds' A/B variants (BN, cluster split-K, multicast, two CTAs per SM; N = 2112: an odd number of 64-row
     slices, so multicast has a phantom CTA) with C and mixed scales, replayed from a CUDA graph."""
     monkeypatch.setenv("DEEPGEMM_FP4_KERNEL", "dec")
-    for name, v in (("BN", bn), ("SPLITS", splits), ("MCAST", mcast), ("BLOCKS", blocks)):
+    for name, v in (("BN", bn), ("SPLITS", splits), ("MCAST", mcast), ("BLOCKS", blocks), ("WS", ws)):
         if v:
             monkeypatch.setenv(f"DEEPGEMM_FP4_DEC_{name}", v)
     n, k = 2112, 7168
@@ -269,3 +282,18 @@ def test_dec_multicast_plan_fits_the_drivers_cluster_count(fp8, monkeypatch):
     assert cuda_fp4._try_dec(a, sfa, torch.zeros(n, k // 2, dtype=torch.int8), torch.ones(n, k // 32), d, None, m, n, k)
     p, = launches
     assert p.key.bn == 40 and p.grid == (104, 1, 1) and p.cluster == (4, 1, 1)  # 26 clusters of 4 <= 30
+
+
+def test_ws_plan_and_key(monkeypatch):
+    """DEEPGEMM_FP4_DEC_WS: the warp-specialized kernel (a decoder warpgroup: 160 more threads than the math ones), its
+    slots in the shared memory budget; no multicast with it; bad counts refused."""
+    p = cuda_fp4._plan_dec(128, 4096, 7168, True, False, False, SMS, None, None, None, None, "3")
+    assert p.key.ws == 3 and p.key.KERNEL == "fp4_decws_sm90" and p.key.threads == 416
+    assert p.key.expression.endswith(f"<32, 2, false, __nv_bfloat16, false, {p.key.stages}, 3>")
+    assert p.key.smem_bytes <= 227 * 1024 and p.grid == (128, 1, 1)
+    assert cuda_fp4._plan_dec(128, 4096, 7168, True, False, False, SMS, None, None).key.KERNEL == "fp4_dec_sm90"
+    for bad, mc in (("5", None), ("1", None), ("3", "2")):
+        with pytest.raises(deepgemm.validate.ArgumentError, match="DEEPGEMM_FP4_DEC"):
+            cuda_fp4._plan_dec(128, 4096, 7168, True, False, False, SMS, None, None, mc, None, bad)
+    monkeypatch.setenv("DEEPGEMM_FP4_DEC_WS", "4")
+    assert cuda_fp4.plan_dec(64, 2112, 7168, True, False, True, num_sms=SMS).key.ws == 4

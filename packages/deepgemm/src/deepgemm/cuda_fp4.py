@@ -694,17 +694,20 @@ def small_candidate_keys(m: int, n: int, k: int, groups: int, out_bf16: bool, ha
 # e4m3 activations): DeepGEMM's fp8 tile at decode shapes (tokens = the wgmma M, 64 per math warpgroup; a thin
 # slice of BN weight rows over the whole K range per CTA, one CTA per SM, a deep ring), the FP4 weights decoded by
 # the math warpgroups into a shared B tile. A/B knobs: DEEPGEMM_FP4_DEC_BN (8..256, a multiple of 8),
-# DEEPGEMM_FP4_DEC_SPLITS (1..8: K splits as one cluster, DSMEM reduction), DEEPGEMM_FP4_DEC_MCAST (2 / 4: clusters of
+# DEEPGEMM_FP4_DEC_WS (2-6: the warp-specialized kernel fp4_decws_sm90, a decoder warpgroup feeding that many decoded-tile
+# slots), DEEPGEMM_FP4_DEC_SPLITS (1..8: K splits as one cluster, DSMEM reduction), DEEPGEMM_FP4_DEC_MCAST (2 / 4: clusters of
 # that many CTAs along N share the activation tile by TMA multicast; no K splits), DEEPGEMM_FP4_DEC_BLOCKS (2: plan for two CTAs per SM:
 # half the ring each, twice the CTAs).
 DEC_MAX_STAGES = 8
 DEC_MAX_TOKENS = 128  # two math warpgroups; more tokens: several m-blocks
 DEC_FP8_MAX_BN = 64  # e4m3: BN / 2 accumulators + BN / 2 partial sums a thread (BN = 128 with 2 warpgroups spills)
+DEC_WS_MAX_BN = 56  # the warp-specialized kernel, bf16 (its decoder's units unrolled; 64 with two math warpgroups spills)
 
 
 @dataclass(frozen=True)
 class Fp4DecKey(_KernelKey):
-    KERNEL = "fp4_dec_sm90"
+    """fp4_dec_sm90, or with ws > 0 fp4_decws_sm90 (a decoder warpgroup feeding `ws` decoded-tile slots)."""
+
     bn: int
     nwg: int
     act_fp8: bool
@@ -712,9 +715,15 @@ class Fp4DecKey(_KernelKey):
     has_c: bool
     stages: int
     mcast: int = 1
+    ws: int = 0
+
+    @property
+    def KERNEL(self) -> str:  # noqa: N802 (the base's class constant)
+        return "fp4_decws_sm90" if self.ws else "fp4_dec_sm90"
 
     def template_args(self) -> tuple:
-        return self.bn, self.nwg, self.act_fp8, self.out_type, self.has_c, self.stages, self.mcast
+        last = self.ws if self.ws else self.mcast
+        return self.bn, self.nwg, self.act_fp8, self.out_type, self.has_c, self.stages, last
 
     @property
     def nt(self) -> int:  # n8 token tiles (tokens = 64 nwg)
@@ -730,7 +739,7 @@ class Fp4DecKey(_KernelKey):
 
     @property
     def threads(self) -> int:
-        return 128 * self.nwg + 32
+        return 128 * self.nwg + (160 if self.ws else 32)
 
     @property
     def min_blocks(self) -> int:
@@ -738,7 +747,7 @@ class Fp4DecKey(_KernelKey):
 
     @property
     def smem_bytes(self) -> int:
-        return dec_smem_bytes(self.bn, self.nwg, self.act_fp8, self.stages)
+        return dec_smem_bytes(self.bn, self.nwg, self.act_fp8, self.stages, self.ws)
 
 
 def dec_stage_bytes(bn: int, nwg: int, act_fp8: bool) -> tuple[int, int]:
@@ -749,8 +758,12 @@ def dec_stage_bytes(bn: int, nwg: int, act_fp8: bool) -> tuple[int, int]:
     return ceil_div(raw, 1024) * 1024, dec
 
 
-def dec_smem_bytes(bn: int, nwg: int, act_fp8: bool, stages: int) -> int:
+def dec_smem_bytes(bn: int, nwg: int, act_fp8: bool, stages: int, ws: int = 0) -> int:
+    """Dynamic shared memory of the dec kernel (two decoded tiles) or, ws > 0, of the warp-specialized one (ws slots of a
+    tile + 1 KiB, two more barriers each)."""
     st, dec = dec_stage_bytes(bn, nwg, act_fp8)
+    if ws:
+        return 1024 + max(stages * st + ws * (dec + 1024), 64 * nwg * bn * 4) + 16 * (stages + ws)
     return 1024 + max(stages * st + 2 * dec, 64 * nwg * bn * 4) + 16 * stages
 
 
@@ -779,13 +792,19 @@ def plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool,
     """Token tile, weight rows per CTA (BN), K splits and ring depth of the decode-to-shared kernel (dense)."""
     return _plan_dec(m, n, k, out_bf16, has_c, act_fp8, num_sms or get_num_sms(),
                      os.environ.get("DEEPGEMM_FP4_DEC_BN"), os.environ.get("DEEPGEMM_FP4_DEC_SPLITS"),
-                     os.environ.get("DEEPGEMM_FP4_DEC_MCAST"), os.environ.get("DEEPGEMM_FP4_DEC_BLOCKS"))
+                     os.environ.get("DEEPGEMM_FP4_DEC_MCAST"), os.environ.get("DEEPGEMM_FP4_DEC_BLOCKS"),
+                     os.environ.get("DEEPGEMM_FP4_DEC_WS"))
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool, sms: int, forced_bn: str | None,
               forced_splits: str | None, forced_mcast: str | None = None,
-              forced_blocks: str | None = None) -> Fp4DecPlan:
+              forced_blocks: str | None = None, forced_ws: str | None = None) -> Fp4DecPlan:
+    ws = 0
+    if forced_ws is not None:  # A/B timing only: the warp-specialized kernel with this many decoded-tile slots
+        if forced_ws not in ("0", "2", "3", "4", "6"):
+            raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_WS: expected 0, 2, 3, 4 or 6, got {forced_ws!r}")
+        ws = int(forced_ws)
     mcast = 1
     if forced_mcast is not None:  # A/B timing only
         if forced_mcast not in ("1", "2", "4"):
@@ -800,7 +819,7 @@ def _plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool
     nwg = 1 if m <= 64 else 2
     m_blocks = ceil_div(m, 64 * nwg)
     chunks = k // 128
-    top = DEC_FP8_MAX_BN if act_fp8 else 256
+    top = DEC_FP8_MAX_BN if act_fp8 else DEC_WS_MAX_BN if ws else 256
     if forced_splits is not None and forced_splits not in ("1", "2", "3", "4", "5", "6", "7", "8"):  # A/B only
         raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_SPLITS: expected 1..8, got {forced_splits!r}")
     if forced_bn is not None:  # A/B timing only
@@ -808,7 +827,8 @@ def _plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool
             raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_BN: expected a multiple of 8 in 8..256, got {forced_bn!r}")
         bn = int(forced_bn)
         if bn > top:
-            raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_BN: expected at most {top} with e4m3 activations, got {bn}")
+            raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_BN: expected at most {top} with "
+                                         f"{'e4m3 activations' if act_fp8 else 'DEEPGEMM_FP4_DEC_WS'}, got {bn}")
         # K splits (one cluster) that fill the SMs with these slices, unless forced too
         tiles = ceil_div(n, bn) * m_blocks
         fill = max(1, min(MAX_CLUSTER_SPLITS, chunks // 2, sms // tiles)) if mcast == 1 else 1
@@ -823,10 +843,13 @@ def _plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool
     splits = ceil_div(chunks, cps)
     if mcast > 1 and splits > 1:
         raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_MCAST: expected 1 with K splits ({splits}), got {mcast}")
+    if mcast > 1 and ws:
+        raise validate.ArgumentError(f"DEEPGEMM_FP4_DEC_MCAST: expected 1 with DEEPGEMM_FP4_DEC_WS={ws}, got {mcast}")
     stages = min(DEC_MAX_STAGES, max(2, cps))
-    while stages > 2 and dec_smem_bytes(bn, nwg, act_fp8, stages) > min(227 * 1024, SM_SMEM // blocks - 1024):
+    while stages > 2 and dec_smem_bytes(bn, nwg, act_fp8, stages, ws) > min(227 * 1024, SM_SMEM // blocks - 1024):
         stages -= 1
-    key = Fp4DecKey(bn=bn, nwg=nwg, act_fp8=act_fp8, out_bf16=out_bf16, has_c=has_c, stages=stages, mcast=mcast)
+    key = Fp4DecKey(bn=bn, nwg=nwg, act_fp8=act_fp8, out_bf16=out_bf16, has_c=has_c, stages=stages, mcast=mcast,
+                    ws=ws)
     return Fp4DecPlan(key=key, m_blocks=m_blocks, row_blocks=ceil_div(n, bn), splits=splits, chunks_per_split=cps)
 
 
@@ -889,12 +912,12 @@ def _try_dec(a, sfa, b, sfb, d, c, m: int, n: int, k: int) -> bool:
 
     sms = get_num_sms()
     forced_bn, mcast = os.environ.get("DEEPGEMM_FP4_DEC_BN"), os.environ.get("DEEPGEMM_FP4_DEC_MCAST")
-    blocks = os.environ.get("DEEPGEMM_FP4_DEC_BLOCKS")
+    blocks, ws = os.environ.get("DEEPGEMM_FP4_DEC_BLOCKS"), os.environ.get("DEEPGEMM_FP4_DEC_WS")
 
     def replan(most=None):
         splits = os.environ.get("DEEPGEMM_FP4_DEC_SPLITS") if most is None else str(most)
         return _plan_dec(m, n, k, d.dtype == torch.bfloat16, c is not None, sfa is not None, sms, forced_bn, splits,
-                         mcast, blocks)
+                         mcast, blocks, ws)
 
     p = _fit_clusters(replan(), a.device, replan)
     dev = a.device.index if a.device.index is not None else 0

@@ -115,15 +115,20 @@ TILEHAL_DEVICE int swz(int row, int unit) {
 // Shared memory of one pipeline stage (one 128-wide K chunk), every region 16-byte aligned and the
 // swizzled ones 1024-aligned: activations [TOKENS][128 bytes] (bf16: two such halves), codes
 // [ROWS][64 bytes], weight scales [ROWS][4] fp32, activation scales [TOKENS] fp32.
-template <int NT, int WN, bool ACT_FP8>
-struct Fp4Stage {
-  static constexpr int kRows = 16 * WN, kTokens = 8 * NT;
-  static constexpr int kA = kTokens * 128 * (ACT_FP8 ? 1 : 2);
-  static constexpr int kW = kRows * 64;
-  static constexpr int kSfb = kRows * 16;
-  static constexpr int kSfa = ACT_FP8 ? kTokens * 4 : 0;
+// Fp4StageOf: the layout by token and weight-row counts (the decode-to-shared kernel's tiles are not 8 NT x 16 WN).
+template <int TOKENS, int ROWS, bool ACT_FP8>
+struct Fp4StageOf {
+  static constexpr int kA = TOKENS * 128 * (ACT_FP8 ? 1 : 2);
+  static constexpr int kW = ROWS * 64;
+  static constexpr int kSfb = ROWS * 16;
+  static constexpr int kSfa = ACT_FP8 ? TOKENS * 4 : 0;
   static constexpr int kOffW = kA, kOffSfb = kA + kW, kOffSfa = kA + kW + kSfb;
   static constexpr int kBytes = (kA + kW + kSfb + kSfa + 1023) / 1024 * 1024;
+};
+
+template <int NT, int WN, bool ACT_FP8>
+struct Fp4Stage : Fp4StageOf<8 * NT, 16 * WN, ACT_FP8> {
+  static constexpr int kRows = 16 * WN, kTokens = 8 * NT;
 };
 
 // Dynamic shared memory (cuda_fp4.smem_bytes mirrors it): alignment slack, the ring (the epilogue's
@@ -1373,14 +1378,9 @@ fp4_small_sm90(const unsigned char* __restrict__ b, const float* __restrict__ sf
 // warps released it (each consumer warp arrives on the empty barrier of every CTA of the cluster), the cluster syncs
 // after the barriers' init and before leaving. L2 -> SM traffic of the activations / MCAST (the bound of thin slices).
 // ==================================================================================================
+// The ring stage (Fp4StageOf) plus the decoded tile's size.
 template <int TOKENS, int ROWS, bool ACT_FP8>
-struct Fp4DecStage {
-  static constexpr int kA = TOKENS * 128 * (ACT_FP8 ? 1 : 2);
-  static constexpr int kW = ROWS * 64;
-  static constexpr int kSfb = ROWS * 16;
-  static constexpr int kSfa = ACT_FP8 ? TOKENS * 4 : 0;
-  static constexpr int kOffW = kA, kOffSfb = kA + kW, kOffSfa = kA + kW + kSfb;
-  static constexpr int kBytes = (kA + kW + kSfb + kSfa + 1023) / 1024 * 1024;
+struct Fp4DecStage : Fp4StageOf<TOKENS, ROWS, ACT_FP8> {
   static constexpr int kDec = ROWS * 128 * (ACT_FP8 ? 1 : 2);  // one decoded [ROWS][128 K] tile
   static constexpr int kDecBytes = kDec + (ACT_FP8 ? (ROWS * 4 + 1023) / 1024 * 1024 : 0);  // + row factors
 };
@@ -1406,6 +1406,79 @@ TILEHAL_DEVICE bool threads_all(bool p, int threads) {
 
 TILEHAL_DEVICE void threads_sync(int threads) { asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory"); }
 
+// The decode-to-shared kernels' decode of one 128-K chunk (stage `st`, landed) into the decoded tile `buf`, by
+// thread t of NTHREADS: fold = the fast path's folded weights (returns whether this thread's scales allow it), else
+// plain e2m1 (e4m3) / e2m1 x piece `pc` of the scales (bf16). Ends with the proxy fence for the wgmmas that read it.
+template <int BN, bool ACT_FP8, int NTHREADS, typename St>
+TILEHAL_DEVICE bool fp4_dec_decode(const unsigned char* st, unsigned char* buf, bool fold, int pc, int t) {
+  constexpr int UPR = ACT_FP8 ? 8 : 16;  // decoded 16-byte units per row and chunk
+  constexpr int UNITS = BN * UPR;
+  constexpr int UPT = (UNITS + NTHREADS - 1) / NTHREADS;
+  bool ok = true;
+#pragma unroll
+  for (int j = 0; j < UPT; ++j) {
+    const int idx = t + j * NTHREADS;
+    if (UNITS % NTHREADS != 0 && idx >= UNITS) break;
+    const int r = idx / UPR, u = idx % UPR;
+    if constexpr (ACT_FP8) {
+      // unit u = K 16u .. 16u + 15 = code bytes 8u .. 8u + 7; group u / 2
+      const uint2 w = *reinterpret_cast<const uint2*>(st + St::kOffW + swz<64>(r, u / 2) + (u % 2) * 8);
+      uint4 o;
+      if (fold) {
+        const float4 s4 = *reinterpret_cast<const float4*>(st + St::kOffSfb + r * 16);
+        const float sc[4] = {s4.x, s4.y, s4.z, s4.w};
+        u32 emax = 0, e_mine = 0;
+#pragma unroll
+        for (int gg = 0; gg < 4; ++gg) {
+          const u32 b = __float_as_uint(sc[gg]);
+          const u32 e = b >> 23;  // sign bit included: a negative scale fails the range check
+          ok = ok && (b & 0x7FFFFFu) == 0 && e >= 1 && e <= 254;
+          emax = max(emax, e);
+          if (gg == u / 2) e_mine = e;
+        }
+#pragma unroll
+        for (int gg = 0; gg < 4; ++gg) ok = ok && emax - (__float_as_uint(sc[gg]) >> 23) <= 5;
+        const u32 dl = ok ? (emax - e_mine) * 8 : 0;  // e4m3 exponent-field steps
+        decode_e4m3_tab(w.x, kE4M3T0 - dl * 0x01010100u, kE4M3T1 - dl * 0x01010101u, o.x, o.y);
+        decode_e4m3_tab(w.y, kE4M3T0 - dl * 0x01010100u, kE4M3T1 - dl * 0x01010101u, o.z, o.w);
+        if (u == 0) reinterpret_cast<float*>(buf + St::kDec)[r] = __uint_as_float(min(max(emax, 1u), 254u) << 23);
+      } else {
+        decode_e4m3(w.x, o.x, o.y);
+        decode_e4m3(w.y, o.z, o.w);
+      }
+      *reinterpret_cast<uint4*>(buf + swz<128>(r, u)) = o;
+    } else {
+      // unit u = K 8u .. 8u + 7 = code bytes 4u .. 4u + 3; group u / 4; half u / 8 of the tile
+      const u32 w = *reinterpret_cast<const u32*>(st + St::kOffW + swz<64>(r, u / 4) + (u % 4) * 4);
+      float s = *reinterpret_cast<const float*>(st + St::kOffSfb + r * 16 + (u / 4) * 4);
+      if (fold) {
+        ok = ok && foldable(s);
+      } else {
+#pragma unroll
+        for (int p2 = 0; p2 < 4; ++p2) {  // piece pc of s: s = s0 + s1 + s2 + s3, 6 significant bits each
+          const float piece = __uint_as_float(__float_as_uint(s) & 0xFFFC0000u);
+          if (p2 == pc) {
+            s = piece;
+            break;
+          }
+          s -= piece;  // exact
+        }
+      }
+      u32 v[4];
+      decode_bf16(w, v);
+      const u32 s2 = prmt(__float_as_uint(s), 0u, 0x3232);  // bf16x2 (s, s)
+      uint4 o;
+      o.x = bf16x2_mul(v[0], s2);
+      o.y = bf16x2_mul(v[1], s2);
+      o.z = bf16x2_mul(v[2], s2);
+      o.w = bf16x2_mul(v[3], s2);
+      *reinterpret_cast<uint4*>(buf + (u / 8) * (BN * 128) + swz<128>(r, u % 8)) = o;
+    }
+  }
+  fence_proxy_async_shared();  // the generic-proxy stores -> the wgmmas (async proxy) that read them
+  return ok;
+}
+
 template <bool ACT_FP8, int BN> struct Fp4DecMma { using T = WgmmaBF16<BN>; };
 template <int BN> struct Fp4DecMma<true, BN> { using T = WgmmaE4M3<BN>; };
 
@@ -1425,9 +1498,6 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
   // chunk do not wait for each other (a dependent m64nBN wgmma costs its pipeline latency, ~100 cycles, at these N):
   // wgmma j of a chunk accumulates into set j % NSET; the sets are added at the end (e4m3: at each promotion).
   constexpr int NSET = ACT_FP8 ? (BN <= 32 ? 4 : 2) : (BN <= 16 ? 8 : BN <= 32 ? 4 : BN <= 64 ? 2 : 1);
-  constexpr int UPR = ACT_FP8 ? 8 : 16;           // decoded 16-byte units per row and chunk
-  constexpr int UNITS = BN * UPR;
-  constexpr int UPT = (UNITS + MATH - 1) / MATH;  // units per math thread
   using Mma = typename Fp4DecMma<ACT_FP8, BN>::T;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -1487,73 +1557,9 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
     const int wg = warp / 4, g = lane / 4, q = lane % 4;
     const int n_ch = c_end - c_begin;
 
-    // Decode chunk i (its stage must have landed) into tile `buf`: FOLD = the fast path's folded weights
-    // (returns whether this thread's scales allow it), else plain e2m1 (e4m3) / e2m1 x piece `pc` (bf16).
+    // Decode chunk i (its stage must have landed) into tile `buf` (fp4_dec_decode: fold / plain / piece pc).
     auto decode = [&](int i, unsigned char* buf, bool fold, int pc) -> bool {
-      const unsigned char* st = smem + (i % STAGES) * St::kBytes;
-      bool ok = true;
-#pragma unroll
-      for (int j = 0; j < UPT; ++j) {
-        const int idx = tid + j * MATH;
-        if (UNITS % MATH != 0 && idx >= UNITS) break;
-        const int r = idx / UPR, u = idx % UPR;
-        if constexpr (ACT_FP8) {
-          // unit u = K 16u .. 16u + 15 = code bytes 8u .. 8u + 7; group u / 2
-          const uint2 w = *reinterpret_cast<const uint2*>(st + St::kOffW + swz<64>(r, u / 2) + (u % 2) * 8);
-          uint4 o;
-          if (fold) {
-            const float4 s4 = *reinterpret_cast<const float4*>(st + St::kOffSfb + r * 16);
-            const float sc[4] = {s4.x, s4.y, s4.z, s4.w};
-            u32 emax = 0, e_mine = 0;
-#pragma unroll
-            for (int gg = 0; gg < 4; ++gg) {
-              const u32 b = __float_as_uint(sc[gg]);
-              const u32 e = b >> 23;  // sign bit included: a negative scale fails the range check
-              ok = ok && (b & 0x7FFFFFu) == 0 && e >= 1 && e <= 254;
-              emax = max(emax, e);
-              if (gg == u / 2) e_mine = e;
-            }
-#pragma unroll
-            for (int gg = 0; gg < 4; ++gg) ok = ok && emax - (__float_as_uint(sc[gg]) >> 23) <= 5;
-            const u32 dl = ok ? (emax - e_mine) * 8 : 0;  // e4m3 exponent-field steps
-            decode_e4m3_tab(w.x, kE4M3T0 - dl * 0x01010100u, kE4M3T1 - dl * 0x01010101u, o.x, o.y);
-            decode_e4m3_tab(w.y, kE4M3T0 - dl * 0x01010100u, kE4M3T1 - dl * 0x01010101u, o.z, o.w);
-            if (u == 0) reinterpret_cast<float*>(buf + St::kDec)[r] = __uint_as_float(min(max(emax, 1u), 254u) << 23);
-          } else {
-            decode_e4m3(w.x, o.x, o.y);
-            decode_e4m3(w.y, o.z, o.w);
-          }
-          *reinterpret_cast<uint4*>(buf + swz<128>(r, u)) = o;
-        } else {
-          // unit u = K 8u .. 8u + 7 = code bytes 4u .. 4u + 3; group u / 4; half u / 8 of the tile
-          const u32 w = *reinterpret_cast<const u32*>(st + St::kOffW + swz<64>(r, u / 4) + (u % 4) * 4);
-          float s = *reinterpret_cast<const float*>(st + St::kOffSfb + r * 16 + (u / 4) * 4);
-          if (fold) {
-            ok = ok && foldable(s);
-          } else {
-#pragma unroll
-            for (int p2 = 0; p2 < 4; ++p2) {  // piece pc of s: s = s0 + s1 + s2 + s3, 6 significant bits each
-              const float piece = __uint_as_float(__float_as_uint(s) & 0xFFFC0000u);
-              if (p2 == pc) {
-                s = piece;
-                break;
-              }
-              s -= piece;  // exact
-            }
-          }
-          u32 v[4];
-          decode_bf16(w, v);
-          const u32 s2 = prmt(__float_as_uint(s), 0u, 0x3232);  // bf16x2 (s, s)
-          uint4 o;
-          o.x = bf16x2_mul(v[0], s2);
-          o.y = bf16x2_mul(v[1], s2);
-          o.z = bf16x2_mul(v[2], s2);
-          o.w = bf16x2_mul(v[3], s2);
-          *reinterpret_cast<uint4*>(buf + (u / 8) * (BN * 128) + swz<128>(r, u % 8)) = o;
-        }
-      }
-      fence_proxy_async_shared();  // the generic-proxy stores -> the wgmmas (async proxy) that read them
-      return ok;
+      return fp4_dec_decode<BN, ACT_FP8, MATH, St>(smem + (i % STAGES) * St::kBytes, buf, fold, pc, tid);
     };
 
     // Issue chunk i's wgmmas (tokens 64 wg .. of the stage's activations x tile `buf`) into the sets: all of K, wgmma
@@ -1699,6 +1705,253 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
   }
   cluster_reduce_store<BN, TOKENS, OutT, HAS_C, THREADS>(red, d, c, 0, shape_m, shape_n, m0, rows_m, n_cta);
   if constexpr (MCAST > 1) cluster_sync();  // the peer's last remote arrivals on this CTA's barriers have landed
+}
+
+
+// ==================================================================================================
+// Warp-specialized decode-to-shared kernel (opt-in, DEEPGEMM_FP4_DEC_WS=1): fp4_dec_sm90's tile with the decode taken
+// off the math warpgroups' path. Session 29's two rounds timed fp4_dec_sm90 at ~0.6-0.75 us per 128-K chunk whatever
+// the activation bytes or M: ~200-250 instructions per warp and chunk on the 8 warps that also run the wgmmas, one named
+// barrier per chunk. Here a decoder warpgroup decodes chunk after chunk into a ring of DSTAGES decoded tiles ("slots",
+// dfull / dempty mbarriers; a slot's meta word says which chunk, fold or piece / plain, last slot of its chunk), running
+// ahead of the math warpgroups, which run DeepGEMM fp8's loop: wait for a slot, its wgmmas, wait, (e4m3) promote,
+// release. Scale paths as fp4_dec_sm90: the decoder's warpgroup votes per chunk (bar.red, barrier 2); a bf16 chunk that
+// does not fold takes 4 slots (one per 6-bit scale piece), an e4m3 one a plain slot promoted per 32-wide group.
+// A TMA stage is refilled once the decoder (codes) and the math warps (activations, and the scales of a per-group
+// promotion) released it.
+// ==================================================================================================
+// The ring, DSTAGES slots (a decoded tile + 1 KiB for its meta word); at least the epilogue's fp32 tile.
+template <int TOKENS, int ROWS, bool ACT_FP8, int STAGES, int DSTAGES>
+TILEHAL_HOST_DEVICE constexpr int fp4_decws_bytes() {
+  using St = Fp4DecStage<TOKENS, ROWS, ACT_FP8>;
+  constexpr int all = STAGES * St::kBytes + DSTAGES * (St::kDecBytes + 1024), red = TOKENS * ROWS * 4;
+  return all > red ? all : red;
+}
+
+template <int BN, int NWG, bool ACT_FP8, typename OutT, bool HAS_C, int STAGES, int DSTAGES>
+__global__ void __launch_bounds__(128 * NWG + 160, 1)
+fp4_decws_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant__ TmaDescriptor tma_sfb,
+               const __grid_constant__ TmaDescriptor tma_a, const __grid_constant__ TmaDescriptor tma_sfa,
+               OutT* __restrict__ d, const float* __restrict__ c, int shape_m, int shape_n, int shape_k, int m_blocks,
+               int chunks_per_split) {
+  static_assert(BN % 8 == 0 && BN >= 8 && BN <= 256, "BN: the wgmma N (a multiple of 8, <= 256)");
+  constexpr int TOKENS = 64 * NWG, MATH = 128 * NWG, DEC = 128, THREADS = MATH + DEC + 32;
+  using St = Fp4DecStage<TOKENS, BN, ACT_FP8>;
+  constexpr int SLOT = St::kDecBytes + 1024;  // a decoded tile + its meta word (1024: the tiles stay aligned)
+  constexpr int RING = fp4_decws_bytes<TOKENS, BN, ACT_FP8, STAGES, DSTAGES>();
+  constexpr int R = BN / 2;
+  constexpr int NSET = ACT_FP8 ? (BN <= 32 ? 4 : 2) : (BN <= 16 ? 8 : BN <= 32 ? 4 : BN <= 64 ? 2 : 1);
+  using Mma = typename Fp4DecMma<ACT_FP8, BN>::T;
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const Fp4Tile tile = fp4_tile<false>(nullptr, shape_m, shape_k, m_blocks, TOKENS, BN, chunks_per_split);
+  const int m0 = tile.m0, rows_m = tile.rows_m, n_cta = tile.n_cta, c_begin = tile.c_begin, c_end = tile.c_end;
+  const int n_ch = c_end - c_begin;
+
+  extern __shared__ unsigned char smem_raw[];
+  // TMA stage release: the decoder's 4 warps and the math warps
+  const Fp4Ring ring = fp4_ring_init<STAGES, RING>(smem_raw, MATH, 4 + 4 * NWG, &tma_b, &tma_sfb, &tma_a,
+                                                   ACT_FP8 ? &tma_sfa : nullptr);
+  unsigned char* smem = ring.smem;
+  unsigned char* slots = smem + STAGES * St::kBytes;
+  u64* dfull = ring.empty + STAGES;
+  u64* dempty = dfull + DSTAGES;
+  if (tid == 0) {
+#pragma unroll
+    for (int j = 0; j < DSTAGES; ++j) {
+      mbarrier_init(&dfull[j], 4);         // lane 0 of every decoder warp
+      mbarrier_init(&dempty[j], 4 * NWG);  // lane 0 of every math warp
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+  float acc[R] = {};
+  [[maybe_unused]] float sets[NSET][R];
+  if constexpr (!ACT_FP8) {
+#pragma unroll
+    for (int st = 0; st < NSET; ++st)
+#pragma unroll
+      for (int e = 0; e < R; ++e) sets[st][e] = 0.f;
+  }
+
+  if (warp == 4 * NWG + 4) {
+    // ---------------------------------------------------------------- producer (one lane)
+    if (lane == 0) {
+      for (int ch = c_begin, i = 0; ch < c_end; ++ch, ++i) {
+        const int s = i % STAGES;
+        mbarrier_wait(&ring.empty[s], ((i / STAGES) & 1) ^ 1);
+        unsigned char* st = smem + s * St::kBytes;
+        mbarrier_arrive_expect_tx(&ring.full[s], St::kA + St::kW + St::kSfb + St::kSfa);
+        tma_load_2d(st + St::kOffW, &tma_b, &ring.full[s], ch * 64, n_cta);
+        tma_load_2d(st + St::kOffSfb, &tma_sfb, &ring.full[s], ch * 4, n_cta);
+        tma_load_2d(st, &tma_a, &ring.full[s], ch * 128, m0);
+        if constexpr (ACT_FP8) {
+          tma_load_2d(st + St::kOffSfa, &tma_sfa, &ring.full[s], m0, ch);
+        } else {
+          tma_load_2d(st + TOKENS * 128, &tma_a, &ring.full[s], ch * 128 + 64, m0);
+        }
+      }
+    }
+  } else if (warp >= 4 * NWG) {
+    // ---------------------------------------------------------------- decoder warpgroup
+    const int t = tid - MATH;
+    int slot = 0;
+    // slot -> (chunk i, kind: 0 folded, 1 bf16 piece / e4m3 plain, piece, last slot of the chunk) once decoded
+    auto publish = [&](int j, int i, int kind, int pc, bool last) {
+      if (t == 0) *reinterpret_cast<int*>(slots + j * SLOT + St::kDecBytes) = i | kind << 24 | pc << 26 | last << 28;
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&dfull[j]);
+    };
+    auto take = [&]() -> int {  // the next slot, once the math warps released it
+      const int j = slot % DSTAGES;
+      mbarrier_wait(&dempty[j], ((slot / DSTAGES) & 1) ^ 1);
+      ++slot;
+      return j;
+    };
+    for (int i = 0; i < n_ch; ++i) {
+      const int s = i % STAGES;
+      const unsigned char* st = smem + s * St::kBytes;
+      mbarrier_wait(&ring.full[s], (i / STAGES) & 1);
+      int j = take();
+      const bool ok = fp4_dec_decode<BN, ACT_FP8, DEC, St>(st, slots + j * SLOT, true, 0, t);
+      u32 all;
+      asm volatile("{\n.reg .pred pi, po;\nsetp.ne.u32 pi, %1, 0;\nbar.red.and.pred po, 2, %2, pi;\n"
+                   "selp.u32 %0, 1, 0, po;\n}"
+                   : "=r"(all)
+                   : "r"(static_cast<u32>(ok)), "r"(DEC)
+                   : "memory");
+      if (all) {
+        publish(j, i, 0, 0, true);
+      } else if constexpr (ACT_FP8) {
+        fp4_dec_decode<BN, ACT_FP8, DEC, St>(st, slots + j * SLOT, false, 0, t);  // plain e2m1: per-group promotion
+        publish(j, i, 1, 0, true);
+      } else {
+#pragma unroll 1
+        for (int pc = 0; pc < 4; ++pc) {  // one slot per 6-bit piece of the scales
+          if (pc > 0) j = take();
+          fp4_dec_decode<BN, ACT_FP8, DEC, St>(st, slots + j * SLOT, false, pc, t);
+          publish(j, i, 1, pc, pc == 3);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&ring.empty[s]);  // the codes and scales of chunk i are decoded
+    }
+  } else {
+    // ---------------------------------------------------------------- math warpgroups
+    const int wg = warp / 4, g = lane / 4, q = lane % 4;
+    auto fence_sets = [&]() {
+#pragma unroll
+      for (int st = 0; st < NSET; ++st) wgmma_fence_operands(sets[st]);
+    };
+    int slot = 0;
+    for (int i = 0; i < n_ch; ++i) {
+      const int s = i % STAGES;
+      const unsigned char* st = smem + s * St::kBytes;
+      mbarrier_wait(&ring.full[s], (i / STAGES) & 1);  // the activations (the decoder saw the codes)
+      bool last = false;
+      while (!last) {
+        const int j = slot % DSTAGES;
+        mbarrier_wait(&dfull[j], (slot / DSTAGES) & 1);
+        ++slot;
+        const unsigned char* buf = slots + j * SLOT;
+        const int meta = *reinterpret_cast<const int*>(buf + St::kDecBytes);
+        const bool folded = ((meta >> 24) & 3) == 0;
+        last = (meta >> 28) & 1;
+        if constexpr (ACT_FP8) {
+          const u64 da = make_smem_desc_k128b(st + wg * 64 * 128);
+          const u64 db = make_smem_desc_k128b(buf);
+          const int t0 = wg * 64 + (warp % 4) * 16 + g;
+          const float* sfa = reinterpret_cast<const float*>(st + St::kOffSfa);
+          const float sa0 = sfa[t0], sa1 = sfa[t0 + 8];
+          // acc += (sum of the first `used` sets) * sa[token] * f[col]: f = the slot's row factors or group gg's scales
+          auto promote = [&](int gg, int used) {
+#pragma unroll
+            for (int jj = 0; jj < BN / 8; ++jj) {
+              const int col = 8 * jj + 2 * q;
+              float f0, f1;
+              if (gg < 0) {
+                const float2 f = *reinterpret_cast<const float2*>(buf + St::kDec + col * 4);
+                f0 = f.x, f1 = f.y;
+              } else {
+                f0 = *reinterpret_cast<const float*>(st + St::kOffSfb + col * 16 + gg * 4);
+                f1 = *reinterpret_cast<const float*>(st + St::kOffSfb + (col + 1) * 16 + gg * 4);
+              }
+              float P[4];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                P[e] = sets[0][4 * jj + e];
+#pragma unroll
+                for (int st2 = 1; st2 < NSET; ++st2)
+                  if (st2 < used) P[e] += sets[st2][4 * jj + e];
+              }
+              acc[4 * jj + 0] += P[0] * (sa0 * f0);
+              acc[4 * jj + 1] += P[1] * (sa0 * f1);
+              acc[4 * jj + 2] += P[2] * (sa1 * f0);
+              acc[4 * jj + 3] += P[3] * (sa1 * f1);
+            }
+          };
+          if (folded) {
+            fence_sets();
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) Mma::mma(sets[kk % NSET], da + kk * 2, db + kk * 2, kk >= NSET);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_sets();
+            promote(-1, NSET);
+          } else {
+#pragma unroll 1
+            for (int gg = 0; gg < 4; ++gg) {
+              fence_sets();
+              wgmma_fence();
+              Mma::mma(sets[0], da + gg * 2, db + gg * 2, 0);
+              wgmma_commit();
+              wgmma_wait<0>();
+              fence_sets();
+              promote(gg, 1);
+            }
+          }
+        } else {
+          fence_sets();
+          wgmma_fence();
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const u64 da = make_smem_desc_k128b(st + h * (TOKENS * 128) + wg * 64 * 128);
+            const u64 db = make_smem_desc_k128b(buf + h * (BN * 128));
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) Mma::mma(sets[(h * 4 + kk) % NSET], da + kk * 2, db + kk * 2, 1);
+          }
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_sets();
+        }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&dempty[j]);
+      }
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&ring.empty[s]);  // chunk i's activations (and scales) are consumed
+    }
+  }
+
+  float* red = reinterpret_cast<float*>(smem);
+  if constexpr (!ACT_FP8) {
+#pragma unroll
+    for (int e = 0; e < R; ++e) {
+      acc[e] = sets[0][e];
+#pragma unroll
+      for (int st = 1; st < NSET; ++st) acc[e] += sets[st][e];
+    }
+  }
+  __syncthreads();
+  if (warp < 4 * NWG) {
+    const int g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[(warp * 16 + g + 8 * (i / 2)) * BN + 8 * j + 2 * q + i % 2] = acc[4 * j + i];
+    }
+  }
+  cluster_reduce_store<BN, TOKENS, OutT, HAS_C, THREADS>(red, d, c, 0, shape_m, shape_n, m0, rows_m, n_cta);
 }
 
 }  // namespace fp4
