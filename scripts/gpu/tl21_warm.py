@@ -1,6 +1,6 @@
 """Build (or with --check: verify that the cache holds) the flash-attention kernels of the tl21 GPU job (issue 21,
-session 29) that bench_cuda.py --build-only does not: the GPU tests of the fast softmax forms. Run by
-scripts/gpu/warm.sh from /tmp/tl21_tree (after `bench_cuda.py --build-only --ab 1 --set s29 --only fa`)."""
+session 29) that bench_cuda.py --build-only does not: every form of test_fa_pipelined_ws_gpu. Run by
+scripts/gpu/warm.sh from /tmp/tl21_tree (after `bench_cuda.py --build-only --ab 1 --set s29b --only fa`)."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -13,20 +13,22 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 spec = importlib.util.spec_from_file_location("test_cuda", ROOT / "tests" / "test_cuda.py")
 tc = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tc)
-from conftest import load_example  # noqa: E402
-
 import bench_cuda as bc  # noqa: E402
 import cuda_kernels as ck  # noqa: E402
+
+from conftest import load_example  # noqa: E402
 
 check = "--check" in sys.argv
 built = []
 m = load_example("flash_attention")
+# every form test_fa_pipelined_ws_gpu runs (its "cfg" parameters)
+FORMS = next(m.args[1] for m in tc.test_fa_pipelined_ws_gpu.pytestmark if m.name == "parametrize" and m.args[0] == "cfg")
 for causal in (False, True):
-    for cfg in ("wsfm", "ovppfm", "ovppspfm", "ovppsp", "povppspfm", "pppfm"):
+    for cfg in FORMS:
         func = m.flash_attention_fwd(2, 8, 1536, 128, causal, 128, 128, 2, 256, "float16", groups=4, layout="bhsd")
         built.append(tilelang.JITKernel(func, out_idx=[3], target="cuda", pass_configs=tc._WS_CFG.get(cfg)))
 if check:  # the bench's and ncu's contenders too (same caches)
-    for impl, stages in bc.AB_FA_S29:
+    for impl, stages in bc.AB_FA_S29B:
         for causal in (False, True):
             func = ck.flashattn_bhsd(4, 32, 4096, 128, causal, num_stages=stages)
             built.append(tilelang.JITKernel(func, out_idx=[3], target="cuda", **bc._compile_kw(impl)))

@@ -167,6 +167,10 @@ S29_IMPLS = {f"ours_{f}fm": {**cfg, **FAST_MATH} for f, cfg in _FORMS.items()}
 _P = {"cuda_persistent": True}  # + persistent: one CTA per SM loops over the tiles (the epilogue under the next loads)
 S29_IMPLS["ours_povppspfm"] = {**S29_IMPLS["ours_ovppspfm"], **_P}
 S29_IMPLS["ours_pppfm"] = {"cuda_ws_pingpong": True, **_P, **FAST_MATH}
+# round 2: + cuda_fast_div ("fmd" = all four = tl.enable_fast_math); ncu of round 1 put ~5 % (full) / ~9 % (causal) of
+# the samples in the epilogue, most of it in the 64 IEEE divisions O / row sum per thread
+FAST_MATH_D = {**FAST_MATH, "cuda_fast_div": True}
+S29_IMPLS.update({f"ours_{f}fmd": {**cfg, **FAST_MATH_D} for f, cfg in _FORMS.items()})
 S29_IMPLS["ours_ovppspe"] = {**S27_IMPLS["ours_ovppsp"], "cuda_fast_exp2": True}  # attribution: exp2 alone
 S29_IMPLS["ours_ovppspmx"] = {**S27_IMPLS["ours_ovppsp"], "cuda_fmnmx": True, "cuda_tree_reduce": True}  # max / sums
 S27_IMPLS.update(S29_IMPLS)
@@ -377,7 +381,12 @@ AB_FA_S27 = [("ours_ws", 2), ("ours_ov", 3), ("ours_ovpp", 3), ("ours_sp", 2), (
 AB_FA_S29 = [("ours_ws", 2), ("ours_ov", 3), ("ours_ovpp", 3), ("ours_ovppsp", 2),
              ("ours_wsfm", 2), ("ours_ovfm", 3), ("ours_ovppfm", 3), ("ours_ovppspfm", 2), ("ours_povppspfm", 2),
              ("ours_pppfm", 2)]
-AB_SETS = {"s26": (AB_GEMM, AB_FA), "s27": (AB_GEMM_S27, AB_FA_S27), "s29": ({s: [] for s in GEMM_SHAPES}, AB_FA_S29)}
+# --set s29b (session 29's second round): the previous per-shape forms, round 1's best fast forms, and the forms with
+# cuda_fast_div as well, at 2 and 3 stages
+AB_FA_S29B = [("ours_ws", 2), ("ours_ov", 3), ("ours_ovpp", 3), ("ours_ovppsp", 2), ("ours_ovfm", 3), ("ours_ovppspfm", 2),
+              ("ours_wsfmd", 2), ("ours_ovfmd", 3), ("ours_ovppfmd", 3), ("ours_ovppspfmd", 2), ("ours_ovppspfmd", 3)]
+AB_SETS = {"s26": (AB_GEMM, AB_FA), "s27": (AB_GEMM_S27, AB_FA_S27), "s29": ({s: [] for s in GEMM_SHAPES}, AB_FA_S29),
+           "s29b": ({s: [] for s in GEMM_SHAPES}, AB_FA_S29B)}
 
 
 def build_ab(ab_set: str = "s26") -> int:

@@ -337,6 +337,8 @@ _WS_CFG = {"default": None, "ws": WS, "wsp": WSP, "pp": WSPP, "ppp": {**WSP, **W
 FAST_MATH = {"cuda_fast_exp2": True, "cuda_fmnmx": True, "cuda_tree_reduce": True}
 _WS_CFG["povppsp"] = {**_WS_CFG["ovppsp"], **WSP}  # ... and persistent
 _WS_CFG.update({f"{f}fm": {**_WS_CFG[f], **FAST_MATH} for f in ("ws", "ovpp", "ovppsp", "povppsp", "ppp")})
+# ... and the fast division: all four, as tl.enable_fast_math gives them
+_WS_CFG.update({f"{f}fmd": {**_WS_CFG[f], "tl.enable_fast_math": True} for f in ("ws", "ov", "ovpp", "ovppsp")})
 CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async
 TMA = {"cuda_tma": True, "tl.disable_warp_specialized": True}  # TMA pipelines, every thread in one role
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
@@ -702,9 +704,18 @@ def test_fast_softmax_codegen(tmp_path, monkeypatch, example):
     assert src.count("tl_exp2f_ftz(") - 1 == plain.count("exp2f(") > 0 and "exp2f(" not in src.replace("tl_exp2f_ftz", "")
     assert "max.NaN.f32" in src and len(re.findall(r"float _a\d+\[4\];", src)) == 4  # 2 reductions x (prologue, loop)
     assert len(re.findall(r"float _a\d+ = ", plain)) == 4
+    assert "__fdividef" not in src and plain.count(" / logsum[") == 1  # the division: cuda_fast_div only
     (name, _, _), = k._impl.kernels
     log = compile_cuda(src, arch="sm_90a", name=name, options=["--ptxas-options=-v"]).log
     assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
+    # tl.enable_fast_math (the public TileLang's key) turns on all four, cuda_fast_div too; an explicit False wins
+    fast = tilelang.compile(fa, out_idx=[3], target="cuda", pass_configs={**_WS_CFG["ovppsp"], "tl.enable_fast_math": True})
+    fsrc = fast.get_kernel_source()
+    assert fsrc.count("__fdividef(") == 1 and "max.NaN.f32" in fsrc and "ex2.approx.ftz.f32" in fsrc
+    assert fsrc.count("[4];") == src.count("[4];")
+    nodiv = tilelang.compile(fa, out_idx=[3], target="cuda", pass_configs={**_WS_CFG["ovppsp"], "tl.enable_fast_math": True,
+                                                                          "cuda_fast_div": False})
+    assert nodiv.get_kernel_source() == src
 
 
 @needs_nvrtc
@@ -985,7 +996,8 @@ def test_public_kernel_ws_gpu(name, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", ["default", "ws", "wsp", "pp", "ppp", "ov", "ovpp", "ovp", "sp", "spp", "ppsp", "ovsp",
-                                 "ovppsp", "wsfm", "ovppfm", "ovppspfm", "povppspfm", "pppfm"])
+                                 "ovppsp", "wsfm", "ovppfm", "ovppspfm", "povppspfm", "pppfm", "wsfmd", "ovfmd", "ovppfmd",
+                                 "ovppspfmd"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa_pipelined_ws_gpu(example, causal, cfg):
     """Flash attention at the benchmark's tiles (128 x 128, 2 stages, 256 threads; bhsd, so K / V go through
@@ -1003,7 +1015,8 @@ def test_fa_pipelined_ws_gpu(example, causal, cfg):
     assert ("named_barrier_sync(2 +" in src) == bool(opts.get("cuda_ws_pingpong"))
     assert ("for (int k = 0 + 1;" in src) == bool(opts.get("cuda_ws_overlap"))  # gemm/softmax overlap
     assert ("_tile += gridDim.x" in src) == bool(opts.get("cuda_persistent"))
-    assert ("ex2.approx.ftz.f32" in src) == cfg.endswith("fm")  # the fast softmax forms (session 29)
+    assert ("ex2.approx.ftz.f32" in src) == cfg.endswith(("fm", "fmd"))  # the fast softmax forms (session 29)
+    assert ("__fdividef(" in src) == cfg.endswith("fmd")
     assert src.count("mbarrier_init(&") == (4 if "cuda_ws_split_stages" in (_WS_CFG[cfg] or {}) else 2)  # K, V apart
     g = torch.Generator().manual_seed(2)
     q = torch.randn(b, h, s, d, generator=g).half().cuda()

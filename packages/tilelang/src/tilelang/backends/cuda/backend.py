@@ -13,7 +13,7 @@ import tilehal
 from ...errors import CompileError
 from ...ir.nodes import AtomicAdd, Const, Expr, Kernel, PrimFunc, Var
 from ...ir.visit import walk_stmts
-from .codegen import MATH_OPTIONS, generate_cuda
+from .codegen import generate_cuda, math_options
 
 log = logging.getLogger("tilelang.backends.cuda")
 
@@ -158,7 +158,7 @@ def generate_source(func: PrimFunc, options: dict) -> tuple[str, list[tuple[str,
                                    multicast=bool(options.get("cuda_ws_multicast")),
                                    split_stages=bool(options.get("cuda_ws_split_stages")),
                                    two_ctas=bool(options.get("cuda_ws_two_ctas")),
-                                   math=frozenset(v for k, v in MATH_OPTIONS.items() if options.get(k)))
+                                   math=math_options(options))
     digest = hashlib.sha256(probe.encode()).hexdigest()[:12]
     base = f"tl_{func.name}_{digest}"
     cuda_source = probe.replace("tl_kernel_k", f"{base}_k")

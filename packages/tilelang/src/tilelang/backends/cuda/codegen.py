@@ -119,7 +119,18 @@ TMA_PRELUDE = r"""#include <tilehal/mbarrier.cuh>
 #   cuda_fmnmx: float max / min as `max.NaN.f32` / `min.NaN.f32` (one FMNMX; NaN in, NaN out, as the
 #     interpreter's np.maximum / np.minimum); `a > b ? a : b` is FSETP + FSEL, a two-instruction dependency per
 #     step of a reduction chain.
-MATH_OPTIONS = {"cuda_fast_exp2": "fast_exp2", "cuda_fmnmx": "fmnmx", "cuda_tree_reduce": "tree_reduce"}
+#   cuda_fast_div: float32 division as __fdividef (KernelCodegen.binop; flash attention's final O / row sum).
+#   cuda_tree_reduce: rules/reduce.py. `tl.enable_fast_math` (the public TileLang's --use_fast_math) turns on all four.
+MATH_OPTIONS = {"cuda_fast_exp2": "fast_exp2", "cuda_fmnmx": "fmnmx", "cuda_tree_reduce": "tree_reduce",
+                "cuda_fast_div": "fast_div"}
+
+
+def math_options(options: dict) -> frozenset[str]:
+    """The MATH_OPTIONS pass_configs turn on (each defaults to `tl.enable_fast_math`, an explicit False wins)."""
+    fast = bool(options.get("tl.enable_fast_math"))
+    return frozenset(v for k, v in MATH_OPTIONS.items() if options.get(k, fast))
+
+
 FAST_EXP2_PRELUDE = r"""__device__ __forceinline__ float tl_exp2f_ftz(float x) {
   float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
 """
@@ -412,6 +423,13 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
 
     def minmax(self, op: str, dtype: str, a: str, b: str) -> str:
         return f"tl_{op}<{value_type(dtype)}>({a}, {b})"
+
+    def binop(self, e: BinOp) -> str:
+        # pass_configs cuda_fast_div: float32 `a / b` as __fdividef (MUFU.RCP + FMUL, 2 ulp) instead of the IEEE
+        # division (reciprocal, Newton steps and an FCHK range check with a slow path: ~10 instructions)
+        if e.op == "/" and "fast_div" in self.math and e.dtype == "float32":
+            return f"__fdividef({self.cast_to(e.a, e.dtype)}, {self.cast_to(e.b, e.dtype)})"
+        return super().binop(e)
 
     def int_divmod(self, e: BinOp, a: str, b: str) -> str:
         if _nonneg(e.a) and _nonneg(e.b):
@@ -789,5 +807,5 @@ def generate_cuda(func: PrimFunc, base_name: str, wgmma: bool = True, tma: dict 
     return source, kernels
 
 
-__all__ = ["KernelCodegen", "SMEM_LIMIT", "generate_cuda"]
+__all__ = ["KernelCodegen", "MATH_OPTIONS", "SMEM_LIMIT", "generate_cuda", "math_options"]
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from ...errors import CompileError
 from ...ir.nodes import Buffer, Kernel, Let, PrimFunc, Seq, Stmt, Var
-from .codegen import MATH_OPTIONS, KernelCodegen, generate_cuda
+from .codegen import KernelCodegen, generate_cuda, math_options
 
 
 def lower_to_threads(func: PrimFunc, wgmma: bool = False, use_tma: bool = False,
@@ -62,7 +62,7 @@ class ThreadLoweredKernel:
         # verified as a thread-level program: no barrier or shuffle under a per-thread condition, loop bounds
         # every thread agrees on, no per-thread storage but registers (ir/verifier.py verify_thread)
         one = bool(options.get("cuda_wgmma_one_barrier"))
-        math = frozenset(v for k, v in MATH_OPTIONS.items() if options.get(k))  # cuda_tree_reduce: its partials
+        math = math_options(options)  # cuda_tree_reduce: its partials
         self.thread_program = verify_thread(lower_to_threads(func, wgmma=wgmma, use_tma=tma, one_barrier=one,
                                                              math=math))
         self.cuda_source = generate_cuda(func, f"tl_{func.name}", wgmma=wgmma, use_tma=tma, one_barrier=one,
