@@ -117,18 +117,27 @@ def _gemm_reference(A, B):
 
 
 _SPLIT, _OV, _PP = {"cuda_ws_split_stages": True}, {"cuda_ws_overlap": True}, {"cuda_ws_pingpong": True}
+_FM = {"cuda_fast_exp2": True, "cuda_fmnmx": True, "cuda_tree_reduce": True}
+_FMD = {"tl.enable_fast_math": True}  # the four fast float32 forms (_FM + cuda_fast_div)
 FA_TUNE_CONFIGS = [
     {"num_stages": 2}, {"num_stages": 2, "pass_configs": _SPLIT}, {"num_stages": 2, "pass_configs": {**_SPLIT, **_OV}},
     {"num_stages": 2, "pass_configs": {**_SPLIT, **_OV, **_PP}}, {"num_stages": 3, "pass_configs": _OV},
     {"num_stages": 3, "pass_configs": {**_SPLIT, **_OV}}, {"num_stages": 3, "pass_configs": {**_SPLIT, **_OV, **_PP}},
     {"num_stages": 3, "pass_configs": {**_OV, **_PP}},
+    # session 29: the same forms with the fast float32 softmax (backends/cuda/codegen.py MATH_OPTIONS): "fm" = one
+    # MUFU.EX2 per exp2, FMNMX max, reductions over partials; "fmd" = + the fast division (= tl.enable_fast_math)
+    {"num_stages": 2, "pass_configs": {**_SPLIT, **_OV, **_PP, **_FM}}, {"num_stages": 3, "pass_configs": {**_OV, **_FM}},
+    {"num_stages": 3, "pass_configs": {**_OV, **_FMD}}, {"num_stages": 3, "pass_configs": {**_OV, **_PP, **_FMD}},
+    {"num_stages": 2, "pass_configs": {**_SPLIT, **_OV, **_PP, **_FMD}},
 ]
-# R2 of 2026-12-02 (docs/benchmarks/tilelang_cuda_2026-12-02_1028_r2.json): full attention fastest with the overlap at
-# 3 stages, causal b4 s4096 with overlap + pingpong at 3 stages, causal b1 s16384 with the default. Full b4 s4096:
-# split stages + overlap + pingpong at 2 stages, 499 vs 477 TFLOP/s (session 28, gpu_runs_2026-12-02_s28/r1/tlfa)
+# Session 29, R2 (docs/benchmarks/gpu_runs_2026-12-02_s29/r2/tl21; interleaved with SDPA and the previous forms, one
+# H200): the fastest form per shape, each 1.07-1.11x the shape's previous default (session 28's table: ovppsp 2 st.,
+# ovpp 3 st., ov 3 st., ws 2 st.): b4 s4096 full split + overlap + pingpong + fm, 2 st. (551 vs 506 TFLOP/s); causal
+# overlap + fmd, 3 st. (501 vs 453); b1 s16384 full split + overlap + pingpong + fmd, 2 st. (570 vs 522); causal
+# overlap + fmd, 3 st. (538 vs 504)
 FA_DEFAULTS = {
-    (4, 32, 4096, 128, False): FA_TUNE_CONFIGS[3], (1, 32, 16384, 128, False): FA_TUNE_CONFIGS[4],
-    (4, 32, 4096, 128, True): FA_TUNE_CONFIGS[7], (1, 32, 16384, 128, True): FA_TUNE_CONFIGS[0],
+    (4, 32, 4096, 128, False): FA_TUNE_CONFIGS[8], (1, 32, 16384, 128, False): FA_TUNE_CONFIGS[12],
+    (4, 32, 4096, 128, True): FA_TUNE_CONFIGS[10], (1, 32, 16384, 128, True): FA_TUNE_CONFIGS[10],
 }
 
 

@@ -1305,9 +1305,10 @@ def test_bench_tuned_entries_build(tmp_path, monkeypatch):
         assert cfg in ck.FA_TUNE_CONFIGS
         assert ck.flashattn_bhsd_tuned[causal].default_config((b, h, s, d), {}, ck.FA_TUNE_CONFIGS) == cfg
     forms = {k for c in ck.gemm_tune_configs(256, 320, 128) + ck.FA_TUNE_CONFIGS for k in c.get("pass_configs", {})}
-    assert {"cuda_ws_two_ctas", "cuda_ws_multicast", "cuda_ws_split_stages", "cuda_ws_overlap"} <= forms
+    assert {"cuda_ws_two_ctas", "cuda_ws_multicast", "cuda_ws_split_stages", "cuda_ws_overlap", "cuda_fast_exp2",
+            "tl.enable_fast_math"} <= forms
     built = ck.gemm_nt_tuned.build_candidates(256, 320, 128, dtype="bfloat16")
     built += ck.flashattn_bhsd_tuned[True].build_candidates(1, 1, 256, 128)
-    assert len(built) == 9 + 8 and all(k is not None for _, k, _ in built), [(c, e) for c, k, e in built if k is None]
+    assert len(built) == 9 + len(ck.FA_TUNE_CONFIGS) == 9 + 13 and all(k is not None for _, k, _ in built), [(c, e) for c, k, e in built if k is None]
     two = [k for c, k, _ in built if c.get("pass_configs") == {"cuda_ws_two_ctas": True}]
     assert len(two) == 2 and all("__launch_bounds__(288, 2)" in k.get_kernel_source() for k in two)
