@@ -171,6 +171,11 @@ S29_IMPLS["ours_pppfm"] = {"cuda_ws_pingpong": True, **_P, **FAST_MATH}
 # the samples in the epilogue, most of it in the 64 IEEE divisions O / row sum per thread
 FAST_MATH_D = {**FAST_MATH, "cuda_fast_div": True}
 S29_IMPLS.update({f"ours_{f}fmd": {**cfg, **FAST_MATH_D} for f, cfg in _FORMS.items()})
+# + a producer thread per split group (cuda_ws_split_producers: K's loads never wait behind V's stage)
+_SP = {"cuda_ws_split_producers": True}
+S29_IMPLS["ours_ovppspfmp"] = {**S29_IMPLS["ours_ovppspfm"], **_SP}
+S29_IMPLS["ours_ovppspfmdp"] = {**S29_IMPLS["ours_ovppspfmd"], **_SP}
+S29_IMPLS["ours_ovspfmdp"] = {**S27_IMPLS["ours_ovsp"], **FAST_MATH_D, **_SP}
 S29_IMPLS["ours_ovppspe"] = {**S27_IMPLS["ours_ovppsp"], "cuda_fast_exp2": True}  # attribution: exp2 alone
 S29_IMPLS["ours_ovppspmx"] = {**S27_IMPLS["ours_ovppsp"], "cuda_fmnmx": True, "cuda_tree_reduce": True}  # max / sums
 S27_IMPLS.update(S29_IMPLS)
@@ -385,8 +390,11 @@ AB_FA_S29 = [("ours_ws", 2), ("ours_ov", 3), ("ours_ovpp", 3), ("ours_ovppsp", 2
 # cuda_fast_div as well, at 2 and 3 stages
 AB_FA_S29B = [("ours_ws", 2), ("ours_ov", 3), ("ours_ovpp", 3), ("ours_ovppsp", 2), ("ours_ovfm", 3), ("ours_ovppspfm", 2),
               ("ours_wsfmd", 2), ("ours_ovfmd", 3), ("ours_ovppfmd", 3), ("ours_ovppspfmd", 2), ("ours_ovppspfmd", 3)]
+# --set s29c (an optional third round): the new per-shape defaults against the split-producer forms
+AB_FA_S29C = [("ours_ovppsp", 2), ("ours_ovppspfm", 2), ("ours_ovfmd", 3), ("ours_ovppspfmd", 2), ("ours_ovppspfmp", 2),
+              ("ours_ovppspfmdp", 2), ("ours_ovppspfmdp", 3), ("ours_ovspfmdp", 3)]
 AB_SETS = {"s26": (AB_GEMM, AB_FA), "s27": (AB_GEMM_S27, AB_FA_S27), "s29": ({s: [] for s in GEMM_SHAPES}, AB_FA_S29),
-           "s29b": ({s: [] for s in GEMM_SHAPES}, AB_FA_S29B)}
+           "s29b": ({s: [] for s in GEMM_SHAPES}, AB_FA_S29B), "s29c": ({s: [] for s in GEMM_SHAPES}, AB_FA_S29C)}
 
 
 def build_ab(ab_set: str = "s26") -> int:

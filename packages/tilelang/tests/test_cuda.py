@@ -339,6 +339,8 @@ _WS_CFG["povppsp"] = {**_WS_CFG["ovppsp"], **WSP}  # ... and persistent
 _WS_CFG.update({f"{f}fm": {**_WS_CFG[f], **FAST_MATH} for f in ("ws", "ovpp", "ovppsp", "povppsp", "ppp")})
 # ... and the fast division: all four, as tl.enable_fast_math gives them
 _WS_CFG.update({f"{f}fmd": {**_WS_CFG[f], "tl.enable_fast_math": True} for f in ("ws", "ov", "ovpp", "ovppsp")})
+# ... and a producer thread per split group (cuda_ws_split_producers)
+_WS_CFG.update({f"{f}p": {**_WS_CFG[f], "cuda_ws_split_producers": True} for f in ("ovppspfm", "ovppspfmd", "spp")})
 CP_ASYNC = {"tl.disable_tma_lower": True}  # pipelined copies on cp.async
 TMA = {"cuda_tma": True, "tl.disable_warp_specialized": True}  # TMA pipelines, every thread in one role
 DEEP_WGMMA = sorted(n for n in GEMM_VARIANTS if n.startswith("wg_") and GEMM_VARIANTS[n][10] >= 3)
@@ -997,7 +999,7 @@ def test_public_kernel_ws_gpu(name, cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", ["default", "ws", "wsp", "pp", "ppp", "ov", "ovpp", "ovp", "sp", "spp", "ppsp", "ovsp",
                                  "ovppsp", "wsfm", "ovppfm", "ovppspfm", "povppspfm", "pppfm", "wsfmd", "ovfmd", "ovppfmd",
-                                 "ovppspfmd"])
+                                 "ovppspfmd", "ovppspfmp", "ovppspfmdp", "sppp"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa_pipelined_ws_gpu(example, causal, cfg):
     """Flash attention at the benchmark's tiles (128 x 128, 2 stages, 256 threads; bhsd, so K / V go through
@@ -1015,8 +1017,9 @@ def test_fa_pipelined_ws_gpu(example, causal, cfg):
     assert ("named_barrier_sync(2 +" in src) == bool(opts.get("cuda_ws_pingpong"))
     assert ("for (int k = 0 + 1;" in src) == bool(opts.get("cuda_ws_overlap"))  # gemm/softmax overlap
     assert ("_tile += gridDim.x" in src) == bool(opts.get("cuda_persistent"))
-    assert ("ex2.approx.ftz.f32" in src) == cfg.endswith(("fm", "fmd"))  # the fast softmax forms (session 29)
-    assert ("__fdividef(" in src) == cfg.endswith("fmd")
+    assert ("ex2.approx.ftz.f32" in src) == ("fm" in cfg)  # the fast softmax forms (session 29)
+    assert ("__fdividef(" in src) == ("fmd" in cfg)
+    assert ("if (_tx == 288) {" in src) == bool(opts.get("cuda_ws_split_producers"))  # V's own producer thread
     assert src.count("mbarrier_init(&") == (4 if "cuda_ws_split_stages" in (_WS_CFG[cfg] or {}) else 2)  # K, V apart
     g = torch.Generator().manual_seed(2)
     q = torch.randn(b, h, s, d, generator=g).half().cuda()

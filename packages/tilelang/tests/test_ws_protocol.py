@@ -31,8 +31,10 @@ CK = _kernels()
 SPLIT = {"cuda_ws_split_stages": True}
 OV = {"cuda_ws_overlap": True}
 PP = {"cuda_ws_pingpong": True}
+SPROD = {"cuda_ws_split_producers": True}  # a producer thread per split group (session 29)
 FA_FORMS = {"ws": {}, "split": SPLIT, "ov": OV, "ov_split": {**OV, **SPLIT}, "pp": PP, "pp_split": {**PP, **SPLIT},
-            "ovpp": {**OV, **PP}, "ovpp_split": {**OV, **PP, **SPLIT}}
+            "ovpp": {**OV, **PP}, "ovpp_split": {**OV, **PP, **SPLIT}, "ovpp_split_prod": {**OV, **PP, **SPLIT, **SPROD},
+            "split_prod": {**SPLIT, **SPROD}}
 
 
 def _fa(causal: bool, form: str, stages: int = 2) -> str:
@@ -67,7 +69,7 @@ def test_gemm_protocol(cfg, two):
 PERSISTENT = {"cuda_persistent": True}
 
 
-@pytest.mark.parametrize("form", ["ws", "split", "pp", "pp_split", "ov", "ovpp_split"])
+@pytest.mark.parametrize("form", ["ws", "split", "pp", "pp_split", "ov", "ovpp_split", "ovpp_split_prod"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa_persistent_protocol(causal, form):
     """Persistent flash attention (one CTA runs tiles 1, 6, 11 of the 16: 2 heads x 8 query blocks); the stage
@@ -103,6 +105,19 @@ def test_catches_a_missing_wait():
     line = next(ln for ln in src.splitlines() if f"mbarrier_wait(&{fv}[_stage" in ln)
     with pytest.raises(wp.ProtocolError, match=r"reads \('V_shared'"):
         wp.check(_mutate(src, line + "\n", ""), {"bx": 0, "by": 0, "bz": 0}, seeds=range(2))
+
+
+def test_split_producers_run_apart_and_a_missing_empty_wait_is_caught():
+    """cuda_ws_split_producers: K's and V's loads come from two producer threads (the model runs both); without the
+    V thread's wait for a free stage it overwrites V while P V still reads it."""
+    src = _fa(False, "ovpp_split_prod")
+    assert "if (_tx == 256) {" in src and "if (_tx == 288) {" in src
+    m = wp.check(src, {"bx": 5, "by": 1, "bz": 0}, seeds=range(2))
+    assert sum(t[0] == "producer" and t[1] == "wait" for t in m.trace) == 2 * (8 - 2)  # K and V, from round 2 on
+    ev = re.findall(r"tilehal::u64\* (_\w+) = _tl_mbar", src)[3]
+    line = next(ln for ln in src.splitlines() if f"mbarrier_wait(&{ev}[_s]" in ln)
+    with pytest.raises(wp.ProtocolError, match="overwrites|reads"):
+        wp.check(_mutate(src, line + "\n", ""), {"bx": 5, "by": 1, "bz": 0}, seeds=range(4))
 
 
 def test_catches_an_early_release():

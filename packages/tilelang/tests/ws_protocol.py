@@ -353,11 +353,14 @@ def check(src: str, env: dict, seeds=range(6), p_lands=(0.02, 0.3, 1.0), max_ste
     passed and every arrival, with the warp and k); raises ProtocolError on a deadlock, an early read, an
     overwrite, or a wgmma group left unwaited."""
     bars, loads, prod, cons, warps, start = roles(src)
+    ptx = sorted({int(t) for t in re.findall(r"if \(_tx == (\d+)\) \{", src) if int(t) >= warps * 32}) or [warps * 32]
     for seed in seeds:
         for p_land in p_lands:
             rng = random.Random(seed * 1000 + int(p_land * 100))
             m = Machine({n: [Mbar(c) for _ in range(s)] for n, (s, c) in bars.items()}, loads, start)
-            actors = {"producer": run_actor(m, prod, {**env, "_tx": warps * 32}, "producer", True)}
+            # one producer actor per producer thread (cuda_ws_split_producers: a thread per group of copies)
+            actors = {("producer" if i == 0 else f"producer{i}"): run_actor(m, prod, {**env, "_tx": t}, "producer", True)
+                      for i, t in enumerate(ptx)}
             for w in range(warps):
                 actors[w] = run_actor(m, cons, {**env, "_tx": w * 32}, w, False)
             blocked: dict = {}

@@ -66,7 +66,7 @@ HONORED_ON_CPU = {
 OWN_KEYS = {"c_flags", "disable_passes", "cuda_tma", "cuda_wgmma_one_barrier", "cuda_warp_specialize",
             "cuda_persistent", "cuda_ws_pingpong", "cuda_ws_overlap", "cuda_ws_multicast",
             "cuda_ws_split_stages", "cuda_ws_two_ctas", "cuda_fast_exp2", "cuda_fmnmx",
-            "cuda_tree_reduce", "cuda_fast_div"}  # docs/tilelang.md
+            "cuda_tree_reduce", "cuda_fast_div", "cuda_ws_split_producers"}  # docs/tilelang.md
 _KNOWN = {k.value for k in PassConfigKey} | {"tir.disable_vectorize", "tir.noalias", "tir.disable_cse_tir"}
 
 

@@ -123,12 +123,15 @@ TMA_PRELUDE = r"""#include <tilehal/mbarrier.cuh>
 #   cuda_tree_reduce: rules/reduce.py. `tl.enable_fast_math` (the public TileLang's --use_fast_math) turns on all four.
 MATH_OPTIONS = {"cuda_fast_exp2": "fast_exp2", "cuda_fmnmx": "fmnmx", "cuda_tree_reduce": "tree_reduce",
                 "cuda_fast_div": "fast_div"}
+# codegen flags passed the same way (no float semantics: not part of tl.enable_fast_math)
+FLAG_OPTIONS = {"cuda_ws_split_producers": "split_producers"}
 
 
 def math_options(options: dict) -> frozenset[str]:
     """The MATH_OPTIONS pass_configs turn on (each defaults to `tl.enable_fast_math`, an explicit False wins)."""
     fast = bool(options.get("tl.enable_fast_math"))
-    return frozenset(v for k, v in MATH_OPTIONS.items() if options.get(k, fast))
+    return (frozenset(v for k, v in MATH_OPTIONS.items() if options.get(k, fast)) |
+            frozenset(v for k, v in FLAG_OPTIONS.items() if options.get(k)))
 
 
 FAST_EXP2_PRELUDE = r"""__device__ __forceinline__ float tl_exp2f_ftz(float x) {
@@ -233,6 +236,8 @@ class KernelCodegen(ThreadBuilder, CExprEmitter, CopyRules, FillRules, GemmRules
         # different statements (flash attention's K and V) gets its own full / empty mbarriers, waited for before
         # its first reader and released after its last (rules/pipelined.py `_ws_split_groups`)
         self.ws_split = split_stages
+        # pass_configs cuda_ws_split_producers (session 29, opt-in): with split stages, a producer thread per group
+        self.ws_split_producers = "split_producers" in self.math
         # pass_configs cuda_ws_two_ctas (opt-in, not timed yet): two warp-specialized CTAs per SM where shared
         # memory and registers allow (one CTA's pipeline fill and epilogue under the other's main loop)
         self.ws_two_ctas = two_ctas

@@ -758,29 +758,42 @@ class PipelineRules:
         many = T + 128 > 256 and not self.ws_producer_warp
         if many:
             self.emit("tilehal::setmaxnreg_dec<40>();")
-        self.open(f"if (_tx == {T})")
-        if pt:
-            self.emit("int _kb = 0;")
-            self.open(f"for (int _tile = blockIdx.x; _tile < {pt}; _tile += gridDim.x)")
-            for ln in self.block_index_lines("_tile"):
-                self.emit(ln)
-        for lt in self.ws_lets:
-            self.let(lt)
-        self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
-        self.emit(f"const int _s = {it} % {n};")
-        for (f, e), cs in zip(bars, [copies] if split is None else [g[0] for g in split]):
-            gplans = [p for p in plans if any(p["copy"] is c for c in cs)]
-            gbytes = nbytes if split is None else sum(p["bytes"] for p in gplans)
-            self.emit(f"if ({it} >= {n}) tilehal::mbarrier_wait(&{e}[_s], (({it} / {n}) - 1) & 1);")
-            self.emit(f"tilehal::mbarrier_arrive_expect_tx(&{f}[_s], {gbytes});")
-            for p in gplans:
-                size = int(np.prod(p["copy"].dst.buffer.static_shape()))
-                self.tma_issue(p, f"_s * {size}", f"&{f}[_s]")
-        self.close()
-        if pt:
-            self.emit(f"_kb += {ext};")
+        groups = list(zip(bars, [copies] if split is None else [g[0] for g in split]))
+        # pass_configs cuda_ws_split_producers (with split stages and a producer warpgroup): each group's loads are
+        # issued by a thread of its own (lane 0 of producer warp g), so K(k + 1) never waits behind V(k)'s stage,
+        # which the overlap form frees an iteration after its load (ncu, session 29: the consumers' V wait)
+        progs = [groups]
+        if self.ws_split_producers and split is not None and not self.ws_producer_warp and len(groups) <= 4:
+            progs = [[g] for g in groups]
+            log.debug("%s: split stages: %d producer threads, one per group of copies", s.loc, len(progs))
+        elif self.ws_split_producers:
+            log.debug("%s: cuda_ws_split_producers not applied (%s)", s.loc,
+                      "no split stages" if split is None else "a producer warp" if self.ws_producer_warp else
+                      "more than 4 groups")
+        for pi, prog in enumerate(progs):
+            self.open(f"if (_tx == {T + 32 * pi})")
+            if pt:
+                self.emit("int _kb = 0;")
+                self.open(f"for (int _tile = blockIdx.x; _tile < {pt}; _tile += gridDim.x)")
+                for ln in self.block_index_lines("_tile"):
+                    self.emit(ln)
+            for lt in self.ws_lets:
+                self.let(lt)
+            self.open(f"for (int {v} = {start}; {v} < {start} + {ext}; ++{v})")
+            self.emit(f"const int _s = {it} % {n};")
+            for (f, e), cs in prog:
+                gplans = [p for p in plans if any(p["copy"] is c for c in cs)]
+                gbytes = nbytes if split is None else sum(p["bytes"] for p in gplans)
+                self.emit(f"if ({it} >= {n}) tilehal::mbarrier_wait(&{e}[_s], (({it} / {n}) - 1) & 1);")
+                self.emit(f"tilehal::mbarrier_arrive_expect_tx(&{f}[_s], {gbytes});")
+                for p in gplans:
+                    size = int(np.prod(p["copy"].dst.buffer.static_shape()))
+                    self.tma_issue(p, f"_s * {size}", f"&{f}[_s]")
             self.close()
-        self.close()
+            if pt:
+                self.emit(f"_kb += {ext};")
+                self.close()
+            self.close()
         if mc:  # the peer's consumers may still arrive on this CTA's barriers
             self.emit("tilehal::cluster_sync();")
         self.emit("return;")
