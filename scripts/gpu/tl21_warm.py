@@ -1,6 +1,6 @@
 """Build (or with --check: verify that the cache holds) the flash-attention kernels of the tl21 GPU job (issue 21,
 session 29) that bench_cuda.py --build-only does not: every form of test_fa_pipelined_ws_gpu. Run by
-scripts/gpu/warm.sh from /tmp/tl21_tree (after `bench_cuda.py --build-only --ab 1 --set s29b --only fa`)."""
+scripts/gpu/warm.sh from /tmp/tl21_tree (after `bench_cuda.py --build-only --ab 1 --set s29c --only fa`)."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -28,7 +28,7 @@ for causal in (False, True):
         func = m.flash_attention_fwd(2, 8, 1536, 128, causal, 128, 128, 2, 256, "float16", groups=4, layout="bhsd")
         built.append(tilelang.JITKernel(func, out_idx=[3], target="cuda", pass_configs=tc._WS_CFG.get(cfg)))
 if check:  # the bench's and ncu's contenders too (same caches)
-    for impl, stages in bc.AB_FA_S29B:
+    for impl, stages in bc.AB_FA_S29C:
         for causal in (False, True):
             func = ck.flashattn_bhsd(4, 32, 4096, 128, causal, num_stages=stages)
             built.append(tilelang.JITKernel(func, out_idx=[3], target="cuda", **bc._compile_kw(impl)))
