@@ -626,7 +626,7 @@ def dense_kernel_key(kind: str, m: int, n: int, k: int, num_sms: int = 132):
     cuda_gemm.dense picks it: the split-K / tile kernel where pick_splitk takes the shape, else the persistent
     kernel), and the function that compiles it."""
     from deepgemm import cuda_gemm, splitk
-    from deepgemm.heuristics import pick_config
+    from deepgemm.heuristics import pick_config, tile_rule
 
     sk = splitk.pick_splitk(m, n, k, num_sms, kind) if cuda_gemm.splitk_allowed() else None
     if sk is not None:
@@ -634,6 +634,7 @@ def dense_kernel_key(kind: str, m: int, n: int, k: int, num_sms: int = 132):
     d = torch.empty((0, n), dtype=torch.bfloat16)   # only its dtype matters to the epilogue choice
     cfg = pick_config(kind, m, n, k, num_sms=num_sms, **cuda_gemm.epilogue(d, n, False, "normal"),
                       max_multicast=cuda_gemm.max_multicast(), overlap=cuda_gemm.overlap_allowed())
+    cfg = tile_rule(cfg, m, n, k)   # the dispatch's measured tile exceptions (a bias-free call, as cuda_gemm.dense)
     return cuda_gemm.kernel_key(cfg, n, k, "normal", 1, torch.bfloat16, False), lambda keys: cuda_gemm.compile_kernel(keys[0])
 
 
