@@ -297,3 +297,16 @@ def test_ws_plan_and_key(monkeypatch):
             cuda_fp4._plan_dec(128, 4096, 7168, True, False, False, SMS, None, None, mc, None, bad)
     monkeypatch.setenv("DEEPGEMM_FP4_DEC_WS", "4")
     assert cuda_fp4.plan_dec(64, 2112, 7168, True, False, True, num_sms=SMS).key.ws == 4
+
+
+def test_dec_default_ws_table(monkeypatch):
+    """DEC_DEFAULT_WS (per activation kind) picks the warp-specialized kernel where DEEPGEMM_FP4_DEC_WS is unset; the
+    variable wins (0: the first kernel)."""
+    assert cuda_fp4.DEC_DEFAULT_WS == {"bf16": None, "e4m3": None}  # no GPU figure has flipped it yet
+    monkeypatch.setattr(cuda_fp4, "DEC_DEFAULT_WS", {"bf16": "3", "e4m3": None})
+    assert cuda_fp4.plan_dec(128, 4096, 7168, True, False, False, num_sms=SMS).key.ws == 3
+    assert cuda_fp4.plan_dec(128, 4096, 7168, True, False, True, num_sms=SMS).key.ws == 0
+    monkeypatch.setenv("DEEPGEMM_FP4_DEC_WS", "0")
+    assert cuda_fp4.plan_dec(128, 4096, 7168, True, False, False, num_sms=SMS).key.ws == 0
+    monkeypatch.setenv("DEEPGEMM_FP4_DEC_WS", "4")
+    assert cuda_fp4.plan_dec(128, 4096, 7168, True, False, True, num_sms=SMS).key.ws == 4

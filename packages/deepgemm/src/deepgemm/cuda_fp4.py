@@ -787,13 +787,24 @@ class Fp4DecPlan(_ClusterPlan):
         return (1, self.splits, 1) if self.splits > 1 else None
 
 
+# The dec planner's default warp-specialized slot count per activation kind where DEEPGEMM_FP4_DEC_WS is unset (None: the
+# first kernel, fp4_dec_sm90).
+DEC_DEFAULT_WS: dict[str, str | None] = {"bf16": None, "e4m3": None}
+
+
+def dec_knobs(act_fp8: bool) -> tuple[str | None, ...]:
+    """(BN, splits, multicast, CTAs per SM, ws slots) of a dec plan: the DEEPGEMM_FP4_DEC_* variables (ws: else
+    DEC_DEFAULT_WS)."""
+    env = os.environ.get
+    ws = env("DEEPGEMM_FP4_DEC_WS", DEC_DEFAULT_WS["e4m3" if act_fp8 else "bf16"])
+    return (env("DEEPGEMM_FP4_DEC_BN"), env("DEEPGEMM_FP4_DEC_SPLITS"), env("DEEPGEMM_FP4_DEC_MCAST"),
+            env("DEEPGEMM_FP4_DEC_BLOCKS"), ws)
+
+
 def plan_dec(m: int, n: int, k: int, out_bf16: bool, has_c: bool, act_fp8: bool,
              num_sms: int | None = None) -> Fp4DecPlan:
     """Token tile, weight rows per CTA (BN), K splits and ring depth of the decode-to-shared kernel (dense)."""
-    return _plan_dec(m, n, k, out_bf16, has_c, act_fp8, num_sms or get_num_sms(),
-                     os.environ.get("DEEPGEMM_FP4_DEC_BN"), os.environ.get("DEEPGEMM_FP4_DEC_SPLITS"),
-                     os.environ.get("DEEPGEMM_FP4_DEC_MCAST"), os.environ.get("DEEPGEMM_FP4_DEC_BLOCKS"),
-                     os.environ.get("DEEPGEMM_FP4_DEC_WS"))
+    return _plan_dec(m, n, k, out_bf16, has_c, act_fp8, num_sms or get_num_sms(), *dec_knobs(act_fp8))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -911,11 +922,10 @@ def _try_dec(a, sfa, b, sfb, d, c, m: int, n: int, k: int) -> bool:
         return False
 
     sms = get_num_sms()
-    forced_bn, mcast = os.environ.get("DEEPGEMM_FP4_DEC_BN"), os.environ.get("DEEPGEMM_FP4_DEC_MCAST")
-    blocks, ws = os.environ.get("DEEPGEMM_FP4_DEC_BLOCKS"), os.environ.get("DEEPGEMM_FP4_DEC_WS")
+    forced_bn, forced_splits, mcast, blocks, ws = dec_knobs(sfa is not None)
 
     def replan(most=None):
-        splits = os.environ.get("DEEPGEMM_FP4_DEC_SPLITS") if most is None else str(most)
+        splits = forced_splits if most is None else str(most)
         return _plan_dec(m, n, k, d.dtype == torch.bfloat16, c is not None, sfa is not None, sms, forced_bn, splits,
                          mcast, blocks, ws)
 
