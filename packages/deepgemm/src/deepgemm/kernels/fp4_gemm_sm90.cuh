@@ -1479,6 +1479,130 @@ TILEHAL_DEVICE bool fp4_dec_decode(const unsigned char* st, unsigned char* buf, 
   return ok;
 }
 
+// Independent accumulator sets of the dec kernels (bf16: the K-long sums; e4m3: a chunk's partial sums), so that
+// consecutive wgmmas of a chunk do not wait for each other: wgmma j of a chunk accumulates into set j % NSET.
+template <bool ACT_FP8, int BN>
+constexpr int kDecSets = ACT_FP8 ? (BN <= 32 ? 4 : 2) : (BN <= 16 ? 8 : BN <= 32 ? 4 : BN <= 64 ? 2 : 1);
+
+// The dec kernels' producer (one lane): chunk after chunk of the CTA's K range into the TMA ring once its stage is
+// empty: codes, weight scales, activations (MCAST: this CTA's share of the token rows, multicast into the cluster;
+// e4m3: and the activation scales).
+template <typename St, int STAGES, int TOKENS, bool ACT_FP8, int MCAST>
+TILEHAL_DEVICE void fp4_dec_produce(const Fp4Ring& ring, unsigned char* smem, int c_begin, int c_end, int n_cta, int m0,
+                                    u32 rank, const TmaDescriptor* tma_b, const TmaDescriptor* tma_sfb,
+                                    const TmaDescriptor* tma_a, const TmaDescriptor* tma_sfa) {
+  for (int ch = c_begin, i = 0; ch < c_end; ++ch, ++i) {
+    const int s = i % STAGES;
+    mbarrier_wait(&ring.empty[s], ((i / STAGES) & 1) ^ 1);
+    unsigned char* st = smem + s * St::kBytes;
+    mbarrier_arrive_expect_tx(&ring.full[s], St::kA + St::kW + St::kSfb + St::kSfa);
+    tma_load_2d(st + St::kOffW, tma_b, &ring.full[s], ch * 64, n_cta);
+    tma_load_2d(st + St::kOffSfb, tma_sfb, &ring.full[s], ch * 4, n_cta);
+    if constexpr (MCAST > 1) {  // this CTA's share of the token rows, into every CTA of the cluster
+      constexpr int PART = TOKENS / MCAST;
+      constexpr unsigned short MASK = (1u << MCAST) - 1;
+      const int off = static_cast<int>(rank) * PART * 128, row = m0 + static_cast<int>(rank) * PART;
+      tma_load_2d_multicast(st + off, tma_a, &ring.full[s], ch * 128, row, MASK);
+      if constexpr (!ACT_FP8) {
+        tma_load_2d_multicast(st + TOKENS * 128 + off, tma_a, &ring.full[s], ch * 128 + 64, row, MASK);
+      }
+    } else {
+      tma_load_2d(st, tma_a, &ring.full[s], ch * 128, m0);
+      if constexpr (!ACT_FP8) tma_load_2d(st + TOKENS * 128, tma_a, &ring.full[s], ch * 128 + 64, m0);
+    }
+    if constexpr (ACT_FP8) tma_load_2d(st + St::kOffSfa, tma_sfa, &ring.full[s], m0, ch);
+  }
+}
+
+// Issue one chunk's wgmmas (warpgroup wg's 64 tokens of stage `st`'s activations x the decoded tile `buf`) into the
+// sets: all of K, wgmma j into set j % NSET (bf16: accumulating; e4m3: fresh sets), or (e4m3, `one` >= 0) group `one`
+// only, into set 0.
+template <int BN, bool ACT_FP8, int TOKENS, typename Mma, int NSET, int R>
+TILEHAL_DEVICE void fp4_dec_issue(float (&sets)[NSET][R], const unsigned char* st, const unsigned char* buf, int wg,
+                                  int one) {
+  wgmma_fence();
+  if constexpr (ACT_FP8) {
+    const u64 da = make_smem_desc_k128b(st + wg * 64 * 128);
+    const u64 db = make_smem_desc_k128b(buf);
+    if (one >= 0) {
+      Mma::mma(sets[0], da + one * 2, db + one * 2, 0);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Mma::mma(sets[kk % NSET], da + kk * 2, db + kk * 2, kk >= NSET);
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const u64 da = make_smem_desc_k128b(st + h * (TOKENS * 128) + wg * 64 * 128);
+      const u64 db = make_smem_desc_k128b(buf + h * (BN * 128));
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Mma::mma(sets[(h * 4 + kk) % NSET], da + kk * 2, db + kk * 2, 1);
+    }
+  }
+  wgmma_commit();
+}
+
+// e4m3: acc += P * sa[token] * f[col] with P the sum of the first `used` sets (f: the decoded tile's row factors, or
+// group `gg`'s scales from stage `st`); t0: the thread's first token row, q: its quad lane.
+template <int BN, typename St, int NSET, int R>
+TILEHAL_DEVICE void fp4_dec_promote(float (&acc)[R], const float (&sets)[NSET][R], const unsigned char* st,
+                                    const unsigned char* buf, int gg, int used, int t0, int q) {
+  const float* sfa = reinterpret_cast<const float*>(st + St::kOffSfa);
+  const float sa0 = sfa[t0], sa1 = sfa[t0 + 8];
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int col = 8 * j + 2 * q;
+    float f0, f1;
+    if (gg < 0) {
+      const float2 f = *reinterpret_cast<const float2*>(buf + St::kDec + col * 4);
+      f0 = f.x, f1 = f.y;
+    } else {
+      f0 = *reinterpret_cast<const float*>(st + St::kOffSfb + col * 16 + gg * 4);
+      f1 = *reinterpret_cast<const float*>(st + St::kOffSfb + (col + 1) * 16 + gg * 4);
+    }
+    float P[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      P[e] = sets[0][4 * j + e];
+#pragma unroll
+      for (int st2 = 1; st2 < NSET; ++st2)
+        if (st2 < used) P[e] += sets[st2][4 * j + e];
+    }
+    acc[4 * j + 0] += P[0] * (sa0 * f0);
+    acc[4 * j + 1] += P[1] * (sa0 * f1);
+    acc[4 * j + 2] += P[2] * (sa1 * f0);
+    acc[4 * j + 3] += P[3] * (sa1 * f1);
+  }
+}
+
+// The dec kernels' epilogue (every thread): bf16's sets added, the partial tile [TOKENS][BN] over the drained ring
+// (acc[4j + i] = token 16 warp + g + 8 (i / 2), column 8j + 2q + i % 2: wgmma's layout; warps past the math ones store
+// nothing), then cluster_reduce_store (K splits, C, D).
+template <int BN, int NWG, bool ACT_FP8, typename OutT, bool HAS_C, int THREADS, int NSET, int R>
+TILEHAL_DEVICE void fp4_dec_epilogue(float (&acc)[R], const float (&sets)[NSET][R], unsigned char* smem, int warp,
+                                     int lane, OutT* d, const float* c, int shape_m, int shape_n, int m0, int rows_m,
+                                     int n_cta) {
+  float* red = reinterpret_cast<float*>(smem);
+  if constexpr (!ACT_FP8) {  // the sets' sum (fp32 summation order only)
+#pragma unroll
+    for (int e = 0; e < R; ++e) {
+      acc[e] = sets[0][e];
+#pragma unroll
+      for (int st = 1; st < NSET; ++st) acc[e] += sets[st][e];
+    }
+  }
+  __syncthreads();
+  if (warp < 4 * NWG) {
+    const int g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[(warp * 16 + g + 8 * (i / 2)) * BN + 8 * j + 2 * q + i % 2] = acc[4 * j + i];
+    }
+  }
+  cluster_reduce_store<BN, 64 * NWG, OutT, HAS_C, THREADS>(red, d, c, 0, shape_m, shape_n, m0, rows_m, n_cta);
+}
+
 template <bool ACT_FP8, int BN> struct Fp4DecMma { using T = WgmmaBF16<BN>; };
 template <int BN> struct Fp4DecMma<true, BN> { using T = WgmmaE4M3<BN>; };
 
@@ -1497,7 +1621,7 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
   // Independent accumulator sets (bf16: the K-long sums; e4m3: a chunk's partial sums), so that consecutive wgmmas of a
   // chunk do not wait for each other (a dependent m64nBN wgmma costs its pipeline latency, ~100 cycles, at these N):
   // wgmma j of a chunk accumulates into set j % NSET; the sets are added at the end (e4m3: at each promotion).
-  constexpr int NSET = ACT_FP8 ? (BN <= 32 ? 4 : 2) : (BN <= 16 ? 8 : BN <= 32 ? 4 : BN <= 64 ? 2 : 1);
+  constexpr int NSET = kDecSets<ACT_FP8, BN>;
   using Mma = typename Fp4DecMma<ACT_FP8, BN>::T;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -1530,27 +1654,8 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
   if (warp == 4 * NWG) {
     // ---------------------------------------------------------------- producer (one lane)
     if (lane == 0) {
-      for (int ch = c_begin, i = 0; ch < c_end; ++ch, ++i) {
-        const int s = i % STAGES;
-        mbarrier_wait(&ring.empty[s], ((i / STAGES) & 1) ^ 1);
-        unsigned char* st = smem + s * St::kBytes;
-        mbarrier_arrive_expect_tx(&ring.full[s], St::kA + St::kW + St::kSfb + St::kSfa);
-        tma_load_2d(st + St::kOffW, &tma_b, &ring.full[s], ch * 64, n_cta);
-        tma_load_2d(st + St::kOffSfb, &tma_sfb, &ring.full[s], ch * 4, n_cta);
-        if constexpr (MCAST > 1) {  // this CTA's share of the token rows, into every CTA of the cluster
-          constexpr int PART = TOKENS / MCAST;
-          constexpr unsigned short MASK = (1u << MCAST) - 1;
-          const int off = static_cast<int>(rank) * PART * 128, row = m0 + static_cast<int>(rank) * PART;
-          tma_load_2d_multicast(st + off, &tma_a, &ring.full[s], ch * 128, row, MASK);
-          if constexpr (!ACT_FP8) {
-            tma_load_2d_multicast(st + TOKENS * 128 + off, &tma_a, &ring.full[s], ch * 128 + 64, row, MASK);
-          }
-        } else {
-          tma_load_2d(st, &tma_a, &ring.full[s], ch * 128, m0);
-          if constexpr (!ACT_FP8) tma_load_2d(st + TOKENS * 128, &tma_a, &ring.full[s], ch * 128 + 64, m0);
-        }
-        if constexpr (ACT_FP8) tma_load_2d(st + St::kOffSfa, &tma_sfa, &ring.full[s], m0, ch);
-      }
+      fp4_dec_produce<St, STAGES, TOKENS, ACT_FP8, MCAST>(ring, smem, c_begin, c_end, n_cta, m0, rank, &tma_b, &tma_sfb,
+                                                          &tma_a, &tma_sfa);
     }
   } else {
     // ---------------------------------------------------------------- math warpgroups
@@ -1562,63 +1667,12 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
       return fp4_dec_decode<BN, ACT_FP8, MATH, St>(smem + (i % STAGES) * St::kBytes, buf, fold, pc, tid);
     };
 
-    // Issue chunk i's wgmmas (tokens 64 wg .. of the stage's activations x tile `buf`) into the sets: all of K, wgmma
-    // j into set j % NSET (bf16: accumulating; e4m3: fresh sets), or (e4m3, `one` >= 0) group `one` only, into set 0.
     auto issue = [&](int i, const unsigned char* buf, int one) {
-      const unsigned char* st = smem + (i % STAGES) * St::kBytes;
-      wgmma_fence();
-      if constexpr (ACT_FP8) {
-        const u64 da = make_smem_desc_k128b(st + wg * 64 * 128);
-        const u64 db = make_smem_desc_k128b(buf);
-        if (one >= 0) {
-          Mma::mma(sets[0], da + one * 2, db + one * 2, 0);
-        } else {
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) Mma::mma(sets[kk % NSET], da + kk * 2, db + kk * 2, kk >= NSET);
-        }
-      } else {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const u64 da = make_smem_desc_k128b(st + h * (TOKENS * 128) + wg * 64 * 128);
-          const u64 db = make_smem_desc_k128b(buf + h * (BN * 128));
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) Mma::mma(sets[(h * 4 + kk) % NSET], da + kk * 2, db + kk * 2, 1);
-        }
-      }
-      wgmma_commit();
+      fp4_dec_issue<BN, ACT_FP8, TOKENS, Mma>(sets, smem + (i % STAGES) * St::kBytes, buf, wg, one);
     };
-
-    // e4m3: acc += P * sa[token] * f[col] with P the sum of the first `used` sets (f: the chunk's row factors, or
-    // group `gg`'s scales from the stage)
     [[maybe_unused]] auto promote = [&](int i, const unsigned char* buf, int gg, int used) {
-      const unsigned char* st = smem + (i % STAGES) * St::kBytes;
-      const int t0 = wg * 64 + (warp % 4) * 16 + g;
-      const float* sfa = reinterpret_cast<const float*>(st + St::kOffSfa);
-      const float sa0 = sfa[t0], sa1 = sfa[t0 + 8];
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int col = 8 * j + 2 * q;
-        float f0, f1;
-        if (gg < 0) {
-          const float2 f = *reinterpret_cast<const float2*>(buf + St::kDec + col * 4);
-          f0 = f.x, f1 = f.y;
-        } else {
-          f0 = *reinterpret_cast<const float*>(st + St::kOffSfb + col * 16 + gg * 4);
-          f1 = *reinterpret_cast<const float*>(st + St::kOffSfb + (col + 1) * 16 + gg * 4);
-        }
-        float P[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          P[e] = sets[0][4 * j + e];
-#pragma unroll
-          for (int st2 = 1; st2 < NSET; ++st2)
-            if (st2 < used) P[e] += sets[st2][4 * j + e];
-        }
-        acc[4 * j + 0] += P[0] * (sa0 * f0);
-        acc[4 * j + 1] += P[1] * (sa0 * f1);
-        acc[4 * j + 2] += P[2] * (sa1 * f0);
-        acc[4 * j + 3] += P[3] * (sa1 * f1);
-      }
+      fp4_dec_promote<BN, St>(acc, sets, smem + (i % STAGES) * St::kBytes, buf, gg, used, wg * 64 + (warp % 4) * 16 + g,
+                              q);
     };
 
     bool fold = false;
@@ -1683,27 +1737,8 @@ fp4_dec_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constant_
     }
   }
 
-  // the partial tile [TOKENS][BN] over the drained ring: acc[4j + i] = token 16 warp + g + 8 (i / 2),
-  // column 8j + 2q + i % 2 (wgmma's accumulator layout)
-  float* red = reinterpret_cast<float*>(smem);
-  if constexpr (!ACT_FP8) {  // the sets' sum (fp32 summation order only)
-#pragma unroll
-    for (int e = 0; e < R; ++e) {
-      acc[e] = sets[0][e];
-#pragma unroll
-      for (int st = 1; st < NSET; ++st) acc[e] += sets[st][e];
-    }
-  }
-  __syncthreads();
-  if (warp < 4 * NWG) {
-    const int g = lane / 4, q = lane % 4;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) red[(warp * 16 + g + 8 * (i / 2)) * BN + 8 * j + 2 * q + i % 2] = acc[4 * j + i];
-    }
-  }
-  cluster_reduce_store<BN, TOKENS, OutT, HAS_C, THREADS>(red, d, c, 0, shape_m, shape_n, m0, rows_m, n_cta);
+  fp4_dec_epilogue<BN, NWG, ACT_FP8, OutT, HAS_C, THREADS>(acc, sets, smem, warp, lane, d, c, shape_m, shape_n, m0,
+                                                           rows_m, n_cta);
   if constexpr (MCAST > 1) cluster_sync();  // the peer's last remote arrivals on this CTA's barriers have landed
 }
 
@@ -1740,7 +1775,7 @@ fp4_decws_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constan
   constexpr int SLOT = St::kDecBytes + 1024;  // a decoded tile + its meta word (1024: the tiles stay aligned)
   constexpr int RING = fp4_decws_bytes<TOKENS, BN, ACT_FP8, STAGES, DSTAGES>();
   constexpr int R = BN / 2;
-  constexpr int NSET = ACT_FP8 ? (BN <= 32 ? 4 : 2) : (BN <= 16 ? 8 : BN <= 32 ? 4 : BN <= 64 ? 2 : 1);
+  constexpr int NSET = kDecSets<ACT_FP8, BN>;
   using Mma = typename Fp4DecMma<ACT_FP8, BN>::T;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -1777,20 +1812,8 @@ fp4_decws_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constan
   if (warp == 4 * NWG + 4) {
     // ---------------------------------------------------------------- producer (one lane)
     if (lane == 0) {
-      for (int ch = c_begin, i = 0; ch < c_end; ++ch, ++i) {
-        const int s = i % STAGES;
-        mbarrier_wait(&ring.empty[s], ((i / STAGES) & 1) ^ 1);
-        unsigned char* st = smem + s * St::kBytes;
-        mbarrier_arrive_expect_tx(&ring.full[s], St::kA + St::kW + St::kSfb + St::kSfa);
-        tma_load_2d(st + St::kOffW, &tma_b, &ring.full[s], ch * 64, n_cta);
-        tma_load_2d(st + St::kOffSfb, &tma_sfb, &ring.full[s], ch * 4, n_cta);
-        tma_load_2d(st, &tma_a, &ring.full[s], ch * 128, m0);
-        if constexpr (ACT_FP8) {
-          tma_load_2d(st + St::kOffSfa, &tma_sfa, &ring.full[s], m0, ch);
-        } else {
-          tma_load_2d(st + TOKENS * 128, &tma_a, &ring.full[s], ch * 128 + 64, m0);
-        }
-      }
+      fp4_dec_produce<St, STAGES, TOKENS, ACT_FP8, 1>(ring, smem, c_begin, c_end, n_cta, m0, 0, &tma_b, &tma_sfb, &tma_a,
+                                                      &tma_sfa);
     }
   } else if (warp >= 4 * NWG) {
     // ---------------------------------------------------------------- decoder warpgroup
@@ -1858,70 +1881,26 @@ fp4_decws_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constan
         const bool folded = ((meta >> 24) & 3) == 0;
         last = (meta >> 28) & 1;
         if constexpr (ACT_FP8) {
-          const u64 da = make_smem_desc_k128b(st + wg * 64 * 128);
-          const u64 db = make_smem_desc_k128b(buf);
           const int t0 = wg * 64 + (warp % 4) * 16 + g;
-          const float* sfa = reinterpret_cast<const float*>(st + St::kOffSfa);
-          const float sa0 = sfa[t0], sa1 = sfa[t0 + 8];
-          // acc += (sum of the first `used` sets) * sa[token] * f[col]: f = the slot's row factors or group gg's scales
-          auto promote = [&](int gg, int used) {
-#pragma unroll
-            for (int jj = 0; jj < BN / 8; ++jj) {
-              const int col = 8 * jj + 2 * q;
-              float f0, f1;
-              if (gg < 0) {
-                const float2 f = *reinterpret_cast<const float2*>(buf + St::kDec + col * 4);
-                f0 = f.x, f1 = f.y;
-              } else {
-                f0 = *reinterpret_cast<const float*>(st + St::kOffSfb + col * 16 + gg * 4);
-                f1 = *reinterpret_cast<const float*>(st + St::kOffSfb + (col + 1) * 16 + gg * 4);
-              }
-              float P[4];
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                P[e] = sets[0][4 * jj + e];
-#pragma unroll
-                for (int st2 = 1; st2 < NSET; ++st2)
-                  if (st2 < used) P[e] += sets[st2][4 * jj + e];
-              }
-              acc[4 * jj + 0] += P[0] * (sa0 * f0);
-              acc[4 * jj + 1] += P[1] * (sa0 * f1);
-              acc[4 * jj + 2] += P[2] * (sa1 * f0);
-              acc[4 * jj + 3] += P[3] * (sa1 * f1);
-            }
-          };
           if (folded) {
             fence_sets();
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) Mma::mma(sets[kk % NSET], da + kk * 2, db + kk * 2, kk >= NSET);
-            wgmma_commit();
+            fp4_dec_issue<BN, ACT_FP8, TOKENS, Mma>(sets, st, buf, wg, -1);
             wgmma_wait<0>();
             fence_sets();
-            promote(-1, NSET);
+            fp4_dec_promote<BN, St>(acc, sets, st, buf, -1, NSET, t0, q);
           } else {
 #pragma unroll 1
             for (int gg = 0; gg < 4; ++gg) {
               fence_sets();
-              wgmma_fence();
-              Mma::mma(sets[0], da + gg * 2, db + gg * 2, 0);
-              wgmma_commit();
+              fp4_dec_issue<BN, ACT_FP8, TOKENS, Mma>(sets, st, buf, wg, gg);
               wgmma_wait<0>();
               fence_sets();
-              promote(gg, 1);
+              fp4_dec_promote<BN, St>(acc, sets, st, buf, gg, 1, t0, q);
             }
           }
         } else {
           fence_sets();
-          wgmma_fence();
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const u64 da = make_smem_desc_k128b(st + h * (TOKENS * 128) + wg * 64 * 128);
-            const u64 db = make_smem_desc_k128b(buf + h * (BN * 128));
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) Mma::mma(sets[(h * 4 + kk) % NSET], da + kk * 2, db + kk * 2, 1);
-          }
-          wgmma_commit();
+          fp4_dec_issue<BN, ACT_FP8, TOKENS, Mma>(sets, st, buf, wg, -1);
           wgmma_wait<0>();
           fence_sets();
         }
@@ -1933,25 +1912,8 @@ fp4_decws_sm90(const __grid_constant__ TmaDescriptor tma_b, const __grid_constan
     }
   }
 
-  float* red = reinterpret_cast<float*>(smem);
-  if constexpr (!ACT_FP8) {
-#pragma unroll
-    for (int e = 0; e < R; ++e) {
-      acc[e] = sets[0][e];
-#pragma unroll
-      for (int st = 1; st < NSET; ++st) acc[e] += sets[st][e];
-    }
-  }
-  __syncthreads();
-  if (warp < 4 * NWG) {
-    const int g = lane / 4, q = lane % 4;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) red[(warp * 16 + g + 8 * (i / 2)) * BN + 8 * j + 2 * q + i % 2] = acc[4 * j + i];
-    }
-  }
-  cluster_reduce_store<BN, TOKENS, OutT, HAS_C, THREADS>(red, d, c, 0, shape_m, shape_n, m0, rows_m, n_cta);
+  fp4_dec_epilogue<BN, NWG, ACT_FP8, OutT, HAS_C, THREADS>(acc, sets, smem, warp, lane, d, c, shape_m, shape_n, m0,
+                                                           rows_m, n_cta);
 }
 
 }  // namespace fp4
